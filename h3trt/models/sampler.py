@@ -1,0 +1,149 @@
+"""The H3 sampler: per-modality shifted sigma grids, the data-ward Euler update, and the seeded initial noise.
+
+Source: diffusers 0.42.1 `MiniMaxH3Scheduler` and the modular pipeline's prepare/denoise steps (h3_reference.md 4).
+- sigmas = unique_consecutive(s * b / (1 + (s - 1) * b)) for b = linspace(1, 0, steps) in float32; video s = 12,
+  audio s = 3. `steps` grid points give steps - 1 model evaluations (50 -> 49); the model sees t = 1 - sigma.
+- x0 = x + (1 - t) * v (v points towards data); x_next = r * x + (1 - r) * x0 with r = sigma_next / sigma, in fp32.
+- Noise: one CPU generator seeded with the request seed draws, in order, one tensor per visual condition (its latent
+  shape), the video noise [1, 24, T, H, W], then the audio noise directly as rows [2A, 32].
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from .packing import CONDITION_VIDEO_T, PackedLayout, patchify, row_timesteps
+
+DEFAULT_STEPS = 50
+DEFAULT_VIDEO_SHIFT = 12.0
+DEFAULT_AUDIO_SHIFT = 3.0
+DEFAULT_SEED = 42
+
+
+def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:
+    """The sigma grid, terminal 0 included, float32 on the CPU."""
+    if steps < 2:
+        raise ValueError(f"steps must be >= 2 (the grid includes the terminal sigma 0), got {steps}.")
+    if shift <= 0:
+        raise ValueError(f"A sigma shift must be positive, got {shift}.")
+    base = torch.linspace(1.0, 0.0, int(steps), dtype=torch.float32)
+    return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """The two sigma grids of one request."""
+
+    steps: int = DEFAULT_STEPS  # grid points; steps - 1 model evaluations
+    video_shift: float = DEFAULT_VIDEO_SHIFT
+    audio_shift: float = DEFAULT_AUDIO_SHIFT
+
+    def __post_init__(self):
+        shifted_sigmas(self.steps, self.video_shift)  # validates
+        shifted_sigmas(self.steps, self.audio_shift)
+
+    @property
+    def video_sigmas(self) -> torch.Tensor:
+        return shifted_sigmas(self.steps, self.video_shift)
+
+    @property
+    def audio_sigmas(self) -> torch.Tensor:
+        return shifted_sigmas(self.steps, self.audio_shift)
+
+    @property
+    def num_evaluations(self) -> int:
+        # The reference zips the two timestep lists, so a float32 collision in one grid shortens both.
+        return min(len(self.video_sigmas), len(self.audio_sigmas)) - 1
+
+    def timesteps(self) -> list[tuple[float, float]]:
+        """(video t, audio t) of every evaluation, as the floats the reference passes on."""
+        tv, ta = 1.0 - self.video_sigmas[:-1], 1.0 - self.audio_sigmas[:-1]
+        return [(float(a), float(b)) for a, b in zip(tv, ta)]
+
+
+def euler_step(x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, sigma: torch.Tensor,
+               sigma_next: torch.Tensor) -> torch.Tensor:
+    """One data-ward Euler step in fp32. `t` is what the model saw; the ratio uses the stored grid (the reference
+    keeps the two apart: 1 - (1 - sigma) is not exact in fp32)."""
+    t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
+    x, v = x.float(), v.float()
+    x0 = x + (1 - t) * v
+    r = sigma_next.to(x.device, torch.float32) / sigma.to(x.device, torch.float32)
+    return r * x + (1.0 - r) * x0
+
+
+def noise_conditions(conditions: list[torch.Tensor], generator: torch.Generator, patch_size) -> torch.Tensor:
+    """Noise each visual condition to t = 0.999 (x = t * clean + (1 - t) * noise) and pack it into rows."""
+    rows = []
+    for latents in conditions:
+        noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)
+        t = torch.tensor(CONDITION_VIDEO_T, dtype=torch.float32)
+        rows.append(patchify(t * latents.float().cpu() + (1.0 - t) * noise, patch_size))
+    return torch.cat(rows) if rows else torch.zeros(0, 0)
+
+
+@dataclass
+class Latents:
+    """The state the sampler updates: packed video and audio rows (condition rows first), fp32."""
+
+    video: torch.Tensor  # [V, C]
+    audio: torch.Tensor  # [A, C_audio]
+
+
+def initial_latents(
+    seed: int,
+    latent_frames: int,
+    latent_h: int,
+    latent_w: int,
+    audio_latents: int,
+    patch_size=(1, 2, 2),
+    in_channels: int = 24,
+    audio_channels_dim: int = 32,
+    conditions: tuple[torch.Tensor, ...] = (),
+    reference_audio_rows: tuple[torch.Tensor, ...] = (),
+) -> Latents:
+    """The packed starting rows of one request, drawn exactly as the reference draws them from `seed`.
+
+    `conditions` are the clean visual condition latents [1, C, t, h, w] in packed order (keyframes or image/video
+    references); `reference_audio_rows` are clean reference soundtrack rows [2a, 32], never noised.
+    """
+    gen = torch.Generator("cpu").manual_seed(int(seed))
+    cond_rows = noise_conditions(list(conditions), gen, patch_size) if conditions else None
+    video = torch.randn((1, in_channels, latent_frames, latent_h, latent_w), generator=gen, dtype=torch.float32)
+    video_rows = patchify(video, patch_size)
+    audio_rows = torch.randn((audio_latents * 2, audio_channels_dim), generator=gen, dtype=torch.float32)
+    if cond_rows is not None:
+        video_rows = torch.cat([cond_rows, video_rows])
+    if reference_audio_rows:
+        audio_rows = torch.cat([r.float().cpu() for r in reference_audio_rows] + [audio_rows])
+    return Latents(video_rows, audio_rows)
+
+
+# (video rows [1, V, C], audio rows [1, A, C], unique timesteps [T], timestep index [S]) -> (video v, audio v)
+Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def denoise(
+    model: Denoiser,
+    latents: Latents,
+    layout: PackedLayout,
+    schedule: Schedule,
+    on_step: Callable[[int, int], None] | None = None,
+) -> Latents:
+    """The denoising loop: one model evaluation per step; condition rows stay pinned, target rows step in fp32."""
+    device = latents.video.device
+    cv, ca = layout.num_condition_video_rows, layout.num_condition_audio_rows
+    video, audio = latents.video.clone(), latents.audio.clone()
+    sv, sa = schedule.video_sigmas, schedule.audio_sigmas
+    steps = schedule.timesteps()
+    for i, (tv, ta) in enumerate(steps):
+        unique_t, t_index = row_timesteps(layout, tv, ta)
+        v_video, v_audio = model(video[None], audio[None], unique_t.to(device), t_index.to(device))
+        video[cv:] = euler_step(video[cv:], v_video[0, cv:], tv, sv[i], sv[i + 1])
+        audio[ca:] = euler_step(audio[ca:], v_audio[0, ca:], ta, sa[i], sa[i + 1])
+        if on_step is not None:
+            on_step(i + 1, len(steps))
+    return Latents(video, audio)

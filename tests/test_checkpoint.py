@@ -1,0 +1,186 @@
+"""Checkpoint loading: the official, diffusers and Comfy layouts agree, and bad checkpoints fail with one clear error."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+from safetensors.torch import load_file, save_file
+
+from h3trt.models.checkpoint import CheckpointError, deinterleave_qkv, interleave_qkv, load_dit, locate_transformer
+from h3trt.models.checkpoint_writer import diffusers_state_dict
+from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+
+
+def _forward(model, cfg):
+    layout = pack_t2va(text_tags_for(6), 2, 4, 4, 5)
+    g = torch.Generator().manual_seed(3)
+    video = torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g)
+    audio = torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g)
+    text = torch.randn(1, 6, cfg.text_dim, generator=g)
+    t, ti = row_timesteps(layout, 0.2, 0.4)
+    with torch.no_grad():
+        return model(video, audio, text, t, ti, layout.token_tags, layout.position_ids, layout.video_index,
+                     layout.audio_index, layout.text_index)
+
+
+@pytest.mark.parametrize("task", ["t2va", "ref2va"])
+def test_three_layouts_give_identical_outputs(task, tiny_cfg, tiny_checkpoints, tiny_states):
+    official, src = load_dit(tiny_checkpoints["official"], task, torch.float32)
+    assert (src.naming, src.qkv_interleaved) == ("native", True)
+    assert src.metadata.video_shift == 12.0 and src.metadata.audio_shift == 3.0
+    diffusers, src = load_dit(tiny_checkpoints["diffusers"], task, torch.float32)
+    assert src.naming == "diffusers"
+    want = _forward(official, tiny_cfg)
+    for a, b in zip(want, _forward(diffusers, tiny_cfg)):
+        assert torch.equal(a, b)
+    if task == "t2va":  # the Comfy file holds the FL2VA weights only
+        comfy, src = load_dit(tiny_checkpoints["comfy"], task, torch.float32)
+        assert (src.prefix, src.qkv_interleaved) == ("model.diffusion_model.", False)
+        assert src.config == tiny_cfg  # inferred from shapes: the file has no config.json
+        for a, b in zip(want, _forward(comfy, tiny_cfg)):
+            assert torch.equal(a, b)
+    # The weights are the ones written, QKV de-interleaved back to [q; k; v].
+    part = "FL2VA" if task == "t2va" else "Ref2VA"
+    for key, value in tiny_states[part].items():
+        assert torch.equal(official.state_dict()[key], value), key
+
+
+def test_partitions_hold_different_weights(tiny_checkpoints):
+    a, _ = load_dit(tiny_checkpoints["official"], "fl2va", torch.float32)
+    b, _ = load_dit(tiny_checkpoints["official"], "ref2va", torch.float32)
+    assert not torch.equal(a.blocks[0].attn.qkv_proj.weight, b.blocks[0].attn.qkv_proj.weight)
+
+
+def test_qkv_interleave_roundtrip_and_order():
+    heads, hd = 3, 4
+    q, k, v = (torch.full((heads * hd, 2), float(i)) + torch.arange(heads * hd)[:, None] * 10 for i in range(3))
+    stacked = torch.cat([q, k, v])
+    inter = interleave_qkv(stacked, heads, hd)
+    # Official row order: [h0: q k v, h1: q k v, ...]
+    assert torch.equal(inter[:hd], q[:hd]) and torch.equal(inter[hd:2 * hd], k[:hd])
+    assert torch.equal(inter[2 * hd:3 * hd], v[:hd]) and torch.equal(inter[3 * hd:4 * hd], q[hd:2 * hd])
+    assert torch.equal(deinterleave_qkv(inter, heads, hd), stacked)
+
+
+def test_name_mapping_matches_diffusers_converter(tiny_cfg, tiny_states):
+    """Our native -> diffusers mapping equals diffusers' own single-file converter on the same tensors."""
+    native = tiny_states["FL2VA"]
+    config = MiniMaxH3Transformer3DModel(**tiny_cfg.to_diffusers_kwargs()).config
+    theirs = convert_minimax_h3_transformer_checkpoint_to_diffusers(dict(native), config, qkv_layout="stacked")
+    ours = diffusers_state_dict(native, tiny_cfg)
+    assert set(ours) == set(theirs)
+    for key in ours:
+        assert torch.equal(ours[key], theirs[key]), key
+
+
+def test_diffusers_loads_the_diffusers_layout_we_write(tiny_cfg, tiny_checkpoints):
+    ref = MiniMaxH3Transformer3DModel.from_pretrained(str(tiny_checkpoints["diffusers"] / "transformer"),
+                                                      torch_dtype=torch.float32)
+    ours, _ = load_dit(tiny_checkpoints["official"], "t2va", torch.float32)
+    layout = pack_t2va(text_tags_for(6), 2, 4, 4, 5)
+    g = torch.Generator().manual_seed(3)
+    video = torch.randn(1, layout.video_index.numel(), 96, generator=g)
+    audio = torch.randn(1, layout.audio_index.numel(), 32, generator=g)
+    text = torch.randn(1, 6, tiny_cfg.text_dim, generator=g)
+    t, ti = row_timesteps(layout, 0.2, 0.4)
+    with torch.no_grad():
+        b = ref(video, audio, text, t, ti, layout.token_tags, layout.position_ids, layout.video_index,
+                layout.audio_index, layout.text_index, return_dict=False)
+    for x, y in zip(_forward(ours, tiny_cfg), b):
+        assert (x - y).abs().max() <= 1e-5 * y.abs().max()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# Strictness and clear errors
+
+
+@pytest.fixture
+def official_copy(tmp_path, tiny_checkpoints):
+    dst = tmp_path / "ckpt"
+    shutil.copytree(tiny_checkpoints["official"], dst)
+    return dst
+
+
+def _edit_shard(root, fn):
+    folder = root / "FL2VA" / "transformer"
+    index = json.loads((folder / "model.safetensors.index.json").read_text())
+    shard = folder / index["weight_map"]["blocks.1.mlp.fc2.weight"]
+    tensors = load_file(str(shard))
+    fn(tensors)
+    save_file(tensors, str(shard))
+
+
+def test_missing_key_is_named(official_copy):
+    _edit_shard(official_copy, lambda t: t.pop("blocks.1.mlp.fc2.weight"))
+    with pytest.raises(CheckpointError, match=r"missing keys \(1\):\s+blocks\.1\.mlp\.fc2\.weight"):
+        load_dit(official_copy, "t2va")
+
+
+def test_wrong_shape_is_named(official_copy):
+    def shrink(t):
+        t["blocks.1.mlp.fc2.weight"] = t["blocks.1.mlp.fc2.weight"][:, :-1].contiguous()
+    _edit_shard(official_copy, shrink)
+    with pytest.raises(CheckpointError, match=r"shape mismatches \(1\):\s+blocks\.1\.mlp\.fc2\.weight: checkpoint"):
+        load_dit(official_copy, "t2va")
+
+
+def test_all_problems_in_one_error(official_copy):
+    def several(t):
+        t.pop("blocks.1.mlp.fc2.weight")
+        t["blocks.1.mlp.extra.weight"] = torch.zeros(2)
+    _edit_shard(official_copy, several)
+    with pytest.raises(CheckpointError) as info:
+        load_dit(official_copy, "t2va")
+    msg = str(info.value)
+    assert "blocks.1.mlp.fc2.weight" in msg and "unexpected keys (1)" in msg and "blocks.1.mlp.extra.weight" in msg
+
+
+def test_corrupted_shard_is_named(official_copy):
+    shard = sorted((official_copy / "FL2VA" / "transformer").glob("*.safetensors"))[0]
+    shard.write_bytes(shard.read_bytes()[:100])
+    with pytest.raises(CheckpointError, match=r"corrupted or truncated"):
+        load_dit(official_copy, "t2va")
+
+
+def test_missing_shard_is_named(official_copy):
+    shard = sorted((official_copy / "Ref2VA" / "transformer").glob("*.safetensors"))[-1]
+    shard.unlink()
+    with pytest.raises(CheckpointError, match=shard.name):
+        locate_transformer(official_copy, "ref2va")
+
+
+def test_bad_release_metadata(official_copy):
+    index_path = official_copy / "FL2VA" / "model_index.json"
+    index = json.loads(index_path.read_text())
+    index["_minimax_h3"]["schema_version"] = 2
+    index_path.write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match="schema_version must be 1"):
+        locate_transformer(official_copy, "t2va")
+
+
+def test_task_outside_partition(official_copy):
+    with pytest.raises(CheckpointError, match=r"serves \['ref2va'\], not 't2va'"):
+        locate_transformer(official_copy / "Ref2VA", "t2va")
+
+
+def test_missing_model_path(tmp_path):
+    with pytest.raises(CheckpointError, match="does not exist"):
+        locate_transformer(tmp_path / "nope")
+    with pytest.raises(CheckpointError, match="not a MiniMax-H3 checkpoint"):
+        locate_transformer(tmp_path)
+
+
+def test_shard_index_names_two_files_for_one_key(official_copy):
+    """A tensor present in two shards is refused rather than silently taking one."""
+    folder = official_copy / "FL2VA" / "transformer"
+    shards = sorted(folder.glob("*.safetensors"))
+    a = load_file(str(shards[0]))
+    b = load_file(str(shards[1]))
+    key = next(iter(a))
+    b[key] = a[key]
+    save_file(b, str(shards[1]))
+    with pytest.raises(CheckpointError, match="more than one shard"):
+        load_dit(official_copy, "t2va")
