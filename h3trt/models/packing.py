@@ -48,8 +48,8 @@ ROPE_SPATIAL_SCALE = 32
 # Canvas and duration
 
 
-def resolve_canvas(aspect_width: float, aspect_height: float) -> tuple[int, int]:
-    """(height, width) of the model's canvas for an aspect ratio: short edge 768, area cap 768x1344, multiples of 32."""
+def _canvas_before_rounding(aspect_width: float, aspect_height: float) -> tuple[float, float]:
+    """(height, width) of the canvas for an aspect ratio before rounding: short edge 768, area capped at 768x1344."""
     if aspect_width <= 0 or aspect_height <= 0:
         raise ValueError(f"The aspect ratio must be positive, got {aspect_width}:{aspect_height}.")
     ratio = aspect_width / aspect_height
@@ -66,25 +66,35 @@ def resolve_canvas(aspect_width: float, aspect_height: float) -> tuple[int, int]
     if area > CANVAS_MAX_PIXELS:
         scale = (CANVAS_MAX_PIXELS / area) ** 0.5
         width, height = width * scale, height * scale
+    return height, width
+
+
+def resolve_canvas(aspect_width: float, aspect_height: float) -> tuple[int, int]:
+    """(height, width) of the model's canvas for an aspect ratio: short edge 768, area cap 768x1344, each edge
+    rounded to the nearest multiple of 32 (so the area may end slightly above the cap, as in the reference)."""
+    height, width = _canvas_before_rounding(aspect_width, aspect_height)
     m = CANVAS_MULTIPLE
     return max(m, round(height / m) * m), max(m, round(width / m) * m)
 
 
 def validate_canvas(height: int, width: int) -> None:
-    """Raise unless (height, width) is a canvas H3 generates: multiples of 32, aspect 1:4..4:1, no larger than the
-    model's canvas for that aspect ratio (short edge 768, area about 768x1344)."""
+    """Raise unless (height, width) is a canvas H3 generates: multiples of 32, aspect 1:4..4:1, short edge at most
+    768, and an area no larger than the model's canvas for that aspect ratio allows once each edge is rounded to 32
+    (every canvas `resolve_canvas` returns passes)."""
     m = CANVAS_MULTIPLE
     if height <= 0 or width <= 0 or height % m or width % m:
         raise ValueError(
             f"Unsupported resolution {width}x{height}: width and height must be positive multiples of {m} "
             f"(for example {round(width / m) * m or m}x{round(height / m) * m or m})."
         )
-    max_h, max_w = resolve_canvas(width, height)  # also checks the aspect ratio
-    if height * width > max_h * max_w:
+    height_f, width_f = _canvas_before_rounding(width, height)  # also checks the aspect ratio
+    max_area = (height_f + m / 2) * (width_f + m / 2)  # rounding to the nearest 32 moves each edge by <= 16
+    if min(height, width) > CANVAS_SHORT_EDGE or height * width > max_area:
+        fit_h, fit_w = resolve_canvas(width, height)
         raise ValueError(
-            f"Unsupported resolution {width}x{height}: larger than MiniMax-H3's canvas for this aspect ratio, "
-            f"{max_w}x{max_h} (short edge {CANVAS_SHORT_EDGE}, area cap {CANVAS_MAX_PIXELS} px). Use {max_w}x{max_h} "
-            "or smaller."
+            f"Unsupported resolution {width}x{height}: larger than MiniMax-H3's canvas for this aspect ratio "
+            f"(short edge {CANVAS_SHORT_EDGE}, area cap {CANVAS_SHORT_EDGE}x{CANVAS_MAX_PIXELS // CANVAS_SHORT_EDGE}). "
+            f"Use {fit_w}x{fit_h} or smaller."
         )
 
 
