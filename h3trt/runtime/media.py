@@ -1,0 +1,403 @@
+"""Media I/O for h3trt: streaming MP4 output (H.264 + AAC) and image/audio/video input.
+
+Everything goes through PyAV's bundled FFmpeg so the engine needs no `ffmpeg` binary on PATH. Every problem a user can
+cause (missing file, wrong format, odd frame size) raises `MediaError` with one line naming the file, the problem and
+the fix, because these messages end up verbatim in `h3trt run` output.
+"""
+
+from __future__ import annotations
+
+import os
+from fractions import Fraction
+from pathlib import Path
+from typing import Any
+
+import av
+import numpy as np
+import torch
+from PIL import Image, ImageOps, UnidentifiedImageError
+from av.video.reformatter import ColorPrimaries, ColorRange, ColorTrc, Colorspace, Interpolation
+
+# AAC in MP4 is what every browser and phone plays; 32 kHz stereo is the model's native audio format.
+DEFAULT_SAMPLE_RATE = 32000
+DEFAULT_FPS = 24
+DEFAULT_CRF = 18
+# AAC-LC at 32 kHz stereo is transparent well below this; fixed so output size does not depend on FFmpeg defaults.
+AAC_BIT_RATE = 160_000
+IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+# probe() always returns every key; those of a missing stream are None, so callers can index without checking.
+PROBE_KEYS = ("format", "video_codec", "pix_fmt", "width", "height", "fps", "frames",
+              "audio_codec", "sample_rate", "audio_channels", "audio_duration")
+
+
+class MediaError(ValueError):
+    """A user-facing media problem; the message is one line: file, problem, fix."""
+
+
+def _h264_encoder(crf: int, width: int, height: int, fps: Fraction) -> tuple[str, dict[str, str], int]:
+    """Pick the H.264 encoder; return (name, codec options, bit_rate or 0) expressing quality `crf`.
+
+    libx264 is preferred because CRF is its native rate control. libopenh264, the only other software H.264 encoder
+    FFmpeg ships, has no CRF, so it gets a bitrate instead: 0.1 bit per pixel per frame at CRF 18, halving every 6
+    CRF steps (x264's rule of thumb). Hardware encoders (nvenc, qsv, amf, v4l2m2m) are listed by `codecs_available`
+    whenever FFmpeg was built with them, even on machines without the device, so they are never chosen.
+    """
+    available = av.codec.codecs_available
+    if "libx264" in available:
+        # preset medium is x264's default; named so a change in FFmpeg's default cannot change our output.
+        return "libx264", {"crf": str(crf), "preset": "medium"}, 0
+    if "libopenh264" in available:
+        bits_per_pixel = 0.1 * 2.0 ** ((DEFAULT_CRF - crf) / 6.0)
+        return "libopenh264", {}, max(100_000, int(bits_per_pixel * width * height * float(fps)))
+    raise MediaError("PyAV's FFmpeg has no software H.264 encoder (libx264 or libopenh264); reinstall the PyPI "
+                     "wheel (`pip install --force-reinstall av`), which bundles libx264")
+
+
+def _as_numpy(data: Any, what: str, path: Path) -> np.ndarray:
+    """Accept numpy arrays and torch tensors (any device) so callers can hand over decoder output directly."""
+    if isinstance(data, torch.Tensor):
+        return data.detach().cpu().numpy()
+    if isinstance(data, np.ndarray):
+        return data
+    raise MediaError(f"{path}: {what} is a {type(data).__name__}; pass a numpy array or torch tensor")
+
+
+class Mp4Writer:
+    """Streaming MP4 writer: H.264 yuv420p video plus AAC audio, committed atomically on a clean exit.
+
+    Frames arrive window by window while the model is still producing later windows, so the container is written
+    incrementally. The file is built under `.<name>.partial` and renamed onto `path` only after both encoders are
+    flushed and the container is closed; an exception in the `with` block deletes it, so a crash never leaves a
+    truncated clip that looks finished.
+
+    Thread-compatible, not thread-safe: any single thread may drive it (e.g. an encoder thread fed by a queue), but
+    only one thread at a time. It holds no global state, so independent writers may run on different threads.
+
+    `audio_channels=0` writes a video-only file; otherwise audio must be written before exit.
+    """
+
+    def __init__(self, path: str | os.PathLike, width: int, height: int, fps: int | Fraction = DEFAULT_FPS,
+                 crf: int = DEFAULT_CRF, sample_rate: int = DEFAULT_SAMPLE_RATE, audio_channels: int = 2) -> None:
+        self.path = Path(path)
+        if self.path.suffix.lower() != ".mp4":
+            raise MediaError(f"{self.path}: output must be an MP4 file; give it a .mp4 extension")
+        if not self.path.parent.is_dir():
+            raise MediaError(f"{self.path}: directory {self.path.parent} does not exist; create it first")
+        if width <= 0 or height <= 0 or width % 2 or height % 2:
+            raise MediaError(f"{self.path}: frame size {width}x{height} is not allowed for yuv420p video; "
+                             "width and height must be positive and even (crop or pad by one pixel)")
+        if isinstance(fps, bool) or not isinstance(fps, (int, Fraction)) or fps <= 0:
+            raise MediaError(f"{self.path}: fps={fps!r} must be a positive int or fractions.Fraction "
+                             "(use Fraction(24000, 1001) for 23.976)")
+        if not 0 <= crf <= 51:
+            raise MediaError(f"{self.path}: crf={crf} is outside H.264's range 0..51; use 18 for visually lossless")
+        if audio_channels not in (0, 1, 2):
+            raise MediaError(f"{self.path}: audio_channels={audio_channels} is not supported; use 2 (stereo), "
+                             "1 (mono) or 0 (no audio track)")
+        if audio_channels and sample_rate <= 0:
+            raise MediaError(f"{self.path}: sample_rate={sample_rate} must be positive")
+        self.width, self.height, self.fps, self.crf = width, height, Fraction(fps), crf
+        self.sample_rate, self.audio_channels = sample_rate, audio_channels
+        # Chosen here, not at open, so a missing encoder fails before any generation work starts.
+        self.encoder, self._options, self._bit_rate = _h264_encoder(crf, width, height, self.fps)
+        # Hidden, in the same directory (so os.replace is an atomic rename on one filesystem), and not ending in .mp4
+        # so globs for finished clips never pick up an unfinished one.
+        self.partial_path = self.path.with_name(f".{self.path.name}.partial")
+        self.frames_written = self.samples_written = 0
+        self._entered = False
+        self._container = self._video = self._audio = None  # PyAV objects, set in __enter__
+        # Samples not yet handed to AAC: the encoder takes exactly frame_size samples per frame except the last.
+        self._pending = np.zeros((audio_channels, 0), np.float32)
+
+    def __enter__(self) -> Mp4Writer:
+        if self._entered:
+            raise MediaError(f"{self.path}: this Mp4Writer was already used; create a new writer for each file")
+        self._entered = True
+        try:
+            self._open()
+        except BaseException:
+            self._discard()
+            raise
+        return self
+
+    def _open(self) -> None:
+        # format="mp4" because the partial name has no .mp4 extension to infer it from; faststart moves the index to
+        # the front so browsers can start playback before the whole file has downloaded.
+        try:
+            self._container = av.open(str(self.partial_path), mode="w", format="mp4",
+                                      container_options={"movflags": "+faststart"})
+        except (av.error.FFmpegError, OSError) as err:
+            raise MediaError(f"{self.path}: cannot create {self.partial_path.name} ({err}); "
+                             "check that the directory is writable") from None
+        video = self._container.add_stream(self.encoder, rate=self.fps, options=self._options)
+        video.width, video.height, video.pix_fmt = self.width, self.height, "yuv420p"
+        # One tick per frame: pts = frame index, so the muxer can neither drop nor duplicate frames.
+        video.time_base = video.codec_context.time_base = 1 / self.fps
+        if self._bit_rate:
+            video.bit_rate = self._bit_rate
+        # Tag BT.709 limited range, matching the conversion in write_frames, so players do not guess the matrix.
+        # (swscale's SWS_CS_ITU709 and FFmpeg's AVCOL_SPC_BT709 are both 1; PyAV exposes only the former.)
+        cc = video.codec_context
+        cc.colorspace, cc.color_range = int(Colorspace.ITU709), int(ColorRange.MPEG)
+        cc.color_primaries, cc.color_trc = int(ColorPrimaries.BT709), int(ColorTrc.BT709)
+        self._video = video
+        if self.audio_channels:
+            layout = "stereo" if self.audio_channels == 2 else "mono"
+            audio = self._container.add_stream("aac", rate=self.sample_rate, layout=layout)
+            audio.bit_rate = AAC_BIT_RATE
+            audio.time_base = audio.codec_context.time_base = Fraction(1, self.sample_rate)
+            self._audio = audio
+        # Opens both encoders now, so a bad encoder setup fails before any expensive generation work, and so the AAC
+        # frame_size is known for write_audio.
+        self._container.start_encoding()
+
+    def _require_open(self) -> None:
+        if self._container is None:
+            raise MediaError(f"{self.path}: Mp4Writer is not open; use it as `with Mp4Writer(...) as w:`")
+
+    def write_frames(self, frames: np.ndarray | torch.Tensor) -> None:
+        """Encode a chunk of uint8 RGB frames shaped [T, H, W, 3]; chunks may be any length, including one frame."""
+        self._require_open()
+        array = _as_numpy(frames, "frames", self.path)
+        if array.ndim != 4 or array.shape[1:] != (self.height, self.width, 3):
+            raise MediaError(f"{self.path}: frames have shape {tuple(array.shape)}, expected "
+                             f"[T, {self.height}, {self.width}, 3] RGB; permute/resize to the writer's size")
+        if array.dtype != np.uint8:
+            raise MediaError(f"{self.path}: frames have dtype {array.dtype}, expected uint8; "
+                             "scale to 0..255, round and cast to uint8 first")
+        for rgb in array:
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(rgb), format="rgb24")
+            # Explicit BT.709 limited-range conversion (matching the stream tags) instead of swscale's BT.601 default.
+            frame = frame.reformat(format="yuv420p", dst_colorspace=Colorspace.ITU709,
+                                   src_color_range=ColorRange.JPEG, dst_color_range=ColorRange.MPEG,
+                                   interpolation=Interpolation.BILINEAR | Interpolation.ACCURATE_RND)
+            frame.pts = self.frames_written
+            self._container.mux(self._video.encode(frame))
+            self.frames_written += 1
+
+    def write_audio(self, samples: np.ndarray | torch.Tensor) -> None:
+        """Encode float32 samples shaped [channels, N] in [-1, 1] at `sample_rate`; may be called repeatedly."""
+        self._require_open()
+        if not self.audio_channels:
+            raise MediaError(f"{self.path}: writer has audio_channels=0; open it with audio_channels=2 for audio")
+        array = _as_numpy(samples, "audio", self.path)
+        if array.ndim != 2 or array.shape[0] != self.audio_channels:
+            raise MediaError(f"{self.path}: audio has shape {tuple(array.shape)}, expected "
+                             f"[{self.audio_channels}, N]; transpose or up/downmix it first")
+        if array.dtype != np.float32:
+            raise MediaError(f"{self.path}: audio has dtype {array.dtype}, expected float32; cast it first")
+        if not np.isfinite(array).all():
+            raise MediaError(f"{self.path}: audio contains NaN or infinity; the generated waveform is broken")
+        peak = float(np.abs(array).max(initial=0.0))
+        if peak > 1.0:
+            raise MediaError(f"{self.path}: audio peak {peak:.3f} exceeds 1.0 and would clip; "
+                             "clamp with np.clip(audio, -1, 1) or normalise it first")
+        self._pending = np.concatenate([self._pending, array], axis=1)
+        frame_size = self._audio.codec_context.frame_size
+        whole = self._pending.shape[1] // frame_size * frame_size
+        for start in range(0, whole, frame_size):
+            self._encode_audio(self._pending[:, start:start + frame_size])
+        self._pending = self._pending[:, whole:]
+
+    def _encode_audio(self, chunk: np.ndarray) -> None:
+        layout = "stereo" if self.audio_channels == 2 else "mono"
+        frame = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format="fltp", layout=layout)
+        frame.sample_rate = self.sample_rate
+        # pts counts samples, so gaps or overlaps between calls are impossible.
+        frame.pts = self.samples_written
+        frame.time_base = Fraction(1, self.sample_rate)
+        self._container.mux(self._audio.encode(frame))
+        self.samples_written += chunk.shape[1]
+
+    def _finish(self) -> None:
+        if self.frames_written == 0:
+            raise MediaError(f"{self.path}: no video frames were written; call write_frames before leaving the block")
+        if self._audio is not None:
+            if self.samples_written + self._pending.shape[1] == 0:
+                raise MediaError(f"{self.path}: no audio was written; call write_audio, or open the writer with "
+                                 "audio_channels=0 for a silent clip")
+            if self._pending.shape[1]:
+                # The FFmpeg AAC encoder accepts one short final frame (AV_CODEC_CAP_SMALL_LAST_FRAME), so the tail
+                # is not padded with silence and the track ends where the samples end.
+                self._encode_audio(self._pending)
+                self._pending = self._pending[:, :0]
+            self._container.mux(self._audio.encode(None))
+        self._container.mux(self._video.encode(None))
+        container, self._container = self._container, None
+        container.close()
+
+    def _discard(self) -> None:
+        container, self._container = self._container, None
+        if container is not None:
+            try:
+                container.close()
+            except Exception:  # noqa: BLE001 - the caller's exception is the one worth reporting; the file is deleted
+                pass
+        self.partial_path.unlink(missing_ok=True)
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is not None:
+            self._discard()
+            return
+        try:
+            self._finish()
+        except BaseException:
+            self._discard()
+            raise
+        os.replace(self.partial_path, self.path)
+
+
+def write_mp4(path: str | os.PathLike, frames: np.ndarray | torch.Tensor, audio: np.ndarray | torch.Tensor | None,
+              fps: int | Fraction = DEFAULT_FPS, crf: int = DEFAULT_CRF,
+              sample_rate: int = DEFAULT_SAMPLE_RATE) -> Path:
+    """Write a whole clip at once: frames uint8 [T, H, W, 3] RGB, audio float32 [channels, N] or None for no track."""
+    frames = _as_numpy(frames, "frames", Path(path))
+    shape = frames.shape
+    if len(shape) != 4:
+        raise MediaError(f"{path}: frames have shape {shape}, expected [T, H, W, 3]")
+    audio = None if audio is None else _as_numpy(audio, "audio", Path(path))
+    if audio is not None and audio.ndim != 2:
+        raise MediaError(f"{path}: audio has shape {audio.shape}, expected [channels, N]")
+    channels = 0 if audio is None else audio.shape[0]
+    with Mp4Writer(path, shape[2], shape[1], fps=fps, crf=crf, sample_rate=sample_rate,
+                   audio_channels=channels) as writer:
+        writer.write_frames(frames)
+        if audio is not None:
+            writer.write_audio(audio)
+    return writer.path
+
+
+def _existing_file(path: str | os.PathLike) -> Path:
+    path = Path(path)
+    if not path.exists():
+        raise MediaError(f"{path} does not exist; check the path")
+    if not path.is_file():
+        raise MediaError(f"{path} is not a file; pass the path of a media file")
+    return path
+
+
+# What to tell the user to re-export an unreadable file as, by what the caller was expecting.
+_EXPORT_HINT = {"audio": "WAV, MP3 or M4A", "video": "an H.264 MP4", "media": "an H.264 MP4"}
+
+
+def _open_media(path: Path, kind: str) -> Any:
+    try:
+        return av.open(str(path), mode="r")
+    except av.error.FFmpegError as err:
+        raise MediaError(f"{path} is not a readable {kind} file ({err.strerror}); "
+                         f"re-export it as {_EXPORT_HINT[kind]}") from None
+
+
+def read_image(path: str | os.PathLike) -> Image.Image:
+    """Load a PNG/JPEG/WebP as RGB, with EXIF rotation applied so phone photos are upright as the user saw them."""
+    path = _existing_file(path)
+    try:
+        with Image.open(path) as image:
+            if image.format not in IMAGE_FORMATS:
+                raise MediaError(f"{path} is a {image.format} image, which is not supported; convert it to PNG or JPEG")
+            image.load()
+            return ImageOps.exif_transpose(image).convert("RGB")
+    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+        # PIL raises OSError/SyntaxError for truncated or corrupt files after the header parsed.
+        raise MediaError(f"{path} is not a readable image ({err}); re-save it as PNG or JPEG") from None
+
+
+def _decode_audio(container: Any, path: Path, sample_rate: int) -> np.ndarray:
+    """Decode the first audio stream of an open container to float32 [2, N] at `sample_rate`."""
+    stream = container.streams.audio[0]
+    channels = stream.codec_context.channels
+    # Mono is resampled as mono and duplicated afterwards: swresample's mono->stereo matrix scales by 1/sqrt(2),
+    # which would make mono references 3 dB quieter than the same sound in stereo. >2 channels use swresample's
+    # standard (normalised, clip-free) downmix matrix.
+    layout = "mono" if channels == 1 else "stereo"
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
+    chunks: list[np.ndarray] = []
+    try:
+        for frame in container.decode(stream):
+            # Samples are concatenated in decode order, so timestamps carry nothing here; clearing them keeps input
+            # quirks (gaps, resets after edits) out of the resampling filter graph.
+            frame.pts = None
+            chunks.extend(out.to_ndarray() for out in resampler.resample(frame))
+        chunks.extend(out.to_ndarray() for out in resampler.resample(None))
+    except av.error.FFmpegError as err:
+        raise MediaError(f"{path}: audio stream is corrupt ({err.strerror}); re-export it as WAV or M4A") from None
+    if not chunks:
+        raise MediaError(f"{path}: audio stream decodes to no samples; re-export it with audible content")
+    audio = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
+    return np.repeat(audio, 2, axis=0) if layout == "mono" else audio
+
+
+def read_audio(path: str | os.PathLike, sample_rate: int = DEFAULT_SAMPLE_RATE) -> np.ndarray:
+    """Decode the first audio stream of any audio or video file to float32 stereo [2, N] at `sample_rate`."""
+    path = _existing_file(path)
+    with _open_media(path, "audio") as container:
+        if not container.streams.audio:
+            raise MediaError(f"{path} has no audio stream; pass a file with sound (WAV, MP3, M4A, video with audio)")
+        return _decode_audio(container, path, sample_rate)
+
+
+def _frame_rate(stream: Any, path: Path) -> Fraction:
+    rate = stream.average_rate or stream.guessed_rate or stream.base_rate
+    if not rate:
+        raise MediaError(f"{path}: video stream has no frame rate; re-encode it with a constant frame rate")
+    return Fraction(rate)
+
+
+def read_video(path: str | os.PathLike) -> tuple[np.ndarray, float, np.ndarray | None]:
+    """Decode a video to (uint8 RGB frames [T, H, W, 3], fps, float32 stereo audio [2, N] at 32 kHz or None)."""
+    path = _existing_file(path)
+    with _open_media(path, "video") as container:
+        if not container.streams.video:
+            raise MediaError(f"{path} has no video stream; pass a video file (e.g. an H.264 MP4)")
+        stream = container.streams.video[0]
+        fps = float(_frame_rate(stream, path))
+        frames: list[np.ndarray] = []
+        try:
+            # to_ndarray converts with each frame's own colorspace/range tags (so our BT.709 output round-trips);
+            # untagged sources get swscale's BT.601 default, as the ffmpeg CLI does.
+            frames.extend(frame.to_ndarray(format="rgb24") for frame in container.decode(stream))
+        except av.error.FFmpegError as err:
+            raise MediaError(f"{path}: video stream is corrupt ({err.strerror}); re-encode it as H.264 MP4") from None
+        has_audio = bool(container.streams.audio)
+    if not frames:
+        raise MediaError(f"{path}: video stream decodes to no frames; re-encode it")
+    if len({f.shape for f in frames}) != 1:
+        raise MediaError(f"{path}: frame size changes mid-stream; re-encode it at one resolution")
+    audio = None
+    if has_audio:
+        # A second open keeps the two decode loops independent; demuxing twice costs far less than decoding.
+        with _open_media(path, "video") as container:
+            audio = _decode_audio(container, path, DEFAULT_SAMPLE_RATE)
+    return np.stack(frames), fps, audio
+
+
+def probe(path: str | os.PathLike) -> dict[str, Any]:
+    """Describe a media file by decoding it, so the numbers reflect what a player shows rather than header claims."""
+    path = _existing_file(path)
+    info: dict[str, Any] = dict.fromkeys(PROBE_KEYS)
+    with _open_media(path, "media") as container:
+        info["format"] = container.format.name
+        streams = []
+        if container.streams.video:
+            stream = container.streams.video[0]
+            cc = stream.codec_context
+            info.update(video_codec=cc.name, pix_fmt=cc.format.name if cc.format else None, width=cc.width,
+                        height=cc.height, fps=float(_frame_rate(stream, path)), frames=0)
+            streams.append(stream)
+        if container.streams.audio:
+            stream = container.streams.audio[0]
+            cc = stream.codec_context
+            info.update(audio_codec=cc.name, sample_rate=cc.sample_rate, audio_channels=cc.channels)
+            streams.append(stream)
+        samples = 0
+        try:
+            for frame in container.decode(*streams):
+                if isinstance(frame, av.VideoFrame):
+                    info["frames"] += 1
+                else:
+                    samples += frame.samples
+        except av.error.FFmpegError as err:
+            raise MediaError(f"{path} is corrupt ({err.strerror}); regenerate or re-encode it") from None
+    if info["sample_rate"]:
+        info["audio_duration"] = samples / info["sample_rate"]
+    return info
