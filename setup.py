@@ -11,10 +11,16 @@ setup(
         "torch>=2.11,<=2.14.1",
         "numpy",
         "safetensors",
+        # The VAE modules are diffusers' own (pinned: our decode plan reproduces this version's arithmetic); the
+        # same version is the correctness oracle of every parity test.
+        "diffusers==0.42.1",
+        "transformers>=5.17",  # Qwen3-VL (transformers 5 APIs; tested on 5.17 and 5.24)
+        "av>=14",  # H.264 + AAC muxing with PyAV's bundled FFmpeg
+        "Pillow",
+        "tqdm",
     ],
     extras_require={
-        # diffusers 0.42.1 is the correctness oracle: every parity test compares against it.
-        "test": ["pytest", "diffusers==0.42.1"],
+        "test": ["pytest"],
     },
     entry_points={"console_scripts": ["h3trt=h3trt.cli:main"]},
 )

@@ -48,7 +48,8 @@ ROPE_SPATIAL_SCALE = 32
 # Canvas and duration
 
 
-def _canvas_before_rounding(aspect_width: float, aspect_height: float) -> tuple[float, float]:
+def _canvas_before_rounding(aspect_width: float, aspect_height: float, short_edge: int = CANVAS_SHORT_EDGE,
+                            max_pixels: int = CANVAS_MAX_PIXELS) -> tuple[float, float]:
     """(height, width) of the canvas for an aspect ratio before rounding: short edge 768, area capped at 768x1344."""
     if aspect_width <= 0 or aspect_height <= 0:
         raise ValueError(f"The aspect ratio must be positive, got {aspect_width}:{aspect_height}.")
@@ -59,20 +60,22 @@ def _canvas_before_rounding(aspect_width: float, aspect_height: float) -> tuple[
             "Crop the input or pick --width/--height within that range."
         )
     if ratio >= 1.0:
-        width, height = CANVAS_SHORT_EDGE * ratio, float(CANVAS_SHORT_EDGE)
+        width, height = short_edge * ratio, float(short_edge)
     else:
-        width, height = float(CANVAS_SHORT_EDGE), CANVAS_SHORT_EDGE / ratio
+        width, height = float(short_edge), short_edge / ratio
     area = width * height
-    if area > CANVAS_MAX_PIXELS:
-        scale = (CANVAS_MAX_PIXELS / area) ** 0.5
+    if area > max_pixels:
+        scale = (max_pixels / area) ** 0.5
         width, height = width * scale, height * scale
     return height, width
 
 
-def resolve_canvas(aspect_width: float, aspect_height: float) -> tuple[int, int]:
+def resolve_canvas(aspect_width: float, aspect_height: float, short_edge: int = CANVAS_SHORT_EDGE,
+                   max_pixels: int = CANVAS_MAX_PIXELS) -> tuple[int, int]:
     """(height, width) of the model's canvas for an aspect ratio: short edge 768, area cap 768x1344, each edge
-    rounded to the nearest multiple of 32 (so the area may end slightly above the cap, as in the reference)."""
-    height, width = _canvas_before_rounding(aspect_width, aspect_height)
+    rounded to the nearest multiple of 32 (so the area may end slightly above the cap, as in the reference).
+    A smaller short edge and cap give the tiny default's canvases."""
+    height, width = _canvas_before_rounding(aspect_width, aspect_height, short_edge, max_pixels)
     m = CANVAS_MULTIPLE
     return max(m, round(height / m) * m), max(m, round(width / m) * m)
 

@@ -1,0 +1,118 @@
+"""h3trt command line. Thin: parse, validate, call the pipeline, report.
+
+    h3trt run --prompt "..." --output clip.mp4 [--image first.png] [--last-image last.png] [--ref FILE ...]
+              [--seed 42] [--steps 50] [--width W --height H] [--duration 5] [--model PATH]
+
+Errors the user can fix are one line on stderr and exit status 2; no output file is left behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
+             "Pass --model PATH for real MiniMax-H3 weights.")
+
+
+def _run_parser(sub) -> None:
+    p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
+                       description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
+                                   "--ref makes it ref2va.")
+    p.add_argument("--prompt", required=True, help="the text prompt")
+    p.add_argument("--output", required=True, type=Path, help="output .mp4 (a .json with timings is written beside it)")
+    p.add_argument("--image", type=Path, help="first keyframe (PNG/JPEG/WebP): fl2va")
+    p.add_argument("--last-image", type=Path, help="last keyframe: fl2va")
+    p.add_argument("--ref", type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
+                                                                   "in the order the model should read them")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--steps", type=int, default=50, help="sigma grid points; steps - 1 DiT evaluations (default 50)")
+    p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
+    p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
+    p.add_argument("--duration", type=float, default=5.0,
+                   help="seconds (5 to 15), rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames)")
+    p.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (official layout: FL2VA/ and Ref2VA/). "
+                                              "Default: the embedded tiny model")
+    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--crf", type=int, default=18, help="H.264 constant rate factor (default 18)")
+    p.add_argument("--video-shift", type=float, help="video sigma shift (default: the checkpoint's, 12)")
+    p.add_argument("--audio-shift", type=float, help="audio sigma shift (default: the checkpoint's, 3)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+
+
+def cmd_run(args) -> int:
+    import torch
+
+    from .models.checkpoint import locate_transformer
+    from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
+    from .runtime.pipeline import (CanvasDefaults, H3Pipeline, Request, prepare, record_path, request_dict,
+                                   write_json_atomic)
+
+    output: Path = args.output
+    if output.suffix.lower() != ".mp4":
+        raise ValueError(f"--output must end in .mp4, got {output}.")
+    if output.exists() and not args.overwrite:
+        raise ValueError(f"{output} already exists; pass --overwrite to replace it or choose another --output.")
+    request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, args.steps, args.width,
+                      args.height, args.duration, args.video_shift, args.audio_shift)
+    tiny = args.model is None
+    canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
+                             reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
+    prepared = prepare(request, canvas)  # every input error surfaces here, before any model is loaded
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if tiny:
+        print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
+        model_root = ensure_tiny_checkpoint()
+    else:
+        model_root = args.model
+        locate_transformer(model_root, request.task)  # a bad checkpoint fails before the slow loads
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    pipeline = H3Pipeline.load(model_root, request.task, device, canvas)
+    bar = None
+    if not args.quiet:
+        from tqdm import tqdm
+
+        bar = tqdm(total=pipeline.schedule(request).num_evaluations, desc="denoise", unit="step", file=sys.stderr)
+    try:
+        record = pipeline.generate(prepared, output, crf=args.crf, on_step=(lambda i, n: bar.update(1)) if bar else None)
+    finally:
+        if bar is not None:
+            bar.close()
+    record["request"] = request_dict(request)
+    record["model"] = "embedded-tiny" if tiny else str(model_root)
+    write_json_atomic(record_path(output), record)
+
+    print(f"wrote {output}: {record['frames']} frames {record['width']}x{record['height']} @ {record['fps']} fps, "
+          f"{record['audio_samples'] / record['audio_sample_rate']:.3f} s stereo audio ({record['task']}, "
+          f"seed {record['seed']})")
+    total = sum(record["timings_s"].values())
+    for stage, seconds in record["timings_s"].items():
+        print(f"  {stage:<17}{seconds:8.2f} s")
+    print(f"  {'total':<17}{total:8.2f} s   (timings: {record_path(output)})")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="h3trt", description="Compiled inference engine for MiniMax-H3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _run_parser(sub)
+    args = parser.parse_args(argv)
+    from .models.checkpoint import CheckpointError
+    from .runtime.media import MediaError
+
+    try:
+        return {"run": cmd_run}[args.command](args)
+    except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError) as e:
+        message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
+        print(f"h3trt: error: {message}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("h3trt: interrupted; no output was written.", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,107 @@
+"""The embedded tiny default: every H3 component at toy width with deterministic random weights.
+
+`h3trt run` without `--model` builds this checkpoint at first use (no download) in the official layout, so the
+tiny model goes through exactly the loaders real weights do. Its picture and sound are noise: the weights are
+random. What it proves is the machinery: packing, sampler, VAEs, muxing, timing, errors.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from .checkpoint_writer import random_state_dict, save_official
+from .config import H3Config
+
+TINY_VERSION = 1  # bump when the tiny components change, so stale caches are rebuilt
+TINY_SEED = 0
+# The tiny model's default canvas: H3's 16:9 canvas (1344x768) would take minutes on two CPU cores.
+TINY_WIDTH, TINY_HEIGHT = 160, 96
+# Reference images are encoded at their own short edge (2048 for H3); the tiny default keeps them small.
+TINY_REFERENCE_SHORT_EDGE = 64
+
+
+def tiny_video_vae():
+    from diffusers import AutoencoderKLMiniMaxH3
+
+    gen = torch.Generator().manual_seed(TINY_SEED + 10)
+    mean = (0.1 * torch.randn(24, generator=gen)).tolist()
+    std = (0.5 + torch.rand(24, generator=gen)).tolist()
+    torch.manual_seed(TINY_SEED + 11)  # diffusers initialises from the global generator
+    return AutoencoderKLMiniMaxH3(block_out_channels=(32,) * 6, decoder_num_layers=2, decoder_num_attention_heads=2,
+                                  decoder_ffn_mult=2, latents_mean=tuple(mean), latents_std=tuple(std)).eval()
+
+
+def tiny_audio_vae():
+    from diffusers import AutoencoderKLMiniMaxH3Audio
+
+    gen = torch.Generator().manual_seed(TINY_SEED + 20)
+    mean = (0.1 * torch.randn(32, generator=gen)).tolist()
+    std = (0.5 + torch.rand(32, generator=gen)).tolist()
+    torch.manual_seed(TINY_SEED + 21)
+    return AutoencoderKLMiniMaxH3Audio(encoder_dim=8, latent_dim=64, decoder_dim=128, latents_mean=mean,
+                                       latents_std=std).eval()
+
+
+def write_tiny_checkpoint(root: Path) -> Path:
+    """Write the whole tiny model in the official layout: FL2VA/ and Ref2VA/, each with every component."""
+    from .text_encoder import write_tiny_text_encoder
+    from .vae_checkpoint import save_audio_vae, save_video_vae
+
+    cfg = H3Config.tiny()
+    fork = torch.random.get_rng_state()
+    try:
+        save_official(root, cfg, {"FL2VA": random_state_dict(cfg, TINY_SEED),
+                                  "Ref2VA": random_state_dict(cfg, TINY_SEED + 1)}, torch.bfloat16, shards=2)
+        video_vae, audio_vae = tiny_video_vae(), tiny_audio_vae()
+        for partition in ("FL2VA", "Ref2VA"):
+            write_tiny_text_encoder(root / partition, hidden_size=cfg.text_dim, seed=TINY_SEED + 30)
+            save_video_vae(root / partition, video_vae)
+            save_audio_vae(root / partition, audio_vae)
+    finally:
+        torch.random.set_rng_state(fork)
+    (root / "h3trt_tiny.json").write_text(json.dumps({
+        "version": TINY_VERSION, "width": TINY_WIDTH, "height": TINY_HEIGHT,
+        "reference_short_edge": TINY_REFERENCE_SHORT_EDGE,
+        "note": "random weights: the output is noise; see README for real MiniMax-H3 weights",
+    }, indent=1))
+    return root
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "h3trt"
+
+
+def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
+    """The tiny checkpoint folder, written on first use. Built in a temporary folder and renamed into place, so an
+    interrupted build never leaves a half-written model that later runs would trust."""
+    cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
+    target = cache_dir / f"tiny-v{TINY_VERSION}"
+    marker = target / "h3trt_tiny.json"
+    if marker.exists():
+        return target
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=cache_dir))
+    try:
+        write_tiny_checkpoint(tmp)
+        if target.exists():  # a stale or broken earlier attempt without its marker
+            shutil.rmtree(target)
+        os.replace(tmp, target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        if marker.exists():  # another process finished the same build first
+            return target
+        raise
+    return target
+
+
+def tiny_defaults(model_root: Path) -> dict | None:
+    """The tiny model's own defaults (canvas, reference size) if `model_root` is the tiny checkpoint."""
+    marker = Path(model_root) / "h3trt_tiny.json"
+    return json.loads(marker.read_text()) if marker.exists() else None

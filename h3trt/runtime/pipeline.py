@@ -1,0 +1,359 @@
+"""The eager H3 pipeline: one request in, one MP4 (and a timing JSON beside it) out.
+
+Reads top to bottom as the stages a request goes through:
+  0. validate: inputs readable, canvas and duration allowed (before any model is loaded)
+  1. text encode (Qwen3-VL to layer 50)
+  2. condition encode: keyframes / reference images through the video VAE, reference audio through the audio VAE
+  3. pack the sequence, draw the noise from the seed, denoise (one DiT evaluation per step)
+  4. video decode (streamed a window at a time) and audio decode
+  5. mux: H.264 + AAC under a temporary name, renamed when complete
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from PIL import Image
+
+from ..models.audio_vae import AudioVAE
+from ..models.checkpoint import ReleaseMetadata, load_dit
+from ..models.dit import H3DiT
+from ..models.packing import (
+    AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, FPS, FRAMES_PER_CHUNK,
+    LATENTS_PER_CHUNK, Geometry, PackedLayout, RefBlock, frames_for_duration, pack_ref2va, pack_t2va, resolve_canvas,
+    validate_canvas,
+)
+from ..models.sampler import DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, denoise, initial_latents
+from ..models.vae_checkpoint import load_audio_vae, load_video_vae
+from ..models.video_vae import VideoVAE, image_to_pixels, prepare_keyframe
+from .media import MediaError, Mp4Writer, read_audio, read_image, read_video
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
+AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".m4a", ".aac", ".ogg", ".opus"}
+VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi"}
+REFERENCE_IMAGE_SHORT_EDGE = 2048  # reference images are encoded at their own short edge, upscaling included
+MAX_REFERENCES = {"image": 9, "video": 3, "audio": 3, "total": 12}  # documented limits of the released model
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, as the user states it."""
+
+    prompt: str
+    image: Path | None = None  # first keyframe (fl2va)
+    last_image: Path | None = None  # last keyframe (fl2va)
+    refs: tuple[Path, ...] = ()  # image / audio / video references (ref2va), in the order the model reads them
+    seed: int = DEFAULT_SEED
+    steps: int = DEFAULT_STEPS
+    width: int | None = None
+    height: int | None = None
+    duration: float = 5.0  # seconds; rounded up to the next 17n + 5 frames
+    video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (12)
+    audio_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (3)
+
+    @property
+    def task(self) -> str:
+        if self.refs:
+            return "ref2va"
+        return "fl2va" if (self.image or self.last_image) else "t2va"
+
+
+@dataclass
+class Reference:
+    kind: str  # image | audio | video
+    path: Path
+    image: Image.Image | None = None
+    frames: np.ndarray | None = None  # uint8 [T, H, W, 3] at 24 fps
+    audio: torch.Tensor | None = None  # [2, N] at 32 kHz
+
+
+@dataclass
+class Prepared:
+    """A validated request: decoded inputs and the resolved geometry."""
+
+    request: Request
+    geometry: Geometry
+    keyframes: list[tuple[str, Image.Image]] = field(default_factory=list)  # (anchor, image on the canvas)
+    references: list[Reference] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class CanvasDefaults:
+    """How a model picks a canvas when the request names none."""
+
+    short_edge: int = CANVAS_SHORT_EDGE
+    max_pixels: int = CANVAS_MAX_PIXELS
+    reference_short_edge: int = REFERENCE_IMAGE_SHORT_EDGE
+
+
+def _reference_kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    for kind, suffixes in (("image", IMAGE_SUFFIXES), ("audio", AUDIO_SUFFIXES), ("video", VIDEO_SUFFIXES)):
+        if suffix in suffixes:
+            return kind
+    raise MediaError(f"{path}: cannot tell whether this reference is an image, audio or video from '{suffix}'; "
+                     f"use one of {sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES | VIDEO_SUFFIXES)}.")
+
+
+def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prepared:
+    """Stage 0: read every input and resolve the geometry, raising one clear error before any model work."""
+    if not request.prompt.strip():
+        raise ValueError("The prompt is empty; pass --prompt \"...\".")
+    if request.steps < 2:
+        raise ValueError(f"--steps must be at least 2 (the grid includes the final sigma 0), got {request.steps}.")
+    if request.refs and (request.image or request.last_image):
+        raise ValueError("--ref (ref2va) cannot be combined with --image/--last-image (fl2va); pick one task.")
+    Schedule(request.steps, request.video_shift or 12.0, request.audio_shift or 3.0)  # validates shifts
+    num_frames = frames_for_duration(request.duration)
+
+    keyframes = [(anchor, read_image(path)) for anchor, path in (("first", request.image),
+                                                                  ("last", request.last_image)) if path]
+    if (request.width is None) != (request.height is None):
+        raise ValueError("--width and --height go together: pass both, or neither for the model's canvas.")
+    if request.width is not None:
+        height, width = request.height, request.width
+    else:
+        aspect = keyframes[0][1].size if keyframes else (16, 9)
+        height, width = resolve_canvas(*aspect, short_edge=canvas.short_edge, max_pixels=canvas.max_pixels)
+    validate_canvas(height, width)
+    keyframes = [(anchor, prepare_keyframe(img, height, width, stretch=i == 0)) for i, (anchor, img) in
+                 enumerate(keyframes)]
+
+    references = []
+    for path in request.refs:
+        kind = _reference_kind(Path(path))
+        ref = Reference(kind, Path(path))
+        if kind == "image":
+            ref.image = _reference_image(read_image(path), canvas.reference_short_edge)
+        elif kind == "audio":
+            ref.audio = torch.from_numpy(read_audio(path, AUDIO_SAMPLE_RATE))[:, : num_frames * AUDIO_SAMPLE_RATE // FPS]
+        else:
+            frames, fps, audio = read_video(path)
+            ref.frames = _reference_frames(frames, fps, num_frames, canvas)
+            if audio is not None:
+                ref.audio = torch.from_numpy(audio)[:, : num_frames * AUDIO_SAMPLE_RATE // FPS]
+        references.append(ref)
+    kinds = [r.kind for r in references]
+    for kind in ("image", "video", "audio"):
+        if kinds.count(kind) > MAX_REFERENCES[kind]:
+            raise ValueError(f"MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, got {kinds.count(kind)}.")
+    if len(kinds) > MAX_REFERENCES["total"]:
+        raise ValueError(f"MiniMax-H3 takes at most {MAX_REFERENCES['total']} references, got {len(kinds)}.")
+    if kinds and set(kinds) == {"audio"}:
+        raise ValueError("An audio reference must be paired with at least one image or video reference.")
+    return Prepared(request, Geometry(height, width, num_frames), keyframes, references)
+
+
+def _reference_image(image: Image.Image, short_edge: int) -> Image.Image:
+    """A reference image at its own short edge (multiples of 32, upscaling included, no area cap), LANCZOS."""
+    width, height = image.size
+    if width > 4 * height or height > 4 * width:
+        raise ValueError(f"A reference image must be within 1:4 and 4:1, got {width}x{height}.")
+    scale = short_edge / min(width, height)
+    m = CANVAS_MULTIPLE
+    size = (max(m, round(width * scale / m) * m), max(m, round(height * scale / m) * m))
+    return image if image.size == size else image.resize(size, Image.Resampling.LANCZOS)
+
+
+def _reference_frames(frames: np.ndarray, fps: float, num_frames: int, canvas: CanvasDefaults) -> np.ndarray:
+    """A reference video on 24 fps (hold each frame until the next one's slot), truncated to the generated length,
+    on the canvas of its own aspect ratio, snapped down to 17n + 5 frames for the VAE."""
+    if fps != FPS:
+        scale = FPS / fps
+        slots = np.floor(np.arange(frames.shape[0]) * scale + 0.5).astype(np.int64)
+        frames = np.repeat(frames, np.diff(slots, append=int(np.floor(frames.shape[0] * scale + 0.5))), axis=0)
+    frames = frames[:num_frames]
+    usable = max(1, (frames.shape[0] - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
+    if frames.shape[0] < usable:
+        raise ValueError(f"A reference video needs at least {usable} frames at {FPS} fps, got {frames.shape[0]}.")
+    frames = frames[:usable]
+    height, width = resolve_canvas(frames.shape[2], frames.shape[1], canvas.short_edge, canvas.max_pixels)
+    if frames.shape[1:3] != (height, width):
+        frames = np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS))
+                           for f in frames])
+    return frames
+
+
+class StageTimer:
+    """Wall time per stage, synchronising the device so GPU work is charged to the stage that queued it."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+
+    @contextmanager
+    def __call__(self, stage: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+
+
+class H3Pipeline:
+    """Loaded components for one task partition. Constructed from built parts; `load` reads a checkpoint."""
+
+    def __init__(self, dit: H3DiT, text_encoder, video_vae: VideoVAE, audio_vae: AudioVAE,
+                 metadata: ReleaseMetadata | None, device: torch.device, canvas: CanvasDefaults = CanvasDefaults()):
+        self.dit, self.text_encoder, self.video_vae, self.audio_vae = dit, text_encoder, video_vae, audio_vae
+        self.metadata, self.device, self.canvas = metadata, torch.device(device), canvas
+
+    @classmethod
+    def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults()):
+        from transformers.utils import logging as hf_logging
+
+        from ..models.text_encoder import H3TextEncoder
+
+        hf_logging.disable_progress_bar()  # h3trt reports its own progress; a weight-loading bar is noise here
+        device = torch.device(device)
+        dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+        dit, source = load_dit(model_root, task, dtype=dtype, device=device)
+        root = source.component_root
+        text_encoder = H3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
+        return cls(dit, text_encoder, load_video_vae(root, device), load_audio_vae(root, device), source.metadata,
+                   device, canvas)
+
+    def schedule(self, request: Request) -> Schedule:
+        meta = self.metadata
+        video = request.video_shift or (meta.video_shift if meta else 12.0)
+        audio = request.audio_shift or (meta.audio_shift if meta else 3.0)
+        return Schedule(request.steps, video, audio)
+
+    @torch.no_grad()
+    def generate(self, prepared: Prepared, output: Path, crf: int = 18,
+                 on_step: Callable[[int, int], None] | None = None) -> dict:
+        """Run stages 1-5 for a prepared request; returns the record written beside the MP4."""
+        req, geo, timer = prepared.request, prepared.geometry, StageTimer(self.device)
+        cfg = self.dit.cfg
+
+        # 1. Text.
+        with timer("text_encode"):
+            text = self._encode_text(prepared)
+
+        # 2. Conditions, in packed order.
+        conditions, ref_audio, ref_blocks = [], [], []
+        with timer("condition_encode"):
+            for _, image in prepared.keyframes:
+                conditions.append(self.video_vae.encode_condition(image_to_pixels(image)))
+            for ref in prepared.references:
+                block_audio = 0
+                if ref.audio is not None:
+                    rows = self.audio_vae.encode_rows(ref.audio)
+                    ref_audio.append(rows)
+                    block_audio = rows.shape[0] // 2
+                if ref.kind == "image":
+                    conditions.append(self.video_vae.encode_condition(image_to_pixels(ref.image)))
+                elif ref.kind == "video":
+                    pixels = torch.from_numpy(ref.frames.copy()).permute(3, 0, 1, 2)[None]
+                    conditions.append(self.video_vae.encode_condition(pixels))
+                latent_shape = tuple(conditions[-1].shape[2:]) if ref.kind != "audio" else None
+                ref_blocks.append(RefBlock(ref.kind, latent_shape, block_audio))
+
+        # 3. Pack, noise, denoise.
+        lf, lh, lw, la = geo.latent_frames, geo.latent_height, geo.latent_width, geo.audio_latents
+        if req.task == "ref2va":
+            layout = pack_ref2va(text.tags, ref_blocks, lf, lh, lw, la, cfg.patch_size)
+        else:
+            layout = pack_t2va(text.tags, lf, lh, lw, la, cfg.patch_size, tuple(a for a, _ in prepared.keyframes))
+        latents = initial_latents(req.seed, lf, lh, lw, la, cfg.patch_size, cfg.in_channels, cfg.audio_in_channels,
+                                  tuple(conditions), tuple(ref_audio))
+        schedule = self.schedule(req)
+        with timer("denoise"):
+            final = self._denoise(text.embeds, layout, latents, schedule, on_step)
+
+        # 4-5. Decode and mux, streamed: a window of frames is encoded while the next decodes.
+        video_rows = final.video[layout.num_condition_video_rows:]
+        video_latents = video_rows.reshape(1, lf, lh // cfg.patch_size[1], lw // cfg.patch_size[2], cfg.in_channels,
+                                           *cfg.patch_size).permute(0, 4, 1, 5, 2, 6, 3, 7)
+        video_latents = video_latents.reshape(1, cfg.in_channels, lf, lh, lw)
+        with timer("audio_decode"):
+            waveform = self.audio_vae.decode_rows(final.audio[layout.num_condition_audio_rows:])
+        frames_written = 0
+        with Mp4Writer(output, geo.width, geo.height, fps=FPS, crf=crf, sample_rate=AUDIO_SAMPLE_RATE) as writer:
+            stream = self.video_vae.decode_stream(video_latents)
+            while True:
+                with timer("video_decode"):
+                    chunk = next(stream, None)
+                    if chunk is None:
+                        break
+                    frames = (chunk[0].permute(1, 2, 3, 0) * 255.0).round().to(torch.uint8).cpu()
+                with timer("mux"):
+                    writer.write_frames(frames)
+                frames_written += frames.shape[0]
+            with timer("mux"):
+                writer.write_audio(waveform.clamp(-1, 1).numpy())
+            close_start = time.perf_counter()
+        timer.seconds["mux"] += time.perf_counter() - close_start  # flush both encoders, close, rename
+
+        return {
+            "output": str(output), "task": req.task, "prompt": req.prompt, "seed": req.seed,
+            "steps": req.steps, "evaluations": schedule.num_evaluations,
+            "shifts": {"video": schedule.video_shift, "audio": schedule.audio_shift},
+            "width": geo.width, "height": geo.height, "frames": frames_written, "fps": FPS,
+            "audio_samples": int(waveform.shape[1]), "audio_sample_rate": AUDIO_SAMPLE_RATE,
+            "sequence_rows": layout.seq_len, "device": str(self.device),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
+        }
+
+    def _encode_text(self, prepared: Prepared):
+        req = prepared.request
+        if req.task == "t2va":
+            return self.text_encoder.encode_t2va(req.prompt)
+        if req.task == "fl2va":
+            return self.text_encoder.encode_fl2va(req.prompt, [img for _, img in prepared.keyframes])
+        from ..models.text_encoder import AudioRef, ImageRef, VideoRef
+
+        refs = []
+        for ref in prepared.references:
+            if ref.kind == "image":
+                refs.append(ImageRef(ref.image))
+            elif ref.kind == "audio":
+                refs.append(AudioRef())
+            else:
+                refs.append(VideoRef(ref.frames, float(FPS), has_audio=ref.audio is not None))
+        return self.text_encoder.encode_ref2va(req.prompt, refs)
+
+    def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step):
+        dit, device = self.dit, self.device
+        lay = layout.to(device)
+        text = text_embeds.to(device)
+
+        def model(video, audio, unique_t, t_index):
+            return dit(video, audio, text, unique_t, t_index, lay.token_tags, lay.position_ids, lay.video_index,
+                       lay.audio_index, lay.text_index)
+
+        start = Latents(latents.video.to(device), latents.audio.to(device))
+        return denoise(model, start, layout, schedule, on_step)
+
+
+def write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, path)
+
+
+def record_path(output: Path) -> Path:
+    """The timing/provenance JSON beside an MP4: clip.mp4 -> clip.json."""
+    return output.with_suffix(".json")
+
+
+def request_dict(request: Request) -> dict:
+    data = asdict(request)
+    for key in ("image", "last_image"):
+        data[key] = str(data[key]) if data[key] else None
+    data["refs"] = [str(p) for p in request.refs]
+    return data

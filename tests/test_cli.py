@@ -1,0 +1,130 @@
+"""End to end: `h3trt run` on the embedded tiny default writes a valid MP4; bad input fails cleanly."""
+
+import json
+import os
+import shlex
+import subprocess
+import sys
+import wave
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from h3trt.cli import main
+from h3trt.runtime.media import probe
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+AAC_FRAME_S = 1024 / 32000  # decoded AAC may run up to one frame past the generated samples
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """A private cache for the tiny default, shared by every test of the session."""
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+def readme_run_command() -> str:
+    """The `h3trt run` part of the README's first set-up command."""
+    for line in README.read_text().splitlines():
+        if line.startswith("pip install -e . && h3trt run"):
+            return line.split("&& ", 1)[1]
+    raise AssertionError("README lost its first set-up command")
+
+
+def check_clip(path: Path, frames: int = 124, audio_latents: int = 207, size=(160, 96)):
+    info = probe(path)
+    assert info["video_codec"] == "h264" and info["pix_fmt"] == "yuv420p"
+    assert (info["width"], info["height"]) == size
+    assert info["fps"] == 24 and info["frames"] == frames
+    assert info["audio_codec"] == "aac" and info["sample_rate"] == 32000 and info["audio_channels"] == 2
+    generated_s = audio_latents * 800 / 32000
+    assert generated_s <= info["audio_duration"] <= generated_s + AAC_FRAME_S
+
+
+def test_readme_first_command(tmp_path, tiny_cache):
+    env = dict(os.environ, XDG_CACHE_HOME=str(tiny_cache))
+    cmd = shlex.split(readme_run_command())
+    assert cmd[0] == "h3trt"
+    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", *cmd[1:]], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr
+    out = tmp_path / "clip.mp4"
+    check_clip(out)
+    record = json.loads((tmp_path / "clip.json").read_text())
+    assert record["task"] == "t2va" and record["frames"] == 124 and record["evaluations"] == 49
+    assert set(record["timings_s"]) >= {"text_encode", "denoise", "video_decode", "audio_decode", "mux"}
+    assert "random weights" in proc.stderr  # the user is told the clip is noise
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no partial files left
+
+
+def _png(path: Path, size=(120, 80), seed=0) -> Path:
+    rng = np.random.default_rng(seed)
+    Image.fromarray(rng.integers(0, 255, (size[1], size[0], 3), dtype=np.uint8)).save(path)
+    return path
+
+
+def _wav(path: Path, seconds=1.0, rate=16000) -> Path:
+    t = np.arange(int(seconds * rate)) / rate
+    data = (0.3 * np.sin(2 * np.pi * 330 * t) * 32767).astype(np.int16)
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1), w.setsampwidth(2), w.setframerate(rate), w.writeframes(data.tobytes())
+    return path
+
+
+def test_fl2va_both_keyframes(tmp_path, tiny_cache):
+    out = tmp_path / "kf.mp4"
+    code = main(["run", "--prompt", "a door opens", "--output", str(out), "--image", str(_png(tmp_path / "a.png")),
+                 "--last-image", str(_png(tmp_path / "b.png", (90, 60), 1)), "--steps", "6", "--quiet"])
+    assert code == 0
+    check_clip(out, size=(128, 96))  # the tiny canvas for the first keyframe's 3:2 aspect (short edge 96)
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["task"] == "fl2va" and record["sequence_rows"] > 0
+
+
+def test_ref2va_image_and_audio(tmp_path, tiny_cache):
+    out = tmp_path / "ref.mp4"
+    code = main(["run", "--prompt", "she sings", "--output", str(out), "--ref", str(_png(tmp_path / "face.png")),
+                 str(_wav(tmp_path / "voice.wav")), "--steps", "4", "--quiet", "--seed", "7"])
+    assert code == 0
+    check_clip(out)
+    assert json.loads(out.with_suffix(".json").read_text())["task"] == "ref2va"
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--width", "100", "--height", "64"], "Unsupported resolution 100x64"),
+    (["--width", "1600", "--height", "800"], "larger than MiniMax-H3's canvas"),
+    (["--width", "640"], "--width and --height go together"),
+    (["--duration", "20"], "Unsupported duration 20 s"),
+    (["--duration", "2"], "Unsupported duration 2 s"),
+    (["--image", "missing.png"], "missing.png does not exist"),
+    (["--image", "notanimage.png"], "is not a readable image"),
+    (["--ref", "voice.wav"], "audio reference must be paired"),
+    (["--steps", "1"], "--steps must be at least 2"),
+    (["--model", "no/such/folder"], "does not exist"),
+])
+def test_bad_input_fails_with_one_line_and_no_output(tmp_path, tiny_cache, capsys, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "notanimage.png").write_text("this is text, not a PNG")
+    _wav(tmp_path / "voice.wav")
+    code = main(["run", "--prompt", "x", "--output", "out.mp4", "--quiet", *extra])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2
+    assert len(err) == 1 and err[0].startswith("h3trt: error: ") and message in err[0], err
+    assert not (tmp_path / "out.mp4").exists() and not (tmp_path / "out.json").exists()
+
+
+def test_existing_output_is_not_overwritten(tmp_path, tiny_cache, capsys):
+    out = tmp_path / "keep.mp4"
+    out.write_bytes(b"precious")
+    assert main(["run", "--prompt", "x", "--output", str(out), "--quiet"]) == 2
+    assert "already exists" in capsys.readouterr().err
+    assert out.read_bytes() == b"precious"
