@@ -14,6 +14,7 @@ setup(
         # The VAE modules are diffusers' own (pinned: our decode plan reproduces this version's arithmetic); the
         # same version is the correctness oracle of every parity test.
         "diffusers==0.42.1",
+        "accelerate",  # device_map loading of the 32B text encoder; diffusers' fp32-island loading needs it too
         "transformers>=5.17",  # Qwen3-VL (transformers 5 APIs; tested on 5.17 and 5.24)
         "av>=14",  # H.264 + AAC muxing with PyAV's bundled FFmpeg
         "Pillow",
