@@ -1,7 +1,10 @@
 """h3trt command line. Thin: parse, validate, call the pipeline, report.
 
     h3trt run --prompt "..." --output clip.mp4 [--image first.png] [--last-image last.png] [--ref FILE ...]
-              [--seed 42] [--steps 50] [--width W --height H] [--duration 5] [--model PATH]
+              [--seed 42] [--steps 50] [--width W --height H] [--duration 5] [--model PATH | --engine DIR]
+    h3trt build --model PATH|tiny --output DIR [--precision bf16] [--profile WxHxSECONDS ...] [--steps 50]
+                [--device cuda|cpu] [--backend inductor|aoti] [--keep-adaln] [--task t2va|fl2va|ref2va]
+    h3trt inspect DIR        h3trt verify DIR
 
 Errors the user can fix are one line on stderr and exit status 2; no output file is left behind.
 """
@@ -9,6 +12,8 @@ Errors the user can fix are one line on stderr and exit status 2; no output file
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
 from pathlib import Path
 
@@ -32,8 +37,10 @@ def _run_parser(sub) -> None:
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
     p.add_argument("--duration", type=float, default=5.0,
                    help="seconds (5 to 15), rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames)")
-    p.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (official layout: FL2VA/ and Ref2VA/). "
-                                              "Default: the embedded tiny model")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (official layout: FL2VA/ and "
+                                                   "Ref2VA/). Default: the embedded tiny model")
+    source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build` (serves without compiling)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--crf", type=int, default=18, help="H.264 constant rate factor (default 18)")
     p.add_argument("--video-shift", type=float, help="video sigma shift (default: the checkpoint's, 12)")
@@ -57,12 +64,20 @@ def cmd_run(args) -> int:
         raise ValueError(f"{output} already exists; pass --overwrite to replace it or choose another --output.")
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, args.steps, args.width,
                       args.height, args.duration, args.video_shift, args.audio_shift)
-    tiny = args.model is None
+    manifest = None
+    if args.engine is not None:
+        from .engines.manifest import read_manifest
+
+        manifest = read_manifest(args.engine)
+    tiny = manifest["tiny"] if manifest else args.model is None
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
     prepared = prepare(request, canvas)  # every input error surfaces here, before any model is loaded
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if tiny:
+    device = args.device or (manifest["device"].split(":")[0] if manifest else
+                             ("cuda" if torch.cuda.is_available() else "cpu"))
+    if manifest is not None:
+        model_root = args.engine
+    elif tiny:
         print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
         model_root = ensure_tiny_checkpoint()
     else:
@@ -70,19 +85,31 @@ def cmd_run(args) -> int:
         locate_transformer(model_root, request.task)  # a bad checkpoint fails before the slow loads
     output.parent.mkdir(parents=True, exist_ok=True)
 
-    pipeline = H3Pipeline.load(model_root, request.task, device, canvas)
+    if manifest is not None:
+        from .engines.guard import no_compile
+
+        pipeline = H3Pipeline.load_engine(model_root, device, canvas, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        serving = no_compile()  # a request compiles nothing: any compiler call raises
+    else:
+        pipeline = H3Pipeline.load(model_root, request.task, device, canvas)
+        serving = contextlib.nullcontext()
     bar = None
     if not args.quiet:
         from tqdm import tqdm
 
         bar = tqdm(total=pipeline.schedule(request).num_evaluations, desc="denoise", unit="step", file=sys.stderr)
     try:
-        record = pipeline.generate(prepared, output, crf=args.crf, on_step=(lambda i, n: bar.update(1)) if bar else None)
+        with serving:
+            record = pipeline.generate(prepared, output, crf=args.crf,
+                                       on_step=(lambda i, n: bar.update(1)) if bar else None)
     finally:
         if bar is not None:
             bar.close()
     record["request"] = request_dict(request)
-    record["model"] = "embedded-tiny" if tiny else str(model_root)
+    record["model"] = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root))
+    if manifest:
+        record["bundle"] = {"backend": manifest["backend"], "precision": manifest["precision"],
+                            "files_sha256": _bundle_hash(manifest)}
     write_json_atomic(record_path(output), record)
 
     print(f"wrote {output}: {record['frames']} frames {record['width']}x{record['height']} @ {record['fps']} fps, "
@@ -95,16 +122,95 @@ def cmd_run(args) -> int:
     return 0
 
 
+def _bundle_hash(manifest: dict) -> str:
+    import hashlib
+    import json
+
+    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+
+
+def _build_parser(sub) -> None:
+    p = sub.add_parser("build", help="compile an engine bundle ahead of time",
+                       description="Compile the DiT segments of a checkpoint into an engine bundle.")
+    p.add_argument("--model", required=True, help="checkpoint folder, or 'tiny' for the embedded tiny model")
+    p.add_argument("--output", required=True, type=Path, help="bundle folder to create")
+    p.add_argument("--precision", default="bf16", help="bf16 (default) or fp32")
+    p.add_argument("--profile", action="append", default=None,
+                   help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5)")
+    p.add_argument("--steps", type=int, default=50, help="the schedule the AdaLN tables are baked for")
+    p.add_argument("--video-shift", type=float, help="video sigma shift to bake (default: the checkpoint's)")
+    p.add_argument("--audio-shift", type=float, help="audio sigma shift to bake (default: the checkpoint's)")
+    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available); the bundle runs there")
+    p.add_argument("--backend", default="inductor", help="inductor (default) or aoti")
+    p.add_argument("--keep-adaln", action="store_true", help="keep adaln_proj weights: serve any schedule")
+    p.add_argument("--task", default="t2va", help="t2va/fl2va (FL2VA partition, default) or ref2va (Ref2VA)")
+    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (1 until the DeviceMesh runtime)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    for name, help_ in (("inspect", "print a bundle's manifest"), ("verify", "re-hash every file of a bundle")):
+        q = sub.add_parser(name, help=help_)
+        q.add_argument("bundle", type=Path)
+
+
+def cmd_build(args) -> int:
+    import torch
+
+    from .build.builder import BuildConfig, Profile, build
+    from .models.tiny import TINY_HEIGHT, TINY_WIDTH, ensure_tiny_checkpoint
+
+    tiny = args.model == "tiny"
+    default_profile = f"{TINY_WIDTH}x{TINY_HEIGHT}x5" if tiny else "1344x768x5"
+    profiles = tuple(Profile.parse(p) for p in (args.profile or [default_profile]))
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    model_root = ensure_tiny_checkpoint() if tiny else Path(args.model)
+    config = BuildConfig(model_root, args.output, args.task, args.precision, profiles, args.steps, args.video_shift,
+                         args.audio_shift, device, args.backend, args.keep_adaln, args.sp, args.overwrite, tiny)
+    manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr))
+    size = sum(f["bytes"] for f in manifest["files"].values())
+    print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "
+          f"{len(manifest['files'])} files, {size / 1e6:.1f} MB; AdaLN "
+          f"{'baked' if manifest['adaln']['baked'] else 'kept'}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    import json
+
+    from .engines.manifest import read_manifest
+
+    manifest = read_manifest(args.bundle)
+    summary = {k: v for k, v in manifest.items() if k not in ("files", "segments")}
+    summary["segments"] = {k: v["artifact"] for k, v in manifest["segments"].items()}
+    summary["files"] = f"{len(manifest['files'])} files, {sum(f['bytes'] for f in manifest['files'].values())} bytes"
+    print(json.dumps(summary, indent=1))
+    return 0
+
+
+def cmd_verify(args) -> int:
+    from .engines.manifest import read_manifest, verify_files
+
+    manifest = read_manifest(args.bundle)
+    problems = verify_files(args.bundle, manifest)
+    if problems:
+        for p in problems:
+            print(f"h3trt verify: {p}", file=sys.stderr)
+        print(f"h3trt: error: {args.bundle}: {len(problems)} file(s) do not match the manifest; re-copy or rebuild.",
+              file=sys.stderr)
+        return 1
+    print(f"{args.bundle}: all {len(manifest['files'])} files match the manifest")
+    return 0
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="h3trt", description="Compiled inference engine for MiniMax-H3.")
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
+    _build_parser(sub)
     args = parser.parse_args(argv)
     from .models.checkpoint import CheckpointError
     from .runtime.media import MediaError
 
     try:
-        return {"run": cmd_run}[args.command](args)
+        return {"run": cmd_run, "build": cmd_build, "inspect": cmd_inspect, "verify": cmd_verify}[args.command](args)
     except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError) as e:
         message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
         print(f"h3trt: error: {message}", file=sys.stderr)

@@ -25,7 +25,7 @@ import torch
 from PIL import Image
 
 from ..models.audio_vae import AudioVAE
-from ..models.checkpoint import ReleaseMetadata, load_dit
+from ..models.checkpoint import load_dit
 from ..models.dit import H3DiT
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, FPS, FRAMES_PER_CHUNK,
@@ -203,34 +203,67 @@ class StageTimer:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
 
 
-class H3Pipeline:
-    """Loaded components for one task partition. Constructed from built parts; `load` reads a checkpoint."""
+class EagerDiT:
+    """The reference DiT behind the runner signature the pipeline calls (an engine bundle provides the same)."""
 
-    def __init__(self, dit: H3DiT, text_encoder, video_vae: VideoVAE, audio_vae: AudioVAE,
-                 metadata: ReleaseMetadata | None, device: torch.device, canvas: CanvasDefaults = CanvasDefaults()):
+    def __init__(self, model: H3DiT):
+        self.model, self.cfg = model, model.cfg
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout):
+        return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
+                          layout.video_index, layout.audio_index, layout.text_index)
+
+
+def _eager_components(root: Path, device: torch.device, dtype: torch.dtype):
+    from transformers.utils import logging as hf_logging
+
+    from ..models.text_encoder import H3TextEncoder
+
+    hf_logging.disable_progress_bar()  # h3trt reports its own progress; a weight-loading bar is noise here
+    text_encoder = H3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
+    return text_encoder, load_video_vae(root, device), load_audio_vae(root, device)
+
+
+class H3Pipeline:
+    """Loaded components for one task partition. Constructed from built parts; `load` reads a checkpoint,
+    `load_engine` a bundle."""
+
+    def __init__(self, dit, text_encoder, video_vae: VideoVAE, audio_vae: AudioVAE, shifts: tuple[float, float],
+                 device: torch.device, canvas: CanvasDefaults = CanvasDefaults(), check_request=None):
         self.dit, self.text_encoder, self.video_vae, self.audio_vae = dit, text_encoder, video_vae, audio_vae
-        self.metadata, self.device, self.canvas = metadata, torch.device(device), canvas
+        self.shifts, self.device, self.canvas = shifts, torch.device(device), canvas
+        self.check_request = check_request  # a bundle's admission check: (prepared, schedule) -> None or raise
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults()):
-        from transformers.utils import logging as hf_logging
-
-        from ..models.text_encoder import H3TextEncoder
-
-        hf_logging.disable_progress_bar()  # h3trt reports its own progress; a weight-loading bar is noise here
         device = torch.device(device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-        dit, source = load_dit(model_root, task, dtype=dtype, device=device)
-        root = source.component_root
-        text_encoder = H3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
-        return cls(dit, text_encoder, load_video_vae(root, device), load_audio_vae(root, device), source.metadata,
-                   device, canvas)
+        model, source = load_dit(model_root, task, dtype=dtype, device=device)
+        meta = source.metadata
+        shifts = (meta.video_shift, meta.audio_shift) if meta else (12.0, 3.0)
+        return cls(EagerDiT(model), *_eager_components(source.component_root, device, dtype), shifts, device, canvas)
+
+    @classmethod
+    def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
+                    world_size: int = 1):
+        from ..engines.bundle import Engine
+        from ..engines.manifest import check_request
+
+        device = torch.device(device)
+        engine = Engine.load(bundle_root, device, world_size)
+        m = engine.manifest
+        dtype = torch.bfloat16 if m["precision"] == "bf16" else torch.float32
+
+        def admit(prepared: Prepared, schedule: Schedule) -> None:
+            geo = prepared.geometry
+            check_request(m, geo.width, geo.height, geo.num_frames, schedule.steps, schedule.video_shift,
+                          schedule.audio_shift, prepared.request.task)
+
+        shifts = (m["schedule"]["video_shift"], m["schedule"]["audio_shift"])
+        return cls(engine.dit, *_eager_components(Path(bundle_root), device, dtype), shifts, device, canvas, admit)
 
     def schedule(self, request: Request) -> Schedule:
-        meta = self.metadata
-        video = request.video_shift or (meta.video_shift if meta else 12.0)
-        audio = request.audio_shift or (meta.audio_shift if meta else 3.0)
-        return Schedule(request.steps, video, audio)
+        return Schedule(request.steps, request.video_shift or self.shifts[0], request.audio_shift or self.shifts[1])
 
     @torch.no_grad()
     def generate(self, prepared: Prepared, output: Path, crf: int = 18,
@@ -238,6 +271,9 @@ class H3Pipeline:
         """Run stages 1-5 for a prepared request; returns the record written beside the MP4."""
         req, geo, timer = prepared.request, prepared.geometry, StageTimer(self.device)
         cfg = self.dit.cfg
+        schedule = self.schedule(req)
+        if self.check_request is not None:
+            self.check_request(prepared, schedule)
 
         # 1. Text.
         with timer("text_encode"):
@@ -270,7 +306,6 @@ class H3Pipeline:
             layout = pack_t2va(text.tags, lf, lh, lw, la, cfg.patch_size, tuple(a for a, _ in prepared.keyframes))
         latents = initial_latents(req.seed, lf, lh, lw, la, cfg.patch_size, cfg.in_channels, cfg.audio_in_channels,
                                   tuple(conditions), tuple(ref_audio))
-        schedule = self.schedule(req)
         with timer("denoise"):
             final = self._denoise(text.embeds, layout, latents, schedule, on_step)
 
@@ -333,8 +368,7 @@ class H3Pipeline:
         text = text_embeds.to(device)
 
         def model(video, audio, unique_t, t_index):
-            return dit(video, audio, text, unique_t, t_index, lay.token_tags, lay.position_ids, lay.video_index,
-                       lay.audio_index, lay.text_index)
+            return dit(video, audio, text, unique_t, t_index, lay)
 
         start = Latents(latents.video.to(device), latents.audio.to(device))
         return denoise(model, start, layout, schedule, on_step)

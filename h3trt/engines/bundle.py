@@ -1,0 +1,117 @@
+"""Loading a bundle: checks, the shipped compiled code, weights, and the DiT runner built from the segments.
+
+`EngineDiT` has the eager runner's signature, so the pipeline never knows which backend compiled what.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+
+from ..build.adaln import BakedAdaLN, LiveAdaLN
+from ..build.backends import LoadedSegment, load_segment
+from ..models.config import NUM_MODALITIES, H3Config
+from ..models.dit import rope_inv_freq, rope_tables
+from ..models.packing import PackedLayout
+from .guard import no_compile
+from .manifest import BundleError, check_environment, read_manifest, verify_files
+
+_ACTIVE_CACHE: dict[str, str] = {}
+
+
+def activate_compiled_cache(root: Path) -> None:
+    """Point Inductor at a private copy of the bundle's compiled binaries (a process-wide setting: one bundle's cache
+    per process), and skip the precompiled-header step, which would run the C++ preprocessor on a cache hit."""
+    src = Path(root) / "inductor_cache"
+    if not src.is_dir():
+        return
+    if _ACTIVE_CACHE.get("root") == str(root):
+        return
+    import torch._inductor.codecache as codecache
+    from torch._inductor.utils import clear_caches
+
+    tmp = tempfile.mkdtemp(prefix="h3trt-engine-cache-")
+    shutil.copytree(src, tmp, dirs_exist_ok=True)
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+    # The C++ kernels ship compiled; Inductor would still run the preprocessor over its precompiled header on every
+    # first load to checksum it. The header only matters for compiling, which a served bundle never does.
+    codecache._precompile_header = _no_precompiled_header
+    clear_caches()
+    _ACTIVE_CACHE["root"] = str(root)
+
+
+def _no_precompiled_header(*args, **kwargs) -> str:
+    return ""
+
+
+def load_segments(root: Path, backend: str, entries: dict, device: torch.device) -> dict[str, LoadedSegment]:
+    activate_compiled_cache(root)
+    with no_compile():
+        return {name: load_segment(backend, entry, Path(root), device) for name, entry in entries.items()}
+
+
+def _load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return {k: v.to(device) for k, v in load_file(str(path)).items()}
+
+
+class EngineDiT:
+    """The DiT forward from compiled segments: embed, the block segment once per layer, final."""
+
+    def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
+                 device):
+        self.cfg, self.segments, self.adaln, self.device = cfg, segments, adaln, device
+        self.embed_w = [weights["embed"][n] for n in entries["embed"]["weights"]]
+        self.block_w = [[weights["blocks"][f"blocks.{i}.{n}"] for n in entries["block"]["weights"]]
+                        for i in range(cfg.num_layers)]
+        self.final_w = [weights["final"][n] for n in entries["final"]["weights"]]
+        self.inv_freq = rope_inv_freq(cfg).to(device)
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout):
+        if unique_t.numel() == 1:
+            # Compiled for T >= 2 distinct timesteps; a duplicate row is never indexed, so outputs are unchanged.
+            unique_t = unique_t.repeat(2)
+        emb, blk, fin = self.segments["embed"], self.segments["block"], self.segments["final"]
+        x, temb = emb(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index, layout.token_tags, *self.embed_w)
+        rows = self.adaln.rows(unique_t)
+        adaln_index = t_index * NUM_MODALITIES + layout.token_tags
+        cos, sin = rope_tables(layout.position_ids, self.inv_freq)
+        for i, w in enumerate(self.block_w):
+            (x,) = blk(x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin, *w)
+        return fin(x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
+                   layout.audio_index, *self.final_w)
+
+
+class Engine:
+    """A loaded bundle."""
+
+    def __init__(self, root: Path, manifest: dict, dit: EngineDiT):
+        self.root, self.manifest, self.dit = Path(root), manifest, dit
+
+    @classmethod
+    def load(cls, root: Path, device: str | torch.device, world_size: int = 1) -> "Engine":
+        root = Path(root)
+        device = torch.device(device)
+        manifest = read_manifest(root)
+        check_environment(manifest, device, world_size)
+        problems = verify_files(root, manifest)
+        if problems:
+            listed = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+            raise BundleError(f"{root} does not match its manifest: {listed}. Re-copy the bundle or rebuild it.")
+        cfg = H3Config.from_dict(manifest["model_config"])
+        segments = load_segments(root, manifest["backend"], manifest["segments"], device)
+        weights = {name: _load_weights(root / "weights" / f"{name}.safetensors", device)
+                   for name in ("embed", "blocks", "final")}
+        if manifest["adaln"]["baked"]:
+            adaln = BakedAdaLN(_load_weights(root / "weights" / "adaln_tables.safetensors", torch.device("cpu")), device)
+        else:
+            adaln = LiveAdaLN(_load_weights(root / "weights" / "adaln_weights.safetensors", device), cfg.num_layers,
+                              cfg.hidden_size, device)
+        return cls(root, manifest, EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device))

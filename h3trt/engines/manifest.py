@@ -1,0 +1,142 @@
+"""The bundle manifest: what was built, for what, and the sha256 of every file; and the checks a load applies.
+
+Every refusal says what differs and how to rebuild. A bundle holds compiled code (shared objects, Triton binaries):
+load only bundles you trust.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+
+
+class BundleError(ValueError):
+    """A bundle that cannot serve here or cannot serve this request."""
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def hash_tree(root: Path) -> dict[str, dict]:
+    """{relative path: {sha256, bytes}} for every file under `root` except the manifest itself."""
+    files = {}
+    for path in sorted(p for p in root.rglob("*") if p.is_file()):
+        rel = path.relative_to(root).as_posix()
+        if rel == MANIFEST:
+            continue
+        files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
+    return files
+
+
+def device_arch(device: torch.device) -> str:
+    """What compiled code is specific to: the CUDA compute capability, or the CPU architecture."""
+    if device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return f"sm_{major}{minor}"
+    return f"cpu-{platform.machine()}"
+
+
+def runtime_versions() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
+            "python": platform.python_version()}
+
+
+def write_manifest(root: Path, data: dict) -> dict:
+    data = dict(data, format_version=FORMAT_VERSION, files=hash_tree(root))
+    tmp = root / f".{MANIFEST}.partial"
+    tmp.write_text(json.dumps(data, indent=1))
+    os.replace(tmp, root / MANIFEST)
+    return data
+
+
+def read_manifest(root: Path) -> dict:
+    path = Path(root) / MANIFEST
+    if not path.exists():
+        raise BundleError(f"{root} is not an h3trt bundle (no {MANIFEST}); build one with `h3trt build`.")
+    try:
+        data = json.loads(path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BundleError(f"{path} is corrupted ({e}); re-copy the bundle or rebuild it.") from None
+    if data.get("format_version") != FORMAT_VERSION:
+        raise BundleError(f"{root} is bundle format {data.get('format_version')!r}; this h3trt reads format "
+                          f"{FORMAT_VERSION}. Rebuild it with this h3trt's `h3trt build`.")
+    return data
+
+
+def verify_files(root: Path, manifest: dict) -> list[str]:
+    """Problems with the bundle's files: missing, changed or unexpected. Empty when every hash matches."""
+    root = Path(root)
+    problems = []
+    listed = manifest["files"]
+    for rel, meta in listed.items():
+        path = root / rel
+        if not path.exists():
+            problems.append(f"{rel} is missing")
+        elif path.stat().st_size != meta["bytes"] or sha256_file(path) != meta["sha256"]:
+            problems.append(f"{rel} changed (sha256 differs from the manifest)")
+    extra = sorted(set(hash_tree_names(root)) - set(listed))
+    problems += [f"{rel} is not part of the bundle" for rel in extra]
+    return problems
+
+
+def hash_tree_names(root: Path) -> list[str]:
+    return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
+            and p.relative_to(root).as_posix() != MANIFEST]
+
+
+def check_environment(manifest: dict, device: torch.device, world_size: int) -> None:
+    """Refuse a bundle built for another GPU, torch version or mesh."""
+    built = manifest["versions"]["torch"]
+    if built != torch.__version__:
+        raise BundleError(f"This bundle was built with torch {built}; this process runs torch {torch.__version__}. "
+                          "Compiled code is specific to the torch version: rebuild the bundle on this image "
+                          "(h3trt build ...).")
+    arch = device_arch(device)
+    if manifest["arch"] != arch:
+        raise BundleError(f"This bundle was built for {manifest['arch']}; this device is {arch} ({device}). Rebuild "
+                          f"it on a {arch} machine, or run it on {manifest['arch']}.")
+    mesh = manifest["mesh"]
+    size = mesh["replica"] * mesh["cfg"] * mesh["sp"]
+    if size != world_size:
+        raise BundleError(f"This bundle's mesh is replica({mesh['replica']}) x cfg({mesh['cfg']}) x sp({mesh['sp']}) "
+                          f"= {size} ranks, but the job has world size {world_size}. Launch {size} ranks or rebuild "
+                          "with matching --sp/--cfg.")
+
+
+def check_request(manifest: dict, width: int, height: int, num_frames: int, steps: int, video_shift: float,
+                  audio_shift: float, task: str) -> None:
+    """Refuse a request the bundle was not built to serve, naming what it serves."""
+    if task not in manifest["tasks"]:
+        raise BundleError(f"This bundle serves {manifest['tasks']}, not {task}; build one from the "
+                          f"{'Ref2VA' if task == 'ref2va' else 'FL2VA'} partition (h3trt build --task {task}).")
+    profiles = manifest["profiles"]
+    if not any(p["width"] == width and p["height"] == height and p["num_frames"] == num_frames for p in profiles):
+        built = ", ".join(f"{p['width']}x{p['height']}x{p['seconds']:g}s" for p in profiles)
+        raise BundleError(f"This bundle was not built for {width}x{height}, {num_frames} frames; its profiles are "
+                          f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:g}.")
+    sched = manifest["schedule"]
+    if manifest["adaln"]["baked"] and (steps, video_shift, audio_shift) != (
+            sched["steps"], sched["video_shift"], sched["audio_shift"]):
+        raise BundleError(f"This bundle's AdaLN tables are baked for steps={sched['steps']}, video shift "
+                          f"{sched['video_shift']:g}, audio shift {sched['audio_shift']:g}; the request asks for "
+                          f"steps={steps}, shifts {video_shift:g}/{audio_shift:g}. Use the bundle's schedule, or "
+                          "rebuild with --steps/--video-shift/--audio-shift, or with --keep-adaln to serve any.")
