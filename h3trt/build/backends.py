@@ -1,0 +1,102 @@
+"""Backends that compile a segment ahead of time, and the loaders that run what they stored.
+
+- inductor: `torch.export` captures the segment with its varying dimensions symbolic; `standalone_compile` compiles
+  the exported graph (placeholders = the segment inputs, in order) and `CompiledArtifact.save` stores it. The
+  build's Inductor cache (compiled C++ / Triton binaries) ships in the bundle, so loading compiles nothing.
+- aoti: `torch.export` with named dynamic dimensions, then `aoti_compile_and_package` into a `.pt2` whose inputs are
+  the segment's inputs in order.
+
+A loaded segment is a callable taking the segment's inputs in `SegmentSpec.all_inputs` order, returning a tuple.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+
+from .segments import SegmentSpec
+
+BACKENDS = ("inductor", "aoti")
+
+
+@contextmanager
+def no_duck_shapes():
+    """Two dimensions that happen to be equal in the example (say V == L) must not become one symbol."""
+    import torch.fx.experimental._config as fx_config
+
+    old = fx_config.use_duck_shape
+    fx_config.use_duck_shape = False
+    try:
+        yield
+    finally:
+        fx_config.use_duck_shape = old
+
+
+def compile_inductor(spec: SegmentSpec, example: list[torch.Tensor], path: Path) -> dict:
+    graph = export_segment(spec, example).graph_module  # placeholders are the segment inputs, in order
+    with torch.no_grad():
+        artifact = torch._inductor.standalone_compile(graph, list(example), dynamic_shapes="from_graph")
+    # "binary" loads into the current Inductor cache (the bundle's shipped binaries); "unpacked" would make the
+    # artifact folder itself the cache, where the compiled C++ is absent, and recompile at load.
+    artifact.save(path=str(path), format="binary")
+    return {"artifact": path.name}
+
+
+class _Flat(torch.nn.Module):
+    def __init__(self, fn):
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *inputs):
+        return self.fn(*inputs)
+
+
+def export_segment(spec: SegmentSpec, example: list[torch.Tensor]):
+    """torch.export with the segment's named dynamic dimensions (one Dim per name, shared across inputs)."""
+    dims, shapes = {}, []
+    for name in spec.all_inputs:
+        named = spec.dynamic.get(name)
+        shapes.append({d: dims.setdefault(n, torch.export.Dim(n, min=2, max=1 << 22)) for d, n in named.items()}
+                      if named else None)
+    with torch.no_grad(), no_duck_shapes():
+        return torch.export.export(_Flat(spec.fn), tuple(example), dynamic_shapes=(tuple(shapes),), strict=False)
+
+
+def compile_aoti(spec: SegmentSpec, example: list[torch.Tensor], path: Path) -> dict:
+    ep = export_segment(spec, example)
+    with torch.no_grad():
+        torch._inductor.aoti_compile_and_package(ep, package_path=str(path))
+    return {"artifact": path.name}
+
+
+def compile_segment(backend: str, spec: SegmentSpec, example: list[torch.Tensor], out_dir: Path) -> dict:
+    if backend == "inductor":
+        return compile_inductor(spec, example, out_dir / f"{spec.name}.inductor.bin")
+    if backend == "aoti":
+        return compile_aoti(spec, example, out_dir / f"{spec.name}.pt2")
+    raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
+
+
+class LoadedSegment:
+    """A compiled segment behind the one interface: call with the segment's inputs in order."""
+
+    def __init__(self, name: str, runner):
+        self.name, self.runner = name, runner
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.runner(*inputs)
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+
+def load_segment(backend: str, entry: dict, bundle_dir: Path, device: torch.device) -> LoadedSegment:
+    path = bundle_dir / "segments" / entry["artifact"]
+    if backend == "inductor":
+        artifact = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+        return LoadedSegment(entry["name"], artifact)
+    if backend == "aoti":
+        index = device.index if device.type == "cuda" else None
+        runner = torch._inductor.aoti_load_package(str(path), device_index=index if index is not None else -1)
+        return LoadedSegment(entry["name"], runner)
+    raise ValueError(f"Unknown backend {backend!r} in the bundle manifest.")

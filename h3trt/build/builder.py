@@ -1,0 +1,299 @@
+"""`h3trt build`: checkpoint -> engine bundle.
+
+  1. load the DiT of the task's partition
+  2. write the segment weights (safetensors) and bake the AdaLN tables (or keep adaln_proj with --keep-adaln)
+  3. compile embed / block / final once each (one block serves every layer: its weights are inputs)
+  4. copy the eager components (text encoder, tokenizer, processor, VAEs)
+  5. load every artifact in a fresh process, under the no-compile guard, and check it against the eager segment
+  6. hash every file into manifest.json, then rename the finished bundle into place
+The bundle is assembled in `<output>.partial` and only renamed when complete: a failed build leaves nothing that
+looks like a bundle.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from ..models.checkpoint import TASK_PARTITIONS, load_dit
+from ..models.config import NUM_MODALITIES
+from ..models.dit import H3DiT
+from ..models.packing import Geometry, frames_for_duration, pack_t2va, row_timesteps, text_tags_for, validate_canvas
+from ..models.sampler import Schedule
+from ..engines.manifest import device_arch, runtime_versions, write_manifest
+from .adaln import bake_tables, schedule_timesteps
+from .backends import BACKENDS, compile_segment
+from .segments import dit_segments
+
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+EAGER_COMPONENTS = ("text_encoder", "tokenizer", "processor", "video_vae", "audio_vae", "vae")
+EXAMPLE_TEXT_ROWS = 37  # the text length the example inputs use; every dimension is dynamic anyway
+VERIFY_TIMEOUT_S = 900
+# Relative error (norm) a freshly loaded segment may show against the eager segment on the build's example.
+VERIFY_REL_TOL = {"bf16": 2e-2, "fp32": 1e-4}
+
+
+class BuildError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class Profile:
+    width: int
+    height: int
+    seconds: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Profile":
+        try:
+            w, h, s = text.lower().split("x")
+            profile = cls(int(w), int(h), float(s))
+        except ValueError:
+            raise ValueError(f"--profile must be WIDTHxHEIGHTxSECONDS (e.g. 1344x768x5), got {text!r}.") from None
+        validate_canvas(profile.height, profile.width)
+        frames_for_duration(profile.seconds)
+        return profile
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.height, self.width, frames_for_duration(self.seconds))
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    model_root: Path
+    output: Path
+    task: str = "t2va"
+    precision: str = "bf16"
+    profiles: tuple[Profile, ...] = (Profile(1344, 768, 5.0),)
+    steps: int = 50
+    video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales
+    audio_shift: float | None = None
+    device: str = "cuda"
+    backend: str = "inductor"
+    keep_adaln: bool = False
+    sp: int = 1
+    overwrite: bool = False
+    tiny: bool = False
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"--precision {self.precision} is not built yet; this builder supports "
+                             f"{sorted(PRECISIONS)} (FP8/NVFP4 arrive with calibration).")
+        if self.task not in TASK_PARTITIONS:
+            raise ValueError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
+        if self.sp != 1:
+            raise ValueError("--sp > 1 needs the DeviceMesh runtime, which this build does not have yet; use --sp 1.")
+        if not self.profiles:
+            raise ValueError("At least one --profile is needed.")
+
+
+def _weights(model: H3DiT) -> dict[str, dict[str, torch.Tensor]]:
+    sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
+    emb, blk, fin = dit_segments(model.cfg, model.dtype)
+    return {
+        "embed": {n: sd[n] for n in emb.weights},
+        "blocks": {f"blocks.{i}.{n}": sd[f"blocks.{i}.{n}"] for i in range(model.cfg.num_layers) for n in blk.weights},
+        "final": {n: sd[f"final_layer.{n}"] for n in fin.weights},
+        "adaln": {**{f"blocks.{i}.{p}": sd[f"blocks.{i}.adaln_proj.linear.{p}"]
+                     for i in range(model.cfg.num_layers) for p in ("weight", "bias")},
+                  **{f"final.{p}": sd[f"final_layer.adaln_proj.linear.{p}"] for p in ("weight", "bias")}},
+    }
+
+
+@torch.no_grad()
+def example_inputs(model: H3DiT, geometry: Geometry, device) -> dict[str, list[torch.Tensor]]:
+    """Inputs for every segment at one profile (fl2va with a first keyframe, so condition rows are present), from
+    the eager model: the same tensors check the compiled segments."""
+    cfg = model.cfg
+    layout = pack_t2va(text_tags_for(EXAMPLE_TEXT_ROWS, [range(3, 9)]), geometry.latent_frames, geometry.latent_height,
+                       geometry.latent_width, geometry.audio_latents, cfg.patch_size, ("first",)).to(device)
+    g = torch.Generator().manual_seed(0)
+    video = torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g).to(device)
+    audio = torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g).to(device)
+    text = torch.randn(1, EXAMPLE_TEXT_ROWS, cfg.text_dim, generator=g).to(device, model.dtype)
+    unique_t, t_index = (t.to(device) for t in row_timesteps(layout, 0.25, 0.5))
+    sd = model.state_dict()
+    emb, blk, fin = dit_segments(cfg, model.dtype)
+    x, temb = model.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
+                          layout.seq_len)
+    cos, sin = model.rope(layout.position_ids)
+    adaln_index = t_index * NUM_MODALITIES + layout.token_tags
+    return {
+        "embed": [video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
+                  layout.token_tags] + [sd[n] for n in emb.weights],
+        "block": [x, model.blocks[0].modulation(temb).contiguous(), adaln_index, cos, sin]
+                 + [sd[f"blocks.0.{n}"] for n in blk.weights],
+        "final": [x, model.final_layer.modulation(temb).contiguous(), t_index, layout.video_index, layout.audio_index]
+                 + [sd[f"final_layer.{n}"] for n in fin.weights],
+    }
+
+
+def _save(path: Path, tensors: dict[str, torch.Tensor]) -> int:
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path))
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def build(config: BuildConfig, log=print) -> dict:
+    out = Path(config.output)
+    if out.exists() and not config.overwrite:
+        raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --output.")
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
+    dtype = PRECISIONS[config.precision]
+    work = out.with_name(out.name + ".partial")
+    shutil.rmtree(work, ignore_errors=True)
+    (work / "segments").mkdir(parents=True)
+    timings = {}
+    try:
+        # 1. The DiT of the task's partition.
+        t0 = time.perf_counter()
+        model, source = load_dit(config.model_root, config.task, dtype=dtype, device=device)
+        meta = source.metadata
+        schedule = Schedule(config.steps, config.video_shift or (meta.video_shift if meta else 12.0),
+                            config.audio_shift or (meta.audio_shift if meta else 3.0))
+        timings["load_s"] = time.perf_counter() - t0
+        log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
+            f"{config.precision}) in {timings['load_s']:.1f} s")
+
+        # 2. Weights, and the AdaLN tables for the schedule.
+        weights = _weights(model)
+        sizes = {name: _save(work / "weights" / f"{name}.safetensors", weights[name])
+                 for name in ("embed", "blocks", "final")}
+        adaln_bytes = sum(t.numel() * t.element_size() for t in weights["adaln"].values())
+        if config.keep_adaln:
+            sizes["adaln_weights"] = _save(work / "weights" / "adaln_weights.safetensors", weights["adaln"])
+            adaln = {"baked": False, "bytes_saved": 0}
+        else:
+            values = schedule_timesteps(schedule)
+            sizes["adaln_tables"] = _save(work / "weights" / "adaln_tables.safetensors", bake_tables(model, values))
+            adaln = {"baked": True, "timesteps": values.numel(), "adaln_weight_bytes": adaln_bytes,
+                     "table_bytes": sizes["adaln_tables"], "bytes_saved": adaln_bytes - sizes["adaln_tables"]}
+            log(f"baked AdaLN for {values.numel()} timesteps: {sizes['adaln_tables'] / 1e6:.1f} MB of tables replace "
+                f"{adaln_bytes / 1e6:.1f} MB of adaln_proj weights (saved {adaln['bytes_saved'] / 1e6:.1f} MB)")
+        del weights
+
+        # 3. Compile each segment once, capturing the compiled binaries in the bundle's own Inductor cache.
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        examples = example_inputs(model, config.profiles[0].geometry, device)
+        cache = work / "inductor_cache" if config.backend == "inductor" else Path(tempfile.mkdtemp(prefix="h3trt-aoti-"))
+        cache.mkdir(parents=True, exist_ok=True)
+        segments = {}
+        t0 = time.perf_counter()
+        import torch._inductor.config as inductor_config
+
+        # One compile thread: a worker pool started earlier would write binaries to the cache dir it started with.
+        with temporary_cache_dir(str(cache)), inductor_config.patch(compile_threads=1):
+            for spec in dit_segments(model.cfg, dtype):
+                ts = time.perf_counter()
+                entry = compile_segment(config.backend, spec, examples[spec.name], work / "segments")
+                segments[spec.name] = {"name": spec.name, **entry, "inputs": spec.inputs, "weights": spec.weights,
+                                       "outputs": spec.outputs, "dynamic": spec.dynamic}
+                log(f"compiled {spec.name} ({config.backend}) in {time.perf_counter() - ts:.1f} s")
+        timings["compile_s"] = time.perf_counter() - t0
+        if config.backend != "inductor":
+            shutil.rmtree(cache, ignore_errors=True)
+        _prune_cache(work / "inductor_cache")
+
+        # 4. The eager components, copied so the bundle is self-contained.
+        for name in EAGER_COMPONENTS:
+            src = source.component_root / name
+            if src.is_dir():
+                shutil.copytree(src, work / name)
+
+        # 5. Every artifact loads and matches in a fresh process (AOTI on the H200 image segfaults at load).
+        t0 = time.perf_counter()
+        _verify_in_subprocess(work, config, segments, examples, model)
+        timings["verify_s"] = time.perf_counter() - t0
+
+        # 6. Manifest last, then the rename.
+        manifest = {
+            "backend": config.backend, "precision": config.precision, "task": config.task,
+            "tasks": list(meta.tasks) if meta else ([config.task] if config.task == "ref2va" else ["t2va", "fl2va"]),
+            "model_config": model.cfg.to_dict(), "checkpoint": {"path": str(config.model_root),
+                                                                "sha256": _checkpoint_sha(source.files)},
+            "schedule": {"steps": schedule.steps, "video_shift": schedule.video_shift,
+                         "audio_shift": schedule.audio_shift},
+            "adaln": adaln, "profiles": [{**asdict(p), "num_frames": p.geometry.num_frames} for p in config.profiles],
+            "mesh": {"replica": 1, "cfg": 1, "sp": config.sp}, "arch": device_arch(device), "device": str(device),
+            "versions": runtime_versions(), "segments": segments, "weight_bytes": sizes, "tiny": config.tiny,
+            "build_timings_s": {k: round(v, 2) for k, v in timings.items()},
+        }
+        manifest = write_manifest(work, manifest)
+        if out.exists():
+            shutil.rmtree(out)
+        os.replace(work, out)
+        return manifest
+    except BaseException:
+        shutil.rmtree(work, ignore_errors=True)
+        raise
+
+
+def _prune_cache(cache: Path) -> None:
+    """Drop lock files and empty folders: the cache ships as read-only data."""
+    if not cache.exists():
+        return
+    for path in list(cache.rglob("*.lock")) + list(cache.rglob("locks")):
+        if path.is_file():
+            path.unlink()
+        elif path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _checkpoint_sha(files) -> str:
+    import hashlib
+
+    from ..engines.manifest import sha256_file
+
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f.name.encode() + sha256_file(f).encode())
+    return h.hexdigest()
+
+
+def _verify_in_subprocess(work: Path, config: BuildConfig, segments: dict, examples: dict, model) -> None:
+    from safetensors.torch import save_file
+
+    with tempfile.TemporaryDirectory(prefix="h3trt-verify-") as tmp:
+        tensors, plan = {}, {}
+        for name, inputs in examples.items():
+            spec = next(s for s in dit_segments(model.cfg, model.dtype) if s.name == name)
+            with torch.no_grad():
+                want = spec.fn(*inputs)
+            want = want if isinstance(want, tuple) else (want,)
+            for i, t in enumerate(inputs):
+                tensors[f"{name}.in.{i}"] = t.detach().cpu().clone()  # clones: safetensors refuses shared storage
+            for i, t in enumerate(want):
+                tensors[f"{name}.out.{i}"] = t.detach().cpu().clone()
+            plan[name] = {"entry": segments[name], "inputs": len(inputs), "outputs": len(want)}
+        save_file(tensors, f"{tmp}/examples.safetensors")
+        Path(tmp, "plan.json").write_text(json.dumps({
+            "backend": config.backend, "device": config.device, "plan": plan,
+            "rel_tol": VERIFY_REL_TOL[config.precision]}))
+        try:
+            proc = subprocess.run([sys.executable, "-m", "h3trt.build.verify", str(work), tmp], capture_output=True,
+                                  text=True, timeout=VERIFY_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            raise BuildError(f"Loading the compiled segments in a fresh process did not finish in {VERIFY_TIMEOUT_S} s; "
+                             "the bundle was not written.") from None
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
+        how = " (the process crashed: signal %d)" % -proc.returncode if proc.returncode < 0 else ""
+        raise BuildError(f"The {config.backend} segments failed to load or match in a fresh process{how}; the bundle "
+                         f"was not written. Try another --backend. Last output:\n{tail}")

@@ -1,0 +1,121 @@
+"""The DiT cut into the segments the engine compiles: pure tensor functions whose weights are trailing inputs.
+
+Weights as inputs is what lets ONE compiled block serve all 50 layers (build time is that of one block) and lets the
+bundle keep weights in plain safetensors beside the compiled code. Every segment declares its inputs by name and the
+dimensions that vary between requests, so backends can compile it once for every sequence length.
+
+  embed(video, audio, text, timesteps, video_index, audio_index, text_index, token_tags, *W) -> (x, temb)
+  block(x, mod, adaln_index, cos, sin, *W) -> x                      (mod: the block's [3T, 6, H] table)
+  final(x, mod, timestep_index, video_index, audio_index, *W) -> (video_v, audio_v)   (mod: [T, 2, H])
+
+Dimension names: S packed rows, V video rows, A audio rows, L text rows, T distinct timesteps, M = 3T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..models.config import H3Config
+from ..models.dit import H3DiT, build_dit
+
+EMBED_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "condition_proj.", "time_embedder.", "token_refiner.")
+ADALN_PREFIX = "adaln_proj."
+
+
+@dataclass
+class SegmentSpec:
+    """A compilable function and its named inputs; `dynamic` maps input name -> {dim: dimension name}."""
+
+    name: str
+    fn: Callable
+    inputs: list[str]  # activation inputs, in call order
+    weights: list[str]  # weight inputs (names in the segment's weight file), after the activations
+    dynamic: dict[str, dict[int, str]] = field(default_factory=dict)
+    outputs: list[str] = field(default_factory=list)
+
+    @property
+    def all_inputs(self) -> list[str]:
+        return self.inputs + self.weights
+
+
+def _template(cfg: H3Config, dtype: torch.dtype) -> H3DiT:
+    """A DiT on the meta device: only its code is used, every weight arrives as an input."""
+    return build_dit(cfg, dtype, device="meta")
+
+
+class _Embed(torch.nn.Module):
+    """`H3DiT.embed` as a module forward, so functional_call can swap its weights."""
+
+    def __init__(self, model: H3DiT):
+        super().__init__()
+        self.model = model
+
+    def forward(self, video, audio, text, timesteps, video_index, audio_index, text_index, token_tags):
+        return self.model.embed(video, audio, text, timesteps, video_index, audio_index, text_index,
+                                token_tags.shape[0])
+
+
+def embed_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
+    wrapper = _Embed(_template(cfg, dtype))
+    weights = [n for n, _ in wrapper.model.named_parameters() if n.startswith(EMBED_PREFIXES)]
+
+    def embed(video, audio, text, timesteps, video_index, audio_index, text_index, token_tags, *w):
+        params = {"model." + n: t for n, t in zip(weights, w)}
+        return torch.func.functional_call(
+            wrapper, params, (video, audio, text, timesteps, video_index, audio_index, text_index, token_tags),
+            strict=False)
+
+    return SegmentSpec(
+        "embed", embed,
+        ["video", "audio", "text", "timesteps", "video_index", "audio_index", "text_index", "token_tags"], weights,
+        dynamic={"video": {1: "V"}, "audio": {1: "A"}, "text": {1: "L"}, "timesteps": {0: "T"},
+                 "video_index": {0: "V"}, "audio_index": {0: "A"}, "text_index": {0: "L"}, "token_tags": {0: "S"}},
+        outputs=["x", "temb"],
+    )
+
+
+def block_weight_names(cfg: H3Config, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    block = _template(cfg, dtype).blocks[0]
+    return [n for n, _ in block.named_parameters() if not n.startswith(ADALN_PREFIX)]
+
+
+def block_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
+    block = _template(cfg, dtype).blocks[0]
+    weights = block_weight_names(cfg, dtype)
+
+    def run_block(x, mod, adaln_index, cos, sin, *w):
+        return torch.func.functional_call(block, dict(zip(weights, w)), (x, mod, adaln_index, (cos, sin)), strict=False)
+
+    return SegmentSpec(
+        "block", run_block, ["x", "mod", "adaln_index", "cos", "sin"], weights,
+        dynamic={"x": {1: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}, "cos": {0: "S"}, "sin": {0: "S"}},
+        outputs=["x"],
+    )
+
+
+def final_weight_names(cfg: H3Config, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+    final = _template(cfg, dtype).final_layer
+    return [n for n, _ in final.named_parameters() if not n.startswith(ADALN_PREFIX)]
+
+
+def final_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
+    final = _template(cfg, dtype).final_layer
+    weights = final_weight_names(cfg, dtype)
+
+    def run_final(x, mod, timestep_index, video_index, audio_index, *w):
+        return torch.func.functional_call(final, dict(zip(weights, w)),
+                                          (x, mod, timestep_index, video_index, audio_index), strict=False)
+
+    return SegmentSpec(
+        "final", run_final, ["x", "mod", "timestep_index", "video_index", "audio_index"], weights,
+        dynamic={"x": {1: "S"}, "mod": {0: "T"}, "timestep_index": {0: "S"}, "video_index": {0: "V"},
+                 "audio_index": {0: "A"}},
+        outputs=["video", "audio"],
+    )
+
+
+def dit_segments(cfg: H3Config, dtype: torch.dtype) -> list[SegmentSpec]:
+    return [embed_segment(cfg, dtype), block_segment(cfg, dtype), final_segment(cfg, dtype)]

@@ -1,0 +1,47 @@
+"""Run by `h3trt build` in a fresh process: load every compiled segment of a bundle in the making, under the
+no-compile guard, run it on the build's example inputs and compare with the eager outputs.
+
+    python -m h3trt.build.verify BUNDLE_WORK_DIR EXAMPLES_DIR
+
+Exit 0 when every segment loads and matches; otherwise print the reason and exit 1 (a crash exits by signal).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main(argv: list[str]) -> int:
+    from safetensors.torch import load_file
+
+    from ..engines.bundle import load_segments
+
+    work, examples_dir = Path(argv[0]), Path(argv[1])
+    plan = json.loads((examples_dir / "plan.json").read_text())
+    tensors = load_file(str(examples_dir / "examples.safetensors"))
+    device = torch.device(plan["device"])
+    entries = {name: item["entry"] for name, item in plan["plan"].items()}
+    segments = load_segments(work, plan["backend"], entries, device)
+    from ..engines.guard import no_compile
+
+    failed = False
+    with torch.no_grad(), no_compile():
+        for name, item in plan["plan"].items():
+            inputs = [tensors[f"{name}.in.{i}"].to(device) for i in range(item["inputs"])]
+            got = segments[name](*inputs)
+            for i in range(item["outputs"]):
+                want = tensors[f"{name}.out.{i}"].float()
+                err = ((got[i].float().cpu() - want).norm() / want.norm().clamp_min(1e-12)).item()
+                ok = err <= plan["rel_tol"]
+                failed |= not ok
+                print(f"{name} output {i}: relative error {err:.2e} ({'ok' if ok else 'TOO LARGE'}, "
+                      f"tolerance {plan['rel_tol']:.0e})")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
