@@ -82,7 +82,15 @@ def diffusers_block_to_native(block) -> dict[str, torch.Tensor]:
     return out
 
 
-def run_blocks(out_path: Path) -> dict:
+# Compile-option experiments for the block (--variants): (static shapes?, Inductor config patch).
+VARIANTS = {
+    "static_shapes": (True, {}),
+    "coordinate_descent": (False, {"coordinate_descent_tuning": True}),
+    "max_autotune_gemm": (False, {"max_autotune_gemm": True}),
+}
+
+
+def run_blocks(out_path: Path, variants: bool = False) -> dict:
     from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3RotaryPosEmbed,
                                                                       MiniMaxH3TransformerBlock)
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
@@ -144,6 +152,20 @@ def run_blocks(out_path: Path) -> dict:
         print(f"h3trt block compiled         {ms['h3trt_compiled']:7.1f} ms  (compile {result['block_compile_s']:.0f} s,"
               f" rel err vs eager {result['h3trt_compiled_rel_err_vs_eager']:.1e})", flush=True)
         _write(out_path, result)
+
+        for variant, (static, patch) in VARIANTS.items() if variants else ():
+            vspec = block_segment(cfg, torch.bfloat16)
+            if static:
+                vspec.dynamic = {}
+            vwork = Path(tempfile.mkdtemp(prefix=f"bench-{variant}-"))
+            t0 = time.perf_counter()
+            with temporary_cache_dir(str(vwork / "cache")), inductor_config.patch(compile_threads=1, **patch):
+                ventry = compile_segment("inductor", vspec, example, vwork)
+            vseg = _load_local(ventry, vwork, dev)
+            ms[f"h3trt_compiled_{variant}"] = bench(lambda: vseg(*example))
+            print(f"h3trt block compiled [{variant}] {ms[f'h3trt_compiled_{variant}']:7.1f} ms "
+                  f"(compile {time.perf_counter() - t0:.0f} s)", flush=True)
+            _write(out_path, result)
 
         compiled_ref = torch.compile(ref)
         t0 = time.perf_counter()
@@ -212,7 +234,7 @@ def stack_child(work: Path) -> None:
     from h3trt.models.checkpoint import load_dit
     from h3trt.models.checkpoint_writer import diffusers_state_dict
     from h3trt.models.packing import row_timesteps
-    from h3trt.runtime.pipeline import EagerDiT
+    from h3trt.models.dit import EagerDiT
 
     dev = torch.device("cuda")
     out = {}
@@ -276,11 +298,12 @@ def main() -> int:
     p.add_argument("arg", nargs="?")
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--variants", action="store_true", help="blocks: also time other compile options")
     args = p.parse_args()
     if args.what == "_stack_child":
         stack_child(Path(args.arg))
     elif args.what == "blocks":
-        run_blocks(args.out or ROOT / "bench/results/dit_blocks.json")
+        run_blocks(args.out or ROOT / "bench/results/dit_blocks.json", args.variants)
     else:
         run_stack(args.out or ROOT / "bench/results/dit_stack.json", args.layers)
     return 0

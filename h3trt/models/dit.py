@@ -299,6 +299,18 @@ class H3DiT(nn.Module):
         return self.final(x_BSH, temb_TE, timestep_index_S, video_index_V, audio_index_A)
 
 
+class EagerDiT:
+    """The reference DiT behind the runner signature the pipeline calls; an engine bundle provides the same one:
+    (video, audio, text, unique timesteps, row timestep index, PackedLayout) -> (video v, audio v)."""
+
+    def __init__(self, model: H3DiT):
+        self.model, self.cfg = model, model.cfg
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout):
+        return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
+                          layout.video_index, layout.audio_index, layout.text_index)
+
+
 def build_dit(cfg: H3Config, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> H3DiT:
     """The DiT with the checkpoint's precision islands: FP32_PREFIXES in float32, everything else in `dtype`.
 

@@ -26,7 +26,7 @@ from PIL import Image
 
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
-from ..models.dit import H3DiT
+from ..models.dit import EagerDiT
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, FPS, FRAMES_PER_CHUNK,
     LATENTS_PER_CHUNK, Geometry, PackedLayout, RefBlock, frames_for_duration, pack_ref2va, pack_t2va, resolve_canvas,
@@ -201,17 +201,6 @@ class StageTimer:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
-
-
-class EagerDiT:
-    """The reference DiT behind the runner signature the pipeline calls (an engine bundle provides the same)."""
-
-    def __init__(self, model: H3DiT):
-        self.model, self.cfg = model, model.cfg
-
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout):
-        return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
-                          layout.video_index, layout.audio_index, layout.text_index)
 
 
 def _eager_components(root: Path, device: torch.device, dtype: torch.dtype):
