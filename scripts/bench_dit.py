@@ -24,6 +24,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -136,11 +137,9 @@ def run_blocks(out_path: Path, variants: bool = False) -> dict:
         weights = [dict(ours.named_parameters())[n].detach() for n in spec.weights]
         example = [x, mod, idx, cos, sin, *weights]
         work = Path(tempfile.mkdtemp(prefix="bench-block-"))
-        import torch._inductor.config as inductor_config
-
         t0 = time.perf_counter()
-        with temporary_cache_dir(str(work / "cache")), inductor_config.patch(compile_threads=1):
-            entry = compile_segment("inductor", spec, example, work)
+        with temporary_cache_dir(str(work / "cache")):
+            entry = compile_segment("inductor", spec, example, work)  # exactly as `h3trt build` compiles it
         result["block_compile_s"] = time.perf_counter() - t0
         t0 = time.perf_counter()
         seg = _load_local(entry, work, dev)
@@ -159,7 +158,10 @@ def run_blocks(out_path: Path, variants: bool = False) -> dict:
                 vspec.dynamic = {}
             vwork = Path(tempfile.mkdtemp(prefix=f"bench-{variant}-"))
             t0 = time.perf_counter()
-            with temporary_cache_dir(str(vwork / "cache")), inductor_config.patch(compile_threads=1, **patch):
+            from h3trt.build import backends
+
+            with temporary_cache_dir(str(vwork / "cache")), \
+                    mock.patch.dict(backends.INDUCTOR_OPTIONS, patch):
                 ventry = compile_segment("inductor", vspec, example, vwork)
             vseg = _load_local(ventry, vwork, dev)
             ms[f"h3trt_compiled_{variant}"] = bench(lambda: vseg(*example))

@@ -34,9 +34,18 @@ def no_duck_shapes():
         fx_config.use_duck_shape = old
 
 
+# Inductor options of every build. One compile thread: a worker pool started earlier in the process would write its
+# binaries to the cache folder it started with, not the bundle's. Coordinate-descent tuning stays off: it gained
+# 0.6-1.1% per full-width block on the H200, but its kernels re-tune (compile Triton) when a bundle is loaded, which
+# the no-compile guard refused (bench/results/dit_blocks_variants*_h200.json).
+INDUCTOR_OPTIONS = {"compile_threads": 1}
+
+
 def compile_inductor(spec: SegmentSpec, example: list[torch.Tensor], path: Path) -> dict:
+    import torch._inductor.config as inductor_config
+
     graph = export_segment(spec, example).graph_module  # placeholders are the segment inputs, in order
-    with torch.no_grad():
+    with torch.no_grad(), inductor_config.patch(**INDUCTOR_OPTIONS):
         artifact = torch._inductor.standalone_compile(graph, list(example), dynamic_shapes="from_graph")
     # "binary" loads into the current Inductor cache (the bundle's shipped binaries); "unpacked" would make the
     # artifact folder itself the cache, where the compiled C++ is absent, and recompile at load.

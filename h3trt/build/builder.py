@@ -196,10 +196,7 @@ def build(config: BuildConfig, log=print) -> dict:
         cache.mkdir(parents=True, exist_ok=True)
         segments = {}
         t0 = time.perf_counter()
-        import torch._inductor.config as inductor_config
-
-        # One compile thread: a worker pool started earlier would write binaries to the cache dir it started with.
-        with temporary_cache_dir(str(cache)), inductor_config.patch(compile_threads=1):
+        with temporary_cache_dir(str(cache)):
             for spec in dit_segments(model.cfg, dtype):
                 ts = time.perf_counter()
                 entry = compile_segment(config.backend, spec, examples[spec.name], work / "segments")
