@@ -1,3 +1,5 @@
+import os
+
 import pytest
 import torch
 
@@ -26,3 +28,23 @@ def tiny_checkpoints(tmp_path_factory, tiny_cfg, tiny_states):
                                torch.float32)
     comfy = save_comfy(root / "comfy" / "h3.safetensors", tiny_cfg, tiny_states["FL2VA"], torch.float32)
     return {"official": official, "diffusers": diffusers, "comfy": comfy}
+
+
+@pytest.fixture(scope="session")
+def tiny_cache(tmp_path_factory):
+    """A private cache for the embedded tiny default, shared by every test of the session."""
+    cache = tmp_path_factory.mktemp("cache")
+    old = os.environ.get("XDG_CACHE_HOME")
+    os.environ["XDG_CACHE_HOME"] = str(cache)
+    yield cache
+    if old is None:
+        os.environ.pop("XDG_CACHE_HOME", None)
+    else:
+        os.environ["XDG_CACHE_HOME"] = old
+
+
+@pytest.fixture(scope="session")
+def tiny_root(tiny_cache):
+    from h3trt.models.tiny import ensure_tiny_checkpoint
+
+    return ensure_tiny_checkpoint()

@@ -19,19 +19,6 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 AAC_FRAME_S = 1024 / 32000  # decoded AAC may run up to one frame past the generated samples
 
 
-@pytest.fixture(scope="session")
-def tiny_cache(tmp_path_factory):
-    """A private cache for the tiny default, shared by every test of the session."""
-    cache = tmp_path_factory.mktemp("cache")
-    old = os.environ.get("XDG_CACHE_HOME")
-    os.environ["XDG_CACHE_HOME"] = str(cache)
-    yield cache
-    if old is None:
-        os.environ.pop("XDG_CACHE_HOME", None)
-    else:
-        os.environ["XDG_CACHE_HOME"] = old
-
-
 def readme_run_command() -> str:
     """The `h3trt run` part of the README's first set-up command."""
     for line in README.read_text().splitlines():

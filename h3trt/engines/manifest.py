@@ -132,7 +132,7 @@ def check_request(manifest: dict, width: int, height: int, num_frames: int, step
     if not any(p["width"] == width and p["height"] == height and p["num_frames"] == num_frames for p in profiles):
         built = ", ".join(f"{p['width']}x{p['height']}x{p['seconds']:g}s" for p in profiles)
         raise BundleError(f"This bundle was not built for {width}x{height}, {num_frames} frames; its profiles are "
-                          f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:g}.")
+                          f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:.4g}.")
     sched = manifest["schedule"]
     if manifest["adaln"]["baked"] and (steps, video_shift, audio_shift) != (
             sched["steps"], sched["video_shift"], sched["audio_shift"]):

@@ -1,0 +1,203 @@
+"""Engine bundles on the CPU: build the tiny model with both backends, serve from the bundle without compiling,
+match the eager path, and refuse every mismatch with a message that says what differs.
+
+Tolerances: fp32 bundles; the compiled DiT matches the eager DiT to a relative error (norm) of 1e-5, and a whole
+clip served from a bundle decodes to frames within 1 uint8 level (mean) of the eager clip.
+"""
+
+import json
+import re
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from h3trt.build.adaln import BakedAdaLN, schedule_timesteps
+from h3trt.build.builder import BuildConfig, BuildError, Profile, _verify_in_subprocess, build, example_inputs
+from h3trt.cli import main
+from h3trt.engines.bundle import Engine
+from h3trt.engines.guard import CompilerInvoked, no_compile
+from h3trt.engines.manifest import BundleError, read_manifest
+from h3trt.models.checkpoint import load_dit
+from h3trt.models.dit import EagerDiT
+from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.sampler import Schedule
+from h3trt.runtime.media import read_video
+
+TINY_PROFILE = Profile(160, 96, 5.0)
+REL_TOL = 1e-5
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory, tiny_root):
+    """An inductor bundle (AdaLN baked) and an AOTI bundle (--keep-adaln), both fp32, both for the CPU."""
+    root = tmp_path_factory.mktemp("bundles")
+    out = {}
+    for backend, keep in (("inductor", False), ("aoti", True)):
+        out[backend] = root / backend
+        build(BuildConfig(tiny_root, out[backend], precision="fp32", profiles=(TINY_PROFILE,), device="cpu",
+                          backend=backend, keep_adaln=keep, tiny=True), log=lambda m: None)
+    return out
+
+
+def _inputs(layout, cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g),
+            torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g),
+            torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g))
+
+
+@pytest.mark.parametrize("backend", ["inductor", "aoti"])
+def test_compiled_dit_matches_eager(backend, bundles, tiny_root):
+    engine = Engine.load(bundles[backend], "cpu")
+    eager = EagerDiT(load_dit(tiny_root, "t2va", torch.float32)[0])
+    cfg = eager.cfg
+    steps = Schedule().timesteps()
+    layouts = [pack_t2va(text_tags_for(11), 37, 6, 10, 207),  # another text length than the build example
+               pack_t2va(text_tags_for(23, [range(2, 9)]), 7, 6, 10, 23, keyframes=("first", "last"))]
+    with torch.no_grad(), no_compile():
+        for layout in layouts:
+            for tv, ta in (steps[0], steps[30]):  # steps[0] has one distinct timestep: the T >= 2 padding path
+                unique_t, t_index = row_timesteps(layout, tv, ta)
+                args = (*_inputs(layout, cfg), unique_t, t_index, layout)
+                for got, want in zip(engine.dit(*args), eager(*args)):
+                    err = ((got - want).norm() / want.norm()).item()
+                    assert err <= REL_TOL, f"{backend}: relative error {err:.2e} at t=({tv}, {ta})"
+
+
+def test_run_from_bundle_matches_eager_run(bundles, tmp_path, tiny_cache):
+    eager_out, engine_out = tmp_path / "eager.mp4", tmp_path / "engine.mp4"
+    assert main(["run", "--prompt", "a fox", "--output", str(eager_out), "--quiet", "--steps", "50"]) == 0
+    assert main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output", str(engine_out),
+                 "--quiet"]) == 0
+    a, _, _ = read_video(eager_out)
+    b, fps, audio = read_video(engine_out)
+    assert a.shape == b.shape == (124, 96, 160, 3) and fps == 24 and audio is not None
+    assert np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() <= 1.0
+    record = json.loads(engine_out.with_suffix(".json").read_text())
+    assert record["bundle"]["backend"] == "inductor"
+
+
+def test_serving_compiles_nothing():
+    """The guard `h3trt run --engine` serves under raises on any compiler entry, so the runs above prove the bundle
+    carried everything."""
+    with no_compile(), pytest.raises(Exception) as info:
+        torch.compile(lambda x: x * 2 + 1)(torch.randn(8))
+    assert "invoked while serving from a bundle" in str(info.value) or isinstance(info.value, CompilerInvoked)
+
+
+def test_manifest_records_the_build(bundles):
+    m = read_manifest(bundles["inductor"])
+    assert m["backend"] == "inductor" and m["precision"] == "fp32" and m["arch"].startswith("cpu-")
+    assert m["versions"]["torch"] == torch.__version__
+    assert m["adaln"]["baked"] and m["adaln"]["timesteps"] == schedule_timesteps(Schedule()).numel()
+    assert m["mesh"] == {"replica": 1, "cfg": 1, "sp": 1} and m["tasks"] == ["t2va", "fl2va"]
+    assert set(m["segments"]) == {"embed", "block", "final"}
+    assert not any(name.startswith("weights/adaln_weights") for name in m["files"])  # adaln_proj left out
+    assert all(len(f["sha256"]) == 64 for f in m["files"].values())
+    keep = read_manifest(bundles["aoti"])
+    assert not keep["adaln"]["baked"] and "weights/adaln_weights.safetensors" in keep["files"]
+
+
+@pytest.fixture
+def bundle_copy(bundles, tmp_path):
+    dst = tmp_path / "bundle"
+    shutil.copytree(bundles["inductor"], dst)
+    return dst
+
+
+def _edit_manifest(root, **changes):
+    path = root / "manifest.json"
+    data = json.loads(path.read_text())
+    for key, value in changes.items():
+        target = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    path.write_text(json.dumps(data))
+
+
+def test_refuses_a_changed_file(bundle_copy, capsys):
+    weights = bundle_copy / "weights" / "blocks.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8] + b"\0" * 8)
+    with pytest.raises(BundleError, match="weights/blocks.safetensors changed"):
+        Engine.load(bundle_copy, "cpu")
+    assert main(["verify", str(bundle_copy)]) == 1
+    assert "blocks.safetensors changed" in capsys.readouterr().err
+
+
+def test_verify_and_inspect_an_intact_bundle(bundles, capsys):
+    assert main(["verify", str(bundles["inductor"])]) == 0
+    assert main(["inspect", str(bundles["inductor"])]) == 0
+    shown = json.loads(capsys.readouterr().out.split("\n", 1)[1])
+    assert shown["backend"] == "inductor" and shown["segments"]["block"].endswith(".inductor.bin")
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"versions.torch": "2.11.0+cu130"}, "built with torch 2.11.0+cu130"),
+    ({"arch": "sm_90"}, "built for sm_90"),
+    ({"format_version": 99}, "bundle format 99"),
+])
+def test_refuses_another_environment(bundle_copy, change, message):
+    _edit_manifest(bundle_copy, **change)
+    with pytest.raises(BundleError, match=re.escape(message)):
+        Engine.load(bundle_copy, "cpu")
+
+
+def test_refuses_a_mesh_that_does_not_match(bundles):
+    with pytest.raises(BundleError, match=r"= 1 ranks, but the job has world size 2"):
+        Engine.load(bundles["inductor"], "cpu", world_size=2)
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--width", "128", "--height", "96"], "not built for 128x96, 124 frames; its profiles are 160x96x5s"),
+    (["--duration", "6"], "not built for 160x96, 158 frames"),
+    (["--steps", "10"], "baked for steps=50, video shift 12, audio shift 3"),
+])
+def test_refuses_requests_the_bundle_cannot_serve(bundles, tmp_path, extra, message, capsys):
+    out = tmp_path / "x.mp4"
+    assert main(["run", "--engine", str(bundles["inductor"]), "--prompt", "x", "--output", str(out), "--quiet",
+                 *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not out.exists()
+
+
+def test_keep_adaln_bundle_serves_another_schedule(bundles, tmp_path):
+    out = tmp_path / "short.mp4"
+    assert main(["run", "--engine", str(bundles["aoti"]), "--prompt", "x", "--output", str(out), "--quiet",
+                 "--steps", "4"]) == 0
+    assert json.loads(out.with_suffix(".json").read_text())["evaluations"] == 3
+
+
+def test_baked_tables_refuse_unknown_timesteps(bundles):
+    from safetensors.torch import load_file
+
+    tables = BakedAdaLN(load_file(str(bundles["inductor"] / "weights" / "adaln_tables.safetensors")), torch.device("cpu"))
+    with pytest.raises(ValueError, match="not in this bundle's baked AdaLN tables"):
+        tables.rows(torch.tensor([0.123456]))
+
+
+def test_build_is_refused_when_a_segment_fails_to_load(bundles, tmp_path, tiny_root):
+    """The fresh-process check before the manifest: a segment that cannot load stops the build with the reason."""
+    work = tmp_path / "work"
+    shutil.copytree(bundles["inductor"], work)
+    (work / "segments" / "final.inductor.bin").write_bytes(b"not a compiled artifact")
+    model, _ = load_dit(tiny_root, "t2va", torch.float32)
+    manifest = read_manifest(bundles["inductor"])
+    config = BuildConfig(tiny_root, tmp_path / "out", precision="fp32", profiles=(TINY_PROFILE,), device="cpu")
+    with pytest.raises(BuildError, match="failed to load or match in a fresh process"):
+        _verify_in_subprocess(work, config, manifest["segments"], example_inputs(model, TINY_PROFILE.geometry, "cpu"),
+                              model)
+
+
+def test_build_refuses_bad_options(tiny_root, tmp_path):
+    with pytest.raises(ValueError, match="--sp > 1 needs the DeviceMesh runtime"):
+        BuildConfig(tiny_root, tmp_path / "b", sp=2)
+    with pytest.raises(ValueError, match="--precision fp8 is not built yet"):
+        BuildConfig(tiny_root, tmp_path / "b", precision="fp8")
+    with pytest.raises(ValueError, match="WIDTHxHEIGHTxSECONDS"):
+        Profile.parse("1344x768")
+    with pytest.raises(ValueError, match="Unsupported resolution"):
+        Profile.parse("1350x768x5")
