@@ -15,6 +15,7 @@ import torch
 
 from h3trt.build.adaln import BakedAdaLN, schedule_timesteps
 from h3trt.build.builder import BuildConfig, BuildError, Profile, _verify_in_subprocess, build, example_inputs
+from h3trt.build.segments import dit_segments
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import CompilerInvoked, no_compile
@@ -79,6 +80,24 @@ def test_run_from_bundle_matches_eager_run(bundles, tmp_path, tiny_cache):
     assert record["bundle"]["backend"] == "inductor"
 
 
+@pytest.mark.parametrize("backend", ["inductor", "aoti"])
+def test_compiled_video_decoder_matches_eager(backend, bundles):
+    from h3trt.models.vae_checkpoint import load_video_vae
+
+    engine = Engine.load(bundles[backend], "cpu")
+    eager = load_video_vae(bundles[backend])
+    served = load_video_vae(bundles[backend])
+    served.tile_decoders = engine.video_decoders(served.vae)
+    z = torch.randn(1, 24, 37, 6, 10, generator=torch.Generator().manual_seed(3))
+    with no_compile():
+        got = torch.cat(list(served.decode_stream(z)), dim=2)
+    want = torch.cat(list(eager.decode_stream(z)), dim=2)
+    assert got.shape == want.shape == (1, 3, 124, 96, 160)
+    assert (got - want).abs().max() <= 1e-4  # pixels in [0, 1]
+    with pytest.raises(ValueError, match="no compiled video decoder for a 7-latent window of 4x6"):
+        list(served.decode_stream(z[..., :4, :6]))
+
+
 def test_serving_compiles_nothing():
     """The guard `h3trt run --engine` serves under raises on any compiler entry, so the runs above prove the bundle
     carried everything."""
@@ -93,7 +112,7 @@ def test_manifest_records_the_build(bundles):
     assert m["versions"]["torch"] == torch.__version__
     assert m["adaln"]["baked"] and m["adaln"]["timesteps"] == schedule_timesteps(Schedule()).numel()
     assert m["mesh"] == {"replica": 1, "cfg": 1, "sp": 1} and m["tasks"] == ["t2va", "fl2va"]
-    assert set(m["segments"]) == {"embed", "block", "final"}
+    assert set(m["segments"]) == {"embed", "block", "final", "video_decoder_7x6x10"}  # 160x96: one 6x10 tile
     assert not any(name.startswith("weights/adaln_weights") for name in m["files"])  # adaln_proj left out
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())
     keep = read_manifest(bundles["aoti"])
@@ -187,9 +206,10 @@ def test_build_is_refused_when_a_segment_fails_to_load(bundles, tmp_path, tiny_r
     model, _ = load_dit(tiny_root, "t2va", torch.float32)
     manifest = read_manifest(bundles["inductor"])
     config = BuildConfig(tiny_root, tmp_path / "out", precision="fp32", profiles=(TINY_PROFILE,), device="cpu")
+    specs = {spec.name: spec for spec in dit_segments(model.cfg, torch.float32)}
     with pytest.raises(BuildError, match="failed to load or match in a fresh process"):
         _verify_in_subprocess(work, config, manifest["segments"], example_inputs(model, TINY_PROFILE.geometry, "cpu"),
-                              model)
+                              specs)
 
 
 def test_build_refuses_bad_options(tiny_root, tmp_path):

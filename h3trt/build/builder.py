@@ -192,12 +192,14 @@ def build(config: BuildConfig, log=print) -> dict:
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
         examples = example_inputs(model, config.profiles[0].geometry, device)
+        specs = {spec.name: spec for spec in dit_segments(model.cfg, dtype)}
+        specs.update(_video_decoder_specs(source.component_root, config.profiles, device, examples))
         cache = work / "inductor_cache" if config.backend == "inductor" else Path(tempfile.mkdtemp(prefix="h3trt-aoti-"))
         cache.mkdir(parents=True, exist_ok=True)
         segments = {}
         t0 = time.perf_counter()
         with temporary_cache_dir(str(cache)):
-            for spec in dit_segments(model.cfg, dtype):
+            for spec in specs.values():
                 ts = time.perf_counter()
                 entry = compile_segment(config.backend, spec, examples[spec.name], work / "segments")
                 segments[spec.name] = {"name": spec.name, **entry, "inputs": spec.inputs, "weights": spec.weights,
@@ -216,7 +218,7 @@ def build(config: BuildConfig, log=print) -> dict:
 
         # 5. Every artifact loads and matches in a fresh process (AOTI on the H200 image segfaults at load).
         t0 = time.perf_counter()
-        _verify_in_subprocess(work, config, segments, examples, model)
+        _verify_in_subprocess(work, config, segments, examples, specs)
         timings["verify_s"] = time.perf_counter() - t0
 
         # 6. Manifest last, then the rename.
@@ -264,13 +266,32 @@ def _checkpoint_sha(files) -> str:
     return h.hexdigest()
 
 
-def _verify_in_subprocess(work: Path, config: BuildConfig, segments: dict, examples: dict, model) -> None:
+def _video_decoder_specs(component_root: Path, profiles, device, examples: dict) -> dict:
+    """One static-shape video decoder segment per (window, tile) shape the profiles decode; fills `examples`."""
+    from ..models.vae_checkpoint import load_video_vae
+    from .segments import video_decoder_segment
+
+    video_vae = load_video_vae(component_root, device)
+    tensors = {**dict(video_vae.vae.named_parameters()), **dict(video_vae.vae.named_buffers())}
+    channels = video_vae.vae.config.latent_channels
+    specs = {}
+    for profile in profiles:
+        geo = profile.geometry
+        for t, h, w in video_vae.tile_shapes(geo.latent_frames, geo.latent_height, geo.latent_width):
+            spec = video_decoder_segment(video_vae.vae, t, h, w)
+            z = torch.randn(1, channels, t, h, w, generator=torch.Generator().manual_seed(0)).to(device)
+            examples[spec.name] = [z] + [tensors[n].detach() for n in spec.weights]
+            specs[spec.name] = spec
+    return specs
+
+
+def _verify_in_subprocess(work: Path, config: BuildConfig, segments: dict, examples: dict, specs: dict) -> None:
     from safetensors.torch import save_file
 
     with tempfile.TemporaryDirectory(prefix="h3trt-verify-") as tmp:
         tensors, plan = {}, {}
         for name, inputs in examples.items():
-            spec = next(s for s in dit_segments(model.cfg, model.dtype) if s.name == name)
+            spec = specs[name]
             with torch.no_grad():
                 want = spec.fn(*inputs)
             want = want if isinstance(want, tuple) else (want,)

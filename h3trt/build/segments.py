@@ -119,3 +119,54 @@ def final_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
 
 def dit_segments(cfg: H3Config, dtype: torch.dtype) -> list[SegmentSpec]:
     return [embed_segment(cfg, dtype), block_segment(cfg, dtype), final_segment(cfg, dtype)]
+
+
+class _VideoDecode(torch.nn.Module):
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, z):
+        return self.vae.decoder(self.vae.post_quant_conv(z))
+
+
+class _AudioDecode(torch.nn.Module):
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, latents):
+        return self.vae.decoder(self.vae.dec_in_proj(latents))
+
+
+def _vae_segment(name: str, wrapper: torch.nn.Module, prefixes: tuple[str, ...], input_name: str) -> SegmentSpec:
+    # Buffers too (rotary frequencies, anti-aliasing filters): an exported graph must have no lifted tensors.
+    tensors = list(wrapper.vae.named_parameters()) + list(wrapper.vae.named_buffers())
+    weights = [n for n, _ in tensors if n.startswith(prefixes)]
+
+    def run(x, *w):
+        return torch.func.functional_call(wrapper, {"vae." + n: t for n, t in zip(weights, w)}, (x,), strict=False)
+
+    # Static shapes: a VAE segment is compiled per tile shape / clip length of the bundle's profiles.
+    return SegmentSpec(name, run, [input_name], weights, dynamic={}, outputs=["waveform" if "audio" in name else
+                                                                               "pixels"])
+
+
+def video_decoder_segment(vae, window_latents: int, tile_h: int, tile_w: int) -> SegmentSpec:
+    """One temporal window of one spatial tile: latent [1, C, window, h, w] -> pixels (the unit parallel decode
+    distributes)."""
+    return _vae_segment(video_decoder_name(window_latents, tile_h, tile_w), _VideoDecode(vae),
+                        ("post_quant_conv.", "decoder."), "z")
+
+
+def audio_decoder_segment(vae, audio_latents: int) -> SegmentSpec:
+    """Denormalised stereo latents [2, C, A] -> waveform [2, 1, A * 800]."""
+    return _vae_segment(audio_decoder_name(audio_latents), _AudioDecode(vae), ("dec_in_proj.", "decoder."), "latents")
+
+
+def video_decoder_name(window_latents: int, tile_h: int, tile_w: int) -> str:
+    return f"video_decoder_{window_latents}x{tile_h}x{tile_w}"
+
+
+def audio_decoder_name(audio_latents: int) -> str:
+    return f"audio_decoder_{audio_latents}"

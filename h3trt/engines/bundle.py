@@ -92,8 +92,20 @@ class EngineDiT:
 class Engine:
     """A loaded bundle."""
 
-    def __init__(self, root: Path, manifest: dict, dit: EngineDiT):
-        self.root, self.manifest, self.dit = Path(root), manifest, dit
+    def __init__(self, root: Path, manifest: dict, dit: EngineDiT, segments: dict[str, LoadedSegment]):
+        self.root, self.manifest, self.dit, self.segments = Path(root), manifest, dit, segments
+
+    def video_decoders(self, vae) -> dict[tuple[int, int, int], object]:
+        """The compiled tile decoders, by (window latents, tile h, tile w), bound to `vae`'s weights."""
+        tensors = {**dict(vae.named_parameters()), **dict(vae.named_buffers())}
+        decoders = {}
+        for name, entry in self.manifest["segments"].items():
+            if name.startswith("video_decoder_"):
+                key = tuple(int(v) for v in name.removeprefix("video_decoder_").split("x"))
+                weights = [tensors[n] for n in entry["weights"]]
+                segment = self.segments[name]
+                decoders[key] = lambda z, segment=segment, weights=weights: segment(z, *weights)[0]
+        return decoders
 
     @classmethod
     def load(cls, root: Path, device: str | torch.device, world_size: int = 1) -> "Engine":
@@ -114,4 +126,4 @@ class Engine:
         else:
             adaln = LiveAdaLN(_load_weights(root / "weights" / "adaln_weights.safetensors", device), cfg.num_layers,
                               cfg.hidden_size, device)
-        return cls(root, manifest, EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device))
+        return cls(root, manifest, EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device), segments)

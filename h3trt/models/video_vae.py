@@ -110,6 +110,8 @@ class VideoVAE:
 
     def __init__(self, vae, latents_mean, latents_std):
         self.vae = vae.eval().requires_grad_(False)
+        # Compiled tile decoders of an engine bundle, by (window latents, tile h, tile w); None: decode eagerly.
+        self.tile_decoders: dict[tuple[int, int, int], object] | None = None
         self.latents_mean = torch.as_tensor(latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
         self.latents_std = torch.as_tensor(latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
 
@@ -132,7 +134,23 @@ class VideoVAE:
         """All tiles of one window, stitched: [B, 3, 28, H, W] in the VAE's output space (ImageNet-normalised)."""
         start, stop = plan.windows[window]
         z = z_BCTHW[:, :, start:stop]
-        return stitch(self.vae, plan, [decode_tile(self.vae, z, tile) for tile in plan.tiles])
+        return stitch(self.vae, plan, [self._decode_tile(z, tile) for tile in plan.tiles])
+
+    def _decode_tile(self, z_window: torch.Tensor, tile: Tile) -> torch.Tensor:
+        if self.tile_decoders is None:
+            return decode_tile(self.vae, z_window, tile)
+        key = (z_window.shape[2], tile.y1 - tile.y0, tile.x1 - tile.x0)
+        if key not in self.tile_decoders:
+            raise ValueError(f"This bundle has no compiled video decoder for a {key[0]}-latent window of {key[1]}x"
+                             f"{key[2]} latent tiles (built: {sorted(self.tile_decoders)}); rebuild with this profile.")
+        # Compiled code was specialised to contiguous inputs; a tile is a strided view of the window.
+        return self.tile_decoders[key](z_window[..., tile.y0:tile.y1, tile.x0:tile.x1].contiguous())
+
+    def tile_shapes(self, latent_frames: int, latent_h: int, latent_w: int) -> list[tuple[int, int, int]]:
+        """Distinct (window latents, tile h, tile w) a decode of this latent shape runs: what a bundle compiles."""
+        plan = self.plan(latent_frames, latent_h, latent_w)
+        windows = {stop - start for start, stop in plan.windows}
+        return sorted({(t, tile.y1 - tile.y0, tile.x1 - tile.x0) for t in windows for tile in plan.tiles})
 
     @torch.no_grad()
     def decode_stream(self, latents_BCTHW: torch.Tensor) -> Iterator[torch.Tensor]:

@@ -249,7 +249,9 @@ class H3Pipeline:
                           schedule.audio_shift, prepared.request.task)
 
         shifts = (m["schedule"]["video_shift"], m["schedule"]["audio_shift"])
-        return cls(engine.dit, *_eager_components(Path(bundle_root), device, dtype), shifts, device, canvas, admit)
+        text_encoder, video_vae, audio_vae = _eager_components(Path(bundle_root), device, dtype)
+        video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
+        return cls(engine.dit, text_encoder, video_vae, audio_vae, shifts, device, canvas, admit)
 
     def schedule(self, request: Request) -> Schedule:
         return Schedule(request.steps, request.video_shift or self.shifts[0], request.audio_shift or self.shifts[1])
