@@ -1,0 +1,59 @@
+"""The device mesh: one object owns the parallel degrees, validates them once, and builds the mesh.
+
+Axes, outermost to innermost: replica (independent requests), cfg (guidance branches), sp (Ulysses sequence
+parallel). Ulysses is innermost because its two all-to-alls per block need the fastest links; replicas only meet at
+start-up. Groups are passed explicitly to whatever needs them; there is no module-level mesh.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+AXES = ("replica", "cfg", "sp")
+
+
+def valid_sp(num_heads: int) -> list[int]:
+    """Sequence-parallel degrees that split the heads evenly (56 heads: 1, 2, 4, 7, 8, 14, 28, 56)."""
+    return [d for d in range(1, num_heads + 1) if num_heads % d == 0]
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    """Parallel degrees of one job."""
+
+    replica: int = 1  # independent request groups
+    cfg: int = 1  # guidance branches (H3 is guidance-distilled: 1 unless guidance > 1)
+    sp: int = 1  # Ulysses sequence-parallel degree: ranks sharing one sequence
+
+    def __post_init__(self):
+        for axis in AXES:
+            if getattr(self, axis) < 1:
+                raise ValueError(f"Mesh degree {axis} must be >= 1, got {getattr(self, axis)}.")
+        if self.cfg not in (1, 2):
+            raise ValueError(f"cfg parallelism splits the two guidance branches: cfg must be 1 or 2, got {self.cfg}.")
+
+    @property
+    def world_size(self) -> int:
+        return self.replica * self.cfg * self.sp
+
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        return self.replica, self.cfg, self.sp
+
+    def validate(self, world_size: int, num_heads: int) -> None:
+        """Raise, with the arithmetic, unless the degrees fill the world and sp splits the heads."""
+        if self.world_size != world_size:
+            raise ValueError(f"Invalid mesh: replica({self.replica}) * cfg({self.cfg}) * sp({self.sp}) = "
+                             f"{self.world_size} != world size ({world_size}). Launch {self.world_size} ranks or "
+                             "change the degrees.")
+        if num_heads % self.sp:
+            raise ValueError(f"Invalid mesh: sp={self.sp} does not divide the {num_heads} attention heads "
+                             f"({num_heads} % {self.sp} = {num_heads % self.sp}); valid sp: {valid_sp(num_heads)}.")
+
+
+def build_mesh(config: MeshConfig, device_type: str, world_size: int, num_heads: int):
+    """`init_device_mesh` with axes (replica, cfg, sp), validated first (before any collective)."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    config.validate(world_size, num_heads)
+    return init_device_mesh(device_type, config.shape, mesh_dim_names=AXES)
