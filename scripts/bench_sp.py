@@ -1,0 +1,137 @@
+"""Ulysses sequence parallel on one host: per-step time of a full-width 4-block H3 stack at sp=1 and sp=N in one run,
+and the all-to-all time per layer.
+
+    python scripts/bench_sp.py --gpus 2 --out bench/results/sp_h200x2.json
+    python scripts/bench_sp.py --cpu-check          # tiny config, gloo, 2 processes: checks the script itself
+
+Shape: hidden 5376, 56 heads x 128, 37,838 tokens (1344x768, 124 frames), bf16, random weights (std 0.02). The step
+is the block stack (embed and heads are negligible at this length and run unsharded). Median of 5 after 2 warm-ups.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+TOKENS = 128 + 2 * 207 + 37 * 24 * 42
+
+
+def _time(fn, device, n=5, warm=2) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(n):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[n // 2]
+
+
+def _worker(rank: int, world: int, store: str, out: str, cpu: bool) -> None:
+    from h3trt.models.config import H3Config
+    from h3trt.models.dit import Block, rope_inv_freq, rope_tables
+    from h3trt.runtime.ulysses import UlyssesAttention, padded_length
+
+    device = torch.device("cpu") if cpu else torch.device("cuda", rank)
+    if not cpu:
+        torch.cuda.set_device(device)
+    dist.init_process_group("gloo" if cpu else "nccl", init_method=f"file://{store}", rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=120))
+    cfg = H3Config.tiny(num_heads=4, head_dim=32) if cpu else H3Config()
+    dtype = torch.float32 if cpu else torch.bfloat16
+    tokens = 301 if cpu else TOKENS
+    torch.manual_seed(0)  # the same weights and inputs on every rank
+    blocks = [Block(cfg).to(device, dtype).eval() for _ in range(4)]
+    for b in blocks:
+        for p in b.parameters():
+            torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, tokens, cfg.hidden_size, device=device, dtype=dtype)
+    temb = torch.randn(2, cfg.time_embed_dim, device=device)
+    idx = torch.randint(0, 6, (tokens,), device=device)
+    cos, sin = rope_tables(torch.rand(tokens, 3, device=device) * 40, rope_inv_freq(cfg).to(device))
+    mods = [b.modulation(temb).contiguous() for b in blocks]
+    result = {"world": world, "tokens": tokens, "device": str(torch.cuda.get_device_name(device)) if not cpu else "cpu",
+              "torch": torch.__version__, "precision": str(dtype)}
+
+    with torch.no_grad():
+        def step_sp1():
+            h = x
+            for b, m in zip(blocks, mods):
+                h = b(h, m, idx, (cos, sin))
+            return h
+
+        padded = padded_length(tokens, world)
+        rows = slice(rank * padded // world, (rank + 1) * padded // world)
+        pad = padded - tokens
+        xp = torch.nn.functional.pad(x, (0, 0, 0, pad))[:, rows].contiguous()
+        idxp = torch.nn.functional.pad(idx, (0, pad))[rows]
+        cosp = torch.nn.functional.pad(cos, (0, 0, 0, pad))[rows]
+        sinp = torch.nn.functional.pad(sin, (0, 0, 0, pad))[rows]
+        attn = UlyssesAttention(dist.group.WORLD, tokens, padded)
+
+        def step_sp():
+            h = xp
+            for b, m in zip(blocks, mods):
+                h = b(h, m, idxp, (cosp, sinp), attn)
+            return h
+
+        # Reference on every rank (each rank computes the same single-device result; rank 0's time is reported).
+        ref = step_sp1()
+        result["ms_per_step_sp1"] = _time(step_sp1, device)
+        got = step_sp()
+        parts = [torch.empty_like(got) for _ in range(world)]
+        dist.all_gather(parts, got)
+        full = torch.cat(parts, dim=1)[:, :tokens]
+        result["rel_err_sp_vs_sp1"] = ((full.float() - ref.float()).norm() / ref.float().norm()).item()
+        result[f"ms_per_step_sp{world}"] = _time(step_sp, device)
+        # The two all-to-alls of one layer, on tensors of the real sizes.
+        N, D = cfg.num_heads, cfg.head_dim
+        qkv = torch.randn(world, 3, 1, padded // world, N // world, D, device=device, dtype=dtype)
+        o = torch.randn(world, 1, padded // world, N // world, D, device=device, dtype=dtype)
+        buf1, buf2 = torch.empty_like(qkv), torch.empty_like(o)
+
+        def a2a():
+            dist.all_to_all_single(buf1, qkv)
+            dist.all_to_all_single(buf2, o)
+
+        result["ms_all_to_all_per_layer"] = _time(a2a, device)
+    result["speedup"] = result["ms_per_step_sp1"] / result[f"ms_per_step_sp{world}"]
+    if rank == 0:
+        Path(out).write_text(json.dumps(result, indent=1))
+        for key, value in result.items():
+            print(f"{key:<26} {value}", flush=True)
+    dist.destroy_process_group()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--gpus", type=int, default=2)
+    p.add_argument("--out", type=Path, default=ROOT / "bench/results/sp.json")
+    p.add_argument("--cpu-check", action="store_true")
+    args = p.parse_args()
+    world = 2 if args.cpu_check else args.gpus
+    store = f"/tmp/h3trt-bench-sp-{os.getpid()}"
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    mp.spawn(_worker, args=(world, store, str(args.out), args.cpu_check), nprocs=world, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
