@@ -47,6 +47,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--audio-shift", type=float, help="audio sigma shift (default: the checkpoint's, 3)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--gpus", type=int, default=1,
+                   help="local ranks to spawn, sharing one sequence (Ulysses sp = --gpus; eager path; on a CPU-only "
+                        "machine the ranks are CPU processes over gloo)")
 
 
 def cmd_run(args) -> int:
@@ -54,8 +57,7 @@ def cmd_run(args) -> int:
 
     from .models.checkpoint import locate_transformer
     from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
-    from .runtime.pipeline import (CanvasDefaults, H3Pipeline, Request, prepare, record_path, request_dict,
-                                   write_json_atomic)
+    from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
 
     output: Path = args.output
     if output.suffix.lower() != ".mp4":
@@ -85,6 +87,8 @@ def cmd_run(args) -> int:
         locate_transformer(model_root, request.task)  # a bad checkpoint fails before the slow loads
     output.parent.mkdir(parents=True, exist_ok=True)
 
+    if args.gpus > 1:
+        return _run_sequence_parallel(args, request, prepared, model_root, device, canvas, tiny, output)
     if manifest is not None:
         from .engines.guard import no_compile
 
@@ -105,13 +109,20 @@ def cmd_run(args) -> int:
     finally:
         if bar is not None:
             bar.close()
-    record["request"] = request_dict(request)
-    record["model"] = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root))
     if manifest:
         record["bundle"] = {"backend": manifest["backend"], "precision": manifest["precision"],
                             "files_sha256": _bundle_hash(manifest)}
-    write_json_atomic(record_path(output), record)
+    _finish(record, request, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), output)
+    return 0
 
+
+def _finish(record: dict, request, model: str, output: Path) -> None:
+    """Write the record beside the MP4 and print the summary."""
+    from .runtime.pipeline import record_path, request_dict, write_json_atomic
+
+    record["request"] = request_dict(request)
+    record["model"] = model
+    write_json_atomic(record_path(output), record)
     print(f"wrote {output}: {record['frames']} frames {record['width']}x{record['height']} @ {record['fps']} fps, "
           f"{record['audio_samples'] / record['audio_sample_rate']:.3f} s stereo audio ({record['task']}, "
           f"seed {record['seed']})")
@@ -119,7 +130,62 @@ def cmd_run(args) -> int:
     for stage, seconds in record["timings_s"].items():
         print(f"  {stage:<17}{seconds:8.2f} s")
     print(f"  {'total':<17}{total:8.2f} s   (timings: {record_path(output)})")
+
+
+def _run_sequence_parallel(args, request, prepared, model_root, device, canvas, tiny, output) -> int:
+    """Spawn --gpus local ranks sharing one sequence (Ulysses); rank 0 decodes and writes."""
+    from .models.checkpoint import locate_transformer
+    from .runtime.launch import launch
+    from .runtime.mesh import MeshConfig
+
+    if args.engine is not None:
+        raise ValueError("--gpus > 1 with --engine needs a bundle built for that mesh (h3trt build --sp), which this "
+                         "builder does not make yet; run --gpus with --model or the tiny default.")
+    cfg = locate_transformer(model_root, request.task).config
+    MeshConfig(sp=args.gpus).validate(args.gpus, cfg.num_heads)  # before any process starts
+    device_type = torch_device_type(device)
+    if device_type == "cuda":
+        import torch
+
+        if torch.cuda.device_count() < args.gpus:
+            raise ValueError(f"--gpus {args.gpus} but only {torch.cuda.device_count()} CUDA devices are visible.")
+    job = dict(model_root=str(model_root), task=request.task, device_type=device_type, canvas=canvas,
+               prepared=prepared, output=str(output), crf=args.crf, quiet=args.quiet,
+               model="embedded-tiny" if tiny else str(model_root))
+    launch(_serve_rank, args.gpus, (job,))
     return 0
+
+
+def torch_device_type(device: str) -> str:
+    return "cuda" if str(device).startswith("cuda") else "cpu"
+
+
+def _serve_rank(rank: int, world: int, store: str, job: dict) -> None:
+    import torch.distributed as dist
+
+    from .runtime.launch import init_rank
+    from .runtime.pipeline import H3Pipeline
+    from .runtime.ulysses import UlyssesDiT
+
+    init_rank(rank, world, store, job["device_type"])
+    device = f"cuda:{rank}" if job["device_type"] == "cuda" else "cpu"
+    pipeline = H3Pipeline.load(Path(job["model_root"]), job["task"], device, job["canvas"])
+    pipeline.dit = UlyssesDiT(pipeline.dit.model, dist.group.WORLD)
+    bar = None
+    if rank == 0 and not job["quiet"]:
+        from tqdm import tqdm
+
+        bar = tqdm(total=pipeline.schedule(job["prepared"].request).num_evaluations, desc=f"denoise (sp={world})",
+                   unit="step", file=sys.stderr)
+    record = pipeline.generate(job["prepared"], Path(job["output"]), crf=job["crf"], write=rank == 0,
+                               on_step=(lambda i, n: bar.update(1)) if bar else None)
+    if bar is not None:
+        bar.close()
+    if rank == 0:
+        record["mesh"] = {"replica": 1, "cfg": 1, "sp": world}
+        _finish(record, job["prepared"].request, job["model"], Path(job["output"]))
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def _bundle_hash(manifest: dict) -> str:
@@ -207,11 +273,12 @@ def main(argv=None) -> int:
     _build_parser(sub)
     args = parser.parse_args(argv)
     from .models.checkpoint import CheckpointError
+    from .runtime.launch import RankFailed
     from .runtime.media import MediaError
 
     try:
         return {"run": cmd_run, "build": cmd_build, "inspect": cmd_inspect, "verify": cmd_verify}[args.command](args)
-    except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError) as e:
+    except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed) as e:
         message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
         print(f"h3trt: error: {message}", file=sys.stderr)
         return 2

@@ -258,8 +258,9 @@ class H3Pipeline:
 
     @torch.no_grad()
     def generate(self, prepared: Prepared, output: Path, crf: int = 18,
-                 on_step: Callable[[int, int], None] | None = None) -> dict:
-        """Run stages 1-5 for a prepared request; returns the record written beside the MP4."""
+                 on_step: Callable[[int, int], None] | None = None, write: bool = True) -> dict | None:
+        """Run stages 1-5 for a prepared request; returns the record written beside the MP4. A rank that does not
+        write (write=False: every sequence-parallel rank but the first) stops after denoising."""
         req, geo, timer = prepared.request, prepared.geometry, StageTimer(self.device)
         cfg = self.dit.cfg
         schedule = self.schedule(req)
@@ -299,6 +300,9 @@ class H3Pipeline:
                                   tuple(conditions), tuple(ref_audio))
         with timer("denoise"):
             final = self._denoise(text.embeds, layout, latents, schedule, on_step)
+
+        if not write:
+            return None
 
         # 4-5. Decode and mux, streamed: a window of frames is encoded while the next decodes.
         video_rows = final.video[layout.num_condition_video_rows:]

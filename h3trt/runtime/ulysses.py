@@ -82,3 +82,13 @@ def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layou
     dist.all_gather(parts, x_local.contiguous(), group=group)
     x = torch.cat(parts, dim=1)[:, :seq_len]
     return model.final(x, temb, t_index, layout.video_index, layout.audio_index)
+
+
+class UlyssesDiT:
+    """The eager DiT with its block stack sharded over `group`: the runner signature the pipeline calls."""
+
+    def __init__(self, model: H3DiT, group):
+        self.model, self.cfg, self.group = model, model.cfg, group
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout):
+        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout)

@@ -1,0 +1,92 @@
+"""Self-launched local ranks that never hang: if one rank raises or dies, every rank is ended and the parent raises
+one error naming the rank and its reason.
+
+Bounds: a rank's death is seen within POLL_S; the others get SIGTERM, then SIGKILL after GRACE_S. A rank stuck in a
+collective whose peer died fails by itself when the process-group timeout (COLLECTIVE_TIMEOUT_S) expires.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Callable
+
+import torch.multiprocessing as mp
+
+POLL_S = 0.2
+GRACE_S = 5.0
+COLLECTIVE_TIMEOUT_S = 60
+
+
+class RankFailed(RuntimeError):
+    """A local rank raised or died; every other rank was ended."""
+
+
+def init_rank(rank: int, world: int, store: str, device_type: str) -> None:
+    """Join the process group: gloo on the CPU, NCCL on GPUs (one per rank), with a bounded collective timeout."""
+    import torch
+    import torch.distributed as dist
+
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+
+
+def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple) -> None:
+    try:
+        fn(rank, world, store, *args)
+    except BaseException as e:  # record why, then die non-zero so the parent ends the others
+        Path(error_dir, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
+        os._exit(1)
+
+
+def launch(fn: Callable, world: int, args: tuple = ()) -> None:
+    """Run fn(rank, world, store, *args) in `world` spawned processes; return when all succeed."""
+    ctx = mp.get_context("spawn")
+    work = tempfile.mkdtemp(prefix="h3trt-launch-")
+    store = os.path.join(work, "store")
+    procs = [ctx.Process(target=_entry, args=(fn, r, world, store, work, args)) for r in range(world)]
+    for p in procs:
+        p.start()
+    try:
+        while True:
+            codes = [p.exitcode for p in procs]
+            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
+            if failed:
+                # The root cause first: a rank that died without a word, else the earliest recorded error; peers
+                # of a failed rank fail too (connection reset) and are named as consequences.
+                def when(item):
+                    f = Path(work, f"rank{item[0]}.err")
+                    return f.stat().st_mtime if f.exists() else float("-inf")
+
+                failed.sort(key=when)
+                rank, code = failed[0]
+                reason_file = Path(work, f"rank{rank}.err")
+                reason = (reason_file.read_text().split("\n", 1)[0] if reason_file.exists()
+                          else f"it died (signal {-code})" if code < 0 else f"it exited with status {code}")
+                others = [r for r, _ in failed[1:]]
+                also = f" (then rank{'s' if len(others) > 1 else ''} {others} failed with it)" if others else ""
+                raise RankFailed(f"rank {rank} of {world} failed: {reason}{also}. Every rank was stopped; no "
+                                 "output was written.")
+            if all(c == 0 for c in codes):
+                return
+            time.sleep(POLL_S)
+    finally:
+        _stop(procs)
+
+
+def _stop(procs) -> None:
+    alive = [p for p in procs if p.is_alive()]
+    for p in alive:
+        p.terminate()
+    deadline = time.monotonic() + GRACE_S
+    for p in alive:
+        p.join(max(0.0, deadline - time.monotonic()))
+        if p.is_alive():
+            p.kill()
+            p.join()
