@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from .audio_vae import AudioVAE
-from .checkpoint import CheckpointError, check_state_dict
+from .checkpoint import CheckpointError, check_state_dict, deinterleave_qkv, interleave_qkv
 from .video_vae import TILE_OVERLAP_PX, TILE_PX, VideoVAE
 
 RELEASED_VIDEO_VAE = dict(
@@ -77,8 +77,7 @@ def video_vae_native_to_diffusers(native: dict[str, torch.Tensor], heads: int, h
         new = (new.replace("decoder.x_embedder.", "decoder.proj_in.").replace(".attn.to_out.", ".attn.to_out.0.")
                .replace(".ff.w1.", ".ff.net.0.proj.").replace(".ff.w2.", ".ff.net.2."))
         if ".attn.to_qkv." in new:
-            grouped = value.reshape(heads, 3, head_dim, *value.shape[1:]).transpose(0, 1)
-            for part, tensor in zip("qkv", grouped.reshape(3, heads * head_dim, *value.shape[1:])):
+            for part, tensor in zip("qkv", deinterleave_qkv(value, heads, head_dim).chunk(3, dim=0)):
                 out[new.replace(".attn.to_qkv.", f".attn.to_{part}.")] = tensor.contiguous()
         elif ".ff.net.0.proj." in new:
             gate, up = value.chunk(2, dim=0)
@@ -109,10 +108,8 @@ def video_vae_diffusers_to_native(state: dict[str, torch.Tensor], heads: int, he
         else:
             out[new] = value
     for (prefix, kind), parts in qkv.items():
-        stacked = torch.stack([parts["q"], parts["k"], parts["v"]])  # [3, heads * head_dim, ...]
-        rest = stacked.shape[2:]
-        inter = stacked.reshape(3, heads, head_dim, *rest).transpose(0, 1).reshape(3 * heads * head_dim, *rest)
-        out[f"{prefix}.attn.to_qkv.{kind}"] = inter.contiguous()
+        stacked = torch.cat([parts["q"], parts["k"], parts["v"]])
+        out[f"{prefix}.attn.to_qkv.{kind}"] = interleave_qkv(stacked, heads, head_dim).contiguous()
     out["decoder.mask_token"] = torch.zeros(1, 1, state["decoder.proj_in.weight"].shape[0])
     return out
 
