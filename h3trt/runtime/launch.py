@@ -40,6 +40,12 @@ def init_rank(rank: int, world: int, store: str, device_type: str) -> None:
 def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple) -> None:
     try:
         fn(rank, world, store, *args)
+        import torch.distributed as dist
+
+        if dist.is_initialized():
+            # Leave together: a process exiting with live gloo/NCCL threads aborts (SIGABRT) at shutdown.
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException as e:  # record why, then die non-zero so the parent ends the others
         Path(error_dir, f"rank{rank}.err").write_text(f"{type(e).__name__}: {e}\n\n{traceback.format_exc()}")
         os._exit(1)
