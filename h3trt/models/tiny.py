@@ -50,9 +50,12 @@ def tiny_audio_vae():
 
 def write_tiny_checkpoint(root: Path) -> Path:
     """Write the whole tiny model in the official layout: FL2VA/ and Ref2VA/, each with every component."""
+    from transformers.utils import logging as hf_logging
+
     from .text_encoder import write_tiny_text_encoder
     from .vae_checkpoint import save_audio_vae, save_video_vae
 
+    hf_logging.disable_progress_bar()  # a "Writing model shards" bar for a 3 MB model is noise on the first run
     cfg = H3Config.tiny()
     fork = torch.random.get_rng_state()
     try:
