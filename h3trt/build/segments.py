@@ -121,22 +121,15 @@ def dit_segments(cfg: H3Config, dtype: torch.dtype) -> list[SegmentSpec]:
     return [embed_segment(cfg, dtype), block_segment(cfg, dtype), final_segment(cfg, dtype)]
 
 
-class _VideoDecode(torch.nn.Module):
-    def __init__(self, vae):
+class _Decode(torch.nn.Module):
+    """A VAE decoder behind its input projection (`post_quant_conv` for video, `dec_in_proj` for audio)."""
+
+    def __init__(self, vae, input_proj: str):
         super().__init__()
-        self.vae = vae
+        self.vae, self.input_proj = vae, input_proj
 
-    def forward(self, z):
-        return self.vae.decoder(self.vae.post_quant_conv(z))
-
-
-class _AudioDecode(torch.nn.Module):
-    def __init__(self, vae):
-        super().__init__()
-        self.vae = vae
-
-    def forward(self, latents):
-        return self.vae.decoder(self.vae.dec_in_proj(latents))
+    def forward(self, x):
+        return self.vae.decoder(getattr(self.vae, self.input_proj)(x))
 
 
 def _vae_segment(name: str, wrapper: torch.nn.Module, prefixes: tuple[str, ...], input_name: str) -> SegmentSpec:
@@ -155,13 +148,13 @@ def _vae_segment(name: str, wrapper: torch.nn.Module, prefixes: tuple[str, ...],
 def video_decoder_segment(vae, window_latents: int, tile_h: int, tile_w: int) -> SegmentSpec:
     """One temporal window of one spatial tile: latent [1, C, window, h, w] -> pixels (the unit parallel decode
     distributes)."""
-    return _vae_segment(video_decoder_name(window_latents, tile_h, tile_w), _VideoDecode(vae),
+    return _vae_segment(video_decoder_name(window_latents, tile_h, tile_w), _Decode(vae, "post_quant_conv"),
                         ("post_quant_conv.", "decoder."), "z")
 
 
 def audio_decoder_segment(vae, audio_latents: int) -> SegmentSpec:
     """Denormalised stereo latents [2, C, A] -> waveform [2, 1, A * 800]."""
-    return _vae_segment(audio_decoder_name(audio_latents), _AudioDecode(vae), ("dec_in_proj.", "decoder."), "latents")
+    return _vae_segment(audio_decoder_name(audio_latents), _Decode(vae, "dec_in_proj"), ("dec_in_proj.", "decoder."), "latents")
 
 
 def video_decoder_name(window_latents: int, tile_h: int, tile_w: int) -> str:

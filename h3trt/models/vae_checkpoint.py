@@ -62,6 +62,31 @@ def _read_json(path: Path) -> dict:
 # Video VAE
 
 
+# Native -> diffusers name pieces of the video VAE (diffusers' conversion script); applied reversed to write.
+_ENCODER_PIECES = (("block.", "resnets."), ("nin_shortcut.", "conv_shortcut."), ("downsample.", "downsamplers.0."))
+_DECODER_PIECES = (("decoder.x_embedder.", "decoder.proj_in."), (".attn.to_out.", ".attn.to_out.0."),
+                   (".ff.w1.", ".ff.net.0.proj."), (".ff.w2.", ".ff.net.2."))
+
+
+def _rename_video_vae_key(key: str, to_diffusers: bool) -> str:
+    level_native, level_diffusers = r"^encoder\.down\.(\d+)\.(.*)$", r"^encoder\.down_blocks\.(\d+)\.(.*)$"
+    m = re.match(level_native if to_diffusers else level_diffusers, key)
+    if m:
+        rest = m.group(2)
+        for native, diffusers in _ENCODER_PIECES:
+            rest = rest.replace(*((native, diffusers) if to_diffusers else (diffusers, native)), 1)
+        key = f"encoder.{'down_blocks' if to_diffusers else 'down'}.{m.group(1)}.{rest}"
+    for native, diffusers in _DECODER_PIECES:
+        key = key.replace(*((native, diffusers) if to_diffusers else (diffusers, native)))
+    return key
+
+
+def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
+    """SwiGLU w1: native [gate; up] <-> diffusers [up; gate] (the same swap both ways)."""
+    first, second = weight.chunk(2, dim=0)
+    return torch.cat([second, first]).contiguous()
+
+
 def video_vae_native_to_diffusers(native: dict[str, torch.Tensor], heads: int, head_dim: int) -> dict[str, torch.Tensor]:
     """Native video-VAE names -> diffusers `AutoencoderKLMiniMaxH3` names. QKV (weight and bias) is de-interleaved
     per head and split; the SwiGLU w1 halves are swapped from [gate; up] to diffusers' [up; gate]."""
@@ -69,21 +94,12 @@ def video_vae_native_to_diffusers(native: dict[str, torch.Tensor], heads: int, h
     for key, value in native.items():
         if key in VIDEO_VAE_DROPPED:
             continue
-        new = key
-        m = re.match(r"^encoder\.down\.(\d+)\.(.*)$", new)
-        if m:
-            rest = m.group(2).replace("block.", "resnets.", 1).replace("nin_shortcut.", "conv_shortcut.", 1)
-            new = f"encoder.down_blocks.{m.group(1)}.{rest.replace('downsample.', 'downsamplers.0.', 1)}"
-        new = (new.replace("decoder.x_embedder.", "decoder.proj_in.").replace(".attn.to_out.", ".attn.to_out.0.")
-               .replace(".ff.w1.", ".ff.net.0.proj.").replace(".ff.w2.", ".ff.net.2."))
+        new = _rename_video_vae_key(key, to_diffusers=True)
         if ".attn.to_qkv." in new:
             for part, tensor in zip("qkv", deinterleave_qkv(value, heads, head_dim).chunk(3, dim=0)):
                 out[new.replace(".attn.to_qkv.", f".attn.to_{part}.")] = tensor.contiguous()
-        elif ".ff.net.0.proj." in new:
-            gate, up = value.chunk(2, dim=0)
-            out[new] = torch.cat([up, gate]).contiguous()
         else:
-            out[new] = value
+            out[new] = _swap_halves(value) if ".ff.net.0.proj." in new else value
     return out
 
 
@@ -95,18 +111,7 @@ def video_vae_diffusers_to_native(state: dict[str, torch.Tensor], heads: int, he
         if m:
             qkv.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = value
             continue
-        new = key
-        m = re.match(r"^encoder\.down_blocks\.(\d+)\.(.*)$", new)
-        if m:
-            rest = m.group(2).replace("resnets.", "block.", 1).replace("conv_shortcut.", "nin_shortcut.", 1)
-            new = f"encoder.down.{m.group(1)}.{rest.replace('downsamplers.0.', 'downsample.', 1)}"
-        new = (new.replace("decoder.proj_in.", "decoder.x_embedder.").replace(".attn.to_out.0.", ".attn.to_out.")
-               .replace(".ff.net.2.", ".ff.w2."))
-        if ".ff.net.0.proj." in new:
-            up, gate = value.chunk(2, dim=0)
-            out[new.replace(".ff.net.0.proj.", ".ff.w1.")] = torch.cat([gate, up]).contiguous()
-        else:
-            out[new] = value
+        out[_rename_video_vae_key(key, to_diffusers=False)] = _swap_halves(value) if ".ff.net.0.proj." in key else value
     for (prefix, kind), parts in qkv.items():
         stacked = torch.cat([parts["q"], parts["k"], parts["v"]])
         out[f"{prefix}.attn.to_qkv.{kind}"] = interleave_qkv(stacked, heads, head_dim).contiguous()
