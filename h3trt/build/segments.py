@@ -20,6 +20,7 @@ import torch
 
 from ..models.config import H3Config
 from ..models.dit import H3DiT, build_dit
+from ..runtime.ulysses import from_head_groups, to_head_groups
 
 EMBED_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "condition_proj.", "time_embedder.", "token_refiner.")
 ADALN_PREFIX = "adaln_proj."
@@ -96,6 +97,55 @@ def block_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
     )
 
 
+# Under sequence parallelism the block is two segments around the attention exchange (h3trt/runtime/ulysses.py):
+#   block_pre(x, mod, adaln_index, cos, sin, *W) -> qkv send buffer [sp, 3, B, Sl, N / sp, D]
+#   block_post(x, attn, mod, adaln_index, *W) -> x                    (attn: the received [sp, B, Sl, N / sp, D])
+# sp is baked into both (the head grouping of the buffers); Sl, the rows per rank, stays symbolic.
+PRE_ATTENTION_PREFIXES = ("norm1.", "attn.qkv_proj.", "attn.q_norm.", "attn.k_norm.")
+
+
+class _PreAttention(torch.nn.Module):
+    def __init__(self, block, sp: int):
+        super().__init__()
+        self.block, self.sp = block, sp
+
+    def forward(self, x, mod, adaln_index, cos, sin):
+        return to_head_groups(*self.block.pre_attention(x, mod, adaln_index, (cos, sin)), self.sp)
+
+
+class _PostAttention(torch.nn.Module):
+    def __init__(self, block):
+        super().__init__()
+        self.block = block
+
+    def forward(self, x, attn, mod, adaln_index):
+        return self.block.post_attention(x, from_head_groups(attn), mod, adaln_index)
+
+
+def _half_block_segment(name: str, wrapper: torch.nn.Module, weights: list[str], inputs: list[str],
+                        dynamic: dict) -> SegmentSpec:
+    def run(*args):
+        acts, w = args[: len(inputs)], args[len(inputs):]
+        return torch.func.functional_call(wrapper, {"block." + n: t for n, t in zip(weights, w)}, acts, strict=False)
+
+    return SegmentSpec(name, run, inputs, weights, dynamic=dynamic, outputs=["qkv" if name == "block_pre" else "x"])
+
+
+def block_pre_segment(cfg: H3Config, dtype: torch.dtype, sp: int) -> SegmentSpec:
+    weights = [n for n in block_weight_names(cfg, dtype) if n.startswith(PRE_ATTENTION_PREFIXES)]
+    return _half_block_segment(
+        "block_pre", _PreAttention(_template(cfg, dtype).blocks[0], sp), weights,
+        ["x", "mod", "adaln_index", "cos", "sin"],
+        {"x": {1: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}, "cos": {0: "S"}, "sin": {0: "S"}})
+
+
+def block_post_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
+    weights = [n for n in block_weight_names(cfg, dtype) if not n.startswith(PRE_ATTENTION_PREFIXES)]
+    return _half_block_segment(
+        "block_post", _PostAttention(_template(cfg, dtype).blocks[0]), weights, ["x", "attn", "mod", "adaln_index"],
+        {"x": {1: "S"}, "attn": {2: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}})
+
+
 def final_weight_names(cfg: H3Config, dtype: torch.dtype = torch.bfloat16) -> list[str]:
     final = _template(cfg, dtype).final_layer
     return [n for n, _ in final.named_parameters() if not n.startswith(ADALN_PREFIX)]
@@ -117,8 +167,11 @@ def final_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
     )
 
 
-def dit_segments(cfg: H3Config, dtype: torch.dtype) -> list[SegmentSpec]:
-    return [embed_segment(cfg, dtype), block_segment(cfg, dtype), final_segment(cfg, dtype)]
+def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1) -> list[SegmentSpec]:
+    """The DiT's segments: one fused block when a rank holds the whole sequence, else the two halves."""
+    blocks = [block_segment(cfg, dtype)] if sp == 1 else [block_pre_segment(cfg, dtype, sp),
+                                                          block_post_segment(cfg, dtype)]
+    return [embed_segment(cfg, dtype), *blocks, final_segment(cfg, dtype)]
 
 
 class _Decode(torch.nn.Module):

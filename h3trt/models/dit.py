@@ -184,13 +184,29 @@ class Block(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn_fn: AttentionFn = sdpa_attention,
     ) -> torch.Tensor:
-        def row(param: int) -> torch.Tensor:
-            return mod_M6H[:, param].index_select(0, adaln_index_S)
+        q, k, v = self.pre_attention(x_BSH, mod_M6H, adaln_index_S, rope)
+        return self.post_attention(x_BSH, attn_fn(q, k, v), mod_M6H, adaln_index_S)
 
-        h = self.norm1(x_BSH) * (1.0 + row(1)) + row(0)
-        x_BSH = x_BSH + row(2) * self.attn(h, rope, attn_fn)
+    # The two halves around attention: under sequence parallelism each is compiled alone and the attention between
+    # them (two all-to-alls around SDPA) runs outside the compiled code.
+    def pre_attention(self, x_BSH, mod_M6H, adaln_index_S, rope):
+        """Modulated norm, QKV projection, QK norm and RoPE: q, k, v [B, S, N, D]."""
+        h = self.norm1(x_BSH) * (1.0 + _mod_row(mod_M6H, 1, adaln_index_S)) + _mod_row(mod_M6H, 0, adaln_index_S)
+        return self.attn.qkv(h, rope)
+
+    def post_attention(self, x_BSH, attn_BSND, mod_M6H, adaln_index_S):
+        """Output projection, gated residual, and the modulated SwiGLU half: the block's output [B, S, H]."""
+        def row(param: int) -> torch.Tensor:
+            return _mod_row(mod_M6H, param, adaln_index_S)
+
+        x_BSH = x_BSH + row(2) * self.attn.out_proj(attn_BSND.flatten(2).to(x_BSH.dtype))
         h = self.norm2(x_BSH) * (1.0 + row(4)) + row(3)
         return x_BSH + row(5) * self.mlp(h)
+
+
+def _mod_row(mod_M6H: torch.Tensor, param: int, adaln_index_S: torch.Tensor) -> torch.Tensor:
+    """Modulation parameter `param` (0-5: shift/scale/gate msa, shift/scale/gate mlp) for every row: [S, H]."""
+    return mod_M6H[:, param].index_select(0, adaln_index_S)
 
 
 class FinalLayer(nn.Module):

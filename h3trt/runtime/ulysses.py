@@ -3,7 +3,11 @@ re-shards to all rows x N / sp heads with one fused all-to-all for q/k/v and one
 
 The packed sequence is padded to a multiple of sp. Padding rows are masked out as attention keys, and everything
 else in a block is row-local, so padding never reaches a live row; the padded rows are dropped after the last
-block. Shape legend: B batch, S rows (Sp padded, Sl = Sp / sp local), N heads (Nl = N / sp local), D head dim.
+block. Shape legend: B batch, S rows (Sp padded, Sl = Sp / sp local), N heads (Nl = N / sp local), D head dim,
+P = sp (the all-to-all's leading dimension: destination rank when sent, source rank when received).
+
+The four layout functions are pure; a compiled engine bakes `to_head_groups` into its pre-attention segment and
+`from_head_groups` into its post-attention segment, so only the two exchanges and SDPA run between them.
 """
 
 from __future__ import annotations
@@ -21,8 +25,35 @@ def padded_length(seq_len: int, sp: int) -> int:
     return -(-seq_len // sp) * sp
 
 
-class UlyssesAttention:
-    """The `attn_fn` of a block under sequence parallelism: [B, Sl, N, D] q/k/v in, [B, Sl, N, D] out."""
+def to_head_groups(q_BSND, k_BSND, v_BSND, sp: int) -> torch.Tensor:
+    """The q/k/v send buffer [P, 3, B, Sl, Nl, D]: head group j goes to rank j."""
+    B, Sl, N, D = q_BSND.shape
+    qkv = torch.stack([q_BSND, k_BSND, v_BSND])  # [3, B, Sl, N, D]
+    return qkv.unflatten(3, (sp, N // sp)).permute(3, 0, 1, 2, 4, 5).contiguous()
+
+
+def from_row_chunks(qkv_P3BSND: torch.Tensor):
+    """Received q/k/v (row chunk p from rank p) -> q, k, v [B, Nl, Sp, D], ready for SDPA."""
+    P, _, B, Sl, Nl, D = qkv_P3BSND.shape
+    q, k, v = qkv_P3BSND.permute(1, 2, 4, 0, 3, 5).reshape(3, B, Nl, P * Sl, D)
+    return q, k, v
+
+
+def to_row_chunks(out_BNSD: torch.Tensor, sp: int) -> torch.Tensor:
+    """The attention output's send buffer [P, B, Sl, Nl, D]: row chunk j goes back to rank j."""
+    B, Nl, S, D = out_BNSD.shape
+    return out_BNSD.unflatten(2, (sp, S // sp)).permute(2, 0, 3, 1, 4).contiguous()
+
+
+def from_head_groups(out_PBSND: torch.Tensor) -> torch.Tensor:
+    """Received outputs (head group p from rank p) -> my rows of every head [B, Sl, N, D]."""
+    P, B, Sl, Nl, D = out_PBSND.shape
+    return out_PBSND.permute(1, 2, 0, 3, 4).reshape(B, Sl, P * Nl, D)
+
+
+class UlyssesExchange:
+    """The part of a sharded attention that runs outside compiled code: exchange, SDPA over every row for my heads,
+    exchange back. Takes the send buffer of `to_head_groups`, returns the buffer `from_head_groups` reads."""
 
     def __init__(self, group, seq_len: int, padded: int):
         self.group, self.sp = group, dist.get_world_size(group)
@@ -35,53 +66,69 @@ class UlyssesAttention:
         dist.all_to_all_single(out, x, group=self.group)
         return out
 
-    def __call__(self, q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor) -> torch.Tensor:
-        sp = self.sp
-        B, Sl, N, D = q_BSND.shape
-        # 1. One all-to-all for q, k and v: send head group j to rank j, receive every rank's rows of my heads.
-        qkv = torch.stack([q_BSND, k_BSND, v_BSND])  # [3, B, Sl, N, D]
-        qkv = qkv.unflatten(3, (sp, N // sp)).permute(3, 0, 1, 2, 4, 5).contiguous()  # [sp, 3, B, Sl, Nl, D]
-        qkv = self._all_to_all(qkv)  # [sp (row chunk), 3, B, Sl, Nl, D]
-        q, k, v = qkv.permute(1, 2, 0, 3, 4, 5).reshape(3, B, sp * Sl, N // sp, D)
-        # 2. Attention over every row for my heads.
+    def __call__(self, qkv_send: torch.Tensor) -> torch.Tensor:
+        q, k, v = from_row_chunks(self._all_to_all(qkv_send))
         mask = None if self.mask is None else self.mask.to(q.device)
-        out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                             attn_mask=mask).transpose(1, 2)  # [B, Sp, Nl, D]
-        # 3. One all-to-all back: row chunk j to rank j, receive my rows of every head group.
-        out = out.unflatten(1, (sp, Sl)).permute(1, 0, 2, 3, 4).contiguous()  # [sp, B, Sl, Nl, D]
-        out = self._all_to_all(out)  # [sp (head group), B, Sl, Nl, D]
-        return out.permute(1, 2, 0, 3, 4).reshape(B, Sl, N, D)
+        out_BNSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self._all_to_all(to_row_chunks(out_BNSD, self.sp))
+
+
+class UlyssesAttention:
+    """The eager block's `attn_fn` under sequence parallelism: [B, Sl, N, D] q/k/v in, [B, Sl, N, D] out."""
+
+    def __init__(self, group, seq_len: int, padded: int):
+        self.exchange = UlyssesExchange(group, seq_len, padded)
+
+    def __call__(self, q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor) -> torch.Tensor:
+        return from_head_groups(self.exchange(to_head_groups(q_BSND, k_BSND, v_BSND, self.exchange.sp)))
+
+
+class RowShard:
+    """This rank's rows of a packed sequence padded to a multiple of sp, and the gather that undoes it."""
+
+    def __init__(self, group, seq_len: int):
+        self.group, self.sp, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.seq_len, self.padded = seq_len, padded_length(seq_len, self.sp)
+        local = self.padded // self.sp
+        self.rows = slice(self.rank * local, (self.rank + 1) * local)
+
+    def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Pad `t` along its row dimension `dim` with zeros and keep my rows (contiguous: compiled segments need it)."""
+        pad = self.padded - self.seq_len
+        if pad:
+            t = F.pad(t, (0, 0) * (t.dim() - 1 - dim) + (0, pad))
+        return t[(slice(None),) * dim + (self.rows,)].contiguous()
+
+    def gather(self, x_BSlH: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows, padding dropped: [B, S, H] on every rank."""
+        parts = [torch.empty_like(x_BSlH) for _ in range(self.sp)]
+        dist.all_gather(parts, x_BSlH.contiguous(), group=self.group)
+        return torch.cat(parts, dim=1)[:, : self.seq_len]
+
+    def attention(self) -> UlyssesAttention:
+        return UlyssesAttention(self.group, self.seq_len, self.padded)
 
 
 @torch.no_grad()
 def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout):
     """One DiT evaluation with the block stack sharded over `group`; every rank returns the full outputs."""
-    sp, rank = dist.get_world_size(group), dist.get_rank(group)
-    seq_len = layout.seq_len
-    padded = padded_length(seq_len, sp)
+    sp = dist.get_world_size(group)
     if model.cfg.num_heads % sp:
         raise ValueError(f"sp={sp} does not divide the {model.cfg.num_heads} heads.")
+    shard = RowShard(group, layout.seq_len)
     # 1. Embed on every rank (text refiner and projections are cheap next to the blocks).
     x, temb = model.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
-                          seq_len)
-    adaln_index = t_index * NUM_MODALITIES + layout.token_tags
+                          layout.seq_len)
     cos, sin = model.rope(layout.position_ids)
-    pad = padded - seq_len
-    if pad:
-        x = F.pad(x, (0, 0, 0, pad))
-        adaln_index = F.pad(adaln_index, (0, pad))
-        cos, sin = F.pad(cos, (0, 0, 0, pad)), F.pad(sin, (0, 0, 0, pad))
-    # 2. My rows.
-    local = slice(rank * padded // sp, (rank + 1) * padded // sp)
-    x_local = x[:, local].contiguous()
-    attn = UlyssesAttention(group, seq_len, padded)
+    # 2. My rows through every block.
+    x_local = shard.local(x, 1)
+    adaln_index = shard.local(t_index * NUM_MODALITIES + layout.token_tags, 0)
+    rope = (shard.local(cos, 0), shard.local(sin, 0))
+    attn = shard.attention()
     for block in model.blocks:
-        x_local = block(x_local, block.modulation(temb), adaln_index[local], (cos[local], sin[local]), attn)
+        x_local = block(x_local, block.modulation(temb), adaln_index, rope, attn)
     # 3. Every rank gathers the rows and runs the heads (the sampler updates the same latents everywhere).
-    parts = [torch.empty_like(x_local) for _ in range(sp)]
-    dist.all_gather(parts, x_local.contiguous(), group=group)
-    x = torch.cat(parts, dim=1)[:, :seq_len]
-    return model.final(x, temb, t_index, layout.video_index, layout.audio_index)
+    return model.final(shard.gather(x_local), temb, t_index, layout.video_index, layout.audio_index)
 
 
 class UlyssesDiT:
