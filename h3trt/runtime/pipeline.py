@@ -35,6 +35,7 @@ from ..models.packing import (
 from ..models.sampler import DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, denoise, initial_latents
 from ..models.vae_checkpoint import load_audio_vae, load_video_vae
 from ..models.video_vae import VideoVAE, image_to_pixels, prepare_keyframe
+from .guidance import Branch, guided_denoiser
 from .media import MediaError, Mp4Writer, read_audio, read_image, read_video
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
@@ -59,6 +60,8 @@ class Request:
     duration: float = 5.0  # seconds; rounded up to the next 17n + 5 frames
     video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (12)
     audio_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (3)
+    guidance: float = 1.0  # classifier-free guidance scale; 1: off (H3 is guidance-distilled)
+    negative_prompt: str | None = None  # the negative branch's prompt when guidance > 1 (None: empty)
 
     @property
     def task(self) -> str:
@@ -113,6 +116,12 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
     if request.refs and (request.image or request.last_image):
         raise ValueError("--ref (ref2va) cannot be combined with --image/--last-image (fl2va); pick one task.")
     Schedule(request.steps, request.video_shift or 12.0, request.audio_shift or 3.0)  # validates shifts
+    if request.guidance < 1.0:
+        raise ValueError(f"--guidance must be >= 1 (1 = off, the default: H3 is guidance-distilled), got "
+                         f"{request.guidance}.")
+    if request.negative_prompt is not None and request.guidance == 1.0:
+        raise ValueError("--negative-prompt only acts with --guidance > 1 (H3 is guidance-distilled and runs one "
+                         "branch by default); pass --guidance too, or drop --negative-prompt.")
     num_frames = frames_for_duration(request.duration)
 
     keyframes = [(anchor, read_image(path)) for anchor, path in (("first", request.image),
@@ -200,7 +209,11 @@ class StageTimer:
         finally:
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
-            self.seconds[stage] = self.seconds.get(stage, 0.0) + time.perf_counter() - start
+            self.add(stage, start, time.perf_counter())
+
+    def add(self, stage: str, start: float, end: float) -> None:
+        """Charge [start, end] (perf_counter seconds) to `stage`; a timeline recorder also keeps the interval."""
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + end - start
 
 
 def _eager_components(root: Path, device: torch.device, dtype: torch.dtype):
@@ -218,10 +231,11 @@ class H3Pipeline:
     `load_engine` a bundle."""
 
     def __init__(self, dit, text_encoder, video_vae: VideoVAE, audio_vae: AudioVAE, shifts: tuple[float, float],
-                 device: torch.device, canvas: CanvasDefaults = CanvasDefaults(), check_request=None):
+                 device: torch.device, canvas: CanvasDefaults = CanvasDefaults(), check_request=None, cfg_group=None):
         self.dit, self.text_encoder, self.video_vae, self.audio_vae = dit, text_encoder, video_vae, audio_vae
         self.shifts, self.device, self.canvas = shifts, torch.device(device), canvas
         self.check_request = check_request  # a bundle's admission check: (prepared, schedule) -> None or raise
+        self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults()):
@@ -234,14 +248,16 @@ class H3Pipeline:
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
-                    world_size: int = 1):
+                    mesh=None, sp_group=None, cfg_group=None):
+        """A bundle's pipeline for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
+        the bundle's; `sp_group` / `cfg_group` this rank's groups."""
         from ..engines.bundle import Engine
         from ..engines.manifest import check_request
 
         device = torch.device(device)
-        engine = Engine.load(bundle_root, device, world_size)
+        engine = Engine.load(bundle_root, device, mesh, sp_group)
         m = engine.manifest
-        dtype = torch.bfloat16 if m["precision"] == "bf16" else torch.float32
+        dtype = torch.float32 if m["precision"] == "fp32" else torch.bfloat16  # fp8/nvfp4 bundles run in bf16
 
         def admit(prepared: Prepared, schedule: Schedule) -> None:
             geo = prepared.geometry
@@ -251,7 +267,7 @@ class H3Pipeline:
         shifts = (m["schedule"]["video_shift"], m["schedule"]["audio_shift"])
         text_encoder, video_vae, audio_vae = _eager_components(Path(bundle_root), device, dtype)
         video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
-        return cls(engine.dit, text_encoder, video_vae, audio_vae, shifts, device, canvas, admit)
+        return cls(engine.dit, text_encoder, video_vae, audio_vae, shifts, device, canvas, admit, cfg_group)
 
     def schedule(self, request: Request) -> Schedule:
         return Schedule(request.steps, request.video_shift or self.shifts[0], request.audio_shift or self.shifts[1])
@@ -261,50 +277,100 @@ class H3Pipeline:
                  on_step: Callable[[int, int], None] | None = None, write: bool = True) -> dict | None:
         """Run stages 1-5 for a prepared request; returns the record written beside the MP4. A rank that does not
         write (write=False: every sequence-parallel rank but the first) stops after denoising."""
-        req, geo, timer = prepared.request, prepared.geometry, StageTimer(self.device)
-        cfg = self.dit.cfg
-        schedule = self.schedule(req)
-        if self.check_request is not None:
-            self.check_request(prepared, schedule)
-
-        # 1. Text.
-        with timer("text_encode"):
-            text = self._encode_text(prepared)
-
-        # 2. Conditions, in packed order.
-        conditions, ref_audio, ref_blocks = [], [], []
-        with timer("condition_encode"):
-            for _, image in prepared.keyframes:
-                conditions.append(self.video_vae.encode_condition(image_to_pixels(image)))
-            for ref in prepared.references:
-                block_audio = 0
-                if ref.audio is not None:
-                    rows = self.audio_vae.encode_rows(ref.audio)
-                    ref_audio.append(rows)
-                    block_audio = rows.shape[0] // 2
-                if ref.kind == "image":
-                    conditions.append(self.video_vae.encode_condition(image_to_pixels(ref.image)))
-                elif ref.kind == "video":
-                    pixels = torch.from_numpy(ref.frames.copy()).permute(3, 0, 1, 2)[None]
-                    conditions.append(self.video_vae.encode_condition(pixels))
-                latent_shape = tuple(conditions[-1].shape[2:]) if ref.kind != "audio" else None
-                ref_blocks.append(RefBlock(ref.kind, latent_shape, block_audio))
-
-        # 3. Pack, noise, denoise.
-        lf, lh, lw, la = geo.latent_frames, geo.latent_height, geo.latent_width, geo.audio_latents
-        if req.task == "ref2va":
-            layout = pack_ref2va(text.tags, ref_blocks, lf, lh, lw, la, cfg.patch_size)
-        else:
-            layout = pack_t2va(text.tags, lf, lh, lw, la, cfg.patch_size, tuple(a for a, _ in prepared.keyframes))
-        latents = initial_latents(req.seed, lf, lh, lw, la, cfg.patch_size, cfg.in_channels, cfg.audio_in_channels,
-                                  tuple(conditions), tuple(ref_audio))
-        with timer("denoise"):
-            final = self._denoise(text.embeds, layout, latents, schedule, on_step)
-
+        timer = StageTimer(self.device)
+        schedule, layout, final = self.denoise_request(prepared, on_step, timer)
         if not write:
             return None
 
         # 4-5. Decode and mux, streamed: a window of frames is encoded while the next decodes.
+        frames_written, waveform = self._decode_and_mux(prepared, layout, final, output, crf, timer)
+        return self._record(prepared, schedule, layout, output, frames_written, waveform, timer)
+
+    @torch.no_grad()
+    def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
+                        timer: StageTimer | None = None) -> tuple[Schedule, PackedLayout, Latents]:
+        """Stages 1-3 for a prepared request: the schedule, the packed layout and the final latent rows."""
+        req, timer = prepared.request, timer or StageTimer(self.device)
+        schedule = self.schedule(req)
+        if self.check_request is not None:
+            self.check_request(prepared, schedule)
+        if self.cfg_group is not None and req.guidance == 1.0:
+            raise ValueError("This job splits guidance branches over cfg=2 rank groups, but the request has no "
+                             "guidance (--guidance 1, H3's default); launch with --cfg 1 or pass --guidance > 1.")
+
+        # 1. Text (and the negative branch's text under guidance).
+        with timer("text_encode"):
+            text = self._encode_text(prepared)
+            negative = self._encode_text(prepared, req.negative_prompt or "") if req.guidance > 1.0 else None
+
+        # 2. Conditions, in packed order.
+        with timer("condition_encode"):
+            conditions = self._encode_conditions(prepared)
+
+        # 3. Pack, noise, denoise.
+        layout, latents = self._pack(prepared, text.tags, conditions)
+        branches = None
+        if negative is not None:
+            branches = (Branch(text.embeds.to(self.device), layout.to(self.device)),
+                        Branch(negative.embeds.to(self.device),
+                               self._pack(prepared, negative.tags, conditions)[0].to(self.device)))
+        with timer("denoise"):
+            final = self._denoise(text.embeds, layout, latents, schedule, on_step, branches, req.guidance)
+        return schedule, layout, final
+
+    def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
+                waveform: torch.Tensor, timer: StageTimer) -> dict:
+        """The provenance and timing record written beside an MP4."""
+        req, geo = prepared.request, prepared.geometry
+        return {
+            "output": str(output), "task": req.task, "prompt": req.prompt, "seed": req.seed,
+            "steps": req.steps, "evaluations": schedule.num_evaluations,
+            "shifts": {"video": schedule.video_shift, "audio": schedule.audio_shift},
+            "width": geo.width, "height": geo.height, "frames": frames_written, "fps": FPS,
+            "audio_samples": int(waveform.shape[1]), "audio_sample_rate": AUDIO_SAMPLE_RATE,
+            "sequence_rows": layout.seq_len, "device": str(self.device),
+            "torch": torch.__version__, "python": platform.python_version(),
+            "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
+        }
+
+    def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:
+        """Stage 2: visual condition latents and reference audio rows in packed order, and the ref2va blocks."""
+        conditions, ref_audio, ref_blocks = [], [], []
+        for _, image in prepared.keyframes:
+            conditions.append(self.video_vae.encode_condition(image_to_pixels(image)))
+        for ref in prepared.references:
+            block_audio = 0
+            if ref.audio is not None:
+                rows = self.audio_vae.encode_rows(ref.audio)
+                ref_audio.append(rows)
+                block_audio = rows.shape[0] // 2
+            if ref.kind == "image":
+                conditions.append(self.video_vae.encode_condition(image_to_pixels(ref.image)))
+            elif ref.kind == "video":
+                pixels = torch.from_numpy(ref.frames.copy()).permute(3, 0, 1, 2)[None]
+                conditions.append(self.video_vae.encode_condition(pixels))
+            latent_shape = tuple(conditions[-1].shape[2:]) if ref.kind != "audio" else None
+            ref_blocks.append(RefBlock(ref.kind, latent_shape, block_audio))
+        return conditions, ref_audio, ref_blocks
+
+    def _pack(self, prepared: Prepared, text_tags: torch.Tensor, conditions) -> tuple[PackedLayout, Latents]:
+        """Stage 3 set-up: the packed layout and the seeded starting rows."""
+        req, geo, cfg = prepared.request, prepared.geometry, self.dit.cfg
+        visual, ref_audio, ref_blocks = conditions
+        lf, lh, lw, la = geo.latent_frames, geo.latent_height, geo.latent_width, geo.audio_latents
+        if req.task == "ref2va":
+            layout = pack_ref2va(text_tags, ref_blocks, lf, lh, lw, la, cfg.patch_size)
+        else:
+            layout = pack_t2va(text_tags, lf, lh, lw, la, cfg.patch_size, tuple(a for a, _ in prepared.keyframes))
+        latents = initial_latents(req.seed, lf, lh, lw, la, cfg.patch_size, cfg.in_channels, cfg.audio_in_channels,
+                                  tuple(visual), tuple(ref_audio))
+        return layout, latents
+
+    def _decode_and_mux(self, prepared: Prepared, layout: PackedLayout, final: Latents, output: Path, crf: int,
+                        timer: StageTimer) -> tuple[int, torch.Tensor]:
+        """Stages 4-5 for one request's final rows [V, C] / [A, C]: returns (frames written, waveform [2, N])."""
+        geo, cfg = prepared.geometry, self.dit.cfg
+        lf, lh, lw = geo.latent_frames, geo.latent_height, geo.latent_width
         video_rows = final.video[layout.num_condition_video_rows:]
         video_latents = video_rows.reshape(1, lf, lh // cfg.patch_size[1], lw // cfg.patch_size[2], cfg.in_channels,
                                            *cfg.patch_size).permute(0, 4, 1, 5, 2, 6, 3, 7)
@@ -326,25 +392,17 @@ class H3Pipeline:
             with timer("mux"):
                 writer.write_audio(waveform.clamp(-1, 1).numpy())
             close_start = time.perf_counter()
-        timer.seconds["mux"] += time.perf_counter() - close_start  # flush both encoders, close, rename
+        timer.add("mux", close_start, time.perf_counter())  # flush both encoders, close, rename
+        return frames_written, waveform
 
-        return {
-            "output": str(output), "task": req.task, "prompt": req.prompt, "seed": req.seed,
-            "steps": req.steps, "evaluations": schedule.num_evaluations,
-            "shifts": {"video": schedule.video_shift, "audio": schedule.audio_shift},
-            "width": geo.width, "height": geo.height, "frames": frames_written, "fps": FPS,
-            "audio_samples": int(waveform.shape[1]), "audio_sample_rate": AUDIO_SAMPLE_RATE,
-            "sequence_rows": layout.seq_len, "device": str(self.device),
-            "torch": torch.__version__, "python": platform.python_version(),
-            "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
-        }
-
-    def _encode_text(self, prepared: Prepared):
+    def _encode_text(self, prepared: Prepared, prompt: str | None = None):
+        """The request's prompt (or `prompt`: the negative branch's) with the task's visual context."""
         req = prepared.request
+        prompt = req.prompt if prompt is None else prompt
         if req.task == "t2va":
-            return self.text_encoder.encode_t2va(req.prompt)
+            return self.text_encoder.encode_t2va(prompt)
         if req.task == "fl2va":
-            return self.text_encoder.encode_fl2va(req.prompt, [img for _, img in prepared.keyframes])
+            return self.text_encoder.encode_fl2va(prompt, [img for _, img in prepared.keyframes])
         from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 
         refs = []
@@ -355,15 +413,19 @@ class H3Pipeline:
                 refs.append(AudioRef())
             else:
                 refs.append(VideoRef(ref.frames, float(FPS), has_audio=ref.audio is not None))
-        return self.text_encoder.encode_ref2va(req.prompt, refs)
+        return self.text_encoder.encode_ref2va(prompt, refs)
 
-    def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step):
+    def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
+                 branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
 
         def model(video, audio, unique_t, t_index):
             return dit(video, audio, text, unique_t, t_index, lay)
+
+        if branches is not None:
+            model = guided_denoiser(dit, *branches, guidance, self.cfg_group)
 
         start = Latents(latents.video.to(device), latents.audio.to(device))
         return denoise(model, start, layout, schedule, on_step)
