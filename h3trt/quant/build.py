@@ -1,0 +1,56 @@
+"""The builder's quantization step: calibrate the loaded DiT, quantize its blocks in place, and say which compiled
+block serves each layer. The builder then writes weights and compiles segments exactly as for bf16."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from pathlib import Path
+
+import torch
+
+from ..models.dit import H3DiT
+from .calibrate import calibrate, read_prompts
+from .modules import quantize_block
+from .recipe import QuantRecipe, layer_segments
+
+
+def quantize_dit(model: H3DiT, recipe: QuantRecipe, component_root: Path, calib_prompts: Path | None, profile,
+                 shifts: tuple[float, float], log=print) -> tuple[QuantRecipe, dict]:
+    """Calibrate (FP8) and quantize every non-excluded block of `model` in place. Returns the recipe with the
+    calibration's size filled in, and a manifest record of the activation maxima per block."""
+    recipe.check_layers(model.cfg.num_layers)
+    amax: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(model.cfg.num_layers)}
+    record = {}
+    if recipe.needs_calibration:
+        prompts = read_prompts(calib_prompts)
+        t0 = time.perf_counter()
+        amax = calibrate(model, component_root, prompts, recipe.calib_steps, profile.width, profile.height,
+                         profile.seconds, shifts, log)
+        recipe = dataclasses.replace(recipe, calib_prompts=len(prompts))
+        record["calibration_s"] = round(time.perf_counter() - t0, 2)
+        record["amax"] = {f"blocks.{i}": {k: round(float(v), 6) for k, v in sorted(a.items())} for i, a in amax.items()}
+    elif calib_prompts is not None:
+        raise ValueError(f"--precision {recipe.precision} is weight-only here: it has no activation scales to "
+                         "calibrate. Drop --calib-prompts.")
+    for i, block in enumerate(model.blocks):
+        if i not in recipe.exclude_blocks:
+            quantize_block(block, model.cfg, recipe, amax[i])
+    log(f"quantized {model.cfg.num_layers - len(recipe.exclude_blocks)} of {model.cfg.num_layers} blocks to "
+        f"{recipe.precision} ({', '.join(recipe.quantized_linears())}"
+        f"{', FP8 attention' if recipe.fp8_attention else ''})")
+    return recipe, {**recipe.to_dict(), "layer_segments": layer_segments(recipe, model.cfg.num_layers), **record}
+
+
+def block_weight_sets(model: H3DiT, recipe: QuantRecipe | None, names_of: dict[str, list[str]],
+                      state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The blocks' weight file: each layer under the names its serving segment declares (`names_of[segment]`)."""
+    out = {}
+    for i, segment in enumerate(layer_segments(recipe, model.cfg.num_layers)):
+        out.update({f"blocks.{i}.{n}": state[f"blocks.{i}.{n}"] for n in names_of[segment]})
+    return out
+
+
+def first_layer(recipe: QuantRecipe | None, num_layers: int, segment: str) -> int:
+    """The first layer a block segment serves: its weights are the build's example for that segment."""
+    return layer_segments(recipe, num_layers).index(segment)

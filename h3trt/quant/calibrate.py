@@ -1,0 +1,105 @@
+"""Max calibration over real denoising trajectories of the model being built.
+
+The build's own DiT (block dtype, weights not yet quantized) denoises each calibration prompt through the eager
+pipeline: text encoder, packing, seeded noise, the sampler, a `--calib-steps`-point schedule with the bundle's
+shifts, at the bundle's first profile. Hooks record max |x| entering every block linear and, for FP8 attention,
+max |q|, |k|, |v| after QK-norm and RoPE. The scale of a tensor is then amax / 448 (e4m3).
+
+This is ModelOpt's "max" calibrator (per-tensor amax over all calibration batches), implemented here in a few lines:
+the compiled block needs only the amax values, and ModelOpt's quantizer modules are not importable on the GPU image.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from ..models.dit import H3DiT, sdpa_attention
+from .recipe import BLOCK_LINEARS
+
+MAX_CALIB_PROMPTS = 64  # a calibration file is a handful of prompts; more is a wrong file, not more accuracy
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with '#' are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--calib-prompts {path} does not exist; give a text file with one prompt per line.")
+    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+    if not prompts:
+        raise ValueError(f"--calib-prompts {path} has no prompts (one per line; '#' starts a comment).")
+    if len(prompts) > MAX_CALIB_PROMPTS:
+        raise ValueError(f"--calib-prompts {path} has {len(prompts)} prompts; at most {MAX_CALIB_PROMPTS} are used "
+                         "for max calibration. Trim the file.")
+    return prompts
+
+
+class MaxCalibrator:
+    """The eager DiT behind the runner signature, recording per-tensor amax as it runs.
+
+    amax keys: `blocks.{i}.{linear}.input` for every block linear, `blocks.{i}.attn.{q,k,v}`.
+    """
+
+    def __init__(self, model: H3DiT):
+        self.model, self.cfg = model, model.cfg
+        self.amax: dict[str, torch.Tensor] = {}
+        self.current_block = -1
+        self.hooks = []
+        for i, block in enumerate(model.blocks):
+            self.hooks.append(block.register_forward_pre_hook(self._enter_block(i)))
+            for name in BLOCK_LINEARS:
+                self.hooks.append(block.get_submodule(name).register_forward_pre_hook(
+                    self._record_input(f"blocks.{i}.{name}.input")))
+
+    def _enter_block(self, i: int):
+        def hook(module, args):
+            self.current_block = i
+        return hook
+
+    def _record_input(self, key: str):
+        def hook(module, args):
+            self._record(key, args[0])
+        return hook
+
+    def _record(self, key: str, x: torch.Tensor) -> None:
+        value = x.detach().abs().amax().float().cpu()
+        self.amax[key] = torch.maximum(self.amax[key], value) if key in self.amax else value
+
+    def _attention(self, q, k, v):
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            self._record(f"blocks.{self.current_block}.attn.{name}", t)
+        return sdpa_attention(q, k, v)
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout):
+        return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
+                          layout.video_index, layout.audio_index, layout.text_index, attn_fn=self._attention)
+
+    def close(self) -> dict[str, torch.Tensor]:
+        for h in self.hooks:
+            h.remove()
+        return self.amax
+
+
+@torch.no_grad()
+def calibrate(model: H3DiT, component_root: Path, prompts: list[str], steps: int, width: int, height: int,
+              seconds: float, shifts: tuple[float, float], log=print) -> dict[int, dict[str, torch.Tensor]]:
+    """{block index: {"mlp.fc1.input": amax, ..., "attn.q": amax, ...}} from one trajectory per prompt."""
+    from ..runtime.pipeline import H3Pipeline, Request, _eager_components, prepare
+
+    device = model.condition_proj.weight.device
+    calibrator = MaxCalibrator(model)
+    pipeline = H3Pipeline(calibrator, *_eager_components(component_root, device, model.dtype), shifts, device)
+    try:
+        for seed, prompt in enumerate(prompts):
+            request = Request(prompt, seed=seed, steps=steps, width=width, height=height, duration=seconds,
+                              video_shift=shifts[0], audio_shift=shifts[1])
+            pipeline.generate(prepare(request), Path("calibration.mp4"), write=False)  # stops after denoising
+            log(f"calibration trajectory {seed + 1}/{len(prompts)}: {steps - 1} evaluations")
+    finally:
+        amax = calibrator.close()
+    per_block: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(model.cfg.num_layers)}
+    for key, value in amax.items():
+        _, i, rest = key.split(".", 2)
+        per_block[int(i)][rest] = value
+    return per_block

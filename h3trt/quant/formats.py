@@ -1,0 +1,99 @@
+"""FP8 (e4m3) and NVFP4 (E2M1 + E4M3 per 16 values + fp32 global) tensors: quantize, pack, dequantize, and the
+linear functions the compiled block calls. Pure tensor functions; nothing here holds state.
+
+Shape legend: N output features, K input features, G = K / 16 NVFP4 groups, M flattened rows.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # largest finite e4m3fn value
+FP4_MAX = 6.0  # largest E2M1 value
+NVFP4_GROUP = 16  # values sharing one E4M3 scale (the NVFP4 format's block)
+# Smallest amax turned into a scale: an all-zero tensor (a dead channel, an unused modality) gets a finite scale.
+MIN_AMAX = 1e-12
+
+
+def fp8_scale(amax: torch.Tensor) -> torch.Tensor:
+    """Per-tensor scale (fp32, shape [1]) mapping max |x| onto the e4m3 maximum: x ~ q * scale."""
+    return (amax.detach().float().reshape(1).clamp_min(MIN_AMAX) / FP8_MAX).contiguous()
+
+
+def quantize_fp8(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Saturating e4m3 quantization (calibrated scales can be exceeded at serving time; saturate, never inf)."""
+    return (x.float() / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8)
+
+
+def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torch.Tensor,
+               input_scale: torch.Tensor) -> torch.Tensor:
+    """y = x @ W^T with W8A8 per-tensor scales, output in x's dtype. `torch._scaled_mm` wants the second operand
+    column-major: W^T of a row-major [N, K] weight is exactly that, so no copy."""
+    x_MK = quantize_fp8(x.reshape(-1, x.shape[-1]), input_scale)
+    y_MN = torch._scaled_mm(x_MK, weight_NK.t(), scale_a=input_scale, scale_b=weight_scale, out_dtype=x.dtype)
+    return y_MN.view(*x.shape[:-1], weight_NK.shape[0])
+
+
+def fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """Quantize to e4m3 and back, in x's dtype (the values an FP8 kernel sees)."""
+    return (quantize_fp8(x, scale).float() * scale).to(x.dtype)
+
+
+# ---- NVFP4 -------------------------------------------------------------------------------------------------------
+
+def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
+    """Round-to-nearest E2M1 codes (uint8 0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) of values already
+    scaled into [-6, 6]. The magnitudes are 0, .5, 1, 1.5, 2, 3, 4, 6; ties go to the even mantissa."""
+    mag = x.abs().clamp(max=FP4_MAX)
+    # Midpoints between consecutive magnitudes; a value at a midpoint rounds to the code with mantissa 0.
+    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=mag.dtype, device=mag.device)
+    code = torch.bucketize(mag, bounds, right=False)
+    odd = (code % 2) == 1
+    at_mid = torch.isin(mag, bounds)
+    # bucketize(right=False) sends a midpoint to the lower code; when that code's mantissa is odd, the tie goes up.
+    code = torch.where(at_mid & odd, code + 1, code)
+    return (code | ((x < 0).to(code.dtype) << 3)).to(torch.uint8)
+
+
+def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
+    """Decode E2M1 codes arithmetically (no lookup table: an exported graph must carry no constant tensors)."""
+    c = codes.to(torch.int32)
+    sign = 1.0 - 2.0 * ((c >> 3) & 1).float()
+    exp, man = ((c >> 1) & 3).float(), (c & 1).float()
+    subnormal = man * 0.5
+    normal = torch.exp2(exp - 1.0) * (1.0 + 0.5 * man)
+    return sign * torch.where(exp == 0, subnormal, normal)
+
+
+def quantize_nvfp4(w_NK: torch.Tensor) -> dict[str, torch.Tensor]:
+    """{"weight_packed": uint8 [N, K/2] (element 2j in the low nibble), "weight_block_scale": e4m3 [N, G],
+    "weight_global_scale": fp32 [1]}; w ~ e2m1 * block_scale * global_scale."""
+    N, K = w_NK.shape
+    if K % NVFP4_GROUP:
+        raise ValueError(f"NVFP4 needs in_features divisible by {NVFP4_GROUP}; got {K} = {K // NVFP4_GROUP} * "
+                         f"{NVFP4_GROUP} + {K % NVFP4_GROUP}.")
+    w = w_NK.float().view(N, K // NVFP4_GROUP, NVFP4_GROUP)
+    global_scale = (w.abs().amax().clamp_min(MIN_AMAX) / (FP4_MAX * FP8_MAX)).reshape(1)
+    block_scale = (w.abs().amax(-1) / FP4_MAX / global_scale).clamp(max=FP8_MAX).to(FP8)
+    denom = (block_scale.float() * global_scale)[..., None]
+    scaled = torch.where(denom > 0, w / denom.clamp_min(MIN_AMAX), torch.zeros_like(w))
+    codes = _e2m1_codes(scaled).view(N, K)
+    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
+    return {"weight_packed": packed.contiguous(), "weight_block_scale": block_scale.contiguous(),
+            "weight_global_scale": global_scale.contiguous()}
+
+
+def dequantize_nvfp4(packed_NK2: torch.Tensor, block_scale_NG: torch.Tensor, global_scale: torch.Tensor,
+                     dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] in `dtype`: one pointwise expression, which Inductor compiles into one kernel."""
+    N = packed_NK2.shape[0]
+    codes = torch.stack((packed_NK2 & 15, packed_NK2 >> 4), dim=-1).view(N, -1)
+    values = e2m1_values(codes).view(N, block_scale_NG.shape[1], NVFP4_GROUP)
+    return (values * (block_scale_NG.float() * global_scale)[..., None]).view(N, -1).to(dtype)
+
+
+def nvfp4_weight_only_linear(x: torch.Tensor, packed: torch.Tensor, block_scale: torch.Tensor,
+                             global_scale: torch.Tensor) -> torch.Tensor:
+    return F.linear(x, dequantize_nvfp4(packed, block_scale, global_scale, x.dtype))
