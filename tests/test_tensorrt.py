@@ -1,0 +1,229 @@
+"""The TensorRT backend on the CPU, tiny model: ONNX export, onnxruntime parity, TensorRT-RTX plan builds.
+
+What runs here and what cannot:
+  - every exported graph, as an FP32 twin, matches its eager segment in onnxruntime at a layout other than the one it
+    was exported at (so the dynamic dimensions are real), to a relative error (norm) of 1e-5;
+  - TensorRT-RTX parses and builds every segment for sm_89 (BF16, FP8) and sm_120 (NVFP4) without a GPU; attention
+    is one fused kernel (`_gemm_mha_v2` in the plan's layer list) and the plan's activation memory grows linearly,
+    not quadratically, with the sequence length;
+  - NVFP4: ModelOpt's FP4 fake-quant has no CPU kernel, so here its forward is stubbed out for calibration; the
+    exported graph (TRT_FP4DynamicQuantize + FP4 weights behind two DequantizeLinear) is the real one, its numbers
+    are not checked (that needs a CUDA GPU);
+  - no plan executes: TensorRT-RTX needs an RTX-class GPU, and this machine has none. The refusal a GPU that cannot
+    run the plans gets is checked as a pure function.
+"""
+
+import collections
+import json
+
+import numpy as np
+import pytest
+import torch
+
+onnx = pytest.importorskip("onnx", reason="test extra: pip install -e '.[test]'")
+ort = pytest.importorskip("onnxruntime", reason="test extra: pip install -e '.[test]'")
+trt = pytest.importorskip("tensorrt_rtx", reason="test extra: pip install -e '.[test]'")
+
+from h3trt.build.builder import Profile, example_inputs  # noqa: E402
+from h3trt.build.onnx_export import export_graph, onnx_output_names, quantize_block, segment_graphs  # noqa: E402
+from h3trt.build.tensorrt import (TrtFlavour, build_plan, build_plans, input_shapes, parse_targets,  # noqa: E402
+                                  shape_ranges)
+from h3trt.engines.manifest import BundleError  # noqa: E402
+from h3trt.engines.tensorrt_runtime import pick_profile, plan_device_problem  # noqa: E402
+from h3trt.models.checkpoint import load_dit  # noqa: E402
+from h3trt.models.config import NUM_MODALITIES  # noqa: E402
+from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for  # noqa: E402
+
+TINY_PROFILE = Profile(160, 96, 5.0)
+ORT_REL_TOL = 1e-5
+RTX = TrtFlavour("tensorrt_rtx", trt.__version__)
+
+
+def _rel(got: np.ndarray, want: torch.Tensor) -> float:
+    want = want.float().numpy()
+    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+
+
+@pytest.fixture(scope="module")
+def fp32_graphs(tmp_path_factory, tiny_root):
+    model, _ = load_dit(tiny_root, "t2va", torch.float32)
+    examples = example_inputs(model, TINY_PROFILE.geometry, torch.device("cpu"))
+    out = tmp_path_factory.mktemp("onnx_fp32")
+    paths = {}
+    for name, (module, spec) in segment_graphs(model).items():
+        example = examples["block" if name.startswith("block_") else name][:len(spec.inputs)]
+        paths[name] = export_graph(module, spec, example, out / f"{name}.onnx")
+    return model, paths
+
+
+def _other_layout_inputs(model):
+    """Another request than the export example: 11 text rows, both keyframes, another frame count, t=(0.6, 0.3)."""
+    cfg = model.cfg
+    layout = pack_t2va(text_tags_for(11, [range(2, 5)]), 7, 6, 10, 23, cfg.patch_size, ("first", "last"))
+    g = torch.Generator().manual_seed(1)
+    video = torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g)
+    audio = torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g)
+    text = torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g)
+    unique_t, t_index = row_timesteps(layout, 0.6, 0.3)
+    return layout, video, audio, text, unique_t, t_index
+
+
+def test_onnx_fp32_twin_matches_eager_segments_in_onnxruntime(fp32_graphs):
+    model, paths = fp32_graphs
+    layout, video, audio, text, unique_t, t_index = _other_layout_inputs(model)
+    assert unique_t.numel() == 3  # video t, audio t, condition rows: T differs from nothing the export fixed
+
+    def run(name, feeds):
+        session = ort.InferenceSession(str(paths[name]), providers=["CPUExecutionProvider"])
+        return session.run(None, {k: v.numpy() for k, v in feeds.items()})
+
+    with torch.no_grad():
+        # embed: the eager DiT's embed
+        want_x, want_temb = model.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index,
+                                        layout.text_index, layout.seq_len)
+        got_x, got_temb = run("embed", dict(video=video, audio=audio, text=text, timesteps=unique_t,
+                                            video_index=layout.video_index, audio_index=layout.audio_index,
+                                            text_index=layout.text_index, token_tags=layout.token_tags))
+        assert _rel(got_x, want_x) <= ORT_REL_TOL and _rel(got_temb, want_temb) <= ORT_REL_TOL
+        # every layer: the eager block with SDPA, on the embed output
+        cos, sin = model.rope(layout.position_ids)
+        adaln_index = t_index * NUM_MODALITIES + layout.token_tags
+        x = want_x
+        for i, block in enumerate(model.blocks):
+            mod = block.modulation(want_temb).contiguous()
+            want = block(x, mod, adaln_index, (cos, sin))
+            (got,) = run(f"block_{i}", dict(x=x, mod=mod, adaln_index=adaln_index, cos=cos, sin=sin))
+            err = _rel(got, want)
+            assert err <= ORT_REL_TOL, f"block_{i}: relative error {err:.2e}"
+            x = want
+        # final: both heads
+        mod = model.final_layer.modulation(want_temb).contiguous()
+        want_v, want_a = model.final_layer(x, mod, t_index, layout.video_index, layout.audio_index)
+        got_v, got_a = run("final", dict(x=x, mod=mod, timestep_index=t_index, video_index=layout.video_index,
+                                         audio_index=layout.audio_index))
+        assert got_v.shape == tuple(want_v.shape) and got_a.shape == tuple(want_a.shape)
+        assert _rel(got_v, want_v) <= ORT_REL_TOL and _rel(got_a, want_a) <= ORT_REL_TOL
+
+
+def test_onnx_graphs_are_export_friendly(fp32_graphs):
+    """No aten RMSNorm, no SDPA op: MatMul-Softmax-MatMul per attention; every tensor in one external data file."""
+    _, paths = fp32_graphs
+    for name, path in paths.items():
+        model = onnx.load(str(path), load_external_data=False)
+        ops = collections.Counter(n.op_type for n in model.graph.node)
+        assert "RMSNormalization" not in ops and "Attention" not in ops
+        attention_layers = 2 if name == "embed" else (1 if name.startswith("block_") else 0)  # tiny: 2 refiner blocks
+        assert ops["Softmax"] == attention_layers, f"{name}: {ops['Softmax']} Softmax"
+        assert path.with_name(path.name + ".data").is_file()
+        assert all(t.data_location == onnx.TensorProto.EXTERNAL for t in model.graph.initializer if t.dims and
+                   np.prod(t.dims) * 4 > 1024)
+
+
+@pytest.fixture(scope="module")
+def bf16_model(tiny_root):
+    model, _ = load_dit(tiny_root, "t2va", torch.bfloat16)
+    return model, example_inputs(model, TINY_PROFILE.geometry, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+def test_rtx_builds_every_segment_for_sm89(precision, bf16_model, tmp_path):
+    model, examples = bf16_model
+    logs = []
+    entries = build_plans(model, examples, [TINY_PROFILE.geometry, Profile(192, 96, 5.0).geometry], precision,
+                          ("sm89",), RTX, tmp_path, logs.append)
+    assert sorted(entries) == ["block_0", "block_1", "embed", "final"]
+    for name, entry in entries.items():
+        assert (tmp_path / entry["artifact"]).stat().st_size == entry["plan_bytes"] > 0
+        assert len(entry["profiles"]) == 2  # one optimization profile per bundle profile
+        if name != "final":  # the final layer has no attention
+            assert entry["fused_attention"], f"{name}: attention is not one fused kernel"
+        assert entry["quantized"] == (precision if name.startswith("block_") and precision != "bf16" else None)
+    assert len(logs) == 4
+
+
+def test_fp8_graph_has_modelopt_qdq_and_is_refused_for_ampere(bf16_model, tmp_path):
+    model, examples = bf16_model
+    module, spec = segment_graphs(model)["block_0"]
+    example = examples["block"][:5]
+    quantized = quantize_block(module, "fp8", [tuple(example)])
+    path = export_graph(quantized, spec, example, tmp_path / "block_0.onnx")
+    ops = collections.Counter((n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node)
+    # 4 linears: input + weight Q/DQ each
+    assert ops[("trt", "TRT_FP8QuantizeLinear")] == 8 and ops[("trt", "TRT_FP8DequantizeLinear")] == 8
+    shapes = [input_shapes(spec, example, shape_ranges(model.cfg, TINY_PROFILE.geometry))]
+    with pytest.raises(RuntimeError, match="fp8"):
+        build_plan(RTX, path, tmp_path / "block_0.plan", shapes, ("sm86",))
+    with torch.no_grad():  # the fake-quantized block stays close to the bf16 one
+        want = module(*example).float()
+        err = ((quantized(*example).float() - want).norm() / want.norm()).item()
+    assert err < 5e-2, f"FP8 block relative error {err:.2e}"
+
+
+def test_nvfp4_graph_builds_for_sm120_only(bf16_model, tmp_path, monkeypatch):
+    import modelopt.torch.quantization.tensor_quant as tensor_quant
+
+    # CPU only: ModelOpt's FP4 fake-quant kernel needs CUDA; the graph comes from the op's ONNX symbolic regardless.
+    monkeypatch.setattr(tensor_quant, "_dynamic_block_quantize_forward", lambda ctx, x, *a, **k: x)
+    model, examples = bf16_model
+    module, spec = segment_graphs(model)["block_1"]
+    example = examples["block"][:5]
+    quantized = quantize_block(module, "nvfp4", [tuple(example)])
+    path = export_graph(quantized, spec, example, tmp_path / "block_1.onnx", nvfp4=True)
+    ops = collections.Counter((n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node)
+    assert ops[("trt", "TRT_FP4DynamicQuantize")] == 4 and ops[("", "DequantizeLinear")] == 16
+    shapes = [input_shapes(spec, example, shape_ranges(model.cfg, TINY_PROFILE.geometry))]
+    report = build_plan(RTX, path, tmp_path / "block_1.plan", shapes, ("sm120",))
+    assert report["fused_attention"] and report["plan_bytes"] > 0
+    with pytest.raises(RuntimeError, match="fp4"):
+        build_plan(RTX, path, tmp_path / "sm89.plan", shapes, ("sm89",))
+
+
+def test_fused_attention_memory_is_linear_in_sequence_length(bf16_model, tmp_path):
+    """Unfused, one layer's scores at S rows are heads x S^2 bf16 values: 1 GiB at S = 16384 for the tiny model's 2
+    heads. The plan's activation memory must stay far below that and grow ~linearly (4x rows -> < 8x, not 16x)."""
+    model, examples = bf16_model
+    graphs = segment_graphs(model)
+    module, spec = graphs["block_0"]
+    example = examples["block"][:5]
+    path = export_graph(module, spec, example, tmp_path / "block_0.onnx")
+    ranges = shape_ranges(model.cfg, TINY_PROFILE.geometry)
+    activation = {}
+    for rows in (4096, 16384):
+        r = dict(ranges, S=(rows // 2, rows, rows))
+        activation[rows] = build_plan(RTX, path, tmp_path / f"{rows}.plan", [input_shapes(spec, example, r)],
+                                      ("sm89",))["activation_bytes"]
+    scores_16k = model.cfg.num_heads * 16384 ** 2 * 2
+    assert activation[16384] < scores_16k / 10, activation
+    assert activation[16384] < 8 * activation[4096], activation
+
+
+def test_parse_targets_and_shape_ranges(tiny_cfg):
+    assert parse_targets(None, "nvfp4", RTX) == ("sm120",)
+    assert parse_targets("sm_89, sm120", "fp8", RTX) == ("sm89", "sm120")
+    with pytest.raises(ValueError, match="sm90"):
+        parse_targets("sm90", "bf16", RTX)
+    with pytest.raises(ValueError, match="nvfp4 cannot be built for sm89"):
+        parse_targets("sm89,sm120", "nvfp4", RTX)
+    geo = TINY_PROFILE.geometry
+    r = shape_ranges(tiny_cfg, geo)
+    rows_per_frame = (geo.latent_height // 2) * (geo.latent_width // 2)
+    assert r["V"] == tuple(geo.latent_frames * rows_per_frame + k * rows_per_frame for k in (0, 1, 2))
+    assert r["S"][2] == r["L"][2] + r["V"][2] + r["A"][2] and r["M"] == (3, 6, 9)
+
+
+def test_pick_profile_and_gpu_refusals():
+    profiles = [{"x": [[1, 10, 4], [1, 20, 4], [1, 30, 4]]}, {"x": [[1, 31, 4], [1, 40, 4], [1, 50, 4]]}]
+    assert pick_profile(profiles, {"x": (1, 30, 4)}, "block_0") == 0
+    assert pick_profile(profiles, {"x": (1, 45, 4)}, "block_0") == 1
+    with pytest.raises(BundleError, match=r"no optimization profile .*Rebuild with a --profile"):
+        pick_profile(profiles, {"x": (1, 60, 4)}, "block_0")
+    info = {"flavour": "tensorrt_rtx", "version": "1.7.1.116", "targets": ["sm89", "sm120"]}
+    installed = {"tensorrt_rtx": "1.7.1.116"}
+    h200 = plan_device_problem(info, "NVIDIA H200", (9, 0), installed)
+    assert "NVIDIA H200" in h200 and "9.0" in h200 and "sm89, sm120" in h200 and "full-TensorRT" in h200
+    ampere = plan_device_problem(info, "NVIDIA RTX A6000", (8, 6), installed)
+    assert "8.6" in ampere and "--trt-targets sm86" in ampere
+    assert "has none" in plan_device_problem(info, None, None, installed)
+    assert "install tensorrt_rtx==1.7.1.116" in plan_device_problem(info, "NVIDIA GeForce RTX 5090", (12, 0),
+                                                                     {"tensorrt_rtx": "1.8.0"})
+    assert plan_device_problem(info, "NVIDIA GeForce RTX 4090", (8, 9), installed) is None
