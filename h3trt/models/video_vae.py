@@ -105,6 +105,43 @@ def stitch(vae, plan: DecodePlan, tile_pixels: list[torch.Tensor]) -> torch.Tens
     return vae._stitch_tiles(grid, list(plan.height_overlaps_px), list(plan.width_overlaps_px))
 
 
+class WindowFrames:
+    """Turns stitched windows, pushed in order, into finished frames exactly as diffusers' `_decode` does: drop the
+    pre-pad frames, blend the carried overlap into the next window's head, cut the frames of padding latents.
+
+    Push-style so that the single-process stream and the tile-parallel decode (which completes windows as gathered
+    tiles arrive) share one copy of this arithmetic. Holds one window's overlap, never the clip.
+    """
+
+    def __init__(self, vae, plan: DecodePlan):
+        self.vae, self.plan = vae, plan
+        self.emitted, self.pushed, self.carry = 0, 0, None
+
+    def push(self, clip_BCFHW: torch.Tensor) -> torch.Tensor:
+        """Finished frames [B, 3, f <= keep, H, W] of the next window (VAE output space)."""
+        plan = self.plan
+        if self.pushed == len(plan.windows):
+            raise ValueError(f"All {len(plan.windows)} windows of this plan were already pushed.")
+        chunk_frames = plan.keep_frames + plan.pre_pad_frames  # 20
+        head = clip_BCFHW[:, :, plan.pre_pad_frames:chunk_frames]
+        if self.carry is not None:
+            head = self.vae._blend(self.carry, head, plan.overlap_frames, dim=-3)
+        self.carry = clip_BCFHW[:, :, chunk_frames + plan.pre_pad_frames:2 * chunk_frames]
+        head = head[:, :, : plan.num_frames - self.emitted]
+        self.emitted += head.shape[2]
+        self.pushed += 1
+        return head
+
+    def finish(self) -> torch.Tensor | None:
+        """The last window's carried overlap frames, or None if padding cut them all."""
+        if self.pushed != len(self.plan.windows):
+            raise ValueError(f"finish() after {self.pushed} of {len(self.plan.windows)} windows.")
+        tail = self.carry[:, :, : self.plan.num_frames - self.emitted]
+        self.carry = None
+        self.emitted += tail.shape[2]
+        return tail if tail.shape[2] else None
+
+
 class VideoVAE:
     """A diffusers `AutoencoderKLMiniMaxH3` plus the latent normalisation of the checkpoint."""
 
@@ -132,11 +169,17 @@ class VideoVAE:
     @torch.no_grad()
     def decode_window(self, z_BCTHW: torch.Tensor, plan: DecodePlan, window: int) -> torch.Tensor:
         """All tiles of one window, stitched: [B, 3, 28, H, W] in the VAE's output space (ImageNet-normalised)."""
-        start, stop = plan.windows[window]
-        z = z_BCTHW[:, :, start:stop]
-        return stitch(self.vae, plan, [self._decode_tile(z, tile) for tile in plan.tiles])
+        z = self.window_latents(z_BCTHW, plan, window)
+        return stitch(self.vae, plan, [self.decode_tile(z, tile) for tile in plan.tiles])
 
-    def _decode_tile(self, z_window: torch.Tensor, tile: Tile) -> torch.Tensor:
+    @staticmethod
+    def window_latents(z_BCTHW: torch.Tensor, plan: DecodePlan, window: int) -> torch.Tensor:
+        start, stop = plan.windows[window]
+        return z_BCTHW[:, :, start:stop]
+
+    @torch.no_grad()
+    def decode_tile(self, z_window: torch.Tensor, tile: Tile) -> torch.Tensor:
+        """Pixels [B, 3, 28, h, w] of one tile of one window: eager, or the bundle's compiled decoder."""
         if self.tile_decoders is None:
             return decode_tile(self.vae, z_window, tile)
         key = (z_window.shape[2], tile.y1 - tile.y0, tile.x1 - tile.x0)
@@ -152,29 +195,26 @@ class VideoVAE:
         windows = {stop - start for start, stop in plan.windows}
         return sorted({(t, tile.y1 - tile.y0, tile.x1 - tile.x0) for t in windows for tile in plan.tiles})
 
+    def prepare(self, latents_BCTHW: torch.Tensor) -> tuple[torch.Tensor, DecodePlan]:
+        """Denormalised latents on the VAE's device, padded at the end to whole windows, and their plan."""
+        z = self.denormalize(latents_BCTHW.float()).to(self.device, self.dtype)
+        plan = self.plan(*z.shape[2:])
+        if plan.pad_latents:
+            z = torch.cat([z, z[:, :, -1:].repeat(1, 1, plan.pad_latents, 1, 1)], dim=2)
+        return z, plan
+
     @torch.no_grad()
     def decode_stream(self, latents_BCTHW: torch.Tensor) -> Iterator[torch.Tensor]:
         """Yield finished frames in order, [B, 3, f, H, W] float in [0, 1], one window at a time.
 
         `latents` are normalised (as the DiT produces them). Peak memory is one window, never the whole clip.
         """
-        z = self.denormalize(latents_BCTHW.float()).to(self.device, self.dtype)
-        plan = self.plan(*z.shape[2:])
-        if plan.pad_latents:
-            z = torch.cat([z, z[:, :, -1:].repeat(1, 1, plan.pad_latents, 1, 1)], dim=2)
-        emitted, carry = 0, None
-        chunk_frames = plan.keep_frames + plan.pre_pad_frames  # 20
+        z, plan = self.prepare(latents_BCTHW)
+        frames = WindowFrames(self.vae, plan)
         for w in range(len(plan.windows)):
-            clip = self.decode_window(z, plan, w)
-            head = clip[:, :, plan.pre_pad_frames:chunk_frames]
-            if carry is not None:
-                head = self.vae._blend(carry, head, plan.overlap_frames, dim=-3)
-            carry = clip[:, :, chunk_frames + plan.pre_pad_frames:2 * chunk_frames]
-            head = head[:, :, : plan.num_frames - emitted]
-            emitted += head.shape[2]
-            yield self.to_unit_range(head)
-        tail = carry[:, :, : plan.num_frames - emitted]
-        if tail.shape[2]:
+            yield self.to_unit_range(frames.push(self.decode_window(z, plan, w)))
+        tail = frames.finish()
+        if tail is not None:
             yield self.to_unit_range(tail)
 
     @staticmethod

@@ -1,0 +1,277 @@
+"""Tile-parallel video decode over the ranks of one process group, and the decode-and-write stage (4-5).
+
+Every rank of `group` calls with the same latents. The work is exactly the single-GPU decode's: the (window, tile)
+pairs of `VideoVAE.plan`, in window-major order, dealt out in waves of one tile per rank. After each wave the tiles
+are gathered on the group's first rank, which stitches a window as soon as its last tile arrives (the same `stitch`
+and `WindowFrames` the single-process stream uses, so the frames are bitwise equal on one device type), converts it
+to uint8 on the device and hands it to the background encoder while the next waves decode. Only that rank ever
+holds pixels of more than one tile, and never more than one window plus one wave of them.
+
+Audio decodes beside the video on the group's last rank (the one with the fewest tiles), on its own thread and CUDA
+stream, and reaches the writing rank in one broadcast after the first window, so AAC is encoded long before the end.
+
+Shape legend: B batch (1), C channels, T latent frames, F pixel frames, H/W height/width.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from ..models.packing import AUDIO_SAMPLE_RATE, FPS
+from ..models.video_vae import DecodePlan, VideoVAE, WindowFrames, stitch
+from .output import OutputConfig, PipelinedWriter
+
+WRITER_RANK = 0  # group rank that stitches, converts and writes; it also decodes its share of tiles
+
+
+def deal_waves(num_jobs: int, world: int) -> list[list[int | None]]:
+    """Job index each rank decodes in each wave: wave i gives rank r job i * world + r, or None past the end.
+
+    A rank with None still joins that wave's gather (with a zero tile), so a tile count that the world size does not
+    divide cannot leave the other ranks waiting in a collective nobody else enters.
+    """
+    if num_jobs < 1 or world < 1:
+        raise ValueError(f"deal_waves needs num_jobs >= 1 and world >= 1, got {num_jobs} and {world}.")
+    return [[j if (j := i * world + r) < num_jobs else None for r in range(world)]
+            for i in range(math.ceil(num_jobs / world))]
+
+
+def tile_output_shape(video_vae: VideoVAE, plan: DecodePlan, batch: int) -> tuple[int, ...]:
+    """[B, 3, F, h, w] of every tile's pixels. Gathers need one shape, and diffusers' tiling gives it: equal
+    windows (5 + 2 latents) and equal tiles (the tile size, or the whole frame when it fits in one tile)."""
+    sizes = {(t.y1 - t.y0, t.x1 - t.x0) for t in plan.tiles}
+    lengths = {stop - start for start, stop in plan.windows}
+    if len(sizes) != 1 or len(lengths) != 1:
+        raise ValueError(f"Tile-parallel decode needs equal tiles and windows; this plan has tile sizes {sorted(sizes)}"
+                         f" and window lengths {sorted(lengths)} (latent units).")
+    (h, w), (t,) = sizes.pop(), lengths
+    dec = video_vae.vae.decoder
+    return batch, dec.out_channels, t * dec.patch_size_t, h * dec.patch_size, w * dec.patch_size
+
+
+def to_uint8_frames(frames_BCFHW: torch.Tensor) -> torch.Tensor:
+    """Finished frames in the VAE's output space -> uint8 [F, H, W, 3] on the same device (batch item 0)."""
+    unit = VideoVAE.to_unit_range(frames_BCFHW)
+    return (unit[0].permute(1, 2, 3, 0) * 255.0).round().to(torch.uint8).contiguous()
+
+
+def _group_rank_world(group) -> tuple[int, int]:
+    if group is None:
+        return 0, 1
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+def _comm_device(group, device: torch.device) -> torch.device:
+    return device if group is not None and dist.get_backend(group) == "nccl" else torch.device("cpu")
+
+
+def _agree(group, rank: int, world: int, shape: tuple[int, ...], error: Exception | None) -> None:
+    """Every rank checks its inputs before the first collective, then all learn whether any rank refused and whether
+    the latent shapes agree, so a bad call fails on every rank with the reason instead of hanging the others."""
+    if group is None:
+        if error is not None:
+            raise error
+        return
+    device = _comm_device(group, torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available()
+                          else torch.device("cpu"))
+    mine = torch.tensor([0 if error is not None else 1, *shape], dtype=torch.int64, device=device)
+    every = [torch.empty_like(mine) for _ in range(world)]
+    dist.all_gather(every, mine, group=group)
+    every = [tuple(t.tolist()) for t in every]
+    if error is not None:
+        raise error
+    refused = [r for r, row in enumerate(every) if row[0] == 0]
+    if refused:
+        raise ValueError(f"group rank(s) {refused} refused the decode (see their error); rank {rank} stops too.")
+    shapes = {row[1:] for row in every}
+    if len(shapes) != 1:
+        raise ValueError(f"The ranks of the decode group hold different latent shapes {[r[1:] for r in every]}; "
+                         "every rank must pass the same latents.")
+
+
+@torch.no_grad()
+def decode_frames(video_vae: VideoVAE, latents_BCTHW: torch.Tensor, group=None,
+                  between_waves: Callable[[int], None] | None = None,
+                  marks: dict[str, float] | None = None) -> Iterator[torch.Tensor]:
+    """Finished frames as uint8 [F, H, W, 3] on the VAE's device, in order, one window at a time.
+
+    Yields on group rank 0 only; every rank must exhaust the iterator (it runs the collectives). `between_waves(i)`
+    runs on every rank after wave i's gather was issued (a fixed point for other collectives). `marks["last_tile"]`
+    is set on rank 0 when the last tile is on hand (device synchronised): the start of the host tail.
+    """
+    rank, world = _group_rank_world(group)
+    z, plan = video_vae.prepare(latents_BCTHW)
+    shape = tile_output_shape(video_vae, plan, z.shape[0])
+    out_dtype = video_vae.vae.decoder.proj_out.weight.dtype
+    jobs = [(w, t) for w in range(len(plan.windows)) for t in range(len(plan.tiles))]
+    waves = deal_waves(len(jobs), world)
+    dst = None if group is None else dist.get_global_rank(group, WRITER_RANK)
+    frames = WindowFrames(video_vae.vae, plan)
+    tiles_of: dict[int, list] = {}
+    done_windows = 0
+
+    def decode(job: int | None) -> torch.Tensor:
+        if job is None:
+            # This rank has no tile left in this wave but still joins the gather, so uneven counts cannot hang.
+            return torch.zeros(shape, dtype=out_dtype, device=z.device)
+        w, t = jobs[job]
+        pixels = video_vae.decode_tile(video_vae.window_latents(z, plan, w), plan.tiles[t])
+        if tuple(pixels.shape) != shape or pixels.dtype != out_dtype:
+            raise ValueError(f"A decoded tile is {pixels.dtype} {tuple(pixels.shape)}, expected {out_dtype} {shape}.")
+        return pixels
+
+    def collect(wave: int, work, gathered) -> Iterator[torch.Tensor]:
+        nonlocal done_windows
+        if work is not None:
+            work.wait()
+        if rank != WRITER_RANK:
+            return
+        if wave == len(waves) - 1 and marks is not None:
+            if z.device.type == "cuda":
+                torch.cuda.synchronize(z.device)
+            marks["last_tile"] = time.perf_counter()
+        for r, job in enumerate(waves[wave]):
+            if job is not None:
+                w, t = jobs[job]
+                tiles_of.setdefault(w, [None] * len(plan.tiles))[t] = gathered[r]
+        # Jobs are window-major, so windows complete in order.
+        while done_windows in tiles_of and all(p is not None for p in tiles_of[done_windows]):
+            clip = stitch(video_vae.vae, plan, tiles_of.pop(done_windows))
+            done_windows += 1
+            yield to_uint8_frames(frames.push(clip))
+
+    pending = None
+    for i, wave in enumerate(waves):
+        local = decode(wave[rank])
+        if group is None:
+            work, gathered = None, [local]
+        else:
+            gathered = [torch.empty_like(local) for _ in range(world)] if rank == WRITER_RANK else None
+            work = dist.gather(local, gathered, dst=dst, group=group, async_op=True)
+        if pending is not None:  # the previous wave's tiles travel while this wave decoded
+            yield from collect(*pending)
+        pending = (i, work, gathered)
+        if between_waves is not None:
+            between_waves(i)
+    yield from collect(*pending)
+    if rank == WRITER_RANK:
+        tail = frames.finish()
+        if tail is not None:
+            yield to_uint8_frames(tail)
+
+
+class _AudioDecode:
+    """The audio decode on its own thread (and CUDA stream), so it runs while this rank decodes video tiles."""
+
+    def __init__(self, audio_vae, audio_rows: torch.Tensor, on_done: Callable[[torch.Tensor], None] | None = None):
+        self.audio_vae, self.rows, self.on_done = audio_vae, audio_rows, on_done
+        self.waveform, self.seconds, self.error = None, 0.0, None
+        self.thread = threading.Thread(target=self._run, name="h3trt-audio-decode", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        start = time.perf_counter()
+        try:
+            device = self.audio_vae.device
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            with torch.no_grad(), (torch.cuda.stream(stream) if stream is not None else nullcontext()):
+                self.waveform = self.audio_vae.decode_rows(self.rows)  # ends with a copy to the host: synchronised
+            self.seconds = time.perf_counter() - start
+            if self.on_done is not None:
+                self.on_done(self.waveform)
+        except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread by result()
+            self.error = e
+
+    def result(self) -> torch.Tensor:
+        self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"audio decode failed: {self.error}") from self.error
+        return self.waveform
+
+
+def _validate(video_vae: VideoVAE, video_latents: torch.Tensor, audio_rows: torch.Tensor) -> None:
+    channels = video_vae.vae.config.latent_channels
+    if video_latents.ndim != 5 or video_latents.shape[0] != 1 or video_latents.shape[1] != channels:
+        raise ValueError(f"video latents must be [1, {channels}, T, H, W], got {tuple(video_latents.shape)}.")
+    if audio_rows.ndim != 2 or audio_rows.shape[0] % 2 or audio_rows.shape[0] == 0:
+        raise ValueError(f"audio rows must be [2A, C] (left then right channel), got {tuple(audio_rows.shape)}.")
+
+
+@torch.no_grad()
+def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor, audio_rows: torch.Tensor,
+                     output: Path, group=None, fps: int = FPS, crf: int = 18, sample_rate: int = AUDIO_SAMPLE_RATE,
+                     output_config: OutputConfig = OutputConfig()) -> dict:
+    """Stages 4-5: decode video (tile-parallel over `group`) and audio, and write the MP4 on group rank 0.
+
+    Every rank of `group` (None: this process alone) calls with the same normalised latents [1, C, T, H, W] and
+    audio rows [2A, C]. Returns on every rank {frames, audio_samples, wrote, timings_s}; timings_s has video_decode
+    (until the last frames were queued), audio_decode (on its rank), mux (encoder-thread time, overlapping the
+    decode) and decode_tail_s (last tile on hand -> MP4 renamed into place; on the writing rank).
+    """
+    rank, world = _group_rank_world(group)
+    writer, error = None, None
+    try:  # everything that can refuse the call, before the first collective
+        _validate(video_vae, video_latents, audio_rows)
+        if rank == WRITER_RANK:  # the writer checks the output path, size and encoder now
+            height, width = (s * video_vae.vae.spatial_compression_ratio for s in video_latents.shape[3:])
+            writer = PipelinedWriter(output, width, height, fps, crf, sample_rate, video_vae.device, output_config)
+    except ValueError as e:  # MediaError is a ValueError
+        error = e
+    _agree(group, rank, world, tuple(video_latents.shape) + tuple(audio_rows.shape), error)
+    start = time.perf_counter()
+    audio_rank = world - 1  # the rank with the fewest tiles (jobs are dealt from rank 0)
+    num_samples = audio_rows.shape[0] // 2 * audio_vae.hop_length
+    audio_seconds = [0.0]
+
+    def hand_over(waveform: torch.Tensor) -> None:  # single process: straight from the audio thread to AAC
+        if tuple(waveform.shape) != (2, num_samples):
+            raise ValueError(f"audio decode gave {tuple(waveform.shape)}, expected (2, {num_samples}).")
+        writer.put_audio(waveform)
+
+    audio = None
+    if rank == audio_rank:
+        audio = _AudioDecode(audio_vae, audio_rows, hand_over if world == 1 else None)
+
+    handoff_wave = (len(video_vae.plan(*video_latents.shape[2:]).tiles) - 1) // world  # deals window 0's last tile
+
+    def between_waves(i: int) -> None:
+        if world == 1 or i != handoff_wave:
+            return
+        # One broadcast at a fixed wave (after the first window) on every rank: the waveform plus its decode time.
+        device = _comm_device(group, video_vae.device)
+        buf = torch.empty(2 * num_samples + 1, dtype=torch.float32, device=device)
+        if rank == audio_rank:
+            waveform = audio.result()
+            if tuple(waveform.shape) != (2, num_samples):
+                raise ValueError(f"audio decode gave {tuple(waveform.shape)}, expected (2, {num_samples}).")
+            buf.copy_(torch.cat([waveform.reshape(-1), torch.tensor([audio.seconds])]))
+        dist.broadcast(buf, src=dist.get_global_rank(group, audio_rank), group=group)
+        if rank == WRITER_RANK:
+            host = buf.cpu()
+            audio_seconds[0] = float(host[-1])
+            writer.put_audio(host[:-1].view(2, num_samples))
+
+    marks: dict[str, float] = {}
+    frames = 0
+    with writer if writer is not None else nullcontext():
+        for chunk in decode_frames(video_vae, video_latents, group, between_waves, marks):
+            writer.put_frames(chunk)
+            frames += chunk.shape[0]
+        if audio is not None:
+            audio.result()  # a single process's audio thread may still be running; its error surfaces here
+            audio_seconds[0] = audio.seconds
+        decoded = time.perf_counter()
+    end = time.perf_counter()
+    timings = {"video_decode": decoded - start, "audio_decode": audio_seconds[0]}
+    if writer is not None:
+        timings.update(mux=writer.encode_s, decode_tail_s=end - marks["last_tile"])
+    return {"frames": frames, "audio_samples": writer.audio_samples if writer else 0, "wrote": writer is not None,
+            "timings_s": {k: round(v, 4) for k, v in timings.items()}}
