@@ -30,9 +30,10 @@ from ..models.dit import EagerDiT
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, FPS, FRAMES_PER_CHUNK,
     LATENTS_PER_CHUNK, Geometry, PackedLayout, RefBlock, frames_for_duration, pack_ref2va, pack_t2va, resolve_canvas,
-    validate_canvas,
+    row_timesteps, validate_canvas,
 )
-from ..models.sampler import DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, denoise, initial_latents
+from ..models.sampler import (DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, denoise, euler_step,
+                              initial_latents)
 from ..models.vae_checkpoint import load_audio_vae, load_video_vae
 from ..models.video_vae import VideoVAE, image_to_pixels, prepare_keyframe
 from .guidance import Branch, guided_denoiser
@@ -87,6 +88,17 @@ class Prepared:
     geometry: Geometry
     keyframes: list[tuple[str, Image.Image]] = field(default_factory=list)  # (anchor, image on the canvas)
     references: list[Reference] = field(default_factory=list)
+
+
+@dataclass
+class Encoded:
+    """A request after stages 1-2 and the pack, waiting to be denoised with others of the same layout."""
+
+    prepared: Prepared
+    schedule: Schedule
+    text_embeds: torch.Tensor  # [1, L, C_text]
+    layout: PackedLayout
+    latents: Latents  # starting rows [V, C] / [A, C], drawn from the request's own seed
 
 
 @dataclass(frozen=True)
@@ -318,6 +330,72 @@ class H3Pipeline:
             final = self._denoise(text.embeds, layout, latents, schedule, on_step, branches, req.guidance)
         return schedule, layout, final
 
+    @torch.no_grad()
+    def encode_request(self, prepared: Prepared, timer: StageTimer | None = None) -> Encoded:
+        """Stages 1-2 and the pack of a request that will be denoised in a batch (single-branch: no guidance)."""
+        req, timer = prepared.request, timer or StageTimer(self.device)
+        schedule = self.schedule(req)
+        if self.check_request is not None:
+            self.check_request(prepared, schedule)
+        if getattr(req, "guidance", 1.0) != 1.0:
+            raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
+        with timer("text_encode"):
+            text = self._encode_text(prepared)
+        with timer("condition_encode"):
+            conditions = self._encode_conditions(prepared)
+        layout, latents = self._pack(prepared, text.tags, conditions)
+        return Encoded(prepared, schedule, text.embeds, layout, latents)
+
+    @torch.no_grad()
+    def denoise_batch(self, batch: list[Encoded], on_step: Callable[[int, int], None] | None = None) -> list[Latents]:
+        """Stage 3 for requests of one layout and schedule, stacked along the batch dimension: one DiT evaluation per
+        step serves them all; each keeps its own seed's starting rows, so each ends where it would alone."""
+        first = batch[0]
+        for other in batch[1:]:
+            if other.schedule != first.schedule or not same_layout(other.layout, first.layout):
+                raise ValueError("denoise_batch needs one schedule and one packed layout (task, canvas, duration and "
+                                 f"text length) for the whole batch; {other.prepared.request.prompt[:40]!r} differs "
+                                 f"from {first.prepared.request.prompt[:40]!r}.")
+        device, dit, schedule = self.device, self.dit, first.schedule
+        layout, lay = first.layout, first.layout.to(device)
+        text_BLC = torch.cat([e.text_embeds for e in batch]).to(device)
+        video = torch.stack([e.latents.video for e in batch]).to(device)  # [B, V, C] fp32
+        audio = torch.stack([e.latents.audio for e in batch]).to(device)  # [B, A, C] fp32
+        cv, ca = layout.num_condition_video_rows, layout.num_condition_audio_rows
+        sv, sa = schedule.video_sigmas, schedule.audio_sigmas
+        steps = schedule.timesteps()
+        # The loop of `sampler.denoise` with a batch dimension: the same ops per item, so B = 1 is bitwise equal.
+        for i, (tv, ta) in enumerate(steps):
+            unique_t, t_index = row_timesteps(layout, tv, ta)
+            v_video, v_audio = dit(video, audio, text_BLC, unique_t.to(device), t_index.to(device), lay)
+            video[:, cv:] = euler_step(video[:, cv:], v_video[:, cv:], tv, sv[i], sv[i + 1])
+            audio[:, ca:] = euler_step(audio[:, ca:], v_audio[:, ca:], ta, sa[i], sa[i + 1])
+            if on_step is not None:
+                on_step(i + 1, len(steps))
+        return [Latents(video[b], audio[b]) for b in range(len(batch))]
+
+    @torch.no_grad()
+    def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = 18,
+                       timer: StageTimer | None = None) -> dict:
+        """Stages 4-5 for one request of a batch; returns its record."""
+        timer = timer or StageTimer(self.device)
+        frames_written, waveform = self._decode_and_mux(encoded.prepared, encoded.layout, final, output, crf, timer)
+        return self._record(encoded.prepared, encoded.schedule, encoded.layout, output, frames_written, waveform, timer)
+
+    def generate_batch(self, prepared: list[Prepared], outputs: list[Path], crf: int = 18,
+                       on_step: Callable[[int, int], None] | None = None) -> list[dict]:
+        """Stages 1-5 for requests of one layout, denoised as one batch; one record per request, in order."""
+        if len(prepared) != len(outputs):
+            raise ValueError(f"generate_batch got {len(prepared)} requests but {len(outputs)} outputs.")
+        timers = [StageTimer(self.device) for _ in prepared]
+        encoded = [self.encode_request(p, t) for p, t in zip(prepared, timers)]
+        start = time.perf_counter()
+        finals = self.denoise_batch(encoded, on_step)
+        end = time.perf_counter()
+        for timer in timers:
+            timer.add("denoise", start, end)
+        return [self.decode_request(e, f, o, crf, t) for e, f, o, t in zip(encoded, finals, outputs, timers)]
+
     def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
                 waveform: torch.Tensor, timer: StageTimer) -> dict:
         """The provenance and timing record written beside an MP4."""
@@ -448,3 +526,11 @@ def request_dict(request: Request) -> dict:
         data[key] = str(data[key]) if data[key] else None
     data["refs"] = [str(p) for p in request.refs]
     return data
+
+
+def same_layout(a: PackedLayout, b: PackedLayout) -> bool:
+    """Whether two requests pack into the same rows (so they can share one batched DiT evaluation)."""
+    return (a.num_condition_video_rows == b.num_condition_video_rows
+            and a.num_condition_audio_rows == b.num_condition_audio_rows
+            and all(torch.equal(getattr(a, k), getattr(b, k))
+                    for k in ("position_ids", "token_tags", "video_index", "audio_index", "text_index")))
