@@ -37,6 +37,28 @@ def init_rank(rank: int, world: int, store: str, device_type: str) -> None:
                             world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
 
+def torchrun_rank() -> tuple[int, int, int] | None:
+    """(rank, world size, local rank) when torchrun (or any launcher setting its environment) started this process."""
+    env = os.environ
+    if not all(k in env for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")):
+        return None
+    return int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+
+
+def init_torchrun_rank(device_type: str) -> tuple[int, int, int]:
+    """Join the process group torchrun describes (any number of nodes), with the same bounded collective timeout.
+    A rank that raises exits non-zero and torchrun stops the others; a rank stuck on a dead peer times out."""
+    import torch
+    import torch.distributed as dist
+
+    rank, world, local_rank = torchrun_rank()
+    if device_type == "cuda":
+        torch.cuda.set_device(local_rank)
+    dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method="env://", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+    return rank, world, local_rank
+
+
 def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple) -> None:
     try:
         fn(rank, world, store, *args)

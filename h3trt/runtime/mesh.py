@@ -51,9 +51,32 @@ class MeshConfig:
                              f"({num_heads} % {self.sp} = {num_heads % self.sp}); valid sp: {valid_sp(num_heads)}.")
 
 
-def build_mesh(config: MeshConfig, device_type: str, world_size: int, num_heads: int):
-    """`init_device_mesh` with axes (replica, cfg, sp), validated first (before any collective)."""
+@dataclass(frozen=True)
+class Parallel:
+    """This rank's place in the mesh and the groups it talks to (None where that degree is 1)."""
+
+    config: MeshConfig
+    replica_index: int = 0  # which replica group this rank belongs to
+    sp_group: object = None  # ranks sharing one sequence (Ulysses)
+    cfg_group: object = None  # the 2 ranks (same replica, same sp rank) holding the two guidance branches
+    group_rank: int = 0  # rank within the replica group (cfg-major): 0 writes the group's files
+
+    @property
+    def writes(self) -> bool:
+        """Only each replica group's first rank writes files."""
+        return self.group_rank == 0
+
+
+SINGLE = Parallel(MeshConfig())
+
+
+def build_mesh(config: MeshConfig, device_type: str, world_size: int, num_heads: int) -> Parallel:
+    """`init_device_mesh` with axes (replica, cfg, sp), validated first (before any collective), and this rank's
+    groups. Every rank must call it (creating the sub-groups is collective)."""
     from torch.distributed.device_mesh import init_device_mesh
 
     config.validate(world_size, num_heads)
-    return init_device_mesh(device_type, config.shape, mesh_dim_names=AXES)
+    mesh = init_device_mesh(device_type, config.shape, mesh_dim_names=AXES)
+    replica, cfg, sp = mesh.get_coordinate()
+    return Parallel(config, replica, mesh.get_group("sp") if config.sp > 1 else None,
+                    mesh.get_group("cfg") if config.cfg > 1 else None, cfg * config.sp + sp)

@@ -1,0 +1,71 @@
+"""Classifier-free guidance: v = v_neg + scale * (v_pos - v_neg), the two branches on one rank set after another, or
+side by side on the mesh's two cfg groups, combined after one all-gather.
+
+H3 is guidance-distilled (the released checkpoint has one positive branch; h3_reference.md section 4.3), so guidance
+is off by default and costs nothing then. With `--guidance S > 1` the negative branch is the same request with
+`--negative-prompt`: its own text rows, hence its own packed layout, over the same video and audio rows.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from ..models.packing import PackedLayout
+
+
+@dataclass
+class Branch:
+    """One guidance branch: its text embedding [1, L, C] and packed layout, on the device."""
+
+    text: torch.Tensor
+    layout: PackedLayout
+
+
+def branch_t_index(to: PackedLayout, frm: PackedLayout, t_index_S: torch.Tensor) -> torch.Tensor:
+    """The row timestep index of layout `to` for the evaluation whose index over layout `frm` is `t_index_S`.
+
+    Branches differ only in their text rows; video and audio rows (condition rows first) match one to one, and text
+    and padding rows take the video t, which every text row of `frm` carries.
+    """
+    out = t_index_S[frm.text_index[0]].expand(to.seq_len).clone()
+    out[to.video_index] = t_index_S[frm.video_index]
+    out[to.audio_index] = t_index_S[frm.audio_index]
+    return out
+
+
+def combine(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
+    """The guided velocity, in fp32."""
+    pos, neg = pos.float(), neg.float()
+    return neg + scale * (pos - neg)
+
+
+def guided_denoiser(dit, positive: Branch, negative: Branch, scale: float, cfg_group=None):
+    """The sampler's model function (video, audio, unique_t, t_index) -> (video v, audio v), guided. With `cfg_group`
+    (2 ranks) group rank 0 evaluates the positive branch and rank 1 the negative; both get the combined result."""
+    if cfg_group is not None and dist.get_world_size(cfg_group) != 2:
+        raise ValueError(f"A cfg group has 2 ranks (one per branch), got {dist.get_world_size(cfg_group)}.")
+
+    def model(video, audio, unique_t, t_index):
+        t_neg = branch_t_index(negative.layout, positive.layout, t_index)
+        runs = ((positive, t_index), (negative, t_neg))
+        if cfg_group is None:
+            (pv, pa), (nv, na) = (dit(video, audio, b.text, unique_t, t, b.layout) for b, t in runs)
+        else:
+            branch, t = runs[dist.get_rank(cfg_group)]
+            mv, ma = dit(video, audio, branch.text, unique_t, t, branch.layout)
+            (pv, pa), (nv, na) = _exchange(mv, ma, cfg_group)
+        return combine(pv, nv, scale), combine(pa, na, scale)
+
+    return model
+
+
+def _exchange(video_v: torch.Tensor, audio_v: torch.Tensor, group):
+    """Both branches' outputs on both ranks: one all-gather of the two velocities packed into one fp32 buffer."""
+    flat = torch.cat([video_v.float().flatten(), audio_v.float().flatten()])
+    parts = [torch.empty_like(flat) for _ in range(2)]
+    dist.all_gather(parts, flat, group=group)
+    split = video_v.numel()
+    return [(p[:split].view(video_v.shape), p[split:].view(audio_v.shape)) for p in parts]

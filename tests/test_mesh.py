@@ -1,0 +1,157 @@
+"""The DeviceMesh runtime on the CPU with gloo: sequence parallel, sp x cfg and replicas give the latents one process
+gives; a rank that dies mid-step ends the job within the bound; an sp=2 bundle runs its compiled halves sharded.
+
+Tolerance: fp32, relative error (norm) <= 1e-5 against the single-process result (sharding only reorders sums).
+"""
+
+import json
+import os
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from h3trt.build.builder import BuildConfig, Profile, build
+from h3trt.engines.bundle import Engine
+from h3trt.engines.manifest import BundleError
+from h3trt.models.checkpoint import load_dit
+from h3trt.models.dit import EagerDiT
+from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.sampler import Schedule
+from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
+from h3trt.runtime.guidance import branch_t_index
+from h3trt.runtime.launch import RankFailed, init_rank, launch
+from h3trt.runtime.mesh import MeshConfig, build_mesh
+from h3trt.runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
+from h3trt.runtime.serve import Job, load_rank_pipeline
+
+REL_TOL = 1e-5
+BOUND_S = 60
+STEPS = 3
+CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
+                        reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
+REQUESTS = {
+    "plain": Request("a fox runs through snow", steps=STEPS, seed=3),
+    "other": Request("rain on a tin roof", steps=STEPS, seed=7, width=128, height=96),
+    "guided": Request("a fox runs through snow", steps=STEPS, seed=3, guidance=2.5, negative_prompt="blurry, static"),
+}
+
+
+def _latents(pipeline, name):
+    _, _, final = pipeline.denoise_request(prepare(REQUESTS[name], CANVAS))
+    return {"video": final.video, "audio": final.audio}
+
+
+@pytest.fixture(scope="module")
+def single(tiny_root):
+    """The one-process results every mesh must reproduce."""
+    pipeline = H3Pipeline.load(tiny_root, "t2va", "cpu", CANVAS)
+    return {name: _latents(pipeline, name) for name in REQUESTS}
+
+
+def _serve(rank, world, store, root, mesh, names, out, die_at_step):
+    init_rank(rank, world, store, "cpu")
+    par = build_mesh(mesh, "cpu", world, 2)
+    pipeline = load_rank_pipeline(Job(str(root), False, "t2va", "cpu", mesh, canvas=CANVAS), par, torch.device("cpu"))
+    for name in names[par.replica_index::mesh.replica]:
+        if die_at_step is not None and rank == world - 1:
+            def on_step(i, n):
+                if i == die_at_step:
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+            pipeline.denoise_request(prepare(REQUESTS[name], CANVAS), on_step)
+        torch.save(_latents(pipeline, name), out / f"{name}.rank{rank}.pt")
+
+
+def _check(out, single, name, ranks):
+    for rank in ranks:
+        got = torch.load(out / f"{name}.rank{rank}.pt")
+        for key in ("video", "audio"):
+            want = single[name][key]
+            err = ((got[key] - want).norm() / want.norm()).item()
+            assert err <= REL_TOL, f"{name} {key} on rank {rank}: relative error {err:.2e}"
+
+
+def test_replicas_x_sp2_match_one_process(single, tiny_root, tmp_path):
+    """replica=2 x sp=2: each replica group serves its own request, each sequence sharded over two ranks."""
+    launch(_serve, 4, (tiny_root, MeshConfig(replica=2, sp=2), ["plain", "other"], tmp_path, None))
+    _check(tmp_path, single, "plain", [0, 1])
+    _check(tmp_path, single, "other", [2, 3])
+    assert not list(tmp_path.glob("other.rank[01].pt")) and not list(tmp_path.glob("plain.rank[23].pt"))
+
+
+def test_sp2_x_cfg2_guidance_matches_one_process(single, tiny_root, tmp_path):
+    launch(_serve, 4, (tiny_root, MeshConfig(cfg=2, sp=2), ["guided"], tmp_path, None))
+    _check(tmp_path, single, "guided", [0, 1, 2, 3])
+
+
+def test_a_rank_killed_mid_denoise_ends_the_job(tiny_root, tmp_path):
+    start = time.monotonic()
+    with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: it died \(signal 9\)"):
+        launch(_serve, 2, (tiny_root, MeshConfig(sp=2), ["plain"], tmp_path, 1))
+    assert time.monotonic() - start < BOUND_S
+    assert not list(tmp_path.glob("*.pt"))
+
+
+def test_negative_branch_timesteps_follow_its_own_layout():
+    pos = pack_t2va(text_tags_for(11), 7, 4, 6, 23, keyframes=("first",))
+    neg = pack_t2va(text_tags_for(5), 7, 4, 6, 23, keyframes=("first",))
+    for tv, ta in Schedule(6).timesteps():
+        unique_t, t_pos = row_timesteps(pos, tv, ta)
+        unique_neg, t_neg = row_timesteps(neg, tv, ta)
+        assert torch.equal(unique_t, unique_neg)
+        assert torch.equal(branch_t_index(neg, pos, t_pos), t_neg)
+
+
+def test_guidance_needs_a_negative_prompt_and_a_scale():
+    with pytest.raises(ValueError, match="--guidance 3 needs --negative-prompt"):
+        prepare(Request("x", guidance=3.0), CANVAS)
+    with pytest.raises(ValueError, match="--negative-prompt only acts with --guidance > 1"):
+        prepare(Request("x", negative_prompt="y"), CANVAS)
+
+
+# --- an sp=2 bundle: the compiled block halves around the exchange -------------------------------------------------
+
+@pytest.fixture(scope="module")
+def sp2_bundle(tmp_path_factory, tiny_root):
+    out = tmp_path_factory.mktemp("sp2") / "bundle"
+    build(BuildConfig(tiny_root, out, precision="fp32", profiles=(Profile(160, 96, 5.0),), device="cpu", sp=2,
+                      keep_adaln=True, tiny=True), log=lambda m: None)
+    return out
+
+
+def _engine_rank(rank, world, store, bundle, root, out):
+    init_rank(rank, world, store, "cpu")
+    par = build_mesh(MeshConfig(sp=2), "cpu", world, 2)
+    engine = Engine.load(bundle, "cpu", par.config, par.sp_group)
+    eager = EagerDiT(load_dit(root, "t2va", torch.float32)[0])
+    errors = []
+    for layout in (pack_t2va(text_tags_for(11), 37, 6, 10, 207),  # 11 + 2220 + 414 rows: even
+                   pack_t2va(text_tags_for(8, [range(2, 5)]), 7, 6, 10, 23, keyframes=("first",))):  # odd: padded
+        g = torch.Generator().manual_seed(0)
+        video = torch.randn(1, layout.video_index.numel(), eager.cfg.video_patch_dim, generator=g)
+        audio = torch.randn(1, layout.audio_index.numel(), eager.cfg.audio_in_channels, generator=g)
+        text = torch.randn(1, layout.text_index.numel(), eager.cfg.text_dim, generator=g)
+        unique_t, t_index = row_timesteps(layout, *Schedule().timesteps()[20])
+        with torch.no_grad():
+            got = engine.dit(video, audio, text, unique_t, t_index, layout)
+            want = eager(video, audio, text, unique_t, t_index, layout)
+        errors += [((a - b).norm() / b.norm()).item() for a, b in zip(got, want)]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps(errors))
+
+
+def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_path):
+    manifest = json.loads((sp2_bundle / "manifest.json").read_text())
+    assert {"block_pre", "block_post"} <= set(manifest["segments"]) and "block" not in manifest["segments"]
+    assert manifest["mesh"]["sp"] == 2 and manifest["mesh"]["heads_per_rank"] == 1
+    launch(_engine_rank, 2, (sp2_bundle, tiny_root, tmp_path))
+    for rank in (0, 1):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert max(errors) <= REL_TOL, f"rank {rank}: {errors}"
+
+
+def test_sp2_bundle_refuses_one_process(sp2_bundle):
+    with pytest.raises(BundleError, match=r"built for sp=2 x cfg=1 .* launched as replica\(1\) x cfg\(1\) x sp\(1\)"):
+        Engine.load(sp2_bundle, "cpu")
