@@ -3,7 +3,8 @@
     h3trt run --prompt "..." --output clip.mp4 [--image first.png] [--last-image last.png] [--ref FILE ...]
               [--seed 42] [--steps 50] [--width W --height H] [--duration 5] [--model PATH | --engine DIR]
     h3trt build --model PATH|tiny --output DIR [--precision bf16] [--profile WxHxSECONDS ...] [--steps 50]
-                [--device cuda|cpu] [--backend inductor|aoti] [--keep-adaln] [--task t2va|fl2va|ref2va]
+                [--device cuda|cpu] [--backend inductor|aoti|tensorrt] [--trt-targets sm89,sm120] [--keep-adaln]
+                [--task t2va|fl2va|ref2va]
     h3trt inspect DIR        h3trt verify DIR
 
 Errors the user can fix are one line on stderr and exit status 2; no output file is left behind.
@@ -207,7 +208,9 @@ def _build_parser(sub) -> None:
     p.add_argument("--video-shift", type=float, help="video sigma shift to bake (default: the checkpoint's)")
     p.add_argument("--audio-shift", type=float, help="audio sigma shift to bake (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available); the bundle runs there")
-    p.add_argument("--backend", default="inductor", help="inductor (default) or aoti")
+    p.add_argument("--backend", default="inductor", help="inductor (default), aoti, or tensorrt (ONNX -> TensorRT plans)")
+    p.add_argument("--trt-targets", default=None,
+                   help="tensorrt with TensorRT-RTX: compute capabilities to build for, e.g. sm89,sm120 (default: sm89,sm120; nvfp4: sm120)")
     p.add_argument("--keep-adaln", action="store_true", help="keep adaln_proj weights: serve any schedule")
     p.add_argument("--task", default="t2va", help="t2va/fl2va (FL2VA partition, default) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (1 until the DeviceMesh runtime)")
@@ -229,7 +232,8 @@ def cmd_build(args) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     model_root = ensure_tiny_checkpoint() if tiny else Path(args.model)
     config = BuildConfig(model_root, args.output, args.task, args.precision, profiles, args.steps, args.video_shift,
-                         args.audio_shift, device, args.backend, args.keep_adaln, args.sp, args.overwrite, tiny)
+                         args.audio_shift, device, args.backend, args.keep_adaln, args.sp, args.overwrite, tiny,
+                         trt_targets=args.trt_targets)
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr))
     size = sum(f["bytes"] for f in manifest["files"].values())
     print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "

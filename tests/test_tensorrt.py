@@ -227,3 +227,30 @@ def test_pick_profile_and_gpu_refusals():
     assert "install tensorrt_rtx==1.7.1.116" in plan_device_problem(info, "NVIDIA GeForce RTX 5090", (12, 0),
                                                                      {"tensorrt_rtx": "1.8.0"})
     assert plan_device_problem(info, "NVIDIA GeForce RTX 4090", (8, 9), installed) is None
+
+
+def test_h3trt_build_tensorrt_fp8_bundle(tiny_cache, tmp_path, capsys):
+    """The CLI end to end: an FP8 bundle for sm89 + sm120 with two profiles; the manifest records flavour, version
+    and targets; every file hashes; serving it on this GPU-less machine is refused naming the plans' targets."""
+    from h3trt.cli import main
+    from h3trt.engines.bundle import Engine
+    from h3trt.engines.manifest import read_manifest
+
+    out = tmp_path / "trt"
+    assert main(["build", "--model", "tiny", "--output", str(out), "--backend", "tensorrt", "--precision", "fp8",
+                 "--trt-targets", "sm89,sm120", "--device", "cpu", "--profile", "160x96x5", "--profile",
+                 "192x96x5"]) == 0
+    manifest = read_manifest(out)
+    assert manifest["tensorrt"]["flavour"] == "tensorrt_rtx" and manifest["tensorrt"]["version"] == trt.__version__
+    assert manifest["tensorrt"]["targets"] == ["sm89", "sm120"] and manifest["device"] == "cuda"
+    assert sorted(manifest["segments"]) == ["block_0", "block_1", "embed", "final"]
+    assert all(len(e["profiles"]) == 2 for e in manifest["segments"].values())
+    assert [e["quantized"] for e in manifest["segments"].values()] == [None, "fp8", "fp8", None]
+    assert not (out / "weights" / "blocks.safetensors").exists()  # the plans embed the weights
+    assert main(["verify", str(out)]) == 0
+    with pytest.raises(BundleError, match=r"tensorrt_rtx .* plans for sm89, sm120.*has none"):
+        Engine.load(out, "cpu")
+    capsys.readouterr()
+    assert main(["build", "--model", "tiny", "--output", str(tmp_path / "x"), "--backend", "tensorrt",
+                 "--trt-targets", "sm90"]) == 2
+    assert "Hopper (sm90)" in capsys.readouterr().err

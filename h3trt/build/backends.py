@@ -18,7 +18,8 @@ import torch
 
 from .segments import SegmentSpec
 
-BACKENDS = ("inductor", "aoti")
+BACKENDS = ("inductor", "aoti", "tensorrt")  # tensorrt: ONNX + plans, built by tensorrt.py, served by
+# engines/tensorrt_runtime.py (not through compile_segment / load_segment)
 
 
 @contextmanager

@@ -84,6 +84,7 @@ class BuildConfig:
     sp: int = 1
     overwrite: bool = False
     tiny: bool = False
+    trt_targets: str | None = None  # tensorrt: compute capabilities of the plans, e.g. "sm89,sm120" (None: default)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -97,6 +98,12 @@ class BuildConfig:
             raise ValueError("--sp > 1 needs the DeviceMesh runtime, which this build does not have yet; use --sp 1.")
         if not self.profiles:
             raise ValueError("At least one --profile is needed.")
+        if self.backend == "tensorrt":
+            from .tensorrt import check_build_config
+
+            check_build_config(self)
+        elif self.trt_targets is not None:
+            raise ValueError("--trt-targets applies to --backend tensorrt.")
 
 
 def _weights(model: H3DiT) -> dict[str, dict[str, torch.Tensor]]:
@@ -194,6 +201,12 @@ def build(config: BuildConfig, log=print) -> dict:
         examples = example_inputs(model, config.profiles[0].geometry, device)
         specs = {spec.name: spec for spec in dit_segments(model.cfg, dtype)}
         specs.update(_video_decoder_specs(source.component_root, config.profiles, device, examples))
+        if config.backend == "tensorrt":  # ONNX export + TensorRT plans instead of torch compiles (tensorrt.py)
+            from .tensorrt import build_tensorrt_segments
+
+            trt_segments, trt_record = build_tensorrt_segments(model, examples, config, work, log)
+            # Plans run only on their target GPUs, and the video decoder stays eager: no torch compile, no check here.
+            specs, examples = {}, {}
         cache = work / "inductor_cache" if config.backend == "inductor" else Path(tempfile.mkdtemp(prefix="h3trt-aoti-"))
         cache.mkdir(parents=True, exist_ok=True)
         segments = {}
@@ -209,6 +222,9 @@ def build(config: BuildConfig, log=print) -> dict:
         if config.backend != "inductor":
             shutil.rmtree(cache, ignore_errors=True)
         _prune_cache(work / "inductor_cache")
+
+        if config.backend == "tensorrt":
+            segments = trt_segments
 
         # 4. The eager components, copied so the bundle is self-contained.
         for name in EAGER_COMPONENTS:
@@ -234,6 +250,10 @@ def build(config: BuildConfig, log=print) -> dict:
             "versions": runtime_versions(), "segments": segments, "weight_bytes": sizes, "tiny": config.tiny,
             "build_timings_s": {k: round(v, 2) for k, v in timings.items()},
         }
+        if config.backend == "tensorrt":
+            # Flavour, version, targets: what Engine.load checks the GPU against. Plans run on CUDA, wherever built.
+            manifest.update(tensorrt=trt_record, device="cuda", arch=",".join(trt_record["targets"]),
+                            weight_bytes={k: v for k, v in sizes.items() if k.startswith("adaln")})
         manifest = write_manifest(work, manifest)
         if out.exists():
             shutil.rmtree(out)
@@ -287,6 +307,9 @@ def _video_decoder_specs(component_root: Path, profiles, device, examples: dict)
 
 def _verify_in_subprocess(work: Path, config: BuildConfig, segments: dict, examples: dict, specs: dict) -> None:
     from safetensors.torch import save_file
+
+    if not examples:  # a tensorrt build: its plans run only on their target GPUs
+        return
 
     with tempfile.TemporaryDirectory(prefix="h3trt-verify-") as tmp:
         tensors, plan = {}, {}

@@ -278,8 +278,9 @@ def check_build_config(config) -> None:
     if config.trt_targets is not None:
         targets = [t.strip().lower().replace("_", "") for t in config.trt_targets.split(",") if t.strip()]
         if not targets or any(t not in RTX_TARGETS for t in targets):
-            raise ValueError(f"--trt-targets must be a comma-separated list of {', '.join(RTX_TARGETS)}, got "
-                             f"{config.trt_targets!r}.")
+            raise ValueError(f"--trt-targets must be a comma-separated list of {', '.join(RTX_TARGETS)} (what "
+                             f"TensorRT-RTX compiles for), got {config.trt_targets!r}. Hopper (sm90) and datacenter "
+                             "Blackwell (sm100) need the full tensorrt builder, which builds for the GPU it runs on.")
 
 
 def build_tensorrt_segments(model, examples: dict, config, work: Path, log=print) -> tuple[dict, dict]:
@@ -290,9 +291,12 @@ def build_tensorrt_segments(model, examples: dict, config, work: Path, log=print
     targets = parse_targets(config.trt_targets, config.precision, flavour)
     log(f"building TensorRT plans with {flavour.name} {flavour.version} for {', '.join(targets)} "
         f"({config.precision}, {len(config.profiles)} optimization profile(s))")
+    t0 = time.perf_counter()
     segments = build_plans(model, examples, [p.geometry for p in config.profiles], config.precision, targets, flavour,
                            work / "segments", log)
+    seconds = time.perf_counter() - t0
     for name in ("embed", "blocks", "final"):
         (work / "weights" / f"{name}.safetensors").unlink(missing_ok=True)
     return segments, {"flavour": flavour.name, "version": flavour.version, "targets": list(targets),
-                      "strongly_typed": True, "onnx_opset": 20}
+                      "strongly_typed": True, "onnx_opset": 20,
+                      "export_and_build_s": round(seconds, 2)}

@@ -112,6 +112,10 @@ class Engine:
         root = Path(root)
         device = torch.device(device)
         manifest = read_manifest(root)
+        if manifest["backend"] == "tensorrt":  # plans: their own GPU check, runner and loader
+            from .tensorrt_runtime import load_trt_engine
+
+            return load_trt_engine(cls, root, manifest, device)
         check_environment(manifest, device, world_size)
         problems = verify_files(root, manifest)
         if problems:
