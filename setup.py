@@ -21,7 +21,14 @@ setup(
         "tqdm",
     ],
     extras_require={
-        "test": ["pytest"],
+        "test": [
+            "pytest",
+            # The TensorRT backend's CPU tests (tests/test_tensorrt.py): ONNX export and onnxruntime parity, ModelOpt
+            # FP8/NVFP4 Q/DQ (with the pieces of its [onnx] extra the NVFP4 exporter imports; the extra itself pulls
+            # CUDA wheels), and TensorRT-RTX, which builds plans without a GPU. About 150 MB, under a minute to install.
+            "onnx>=1.21", "onnxruntime>=1.20", "tensorrt-rtx==1.7.1.116", "nvidia-modelopt==0.47.0",
+            "onnx-graphsurgeon>=0.6.1", "onnxscript", "onnxslim", "lief",
+        ],
     },
     entry_points={"console_scripts": ["h3trt=h3trt.cli:main"]},
 )
