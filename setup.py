@@ -19,6 +19,7 @@ setup(
         "av>=14",  # H.264 + AAC muxing with PyAV's bundled FFmpeg
         "Pillow",
         "tqdm",
+        "matplotlib",  # h3trt run --requests draws OUT/timeline.png
     ],
     extras_require={
         "test": [

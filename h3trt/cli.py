@@ -26,8 +26,8 @@ def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
                                    "--ref makes it ref2va.")
-    p.add_argument("--prompt", required=True, help="the text prompt")
-    p.add_argument("--output", required=True, type=Path, help="output .mp4 (a .json with timings is written beside it)")
+    p.add_argument("--prompt", help="the text prompt (required unless --requests)")
+    p.add_argument("--output", type=Path, help="output .mp4, a .json with timings beside it (required unless --requests)")
     p.add_argument("--image", type=Path, help="first keyframe (PNG/JPEG/WebP): fl2va")
     p.add_argument("--last-image", type=Path, help="last keyframe: fl2va")
     p.add_argument("--ref", type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
@@ -48,6 +48,15 @@ def _run_parser(sub) -> None:
     p.add_argument("--audio-shift", type=float, help="audio sigma shift (default: the checkpoint's, 3)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    batch = p.add_argument_group("batch: many requests from one JSONL file, the model loaded once")
+    batch.add_argument("--requests", type=Path, help="JSONL, one request per line: id, task, prompt, image/last_image/"
+                                                     "refs, seed, resolution WxH, duration, steps (validated first)")
+    batch.add_argument("--out-dir", type=Path, help="OUT/<id>.mp4 + OUT/<id>.json per request, OUT/timeline.json/png; "
+                                                    "a rerun skips requests whose outputs exist and verify")
+    batch.add_argument("--max-batch", type=int, default=1, help="requests of one layout denoised together along the "
+                                                                "batch dimension (default 1)")
+    batch.add_argument("--fail-fast", action="store_true", help="stop at the first failed request (default: record "
+                                                                "it and go on)")
     p.add_argument("--gpus", type=int, default=1,
                    help="local ranks to spawn, sharing one sequence (Ulysses sp = --gpus; eager path; on a CPU-only "
                         "machine the ranks are CPU processes over gloo)")
@@ -60,6 +69,12 @@ def cmd_run(args) -> int:
     from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
     from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
 
+    if args.requests is not None:
+        from .runtime.batch import run_requests
+
+        return run_requests(args)
+    if args.prompt is None or args.output is None:
+        raise ValueError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     output: Path = args.output
     if output.suffix.lower() != ".mp4":
         raise ValueError(f"--output must end in .mp4, got {output}.")

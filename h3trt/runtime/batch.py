@@ -30,6 +30,7 @@ from typing import Callable
 
 import torch
 
+from ..engines.manifest import sha256_file
 from .pipeline import CanvasDefaults, Encoded, H3Pipeline, Request, prepare, request_dict, write_json_atomic
 from .timeline import TimelineTimer, write_timeline
 
@@ -163,8 +164,8 @@ def _parse_line(text: str, number: int, base: Path, canvas: CanvasDefaults) -> B
 def _typed(data: dict, key: str, kind, default=None):
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, kind):
-        names = kind.__name__ if isinstance(kind, type) else " or ".join(k.__name__ for k in kind)
-        raise ValueError(f"{key} must be a {names}, got {json.dumps(value)}.")
+        name = {str: "a string", int: "an integer"}.get(kind, "a number")
+        raise ValueError(f"{key} must be {name}, got {json.dumps(value)}.")
     if isinstance(value, float) and not math.isfinite(value):
         raise ValueError(f"{key} must be finite, got {value}.")
     return value
@@ -206,14 +207,6 @@ def output_paths(out_dir: Path, item: BatchItem) -> tuple[Path, Path]:
     return Path(out_dir) / f"{item.id}.mp4", Path(out_dir) / f"{item.id}.json"
 
 
-def file_sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def finished(out_dir: Path, item: BatchItem) -> bool:
     """Whether OUT/<id>.mp4 and OUT/<id>.json exist and verify: done, for this same request, MP4 hash as recorded."""
     mp4, record = output_paths(out_dir, item)
@@ -224,7 +217,7 @@ def finished(out_dir: Path, item: BatchItem) -> bool:
     except (OSError, json.JSONDecodeError):
         return False
     return (data.get("status") == "done" and data.get("request") == request_dict(item.request)
-            and data.get("mp4_sha256") == file_sha256(mp4))
+            and data.get("mp4_sha256") == sha256_file(mp4))
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -359,7 +352,7 @@ class _Run:
             mp4, json_path = output_paths(self.out_dir, p.item)
             record.update(status="done", id=p.item.id, line=p.item.line, request=request_dict(p.item.request),
                           model=self.model, batch=batch, shard=list(self.config.shard),
-                          peak_memory=peak_memory(self.pipeline.device), mp4_sha256=file_sha256(mp4), **self.extra)
+                          peak_memory=peak_memory(self.pipeline.device), mp4_sha256=sha256_file(mp4), **self.extra)
             write_json_atomic(json_path, record)
         self.summary.done.append(p.item.id)
         self.rows.append({"id": p.item.id, "status": "done", "batch": batch["members"], "intervals": p.timer.intervals})
@@ -435,3 +428,68 @@ def summary_line(summary: BatchSummary) -> str:
     s = summary.as_dict()
     return (f"{s['done']} done, {s['failed']} failed, {s['skipped']} skipped in {s['wall_s']:.1f} s: "
             f"{s['clips_per_hour']:.1f} clips/hour" + (f"; failed: {', '.join(s['failed_ids'])}" if s['failed'] else ""))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# `h3trt run --requests FILE --out-dir DIR`
+
+
+def run_requests(args) -> int:
+    """The CLI's batch mode: validate the whole file, load the model once, run; 0 if every request is done."""
+    from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
+
+    single = [flag for flag, value in (("--prompt", args.prompt), ("--output", args.output), ("--image", args.image),
+                                       ("--last-image", args.last_image), ("--ref", args.ref)) if value]
+    if single:
+        raise ValueError(f"--requests takes every request from its file; drop {' '.join(single)}.")
+    if args.out_dir is None:
+        raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
+    if args.gpus > 1:
+        raise ValueError("--requests runs on one device so far; replica groups (--gpus) serve batches through "
+                         "run_batch(shard=...) once the mesh runner hands them out.")
+    manifest = None
+    if args.engine is not None:
+        from ..engines.manifest import read_manifest
+
+        manifest = read_manifest(args.engine)
+        check_bundle_batch(manifest, args.max_batch)
+    tiny = manifest["tiny"] if manifest else args.model is None
+    canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
+                             reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
+    config = BatchConfig(args.out_dir, args.max_batch, args.fail_fast, args.crf, quiet=args.quiet)
+    items = parse_requests(args.requests, canvas)  # every line checked before any model loads
+    tasks = {"ref2va" if i.key[0] == "ref2va" else "t2va" for i in items}
+    if manifest is None and len(tasks) > 1:
+        raise ValueError(f"{args.requests} mixes ref2va with t2va/fl2va requests, which use different checkpoint "
+                         "partitions (Ref2VA/ and FL2VA/); split the file and run each part.")
+    device = args.device or (manifest["device"].split(":")[0] if manifest else
+                             ("cuda" if torch.cuda.is_available() else "cpu"))
+    if manifest is not None:
+        from ..engines.guard import no_compile
+
+        pipeline = H3Pipeline.load_engine(args.engine, device, canvas)
+        extra = {"bundle": bundle_identity(manifest)}
+        model, serving = str(args.engine), no_compile()
+    else:
+        from contextlib import nullcontext
+
+        if tiny:
+            print("h3trt: using the embedded tiny default model (random weights): every clip is noise. Pass --model "
+                  "PATH for real MiniMax-H3 weights.", file=sys.stderr)
+        root = ensure_tiny_checkpoint() if tiny else args.model
+        pipeline = H3Pipeline.load(root, items[0].key[0], device, canvas)
+        extra, model, serving = {}, "embedded-tiny" if tiny else str(root), nullcontext()
+    try:
+        with serving:
+            summary = run_batch(pipeline, items, config, model, extra)
+    except BatchAborted as e:
+        print(f"h3trt: stopped: {e}", file=sys.stderr)
+        return 1
+    print(f"{args.out_dir}: {summary_line(summary)}")
+    return 1 if summary.failed else 0
+
+
+def bundle_identity(manifest: dict) -> dict:
+    """What a record says about the bundle that served it; files_sha256 hashes the manifest's file table."""
+    files = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+    return {"backend": manifest["backend"], "precision": manifest["precision"], "files_sha256": files}
