@@ -17,22 +17,20 @@ import collections
 import json
 
 import numpy as np
+import onnx  # the test extras (pip install -e '.[test]'): a missing one fails here, loudly, instead of skipping
+import onnxruntime as ort
 import pytest
+import tensorrt_rtx as trt
 import torch
 
-onnx = pytest.importorskip("onnx", reason="test extra: pip install -e '.[test]'")
-ort = pytest.importorskip("onnxruntime", reason="test extra: pip install -e '.[test]'")
-trt = pytest.importorskip("tensorrt_rtx", reason="test extra: pip install -e '.[test]'")
-
-from h3trt.build.builder import Profile, example_inputs  # noqa: E402
-from h3trt.build.onnx_export import export_graph, onnx_output_names, quantize_block, segment_graphs  # noqa: E402
-from h3trt.build.tensorrt import (TrtFlavour, build_plan, build_plans, input_shapes, parse_targets,  # noqa: E402
-                                  shape_ranges)
-from h3trt.engines.manifest import BundleError  # noqa: E402
-from h3trt.engines.tensorrt_runtime import pick_profile, plan_device_problem  # noqa: E402
-from h3trt.models.checkpoint import load_dit  # noqa: E402
-from h3trt.models.config import NUM_MODALITIES  # noqa: E402
-from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for  # noqa: E402
+from h3trt.build.builder import Profile, example_inputs
+from h3trt.build.onnx_export import export_graph, quantize_block, segment_graphs
+from h3trt.build.tensorrt import TrtFlavour, build_plan, build_plans, input_shapes, parse_targets, shape_ranges
+from h3trt.engines.manifest import BundleError
+from h3trt.engines.tensorrt_runtime import pick_profile, plan_device_problem
+from h3trt.models.checkpoint import load_dit
+from h3trt.models.config import NUM_MODALITIES
+from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 
 TINY_PROFILE = Profile(160, 96, 5.0)
 ORT_REL_TOL = 1e-5
@@ -137,7 +135,9 @@ def test_rtx_builds_every_segment_for_sm89(precision, bf16_model, tmp_path):
         assert len(entry["profiles"]) == 2  # one optimization profile per bundle profile
         if name != "final":  # the final layer has no attention
             assert entry["fused_attention"], f"{name}: attention is not one fused kernel"
-        assert entry["quantized"] == (precision if name.startswith("block_") and precision != "bf16" else None)
+        quantized = name.startswith("block_") and precision != "bf16"
+        assert entry["quantized"] == (precision if quantized else None)
+        assert ("FP8" in entry["gemm_types"]) == quantized, f"{name}: GEMMs read {entry['gemm_types']}"
     assert len(logs) == 4
 
 
@@ -174,6 +174,7 @@ def test_nvfp4_graph_builds_for_sm120_only(bf16_model, tmp_path, monkeypatch):
     shapes = [input_shapes(spec, example, shape_ranges(model.cfg, TINY_PROFILE.geometry))]
     report = build_plan(RTX, path, tmp_path / "block_1.plan", shapes, ("sm120",))
     assert report["fused_attention"] and report["plan_bytes"] > 0
+    assert "FP4E2M1" in report["gemm_types"], report["gemm_types"]  # FP4 GEMMs (their block scales are FP8)
     with pytest.raises(RuntimeError, match="fp4"):
         build_plan(RTX, path, tmp_path / "sm89.plan", shapes, ("sm89",))
 

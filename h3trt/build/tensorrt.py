@@ -197,11 +197,16 @@ def build_plan(flavour: TrtFlavour, onnx_path: Path, plan_path: Path, profiles: 
 
 
 def build_report(lines: list[str]) -> dict:
-    """Layer names, activation memory and whether attention is one fused kernel, from a DETAILED build log."""
-    layers = [m.group(1) for line in lines for m in re.finditer(r"Name: ([^,]+), LayerType:", line)]
+    """From a DETAILED build log (one line per layer): layer names, activation memory, whether attention is one
+    fused kernel, and the tensor types each GEMM reads (FP8 / FP4 there means the Q/DQ really became a
+    low-precision GEMM)."""
+    layer_lines = [row for line in lines for row in line.splitlines() if "LayerType:" in row]
+    layers = [re.search(r"Name: ([^,]+), LayerType:", row).group(1) for row in layer_lines]
+    gemm_types = sorted({t for row in layer_lines if "LayerType: gemm" in row
+                         for t in re.findall(r"Datatype: (\w+)", row)})
     activation = [int(m.group(1)) for line in lines for m in [re.search(r"Total Activation Memory: (\d+)", line)] if m]
     return {"layers": layers, "activation_bytes": activation[-1] if activation else None,
-            "fused_attention": any("mha" in name.lower() for name in layers)}
+            "fused_attention": any("mha" in name.lower() for name in layers), "gemm_types": gemm_types}
 
 
 def calibration_inputs(model, example_block: list[torch.Tensor], temb_steps: list[torch.Tensor]) -> list[list[tuple]]:
