@@ -315,6 +315,7 @@ class _Run:
     def _run_bucket(self, bucket: list[_Pending]) -> None:
         device = self.pipeline.device
         if device.type == "cuda":
+            torch.cuda.synchronize(device)  # GPU work is charged to the interval that queued it
             torch.cuda.reset_peak_memory_stats(device)
         start = time.perf_counter()
         for p in bucket:
@@ -329,6 +330,8 @@ class _Run:
         except Exception as e:  # noqa: BLE001
             self._fail(bucket, e, "denoise")
             return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
         end = time.perf_counter()
         members = [p.item.id for p in bucket]
         for p in bucket:
