@@ -14,7 +14,7 @@ What runs here and what cannot:
 """
 
 import collections
-import json
+import ctypes
 
 import numpy as np
 import onnx  # the test extras (pip install -e '.[test]'): a missing one fails here, loudly, instead of skipping
@@ -255,3 +255,123 @@ def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
     assert main(["build", "--model", "tiny", "--output", str(tmp_path / "x"), "--backend", "tensorrt",
                  "--trt-targets", "sm90"]) == 2
     assert "Hopper (sm90)" in capsys.readouterr().err
+
+
+class _OrtAsTensorRT:
+    """A stand-in for the `tensorrt_rtx` runtime API TrtSegment uses, executing the ONNX graph in onnxruntime through
+    the same raw device addresses (here host pointers). It checks the wrapper's plumbing: profile choice, input
+    dtypes and shapes, output allocation and order, and TrtDiT's wiring of embed / layers / final / AdaLN / RoPE."""
+
+    class DataType:
+        FLOAT, HALF, BF16, INT64, INT32, BOOL = "float32", "float16", "bfloat16", "int64", "int32", "bool"
+
+    class Logger:
+        WARNING = 0
+
+        def __init__(self, level):
+            pass
+
+    class Runtime:
+        def __init__(self, logger):
+            pass
+
+        def deserialize_cuda_engine(self, plan: bytes):
+            return _OrtAsTensorRT.Engine(plan.decode())
+
+    class Engine:
+        def __init__(self, onnx_path: str):
+            self.session = ort.InferenceSession(onnx_path, providers=["CPUExecutionProvider"])
+            types = {"tensor(float)": "float32", "tensor(int64)": "int64"}
+            self.dtypes = {t.name: types[t.type] for t in self.session.get_inputs() + self.session.get_outputs()}
+
+        def get_tensor_dtype(self, name):
+            return self.dtypes[name]
+
+        def create_runtime_config(self):
+            return None
+
+        def create_execution_context(self, runtime_config=None):
+            return _OrtAsTensorRT.Context(self)
+
+    class Context:
+        def __init__(self, engine):
+            self.engine, self.shapes, self.addresses, self.results, self.profiles = engine, {}, {}, None, []
+
+        def set_optimization_profile_async(self, index, stream):
+            self.profiles.append(index)
+
+        def set_input_shape(self, name, shape):
+            self.shapes[name], self.results = tuple(shape), None
+
+        def set_tensor_address(self, name, address):
+            self.addresses[name] = address
+
+        def _read(self, name):
+            dtype = np.dtype(self.engine.dtypes[name])
+            count = int(np.prod(self.shapes[name]))
+            buffer = (ctypes.c_char * (count * dtype.itemsize)).from_address(self.addresses[name])
+            return np.frombuffer(buffer, dtype=dtype).reshape(self.shapes[name]).copy()
+
+        def _run(self):
+            if self.results is None:
+                feeds = {i.name: self._read(i.name) for i in self.engine.session.get_inputs()}
+                outputs = self.engine.session.run(None, feeds)
+                self.results = dict(zip([o.name for o in self.engine.session.get_outputs()], outputs))
+            return self.results
+
+        def get_tensor_shape(self, name):
+            return self._run()[name].shape
+
+        def execute_async_v3(self, stream):
+            for name, value in self._run().items():
+                value = np.ascontiguousarray(value)
+                ctypes.memmove(self.addresses[name], value.ctypes.data, value.nbytes)
+            return True
+
+
+@pytest.mark.parametrize("adaln", ["baked", "live"])
+def test_trt_dit_runs_the_segment_interface_like_eager(adaln, fp32_graphs):
+    """TrtDiT over TrtSegments (onnxruntime standing in for the plans' executor) equals the eager DiT."""
+    from h3trt.build.adaln import BakedAdaLN, LiveAdaLN, bake_tables
+    from h3trt.engines.tensorrt_runtime import TrtDiT, TrtSegment
+    from h3trt.models.dit import EagerDiT
+
+    model, paths = fp32_graphs
+    cfg, cpu = model.cfg, torch.device("cpu")
+    geometry = TINY_PROFILE.geometry
+    segments = {}
+    for name, (_, spec) in segment_graphs(model).items():
+        ranges = dict(shape_ranges(cfg, geometry), L=(1, 16, 64))
+        example = example_inputs(model, geometry, cpu)["block" if name.startswith("block_") else name]
+        entry = {"name": name, "artifact": f"{name}.plan", "inputs": spec.inputs,
+                 "outputs": [f"{o}_out" if o in spec.inputs else o for o in spec.outputs],
+                 "profiles": [{k: [list(s) for s in v] for k, v in input_shapes(spec, example, ranges).items()}]}
+        segments[name] = TrtSegment(_OrtAsTensorRT, str(paths[name]).encode(), entry, cpu, "tensorrt_rtx")
+    sd = model.state_dict()
+    layout = pack_t2va(text_tags_for(13), geometry.latent_frames, geometry.latent_height, geometry.latent_width,
+                       geometry.audio_latents, cfg.patch_size, ("first",))
+    tv, ta = 0.6, 0.3
+    if adaln == "baked":
+        schedule_values = torch.tensor(sorted({tv, ta, 0.999, 1.0}), dtype=torch.float32)
+        modulation = BakedAdaLN(bake_tables(model, schedule_values), cpu)
+    else:
+        weights = {**{f"blocks.{i}.{p}": sd[f"blocks.{i}.adaln_proj.linear.{p}"] for i in range(cfg.num_layers)
+                      for p in ("weight", "bias")},
+                   **{f"final.{p}": sd[f"final_layer.adaln_proj.linear.{p}"] for p in ("weight", "bias")}}
+        modulation = LiveAdaLN(weights, cfg.num_layers, cfg.hidden_size, cpu)
+    dit = TrtDiT(cfg, segments, modulation, cpu)
+    g = torch.Generator().manual_seed(3)
+    video = torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g)
+    audio = torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g)
+    text = torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g)
+    unique_t, t_index = row_timesteps(layout, tv, ta)
+    with torch.no_grad():
+        got = dit(video, audio, text, unique_t, t_index, layout)
+        want = EagerDiT(model)(video, audio, text, unique_t, t_index, layout)
+    for g_, w in zip(got, want):
+        assert g_.shape == w.shape and ((g_ - w).norm() / w.norm()).item() <= ORT_REL_TOL
+    with pytest.raises(BundleError, match="no optimization profile"):  # 65 text rows: past this test's L range
+        long = pack_t2va(text_tags_for(65), geometry.latent_frames, geometry.latent_height, geometry.latent_width,
+                         geometry.audio_latents, cfg.patch_size)
+        dit(torch.randn(1, long.video_index.numel(), cfg.video_patch_dim), audio,
+            torch.randn(1, 65, cfg.text_dim), *row_timesteps(long, tv, ta), long)

@@ -109,11 +109,13 @@ class TrtSegment:
 
     def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         names = self.entry["inputs"]
-        stream = torch.cuda.current_stream(self.device)
+        # The plans' inputs/outputs live on the current CUDA stream; (0 on a CPU device: only a stand-in runtime in
+        # the tests runs there, since check_plan_device refuses every GPU-less load).
+        stream = torch.cuda.current_stream(self.device).cuda_stream if self.device.type == "cuda" else 0
         profile = pick_profile(self.entry["profiles"], {n: tuple(t.shape) for n, t in zip(names, inputs)},
                                self.entry["name"])
         if profile != self.profile:
-            self.context.set_optimization_profile_async(profile, stream.cuda_stream)
+            self.context.set_optimization_profile_async(profile, stream)
             self.profile = profile
         # The eager segments cast their inputs to the weights' dtype first; the plan's inputs carry those dtypes.
         keep = [t.to(self.device, self._dtype(n)).contiguous() for n, t in zip(names, inputs)]
@@ -125,7 +127,7 @@ class TrtSegment:
             out = torch.empty(tuple(self.context.get_tensor_shape(name)), dtype=self._dtype(name), device=self.device)
             self.context.set_tensor_address(name, out.data_ptr())
             outputs.append(out)
-        if not self.context.execute_async_v3(stream.cuda_stream):
+        if not self.context.execute_async_v3(stream):
             raise RuntimeError(f"TensorRT failed to execute {self.entry['artifact']}.")
         return tuple(outputs)
 
