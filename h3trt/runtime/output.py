@@ -6,8 +6,10 @@ thread that touches the `Mp4Writer`) encodes them meanwhile, and encodes AAC the
 left after the last tile (the "host tail") is the last window's frames plus the encoders' flush.
 
 Copies run on their own CUDA stream into pinned buffers, so a device-to-host copy overlaps the next tile's decode;
-the encoder thread waits on each chunk's event, never on the device as a whole. The queue is bounded in frames
-(`max_pending_frames`): a slow encoder back-pressures the decode instead of letting host memory grow with clip length.
+the encoder thread waits on each chunk's event, never on the device as a whole. The host buffers are a fixed pool of
+`max_pending_frames // chunk_frames` chunks, allocated once and handed back by the encoder thread after use: a slow
+encoder back-pressures the decode instead of letting host memory grow with clip length, and no pinned memory is
+allocated per chunk.
 """
 
 from __future__ import annotations
@@ -61,7 +63,9 @@ class PipelinedWriter:
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._queue: queue.Queue = queue.Queue()
-        self._slots = threading.Semaphore(config.max_pending_frames)  # frames the decode may still queue
+        self._free: queue.Queue = queue.Queue()  # host chunk buffers the encoder has finished with
+        self._pool_left = config.max_pending_frames // config.chunk_frames  # buffers not allocated yet
+        self._pool: list[torch.Tensor] = []
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="h3trt-encoder", daemon=True)
         self.encode_s = 0.0  # encoder-thread time spent encoding and muxing (overlaps the decode)
@@ -78,9 +82,8 @@ class PipelinedWriter:
                              f"{tuple(frames_FHW3.shape)}.")
         for start in range(0, frames_FHW3.shape[0], self.config.chunk_frames):
             chunk = frames_FHW3[start:start + self.config.chunk_frames]
-            for _ in range(chunk.shape[0]):
-                self._acquire_slot()
-            self._queue.put(("frames",) + self._to_host(chunk))
+            buffer = self._buffer(chunk.shape[1:])
+            self._queue.put(("frames", (buffer, chunk.shape[0]), self._copy(chunk, buffer[:chunk.shape[0]])))
             self.frames_queued += chunk.shape[0]
 
     def put_audio(self, waveform_2N: torch.Tensor) -> None:
@@ -89,24 +92,34 @@ class PipelinedWriter:
         self.audio_samples = int(audio.shape[1])
         self._queue.put(("audio", audio, None))
 
-    def _to_host(self, chunk: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    def _buffer(self, frame_shape: torch.Size) -> torch.Tensor:
+        """A free host chunk buffer [chunk_frames, H, W, 3]: a new one while the pool is not full, else the next one
+        the encoder hands back (waiting for it is the back-pressure)."""
+        self._check_alive()
+        if self._pool_left:
+            self._pool_left -= 1
+            self._pool.append(torch.empty((self.config.chunk_frames, *frame_shape), dtype=torch.uint8,
+                                          pin_memory=self.cuda))
+            return self._pool[-1]
+        while True:
+            try:
+                return self._free.get(timeout=PUT_POLL_S)
+            except queue.Empty:
+                self._check_alive()
+
+    def _copy(self, chunk: torch.Tensor, host: torch.Tensor) -> torch.cuda.Event | None:
         if not self.cuda:
-            return chunk.cpu(), None
+            host.copy_(chunk)
+            return None
         # Copy on a side stream into pinned memory: the D2H transfer overlaps the next tile's kernels, and the
         # encoder thread waits on this chunk's event only.
-        host = torch.empty(chunk.shape, dtype=torch.uint8, pin_memory=True)
         self.copy_stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.copy_stream):
             host.copy_(chunk, non_blocking=True)
             chunk.record_stream(self.copy_stream)  # the decode may free `chunk` before the copy ran
             event = torch.cuda.Event()
             event.record(self.copy_stream)
-        return host, event
-
-    def _acquire_slot(self) -> None:
-        while not self._slots.acquire(timeout=PUT_POLL_S):
-            self._check_alive()
-        self._check_alive()
+        return event
 
     def _check_alive(self) -> None:
         if self._error is not None or not self._thread.is_alive():
@@ -126,22 +139,16 @@ class PipelinedWriter:
                         event.synchronize()
                     start = time.perf_counter()
                     if kind == "frames":
-                        self.writer.write_frames(data.numpy())
-                        for _ in range(data.shape[0]):
-                            self._slots.release()
+                        buffer, count = data
+                        self.writer.write_frames(buffer[:count].numpy())
+                        self._free.put(buffer)
                     else:
                         self.writer.write_audio(np.ascontiguousarray(data))
                     self.encode_s += time.perf_counter() - start
                 start = time.perf_counter()
             self.encode_s += time.perf_counter() - start  # flush both encoders, close, rename
         except BaseException as e:  # noqa: BLE001 - handed to the producer, which raises it
-            self._error = e
-            while True:  # release a producer blocked on a slot; it then sees the error
-                try:
-                    self._queue.get_nowait()
-                except queue.Empty:
-                    break
-            self._slots.release(self.config.max_pending_frames)
+            self._error = e  # a producer waiting for a buffer sees it within PUT_POLL_S
 
     def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None and self._thread.is_alive():
@@ -150,5 +157,8 @@ class PipelinedWriter:
         else:
             self._queue.put(_STOP)
         self._thread.join()
+        self._pool.clear()  # freed here, on the thread that allocated them
+        while not self._free.empty():
+            self._free.get_nowait()
         if exc_type is None and self._error is not None:
             raise EncoderThreadFailed(f"the MP4 encoder thread failed: {self._error}") from self._error

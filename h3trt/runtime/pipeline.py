@@ -37,6 +37,7 @@ from ..models.sampler import (DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, de
 from ..models.vae_checkpoint import load_audio_vae, load_video_vae
 from ..models.video_vae import VideoVAE, image_to_pixels, prepare_keyframe
 from .guidance import Branch, guided_denoiser
+from .parallel_vae import decode_and_write
 from .media import MediaError, Mp4Writer, read_audio, read_image, read_video
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
@@ -295,8 +296,8 @@ class H3Pipeline:
             return None
 
         # 4-5. Decode and mux, streamed: a window of frames is encoded while the next decodes.
-        frames_written, waveform = self._decode_and_mux(prepared, layout, final, output, crf, timer)
-        return self._record(prepared, schedule, layout, output, frames_written, waveform, timer)
+        frames_written, audio_samples = self._decode_and_mux(prepared, layout, final, output, crf, timer)
+        return self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
 
     @torch.no_grad()
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
@@ -379,8 +380,10 @@ class H3Pipeline:
                        timer: StageTimer | None = None) -> dict:
         """Stages 4-5 for one request of a batch; returns its record."""
         timer = timer or StageTimer(self.device)
-        frames_written, waveform = self._decode_and_mux(encoded.prepared, encoded.layout, final, output, crf, timer)
-        return self._record(encoded.prepared, encoded.schedule, encoded.layout, output, frames_written, waveform, timer)
+        frames_written, audio_samples = self._decode_and_mux(encoded.prepared, encoded.layout, final, output, crf,
+                                                             timer)
+        return self._record(encoded.prepared, encoded.schedule, encoded.layout, output, frames_written, audio_samples,
+                            timer)
 
     def generate_batch(self, prepared: list[Prepared], outputs: list[Path], crf: int = 18,
                        on_step: Callable[[int, int], None] | None = None) -> list[dict]:
@@ -397,7 +400,7 @@ class H3Pipeline:
         return [self.decode_request(e, f, o, crf, t) for e, f, o, t in zip(encoded, finals, outputs, timers)]
 
     def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
-                waveform: torch.Tensor, timer: StageTimer) -> dict:
+                audio_samples: int, timer: StageTimer) -> dict:
         """The provenance and timing record written beside an MP4."""
         req, geo = prepared.request, prepared.geometry
         return {
@@ -405,7 +408,7 @@ class H3Pipeline:
             "steps": req.steps, "evaluations": schedule.num_evaluations,
             "shifts": {"video": schedule.video_shift, "audio": schedule.audio_shift},
             "width": geo.width, "height": geo.height, "frames": frames_written, "fps": FPS,
-            "audio_samples": int(waveform.shape[1]), "audio_sample_rate": AUDIO_SAMPLE_RATE,
+            "audio_samples": int(audio_samples), "audio_sample_rate": AUDIO_SAMPLE_RATE,
             "sequence_rows": layout.seq_len, "device": str(self.device),
             "torch": torch.__version__, "python": platform.python_version(),
             "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
@@ -445,33 +448,24 @@ class H3Pipeline:
         return layout, latents
 
     def _decode_and_mux(self, prepared: Prepared, layout: PackedLayout, final: Latents, output: Path, crf: int,
-                        timer: StageTimer) -> tuple[int, torch.Tensor]:
-        """Stages 4-5 for one request's final rows [V, C] / [A, C]: returns (frames written, waveform [2, N])."""
+                        timer: StageTimer, group=None) -> tuple[int, int]:
+        """Stages 4-5 for one request's final rows [V, C] / [A, C]: returns (frames written, audio samples).
+
+        Tile-parallel over `group` (None: this process alone; otherwise every rank of the group calls this with the
+        same rows and only group rank 0 writes); frames are encoded on a background thread while later windows
+        decode, AAC as soon as the audio is ready (h3trt/runtime/parallel_vae.py)."""
         geo, cfg = prepared.geometry, self.dit.cfg
         lf, lh, lw = geo.latent_frames, geo.latent_height, geo.latent_width
         video_rows = final.video[layout.num_condition_video_rows:]
         video_latents = video_rows.reshape(1, lf, lh // cfg.patch_size[1], lw // cfg.patch_size[2], cfg.in_channels,
                                            *cfg.patch_size).permute(0, 4, 1, 5, 2, 6, 3, 7)
         video_latents = video_latents.reshape(1, cfg.in_channels, lf, lh, lw)
-        with timer("audio_decode"):
-            waveform = self.audio_vae.decode_rows(final.audio[layout.num_condition_audio_rows:])
-        frames_written = 0
-        with Mp4Writer(output, geo.width, geo.height, fps=FPS, crf=crf, sample_rate=AUDIO_SAMPLE_RATE) as writer:
-            stream = self.video_vae.decode_stream(video_latents)
-            while True:
-                with timer("video_decode"):
-                    chunk = next(stream, None)
-                    if chunk is None:
-                        break
-                    frames = (chunk[0].permute(1, 2, 3, 0) * 255.0).round().to(torch.uint8).cpu()
-                with timer("mux"):
-                    writer.write_frames(frames)
-                frames_written += frames.shape[0]
-            with timer("mux"):
-                writer.write_audio(waveform.clamp(-1, 1).numpy())
-            close_start = time.perf_counter()
-        timer.add("mux", close_start, time.perf_counter())  # flush both encoders, close, rename
-        return frames_written, waveform
+        result = decode_and_write(self.video_vae, self.audio_vae, video_latents,
+                                  final.audio[layout.num_condition_audio_rows:], output, group=group, fps=FPS,
+                                  crf=crf, sample_rate=AUDIO_SAMPLE_RATE)
+        for stage, seconds in result["timings_s"].items():  # video_decode, audio_decode, mux, decode_tail_s
+            timer.seconds[stage] = timer.seconds.get(stage, 0.0) + seconds
+        return result["frames"], result["audio_samples"]
 
     def _encode_text(self, prepared: Prepared, prompt: str | None = None):
         """The request's prompt (or `prompt`: the negative branch's) with the task's visual context."""

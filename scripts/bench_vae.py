@@ -1,0 +1,193 @@
+"""Tile-parallel VAE decode + pipelined MP4 encode: 1 GPU against N GPUs in one run.
+
+The full-size H3 video decoder (diffusers `AutoencoderKLMiniMaxH3` defaults: 36 ViT blocks, dim 2048; random
+weights) on a 1344x768, 124-frame latent [1, 24, 37, 48, 84] (7 windows x 28 tiles of 256 px), and the released audio
+decoder architecture on 207 audio latents. Ranks are self-launched (NCCL, NVLS off). Per world size it measures, as
+median of --repeats after one warm-up:
+  decode_s       tile-parallel decode to uint8 frames on the writing rank, nothing encoded (the 1.8x bar)
+  total_s        decode_and_write: decode + audio + H.264/AAC encode to an MP4 (what `h3trt run` pays)
+  tail_s         host tail: last tile on hand -> MP4 renamed into place (the 0.3 s bar)
+and the encoder thread's busy time and each rank's peak GPU memory.
+
+  python scripts/bench_vae.py --gpus 2 --json bench/results/vae_h200x2.json     # on 2 H200s
+  python scripts/bench_vae.py --cpu-check                                        # toy decoder, gloo, this CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from h3trt.models.audio_vae import AudioVAE  # noqa: E402
+from h3trt.models.vae_checkpoint import audio_vae_kwargs  # noqa: E402
+from h3trt.models.video_vae import VideoVAE  # noqa: E402
+from h3trt.runtime.launch import init_rank, launch  # noqa: E402
+from h3trt.runtime.parallel_vae import decode_and_write, decode_frames  # noqa: E402
+from h3trt.runtime.pipeline import write_json_atomic  # noqa: E402
+
+FULL = dict(width=1344, height=768, latent_frames=37, audio_latents=207)  # 124 frames, 5 s
+TOY = dict(width=160, height=96, latent_frames=12, audio_latents=30)  # 39 frames
+WAIT_S = 1800  # side barrier while rank 0 runs the 1-GPU phase alone
+
+
+def build_vaes(device: torch.device, dtype: torch.dtype, toy: bool) -> tuple[VideoVAE, AudioVAE]:
+    from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
+
+    torch.manual_seed(0)
+    if toy:
+        video = AutoencoderKLMiniMaxH3(block_out_channels=(32,) * 6, decoder_num_layers=2,
+                                       decoder_num_attention_heads=2, decoder_ffn_mult=2)
+        video.enable_tiling(64, 64, 16, 16)  # 6 tiles a window at 160x96
+        audio = AutoencoderKLMiniMaxH3Audio(encoder_dim=8, latent_dim=64, decoder_dim=128)
+    else:
+        with torch.device("meta"):
+            video = AutoencoderKLMiniMaxH3()  # the released architecture
+        video = video.to_empty(device=device)
+        with torch.no_grad():
+            for name, p in video.named_parameters():
+                if name.endswith("bias"):
+                    p.zero_()
+                elif p.ndim == 1:  # norm scales
+                    p.fill_(1.0)
+                else:
+                    p.normal_(0.0, 0.02)
+        cfg = video.config  # the rope table is a non-persistent buffer: rebuild it after to_empty
+        video.decoder.rope = type(video.decoder.rope)(int(cfg.decoder_attention_head_dim * cfg.decoder_rope_dim_ratio),
+                                                      theta=cfg.decoder_rope_theta)
+        kwargs = audio_vae_kwargs(
+            {"encoder_dim": 64, "encoder_rates": [2, 4, 4, 5, 5], "latent_dim": 2048, "vae_latent_channels": 32,
+             "decoder_dim": 1024, "decoder_rates": [5, 5, 2, 2, 2, 2, 2], "sample_rate": 32000},
+            {"latents_mean": [0.0] * 32, "latents_std": [1.0] * 32, "sample_rate": 32000, "latent_channels": 32})
+        audio = AutoencoderKLMiniMaxH3Audio(**kwargs)
+    video = video.to(device)
+    for name, p in video.named_parameters():  # as the loader does: keep diffusers' fp32-pinned modules in fp32
+        if not any(k in name for k in video._keep_in_fp32_modules):
+            p.data = p.data.to(dtype)
+    audio = audio.to(device)
+    return (VideoVAE(video, [0.0] * 24, [1.0] * 24),
+            AudioVAE(audio, [0.0] * 32, [1.0] * 32))
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _decode_only(video: VideoVAE, z: torch.Tensor, group) -> float:
+    _sync(video.device)
+    start = time.perf_counter()
+    for _ in decode_frames(video, z, group):
+        pass
+    _sync(video.device)
+    return time.perf_counter() - start
+
+
+def _phase(video, audio, z, rows, group, out_dir: Path, repeats: int, tag: str) -> dict:
+    """Warm-up, then `repeats` decode-only and decode+write runs over `group` (None: this rank alone)."""
+    decode_and_write(video, audio, z[:, :, :7], rows[:20], out_dir / f"warm_{tag}.mp4", group=group)
+    decode, total, tail, mux = [], [], [], []
+    for i in range(repeats):
+        decode.append(_decode_only(video, z, group))
+        start = time.perf_counter()
+        record = decode_and_write(video, audio, z, rows, out_dir / f"{tag}_{i}.mp4", group=group)
+        total.append(time.perf_counter() - start)
+        if record["wrote"]:
+            tail.append(record["timings_s"]["decode_tail_s"])
+            mux.append(record["timings_s"]["mux"])
+    med = statistics.median
+    return {"decode_s": med(decode), "total_s": med(total), "tail_s": med(tail) if tail else None,
+            "encoder_busy_s": med(mux) if mux else None, "runs": {"decode_s": decode, "total_s": total,
+                                                                   "tail_s": tail}}
+
+
+def _rank(rank: int, world: int, store: str, opts: dict, out_dir: Path) -> None:
+    device_type = "cpu" if opts["cpu_check"] else "cuda"
+    init_rank(rank, world, store, device_type)
+    device = torch.device("cuda", rank) if device_type == "cuda" else torch.device("cpu")
+    dtype = torch.bfloat16 if opts["dtype"] == "bf16" else torch.float32
+    shape = TOY if opts["cpu_check"] else FULL
+    video, audio = build_vaes(device, dtype, opts["cpu_check"])
+    g = torch.Generator().manual_seed(0)
+    z = torch.randn(1, 24, shape["latent_frames"], shape["height"] // 16, shape["width"] // 16, generator=g)
+    rows = torch.randn(2 * shape["audio_latents"], 32, generator=g)
+    waiter = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=WAIT_S))
+    results = {}
+    if rank == 0:  # 1 GPU: this rank alone, the others wait
+        results["1"] = _phase(video, audio, z, rows, None, out_dir, opts["repeats"], "w1")
+        if device.type == "cuda":
+            results["1"]["peak_gib"] = [torch.cuda.max_memory_allocated(device) / 2**30]
+    dist.barrier(group=waiter)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    results[str(world)] = _phase(video, audio, z, rows, dist.group.WORLD, out_dir, opts["repeats"], f"w{world}")
+    peaks = [None] * world
+    dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0)
+    if rank == 0:
+        results[str(world)]["peak_gib"] = peaks
+        plan = video.plan(shape["latent_frames"], shape["height"] // 16, shape["width"] // 16)
+        record = {
+            "bench": "vae_decode", "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "torch": torch.__version__, "dtype": opts["dtype"], "cpu_check": opts["cpu_check"],
+            "shape": {**shape, "frames": plan.num_frames, "windows": len(plan.windows), "tiles_per_window":
+                      len(plan.tiles), "decoder_layers": video.vae.config.decoder_num_layers,
+                      "decoder_dim": video.vae.config.decoder_num_attention_heads
+                      * video.vae.config.decoder_attention_head_dim},
+            "repeats": opts["repeats"], "results": results,
+            "decode_speedup": results["1"]["decode_s"] / results[str(world)]["decode_s"],
+            "total_speedup": results["1"]["total_s"] / results[str(world)]["total_s"],
+        }
+        (out_dir / "result.json").write_text(json.dumps(record, indent=1))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--gpus", type=int, default=2, help="ranks of the parallel phase (1 GPU each)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16",
+                        help="decoder weights (diffusers' fp32-pinned modules stay fp32)")
+    parser.add_argument("--json", type=Path, help="write the result here")
+    parser.add_argument("--cpu-check", action="store_true", help="toy decoder at 160x96 on this CPU with gloo")
+    args = parser.parse_args()
+    if args.gpus < 2:
+        parser.error(f"--gpus must be at least 2 (the 1-GPU phase always runs), got {args.gpus}.")
+    if not args.cpu_check and torch.cuda.device_count() < args.gpus:
+        parser.error(f"--gpus {args.gpus} needs {args.gpus} visible GPUs, found {torch.cuda.device_count()}; "
+                     "pass --cpu-check for the toy run on the CPU.")
+    os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast is off on the lent H200 machines (KINDS.md)
+    opts = {"cpu_check": args.cpu_check, "dtype": "fp32" if args.cpu_check else args.dtype, "repeats": args.repeats}
+    with tempfile.TemporaryDirectory(prefix="bench-vae-") as tmp:
+        launch(_rank, args.gpus, (opts, Path(tmp)))
+        record = json.loads((Path(tmp) / "result.json").read_text())
+    w = str(args.gpus)
+    s = record["shape"]
+    print(f"video decoder {s['decoder_layers']} blocks x {s['decoder_dim']}, {s['width']}x{s['height']}, "
+          f"{s['frames']} frames ({s['windows']} windows x {s['tiles_per_window']} tiles), {record['dtype']}, "
+          f"{record['device']}, median of {record['repeats']}")
+    print(f"{'GPUs':>5} {'decode s':>9} {'decode+encode s':>16} {'host tail s':>12} {'encoder busy s':>15} "
+          f"{'peak GiB/rank':>14}")
+    for key in ("1", w):
+        r = record["results"][key]
+        peaks = "/".join(f"{p:.1f}" for p in r.get("peak_gib", []))
+        print(f"{key:>5} {r['decode_s']:9.3f} {r['total_s']:16.3f} {r['tail_s']:12.3f} {r['encoder_busy_s']:15.3f} "
+              f"{peaks:>14}")
+    print(f"decode speedup {record['decode_speedup']:.2f}x (bar 1.8x), decode+encode {record['total_speedup']:.2f}x; "
+          f"host tail at {w} GPUs {record['results'][w]['tail_s']:.3f} s (bar 0.3 s)")
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(args.json, record)
+
+
+if __name__ == "__main__":
+    main()
