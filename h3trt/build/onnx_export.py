@@ -144,17 +144,12 @@ def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Te
     graph = copy.deepcopy(graph)
 
     def forward_loop(module):
-        for inputs in calib:
-            module(*inputs)
+        # The eager block (SDPA) sees the same Linear inputs as the exported form and never holds the S^2 scores.
+        for x, mod, adaln_index, cos, sin in calib:
+            module.block(x, mod, adaln_index, (cos, sin))
 
     with torch.no_grad():
         return mtq.quantize(graph, config, forward_loop)
-
-
-def calibration_inputs(block_inputs: list[torch.Tensor], timesteps_mods: list[torch.Tensor]) -> list[tuple]:
-    """The block's example inputs once per modulation table: a few denoising steps' worth of activations."""
-    x, _, adaln_index, cos, sin = block_inputs
-    return [(x, mod, adaln_index, cos, sin) for mod in timesteps_mods]
 
 
 def export_graph(module: nn.Module, spec, example: list[torch.Tensor], path: Path, nvfp4: bool = False) -> Path:

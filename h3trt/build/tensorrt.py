@@ -209,64 +209,71 @@ def build_report(lines: list[str]) -> dict:
             "fused_attention": any("mha" in name.lower() for name in layers), "gemm_types": gemm_types}
 
 
-def calibration_inputs(model, example_block: list[torch.Tensor], temb_steps: list[torch.Tensor]) -> list[list[tuple]]:
-    """Per layer, its inputs over a few denoising steps: the example's residual stream carried through the eager
-    blocks with each step's modulation (max calibration sees the activations each layer really gets)."""
-    x0, _, adaln_index, cos, sin = example_block
-    per_layer = [[] for _ in model.blocks]
-    with torch.no_grad():
-        for temb in temb_steps:
-            x = x0
-            for i, block in enumerate(model.blocks):
-                mod = block.modulation(temb).contiguous()
-                per_layer[i].append((x, mod, adaln_index, cos, sin))
-                x = block(x, mod, adaln_index, (cos, sin))
-    return per_layer
-
-
 # The distinct timesteps of a few calibration steps along a trajectory, sorted as `row_timesteps` sorts them for the
 # builder's example (video t < audio t < condition 0.999), so the example's adaln_index reads the same roles.
 CALIBRATION_TIMESTEPS = ((0.9, 0.95, 0.999), (0.6, 0.75, 0.999), (0.3, 0.4, 0.999), (0.05, 0.1, 0.999))
+# Rows of the block example the ONNX trace runs on. Every sequence dimension is dynamic, so the trace needs only
+# ranks and dtypes; at the full example (37,838 rows) the traced explicit attention would hold 56 x S^2 bf16 scores
+# (160 GB).
+TRACE_ROWS = 256
+
+
+def _trace_block_example(example: list[torch.Tensor]) -> list[torch.Tensor]:
+    x, mod, adaln_index, cos, sin = example
+    n = min(TRACE_ROWS, x.shape[1])
+    return [x[:, :n].contiguous(), mod, adaln_index[:n].contiguous(), cos[:n].contiguous(), sin[:n].contiguous()]
 
 
 def build_plans(model, examples: dict, geometries: list[Geometry], precision: str, targets: tuple[str, ...],
                 flavour: TrtFlavour, segments_dir: Path, log=print) -> dict[str, dict]:
     """Export every segment of `model` to ONNX (blocks with Q/DQ for fp8/nvfp4), build its plan into
-    `segments_dir`, return the manifest entries by segment name. `examples` are the builder's example inputs."""
+    `segments_dir`, return the manifest entries by segment name. `examples` are the builder's example inputs.
+
+    FP8/NVFP4 calibration walks the layers in order: each layer is calibrated on the residual stream the eager
+    (unquantized) layers before it produce at every CALIBRATION_TIMESTEPS step, so only one layer's inputs are held
+    at a time (all 50 layers' at 37k rows would be 80 GB)."""
     import tempfile
 
     from .onnx_export import export_graph, onnx_output_names, quantize_block, segment_graphs
 
     device = next(model.parameters()).device
+    quantize = precision in ("fp8", "nvfp4")
     if precision == "nvfp4" and device.type != "cuda":
         raise ValueError("--precision nvfp4 needs a CUDA GPU (compute capability >= 8.9) to calibrate: ModelOpt's "
                          "FP4 fake-quantization has no CPU kernel. Build with --device cuda.")
-    graphs = segment_graphs(model)
-    calib = None
-    if precision in ("fp8", "nvfp4"):
+    x0, _, adaln_index, cos, sin = examples["block"][:5]
+    if quantize:
         with torch.no_grad():
             tembs = [model.time_embedder(torch.tensor(t, device=device)) for t in CALIBRATION_TIMESTEPS]
-        calib = calibration_inputs(model, examples["block"][:5], tembs)
+        streams = [x0] * len(tembs)  # the residual stream entering the current layer, per calibration step
     entries = {}
     with tempfile.TemporaryDirectory(prefix="h3trt-onnx-") as tmp:
-        for name, (module, spec) in graphs.items():
-            example = examples["block" if name.startswith("block_") else name][:len(spec.inputs)]
-            quantized = name.startswith("block_") and calib is not None
-            if quantized:
-                module = quantize_block(module, precision, calib[int(name.removeprefix("block_"))])
+        for name, (module, spec) in segment_graphs(model).items():
+            is_block = name.startswith("block_")
+            example = examples["block" if is_block else name][:len(spec.inputs)]
+            trace = _trace_block_example(example) if is_block else example
+            if is_block and quantize:
+                layer = model.blocks[int(name.removeprefix("block_"))]
+                with torch.no_grad():
+                    mods = [layer.modulation(temb).contiguous() for temb in tembs]
+                    calib = [(x, mod, adaln_index, cos, sin) for x, mod in zip(streams, mods)]
+                    module = quantize_block(module, precision, calib)
+                    streams = [layer(x, mod, adaln_index, (cos, sin)) for x, mod in zip(streams, mods)]
             t0 = time.perf_counter()
-            onnx_path = export_graph(module, spec, example, Path(tmp) / f"{name}.onnx", nvfp4=quantized and
-                                     precision == "nvfp4")
+            onnx_path = export_graph(module, spec, trace, Path(tmp) / f"{name}.onnx",
+                                     nvfp4=is_block and precision == "nvfp4")
             export_s = time.perf_counter() - t0
             profiles = [input_shapes(spec, example, shape_ranges(model.cfg, g)) for g in geometries]
             report = build_plan(flavour, onnx_path, segments_dir / f"{name}.plan", profiles, targets)
+            onnx_path.unlink()
+            onnx_path.with_name(onnx_path.name + ".data").unlink()
             log(f"{name}: exported in {export_s:.1f} s, plan built in {report['build_s']:.1f} s "
                 f"({report['plan_bytes'] / 1e6:.1f} MB, {len(report['layers'])} layers, attention "
-                f"{'fused' if report['fused_attention'] else 'not fused'})")
+                f"{'fused' if report['fused_attention'] else 'not fused'}, GEMMs read {'/'.join(report['gemm_types'])})")
             entries[name] = {"name": name, "artifact": f"{name}.plan", "inputs": spec.inputs,
                              "outputs": onnx_output_names(spec), "dynamic": spec.dynamic,
                              "profiles": [{k: [list(s) for s in v] for k, v in p.items()} for p in profiles],
-                             "quantized": precision if quantized else None, "export_s": round(export_s, 2),
+                             "quantized": precision if is_block and quantize else None, "export_s": round(export_s, 2),
                              **{k: v for k, v in report.items() if k != "layers"}, "layers": len(report["layers"])}
     return entries
 
