@@ -1,5 +1,6 @@
 """Ulysses sequence parallel on one host: per-step time of a full-width 4-block H3 stack at sp=1 and sp=N in one run,
-and the all-to-all time per layer.
+eager and compiled (the segments `h3trt build` compiles: the fused block at sp=1, the pre/post-attention halves
+around the exchange at sp=N), and the all-to-all time per layer.
 
     python scripts/bench_sp.py --gpus 2 --out bench/results/sp_h200x2.json
     python scripts/bench_sp.py --cpu-check          # tiny config, gloo, 2 processes: checks the script itself
@@ -112,6 +113,72 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool) -> None:
             dist.all_to_all_single(buf2, o)
 
         result["ms_all_to_all_per_layer"] = _time(a2a, device)
+
+        # Compiled: the segments exactly as the builder compiles them (weights as inputs, symbolic rows).
+        from h3trt.build.backends import compile_segment, load_segment
+        from h3trt.build.segments import block_post_segment, block_pre_segment, block_segment
+        from h3trt.runtime.ulysses import UlyssesExchange
+
+        seg_dir = Path(f"/tmp/h3trt-bench-sp-seg-{rank}")  # laid out as a bundle: segments/<artifact>
+        (seg_dir / "segments").mkdir(parents=True, exist_ok=True)
+
+        def compiled(spec, example):
+            t0 = time.perf_counter()
+            entry = compile_segment("inductor", spec, example, seg_dir / "segments")
+            seg = load_segment("inductor", {"name": spec.name, **entry}, seg_dir, device)
+            result[f"compile_s_{spec.name}"] = round(time.perf_counter() - t0, 1)
+            return seg
+
+        def weights(block, spec):
+            params = dict(block.named_parameters())
+            return [params[n] for n in spec.weights]
+
+        blk = block_segment(cfg, dtype)
+        blk_c = compiled(blk, [x, mods[0], idx, cos, sin] + weights(blocks[0], blk))
+        blk_w = [weights(b, blk) for b in blocks]
+
+        def step_sp1_compiled():
+            h = x
+            for w, m in zip(blk_w, mods):
+                (h,) = blk_c(h, m, idx, cos, sin, *w)
+            return h
+
+        got = step_sp1_compiled()
+        result["rel_err_compiled_sp1_vs_eager"] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
+        result["ms_per_step_sp1_compiled"] = _time(step_sp1_compiled, device)
+
+        pre, post = block_pre_segment(cfg, dtype, world), block_post_segment(cfg, dtype)
+        recv = torch.randn(world, 1, padded // world, N // world, D, device=device, dtype=dtype)
+        pre_c = compiled(pre, [xp, mods[0], idxp, cosp, sinp] + weights(blocks[0], pre))
+        post_c = compiled(post, [xp, recv, mods[0], idxp] + weights(blocks[0], post))
+        pre_w, post_w = [weights(b, pre) for b in blocks], [weights(b, post) for b in blocks]
+        exchange = UlyssesExchange(dist.group.WORLD, tokens, padded)
+
+        def step_sp_compiled():
+            h = xp
+            for wa, wb, m in zip(pre_w, post_w, mods):
+                (qkv,) = pre_c(h, m, idxp, cosp, sinp, *wa)
+                (h,) = post_c(h, exchange(qkv), m, idxp, *wb)
+            return h
+
+        got = step_sp_compiled()
+        dist.all_gather(parts, got)
+        full = torch.cat(parts, dim=1)[:, :tokens]
+        result[f"rel_err_compiled_sp{world}_vs_eager_sp1"] = (
+            (full.float() - ref.float()).norm() / ref.float().norm()).item()
+        result[f"ms_per_step_sp{world}_compiled"] = _time(step_sp_compiled, device)
+        # Where a sharded layer's time goes: the compiled halves, the exchange (all-to-alls around SDPA), SDPA alone.
+        qkv0 = pre_c(xp, mods[0], idxp, cosp, sinp, *pre_w[0])[0]
+        out0 = exchange(qkv0)
+        result["ms_layer_pre"] = _time(lambda: pre_c(xp, mods[0], idxp, cosp, sinp, *pre_w[0]), device)
+        result["ms_layer_exchange"] = _time(lambda: exchange(qkv0), device)
+        result["ms_layer_post"] = _time(lambda: post_c(xp, out0, mods[0], idxp, *post_w[0]), device)
+        q = torch.randn(1, padded, N // world, D, device=device, dtype=dtype).transpose(1, 2)
+        result["ms_layer_sdpa_only"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device)
+        q = torch.randn(1, tokens, N, D, device=device, dtype=dtype).transpose(1, 2)
+        result["ms_layer_sdpa_sp1"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device)
+        result["speedup_compiled"] = result["ms_per_step_sp1_compiled"] / result[f"ms_per_step_sp{world}_compiled"]
+        result["speedup_compiled_vs_eager_sp1"] = result["ms_per_step_sp1"] / result[f"ms_per_step_sp{world}_compiled"]
     result["speedup"] = result["ms_per_step_sp1"] / result[f"ms_per_step_sp{world}"]
     if rank == 0:
         Path(out).write_text(json.dumps(result, indent=1))

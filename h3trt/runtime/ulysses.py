@@ -6,7 +6,7 @@ else in a block is row-local, so padding never reaches a live row; the padded ro
 block. Shape legend: B batch, S rows (Sp padded, Sl = Sp / sp local), N heads (Nl = N / sp local), D head dim,
 P = sp (the all-to-all's leading dimension: destination rank when sent, source rank when received).
 
-The four layout functions are pure; a compiled engine bakes `to_head_groups` into its pre-attention segment and
+The two layout functions are pure; a compiled engine bakes `to_head_groups` into its pre-attention segment and
 `from_head_groups` into its post-attention segment, so only the two exchanges and SDPA run between them.
 """
 
@@ -26,23 +26,10 @@ def padded_length(seq_len: int, sp: int) -> int:
 
 
 def to_head_groups(q_BSND, k_BSND, v_BSND, sp: int) -> torch.Tensor:
-    """The q/k/v send buffer [P, 3, B, Sl, Nl, D]: head group j goes to rank j."""
+    """The q/k/v send buffer [P, 3, B, Sl, Nl, D]: head group j goes to rank j (piece [j, x, b] is contiguous)."""
     B, Sl, N, D = q_BSND.shape
     qkv = torch.stack([q_BSND, k_BSND, v_BSND])  # [3, B, Sl, N, D]
     return qkv.unflatten(3, (sp, N // sp)).permute(3, 0, 1, 2, 4, 5).contiguous()
-
-
-def from_row_chunks(qkv_P3BSND: torch.Tensor):
-    """Received q/k/v (row chunk p from rank p) -> q, k, v [B, Nl, Sp, D], ready for SDPA."""
-    P, _, B, Sl, Nl, D = qkv_P3BSND.shape
-    q, k, v = qkv_P3BSND.permute(1, 2, 4, 0, 3, 5).reshape(3, B, Nl, P * Sl, D)
-    return q, k, v
-
-
-def to_row_chunks(out_BNSD: torch.Tensor, sp: int) -> torch.Tensor:
-    """The attention output's send buffer [P, B, Sl, Nl, D]: row chunk j goes back to rank j."""
-    B, Nl, S, D = out_BNSD.shape
-    return out_BNSD.unflatten(2, (sp, S // sp)).permute(2, 0, 3, 1, 4).contiguous()
 
 
 def from_head_groups(out_PBSND: torch.Tensor) -> torch.Tensor:
@@ -53,24 +40,44 @@ def from_head_groups(out_PBSND: torch.Tensor) -> torch.Tensor:
 
 class UlyssesExchange:
     """The part of a sharded attention that runs outside compiled code: exchange, SDPA over every row for my heads,
-    exchange back. Takes the send buffer of `to_head_groups`, returns the buffer `from_head_groups` reads."""
+    exchange back. Takes the send buffer of `to_head_groups`, returns the buffer `from_head_groups` reads.
+
+    Each exchange is one fused all-to-all (one NCCL group of sends and receives) whose receives land directly in
+    place: rank p's rows of q, k and v go to rows [p Sl, (p + 1) Sl) of [B, Sp, Nl, D] buffers, the layout the
+    unsharded block hands SDPA, and the output's row chunks leave from that layout as they are. No reordering copies.
+    """
 
     def __init__(self, group, seq_len: int, padded: int):
-        self.group, self.sp = group, dist.get_world_size(group)
+        self.group, self.sp, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
+        self.peers = [dist.get_global_rank(group, p) for p in range(self.sp)]
         self.mask = None
         if padded != seq_len:  # keys of padding rows get no weight; without padding, no mask (fast kernels)
             self.mask = (torch.arange(padded) < seq_len).view(1, 1, 1, padded)
 
-    def _all_to_all(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.empty_like(x)
-        dist.all_to_all_single(out, x, group=self.group)
-        return out
+    def _all_to_all(self, pieces: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
+        """(send, receive, rank) pieces: my own copied, the rest in one batch of sends and receives."""
+        ops = []
+        for send, recv, p in pieces:
+            if p == self.rank:
+                recv.copy_(send)
+            else:
+                ops += [dist.P2POp(dist.isend, send, self.peers[p], self.group),
+                        dist.P2POp(dist.irecv, recv, self.peers[p], self.group)]
+        for work in dist.batch_isend_irecv(ops) if ops else ():
+            work.wait()
 
     def __call__(self, qkv_send: torch.Tensor) -> torch.Tensor:
-        q, k, v = from_row_chunks(self._all_to_all(qkv_send))
+        P, _, B, Sl, Nl, D = qkv_send.shape
+        qkv = qkv_send.new_empty((3, B, P * Sl, Nl, D))
+        self._all_to_all([(qkv_send[p, i, b], qkv[i, b, p * Sl:(p + 1) * Sl], p)
+                          for p in range(P) for i in range(3) for b in range(B)])
+        q, k, v = qkv.transpose(2, 3).unbind(0)  # [B, Nl, Sp, D] views over [B, Sp, Nl, D]
         mask = None if self.mask is None else self.mask.to(q.device)
-        out_BNSD = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-        return self._all_to_all(to_row_chunks(out_BNSD, self.sp))
+        out_BSND = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).contiguous()  # no-op for
+        # the fused kernels, which write [B, Sp, Nl, D]
+        out = qkv_send.new_empty((P, B, Sl, Nl, D))
+        self._all_to_all([(out_BSND[b, p * Sl:(p + 1) * Sl], out[p, b], p) for p in range(P) for b in range(B)])
+        return out
 
 
 class UlyssesAttention:
