@@ -103,8 +103,9 @@ def hash_tree_names(root: Path) -> list[str]:
             and p.relative_to(root).as_posix() != MANIFEST]
 
 
-def check_environment(manifest: dict, device: torch.device, world_size: int) -> None:
-    """Refuse a bundle built for another GPU, torch version or mesh."""
+def check_environment(manifest: dict, device: torch.device, mesh=None) -> None:
+    """Refuse a bundle built for another GPU, torch version or mesh (`mesh`: the launched MeshConfig; None: one
+    process)."""
     built = manifest["versions"]["torch"]
     if built != torch.__version__:
         raise BundleError(f"This bundle was built with torch {built}; this process runs torch {torch.__version__}. "
@@ -114,12 +115,15 @@ def check_environment(manifest: dict, device: torch.device, world_size: int) -> 
     if manifest["arch"] != arch:
         raise BundleError(f"This bundle was built for {manifest['arch']}; this device is {arch} ({device}). Rebuild "
                           f"it on a {arch} machine, or run it on {manifest['arch']}.")
-    mesh = manifest["mesh"]
-    size = mesh["replica"] * mesh["cfg"] * mesh["sp"]
-    if size != world_size:
-        raise BundleError(f"This bundle's mesh is replica({mesh['replica']}) x cfg({mesh['cfg']}) x sp({mesh['sp']}) "
-                          f"= {size} ranks, but the job has world size {world_size}. Launch {size} ranks or rebuild "
-                          "with matching --sp/--cfg.")
+    want = manifest["mesh"]
+    replica, cfg, sp = (mesh.replica, mesh.cfg, mesh.sp) if mesh is not None else (1, 1, 1)
+    if (want["sp"], want["cfg"]) != (sp, cfg):
+        group = want["sp"] * want["cfg"]
+        raise BundleError(f"This bundle was built for sp={want['sp']} x cfg={want['cfg']} ({group} rank(s) per "
+                          f"replica, {want['heads_per_rank']} heads per rank); the job was launched as "
+                          f"replica({replica}) x cfg({cfg}) x sp({sp}). Launch a multiple of {group} ranks (h3trt "
+                          f"run --gpus {group}, or torchrun) with --sp {want['sp']} --cfg {want['cfg']}, or rebuild "
+                          f"with h3trt build --sp {sp} --cfg {cfg}.")
 
 
 def check_request(manifest: dict, width: int, height: int, num_frames: int, steps: int, video_shift: float,

@@ -60,6 +60,7 @@ class Parallel:
     sp_group: object = None  # ranks sharing one sequence (Ulysses)
     cfg_group: object = None  # the 2 ranks (same replica, same sp rank) holding the two guidance branches
     group_rank: int = 0  # rank within the replica group (cfg-major): 0 writes the group's files
+    decode_group: object = None  # every rank of this replica group: they share the VAE decode, rank 0 writes
 
     @property
     def writes(self) -> bool:
@@ -75,8 +76,16 @@ def build_mesh(config: MeshConfig, device_type: str, world_size: int, num_heads:
     groups. Every rank must call it (creating the sub-groups is collective)."""
     from torch.distributed.device_mesh import init_device_mesh
 
+    import torch.distributed as dist
+
     config.validate(world_size, num_heads)
     mesh = init_device_mesh(device_type, config.shape, mesh_dim_names=AXES)
     replica, cfg, sp = mesh.get_coordinate()
+    size = config.cfg * config.sp  # ranks per replica group: global ranks [replica * size, (replica + 1) * size)
+    decode_group = None
+    if size > 1:
+        for r in range(config.replica):  # new_group is collective: every rank creates every group, in order
+            group = dist.new_group(list(range(r * size, (r + 1) * size)))
+            decode_group = group if r == replica else decode_group
     return Parallel(config, replica, mesh.get_group("sp") if config.sp > 1 else None,
-                    mesh.get_group("cfg") if config.cfg > 1 else None, cfg * config.sp + sp)
+                    mesh.get_group("cfg") if config.cfg > 1 else None, cfg * config.sp + sp, decode_group)

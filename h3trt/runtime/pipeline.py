@@ -63,7 +63,7 @@ class Request:
     video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (12)
     audio_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (3)
     guidance: float = 1.0  # classifier-free guidance scale; 1: off (H3 is guidance-distilled)
-    negative_prompt: str | None = None  # the negative branch's prompt when guidance > 1 (None: empty)
+    negative_prompt: str | None = None  # the negative branch's prompt (required when guidance > 1)
 
     @property
     def task(self) -> str:
@@ -135,6 +135,9 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
     if request.negative_prompt is not None and request.guidance == 1.0:
         raise ValueError("--negative-prompt only acts with --guidance > 1 (H3 is guidance-distilled and runs one "
                          "branch by default); pass --guidance too, or drop --negative-prompt.")
+    if request.guidance > 1.0 and not (request.negative_prompt or "").strip():
+        raise ValueError(f"--guidance {request.guidance:g} needs --negative-prompt \"...\": the negative branch "
+                         "is the request with that prompt (H3's text encoder takes no empty prompt).")
     num_frames = frames_for_duration(request.duration)
 
     keyframes = [(anchor, read_image(path)) for anchor, path in (("first", request.image),
@@ -287,16 +290,22 @@ class H3Pipeline:
 
     @torch.no_grad()
     def generate(self, prepared: Prepared, output: Path, crf: int = 18,
-                 on_step: Callable[[int, int], None] | None = None, write: bool = True) -> dict | None:
-        """Run stages 1-5 for a prepared request; returns the record written beside the MP4. A rank that does not
-        write (write=False: every sequence-parallel rank but the first) stops after denoising."""
+                 on_step: Callable[[int, int], None] | None = None, write: bool = True,
+                 decode_group=None) -> dict | None:
+        """Run stages 1-5 for a prepared request; returns the record written beside the MP4 (None on a rank that does
+        not write). With `decode_group` (the ranks of one replica group, the writer first) every rank decodes its
+        share of the video tiles and only the writer (write=True) writes; without it a rank with write=False stops
+        after denoising."""
         timer = StageTimer(self.device)
         schedule, layout, final = self.denoise_request(prepared, on_step, timer)
-        if not write:
+        if not write and decode_group is None:
             return None
 
         # 4-5. Decode and mux, streamed: a window of frames is encoded while the next decodes.
-        frames_written, audio_samples = self._decode_and_mux(prepared, layout, final, output, crf, timer)
+        frames_written, audio_samples = self._decode_and_mux(prepared, layout, final, output, crf, timer,
+                                                             decode_group)
+        if not write:
+            return None
         return self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
 
     @torch.no_grad()
@@ -314,7 +323,7 @@ class H3Pipeline:
         # 1. Text (and the negative branch's text under guidance).
         with timer("text_encode"):
             text = self._encode_text(prepared)
-            negative = self._encode_text(prepared, req.negative_prompt or "") if req.guidance > 1.0 else None
+            negative = self._encode_text(prepared, req.negative_prompt) if req.guidance > 1.0 else None
 
         # 2. Conditions, in packed order.
         with timer("condition_encode"):

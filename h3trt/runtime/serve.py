@@ -3,7 +3,8 @@
   1. join the mesh: (replica, cfg, sp), validated with the arithmetic before the first collective
   2. load the pipeline for this rank: a bundle is checked against the launched mesh; the eager DiT is wrapped for sp
   3. each replica group takes its share of the requests (request i goes to group i mod replicas)
-  4. every rank of a group denoises; only the group's first rank writes the MP4 and its record
+  4. every rank of a group denoises and decodes its share of the video tiles; only the group's first rank writes the
+     MP4 and its record
 """
 
 from __future__ import annotations
@@ -68,7 +69,8 @@ def serve_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int)
                        desc=f"denoise {Path(output).name} (replica {par.replica_index}, {_mesh_text(job.mesh)})")
         try:
             record = pipeline.generate(prepared, Path(output), crf=job.crf, write=par.writes,
-                                       on_step=(lambda i, n: bar.update(1)) if bar else None)
+                                       on_step=(lambda i, n: bar.update(1)) if bar else None,
+                                       decode_group=par.decode_group)
         finally:
             if bar is not None:
                 bar.close()
