@@ -343,11 +343,14 @@ class _Run:
                 self._done(p, batch, None)
                 continue
             mp4, _ = output_paths(self.out_dir, p.item)
+            seen, start = len(p.timer.intervals), time.perf_counter()
             try:
                 record = self.pipeline.decode_request(p.encoded, final, mp4, self.config.crf, p.timer)
             except Exception as e:  # noqa: BLE001
                 self._fail([p], e, "decode")
                 continue
+            if len(p.timer.intervals) == seen:  # an overlapped decode reports seconds per stage, not intervals
+                p.timer.mark("decode_mux", start, time.perf_counter())
             self._done(p, batch, record)
 
     def _done(self, p: _Pending, batch: dict, record: dict | None) -> None:
