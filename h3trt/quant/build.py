@@ -54,3 +54,34 @@ def block_weight_sets(model: H3DiT, recipe: QuantRecipe | None, names_of: dict[s
 def first_layer(recipe: QuantRecipe | None, num_layers: int, segment: str) -> int:
     """The first layer a block segment serves: its weights are the build's example for that segment."""
     return layer_segments(recipe, num_layers).index(segment)
+
+
+def dit_weight_bytes(cfg, recipe: QuantRecipe | None, baked_timesteps: int | None,
+                     dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
+    """Bytes of a bundle's DiT weight files for `cfg` without allocating anything (meta tensors): embed, blocks
+    (as the recipe quantizes them), final, and the AdaLN tables for `baked_timesteps` (None: adaln_proj kept)."""
+    from ..build.segments import ADALN_PREFIX, EMBED_PREFIXES
+    from ..models.config import NUM_MODALITIES, NUM_MODULATION_PARAMS
+    from ..models.dit import build_dit
+    from .modules import quantized_template
+
+    model = build_dit(cfg, dtype, device="meta")
+    for i, block in enumerate(model.blocks):
+        if recipe is not None and i not in recipe.exclude_blocks:
+            quantized_template(block, cfg, recipe)
+
+    def nbytes(pred) -> int:
+        tensors = list(model.named_parameters()) + list(model.named_buffers(remove_duplicate=False))
+        return sum(t.numel() * t.element_size() for n, t in tensors if pred(n) and n != "rope_inv_freq")
+
+    out = {"embed": nbytes(lambda n: n.startswith(EMBED_PREFIXES)),
+           "blocks": nbytes(lambda n: n.startswith("blocks.") and ADALN_PREFIX not in n),
+           "final": nbytes(lambda n: n.startswith("final_layer.") and ADALN_PREFIX not in n)}
+    if baked_timesteps is None:
+        out["adaln_weights"] = nbytes(lambda n: ADALN_PREFIX in n)
+    else:
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        per_t = cfg.num_layers * NUM_MODALITIES * NUM_MODULATION_PARAMS * cfg.hidden_size + 2 * cfg.hidden_size
+        out["adaln_tables"] = baked_timesteps * per_t * itemsize + baked_timesteps * 4
+    out["total"] = sum(out.values())
+    return out

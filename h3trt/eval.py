@@ -1,0 +1,225 @@
+"""`h3trt eval`: the same requests (same seeds) through an engine bundle and a reference, compared step by step.
+
+  1. run every request through the engine (A), keeping the latents entering each DiT evaluation, the final latents,
+     the decoded frames and the waveform; free it
+  2. the same through the reference (B: another bundle, a checkpoint folder, or "tiny")
+  3. per request and mean: latent relative error per step (video and audio target rows), decoded-video PSNR and SSIM,
+     audio log-spectral distance
+
+Random weights (the tiny model, a fake full-size checkpoint) make picture quality meaningless: on them these numbers
+measure how far a precision moves the computation, not how good the clip looks.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from .models.packing import unpatchify
+
+PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
+SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004
+LSD_FFT, LSD_HOP, LSD_EPS = 1024, 256, 1e-10
+REQUEST_KEYS = ("prompt", "seed", "steps", "width", "height", "duration", "image", "last_image", "refs")
+
+
+@dataclass
+class Trace:
+    """What one request produced on one side: latents entering each evaluation and after the last, decoded media."""
+
+    video_steps: list[torch.Tensor]  # [V_target, C] per step (after step 1 .. after the last), fp32
+    audio_steps: list[torch.Tensor]
+    frames: torch.Tensor  # [T, 3, H, W] in [0, 1], fp32
+    waveform: torch.Tensor  # [2, N]
+
+
+class _Recording:
+    """The pipeline's DiT, recording the latent rows each evaluation receives."""
+
+    def __init__(self, dit):
+        self.dit, self.cfg = dit, dit.cfg
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout):
+        self.inputs.append((video[0].float().cpu(), audio[0].float().cpu()))
+        return self.dit(video, audio, text, unique_t, t_index, layout)
+
+
+def read_requests(path: Path) -> list[dict]:
+    """JSON lines, one request each: {"prompt": ..., "seed": 42, "steps": .., "width": .., "height": ..,
+    "duration": .., "image": .., "last_image": .., "refs": [..]}; only "prompt" is required."""
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"--requests {path} does not exist; give a JSON-lines file, one request per line.")
+    requests = []
+    for n, line in enumerate(path.read_text().splitlines(), 1):
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--requests {path} line {n} is not JSON ({e}).") from None
+        unknown = sorted(set(item) - set(REQUEST_KEYS))
+        if unknown or "prompt" not in item:
+            raise ValueError(f"--requests {path} line {n}: needs \"prompt\"; known keys are {list(REQUEST_KEYS)}"
+                             f"{f', unknown {unknown}' if unknown else ''}.")
+        requests.append(item)
+    if not requests:
+        raise ValueError(f"--requests {path} has no requests.")
+    return requests
+
+
+def _request(item: dict, defaults: dict):
+    from .runtime.pipeline import Request
+
+    data = {**defaults, **item}
+    for key in ("image", "last_image"):
+        if data.get(key):
+            data[key] = Path(data[key])
+    data["refs"] = tuple(Path(p) for p in data.get("refs", ()))
+    known = {f.name for f in fields(Request)}
+    return Request(**{k: v for k, v in data.items() if k in known})
+
+
+def _load(source: str, task: str, device: str):
+    from .runtime.pipeline import H3Pipeline
+
+    if source == "tiny" or not (Path(source) / "manifest.json").exists():
+        from .models.tiny import ensure_tiny_checkpoint
+
+        root = ensure_tiny_checkpoint() if source == "tiny" else Path(source)
+        return H3Pipeline.load(root, task, device)
+    return H3Pipeline.load_engine(Path(source), device)
+
+
+@torch.no_grad()
+def trace(pipeline, request) -> Trace:
+    from .runtime.pipeline import prepare
+
+    recorder = _Recording(pipeline.dit)
+    pipeline.dit = recorder
+    try:
+        prepared = prepare(request)
+        _, layout, final = pipeline.denoise_request(prepared)
+    finally:
+        pipeline.dit = recorder.dit
+    cv, ca = layout.num_condition_video_rows, layout.num_condition_audio_rows
+    video_steps = [v[cv:] for v, _ in recorder.inputs[1:]] + [final.video[cv:].float().cpu()]
+    audio_steps = [a[ca:] for _, a in recorder.inputs[1:]] + [final.audio[ca:].float().cpu()]
+    geo, cfg = prepared.geometry, pipeline.dit.cfg
+    latents = unpatchify(final.video[cv:], (cfg.in_channels, geo.latent_frames, geo.latent_height, geo.latent_width),
+                         cfg.patch_size)
+    frames = torch.cat([chunk[0].float().cpu() for chunk in pipeline.video_vae.decode_stream(latents)], dim=1)
+    waveform = pipeline.audio_vae.decode_rows(final.audio[ca:]).float().cpu().clamp(-1, 1)
+    return Trace(video_steps, audio_steps, frames.permute(1, 0, 2, 3).clamp(0, 1), waveform)
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """||a - b|| / ||b|| (Frobenius)."""
+    return ((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30)).item()
+
+
+def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Over all frames, both in [0, 1]; capped at PSNR_CAP_DB."""
+    mse = F.mse_loss(a.double(), b.double()).item()
+    return PSNR_CAP_DB if mse == 0 else min(PSNR_CAP_DB, 10.0 * math.log10(1.0 / mse))
+
+
+def ssim(a_T3HW: torch.Tensor, b_T3HW: torch.Tensor) -> float:
+    """Mean SSIM of the luma (BT.601) frames, Gaussian window 11 / sigma 1.5, valid region."""
+    weights = torch.tensor([0.299, 0.587, 0.114], dtype=torch.float64).view(1, 3, 1, 1)
+    x, y = ((t.double() * weights).sum(1, keepdim=True) for t in (a_T3HW, b_T3HW))
+    coords = torch.arange(SSIM_WINDOW, dtype=torch.float64) - SSIM_WINDOW // 2
+    g = torch.exp(-coords ** 2 / (2 * SSIM_SIGMA ** 2))
+    g = g / g.sum()
+    window = (g[:, None] * g[None, :]).view(1, 1, SSIM_WINDOW, SSIM_WINDOW)
+
+    def blur(t):
+        return F.conv2d(t, window)
+
+    c1, c2 = 0.01 ** 2, 0.03 ** 2
+    mx, my = blur(x), blur(y)
+    vx, vy, cxy = blur(x * x) - mx ** 2, blur(y * y) - my ** 2, blur(x * y) - mx * my
+    s = ((2 * mx * my + c1) * (2 * cxy + c2)) / ((mx ** 2 + my ** 2 + c1) * (vx + vy + c2))
+    return s.mean().item()
+
+
+def log_spectral_distance(a_CN: torch.Tensor, b_CN: torch.Tensor) -> float:
+    """dB: per STFT frame sqrt(mean over bins of (10 log10 Pa - 10 log10 Pb)^2), averaged over frames and channels."""
+    window = torch.hann_window(LSD_FFT, dtype=torch.float64)
+
+    def power_db(w):
+        spec = torch.stft(w.double(), LSD_FFT, LSD_HOP, window=window, return_complex=True)
+        return 10.0 * torch.log10(spec.abs() ** 2 + LSD_EPS)
+
+    return (power_db(a_CN) - power_db(b_CN)).pow(2).mean(dim=-2).sqrt().mean().item()
+
+
+def compare(a: Trace, b: Trace) -> dict:
+    video = [rel_err(x, y) for x, y in zip(a.video_steps, b.video_steps)]
+    audio = [rel_err(x, y) for x, y in zip(a.audio_steps, b.audio_steps)]
+    return {"latent_rel_err_per_step": {"video": video, "audio": audio},
+            "final_latent_rel_err": {"video": video[-1], "audio": audio[-1]},
+            "psnr_db": psnr(a.frames, b.frames), "ssim": ssim(a.frames, b.frames),
+            "audio_lsd_db": log_spectral_distance(a.waveform, b.waveform)}
+
+
+def evaluate(engine: str, reference: str, requests: list[dict], device: str = "cpu", log=print) -> dict:
+    from .engines.manifest import read_manifest
+
+    manifest = read_manifest(Path(engine))
+    profile, schedule = manifest["profiles"][0], manifest["schedule"]
+    defaults = {"width": profile["width"], "height": profile["height"], "duration": profile["seconds"],
+                "steps": schedule["steps"]}
+    reqs = [_request(item, defaults) for item in requests]
+    tasks = {r.task == "ref2va" for r in reqs}
+    if len(tasks) > 1:
+        raise ValueError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
+                         "them in separate runs.")
+    task = reqs[0].task
+    traces = {}
+    for side, source in (("engine", engine), ("reference", reference)):
+        pipeline = _load(source, task, device)
+        traces[side] = []
+        for i, r in enumerate(reqs):
+            traces[side].append(trace(pipeline, r))
+            log(f"{side}: request {i + 1}/{len(reqs)} done")
+        del pipeline
+        gc.collect()
+    per_request = [{"prompt": r.prompt, "seed": r.seed, **compare(a, b)}
+                   for r, a, b in zip(reqs, traces["engine"], traces["reference"])]
+    keys = ("psnr_db", "ssim", "audio_lsd_db")
+    mean = {k: sum(p[k] for p in per_request) / len(per_request) for k in keys}
+    for modality in ("video", "audio"):
+        steps = [p["latent_rel_err_per_step"][modality] for p in per_request]
+        mean[f"latent_rel_err_per_step_{modality}"] = [sum(s) / len(s) for s in zip(*steps)]
+        mean[f"final_latent_rel_err_{modality}"] = mean[f"latent_rel_err_per_step_{modality}"][-1]
+    return {"engine": str(engine), "engine_precision": manifest["precision"], "engine_quant": _quant_summary(manifest),
+            "reference": str(reference), "device": device, "requests": per_request, "mean": mean}
+
+
+def _quant_summary(manifest: dict) -> dict | None:
+    quant = manifest.get("quant")
+    return None if quant is None else {k: v for k, v in quant.items() if k != "amax"}
+
+
+def table(result: dict) -> str:
+    rows = [f"engine {result['engine']} ({result['engine_precision']}) vs reference {result['reference']}",
+            "| request | seed | final latent rel. err (video / audio) | PSNR dB | SSIM | audio LSD dB |",
+            "|---|---|---|---|---|---|"]
+    for p in result["requests"]:
+        f = p["final_latent_rel_err"]
+        rows.append(f"| {p['prompt'][:40]} | {p['seed']} | {f['video']:.2e} / {f['audio']:.2e} | {p['psnr_db']:.2f} | "
+                    f"{p['ssim']:.4f} | {p['audio_lsd_db']:.3f} |")
+    m = result["mean"]
+    rows.append(f"| **mean** | | {m['final_latent_rel_err_video']:.2e} / {m['final_latent_rel_err_audio']:.2e} | "
+                f"{m['psnr_db']:.2f} | {m['ssim']:.4f} | {m['audio_lsd_db']:.3f} |")
+    rows.append("latent rel. err per step (video, mean): " +
+                " ".join(f"{e:.1e}" for e in m["latent_rel_err_per_step_video"]))
+    return "\n".join(rows)

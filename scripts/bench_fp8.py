@@ -1,0 +1,236 @@
+"""FP8 on one H200: ms per block at the 37,838-token shape, in one run, against the Diffusers eager block; and the
+full-size DiT weight bytes per precision.
+
+    python scripts/bench_fp8.py --json $OUT/fp8_h200.json            # one H200, full width
+    python scripts/bench_fp8.py --cpu-check --json /tmp/fp8_cpu.json  # toy width on the CPU: proves the script runs
+    python scripts/bench_fp8.py --block-sensitivity --json /tmp/fp8_first_last.json   # tiny model, CPU, eager
+
+`--block-sensitivity`: should the first/last blocks stay bf16? The tiny model is calibrated on real trajectories
+(two prompts, 4-point schedule), then the same request (6 steps) runs with every block FP8, with only the first or
+only the last in bf16, and all bf16; reported: final latent relative error and decoded-video PSNR against bf16.
+
+Rows (all bf16 activations, random weights std 0.02, the Diffusers block's weights loaded into each):
+  diffusers_eager      Diffusers MiniMaxH3TransformerBlock, eager (default SDPA: cuDNN on the H200)
+  h3trt_bf16           the h3trt block segment compiled exactly as `h3trt build` compiles it
+  h3trt_fp8            the same segment with W8A8 e4m3 linears (torch._scaled_mm, static per-tensor scales)
+  h3trt_fp8_attn       plus --fp8-attention: q/k/v quantized with calibrated scales; EMULATED here (quantize,
+                       dequantize, bf16 SDPA), so it measures the numerics and the cost of the extra passes, not an
+                       FP8 attention kernel (none is built)
+  h3trt_nvfp4_wo       NVFP4 weight-only (dequantize in the compiled block, bf16 GEMM): memory, not speed
+Relative errors are of the block's update (output - input) against the bf16 eager block's, at full width.
+Scales come from max calibration on the block's own input (one block, one input: a benchmark, not a recipe).
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
+
+
+def _cpu_bench(fn, n=3, warm=1) -> float:
+    for _ in range(warm):
+        fn()
+    times = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[n // 2]
+
+
+def calibrated_amax(block, x, mod, idx, rope) -> dict[str, torch.Tensor]:
+    """max |x| into each block linear and of q/k/v, from one eager call (the MaxCalibrator's hooks, on one block)."""
+    from h3trt.models.dit import sdpa_attention
+    from h3trt.quant.recipe import BLOCK_LINEARS
+
+    amax, hooks = {}, []
+    for name in BLOCK_LINEARS:
+        hooks.append(block.get_submodule(name).register_forward_pre_hook(
+            lambda m, args, key=f"{name}.input": amax.__setitem__(key, args[0].abs().amax().float().cpu())))
+
+    def attn(q, k, v):
+        amax.update({"attn.q": q.abs().amax().float().cpu(), "attn.k": k.abs().amax().float().cpu(),
+                     "attn.v": v.abs().amax().float().cpu()})
+        return sdpa_attention(q, k, v)
+
+    block(x, mod, idx, rope, attn)
+    for h in hooks:
+        h.remove()
+    return amax
+
+
+def compiled(spec, example, dev):
+    from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+    from h3trt.build.backends import compile_segment, load_segment
+
+    work = Path(tempfile.mkdtemp(prefix=f"bench-{spec.name}-"))
+    (work / "segments").mkdir()
+    t0 = time.perf_counter()
+    with temporary_cache_dir(str(work / "cache")):
+        entry = compile_segment("inductor", spec, example, work / "segments")
+        seg = load_segment("inductor", {"name": spec.name, **entry}, work, torch.device(dev))
+    return seg, time.perf_counter() - t0
+
+
+def run(out: Path, cpu_check: bool) -> dict:
+    from bench_dit import TEXT, AUDIO, LATENT_T, bench, diffusers_block_to_native, rel_err
+    from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3RotaryPosEmbed,
+                                                                      MiniMaxH3TransformerBlock)
+
+    from h3trt.build.segments import block_segment
+    from h3trt.models.config import H3Config
+    from h3trt.models.dit import Block, rope_inv_freq, rope_tables
+    from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+    from h3trt.quant.build import dit_weight_bytes
+    from h3trt.quant.modules import quantize_block
+    from h3trt.quant.recipe import QuantRecipe
+
+    torch.manual_seed(0)
+    dev = "cpu" if cpu_check else "cuda"
+    timer = _cpu_bench if cpu_check else bench
+    if cpu_check:  # toy width, short sequence: the same code path, seconds on two cores
+        cfg = H3Config(hidden_size=256, num_heads=4, head_dim=64, ffn_dim=512, time_embed_dim=64,
+                       time_embed_hidden_dim=256, rope_freq_dim=8)
+        lay = pack_t2va(text_tags_for(16), 3, 8, 12, 13)
+    else:
+        cfg = H3Config()
+        lay = pack_t2va(text_tags_for(TEXT), LATENT_T, 48, 84, AUDIO)
+    H, N = cfg.hidden_size, lay.seq_len
+    env = {"device": torch.cuda.get_device_name() if dev == "cuda" else "cpu", "torch": torch.__version__,
+           "cuda": torch.version.cuda, "tokens": N, "hidden": H, "heads": cfg.num_heads, "ffn": cfg.ffn_dim,
+           "activations": "bf16"}
+    result = {"env": env, "ms_per_block": {}, "rel_err_vs_bf16_eager": {}, "compile_s": {}, "notes": []}
+    ms = result["ms_per_block"]
+    ref = MiniMaxH3TransformerBlock(H, cfg.num_heads, cfg.head_dim, cfg.ffn_dim, cfg.time_embed_dim, 1e-5, 1e-5,
+                                    ).to(dev, torch.bfloat16).eval()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, N, H, device=dev, dtype=torch.bfloat16)
+    temb = torch.randn(2, cfg.time_embed_dim, device=dev, dtype=torch.float32)
+    _, t_index = row_timesteps(lay, 0.25, 0.5)
+    idx = (t_index * 3 + lay.token_tags).to(dev)
+    pos = lay.position_ids.to(dev)
+    with torch.no_grad():
+        rot = MiniMaxH3RotaryPosEmbed(**({} if not cpu_check else {"attention_head_dim": cfg.head_dim,
+                                                                     "rope_freq_dim": cfg.rope_freq_dim})).to(dev)(pos) \
+            if not cpu_check else None
+        if rot is not None:
+            ms["diffusers_eager"] = timer(lambda: ref(x, temb, idx, rot))
+            print(f"diffusers block eager (bf16)     {ms['diffusers_eager']:8.2f} ms", flush=True)
+        ours = Block(cfg).to(dev, torch.bfloat16).eval()
+        ours.load_state_dict(diffusers_block_to_native(ref), strict=True)
+        mod = ours.modulation(temb).contiguous()
+        cos, sin = rope_tables(pos, rope_inv_freq(cfg).to(dev))
+        want = ours(x, mod, idx, (cos, sin))
+        amax = calibrated_amax(ours, x, mod, idx, (cos, sin))
+
+        rows = {"h3trt_bf16": None, "h3trt_fp8": QuantRecipe("fp8", calib_steps=2),
+                "h3trt_fp8_attn": QuantRecipe("fp8", calib_steps=2, fp8_attention=True),
+                "h3trt_nvfp4_wo": QuantRecipe("nvfp4")}
+        for name, recipe in rows.items():
+            block = ours if recipe is None else quantize_block(copy.deepcopy(ours), cfg, recipe, amax)
+            spec = block_segment(cfg, torch.bfloat16, recipe)
+            tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+            example = [x, mod, idx, cos, sin, *[tensors[n].detach() for n in spec.weights]]
+            seg, result["compile_s"][name] = compiled(spec, example, dev)
+            (y,) = seg(*example)
+            # Of the block's update (output - input): the residual alone would hide the quantization error.
+            result["rel_err_vs_bf16_eager"][name] = rel_err(y.float() - x.float(), want.float() - x.float())
+            ms[name] = timer(lambda: seg(*example))
+            base = f"  {ms['diffusers_eager'] / ms[name]:.3f}x vs Diffusers eager" if "diffusers_eager" in ms else ""
+            print(f"{name:32s} {ms[name]:8.2f} ms  update rel err vs bf16 eager {result['rel_err_vs_bf16_eager'][name]:.2e}"
+                  f"{base}", flush=True)
+            del seg, example, block
+            if dev == "cuda":
+                torch.cuda.empty_cache()
+            _write(out, result)
+    if "diffusers_eager" in ms:
+        result["speedup_vs_diffusers_eager"] = {k: ms["diffusers_eager"] / v for k, v in ms.items()}
+    if dev == "cuda":
+        result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
+    full = H3Config()
+    result["full_size_dit_weight_bytes"] = {
+        "bf16": dit_weight_bytes(full, None, 99), "fp8": dit_weight_bytes(full, QuantRecipe("fp8", calib_steps=2), 99),
+        "nvfp4": dit_weight_bytes(full, QuantRecipe("nvfp4"), 99)}
+    for prec, b in result["full_size_dit_weight_bytes"].items():
+        print(f"full-size DiT weights, {prec:5s} (AdaLN baked, 99 timesteps): {b['total'] / 1e9:6.2f} GB "
+              f"({b['total'] / 2**30:6.2f} GiB), blocks {b['blocks'] / 1e9:.2f} GB", flush=True)
+    result["notes"].append("h3trt_fp8_attn is emulated FP8 attention (quantize/dequantize + bf16 SDPA): numerics only.")
+    _write(out, result)
+    return result
+
+
+def block_sensitivity(out: Path) -> dict:
+    from h3trt.eval import compare, trace
+    from h3trt.models.checkpoint import load_dit
+    from h3trt.models.dit import EagerDiT
+    from h3trt.models.tiny import ensure_tiny_checkpoint
+    from h3trt.quant.calibrate import calibrate
+    from h3trt.quant.modules import quantize_block
+    from h3trt.quant.recipe import QuantRecipe
+    from h3trt.runtime.pipeline import H3Pipeline, Request, _eager_components
+
+    base, source = load_dit(ensure_tiny_checkpoint(), "t2va", torch.bfloat16)
+    root = source.component_root
+    n = base.cfg.num_layers
+    amax = calibrate(base, root, ["a red fox runs through fresh snow", "waves break on a rocky shore"], 4, 160, 96,
+                     5.0, (12.0, 3.0), log=lambda m: None)
+    components = _eager_components(root, torch.device("cpu"), torch.bfloat16)
+    request = Request("a lighthouse at night, rain on the glass", seed=5, steps=6, width=160, height=96)
+
+    def run(quantized: list[int]):
+        model = copy.deepcopy(base)
+        for i in quantized:
+            quantize_block(model.blocks[i], model.cfg, QuantRecipe("fp8", calib_steps=4), amax[i])
+        return trace(H3Pipeline(EagerDiT(model), *components, (12.0, 3.0), torch.device("cpu")), request)
+
+    reference = run([])
+    variants = {"all_fp8": list(range(n)), "first_bf16": list(range(1, n)), "last_bf16": list(range(n - 1))}
+    result = {"model": f"tiny ({n} blocks, random weights)", "request": request.prompt, "steps": request.steps,
+              "against": "all blocks bf16", "variants": {}}
+    for name, quantized in variants.items():
+        c = compare(run(quantized), reference)
+        result["variants"][name] = {"quantized_blocks": quantized, "final_latent_rel_err": c["final_latent_rel_err"],
+                                    "psnr_db": c["psnr_db"], "ssim": c["ssim"], "audio_lsd_db": c["audio_lsd_db"]}
+        f = c["final_latent_rel_err"]
+        print(f"{name:12s} blocks {quantized}: final latent rel err video {f['video']:.2e} audio {f['audio']:.2e}, "
+              f"PSNR {c['psnr_db']:.2f} dB, audio LSD {c['audio_lsd_db']:.3f} dB", flush=True)
+    _write(out, result)
+    return result
+
+
+def _write(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.partial")
+    tmp.write_text(json.dumps(data, indent=1))
+    tmp.replace(path)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--json", type=Path, required=True, help="where to write the results")
+    p.add_argument("--cpu-check", action="store_true", help="toy width on the CPU (no Diffusers timing row)")
+    p.add_argument("--block-sensitivity", action="store_true",
+                   help="tiny model on the CPU: first/last block in bf16 vs all FP8, against all bf16")
+    args = p.parse_args()
+    if args.block_sensitivity:
+        block_sensitivity(args.json)
+    else:
+        run(args.json, args.cpu_check)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

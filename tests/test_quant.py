@@ -1,0 +1,269 @@
+"""FP8 / NVFP4 on the CPU: formats, the quantized block against the bf16 block, max calibration, an FP8 tiny bundle
+calibrated and built end to end, and `h3trt eval` of it against the eager tiny model.
+
+Tolerances (relative error, Frobenius): an e4m3 per-tensor round trip of a Gaussian is ~2.6%, so an FP8 block stays
+within 5% of the bf16 block; NVFP4 (E2M1, ~9.6% per weight) within 15%. The compiled FP8 DiT must differ from the
+unquantized DiT (quantization happened) by less than 10%.
+"""
+
+import json
+import math
+
+import pytest
+import torch
+
+from h3trt.build.builder import BuildConfig, Profile, build
+from h3trt.cli import main
+from h3trt.engines.bundle import Engine
+from h3trt.eval import PSNR_CAP_DB, log_spectral_distance, psnr, ssim
+from h3trt.models.checkpoint import load_dit
+from h3trt.models.config import H3Config
+from h3trt.models.dit import Block, EagerDiT, rope_inv_freq, rope_tables
+from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.quant.build import dit_weight_bytes
+from h3trt.quant.calibrate import MaxCalibrator, read_prompts
+from h3trt.quant.formats import (FP8, FP8_MAX, _e2m1_codes, dequantize_nvfp4, e2m1_values, fp8_linear, fp8_scale,
+                                 quantize_fp8, quantize_nvfp4)
+from h3trt.quant.modules import quantize_block
+from h3trt.quant.recipe import QuantRecipe, parse_exclusions
+
+STEPS = 6  # the FP8 bundle's baked schedule: a short one, so the eval runs in seconds
+# The bundle tests come first: the build must not follow an in-process compile of another test in this module (the
+# nvfp4 segment below), whose compiled kernels would be found in memory instead of landing in the bundle's cache.
+
+
+def rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.fixture(scope="module")
+def fp8_bundle(tmp_path_factory, tiny_root):
+    """FP8 tiny bundle: calibrated on two prompts, block 1 kept in bf16, FP8 attention on; AdaLN for 6 steps."""
+    root = tmp_path_factory.mktemp("fp8")
+    prompts = root / "prompts.txt"
+    prompts.write_text("# calibration prompts\na red fox runs through fresh snow\nwaves break on a rocky shore\n")
+    out = root / "bundle"
+    build(BuildConfig(tiny_root, out, precision="fp8", profiles=(Profile(160, 96, 5.0),), steps=STEPS, device="cpu",
+                      calib_prompts=prompts, calib_steps=3, quant_exclude=("blocks.1",), fp8_attention=True,
+                      tiny=True), log=lambda m: None)
+    return out
+
+
+def test_fp8_bundle_records_the_recipe_and_serves(fp8_bundle, tiny_root):
+    engine = Engine.load(fp8_bundle, "cpu")
+    q = engine.manifest["quant"]
+    assert engine.manifest["precision"] == "fp8" and q["calibration"] == "max" and q["calib_prompts"] == 2
+    assert q["exclude_blocks"] == [1] and q["layer_segments"] == ["block", "block_hp"] and q["fp8_attention"]
+    assert "torch._scaled_mm" in q["execution"] and "token_refiner" in q["always_high_precision"]
+    assert all(v > 0 for v in q["amax"]["blocks.0"].values()) and set(engine.segments) >= {"block", "block_hp"}
+    from safetensors.torch import load_file
+
+    blocks = load_file(str(fp8_bundle / "weights" / "blocks.safetensors"))
+    assert blocks["blocks.0.mlp.fc1.weight"].dtype == FP8 and blocks["blocks.1.mlp.fc1.weight"].dtype == torch.bfloat16
+    assert blocks["blocks.0.attn.q_scale"].item() == pytest.approx(q["amax"]["blocks.0"]["attn.q"] / FP8_MAX, rel=1e-5)
+
+    eager = EagerDiT(load_dit(tiny_root, "t2va", torch.bfloat16)[0])
+    layout = pack_t2va(text_tags_for(11), 7, 6, 10, 23)
+    g = torch.Generator().manual_seed(3)
+    args = (torch.randn(1, layout.video_index.numel(), eager.cfg.video_patch_dim, generator=g),
+            torch.randn(1, layout.audio_index.numel(), eager.cfg.audio_in_channels, generator=g),
+            torch.randn(1, 11, eager.cfg.text_dim, generator=g).bfloat16())
+    from h3trt.build.adaln import schedule_timesteps
+    from h3trt.models.sampler import Schedule
+
+    tv = schedule_timesteps(Schedule(STEPS, 12.0, 3.0))[-3].item()
+    unique_t, t_index = row_timesteps(layout, tv, tv)
+    with torch.no_grad():
+        for got, want in zip(engine.dit(*args, unique_t, t_index, layout), eager(*args, unique_t, t_index, layout)):
+            assert 0 < rel(got, want) < 0.1
+
+
+def test_eval_cli_compares_the_fp8_bundle_with_the_eager_model(fp8_bundle, tmp_path, capsys):
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt": "a red fox runs through fresh snow", "seed": 3}\n')
+    out = tmp_path / "eval.json"
+    assert main(["eval", "--engine", str(fp8_bundle), "--reference", "tiny", "--requests", str(requests),
+                 "--json", str(out), "--device", "cpu"]) == 0
+    result = json.loads(out.read_text())
+    (r,) = result["requests"]
+    steps = r["latent_rel_err_per_step"]
+    assert len(steps["video"]) == len(steps["audio"]) == STEPS - 1
+    assert all(0 < e < 0.5 for e in steps["video"] + steps["audio"])
+    assert 10 < r["psnr_db"] < PSNR_CAP_DB and 0 < r["ssim"] <= 1 and r["audio_lsd_db"] >= 0
+    assert result["mean"]["psnr_db"] == r["psnr_db"] and result["engine_quant"]["precision"] == "fp8"
+    assert "PSNR dB" in capsys.readouterr().out
+    assert main(["eval", "--engine", str(fp8_bundle), "--reference", "tiny", "--requests", str(requests),
+                 "--json", str(out)]) == 2  # never overwrites a result
+
+
+def test_fp8_quantization_saturates_and_scales():
+    x = torch.tensor([0.0, 1.0, -3.0, 1e6, -1e6])
+    scale = fp8_scale(torch.tensor(3.0))
+    q = quantize_fp8(x, scale)
+    assert q.dtype == FP8 and torch.isfinite(q.float()).all()
+    assert q.float().abs().max().item() == FP8_MAX  # beyond the calibrated range: saturate, never inf
+    assert (q.float() * scale)[2].item() == -3.0  # amax maps exactly onto the e4m3 maximum
+    assert torch.isfinite(fp8_scale(torch.tensor(0.0))).all() and fp8_scale(torch.tensor(0.0)).item() > 0
+
+
+def test_fp8_linear_is_the_gemm_of_the_quantized_operands():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 40, 64, generator=g).bfloat16()
+    w = torch.randn(48, 64, generator=g) * 0.05
+    ws, xs = fp8_scale(w.abs().amax()), fp8_scale(x.float().abs().amax())
+    wq = quantize_fp8(w, ws)
+    y = fp8_linear(x, wq, ws, xs)  # torch._scaled_mm, on the CPU too
+    want = torch.nn.functional.linear(quantize_fp8(x, xs).float() * xs, wq.float() * ws)
+    assert y.shape == (3, 40, 48) and y.dtype == torch.bfloat16
+    assert rel(y, want) < 8e-3  # the bf16 output rounding only
+    assert rel(y, torch.nn.functional.linear(x.float(), w)) < 0.05
+
+
+def test_e2m1_codes_round_to_nearest_even_and_pack():
+    x = torch.tensor([0.0, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 9.0, -0.5, -3.2])
+    assert e2m1_values(_e2m1_codes(x)).tolist() == [0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -0.5, -3.0]
+    grid = e2m1_values(torch.arange(16, dtype=torch.uint8))
+    w = grid.repeat(4, 2) * 0.01  # every code, in rows of 32 = two NVFP4 groups
+    q = quantize_nvfp4(w)
+    assert q["weight_packed"].shape == (4, 16) and q["weight_block_scale"].shape == (4, 2)
+    back = dequantize_nvfp4(q["weight_packed"], q["weight_block_scale"], q["weight_global_scale"], torch.float32)
+    assert rel(back, w) < 1e-6  # values on the E2M1 grid survive exactly (up to the e4m3 scale)
+    assert (q["weight_packed"][0, 0] & 15).item() == _e2m1_codes(w[0, :1] / (w[0, :16].abs().max() / 6)).item()
+    gauss = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
+    q = quantize_nvfp4(gauss)
+    assert rel(dequantize_nvfp4(q["weight_packed"], q["weight_block_scale"], q["weight_global_scale"],
+                                torch.float32), gauss) < 0.12
+    with pytest.raises(ValueError, match="divisible by 16"):
+        quantize_nvfp4(torch.randn(4, 40))
+
+
+def _tiny_block_inputs(cfg, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    layout = pack_t2va(text_tags_for(9), 3, 4, 6, 5)
+    _, t_index = row_timesteps(layout, 0.3, 0.6)
+    block = Block(cfg)
+    for p in block.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    block = block.bfloat16().eval().requires_grad_(False)
+    x = torch.randn(1, layout.seq_len, cfg.hidden_size, generator=g).bfloat16()
+    mod = block.modulation(torch.randn(2, cfg.time_embed_dim, generator=g)).contiguous()
+    rope = rope_tables(layout.position_ids, rope_inv_freq(cfg))
+    return block, (x, mod, t_index * 3 + layout.token_tags, rope)
+
+
+@pytest.mark.parametrize("recipe, tol", [
+    (QuantRecipe("fp8", calib_steps=2), 0.05),
+    (QuantRecipe("fp8", calib_steps=2, fp8_attention=True, exclude_linears=("mlp.fc2",)), 0.05),
+    (QuantRecipe("nvfp4"), 0.15),
+])
+def test_quantized_block_stays_close_to_bf16(recipe, tol):
+    from h3trt.build.backends import compile_segment, load_segment
+    from h3trt.build.segments import block_segment
+
+    cfg = H3Config.tiny()
+    block, args = _tiny_block_inputs(cfg)
+    with torch.no_grad():
+        want = block(*args)
+        calibrator = MaxCalibrator.__new__(MaxCalibrator)  # the calibrator's recording, on one block
+        amax = {}
+        hooks = [block.get_submodule(n).register_forward_pre_hook(
+            lambda m, a, key=f"{n}.input": amax.__setitem__(key, a[0].abs().amax().float()))
+            for n in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")]
+
+        def attn(q, k, v):
+            amax.update({"attn.q": q.abs().amax().float(), "attn.k": k.abs().amax().float(),
+                         "attn.v": v.abs().amax().float()})
+            from h3trt.models.dit import sdpa_attention
+            return sdpa_attention(q, k, v)
+
+        block(*args, attn)
+        for h in hooks:
+            h.remove()
+        del calibrator
+        quantize_block(block, cfg, recipe, amax)
+        spec = block_segment(cfg, torch.bfloat16, recipe)
+        tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+        assert all(n in tensors for n in spec.weights)
+        got = spec.fn(*args[:3], *args[3], *[tensors[n] for n in spec.weights])
+    err = rel(got, want)
+    assert 0 < err < tol, f"{recipe.precision}: relative error {err:.3e} (tolerance {tol})"
+    if recipe.precision == "nvfp4":  # the compiled weight-only segment computes the same values
+        import tempfile
+        from pathlib import Path
+
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+
+        example = [*args[:3], *args[3], *[tensors[n] for n in spec.weights]]
+        with tempfile.TemporaryDirectory() as tmp, temporary_cache_dir(f"{tmp}/cache"):
+            (Path(tmp) / "segments").mkdir()
+            entry = compile_segment("inductor", spec, example, Path(tmp) / "segments")
+            seg = load_segment("inductor", {"name": "block", **entry}, Path(tmp), torch.device("cpu"))
+            assert rel(seg(*example)[0], got) < 2e-2
+
+
+def test_max_calibration_keeps_the_running_maximum(tiny_root):
+    model = load_dit(tiny_root, "t2va", torch.float32)[0]
+    calibrator = MaxCalibrator(model)
+    layout = pack_t2va(text_tags_for(7), 3, 4, 6, 5)
+    seen = []
+    for seed in (0, 1):
+        g = torch.Generator().manual_seed(seed)
+        scale = 1.0 + 3.0 * seed  # the second call is larger everywhere
+        video = scale * torch.randn(1, layout.video_index.numel(), model.cfg.video_patch_dim, generator=g)
+        audio = scale * torch.randn(1, layout.audio_index.numel(), model.cfg.audio_in_channels, generator=g)
+        text = scale * torch.randn(1, 7, model.cfg.text_dim, generator=g)
+        unique_t, t_index = row_timesteps(layout, 0.5, 0.5)
+        with torch.no_grad():
+            calibrator(video, audio, text, unique_t, t_index, layout)
+        seen.append({k: v.clone() for k, v in calibrator.amax.items()})
+    amax = calibrator.close()
+    expected = {f"blocks.{i}.{n}" for i in range(model.cfg.num_layers) for n in
+                ("attn.qkv_proj.input", "attn.out_proj.input", "mlp.fc1.input", "mlp.fc2.input",
+                 "attn.q", "attn.k", "attn.v")}
+    assert set(amax) == expected
+    assert all(torch.equal(amax[k], torch.maximum(seen[0][k], seen[1][k])) for k in amax)
+    assert not model.blocks[0].mlp.fc1._forward_pre_hooks  # closed: hooks removed
+
+
+def test_recipe_and_build_options_are_validated(tiny_root, tmp_path):
+    assert parse_exclusions(["blocks.3", "mlp.fc2", "blocks.0"]) == ((0, 3), ("mlp.fc2",))
+    with pytest.raises(ValueError, match="name a whole block"):
+        parse_exclusions(["final_layer"])
+    with pytest.raises(ValueError, match="needs --precision fp8"):
+        QuantRecipe("nvfp4", fp8_attention=True)
+    with pytest.raises(ValueError, match="nothing would be quantized"):
+        QuantRecipe("nvfp4", exclude_linears=("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"))
+    with pytest.raises(ValueError, match="needs --calib-prompts"):
+        BuildConfig(tiny_root, tmp_path / "b", precision="fp8")
+    with pytest.raises(ValueError, match="apply to --precision fp8/nvfp4"):
+        BuildConfig(tiny_root, tmp_path / "b", precision="bf16", fp8_attention=True)
+    with pytest.raises(ValueError, match="at least 2"):
+        BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=tmp_path / "p", calib_steps=1)
+    (tmp_path / "empty.txt").write_text("# nothing\n\n")
+    with pytest.raises(ValueError, match="has no prompts"):
+        read_prompts(tmp_path / "empty.txt")
+    with pytest.raises(ValueError, match="blocks \\[7\\] do not exist"):
+        QuantRecipe("nvfp4", exclude_blocks=(7,)).check_layers(2)
+
+
+def test_full_size_weight_bytes():
+    full = H3Config()
+    bf16 = dit_weight_bytes(full, None, 99)
+    fp8 = dit_weight_bytes(full, QuantRecipe("fp8", calib_steps=2), 99)
+    nvfp4 = dit_weight_bytes(full, QuantRecipe("nvfp4"), 99)
+    linear_params = 50 * (5376 * 3 * 7168 + 7168 * 5376 + 5376 * 2 * 14336 + 14336 * 5376)
+    assert bf16["blocks"] - fp8["blocks"] == linear_params - 50 * 4 * 2 * 4  # 1 byte less each, + 2 fp32 scales
+    assert fp8["blocks"] - nvfp4["blocks"] == linear_params * 7 // 16 + 50 * 4 * 4  # 4.5 bits; one global scale
+    assert fp8["embed"] == bf16["embed"] and fp8["adaln_tables"] == bf16["adaln_tables"]
+    assert fp8["total"] < 21 * 2**30 and bf16["total"] > 41e9
+
+
+def test_eval_metrics():
+    a = torch.rand(4, 3, 24, 32, generator=torch.Generator().manual_seed(0))
+    assert psnr(a, a) == PSNR_CAP_DB and ssim(a, a) == pytest.approx(1.0)
+    assert psnr((a + 0.1).clamp(0, 1), a) < psnr((a + 0.01).clamp(0, 1), a)
+    assert psnr(torch.full_like(a, 0.6), torch.full_like(a, 0.5)) == pytest.approx(20.0)
+    assert ssim(torch.rand_like(a), a) < 0.2
+    w = torch.randn(2, 8000, generator=torch.Generator().manual_seed(1))
+    assert log_spectral_distance(w, w) == 0.0
+    assert log_spectral_distance(0.5 * w, w) == pytest.approx(20 * math.log10(2), rel=1e-6)  # 6.02 dB everywhere
