@@ -10,6 +10,7 @@ import signal
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -155,3 +156,28 @@ def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_pa
 def test_sp2_bundle_refuses_one_process(sp2_bundle):
     with pytest.raises(BundleError, match=r"built for sp=2 x cfg=1 .* launched as replica\(1\) x cfg\(1\) x sp\(1\)"):
         Engine.load(sp2_bundle, "cpu")
+
+
+# --- batch mode on a mesh: replicas take different requests, sp ranks share each batch and its decode --------------
+
+def test_batch_file_on_replicas_x_sp2_writes_the_one_process_clips(tmp_path, tiny_cache, capsys):
+    from h3trt.cli import main
+    from h3trt.runtime.media import read_video
+
+    lines = [json.dumps({"id": rid, "task": "t2va", "prompt": "a red fox runs", "seed": seed, "resolution": "128x32",
+                         "steps": 3}) for rid, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4))]
+    jsonl = tmp_path / "batch.jsonl"
+    jsonl.write_text("\n".join(lines) + "\n")
+    one, mesh = tmp_path / "one", tmp_path / "mesh"
+    assert main(["run", "--requests", str(jsonl), "--out-dir", str(one), "--max-batch", "2", "--quiet",
+                 "--device", "cpu"]) == 0
+    assert main(["run", "--requests", str(jsonl), "--out-dir", str(mesh), "--max-batch", "2", "--quiet",
+                 "--device", "cpu", "--gpus", "4", "--replicas", "2"]) == 0
+    for rid, group in (("a", 0), ("b", 1), ("c", 0), ("d", 1)):
+        record = json.loads((mesh / f"{rid}.json").read_text())
+        assert record["status"] == "done" and record["shard"] == [group, 2]
+        assert record["batch"]["members"] == (["a", "c"] if group == 0 else ["b", "d"])
+        a, b = read_video(one / f"{rid}.mp4")[0], read_video(mesh / f"{rid}.mp4")[0]
+        assert a.shape == b.shape and np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() <= 1.0
+    assert sorted(p.name for p in mesh.glob("timeline-group*.json")) == ["timeline-group0.json",
+                                                                         "timeline-group1.json"]

@@ -9,9 +9,10 @@
      decodes and writes. A failing request is recorded and the run goes on (unless fail_fast)
   4. record: OUT/<id>.json (status done or failed), the timeline (timeline.py) and the summary
 
-Replica groups (issue 6) each call `run_batch` with `shard=(group, groups)`: group g takes requests g, g + groups, ...
-Every rank of a group runs the same plan (it is computed before the first collective, and only the group's first
-rank, `write=True`, writes), so the ranks of a group enter every batched denoise together.
+On a mesh (`--gpus N` or torchrun; h3trt/runtime/serve.py) each replica group calls `run_batch` with
+`shard=(group, groups)`: group g takes requests g, g + groups, ... Every rank of a group runs the same plan (it is
+computed before the first collective) and enters every batched denoise and every tile-parallel decode together; only
+the group's first rank (`write=True`) writes. A failure inside denoise or decode there ends the job (a rerun resumes).
 """
 
 from __future__ import annotations
@@ -70,6 +71,7 @@ class BatchConfig:
     crf: int = 18
     shard: tuple[int, int] = (0, 1)  # (replica group, groups): this group serves requests group::groups
     write: bool = True  # this rank writes MP4s and records (the first rank of its group)
+    decode_group: object = None  # the ranks of this replica group: all denoise and decode together, one writes
     timeline_png: bool = True  # draw OUT/timeline.png (matplotlib) beside OUT/timeline.json
     quiet: bool = False  # no progress bars
 
@@ -339,13 +341,14 @@ class _Run:
         for index, (p, final) in enumerate(zip(bucket, finals)):
             p.timer.add("wait_decode", end, time.perf_counter())
             batch = {"size": len(bucket), "index": index, "members": members}
-            if not self.config.write:
+            if not self.config.write and self.config.decode_group is None:
                 self._done(p, batch, None)
                 continue
             mp4, _ = output_paths(self.out_dir, p.item)
             seen, start = len(p.timer.intervals), time.perf_counter()
             try:
-                record = self.pipeline.decode_request(p.encoded, final, mp4, self.config.crf, p.timer)
+                record = self.pipeline.decode_request(p.encoded, final, mp4, self.config.crf, p.timer,
+                                                      self.config.decode_group, self.config.write)
             except Exception as e:  # noqa: BLE001
                 self._fail([p], e, "decode")
                 continue
@@ -381,6 +384,11 @@ class _Run:
                     **self.extra})
             self._advance()
         self._log(f"{', '.join(p.item.id for p in bucket)} failed at {stage}: {type(error).__name__}: {error}")
+        if self.config.decode_group is not None and stage in ("denoise", "decode"):
+            # The other ranks of the group may be inside a collective of this stage: carrying on would pair the
+            # next request's collectives with theirs. The job ends (every rank) and a rerun resumes.
+            raise BatchAborted(f"{bucket[0].item.id} (line {bucket[0].item.line}) failed at {stage} on a "
+                               f"multi-rank group: {error}. The job stops; a rerun skips the finished requests.")
         if self.config.fail_fast:
             raise BatchAborted(f"{bucket[0].item.id} (line {bucket[0].item.line}) failed at {stage}: {error} "
                                "(--fail-fast; a rerun skips the finished requests and retries this one).")
@@ -450,9 +458,6 @@ def run_requests(args) -> int:
         raise ValueError(f"--requests takes every request from its file; drop {' '.join(single)}.")
     if args.out_dir is None:
         raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
-    if args.gpus > 1:
-        raise ValueError("--requests runs on one device so far; replica groups (--gpus) serve batches through "
-                         "run_batch(shard=...) once the mesh runner hands them out.")
     manifest = None
     if args.engine is not None:
         from ..engines.manifest import read_manifest
@@ -470,6 +475,15 @@ def run_requests(args) -> int:
                          "partitions (Ref2VA/ and FL2VA/); split the file and run each part.")
     device = args.device or (manifest["device"].split(":")[0] if manifest else
                              ("cuda" if torch.cuda.is_available() else "cpu"))
+    from .launch import torchrun_rank
+
+    if args.gpus > 1 or torchrun_rank() is not None:
+        from .serve import run_batch_on_mesh
+
+        root = args.engine if manifest else (ensure_tiny_checkpoint() if tiny else args.model)
+        model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(root))
+        extra = {"bundle": bundle_identity(manifest)} if manifest else {}
+        return run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model, extra)
     if manifest is not None:
         from ..engines.guard import no_compile
 

@@ -386,11 +386,14 @@ class H3Pipeline:
 
     @torch.no_grad()
     def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = 18,
-                       timer: StageTimer | None = None) -> dict:
-        """Stages 4-5 for one request of a batch; returns its record."""
+                       timer: StageTimer | None = None, group=None, write: bool = True) -> dict | None:
+        """Stages 4-5 for one request of a batch; returns its record (None on a rank of `group` that does not
+        write: it decodes its share of the tiles)."""
         timer = timer or StageTimer(self.device)
         frames_written, audio_samples = self._decode_and_mux(encoded.prepared, encoded.layout, final, output, crf,
-                                                             timer)
+                                                             timer, group)
+        if not write:
+            return None
         return self._record(encoded.prepared, encoded.schedule, encoded.layout, output, frames_written, audio_samples,
                             timer)
 

@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -109,3 +110,61 @@ def finish_record(record: dict, request, model: str, output: Path) -> None:
     for stage, seconds in record["timings_s"].items():
         print(f"  {stage:<17}{seconds:8.2f} s")
     print(f"  {'total':<17}{total:8.2f} s   (timings: {record_path(output)})")
+
+
+def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model: str, extra: dict) -> int:
+    """`h3trt run --requests` on a mesh: each replica group runs `run_batch` over its share of the file."""
+    from ..cli import mesh_from_args
+    from ..models.checkpoint import locate_transformer
+    from ..models.config import H3Config
+    from .launch import init_torchrun_rank, launch, torchrun_rank
+
+    torchrun = torchrun_rank()
+    if torchrun is not None and args.gpus > 1:
+        raise ValueError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
+    world = torchrun[1] if torchrun else args.gpus
+    task = "ref2va" if items[0].key[0] == "ref2va" else "t2va"
+    heads = (H3Config.from_dict(manifest["model_config"]) if manifest else locate_transformer(root, task).config).num_heads
+    mesh = mesh_from_args(args, world, heads, manifest)
+    if mesh.cfg == 2:
+        raise ValueError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
+    job = Job(str(root), manifest is not None, task, "cuda" if str(device).startswith("cuda") else "cpu", mesh,
+              canvas=canvas, model_name=model, record_extra=extra)
+    if torchrun is not None:
+        rank, world, local_rank = init_torchrun_rank(job.device_type)
+        failed = serve_batch_rank(rank, world, local_rank, job, heads, items, config)
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+        return 1 if failed else 0
+    with tempfile.TemporaryDirectory(prefix="h3trt-batch-") as tmp:
+        launch(serve_batch_launched, world, (job, heads, items, config, tmp))
+        failed = sum(int(f.read_text()) for f in Path(tmp).glob("failed-*"))
+    print(f"{config.out_dir}: batch on replica({mesh.replica}) x cfg({mesh.cfg}) x sp({mesh.sp}): {failed} failed "
+          f"(per-request records in {config.out_dir})")
+    return 1 if failed else 0
+
+
+def serve_batch_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int, items, config) -> int:
+    """One rank of a mesh batch run; returns the failures its replica group recorded (0 on non-writing ranks)."""
+    from dataclasses import replace
+
+    from .batch import run_batch, summary_line
+
+    par = build_mesh(job.mesh, job.device_type, world, num_heads)
+    pipeline = load_rank_pipeline(job, par, rank_device(job.device_type, local_rank))
+    mine = replace(config, shard=(par.replica_index, job.mesh.replica), write=par.writes,
+                   decode_group=par.decode_group, quiet=config.quiet or not par.writes)
+    summary = run_batch(pipeline, items, mine, job.model_name, job.record_extra)
+    if par.writes:
+        print(f"replica group {par.replica_index}: {summary_line(summary)}")
+        return len(summary.failed)
+    return 0
+
+
+def serve_batch_launched(rank: int, world: int, store: str, job: Job, num_heads: int, items, config, tmp: str) -> None:
+    from .launch import init_rank
+
+    init_rank(rank, world, store, job.device_type)
+    Path(tmp, f"failed-{rank}").write_text(str(serve_batch_rank(rank, world, rank, job, num_heads, items, config)))
