@@ -375,3 +375,30 @@ def test_trt_dit_runs_the_segment_interface_like_eager(adaln, fp32_graphs):
                          geometry.audio_latents, cfg.patch_size)
         dit(torch.randn(1, long.video_index.numel(), cfg.video_patch_dim), audio,
             torch.randn(1, 65, cfg.text_dim), *row_timesteps(long, tv, ta), long)
+
+
+def _fp8_scales(path) -> set[float]:
+    """The scale each TRT_FP8QuantizeLinear reads (its second input: a Constant node or an initializer)."""
+    from onnx import numpy_helper
+
+    model = onnx.load(str(path), load_external_data=True)
+    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+    values.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
+                   if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR})
+    return {round(float(np.asarray(values[n.input[1]], dtype=np.float32).reshape(-1)[0]), 6)
+            for n in model.graph.node if n.op_type == "TRT_FP8QuantizeLinear" and n.input[1] in values}
+
+
+def test_calibrated_activation_ranges_set_the_fp8_input_scales(bf16_model, tmp_path):
+    """The calibration issue's amax per block linear input (h3trt.quant.calibrate) becomes the FP8 input scale
+    amax / 448 of the exported graph."""
+    model, examples = bf16_model
+    module, spec = segment_graphs(model)["block_0"]
+    example = examples["block"][:5]
+    amax = {"attn.qkv_proj.input": 7.0, "attn.out_proj.input": 3.5, "mlp.fc1.input": 14.0, "mlp.fc2.input": 0.875}
+    quantized = quantize_block(module, "fp8", [tuple(example)], {k: torch.tensor(v) for k, v in amax.items()})
+    scales = _fp8_scales(export_graph(quantized, spec, example, tmp_path / "block_0.onnx"))
+    for value in amax.values():  # bf16 scales: compare at bf16 resolution
+        assert any(abs(s - value / 448) <= 4e-3 * value / 448 for s in scales), (value / 448, sorted(scales))
+    with pytest.raises(ValueError, match="dynamically"):
+        quantize_block(module, "nvfp4", [], {k: torch.tensor(v) for k, v in amax.items()})

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 from ..models.dit import H3DiT
+from ..quant.recipe import BLOCK_LINEARS  # the calibration's amax keys are `<linear>.input`
 from .segments import block_segment, embed_segment, final_segment
 
 ONNX_OPSET = 20
@@ -127,7 +128,8 @@ def segment_graphs(model: H3DiT) -> dict[str, tuple[nn.Module, object]]:
     return graphs
 
 
-def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Tensor, ...]]) -> BlockGraph:
+def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Tensor, ...]],
+                   input_amax: dict[str, torch.Tensor] | None = None) -> BlockGraph:
     """A copy of one layer with ModelOpt Q/DQ on every Linear: FP8 E4M3 per-tensor weights and inputs, or NVFP4
     (E2M1, blocks of 16, E4M3 block scales, dynamic activations). Max calibration over `calib` (block inputs).
 
@@ -136,6 +138,9 @@ def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Te
     """
     import modelopt.torch.quantization as mtq
 
+    if input_amax is not None and precision != "fp8":
+        raise ValueError(f"{precision} quantizes activations dynamically; calibrated activation ranges apply to fp8 "
+                         "only.")
     base = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}[precision]
     config = copy.deepcopy(base)
     for entry in config["quant_cfg"]:
@@ -149,7 +154,14 @@ def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Te
             module.block(x, mod, adaln_index, (cos, sin))
 
     with torch.no_grad():
-        return mtq.quantize(graph, config, forward_loop)
+        graph = mtq.quantize(graph, config, forward_loop)
+    if input_amax is not None:
+        # Activation ranges from the calibration issue's trajectories (h3trt.quant.calibrate: {"mlp.fc1.input": amax,
+        # ...} per block) replace the ones seen on `calib`; weight ranges come from the weights either way.
+        for name in BLOCK_LINEARS:
+            quantizer = graph.block.get_submodule(name).input_quantizer
+            quantizer.amax = input_amax[f"{name}.input"].to(quantizer.amax.device, quantizer.amax.dtype)
+    return graph
 
 
 def export_graph(module: nn.Module, spec, example: list[torch.Tensor], path: Path, nvfp4: bool = False) -> Path:

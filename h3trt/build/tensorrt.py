@@ -225,13 +225,15 @@ def _trace_block_example(example: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def build_plans(model, examples: dict, geometries: list[Geometry], precision: str, targets: tuple[str, ...],
-                flavour: TrtFlavour, segments_dir: Path, log=print) -> dict[str, dict]:
+                flavour: TrtFlavour, segments_dir: Path, log=print,
+                input_amax: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, dict]:
     """Export every segment of `model` to ONNX (blocks with Q/DQ for fp8/nvfp4), build its plan into
     `segments_dir`, return the manifest entries by segment name. `examples` are the builder's example inputs.
 
     FP8/NVFP4 calibration walks the layers in order: each layer is calibrated on the residual stream the eager
     (unquantized) layers before it produce at every CALIBRATION_TIMESTEPS step, so only one layer's inputs are held
-    at a time (all 50 layers' at 37k rows would be 80 GB)."""
+    at a time (all 50 layers' at 37k rows would be 80 GB). `input_amax` (fp8): per layer, activation ranges from
+    `h3trt.quant.calibrate` over real trajectories, replacing the example's."""
     import tempfile
 
     from .onnx_export import export_graph, onnx_output_names, quantize_block, segment_graphs
@@ -257,7 +259,8 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: st
                 with torch.no_grad():
                     mods = [layer.modulation(temb).contiguous() for temb in tembs]
                     calib = [(x, mod, adaln_index, cos, sin) for x, mod in zip(streams, mods)]
-                    module = quantize_block(module, precision, calib)
+                    module = quantize_block(module, precision, calib,
+                                            None if input_amax is None else input_amax[int(name.removeprefix("block_"))])
                     streams = [layer(x, mod, adaln_index, (cos, sin)) for x, mod in zip(streams, mods)]
             t0 = time.perf_counter()
             onnx_path = export_graph(module, spec, trace, Path(tmp) / f"{name}.onnx",
