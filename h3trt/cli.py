@@ -223,9 +223,11 @@ def _build_parser(sub) -> None:
     p.add_argument("--video-shift", type=float, help="video sigma shift to bake (default: the checkpoint's)")
     p.add_argument("--audio-shift", type=float, help="audio sigma shift to bake (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available); the bundle runs there")
-    p.add_argument("--backend", default="inductor", help="inductor (default), aoti, or tensorrt (ONNX -> TensorRT plans)")
+    p.add_argument("--backend", default="inductor",
+                   help="inductor (default), aoti, or tensorrt (ONNX -> TensorRT plans)")
     p.add_argument("--trt-targets", default=None,
-                   help="tensorrt with TensorRT-RTX: compute capabilities to build for, e.g. sm89,sm120 (default: sm89,sm120; nvfp4: sm120)")
+                   help="tensorrt with TensorRT-RTX: compute capabilities to build for, e.g. sm89,sm120 "
+                        "(default: sm89,sm120; nvfp4: sm120)")
     p.add_argument("--keep-adaln", action="store_true", help="keep adaln_proj weights: serve any schedule")
     p.add_argument("--task", default="t2va", help="t2va/fl2va (FL2VA partition, default) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (1 until the DeviceMesh runtime)")

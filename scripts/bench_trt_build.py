@@ -1,6 +1,7 @@
 """Build TensorRT bundles (`h3trt build --backend tensorrt`) of a full-width H3 stack and report what the plans are.
 
-    python scripts/bench_trt_build.py --json bench/results/trt_build_h200.json [--layers 2] [--precisions bf16,fp8,nvfp4]
+    python scripts/bench_trt_build.py --json bench/results/trt_build_h200.json [--layers 2] \
+        [--precisions bf16,fp8,nvfp4]
     python scripts/bench_trt_build.py --tiny --json /tmp/trt_build_tiny.json        # CPU check, tiny model
 
 Writes a random full-width checkpoint with --layers blocks (official layout), then for each precision builds a
@@ -17,7 +18,6 @@ export and AOT build; no plan executes (TensorRT-RTX refuses sm_90).
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import sys
 import tempfile

@@ -255,12 +255,12 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: st
             example = examples["block" if is_block else name][:len(spec.inputs)]
             trace = _trace_block_example(example) if is_block else example
             if is_block and quantize:
-                layer = model.blocks[int(name.removeprefix("block_"))]
+                index = int(name.removeprefix("block_"))
+                layer = model.blocks[index]
                 with torch.no_grad():
                     mods = [layer.modulation(temb).contiguous() for temb in tembs]
                     calib = [(x, mod, adaln_index, cos, sin) for x, mod in zip(streams, mods)]
-                    module = quantize_block(module, precision, calib,
-                                            None if input_amax is None else input_amax[int(name.removeprefix("block_"))])
+                    module = quantize_block(module, precision, calib, None if input_amax is None else input_amax[index])
                     streams = [layer(x, mod, adaln_index, (cos, sin)) for x, mod in zip(streams, mods)]
             t0 = time.perf_counter()
             onnx_path = export_graph(module, spec, trace, Path(tmp) / f"{name}.onnx",
@@ -272,7 +272,8 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: st
             onnx_path.with_name(onnx_path.name + ".data").unlink()
             log(f"{name}: exported in {export_s:.1f} s, plan built in {report['build_s']:.1f} s "
                 f"({report['plan_bytes'] / 1e6:.1f} MB, {len(report['layers'])} layers, attention "
-                f"{'fused' if report['fused_attention'] else 'not fused'}, GEMMs read {'/'.join(report['gemm_types'])})")
+                f"{'fused' if report['fused_attention'] else 'not fused'}, "
+                f"GEMMs read {'/'.join(report['gemm_types'])})")
             entries[name] = {"name": name, "artifact": f"{name}.plan", "inputs": spec.inputs,
                              "outputs": onnx_output_names(spec), "dynamic": spec.dynamic,
                              "profiles": [{k: [list(s) for s in v] for k, v in p.items()} for p in profiles],

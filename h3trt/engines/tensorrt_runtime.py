@@ -92,8 +92,8 @@ class TrtSegment:
         self.runtime = trt.Runtime(self.logger)
         self.engine = self.runtime.deserialize_cuda_engine(plan)
         if self.engine is None:
-            raise BundleError(f"TensorRT could not deserialize {entry['artifact']} on {torch.cuda.get_device_name(device)}"
-                              "; see the TensorRT message above.")
+            raise BundleError(f"TensorRT could not deserialize {entry['artifact']} on "
+                              f"{torch.cuda.get_device_name(device)}; see the TensorRT message above.")
         if flavour == "tensorrt_rtx":
             # TensorRT-RTX compiles kernels at context creation (its JIT step); the runtime config holds that cache.
             self.context = self.engine.create_execution_context(self.engine.create_runtime_config())
