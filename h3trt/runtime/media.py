@@ -34,18 +34,25 @@ class MediaError(ValueError):
     """A user-facing media problem; the message is one line: file, problem, fix."""
 
 
-def _h264_encoder(crf: int, width: int, height: int, fps: Fraction) -> tuple[str, dict[str, str], int]:
+def _h264_encoder(crf: int, width: int, height: int, fps: Fraction,
+                  low_latency: bool = False) -> tuple[str, dict[str, str], int]:
     """Pick the H.264 encoder; return (name, codec options, bit_rate or 0) expressing quality `crf`.
 
     libx264 is preferred because CRF is its native rate control. libopenh264, the only other software H.264 encoder
     FFmpeg ships, has no CRF, so it gets a bitrate instead: 0.1 bit per pixel per frame at CRF 18, halving every 6
     CRF steps (x264's rule of thumb). Hardware encoders (nvenc, qsv, amf, v4l2m2m) are listed by `codecs_available`
     whenever FFmpeg was built with them, even on machines without the device, so they are never chosen.
+
+    `low_latency` (x264's zerolatency tune: no lookahead, no B-frames, sliced threads) encodes each frame as it
+    arrives instead of buffering ~40 in the lookahead; closing then costs the last frames only, not the buffered
+    backlog. Measured on 2 CPU cores, 1344x768: the last 18 frames + flush took 43.8 s at preset medium, 3.6 s with
+    zerolatency. The price is compression: the same CRF gives a larger file.
     """
     available = av.codec.codecs_available
     if "libx264" in available:
         # preset medium is x264's default; named so a change in FFmpeg's default cannot change our output.
-        return "libx264", {"crf": str(crf), "preset": "medium"}, 0
+        options = {"crf": str(crf), "preset": "medium"}
+        return "libx264", {**options, "tune": "zerolatency"} if low_latency else options, 0
     if "libopenh264" in available:
         bits_per_pixel = 0.1 * 2.0 ** ((DEFAULT_CRF - crf) / 6.0)
         return "libopenh264", {}, max(100_000, int(bits_per_pixel * width * height * float(fps)))
@@ -77,7 +84,8 @@ class Mp4Writer:
     """
 
     def __init__(self, path: str | os.PathLike, width: int, height: int, fps: int | Fraction = DEFAULT_FPS,
-                 crf: int = DEFAULT_CRF, sample_rate: int = DEFAULT_SAMPLE_RATE, audio_channels: int = 2) -> None:
+                 crf: int = DEFAULT_CRF, sample_rate: int = DEFAULT_SAMPLE_RATE, audio_channels: int = 2,
+                 low_latency: bool = False) -> None:
         self.path = Path(path)
         if self.path.suffix.lower() != ".mp4":
             raise MediaError(f"{self.path}: output must be an MP4 file; give it a .mp4 extension")
@@ -99,7 +107,7 @@ class Mp4Writer:
         self.width, self.height, self.fps, self.crf = width, height, Fraction(fps), crf
         self.sample_rate, self.audio_channels = sample_rate, audio_channels
         # Chosen here, not at open, so a missing encoder fails before any generation work starts.
-        self.encoder, self._options, self._bit_rate = _h264_encoder(crf, width, height, self.fps)
+        self.encoder, self._options, self._bit_rate = _h264_encoder(crf, width, height, self.fps, low_latency)
         # Hidden, in the same directory (so os.replace is an atomic rename on one filesystem), and not ending in .mp4
         # so globs for finished clips never pick up an unfinished one.
         self.partial_path = self.path.with_name(f".{self.path.name}.partial")

@@ -35,6 +35,9 @@ class OutputConfig:
 
     chunk_frames: int = 8  # frames per device-to-host copy (a window's 17 frames -> 3 copies)
     max_pending_frames: int = 64  # frames queued for the encoder before the decode waits (1344x768: 3 MB each)
+    # x264 encodes each frame as it arrives (zerolatency tune) rather than holding ~40 in its lookahead, so what is
+    # left after the last tile is that window's frames, not the buffered backlog (the host tail; media.py measures it).
+    low_latency: bool = True
 
     def __post_init__(self):
         if self.chunk_frames < 1:
@@ -58,7 +61,8 @@ class PipelinedWriter:
 
     def __init__(self, path: Path, width: int, height: int, fps: int, crf: int, sample_rate: int,
                  device: torch.device, config: OutputConfig = OutputConfig()):
-        self.writer = Mp4Writer(path, width, height, fps=fps, crf=crf, sample_rate=sample_rate)  # validates early
+        self.writer = Mp4Writer(path, width, height, fps=fps, crf=crf, sample_rate=sample_rate,
+                                low_latency=config.low_latency)  # validates early
         self.device, self.config = torch.device(device), config
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
