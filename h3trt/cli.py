@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import sys
 from pathlib import Path
+
+from .runtime.launch import torchrun_rank
 
 NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
              "Pass --model PATH for real MiniMax-H3 weights.")
@@ -57,9 +58,19 @@ def _run_parser(sub) -> None:
                                                                 "batch dimension (default 1)")
     batch.add_argument("--fail-fast", action="store_true", help="stop at the first failed request (default: record "
                                                                 "it and go on)")
-    p.add_argument("--gpus", type=int, default=1,
-                   help="local ranks to spawn, sharing one sequence (Ulysses sp = --gpus; eager path; on a CPU-only "
-                        "machine the ranks are CPU processes over gloo)")
+    p.add_argument("--guidance", type=float, default=1.0,
+                   help="classifier-free guidance scale (default 1 = off: H3 is guidance-distilled and needs none)")
+    p.add_argument("--negative-prompt", help="the negative branch's prompt (required with --guidance > 1)")
+    mesh = p.add_argument_group("parallel (mesh axes replica x cfg x sp = ranks)")
+    mesh.add_argument("--gpus", type=int, default=1,
+                      help="local ranks to spawn (one GPU each; CPU processes over gloo on a CPU-only machine). Under "
+                           "torchrun leave it out: the world comes from torchrun")
+    mesh.add_argument("--sp", type=int, help="Ulysses sequence-parallel degree: ranks sharing one sequence (default: "
+                                             "a bundle's, else every rank not used by --cfg/--replicas)")
+    mesh.add_argument("--cfg", type=int, help="1, or 2 to run the two --guidance branches on two rank groups "
+                                              "(default: a bundle's, else 1)")
+    mesh.add_argument("--replicas", type=int, help="independent rank groups, each serving different requests "
+                                                   "(default: the ranks left over)")
 
 
 def cmd_run(args) -> int:
@@ -81,7 +92,8 @@ def cmd_run(args) -> int:
     if output.exists() and not args.overwrite:
         raise ValueError(f"{output} already exists; pass --overwrite to replace it or choose another --output.")
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, args.steps, args.width,
-                      args.height, args.duration, args.video_shift, args.audio_shift)
+                      args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
+                      args.negative_prompt)
     manifest = None
     if args.engine is not None:
         from .engines.manifest import read_manifest
@@ -103,12 +115,14 @@ def cmd_run(args) -> int:
         locate_transformer(model_root, request.task)  # a bad checkpoint fails before the slow loads
     output.parent.mkdir(parents=True, exist_ok=True)
 
-    if args.gpus > 1:
-        return _run_sequence_parallel(args, request, prepared, model_root, device, canvas, tiny, output)
+    if args.gpus > 1 or torchrun_rank() is not None:
+        return _run_on_mesh(args, [(prepared, str(output))], model_root, manifest, device, canvas, tiny)
+    if args.sp or args.cfg or args.replicas:  # one process: the degrees must all be 1 (the message says why not)
+        mesh_from_args(args, 1, 1, None)
     if manifest is not None:
         from .engines.guard import no_compile
 
-        pipeline = H3Pipeline.load_engine(model_root, device, canvas, world_size=int(os.environ.get("WORLD_SIZE", 1)))
+        pipeline = H3Pipeline.load_engine(model_root, device, canvas)
         serving = no_compile()  # a request compiles nothing: any compiler call raises
     else:
         pipeline = H3Pipeline.load(model_root, request.task, device, canvas)
@@ -126,49 +140,74 @@ def cmd_run(args) -> int:
         if bar is not None:
             bar.close()
     if manifest:
-        record["bundle"] = {"backend": manifest["backend"], "precision": manifest["precision"],
-                            "files_sha256": _bundle_hash(manifest)}
+        from .engines.manifest import bundle_identity
+
+        record["bundle"] = bundle_identity(manifest)
     _finish(record, request, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), output)
     return 0
 
 
 def _finish(record: dict, request, model: str, output: Path) -> None:
-    """Write the record beside the MP4 and print the summary."""
-    from .runtime.pipeline import record_path, request_dict, write_json_atomic
+    from .runtime.serve import finish_record
 
-    record["request"] = request_dict(request)
-    record["model"] = model
-    write_json_atomic(record_path(output), record)
-    print(f"wrote {output}: {record['frames']} frames {record['width']}x{record['height']} @ {record['fps']} fps, "
-          f"{record['audio_samples'] / record['audio_sample_rate']:.3f} s stereo audio ({record['task']}, "
-          f"seed {record['seed']})")
-    total = sum(record["timings_s"].values())
-    for stage, seconds in record["timings_s"].items():
-        print(f"  {stage:<17}{seconds:8.2f} s")
-    print(f"  {'total':<17}{total:8.2f} s   (timings: {record_path(output)})")
+    finish_record(record, request, model, output)
 
 
-def _run_sequence_parallel(args, request, prepared, model_root, device, canvas, tiny, output) -> int:
-    """Spawn --gpus local ranks sharing one sequence (Ulysses); rank 0 decodes and writes."""
-    from .models.checkpoint import locate_transformer
-    from .runtime.launch import launch
+def mesh_from_args(args, world: int, num_heads: int, manifest: dict | None):
+    """The launched mesh: explicit degrees, else a bundle's, else sp takes the ranks cfg and replicas leave; validated
+    with the arithmetic before any process starts."""
     from .runtime.mesh import MeshConfig
 
-    if args.engine is not None:
-        raise ValueError("--gpus > 1 with --engine needs a bundle built for that mesh (h3trt build --sp), which this "
-                         "builder does not make yet; run --gpus with --model or the tiny default.")
-    cfg = locate_transformer(model_root, request.task).config
-    MeshConfig(sp=args.gpus).validate(args.gpus, cfg.num_heads)  # before any process starts
+    built = manifest["mesh"] if manifest else {}
+    cfg = args.cfg or built.get("cfg", 1)
+    sp = args.sp or built.get("sp") or max(1, world // (cfg * (args.replicas or 1)))
+    replicas = args.replicas or max(1, world // (cfg * sp))
+    mesh = MeshConfig(replicas, cfg, sp)
+    mesh.validate(world, num_heads)
+    return mesh
+
+
+def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int:
+    """Serve on a mesh: spawn --gpus local ranks, or, under torchrun, be one rank of its world."""
+    from .models.checkpoint import locate_transformer
+    from .models.config import H3Config
+    from .runtime.launch import init_torchrun_rank, launch, torchrun_rank
+    from .runtime.serve import Job, serve_launched, serve_rank
+
+    requests = [prepared.request for prepared, _ in items]
+    torchrun = torchrun_rank()
+    if torchrun is not None and args.gpus > 1:
+        raise ValueError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
+    world = torchrun[1] if torchrun else args.gpus
+    heads = (H3Config.from_dict(manifest["model_config"]) if manifest else
+             locate_transformer(model_root, requests[0].task).config).num_heads
+    mesh = mesh_from_args(args, world, heads, manifest)
+    if mesh.replica > len(items):
+        raise ValueError(f"replicas={mesh.replica} serve different requests, but there are {len(items)}; use "
+                         f"--replicas {len(items)} and give the other ranks to --sp or --cfg.")
+    if mesh.cfg == 2 and any(r.guidance == 1.0 for r in requests):
+        raise ValueError("--cfg 2 runs the two guidance branches side by side, but --guidance is 1 (off, H3's "
+                         "default); pass --guidance > 1 or use --cfg 1.")
     device_type = torch_device_type(device)
-    if device_type == "cuda":
+    if device_type == "cuda" and torchrun is None:
         import torch
 
-        if torch.cuda.device_count() < args.gpus:
-            raise ValueError(f"--gpus {args.gpus} but only {torch.cuda.device_count()} CUDA devices are visible.")
-    job = dict(model_root=str(model_root), task=request.task, device_type=device_type, canvas=canvas,
-               prepared=prepared, output=str(output), crf=args.crf, quiet=args.quiet,
-               model="embedded-tiny" if tiny else str(model_root))
-    launch(_serve_rank, args.gpus, (job,))
+        if torch.cuda.device_count() < world:
+            raise ValueError(f"--gpus {world} but only {torch.cuda.device_count()} CUDA devices are visible.")
+    from .engines.manifest import bundle_identity
+
+    extra = {"bundle": bundle_identity(manifest)} if manifest else {}
+    job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
+              args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra)
+    if torchrun is not None:
+        rank, world, local_rank = init_torchrun_rank(device_type)
+        serve_rank(rank, world, local_rank, job, heads)
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+        return 0
+    launch(serve_launched, world, (job, heads))
     return 0
 
 
@@ -176,47 +215,21 @@ def torch_device_type(device: str) -> str:
     return "cuda" if str(device).startswith("cuda") else "cpu"
 
 
-def _serve_rank(rank: int, world: int, store: str, job: dict) -> None:
-    import torch.distributed as dist
-
-    from .runtime.launch import init_rank
-    from .runtime.pipeline import H3Pipeline
-    from .runtime.ulysses import UlyssesDiT
-
-    init_rank(rank, world, store, job["device_type"])
-    device = f"cuda:{rank}" if job["device_type"] == "cuda" else "cpu"
-    pipeline = H3Pipeline.load(Path(job["model_root"]), job["task"], device, job["canvas"])
-    pipeline.dit = UlyssesDiT(pipeline.dit.model, dist.group.WORLD)
-    bar = None
-    if rank == 0 and not job["quiet"]:
-        from tqdm import tqdm
-
-        bar = tqdm(total=pipeline.schedule(job["prepared"].request).num_evaluations, desc=f"denoise (sp={world})",
-                   unit="step", file=sys.stderr)
-    record = pipeline.generate(job["prepared"], Path(job["output"]), crf=job["crf"], write=rank == 0,
-                               on_step=(lambda i, n: bar.update(1)) if bar else None)
-    if bar is not None:
-        bar.close()
-    if rank == 0:
-        record["mesh"] = {"replica": 1, "cfg": 1, "sp": world}
-        _finish(record, job["prepared"].request, job["model"], Path(job["output"]))
-    dist.barrier()
-    dist.destroy_process_group()
-
-
-def _bundle_hash(manifest: dict) -> str:
-    import hashlib
-    import json
-
-    return hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
-
-
 def _build_parser(sub) -> None:
     p = sub.add_parser("build", help="compile an engine bundle ahead of time",
                        description="Compile the DiT segments of a checkpoint into an engine bundle.")
     p.add_argument("--model", required=True, help="checkpoint folder, or 'tiny' for the embedded tiny model")
     p.add_argument("--output", required=True, type=Path, help="bundle folder to create")
-    p.add_argument("--precision", default="bf16", help="bf16 (default) or fp32")
+    p.add_argument("--precision", default="bf16", help="bf16 (default), fp32, fp8 (W8A8, calibrated) or nvfp4 "
+                                                        "(weight-only on Hopper)")
+    p.add_argument("--calib-prompts", type=Path, help="fp8: text file, one calibration prompt per line")
+    p.add_argument("--calib-steps", type=int, default=8, help="fp8: sigma grid points per calibration trajectory "
+                                                              "(default 8)")
+    p.add_argument("--quant-exclude", nargs="+", default=(), metavar="NAME",
+                   help="fp8/nvfp4: keep in bf16 whole blocks (blocks.N) and/or a block linear in every block "
+                        "(attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2)")
+    p.add_argument("--fp8-attention", action="store_true", help="fp8: q/k/v in e4m3 with calibrated scales (emulated: "
+                                                                    "FP8 attention's numerics, bf16 SDPA speed)")
     p.add_argument("--profile", action="append", default=None,
                    help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5)")
     p.add_argument("--steps", type=int, default=50, help="the schedule the AdaLN tables are baked for")
@@ -230,8 +243,18 @@ def _build_parser(sub) -> None:
                         "(default: sm89,sm120; nvfp4: sm120)")
     p.add_argument("--keep-adaln", action="store_true", help="keep adaln_proj weights: serve any schedule")
     p.add_argument("--task", default="t2va", help="t2va/fl2va (FL2VA partition, default) or ref2va (Ref2VA)")
-    p.add_argument("--sp", type=int, default=1, help="sequence-parallel degree (1 until the DeviceMesh runtime)")
+    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
+                                                     "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
+    p.add_argument("--cfg", type=int, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
+                                                      "(default; H3 is guidance-distilled) or 2")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    e = sub.add_parser("eval", help="compare an engine bundle with a reference on the same requests and seeds")
+    e.add_argument("--engine", required=True, type=Path, help="the bundle under test (e.g. an fp8 build)")
+    e.add_argument("--reference", required=True, help="a bundle, a checkpoint folder, or 'tiny' (eager)")
+    e.add_argument("--requests", required=True, type=Path, help="JSON lines: {\"prompt\": ..., \"seed\": ...} "
+                                                                "(width/height/duration/steps default to the engine's)")
+    e.add_argument("--json", type=Path, help="write the per-request and mean metrics here")
+    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
     for name, help_ in (("inspect", "print a bundle's manifest"), ("verify", "re-hash every file of a bundle")):
         q = sub.add_parser(name, help=help_)
         q.add_argument("bundle", type=Path)
@@ -250,12 +273,31 @@ def cmd_build(args) -> int:
     model_root = ensure_tiny_checkpoint() if tiny else Path(args.model)
     config = BuildConfig(model_root, args.output, args.task, args.precision, profiles, args.steps, args.video_shift,
                          args.audio_shift, device, args.backend, args.keep_adaln, args.sp, args.overwrite, tiny,
-                         trt_targets=args.trt_targets)
+                         cfg=args.cfg, trt_targets=args.trt_targets, calib_prompts=args.calib_prompts,
+                         calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
+                         fp8_attention=args.fp8_attention)
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr))
     size = sum(f["bytes"] for f in manifest["files"].values())
     print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "
           f"{len(manifest['files'])} files, {size / 1e6:.1f} MB; AdaLN "
           f"{'baked' if manifest['adaln']['baked'] else 'kept'}")
+    return 0
+
+
+def cmd_eval(args) -> int:
+    import torch
+
+    from .eval import evaluate, read_requests, table
+    from .runtime.pipeline import write_json_atomic
+
+    if args.json is not None and args.json.exists():
+        raise ValueError(f"{args.json} already exists; choose another --json path.")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    result = evaluate(args.engine, args.reference, read_requests(args.requests), device,
+                      log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr))
+    print(table(result))
+    if args.json is not None:
+        write_json_atomic(args.json, result)
     return 0
 
 
@@ -298,7 +340,8 @@ def main(argv=None) -> int:
     from .runtime.media import MediaError
 
     try:
-        return {"run": cmd_run, "build": cmd_build, "inspect": cmd_inspect, "verify": cmd_verify}[args.command](args)
+        return {"run": cmd_run, "build": cmd_build, "eval": cmd_eval, "inspect": cmd_inspect,
+                "verify": cmd_verify}[args.command](args)
     except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed) as e:
         message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
         print(f"h3trt: error: {message}", file=sys.stderr)

@@ -111,7 +111,8 @@ def test_manifest_records_the_build(bundles):
     assert m["backend"] == "inductor" and m["precision"] == "fp32" and m["arch"].startswith("cpu-")
     assert m["versions"]["torch"] == torch.__version__
     assert m["adaln"]["baked"] and m["adaln"]["timesteps"] == schedule_timesteps(Schedule()).numel()
-    assert m["mesh"] == {"replica": 1, "cfg": 1, "sp": 1} and m["tasks"] == ["t2va", "fl2va"]
+    assert (m["mesh"]["cfg"], m["mesh"]["sp"], m["mesh"]["heads_per_rank"]) == (1, 1, 2)
+    assert m["tasks"] == ["t2va", "fl2va"]
     assert set(m["segments"]) == {"embed", "block", "final", "video_decoder_7x6x10"}  # 160x96: one 6x10 tile
     assert not any(name.startswith("weights/adaln_weights") for name in m["files"])  # adaln_proj left out
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())
@@ -166,8 +167,10 @@ def test_refuses_another_environment(bundle_copy, change, message):
 
 
 def test_refuses_a_mesh_that_does_not_match(bundles):
-    with pytest.raises(BundleError, match=r"= 1 ranks, but the job has world size 2"):
-        Engine.load(bundles["inductor"], "cpu", world_size=2)
+    from h3trt.runtime.mesh import MeshConfig
+
+    with pytest.raises(BundleError, match=r"built for sp=1 x cfg=1 .* launched as replica\(1\) x cfg\(1\) x sp\(2\)"):
+        Engine.load(bundles["inductor"], "cpu", MeshConfig(sp=2))
 
 
 @pytest.mark.parametrize("extra, message", [
@@ -213,9 +216,11 @@ def test_build_is_refused_when_a_segment_fails_to_load(bundles, tmp_path, tiny_r
 
 
 def test_build_refuses_bad_options(tiny_root, tmp_path):
-    with pytest.raises(ValueError, match="--sp > 1 needs the DeviceMesh runtime"):
-        BuildConfig(tiny_root, tmp_path / "b", sp=2)
-    with pytest.raises(ValueError, match="--precision fp8 is not built yet"):
+    with pytest.raises(ValueError, match=r"sp=3 does not divide the 2 attention heads .* valid sp: \[1, 2\]"):
+        build(BuildConfig(tiny_root, tmp_path / "b", sp=3, device="cpu"))
+    with pytest.raises(ValueError, match="cfg must be 1 or 2"):
+        BuildConfig(tiny_root, tmp_path / "b", cfg=3)
+    with pytest.raises(ValueError, match="--precision fp8 needs --calib-prompts"):
         BuildConfig(tiny_root, tmp_path / "b", precision="fp8")
     with pytest.raises(ValueError, match="WIDTHxHEIGHTxSECONDS"):
         Profile.parse("1344x768")

@@ -24,22 +24,30 @@ from pathlib import Path
 
 import torch
 
-from ..models.checkpoint import TASK_PARTITIONS, load_dit
+import torch.nn.functional as F
+
+from ..models.checkpoint import TASK_PARTITIONS, load_dit, locate_transformer
 from ..models.config import NUM_MODALITIES
 from ..models.dit import H3DiT
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, row_timesteps, text_tags_for, validate_canvas
 from ..models.sampler import Schedule
 from ..engines.manifest import device_arch, runtime_versions, write_manifest
+from ..runtime.mesh import MeshConfig
+from ..runtime.ulysses import padded_length
 from .adaln import bake_tables, schedule_timesteps
 from .backends import BACKENDS, compile_segment
-from .segments import dit_segments
+from .segments import block_weight_names, dit_segments, embed_segment, final_weight_names
+from ..quant.build import block_weight_sets, first_layer, quantize_dit
+from ..quant.recipe import QUANT_PRECISIONS, QuantRecipe, parse_exclusions
 
-PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# Quantized precisions keep everything they do not quantize (and their activations) in bf16.
+PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "nvfp4": torch.bfloat16}
 EAGER_COMPONENTS = ("text_encoder", "tokenizer", "processor", "video_vae", "audio_vae", "vae")
 EXAMPLE_TEXT_ROWS = 37  # the text length the example inputs use; every dimension is dynamic anyway
 VERIFY_TIMEOUT_S = 900
 # Relative error (norm) a freshly loaded segment may show against the eager segment on the build's example.
-VERIFY_REL_TOL = {"bf16": 2e-2, "fp32": 1e-4}
+# Quantized: compiled vs eager quantized segment; a 1-ulp bf16 difference before an e4m3 rounding can flip a code.
+VERIFY_REL_TOL = {"bf16": 2e-2, "fp32": 1e-4, "fp8": 3e-2, "nvfp4": 2e-2}
 
 
 class BuildError(RuntimeError):
@@ -81,21 +89,32 @@ class BuildConfig:
     device: str = "cuda"
     backend: str = "inductor"
     keep_adaln: bool = False
-    sp: int = 1
+    sp: int = 1  # Ulysses degree the bundle serves: baked into the block segments' head grouping
     overwrite: bool = False
     tiny: bool = False
+    cfg: int = 1  # guidance-branch parallel degree the bundle is launched with (1: H3 is guidance-distilled)
+    calib_prompts: Path | None = None  # fp8: text file, one calibration prompt per line
+    calib_steps: int = 8  # fp8: sigma grid points of each calibration trajectory
+    quant_exclude: tuple[str, ...] = ()  # fp8/nvfp4: blocks.N and/or block linear names kept in bf16
+    fp8_attention: bool = False  # fp8: q/k/v in e4m3 with calibrated scales
     trt_targets: str | None = None  # tensorrt: compute capabilities of the plans, e.g. "sm89,sm120" (None: default)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision {self.precision} is not built yet; this builder supports "
-                             f"{sorted(PRECISIONS)} (FP8/NVFP4 arrive with calibration).")
+            raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}.")
+        if self.precision in QUANT_PRECISIONS:
+            self.recipe  # validates exclusions, --fp8-attention and --calib-steps
+            if self.precision == "fp8" and self.calib_prompts is None and self.backend != "tensorrt":
+                raise ValueError("--precision fp8 needs --calib-prompts FILE (one prompt per line): its activation "
+                                 "scales are calibrated on real denoising trajectories.")
+        elif self.quant_exclude or self.fp8_attention or self.calib_prompts is not None:
+            raise ValueError(f"--quant-exclude, --fp8-attention and --calib-prompts apply to --precision fp8/nvfp4, "
+                             f"not {self.precision}.")
         if self.task not in TASK_PARTITIONS:
             raise ValueError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
-        if self.sp != 1:
-            raise ValueError("--sp > 1 needs the DeviceMesh runtime, which this build does not have yet; use --sp 1.")
+        MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
             raise ValueError("At least one --profile is needed.")
         if self.backend == "tensorrt":
@@ -105,14 +124,24 @@ class BuildConfig:
         elif self.trt_targets is not None:
             raise ValueError("--trt-targets applies to --backend tensorrt.")
 
+    @property
+    def recipe(self) -> QuantRecipe | None:
+        if self.precision not in QUANT_PRECISIONS:
+            return None
+        blocks, linears = parse_exclusions(self.quant_exclude)
+        return QuantRecipe(self.precision, exclude_blocks=blocks, exclude_linears=linears,
+                           fp8_attention=self.fp8_attention,
+                           calib_steps=self.calib_steps if self.precision == "fp8" else 0)
 
-def _weights(model: H3DiT) -> dict[str, dict[str, torch.Tensor]]:
+
+def _weights(model: H3DiT, recipe: QuantRecipe | None = None) -> dict[str, dict[str, torch.Tensor]]:
     sd = {k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    emb, blk, fin = dit_segments(model.cfg, model.dtype)
+    names = {"block": block_weight_names(model.cfg, model.dtype, recipe),
+             "block_hp": block_weight_names(model.cfg, model.dtype)}
     return {
-        "embed": {n: sd[n] for n in emb.weights},
-        "blocks": {f"blocks.{i}.{n}": sd[f"blocks.{i}.{n}"] for i in range(model.cfg.num_layers) for n in blk.weights},
-        "final": {n: sd[f"final_layer.{n}"] for n in fin.weights},
+        "embed": {n: sd[n] for n in embed_segment(model.cfg, model.dtype).weights},
+        "blocks": block_weight_sets(model, recipe, names, sd),
+        "final": {n: sd[f"final_layer.{n}"] for n in final_weight_names(model.cfg, model.dtype)},
         "adaln": {**{f"blocks.{i}.{p}": sd[f"blocks.{i}.adaln_proj.linear.{p}"]
                      for i in range(model.cfg.num_layers) for p in ("weight", "bias")},
                   **{f"final.{p}": sd[f"final_layer.adaln_proj.linear.{p}"] for p in ("weight", "bias")}},
@@ -120,9 +149,11 @@ def _weights(model: H3DiT) -> dict[str, dict[str, torch.Tensor]]:
 
 
 @torch.no_grad()
-def example_inputs(model: H3DiT, geometry: Geometry, device) -> dict[str, list[torch.Tensor]]:
+def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
+                   recipe: QuantRecipe | None = None) -> dict[str, list[torch.Tensor]]:
     """Inputs for every segment at one profile (fl2va with a first keyframe, so condition rows are present), from
-    the eager model: the same tensors check the compiled segments."""
+    the eager model: the same tensors check the compiled segments. With sp > 1 the block halves get the first rank's
+    rows of the padded sequence."""
     cfg = model.cfg
     layout = pack_t2va(text_tags_for(EXAMPLE_TEXT_ROWS, [range(3, 9)]), geometry.latent_frames, geometry.latent_height,
                        geometry.latent_width, geometry.audio_latents, cfg.patch_size, ("first",)).to(device)
@@ -132,19 +163,42 @@ def example_inputs(model: H3DiT, geometry: Geometry, device) -> dict[str, list[t
     text = torch.randn(1, EXAMPLE_TEXT_ROWS, cfg.text_dim, generator=g).to(device, model.dtype)
     unique_t, t_index = (t.to(device) for t in row_timesteps(layout, 0.25, 0.5))
     sd = model.state_dict()
-    emb, blk, fin = dit_segments(cfg, model.dtype)
+    emb, *blocks, fin = dit_segments(cfg, model.dtype, sp, recipe)
     x, temb = model.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
                           layout.seq_len)
     cos, sin = model.rope(layout.position_ids)
     adaln_index = t_index * NUM_MODALITIES + layout.token_tags
-    return {
+    mod = model.blocks[0].modulation(temb).contiguous()
+    examples = {
         "embed": [video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
                   layout.token_tags] + [sd[n] for n in emb.weights],
-        "block": [x, model.blocks[0].modulation(temb).contiguous(), adaln_index, cos, sin]
-                 + [sd[f"blocks.0.{n}"] for n in blk.weights],
         "final": [x, model.final_layer.modulation(temb).contiguous(), t_index, layout.video_index, layout.audio_index]
                  + [sd[f"final_layer.{n}"] for n in fin.weights],
     }
+    if sp == 1:
+        examples["block"] = [x, mod, adaln_index, cos, sin]
+    else:
+        rows = padded_length(layout.seq_len, sp) // sp
+        x, adaln_index, cos, sin = (F.pad(t, (0, 0) * (t.dim() - 1 - d) + (0, rows * sp - layout.seq_len))
+                                    .narrow(d, 0, rows).contiguous() for t, d in
+                                    ((x, 1), (adaln_index, 0), (cos, 0), (sin, 0)))
+        attn = torch.randn(sp, 1, rows, cfg.num_heads // sp, cfg.head_dim, generator=g).to(device, model.dtype)
+        examples["block_pre"] = [x, mod, adaln_index, cos, sin]
+        examples["block_post"] = [x, attn, mod, adaln_index]
+    if "block_hp" in {spec.name for spec in blocks}:
+        examples["block_hp"] = list(examples["block"])
+    for spec in blocks:
+        i = first_layer(recipe, cfg.num_layers, spec.name) if spec.name in ("block", "block_hp") else 0
+        examples[spec.name] += [sd[f"blocks.{i}.{n}"] for n in spec.weights]
+    return examples
+
+
+def mesh_record(cfg, config: BuildConfig) -> dict:
+    """The mesh baked into the segments: sp fixes each rank's heads (the block halves' buffer layout is static), the
+    rows per rank stay symbolic (ceil(S / sp) for a packed length S). Any number of replicas may serve a bundle: a
+    replica group is one more copy of the same ranks."""
+    return {"cfg": config.cfg, "sp": config.sp, "heads_per_rank": cfg.num_heads // config.sp,
+            "rows_per_rank": "ceil(S / sp), symbolic"}
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> int:
@@ -168,7 +222,10 @@ def build(config: BuildConfig, log=print) -> dict:
     (work / "segments").mkdir(parents=True)
     timings = {}
     try:
-        # 1. The DiT of the task's partition.
+        # 1. The DiT of the task's partition (sp checked against its heads before the slow load).
+        MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp,
+                                                            locate_transformer(config.model_root, config.task)
+                                                            .config.num_heads)
         t0 = time.perf_counter()
         model, source = load_dit(config.model_root, config.task, dtype=dtype, device=device)
         meta = source.metadata
@@ -178,8 +235,15 @@ def build(config: BuildConfig, log=print) -> dict:
         log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
             f"{config.precision}) in {timings['load_s']:.1f} s")
 
+        # 1b. FP8 / NVFP4: calibrate on real trajectories of this model, then quantize its blocks in place.
+        # tensorrt quantizes at ONNX export (ModelOpt Q/DQ in tensorrt.py), not in place here.
+        recipe, quant = (config.recipe if config.backend != "tensorrt" else None), None
+        if recipe is not None:
+            recipe, quant = quantize_dit(model, recipe, source.component_root, config.calib_prompts,
+                                         config.profiles[0], (schedule.video_shift, schedule.audio_shift), log)
+
         # 2. Weights, and the AdaLN tables for the schedule.
-        weights = _weights(model)
+        weights = _weights(model, recipe)
         sizes = {name: _save(work / "weights" / f"{name}.safetensors", weights[name])
                  for name in ("embed", "blocks", "final")}
         adaln_bytes = sum(t.numel() * t.element_size() for t in weights["adaln"].values())
@@ -198,8 +262,8 @@ def build(config: BuildConfig, log=print) -> dict:
         # 3. Compile each segment once, capturing the compiled binaries in the bundle's own Inductor cache.
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        examples = example_inputs(model, config.profiles[0].geometry, device)
-        specs = {spec.name: spec for spec in dit_segments(model.cfg, dtype)}
+        examples = example_inputs(model, config.profiles[0].geometry, device, config.sp, recipe)
+        specs = {spec.name: spec for spec in dit_segments(model.cfg, dtype, config.sp, recipe)}
         specs.update(_video_decoder_specs(source.component_root, config.profiles, device, examples))
         if config.backend == "tensorrt":  # ONNX export + TensorRT plans instead of torch compiles (tensorrt.py)
             from .tensorrt import build_tensorrt_segments
@@ -246,9 +310,9 @@ def build(config: BuildConfig, log=print) -> dict:
             "schedule": {"steps": schedule.steps, "video_shift": schedule.video_shift,
                          "audio_shift": schedule.audio_shift},
             "adaln": adaln, "profiles": [{**asdict(p), "num_frames": p.geometry.num_frames} for p in config.profiles],
-            "mesh": {"replica": 1, "cfg": 1, "sp": config.sp}, "arch": device_arch(device), "device": str(device),
+            "mesh": mesh_record(model.cfg, config), "arch": device_arch(device), "device": str(device),
             "versions": runtime_versions(), "segments": segments, "weight_bytes": sizes, "tiny": config.tiny,
-            "build_timings_s": {k: round(v, 2) for k, v in timings.items()},
+            "build_timings_s": {k: round(v, 2) for k, v in timings.items()}, "quant": quant,
         }
         if config.backend == "tensorrt":
             # Flavour, version, targets: what Engine.load checks the GPU against. Plans run on CUDA, wherever built.

@@ -20,6 +20,8 @@ import torch
 
 from ..models.config import H3Config
 from ..models.dit import H3DiT, build_dit
+from ..quant.modules import ATTENTION_SCALES, attention_fn, quantized_template
+from ..quant.recipe import QuantRecipe
 from ..runtime.ulysses import from_head_groups, to_head_groups
 
 EMBED_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "condition_proj.", "time_embedder.", "token_refiner.")
@@ -78,20 +80,34 @@ def embed_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
     )
 
 
-def block_weight_names(cfg: H3Config, dtype: torch.dtype = torch.bfloat16) -> list[str]:
+def _block_template(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None = None):
     block = _template(cfg, dtype).blocks[0]
-    return [n for n, _ in block.named_parameters() if not n.startswith(ADALN_PREFIX)]
+    return quantized_template(block, cfg, recipe) if recipe is not None else block
 
 
-def block_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
-    block = _template(cfg, dtype).blocks[0]
-    weights = block_weight_names(cfg, dtype)
+def block_weight_names(cfg: H3Config, dtype: torch.dtype = torch.bfloat16,
+                       recipe: QuantRecipe | None = None) -> list[str]:
+    """Parameters and buffers (a quantized linear keeps its e4m3 weight and scales as buffers), AdaLN left out."""
+    block = _block_template(cfg, dtype, recipe)
+    tensors = list(block.named_parameters()) + list(block.named_buffers())
+    return [n for n, _ in tensors if not n.startswith(ADALN_PREFIX)]
+
+
+def block_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None = None,
+                  name: str = "block") -> SegmentSpec:
+    """The main block; with a recipe, its quantized linears (and FP8 attention) take quantized weights and scales."""
+    block = _block_template(cfg, dtype, recipe)
+    weights = block_weight_names(cfg, dtype, recipe)
+    fp8_attention = recipe is not None and recipe.fp8_attention
 
     def run_block(x, mod, adaln_index, cos, sin, *w):
-        return torch.func.functional_call(block, dict(zip(weights, w)), (x, mod, adaln_index, (cos, sin)), strict=False)
+        params = dict(zip(weights, w))
+        scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if fp8_attention else None
+        return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin), attention_fn(scales)),
+                                          strict=False)
 
     return SegmentSpec(
-        "block", run_block, ["x", "mod", "adaln_index", "cos", "sin"], weights,
+        name, run_block, ["x", "mod", "adaln_index", "cos", "sin"], weights,
         dynamic={"x": {1: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}, "cos": {0: "S"}, "sin": {0: "S"}},
         outputs=["x"],
     )
@@ -167,10 +183,16 @@ def final_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
     )
 
 
-def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1) -> list[SegmentSpec]:
-    """The DiT's segments: one fused block when a rank holds the whole sequence, else the two halves."""
-    blocks = [block_segment(cfg, dtype)] if sp == 1 else [block_pre_segment(cfg, dtype, sp),
-                                                          block_post_segment(cfg, dtype)]
+def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1,
+                 recipe: QuantRecipe | None = None) -> list[SegmentSpec]:
+    """The DiT's segments: one fused block when a rank holds the whole sequence, else the two halves. A quantization
+    recipe that keeps whole blocks in the block dtype adds their segment, block_hp."""
+    if recipe is not None and sp != 1:
+        raise ValueError(f"--precision {recipe.precision} bundles are built for --sp 1 only so far (got --sp {sp}).")
+    blocks = [block_segment(cfg, dtype, recipe)] if sp == 1 else [block_pre_segment(cfg, dtype, sp),
+                                                                  block_post_segment(cfg, dtype)]
+    if recipe is not None and recipe.exclude_blocks:
+        blocks.append(block_segment(cfg, dtype, None, name="block_hp"))
     return [embed_segment(cfg, dtype), *blocks, final_segment(cfg, dtype)]
 
 

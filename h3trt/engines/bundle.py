@@ -18,6 +18,7 @@ from ..build.backends import LoadedSegment, load_segment
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
+from ..runtime.ulysses import RowShard, UlyssesExchange
 from .guard import no_compile
 from .manifest import BundleError, check_environment, read_manifest, verify_files
 
@@ -63,14 +64,20 @@ def _load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
 
 
 class EngineDiT:
-    """The DiT forward from compiled segments: embed, the block segment once per layer, final."""
+    """The DiT forward from compiled segments: embed, the block segment(s) once per layer, final. With an sp group
+    the block is the two halves around the Ulysses exchange, on this rank's rows."""
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
-                 device):
-        self.cfg, self.segments, self.adaln, self.device = cfg, segments, adaln, device
+                 device, group=None, layer_segments: list[str] | None = None):
+        self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.embed_w = [weights["embed"][n] for n in entries["embed"]["weights"]]
-        self.block_w = [[weights["blocks"][f"blocks.{i}.{n}"] for n in entries["block"]["weights"]]
-                        for i in range(cfg.num_layers)]
+        block_segments = ("block",) if "block" in entries else ("block_pre", "block_post")
+        # A quantized bundle may keep some layers in bf16: those run the "block_hp" segment with its own weight names.
+        self.layer_segments = layer_segments or ["block"] * cfg.num_layers
+        serving = {"block": self.layer_segments}
+        self.block_w = {name: [[weights["blocks"][f"blocks.{i}.{n}"]
+                                for n in entries[serving.get(name, [name] * cfg.num_layers)[i]]["weights"]]
+                               for i in range(cfg.num_layers)] for name in block_segments}
         self.final_w = [weights["final"][n] for n in entries["final"]["weights"]]
         self.inv_freq = rope_inv_freq(cfg).to(device)
 
@@ -78,15 +85,32 @@ class EngineDiT:
         if unique_t.numel() == 1:
             # Compiled for T >= 2 distinct timesteps; a duplicate row is never indexed, so outputs are unchanged.
             unique_t = unique_t.repeat(2)
-        emb, blk, fin = self.segments["embed"], self.segments["block"], self.segments["final"]
-        x, temb = emb(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index, layout.token_tags, *self.embed_w)
+        x, temb = self.segments["embed"](video, audio, text, unique_t, layout.video_index, layout.audio_index,
+                                         layout.text_index, layout.token_tags, *self.embed_w)
         rows = self.adaln.rows(unique_t)
         adaln_index = t_index * NUM_MODALITIES + layout.token_tags
         cos, sin = rope_tables(layout.position_ids, self.inv_freq)
-        for i, w in enumerate(self.block_w):
-            (x,) = blk(x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin, *w)
-        return fin(x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
-                   layout.audio_index, *self.final_w)
+        if self.group is None:
+            for i, w in enumerate(self.block_w["block"]):
+                blk = self.segments[self.layer_segments[i]]
+                (x,) = blk(x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin, *w)
+        else:
+            x = self._sharded_blocks(x, rows, temb, adaln_index, cos, sin, layout.seq_len)
+        return self.segments["final"](x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
+                                      layout.audio_index, *self.final_w)
+
+    def _sharded_blocks(self, x, rows, temb, adaln_index, cos, sin, seq_len):
+        """The block stack on this rank's rows: pre half (compiled), exchange + SDPA (eager), post half (compiled)."""
+        shard = RowShard(self.group, seq_len)
+        exchange = UlyssesExchange(self.group, seq_len, shard.padded)
+        pre, post = self.segments["block_pre"], self.segments["block_post"]
+        x = shard.local(x, 1)
+        adaln_index, cos, sin = shard.local(adaln_index, 0), shard.local(cos, 0), shard.local(sin, 0)
+        for i, (w_pre, w_post) in enumerate(zip(self.block_w["block_pre"], self.block_w["block_post"])):
+            mod = self.adaln.block(i, rows, temb).contiguous()
+            (qkv,) = pre(x, mod, adaln_index, cos, sin, *w_pre)
+            (x,) = post(x, exchange(qkv), mod, adaln_index, *w_post)
+        return shard.gather(x)
 
 
 class Engine:
@@ -108,15 +132,17 @@ class Engine:
         return decoders
 
     @classmethod
-    def load(cls, root: Path, device: str | torch.device, world_size: int = 1) -> "Engine":
+    def load(cls, root: Path, device: str | torch.device, mesh=None, sp_group=None) -> "Engine":
+        """Load a bundle for one rank: `mesh` is the launched MeshConfig (None: one process), `sp_group` this
+        rank's sequence-parallel group when the bundle's sp > 1."""
         root = Path(root)
         device = torch.device(device)
         manifest = read_manifest(root)
         if manifest["backend"] == "tensorrt":  # plans: their own GPU check, runner and loader
             from .tensorrt_runtime import load_trt_engine
 
-            return load_trt_engine(cls, root, manifest, device)
-        check_environment(manifest, device, world_size)
+            return load_trt_engine(cls, root, manifest, device, mesh)
+        check_environment(manifest, device, mesh)
         problems = verify_files(root, manifest)
         if problems:
             listed = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
@@ -130,4 +156,7 @@ class Engine:
         else:
             adaln = LiveAdaLN(_load_weights(root / "weights" / "adaln_weights.safetensors", device), cfg.num_layers,
                               cfg.hidden_size, device)
-        return cls(root, manifest, EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device), segments)
+        dit = EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device,
+                        sp_group if manifest["mesh"]["sp"] > 1 else None,
+                        (manifest.get("quant") or {}).get("layer_segments"))
+        return cls(root, manifest, dit, segments)

@@ -103,6 +103,12 @@ def hash_tree_names(root: Path) -> list[str]:
             and p.relative_to(root).as_posix() != MANIFEST]
 
 
+def bundle_identity(manifest: dict) -> dict:
+    """What a record says about the bundle that served it; files_sha256 hashes the manifest's file table."""
+    files = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
+    return {"backend": manifest["backend"], "precision": manifest["precision"], "files_sha256": files}
+
+
 def check_environment(manifest: dict, device: torch.device, mesh=None) -> None:
     """Refuse a bundle built for another GPU, torch version or mesh (`mesh`: the launched MeshConfig; None: one
     process)."""

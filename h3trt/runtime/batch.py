@@ -31,7 +31,7 @@ from typing import Callable
 
 import torch
 
-from ..engines.manifest import sha256_file
+from ..engines.manifest import bundle_identity, sha256_file
 from .pipeline import CanvasDefaults, Encoded, H3Pipeline, Request, prepare, request_dict, write_json_atomic
 from .timeline import TimelineTimer, write_timeline
 
@@ -507,9 +507,3 @@ def run_requests(args) -> int:
         return 1
     print(f"{args.out_dir}: {summary_line(summary)}")
     return 1 if summary.failed else 0
-
-
-def bundle_identity(manifest: dict) -> dict:
-    """What a record says about the bundle that served it; files_sha256 hashes the manifest's file table."""
-    files = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
-    return {"backend": manifest["backend"], "precision": manifest["precision"], "files_sha256": files}

@@ -37,8 +37,8 @@ from ..models.sampler import (DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, de
 from ..models.vae_checkpoint import load_audio_vae, load_video_vae
 from ..models.video_vae import VideoVAE, image_to_pixels, prepare_keyframe
 from .guidance import Branch, guided_denoiser
+from .media import MediaError, read_audio, read_image, read_video
 from .parallel_vae import decode_and_write
-from .media import MediaError, Mp4Writer, read_audio, read_image, read_video
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".m4a", ".aac", ".ogg", ".opus"}
@@ -505,11 +505,10 @@ class H3Pipeline:
         lay = layout.to(device)
         text = text_embeds.to(device)
 
-        def model(video, audio, unique_t, t_index):
+        def unguided(video, audio, unique_t, t_index):
             return dit(video, audio, text, unique_t, t_index, lay)
 
-        if branches is not None:
-            model = guided_denoiser(dit, *branches, guidance, self.cfg_group)
+        model = unguided if branches is None else guided_denoiser(dit, *branches, guidance, self.cfg_group)
 
         start = Latents(latents.video.to(device), latents.audio.to(device))
         return denoise(model, start, layout, schedule, on_step)
