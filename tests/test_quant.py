@@ -246,6 +246,17 @@ def test_recipe_and_build_options_are_validated(tiny_root, tmp_path):
         QuantRecipe("nvfp4", exclude_blocks=(7,)).check_layers(2)
 
 
+def test_build_cli_refuses_bad_quantization_flags(tiny_cache, tmp_path, capsys):
+    base = ["build", "--model", "tiny", "--output", str(tmp_path / "b"), "--device", "cpu"]
+    assert main(base + ["--precision", "fp8"]) == 2
+    assert "needs --calib-prompts" in capsys.readouterr().err
+    assert main(base + ["--precision", "nvfp4", "--quant-exclude", "final_layer"]) == 2
+    assert "name a whole block (blocks.N) or a block linear" in capsys.readouterr().err
+    assert main(base + ["--precision", "nvfp4", "--fp8-attention"]) == 2
+    assert "--fp8-attention needs --precision fp8" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
 def test_full_size_weight_bytes():
     full = H3Config()
     bf16 = dit_weight_bytes(full, None, 99)
