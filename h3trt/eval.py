@@ -190,8 +190,10 @@ def evaluate(engine: str, reference: str, requests: list[dict], device: str = "c
         for i, r in enumerate(reqs):
             traces[side].append(trace(pipeline, r))
             log(f"{side}: request {i + 1}/{len(reqs)} done")
-        del pipeline
+        del pipeline  # one side in memory at a time: two full-size DiTs would not fit one GPU
         gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
     per_request = [{"prompt": r.prompt, "seed": r.seed, **compare(a, b)}
                    for r, a, b in zip(reqs, traces["engine"], traces["reference"])]
     keys = ("psnr_db", "ssim", "audio_lsd_db")
