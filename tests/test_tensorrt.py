@@ -231,14 +231,14 @@ def test_pick_profile_and_gpu_refusals():
 
 
 def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
-    """The CLI end to end: a BF16 bundle for sm89 + sm120 with two profiles; the manifest records flavour, version
+    """The CLI end to end: an FP8 bundle for sm89 + sm120 with two profiles; the manifest records flavour, version
     and targets; every file hashes; serving it on this GPU-less machine is refused naming the plans' targets."""
     from h3trt.cli import main
     from h3trt.engines.bundle import Engine
     from h3trt.engines.manifest import read_manifest
 
     out = tmp_path / "trt"
-    assert main(["build", "--model", "tiny", "--output", str(out), "--backend", "tensorrt", "--precision", "bf16",
+    assert main(["build", "--model", "tiny", "--output", str(out), "--backend", "tensorrt", "--precision", "fp8",
                  "--trt-targets", "sm89,sm120", "--device", "cpu", "--profile", "160x96x5", "--profile",
                  "192x96x5"]) == 0
     manifest = read_manifest(out)
@@ -247,6 +247,7 @@ def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
     assert sorted(manifest["segments"]) == ["block_0", "block_1", "embed", "final"]
     assert all(len(e["profiles"]) == 2 for e in manifest["segments"].values())
     assert all(e["fused_attention"] for n, e in manifest["segments"].items() if n != "final")
+    assert [e["quantized"] for e in manifest["segments"].values()] == [None, "fp8", "fp8", None]
     assert not (out / "weights" / "blocks.safetensors").exists()  # the plans embed the weights
     assert main(["verify", str(out)]) == 0
     with pytest.raises(BundleError, match=r"tensorrt_rtx .* plans for sm89, sm120.*has none"):
