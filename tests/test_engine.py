@@ -226,3 +226,12 @@ def test_build_refuses_bad_options(tiny_root, tmp_path):
         Profile.parse("1344x768")
     with pytest.raises(ValueError, match="Unsupported resolution"):
         Profile.parse("1350x768x5")
+
+
+def test_a_process_serving_a_bundle_refuses_to_build(bundles, tiny_root, tmp_path):
+    """After a bundle's compiled-code cache is active, a build in the same process would miss kernels (measured);
+    it is refused with the way out."""
+    Engine.load(bundles["inductor"], "cpu")
+    with pytest.raises(BuildError, match=r"already serves from the bundle .* Build in a fresh process"):
+        build(BuildConfig(tiny_root, tmp_path / "b", precision="fp32", profiles=(TINY_PROFILE,), device="cpu"))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()

@@ -7,6 +7,8 @@ Tolerance: fp32, relative error (norm) <= 1e-5 against the single-process result
 import json
 import os
 import signal
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -14,7 +16,6 @@ import numpy as np
 import pytest
 import torch
 
-from h3trt.build.builder import BuildConfig, Profile, build
 from h3trt.engines.bundle import Engine
 from h3trt.engines.manifest import BundleError
 from h3trt.models.checkpoint import load_dit
@@ -117,9 +118,11 @@ def test_guidance_needs_a_negative_prompt_and_a_scale():
 
 @pytest.fixture(scope="module")
 def sp2_bundle(tmp_path_factory, tiny_root):
+    """Built by the CLI in its own process, as users build (a process that already loaded a bundle refuses)."""
     out = tmp_path_factory.mktemp("sp2") / "bundle"
-    build(BuildConfig(tiny_root, out, precision="fp32", profiles=(Profile(160, 96, 5.0),), device="cpu", sp=2,
-                      keep_adaln=True, tiny=True), log=lambda m: None)
+    subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
+                    "--precision", "fp32", "--device", "cpu", "--sp", "2", "--keep-adaln", "--profile", "160x96x5"],
+                   check=True, capture_output=True, timeout=1200)
     return out
 
 

@@ -213,6 +213,17 @@ def build(config: BuildConfig, log=print) -> dict:
     out = Path(config.output)
     if out.exists() and not config.overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --output.")
+    # sp against the heads, before anything slow.
+    MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp,
+                                                        locate_transformer(config.model_root, config.task)
+                                                        .config.num_heads)
+    from ..engines.bundle import bundle_activated
+
+    if config.backend in ("inductor", "aoti") and bundle_activated():
+        # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
+        # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
+        raise BuildError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
+                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
@@ -222,10 +233,7 @@ def build(config: BuildConfig, log=print) -> dict:
     (work / "segments").mkdir(parents=True)
     timings = {}
     try:
-        # 1. The DiT of the task's partition (sp checked against its heads before the slow load).
-        MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp,
-                                                            locate_transformer(config.model_root, config.task)
-                                                            .config.num_heads)
+        # 1. The DiT of the task's partition.
         t0 = time.perf_counter()
         model, source = load_dit(config.model_root, config.task, dtype=dtype, device=device)
         meta = source.metadata

@@ -47,6 +47,11 @@ def activate_compiled_cache(root: Path) -> None:
     _ACTIVE_CACHE["root"] = str(root)
 
 
+def bundle_activated() -> str | None:
+    """The bundle whose compiled-code cache this process serves from, if any."""
+    return _ACTIVE_CACHE.get("root")
+
+
 def _no_precompiled_header(*args, **kwargs) -> str:
     return ""
 
