@@ -296,7 +296,7 @@ class H3Pipeline:
         not write). With `decode_group` (the ranks of one replica group, the writer first) every rank decodes its
         share of the video tiles and only the writer (write=True) writes; without it a rank with write=False stops
         after denoising."""
-        timer = StageTimer(self.device)
+        timer, start = StageTimer(self.device), time.perf_counter()
         schedule, layout, final = self.denoise_request(prepared, on_step, timer)
         if not write and decode_group is None:
             return None
@@ -306,7 +306,9 @@ class H3Pipeline:
                                                              decode_group)
         if not write:
             return None
-        return self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
+        record = self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
+        record["wall_s"] = round(time.perf_counter() - start, 4)  # the stages overlap (decode, audio, encode)
+        return record
 
     @torch.no_grad()
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
