@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -91,31 +90,43 @@ VARIANTS = {
 }
 
 
+def block_pair(cfg, lay, dev: str):
+    """A Diffusers block with random bf16 weights (std 0.02), the h3trt block loaded from the same weights, and the
+    inputs both take at layout `lay`: (ref, ours, x, temb, idx, pos, mod, (cos, sin))."""
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
+
+    from h3trt.models.dit import Block, rope_inv_freq, rope_tables
+    from h3trt.models.packing import row_timesteps
+
+    ref = MiniMaxH3TransformerBlock(cfg.hidden_size, cfg.num_heads, cfg.head_dim, cfg.ffn_dim, cfg.time_embed_dim,
+                                    1e-5, 1e-5).to(dev, torch.bfloat16).eval()
+    for p in ref.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    x = torch.randn(1, lay.seq_len, cfg.hidden_size, device=dev, dtype=torch.bfloat16)
+    temb = torch.randn(2, cfg.time_embed_dim, device=dev, dtype=torch.float32)
+    _, t_index = row_timesteps(lay, 0.25, 0.5)
+    idx = (t_index * 3 + lay.token_tags).to(dev)
+    pos = lay.position_ids.to(dev)
+    ours = Block(cfg).to(dev, torch.bfloat16).eval()
+    ours.load_state_dict(diffusers_block_to_native(ref), strict=True)
+    with torch.no_grad():
+        mod = ours.modulation(temb).contiguous()
+    return ref, ours, x, temb, idx, pos, mod, rope_tables(pos, rope_inv_freq(cfg).to(dev))
+
+
 def run_blocks(out_path: Path, variants: bool = False) -> dict:
-    from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3RotaryPosEmbed,
-                                                                      MiniMaxH3TransformerBlock)
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
     from h3trt.build.backends import compile_segment
     from h3trt.build.segments import block_segment
     from h3trt.models.config import H3Config
-    from h3trt.models.dit import Block, rope_inv_freq, rope_tables
 
     torch.manual_seed(0)
     dev, cfg = "cuda", H3Config()
     lay = layout()
-    N = lay.seq_len
     result = {"env": env(), "ms_per_block": {}, "notes": []}
-    ref = MiniMaxH3TransformerBlock(5376, 56, 128, 14336, 2688, 1e-5, 1e-5).to(dev, torch.bfloat16).eval()
-    for p in ref.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(1, N, 5376, device=dev, dtype=torch.bfloat16)
-    temb = torch.randn(2, 2688, device=dev, dtype=torch.float32)
-    from h3trt.models.packing import row_timesteps
-
-    _, t_index = row_timesteps(lay, 0.25, 0.5)
-    idx = (t_index * 3 + lay.token_tags).to(dev)
-    pos = lay.position_ids.to(dev)
+    ref, ours, x, temb, idx, pos, mod, (cos, sin) = block_pair(cfg, lay, dev)
     rot = MiniMaxH3RotaryPosEmbed().to(dev)(pos)
     ms = result["ms_per_block"]
     with torch.no_grad():
@@ -123,10 +134,6 @@ def run_blocks(out_path: Path, variants: bool = False) -> dict:
         ms["diffusers_eager"] = bench(lambda: ref(x, temb, idx, rot))
         print(f"diffusers block eager        {ms['diffusers_eager']:7.1f} ms", flush=True)
 
-        ours = Block(cfg).to(dev, torch.bfloat16).eval()
-        ours.load_state_dict(diffusers_block_to_native(ref), strict=True)
-        mod = ours.modulation(temb).contiguous()
-        cos, sin = rope_tables(pos, rope_inv_freq(cfg).to(dev))
         got = ours(x, mod, idx, (cos, sin))
         result["h3trt_eager_rel_err_vs_diffusers"] = rel_err(got, want)
         ms["h3trt_eager"] = bench(lambda: ours(x, mod, idx, (cos, sin)))

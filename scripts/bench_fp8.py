@@ -85,14 +85,12 @@ def compiled(spec, example, dev):
 
 
 def run(out: Path, cpu_check: bool) -> dict:
-    from bench_dit import TEXT, AUDIO, LATENT_T, bench, diffusers_block_to_native, rel_err
-    from diffusers.models.transformers.transformer_minimax_h3 import (MiniMaxH3RotaryPosEmbed,
-                                                                      MiniMaxH3TransformerBlock)
+    from bench_dit import TEXT, AUDIO, LATENT_T, bench, block_pair, rel_err
+    from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
 
     from h3trt.build.segments import block_segment
     from h3trt.models.config import H3Config
-    from h3trt.models.dit import Block, rope_inv_freq, rope_tables
-    from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+    from h3trt.models.packing import pack_t2va, text_tags_for
     from h3trt.quant.build import dit_weight_bytes
     from h3trt.quant.modules import quantize_block
     from h3trt.quant.recipe import QuantRecipe
@@ -113,26 +111,12 @@ def run(out: Path, cpu_check: bool) -> dict:
            "activations": "bf16"}
     result = {"env": env, "ms_per_block": {}, "rel_err_vs_bf16_eager": {}, "compile_s": {}, "notes": []}
     ms = result["ms_per_block"]
-    ref = MiniMaxH3TransformerBlock(H, cfg.num_heads, cfg.head_dim, cfg.ffn_dim, cfg.time_embed_dim, 1e-5, 1e-5,
-                                    ).to(dev, torch.bfloat16).eval()
-    for p in ref.parameters():
-        torch.nn.init.normal_(p, std=0.02)
-    x = torch.randn(1, N, H, device=dev, dtype=torch.bfloat16)
-    temb = torch.randn(2, cfg.time_embed_dim, device=dev, dtype=torch.float32)
-    _, t_index = row_timesteps(lay, 0.25, 0.5)
-    idx = (t_index * 3 + lay.token_tags).to(dev)
-    pos = lay.position_ids.to(dev)
+    ref, ours, x, temb, idx, pos, mod, (cos, sin) = block_pair(cfg, lay, dev)
     with torch.no_grad():
-        rot = MiniMaxH3RotaryPosEmbed(**({} if not cpu_check else {"attention_head_dim": cfg.head_dim,
-                                                                     "rope_freq_dim": cfg.rope_freq_dim})).to(dev)(pos) \
-            if not cpu_check else None
+        rot = None if cpu_check else MiniMaxH3RotaryPosEmbed().to(dev)(pos)
         if rot is not None:
             ms["diffusers_eager"] = timer(lambda: ref(x, temb, idx, rot))
             print(f"diffusers block eager (bf16)     {ms['diffusers_eager']:8.2f} ms", flush=True)
-        ours = Block(cfg).to(dev, torch.bfloat16).eval()
-        ours.load_state_dict(diffusers_block_to_native(ref), strict=True)
-        mod = ours.modulation(temb).contiguous()
-        cos, sin = rope_tables(pos, rope_inv_freq(cfg).to(dev))
         want = ours(x, mod, idx, (cos, sin))
         amax = calibrated_amax(ours, x, mod, idx, (cos, sin))
 
