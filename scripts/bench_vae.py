@@ -6,8 +6,9 @@ decoder architecture on 207 audio latents. Ranks are self-launched (NCCL, NVLS o
 median of --repeats after one warm-up:
   decode_s       tile-parallel decode to uint8 frames on the writing rank, nothing encoded (the 1.8x bar)
   total_s        decode_and_write: decode + audio + H.264/AAC encode to an MP4 (what `h3trt run` pays)
-  tail_s         host tail: last tile on hand -> MP4 renamed into place (the 0.3 s bar)
-and the encoder thread's busy time and each rank's peak GPU memory.
+  tail_s         host tail: last tile on hand -> MP4 renamed into place (the 0.3 s bar), and its steps
+                 (tail_steps_s: to_encoder, encode, audio_flush, video_flush, close_faststart, rename, join)
+and the encoder thread's busy time, the MP4's size (it depends on --preset) and each rank's peak GPU memory.
 
   python scripts/bench_vae.py --gpus 2 --json bench/results/vae_h200x2.json     # on 2 H200s
   python scripts/bench_vae.py --cpu-check                                        # toy decoder, gloo, this CPU
@@ -34,7 +35,9 @@ from h3trt.models.audio_vae import AudioVAE  # noqa: E402
 from h3trt.models.vae_checkpoint import audio_vae_kwargs  # noqa: E402
 from h3trt.models.video_vae import VideoVAE  # noqa: E402
 from h3trt.runtime.launch import init_rank, launch  # noqa: E402
-from h3trt.runtime.parallel_vae import decode_and_write, decode_frames  # noqa: E402
+from h3trt.runtime.media import X264_PRESETS  # noqa: E402
+from h3trt.runtime.output import OutputConfig  # noqa: E402
+from h3trt.runtime.parallel_vae import TAIL_STEPS, decode_and_write, decode_frames  # noqa: E402
 from h3trt.runtime.pipeline import write_json_atomic  # noqa: E402
 
 FULL = dict(width=1344, height=768, latent_frames=37, audio_latents=207)  # 124 frames, 5 s
@@ -94,22 +97,28 @@ def _decode_only(video: VideoVAE, z: torch.Tensor, group) -> float:
     return time.perf_counter() - start
 
 
-def _phase(video, audio, z, rows, group, out_dir: Path, repeats: int, tag: str) -> dict:
+def _phase(video, audio, z, rows, group, out_dir: Path, repeats: int, tag: str, output: OutputConfig) -> dict:
     """Warm-up, then `repeats` decode-only and decode+write runs over `group` (None: this rank alone)."""
-    decode_and_write(video, audio, z[:, :, :7], rows[:20], out_dir / f"warm_{tag}.mp4", group=group)
-    decode, total, tail, mux = [], [], [], []
+    decode_and_write(video, audio, z[:, :, :7], rows[:20], out_dir / f"warm_{tag}.mp4", group=group,
+                     output_config=output)
+    decode, total, tail, mux, steps, sizes = [], [], [], [], [], []
     for i in range(repeats):
         decode.append(_decode_only(video, z, group))
         start = time.perf_counter()
-        record = decode_and_write(video, audio, z, rows, out_dir / f"{tag}_{i}.mp4", group=group)
+        path = out_dir / f"{tag}_{i}.mp4"  # a new name each run: replacing a big file would time its unlink
+        record = decode_and_write(video, audio, z, rows, path, group=group, output_config=output)
         total.append(time.perf_counter() - start)
         if record["wrote"]:
             tail.append(record["timings_s"]["decode_tail_s"])
             mux.append(record["timings_s"]["mux"])
+            steps.append(record["tail_s"])
+            sizes.append(path.stat().st_size / 1e6)
     med = statistics.median
     return {"decode_s": med(decode), "total_s": med(total), "tail_s": med(tail) if tail else None,
-            "encoder_busy_s": med(mux) if mux else None, "runs": {"decode_s": decode, "total_s": total,
-                                                                   "tail_s": tail}}
+            "encoder_busy_s": med(mux) if mux else None, "mp4_mb": med(sizes) if sizes else None,
+            # median of each step of the host tail (TAIL_STEPS, consecutive; they sum to about tail_s)
+            "tail_steps_s": {k: med(s[k] for s in steps) for k, _ in TAIL_STEPS} if steps else None,
+            "runs": {"decode_s": decode, "total_s": total, "tail_s": tail, "tail_steps_s": steps}}
 
 
 def _rank(rank: int, world: int, store: str, opts: dict, out_dir: Path) -> None:
@@ -124,14 +133,16 @@ def _rank(rank: int, world: int, store: str, opts: dict, out_dir: Path) -> None:
     rows = torch.randn(2 * shape["audio_latents"], 32, generator=g)
     waiter = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=WAIT_S))
     results = {}
+    output = OutputConfig(preset=opts["preset"])
     if rank == 0:  # 1 GPU: this rank alone, the others wait
-        results["1"] = _phase(video, audio, z, rows, None, out_dir, opts["repeats"], "w1")
+        results["1"] = _phase(video, audio, z, rows, None, out_dir, opts["repeats"], "w1", output)
         if device.type == "cuda":
             results["1"]["peak_gib"] = [torch.cuda.max_memory_allocated(device) / 2**30]
     dist.barrier(group=waiter)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    results[str(world)] = _phase(video, audio, z, rows, dist.group.WORLD, out_dir, opts["repeats"], f"w{world}")
+    results[str(world)] = _phase(video, audio, z, rows, dist.group.WORLD, out_dir, opts["repeats"], f"w{world}",
+                                  output)
     peaks = [None] * world
     dist.all_gather_object(peaks, torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else 0.0)
     if rank == 0:
@@ -144,7 +155,10 @@ def _rank(rank: int, world: int, store: str, opts: dict, out_dir: Path) -> None:
                       len(plan.tiles), "decoder_layers": video.vae.config.decoder_num_layers,
                       "decoder_dim": video.vae.config.decoder_num_attention_heads
                       * video.vae.config.decoder_attention_head_dim},
-            "repeats": opts["repeats"], "results": results,
+            "repeats": opts["repeats"], "host_cpus": os.cpu_count(),
+            "output": {"preset": output.preset, "low_latency": output.low_latency,
+                       "convert_on_device": output.convert_on_device, "chunk_frames": output.chunk_frames},
+            "results": results,
             "decode_speedup": results["1"]["decode_s"] / results[str(world)]["decode_s"],
             "total_speedup": results["1"]["total_s"] / results[str(world)]["total_s"],
         }
@@ -159,6 +173,8 @@ def main() -> None:
                         help="decoder weights (diffusers' fp32-pinned modules stay fp32)")
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--cpu-check", action="store_true", help="toy decoder at 160x96 on this CPU with gloo")
+    parser.add_argument("--preset", choices=X264_PRESETS, default=OutputConfig().preset,
+                        help="x264 preset of the pipelined writer (default: OutputConfig's)")
     args = parser.parse_args()
     if args.gpus < 2:
         parser.error(f"--gpus must be at least 2 (the 1-GPU phase always runs), got {args.gpus}.")
@@ -166,7 +182,8 @@ def main() -> None:
         parser.error(f"--gpus {args.gpus} needs {args.gpus} visible GPUs, found {torch.cuda.device_count()}; "
                      "pass --cpu-check for the toy run on the CPU.")
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast is off on the lent H200 machines (KINDS.md)
-    opts = {"cpu_check": args.cpu_check, "dtype": "fp32" if args.cpu_check else args.dtype, "repeats": args.repeats}
+    opts = {"cpu_check": args.cpu_check, "dtype": "fp32" if args.cpu_check else args.dtype, "repeats": args.repeats,
+            "preset": args.preset}
     with tempfile.TemporaryDirectory(prefix="bench-vae-") as tmp:
         launch(_rank, args.gpus, (opts, Path(tmp)))
         record = json.loads((Path(tmp) / "result.json").read_text())
@@ -174,14 +191,19 @@ def main() -> None:
     s = record["shape"]
     print(f"video decoder {s['decoder_layers']} blocks x {s['decoder_dim']}, {s['width']}x{s['height']}, "
           f"{s['frames']} frames ({s['windows']} windows x {s['tiles_per_window']} tiles), {record['dtype']}, "
-          f"{record['device']}, median of {record['repeats']}")
+          f"{record['device']}, median of {record['repeats']}; x264 {record['output']['preset']}, "
+          f"{record['host_cpus']} host CPUs")
     print(f"{'GPUs':>5} {'decode s':>9} {'decode+encode s':>16} {'host tail s':>12} {'encoder busy s':>15} "
-          f"{'peak GiB/rank':>14}")
+          f"{'MP4 MB':>7} {'peak GiB/rank':>14}")
     for key in ("1", w):
         r = record["results"][key]
         peaks = "/".join(f"{p:.1f}" for p in r.get("peak_gib", []))
         print(f"{key:>5} {r['decode_s']:9.3f} {r['total_s']:16.3f} {r['tail_s']:12.3f} {r['encoder_busy_s']:15.3f} "
-              f"{peaks:>14}")
+              f"{r['mp4_mb']:7.1f} {peaks:>14}")
+    print("host tail steps, s: " + f"{'GPUs':>5} " + " ".join(f"{k:>15}" for k, _ in TAIL_STEPS))
+    for key in ("1", w):
+        steps = record["results"][key]["tail_steps_s"]
+        print(" " * 20 + f"{key:>5} " + " ".join(f"{steps[k]:15.3f}" for k, _ in TAIL_STEPS))
     print(f"decode speedup {record['decode_speedup']:.2f}x (bar 1.8x), decode+encode {record['total_speedup']:.2f}x; "
           f"host tail at {w} GPUs {record['results'][w]['tail_s']:.3f} s (bar 0.3 s)")
     if args.json:

@@ -142,9 +142,18 @@ def test_bad_inputs_rejected(tmp_path):
             writer.write_frames(gradient_frames()[:, :, :32])
         with pytest.raises(MediaError, match="exceeds 1.0"):
             writer.write_audio(np.full((2, 100), 1.5, np.float32))
+        with pytest.raises(MediaError, match=r"expected \[T, 144, 64\]"):  # yuv420p: H * 3 / 2 rows
+            writer.write_yuv420(np.zeros((1, H, W), np.uint8))
+        with pytest.raises(MediaError, match="expected uint8"):
+            writer.write_yuv420(np.zeros((1, H * 3 // 2, W), np.float32))
+        writer.write_yuv420(np.full((1, H * 3 // 2, W), 128, np.uint8))  # mid grey, as planes
         writer.write_frames(gradient_frames()[:1])
         writer.write_audio(np.zeros((2, 100), np.float32))
-    assert probe(tmp_path / "out.mp4")["frames"] == 1
+    assert probe(tmp_path / "out.mp4")["frames"] == 2
+    assert list(writer.marks) == ["audio_flushed", "video_flushed", "closed", "renamed"]  # the host-tail steps
+    assert sorted(writer.marks.values()) == list(writer.marks.values())
+    with pytest.raises(MediaError, match="not an x264 preset"):
+        Mp4Writer(tmp_path / "fast.mp4", W, H, preset="turbo")
 
 
 def test_writer_driven_from_background_thread(tmp_path):

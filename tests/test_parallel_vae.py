@@ -18,7 +18,7 @@ from h3trt.models.video_vae import VideoVAE
 from h3trt.runtime.launch import init_rank, launch
 from h3trt.runtime.media import read_video
 from h3trt.runtime.output import OutputConfig
-from h3trt.runtime.parallel_vae import deal_waves, decode_and_write, decode_frames
+from h3trt.runtime.parallel_vae import TAIL_STEPS, deal_waves, decode_and_write, decode_frames
 
 LATENT_H, LATENT_W = TINY_HEIGHT // 16, TINY_WIDTH // 16  # 6 x 10 latents: 96 x 160 px
 TILE_PX, TILE_OVERLAP_PX = 64, 16
@@ -105,6 +105,11 @@ def test_ranks_write_the_same_mp4_as_one_process(tmp_path, world):
     assert [r["wrote"] for r in records] == [True] + [False] * (world - 1)
     assert records[0]["frames"] == 56 and records[0]["audio_samples"] == audio_latents * 800
     assert records[0]["timings_s"]["audio_decode"] > 0  # decoded on the last rank, broadcast with its time
+    # The host tail splits into consecutive steps on the writing rank (rounded to 0.1 ms each).
+    tail = records[0]["tail_s"]
+    assert list(tail) == [step for step, _ in TAIL_STEPS] and min(tail.values()) >= 0
+    assert sum(tail.values()) == pytest.approx(records[0]["timings_s"]["decode_tail_s"], abs=1e-3)
+    assert all(r["tail_s"] == {} for r in records[1:])
     refused = [(tmp_path / f"world{world}_rank{r}.refused").read_text() for r in range(world)]
     assert "missing does not exist" in refused[0]
     assert all("group rank(s) [0] refused the decode" in m for m in refused[1:])

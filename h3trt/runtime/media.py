@@ -8,6 +8,7 @@ the fix, because these messages end up verbatim in `h3trt run` output.
 from __future__ import annotations
 
 import os
+import time
 from fractions import Fraction
 from pathlib import Path
 from typing import Any
@@ -25,6 +26,8 @@ DEFAULT_CRF = 18
 # AAC-LC at 32 kHz stereo is transparent well below this; fixed so output size does not depend on FFmpeg defaults.
 AAC_BIT_RATE = 160_000
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+# x264's presets, fastest first: each step searches harder for the same CRF quality (smaller file, more time).
+X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 # probe() always returns every key; those of a missing stream are None, so callers can index without checking.
 PROBE_KEYS = ("format", "video_codec", "pix_fmt", "width", "height", "fps", "frames",
               "audio_codec", "sample_rate", "audio_channels", "audio_duration")
@@ -34,8 +37,8 @@ class MediaError(ValueError):
     """A user-facing media problem; the message is one line: file, problem, fix."""
 
 
-def _h264_encoder(crf: int, width: int, height: int, fps: Fraction,
-                  low_latency: bool = False) -> tuple[str, dict[str, str], int]:
+def _h264_encoder(crf: int, width: int, height: int, fps: Fraction, low_latency: bool = False,
+                  preset: str = "medium") -> tuple[str, dict[str, str], int]:
     """Pick the H.264 encoder; return (name, codec options, bit_rate or 0) expressing quality `crf`.
 
     libx264 is preferred because CRF is its native rate control. libopenh264, the only other software H.264 encoder
@@ -47,11 +50,14 @@ def _h264_encoder(crf: int, width: int, height: int, fps: Fraction,
     arrives instead of buffering ~40 in the lookahead; closing then costs the last frames only, not the buffered
     backlog. Measured on 2 CPU cores, 1344x768: the last 18 frames + flush took 43.8 s at preset medium, 3.6 s with
     zerolatency. The price is compression: the same CRF gives a larger file.
+
+    `preset` is x264's speed/compression trade-off (X264_PRESETS); it changes how hard x264 searches, while CRF keeps
+    meaning the same target quality. libopenh264 has no presets and ignores it.
     """
     available = av.codec.codecs_available
     if "libx264" in available:
-        # preset medium is x264's default; named so a change in FFmpeg's default cannot change our output.
-        options = {"crf": str(crf), "preset": "medium"}
+        # Always named (medium is x264's default) so a change in FFmpeg's default cannot change our output.
+        options = {"crf": str(crf), "preset": preset}
         return "libx264", {**options, "tune": "zerolatency"} if low_latency else options, 0
     if "libopenh264" in available:
         bits_per_pixel = 0.1 * 2.0 ** ((DEFAULT_CRF - crf) / 6.0)
@@ -85,7 +91,7 @@ class Mp4Writer:
 
     def __init__(self, path: str | os.PathLike, width: int, height: int, fps: int | Fraction = DEFAULT_FPS,
                  crf: int = DEFAULT_CRF, sample_rate: int = DEFAULT_SAMPLE_RATE, audio_channels: int = 2,
-                 low_latency: bool = False) -> None:
+                 low_latency: bool = False, preset: str = "medium") -> None:
         self.path = Path(path)
         if self.path.suffix.lower() != ".mp4":
             raise MediaError(f"{self.path}: output must be an MP4 file; give it a .mp4 extension")
@@ -99,6 +105,8 @@ class Mp4Writer:
                              "(use Fraction(24000, 1001) for 23.976)")
         if not 0 <= crf <= 51:
             raise MediaError(f"{self.path}: crf={crf} is outside H.264's range 0..51; use 18 for visually lossless")
+        if preset not in X264_PRESETS:
+            raise MediaError(f"{self.path}: preset={preset!r} is not an x264 preset; use one of {X264_PRESETS}")
         if audio_channels not in (0, 1, 2):
             raise MediaError(f"{self.path}: audio_channels={audio_channels} is not supported; use 2 (stereo), "
                              "1 (mono) or 0 (no audio track)")
@@ -107,11 +115,15 @@ class Mp4Writer:
         self.width, self.height, self.fps, self.crf = width, height, Fraction(fps), crf
         self.sample_rate, self.audio_channels = sample_rate, audio_channels
         # Chosen here, not at open, so a missing encoder fails before any generation work starts.
-        self.encoder, self._options, self._bit_rate = _h264_encoder(crf, width, height, self.fps, low_latency)
+        self.encoder, self._options, self._bit_rate = _h264_encoder(crf, width, height, self.fps,
+                                                                    low_latency=low_latency, preset=preset)
         # Hidden, in the same directory (so os.replace is an atomic rename on one filesystem), and not ending in .mp4
         # so globs for finished clips never pick up an unfinished one.
         self.partial_path = self.path.with_name(f".{self.path.name}.partial")
         self.frames_written = self.samples_written = 0
+        # perf_counter() when closing passed each step (audio_flushed, video_flushed, closed, renamed): what the end
+        # of a clip costs after its last frame, for the host-tail breakdown.
+        self.marks: dict[str, float] = {}
         self._entered = False
         self._container = self._video = self._audio = None  # PyAV objects, set in __enter__
         # Samples not yet handed to AAC: the encoder takes exactly frame_size samples per frame except the last.
@@ -179,9 +191,28 @@ class Mp4Writer:
             frame = frame.reformat(format="yuv420p", dst_colorspace=Colorspace.ITU709,
                                    src_color_range=ColorRange.JPEG, dst_color_range=ColorRange.MPEG,
                                    interpolation=Interpolation.BILINEAR | Interpolation.ACCURATE_RND)
-            frame.pts = self.frames_written
-            self._container.mux(self._video.encode(frame))
-            self.frames_written += 1
+            self._encode_video(frame)
+
+    def write_yuv420(self, frames: np.ndarray | torch.Tensor) -> None:
+        """Encode uint8 yuv420p frames shaped [T, H * 3 / 2, W]: each the Y plane, then U and V ([H/2, W/2] each)
+        flattened, as `av.VideoFrame.from_ndarray(..., format="yuv420p")` takes them. They must already be BT.709
+        limited range, what the stream is tagged (output.rgb_to_yuv420 converts on the device); no swscale pass."""
+        self._require_open()
+        array = _as_numpy(frames, "frames", self.path)
+        if array.ndim != 3 or array.shape[1:] != (self.height * 3 // 2, self.width):
+            raise MediaError(f"{self.path}: yuv420p frames have shape {tuple(array.shape)}, expected "
+                             f"[T, {self.height * 3 // 2}, {self.width}] (height * 3 / 2 rows: Y, then U and V)")
+        if array.dtype != np.uint8:
+            raise MediaError(f"{self.path}: yuv420p frames have dtype {array.dtype}, expected uint8")
+        for planes in array:
+            frame = av.VideoFrame.from_ndarray(np.ascontiguousarray(planes), format="yuv420p")
+            frame.colorspace, frame.color_range = Colorspace.ITU709, ColorRange.MPEG
+            self._encode_video(frame)
+
+    def _encode_video(self, frame: av.VideoFrame) -> None:
+        frame.pts = self.frames_written
+        self._container.mux(self._video.encode(frame))
+        self.frames_written += 1
 
     def write_audio(self, samples: np.ndarray | torch.Tensor) -> None:
         """Encode float32 samples shaped [channels, N] in [-1, 1] at `sample_rate`; may be called repeatedly."""
@@ -230,9 +261,12 @@ class Mp4Writer:
                 self._encode_audio(self._pending)
                 self._pending = self._pending[:, :0]
             self._container.mux(self._audio.encode(None))
+        self.marks["audio_flushed"] = time.perf_counter()
         self._container.mux(self._video.encode(None))
+        self.marks["video_flushed"] = time.perf_counter()
         container, self._container = self._container, None
-        container.close()
+        container.close()  # writes the index; faststart then moves it to the front (a second pass over the file)
+        self.marks["closed"] = time.perf_counter()
 
     def _discard(self) -> None:
         container, self._container = self._container, None
@@ -253,6 +287,7 @@ class Mp4Writer:
             self._discard()
             raise
         os.replace(self.partial_path, self.path)
+        self.marks["renamed"] = time.perf_counter()
 
 
 def write_mp4(path: str | os.PathLike, frames: np.ndarray | torch.Tensor, audio: np.ndarray | torch.Tensor | None,

@@ -205,6 +205,27 @@ def _validate(video_vae: VideoVAE, video_latents: torch.Tensor, audio_rows: torc
         raise ValueError(f"audio rows must be [2A, C] (left then right channel), got {tuple(audio_rows.shape)}.")
 
 
+# The host tail as consecutive steps, each named by where it ends: (step, mark it ends at). Marks are perf_counter()
+# times: last_tile (decode_frames), handed_over / encoded (PipelinedWriter), audio_flushed ... renamed (Mp4Writer).
+TAIL_STEPS = (
+    ("to_encoder", "handed_over"),  # stitch the last window, blend, uint8 + YUV on the device, copies queued
+    ("encode", "encoded"),  # the last frames through x264 (waits for their device-to-host copies)
+    ("audio_flush", "audio_flushed"),  # the decode loop ends (a single process joins its audio thread); AAC flushed
+    ("video_flush", "video_flushed"),  # x264's delayed frames (none with zerolatency)
+    ("close_faststart", "closed"),  # the index written, then moved to the front: a second pass over the file
+    ("rename", "renamed"),  # os.replace of the partial file
+    ("join", "end"),  # the encoder thread joined, buffers released
+)
+
+
+def tail_steps(marks: dict[str, float]) -> dict[str, float]:
+    """Seconds of each TAIL_STEPS step from `marks` (they sum to end - last_tile)."""
+    previous, steps = marks["last_tile"], {}
+    for step, mark in TAIL_STEPS:
+        steps[step], previous = marks[mark] - previous, marks[mark]
+    return steps
+
+
 @torch.no_grad()
 def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor, audio_rows: torch.Tensor,
                      output: Path, group=None, fps: int = FPS, crf: int = 18, sample_rate: int = AUDIO_SAMPLE_RATE,
@@ -214,7 +235,8 @@ def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor
     Every rank of `group` (None: this process alone) calls with the same normalised latents [1, C, T, H, W] and
     audio rows [2A, C]. Returns on every rank {frames, audio_samples, wrote, timings_s}; timings_s has video_decode
     (until the last frames were queued), audio_decode (on its rank), mux (encoder-thread time, overlapping the
-    decode) and decode_tail_s (last tile on hand -> MP4 renamed into place; on the writing rank).
+    decode) and decode_tail_s (last tile on hand -> MP4 renamed into place; on the writing rank). On the writing rank
+    tail_s splits decode_tail_s into consecutive steps (TAIL_STEPS); elsewhere it is {}.
     """
     rank, world = _group_rank_world(group)
     writer, error = None, None
@@ -271,7 +293,11 @@ def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor
         decoded = time.perf_counter()
     end = time.perf_counter()
     timings = {"video_decode": decoded - start, "audio_decode": audio_seconds[0]}
+    tail = {}
     if writer is not None:
         timings.update(mux=writer.encode_s, decode_tail_s=end - marks["last_tile"])
+        tail = tail_steps({**marks, **writer.marks, **writer.writer.marks, "end": end})
     return {"frames": frames, "audio_samples": writer.audio_samples if writer else 0, "wrote": writer is not None,
-            "timings_s": {k: round(v, 4) for k, v in timings.items()}}
+            "timings_s": {k: round(v, 4) for k, v in timings.items()},
+            "tail_s": {k: round(v, 4) for k, v in tail.items()}}
+
