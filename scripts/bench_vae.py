@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import statistics
 import sys
@@ -26,6 +27,7 @@ import tempfile
 import time
 from pathlib import Path
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -36,7 +38,7 @@ from h3trt.models.vae_checkpoint import audio_vae_kwargs  # noqa: E402
 from h3trt.models.video_vae import VideoVAE  # noqa: E402
 from h3trt.runtime.launch import init_rank, launch  # noqa: E402
 from h3trt.runtime.media import X264_PRESETS  # noqa: E402
-from h3trt.runtime.output import OutputConfig  # noqa: E402
+from h3trt.runtime.output import OutputConfig, rgb_to_yuv420  # noqa: E402
 from h3trt.runtime.parallel_vae import TAIL_STEPS, decode_and_write, decode_frames  # noqa: E402
 from h3trt.runtime.pipeline import write_json_atomic  # noqa: E402
 
@@ -88,22 +90,85 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _decode_only(video: VideoVAE, z: torch.Tensor, group) -> float:
+def _decode_only(video: VideoVAE, z: torch.Tensor, group, keep: list | None = None) -> float:
+    """Seconds to decode every frame. With `keep`, the frames are also appended to it as host yuv420p, and the
+    number of frames after the last tile is appended last (for --encoder-sweep): converted on the device and copied
+    synchronously, ~10 ms a window, inside the timing."""
     _sync(video.device)
+    marks: dict[str, float] = {}
+    after_last_tile = 0
     start = time.perf_counter()
-    for _ in decode_frames(video, z, group):
-        pass
+    for frames in decode_frames(video, z, group, marks=marks):
+        if keep is not None:
+            keep.append(rgb_to_yuv420(frames).cpu().numpy())
+            after_last_tile += frames.shape[0] if "last_tile" in marks else 0
     _sync(video.device)
-    return time.perf_counter() - start
+    seconds = time.perf_counter() - start
+    if keep is not None:
+        keep.append(after_last_tile)
+    return seconds
 
 
-def _phase(video, audio, z, rows, group, out_dir: Path, repeats: int, tag: str, output: OutputConfig) -> dict:
-    """Warm-up, then `repeats` decode-only and decode+write runs over `group` (None: this rank alone)."""
+# --encoder-sweep: x264 settings for the tail, run in the parent process (a host process, as the encoder thread is)
+# on the 1-GPU decode's frames after the ranks are done. The frame-threaded rows keep zerolatency's "nothing held
+# back" (no lookahead, no B-frames) but thread across frames instead of slices.
+NO_DELAY_FRAME_THREADS = {"x264-params": "rc-lookahead=0:sync-lookahead=0:bframes=0:sliced-threads=0"}
+SWEEP = (
+    ("medium", {"tune": "zerolatency"}), ("faster", {"tune": "zerolatency"}), ("veryfast", {"tune": "zerolatency"}),
+    ("superfast", {"tune": "zerolatency"}), ("medium", NO_DELAY_FRAME_THREADS), ("veryfast", NO_DELAY_FRAME_THREADS),
+)
+SWEEP_IDLE_S = 1.0  # the encoder waits this long for the last window (a real run: seconds), so in-flight work ends
+
+
+def encoder_sweep(yuv: np.ndarray, tail_frames: int, out_dir: Path, crf: int = 18) -> list[dict]:
+    """Per SWEEP row: seconds from handing x264 the last `tail_frames` frames to the MP4 closed (encode, flush,
+    faststart), the file size and PSNR over all yuv420p planes against the input."""
+    import av
+
+    height, width = yuv.shape[1] * 2 // 3, yuv.shape[2]
+    rows = []
+    for preset, options in SWEEP:
+        path = out_dir / "sweep.mp4"
+        container = av.open(str(path), "w", format="mp4", container_options={"movflags": "+faststart"})
+        stream = container.add_stream("libx264", rate=24, options={"crf": str(crf), "preset": preset, **options})
+        stream.width, stream.height, stream.pix_fmt = width, height, "yuv420p"
+
+        def encode(i: int) -> None:
+            frame = av.VideoFrame.from_ndarray(yuv[i], format="yuv420p")
+            frame.pts = i
+            container.mux(stream.encode(frame))
+
+        head = len(yuv) - tail_frames
+        start = time.perf_counter()
+        for i in range(head):
+            encode(i)
+        head_s = time.perf_counter() - start
+        time.sleep(SWEEP_IDLE_S)
+        start = time.perf_counter()
+        for i in range(head, len(yuv)):
+            encode(i)
+        container.mux(stream.encode(None))
+        container.close()
+        tail_s = time.perf_counter() - start
+        with av.open(str(path)) as decoded:
+            out = np.stack([f.to_ndarray() for f in decoded.decode(video=0)])
+        mse = float(np.mean((out.astype(np.float32) - yuv.astype(np.float32)) ** 2))
+        rows.append({"preset": preset, "options": options, "tail_frames": tail_frames, "tail_s": tail_s,
+                     "head_ms_per_frame": 1e3 * head_s / max(head, 1), "mp4_mb": path.stat().st_size / 1e6,
+                     "psnr_db": 10 * math.log10(255.0 ** 2 / max(mse, 1e-12))})
+        path.unlink()
+    return rows
+
+
+def _phase(video, audio, z, rows, group, out_dir: Path, repeats: int, tag: str, output: OutputConfig,
+           keep: list | None = None) -> dict:
+    """Warm-up, then `repeats` decode-only and decode+write runs over `group` (None: this rank alone); `keep`: see
+    _decode_only (the last repeat fills it)."""
     decode_and_write(video, audio, z[:, :, :7], rows[:20], out_dir / f"warm_{tag}.mp4", group=group,
                      output_config=output)
     decode, total, tail, mux, steps, sizes = [], [], [], [], [], []
     for i in range(repeats):
-        decode.append(_decode_only(video, z, group))
+        decode.append(_decode_only(video, z, group, keep if i == repeats - 1 else None))
         start = time.perf_counter()
         path = out_dir / f"{tag}_{i}.mp4"  # a new name each run: replacing a big file would time its unlink
         record = decode_and_write(video, audio, z, rows, path, group=group, output_config=output)
@@ -135,7 +200,11 @@ def _rank(rank: int, world: int, store: str, opts: dict, out_dir: Path) -> None:
     results = {}
     output = OutputConfig(preset=opts["preset"])
     if rank == 0:  # 1 GPU: this rank alone, the others wait
-        results["1"] = _phase(video, audio, z, rows, None, out_dir, opts["repeats"], "w1", output)
+        keep = [] if opts["encoder_sweep"] else None
+        results["1"] = _phase(video, audio, z, rows, None, out_dir, opts["repeats"], "w1", output, keep)
+        if keep:
+            np.save(out_dir / "frames.npy", np.concatenate(keep[:-1]))
+            (out_dir / "tail_frames.txt").write_text(str(keep[-1]))
         if device.type == "cuda":
             results["1"]["peak_gib"] = [torch.cuda.max_memory_allocated(device) / 2**30]
     dist.barrier(group=waiter)
@@ -173,6 +242,9 @@ def main() -> None:
                         help="decoder weights (diffusers' fp32-pinned modules stay fp32)")
     parser.add_argument("--json", type=Path, help="write the result here")
     parser.add_argument("--cpu-check", action="store_true", help="toy decoder at 160x96 on this CPU with gloo")
+    parser.add_argument("--encoder-sweep", action="store_true",
+                        help="after the ranks: encode the 1-GPU decode's frames with each SWEEP setting on this host "
+                             "(tail seconds, MB, PSNR)")
     parser.add_argument("--preset", choices=X264_PRESETS, default=OutputConfig().preset,
                         help="x264 preset of the pipelined writer (default: OutputConfig's)")
     args = parser.parse_args()
@@ -183,10 +255,13 @@ def main() -> None:
                      "pass --cpu-check for the toy run on the CPU.")
     os.environ["NCCL_NVLS_ENABLE"] = "0"  # NVLink multicast is off on the lent H200 machines (KINDS.md)
     opts = {"cpu_check": args.cpu_check, "dtype": "fp32" if args.cpu_check else args.dtype, "repeats": args.repeats,
-            "preset": args.preset}
+            "preset": args.preset, "encoder_sweep": args.encoder_sweep}
     with tempfile.TemporaryDirectory(prefix="bench-vae-") as tmp:
         launch(_rank, args.gpus, (opts, Path(tmp)))
         record = json.loads((Path(tmp) / "result.json").read_text())
+        if args.encoder_sweep:
+            record["encoder_sweep"] = encoder_sweep(np.load(Path(tmp) / "frames.npy"),
+                                                    int((Path(tmp) / "tail_frames.txt").read_text()), Path(tmp))
     w = str(args.gpus)
     s = record["shape"]
     print(f"video decoder {s['decoder_layers']} blocks x {s['decoder_dim']}, {s['width']}x{s['height']}, "
@@ -204,6 +279,11 @@ def main() -> None:
     for key in ("1", w):
         steps = record["results"][key]["tail_steps_s"]
         print(" " * 20 + f"{key:>5} " + " ".join(f"{steps[k]:15.3f}" for k, _ in TAIL_STEPS))
+    for row in record.get("encoder_sweep", []):
+        threading = "frame threads" if "x264-params" in row["options"] else "zerolatency"
+        print(f"sweep {row['preset']:>9} {threading:>13}: last {row['tail_frames']} frames + flush + close "
+              f"{row['tail_s']:.3f} s, earlier frames {row['head_ms_per_frame']:.1f} ms each, {row['mp4_mb']:.2f} MB, "
+              f"PSNR {row['psnr_db']:.2f} dB")
     print(f"decode speedup {record['decode_speedup']:.2f}x (bar 1.8x), decode+encode {record['total_speedup']:.2f}x; "
           f"host tail at {w} GPUs {record['results'][w]['tail_s']:.3f} s (bar 0.3 s)")
     if args.json:

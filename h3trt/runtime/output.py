@@ -74,11 +74,12 @@ class OutputConfig:
     # x264 encodes each frame as it arrives (zerolatency tune) rather than holding ~40 in its lookahead, so what is
     # left after the last tile is that window's frames, not the buffered backlog (the host tail; media.py measures it).
     low_latency: bool = True
-    # x264 preset. The tail's frames cost their encode time, so the pipelined writer trades a little compression for
-    # speed. Measured with zerolatency at CRF 18 on 2 CPU cores, 1344x768 (ms a frame, MB a frame, PSNR vs input):
-    #   smooth + mild noise: medium 67 ms, 0.163 MB, 45.1 dB; faster 47 ms, 0.154 MB, 45.0 dB; veryfast 25 ms, 0.140 MB,
-    #   44.6 dB.  uniform noise: medium 118 ms, 0.535 MB, 30.9 dB; veryfast 44 ms, 0.480 MB, 29.4 dB.
-    # veryfast: 2.6x faster, a smaller file at the same CRF, 0.5 to 1.5 dB lower PSNR.
+    # x264 preset: the last window's frames cost their encode time after the last tile. Measured with zerolatency at
+    # CRF 18 on 2 CPU cores, 124 frames of 1344x768 (the last 18 frames + flush + close; file; PSNR vs the input):
+    #   smooth colour fields + mild noise: medium 0.77 s, 9.0 MB, 47.7 dB; faster 0.53 s, 8.0 MB, 47.6 dB;
+    #     veryfast 0.34 s, 9.2 MB, 47.7 dB; superfast 0.38 s, 14.7 MB, 48.9 dB.
+    #   uniform noise (x264's worst case): medium 1.98 s, 65 MB, 30.8 dB; veryfast 0.67 s, 58 MB, 29.3 dB.
+    # veryfast: 2.3x to 3x faster than medium at the same CRF, with the same size and PSNR on smooth content.
     preset: str = "veryfast"
     # RGB -> yuv420p with rgb_to_yuv420 on the frames' device before the copy (True), or swscale on the encoder
     # thread (False). On a GPU the former is free; on the CPU torch takes ~40 ms a 1344x768 frame on 2 cores against
