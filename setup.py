@@ -30,6 +30,9 @@ setup(
             "onnx>=1.21", "onnxruntime>=1.20", "tensorrt-rtx==1.7.1.116", "nvidia-modelopt==0.47.0",
             "onnx-graphsurgeon>=0.6.1", "onnxscript", "onnxslim", "lief",
         ],
+        # `h3trt build --fp8-attention` on a GPU, and serving its bundles: cuDNN's FP8 flash attention through the
+        # cuDNN graph API (1.16.0: 2 MB, no dependencies; it uses the cuDNN that torch already loaded).
+        "fp8-attention": ["nvidia-cudnn-frontend==1.16.0"],
     },
     entry_points={"console_scripts": ["h3trt=h3trt.cli:main"]},
 )

@@ -38,6 +38,7 @@ from .adaln import bake_tables, schedule_timesteps
 from .backends import BACKENDS, compile_segment
 from .segments import block_weight_names, dit_segments, embed_segment, final_weight_names
 from ..quant.build import block_weight_sets, first_layer, quantize_dit
+from ..quant.fp8_attention import attention_kernel_for, check_attention_kernel
 from ..quant.recipe import QUANT_PRECISIONS, QuantRecipe, parse_exclusions
 
 # Quantized precisions keep everything they do not quantize (and their activations) in bf16.
@@ -131,6 +132,7 @@ class BuildConfig:
         blocks, linears = parse_exclusions(self.quant_exclude)
         return QuantRecipe(self.precision, exclude_blocks=blocks, exclude_linears=linears,
                            fp8_attention=self.fp8_attention,
+                           attention_kernel=attention_kernel_for(self.device) if self.fp8_attention else "",
                            calib_steps=self.calib_steps if self.precision == "fp8" else 0)
 
 
@@ -227,6 +229,8 @@ def build(config: BuildConfig, log=print) -> dict:
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
+    if config.fp8_attention:
+        check_attention_kernel(config.recipe.attention_kernel, device)
     dtype = PRECISIONS[config.precision]
     work = out.with_name(out.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)

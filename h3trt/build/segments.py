@@ -98,12 +98,12 @@ def block_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None 
     """The main block; with a recipe, its quantized linears (and FP8 attention) take quantized weights and scales."""
     block = _block_template(cfg, dtype, recipe)
     weights = block_weight_names(cfg, dtype, recipe)
-    fp8_attention = recipe is not None and recipe.fp8_attention
+    kernel = recipe.attention_kernel if recipe is not None else ""  # "" unless --fp8-attention
 
     def run_block(x, mod, adaln_index, cos, sin, *w):
         params = dict(zip(weights, w))
-        scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if fp8_attention else None
-        return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin), attention_fn(scales)),
+        scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if kernel else None
+        return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin), attention_fn(scales, kernel)),
                                           strict=False)
 
     return SegmentSpec(

@@ -18,6 +18,8 @@ from ..build.backends import LoadedSegment, load_segment
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
+# Also registers h3trt::fp8_sdpa, which the compiled blocks of an --fp8-attention bundle call by name.
+from ..quant.fp8_attention import check_attention_kernel
 from ..runtime.ulysses import RowShard, UlyssesExchange
 from .guard import no_compile
 from .manifest import BundleError, check_environment, read_manifest, verify_files
@@ -148,6 +150,12 @@ class Engine:
 
             return load_trt_engine(cls, root, manifest, device, mesh)
         check_environment(manifest, device, mesh)
+        quant = manifest.get("quant") or {}
+        if quant.get("fp8_attention"):
+            try:
+                check_attention_kernel(quant["attention_kernel"], device)
+            except (ValueError, RuntimeError) as e:
+                raise BundleError(f"{root}: {e}") from e
         problems = verify_files(root, manifest)
         if problems:
             listed = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")

@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from ..models.dit import H3DiT, sdpa_attention
+from .fp8_attention import attention_calibration_tensors
 from .recipe import BLOCK_LINEARS
 
 MAX_CALIB_PROMPTS = 64  # a calibration file is a handful of prompts; more is a wrong file, not more accuracy
@@ -38,7 +39,8 @@ def read_prompts(path: Path) -> list[str]:
 class MaxCalibrator:
     """The eager DiT behind the runner signature, recording per-tensor amax as it runs.
 
-    amax keys: `blocks.{i}.{linear}.input` for every block linear, `blocks.{i}.attn.{q,k,v}`.
+    amax keys: `blocks.{i}.{linear}.input` for every block linear, `blocks.{i}.attn.{q,k,v}` (v centered over the
+    rows, as FP8 attention quantizes it).
     """
 
     def __init__(self, model: H3DiT):
@@ -67,7 +69,7 @@ class MaxCalibrator:
         self.amax[key] = torch.maximum(self.amax[key], value) if key in self.amax else value
 
     def _attention(self, q, k, v):
-        for name, t in (("q", q), ("k", k), ("v", v)):
+        for name, t in attention_calibration_tensors(q, k, v).items():
             self._record(f"blocks.{self.current_block}.attn.{name}", t)
         return sdpa_attention(q, k, v)
 

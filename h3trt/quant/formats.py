@@ -36,11 +36,6 @@ def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torch.Ten
     return y_MN.view(*x.shape[:-1], weight_NK.shape[0])
 
 
-def fp8_fake_quant(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """Quantize to e4m3 and back, in x's dtype (the values an FP8 kernel sees)."""
-    return (quantize_fp8(x, scale).float() * scale).to(x.dtype)
-
-
 # ---- NVFP4 -------------------------------------------------------------------------------------------------------
 
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:

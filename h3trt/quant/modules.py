@@ -11,8 +11,9 @@ import torch.nn as nn
 
 from ..models.dit import Block
 from .formats import (
-    FP8, NVFP4_GROUP, fp8_fake_quant, fp8_linear, fp8_scale, nvfp4_weight_only_linear, quantize_fp8, quantize_nvfp4,
+    FP8, NVFP4_GROUP, fp8_linear, fp8_scale, nvfp4_weight_only_linear, quantize_fp8, quantize_nvfp4,
 )
+from .fp8_attention import center_rows, fp8_sdpa
 from .recipe import QuantRecipe
 
 
@@ -47,26 +48,24 @@ class NVFP4Linear(nn.Module):
 ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale")
 
 
-def fp8_attention(q_BSND, k_BSND, v_BSND, q_scale, k_scale, v_scale):
-    """Attention over e4m3 q/k/v with calibrated static scales.
-
-    Executed as the values an FP8 attention kernel consumes (quantize, then dequantize into the bf16 SDPA): the
-    numerics of FP8 attention on every device, not its speed. A fused FP8 attention kernel is not part of this build.
-    """
-    from ..models.dit import sdpa_attention
-
-    return sdpa_attention(fp8_fake_quant(q_BSND, q_scale), fp8_fake_quant(k_BSND, k_scale),
-                          fp8_fake_quant(v_BSND, v_scale))
+def fp8_attention(q_BSND, k_BSND, v_BSND, q_scale, k_scale, v_scale, kernel: str):
+    """Attention over e4m3 q/k/v with calibrated static scales, v centered over the rows (h3trt/quant/fp8_attention.py
+    says why). Inside a compiled block the quantization fuses into the RoPE kernel and the dequantization and the
+    mean's return into the out-projection's input quantization."""
+    v_centered, mu_B1ND = center_rows(v_BSND)
+    out_fp8 = fp8_sdpa(quantize_fp8(q_BSND, q_scale), quantize_fp8(k_BSND, k_scale), quantize_fp8(v_centered, v_scale),
+                       q_scale, k_scale, v_scale, kernel)
+    return (out_fp8.float() * v_scale + mu_B1ND).to(q_BSND.dtype)
 
 
-def attention_fn(scales: dict[str, torch.Tensor] | None):
-    """The block's attention core: bf16 SDPA, or FP8 attention bound to the block's q/k/v scales."""
+def attention_fn(scales: dict[str, torch.Tensor] | None, kernel: str = ""):
+    """The block's attention core: bf16 SDPA, or FP8 attention (`kernel`) bound to the block's q/k/v scales."""
     from ..models.dit import sdpa_attention
 
     if scales is None:
         return sdpa_attention
     q_scale, k_scale, v_scale = (scales[n] for n in ATTENTION_SCALES)
-    return lambda q, k, v: fp8_attention(q, k, v, q_scale, k_scale, v_scale)
+    return lambda q, k, v: fp8_attention(q, k, v, q_scale, k_scale, v_scale, kernel)
 
 
 def _swap(block: Block, name: str, module: nn.Module) -> None:

@@ -17,6 +17,7 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 ALWAYS_HIGH_PRECISION = ("video_patch_proj", "audio_patch_proj", "condition_proj", "time_embedder", "token_refiner",
                          "final_layer", "adaln_proj (baked tables)", "norms")
 CALIBRATIONS = ("max",)
+ATTENTION_KERNELS = ("cudnn", "emulated")  # h3trt/quant/fp8_attention.py says what each runs
 # How each precision executes: recorded in the manifest, so a reader knows what the bundle actually does.
 EXECUTION = {
     "fp8": "W8A8: e4m3 weights and activations, per-tensor static scales, torch._scaled_mm (cuBLAS on CUDA); the "
@@ -34,6 +35,9 @@ class QuantRecipe:
     exclude_blocks: tuple[int, ...] = ()  # main blocks kept in the block dtype (a second compiled block serves them)
     exclude_linears: tuple[str, ...] = ()  # block linears (BLOCK_LINEARS names) kept in the block dtype everywhere
     fp8_attention: bool = False  # q/k/v quantized to e4m3 with calibrated static scales before attention
+    # The FP8 attention kernel baked into the block (h3trt/quant/fp8_attention.py): "cudnn" (cuDNN's FP8 flash
+    # attention, built on a GPU) or "emulated" (the reference numerics, built on a CPU); "" without --fp8-attention.
+    attention_kernel: str = ""
     calib_steps: int = 0  # sigma grid points of each calibration trajectory (0: not calibrated)
     calib_prompts: int = 0  # how many prompts the calibration ran
 
@@ -52,6 +56,10 @@ class QuantRecipe:
             raise ValueError(f"exclude_blocks must be distinct non-negative indices in order, got {self.exclude_blocks}.")
         if self.fp8_attention and self.precision != "fp8":
             raise ValueError("--fp8-attention needs --precision fp8 (its q/k/v scales come from the FP8 calibration).")
+        kernels = ATTENTION_KERNELS if self.fp8_attention else ("",)
+        if self.attention_kernel not in kernels:
+            raise ValueError(f"attention_kernel must be one of {kernels} with fp8_attention={self.fp8_attention}, "
+                             f"got {self.attention_kernel!r}.")
         if self.needs_calibration and self.calib_steps < 2:
             raise ValueError(f"FP8 needs calibration: --calib-steps must be at least 2, got {self.calib_steps}.")
 
@@ -77,7 +85,7 @@ class QuantRecipe:
 
     @classmethod
     def from_dict(cls, data: dict) -> "QuantRecipe":
-        keep = {"precision", "calibration", "fp8_attention", "calib_steps", "calib_prompts"}
+        keep = {"precision", "calibration", "fp8_attention", "attention_kernel", "calib_steps", "calib_prompts"}
         return cls(**{k: data[k] for k in keep}, exclude_blocks=tuple(data["exclude_blocks"]),
                    exclude_linears=tuple(data["exclude_linears"]))
 
