@@ -126,23 +126,43 @@ def sp2_bundle(tmp_path_factory, tiny_root):
     return out
 
 
+def _eager_like(bundle: Path, root: Path) -> EagerDiT:
+    """The eager DiT a bundle should reproduce: for a quantized bundle, the checkpoint's model with the bundle's own
+    quantized linears and scales put into its blocks."""
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    if manifest["precision"] == "fp32":
+        return EagerDiT(load_dit(root, "t2va", torch.float32)[0])
+    from safetensors.torch import load_file
+
+    from h3trt.quant.modules import quantized_template
+    from h3trt.quant.recipe import QuantRecipe
+
+    model = load_dit(root, "t2va", torch.bfloat16)[0]
+    recipe = QuantRecipe.from_dict(manifest["quant"])
+    for block in model.blocks:
+        quantized_template(block, model.cfg, recipe)
+    missing = model.load_state_dict(load_file(str(bundle / "weights" / "blocks.safetensors")), strict=False)
+    assert not missing.unexpected_keys and not any(".weight_scale" in k for k in missing.missing_keys)
+    return EagerDiT(model)
+
+
 def _engine_rank(rank, world, store, bundle, root, out):
     init_rank(rank, world, store, "cpu")
     par = build_mesh(MeshConfig(sp=2), "cpu", world, 2)
     engine = Engine.load(bundle, "cpu", par.config, par.sp_group)
-    eager = EagerDiT(load_dit(root, "t2va", torch.float32)[0])
+    eager = _eager_like(Path(bundle), Path(root))
     errors = []
     for layout in (pack_t2va(text_tags_for(11), 37, 6, 10, 207),  # 11 + 2220 + 414 rows: even
                    pack_t2va(text_tags_for(8, [range(2, 5)]), 7, 6, 10, 23, keyframes=("first",))):  # odd: padded
         g = torch.Generator().manual_seed(0)
         video = torch.randn(1, layout.video_index.numel(), eager.cfg.video_patch_dim, generator=g)
         audio = torch.randn(1, layout.audio_index.numel(), eager.cfg.audio_in_channels, generator=g)
-        text = torch.randn(1, layout.text_index.numel(), eager.cfg.text_dim, generator=g)
+        text = torch.randn(1, layout.text_index.numel(), eager.cfg.text_dim, generator=g).to(eager.model.dtype)
         unique_t, t_index = row_timesteps(layout, *Schedule().timesteps()[20])
         with torch.no_grad():
             got = engine.dit(video, audio, text, unique_t, t_index, layout)
             want = eager(video, audio, text, unique_t, t_index, layout)
-        errors += [((a - b).norm() / b.norm()).item() for a, b in zip(got, want)]
+        errors += [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want)]
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(errors))
 
 
@@ -154,6 +174,47 @@ def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_pa
     for rank in (0, 1):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert max(errors) <= REL_TOL, f"rank {rank}: {errors}"
+
+
+@pytest.fixture(scope="module")
+def fp8_sp2_bundle(tmp_path_factory, tiny_root):
+    """`h3trt build --precision fp8 --sp 2`, the users' command at tiny size (calibrated on two prompts, CPU)."""
+    root = tmp_path_factory.mktemp("fp8sp2")
+    (root / "prompts.txt").write_text("a red fox runs through fresh snow\nwaves break on a rocky shore\n")
+    out = root / "bundle"
+    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
+                           "--precision", "fp8", "--calib-prompts", str(root / "prompts.txt"), "--calib-steps", "3",
+                           "--device", "cpu", "--sp", "2", "--keep-adaln", "--profile", "160x96x5"],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return out
+
+
+def test_fp8_sp2_bundle_shards_the_quantized_blocks(fp8_sp2_bundle, tiny_root, tmp_path):
+    """The sharded FP8 halves against the eager model carrying the same e4m3 weights and scales: bf16 compiled vs
+    eager, where a value on an e4m3 rounding boundary may take the neighbouring step (tolerance 3%)."""
+    from safetensors.torch import load_file
+
+    manifest = json.loads((fp8_sp2_bundle / "manifest.json").read_text())
+    assert {"block_pre", "block_post"} <= set(manifest["segments"]) and manifest["mesh"]["sp"] == 2
+    assert "attn.qkv_proj.input_scale" in manifest["segments"]["block_pre"]["weights"]
+    assert "mlp.fc2.weight_scale" in manifest["segments"]["block_post"]["weights"]
+    assert load_file(str(fp8_sp2_bundle / "weights" / "blocks.safetensors"))["blocks.0.mlp.fc1.weight"].dtype == \
+        torch.float8_e4m3fn
+    launch(_engine_rank, 2, (fp8_sp2_bundle, tiny_root, tmp_path))
+    for rank in (0, 1):
+        errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert max(errors) <= 3e-2, f"rank {rank}: {errors}"
+
+
+def test_sharded_quantized_builds_refuse_what_they_cannot_shard(tiny_root, tmp_path):
+    from h3trt.build.builder import BuildConfig
+
+    with pytest.raises(ValueError, match="--fp8-attention is built for --sp 1 only"):
+        BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=tmp_path / "p", sp=2, fp8_attention=True)
+    with pytest.raises(ValueError, match="--quant-exclude blocks.N is built for --sp 1 only"):
+        BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=tmp_path / "p", sp=2,
+                    quant_exclude=("blocks.0",))
 
 
 def test_sp2_bundle_refuses_one_process(sp2_bundle):

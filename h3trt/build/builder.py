@@ -36,7 +36,7 @@ from ..runtime.mesh import MeshConfig
 from ..runtime.ulysses import padded_length
 from .adaln import bake_tables, schedule_timesteps
 from .backends import BACKENDS, compile_segment
-from .segments import block_weight_names, dit_segments, embed_segment, final_weight_names
+from .segments import block_weight_names, check_sharded_recipe, dit_segments, embed_segment, final_weight_names
 from ..quant.build import block_weight_sets, first_layer, quantize_dit
 from ..quant.fp8_attention import attention_kernel_for, check_attention_kernel
 from ..quant.recipe import QUANT_PRECISIONS, QuantRecipe, parse_exclusions
@@ -106,6 +106,8 @@ class BuildConfig:
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}.")
         if self.precision in QUANT_PRECISIONS:
+            if self.sp > 1:
+                check_sharded_recipe(self.recipe, self.sp)
             self.recipe  # validates exclusions, --fp8-attention and --calib-steps
             if self.precision == "fp8" and self.calib_prompts is None and self.backend != "tensorrt":
                 raise ValueError("--precision fp8 needs --calib-prompts FILE (one prompt per line): its activation "

@@ -147,18 +147,20 @@ def _half_block_segment(name: str, wrapper: torch.nn.Module, weights: list[str],
     return SegmentSpec(name, run, inputs, weights, dynamic=dynamic, outputs=["qkv" if name == "block_pre" else "x"])
 
 
-def block_pre_segment(cfg: H3Config, dtype: torch.dtype, sp: int) -> SegmentSpec:
-    weights = [n for n in block_weight_names(cfg, dtype) if n.startswith(PRE_ATTENTION_PREFIXES)]
+def block_pre_segment(cfg: H3Config, dtype: torch.dtype, sp: int, recipe: QuantRecipe | None = None) -> SegmentSpec:
+    """With a recipe, qkv_proj is the quantized linear (its e4m3 weight and scales are `attn.qkv_proj.*` inputs)."""
+    weights = [n for n in block_weight_names(cfg, dtype, recipe) if n.startswith(PRE_ATTENTION_PREFIXES)]
     return _half_block_segment(
-        "block_pre", _PreAttention(_template(cfg, dtype).blocks[0], sp), weights,
+        "block_pre", _PreAttention(_block_template(cfg, dtype, recipe), sp), weights,
         ["x", "mod", "adaln_index", "cos", "sin"],
         {"x": {1: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}, "cos": {0: "S"}, "sin": {0: "S"}})
 
 
-def block_post_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
-    weights = [n for n in block_weight_names(cfg, dtype) if not n.startswith(PRE_ATTENTION_PREFIXES)]
+def block_post_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None = None) -> SegmentSpec:
+    """With a recipe, out_proj and the MLP are the quantized linears."""
+    weights = [n for n in block_weight_names(cfg, dtype, recipe) if not n.startswith(PRE_ATTENTION_PREFIXES)]
     return _half_block_segment(
-        "block_post", _PostAttention(_template(cfg, dtype).blocks[0]), weights, ["x", "attn", "mod", "adaln_index"],
+        "block_post", _PostAttention(_block_template(cfg, dtype, recipe)), weights, ["x", "attn", "mod", "adaln_index"],
         {"x": {1: "S"}, "attn": {2: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}})
 
 
@@ -183,14 +185,26 @@ def final_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
     )
 
 
+def check_sharded_recipe(recipe: QuantRecipe, sp: int) -> None:
+    """What a quantized bundle can shard: its FP8/NVFP4 linears, yes; these two, not in this build."""
+    if recipe.fp8_attention:
+        raise ValueError(f"--fp8-attention is built for --sp 1 only (got --sp {sp}): under sequence parallelism the "
+                         "attention runs between the block halves, outside the compiled segments. Drop --fp8-attention "
+                         "(FP8 GEMMs still apply) or build --sp 1.")
+    if recipe.exclude_blocks:
+        raise ValueError(f"--quant-exclude blocks.N is built for --sp 1 only (got --sp {sp}, blocks "
+                         f"{list(recipe.exclude_blocks)}): a bf16 block would need its own pair of sharded halves. "
+                         "Exclude block linears instead, or build --sp 1.")
+
+
 def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1,
                  recipe: QuantRecipe | None = None) -> list[SegmentSpec]:
     """The DiT's segments: one fused block when a rank holds the whole sequence, else the two halves. A quantization
     recipe that keeps whole blocks in the block dtype adds their segment, block_hp."""
-    if recipe is not None and sp != 1:
-        raise ValueError(f"--precision {recipe.precision} bundles are built for --sp 1 only so far (got --sp {sp}).")
-    blocks = [block_segment(cfg, dtype, recipe)] if sp == 1 else [block_pre_segment(cfg, dtype, sp),
-                                                                  block_post_segment(cfg, dtype)]
+    if sp != 1 and recipe is not None:
+        check_sharded_recipe(recipe, sp)
+    blocks = [block_segment(cfg, dtype, recipe)] if sp == 1 else [block_pre_segment(cfg, dtype, sp, recipe),
+                                                                  block_post_segment(cfg, dtype, recipe)]
     if recipe is not None and recipe.exclude_blocks:
         blocks.append(block_segment(cfg, dtype, None, name="block_hp"))
     return [embed_segment(cfg, dtype), *blocks, final_segment(cfg, dtype)]
