@@ -3,7 +3,12 @@ eager and compiled (the segments `h3trt build` compiles: the fused block at sp=1
 around the exchange at sp=N), and the all-to-all time per layer.
 
     python scripts/bench_sp.py --gpus 2 --out bench/results/sp_h200x2.json
+    python scripts/bench_sp.py --gpus 2 --precision fp8 --out bench/results/sp_fp8_h200x2.json
     python scripts/bench_sp.py --cpu-check          # tiny config, gloo, 2 processes: checks the script itself
+
+--precision fp8: the compiled rows run the blocks as `h3trt build --precision fp8 --sp N` builds them (W8A8 e4m3
+linears, static scales from max calibration on each block's own input in the eager sp=1 pass); the eager rows, the
+reference and the errors stay bf16 (what the Diffusers reference runs).
 
 Shape: hidden 5376, 56 heads x 128, 37,838 tokens (1344x768, 124 frames), bf16, random weights (std 0.02). The step
 is the block stack (embed and heads are negligible at this length and run unsharded). Median of 5 after 2 warm-ups.
@@ -45,7 +50,7 @@ def _time(fn, device, n=5, warm=2) -> float:
     return sorted(times)[n // 2]
 
 
-def _worker(rank: int, world: int, store: str, out: str, cpu: bool) -> None:
+def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: str) -> None:
     from h3trt.models.config import H3Config
     from h3trt.models.dit import Block, rope_inv_freq, rope_tables
     from h3trt.runtime.ulysses import UlyssesAttention, padded_length
@@ -69,7 +74,7 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool) -> None:
     cos, sin = rope_tables(torch.rand(tokens, 3, device=device) * 40, rope_inv_freq(cfg).to(device))
     mods = [b.modulation(temb).contiguous() for b in blocks]
     result = {"world": world, "tokens": tokens, "device": str(torch.cuda.get_device_name(device)) if not cpu else "cpu",
-              "torch": torch.__version__, "precision": str(dtype)}
+              "torch": torch.__version__, "precision": str(dtype), "compiled_precision": precision}
 
     with torch.no_grad():
         def step_sp1():
@@ -95,6 +100,20 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool) -> None:
 
         # Reference on every rank (each rank computes the same single-device result; rank 0's time is reported).
         ref = step_sp1()
+        recipe, cblocks = None, blocks  # what the compiled rows run
+        if precision == "fp8":
+            import copy
+
+            sys.path.insert(0, str(ROOT / "scripts"))
+            from bench_fp8 import calibrated_amax
+
+            from h3trt.quant.modules import quantize_block
+            from h3trt.quant.recipe import QuantRecipe
+
+            recipe, cblocks, h = QuantRecipe("fp8", calib_steps=2), [], x
+            for b, m in zip(blocks, mods):
+                cblocks.append(quantize_block(copy.deepcopy(b), cfg, recipe, calibrated_amax(b, h, m, idx, (cos, sin))))
+                h = b(h, m, idx, (cos, sin))
         result["ms_per_step_sp1"] = _time(step_sp1, device)
         got = step_sp()
         parts = [torch.empty_like(got) for _ in range(world)]
@@ -130,12 +149,12 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool) -> None:
             return seg
 
         def weights(block, spec):
-            params = dict(block.named_parameters())
-            return [params[n] for n in spec.weights]
+            tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}  # FP8: e4m3 buffers, scales
+            return [tensors[n] for n in spec.weights]
 
-        blk = block_segment(cfg, dtype)
-        blk_c = compiled(blk, [x, mods[0], idx, cos, sin] + weights(blocks[0], blk))
-        blk_w = [weights(b, blk) for b in blocks]
+        blk = block_segment(cfg, dtype, recipe)
+        blk_c = compiled(blk, [x, mods[0], idx, cos, sin] + weights(cblocks[0], blk))
+        blk_w = [weights(b, blk) for b in cblocks]
 
         def step_sp1_compiled():
             h = x
@@ -147,11 +166,11 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool) -> None:
         result["rel_err_compiled_sp1_vs_eager"] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
         result["ms_per_step_sp1_compiled"] = _time(step_sp1_compiled, device)
 
-        pre, post = block_pre_segment(cfg, dtype, world), block_post_segment(cfg, dtype)
+        pre, post = block_pre_segment(cfg, dtype, world, recipe), block_post_segment(cfg, dtype, recipe)
         recv = torch.randn(world, 1, padded // world, N // world, D, device=device, dtype=dtype)
-        pre_c = compiled(pre, [xp, mods[0], idxp, cosp, sinp] + weights(blocks[0], pre))
-        post_c = compiled(post, [xp, recv, mods[0], idxp] + weights(blocks[0], post))
-        pre_w, post_w = [weights(b, pre) for b in blocks], [weights(b, post) for b in blocks]
+        pre_c = compiled(pre, [xp, mods[0], idxp, cosp, sinp] + weights(cblocks[0], pre))
+        post_c = compiled(post, [xp, recv, mods[0], idxp] + weights(cblocks[0], post))
+        pre_w, post_w = [weights(b, pre) for b in cblocks], [weights(b, post) for b in cblocks]
         exchange = UlyssesExchange(dist.group.WORLD, tokens, padded)
 
         def step_sp_compiled():
@@ -192,11 +211,12 @@ def main() -> int:
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/sp.json")
     p.add_argument("--cpu-check", action="store_true")
+    p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="what the compiled rows run")
     args = p.parse_args()
     world = 2 if args.cpu_check else args.gpus
     store = f"/tmp/h3trt-bench-sp-{os.getpid()}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world, store, str(args.out), args.cpu_check), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, store, str(args.out), args.cpu_check, args.precision), nprocs=world, join=True)
     return 0
 
 
