@@ -16,6 +16,7 @@ allocated per chunk.
 
 from __future__ import annotations
 
+import functools
 import queue
 import threading
 import time
@@ -38,6 +39,12 @@ RGB_TO_YUV709 = torch.tensor([
 ]) * torch.tensor([[219.0 / 255.0], [224.0 / 255.0], [224.0 / 255.0]])
 
 
+@functools.lru_cache(maxsize=None)
+def _rgb_to_yuv709_on(device: torch.device) -> torch.Tensor:
+    """RGB_TO_YUV709 on `device`, copied once: a blocking host-to-device copy per call would sync the decode stream."""
+    return RGB_TO_YUV709.to(device)
+
+
 def rgb_to_yuv420(frames_FHW3: torch.Tensor) -> torch.Tensor:
     """uint8 RGB [F, H, W, 3] (full range) -> uint8 yuv420p [F, H * 3 / 2, W] (BT.709 limited range), computed on
     the frames' device: the Y plane, then U and V ([H/2, W/2] each) flattened, the layout `Mp4Writer.write_yuv420`
@@ -55,7 +62,7 @@ def rgb_to_yuv420(frames_FHW3: torch.Tensor) -> torch.Tensor:
     f, h, w, _ = frames_FHW3.shape
     if h % 2 or w % 2:
         raise ValueError(f"yuv420p needs an even frame size, got {w}x{h}.")
-    yuv = frames_FHW3.float() @ RGB_TO_YUV709.to(frames_FHW3.device).T  # [F, H, W, 3], offsets not added yet
+    yuv = frames_FHW3.float() @ _rgb_to_yuv709_on(frames_FHW3.device).T  # [F, H, W, 3], offsets not added yet
     y = yuv[..., 0] + (16.0 + 0.5)  # + 0.5: floor below rounds to nearest
     pairs = yuv.view(f, h, w // 2, 2, 3)[..., 1:].sum(3)  # [F, H, W/2, 2] U, V: twice the pair mean
     rows = torch.cat([pairs[:, :1], pairs, pairs[:, -1:]], 1)  # edge rows repeated: H + 2 rows
