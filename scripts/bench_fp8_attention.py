@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
@@ -23,6 +22,9 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_dit import bench  # noqa: E402
 
 from h3trt.quant.formats import fp8_scale, quantize_fp8  # noqa: E402
 from h3trt.quant.fp8_attention import attention_calibration_tensors, center_rows, fp8_sdpa  # noqa: E402
@@ -31,18 +33,9 @@ from h3trt.quant.modules import fp8_attention  # noqa: E402
 ROWS, HEAD_DIM = 37_838, 128
 
 
-def time_ms(fn, warmup: int = 3, iters: int = 10) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+def time_ms(fn) -> float:
+    """Median of 10 after 3 warm-ups, CUDA events (bench_dit's timer)."""
+    return bench(fn, n=10, warm=3)
 
 
 def sdpa_BSND(q, k, v):
