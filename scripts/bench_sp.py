@@ -5,6 +5,7 @@ around the exchange at sp=N), and the all-to-all time per layer.
     python scripts/bench_sp.py --gpus 2 --out bench/results/sp_h200x2.json
     python scripts/bench_sp.py --gpus 2 --precision fp8 --out bench/results/sp_fp8_h200x2.json
     python scripts/bench_sp.py --cpu-check          # tiny config, gloo, 2 processes: checks the script itself
+    python scripts/bench_sp.py --project 4 8 --out bench/results/sp_projection_h200.json   # one GPU: compute ceiling
 
 --precision fp8: the compiled rows run the blocks as `h3trt build --precision fp8 --sp N` builds them (W8A8 e4m3
 linears, static scales from max calibration on each block's own input in the eager sp=1 pass); the eager rows, the
@@ -27,6 +28,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+import torch.nn.functional as F
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -206,13 +208,93 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
     dist.destroy_process_group()
 
 
+def _project(sps: list[int], out: Path) -> None:
+    """One GPU, no communication: the per-rank compute of one compiled step at each sp (block_pre on Sp / sp rows,
+    SDPA over every row for N / sp heads, block_post on Sp / sp rows; 4 layers) against the compiled sp=1 step.
+    Their ratio bounds the sp speedup from above: the all-to-alls come on top (2.0 ms a layer at sp=2 on NVLink)."""
+    from h3trt.build.backends import compile_segment, load_segment
+    from h3trt.build.segments import block_post_segment, block_pre_segment, block_segment
+    from h3trt.models.config import H3Config
+    from h3trt.models.dit import Block, rope_inv_freq, rope_tables
+    from h3trt.runtime.ulysses import padded_length
+
+    device, dtype, cfg, layers = torch.device("cuda", 0), torch.bfloat16, H3Config(), 4
+    torch.manual_seed(0)
+    block = Block(cfg).to(device, dtype).eval()
+    for p in block.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    tensors = dict(block.named_parameters())
+    temb = torch.randn(2, cfg.time_embed_dim, device=device)
+    result = {"mode": "projection: one GPU, per-rank compute only", "tokens": TOKENS, "layers": layers,
+              "device": torch.cuda.get_device_name(device), "torch": torch.__version__, "ms": {}}
+    seg_dir = Path("/tmp/h3trt-bench-sp-project")
+    (seg_dir / "segments").mkdir(parents=True, exist_ok=True)
+
+    def compiled(spec, example):
+        entry = compile_segment("inductor", spec, example, seg_dir / "segments")
+        return load_segment("inductor", {"name": spec.name, **entry}, seg_dir, device)
+
+    def timed(fn) -> float:
+        for _ in range(2):
+            fn()
+        torch.cuda.synchronize()
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            fn()
+            torch.cuda.synchronize()
+            times.append((time.perf_counter() - t0) * 1e3)
+        return sorted(times)[2]
+
+    with torch.no_grad():
+        mod = block.modulation(temb).contiguous()
+        for sp in [1] + sps:
+            padded = padded_length(TOKENS, sp)
+            rows, heads = padded // sp, cfg.num_heads // sp
+            x = torch.randn(1, rows, cfg.hidden_size, device=device, dtype=dtype)
+            idx = torch.randint(0, 6, (rows,), device=device)
+            cos, sin = rope_tables(torch.rand(rows, 3, device=device) * 40, rope_inv_freq(cfg).to(device))
+            if sp == 1:
+                spec = block_segment(cfg, dtype)
+                w = [tensors[n] for n in spec.weights]
+                seg = compiled(spec, [x, mod, idx, cos, sin, *w])
+                result["ms"]["sp1_step"] = layers * timed(lambda: seg(x, mod, idx, cos, sin, *w))
+                continue
+            pre, post = block_pre_segment(cfg, dtype, sp), block_post_segment(cfg, dtype)
+            wa, wb = [tensors[n] for n in pre.weights], [tensors[n] for n in post.weights]
+            recv = torch.randn(sp, 1, rows, heads, cfg.head_dim, device=device, dtype=dtype)
+            pre_c, post_c = compiled(pre, [x, mod, idx, cos, sin, *wa]), compiled(post, [x, recv, mod, idx, *wb])
+            q, k, v = (torch.randn(1, padded, heads, cfg.head_dim, device=device, dtype=dtype).transpose(1, 2)
+                       for _ in range(3))
+            mask = (torch.arange(padded, device=device) < TOKENS).view(1, 1, 1, padded)
+            sdpa = F.scaled_dot_product_attention
+            ms = {"pre": timed(lambda: pre_c(x, mod, idx, cos, sin, *wa)),
+                  "post": timed(lambda: post_c(x, recv, mod, idx, *wb)),
+                  "sdpa": timed(lambda: sdpa(q, k[:, :, :TOKENS], v[:, :, :TOKENS])),
+                  "sdpa_with_padding_mask": timed(lambda: sdpa(q, k, v, attn_mask=mask)) if padded != TOKENS else None}
+            ms["step"] = layers * (ms["pre"] + ms["sdpa"] + ms["post"])
+            ms["ceiling_speedup"] = result["ms"]["sp1_step"] / ms["step"]
+            result["ms"][f"sp{sp}"] = ms
+            print(f"sp={sp}: {rows} rows x {heads} heads per rank; per layer pre {ms['pre']:.2f} + SDPA {ms['sdpa']:.2f}"
+                  f" (with a padding mask: {ms['sdpa_with_padding_mask'] or 0:.2f}) + post {ms['post']:.2f} ms; step "
+                  f"{ms['step']:.1f} ms vs sp=1 {result['ms']['sp1_step']:.1f} ms: ceiling {ms['ceiling_speedup']:.2f}x",
+                  flush=True)
+    out.write_text(json.dumps(result, indent=1))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--gpus", type=int, default=2)
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/sp.json")
     p.add_argument("--cpu-check", action="store_true")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="what the compiled rows run")
+    p.add_argument("--project", type=int, nargs="+", metavar="SP",
+                   help="one GPU, no communication: per-rank compute of a compiled step at these sp (bf16)")
     args = p.parse_args()
+    if args.project:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        _project(args.project, args.out)
+        return 0
     world = 2 if args.cpu_check else args.gpus
     store = f"/tmp/h3trt-bench-sp-{os.getpid()}"
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -1,7 +1,7 @@
 """Ulysses sequence parallelism for the H3 DiT: each rank holds S / sp rows of the packed sequence; attention
 re-shards to all rows x N / sp heads with one fused all-to-all for q/k/v and one for the output.
 
-The packed sequence is padded to a multiple of sp. Padding rows are masked out as attention keys, and everything
+The packed sequence is padded to a multiple of sp. Padding rows are left out of the attention keys, and everything
 else in a block is row-local, so padding never reaches a live row; the padded rows are dropped after the last
 block. Shape legend: B batch, S rows (Sp padded, Sl = Sp / sp local), N heads (Nl = N / sp local), D head dim,
 P = sp (the all-to-all's leading dimension: destination rank when sent, source rank when received).
@@ -50,9 +50,7 @@ class UlyssesExchange:
     def __init__(self, group, seq_len: int, padded: int):
         self.group, self.sp, self.rank = group, dist.get_world_size(group), dist.get_rank(group)
         self.peers = [dist.get_global_rank(group, p) for p in range(self.sp)]
-        self.mask = None
-        if padded != seq_len:  # keys of padding rows get no weight; without padding, no mask (fast kernels)
-            self.mask = (torch.arange(padded) < seq_len).view(1, 1, 1, padded)
+        self.seq_len = seq_len
 
     def _all_to_all(self, pieces: list[tuple[torch.Tensor, torch.Tensor, int]]) -> None:
         """(send, receive, rank) pieces: my own copied, the rest in one batch of sends and receives."""
@@ -72,9 +70,11 @@ class UlyssesExchange:
         self._all_to_all([(qkv_send[p, i, b], qkv[i, b, p * Sl:(p + 1) * Sl], p)
                           for p in range(P) for i in range(3) for b in range(B)])
         q, k, v = qkv.transpose(2, 3).unbind(0)  # [B, Nl, Sp, D] views over [B, Sp, Nl, D]
-        mask = None if self.mask is None else self.mask.to(q.device)
-        out_BSND = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(1, 2).contiguous()  # no-op for
-        # the fused kernels, which write [B, Sp, Nl, D]
+        # Padding rows (sp not dividing the sequence) must get no weight as keys. Leaving them out of k/v is that
+        # attention exactly, and keeps the fused kernels: a boolean mask would send SDPA to a slower one.
+        k, v = k[:, :, :self.seq_len], v[:, :, :self.seq_len]
+        out_BSND = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous()  # no-op for the fused
+        # kernels, which write [B, Sp, Nl, D]
         out = qkv_send.new_empty((P, B, Sl, Nl, D))
         self._all_to_all([(out_BSND[b, p * Sl:(p + 1) * Sl], out[p, b], p) for p in range(P) for b in range(B)])
         return out
