@@ -142,8 +142,30 @@ def _eager_like(bundle: Path, root: Path) -> EagerDiT:
     for block in model.blocks:
         quantized_template(block, model.cfg, recipe)
     missing = model.load_state_dict(load_file(str(bundle / "weights" / "blocks.safetensors")), strict=False)
-    assert not missing.unexpected_keys and not any(".weight_scale" in k for k in missing.missing_keys)
-    return EagerDiT(model)
+    assert not missing.unexpected_keys and not any("_scale" in k for k in missing.missing_keys)
+    return _EagerQuantizedDiT(model, recipe.attention_kernel) if recipe.fp8_attention else EagerDiT(model)
+
+
+class _EagerQuantizedDiT(EagerDiT):
+    """The eager forward with each block's FP8 attention bound to its own q/k/v scales (as forward_sp runs it)."""
+
+    def __init__(self, model, kernel: str):
+        super().__init__(model)
+        self.kernel = kernel
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout):
+        from h3trt.models.config import NUM_MODALITIES
+        from h3trt.quant.modules import ATTENTION_SCALES, attention_fn
+
+        m = self.model
+        x, temb = m.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
+                          layout.seq_len)
+        rope = m.rope(layout.position_ids)
+        index = t_index * NUM_MODALITIES + layout.token_tags
+        for b in m.blocks:
+            attn = attention_fn({n: getattr(b.attn, n) for n in ATTENTION_SCALES}, self.kernel)
+            x = b(x, b.modulation(temb), index, rope, attn)
+        return m.final(x, temb, t_index, layout.video_index, layout.audio_index)
 
 
 def _engine_rank(rank, world, store, bundle, root, out):
@@ -151,7 +173,9 @@ def _engine_rank(rank, world, store, bundle, root, out):
     par = build_mesh(MeshConfig(sp=2), "cpu", world, 2)
     engine = Engine.load(bundle, "cpu", par.config, par.sp_group)
     eager = _eager_like(Path(bundle), Path(root))
-    errors = []
+    # With FP8 attention, also the same model with bf16 attention: the engine must be nearer the FP8 one (it runs it).
+    bf16_attention = EagerDiT(eager.model) if isinstance(eager, _EagerQuantizedDiT) else None
+    errors, errors_bf16_attention = [], []
     for layout in (pack_t2va(text_tags_for(11), 37, 6, 10, 207),  # 11 + 2220 + 414 rows: even
                    pack_t2va(text_tags_for(8, [range(2, 5)]), 7, 6, 10, 23, keyframes=("first",))):  # odd: padded
         g = torch.Generator().manual_seed(0)
@@ -162,8 +186,12 @@ def _engine_rank(rank, world, store, bundle, root, out):
         with torch.no_grad():
             got = engine.dit(video, audio, text, unique_t, t_index, layout)
             want = eager(video, audio, text, unique_t, t_index, layout)
+            other = bf16_attention(video, audio, text, unique_t, t_index, layout) if bf16_attention else want
         errors += [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want)]
+        errors_bf16_attention += [((a.float() - b.float()).norm() / b.float().norm()).item()
+                                  for a, b in zip(got, other)]
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(errors))
+    (Path(out) / f"rank{rank}_bf16_attention.json").write_text(json.dumps(errors_bf16_attention))
 
 
 def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_path):
@@ -178,40 +206,43 @@ def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_pa
 
 @pytest.fixture(scope="module")
 def fp8_sp2_bundle(tmp_path_factory, tiny_root):
-    """`h3trt build --precision fp8 --sp 2`, the users' command at tiny size (calibrated on two prompts, CPU)."""
+    """`h3trt build --precision fp8 --fp8-attention --sp 2`, the users' command at tiny size (calibrated on two
+    prompts, CPU: the emulated FP8 attention kernel)."""
     root = tmp_path_factory.mktemp("fp8sp2")
     (root / "prompts.txt").write_text("a red fox runs through fresh snow\nwaves break on a rocky shore\n")
     out = root / "bundle"
     proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
                            "--precision", "fp8", "--calib-prompts", str(root / "prompts.txt"), "--calib-steps", "3",
-                           "--device", "cpu", "--sp", "2", "--keep-adaln", "--profile", "160x96x5"],
+                           "--device", "cpu", "--sp", "2", "--fp8-attention", "--keep-adaln", "--profile", "160x96x5"],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
 
 
 def test_fp8_sp2_bundle_shards_the_quantized_blocks(fp8_sp2_bundle, tiny_root, tmp_path):
-    """The sharded FP8 halves against the eager model carrying the same e4m3 weights and scales: bf16 compiled vs
-    eager, where a value on an e4m3 rounding boundary may take the neighbouring step (tolerance 3%)."""
+    """The sharded FP8 halves, with FP8 attention in the exchange, against the eager model carrying the same e4m3
+    weights and scales: bf16 compiled vs eager, where a value on an e4m3 rounding boundary may take the neighbouring
+    step (tolerance 3%). The second layout is padded: FP8 attention then runs on the real rows only."""
     from safetensors.torch import load_file
 
     manifest = json.loads((fp8_sp2_bundle / "manifest.json").read_text())
     assert {"block_pre", "block_post"} <= set(manifest["segments"]) and manifest["mesh"]["sp"] == 2
     assert "attn.qkv_proj.input_scale" in manifest["segments"]["block_pre"]["weights"]
     assert "mlp.fc2.weight_scale" in manifest["segments"]["block_post"]["weights"]
+    assert manifest["quant"]["fp8_attention"] and manifest["quant"]["attention_kernel"] == "emulated"
     assert load_file(str(fp8_sp2_bundle / "weights" / "blocks.safetensors"))["blocks.0.mlp.fc1.weight"].dtype == \
         torch.float8_e4m3fn
     launch(_engine_rank, 2, (fp8_sp2_bundle, tiny_root, tmp_path))
     for rank in (0, 1):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        other = json.loads((tmp_path / f"rank{rank}_bf16_attention.json").read_text())
         assert max(errors) <= 3e-2, f"rank {rank}: {errors}"
+        assert sum(errors) < sum(other), f"rank {rank}: FP8 attention {errors}, bf16 attention {other}"
 
 
 def test_sharded_quantized_builds_refuse_what_they_cannot_shard(tiny_root, tmp_path):
     from h3trt.build.builder import BuildConfig
 
-    with pytest.raises(ValueError, match="--fp8-attention is built for --sp 1 only"):
-        BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=tmp_path / "p", sp=2, fp8_attention=True)
     with pytest.raises(ValueError, match="--quant-exclude blocks.N is built for --sp 1 only"):
         BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=tmp_path / "p", sp=2,
                     quant_exclude=("blocks.0",))

@@ -186,11 +186,7 @@ def final_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
 
 
 def check_sharded_recipe(recipe: QuantRecipe, sp: int) -> None:
-    """What a quantized bundle can shard: its FP8/NVFP4 linears, yes; these two, not in this build."""
-    if recipe.fp8_attention:
-        raise ValueError(f"--fp8-attention is built for --sp 1 only (got --sp {sp}): under sequence parallelism the "
-                         "attention runs between the block halves, outside the compiled segments. Drop --fp8-attention "
-                         "(FP8 GEMMs still apply) or build --sp 1.")
+    """What a quantized bundle can shard: its FP8/NVFP4 linears and FP8 attention, yes; whole-block exclusions, no."""
     if recipe.exclude_blocks:
         raise ValueError(f"--quant-exclude blocks.N is built for --sp 1 only (got --sp {sp}, blocks "
                          f"{list(recipe.exclude_blocks)}): a bf16 block would need its own pair of sharded halves. "

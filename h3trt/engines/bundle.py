@@ -20,6 +20,7 @@ from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
 # Also registers h3trt::fp8_sdpa, which the compiled blocks of an --fp8-attention bundle call by name.
 from ..quant.fp8_attention import check_attention_kernel
+from ..quant.modules import ATTENTION_SCALES, attention_fn
 from ..runtime.ulysses import RowShard, UlyssesExchange
 from .guard import no_compile
 from .manifest import BundleError, check_environment, read_manifest, verify_files
@@ -75,7 +76,7 @@ class EngineDiT:
     the block is the two halves around the Ulysses exchange, on this rank's rows."""
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
-                 device, group=None, layer_segments: list[str] | None = None):
+                 device, group=None, layer_segments: list[str] | None = None, attention_kernel: str = ""):
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.embed_w = [weights["embed"][n] for n in entries["embed"]["weights"]]
         block_segments = ("block",) if "block" in entries else ("block_pre", "block_post")
@@ -87,6 +88,13 @@ class EngineDiT:
                                for i in range(cfg.num_layers)] for name in block_segments}
         self.final_w = [weights["final"][n] for n in entries["final"]["weights"]]
         self.inv_freq = rope_inv_freq(cfg).to(device)
+        # Sharded FP8 attention runs between the compiled halves, bound to each layer's calibrated q/k/v scales (at
+        # sp=1 it is inside the compiled block). None: bf16 SDPA in the exchange.
+        self.sharded_attention = [None] * cfg.num_layers
+        if attention_kernel and "block_pre" in entries:
+            self.sharded_attention = [
+                attention_fn({n: weights["blocks"][f"blocks.{i}.attn.{n}"] for n in ATTENTION_SCALES}, attention_kernel)
+                for i in range(cfg.num_layers)]
 
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout):
         if unique_t.numel() == 1:
@@ -116,7 +124,7 @@ class EngineDiT:
         for i, (w_pre, w_post) in enumerate(zip(self.block_w["block_pre"], self.block_w["block_post"])):
             mod = self.adaln.block(i, rows, temb).contiguous()
             (qkv,) = pre(x, mod, adaln_index, cos, sin, *w_pre)
-            (x,) = post(x, exchange(qkv), mod, adaln_index, *w_post)
+            (x,) = post(x, exchange(qkv, self.sharded_attention[i]), mod, adaln_index, *w_post)
         return shard.gather(x)
 
 
@@ -171,5 +179,5 @@ class Engine:
                               cfg.hidden_size, device)
         dit = EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device,
                         sp_group if manifest["mesh"]["sp"] > 1 else None,
-                        (manifest.get("quant") or {}).get("layer_segments"))
+                        quant.get("layer_segments"), quant.get("attention_kernel", ""))
         return cls(root, manifest, dit, segments)

@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..models.config import NUM_MODALITIES
-from ..models.dit import H3DiT
+from ..models.dit import AttentionFn, H3DiT
 from ..models.packing import PackedLayout
 
 
@@ -64,17 +64,25 @@ class UlyssesExchange:
         for work in dist.batch_isend_irecv(ops) if ops else ():
             work.wait()
 
-    def __call__(self, qkv_send: torch.Tensor) -> torch.Tensor:
+    def __call__(self, qkv_send: torch.Tensor, attention: AttentionFn | None = None) -> torch.Tensor:
+        """`attention`: the attention core over [B, S, Nl, D] q/k/v of the real rows (e.g. FP8 attention bound to a
+        layer's scales); None: bf16 SDPA."""
         P, _, B, Sl, Nl, D = qkv_send.shape
         qkv = qkv_send.new_empty((3, B, P * Sl, Nl, D))
         self._all_to_all([(qkv_send[p, i, b], qkv[i, b, p * Sl:(p + 1) * Sl], p)
                           for p in range(P) for i in range(3) for b in range(B)])
-        q, k, v = qkv.transpose(2, 3).unbind(0)  # [B, Nl, Sp, D] views over [B, Sp, Nl, D]
-        # Padding rows (sp not dividing the sequence) must get no weight as keys. Leaving them out of k/v is that
-        # attention exactly, and keeps the fused kernels: a boolean mask would send SDPA to a slower one.
-        k, v = k[:, :, :self.seq_len], v[:, :, :self.seq_len]
-        out_BSND = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous()  # no-op for the fused
-        # kernels, which write [B, Sp, Nl, D]
+        if attention is None:
+            q, k, v = qkv.transpose(2, 3).unbind(0)  # [B, Nl, Sp, D] views over [B, Sp, Nl, D]
+            # Padding rows (sp not dividing the sequence) must get no weight as keys. Leaving them out of k/v is that
+            # attention exactly, and keeps the fused kernels: a boolean mask would send SDPA to a slower one.
+            k, v = k[:, :, :self.seq_len], v[:, :, :self.seq_len]
+            out_BSND = F.scaled_dot_product_attention(q, k, v).transpose(1, 2).contiguous()  # no-op for the fused
+            # kernels, which write [B, Sp, Nl, D]
+        else:
+            # The real rows only (an FP8 attention kernel takes q and k/v of one length); padding rows' outputs are
+            # zeros, dropped after the last block.
+            q, k, v = (t[:, :self.seq_len] for t in qkv.unbind(0))
+            out_BSND = F.pad(attention(q, k, v), (0, 0, 0, 0, 0, P * Sl - self.seq_len))
         out = qkv_send.new_empty((P, B, Sl, Nl, D))
         self._all_to_all([(out_BSND[b, p * Sl:(p + 1) * Sl], out[p, b], p) for p in range(P) for b in range(B)])
         return out
