@@ -52,7 +52,7 @@ def _time(fn, device, n=5, warm=2) -> float:
     return sorted(times)[n // 2]
 
 
-def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: str) -> None:
+def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: str, fp8_attention: bool) -> None:
     from h3trt.models.config import H3Config
     from h3trt.models.dit import Block, rope_inv_freq, rope_tables
     from h3trt.runtime.ulysses import UlyssesAttention, padded_length
@@ -76,7 +76,8 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
     cos, sin = rope_tables(torch.rand(tokens, 3, device=device) * 40, rope_inv_freq(cfg).to(device))
     mods = [b.modulation(temb).contiguous() for b in blocks]
     result = {"world": world, "tokens": tokens, "device": str(torch.cuda.get_device_name(device)) if not cpu else "cpu",
-              "torch": torch.__version__, "precision": str(dtype), "compiled_precision": precision}
+              "torch": torch.__version__, "precision": str(dtype), "compiled_precision": precision,
+              "fp8_attention": fp8_attention}
 
     with torch.no_grad():
         def step_sp1():
@@ -109,10 +110,13 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
             sys.path.insert(0, str(ROOT / "scripts"))
             from bench_fp8 import calibrated_amax
 
+            from h3trt.quant.fp8_attention import attention_kernel_for
             from h3trt.quant.modules import quantize_block
             from h3trt.quant.recipe import QuantRecipe
 
-            recipe, cblocks, h = QuantRecipe("fp8", calib_steps=2), [], x
+            recipe = QuantRecipe("fp8", calib_steps=2, fp8_attention=fp8_attention,
+                                 attention_kernel=attention_kernel_for(device) if fp8_attention else "")
+            cblocks, h = [], x
             for b, m in zip(blocks, mods):
                 cblocks.append(quantize_block(copy.deepcopy(b), cfg, recipe, calibrated_amax(b, h, m, idx, (cos, sin))))
                 h = b(h, m, idx, (cos, sin))
@@ -174,12 +178,18 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
         post_c = compiled(post, [xp, recv, mods[0], idxp] + weights(cblocks[0], post))
         pre_w, post_w = [weights(b, pre) for b in cblocks], [weights(b, post) for b in cblocks]
         exchange = UlyssesExchange(dist.group.WORLD, tokens, padded)
+        attns = [None] * len(cblocks)  # what EngineDiT hands the exchange: bf16 SDPA, or each layer's FP8 attention
+        if recipe is not None and recipe.fp8_attention:
+            from h3trt.quant.modules import ATTENTION_SCALES, attention_fn
+
+            attns = [attention_fn({n: getattr(b.attn, n) for n in ATTENTION_SCALES}, recipe.attention_kernel)
+                     for b in cblocks]
 
         def step_sp_compiled():
             h = xp
-            for wa, wb, m in zip(pre_w, post_w, mods):
+            for wa, wb, m, a in zip(pre_w, post_w, mods, attns):
                 (qkv,) = pre_c(h, m, idxp, cosp, sinp, *wa)
-                (h,) = post_c(h, exchange(qkv), m, idxp, *wb)
+                (h,) = post_c(h, exchange(qkv, a), m, idxp, *wb)
             return h
 
         got = step_sp_compiled()
@@ -190,9 +200,9 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
         result[f"ms_per_step_sp{world}_compiled"] = _time(step_sp_compiled, device)
         # Where a sharded layer's time goes: the compiled halves, the exchange (all-to-alls around SDPA), SDPA alone.
         qkv0 = pre_c(xp, mods[0], idxp, cosp, sinp, *pre_w[0])[0]
-        out0 = exchange(qkv0)
+        out0 = exchange(qkv0, attns[0])
         result["ms_layer_pre"] = _time(lambda: pre_c(xp, mods[0], idxp, cosp, sinp, *pre_w[0]), device)
-        result["ms_layer_exchange"] = _time(lambda: exchange(qkv0), device)
+        result["ms_layer_exchange"] = _time(lambda: exchange(qkv0, attns[0]), device)
         result["ms_layer_post"] = _time(lambda: post_c(xp, out0, mods[0], idxp, *post_w[0]), device)
         q = torch.randn(1, padded, N // world, D, device=device, dtype=dtype).transpose(1, 2)
         result["ms_layer_sdpa_only"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device)
@@ -288,9 +298,12 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=ROOT / "bench/results/sp.json")
     p.add_argument("--cpu-check", action="store_true")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="what the compiled rows run")
+    p.add_argument("--fp8-attention", action="store_true", help="with --precision fp8: FP8 attention as bundles run it")
     p.add_argument("--project", type=int, nargs="+", metavar="SP",
                    help="one GPU, no communication: per-rank compute of a compiled step at these sp (bf16)")
     args = p.parse_args()
+    if args.fp8_attention and args.precision != "fp8":
+        p.error("--fp8-attention needs --precision fp8.")
     if args.project:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         _project(args.project, args.out)
@@ -298,7 +311,7 @@ def main() -> int:
     world = 2 if args.cpu_check else args.gpus
     store = f"/tmp/h3trt-bench-sp-{os.getpid()}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world, store, str(args.out), args.cpu_check, args.precision), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, store, str(args.out), args.cpu_check, args.precision, args.fp8_attention), nprocs=world, join=True)
     return 0
 
 
