@@ -179,11 +179,13 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
         pre_w, post_w = [weights(b, pre) for b in cblocks], [weights(b, post) for b in cblocks]
         exchange = UlyssesExchange(dist.group.WORLD, tokens, padded)
         attns = [None] * len(cblocks)  # what EngineDiT hands the exchange: bf16 SDPA, or each layer's FP8 attention
-        if recipe is not None and recipe.fp8_attention:
-            from h3trt.quant.modules import ATTENTION_SCALES, attention_fn
+        if recipe is not None and recipe.fp8_attention:  # the compiled `attention` segment of the bundle
+            from h3trt.build.segments import sharded_attention_segment
 
-            attns = [attention_fn({n: getattr(b.attn, n) for n in ATTENTION_SCALES}, recipe.attention_kernel)
-                     for b in cblocks]
+            spec = sharded_attention_segment(cfg, recipe)
+            qkv_rows = [torch.randn(1, tokens, N // world, D, device=device, dtype=dtype) for _ in range(3)]
+            attn_c = compiled(spec, qkv_rows + weights(cblocks[0], spec))
+            attns = [lambda q, k, v, w=weights(b, spec): attn_c(q, k, v, *w)[0] for b in cblocks]
 
         def step_sp_compiled():
             h = xp

@@ -230,6 +230,7 @@ def test_fp8_sp2_bundle_shards_the_quantized_blocks(fp8_sp2_bundle, tiny_root, t
     assert "attn.qkv_proj.input_scale" in manifest["segments"]["block_pre"]["weights"]
     assert "mlp.fc2.weight_scale" in manifest["segments"]["block_post"]["weights"]
     assert manifest["quant"]["fp8_attention"] and manifest["quant"]["attention_kernel"] == "emulated"
+    assert manifest["segments"]["attention"]["weights"] == ["attn.q_scale", "attn.k_scale", "attn.v_scale"]
     assert load_file(str(fp8_sp2_bundle / "weights" / "blocks.safetensors"))["blocks.0.mlp.fc1.weight"].dtype == \
         torch.float8_e4m3fn
     launch(_engine_rank, 2, (fp8_sp2_bundle, tiny_root, tmp_path))

@@ -189,6 +189,9 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
         attn = torch.randn(sp, 1, rows, cfg.num_heads // sp, cfg.head_dim, generator=g).to(device, model.dtype)
         examples["block_pre"] = [x, mod, adaln_index, cos, sin]
         examples["block_post"] = [x, attn, mod, adaln_index]
+        # Sharded FP8 attention: every real row, a rank's heads (what the exchange hands it).
+        examples["attention"] = [torch.randn(1, layout.seq_len, cfg.num_heads // sp, cfg.head_dim, generator=g)
+                                 .to(device, model.dtype) for _ in range(3)]
     if "block_hp" in {spec.name for spec in blocks}:
         examples["block_hp"] = list(examples["block"])
     for spec in blocks:

@@ -20,7 +20,7 @@ import torch
 
 from ..models.config import H3Config
 from ..models.dit import H3DiT, build_dit
-from ..quant.modules import ATTENTION_SCALES, attention_fn, quantized_template
+from ..quant.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
 from ..quant.recipe import QuantRecipe
 from ..runtime.ulysses import from_head_groups, to_head_groups
 
@@ -185,6 +185,19 @@ def final_segment(cfg: H3Config, dtype: torch.dtype) -> SegmentSpec:
     )
 
 
+def sharded_attention_segment(cfg: H3Config, recipe: QuantRecipe) -> SegmentSpec:
+    """FP8 attention between the sharded halves (`--fp8-attention --sp N`): [B, S, N / sp, D] q/k/v of the real rows
+    in, [B, S, N / sp, D] out, a layer's q/k/v scales as weights. Compiled so that the quantization, v's centering
+    and the dequantization fuse around the kernel, as they do inside the sp=1 block."""
+    weights = [f"attn.{n}" for n in ATTENTION_SCALES]
+
+    def run_attention(q, k, v, q_scale, k_scale, v_scale):
+        return fp8_attention(q, k, v, q_scale, k_scale, v_scale, recipe.attention_kernel)
+
+    return SegmentSpec("attention", run_attention, ["q", "k", "v"], weights,
+                       dynamic={"q": {1: "S"}, "k": {1: "S"}, "v": {1: "S"}}, outputs=["out"])
+
+
 def check_sharded_recipe(recipe: QuantRecipe, sp: int) -> None:
     """What a quantized bundle can shard: its FP8/NVFP4 linears and FP8 attention, yes; whole-block exclusions, no."""
     if recipe.exclude_blocks:
@@ -201,6 +214,8 @@ def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1,
         check_sharded_recipe(recipe, sp)
     blocks = [block_segment(cfg, dtype, recipe)] if sp == 1 else [block_pre_segment(cfg, dtype, sp, recipe),
                                                                   block_post_segment(cfg, dtype, recipe)]
+    if sp != 1 and recipe is not None and recipe.fp8_attention:
+        blocks.append(sharded_attention_segment(cfg, recipe))
     if recipe is not None and recipe.exclude_blocks:
         blocks.append(block_segment(cfg, dtype, None, name="block_hp"))
     return [embed_segment(cfg, dtype), *blocks, final_segment(cfg, dtype)]

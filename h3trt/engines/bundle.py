@@ -20,7 +20,6 @@ from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
 # Also registers h3trt::fp8_sdpa, which the compiled blocks of an --fp8-attention bundle call by name.
 from ..quant.fp8_attention import check_attention_kernel
-from ..quant.modules import ATTENTION_SCALES, attention_fn
 from ..runtime.ulysses import RowShard, UlyssesExchange
 from .guard import no_compile
 from .manifest import BundleError, check_environment, read_manifest, verify_files
@@ -76,7 +75,7 @@ class EngineDiT:
     the block is the two halves around the Ulysses exchange, on this rank's rows."""
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
-                 device, group=None, layer_segments: list[str] | None = None, attention_kernel: str = ""):
+                 device, group=None, layer_segments: list[str] | None = None):
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.embed_w = [weights["embed"][n] for n in entries["embed"]["weights"]]
         block_segments = ("block",) if "block" in entries else ("block_pre", "block_post")
@@ -88,13 +87,13 @@ class EngineDiT:
                                for i in range(cfg.num_layers)] for name in block_segments}
         self.final_w = [weights["final"][n] for n in entries["final"]["weights"]]
         self.inv_freq = rope_inv_freq(cfg).to(device)
-        # Sharded FP8 attention runs between the compiled halves, bound to each layer's calibrated q/k/v scales (at
-        # sp=1 it is inside the compiled block). None: bf16 SDPA in the exchange.
+        # Sharded FP8 attention: its own compiled segment between the halves, bound to each layer's calibrated q/k/v
+        # scales (at sp=1 it is inside the compiled block). None: bf16 SDPA in the exchange.
         self.sharded_attention = [None] * cfg.num_layers
-        if attention_kernel and "block_pre" in entries:
-            self.sharded_attention = [
-                attention_fn({n: weights["blocks"][f"blocks.{i}.attn.{n}"] for n in ATTENTION_SCALES}, attention_kernel)
-                for i in range(cfg.num_layers)]
+        if "attention" in entries:
+            self.sharded_attention = [self._bound_attention([weights["blocks"][f"blocks.{i}.{n}"]
+                                                             for n in entries["attention"]["weights"]])
+                                      for i in range(cfg.num_layers)]
 
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout):
         if unique_t.numel() == 1:
@@ -113,6 +112,10 @@ class EngineDiT:
             x = self._sharded_blocks(x, rows, temb, adaln_index, cos, sin, layout.seq_len)
         return self.segments["final"](x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
                                       layout.audio_index, *self.final_w)
+
+    def _bound_attention(self, scales: list[torch.Tensor]):
+        segment = self.segments["attention"]
+        return lambda q, k, v: segment(q, k, v, *scales)[0]
 
     def _sharded_blocks(self, x, rows, temb, adaln_index, cos, sin, seq_len):
         """The block stack on this rank's rows: pre half (compiled), exchange + SDPA (eager), post half (compiled)."""
@@ -179,5 +182,5 @@ class Engine:
                               cfg.hidden_size, device)
         dit = EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device,
                         sp_group if manifest["mesh"]["sp"] > 1 else None,
-                        quant.get("layer_segments"), quant.get("attention_kernel", ""))
+                        quant.get("layer_segments"))
         return cls(root, manifest, dit, segments)

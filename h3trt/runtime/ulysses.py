@@ -81,7 +81,7 @@ class UlyssesExchange:
         else:
             # The real rows only (an FP8 attention kernel takes q and k/v of one length); padding rows' outputs are
             # zeros, dropped after the last block.
-            q, k, v = (t[:, :self.seq_len] for t in qkv.unbind(0))
+            q, k, v = (t[:, :self.seq_len].contiguous() for t in qkv.unbind(0))  # no copy at B = 1
             out_BSND = F.pad(attention(q, k, v), (0, 0, 0, 0, 0, P * Sl - self.seq_len))
         out = qkv_send.new_empty((P, B, Sl, Nl, D))
         self._all_to_all([(out_BSND[b, p * Sl:(p + 1) * Sl], out[p, b], p) for p in range(P) for b in range(B)])
