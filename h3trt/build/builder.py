@@ -189,6 +189,7 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
         attn = torch.randn(sp, 1, rows, cfg.num_heads // sp, cfg.head_dim, generator=g).to(device, model.dtype)
         examples["block_pre"] = [x, mod, adaln_index, cos, sin]
         examples["block_post"] = [x, attn, mod, adaln_index]
+    if sp != 1 and recipe is not None and recipe.fp8_attention:
         # Sharded FP8 attention: every real row, a rank's heads (what the exchange hands it).
         examples["attention"] = [torch.randn(1, layout.seq_len, cfg.num_heads // sp, cfg.head_dim, generator=g)
                                  .to(device, model.dtype) for _ in range(3)]
