@@ -172,7 +172,7 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
     from .models.checkpoint import locate_transformer
     from .models.config import H3Config
     from .runtime.launch import init_torchrun_rank, launch, torchrun_rank
-    from .runtime.serve import Job, serve_launched, serve_rank
+    from .runtime.serve import Job, launch_gpus, serve_launched, serve_rank
 
     requests = [prepared.request for prepared, _ in items]
     torchrun = torchrun_rank()
@@ -189,11 +189,7 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
         raise ValueError("--cfg 2 runs the two guidance branches side by side, but --guidance is 1 (off, H3's "
                          "default); pass --guidance > 1 or use --cfg 1.")
     device_type = torch_device_type(device)
-    if device_type == "cuda" and torchrun is None:
-        import torch
-
-        if torch.cuda.device_count() < world:
-            raise ValueError(f"--gpus {world} but only {torch.cuda.device_count()} CUDA devices are visible.")
+    gpus = launch_gpus(device_type, world) if torchrun is None else None
     from .engines.manifest import bundle_identity
 
     extra = {"bundle": bundle_identity(manifest)} if manifest else {}
@@ -207,7 +203,7 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    launch(serve_launched, world, (job, heads))
+    launch(serve_launched, world, (job, heads), gpus=gpus)
     return 0
 
 
@@ -329,6 +325,26 @@ def cmd_verify(args) -> int:
     return 0
 
 
+def choose_gpu(args) -> None:
+    """Make the process's GPU its cuda:0 before anything starts CUDA (why: h3trt/parallel/devices.py): a torchrun rank
+    takes GPU #LOCAL_RANK of the node, `--device cuda:N` takes GPU #N; `--device` then reads `cuda`."""
+    from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
+
+    device = getattr(args, "device", None)
+    index = cuda_index(device)
+    local_rank = torchrun_local_rank()
+    if args.command == "run" and (local_rank is not None or getattr(args, "gpus", 1) > 1):
+        if index is not None:
+            raise ValueError(f"--device {device} names one GPU, but on a mesh each rank takes its own (GPU #local "
+                             "rank of the visible ones); pass --device cuda, and restrict the GPUs with "
+                             "CUDA_VISIBLE_DEVICES if you need to.")
+        if local_rank is not None and device != "cpu":
+            pin_own_gpu(local_rank)
+    elif index is not None:
+        pin_own_gpu(index)
+        args.device = "cuda"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="h3trt", description="Compiled inference engine for MiniMax-H3.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -340,6 +356,7 @@ def main(argv=None) -> int:
     from .runtime.media import MediaError
 
     try:
+        choose_gpu(args)
         return {"run": cmd_run, "build": cmd_build, "eval": cmd_eval, "inspect": cmd_inspect,
                 "verify": cmd_verify}[args.command](args)
     except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed) as e:

@@ -235,6 +235,11 @@ def build(config: BuildConfig, log=print) -> dict:
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
+    if device.type == "cuda" and (device.index or 0) != 0:
+        # Compiled code names the device it was compiled on; bundles are compiled on, and served from, the process's
+        # cuda:0 (h3trt/parallel/devices.py). `h3trt build --device cuda:N` makes GPU N this process's cuda:0.
+        raise ValueError(f"Bundles are compiled on the process's cuda:0, not {device}; use h3trt build --device "
+                         f"cuda:{device.index}, which makes that GPU the process's cuda:0.")
     if config.fp8_attention:
         check_attention_kernel(config.recipe.attention_kernel, device)
     dtype = PRECISIONS[config.precision]

@@ -109,6 +109,19 @@ def bundle_identity(manifest: dict) -> dict:
     return {"backend": manifest["backend"], "precision": manifest["precision"], "files_sha256": files}
 
 
+def check_process_gpu(device: torch.device) -> None:
+    """Compiled code runs on the process's cuda:0 only: Inductor's saved wrapper names the device it was compiled on,
+    and h3trt always compiles and serves on cuda:0, making each rank's own GPU its cuda:0 (h3trt/parallel/devices.py).
+    Refuse any other device index rather than launch kernels on the wrong GPU."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index != 0:
+        raise BundleError(f"A bundle serves on its process's cuda:0, not cuda:{index}: its compiled code launches on "
+                          "device 0. Use `h3trt run --device cuda:N` or --gpus/torchrun (they make the chosen GPU the "
+                          "process's cuda:0), or start the process with CUDA_VISIBLE_DEVICES listing that GPU first.")
+
+
 def check_environment(manifest: dict, device: torch.device, mesh=None) -> None:
     """Refuse a bundle built for another GPU, torch version or mesh (`mesh`: the launched MeshConfig; None: one
     process)."""
@@ -117,6 +130,7 @@ def check_environment(manifest: dict, device: torch.device, mesh=None) -> None:
         raise BundleError(f"This bundle was built with torch {built}; this process runs torch {torch.__version__}. "
                           "Compiled code is specific to the torch version: rebuild the bundle on this image "
                           "(h3trt build ...).")
+    check_process_gpu(device)
     arch = device_arch(device)
     if manifest["arch"] != arch:
         raise BundleError(f"This bundle was built for {manifest['arch']}; this device is {arch} ({device}). Rebuild "

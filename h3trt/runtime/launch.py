@@ -17,6 +17,8 @@ from typing import Callable
 
 import torch.multiprocessing as mp
 
+from ..parallel.devices import VISIBLE, own_first
+
 POLL_S = 0.2
 GRACE_S = 5.0
 COLLECTIVE_TIMEOUT_S = 60
@@ -27,12 +29,13 @@ class RankFailed(RuntimeError):
 
 
 def init_rank(rank: int, world: int, store: str, device_type: str) -> None:
-    """Join the process group: gloo on the CPU, NCCL on GPUs (one per rank), with a bounded collective timeout."""
+    """Join the process group: gloo on the CPU, NCCL on GPUs (one per rank: the rank's own GPU is its cuda:0, see
+    h3trt/parallel/devices.py), with a bounded collective timeout."""
     import torch
     import torch.distributed as dist
 
     if device_type == "cuda":
-        torch.cuda.set_device(rank)
+        torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
 
@@ -53,7 +56,8 @@ def init_torchrun_rank(device_type: str) -> tuple[int, int, int]:
 
     rank, world, local_rank = torchrun_rank()
     if device_type == "cuda":
-        torch.cuda.set_device(local_rank)
+        # cli.main made GPU #local_rank this process's cuda:0 before CUDA started (h3trt/parallel/devices.py).
+        torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method="env://", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
     return rank, world, local_rank
@@ -73,14 +77,27 @@ def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args
         os._exit(1)
 
 
-def launch(fn: Callable, world: int, args: tuple = ()) -> None:
-    """Run fn(rank, world, store, *args) in `world` spawned processes; return when all succeed."""
+def launch(fn: Callable, world: int, args: tuple = (), gpus: list[str] | None = None) -> None:
+    """Run fn(rank, world, store, *args) in `world` spawned processes; return when all succeed.
+
+    gpus: the node's visible GPUs (parallel.devices.node_gpus) when the ranks serve on CUDA: rank r starts with GPU
+    #r first in its CUDA_VISIBLE_DEVICES, so it is the rank's cuda:0 and the peers stay visible to NCCL."""
     ctx = mp.get_context("spawn")
     work = tempfile.mkdtemp(prefix="h3trt-launch-")
     store = os.path.join(work, "store")
     procs = [ctx.Process(target=_entry, args=(fn, r, world, store, work, args)) for r in range(world)]
-    for p in procs:
-        p.start()
+    parent_visible = os.environ.get(VISIBLE)
+    try:
+        for r, p in enumerate(procs):
+            if gpus is not None:
+                # A spawned child copies the parent's environment when it starts, before it imports torch.
+                os.environ[VISIBLE] = ",".join(own_first(gpus, r))
+            p.start()
+    finally:
+        if parent_visible is None:
+            os.environ.pop(VISIBLE, None)
+        else:
+            os.environ[VISIBLE] = parent_visible
     try:
         while True:
             codes = [p.exitcode for p in procs]

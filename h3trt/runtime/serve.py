@@ -16,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from ..parallel.devices import node_gpus
 from .mesh import MeshConfig, Parallel, build_mesh
 
 
@@ -36,8 +37,10 @@ class Job:
     record_extra: dict = field(default_factory=dict)  # added to every record (e.g. the bundle's identity)
 
 
-def rank_device(device_type: str, local_rank: int) -> torch.device:
-    return torch.device("cuda", local_rank) if device_type == "cuda" else torch.device("cpu")
+def rank_device(device_type: str) -> torch.device:
+    """A rank's device: on GPUs always cuda:0, since every rank's own GPU is its cuda:0 (h3trt/parallel/devices.py);
+    that is what lets one compiled bundle serve on every GPU of a node."""
+    return torch.device("cuda", 0) if device_type == "cuda" else torch.device("cpu")
 
 
 def load_rank_pipeline(job: Job, par: Parallel, device: torch.device):
@@ -55,10 +58,22 @@ def load_rank_pipeline(job: Job, par: Parallel, device: torch.device):
     return pipeline
 
 
+def launch_gpus(device_type: str, world: int) -> list[str] | None:
+    """The node's GPUs that `world` self-launched ranks take one each (rank r: GPU #r), checked before any rank
+    starts; None on the CPU."""
+    if device_type != "cuda":
+        return None
+    gpus = node_gpus()
+    if gpus is None or len(gpus) < world:
+        raise ValueError(f"--gpus {world} but only {len(gpus or [])} CUDA devices are visible"
+                         f"{' (CUDA_VISIBLE_DEVICES=' + ','.join(gpus) + ')' if gpus else ''}.")
+    return gpus
+
+
 def serve_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int) -> list[dict]:
     """Steps 1-4 on one rank (its process group already initialised); returns the records this rank wrote."""
     par = build_mesh(job.mesh, job.device_type, world, num_heads)
-    pipeline = load_rank_pipeline(job, par, rank_device(job.device_type, local_rank))
+    pipeline = load_rank_pipeline(job, par, rank_device(job.device_type))
     records = []
     mine = job.items[par.replica_index::job.mesh.replica]
     for prepared, output in mine:
@@ -139,7 +154,7 @@ def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model
         dist.destroy_process_group()
         return 1 if failed else 0
     with tempfile.TemporaryDirectory(prefix="h3trt-batch-") as tmp:
-        launch(serve_batch_launched, world, (job, heads, items, config, tmp))
+        launch(serve_batch_launched, world, (job, heads, items, config, tmp), gpus=launch_gpus(job.device_type, world))
         failed = sum(int(f.read_text()) for f in Path(tmp).glob("failed-*"))
     print(f"{config.out_dir}: batch on replica({mesh.replica}) x cfg({mesh.cfg}) x sp({mesh.sp}): {failed} failed "
           f"(per-request records in {config.out_dir})")
@@ -153,7 +168,7 @@ def serve_batch_rank(rank: int, world: int, local_rank: int, job: Job, num_heads
     from .batch import run_batch, summary_line
 
     par = build_mesh(job.mesh, job.device_type, world, num_heads)
-    pipeline = load_rank_pipeline(job, par, rank_device(job.device_type, local_rank))
+    pipeline = load_rank_pipeline(job, par, rank_device(job.device_type))
     mine = replace(config, shard=(par.replica_index, job.mesh.replica), write=par.writes,
                    decode_group=par.decode_group, quiet=config.quiet or not par.writes)
     summary = run_batch(pipeline, items, mine, job.model_name, job.record_extra)
