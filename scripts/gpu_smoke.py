@@ -1,0 +1,206 @@
+"""GPU smoke test: build tiny bundles and serve them in every mesh a 2-GPU node allows, each row's clip checked
+against the eager single-GPU tiny clip. The GPU test CI cannot run; run it before submitting anything that touches
+runtime/, engines/, build/ or parallel/.
+
+    python scripts/gpu_smoke.py --json bench/results/gpu_smoke_h200x2.json
+
+Rows (each a real `h3trt` process, as a user runs it):
+  eager sp=2 | bf16 bundle sp=2 | bf16 sp=1 bundle, 2 replicas over a batch | fp8 + --fp8-attention bundle sp=2 |
+  eager cfg=2 with guidance | torchrun --nproc-per-node 2 serving the sp=2 bundle | the sp=1 bundle on the second
+  GPU alone (--device cuda:1, and CUDA_VISIBLE_DEVICES=1)
+plus the 1-GPU rows they rest on (sp=1 bundle on GPU 0, torchrun with one rank).
+
+The check: decoded frames (PSNR) and audio (SNR) of each row's MP4 against the eager clip of the same request. The
+tiny model has random weights, so the clip is noise and x264 re-encodes it lossily; a row passes when it is close
+to the reference (PSNR >= --min-psnr) AND far closer than a clip of another seed is (the control), so the check
+tells a right clip from a wrong one. Rows needing more GPUs than visible are reported NOT RUN and fail the script:
+a partial matrix is never a pass.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+STEPS = 6
+PROMPT = "a red fox runs through fresh snow, wind howling"
+SEED, OTHER_SEED = 5, 6
+
+
+def sh(cmd: list[str], env: dict, log, timeout: int = 600) -> tuple[int, str]:
+    start = time.monotonic()
+    try:
+        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+        rc, text = out.returncode, out.stdout + out.stderr
+    except subprocess.TimeoutExpired as e:
+        rc, text = 124, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
+    log.write(f"$ {' '.join(cmd)}\n[rc {rc}, {time.monotonic() - start:.1f} s]\n{text}\n")
+    log.flush()
+    return rc, text
+
+
+def decode(path: Path) -> tuple[np.ndarray, np.ndarray]:
+    import av
+
+    with av.open(str(path)) as f:
+        frames = np.stack([fr.to_ndarray(format="rgb24") for fr in f.decode(video=0)]).astype(np.float64)
+    with av.open(str(path)) as f:
+        audio = np.concatenate([fr.to_ndarray().reshape(-1) for fr in f.decode(audio=0)]).astype(np.float64)
+    return frames, audio
+
+
+def compare(got: Path, want: Path) -> dict:
+    gv, ga = decode(got)
+    wv, wa = decode(want)
+    if gv.shape != wv.shape:
+        return {"psnr_db": float("-inf"), "audio_snr_db": float("-inf"), "why": f"frames {gv.shape} vs {wv.shape}"}
+    mse = float(np.mean((gv - wv) ** 2))
+    psnr = float("inf") if mse == 0 else 10 * np.log10(255.0 ** 2 / mse)
+    n = min(len(ga), len(wa))
+    noise = float(np.sum((ga[:n] - wa[:n]) ** 2))
+    snr = float("inf") if noise == 0 else 10 * np.log10(float(np.sum(wa[:n] ** 2)) / noise)
+    return {"psnr_db": round(psnr, 2), "audio_snr_db": round(snr, 2)}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", type=Path, required=True, help="write the table here (a .log is written beside it)")
+    ap.add_argument("--work", type=Path, default=None, help="work folder (default: a temporary one, removed)")
+    ap.add_argument("--min-psnr", type=float, default=25.0, help="a row's clip vs the eager clip, dB")
+    ap.add_argument("--margin", type=float, default=10.0, help="and this many dB above the other-seed control")
+    ap.add_argument("--cpu", action="store_true", help="dry-run the script's logic on the CPU: gloo ranks stand in "
+                                                         "for 2 GPUs; the GPU-index rows are not run")
+    args = ap.parse_args()
+
+    import torch
+
+    gpus = 2 if args.cpu else torch.cuda.device_count()
+    dev = "cpu" if args.cpu else "cuda"
+    work = args.work or Path(tempfile.mkdtemp(prefix="h3trt-smoke-"))
+    work.mkdir(parents=True, exist_ok=True)
+    env = {**os.environ, "XDG_CACHE_HOME": str(work / "cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("CUDA_VISIBLE_DEVICES", None)
+    h3 = [sys.executable, "-m", "h3trt.cli"]
+    log_path = args.json.with_suffix(".log")
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    rows: list[dict] = []
+    with open(log_path, "w") as log:
+        log.write(f"torch {torch.__version__}, {gpus} GPU(s): "
+                  f"{'cpu' if args.cpu else [torch.cuda.get_device_name(i) for i in range(gpus)]}\n")
+
+        def run_clip(name: str, extra: list[str], out: Path, needs: int, env_over: dict | None = None,
+                     argv: list[str] | None = None, seed: int = SEED) -> tuple[int, str]:
+            if gpus < needs or (args.cpu and (env_over or any(a.startswith("cuda:") for a in extra))):
+                return -1, f"needs {needs} GPUs, {gpus} visible" if gpus < needs else "a GPU row (--cpu dry run)"
+            extra = [dev if a == "cuda" else a for a in extra]
+            cmd = (argv or h3) + ["run", "--prompt", PROMPT, "--seed", str(seed), "--steps", str(STEPS), "--quiet",
+                                  "--output", str(out)] + extra
+            return sh(cmd, {**env, **(env_over or {})}, log)
+
+        # The references: the eager tiny clip on one GPU, and a clip of another seed (the control).
+        ref, other = work / "eager.mp4", work / "eager_other_seed.mp4"
+        for path, seed in ((ref, SEED), (other, OTHER_SEED)):
+            rc, text = run_clip("reference", ["--device", dev], path, 1, seed=seed)
+            if rc != 0:
+                print(f"the eager reference failed (rc {rc}); see {log_path}\n{text[-2000:]}")
+                return 1
+        control = compare(other, ref)
+
+        bundles = {"b1": ["--steps", str(STEPS)], "b2": ["--steps", str(STEPS), "--sp", "2"]}
+        calib = work / "calib.txt"
+        calib.write_text(f"{PROMPT}\nwaves on a rocky shore, gulls calling\n")
+        bundles["f2"] = ["--steps", str(STEPS), "--sp", "2", "--precision", "fp8", "--fp8-attention",
+                         "--calib-prompts", str(calib)]
+        built = {}
+        for name, flags in bundles.items():
+            rc, text = sh(h3 + ["build", "--model", "tiny", "--device", dev, "--output", str(work / name)] + flags,
+                          env, log)
+            built[name] = (rc, text)
+
+        batch = work / "batch.jsonl"
+        batch.write_text("".join(json.dumps({"id": i, "task": "t2va", "prompt": PROMPT, "seed": s, "steps": STEPS})
+                                 + "\n" for i, s in (("one", SEED), ("two", OTHER_SEED))))
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node"]
+        plan = [
+            # name, bundle (or None: eager), GPUs, extra flags, env, argv, outputs [(mp4, reference)]
+            ("sp=1 bundle, one GPU", "b1", 1, ["--device", "cuda"], None, None),
+            ("torchrun 1 rank, sp=1 bundle", "b1", 1, [], None, torchrun + ["1", "-m", "h3trt.cli"]),
+            ("eager sp=2", None, 2, ["--gpus", "2"], None, None),
+            ("bf16 bundle sp=2", "b2", 2, ["--gpus", "2"], None, None),
+            ("bf16 sp=1 bundle, 2 replicas, batch", "b1", 2, ["--gpus", "2", "--replicas", "2"], None, None),
+            ("fp8 + fp8-attention bundle sp=2", "f2", 2, ["--gpus", "2"], None, None),
+            ("eager cfg=2, guidance 4", None, 2, ["--gpus", "2", "--cfg", "2", "--sp", "1", "--guidance", "4",
+                                                  "--negative-prompt", "blurry"], None, None),
+            ("torchrun 2 ranks, sp=2 bundle", "b2", 2, [], None, torchrun + ["2", "-m", "h3trt.cli"]),
+            ("sp=1 bundle on the 2nd GPU (--device cuda:1)", "b1", 2, ["--device", "cuda:1"], None, None),
+            ("sp=1 bundle on the 2nd GPU (CUDA_VISIBLE_DEVICES=1)", "b1", 2, ["--device", "cuda"],
+             {"CUDA_VISIBLE_DEVICES": "1"}, None),
+        ]
+        guided_ref = None
+        for i, (name, bundle, needs, flags, env_over, argv) in enumerate(plan):
+            row = {"row": name, "gpus": needs}
+            out = work / f"row{i}.mp4"
+            if bundle is not None and built[bundle][0] != 0:
+                row.update(status="FAIL", why=f"build {bundle} failed: {built[bundle][1].strip().splitlines()[-1:]}")
+                rows.append(row)
+                continue
+            source = ["--engine", str(work / bundle)] if bundle else []
+            want = [(out, ref)]
+            if "--replicas" in flags:
+                rc, text = (sh(h3 + ["run", "--engine", str(work / bundle), "--requests", str(batch), "--out-dir",
+                                     str(work / f"row{i}"), "--quiet"] + flags, env, log) if gpus >= needs
+                            else (-1, f"needs {needs} GPUs, {gpus} visible"))
+                want = [(work / f"row{i}" / "one.mp4", ref), (work / f"row{i}" / "two.mp4", other)]
+            elif "--guidance" in flags:
+                # Guidance changes the clip: the reference is the same guided request on one GPU (cfg=1).
+                if guided_ref is None and gpus >= needs:
+                    guided_ref = work / "eager_guided.mp4"
+                    sh(h3 + ["run", "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(STEPS), "--quiet",
+                             "--device", dev, "--guidance", "4", "--negative-prompt", "blurry", "--output",
+                             str(guided_ref)], env, log)
+                rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
+                want = [(out, guided_ref)]
+            else:
+                rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
+            if rc == -1:
+                row.update(status="NOT RUN", why=text)
+            elif rc != 0:
+                tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
+                row.update(status="FAIL", why=f"exit {rc}: {tail[0][:200]}")
+            else:
+                checks = [compare(got, ref_clip) for got, ref_clip in want]
+                worst = min(c["psnr_db"] for c in checks)
+                ok = worst >= args.min_psnr and worst >= control["psnr_db"] + args.margin
+                row.update(status="PASS" if ok else "FAIL", psnr_db=worst,
+                           audio_snr_db=min(c["audio_snr_db"] for c in checks))
+                if not ok:
+                    row["why"] = f"PSNR {worst} dB vs eager (need >= {args.min_psnr} and control + {args.margin})"
+            rows.append(row)
+
+    failed = [r for r in rows if r["status"] != "PASS"]
+    result = {"device": "cpu (dry run)" if args.cpu else torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__, "steps": STEPS,
+              "control_other_seed": control, "min_psnr_db": args.min_psnr, "margin_db": args.margin, "rows": rows,
+              "passed": not failed}
+    args.json.write_text(json.dumps(result, indent=1))
+    print(f"{'row':<52} {'GPUs':>4}  {'status':<8} {'PSNR dB':>8} {'audio SNR':>9}  note")
+    for r in rows:
+        print(f"{r['row']:<52} {r['gpus']:>4}  {r['status']:<8} {r.get('psnr_db', ''):>8} "
+              f"{r.get('audio_snr_db', ''):>9}  {r.get('why', '')}")
+    print(f"control (other seed vs eager): PSNR {control['psnr_db']} dB; {len(rows) - len(failed)}/{len(rows)} rows "
+          f"passed on {gpus} x {result['device']}; log {log_path}")
+    if args.work is None:
+        shutil.rmtree(work, ignore_errors=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
