@@ -14,10 +14,28 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import sys
 from pathlib import Path
 
-from .runtime.launch import torchrun_rank
+import torch
+import torch.distributed as dist
+from tqdm import tqdm
+
+from .build.builder import BuildConfig, Profile, build
+from .engines.guard import no_compile
+from .engines.manifest import bundle_identity, read_manifest, verify_files
+from .eval import evaluate, read_requests, table
+from .models.checkpoint import CheckpointError, locate_transformer
+from .models.config import H3Config
+from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
+from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
+from .parallel.launch import RankFailed, init_torchrun_rank, launch, torchrun_rank
+from .parallel.mesh import resolve_mesh
+from .runtime.batch import run_requests
+from .runtime.media import MediaError
+from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare, write_json_atomic
+from .runtime.serve import Job, finish_record, launch_gpus, serve_launched, serve_rank
 
 NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
              "Pass --model PATH for real MiniMax-H3 weights.")
@@ -74,15 +92,7 @@ def _run_parser(sub) -> None:
 
 
 def cmd_run(args) -> int:
-    import torch
-
-    from .models.checkpoint import locate_transformer
-    from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
-    from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
-
     if args.requests is not None:
-        from .runtime.batch import run_requests
-
         return run_requests(args)
     if args.prompt is None or args.output is None:
         raise ValueError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
@@ -96,8 +106,6 @@ def cmd_run(args) -> int:
                       args.negative_prompt)
     manifest = None
     if args.engine is not None:
-        from .engines.manifest import read_manifest
-
         manifest = read_manifest(args.engine)
     tiny = manifest["tiny"] if manifest else args.model is None
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
@@ -120,8 +128,6 @@ def cmd_run(args) -> int:
     if args.sp or args.cfg or args.replicas:  # one process: the degrees must all be 1 (the message says why not)
         mesh_from_args(args, 1, 1, None)
     if manifest is not None:
-        from .engines.guard import no_compile
-
         pipeline = H3Pipeline.load_engine(model_root, device, canvas)
         serving = no_compile()  # a request compiles nothing: any compiler call raises
     else:
@@ -129,8 +135,6 @@ def cmd_run(args) -> int:
         serving = contextlib.nullcontext()
     bar = None
     if not args.quiet:
-        from tqdm import tqdm
-
         bar = tqdm(total=pipeline.schedule(request).num_evaluations, desc="denoise", unit="step", file=sys.stderr)
     try:
         with serving:
@@ -140,40 +144,22 @@ def cmd_run(args) -> int:
         if bar is not None:
             bar.close()
     if manifest:
-        from .engines.manifest import bundle_identity
-
         record["bundle"] = bundle_identity(manifest)
     _finish(record, request, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), output)
     return 0
 
 
 def _finish(record: dict, request, model: str, output: Path) -> None:
-    from .runtime.serve import finish_record
-
     finish_record(record, request, model, output)
 
 
 def mesh_from_args(args, world: int, num_heads: int, manifest: dict | None):
-    """The launched mesh: explicit degrees, else a bundle's, else sp takes the ranks cfg and replicas leave; validated
-    with the arithmetic before any process starts."""
-    from .runtime.mesh import MeshConfig
-
-    built = manifest["mesh"] if manifest else {}
-    cfg = args.cfg or built.get("cfg", 1)
-    sp = args.sp or built.get("sp") or max(1, world // (cfg * (args.replicas or 1)))
-    replicas = args.replicas or max(1, world // (cfg * sp))
-    mesh = MeshConfig(replicas, cfg, sp)
-    mesh.validate(world, num_heads)
-    return mesh
+    """The launched mesh from --cfg/--sp/--replicas and a bundle's degrees (parallel.mesh.resolve_mesh)."""
+    return resolve_mesh(world, num_heads, manifest["mesh"] if manifest else None, args.cfg, args.sp, args.replicas)
 
 
 def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int:
     """Serve on a mesh: spawn --gpus local ranks, or, under torchrun, be one rank of its world."""
-    from .models.checkpoint import locate_transformer
-    from .models.config import H3Config
-    from .runtime.launch import init_torchrun_rank, launch, torchrun_rank
-    from .runtime.serve import Job, launch_gpus, serve_launched, serve_rank
-
     requests = [prepared.request for prepared, _ in items]
     torchrun = torchrun_rank()
     if torchrun is not None and args.gpus > 1:
@@ -190,16 +176,12 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
                          "default); pass --guidance > 1 or use --cfg 1.")
     device_type = torch_device_type(device)
     gpus = launch_gpus(device_type, world) if torchrun is None else None
-    from .engines.manifest import bundle_identity
-
     extra = {"bundle": bundle_identity(manifest)} if manifest else {}
     job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
               args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(device_type)
         serve_rank(rank, world, local_rank, job, heads)
-        import torch.distributed as dist
-
         dist.barrier()
         dist.destroy_process_group()
         return 0
@@ -257,11 +239,6 @@ def _build_parser(sub) -> None:
 
 
 def cmd_build(args) -> int:
-    import torch
-
-    from .build.builder import BuildConfig, Profile, build
-    from .models.tiny import TINY_HEIGHT, TINY_WIDTH, ensure_tiny_checkpoint
-
     tiny = args.model == "tiny"
     default_profile = f"{TINY_WIDTH}x{TINY_HEIGHT}x5" if tiny else "1344x768x5"
     profiles = tuple(Profile.parse(p) for p in (args.profile or [default_profile]))
@@ -281,11 +258,6 @@ def cmd_build(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    import torch
-
-    from .eval import evaluate, read_requests, table
-    from .runtime.pipeline import write_json_atomic
-
     if args.json is not None and args.json.exists():
         raise ValueError(f"{args.json} already exists; choose another --json path.")
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
@@ -298,10 +270,6 @@ def cmd_eval(args) -> int:
 
 
 def cmd_inspect(args) -> int:
-    import json
-
-    from .engines.manifest import read_manifest
-
     manifest = read_manifest(args.bundle)
     summary = {k: v for k, v in manifest.items() if k not in ("files", "segments")}
     summary["segments"] = {k: v["artifact"] for k, v in manifest["segments"].items()}
@@ -311,8 +279,6 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from .engines.manifest import read_manifest, verify_files
-
     manifest = read_manifest(args.bundle)
     problems = verify_files(args.bundle, manifest)
     if problems:
@@ -328,8 +294,6 @@ def cmd_verify(args) -> int:
 def choose_gpu(args) -> None:
     """Make the process's GPU its cuda:0 before anything starts CUDA (why: h3trt/parallel/devices.py): a torchrun rank
     takes GPU #LOCAL_RANK of the node, `--device cuda:N` takes GPU #N; `--device` then reads `cuda`."""
-    from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
-
     device = getattr(args, "device", None)
     index = cuda_index(device)
     local_rank = torchrun_local_rank()
@@ -351,10 +315,6 @@ def main(argv=None) -> int:
     _run_parser(sub)
     _build_parser(sub)
     args = parser.parse_args(argv)
-    from .models.checkpoint import CheckpointError
-    from .runtime.launch import RankFailed
-    from .runtime.media import MediaError
-
     try:
         choose_gpu(args)
         return {"run": cmd_run, "build": cmd_build, "eval": cmd_eval, "inspect": cmd_inspect,

@@ -21,7 +21,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from .engines.manifest import read_manifest
 from .models.packing import unpatchify
+from .models.tiny import ensure_tiny_checkpoint
+from .runtime.pipeline import H3Pipeline, Request, prepare
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004
@@ -76,8 +79,6 @@ def read_requests(path: Path) -> list[dict]:
 
 
 def _request(item: dict, defaults: dict):
-    from .runtime.pipeline import Request
-
     data = {**defaults, **item}
     for key in ("image", "last_image"):
         if data.get(key):
@@ -88,11 +89,7 @@ def _request(item: dict, defaults: dict):
 
 
 def _load(source: str, task: str, device: str):
-    from .runtime.pipeline import H3Pipeline
-
     if source == "tiny" or not (Path(source) / "manifest.json").exists():
-        from .models.tiny import ensure_tiny_checkpoint
-
         root = ensure_tiny_checkpoint() if source == "tiny" else Path(source)
         return H3Pipeline.load(root, task, device)
     return H3Pipeline.load_engine(Path(source), device)
@@ -100,8 +97,6 @@ def _load(source: str, task: str, device: str):
 
 @torch.no_grad()
 def trace(pipeline, request) -> Trace:
-    from .runtime.pipeline import prepare
-
     recorder = _Recording(pipeline.dit)
     pipeline.dit = recorder
     try:
@@ -171,8 +166,6 @@ def compare(a: Trace, b: Trace) -> dict:
 
 
 def evaluate(engine: str, reference: str, requests: list[dict], device: str = "cpu", log=print) -> dict:
-    from .engines.manifest import read_manifest
-
     manifest = read_manifest(Path(engine))
     profile, schedule = manifest["profiles"][0], manifest["schedule"]
     defaults = {"width": profile["width"], "height": profile["height"], "duration": profile["seconds"],

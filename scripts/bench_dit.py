@@ -191,7 +191,7 @@ def run_blocks(out_path: Path, variants: bool = False) -> dict:
 
 
 def _load_local(entry: dict, work: Path, dev: str):
-    from h3trt.build.backends import LoadedSegment
+    from h3trt.engines.loaders import LoadedSegment
 
     artifact = torch._inductor.CompiledArtifact.load(path=str(work / entry["artifact"]), format="binary")
     return LoadedSegment("block", artifact)

@@ -51,8 +51,8 @@ def _cpu_bench(fn, n=3, warm=1) -> float:
 def calibrated_amax(block, x, mod, idx, rope) -> dict[str, torch.Tensor]:
     """max |x| into each block linear and of q/k/v, from one eager call (the MaxCalibrator's hooks, on one block)."""
     from h3trt.models.dit import sdpa_attention
-    from h3trt.quant.fp8_attention import attention_calibration_tensors
-    from h3trt.quant.recipe import BLOCK_LINEARS
+    from h3trt.calibration.fp8_attention import attention_calibration_tensors
+    from h3trt.calibration.recipe import BLOCK_LINEARS
 
     amax, hooks = {}, []
     for name in BLOCK_LINEARS:
@@ -72,7 +72,8 @@ def calibrated_amax(block, x, mod, idx, rope) -> dict[str, torch.Tensor]:
 def compiled(spec, example, dev):
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    from h3trt.build.backends import compile_segment, load_segment
+    from h3trt.build.backends import compile_segment
+    from h3trt.engines.loaders import load_segment
 
     work = Path(tempfile.mkdtemp(prefix=f"bench-{spec.name}-"))
     (work / "segments").mkdir()
@@ -90,10 +91,10 @@ def run(out: Path, cpu_check: bool) -> dict:
     from h3trt.build.segments import block_segment
     from h3trt.models.config import H3Config
     from h3trt.models.packing import pack_t2va, text_tags_for
-    from h3trt.quant.build import dit_weight_bytes
-    from h3trt.quant.modules import quantize_block
-    from h3trt.quant.fp8_attention import attention_kernel_for
-    from h3trt.quant.recipe import QuantRecipe
+    from h3trt.calibration.build import dit_weight_bytes
+    from h3trt.calibration.modules import quantize_block
+    from h3trt.calibration.fp8_attention import attention_kernel_for
+    from h3trt.calibration.recipe import QuantRecipe
 
     torch.manual_seed(0)
     dev = "cpu" if cpu_check else "cuda"
@@ -162,17 +163,17 @@ def block_sensitivity(out: Path) -> dict:
     from h3trt.models.checkpoint import load_dit
     from h3trt.models.dit import EagerDiT
     from h3trt.models.tiny import ensure_tiny_checkpoint
-    from h3trt.quant.calibrate import calibrate
-    from h3trt.quant.modules import quantize_block
-    from h3trt.quant.recipe import QuantRecipe
-    from h3trt.runtime.pipeline import H3Pipeline, Request, _eager_components
+    from h3trt.calibration.calibrate import calibrate
+    from h3trt.calibration.modules import quantize_block
+    from h3trt.calibration.recipe import QuantRecipe
+    from h3trt.runtime.pipeline import H3Pipeline, Request, eager_components
 
     base, source = load_dit(ensure_tiny_checkpoint(), "t2va", torch.bfloat16)
     root = source.component_root
     n = base.cfg.num_layers
     amax = calibrate(base, root, ["a red fox runs through fresh snow", "waves break on a rocky shore"], 4, 160, 96,
                      5.0, (12.0, 3.0), log=lambda m: None)
-    components = _eager_components(root, torch.device("cpu"), torch.bfloat16)
+    components = eager_components(root, torch.device("cpu"), torch.bfloat16)
     request = Request("a lighthouse at night, rain on the glass", seed=5, steps=6, width=160, height=96)
 
     def run(quantized: list[int]):

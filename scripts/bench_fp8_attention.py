@@ -5,7 +5,7 @@ Rows: bf16 SDPA with PyTorch's default backend choice, bf16 SDPA pinned to cuDNN
 at 56 heads (sp=1) and 28 heads (sp=2 per rank) x 37,838 rows x 128; q, k, v ~ N(0, 1). Median of 10 after 3
 warm-ups, CUDA events. Accuracy: relative Frobenius distance to bf16 SDPA's output and the ratio of the means, for
 zero-mean v and for v with mean 3, with v quantized as is ("uncentered") and centered over the rows as the block
-does (h3trt/quant/fp8_attention.py says why).
+does (h3trt/calibration/fp8_attention.py says why).
 
   python scripts/bench_fp8_attention.py --json bench/results/fp8_attention_h200.json
 """
@@ -26,9 +26,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_dit import bench  # noqa: E402
 
-from h3trt.quant.formats import fp8_scale, quantize_fp8  # noqa: E402
-from h3trt.quant.fp8_attention import attention_calibration_tensors, center_rows, fp8_sdpa  # noqa: E402
-from h3trt.quant.modules import fp8_attention  # noqa: E402
+from h3trt.calibration.formats import fp8_scale, quantize_fp8  # noqa: E402
+from h3trt.calibration.fp8_attention import attention_calibration_tensors, center_rows, fp8_sdpa  # noqa: E402
+from h3trt.calibration.modules import fp8_attention  # noqa: E402
 
 ROWS, HEAD_DIM = 37_838, 128
 

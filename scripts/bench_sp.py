@@ -55,7 +55,7 @@ def _time(fn, device, n=5, warm=2) -> float:
 def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: str, fp8_attention: bool) -> None:
     from h3trt.models.config import H3Config
     from h3trt.models.dit import Block, rope_inv_freq, rope_tables
-    from h3trt.runtime.ulysses import UlyssesAttention, padded_length
+    from h3trt.parallel.ulysses import UlyssesAttention, padded_length
 
     device = torch.device("cpu") if cpu else torch.device("cuda", rank)
     if not cpu:
@@ -110,9 +110,9 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
             sys.path.insert(0, str(ROOT / "scripts"))
             from bench_fp8 import calibrated_amax
 
-            from h3trt.quant.fp8_attention import attention_kernel_for
-            from h3trt.quant.modules import quantize_block
-            from h3trt.quant.recipe import QuantRecipe
+            from h3trt.calibration.fp8_attention import attention_kernel_for
+            from h3trt.calibration.modules import quantize_block
+            from h3trt.calibration.recipe import QuantRecipe
 
             recipe = QuantRecipe("fp8", calib_steps=2, fp8_attention=fp8_attention,
                                  attention_kernel=attention_kernel_for(device) if fp8_attention else "")
@@ -140,9 +140,10 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
         result["ms_all_to_all_per_layer"] = _time(a2a, device)
 
         # Compiled: the segments exactly as the builder compiles them (weights as inputs, symbolic rows).
-        from h3trt.build.backends import compile_segment, load_segment
+        from h3trt.build.backends import compile_segment
+        from h3trt.engines.loaders import load_segment
         from h3trt.build.segments import block_post_segment, block_pre_segment, block_segment
-        from h3trt.runtime.ulysses import UlyssesExchange
+        from h3trt.parallel.ulysses import UlyssesExchange
 
         seg_dir = Path(f"/tmp/h3trt-bench-sp-seg-{rank}")  # laid out as a bundle: segments/<artifact>
         (seg_dir / "segments").mkdir(parents=True, exist_ok=True)
@@ -224,11 +225,12 @@ def _project(sps: list[int], out: Path) -> None:
     """One GPU, no communication: the per-rank compute of one compiled step at each sp (block_pre on Sp / sp rows,
     SDPA over every row for N / sp heads, block_post on Sp / sp rows; 4 layers) against the compiled sp=1 step.
     Their ratio bounds the sp speedup from above: the all-to-alls come on top (2.0 ms a layer at sp=2 on NVLink)."""
-    from h3trt.build.backends import compile_segment, load_segment
+    from h3trt.build.backends import compile_segment
+    from h3trt.engines.loaders import load_segment
     from h3trt.build.segments import block_post_segment, block_pre_segment, block_segment
     from h3trt.models.config import H3Config
     from h3trt.models.dit import Block, rope_inv_freq, rope_tables
-    from h3trt.runtime.ulysses import padded_length
+    from h3trt.parallel.ulysses import padded_length
 
     device, dtype, cfg, layers = torch.device("cuda", 0), torch.bfloat16, H3Config(), 4
     torch.manual_seed(0)

@@ -36,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from h3trt.models.audio_vae import AudioVAE  # noqa: E402
 from h3trt.models.vae_checkpoint import audio_vae_kwargs  # noqa: E402
 from h3trt.models.video_vae import VideoVAE  # noqa: E402
-from h3trt.runtime.launch import init_rank, launch  # noqa: E402
+from h3trt.parallel.launch import init_rank, launch  # noqa: E402
 from h3trt.runtime.media import X264_PRESETS  # noqa: E402
 from h3trt.runtime.output import OutputConfig, rgb_to_yuv420  # noqa: E402
 from h3trt.runtime.parallel_vae import TAIL_STEPS, decode_and_write, decode_frames  # noqa: E402

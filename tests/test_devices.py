@@ -13,7 +13,7 @@ import pytest
 
 from h3trt.parallel.devices import (DeviceMappingError, cuda_index, node_gpus, own_first, parse_visible, pin_own_gpu,
                                     torchrun_local_rank)
-from h3trt.runtime.launch import launch
+from h3trt.parallel.launch import launch
 
 
 @pytest.mark.parametrize("value, entries", [

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 import torch
 
-from h3trt.build.adaln import BakedAdaLN, schedule_timesteps
+from h3trt.build.adaln import schedule_timesteps
+from h3trt.engines.adaln import BakedAdaLN
 from h3trt.build.builder import BuildConfig, BuildError, Profile, _verify_in_subprocess, build, example_inputs
 from h3trt.build.segments import dit_segments
 from h3trt.cli import main
@@ -167,7 +168,7 @@ def test_refuses_another_environment(bundle_copy, change, message):
 
 
 def test_refuses_a_mesh_that_does_not_match(bundles):
-    from h3trt.runtime.mesh import MeshConfig
+    from h3trt.parallel.mesh import MeshConfig
 
     with pytest.raises(BundleError, match=r"built for sp=1 x cfg=1 .* launched as replica\(1\) x cfg\(1\) x sp\(2\)"):
         Engine.load(bundles["inductor"], "cpu", MeshConfig(sp=2))

@@ -11,11 +11,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h3trt.quant.formats import FP8, fp8_scale, quantize_fp8
-from h3trt.quant.fp8_attention import (attention_calibration_tensors, attention_kernel_for, center_rows,
+from h3trt.calibration.formats import FP8, fp8_scale, quantize_fp8
+from h3trt.calibration.fp8_attention import (attention_calibration_tensors, attention_kernel_for, center_rows,
                                       check_attention_kernel, fp8_sdpa)
-from h3trt.quant.modules import fp8_attention
-from h3trt.quant.recipe import QuantRecipe
+from h3trt.calibration.modules import fp8_attention
+from h3trt.calibration.recipe import QuantRecipe
 
 
 def rel(a, b):

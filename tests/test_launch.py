@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from h3trt.runtime.launch import RankFailed, init_rank, launch
+from h3trt.parallel.launch import RankFailed, init_rank, launch
 
 BOUND_S = 60  # the bound; the measured times are far below it
 

@@ -24,8 +24,8 @@ from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.runtime.guidance import branch_t_index
-from h3trt.runtime.launch import RankFailed, init_rank, launch
-from h3trt.runtime.mesh import MeshConfig, build_mesh
+from h3trt.parallel.launch import RankFailed, init_rank, launch
+from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
 from h3trt.runtime.serve import Job, load_rank_pipeline
 
@@ -134,8 +134,8 @@ def _eager_like(bundle: Path, root: Path) -> EagerDiT:
         return EagerDiT(load_dit(root, "t2va", torch.float32)[0])
     from safetensors.torch import load_file
 
-    from h3trt.quant.modules import quantized_template
-    from h3trt.quant.recipe import QuantRecipe
+    from h3trt.calibration.modules import quantized_template
+    from h3trt.calibration.recipe import QuantRecipe
 
     model = load_dit(root, "t2va", torch.bfloat16)[0]
     recipe = QuantRecipe.from_dict(manifest["quant"])
@@ -155,7 +155,7 @@ class _EagerQuantizedDiT(EagerDiT):
 
     def __call__(self, video, audio, text, unique_t, t_index, layout):
         from h3trt.models.config import NUM_MODALITIES
-        from h3trt.quant.modules import ATTENTION_SCALES, attention_fn
+        from h3trt.calibration.modules import ATTENTION_SCALES, attention_fn
 
         m = self.model
         x, temb = m.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,

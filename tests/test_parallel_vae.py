@@ -15,7 +15,7 @@ import torch.distributed as dist
 from h3trt.models.audio_vae import AudioVAE
 from h3trt.models.tiny import TINY_HEIGHT, TINY_WIDTH, tiny_audio_vae, tiny_video_vae
 from h3trt.models.video_vae import VideoVAE
-from h3trt.runtime.launch import init_rank, launch
+from h3trt.parallel.launch import init_rank, launch
 from h3trt.runtime.media import read_video
 from h3trt.runtime.output import OutputConfig
 from h3trt.runtime.parallel_vae import TAIL_STEPS, deal_waves, decode_and_write, decode_frames

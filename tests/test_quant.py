@@ -22,13 +22,13 @@ from h3trt.models.checkpoint import load_dit
 from h3trt.models.config import H3Config
 from h3trt.models.dit import Block, EagerDiT, rope_inv_freq, rope_tables
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
-from h3trt.quant.build import dit_weight_bytes
-from h3trt.quant.calibrate import MaxCalibrator, read_prompts
-from h3trt.quant.formats import (FP8, FP8_MAX, _e2m1_codes, dequantize_nvfp4, e2m1_values, fp8_linear, fp8_scale,
+from h3trt.calibration.build import dit_weight_bytes
+from h3trt.calibration.calibrate import MaxCalibrator, read_prompts
+from h3trt.calibration.formats import (FP8, FP8_MAX, _e2m1_codes, dequantize_nvfp4, e2m1_values, fp8_linear, fp8_scale,
                                  quantize_fp8, quantize_nvfp4)
-from h3trt.quant.fp8_attention import attention_calibration_tensors
-from h3trt.quant.modules import quantize_block
-from h3trt.quant.recipe import QuantRecipe, parse_exclusions
+from h3trt.calibration.fp8_attention import attention_calibration_tensors
+from h3trt.calibration.modules import quantize_block
+from h3trt.calibration.recipe import QuantRecipe, parse_exclusions
 
 STEPS = 6  # the FP8 bundle's baked schedule: a short one, so the eval runs in seconds
 # The bundle tests come first: the build must not follow an in-process compile of another test in this module (the
@@ -166,7 +166,8 @@ def _tiny_block_inputs(cfg, seed=0):
     (QuantRecipe("nvfp4"), 0.15),
 ])
 def test_quantized_block_stays_close_to_bf16(recipe, tol):
-    from h3trt.build.backends import compile_segment, load_segment
+    from h3trt.build.backends import compile_segment
+    from h3trt.engines.loaders import load_segment
     from h3trt.build.segments import block_segment
 
     cfg = H3Config.tiny()

@@ -24,7 +24,7 @@ import tensorrt_rtx as trt
 import torch
 
 from h3trt.build.builder import Profile, example_inputs
-from h3trt.build.onnx_export import export_graph, quantize_block, segment_graphs
+from h3trt.build.onnx_export import export_graph, modelopt_qdq_block, segment_graphs
 from h3trt.build.tensorrt import TrtFlavour, build_plan, build_plans, input_shapes, parse_targets, shape_ranges
 from h3trt.engines.manifest import BundleError
 from h3trt.engines.tensorrt_runtime import pick_profile, plan_device_problem
@@ -145,7 +145,7 @@ def test_fp8_graph_has_modelopt_qdq_and_is_refused_for_ampere(bf16_model, tmp_pa
     model, examples = bf16_model
     module, spec = segment_graphs(model)["block_0"]
     example = examples["block"][:5]
-    quantized = quantize_block(module, "fp8", [tuple(example)])
+    quantized = modelopt_qdq_block(module, "fp8", [tuple(example)])
     path = export_graph(quantized, spec, example, tmp_path / "block_0.onnx")
     ops = collections.Counter((n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node)
     # 4 linears: input + weight Q/DQ each
@@ -167,7 +167,7 @@ def test_nvfp4_graph_builds_for_sm120_only(bf16_model, tmp_path, monkeypatch):
     model, examples = bf16_model
     module, spec = segment_graphs(model)["block_1"]
     example = examples["block"][:5]
-    quantized = quantize_block(module, "nvfp4", [tuple(example)])
+    quantized = modelopt_qdq_block(module, "nvfp4", [tuple(example)])
     path = export_graph(quantized, spec, example, tmp_path / "block_1.onnx", nvfp4=True)
     ops = collections.Counter((n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node)
     assert ops[("trt", "TRT_FP4DynamicQuantize")] == 4 and ops[("", "DequantizeLinear")] == 16
@@ -333,7 +333,8 @@ class _OrtAsTensorRT:
 @pytest.mark.parametrize("adaln", ["baked", "live"])
 def test_trt_dit_runs_the_segment_interface_like_eager(adaln, fp32_graphs):
     """TrtDiT over TrtSegments (onnxruntime standing in for the plans' executor) equals the eager DiT."""
-    from h3trt.build.adaln import BakedAdaLN, LiveAdaLN, bake_tables
+    from h3trt.build.adaln import bake_tables
+    from h3trt.engines.adaln import BakedAdaLN, LiveAdaLN
     from h3trt.engines.tensorrt_runtime import TrtDiT, TrtSegment
     from h3trt.models.dit import EagerDiT
 
@@ -391,15 +392,15 @@ def _fp8_scales(path) -> set[float]:
 
 
 def test_calibrated_activation_ranges_set_the_fp8_input_scales(bf16_model, tmp_path):
-    """The calibration issue's amax per block linear input (h3trt.quant.calibrate) becomes the FP8 input scale
+    """The calibration issue's amax per block linear input (h3trt.calibration.calibrate) becomes the FP8 input scale
     amax / 448 of the exported graph."""
     model, examples = bf16_model
     module, spec = segment_graphs(model)["block_0"]
     example = examples["block"][:5]
     amax = {"attn.qkv_proj.input": 7.0, "attn.out_proj.input": 3.5, "mlp.fc1.input": 14.0, "mlp.fc2.input": 0.875}
-    quantized = quantize_block(module, "fp8", [tuple(example)], {k: torch.tensor(v) for k, v in amax.items()})
+    quantized = modelopt_qdq_block(module, "fp8", [tuple(example)], {k: torch.tensor(v) for k, v in amax.items()})
     scales = _fp8_scales(export_graph(quantized, spec, example, tmp_path / "block_0.onnx"))
     for value in amax.values():  # bf16 scales: compare at bf16 resolution
         assert any(abs(s - value / 448) <= 4e-3 * value / 448 for s in scales), (value / 448, sorted(scales))
     with pytest.raises(ValueError, match="dynamically"):
-        quantize_block(module, "nvfp4", [], {k: torch.tensor(v) for k, v in amax.items()})
+        modelopt_qdq_block(module, "nvfp4", [], {k: torch.tensor(v) for k, v in amax.items()})

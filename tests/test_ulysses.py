@@ -16,8 +16,8 @@ from h3trt.models.checkpoint_writer import random_state_dict
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.packing import RefBlock, pack_ref2va, pack_t2va, row_timesteps, text_tags_for
-from h3trt.runtime.mesh import MeshConfig, valid_sp
-from h3trt.runtime.ulysses import forward_sp
+from h3trt.parallel.mesh import MeshConfig, valid_sp
+from h3trt.parallel.ulysses import forward_sp
 
 REL_TOL = 1e-5
 LAYOUTS = {

@@ -25,6 +25,7 @@ BACKENDS = ("inductor", "aoti", "tensorrt")  # tensorrt: ONNX + plans, built by 
 @contextmanager
 def no_duck_shapes():
     """Two dimensions that happen to be equal in the example (say V == L) must not become one symbol."""
+    # torch's compiler stack (fx, Inductor) takes seconds to import: imported by the functions that compile.
     import torch.fx.experimental._config as fx_config
 
     old = fx_config.use_duck_shape
@@ -43,7 +44,7 @@ INDUCTOR_OPTIONS = {"compile_threads": 1}
 
 
 def compile_inductor(spec: SegmentSpec, example: list[torch.Tensor], path: Path) -> dict:
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as inductor_config  # heavy: see no_duck_shapes
 
     graph = export_segment(spec, example).graph_module  # placeholders are the segment inputs, in order
     with torch.no_grad(), inductor_config.patch(**INDUCTOR_OPTIONS):
@@ -87,26 +88,3 @@ def compile_segment(backend: str, spec: SegmentSpec, example: list[torch.Tensor]
     if backend == "aoti":
         return compile_aoti(spec, example, out_dir / f"{spec.name}.pt2")
     raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")
-
-
-class LoadedSegment:
-    """A compiled segment behind the one interface: call with the segment's inputs in order."""
-
-    def __init__(self, name: str, runner):
-        self.name, self.runner = name, runner
-
-    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        out = self.runner(*inputs)
-        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
-
-
-def load_segment(backend: str, entry: dict, bundle_dir: Path, device: torch.device) -> LoadedSegment:
-    path = bundle_dir / "segments" / entry["artifact"]
-    if backend == "inductor":
-        artifact = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
-        return LoadedSegment(entry["name"], artifact)
-    if backend == "aoti":
-        index = device.index if device.type == "cuda" else None
-        runner = torch._inductor.aoti_load_package(str(path), device_index=index if index is not None else -1)
-        return LoadedSegment(entry["name"], runner)
-    raise ValueError(f"Unknown backend {backend!r} in the bundle manifest.")

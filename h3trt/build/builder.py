@@ -12,6 +12,7 @@ looks like a bundle.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -23,23 +24,27 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
+from ..calibration.build import block_weight_sets, first_layer, quantize_dit
+from ..calibration.fp8_attention import attention_kernel_for, check_attention_kernel
+from ..calibration.recipe import QUANT_PRECISIONS, QuantRecipe, parse_exclusions
+from ..engines.loaders import bundle_activated
+from ..engines.manifest import device_arch, runtime_versions, sha256_file, write_manifest
 from ..models.checkpoint import TASK_PARTITIONS, load_dit, locate_transformer
 from ..models.config import NUM_MODALITIES
 from ..models.dit import H3DiT
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, row_timesteps, text_tags_for, validate_canvas
 from ..models.sampler import Schedule
-from ..engines.manifest import device_arch, runtime_versions, write_manifest
-from ..runtime.mesh import MeshConfig
-from ..runtime.ulysses import padded_length
+from ..models.vae_checkpoint import load_video_vae
+from ..parallel.mesh import MeshConfig
+from ..parallel.ulysses import padded_length
 from .adaln import bake_tables, schedule_timesteps
 from .backends import BACKENDS, compile_segment
-from .segments import block_weight_names, check_sharded_recipe, dit_segments, embed_segment, final_weight_names
-from ..quant.build import block_weight_sets, first_layer, quantize_dit
-from ..quant.fp8_attention import attention_kernel_for, check_attention_kernel
-from ..quant.recipe import QUANT_PRECISIONS, QuantRecipe, parse_exclusions
+from .segments import (block_weight_names, check_sharded_recipe, dit_segments, embed_segment, final_weight_names,
+                       video_decoder_segment)
+from .tensorrt import build_tensorrt_segments, check_build_config
 
 # Quantized precisions keep everything they do not quantize (and their activations) in bf16.
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "nvfp4": torch.bfloat16}
@@ -121,8 +126,6 @@ class BuildConfig:
         if not self.profiles:
             raise ValueError("At least one --profile is needed.")
         if self.backend == "tensorrt":
-            from .tensorrt import check_build_config
-
             check_build_config(self)
         elif self.trt_targets is not None:
             raise ValueError("--trt-targets applies to --backend tensorrt.")
@@ -210,8 +213,6 @@ def mesh_record(cfg, config: BuildConfig) -> dict:
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor]) -> int:
-    from safetensors.torch import save_file
-
     path.parent.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous().cpu() for k, v in tensors.items()}, str(path))
     return sum(t.numel() * t.element_size() for t in tensors.values())
@@ -225,8 +226,6 @@ def build(config: BuildConfig, log=print) -> dict:
     MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp,
                                                         locate_transformer(config.model_root, config.task)
                                                         .config.num_heads)
-    from ..engines.bundle import bundle_activated
-
     if config.backend in ("inductor", "aoti") and bundle_activated():
         # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
@@ -283,14 +282,12 @@ def build(config: BuildConfig, log=print) -> dict:
         del weights
 
         # 3. Compile each segment once, capturing the compiled binaries in the bundle's own Inductor cache.
-        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
+        from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir  # Inductor: seconds to import
 
         examples = example_inputs(model, config.profiles[0].geometry, device, config.sp, recipe)
         specs = {spec.name: spec for spec in dit_segments(model.cfg, dtype, config.sp, recipe)}
         specs.update(_video_decoder_specs(source.component_root, config.profiles, device, examples))
         if config.backend == "tensorrt":  # ONNX export + TensorRT plans instead of torch compiles (tensorrt.py)
-            from .tensorrt import build_tensorrt_segments
-
             trt_segments, trt_record = build_tensorrt_segments(model, examples, config, work, log)
             # Plans run only on their target GPUs, and the video decoder stays eager: no torch compile, no check here.
             specs, examples = {}, {}
@@ -363,10 +360,6 @@ def _prune_cache(cache: Path) -> None:
 
 
 def _checkpoint_sha(files) -> str:
-    import hashlib
-
-    from ..engines.manifest import sha256_file
-
     h = hashlib.sha256()
     for f in files:
         h.update(f.name.encode() + sha256_file(f).encode())
@@ -375,9 +368,6 @@ def _checkpoint_sha(files) -> str:
 
 def _video_decoder_specs(component_root: Path, profiles, device, examples: dict) -> dict:
     """One static-shape video decoder segment per (window, tile) shape the profiles decode; fills `examples`."""
-    from ..models.vae_checkpoint import load_video_vae
-    from .segments import video_decoder_segment
-
     video_vae = load_video_vae(component_root, device)
     tensors = {**dict(video_vae.vae.named_parameters()), **dict(video_vae.vae.named_buffers())}
     channels = video_vae.vae.config.latent_channels
@@ -393,8 +383,6 @@ def _video_decoder_specs(component_root: Path, profiles, device, examples: dict)
 
 
 def _verify_in_subprocess(work: Path, config: BuildConfig, segments: dict, examples: dict, specs: dict) -> None:
-    from safetensors.torch import save_file
-
     if not examples:  # a tensorrt build: its plans run only on their target GPUs
         return
 

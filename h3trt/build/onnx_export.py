@@ -27,8 +27,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..calibration.recipe import BLOCK_LINEARS  # the calibration's amax keys are `<linear>.input`
 from ..models.dit import H3DiT
-from ..quant.recipe import BLOCK_LINEARS  # the calibration's amax keys are `<linear>.input`
 from .segments import block_segment, embed_segment, final_segment
 
 ONNX_OPSET = 20
@@ -128,7 +128,7 @@ def segment_graphs(model: H3DiT) -> dict[str, tuple[nn.Module, object]]:
     return graphs
 
 
-def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Tensor, ...]],
+def modelopt_qdq_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Tensor, ...]],
                    input_amax: dict[str, torch.Tensor] | None = None) -> BlockGraph:
     """A copy of one layer with ModelOpt Q/DQ on every Linear: FP8 E4M3 per-tensor weights and inputs, or NVFP4
     (E2M1, blocks of 16, E4M3 block scales, dynamic activations). Max calibration over `calib` (block inputs).
@@ -136,6 +136,7 @@ def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Te
     Embed and final stay BF16: the patch / time / condition projections and the output heads are the layers every
     diffusion recipe keeps in high precision (tensorrt_notes.md 2.3), and they are a sliver of the FLOPs.
     """
+    # ModelOpt is the TensorRT backend's optional dependency (the test extra; not on the GPU image): imported when used.
     import modelopt.torch.quantization as mtq
 
     if input_amax is not None and precision != "fp8":
@@ -156,7 +157,7 @@ def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Te
     with torch.no_grad():
         graph = mtq.quantize(graph, config, forward_loop)
     if input_amax is not None:
-        # Activation ranges from the calibration issue's trajectories (h3trt.quant.calibrate: {"mlp.fc1.input": amax,
+        # Activation ranges from the calibration issue's trajectories (h3trt.calibration.calibrate: {"mlp.fc1.input": amax,
         # ...} per block) replace the ones seen on `calib`; weight ranges come from the weights either way.
         for name in BLOCK_LINEARS:
             quantizer = graph.block.get_submodule(name).input_quantizer
@@ -166,6 +167,7 @@ def quantize_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Te
 
 def export_graph(module: nn.Module, spec, example: list[torch.Tensor], path: Path, nvfp4: bool = False) -> Path:
     """Export one graph to `path` (+ `path.name + '.data'`). Returns `path`."""
+    # onnx and ModelOpt belong to the TensorRT backend's optional extra: imported when a tensorrt build runs.
     import onnx
 
     dynamic_axes = {name: dict(dims) for name, dims in spec.dynamic.items()}

@@ -19,13 +19,11 @@ from typing import Callable
 import torch
 
 from ..models.config import H3Config
-from ..models.dit import H3DiT, build_dit
-from ..quant.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
-from ..quant.recipe import QuantRecipe
-from ..runtime.ulysses import from_head_groups, to_head_groups
+from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
+from ..calibration.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
+from ..calibration.recipe import QuantRecipe
+from ..parallel.ulysses import from_head_groups, to_head_groups
 
-EMBED_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "condition_proj.", "time_embedder.", "token_refiner.")
-ADALN_PREFIX = "adaln_proj."
 
 
 @dataclass
@@ -113,7 +111,7 @@ def block_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None 
     )
 
 
-# Under sequence parallelism the block is two segments around the attention exchange (h3trt/runtime/ulysses.py):
+# Under sequence parallelism the block is two segments around the attention exchange (h3trt/parallel/ulysses.py):
 #   block_pre(x, mod, adaln_index, cos, sin, *W) -> qkv send buffer [sp, 3, B, Sl, N / sp, D]
 #   block_post(x, attn, mod, adaln_index, *W) -> x                    (attn: the received [sp, B, Sl, N / sp, D])
 # sp is baked into both (the head grouping of the buffers); Sl, the rows per rank, stays symbolic.

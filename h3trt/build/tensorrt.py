@@ -16,7 +16,9 @@ Legend: S packed rows, V video rows, A audio rows, L text rows, T distinct times
 
 from __future__ import annotations
 
+import importlib
 import re
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +27,7 @@ import torch
 
 from ..models.config import H3Config
 from ..models.packing import AUDIO_CHANNELS, Geometry
+from .onnx_export import export_graph, onnx_output_names, modelopt_qdq_block, segment_graphs
 
 # Targets TensorRT-RTX 1.7.1 can compile for (its ComputeCapability enum; no sm_90, sm_100 or sm_103).
 RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
@@ -60,8 +63,6 @@ class TrtFlavour:
 
     @property
     def module(self):
-        import importlib
-
         return importlib.import_module(self.name)
 
 
@@ -233,11 +234,7 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: st
     FP8/NVFP4 calibration walks the layers in order: each layer is calibrated on the residual stream the eager
     (unquantized) layers before it produce at every CALIBRATION_TIMESTEPS step, so only one layer's inputs are held
     at a time (all 50 layers' at 37k rows would be 80 GB). `input_amax` (fp8): per layer, activation ranges from
-    `h3trt.quant.calibrate` over real trajectories, replacing the example's."""
-    import tempfile
-
-    from .onnx_export import export_graph, onnx_output_names, quantize_block, segment_graphs
-
+    `h3trt.calibration.calibrate` over real trajectories, replacing the example's."""
     device = next(model.parameters()).device
     quantize = precision in ("fp8", "nvfp4")
     if precision == "nvfp4" and device.type != "cuda":
@@ -260,7 +257,7 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: st
                 with torch.no_grad():
                     mods = [layer.modulation(temb).contiguous() for temb in tembs]
                     calib = [(x, mod, adaln_index, cos, sin) for x, mod in zip(streams, mods)]
-                    module = quantize_block(module, precision, calib, None if input_amax is None else input_amax[index])
+                    module = modelopt_qdq_block(module, precision, calib, None if input_amax is None else input_amax[index])
                     streams = [layer(x, mod, adaln_index, (cos, sin)) for x, mod in zip(streams, mods)]
             t0 = time.perf_counter()
             onnx_path = export_graph(module, spec, trace, Path(tmp) / f"{name}.onnx",

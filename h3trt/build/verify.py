@@ -13,21 +13,19 @@ import sys
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file
+
+from ..engines.guard import no_compile
+from ..engines.loaders import load_segments
 
 
 def main(argv: list[str]) -> int:
-    from safetensors.torch import load_file
-
-    from ..engines.bundle import load_segments
-
     work, examples_dir = Path(argv[0]), Path(argv[1])
     plan = json.loads((examples_dir / "plan.json").read_text())
     tensors = load_file(str(examples_dir / "examples.safetensors"))
     device = torch.device(plan["device"])
     entries = {name: item["entry"] for name, item in plan["plan"].items()}
     segments = load_segments(work, plan["backend"], entries, device)
-    from ..engines.guard import no_compile
-
     failed = False
     with torch.no_grad(), no_compile():
         for name, item in plan["plan"].items():

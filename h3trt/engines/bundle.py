@@ -5,69 +5,19 @@
 
 from __future__ import annotations
 
-import atexit
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import torch
 
-from ..build.adaln import BakedAdaLN, LiveAdaLN
-from ..build.backends import LoadedSegment, load_segment
+from ..calibration.fp8_attention import check_attention_kernel
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
-# Also registers h3trt::fp8_sdpa, which the compiled blocks of an --fp8-attention bundle call by name.
-from ..quant.fp8_attention import check_attention_kernel
-from ..runtime.ulysses import RowShard, UlyssesExchange
-from .guard import no_compile
+from ..parallel.ulysses import RowShard, UlyssesExchange
+from .adaln import load_adaln
+from .loaders import LoadedSegment, load_segments, load_weights
 from .manifest import BundleError, check_environment, read_manifest, verify_files
-
-_ACTIVE_CACHE: dict[str, str] = {}
-
-
-def activate_compiled_cache(root: Path) -> None:
-    """Point Inductor at a private copy of the bundle's compiled binaries (a process-wide setting: one bundle's cache
-    per process), and skip the precompiled-header step, which would run the C++ preprocessor on a cache hit."""
-    src = Path(root) / "inductor_cache"
-    if not src.is_dir():
-        return
-    if _ACTIVE_CACHE.get("root") == str(root):
-        return
-    import torch._inductor.codecache as codecache
-    from torch._inductor.utils import clear_caches
-
-    tmp = tempfile.mkdtemp(prefix="h3trt-engine-cache-")
-    shutil.copytree(src, tmp, dirs_exist_ok=True)
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
-    # The C++ kernels ship compiled; Inductor would still run the preprocessor over its precompiled header on every
-    # first load to checksum it. The header only matters for compiling, which a served bundle never does.
-    codecache._precompile_header = _no_precompiled_header
-    clear_caches()
-    _ACTIVE_CACHE["root"] = str(root)
-
-
-def bundle_activated() -> str | None:
-    """The bundle whose compiled-code cache this process serves from, if any."""
-    return _ACTIVE_CACHE.get("root")
-
-
-def _no_precompiled_header(*args, **kwargs) -> str:
-    return ""
-
-
-def load_segments(root: Path, backend: str, entries: dict, device: torch.device) -> dict[str, LoadedSegment]:
-    activate_compiled_cache(root)
-    with no_compile():
-        return {name: load_segment(backend, entry, Path(root), device) for name, entry in entries.items()}
-
-
-def _load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    return {k: v.to(device) for k, v in load_file(str(path)).items()}
+from .tensorrt_runtime import load_trt_engine
 
 
 class EngineDiT:
@@ -157,8 +107,6 @@ class Engine:
         device = torch.device(device)
         manifest = read_manifest(root)
         if manifest["backend"] == "tensorrt":  # plans: their own GPU check, runner and loader
-            from .tensorrt_runtime import load_trt_engine
-
             return load_trt_engine(cls, root, manifest, device, mesh)
         check_environment(manifest, device, mesh)
         quant = manifest.get("quant") or {}
@@ -173,13 +121,9 @@ class Engine:
             raise BundleError(f"{root} does not match its manifest: {listed}. Re-copy the bundle or rebuild it.")
         cfg = H3Config.from_dict(manifest["model_config"])
         segments = load_segments(root, manifest["backend"], manifest["segments"], device)
-        weights = {name: _load_weights(root / "weights" / f"{name}.safetensors", device)
+        weights = {name: load_weights(root / "weights" / f"{name}.safetensors", device)
                    for name in ("embed", "blocks", "final")}
-        if manifest["adaln"]["baked"]:
-            adaln = BakedAdaLN(_load_weights(root / "weights" / "adaln_tables.safetensors", torch.device("cpu")), device)
-        else:
-            adaln = LiveAdaLN(_load_weights(root / "weights" / "adaln_weights.safetensors", device), cfg.num_layers,
-                              cfg.hidden_size, device)
+        adaln = load_adaln(root, manifest, cfg, device)
         dit = EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device,
                         sp_group if manifest["mesh"]["sp"] > 1 else None,
                         quant.get("layer_segments"))

@@ -37,6 +37,8 @@ def _targets() -> list[tuple[str, str]]:
 
 @contextmanager
 def no_compile():
+    # The patch targets, imported here rather than with this module: compile_fx pulls in most of Inductor, which an
+    # eager run never needs.
     import torch._inductor.codecache  # noqa: F401  (import the targets before patching them)
     import torch._inductor.compile_fx  # noqa: F401
     import torch._inductor.cpp_builder  # noqa: F401

@@ -11,13 +11,15 @@ Legend as in `h3trt.models.dit`: S packed rows, V/A/L video/audio/text rows, T d
 
 from __future__ import annotations
 
+import importlib
 from pathlib import Path
 
 import torch
 
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
-from .manifest import BundleError
+from .adaln import load_adaln
+from .manifest import BundleError, verify_files
 
 
 def plan_device_problem(trt_info: dict, gpu: str | None, capability: tuple[int, int] | None,
@@ -157,12 +159,6 @@ class TrtDiT:
 def load_trt_engine(engine_cls, root: Path, manifest: dict, device: torch.device, mesh=None):
     """`Engine.load` for a tensorrt bundle: device check first, then hashes, plans, AdaLN. The video decoder runs
     eagerly from the bundle's copied VAE (the plans cover the DiT only)."""
-    import importlib
-
-    from ..build.adaln import BakedAdaLN, LiveAdaLN
-    from .bundle import _load_weights
-    from .manifest import verify_files
-
     info = manifest["tensorrt"]
     if mesh is not None and mesh.world_size != 1:
         raise BundleError(f"This TensorRT bundle serves one process; the job has world size {mesh.world_size}. "
@@ -175,11 +171,7 @@ def load_trt_engine(engine_cls, root: Path, manifest: dict, device: torch.device
     trt = importlib.import_module(info["flavour"])
     segments = {name: TrtSegment(trt, (root / "segments" / e["artifact"]).read_bytes(), e, device, info["flavour"])
                 for name, e in manifest["segments"].items()}
-    if manifest["adaln"]["baked"]:
-        adaln = BakedAdaLN(_load_weights(root / "weights" / "adaln_tables.safetensors", torch.device("cpu")), device)
-    else:
-        adaln = LiveAdaLN(_load_weights(root / "weights" / "adaln_weights.safetensors", device), cfg.num_layers,
-                          cfg.hidden_size, device)
+    adaln = load_adaln(root, manifest, cfg, device)
     engine = engine_cls(root, manifest, TrtDiT(cfg, segments, adaln, device), segments)
     engine.video_decoders = lambda vae: None  # None: VideoVAE decodes eagerly
     return engine

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 
 from .config import H3Config
 from .dit import H3DiT, build_dit, parameter_dtype, rope_inv_freq
@@ -267,8 +268,6 @@ def infer_config(shapes: dict[str, tuple[int, ...]], naming: str) -> H3Config:
 
 
 def _safe_open(path: Path):
-    from safetensors import safe_open
-
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for bad headers

@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from .checkpoint import COMFY_PREFIX, DIFFUSERS_CLASS, interleave_qkv, to_native_config
 from .config import H3Config
@@ -45,8 +46,6 @@ def _checkpoint_dtypes(state: dict[str, torch.Tensor], dtype: torch.dtype) -> di
 
 
 def _save_sharded(folder: Path, tensors: dict[str, torch.Tensor], shards: int, stem: str, index_name: str) -> None:
-    from safetensors.torch import save_file
-
     folder.mkdir(parents=True, exist_ok=True)
     names = sorted(tensors)
     shards = max(1, min(shards, len(names)))
@@ -150,8 +149,6 @@ def save_diffusers(root: str | Path, cfg: H3Config, states: dict[str, dict[str, 
 def save_comfy(path: str | Path, cfg: H3Config, state: dict[str, torch.Tensor],
                dtype: torch.dtype = torch.bfloat16) -> Path:
     """One file, native names under `model.diffusion_model.`, QKV stacked [q; k; v]."""
-    from safetensors.torch import save_file
-
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     tensors = {COMFY_PREFIX + k: v for k, v in _checkpoint_dtypes(state, dtype).items()}

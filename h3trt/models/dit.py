@@ -33,6 +33,11 @@ FP32_PREFIXES = (
     "final_layer.audio_out.",
 )
 
+# Parameter-name prefixes the segments, the bundle's weight files and the size estimates split the model by: the embed
+# segment's modules, and the modulation projections (`adaln_proj`) a baked bundle leaves out.
+EMBED_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "condition_proj.", "time_embedder.", "token_refiner.")
+ADALN_PREFIX = "adaln_proj."
+
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 

@@ -19,6 +19,7 @@ model's `last_hidden_state` *is* diffusers' `hidden_states[50]` of the full 64-l
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +27,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLConfig, Qwen3VLModel
 
 TEXT_ENCODER_LAYER = 50  # MiniMax-H3 conditions on hidden_states[50] of Qwen3-VL-32B (64 layers).
 TEXT_TAG = 1  # Per-row modality tags index the transformer's AdaLN table: a checkpoint contract.
@@ -45,18 +45,34 @@ _QWEN_TEXT, _QWEN_IMAGE, _QWEN_VIDEO = 0, 1, 2
 TEXT_ENCODER_DIR, TOKENIZER_DIR, PROCESSOR_DIR = "text_encoder", "tokenizer", "processor"
 
 
+def quiet_transformers() -> None:
+    """Turn off transformers' weight-loading progress bars: h3trt reports its own progress, a bar per load is noise."""
+    from transformers.utils import logging as hf_logging  # heavy: see _first_layers_model
+
+    hf_logging.disable_progress_bar()
+
+
 class MissingComponentError(ValueError):
     """A conditioner folder is absent from the checkpoint root."""
 
 
-class _Qwen3VLFirstLayers(Qwen3VLModel):
+@functools.cache
+def _first_layers_model():
     """Qwen3VLModel built with TEXT_ENCODER_LAYER decoder layers: the checkpoint's deeper layers and lm_head are
-    expected to stay unread, so they are kept out of the load report; any other unexpected key is still reported."""
+    expected to stay unread, so they are kept out of the load report; any other unexpected key is still reported.
 
-    _keys_to_ignore_on_load_unexpected = [
-        rf"(^|\.)layers\.(?!(?:{'|'.join(str(i) for i in range(TEXT_ENCODER_LAYER))})\.)\d+\.",
-        r"(^|\.)lm_head\.",
-    ]
+    transformers takes seconds to import and only loading or writing a text encoder needs it, so it is imported
+    here and in the other transformers entry points of this module, not with the module (which every `h3trt`
+    command imports)."""
+    from transformers import Qwen3VLModel
+
+    class _Qwen3VLFirstLayers(Qwen3VLModel):
+        _keys_to_ignore_on_load_unexpected = [
+            rf"(^|\.)layers\.(?!(?:{'|'.join(str(i) for i in range(TEXT_ENCODER_LAYER))})\.)\d+\.",
+            r"(^|\.)lm_head\.",
+        ]
+
+    return _Qwen3VLFirstLayers
 
 
 @dataclass
@@ -176,6 +192,8 @@ class H3TextEncoder:
         cls, component_root: Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.bfloat16
     ) -> "H3TextEncoder":
         """Load `text_encoder/`, `tokenizer/` and `processor/` from a diffusers-layout checkpoint, offline."""
+        from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLConfig  # heavy: see _first_layers_model
+
         root = Path(component_root)
         encoder_dir, tokenizer_dir, processor_dir = (
             _require_dir(root, name) for name in (TEXT_ENCODER_DIR, TOKENIZER_DIR, PROCESSOR_DIR)
@@ -190,7 +208,7 @@ class H3TextEncoder:
             )
         # Build and load only layers 0..49: the checkpoint's later layers and lm_head are left unread.
         config.text_config.num_hidden_layers = TEXT_ENCODER_LAYER
-        model = _Qwen3VLFirstLayers.from_pretrained(
+        model = _first_layers_model().from_pretrained(
             encoder_dir, config=config, dtype=dtype, device_map=str(torch.device(device)), local_files_only=True
         )
         # The output after the last kept layer is hidden_states[50] only if the final RMSNorm is skipped.
@@ -386,7 +404,7 @@ def write_tiny_text_encoder(component_root: Path, hidden_size: int = 48, seed: i
     video_preprocessor_config.json, tokenizer files) one sub-processor at a time, because transformers cannot
     instantiate a Qwen3VLProcessor without torchvision; Qwen3VLProcessor.from_pretrained reads it back.
     """
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLForConditionalGeneration
+    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
     if hidden_size % 4:

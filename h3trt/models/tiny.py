@@ -17,6 +17,8 @@ import torch
 
 from .checkpoint_writer import random_state_dict, save_official
 from .config import H3Config
+from .text_encoder import write_tiny_text_encoder
+from .vae_checkpoint import save_audio_vae, save_video_vae
 
 TINY_VERSION = 1  # bump when the tiny components change, so stale caches are rebuilt
 TINY_SEED = 0
@@ -27,7 +29,7 @@ TINY_REFERENCE_SHORT_EDGE = 64
 
 
 def tiny_video_vae():
-    from diffusers import AutoencoderKLMiniMaxH3
+    from diffusers import AutoencoderKLMiniMaxH3  # diffusers: seconds to import; only a first use builds the VAEs
 
     gen = torch.Generator().manual_seed(TINY_SEED + 10)
     mean = (0.1 * torch.randn(24, generator=gen)).tolist()
@@ -50,10 +52,7 @@ def tiny_audio_vae():
 
 def write_tiny_checkpoint(root: Path) -> Path:
     """Write the whole tiny model in the official layout: FL2VA/ and Ref2VA/, each with every component."""
-    from transformers.utils import logging as hf_logging
-
-    from .text_encoder import write_tiny_text_encoder
-    from .vae_checkpoint import save_audio_vae, save_video_vae
+    from transformers.utils import logging as hf_logging  # transformers: seconds to import, needed at first use only
 
     hf_logging.disable_progress_bar()  # a "Writing model shards" bar for a 3 MB model is noise on the first run
     cfg = H3Config.tiny()

@@ -22,6 +22,7 @@ import re
 from pathlib import Path
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from .audio_vae import AudioVAE
 from .checkpoint import CheckpointError, check_state_dict, deinterleave_qkv, interleave_qkv
@@ -39,8 +40,6 @@ VIDEO_VAE_DROPPED = ("decoder.mask_token",)  # a training-only token the decoder
 
 
 def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
     if not path.exists():
         raise CheckpointError(f"{path} is missing.")
     try:
@@ -139,7 +138,7 @@ def _video_vae_kwargs(native: dict[str, torch.Tensor], config: dict) -> dict:
 
 def load_video_vae(component_root: Path, device="cpu", dtype=torch.float32) -> VideoVAE:
     """The video VAE of an official partition (`video_vae/`) or a diffusers root (`vae/`)."""
-    from diffusers import AutoencoderKLMiniMaxH3
+    from diffusers import AutoencoderKLMiniMaxH3  # diffusers: seconds to import, needed only when a VAE loads
 
     component_root = Path(component_root)
     if (component_root / "video_vae").is_dir():
@@ -233,8 +232,6 @@ def load_audio_vae(component_root: Path, device="cpu", dtype=torch.float32) -> A
 
 
 def save_video_vae(component_root: Path, vae, tile_px: int = TILE_PX, tile_overlap_px: int = TILE_OVERLAP_PX) -> None:
-    from safetensors.torch import save_file
-
     folder = Path(component_root) / "video_vae"
     (folder / "source").mkdir(parents=True, exist_ok=True)
     cfg = vae.config
@@ -251,8 +248,6 @@ def save_video_vae(component_root: Path, vae, tile_px: int = TILE_PX, tile_overl
 
 
 def save_audio_vae(component_root: Path, vae) -> None:
-    from safetensors.torch import save_file
-
     folder = Path(component_root) / "audio_vae"
     folder.mkdir(parents=True, exist_ok=True)
     cfg = vae.config

@@ -9,10 +9,11 @@
      decodes and writes. A failing request is recorded and the run goes on (unless fail_fast)
   4. record: OUT/<id>.json (status done or failed), the timeline (timeline.py) and the summary
 
-On a mesh (`--gpus N` or torchrun; h3trt/runtime/serve.py) each replica group calls `run_batch` with
-`shard=(group, groups)`: group g takes requests g, g + groups, ... Every rank of a group runs the same plan (it is
-computed before the first collective) and enters every batched denoise and every tile-parallel decode together; only
-the group's first rank (`write=True`) writes. A failure inside denoise or decode there ends the job (a rerun resumes).
+On a mesh (`--gpus N` or torchrun; `run_batch_on_mesh` below, ranks set up as in h3trt/runtime/serve.py) each
+replica group calls `run_batch` with `shard=(group, groups)`: group g takes requests g, g + groups, ... Every rank
+of a group runs the same plan (it is computed before the first collective) and enters every batched denoise and every
+tile-parallel decode together; only the group's first rank (`write=True`) writes. A failure inside denoise or decode
+there ends the job (a rerun resumes).
 """
 
 from __future__ import annotations
@@ -23,16 +24,27 @@ import math
 import re
 import resource
 import sys
+import tempfile
 import time
 import traceback
-from dataclasses import dataclass, field
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.distributed as dist
+from tqdm import tqdm
 
-from ..engines.manifest import bundle_identity, sha256_file
+from ..engines.guard import no_compile
+from ..engines.manifest import bundle_identity, read_manifest, sha256_file
+from ..models.checkpoint import locate_transformer
+from ..models.config import H3Config
+from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
+from ..parallel.launch import init_rank, init_torchrun_rank, launch, torchrun_rank
+from ..parallel.mesh import build_mesh, resolve_mesh
 from .pipeline import CanvasDefaults, Encoded, H3Pipeline, Request, prepare, request_dict, write_json_atomic
+from .serve import Job, launch_gpus, load_rank_pipeline, rank_device
 from .timeline import TimelineTimer, write_timeline
 
 TASKS = ("t2va", "fl2va", "ref2va")
@@ -396,8 +408,6 @@ class _Run:
     def _open_bars(self, total: int, skipped: int) -> None:
         if self.config.quiet or not self.config.write:
             return
-        from tqdm import tqdm
-
         self.bars = (tqdm(total=total, initial=skipped, desc="requests", unit="clip", position=0, file=sys.stderr),
                      tqdm(total=0, desc="denoise", unit="step", position=1, leave=False, file=sys.stderr))
 
@@ -445,13 +455,61 @@ def summary_line(summary: BatchSummary) -> str:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
+# On a mesh: each replica group runs `run_batch` over its share of the file
+
+
+def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model: str, extra: dict) -> int:
+    """`h3trt run --requests` on a mesh: each replica group runs `run_batch` over its share of the file."""
+    torchrun = torchrun_rank()
+    if torchrun is not None and args.gpus > 1:
+        raise ValueError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
+    world = torchrun[1] if torchrun else args.gpus
+    task = "ref2va" if items[0].key[0] == "ref2va" else "t2va"
+    heads = (H3Config.from_dict(manifest["model_config"]) if manifest else locate_transformer(root, task).config).num_heads
+    mesh = resolve_mesh(world, heads, manifest["mesh"] if manifest else None, args.cfg, args.sp, args.replicas)
+    if mesh.cfg == 2:
+        raise ValueError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
+    job = Job(str(root), manifest is not None, task, "cuda" if str(device).startswith("cuda") else "cpu", mesh,
+              canvas=canvas, model_name=model, record_extra=extra)
+    if torchrun is not None:
+        rank, world, local_rank = init_torchrun_rank(job.device_type)
+        failed = serve_batch_rank(rank, world, local_rank, job, heads, items, config)
+        dist.barrier()
+        dist.destroy_process_group()
+        return 1 if failed else 0
+    with tempfile.TemporaryDirectory(prefix="h3trt-batch-") as tmp:
+        launch(serve_batch_launched, world, (job, heads, items, config, tmp),
+               gpus=launch_gpus(job.device_type, world))
+        failed = sum(int(f.read_text()) for f in Path(tmp).glob("failed-*"))
+    print(f"{config.out_dir}: batch on replica({mesh.replica}) x cfg({mesh.cfg}) x sp({mesh.sp}): {failed} failed "
+          f"(per-request records in {config.out_dir})")
+    return 1 if failed else 0
+
+
+def serve_batch_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int, items, config) -> int:
+    """One rank of a mesh batch run; returns the failures its replica group recorded (0 on non-writing ranks)."""
+    par = build_mesh(job.mesh, job.device_type, world, num_heads)
+    pipeline = load_rank_pipeline(job, par, rank_device(job.device_type))
+    mine = replace(config, shard=(par.replica_index, job.mesh.replica), write=par.writes,
+                   decode_group=par.decode_group, quiet=config.quiet or not par.writes)
+    summary = run_batch(pipeline, items, mine, job.model_name, job.record_extra)
+    if par.writes:
+        print(f"replica group {par.replica_index}: {summary_line(summary)}")
+        return len(summary.failed)
+    return 0
+
+
+def serve_batch_launched(rank: int, world: int, store: str, job: Job, num_heads: int, items, config, tmp: str) -> None:
+    init_rank(rank, world, store, job.device_type)
+    Path(tmp, f"failed-{rank}").write_text(str(serve_batch_rank(rank, world, rank, job, num_heads, items, config)))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
 # `h3trt run --requests FILE --out-dir DIR`
 
 
 def run_requests(args) -> int:
     """The CLI's batch mode: validate the whole file, load the model once, run; 0 if every request is done."""
-    from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
-
     single = [flag for flag, value in (("--prompt", args.prompt), ("--output", args.output), ("--image", args.image),
                                        ("--last-image", args.last_image), ("--ref", args.ref)) if value]
     if single:
@@ -460,8 +518,6 @@ def run_requests(args) -> int:
         raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
     manifest = None
     if args.engine is not None:
-        from ..engines.manifest import read_manifest
-
         manifest = read_manifest(args.engine)
         check_bundle_batch(manifest, args.max_batch)
     tiny = manifest["tiny"] if manifest else args.model is None
@@ -475,24 +531,16 @@ def run_requests(args) -> int:
                          "partitions (Ref2VA/ and FL2VA/); split the file and run each part.")
     device = args.device or (manifest["device"].split(":")[0] if manifest else
                              ("cuda" if torch.cuda.is_available() else "cpu"))
-    from .launch import torchrun_rank
-
     if args.gpus > 1 or torchrun_rank() is not None:
-        from .serve import run_batch_on_mesh
-
         root = args.engine if manifest else (ensure_tiny_checkpoint() if tiny else args.model)
         model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(root))
         extra = {"bundle": bundle_identity(manifest)} if manifest else {}
         return run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model, extra)
     if manifest is not None:
-        from ..engines.guard import no_compile
-
         pipeline = H3Pipeline.load_engine(args.engine, device, canvas)
         extra = {"bundle": bundle_identity(manifest)}
         model, serving = str(args.engine), no_compile()
     else:
-        from contextlib import nullcontext
-
         if tiny:
             print("h3trt: using the embedded tiny default model (random weights): every clip is noise. Pass --model "
                   "PATH for real MiniMax-H3 weights.", file=sys.stderr)

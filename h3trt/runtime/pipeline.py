@@ -24,6 +24,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..engines.bundle import Engine
+from ..engines.manifest import check_request
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
@@ -34,6 +36,7 @@ from ..models.packing import (
 )
 from ..models.sampler import (DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, denoise, euler_step,
                               initial_latents)
+from ..models.text_encoder import AudioRef, H3TextEncoder, ImageRef, VideoRef, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae, load_video_vae
 from ..models.video_vae import VideoVAE, image_to_pixels, prepare_keyframe
 from .guidance import Branch, guided_denoiser
@@ -232,12 +235,8 @@ class StageTimer:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + end - start
 
 
-def _eager_components(root: Path, device: torch.device, dtype: torch.dtype):
-    from transformers.utils import logging as hf_logging
-
-    from ..models.text_encoder import H3TextEncoder
-
-    hf_logging.disable_progress_bar()  # h3trt reports its own progress; a weight-loading bar is noise here
+def eager_components(root: Path, device: torch.device, dtype: torch.dtype):
+    quiet_transformers()
     text_encoder = H3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
     return text_encoder, load_video_vae(root, device), load_audio_vae(root, device)
 
@@ -260,16 +259,13 @@ class H3Pipeline:
         model, source = load_dit(model_root, task, dtype=dtype, device=device)
         meta = source.metadata
         shifts = (meta.video_shift, meta.audio_shift) if meta else (12.0, 3.0)
-        return cls(EagerDiT(model), *_eager_components(source.component_root, device, dtype), shifts, device, canvas)
+        return cls(EagerDiT(model), *eager_components(source.component_root, device, dtype), shifts, device, canvas)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
                     mesh=None, sp_group=None, cfg_group=None):
         """A bundle's pipeline for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
         the bundle's; `sp_group` / `cfg_group` this rank's groups."""
-        from ..engines.bundle import Engine
-        from ..engines.manifest import check_request
-
         device = torch.device(device)
         engine = Engine.load(bundle_root, device, mesh, sp_group)
         m = engine.manifest
@@ -281,7 +277,7 @@ class H3Pipeline:
                           schedule.audio_shift, prepared.request.task)
 
         shifts = (m["schedule"]["video_shift"], m["schedule"]["audio_shift"])
-        text_encoder, video_vae, audio_vae = _eager_components(Path(bundle_root), device, dtype)
+        text_encoder, video_vae, audio_vae = eager_components(Path(bundle_root), device, dtype)
         video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
         return cls(engine.dit, text_encoder, video_vae, audio_vae, shifts, device, canvas, admit, cfg_group)
 
@@ -489,8 +485,6 @@ class H3Pipeline:
             return self.text_encoder.encode_t2va(prompt)
         if req.task == "fl2va":
             return self.text_encoder.encode_fl2va(prompt, [img for _, img in prepared.keyframes])
-        from ..models.text_encoder import AudioRef, ImageRef, VideoRef
-
         refs = []
         for ref in prepared.references:
             if ref.kind == "image":

@@ -10,14 +10,17 @@
 from __future__ import annotations
 
 import sys
-import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from ..parallel.devices import node_gpus
-from .mesh import MeshConfig, Parallel, build_mesh
+from ..parallel.launch import init_rank
+from ..parallel.mesh import MeshConfig, Parallel, build_mesh
+from ..parallel.ulysses import UlyssesDiT
+from .pipeline import H3Pipeline, record_path, request_dict, write_json_atomic
 
 
 @dataclass(frozen=True)
@@ -45,9 +48,6 @@ def rank_device(device_type: str) -> torch.device:
 
 def load_rank_pipeline(job: Job, par: Parallel, device: torch.device):
     """This rank's pipeline: a bundle checked against the launched mesh, or the eager model with Ulysses blocks."""
-    from .pipeline import H3Pipeline
-    from .ulysses import UlyssesDiT
-
     if job.engine:
         return H3Pipeline.load_engine(Path(job.model_root), device, job.canvas, mesh=par.config,
                                       sp_group=par.sp_group, cfg_group=par.cfg_group)
@@ -79,8 +79,6 @@ def serve_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int)
     for prepared, output in mine:
         bar = None
         if par.writes and not job.quiet:
-            from tqdm import tqdm
-
             bar = tqdm(total=pipeline.schedule(prepared.request).num_evaluations, unit="step", file=sys.stderr,
                        desc=f"denoise {Path(output).name} (replica {par.replica_index}, {_mesh_text(job.mesh)})")
         try:
@@ -104,17 +102,13 @@ def _mesh_text(mesh: MeshConfig) -> str:
 
 
 def serve_launched(rank: int, world: int, store: str, job: Job, num_heads: int) -> None:
-    """Entry of a rank spawned by `h3trt.runtime.launch.launch` (one host: local rank = rank)."""
-    from .launch import init_rank
-
+    """Entry of a rank spawned by `h3trt.parallel.launch.launch` (one host: local rank = rank)."""
     init_rank(rank, world, store, job.device_type)
     serve_rank(rank, world, rank, job, num_heads)
 
 
 def finish_record(record: dict, request, model: str, output: Path) -> None:
     """Write the record beside the MP4 (atomically) and print the summary."""
-    from .pipeline import record_path, request_dict, write_json_atomic
-
     record["request"] = request_dict(request)
     record["model"] = model
     write_json_atomic(record_path(output), record)
@@ -125,61 +119,3 @@ def finish_record(record: dict, request, model: str, output: Path) -> None:
         print(f"  {stage:<17}{seconds:8.2f} s")
     # Stages overlap (video decode, audio decode and encoding run concurrently): the total is wall time, not a sum.
     print(f"  {'wall':<17}{record['wall_s']:8.2f} s   (timings: {record_path(output)})")
-
-
-def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model: str, extra: dict) -> int:
-    """`h3trt run --requests` on a mesh: each replica group runs `run_batch` over its share of the file."""
-    from ..cli import mesh_from_args
-    from ..models.checkpoint import locate_transformer
-    from ..models.config import H3Config
-    from .launch import init_torchrun_rank, launch, torchrun_rank
-
-    torchrun = torchrun_rank()
-    if torchrun is not None and args.gpus > 1:
-        raise ValueError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
-    world = torchrun[1] if torchrun else args.gpus
-    task = "ref2va" if items[0].key[0] == "ref2va" else "t2va"
-    heads = (H3Config.from_dict(manifest["model_config"]) if manifest else locate_transformer(root, task).config).num_heads
-    mesh = mesh_from_args(args, world, heads, manifest)
-    if mesh.cfg == 2:
-        raise ValueError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
-    job = Job(str(root), manifest is not None, task, "cuda" if str(device).startswith("cuda") else "cpu", mesh,
-              canvas=canvas, model_name=model, record_extra=extra)
-    if torchrun is not None:
-        rank, world, local_rank = init_torchrun_rank(job.device_type)
-        failed = serve_batch_rank(rank, world, local_rank, job, heads, items, config)
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
-        return 1 if failed else 0
-    with tempfile.TemporaryDirectory(prefix="h3trt-batch-") as tmp:
-        launch(serve_batch_launched, world, (job, heads, items, config, tmp), gpus=launch_gpus(job.device_type, world))
-        failed = sum(int(f.read_text()) for f in Path(tmp).glob("failed-*"))
-    print(f"{config.out_dir}: batch on replica({mesh.replica}) x cfg({mesh.cfg}) x sp({mesh.sp}): {failed} failed "
-          f"(per-request records in {config.out_dir})")
-    return 1 if failed else 0
-
-
-def serve_batch_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int, items, config) -> int:
-    """One rank of a mesh batch run; returns the failures its replica group recorded (0 on non-writing ranks)."""
-    from dataclasses import replace
-
-    from .batch import run_batch, summary_line
-
-    par = build_mesh(job.mesh, job.device_type, world, num_heads)
-    pipeline = load_rank_pipeline(job, par, rank_device(job.device_type))
-    mine = replace(config, shard=(par.replica_index, job.mesh.replica), write=par.writes,
-                   decode_group=par.decode_group, quiet=config.quiet or not par.writes)
-    summary = run_batch(pipeline, items, mine, job.model_name, job.record_extra)
-    if par.writes:
-        print(f"replica group {par.replica_index}: {summary_line(summary)}")
-        return len(summary.failed)
-    return 0
-
-
-def serve_batch_launched(rank: int, world: int, store: str, job: Job, num_heads: int, items, config, tmp: str) -> None:
-    from .launch import init_rank
-
-    init_rank(rank, world, store, job.device_type)
-    Path(tmp, f"failed-{rank}").write_text(str(serve_batch_rank(rank, world, rank, job, num_heads, items, config)))

@@ -78,7 +78,7 @@ def write_timeline(out_dir: Path, shard: tuple[int, int], rows: list[dict], summ
 
 def draw_timeline(rows: list[dict], path: Path, title: str = "") -> None:
     """One horizontal row of coloured intervals per request, first request on top; written atomically."""
-    import matplotlib
+    import matplotlib  # only a batch run that draws its timeline needs matplotlib (about a second to import)
 
     matplotlib.use("Agg")  # files only: never open a window, never need a display
     import matplotlib.pyplot as plt

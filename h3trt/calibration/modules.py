@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..models.dit import Block
+from ..models.dit import Block, sdpa_attention
 from .formats import (
     FP8, NVFP4_GROUP, fp8_linear, fp8_scale, nvfp4_weight_only_linear, quantize_fp8, quantize_nvfp4,
 )
@@ -49,7 +49,7 @@ ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale")
 
 
 def fp8_attention(q_BSND, k_BSND, v_BSND, q_scale, k_scale, v_scale, kernel: str):
-    """Attention over e4m3 q/k/v with calibrated static scales, v centered over the rows (h3trt/quant/fp8_attention.py
+    """Attention over e4m3 q/k/v with calibrated static scales, v centered over the rows (h3trt/calibration/fp8_attention.py
     says why). Inside a compiled block the quantization fuses into the RoPE kernel and the dequantization and the
     mean's return into the out-projection's input quantization."""
     v_centered, mu_B1ND = center_rows(v_BSND)
@@ -60,8 +60,6 @@ def fp8_attention(q_BSND, k_BSND, v_BSND, q_scale, k_scale, v_scale, kernel: str
 
 def attention_fn(scales: dict[str, torch.Tensor] | None, kernel: str = ""):
     """The block's attention core: bf16 SDPA, or FP8 attention (`kernel`) bound to the block's q/k/v scales."""
-    from ..models.dit import sdpa_attention
-
     if scales is None:
         return sdpa_attention
     q_scale, k_scale, v_scale = (scales[n] for n in ATTENTION_SCALES)

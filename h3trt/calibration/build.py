@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
-from ..models.dit import H3DiT
+from ..models.config import NUM_MODALITIES, NUM_MODULATION_PARAMS
+from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
 from .calibrate import calibrate, read_prompts
-from .modules import quantize_block
+from .modules import quantize_block, quantized_template
 from .recipe import QuantRecipe, layer_segments
 
 
@@ -60,11 +61,6 @@ def dit_weight_bytes(cfg, recipe: QuantRecipe | None, baked_timesteps: int | Non
                      dtype: torch.dtype = torch.bfloat16) -> dict[str, int]:
     """Bytes of a bundle's DiT weight files for `cfg` without allocating anything (meta tensors): embed, blocks
     (as the recipe quantizes them), final, and the AdaLN tables for `baked_timesteps` (None: adaln_proj kept)."""
-    from ..build.segments import ADALN_PREFIX, EMBED_PREFIXES
-    from ..models.config import NUM_MODALITIES, NUM_MODULATION_PARAMS
-    from ..models.dit import build_dit
-    from .modules import quantized_template
-
     model = build_dit(cfg, dtype, device="meta")
     for i, block in enumerate(model.blocks):
         if recipe is not None and i not in recipe.exclude_blocks:

@@ -15,9 +15,11 @@ import traceback
 from pathlib import Path
 from typing import Callable
 
+import torch
+import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ..parallel.devices import VISIBLE, own_first
+from .devices import VISIBLE, own_first
 
 POLL_S = 0.2
 GRACE_S = 5.0
@@ -31,9 +33,6 @@ class RankFailed(RuntimeError):
 def init_rank(rank: int, world: int, store: str, device_type: str) -> None:
     """Join the process group: gloo on the CPU, NCCL on GPUs (one per rank: the rank's own GPU is its cuda:0, see
     h3trt/parallel/devices.py), with a bounded collective timeout."""
-    import torch
-    import torch.distributed as dist
-
     if device_type == "cuda":
         torch.cuda.set_device(0)
     dist.init_process_group("nccl" if device_type == "cuda" else "gloo", init_method=f"file://{store}", rank=rank,
@@ -51,9 +50,6 @@ def torchrun_rank() -> tuple[int, int, int] | None:
 def init_torchrun_rank(device_type: str) -> tuple[int, int, int]:
     """Join the process group torchrun describes (any number of nodes), with the same bounded collective timeout.
     A rank that raises exits non-zero and torchrun stops the others; a rank stuck on a dead peer times out."""
-    import torch
-    import torch.distributed as dist
-
     rank, world, local_rank = torchrun_rank()
     if device_type == "cuda":
         # cli.main made GPU #local_rank this process's cuda:0 before CUDA started (h3trt/parallel/devices.py).
@@ -66,8 +62,6 @@ def init_torchrun_rank(device_type: str) -> tuple[int, int, int]:
 def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple) -> None:
     try:
         fn(rank, world, store, *args)
-        import torch.distributed as dist
-
         if dist.is_initialized():
             # Leave together: a process exiting with live gloo/NCCL threads aborts (SIGABRT) at shutdown.
             dist.barrier()

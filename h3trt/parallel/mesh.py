@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
+
 AXES = ("replica", "cfg", "sp")
 
 
@@ -71,13 +74,22 @@ class Parallel:
 SINGLE = Parallel(MeshConfig())
 
 
+def resolve_mesh(world: int, num_heads: int, built: dict | None = None, cfg: int | None = None,
+                 sp: int | None = None, replicas: int | None = None) -> MeshConfig:
+    """The launched mesh: explicit degrees (None: not given), else a bundle's (`built`: its manifest's mesh), else sp
+    takes the ranks cfg and replicas leave; validated with the arithmetic before any process starts."""
+    built = built or {}
+    cfg = cfg or built.get("cfg", 1)
+    sp = sp or built.get("sp") or max(1, world // (cfg * (replicas or 1)))
+    replicas = replicas or max(1, world // (cfg * sp))
+    mesh = MeshConfig(replicas, cfg, sp)
+    mesh.validate(world, num_heads)
+    return mesh
+
+
 def build_mesh(config: MeshConfig, device_type: str, world_size: int, num_heads: int) -> Parallel:
     """`init_device_mesh` with axes (replica, cfg, sp), validated first (before any collective), and this rank's
     groups. Every rank must call it (creating the sub-groups is collective)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    import torch.distributed as dist
-
     config.validate(world_size, num_heads)
     mesh = init_device_mesh(device_type, config.shape, mesh_dim_names=AXES)
     replica, cfg, sp = mesh.get_coordinate()

@@ -1,9 +1,9 @@
 """Max calibration over real denoising trajectories of the model being built.
 
-The build's own DiT (block dtype, weights not yet quantized) denoises each calibration prompt through the eager
-pipeline: text encoder, packing, seeded noise, the sampler, a `--calib-steps`-point schedule with the bundle's
-shifts, at the bundle's first profile. Hooks record max |x| entering every block linear and, for FP8 attention,
-max |q|, |k|, |v| after QK-norm and RoPE. The scale of a tensor is then amax / 448 (e4m3).
+The build's own DiT (block dtype, weights not yet quantized) denoises each calibration prompt as a t2va request,
+from the model pieces alone (text encoder, packing, seeded noise, the sampler; no VAE, nothing written): a
+`--calib-steps`-point schedule with the bundle's shifts, at the bundle's first profile. Hooks record max |x|
+entering every block linear and, for FP8 attention, max |q|, |k|, |v| after QK-norm and RoPE. The scale of a tensor is then amax / 448 (e4m3).
 
 This is ModelOpt's "max" calibrator (per-tensor amax over all calibration batches), implemented here in a few lines:
 the compiled block needs only the amax values, and ModelOpt's quantizer modules are not importable on the GPU image.
@@ -16,6 +16,9 @@ from pathlib import Path
 import torch
 
 from ..models.dit import H3DiT, sdpa_attention
+from ..models.packing import Geometry, frames_for_duration, pack_t2va, validate_canvas
+from ..models.sampler import Latents, Schedule, denoise, initial_latents
+from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from .fp8_attention import attention_calibration_tensors
 from .recipe import BLOCK_LINEARS
 
@@ -87,16 +90,16 @@ class MaxCalibrator:
 def calibrate(model: H3DiT, component_root: Path, prompts: list[str], steps: int, width: int, height: int,
               seconds: float, shifts: tuple[float, float], log=print) -> dict[int, dict[str, torch.Tensor]]:
     """{block index: {"mlp.fc1.input": amax, ..., "attn.q": amax, ...}} from one trajectory per prompt."""
-    from ..runtime.pipeline import H3Pipeline, Request, _eager_components, prepare
-
     device = model.condition_proj.weight.device
+    geometry = Geometry(height, width, frames_for_duration(seconds))
+    validate_canvas(height, width)
+    schedule = Schedule(steps, *shifts)
+    quiet_transformers()
+    text_encoder = H3TextEncoder.from_pretrained(component_root, device=device, dtype=model.dtype)
     calibrator = MaxCalibrator(model)
-    pipeline = H3Pipeline(calibrator, *_eager_components(component_root, device, model.dtype), shifts, device)
     try:
         for seed, prompt in enumerate(prompts):
-            request = Request(prompt, seed=seed, steps=steps, width=width, height=height, duration=seconds,
-                              video_shift=shifts[0], audio_shift=shifts[1])
-            pipeline.generate(prepare(request), Path("calibration.mp4"), write=False)  # stops after denoising
+            t2va_trajectory(calibrator, text_encoder, prompt, seed, geometry, schedule, device)
             log(f"calibration trajectory {seed + 1}/{len(prompts)}: {steps - 1} evaluations")
     finally:
         amax = calibrator.close()
@@ -105,3 +108,22 @@ def calibrate(model: H3DiT, component_root: Path, prompts: list[str], steps: int
         _, i, rest = key.split(".", 2)
         per_block[int(i)][rest] = value
     return per_block
+
+
+def t2va_trajectory(dit, text_encoder: H3TextEncoder, prompt: str, seed: int, geometry: Geometry, schedule: Schedule,
+                    device: torch.device) -> Latents:
+    """One t2va request denoised with `dit` (the runner signature), as the eager pipeline does it: the prompt's
+    embeddings and tags, the packed rows, the noise drawn from `seed`, the sampler's loop. Returns the final rows."""
+    if not prompt.strip():
+        raise ValueError("A calibration prompt is empty; remove blank prompts from --calib-prompts.")
+    cfg, g = dit.cfg, geometry
+    text = text_encoder.encode_t2va(prompt)
+    layout = pack_t2va(text.tags, g.latent_frames, g.latent_height, g.latent_width, g.audio_latents, cfg.patch_size, ())
+    start = initial_latents(seed, g.latent_frames, g.latent_height, g.latent_width, g.audio_latents, cfg.patch_size,
+                            cfg.in_channels, cfg.audio_in_channels)
+    text_BLC, lay = text.embeds.to(device), layout.to(device)
+
+    def model(video, audio, unique_t, t_index):
+        return dit(video, audio, text_BLC, unique_t, t_index, lay)
+
+    return denoise(model, Latents(start.video.to(device), start.audio.to(device)), layout, schedule)

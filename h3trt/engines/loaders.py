@@ -1,0 +1,88 @@
+"""Loading a bundle's pieces: the compiled segments (each behind one callable interface, whichever backend compiled
+it), the bundle's shipped compiled-code cache, and its safetensors weight files. Used to serve a bundle and by the
+builder's fresh-process check of one in the making (h3trt/build/verify.py).
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+
+# Registers h3trt::fp8_sdpa, which the compiled blocks of an --fp8-attention bundle call by name: every process
+# that loads segments (serving, the build's fresh-process check) must have it.
+from ..calibration import fp8_attention  # noqa: F401
+from .guard import no_compile
+
+
+class LoadedSegment:
+    """A compiled segment behind the one interface: call with the segment's inputs in order."""
+
+    def __init__(self, name: str, runner):
+        self.name, self.runner = name, runner
+
+    def __call__(self, *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        out = self.runner(*inputs)
+        return tuple(out) if isinstance(out, (list, tuple)) else (out,)
+
+
+def load_segment(backend: str, entry: dict, bundle_dir: Path, device: torch.device) -> LoadedSegment:
+    path = bundle_dir / "segments" / entry["artifact"]
+    if backend == "inductor":
+        artifact = torch._inductor.CompiledArtifact.load(path=str(path), format="binary")
+        return LoadedSegment(entry["name"], artifact)
+    if backend == "aoti":
+        index = device.index if device.type == "cuda" else None
+        runner = torch._inductor.aoti_load_package(str(path), device_index=index if index is not None else -1)
+        return LoadedSegment(entry["name"], runner)
+    raise ValueError(f"Unknown backend {backend!r} in the bundle manifest.")
+
+
+_ACTIVE_CACHE: dict[str, str] = {}
+
+
+def activate_compiled_cache(root: Path) -> None:
+    """Point Inductor at a private copy of the bundle's compiled binaries (a process-wide setting: one bundle's cache
+    per process), and skip the precompiled-header step, which would run the C++ preprocessor on a cache hit."""
+    src = Path(root) / "inductor_cache"
+    if not src.is_dir():
+        return
+    if _ACTIVE_CACHE.get("root") == str(root):
+        return
+    # Inductor's modules take seconds to import; only a bundle with compiled code needs them.
+    import torch._inductor.codecache as codecache
+    from torch._inductor.utils import clear_caches
+
+    tmp = tempfile.mkdtemp(prefix="h3trt-engine-cache-")
+    shutil.copytree(src, tmp, dirs_exist_ok=True)
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+    # The C++ kernels ship compiled; Inductor would still run the preprocessor over its precompiled header on every
+    # first load to checksum it. The header only matters for compiling, which a served bundle never does.
+    codecache._precompile_header = _no_precompiled_header
+    clear_caches()
+    _ACTIVE_CACHE["root"] = str(root)
+
+
+def bundle_activated() -> str | None:
+    """The bundle whose compiled-code cache this process serves from, if any."""
+    return _ACTIVE_CACHE.get("root")
+
+
+def _no_precompiled_header(*args, **kwargs) -> str:
+    return ""
+
+
+def load_segments(root: Path, backend: str, entries: dict, device: torch.device) -> dict[str, LoadedSegment]:
+    activate_compiled_cache(root)
+    with no_compile():
+        return {name: load_segment(backend, entry, Path(root), device) for name, entry in entries.items()}
+
+
+def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:
+    return {k: v.to(device) for k, v in load_file(str(path)).items()}
