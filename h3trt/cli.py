@@ -206,8 +206,13 @@ def _build_parser(sub) -> None:
     p.add_argument("--quant-exclude", nargs="+", default=(), metavar="NAME",
                    help="fp8/nvfp4: keep in bf16 whole blocks (blocks.N) and/or a block linear in every block "
                         "(attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2)")
-    p.add_argument("--fp8-attention", action="store_true", help="fp8: q/k/v in e4m3 with calibrated scales (emulated: "
-                                                                    "FP8 attention's numerics, bf16 SDPA speed)")
+    p.add_argument("--fp8-attention", action="store_true", help="fp8: q/k/v in e4m3 with calibrated scales, through "
+                                                                    "the --attention kernel (a CPU build: emulated)")
+    p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "fa3"),
+                   help="attention kernel, bf16 and --fp8-attention alike: auto (default: the fastest measured on the "
+                        "build GPU at the bundle's shape; on a CPU, torch SDPA or the FP8 emulation), cudnn, or fa3 "
+                        "(FlashAttention-3, Hopper; pip install 'h3trt[fa3]'). Recorded in the manifest; a machine "
+                        "that cannot run it refuses the bundle")
     p.add_argument("--profile", action="append", default=None,
                    help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5)")
     p.add_argument("--steps", type=int, default=50, help="the schedule the AdaLN tables are baked for")
@@ -248,7 +253,7 @@ def cmd_build(args) -> int:
                          args.audio_shift, device, args.backend, args.keep_adaln, args.sp, args.overwrite, tiny,
                          cfg=args.cfg, trt_targets=args.trt_targets, calib_prompts=args.calib_prompts,
                          calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
-                         fp8_attention=args.fp8_attention)
+                         fp8_attention=args.fp8_attention, attention=args.attention)
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr))
     size = sum(f["bytes"] for f in manifest["files"].values())
     print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "

@@ -117,6 +117,11 @@ def test_manifest_records_the_build(bundles):
     assert set(m["segments"]) == {"embed", "block", "final", "video_decoder_7x6x10"}  # 160x96: one 6x10 tile
     assert not any(name.startswith("weights/adaln_weights") for name in m["files"])  # adaln_proj left out
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())
+    # fp32 attention on a CPU: torch SDPA, nothing timed, at the bundle's attention shape (every row, 2 heads).
+    att = m["attention"]["fp32"]
+    assert set(m["attention"]) == {"fp32"} and (att["kernel"], att["requested"], att["measured_ms"]) == (
+        "sdpa", "auto", {})
+    assert att["shape"]["heads"] == 2 and att["shape"]["rows"] > 1000
     keep = read_manifest(bundles["aoti"])
     assert not keep["adaln"]["baked"] and "weights/adaln_weights.safetensors" in keep["files"]
 
@@ -160,6 +165,9 @@ def test_verify_and_inspect_an_intact_bundle(bundles, capsys):
     ({"versions.torch": "2.11.0+cu130"}, "built with torch 2.11.0+cu130"),
     ({"arch": "sm_90"}, "built for sm_90"),
     ({"format_version": 99}, "bundle format 99"),
+    # A kernel this machine cannot run is refused, never replaced by another one.
+    ({"attention": {"bf16": {"kernel": "fa3"}}}, "the fa3 bf16 attention kernel needs a CUDA GPU"),
+    ({"attention": {"fp32": {"kernel": "sdpa"}, "fp8": {"kernel": "cudnn"}}}, "the cudnn fp8 attention kernel needs"),
 ])
 def test_refuses_another_environment(bundle_copy, change, message):
     _edit_manifest(bundle_copy, **change)
@@ -223,6 +231,13 @@ def test_build_refuses_bad_options(tiny_root, tmp_path):
         BuildConfig(tiny_root, tmp_path / "b", cfg=3)
     with pytest.raises(ValueError, match="--precision fp8 needs --calib-prompts"):
         BuildConfig(tiny_root, tmp_path / "b", precision="fp8")
+    with pytest.raises(ValueError, match="--attention must be one of"):
+        BuildConfig(tiny_root, tmp_path / "b", attention="flash")
+    with pytest.raises(ValueError, match="Drop --attention with --backend tensorrt"):
+        BuildConfig(tiny_root, tmp_path / "b", backend="tensorrt", attention="fa3")
+    with pytest.raises(RuntimeError, match="--attention fa3: the fa3 bf16 attention kernel needs a CUDA GPU"):
+        build(BuildConfig(tiny_root, tmp_path / "b", device="cpu", attention="fa3"))
+    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
     with pytest.raises(ValueError, match="WIDTHxHEIGHTxSECONDS"):
         Profile.parse("1344x768")
     with pytest.raises(ValueError, match="Unsupported resolution"):

@@ -12,8 +12,8 @@ import torch
 import torch.nn.functional as F
 
 from h3trt.calibration.formats import FP8, fp8_scale, quantize_fp8
-from h3trt.calibration.fp8_attention import (attention_calibration_tensors, attention_kernel_for, center_rows,
-                                      check_attention_kernel, fp8_sdpa)
+from h3trt.calibration.fp8_attention import (attention_calibration_tensors, center_rows, check_attention_kernel,
+                                      fp8_sdpa)
 from h3trt.calibration.modules import fp8_attention
 from h3trt.calibration.recipe import QuantRecipe
 
@@ -88,15 +88,15 @@ class _Core(torch.nn.Module):
 
 
 def test_kernel_choice_is_explicit_and_refused_where_it_cannot_run(qkv):
-    assert attention_kernel_for(torch.device("cpu")) == "emulated"
-    assert attention_kernel_for(torch.device("cuda")) == "cudnn"
     check_attention_kernel("emulated", torch.device("cpu"))
-    with pytest.raises(ValueError, match="needs a CUDA GPU"):
-        check_attention_kernel("cudnn", torch.device("cpu"))
+    for kernel in ("cudnn", "fa3"):
+        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+            check_attention_kernel(kernel, torch.device("cpu"))
     (q, k, v), scales = qkv
     q8 = quantize_fp8(q, scales[0])
-    with pytest.raises((ValueError, RuntimeError), match="runs on CUDA tensors"):
-        fp8_sdpa(q8, q8, q8, *scales, "cudnn")
+    for kernel in ("cudnn", "fa3"):
+        with pytest.raises((ValueError, RuntimeError), match="runs on CUDA tensors"):
+            fp8_sdpa(q8, q8, q8, *scales, kernel)
     with pytest.raises(ValueError, match="must be one of"):
         fp8_sdpa(q8, q8, q8, *scales, "flash")
 

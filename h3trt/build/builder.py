@@ -28,10 +28,10 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ..calibration.build import block_weight_sets, first_layer, quantize_dit
-from ..calibration.fp8_attention import attention_kernel_for, check_attention_kernel
 from ..calibration.recipe import QUANT_PRECISIONS, QuantRecipe, parse_exclusions
 from ..engines.loaders import bundle_activated
 from ..engines.manifest import device_arch, runtime_versions, sha256_file, write_manifest
+from ..models.attention import ATTENTION_REQUESTS, attention_precision
 from ..models.checkpoint import TASK_PARTITIONS, load_dit, locate_transformer
 from ..models.config import NUM_MODALITIES
 from ..models.dit import H3DiT
@@ -45,6 +45,7 @@ from .backends import BACKENDS, compile_segment
 from .segments import (block_weight_names, check_sharded_recipe, dit_segments, embed_segment, final_weight_names,
                        video_decoder_segment)
 from .tensorrt import build_tensorrt_segments, check_build_config
+from .attention_choice import AttentionShape, resolve_attention
 
 # Quantized precisions keep everything they do not quantize (and their activations) in bf16.
 PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "nvfp4": torch.bfloat16}
@@ -104,16 +105,24 @@ class BuildConfig:
     quant_exclude: tuple[str, ...] = ()  # fp8/nvfp4: blocks.N and/or block linear names kept in bf16
     fp8_attention: bool = False  # fp8: q/k/v in e4m3 with calibrated scales
     trt_targets: str | None = None  # tensorrt: compute capabilities of the plans, e.g. "sm89,sm120" (None: default)
+    # Attention kernel (h3trt/build/attention_choice.py): auto (the fastest measured on the build GPU; a CPU build's
+    # one kernel), or cudnn / fa3 for every attention of the bundle, FP8 attention included.
+    attention: str = "auto"
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
         if self.precision not in PRECISIONS:
             raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}.")
+        if self.attention not in ATTENTION_REQUESTS:
+            raise ValueError(f"--attention must be one of {ATTENTION_REQUESTS}, got {self.attention!r}.")
+        if self.backend == "tensorrt" and self.attention != "auto":
+            raise ValueError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
+                             "in its own plans. Drop --attention with --backend tensorrt.")
         if self.precision in QUANT_PRECISIONS:
+            recipe = self.recipe_for("emulated")  # validates exclusions, --fp8-attention and --calib-steps
             if self.sp > 1:
-                check_sharded_recipe(self.recipe, self.sp)
-            self.recipe  # validates exclusions, --fp8-attention and --calib-steps
+                check_sharded_recipe(recipe, self.sp)
             if self.precision == "fp8" and self.calib_prompts is None and self.backend != "tensorrt":
                 raise ValueError("--precision fp8 needs --calib-prompts FILE (one prompt per line): its activation "
                                  "scales are calibrated on real denoising trajectories.")
@@ -130,15 +139,20 @@ class BuildConfig:
         elif self.trt_targets is not None:
             raise ValueError("--trt-targets applies to --backend tensorrt.")
 
-    @property
-    def recipe(self) -> QuantRecipe | None:
+    def recipe_for(self, fp8_kernel: str) -> QuantRecipe | None:
+        """The quantization recipe, its FP8 attention (with --fp8-attention) running `fp8_kernel`."""
         if self.precision not in QUANT_PRECISIONS:
             return None
         blocks, linears = parse_exclusions(self.quant_exclude)
         return QuantRecipe(self.precision, exclude_blocks=blocks, exclude_linears=linears,
                            fp8_attention=self.fp8_attention,
-                           attention_kernel=attention_kernel_for(self.device) if self.fp8_attention else "",
+                           attention_kernel=fp8_kernel if self.fp8_attention else "",
                            calib_steps=self.calib_steps if self.precision == "fp8" else 0)
+
+    def attention_precisions(self) -> tuple[str, ...]:
+        """Every precision the bundle's attention runs in: the block dtype's (always: the block_hp layers, or every
+        layer), and fp8 with --fp8-attention."""
+        return (attention_precision(PRECISIONS[self.precision]),) + (("fp8",) if self.fp8_attention else ())
 
 
 def _weights(model: H3DiT, recipe: QuantRecipe | None = None) -> dict[str, dict[str, torch.Tensor]]:
@@ -204,6 +218,13 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
     return examples
 
 
+def _seq_len(cfg, profile: Profile) -> int:
+    """Packed rows of a profile's request as the build's example packs it (text, keyframe, video, audio)."""
+    geometry = profile.geometry
+    return pack_t2va(text_tags_for(EXAMPLE_TEXT_ROWS, [range(3, 9)]), geometry.latent_frames, geometry.latent_height,
+                     geometry.latent_width, geometry.audio_latents, cfg.patch_size, ("first",)).seq_len
+
+
 def mesh_record(cfg, config: BuildConfig) -> dict:
     """The mesh baked into the segments: sp fixes each rank's heads (the block halves' buffer layout is static), the
     rows per rank stay symbolic (ceil(S / sp) for a packed length S). Any number of replicas may serve a bundle: a
@@ -223,9 +244,8 @@ def build(config: BuildConfig, log=print) -> dict:
     if out.exists() and not config.overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --output.")
     # sp against the heads, before anything slow.
-    MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp,
-                                                        locate_transformer(config.model_root, config.task)
-                                                        .config.num_heads)
+    model_cfg = locate_transformer(config.model_root, config.task).config
+    MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp, model_cfg.num_heads)
     if config.backend in ("inductor", "aoti") and bundle_activated():
         # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
@@ -239,9 +259,23 @@ def build(config: BuildConfig, log=print) -> dict:
         # cuda:0 (h3trt/parallel/devices.py). `h3trt build --device cuda:N` makes GPU N this process's cuda:0.
         raise ValueError(f"Bundles are compiled on the process's cuda:0, not {device}; use h3trt build --device "
                          f"cuda:{device.index}, which makes that GPU the process's cuda:0.")
-    if config.fp8_attention:
-        check_attention_kernel(config.recipe.attention_kernel, device)
     dtype = PRECISIONS[config.precision]
+    # The attention kernels, before anything slow: measured at the bundle's attention shape (every row of the
+    # longest profile, one rank's heads), or a named kernel checked against this GPU.
+    attention = {}
+    if config.backend != "tensorrt":
+        shape = AttentionShape(max(_seq_len(model_cfg, p) for p in config.profiles),
+                               model_cfg.num_heads // config.sp, model_cfg.head_dim)
+        for precision in config.attention_precisions():
+            choice = resolve_attention(config.attention, precision, device, shape)
+            attention[precision] = choice
+            timed = ", ".join(f"{k} {ms:.2f} ms" for k, ms in choice.measured_ms.items())
+            left_out = "; ".join(f"{k} left out: {r}" for k, r in choice.unavailable.items())
+            log(f"{precision} attention: {choice.kernel} (--attention {config.attention}"
+                f"{', measured ' + timed if timed else ''} at {shape.rows} rows x {shape.heads} heads)"
+                f"{'; ' + left_out if left_out else ''}")
+    fp8_kernel = attention["fp8"].kernel if "fp8" in attention else ""
+    dense_kernel = next((c.kernel for p, c in attention.items() if p != "fp8"), "sdpa")
     work = out.with_name(out.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     (work / "segments").mkdir(parents=True)
@@ -259,7 +293,7 @@ def build(config: BuildConfig, log=print) -> dict:
 
         # 1b. FP8 / NVFP4: calibrate on real trajectories of this model, then quantize its blocks in place.
         # tensorrt quantizes at ONNX export (ModelOpt Q/DQ in tensorrt.py), not in place here.
-        recipe, quant = (config.recipe if config.backend != "tensorrt" else None), None
+        recipe, quant = (config.recipe_for(fp8_kernel) if config.backend != "tensorrt" else None), None
         if recipe is not None:
             recipe, quant = quantize_dit(model, recipe, source.component_root, config.calib_prompts,
                                          config.profiles[0], (schedule.video_shift, schedule.audio_shift), log)
@@ -285,7 +319,7 @@ def build(config: BuildConfig, log=print) -> dict:
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir  # Inductor: seconds to import
 
         examples = example_inputs(model, config.profiles[0].geometry, device, config.sp, recipe)
-        specs = {spec.name: spec for spec in dit_segments(model.cfg, dtype, config.sp, recipe)}
+        specs = {spec.name: spec for spec in dit_segments(model.cfg, dtype, config.sp, recipe, dense_kernel)}
         specs.update(_video_decoder_specs(source.component_root, config.profiles, device, examples))
         if config.backend == "tensorrt":  # ONNX export + TensorRT plans instead of torch compiles (tensorrt.py)
             trt_segments, trt_record = build_tensorrt_segments(model, examples, config, work, log)
@@ -333,6 +367,7 @@ def build(config: BuildConfig, log=print) -> dict:
             "mesh": mesh_record(model.cfg, config), "arch": device_arch(device), "device": str(device),
             "versions": runtime_versions(), "segments": segments, "weight_bytes": sizes, "tiny": config.tiny,
             "build_timings_s": {k: round(v, 2) for k, v in timings.items()}, "quant": quant,
+            "attention": {p: c.to_dict() for p, c in attention.items()},
         }
         if config.backend == "tensorrt":
             # Flavour, version, targets: what Engine.load checks the GPU against. Plans run on CUDA, wherever built.

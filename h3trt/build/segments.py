@@ -92,15 +92,17 @@ def block_weight_names(cfg: H3Config, dtype: torch.dtype = torch.bfloat16,
 
 
 def block_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None = None,
-                  name: str = "block") -> SegmentSpec:
-    """The main block; with a recipe, its quantized linears (and FP8 attention) take quantized weights and scales."""
+                  name: str = "block", attention: str = "sdpa") -> SegmentSpec:
+    """The main block; with a recipe, its quantized linears (and FP8 attention) take quantized weights and scales.
+    `attention`: the `h3trt::attention` kernel of a block whose attention is not FP8 (h3trt/models/attention.py)."""
     block = _block_template(cfg, dtype, recipe)
     weights = block_weight_names(cfg, dtype, recipe)
-    kernel = recipe.attention_kernel if recipe is not None else ""  # "" unless --fp8-attention
+    fp8 = recipe is not None and recipe.fp8_attention
+    kernel = recipe.attention_kernel if fp8 else attention
 
     def run_block(x, mod, adaln_index, cos, sin, *w):
         params = dict(zip(weights, w))
-        scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if kernel else None
+        scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if fp8 else None
         return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin), attention_fn(scales, kernel)),
                                           strict=False)
 
@@ -204,18 +206,19 @@ def check_sharded_recipe(recipe: QuantRecipe, sp: int) -> None:
                          "Exclude block linears instead, or build --sp 1.")
 
 
-def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1,
-                 recipe: QuantRecipe | None = None) -> list[SegmentSpec]:
+def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRecipe | None = None,
+                 attention: str = "sdpa") -> list[SegmentSpec]:
     """The DiT's segments: one fused block when a rank holds the whole sequence, else the two halves. A quantization
-    recipe that keeps whole blocks in the block dtype adds their segment, block_hp."""
+    recipe that keeps whole blocks in the block dtype adds their segment, block_hp. `attention`: the kernel of every
+    attention that is not FP8 (at sp > 1 it runs in the exchange, between the halves, not in a segment)."""
     if sp != 1 and recipe is not None:
         check_sharded_recipe(recipe, sp)
-    blocks = [block_segment(cfg, dtype, recipe)] if sp == 1 else [block_pre_segment(cfg, dtype, sp, recipe),
-                                                                  block_post_segment(cfg, dtype, recipe)]
+    blocks = ([block_segment(cfg, dtype, recipe, attention=attention)] if sp == 1
+              else [block_pre_segment(cfg, dtype, sp, recipe), block_post_segment(cfg, dtype, recipe)])
     if sp != 1 and recipe is not None and recipe.fp8_attention:
         blocks.append(sharded_attention_segment(cfg, recipe))
     if recipe is not None and recipe.exclude_blocks:
-        blocks.append(block_segment(cfg, dtype, None, name="block_hp"))
+        blocks.append(block_segment(cfg, dtype, None, name="block_hp", attention=attention))
     return [embed_segment(cfg, dtype), *blocks, final_segment(cfg, dtype)]
 
 

@@ -13,6 +13,7 @@ from ..models.dit import Block, sdpa_attention
 from .formats import (
     FP8, NVFP4_GROUP, fp8_linear, fp8_scale, nvfp4_weight_only_linear, quantize_fp8, quantize_nvfp4,
 )
+from ..models.attention import bound_attention
 from .fp8_attention import center_rows, fp8_sdpa
 from .recipe import QuantRecipe
 
@@ -55,13 +56,15 @@ def fp8_attention(q_BSND, k_BSND, v_BSND, q_scale, k_scale, v_scale, kernel: str
     v_centered, mu_B1ND = center_rows(v_BSND)
     out_fp8 = fp8_sdpa(quantize_fp8(q_BSND, q_scale), quantize_fp8(k_BSND, k_scale), quantize_fp8(v_centered, v_scale),
                        q_scale, k_scale, v_scale, kernel)
-    return (out_fp8.float() * v_scale + mu_B1ND).to(q_BSND.dtype)
+    out = out_fp8.float() * v_scale if out_fp8.dtype == FP8 else out_fp8.float()  # e4m3 in v's scale, or bf16 o
+    return (out + mu_B1ND).to(q_BSND.dtype)
 
 
-def attention_fn(scales: dict[str, torch.Tensor] | None, kernel: str = ""):
-    """The block's attention core: bf16 SDPA, or FP8 attention (`kernel`) bound to the block's q/k/v scales."""
+def attention_fn(scales: dict[str, torch.Tensor] | None, kernel: str):
+    """The block's attention core: `h3trt::attention` with `kernel` (scales None: attention in the block dtype), or
+    FP8 attention with FP8 `kernel` bound to the block's q/k/v scales."""
     if scales is None:
-        return sdpa_attention
+        return bound_attention(kernel)
     q_scale, k_scale, v_scale = (scales[n] for n in ATTENTION_SCALES)
     return lambda q, k, v: fp8_attention(q, k, v, q_scale, k_scale, v_scale, kernel)
 

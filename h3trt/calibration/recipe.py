@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..models.attention import kernels_for
+
 QUANT_PRECISIONS = ("fp8", "nvfp4")
 # The quantizable linears of a main block, by their name inside the block (checkpoint-native names).
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
@@ -17,7 +19,7 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 ALWAYS_HIGH_PRECISION = ("video_patch_proj", "audio_patch_proj", "condition_proj", "time_embedder", "token_refiner",
                          "final_layer", "adaln_proj (baked tables)", "norms")
 CALIBRATIONS = ("max",)
-ATTENTION_KERNELS = ("cudnn", "emulated")  # h3trt/calibration/fp8_attention.py says what each runs
+ATTENTION_KERNELS = kernels_for("fp8")  # cudnn | fa3 | emulated: h3trt/calibration/fp8_attention.py says what each runs
 # How each precision executes: recorded in the manifest, so a reader knows what the bundle actually does.
 EXECUTION = {
     "fp8": "W8A8: e4m3 weights and activations, per-tensor static scales, torch._scaled_mm (cuBLAS on CUDA); the "
@@ -36,7 +38,8 @@ class QuantRecipe:
     exclude_linears: tuple[str, ...] = ()  # block linears (BLOCK_LINEARS names) kept in the block dtype everywhere
     fp8_attention: bool = False  # q/k/v quantized to e4m3 with calibrated static scales before attention
     # The FP8 attention kernel baked into the block (h3trt/calibration/fp8_attention.py): "cudnn" (cuDNN's FP8 flash
-    # attention, built on a GPU) or "emulated" (the reference numerics, built on a CPU); "" without --fp8-attention.
+    # attention) or "fa3" (FlashAttention-3's), chosen on the build GPU by --attention, or "emulated" (the reference
+    # numerics, built on a CPU); "" without --fp8-attention.
     attention_kernel: str = ""
     calib_steps: int = 0  # sigma grid points of each calibration trajectory (0: not calibrated)
     calib_prompts: int = 0  # how many prompts the calibration ran

@@ -9,7 +9,9 @@ from pathlib import Path
 
 import torch
 
+# Imported to register h3trt::attention and h3trt::fp8_sdpa, which compiled blocks call by name.
 from ..calibration.fp8_attention import check_attention_kernel
+from ..models.attention import bound_attention, check_attention_record, dense_kernel
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
@@ -25,7 +27,7 @@ class EngineDiT:
     the block is the two halves around the Ulysses exchange, on this rank's rows."""
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
-                 device, group=None, layer_segments: list[str] | None = None):
+                 device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None):
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.embed_w = [weights["embed"][n] for n in entries["embed"]["weights"]]
         block_segments = ("block",) if "block" in entries else ("block_pre", "block_post")
@@ -37,9 +39,11 @@ class EngineDiT:
                                for i in range(cfg.num_layers)] for name in block_segments}
         self.final_w = [weights["final"][n] for n in entries["final"]["weights"]]
         self.inv_freq = rope_inv_freq(cfg).to(device)
-        # Sharded FP8 attention: its own compiled segment between the halves, bound to each layer's calibrated q/k/v
-        # scales (at sp=1 it is inside the compiled block). None: bf16 SDPA in the exchange.
-        self.sharded_attention = [None] * cfg.num_layers
+        # Sharded attention, between the halves (at sp=1 it is inside the compiled block): the bundle's kernel
+        # (`attention_kernel`; None: a bundle from before kernels were recorded, bf16 SDPA), or FP8 attention as its
+        # own compiled segment bound to each layer's calibrated q/k/v scales.
+        dense = bound_attention(attention_kernel) if attention_kernel is not None else None
+        self.sharded_attention = [dense] * cfg.num_layers
         if "attention" in entries:
             self.sharded_attention = [self._bound_attention([weights["blocks"][f"blocks.{i}.{n}"]
                                                              for n in entries["attention"]["weights"]])
@@ -110,11 +114,14 @@ class Engine:
             return load_trt_engine(cls, root, manifest, device, mesh)
         check_environment(manifest, device, mesh)
         quant = manifest.get("quant") or {}
-        if quant.get("fp8_attention"):
-            try:
+        attention = manifest.get("attention")  # absent: a bundle from before kernels were recorded (bf16 SDPA)
+        try:
+            if attention is not None:
+                check_attention_record(attention, device)
+            elif quant.get("fp8_attention"):
                 check_attention_kernel(quant["attention_kernel"], device)
-            except (ValueError, RuntimeError) as e:
-                raise BundleError(f"{root}: {e}") from e
+        except (ValueError, RuntimeError) as e:
+            raise BundleError(f"{root}: {e}") from e
         problems = verify_files(root, manifest)
         if problems:
             listed = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
@@ -126,5 +133,5 @@ class Engine:
         adaln = load_adaln(root, manifest, cfg, device)
         dit = EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device,
                         sp_group if manifest["mesh"]["sp"] > 1 else None,
-                        quant.get("layer_segments"))
+                        quant.get("layer_segments"), dense_kernel(attention) if attention else None)
         return cls(root, manifest, dit, segments)

@@ -1,0 +1,184 @@
+"""Attention kernels: the custom op `h3trt::attention` over [B, S, N, D] q/k/v, and the one table of what every
+attention kernel (this op's and FP8 attention's, h3trt/calibration/fp8_attention.py) needs from a machine.
+
+A bundle's kernels are chosen at build time (`h3trt build --attention`, h3trt/build/attention_choice.py), recorded
+in the manifest's `attention`, and checked again when the bundle loads: a machine that cannot run the recorded kernel
+is refused with the fix, never served by another kernel. The op is opaque to torch.export and Inductor (a fake
+implementation gives its output's shape), so a compiled segment calls it by name: whoever loads a bundle imports this
+module first.
+
+Kernels of this op (q/k/v in the block dtype):
+  cudnn   cuDNN's fused flash attention through torch's SDPA, pinned to its cuDNN backend (bf16; sm_80 and newer;
+          the cuDNN torch ships). What bf16 bundles ran before kernels were selectable.
+  fa3     FlashAttention-3's forward (the `fa3-fwd` wheel: sm_90a cubins behind the torch stable ABI; README,
+          "FlashAttention-3"). bf16, Hopper (sm_90) only.
+  sdpa    torch's SDPA with PyTorch's own backend choice, in any dtype on any device: what a CPU build bakes, what an
+          fp32 bundle runs, and the reference the others are tested against.
+FP8 attention's kernels (`cudnn`, `fa3`, `emulated`) share the table below under precision "fp8".
+
+Shape legend: B batch, S rows, N heads, D head dim.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+FA3_FIX = "pip install 'h3trt[fa3]' (fa3-fwd, FlashAttention-3's forward for Hopper)"
+CUDNN_FRONTEND_FIX = "pip install 'h3trt[fp8-attention]' (nvidia-cudnn-frontend, cuDNN's Python graph API)"
+FA3_MODULE = "fa3_fwd_interface"  # the fa3-fwd wheel's Python interface (it loads fa3_fwd._C, the kernels)
+# The precisions attention runs in: the dtype the kernel reads q/k/v in.
+ATTENTION_PRECISIONS = ("bf16", "fp32", "fp8")
+# What `--attention` accepts; "auto" measures the candidates on the build GPU.
+ATTENTION_REQUESTS = ("auto", "cudnn", "fa3")
+
+
+@dataclass(frozen=True)
+class KernelNeeds:
+    """What one kernel at one precision needs from the machine that builds or serves it."""
+
+    cuda: bool  # a CUDA device (False: runs anywhere)
+    min_sm: int = 0  # lowest compute capability, major * 10 + minor
+    max_sm: int = 0  # highest (0: none): FA3's cubins are sm_90a, which no other GPU runs
+    module: str = ""  # a Python module the kernel imports ("" : part of torch)
+    fix: str = ""  # how to install `module`
+
+
+# (kernel, precision) -> needs. A pair that is not here does not exist (e.g. cuDNN or FA3 on fp32 q/k/v).
+KERNELS: dict[tuple[str, str], KernelNeeds] = {
+    ("cudnn", "bf16"): KernelNeeds(cuda=True, min_sm=80),
+    ("fa3", "bf16"): KernelNeeds(cuda=True, min_sm=90, max_sm=90, module=FA3_MODULE, fix=FA3_FIX),
+    ("sdpa", "bf16"): KernelNeeds(cuda=False),
+    ("sdpa", "fp32"): KernelNeeds(cuda=False),
+    ("cudnn", "fp8"): KernelNeeds(cuda=True, min_sm=90, module="cudnn", fix=CUDNN_FRONTEND_FIX),
+    ("fa3", "fp8"): KernelNeeds(cuda=True, min_sm=90, max_sm=90, module=FA3_MODULE, fix=FA3_FIX),
+    ("emulated", "fp8"): KernelNeeds(cuda=False),
+}
+# What `--attention auto` measures on a GPU, per precision, and bakes on a CPU (the one kernel that runs there).
+GPU_CANDIDATES = {"bf16": ("cudnn", "fa3"), "fp32": ("sdpa",), "fp8": ("cudnn", "fa3")}
+CPU_KERNEL = {"bf16": "sdpa", "fp32": "sdpa", "fp8": "emulated"}
+
+
+def attention_precision(dtype: torch.dtype) -> str:
+    """The attention precision of a non-FP8 block in `dtype`."""
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float32:
+        return "fp32"
+    raise ValueError(f"attention runs on bf16 or fp32 q/k/v (or FP8 with --fp8-attention), not {dtype}.")
+
+
+def kernels_for(precision: str) -> tuple[str, ...]:
+    return tuple(k for k, p in KERNELS if p == precision)
+
+
+def kernel_problem(kernel: str, precision: str, device: torch.device) -> str | None:
+    """Why `device` cannot run `kernel` at `precision`, with the fix; None when it can. Imports the kernel's package
+    (a wheel that installs but cannot load, e.g. built for another CUDA, is a problem too)."""
+    device = torch.device(device)
+    needs = KERNELS.get((kernel, precision))
+    if needs is None:
+        raise ValueError(f"{precision} attention kernels are {kernels_for(precision)}, got {kernel!r}.")
+    if not needs.cuda:
+        return None
+    if device.type != "cuda":
+        return (f"the {kernel} {precision} attention kernel needs a CUDA GPU; this device is {device}. Serve the bundle "
+                f"on the GPU it was built for, or rebuild it on this machine (a CPU build bakes "
+                f"{CPU_KERNEL[precision]!r}).")
+    major, minor = torch.cuda.get_device_capability(device)
+    sm = major * 10 + minor
+    if sm < needs.min_sm or (needs.max_sm and sm > needs.max_sm):
+        span = f"sm_{needs.min_sm}" + (" only" if needs.max_sm == needs.min_sm else " and newer")
+        return (f"the {kernel} {precision} attention kernel runs on {span}; this GPU is sm_{sm}. Rebuild the bundle on "
+                f"this GPU with --attention auto (or another --attention kernel).")
+    if needs.module:
+        try:
+            importlib.import_module(needs.module)
+        except (ImportError, OSError) as e:
+            return (f"the {kernel} {precision} attention kernel needs the Python module {needs.module!r}, which does "
+                    f"not load here ({type(e).__name__}: {e}): {needs.fix}.")
+    return None
+
+
+def check_kernel(kernel: str, precision: str, device: torch.device) -> None:
+    """Raise, with the fix, where `device` cannot run `kernel` (at build and at load: never a silent substitute)."""
+    problem = kernel_problem(kernel, precision, device)
+    if problem is not None:
+        raise RuntimeError(problem[0].upper() + problem[1:])
+
+
+def check_attention_record(record: dict, device: torch.device) -> None:
+    """Raise, with the fix, where `device` cannot run a manifest's `attention` record ({precision: {kernel, ...}})."""
+    for precision, choice in record.items():
+        check_kernel(choice["kernel"], precision, device)
+
+
+def dense_kernel(record: dict) -> str:
+    """The kernel of a manifest's attention that is not FP8 (what the Ulysses exchange runs without FP8 attention)."""
+    dense = [choice["kernel"] for precision, choice in record.items() if precision != "fp8"]
+    if len(dense) != 1:
+        raise ValueError(f"a bundle's attention record holds one non-FP8 precision, got {sorted(record)}.")
+    return dense[0]
+
+
+@torch.library.custom_op("h3trt::attention", mutates_args=())
+def attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor, kernel: str) -> torch.Tensor:
+    """Full non-causal attention, scale D^-1/2, with `kernel`. Returns a contiguous [B, S, N, D] in q's dtype."""
+    if kernel == "sdpa":
+        return _sdpa(q_BSND, k_BSND, v_BSND)
+    if kernel == "cudnn":
+        return _cudnn(q_BSND, k_BSND, v_BSND)
+    if kernel == "fa3":
+        return _fa3(q_BSND, k_BSND, v_BSND)
+    raise ValueError(f"h3trt::attention kernels are {kernels_for('bf16')}, got {kernel!r}.")
+
+
+@attention.register_fake
+def _(q_BSND, k_BSND, v_BSND, kernel):
+    return torch.empty_like(q_BSND, memory_format=torch.contiguous_format)
+
+
+def bound_attention(kernel: str):
+    """The block's attention core (AttentionFn) running `kernel`."""
+    return lambda q, k, v: attention(q, k, v, kernel)
+
+
+def _sdpa(q, k, v) -> torch.Tensor:
+    out_BNSD = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2))
+    return out_BNSD.transpose(1, 2).contiguous()
+
+
+def _cudnn(q, k, v) -> torch.Tensor:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    if not q.is_cuda:
+        raise ValueError(f"the cudnn attention kernel runs on CUDA tensors, got {q.device}; a CPU build bakes 'sdpa'.")
+    # Only the cuDNN backend is enabled: SDPA raises rather than picking another kernel for inputs cuDNN refuses.
+    # The [B, N, S, D] views of [B, S, N, D] tensors are what cuDNN reads without copies; it writes its output in q's
+    # layout, so the transpose back is free.
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        return _sdpa(q, k, v)
+
+
+def fa3_interface():
+    try:
+        return importlib.import_module(FA3_MODULE)
+    except (ImportError, OSError) as e:
+        raise RuntimeError(f"the fa3 attention kernel needs {FA3_MODULE!r}, which does not load here "
+                           f"({type(e).__name__}: {e}): {FA3_FIX}.") from e
+
+
+def _fa3(q, k, v) -> torch.Tensor:
+    if not q.is_cuda:
+        raise ValueError(f"the fa3 attention kernel runs on CUDA tensors, got {q.device}; a CPU build bakes 'sdpa'.")
+    return fa3_bf16(q, k, v)
+
+
+def fa3_bf16(q, k, v) -> torch.Tensor:
+    """FA3's bf16 forward on [B, S, N, D] tensors (last dim contiguous), scale D^-1/2."""
+    out = fa3_interface().flash_attn_func(q, k, v, causal=False)  # [B, S, N, D] in, [B, S, N, D] out
+    out = out[0] if isinstance(out, tuple) else out
+    return out.contiguous()
