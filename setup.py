@@ -33,6 +33,10 @@ setup(
         # `h3trt build --fp8-attention` on a GPU, and serving its bundles: cuDNN's FP8 flash attention through the
         # cuDNN graph API (1.16.0: 2 MB, no dependencies; it uses the cuDNN that torch already loaded).
         "fp8-attention": ["nvidia-cudnn-frontend==1.16.0"],
+        # `h3trt build --attention fa3` (or auto picking it) on a Hopper GPU, and serving such bundles:
+        # FlashAttention-3's forward, bf16 and FP8 (27.6 MB abi3 wheel, sm_90a cubins, torch stable ABI, CUDA 13
+        # runtime; provenance in README, "FlashAttention-3").
+        "fa3": ["fa3-fwd==0.0.3"],
     },
     entry_points={"console_scripts": ["h3trt=h3trt.cli:main"]},
 )

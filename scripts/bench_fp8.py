@@ -9,13 +9,16 @@ full-size DiT weight bytes per precision.
 (two prompts, 4-point schedule), then the same request (6 steps) runs with every block FP8, with only the first or
 only the last in bf16, and all bf16; reported: final latent relative error and decoded-video PSNR against bf16.
 
-Rows (all bf16 activations, random weights std 0.02, the Diffusers block's weights loaded into each):
+Rows (all bf16 activations, random weights std 0.02, the Diffusers block's weights loaded into each), one per
+attention kernel K of --attention-kernels (default: cudnn fa3 on a GPU; sdpa / emulated with --cpu-check), a
+kernel the GPU cannot run skipped with the reason recorded:
   diffusers_eager      Diffusers MiniMaxH3TransformerBlock, eager (default SDPA: cuDNN on the H200)
-  h3trt_bf16           the h3trt block segment compiled exactly as `h3trt build` compiles it
-  h3trt_fp8            the same segment with W8A8 e4m3 linears (torch._scaled_mm, static per-tensor scales)
-  h3trt_fp8_attn       plus --fp8-attention: q/k/v quantized with calibrated scales into cuDNN's FP8 flash
-                       attention (h3trt::fp8_sdpa, kernel "cudnn"; with --cpu-check the emulated kernel)
-  h3trt_nvfp4_wo       NVFP4 weight-only (dequantize in the compiled block, bf16 GEMM): memory, not speed
+  h3trt_bf16_K         the h3trt block segment compiled exactly as `h3trt build --attention K` compiles it
+  h3trt_fp8_K          the same segment with W8A8 e4m3 linears (torch._scaled_mm, static per-tensor scales), bf16
+                       attention through kernel K
+  h3trt_fp8_attn_K     plus --fp8-attention: q/k/v quantized with calibrated scales (v centered) into FP8 attention
+                       kernel K (h3trt::fp8_sdpa)
+  h3trt_nvfp4_wo       NVFP4 weight-only (dequantize in the compiled block, bf16 GEMM): memory, not speed (--nvfp4)
 Relative errors are of the block's update (output - input) against the bf16 eager block's, at full width.
 Scales come from max calibration on the block's own input (one block, one input: a benchmark, not a recipe).
 """
@@ -84,7 +87,7 @@ def compiled(spec, example, dev):
     return seg, time.perf_counter() - t0
 
 
-def run(out: Path, cpu_check: bool) -> dict:
+def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: bool = True) -> dict:
     from bench_dit import TEXT, AUDIO, LATENT_T, bench, block_pair, rel_err
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
 
@@ -93,7 +96,7 @@ def run(out: Path, cpu_check: bool) -> dict:
     from h3trt.models.packing import pack_t2va, text_tags_for
     from h3trt.calibration.build import dit_weight_bytes
     from h3trt.calibration.modules import quantize_block
-    from h3trt.calibration.fp8_attention import attention_kernel_for
+    from h3trt.models.attention import kernel_problem
     from h3trt.calibration.recipe import QuantRecipe
 
     torch.manual_seed(0)
@@ -121,13 +124,27 @@ def run(out: Path, cpu_check: bool) -> dict:
         want = ours(x, mod, idx, (cos, sin))
         amax = calibrated_amax(ours, x, mod, idx, (cos, sin))
 
-        rows = {"h3trt_bf16": None, "h3trt_fp8": QuantRecipe("fp8", calib_steps=2),
-                "h3trt_fp8_attn": QuantRecipe("fp8", calib_steps=2, fp8_attention=True,
-                                              attention_kernel=attention_kernel_for(torch.device(dev))),
-                "h3trt_nvfp4_wo": QuantRecipe("nvfp4")}
-        for name, recipe in rows.items():
+        # (row, recipe, bf16 attention kernel, the precision the row's attention runs in)
+        rows = []
+        result["skipped"] = {}
+        for kernel in kernels or (["sdpa"] if cpu_check else ["cudnn", "fa3"]):
+            fp8_kernel = "emulated" if kernel == "sdpa" else kernel
+            for name, recipe, precision in (
+                    (f"h3trt_bf16_{kernel}", None, "bf16"),
+                    (f"h3trt_fp8_{kernel}", QuantRecipe("fp8", calib_steps=2), "bf16"),
+                    (f"h3trt_fp8_attn_{fp8_kernel}", QuantRecipe("fp8", calib_steps=2, fp8_attention=True,
+                                                                 attention_kernel=fp8_kernel), "fp8")):
+                problem = kernel_problem(fp8_kernel if precision == "fp8" else kernel, precision, torch.device(dev))
+                if problem:
+                    result["skipped"][name] = problem
+                    print(f"{name:32s} skipped: {problem}", flush=True)
+                else:
+                    rows.append((name, recipe, kernel))
+        if nvfp4:
+            rows.append(("h3trt_nvfp4_wo", QuantRecipe("nvfp4"), "sdpa" if cpu_check else "cudnn"))
+        for name, recipe, kernel in rows:
             block = ours if recipe is None else quantize_block(copy.deepcopy(ours), cfg, recipe, amax)
-            spec = block_segment(cfg, torch.bfloat16, recipe)
+            spec = block_segment(cfg, torch.bfloat16, recipe, attention=kernel)
             tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
             example = [x, mod, idx, cos, sin, *[tensors[n].detach() for n in spec.weights]]
             seg, result["compile_s"][name] = compiled(spec, example, dev)
@@ -153,7 +170,8 @@ def run(out: Path, cpu_check: bool) -> dict:
     for prec, b in result["full_size_dit_weight_bytes"].items():
         print(f"full-size DiT weights, {prec:5s} (AdaLN baked, 99 timesteps): {b['total'] / 1e9:6.2f} GB "
               f"({b['total'] / 2**30:6.2f} GiB), blocks {b['blocks'] / 1e9:.2f} GB", flush=True)
-    result["notes"].append(f"h3trt_fp8_attn runs the {attention_kernel_for(torch.device(dev))} FP8 attention kernel.")
+    result["notes"].append("Row suffixes name the attention kernel (h3trt/models/attention.py); h3trt_nvfp4_wo runs "
+                           "bf16 attention through cudnn (sdpa on the CPU).")
     _write(out, result)
     return result
 
@@ -208,13 +226,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, required=True, help="where to write the results")
     p.add_argument("--cpu-check", action="store_true", help="toy width on the CPU (no Diffusers timing row)")
+    p.add_argument("--attention-kernels", nargs="+", choices=("cudnn", "fa3", "sdpa"),
+                   help="a row per kernel (default: cudnn fa3 on a GPU, sdpa with --cpu-check)")
+    p.add_argument("--no-nvfp4", action="store_true", help="leave out the NVFP4 weight-only row")
     p.add_argument("--block-sensitivity", action="store_true",
                    help="tiny model on the CPU: first/last block in bf16 vs all FP8, against all bf16")
     args = p.parse_args()
     if args.block_sensitivity:
         block_sensitivity(args.json)
     else:
-        run(args.json, args.cpu_check)
+        run(args.json, args.cpu_check, args.attention_kernels, not args.no_nvfp4)
     return 0
 
 
