@@ -8,7 +8,9 @@ validated T2VA workload 1344x768, 124 frames: 128 text + 2 x 207 audio + 37 x 24
 
 `blocks`: ms per block for the Diffusers block (eager, default SDPA), the Diffusers block under torch.compile, the
 h3trt eager block and the h3trt compiled block (built exactly as `h3trt build` builds it: exported with dynamic
-sequence length, Inductor standalone_compile, saved, loaded). Median of 5 after 2 warm-ups, CUDA events.
+sequence length, Inductor standalone_compile, saved, loaded), one compiled row per --attention-kernels kernel
+(h3trt_compiled_cudnn, h3trt_compiled_fa3; a kernel the GPU cannot run is skipped, the reason recorded). Median of 5
+after 2 warm-ups, CUDA events.
 `stack`: writes a full-width random checkpoint with --layers blocks in the official layout, runs `h3trt build`
 on it (bf16, inductor, AdaLN baked), then in a fresh process loads the bundle and times a denoising step of the
 stack against the h3trt eager model and the Diffusers model with the same weights; peak memory for each.
@@ -114,7 +116,7 @@ def block_pair(cfg, lay, dev: str):
     return ref, ours, x, temb, idx, pos, mod, rope_tables(pos, rope_inv_freq(cfg).to(dev))
 
 
-def run_blocks(out_path: Path, variants: bool = False) -> dict:
+def run_blocks(out_path: Path, variants: bool = False, kernels: tuple[str, ...] = ("cudnn", "fa3")) -> dict:
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
@@ -140,27 +142,38 @@ def run_blocks(out_path: Path, variants: bool = False) -> dict:
         print(f"h3trt block eager            {ms['h3trt_eager']:7.1f} ms  (rel err vs diffusers "
               f"{result['h3trt_eager_rel_err_vs_diffusers']:.1e})", flush=True)
 
-        spec = block_segment(cfg, torch.bfloat16)
-        weights = [dict(ours.named_parameters())[n].detach() for n in spec.weights]
-        example = [x, mod, idx, cos, sin, *weights]
-        work = Path(tempfile.mkdtemp(prefix="bench-block-"))
-        t0 = time.perf_counter()
-        with temporary_cache_dir(str(work / "cache")):
-            entry = compile_segment("inductor", spec, example, work)  # exactly as `h3trt build` compiles it
-        result["block_compile_s"] = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        seg = _load_local(entry, work, dev)
-        (y,) = seg(*example)
-        torch.cuda.synchronize()
-        result["block_load_first_call_s"] = time.perf_counter() - t0
-        result["h3trt_compiled_rel_err_vs_eager"] = rel_err(y, got)
-        ms["h3trt_compiled"] = bench(lambda: seg(*example))
-        print(f"h3trt block compiled         {ms['h3trt_compiled']:7.1f} ms  (compile {result['block_compile_s']:.0f} s,"
-              f" rel err vs eager {result['h3trt_compiled_rel_err_vs_eager']:.1e})", flush=True)
-        _write(out_path, result)
+        from h3trt.models.attention import kernel_problem
+
+        result["skipped"] = {}
+        for kernel in kernels:  # one compiled row per attention kernel (`h3trt build --attention K`)
+            problem = kernel_problem(kernel, "bf16", torch.device(dev))
+            if problem:
+                result["skipped"][f"h3trt_compiled_{kernel}"] = problem
+                print(f"h3trt block compiled [{kernel}] skipped: {problem}", flush=True)
+                continue
+            spec = block_segment(cfg, torch.bfloat16, attention=kernel)
+            weights = [dict(ours.named_parameters())[n].detach() for n in spec.weights]
+            example = [x, mod, idx, cos, sin, *weights]
+            work = Path(tempfile.mkdtemp(prefix="bench-block-"))
+            t0 = time.perf_counter()
+            with temporary_cache_dir(str(work / "cache")):
+                entry = compile_segment("inductor", spec, example, work)  # exactly as `h3trt build` compiles it
+            result[f"block_compile_s_{kernel}"] = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            seg = _load_local(entry, work, dev)
+            (y,) = seg(*example)
+            torch.cuda.synchronize()
+            result[f"block_load_first_call_s_{kernel}"] = time.perf_counter() - t0
+            result[f"h3trt_compiled_{kernel}_rel_err_vs_eager"] = rel_err(y, got)
+            ms[f"h3trt_compiled_{kernel}"] = bench(lambda: seg(*example))
+            print(f"h3trt block compiled [{kernel}] {ms[f'h3trt_compiled_{kernel}']:7.1f} ms  (compile "
+                  f"{result[f'block_compile_s_{kernel}']:.0f} s, rel err vs eager "
+                  f"{result[f'h3trt_compiled_{kernel}_rel_err_vs_eager']:.1e}, "
+                  f"{ms['diffusers_eager'] / ms[f'h3trt_compiled_{kernel}']:.3f}x vs Diffusers eager)", flush=True)
+            _write(out_path, result)
 
         for variant, (static, patch) in VARIANTS.items() if variants else ():
-            vspec = block_segment(cfg, torch.bfloat16)
+            vspec = block_segment(cfg, torch.bfloat16, attention=kernels[0])
             if static:
                 vspec.dynamic = {}
             vwork = Path(tempfile.mkdtemp(prefix=f"bench-{variant}-"))
@@ -308,11 +321,13 @@ def main() -> int:
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--variants", action="store_true", help="blocks: also time other compile options")
+    p.add_argument("--attention-kernels", nargs="+", default=["cudnn", "fa3"], choices=("cudnn", "fa3"),
+                   help="blocks: a compiled row per attention kernel (default: cudnn fa3)")
     args = p.parse_args()
     if args.what == "_stack_child":
         stack_child(Path(args.arg))
     elif args.what == "blocks":
-        run_blocks(args.out or ROOT / "bench/results/dit_blocks.json", args.variants)
+        run_blocks(args.out or ROOT / "bench/results/dit_blocks.json", args.variants, tuple(args.attention_kernels))
     else:
         run_stack(args.out or ROOT / "bench/results/dit_stack.json", args.layers)
     return 0

@@ -1,6 +1,8 @@
 """Ulysses sequence parallel on one host: per-step time of a full-width 4-block H3 stack at sp=1 and sp=N in one run,
 eager and compiled (the segments `h3trt build` compiles: the fused block at sp=1, the pre/post-attention halves
-around the exchange at sp=N), and the all-to-all time per layer.
+around the exchange at sp=N), and the all-to-all time per layer. The compiled rows are repeated for each
+--attention-kernels kernel (keys suffixed _cudnn, _fa3; a kernel the GPUs cannot run is skipped, the reason recorded):
+the sp=1 block with the kernel inside, and at sp=N the exchange running it over N / sp heads per rank.
 
     python scripts/bench_sp.py --gpus 2 --out bench/results/sp_h200x2.json
     python scripts/bench_sp.py --gpus 2 --precision fp8 --out bench/results/sp_fp8_h200x2.json
@@ -52,7 +54,8 @@ def _time(fn, device, n=5, warm=2) -> float:
     return sorted(times)[n // 2]
 
 
-def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: str, fp8_attention: bool) -> None:
+def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: str, fp8_attention: bool,
+            kernels: list[str]) -> None:
     from h3trt.models.config import H3Config
     from h3trt.models.dit import Block, rope_inv_freq, rope_tables
     from h3trt.parallel.ulysses import UlyssesAttention, padded_length
@@ -110,12 +113,12 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
             sys.path.insert(0, str(ROOT / "scripts"))
             from bench_fp8 import calibrated_amax
 
-            from h3trt.calibration.fp8_attention import attention_kernel_for
             from h3trt.calibration.modules import quantize_block
             from h3trt.calibration.recipe import QuantRecipe
 
+            # The kernel is bound per compiled row below; quantizing does not depend on it.
             recipe = QuantRecipe("fp8", calib_steps=2, fp8_attention=fp8_attention,
-                                 attention_kernel=attention_kernel_for(device) if fp8_attention else "")
+                                 attention_kernel="emulated" if fp8_attention else "")
             cblocks, h = [], x
             for b, m in zip(blocks, mods):
                 cblocks.append(quantize_block(copy.deepcopy(b), cfg, recipe, calibrated_amax(b, h, m, idx, (cos, sin))))
@@ -159,19 +162,9 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
             tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}  # FP8: e4m3 buffers, scales
             return [tensors[n] for n in spec.weights]
 
-        blk = block_segment(cfg, dtype, recipe)
-        blk_c = compiled(blk, [x, mods[0], idx, cos, sin] + weights(cblocks[0], blk))
-        blk_w = [weights(b, blk) for b in cblocks]
+        import dataclasses
 
-        def step_sp1_compiled():
-            h = x
-            for w, m in zip(blk_w, mods):
-                (h,) = blk_c(h, m, idx, cos, sin, *w)
-            return h
-
-        got = step_sp1_compiled()
-        result["rel_err_compiled_sp1_vs_eager"] = ((got.float() - ref.float()).norm() / ref.float().norm()).item()
-        result["ms_per_step_sp1_compiled"] = _time(step_sp1_compiled, device)
+        from h3trt.models.attention import bound_attention, kernel_problem
 
         pre, post = block_pre_segment(cfg, dtype, world, recipe), block_post_segment(cfg, dtype, recipe)
         recv = torch.randn(world, 1, padded // world, N // world, D, device=device, dtype=dtype)
@@ -179,40 +172,69 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
         post_c = compiled(post, [xp, recv, mods[0], idxp] + weights(cblocks[0], post))
         pre_w, post_w = [weights(b, pre) for b in cblocks], [weights(b, post) for b in cblocks]
         exchange = UlyssesExchange(dist.group.WORLD, tokens, padded)
-        attns = [None] * len(cblocks)  # what EngineDiT hands the exchange: bf16 SDPA, or each layer's FP8 attention
-        if recipe is not None and recipe.fp8_attention:  # the compiled `attention` segment of the bundle
-            from h3trt.build.segments import sharded_attention_segment
+        result["skipped"], first = {}, None
+        attention_precision = "fp32" if dtype == torch.float32 else "bf16"
+        for kernel in kernels:  # the compiled rows of each attention kernel (`h3trt build --attention K`)
+            fp8_kernel = "emulated" if kernel == "sdpa" else kernel
+            fp8 = recipe is not None and recipe.fp8_attention
+            problem = kernel_problem(fp8_kernel if fp8 else kernel, "fp8" if fp8 else attention_precision, device)
+            if problem:
+                result["skipped"][kernel] = problem
+                continue
+            krecipe = dataclasses.replace(recipe, attention_kernel=fp8_kernel) if fp8 else recipe
+            blk = block_segment(cfg, dtype, krecipe, name=f"block_{kernel}", attention=kernel)
+            blk_c = compiled(blk, [x, mods[0], idx, cos, sin] + weights(cblocks[0], blk))
+            blk_w = [weights(b, blk) for b in cblocks]
 
-            spec = sharded_attention_segment(cfg, recipe)
-            qkv_rows = [torch.randn(1, tokens, N // world, D, device=device, dtype=dtype) for _ in range(3)]
-            attn_c = compiled(spec, qkv_rows + weights(cblocks[0], spec))
-            attns = [lambda q, k, v, w=weights(b, spec): attn_c(q, k, v, *w)[0] for b in cblocks]
+            def step_sp1_compiled():
+                h = x
+                for w, m in zip(blk_w, mods):
+                    (h,) = blk_c(h, m, idx, cos, sin, *w)
+                return h
 
-        def step_sp_compiled():
-            h = xp
-            for wa, wb, m, a in zip(pre_w, post_w, mods, attns):
-                (qkv,) = pre_c(h, m, idxp, cosp, sinp, *wa)
-                (h,) = post_c(h, exchange(qkv, a), m, idxp, *wb)
-            return h
+            got = step_sp1_compiled()
+            result[f"rel_err_compiled_sp1_vs_eager_{kernel}"] = (
+                (got.float() - ref.float()).norm() / ref.float().norm()).item()
+            result[f"ms_per_step_sp1_compiled_{kernel}"] = _time(step_sp1_compiled, device)
+            # What EngineDiT hands the exchange: the bundle's kernel, or each layer's compiled FP8 attention segment.
+            attns = [bound_attention(kernel)] * len(cblocks)
+            if fp8:
+                from h3trt.build.segments import sharded_attention_segment
 
-        got = step_sp_compiled()
-        dist.all_gather(parts, got)
-        full = torch.cat(parts, dim=1)[:, :tokens]
-        result[f"rel_err_compiled_sp{world}_vs_eager_sp1"] = (
-            (full.float() - ref.float()).norm() / ref.float().norm()).item()
-        result[f"ms_per_step_sp{world}_compiled"] = _time(step_sp_compiled, device)
-        # Where a sharded layer's time goes: the compiled halves, the exchange (all-to-alls around SDPA), SDPA alone.
-        qkv0 = pre_c(xp, mods[0], idxp, cosp, sinp, *pre_w[0])[0]
-        out0 = exchange(qkv0, attns[0])
-        result["ms_layer_pre"] = _time(lambda: pre_c(xp, mods[0], idxp, cosp, sinp, *pre_w[0]), device)
-        result["ms_layer_exchange"] = _time(lambda: exchange(qkv0, attns[0]), device)
-        result["ms_layer_post"] = _time(lambda: post_c(xp, out0, mods[0], idxp, *post_w[0]), device)
+                spec = dataclasses.replace(sharded_attention_segment(cfg, krecipe), name=f"attention_{kernel}")
+                qkv_rows = [torch.randn(1, tokens, N // world, D, device=device, dtype=dtype) for _ in range(3)]
+                attn_c = compiled(spec, qkv_rows + weights(cblocks[0], spec))
+                attns = [lambda q, k, v, w=weights(b, spec), attn_c=attn_c: attn_c(q, k, v, *w)[0] for b in cblocks]
+
+            def step_sp_compiled():
+                h = xp
+                for wa, wb, m, a in zip(pre_w, post_w, mods, attns):
+                    (qkv,) = pre_c(h, m, idxp, cosp, sinp, *wa)
+                    (h,) = post_c(h, exchange(qkv, a), m, idxp, *wb)
+                return h
+
+            got = step_sp_compiled()
+            dist.all_gather(parts, got)
+            full = torch.cat(parts, dim=1)[:, :tokens]
+            result[f"rel_err_compiled_sp{world}_vs_eager_sp1_{kernel}"] = (
+                (full.float() - ref.float()).norm() / ref.float().norm()).item()
+            result[f"ms_per_step_sp{world}_compiled_{kernel}"] = _time(step_sp_compiled, device)
+            # Where a sharded layer's time goes: the compiled halves, the exchange (all-to-alls around attention).
+            qkv0 = pre_c(xp, mods[0], idxp, cosp, sinp, *pre_w[0])[0]
+            out0 = exchange(qkv0, attns[0])
+            result[f"ms_layer_exchange_{kernel}"] = _time(lambda: exchange(qkv0, attns[0]), device)
+            if first is None:
+                first = kernel
+                result["ms_layer_pre"] = _time(lambda: pre_c(xp, mods[0], idxp, cosp, sinp, *pre_w[0]), device)
+                result["ms_layer_post"] = _time(lambda: post_c(xp, out0, mods[0], idxp, *post_w[0]), device)
+            result[f"speedup_compiled_{kernel}"] = (result[f"ms_per_step_sp1_compiled_{kernel}"]
+                                                    / result[f"ms_per_step_sp{world}_compiled_{kernel}"])
+            result[f"speedup_compiled_vs_eager_sp1_{kernel}"] = (result["ms_per_step_sp1"]
+                                                                 / result[f"ms_per_step_sp{world}_compiled_{kernel}"])
         q = torch.randn(1, padded, N // world, D, device=device, dtype=dtype).transpose(1, 2)
         result["ms_layer_sdpa_only"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device)
         q = torch.randn(1, tokens, N, D, device=device, dtype=dtype).transpose(1, 2)
         result["ms_layer_sdpa_sp1"] = _time(lambda: torch.nn.functional.scaled_dot_product_attention(q, q, q), device)
-        result["speedup_compiled"] = result["ms_per_step_sp1_compiled"] / result[f"ms_per_step_sp{world}_compiled"]
-        result["speedup_compiled_vs_eager_sp1"] = result["ms_per_step_sp1"] / result[f"ms_per_step_sp{world}_compiled"]
     result["speedup"] = result["ms_per_step_sp1"] / result[f"ms_per_step_sp{world}"]
     if rank == 0:
         Path(out).write_text(json.dumps(result, indent=1))
@@ -303,6 +325,8 @@ def main() -> int:
     p.add_argument("--cpu-check", action="store_true")
     p.add_argument("--precision", choices=("bf16", "fp8"), default="bf16", help="what the compiled rows run")
     p.add_argument("--fp8-attention", action="store_true", help="with --precision fp8: FP8 attention as bundles run it")
+    p.add_argument("--attention-kernels", nargs="+", choices=("cudnn", "fa3", "sdpa"),
+                   help="compiled rows per attention kernel (default: cudnn fa3 on GPUs, sdpa with --cpu-check)")
     p.add_argument("--project", type=int, nargs="+", metavar="SP",
                    help="one GPU, no communication: per-rank compute of a compiled step at these sp (bf16)")
     args = p.parse_args()
@@ -315,7 +339,9 @@ def main() -> int:
     world = 2 if args.cpu_check else args.gpus
     store = f"/tmp/h3trt-bench-sp-{os.getpid()}"
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    mp.spawn(_worker, args=(world, store, str(args.out), args.cpu_check, args.precision, args.fp8_attention), nprocs=world, join=True)
+    kernels = args.attention_kernels or (["sdpa"] if args.cpu_check else ["cudnn", "fa3"])
+    mp.spawn(_worker, args=(world, store, str(args.out), args.cpu_check, args.precision, args.fp8_attention, kernels),
+             nprocs=world, join=True)
     return 0
 
 
