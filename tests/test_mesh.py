@@ -198,6 +198,8 @@ def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_pa
     manifest = json.loads((sp2_bundle / "manifest.json").read_text())
     assert {"block_pre", "block_post"} <= set(manifest["segments"]) and "block" not in manifest["segments"]
     assert manifest["mesh"]["sp"] == 2 and manifest["mesh"]["heads_per_rank"] == 1
+    # The exchange runs the recorded kernel, chosen at the per-rank head count.
+    assert manifest["attention"]["fp32"]["kernel"] == "sdpa" and manifest["attention"]["fp32"]["shape"]["heads"] == 1
     launch(_engine_rank, 2, (sp2_bundle, tiny_root, tmp_path))
     for rank in (0, 1):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -230,6 +232,7 @@ def test_fp8_sp2_bundle_shards_the_quantized_blocks(fp8_sp2_bundle, tiny_root, t
     assert "attn.qkv_proj.input_scale" in manifest["segments"]["block_pre"]["weights"]
     assert "mlp.fc2.weight_scale" in manifest["segments"]["block_post"]["weights"]
     assert manifest["quant"]["fp8_attention"] and manifest["quant"]["attention_kernel"] == "emulated"
+    assert {p: c["kernel"] for p, c in manifest["attention"].items()} == {"bf16": "sdpa", "fp8": "emulated"}
     assert manifest["segments"]["attention"]["weights"] == ["attn.q_scale", "attn.k_scale", "attn.v_scale"]
     assert load_file(str(fp8_sp2_bundle / "weights" / "blocks.safetensors"))["blocks.0.mlp.fc1.weight"].dtype == \
         torch.float8_e4m3fn

@@ -107,7 +107,7 @@ def check_kernel(kernel: str, precision: str, device: torch.device) -> None:
     """Raise, with the fix, where `device` cannot run `kernel` (at build and at load: never a silent substitute)."""
     problem = kernel_problem(kernel, precision, device)
     if problem is not None:
-        raise RuntimeError(problem[0].upper() + problem[1:])
+        raise RuntimeError(problem)
 
 
 def check_attention_record(record: dict, device: torch.device) -> None:
