@@ -246,11 +246,6 @@ def build(config: BuildConfig, log=print) -> dict:
     # sp against the heads, before anything slow.
     model_cfg = locate_transformer(config.model_root, config.task).config
     MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp, model_cfg.num_heads)
-    if config.backend in ("inductor", "aoti") and bundle_activated():
-        # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
-        # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
-        raise BuildError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
-                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
@@ -274,6 +269,11 @@ def build(config: BuildConfig, log=print) -> dict:
             log(f"{precision} attention: {choice.kernel} (--attention {config.attention}"
                 f"{', measured ' + timed if timed else ''} at {shape.rows} rows x {shape.heads} heads)"
                 f"{'; ' + left_out if left_out else ''}")
+    if config.backend in ("inductor", "aoti") and bundle_activated():
+        # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
+        # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
+        raise BuildError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
+                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
     fp8_kernel = attention["fp8"].kernel if "fp8" in attention else ""
     dense_kernel = next((c.kernel for p, c in attention.items() if p != "fp8"), "sdpa")
     work = out.with_name(out.name + ".partial")

@@ -9,11 +9,11 @@ from __future__ import annotations
 import torch
 import torch.nn as nn
 
-from ..models.dit import Block, sdpa_attention
+from ..models.attention import bound_attention
+from ..models.dit import Block
 from .formats import (
     FP8, NVFP4_GROUP, fp8_linear, fp8_scale, nvfp4_weight_only_linear, quantize_fp8, quantize_nvfp4,
 )
-from ..models.attention import bound_attention
 from .fp8_attention import center_rows, fp8_sdpa
 from .recipe import QuantRecipe
 
