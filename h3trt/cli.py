@@ -2,9 +2,10 @@
 
     h3trt run --prompt "..." --output clip.mp4 [--image first.png] [--last-image last.png] [--ref FILE ...]
               [--seed 42] [--steps 50] [--width W --height H] [--duration 5] [--model PATH | --engine DIR]
+              [--vae-precision fp32|bf16|fp8]
     h3trt build --model PATH|tiny --output DIR [--precision bf16] [--profile WxHxSECONDS ...] [--steps 50]
                 [--device cuda|cpu] [--backend inductor|aoti|tensorrt] [--trt-targets sm89,sm120] [--keep-adaln]
-                [--task t2va|fl2va|ref2va]
+                [--task t2va|fl2va|ref2va] [--vae-precision fp32|bf16|fp8]
     h3trt inspect DIR        h3trt verify DIR
 
 Errors the user can fix are one line on stderr and exit status 2; no output file is left behind.
@@ -37,6 +38,11 @@ from .runtime.media import MediaError
 from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare, write_json_atomic
 from .runtime.serve import Job, finish_record, launch_gpus, serve_launched, serve_rank
 
+VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
+                      "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
+                      "encoder, norms, scales - fp32), or fp8 (opt-in: bf16 plus W8A8 e4m3 ViT linears with per-token "
+                      "activation scales). Default: bf16 on CUDA, fp32 on the CPU. Keyframe encode and the audio VAE "
+                      "stay fp32 at every precision, as in the reference")
 NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
              "Pass --model PATH for real MiniMax-H3 weights.")
 
@@ -63,6 +69,8 @@ def _run_parser(sub) -> None:
     source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build` (serves without compiling)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--crf", type=int, default=18, help="H.264 constant rate factor (default 18)")
+    p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
+                                           "refused)")
     p.add_argument("--video-shift", type=float, help="video sigma shift (default: the checkpoint's, 12)")
     p.add_argument("--audio-shift", type=float, help="audio sigma shift (default: the checkpoint's, 3)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
@@ -113,6 +121,10 @@ def cmd_run(args) -> int:
     prepared = prepare(request, canvas)  # every input error surfaces here, before any model is loaded
     device = args.device or (manifest["device"].split(":")[0] if manifest else
                              ("cuda" if torch.cuda.is_available() else "cpu"))
+    if args.vae_precision is not None:
+        from .models.vae_precision import VAEPrecision
+
+        VAEPrecision(args.vae_precision)  # a bad value fails before any model loads
     if manifest is not None:
         model_root = args.engine
     elif tiny:
@@ -128,10 +140,10 @@ def cmd_run(args) -> int:
     if args.sp or args.cfg or args.replicas:  # one process: the degrees must all be 1 (the message says why not)
         mesh_from_args(args, 1, 1, None)
     if manifest is not None:
-        pipeline = H3Pipeline.load_engine(model_root, device, canvas)
+        pipeline = H3Pipeline.load_engine(model_root, device, canvas, vae_precision=args.vae_precision)
         serving = no_compile()  # a request compiles nothing: any compiler call raises
     else:
-        pipeline = H3Pipeline.load(model_root, request.task, device, canvas)
+        pipeline = H3Pipeline.load(model_root, request.task, device, canvas, args.vae_precision)
         serving = contextlib.nullcontext()
     bar = None
     if not args.quiet:
@@ -178,7 +190,8 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
     gpus = launch_gpus(device_type, world) if torchrun is None else None
     extra = {"bundle": bundle_identity(manifest)} if manifest else {}
     job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
-              args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra)
+              args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra,
+              vae_precision=args.vae_precision)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(device_type)
         serve_rank(rank, world, local_rank, job, heads)
@@ -225,6 +238,8 @@ def _build_parser(sub) -> None:
                    help="tensorrt with TensorRT-RTX: compute capabilities to build for, e.g. sm89,sm120 "
                         "(default: sm89,sm120; nvfp4: sm120)")
     p.add_argument("--keep-adaln", action="store_true", help="keep adaln_proj weights: serve any schedule")
+    p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + " (of --device). The video decoder is compiled at it "
+                                           "and the bundle serves it")
     p.add_argument("--task", default="t2va", help="t2va/fl2va (FL2VA partition, default) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
                                                      "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
@@ -253,12 +268,12 @@ def cmd_build(args) -> int:
                          args.audio_shift, device, args.backend, args.keep_adaln, args.sp, args.overwrite, tiny,
                          cfg=args.cfg, trt_targets=args.trt_targets, calib_prompts=args.calib_prompts,
                          calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
-                         fp8_attention=args.fp8_attention, attention=args.attention)
+                         fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision)
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr))
     size = sum(f["bytes"] for f in manifest["files"].values())
     print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "
           f"{len(manifest['files'])} files, {size / 1e6:.1f} MB; AdaLN "
-          f"{'baked' if manifest['adaln']['baked'] else 'kept'}")
+          f"{'baked' if manifest['adaln']['baked'] else 'kept'}; video decoder {manifest['vae_precision']}")
     return 0
 
 

@@ -128,9 +128,10 @@ def psnr(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def ssim(a_T3HW: torch.Tensor, b_T3HW: torch.Tensor) -> float:
     """Mean SSIM of the luma (BT.601) frames, Gaussian window 11 / sigma 1.5, valid region."""
-    weights = torch.tensor([0.299, 0.587, 0.114], dtype=torch.float64).view(1, 3, 1, 1)
+    device = a_T3HW.device  # on the frames' device (scripts/bench_vae.py scores full-size frames on the GPU)
+    weights = torch.tensor([0.299, 0.587, 0.114], dtype=torch.float64, device=device).view(1, 3, 1, 1)
     x, y = ((t.double() * weights).sum(1, keepdim=True) for t in (a_T3HW, b_T3HW))
-    coords = torch.arange(SSIM_WINDOW, dtype=torch.float64) - SSIM_WINDOW // 2
+    coords = torch.arange(SSIM_WINDOW, dtype=torch.float64, device=device) - SSIM_WINDOW // 2
     g = torch.exp(-coords ** 2 / (2 * SSIM_SIGMA ** 2))
     g = g / g.sum()
     window = (g[:, None] * g[None, :]).view(1, 1, SSIM_WINDOW, SSIM_WINDOW)

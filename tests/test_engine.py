@@ -78,7 +78,8 @@ def test_run_from_bundle_matches_eager_run(bundles, tmp_path, tiny_cache):
     assert a.shape == b.shape == (124, 96, 160, 3) and fps == 24 and audio is not None
     assert np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() <= 1.0
     record = json.loads(engine_out.with_suffix(".json").read_text())
-    assert record["bundle"]["backend"] == "inductor"
+    assert record["bundle"]["backend"] == "inductor" and record["vae_precision"] == "fp32"
+    assert json.loads(eager_out.with_suffix(".json").read_text())["vae_precision"] == "fp32"  # the CPU default
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aoti"])
@@ -114,7 +115,10 @@ def test_manifest_records_the_build(bundles):
     assert m["adaln"]["baked"] and m["adaln"]["timesteps"] == schedule_timesteps(Schedule()).numel()
     assert (m["mesh"]["cfg"], m["mesh"]["sp"], m["mesh"]["heads_per_rank"]) == (1, 1, 2)
     assert m["tasks"] == ["t2va", "fl2va"]
-    assert set(m["segments"]) == {"embed", "block", "final", "video_decoder_7x6x10"}  # 160x96: one 6x10 tile
+    # 160x96: one 6x10 tile; the decoder as in + one block serving both layers + out, at the CPU default fp32
+    assert set(m["segments"]) == {"embed", "block", "final", "video_decoder_in_7x6x10", "video_decoder_block_7x6x10",
+                                  "video_decoder_out_7x6x10"}
+    assert m["vae_precision"] == "fp32" and m["video_decoder"]["cuda_graph"] in (True, False)
     assert not any(name.startswith("weights/adaln_weights") for name in m["files"])  # adaln_proj left out
     assert all(len(f["sha256"]) == 64 for f in m["files"].values())
     # fp32 attention on a CPU: torch SDPA, nothing timed, at the bundle's attention shape (every row, 2 heads).
@@ -186,6 +190,7 @@ def test_refuses_a_mesh_that_does_not_match(bundles):
     (["--width", "128", "--height", "96"], "not built for 128x96, 124 frames; its profiles are 160x96x5s"),
     (["--duration", "6"], "not built for 160x96, 158 frames"),
     (["--steps", "10"], "baked for steps=50, video shift 12, audio shift 3"),
+    (["--vae-precision", "bf16"], "video decoder was compiled at --vae-precision fp32; the run asks for bf16"),
 ])
 def test_refuses_requests_the_bundle_cannot_serve(bundles, tmp_path, extra, message, capsys):
     out = tmp_path / "x.mp4"

@@ -43,11 +43,12 @@ def no_duck_shapes():
 INDUCTOR_OPTIONS = {"compile_threads": 1}
 
 
-def compile_inductor(spec: SegmentSpec, example: list[torch.Tensor], path: Path) -> dict:
+def compile_inductor(spec: SegmentSpec, example: list[torch.Tensor], path: Path, options: dict | None = None) -> dict:
+    """`options` (benchmarks only: scripts/bench_vae*.py) patch Inductor's config over INDUCTOR_OPTIONS."""
     import torch._inductor.config as inductor_config  # heavy: see no_duck_shapes
 
     graph = export_segment(spec, example).graph_module  # placeholders are the segment inputs, in order
-    with torch.no_grad(), inductor_config.patch(**INDUCTOR_OPTIONS):
+    with torch.no_grad(), inductor_config.patch(**{**INDUCTOR_OPTIONS, **(options or {})}):
         artifact = torch._inductor.standalone_compile(graph, list(example), dynamic_shapes="from_graph")
     # "binary" loads into the current Inductor cache (the bundle's shipped binaries); "unpacked" would make the
     # artifact folder itself the cache, where the compiled C++ is absent, and recompile at load.
@@ -82,9 +83,10 @@ def compile_aoti(spec: SegmentSpec, example: list[torch.Tensor], path: Path) -> 
     return {"artifact": path.name}
 
 
-def compile_segment(backend: str, spec: SegmentSpec, example: list[torch.Tensor], out_dir: Path) -> dict:
+def compile_segment(backend: str, spec: SegmentSpec, example: list[torch.Tensor], out_dir: Path,
+                    options: dict | None = None) -> dict:
     if backend == "inductor":
-        return compile_inductor(spec, example, out_dir / f"{spec.name}.inductor.bin")
+        return compile_inductor(spec, example, out_dir / f"{spec.name}.inductor.bin", options)
     if backend == "aoti":
-        return compile_aoti(spec, example, out_dir / f"{spec.name}.pt2")
+        return compile_aoti(spec, example, out_dir / f"{spec.name}.pt2")  # AOTI: its own defaults; no options
     raise ValueError(f"Unknown backend {backend!r}; choose one of {BACKENDS}.")

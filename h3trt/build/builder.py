@@ -37,13 +37,16 @@ from ..models.config import NUM_MODALITIES
 from ..models.dit import H3DiT
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, row_timesteps, text_tags_for, validate_canvas
 from ..models.sampler import Schedule
-from ..models.vae_checkpoint import load_video_vae
+from ..models.vae_precision import VAEPrecision
+from ..models.video_vae import decoder_prologue
 from ..parallel.mesh import MeshConfig
 from ..parallel.ulysses import padded_length
+from ..calibration.vae_fp8 import EXECUTION as VAE_FP8_EXECUTION, load_video_vae_at
+from ..engines.video_decoder import parse_video_decoder_name
 from .adaln import bake_tables, schedule_timesteps
 from .backends import BACKENDS, compile_segment
 from .segments import (block_weight_names, check_sharded_recipe, dit_segments, embed_segment, final_weight_names,
-                       video_decoder_segment)
+                       video_decoder_segments)
 from .tensorrt import build_tensorrt_segments, check_build_config
 from .attention_choice import AttentionShape, resolve_attention
 
@@ -55,6 +58,18 @@ VERIFY_TIMEOUT_S = 900
 # Relative error (norm) a freshly loaded segment may show against the eager segment on the build's example.
 # Quantized: compiled vs eager quantized segment; a 1-ulp bf16 difference before an e4m3 rounding can flip a code.
 VERIFY_REL_TOL = {"bf16": 2e-2, "fp32": 1e-4, "fp8": 3e-2, "nvfp4": 2e-2}
+# The same for the video decoder's segments, by --vae-precision. fp8: the compiled and the eager FP8 decoder each round
+# to e4m3 on their own (Inductor keeps a fused norm's output in fp32 where eager rounds it to bf16 first, so codes
+# flip), and differ by about the quantization noise itself: a 7x4x4 tile of the random tiny decoder measured 5.5%
+# compiled vs eager, where eager FP8 vs bf16 is 9%. A wrong graph is ~100%; FP8's quality is measured separately
+# (scripts/bench_vae.py: PSNR vs fp32 of the compiled and the eager FP8 decoder).
+VAE_VERIFY_REL_TOL = {"fp32": 1e-4, "bf16": 2e-2, "fp8": 0.15}
+# Serve each compiled tile decoder as one CUDA graph replay (h3trt/engines/video_decoder.py says why); recorded in the
+# manifest, ignored on the CPU. scripts/bench_vae.py measures both ways in one run (bitwise-equal pixels).
+VIDEO_DECODER_CUDA_GRAPH = True
+# Inductor options the video decoder's segments compile with, over the DiT's (scripts/bench_vae_compile.py measures
+# max-autotune against these defaults and prints what to keep).
+VIDEO_DECODER_INDUCTOR_OPTIONS: dict = {}
 
 
 class BuildError(RuntimeError):
@@ -108,6 +123,7 @@ class BuildConfig:
     # Attention kernel (h3trt/build/attention_choice.py): auto (the fastest measured on the build GPU; a CPU build's
     # one kernel), or cudnn / fa3 for every attention of the bundle, FP8 attention included.
     attention: str = "auto"
+    vae_precision: str | None = None  # video decoder: fp32 | bf16 | fp8 (None: bf16 on CUDA, fp32 on the CPU)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -131,6 +147,7 @@ class BuildConfig:
                              f"not {self.precision}.")
         if self.task not in TASK_PARTITIONS:
             raise ValueError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
+        self.vae  # validates --vae-precision
         MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
             raise ValueError("At least one --profile is needed.")
@@ -138,6 +155,12 @@ class BuildConfig:
             check_build_config(self)
         elif self.trt_targets is not None:
             raise ValueError("--trt-targets applies to --backend tensorrt.")
+
+    @property
+    def vae(self) -> VAEPrecision:
+        """The video decoder's precision. TensorRT plans serve on CUDA wherever they were built, and so does their
+        (eager) video decoder."""
+        return VAEPrecision.resolve(self.vae_precision, "cuda" if self.backend == "tensorrt" else self.device)
 
     def recipe_for(self, fp8_kernel: str) -> QuantRecipe | None:
         """The quantization recipe, its FP8 attention (with --fp8-attention) running `fp8_kernel`."""
@@ -320,7 +343,7 @@ def build(config: BuildConfig, log=print) -> dict:
 
         examples = example_inputs(model, config.profiles[0].geometry, device, config.sp, recipe)
         specs = {spec.name: spec for spec in dit_segments(model.cfg, dtype, config.sp, recipe, dense_kernel)}
-        specs.update(_video_decoder_specs(source.component_root, config.profiles, device, examples))
+        specs.update(_video_decoder_specs(source.component_root, config.profiles, device, config.vae, examples))
         if config.backend == "tensorrt":  # ONNX export + TensorRT plans instead of torch compiles (tensorrt.py)
             trt_segments, trt_record = build_tensorrt_segments(model, examples, config, work, log)
             # Plans run only on their target GPUs, and the video decoder stays eager: no torch compile, no check here.
@@ -332,7 +355,8 @@ def build(config: BuildConfig, log=print) -> dict:
         with temporary_cache_dir(str(cache)):
             for spec in specs.values():
                 ts = time.perf_counter()
-                entry = compile_segment(config.backend, spec, examples[spec.name], work / "segments")
+                options = VIDEO_DECODER_INDUCTOR_OPTIONS if parse_video_decoder_name(spec.name) else None
+                entry = compile_segment(config.backend, spec, examples[spec.name], work / "segments", options)
                 segments[spec.name] = {"name": spec.name, **entry, "inputs": spec.inputs, "weights": spec.weights,
                                        "outputs": spec.outputs, "dynamic": spec.dynamic}
                 log(f"compiled {spec.name} ({config.backend}) in {time.perf_counter() - ts:.1f} s")
@@ -368,6 +392,11 @@ def build(config: BuildConfig, log=print) -> dict:
             "versions": runtime_versions(), "segments": segments, "weight_bytes": sizes, "tiny": config.tiny,
             "build_timings_s": {k: round(v, 2) for k, v in timings.items()}, "quant": quant,
             "attention": {p: c.to_dict() for p, c in attention.items()},
+            "vae_precision": config.vae.name,
+            "video_decoder": {"segments": "in + block (one compiled block serves every layer) + out, per tile shape",
+                              "cuda_graph": VIDEO_DECODER_CUDA_GRAPH,
+                              "inductor_options": VIDEO_DECODER_INDUCTOR_OPTIONS,
+                              "fp8": VAE_FP8_EXECUTION if config.vae.quantized else None},
         }
         if config.backend == "tensorrt":
             # Flavour, version, targets: what Engine.load checks the GPU against. Plans run on CUDA, wherever built.
@@ -401,20 +430,39 @@ def _checkpoint_sha(files) -> str:
     return h.hexdigest()
 
 
-def _video_decoder_specs(component_root: Path, profiles, device, examples: dict) -> dict:
-    """One static-shape video decoder segment per (window, tile) shape the profiles decode; fills `examples`."""
-    video_vae = load_video_vae(component_root, device)
-    tensors = {**dict(video_vae.vae.named_parameters()), **dict(video_vae.vae.named_buffers())}
-    channels = video_vae.vae.config.latent_channels
-    specs = {}
-    for profile in profiles:
-        geo = profile.geometry
-        for t, h, w in video_vae.tile_shapes(geo.latent_frames, geo.latent_height, geo.latent_width):
-            spec = video_decoder_segment(video_vae.vae, t, h, w)
-            z = torch.randn(1, channels, t, h, w, generator=torch.Generator().manual_seed(0)).to(device)
-            examples[spec.name] = [z] + [tensors[n].detach() for n in spec.weights]
-            specs[spec.name] = spec
+def _video_decoder_specs(component_root: Path, profiles, device, precision: VAEPrecision, examples: dict) -> dict:
+    """The video decoder segments (in, block, out) of every (window, tile) shape the profiles decode, at
+    `precision`; fills `examples`."""
+    video_vae = load_video_vae_at(component_root, device, precision)
+    shapes = sorted({key for p in profiles for key in video_vae.tile_shapes(p.geometry.latent_frames,
+                                                                             p.geometry.latent_height,
+                                                                             p.geometry.latent_width)})
+    specs, found = video_decoder_specs(video_vae, shapes)
+    examples.update(found)
     return specs
+
+
+def video_decoder_specs(video_vae, shapes) -> tuple[dict, dict]:
+    """({name: SegmentSpec}, {name: example inputs}) of the in / block / out segments of each (window latents, tile h,
+    tile w) in `shapes`, bound to `video_vae`'s tensors (block: layer 0's); the block's and out's example activations
+    come from the eager `in` on a seeded latent."""
+    vae = video_vae.vae
+    tensors = {**dict(vae.named_parameters()), **dict(vae.named_buffers())}
+    block = vae.decoder.transformer_blocks[0]
+    block_tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+    channels = vae.config.latent_channels
+    specs, examples = {}, {}
+    for t, h, w in shapes:
+        seg_in, seg_block, seg_out = video_decoder_segments(vae, t, h, w)
+        z = torch.randn(1, channels, t, h, w, generator=torch.Generator().manual_seed(0)).to(video_vae.device,
+                                                                                             video_vae.dtype)
+        with torch.no_grad():
+            x, cos, sin = decoder_prologue(vae, z)
+        examples[seg_in.name] = [z] + [tensors[n].detach() for n in seg_in.weights]
+        examples[seg_block.name] = [x, cos, sin] + [block_tensors[n].detach() for n in seg_block.weights]
+        examples[seg_out.name] = [x] + [tensors[n].detach() for n in seg_out.weights]
+        specs.update({s.name: s for s in (seg_in, seg_block, seg_out)})
+    return specs, examples
 
 
 def _verify_in_subprocess(work: Path, config: BuildConfig, segments: dict, examples: dict, specs: dict) -> None:
@@ -432,11 +480,12 @@ def _verify_in_subprocess(work: Path, config: BuildConfig, segments: dict, examp
                 tensors[f"{name}.in.{i}"] = t.detach().cpu().clone()  # clones: safetensors refuses shared storage
             for i, t in enumerate(want):
                 tensors[f"{name}.out.{i}"] = t.detach().cpu().clone()
-            plan[name] = {"entry": segments[name], "inputs": len(inputs), "outputs": len(want)}
+            rel_tol = (VAE_VERIFY_REL_TOL[config.vae.name] if parse_video_decoder_name(name)
+                       else VERIFY_REL_TOL[config.precision])
+            plan[name] = {"entry": segments[name], "inputs": len(inputs), "outputs": len(want), "rel_tol": rel_tol}
         save_file(tensors, f"{tmp}/examples.safetensors")
         Path(tmp, "plan.json").write_text(json.dumps({
-            "backend": config.backend, "device": config.device, "plan": plan,
-            "rel_tol": VERIFY_REL_TOL[config.precision]}))
+            "backend": config.backend, "device": config.device, "plan": plan}))
         try:
             proc = subprocess.run([sys.executable, "-m", "h3trt.build.verify", str(work), tmp], capture_output=True,
                                   text=True, timeout=VERIFY_TIMEOUT_S)

@@ -20,9 +20,11 @@ import torch
 
 from ..models.config import H3Config
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
+from ..models.video_vae import decoder_epilogue, decoder_prologue
 from ..calibration.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
 from ..calibration.recipe import QuantRecipe
 from ..parallel.ulysses import from_head_groups, to_head_groups
+from ..engines.video_decoder import video_decoder_names
 
 
 
@@ -246,20 +248,70 @@ def _vae_segment(name: str, wrapper: torch.nn.Module, prefixes: tuple[str, ...],
                                                                                "pixels"])
 
 
-def video_decoder_segment(vae, window_latents: int, tile_h: int, tile_w: int) -> SegmentSpec:
-    """One temporal window of one spatial tile: latent [1, C, window, h, w] -> pixels (the unit parallel decode
-    distributes)."""
-    return _vae_segment(video_decoder_name(window_latents, tile_h, tile_w), _Decode(vae, "post_quant_conv"),
-                        ("post_quant_conv.", "decoder."), "z")
+# The video decoder of one (window, tile) shape is three segments, so that one compiled block serves all 36 layers
+# (build time is that of one block, not of an unrolled 36-block graph; h3trt/models/video_vae.py splits diffusers'
+# decoder forward at the same seams, bitwise):
+#   video_decoder_in_TxHxW(z, *W)              -> (x [1, S, D] residual dtype, cos, sin [1, S, 1, R])
+#   video_decoder_block_TxHxW(x, cos, sin, *W) -> x              (W: one layer's tensors, block-relative names)
+#   video_decoder_out_TxHxW(x, *W)             -> pixels [1, 3, 4T, 16H, 16W]
+_DECODER_IN_PREFIXES = ("post_quant_conv.", "decoder.proj_in.", "decoder.register_tokens", "decoder.rope.")
+_DECODER_OUT_PREFIXES = ("decoder.norm_out.", "decoder.proj_out.")
+
+
+class _DecoderIn(torch.nn.Module):
+    def __init__(self, vae):
+        super().__init__()
+        self.vae = vae
+
+    def forward(self, z):
+        return decoder_prologue(self.vae, z)
+
+
+class _DecoderOut(torch.nn.Module):
+    def __init__(self, vae, t: int, h: int, w: int):
+        super().__init__()
+        self.vae, self.shape = vae, (t, h, w)
+
+    def forward(self, x):
+        return decoder_epilogue(self.vae, x, *self.shape)
+
+
+def _module_tensors(module: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    # Buffers too (rotary frequencies, an FP8 linear's e4m3 weight and scales): an exported graph must have no
+    # lifted tensors.
+    return list(module.named_parameters()) + list(module.named_buffers())
+
+
+def video_decoder_segments(vae, window_latents: int, tile_h: int, tile_w: int) -> list[SegmentSpec]:
+    """The three segments of one temporal window of one spatial tile, at the precision `vae` is placed (and, for
+    fp8, quantized) at. Static shapes: compiled per tile shape of the bundle's profiles."""
+    key = (window_latents, tile_h, tile_w)
+    names = video_decoder_names(*key)
+    wrapper_in, wrapper_out = _DecoderIn(vae), _DecoderOut(vae, *key)
+    in_weights = [n for n, _ in _module_tensors(vae) if n.startswith(_DECODER_IN_PREFIXES)]
+    out_weights = [n for n, _ in _module_tensors(vae) if n.startswith(_DECODER_OUT_PREFIXES)]
+    block = vae.decoder.transformer_blocks[0]  # the code of every layer; each layer's tensors arrive as inputs
+    block_weights = [n for n, _ in _module_tensors(block)]
+
+    def run_in(z, *w):
+        return torch.func.functional_call(wrapper_in, {"vae." + n: t for n, t in zip(in_weights, w)}, (z,),
+                                          strict=False)
+
+    def run_block(x, cos, sin, *w):
+        return torch.func.functional_call(block, dict(zip(block_weights, w)), (x, (cos, sin)), strict=False)
+
+    def run_out(x, *w):
+        return torch.func.functional_call(wrapper_out, {"vae." + n: t for n, t in zip(out_weights, w)}, (x,),
+                                          strict=False)
+
+    return [SegmentSpec(names["in"], run_in, ["z"], in_weights, outputs=["x", "cos", "sin"]),
+            SegmentSpec(names["block"], run_block, ["x", "cos", "sin"], block_weights, outputs=["x"]),
+            SegmentSpec(names["out"], run_out, ["x"], out_weights, outputs=["pixels"])]
 
 
 def audio_decoder_segment(vae, audio_latents: int) -> SegmentSpec:
     """Denormalised stereo latents [2, C, A] -> waveform [2, 1, A * 800]."""
     return _vae_segment(audio_decoder_name(audio_latents), _Decode(vae, "dec_in_proj"), ("dec_in_proj.", "decoder."), "latents")
-
-
-def video_decoder_name(window_latents: int, tile_h: int, tile_w: int) -> str:
-    return f"video_decoder_{window_latents}x{tile_h}x{tile_w}"
 
 
 def audio_decoder_name(audio_latents: int) -> str:

@@ -34,10 +34,10 @@ def main(argv: list[str]) -> int:
             for i in range(item["outputs"]):
                 want = tensors[f"{name}.out.{i}"].float()
                 err = ((got[i].float().cpu() - want).norm() / want.norm().clamp_min(1e-12)).item()
-                ok = err <= plan["rel_tol"]
+                ok = err <= item["rel_tol"]
                 failed |= not ok
                 print(f"{name} output {i}: relative error {err:.2e} ({'ok' if ok else 'TOO LARGE'}, "
-                      f"tolerance {plan['rel_tol']:.0e})")
+                      f"tolerance {item['rel_tol']:.0e})")
     return 1 if failed else 0
 
 

@@ -36,6 +36,25 @@ def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torch.Ten
     return y_MN.view(*x.shape[:-1], weight_NK.shape[0])
 
 
+def quantize_fp8_rows(x_MK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row (per-token / per-output-channel) e4m3: (q [M, K] e4m3, scale [M, 1] fp32) with x ~ q * scale. A row's
+    scale comes from its own max, so one loud token cannot flatten the others (no calibration needed)."""
+    scale_M1 = x_MK.detach().abs().amax(dim=-1, keepdim=True).float().clamp_min(MIN_AMAX) / FP8_MAX
+    return quantize_fp8(x_MK, scale_M1), scale_M1
+
+
+def fp8_rowwise_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale_1N: torch.Tensor,
+                       bias_N: torch.Tensor | None) -> torch.Tensor:
+    """y = x @ W^T + b with dynamic per-token activation scales and per-output-channel weight scales (the rowwise
+    `torch._scaled_mm`: scale_a [M, 1], scale_b [1, N]), output in x's dtype. The bias is added after the GEMM rather
+    than passed to it: a pointwise op that Inductor fuses into what consumes y."""
+    x_MK, x_scale_M1 = quantize_fp8_rows(x.reshape(-1, x.shape[-1]))
+    y_MN = torch._scaled_mm(x_MK, weight_NK.t(), scale_a=x_scale_M1, scale_b=weight_scale_1N, out_dtype=x.dtype)
+    if bias_N is not None:
+        y_MN = y_MN + bias_N
+    return y_MN.view(*x.shape[:-1], weight_NK.shape[0])
+
+
 # ---- NVFP4 -------------------------------------------------------------------------------------------------------
 
 def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ from .adaln import load_adaln
 from .loaders import LoadedSegment, load_segments, load_weights
 from .manifest import BundleError, check_environment, read_manifest, verify_files
 from .tensorrt_runtime import load_trt_engine
+from .video_decoder import TileDecoder, parse_video_decoder_name
 
 
 class EngineDiT:
@@ -91,17 +92,18 @@ class Engine:
     def __init__(self, root: Path, manifest: dict, dit: EngineDiT, segments: dict[str, LoadedSegment]):
         self.root, self.manifest, self.dit, self.segments = Path(root), manifest, dit, segments
 
-    def video_decoders(self, vae) -> dict[tuple[int, int, int], object]:
-        """The compiled tile decoders, by (window latents, tile h, tile w), bound to `vae`'s weights."""
-        tensors = {**dict(vae.named_parameters()), **dict(vae.named_buffers())}
-        decoders = {}
-        for name, entry in self.manifest["segments"].items():
-            if name.startswith("video_decoder_"):
-                key = tuple(int(v) for v in name.removeprefix("video_decoder_").split("x"))
-                weights = [tensors[n] for n in entry["weights"]]
-                segment = self.segments[name]
-                decoders[key] = lambda z, segment=segment, weights=weights: segment(z, *weights)[0]
-        return decoders
+    def video_decoders(self, vae) -> dict[tuple[int, int, int], TileDecoder]:
+        """The compiled tile decoders, by (window latents, tile h, tile w), bound to `vae`'s tensors (the VAE loaded
+        at the bundle's --vae-precision: its weights are the compiled segments' inputs)."""
+        parts: dict[tuple[int, int, int], dict[str, str]] = {}
+        for name in self.manifest["segments"]:
+            parsed = parse_video_decoder_name(name)
+            if parsed is not None:
+                parts.setdefault(parsed[1], {})[parsed[0]] = name
+        cuda_graph = self.manifest["video_decoder"]["cuda_graph"]
+        return {key: TileDecoder({p: self.segments[n] for p, n in names.items()},
+                                 {p: self.manifest["segments"][n] for p, n in names.items()}, vae, cuda_graph)
+                for key, names in parts.items()}
 
     @classmethod
     def load(cls, root: Path, device: str | torch.device, mesh=None, sp_group=None) -> "Engine":

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: the video decoder as in/block/out segments at a recorded --vae-precision
 MANIFEST = "manifest.json"
 
 

@@ -26,6 +26,7 @@ from safetensors.torch import load_file, save_file
 
 from .audio_vae import AudioVAE
 from .checkpoint import CheckpointError, check_state_dict, deinterleave_qkv, interleave_qkv
+from .vae_precision import place
 from .video_vae import TILE_OVERLAP_PX, TILE_PX, VideoVAE
 
 RELEASED_VIDEO_VAE = dict(
@@ -137,7 +138,9 @@ def _video_vae_kwargs(native: dict[str, torch.Tensor], config: dict) -> dict:
 
 
 def load_video_vae(component_root: Path, device="cpu", dtype=torch.float32) -> VideoVAE:
-    """The video VAE of an official partition (`video_vae/`) or a diffusers root (`vae/`)."""
+    """The video VAE of an official partition (`video_vae/`) or a diffusers root (`vae/`), its tensors placed as
+    diffusers' `from_pretrained(torch_dtype=dtype)` places them (h3trt/models/vae_precision.py). The FP8 decoder is
+    this at bf16 plus h3trt/calibration/vae_fp8.py."""
     from diffusers import AutoencoderKLMiniMaxH3  # diffusers: seconds to import, needed only when a VAE loads
 
     component_root = Path(component_root)
@@ -161,16 +164,7 @@ def load_video_vae(component_root: Path, device="cpu", dtype=torch.float32) -> V
         vae = AutoencoderKLMiniMaxH3.from_pretrained(str(component_root / "vae"), local_files_only=True)
     else:
         raise CheckpointError(f"{component_root} has neither video_vae/ (official layout) nor vae/ (diffusers layout).")
-    return VideoVAE(_place(vae, device, dtype), vae.config.latents_mean, vae.config.latents_std)
-
-
-def _place(vae, device, dtype):
-    """Move to `device`; cast to `dtype` all but the modules diffusers pins to float32 for this model."""
-    vae = vae.to(device)
-    for name, param in vae.named_parameters():
-        if dtype != param.dtype and not any(k in name for k in vae._keep_in_fp32_modules):
-            param.data = param.data.to(dtype)
-    return vae
+    return VideoVAE(place(vae, device, dtype), vae.config.latents_mean, vae.config.latents_std)
 
 
 def _load_strict(model: torch.nn.Module, state: dict[str, torch.Tensor], where: Path) -> None:
@@ -224,7 +218,7 @@ def load_audio_vae(component_root: Path, device="cpu", dtype=torch.float32) -> A
         vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(str(folder), local_files_only=True)
     else:
         raise CheckpointError(f"{folder} is missing (expected metadata.json, config.json and model.safetensors).")
-    return AudioVAE(_place(vae, device, dtype), vae.config.latents_mean, vae.config.latents_std)
+    return AudioVAE(place(vae, device, dtype), vae.config.latents_mean, vae.config.latents_std)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -98,6 +98,37 @@ def decode_tile(vae, z_window: torch.Tensor, tile: Tile) -> torch.Tensor:
     return vae.decoder(vae.post_quant_conv(z_window[..., tile.y0:tile.y1, tile.x0:tile.x1]))
 
 
+def decoder_prologue(vae, z_BCThw: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """`post_quant_conv`, then diffusers' `MiniMaxH3VideoViTDecoder3d.forward` up to its block loop: tokens
+    x [B, S, D] (S = t * h * w latent voxels + register tokens + one zero token) and the rotary tables cos / sin
+    [B, S, 1, R]. Written out so a compiled decoder can run one compiled block per layer (tested bitwise against
+    `vae.decoder`). x is returned in the residual stream's dtype: the first block adds its fp32-scaled branches to it
+    (scale1 is pinned to fp32), so upcasting here is exact and every block then sees the same dtype."""
+    dec = vae.decoder
+    h = vae.post_quant_conv(z_BCThw)
+    B, C, T, H, W = h.shape
+    x = dec.proj_in(h.permute(0, 2, 3, 4, 1).reshape(B, T * H * W, C))
+    register = dec.register_tokens.expand(B, -1, -1).to(x.dtype)
+    x = torch.cat([x, register, torch.zeros_like(x[:, :1, :])], dim=1)
+    grids = [2.0 * (torch.arange(0.5, size, dtype=torch.float32, device=x.device) / size) - 1.0 for size in (T, H, W)]
+    position_ids = torch.stack(torch.meshgrid(*grids, indexing="ij"), dim=-1).flatten(0, 2)
+    position_ids = position_ids.unsqueeze(0).expand(B, -1, -1)
+    position_ids = torch.cat([position_ids, position_ids.new_zeros((B, dec.num_register_tokens + 1, 3))], dim=1)
+    cos, sin = dec.rope(position_ids)
+    residual = torch.promote_types(x.dtype, dec.transformer_blocks[0].scale1.dtype)
+    return x.to(residual), cos, sin
+
+
+def decoder_epilogue(vae, x_BSD: torch.Tensor, t: int, h: int, w: int) -> torch.Tensor:
+    """The rest of diffusers' decoder forward after its block loop: norm_out (fp32), proj_out, drop the register and
+    zero tokens, unpatchify to pixels [B, 3, t * 4, h * 16, w * 16]."""
+    dec = vae.decoder
+    x = dec.proj_out(dec.norm_out(x_BSD).to(dec.proj_out.weight.dtype))[:, : t * h * w, :]
+    B, p, pt = x.shape[0], dec.patch_size, dec.patch_size_t
+    x = x.view(B, t, h, w, dec.out_channels, pt, p, p).permute(0, 4, 1, 5, 2, 6, 3, 7).contiguous()
+    return x.reshape(B, dec.out_channels, t * pt, h * p, w * p)
+
+
 def stitch(vae, plan: DecodePlan, tile_pixels: list[torch.Tensor]) -> torch.Tensor:
     """Blend the row-major tile outputs of one window into its frames, exactly as diffusers' `_stitch_tiles`."""
     rows, cols = plan.grid
@@ -159,6 +190,15 @@ class VideoVAE:
     @property
     def dtype(self) -> torch.dtype:
         return self.vae.post_quant_conv.weight.dtype
+
+    @property
+    def precision(self) -> str:
+        """The --vae-precision these weights are at, read from the weights themselves (so it cannot disagree with
+        them): fp8 when the ViT linears hold e4m3 weights, else the dtype of the unpinned decoder tensors."""
+        block = self.vae.decoder.transformer_blocks[0]
+        if block.attn.to_q.weight.dtype == torch.float8_e4m3fn:
+            return "fp8"
+        return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, str(self.dtype))
 
     def plan(self, latent_frames: int, latent_h: int, latent_w: int) -> DecodePlan:
         return plan_decode(self.vae, latent_frames, latent_h, latent_w)

@@ -470,7 +470,7 @@ def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model
     if mesh.cfg == 2:
         raise ValueError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
     job = Job(str(root), manifest is not None, task, "cuda" if str(device).startswith("cuda") else "cpu", mesh,
-              canvas=canvas, model_name=model, record_extra=extra)
+              canvas=canvas, model_name=model, record_extra=extra, vae_precision=args.vae_precision)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(job.device_type)
         failed = serve_batch_rank(rank, world, local_rank, job, heads, items, config)
@@ -537,7 +537,7 @@ def run_requests(args) -> int:
         extra = {"bundle": bundle_identity(manifest)} if manifest else {}
         return run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model, extra)
     if manifest is not None:
-        pipeline = H3Pipeline.load_engine(args.engine, device, canvas)
+        pipeline = H3Pipeline.load_engine(args.engine, device, canvas, vae_precision=args.vae_precision)
         extra = {"bundle": bundle_identity(manifest)}
         model, serving = str(args.engine), no_compile()
     else:
@@ -545,7 +545,7 @@ def run_requests(args) -> int:
             print("h3trt: using the embedded tiny default model (random weights): every clip is noise. Pass --model "
                   "PATH for real MiniMax-H3 weights.", file=sys.stderr)
         root = ensure_tiny_checkpoint() if tiny else args.model
-        pipeline = H3Pipeline.load(root, items[0].key[0], device, canvas)
+        pipeline = H3Pipeline.load(root, items[0].key[0], device, canvas, args.vae_precision)
         extra, model, serving = {}, "embedded-tiny" if tiny else str(root), nullcontext()
     try:
         with serving:

@@ -24,8 +24,9 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..calibration.vae_fp8 import load_video_vae_at
 from ..engines.bundle import Engine
-from ..engines.manifest import check_request
+from ..engines.manifest import BundleError, check_request
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
@@ -37,7 +38,8 @@ from ..models.packing import (
 from ..models.sampler import (DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, denoise, euler_step,
                               initial_latents)
 from ..models.text_encoder import AudioRef, H3TextEncoder, ImageRef, VideoRef, quiet_transformers
-from ..models.vae_checkpoint import load_audio_vae, load_video_vae
+from ..models.vae_checkpoint import load_audio_vae
+from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE, image_to_pixels, prepare_keyframe
 from .guidance import Branch, guided_denoiser
 from .media import MediaError, read_audio, read_image, read_video
@@ -235,10 +237,14 @@ class StageTimer:
         self.seconds[stage] = self.seconds.get(stage, 0.0) + end - start
 
 
-def eager_components(root: Path, device: torch.device, dtype: torch.dtype):
+def eager_components(root: Path, device: torch.device, dtype: torch.dtype,
+                     vae_precision: VAEPrecision | None = None):
+    """The text encoder at `dtype`, the video VAE at `vae_precision` (None: VAEPrecision.default) and the audio VAE
+    in fp32 (diffusers pins all of it to fp32 at every precision: h3trt/models/vae_precision.py)."""
     quiet_transformers()
     text_encoder = H3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
-    return text_encoder, load_video_vae(root, device), load_audio_vae(root, device)
+    vae_precision = vae_precision or VAEPrecision.default(device)
+    return text_encoder, load_video_vae_at(root, device, vae_precision), load_audio_vae(root, device)
 
 
 class H3Pipeline:
@@ -253,22 +259,32 @@ class H3Pipeline:
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
 
     @classmethod
-    def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults()):
+    def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
+             vae_precision: str | None = None):
+        """The eager pipeline; `vae_precision` None: bf16 on CUDA, fp32 on the CPU (VAEPrecision.default)."""
         device = torch.device(device)
+        vae = VAEPrecision.resolve(vae_precision, device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, source = load_dit(model_root, task, dtype=dtype, device=device)
         meta = source.metadata
         shifts = (meta.video_shift, meta.audio_shift) if meta else (12.0, 3.0)
-        return cls(EagerDiT(model), *eager_components(source.component_root, device, dtype), shifts, device, canvas)
+        return cls(EagerDiT(model), *eager_components(source.component_root, device, dtype, vae), shifts, device,
+                   canvas)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
-                    mesh=None, sp_group=None, cfg_group=None):
+                    mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None):
         """A bundle's pipeline for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
-        the bundle's; `sp_group` / `cfg_group` this rank's groups."""
+        the bundle's; `sp_group` / `cfg_group` this rank's groups. The video VAE runs at the bundle's
+        --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one."""
         device = torch.device(device)
         engine = Engine.load(bundle_root, device, mesh, sp_group)
         m = engine.manifest
+        if vae_precision is not None and vae_precision != m["vae_precision"]:
+            VAEPrecision(vae_precision)  # an unknown name gets the list of known ones
+            raise BundleError(f"This bundle's video decoder was compiled at --vae-precision {m['vae_precision']}; "
+                              f"the run asks for {vae_precision}. Leave --vae-precision out to serve the bundle's, "
+                              f"or rebuild with h3trt build --vae-precision {vae_precision}.")
         dtype = torch.float32 if m["precision"] == "fp32" else torch.bfloat16  # fp8/nvfp4 bundles run in bf16
 
         def admit(prepared: Prepared, schedule: Schedule) -> None:
@@ -277,7 +293,8 @@ class H3Pipeline:
                           schedule.audio_shift, prepared.request.task)
 
         shifts = (m["schedule"]["video_shift"], m["schedule"]["audio_shift"])
-        text_encoder, video_vae, audio_vae = eager_components(Path(bundle_root), device, dtype)
+        text_encoder, video_vae, audio_vae = eager_components(Path(bundle_root), device, dtype,
+                                                              VAEPrecision(m["vae_precision"]))
         video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
         return cls(engine.dit, text_encoder, video_vae, audio_vae, shifts, device, canvas, admit, cfg_group)
 
@@ -419,7 +436,7 @@ class H3Pipeline:
             "shifts": {"video": schedule.video_shift, "audio": schedule.audio_shift},
             "width": geo.width, "height": geo.height, "frames": frames_written, "fps": FPS,
             "audio_samples": int(audio_samples), "audio_sample_rate": AUDIO_SAMPLE_RATE,
-            "sequence_rows": layout.seq_len, "device": str(self.device),
+            "sequence_rows": layout.seq_len, "device": str(self.device), "vae_precision": self.video_vae.precision,
             "torch": torch.__version__, "python": platform.python_version(),
             "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
         }
