@@ -1,10 +1,29 @@
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
 
 from h3trt.models.checkpoint_writer import random_state_dict, save_comfy, save_diffusers, save_official
 from h3trt.models.config import H3Config
+
+
+TIERS = ("unit", "multiproc", "build")
+BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
+
+
+BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle"}
+
+
+def pytest_collection_modifyitems(config, items):
+    """Tiers (registered in setup.cfg): a test that takes a built bundle is a build test; a test without a tier
+    marker is a unit test."""
+    for item in items:
+        if BUNDLE_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("build"):
+            item.add_marker(pytest.mark.build)
+        if not any(item.get_closest_marker(t) for t in TIERS):
+            item.add_marker(pytest.mark.unit)
 
 
 @pytest.fixture(scope="session")
@@ -48,3 +67,20 @@ def tiny_root(tiny_cache):
     from h3trt.models.tiny import ensure_tiny_checkpoint
 
     return ensure_tiny_checkpoint()
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, tiny_cache):
+    """fp32 CPU bundles of the tiny model at its 160x96x5 profile, for BUNDLE_STEPS steps: inductor (AdaLN baked)
+    and aoti (--keep-adaln). Built once per session by `h3trt build` in its own process (a process that already
+    serves a bundle refuses to build, and any earlier test may have loaded one)."""
+    root = tmp_path_factory.mktemp("bundles")
+    out = {}
+    for backend, keep in (("inductor", ()), ("aoti", ("--keep-adaln",))):
+        out[backend] = root / backend
+        proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output",
+                               str(out[backend]), "--precision", "fp32", "--device", "cpu", "--backend", backend,
+                               "--profile", "160x96x5", "--steps", str(BUNDLE_STEPS), *keep],
+                              capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+    return out

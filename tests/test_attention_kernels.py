@@ -184,6 +184,7 @@ def test_fa3_calls_pass_bsnd_tensors_and_per_head_descales(monkeypatch):
     assert rel(out, reference_fp32(q, k, v)) < 0.08
 
 
+@pytest.mark.build
 def test_an_exported_block_calls_the_op_once_and_matches_eager():
     """What Inductor compiles: the block's export, with attention one opaque call (the compiled bundles' parity with
     the eager DiT is tests/test_engine.py's)."""

@@ -13,13 +13,12 @@ from h3trt.models.checkpoint import CheckpointError, deinterleave_qkv, interleav
 from h3trt.models.checkpoint_writer import diffusers_state_dict
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 
+from helpers import dit_inputs
+
 
 def _forward(model, cfg):
     layout = pack_t2va(text_tags_for(6), 2, 4, 4, 5)
-    g = torch.Generator().manual_seed(3)
-    video = torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g)
-    audio = torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g)
-    text = torch.randn(1, 6, cfg.text_dim, generator=g)
+    video, audio, text = dit_inputs(layout, cfg, seed=3)
     t, ti = row_timesteps(layout, 0.2, 0.4)
     with torch.no_grad():
         return model(video, audio, text, t, ti, layout.token_tags, layout.position_ids, layout.video_index,
@@ -81,10 +80,7 @@ def test_diffusers_loads_the_diffusers_layout_we_write(tiny_cfg, tiny_checkpoint
                                                       torch_dtype=torch.float32)
     ours, _ = load_dit(tiny_checkpoints["official"], "t2va", torch.float32)
     layout = pack_t2va(text_tags_for(6), 2, 4, 4, 5)
-    g = torch.Generator().manual_seed(3)
-    video = torch.randn(1, layout.video_index.numel(), 96, generator=g)
-    audio = torch.randn(1, layout.audio_index.numel(), 32, generator=g)
-    text = torch.randn(1, 6, tiny_cfg.text_dim, generator=g)
+    video, audio, text = dit_inputs(layout, tiny_cfg, seed=3)  # the tiny config: video rows 96, audio rows 32
     t, ti = row_timesteps(layout, 0.2, 0.4)
     with torch.no_grad():
         b = ref(video, audio, text, t, ti, layout.token_tags, layout.position_ids, layout.video_index,

@@ -117,6 +117,7 @@ def test_existing_output_is_not_overwritten(tmp_path, tiny_cache, capsys):
     assert out.read_bytes() == b"precious"
 
 
+@pytest.mark.multiproc
 def test_sequence_parallel_run_writes_the_same_clip(tmp_path, tiny_cache):
     """--gpus 2 spawns two ranks (gloo on the CPU) that share the sequence; rank 0 writes. Same frames as one process
     (mean within 1 uint8 level: the sharded attention reorders float sums)."""

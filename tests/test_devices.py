@@ -83,6 +83,7 @@ def _record_visible(rank, world, store, out):
     (out / f"{rank}.txt").write_text(os.environ.get("CUDA_VISIBLE_DEVICES", "<unset>"))
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world, visible", [(2, ["0", "1"]), (4, ["4", "5", "6", "7"])])
 def test_self_launched_ranks_start_with_their_own_gpu_first(tmp_path, world, visible):
     before = os.environ.get("CUDA_VISIBLE_DEVICES")

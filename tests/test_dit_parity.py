@@ -15,6 +15,8 @@ from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.packing import RefBlock, pack_ref2va, pack_t2va, row_timesteps, text_tags_for
 
+from helpers import dit_inputs
+
 # fp32 forward: max abs error <= REL_TOL x max |output| (the issue's bar).
 REL_TOL = 1e-5
 
@@ -43,10 +45,7 @@ TASK = {"t2va": "t2va", "fl2va_first_last": "fl2va", "ref2va_2img_audio": "ref2v
 
 
 def random_inputs(layout, cfg, seed=0, batch=1):
-    g = torch.Generator().manual_seed(seed)
-    video = torch.randn(batch, layout.video_index.numel(), cfg.video_patch_dim, generator=g)
-    audio = torch.randn(batch, layout.audio_index.numel(), cfg.audio_in_channels, generator=g)
-    text = torch.randn(batch, layout.text_index.numel(), cfg.text_dim, generator=g)
+    video, audio, text = dit_inputs(layout, cfg, seed, batch)
     unique_t, t_index = row_timesteps(layout, 0.3125, 0.55)
     return dict(video=video, audio=audio, text=text, timesteps=unique_t, t_index=t_index)
 

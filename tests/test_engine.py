@@ -27,27 +27,11 @@ from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.runtime.media import read_video
 
+from conftest import BUNDLE_STEPS
+from helpers import dit_inputs
+
 TINY_PROFILE = Profile(160, 96, 5.0)
 REL_TOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def bundles(tmp_path_factory, tiny_root):
-    """An inductor bundle (AdaLN baked) and an AOTI bundle (--keep-adaln), both fp32, both for the CPU."""
-    root = tmp_path_factory.mktemp("bundles")
-    out = {}
-    for backend, keep in (("inductor", False), ("aoti", True)):
-        out[backend] = root / backend
-        build(BuildConfig(tiny_root, out[backend], precision="fp32", profiles=(TINY_PROFILE,), device="cpu",
-                          backend=backend, keep_adaln=keep, tiny=True), log=lambda m: None)
-    return out
-
-
-def _inputs(layout, cfg, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return (torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g),
-            torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g),
-            torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g))
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aoti"])
@@ -55,14 +39,14 @@ def test_compiled_dit_matches_eager(backend, bundles, tiny_root):
     engine = Engine.load(bundles[backend], "cpu")
     eager = EagerDiT(load_dit(tiny_root, "t2va", torch.float32)[0])
     cfg = eager.cfg
-    steps = Schedule().timesteps()
+    steps = Schedule(BUNDLE_STEPS).timesteps()  # the schedule the inductor bundle's AdaLN tables are baked for
     layouts = [pack_t2va(text_tags_for(11), 37, 6, 10, 207),  # another text length than the build example
                pack_t2va(text_tags_for(23, [range(2, 9)]), 7, 6, 10, 23, keyframes=("first", "last"))]
     with torch.no_grad(), no_compile():
         for layout in layouts:
-            for tv, ta in (steps[0], steps[30]):  # steps[0] has one distinct timestep: the T >= 2 padding path
+            for tv, ta in (steps[0], steps[3]):  # steps[0] has one distinct timestep: the T >= 2 padding path
                 unique_t, t_index = row_timesteps(layout, tv, ta)
-                args = (*_inputs(layout, cfg), unique_t, t_index, layout)
+                args = (*dit_inputs(layout, cfg), unique_t, t_index, layout)
                 for got, want in zip(engine.dit(*args), eager(*args)):
                     err = ((got - want).norm() / want.norm()).item()
                     assert err <= REL_TOL, f"{backend}: relative error {err:.2e} at t=({tv}, {ta})"
@@ -70,9 +54,10 @@ def test_compiled_dit_matches_eager(backend, bundles, tiny_root):
 
 def test_run_from_bundle_matches_eager_run(bundles, tmp_path, tiny_cache):
     eager_out, engine_out = tmp_path / "eager.mp4", tmp_path / "engine.mp4"
-    assert main(["run", "--prompt", "a fox", "--output", str(eager_out), "--quiet", "--steps", "50"]) == 0
+    steps = ["--steps", str(BUNDLE_STEPS)]
+    assert main(["run", "--prompt", "a fox", "--output", str(eager_out), "--quiet", *steps]) == 0
     assert main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output", str(engine_out),
-                 "--quiet"]) == 0
+                 "--quiet", *steps]) == 0
     a, _, _ = read_video(eager_out)
     b, fps, audio = read_video(engine_out)
     assert a.shape == b.shape == (124, 96, 160, 3) and fps == 24 and audio is not None
@@ -112,7 +97,7 @@ def test_manifest_records_the_build(bundles):
     m = read_manifest(bundles["inductor"])
     assert m["backend"] == "inductor" and m["precision"] == "fp32" and m["arch"].startswith("cpu-")
     assert m["versions"]["torch"] == torch.__version__
-    assert m["adaln"]["baked"] and m["adaln"]["timesteps"] == schedule_timesteps(Schedule()).numel()
+    assert m["adaln"]["baked"] and m["adaln"]["timesteps"] == schedule_timesteps(Schedule(BUNDLE_STEPS)).numel()
     assert (m["mesh"]["cfg"], m["mesh"]["sp"], m["mesh"]["heads_per_rank"]) == (1, 1, 2)
     assert m["tasks"] == ["t2va", "fl2va"]
     # 160x96: one 6x10 tile; the decoder as in + one block serving both layers + out, at the CPU default fp32
@@ -189,8 +174,8 @@ def test_refuses_a_mesh_that_does_not_match(bundles):
 @pytest.mark.parametrize("extra, message", [
     (["--width", "128", "--height", "96"], "not built for 128x96, 124 frames; its profiles are 160x96x5s"),
     (["--duration", "6"], "not built for 160x96, 158 frames"),
-    (["--steps", "10"], "baked for steps=50, video shift 12, audio shift 3"),
-    (["--vae-precision", "bf16"], "video decoder was compiled at --vae-precision fp32; the run asks for bf16"),
+    (["--steps", "10"], f"baked for steps={BUNDLE_STEPS}, video shift 12, audio shift 3"),
+    (["--vae-precision", "bf16", "--steps", str(BUNDLE_STEPS)], "video decoder was compiled at --vae-precision fp32; the run asks for bf16"),
 ])
 def test_refuses_requests_the_bundle_cannot_serve(bundles, tmp_path, extra, message, capsys):
     out = tmp_path / "x.mp4"

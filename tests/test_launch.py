@@ -10,6 +10,8 @@ import torch.distributed as dist
 
 from h3trt.parallel.launch import RankFailed, init_rank, launch
 
+pytestmark = pytest.mark.multiproc
+
 BOUND_S = 60  # the bound; the measured times are far below it
 
 

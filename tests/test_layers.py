@@ -13,6 +13,9 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+import pytest
+
+pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
 

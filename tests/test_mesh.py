@@ -29,6 +29,8 @@ from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
 from h3trt.runtime.serve import Job, load_rank_pipeline
 
+from helpers import dit_inputs
+
 REL_TOL = 1e-5
 BOUND_S = 60
 STEPS = 3
@@ -76,6 +78,7 @@ def _check(out, single, name, ranks):
             assert err <= REL_TOL, f"{name} {key} on rank {rank}: relative error {err:.2e}"
 
 
+@pytest.mark.multiproc
 def test_replicas_x_sp2_match_one_process(single, tiny_root, tmp_path):
     """replica=2 x sp=2: each replica group serves its own request, each sequence sharded over two ranks."""
     launch(_serve, 4, (tiny_root, MeshConfig(replica=2, sp=2), ["plain", "other"], tmp_path, None))
@@ -84,11 +87,13 @@ def test_replicas_x_sp2_match_one_process(single, tiny_root, tmp_path):
     assert not list(tmp_path.glob("other.rank[01].pt")) and not list(tmp_path.glob("plain.rank[23].pt"))
 
 
+@pytest.mark.multiproc
 def test_sp2_x_cfg2_guidance_matches_one_process(single, tiny_root, tmp_path):
     launch(_serve, 4, (tiny_root, MeshConfig(cfg=2, sp=2), ["guided"], tmp_path, None))
     _check(tmp_path, single, "guided", [0, 1, 2, 3])
 
 
+@pytest.mark.multiproc
 def test_a_rank_killed_mid_denoise_ends_the_job(tiny_root, tmp_path):
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: it died \(signal 9\)"):
@@ -178,10 +183,8 @@ def _engine_rank(rank, world, store, bundle, root, out):
     errors, errors_bf16_attention = [], []
     for layout in (pack_t2va(text_tags_for(11), 37, 6, 10, 207),  # 11 + 2220 + 414 rows: even
                    pack_t2va(text_tags_for(8, [range(2, 5)]), 7, 6, 10, 23, keyframes=("first",))):  # odd: padded
-        g = torch.Generator().manual_seed(0)
-        video = torch.randn(1, layout.video_index.numel(), eager.cfg.video_patch_dim, generator=g)
-        audio = torch.randn(1, layout.audio_index.numel(), eager.cfg.audio_in_channels, generator=g)
-        text = torch.randn(1, layout.text_index.numel(), eager.cfg.text_dim, generator=g).to(eager.model.dtype)
+        video, audio, text = dit_inputs(layout, eager.cfg, seed=0)
+        text = text.to(eager.model.dtype)
         unique_t, t_index = row_timesteps(layout, *Schedule().timesteps()[20])
         with torch.no_grad():
             got = engine.dit(video, audio, text, unique_t, t_index, layout)
@@ -194,6 +197,8 @@ def _engine_rank(rank, world, store, bundle, root, out):
     (Path(out) / f"rank{rank}_bf16_attention.json").write_text(json.dumps(errors_bf16_attention))
 
 
+@pytest.mark.build
+@pytest.mark.multiproc
 def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_path):
     manifest = json.loads((sp2_bundle / "manifest.json").read_text())
     assert {"block_pre", "block_post"} <= set(manifest["segments"]) and "block" not in manifest["segments"]
@@ -221,6 +226,8 @@ def fp8_sp2_bundle(tmp_path_factory, tiny_root):
     return out
 
 
+@pytest.mark.build
+@pytest.mark.multiproc
 def test_fp8_sp2_bundle_shards_the_quantized_blocks(fp8_sp2_bundle, tiny_root, tmp_path):
     """The sharded FP8 halves, with FP8 attention in the exchange, against the eager model carrying the same e4m3
     weights and scales: bf16 compiled vs eager, where a value on an e4m3 rounding boundary may take the neighbouring
@@ -252,6 +259,7 @@ def test_sharded_quantized_builds_refuse_what_they_cannot_shard(tiny_root, tmp_p
                     quant_exclude=("blocks.0",))
 
 
+@pytest.mark.build
 def test_sp2_bundle_refuses_one_process(sp2_bundle):
     with pytest.raises(BundleError, match=r"built for sp=2 x cfg=1 .* launched as replica\(1\) x cfg\(1\) x sp\(1\)"):
         Engine.load(sp2_bundle, "cpu")
@@ -259,6 +267,7 @@ def test_sp2_bundle_refuses_one_process(sp2_bundle):
 
 # --- batch mode on a mesh: replicas take different requests, sp ranks share each batch and its decode --------------
 
+@pytest.mark.multiproc
 def test_batch_file_on_replicas_x_sp2_writes_the_one_process_clips(tmp_path, tiny_cache, capsys):
     from h3trt.cli import main
     from h3trt.runtime.media import read_video

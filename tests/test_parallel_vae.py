@@ -85,6 +85,7 @@ def _write_worker(rank, world, store, out_dir, latent_frames, audio_latents):
     (out_dir / f"world{world}_rank{rank}.json").write_text(json.dumps(record))
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
 def test_ranks_write_the_same_mp4_as_one_process(tmp_path, world):
     """17 latents: 56 frames, 3 windows x 6 tiles = 18 tiles; over 4 ranks the last wave has 2 idle ranks."""

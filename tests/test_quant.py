@@ -159,6 +159,7 @@ def _tiny_block_inputs(cfg, seed=0):
     return block, (x, mod, t_index * 3 + layout.token_tags, rope)
 
 
+@pytest.mark.build
 @pytest.mark.parametrize("recipe, tol", [
     (QuantRecipe("fp8", calib_steps=2), 0.05),
     (QuantRecipe("fp8", calib_steps=2, fp8_attention=True, attention_kernel="emulated", exclude_linears=("mlp.fc2",)),

@@ -32,6 +32,8 @@ from h3trt.models.checkpoint import load_dit
 from h3trt.models.config import NUM_MODALITIES
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 
+pytestmark = pytest.mark.build  # ONNX export, onnxruntime sessions and TensorRT-RTX plan builds
+
 TINY_PROFILE = Profile(160, 96, 5.0)
 ORT_REL_TOL = 1e-5
 RTX = TrtFlavour("tensorrt_rtx", trt.__version__)

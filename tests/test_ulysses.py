@@ -19,6 +19,8 @@ from h3trt.models.packing import RefBlock, pack_ref2va, pack_t2va, row_timesteps
 from h3trt.parallel.mesh import MeshConfig, valid_sp
 from h3trt.parallel.ulysses import forward_sp
 
+from helpers import dit_inputs
+
 REL_TOL = 1e-5
 LAYOUTS = {
     "t2va_padded": lambda: pack_t2va(text_tags_for(11), 7, 4, 6, 23),  # 11 + 46 + 42 = 99 rows: pads for sp 2 and 4
@@ -38,10 +40,7 @@ def _worker(rank, world, store, out_dir):
         results = {}
         for name, make in LAYOUTS.items():
             layout = make()
-            g = torch.Generator().manual_seed(1)
-            video = torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g)
-            audio = torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g)
-            text = torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g)
+            video, audio, text = dit_inputs(layout, cfg, seed=1)
             unique_t, t_index = row_timesteps(layout, 0.3, 0.6)
             got = forward_sp(model, dist.group.WORLD, video, audio, text, unique_t, t_index, layout)
             with torch.no_grad():
@@ -53,6 +52,7 @@ def _worker(rank, world, store, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("world", [2, 4])
 def test_sequence_parallel_matches_one_process(world, tmp_path):
     mp.spawn(_worker, args=(world, str(tmp_path / "store"), tmp_path), nprocs=world, join=True)
