@@ -1,0 +1,234 @@
+"""LoRA merging against diffusers 0.42.1's `MiniMaxH3LoraLoaderMixin` (peft, unfused) with identical weights.
+
+Each format the reference loader reads is written from one set of random original-name factors (mixed ranks, as the
+published H3 LoRAs are: 4 on attention and FFN, 2 on the AdaLN projections); h3trt merges the file into the native
+weights, diffusers loads the same file as a peft adapter, and the two forwards must agree.
+
+Tolerance: fp32 forward, max abs error <= REL_TOL x max |output|, while the LoRA moves the output by > 100 x that.
+The tiny config has 128-wide heads, because the reference de-interleaves DiffSynth QKV with a fixed head_dim of 128.
+"""
+
+import json
+
+import pytest
+import torch
+from diffusers import MiniMaxH3Transformer3DModel
+from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_minimax_h3_lora_to_diffusers
+from diffusers.loaders.lora_pipeline import MiniMaxH3LoraLoaderMixin
+from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
+from diffusers.utils.peft_utils import get_peft_kwargs
+from safetensors.torch import save_file
+
+from h3trt.models.checkpoint import interleave_qkv
+from h3trt.models.checkpoint_writer import random_state_dict
+from h3trt.models.config import H3Config
+from h3trt.models.dit import build_dit
+from h3trt.models.lora import LoraError, LoraSpec, merge_loras
+from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+
+REL_TOL = 2e-5
+CFG = H3Config.tiny(head_dim=128)
+# Original module name -> rank; every kind of Linear the reference converts.
+MODULES = {
+    "blocks.0.attn.qkv_proj": 4, "blocks.1.attn.out_proj": 4, "blocks.0.mlp.fc1": 4, "blocks.1.mlp.fc2": 4,
+    "blocks.0.adaln_proj.linear": 2, "blocks.1.adaln_proj.linear": 2, "token_refiner.blocks.1.attn.qkv_proj": 4,
+    "token_refiner.blocks.0.mlp.fc1": 4, "video_patch_proj": 4, "audio_patch_proj": 4, "condition_proj": 4,
+    "time_embedder.proj_in": 4, "time_embedder.proj_out": 4, "final_layer.adaln_proj.linear": 2,
+    "final_layer.video_out": 4, "final_layer.audio_out": 4,
+}
+
+
+class ReferencePipe(MiniMaxH3LoraLoaderMixin):
+    """The mixin over a pipeline that holds one partition, as `workflow="t2va"` / `"ref2va"` loads."""
+
+    def __init__(self, transformer=None, transformer_ref=None):
+        self.transformer, self.transformer_ref = transformer, transformer_ref
+        self.hf_device_map = None
+        self.components = {k: v for k, v in (("transformer", transformer), ("transformer_ref", transformer_ref)) if v}
+
+
+def original_factors(seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """{module: (down [r, in], up [out, r])} with the QKV rows in [q; k; v] order."""
+    shapes = {k.removesuffix(".weight"): v.shape for k, v in build_dit(CFG, torch.float32, "meta").state_dict().items()
+              if k.endswith(".weight") and v.ndim == 2}
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for module, r in MODULES.items():
+        rows, cols = shapes[module]
+        out[module] = (torch.randn(r, cols, generator=g) / cols ** 0.5, 0.3 * torch.randn(rows, r, generator=g) / r ** 0.5)
+    return out
+
+
+def write(path, tensors, metadata=None):
+    save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
+    return path
+
+
+def fmt_original(factors, prefix=""):
+    return {f"{prefix}{m}.lora_{ab}.weight": t for m, (d, u) in factors.items() for ab, t in (("A", d), ("B", u))}
+
+
+def fmt_kohya(factors, alphas):
+    out = {}
+    for m, (d, u) in factors.items():
+        out[f"{m}.lora_down.weight"], out[f"{m}.lora_up.weight"] = d, u
+        if m in alphas:
+            out[f"{m}.alpha"] = torch.tensor(alphas[m])
+    return out
+
+
+def fmt_musubi(factors, alphas):
+    """kohya factors under musubi-tuner's flattened `lora_unet_` module names."""
+    out = {}
+    for key, value in fmt_kohya(factors, alphas).items():
+        cut = len(key) - len(".alpha") if key.endswith(".alpha") else key.index(".lora_")
+        out[f"lora_unet_{key[:cut].replace('.', '_')}{key[cut:]}"] = value
+    return out
+
+
+def fmt_diffsynth(factors):
+    out = {}
+    for m, (d, u) in factors.items():
+        if m.endswith("qkv_proj"):  # DiffSynth trains on the raw checkpoint's per-head interleaved rows
+            u = interleave_qkv(u, CFG.num_heads, CFG.head_dim)
+        out[f"{m}.lora_A.default.weight"], out[f"{m}.lora_B.default.weight"] = d, u
+    return out
+
+
+def fmt_diffusers(factors, component="transformer"):
+    """Diffusers names, converted by the reference's own converter."""
+    converted = _convert_non_diffusers_minimax_h3_lora_to_diffusers(fmt_original(factors))
+    return {component + k.removeprefix("transformer"): v for k, v in converted.items()}
+
+
+def adapter_metadata(tensors, component="transformer", lora_alpha=3.0):
+    """diffusers' `lora_adapter_metadata` (a LoraConfig record) with a non-trivial alpha and an alpha pattern."""
+    sd = {k.removeprefix(f"{component}."): v for k, v in tensors.items()}
+    rank = {f"^{k}": v.shape[1] for k, v in sd.items() if "lora_B" in k}
+    kwargs = get_peft_kwargs(rank, None, sd, is_unet=False)
+    kwargs.update(lora_alpha=lora_alpha, alpha_pattern={"^transformer_blocks.0.ff.net.0.proj": 6.0})
+    return {"lora_adapter_metadata": json.dumps({f"{component}.{k}": v for k, v in kwargs.items()})}
+
+
+@pytest.fixture(scope="module")
+def weights():
+    return {"FL2VA": random_state_dict(CFG, 0), "Ref2VA": random_state_dict(CFG, 1)}
+
+
+def h3trt_model(state, loras, task="t2va"):
+    model = build_dit(CFG, torch.float32)
+    model.load_state_dict(state)
+    return model, merge_loras(model, loras, task)
+
+
+def diffusers_model(state):
+    model = MiniMaxH3Transformer3DModel(**CFG.to_diffusers_kwargs())
+    model.load_state_dict(convert_minimax_h3_transformer_checkpoint_to_diffusers(dict(state), model.config))
+    return model.eval()
+
+
+LAYOUT = pack_t2va(text_tags_for(9, [range(2, 5)]), 7, 4, 6, 23, keyframes=("first",))
+
+
+def forward_both(ours, ref):
+    g = torch.Generator().manual_seed(5)
+    video = torch.randn(1, LAYOUT.video_index.numel(), CFG.video_patch_dim, generator=g)
+    audio = torch.randn(1, LAYOUT.audio_index.numel(), CFG.audio_in_channels, generator=g)
+    text = torch.randn(1, LAYOUT.text_index.numel(), CFG.text_dim, generator=g)
+    unique_t, t_index = row_timesteps(LAYOUT, 0.3125, 0.55)
+    with torch.no_grad():
+        a = ours(video, audio, text, unique_t, t_index, LAYOUT.token_tags, LAYOUT.position_ids, LAYOUT.video_index,
+                 LAYOUT.audio_index, LAYOUT.text_index)
+        b = ref(hidden_states=video, audio_hidden_states=audio, encoder_hidden_states=text, timestep=unique_t,
+                timestep_indices=t_index, token_tags=LAYOUT.token_tags, position_ids=LAYOUT.position_ids,
+                video_indices=LAYOUT.video_index, audio_indices=LAYOUT.audio_index, text_indices=LAYOUT.text_index,
+                return_dict=False)
+    return a, b
+
+
+KOHYA_ALPHAS = {"blocks.0.attn.qkv_proj": 2.0, "blocks.0.adaln_proj.linear": 8.0, "condition_proj": 1.0}
+FORMATS = {
+    # name: (tensors(factors), file metadata or None)
+    "original_alpha_less": (lambda f: fmt_original(f), None),
+    "ai_toolkit_metadata_alpha": (lambda f: fmt_original(f, "diffusion_model."), {"alpha": "2"}),
+    "kohya_alpha_tensors": (lambda f: fmt_kohya(f, KOHYA_ALPHAS), None),
+    "musubi_flattened": (lambda f: fmt_musubi(f, KOHYA_ALPHAS), None),
+    "diffsynth_interleaved_qkv": (lambda f: fmt_diffsynth(f), None),
+    "diffusers_prefixed": (lambda f: fmt_diffusers(f), None),
+    "diffusers_adapter_metadata": (lambda f: fmt_diffusers(f), "adapter"),
+    "peft_dump_unprefixed": (lambda f: {k.removeprefix("transformer.").replace(".lora_A.", ".lora_A.default.")
+                                        .replace(".lora_B.", ".lora_B.default."): v
+                                        for k, v in fmt_diffusers(f).items()}, None),
+}
+
+
+def check_close(a, b, base):
+    for got, want, before in zip(a, b, base):
+        err, scale = (got - want).abs().max().item(), want.abs().max().item()
+        assert scale > 0.1
+        assert err <= REL_TOL * scale, f"max abs err {err:.3e} > {REL_TOL} x {scale:.3e}"
+        assert (want - before).abs().max().item() > 100 * REL_TOL * scale, "the LoRA changed nothing"
+
+
+@pytest.mark.parametrize("name", sorted(FORMATS))
+def test_merged_model_matches_diffusers_with_the_lora_loaded(name, weights, tmp_path):
+    build, meta = FORMATS[name]
+    tensors = build(original_factors(1))
+    if meta == "adapter":
+        meta = adapter_metadata(tensors)
+    path = write(tmp_path / f"{name}.safetensors", tensors, meta)
+    base, _ = h3trt_model(weights["FL2VA"], [])
+    ours, records = h3trt_model(weights["FL2VA"], [LoraSpec(path, 0.8)])
+    ref = diffusers_model(weights["FL2VA"])
+    ReferencePipe(ref).load_lora_weights(str(path), adapter_name="x")
+    ref.set_adapters(["x"], [0.8])
+    a, b = forward_both(ours, ref)
+    check_close(a, b, forward_both(base, ref)[0])
+    assert records[0]["scale"] == 0.8 and len(records[0]["sha256"]) == 64 and records[0]["partition"] == "FL2VA"
+
+
+def test_two_loras_and_the_ref2va_partition(weights, tmp_path):
+    """transformer_ref.-prefixed layers go to Ref2VA; two LoRAs at their own scales add up, as two active adapters."""
+    ref_file = write(tmp_path / "ref.safetensors", fmt_diffusers(original_factors(2), "transformer_ref"))
+    plain = write(tmp_path / "plain.safetensors", fmt_kohya(original_factors(3), KOHYA_ALPHAS))
+    base, _ = h3trt_model(weights["Ref2VA"], [], "ref2va")
+    ours, records = h3trt_model(weights["Ref2VA"], [LoraSpec(ref_file, 1.0), LoraSpec(plain, -0.6)], "ref2va")
+    ref = diffusers_model(weights["Ref2VA"])
+    pipe = ReferencePipe(transformer_ref=ref)
+    pipe.load_lora_weights(str(ref_file), adapter_name="a")
+    pipe.load_lora_weights(str(plain), adapter_name="b")  # transformer.-prefixed: routed to the lone Ref2VA model
+    ref.set_adapters(["a", "b"], [1.0, -0.6])
+    a, b = forward_both(ours, ref)
+    check_close(a, b, forward_both(base, ref)[0])
+    assert [r["component"] for r in records] == ["transformer_ref", "transformer"]
+    assert {r["partition"] for r in records} == {"Ref2VA"}
+
+
+def test_wrong_partition_and_pruned_loras_are_refused_in_one_line(weights, tmp_path):
+    ref_file = write(tmp_path / "ref.safetensors", fmt_diffusers(original_factors(2), "transformer_ref"))
+    with pytest.raises(LoraError, match="trained against the Ref2VA partition.*--task ref2va"):
+        h3trt_model(weights["FL2VA"], [LoraSpec(ref_file)])
+    with pytest.raises(ValueError, match="does not hold a `transformer_ref`"):  # the reference refuses it too
+        ReferencePipe(diffusers_model(weights["FL2VA"])).load_lora_weights(str(ref_file))
+
+    # A pruned checkpoint's adaln_proj is rank-reduced ([96768, 8] at full size): its LoRA takes 8 inputs.
+    pruned = fmt_original(original_factors(4), "diffusion_model.")
+    pruned["diffusion_model.blocks.0.adaln_proj.linear.lora_A.weight"] = torch.randn(2, 8)
+    path = write(tmp_path / "pruned.safetensors", pruned)
+    with pytest.raises(LoraError, match="pruned MiniMax-H3 checkpoint .*takes 8 inputs") as info:
+        h3trt_model(weights["FL2VA"], [LoraSpec(path)])
+    assert "\n" not in str(info.value)
+    with pytest.raises(Exception, match="size mismatch"):  # the reference: a size mismatch
+        ReferencePipe(diffusers_model(weights["FL2VA"])).load_lora_weights(str(path))
+
+    table = write(tmp_path / "table.safetensors", {"diffusion_model.adaln_t_table.lora_A.weight": torch.randn(2, 8)})
+    with pytest.raises(LoraError, match="pruned"):
+        h3trt_model(weights["FL2VA"], [LoraSpec(table)])
+
+
+def test_lora_spec_parsing(tmp_path):
+    assert LoraSpec.parse("a/b.safetensors") == LoraSpec(tmp_path.__class__("a/b.safetensors"), 1.0)
+    assert LoraSpec.parse("a/b.safetensors:0.5").scale == 0.5
+    assert str(LoraSpec.parse("C:/x.safetensors").path) == "C:/x.safetensors"
+    with pytest.raises(LoraError, match="does not exist"):
+        h3trt_model(random_state_dict(CFG, 0), [LoraSpec(tmp_path / "missing.safetensors")])
