@@ -29,6 +29,7 @@ setup(
             # CUDA wheels), and TensorRT-RTX, which builds plans without a GPU. About 150 MB, under a minute to install.
             "onnx>=1.21", "onnxruntime>=1.20", "tensorrt-rtx==1.7.1.116", "nvidia-modelopt==0.47.0",
             "onnx-graphsurgeon>=0.6.1", "onnxscript", "onnxslim", "lief",
+            "peft",  # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/test_lora.py)
         ],
         # `h3trt build --fp8-attention` on a GPU, and serving its bundles: cuDNN's FP8 flash attention through the
         # cuDNN graph API (1.16.0: 2 MB, no dependencies; it uses the cuDNN that torch already loaded).

@@ -29,6 +29,8 @@ from .engines.manifest import bundle_identity, read_manifest, verify_files
 from .eval import evaluate, read_requests, table
 from .models.checkpoint import CheckpointError, locate_transformer
 from .models.config import H3Config
+from .models.lora import LoraSpec
+from .models.sampler import DEFAULT_STEPS
 from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
 from .parallel.launch import RankFailed, init_torchrun_rank, launch, torchrun_rank
@@ -58,7 +60,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--ref", type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
                                                                    "in the order the model should read them")
     p.add_argument("--seed", type=int, default=42)
-    p.add_argument("--steps", type=int, default=50, help="sigma grid points; steps - 1 DiT evaluations (default 50)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's baked schedule, else 50)")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
     p.add_argument("--duration", type=float, default=5.0,
@@ -68,6 +71,7 @@ def _run_parser(sub) -> None:
                                                    "Ref2VA/). Default: the embedded tiny model")
     source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build` (serves without compiling)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    _lora_argument(p, "eager --model runs; a bundle has its LoRAs merged at build time")
     p.add_argument("--crf", type=int, default=18, help="H.264 constant rate factor (default 18)")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
                                            "refused)")
@@ -99,9 +103,24 @@ def _run_parser(sub) -> None:
                                                    "(default: the ranks left over)")
 
 
+def _lora_argument(p, where: str) -> None:
+    p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
+                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
+                        "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
+                        "musubi-tuner, DiffSynth-Studio")
+
+
+def check_lora_source(args) -> None:
+    """--lora merges into eager weights; a bundle's weights (and tables, scales, compiled code) are fixed."""
+    if args.lora and args.engine is not None:
+        raise ValueError(f"--lora applies to --model runs; the bundle {args.engine} was compiled with the LoRAs its "
+                         "manifest lists (h3trt inspect). Rebuild it with h3trt build --lora FILE[:SCALE].")
+
+
 def cmd_run(args) -> int:
     if args.requests is not None:
         return run_requests(args)
+    check_lora_source(args)
     if args.prompt is None or args.output is None:
         raise ValueError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     output: Path = args.output
@@ -109,12 +128,14 @@ def cmd_run(args) -> int:
         raise ValueError(f"--output must end in .mp4, got {output}.")
     if output.exists() and not args.overwrite:
         raise ValueError(f"{output} already exists; pass --overwrite to replace it or choose another --output.")
-    request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, args.steps, args.width,
-                      args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
-                      args.negative_prompt)
     manifest = None
     if args.engine is not None:
         manifest = read_manifest(args.engine)
+    # A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps.
+    steps = args.steps if args.steps is not None else (manifest["schedule"]["steps"] if manifest else DEFAULT_STEPS)
+    request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, steps, args.width,
+                      args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
+                      args.negative_prompt)
     tiny = manifest["tiny"] if manifest else args.model is None
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
@@ -143,7 +164,8 @@ def cmd_run(args) -> int:
         pipeline = H3Pipeline.load_engine(model_root, device, canvas, vae_precision=args.vae_precision)
         serving = no_compile()  # a request compiles nothing: any compiler call raises
     else:
-        pipeline = H3Pipeline.load(model_root, request.task, device, canvas, args.vae_precision)
+        pipeline = H3Pipeline.load(model_root, request.task, device, canvas, args.vae_precision,
+                                   loras=tuple(args.lora))
         serving = contextlib.nullcontext()
     bar = None
     if not args.quiet:
@@ -191,7 +213,7 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
     extra = {"bundle": bundle_identity(manifest)} if manifest else {}
     job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
               args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra,
-              vae_precision=args.vae_precision)
+              vae_precision=args.vae_precision, loras=tuple(args.lora))
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(device_type)
         serve_rank(rank, world, local_rank, job, heads)
@@ -214,8 +236,9 @@ def _build_parser(sub) -> None:
     p.add_argument("--precision", default="bf16", help="bf16 (default), fp32, fp8 (W8A8, calibrated) or nvfp4 "
                                                         "(weight-only on Hopper)")
     p.add_argument("--calib-prompts", type=Path, help="fp8: text file, one calibration prompt per line")
-    p.add_argument("--calib-steps", type=int, default=8, help="fp8: sigma grid points per calibration trajectory "
-                                                              "(default 8)")
+    p.add_argument("--calib-steps", type=int, default=None,
+                   help="fp8: sigma grid points per calibration trajectory (default: the bundle's --steps when <= 8, "
+                        "so a few-step bundle calibrates on the timesteps it serves; else 8)")
     p.add_argument("--quant-exclude", nargs="+", default=(), metavar="NAME",
                    help="fp8/nvfp4: keep in bf16 whole blocks (blocks.N) and/or a block linear in every block "
                         "(attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2)")
@@ -240,6 +263,7 @@ def _build_parser(sub) -> None:
     p.add_argument("--keep-adaln", action="store_true", help="keep adaln_proj weights: serve any schedule")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + " (of --device). The video decoder is compiled at it "
                                            "and the bundle serves it")
+    _lora_argument(p, "merged before calibration, AdaLN baking and compiling; the manifest records each file's sha256")
     p.add_argument("--task", default="t2va", help="t2va/fl2va (FL2VA partition, default) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
                                                      "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
@@ -268,7 +292,8 @@ def cmd_build(args) -> int:
                          args.audio_shift, device, args.backend, args.keep_adaln, args.sp, args.overwrite, tiny,
                          cfg=args.cfg, trt_targets=args.trt_targets, calib_prompts=args.calib_prompts,
                          calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
-                         fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision)
+                         fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision,
+                         loras=tuple(args.lora))
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr))
     size = sum(f["bytes"] for f in manifest["files"].values())
     print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "

@@ -1,6 +1,6 @@
 """`h3trt build`: checkpoint -> engine bundle.
 
-  1. load the DiT of the task's partition
+  1. load the DiT of the task's partition and merge the --lora files into it
   2. write the segment weights (safetensors) and bake the AdaLN tables (or keep adaln_proj with --keep-adaln)
   3. compile embed / block / final once each (one block serves every layer: its weights are inputs)
   4. copy the eager components (text encoder, tokenizer, processor, VAEs)
@@ -35,6 +35,7 @@ from ..models.attention import ATTENTION_REQUESTS, attention_precision
 from ..models.checkpoint import TASK_PARTITIONS, load_dit, locate_transformer
 from ..models.config import NUM_MODALITIES
 from ..models.dit import H3DiT
+from ..models.lora import LoraSpec, merge_loras
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, row_timesteps, text_tags_for, validate_canvas
 from ..models.sampler import Schedule
 from ..models.vae_precision import VAEPrecision
@@ -55,6 +56,7 @@ PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat
 EAGER_COMPONENTS = ("text_encoder", "tokenizer", "processor", "video_vae", "audio_vae", "vae")
 EXAMPLE_TEXT_ROWS = 37  # the text length the example inputs use; every dimension is dynamic anyway
 VERIFY_TIMEOUT_S = 900
+DEFAULT_CALIB_STEPS = 8  # fp8: the longest calibration trajectory taken by default (grid points)
 # Relative error (norm) a freshly loaded segment may show against the eager segment on the build's example.
 # Quantized: compiled vs eager quantized segment; a 1-ulp bf16 difference before an e4m3 rounding can flip a code.
 VERIFY_REL_TOL = {"bf16": 2e-2, "fp32": 1e-4, "fp8": 3e-2, "nvfp4": 2e-2}
@@ -116,7 +118,7 @@ class BuildConfig:
     tiny: bool = False
     cfg: int = 1  # guidance-branch parallel degree the bundle is launched with (1: H3 is guidance-distilled)
     calib_prompts: Path | None = None  # fp8: text file, one calibration prompt per line
-    calib_steps: int = 8  # fp8: sigma grid points of each calibration trajectory
+    calib_steps: int | None = None  # fp8: sigma grid points of each calibration trajectory (None: see recipe)
     quant_exclude: tuple[str, ...] = ()  # fp8/nvfp4: blocks.N and/or block linear names kept in bf16
     fp8_attention: bool = False  # fp8: q/k/v in e4m3 with calibrated scales
     trt_targets: str | None = None  # tensorrt: compute capabilities of the plans, e.g. "sm89,sm120" (None: default)
@@ -124,6 +126,7 @@ class BuildConfig:
     # one kernel), or cudnn / fa3 for every attention of the bundle, FP8 attention included.
     attention: str = "auto"
     vae_precision: str | None = None  # video decoder: fp32 | bf16 | fp8 (None: bf16 on CUDA, fp32 on the CPU)
+    loras: tuple[LoraSpec, ...] = ()  # merged into the DiT before calibration, baking and compiling, in order
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -151,6 +154,9 @@ class BuildConfig:
         MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
             raise ValueError("At least one --profile is needed.")
+        for spec in self.loras:  # before the (slow) checkpoint load
+            if not Path(spec.path).is_file():
+                raise ValueError(f"--lora {spec.path} does not exist; pass a LoRA .safetensors file.")
         if self.backend == "tensorrt":
             check_build_config(self)
         elif self.trt_targets is not None:
@@ -170,7 +176,16 @@ class BuildConfig:
         return QuantRecipe(self.precision, exclude_blocks=blocks, exclude_linears=linears,
                            fp8_attention=self.fp8_attention,
                            attention_kernel=fp8_kernel if self.fp8_attention else "",
-                           calib_steps=self.calib_steps if self.precision == "fp8" else 0)
+                           calib_steps=self.calibration_steps if self.precision == "fp8" else 0)
+
+    @property
+    def calibration_steps(self) -> int:
+        """--calib-steps, else the bundle's own schedule when it has at most DEFAULT_CALIB_STEPS points (a few-step
+        bundle calibrates on exactly the timesteps it serves), else a DEFAULT_CALIB_STEPS-point grid with the
+        bundle's shifts (a cost cap: a 50-point trajectory costs 6x the calibration time for max scales)."""
+        if self.calib_steps is not None:
+            return self.calib_steps
+        return self.steps if self.steps <= DEFAULT_CALIB_STEPS else DEFAULT_CALIB_STEPS
 
     def attention_precisions(self) -> tuple[str, ...]:
         """Every precision the bundle's attention runs in: the block dtype's (always: the block_hp layers, or every
@@ -314,6 +329,12 @@ def build(config: BuildConfig, log=print) -> dict:
         log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
             f"{config.precision}) in {timings['load_s']:.1f} s")
 
+        # 1a. LoRAs, merged into the weights: everything below (calibration, AdaLN tables, segments) sees them.
+        loras = merge_loras(model, config.loras, config.task)
+        for r in loras:
+            log(f"merged LoRA {r['file']} x {r['scale']:g} into {r['partition']} ({r['modules']} modules, "
+                f"{r['layout']}, {r['alpha']})")
+
         # 1b. FP8 / NVFP4: calibrate on real trajectories of this model, then quantize its blocks in place.
         # tensorrt quantizes at ONNX export (ModelOpt Q/DQ in tensorrt.py), not in place here.
         recipe, quant = (config.recipe_for(fp8_kernel) if config.backend != "tensorrt" else None), None
@@ -397,6 +418,7 @@ def build(config: BuildConfig, log=print) -> dict:
                               "cuda_graph": VIDEO_DECODER_CUDA_GRAPH,
                               "inductor_options": VIDEO_DECODER_INDUCTOR_OPTIONS,
                               "fp8": VAE_FP8_EXECUTION if config.vae.quantized else None},
+            "loras": loras,
         }
         if config.backend == "tensorrt":
             # Flavour, version, targets: what Engine.load checks the GPU against. Plans run on CUDA, wherever built.

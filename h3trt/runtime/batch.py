@@ -101,8 +101,9 @@ class BatchConfig:
 # 1. Parse
 
 
-def parse_requests(path: Path, canvas: CanvasDefaults) -> list[BatchItem]:
-    """Every line of a JSONL requests file, validated; raises BatchFileError listing every bad line."""
+def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = 50) -> list[BatchItem]:
+    """Every line of a JSONL requests file, validated; raises BatchFileError listing every bad line. A line without
+    "steps" takes `default_steps` (a bundle's baked schedule, else 50)."""
     path = Path(path)
     if not path.is_file():
         raise BatchFileError(f"{path}: no such requests file.")
@@ -111,7 +112,7 @@ def parse_requests(path: Path, canvas: CanvasDefaults) -> list[BatchItem]:
         if not text.strip():
             continue
         try:
-            item = _parse_line(text, number, path.parent, canvas)
+            item = _parse_line(text, number, path.parent, canvas, default_steps)
         except (ValueError, OSError) as e:
             errors.append(f"{path}:{number}: {' '.join(str(e).split())}")
             continue
@@ -130,7 +131,7 @@ def parse_requests(path: Path, canvas: CanvasDefaults) -> list[BatchItem]:
     return items
 
 
-def _parse_line(text: str, number: int, base: Path, canvas: CanvasDefaults) -> BatchItem:
+def _parse_line(text: str, number: int, base: Path, canvas: CanvasDefaults, default_steps: int = 50) -> BatchItem:
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
@@ -167,7 +168,7 @@ def _parse_line(text: str, number: int, base: Path, canvas: CanvasDefaults) -> B
             raise ValueError(f"resolution must be 'WIDTHxHEIGHT' such as '1344x768', got {data['resolution']!r}.")
         width, height = int(match[1]), int(match[2])
     request = Request(_typed(data, "prompt", str), image, last_image, refs, _typed(data, "seed", int, 42),
-                      _typed(data, "steps", int, 50), width, height, float(_typed(data, "duration", (int, float), 5.0)),
+                      _typed(data, "steps", int, default_steps), width, height, float(_typed(data, "duration", (int, float), 5.0)),
                       _optional_float(data, "video_shift"), _optional_float(data, "audio_shift"))
     prepared = prepare(request, canvas)  # inputs readable, canvas and duration allowed; dropped, re-read at run time
     geo = prepared.geometry
@@ -470,7 +471,8 @@ def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model
     if mesh.cfg == 2:
         raise ValueError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
     job = Job(str(root), manifest is not None, task, "cuda" if str(device).startswith("cuda") else "cpu", mesh,
-              canvas=canvas, model_name=model, record_extra=extra, vae_precision=args.vae_precision)
+              canvas=canvas, model_name=model, record_extra=extra, vae_precision=args.vae_precision,
+              loras=tuple(args.lora))
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(job.device_type)
         failed = serve_batch_rank(rank, world, local_rank, job, heads, items, config)
@@ -516,6 +518,9 @@ def run_requests(args) -> int:
         raise ValueError(f"--requests takes every request from its file; drop {' '.join(single)}.")
     if args.out_dir is None:
         raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
+    if args.lora and args.engine is not None:
+        raise ValueError(f"--lora applies to --model runs; the bundle {args.engine} was compiled with the LoRAs its "
+                         "manifest lists. Rebuild it with h3trt build --lora FILE[:SCALE].")
     manifest = None
     if args.engine is not None:
         manifest = read_manifest(args.engine)
@@ -524,7 +529,7 @@ def run_requests(args) -> int:
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
     config = BatchConfig(args.out_dir, args.max_batch, args.fail_fast, args.crf, quiet=args.quiet)
-    items = parse_requests(args.requests, canvas)  # every line checked before any model loads
+    items = parse_requests(args.requests, canvas, manifest["schedule"]["steps"] if manifest else 50)  # all checked first
     tasks = {"ref2va" if i.key[0] == "ref2va" else "t2va" for i in items}
     if manifest is None and len(tasks) > 1:
         raise ValueError(f"{args.requests} mixes ref2va with t2va/fl2va requests, which use different checkpoint "
@@ -545,7 +550,8 @@ def run_requests(args) -> int:
             print("h3trt: using the embedded tiny default model (random weights): every clip is noise. Pass --model "
                   "PATH for real MiniMax-H3 weights.", file=sys.stderr)
         root = ensure_tiny_checkpoint() if tiny else args.model
-        pipeline = H3Pipeline.load(root, items[0].key[0], device, canvas, args.vae_precision)
+        pipeline = H3Pipeline.load(root, items[0].key[0], device, canvas, args.vae_precision,
+                                   loras=tuple(args.lora))
         extra, model, serving = {}, "embedded-tiny" if tiny else str(root), nullcontext()
     try:
         with serving:

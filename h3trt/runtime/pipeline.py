@@ -30,6 +30,7 @@ from ..engines.manifest import BundleError, check_request
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
+from ..models.lora import LoraSpec, merge_loras
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, FPS, FRAMES_PER_CHUNK,
     LATENTS_PER_CHUNK, Geometry, PackedLayout, RefBlock, frames_for_duration, pack_ref2va, pack_t2va, resolve_canvas,
@@ -252,24 +253,28 @@ class H3Pipeline:
     `load_engine` a bundle."""
 
     def __init__(self, dit, text_encoder, video_vae: VideoVAE, audio_vae: AudioVAE, shifts: tuple[float, float],
-                 device: torch.device, canvas: CanvasDefaults = CanvasDefaults(), check_request=None, cfg_group=None):
+                 device: torch.device, canvas: CanvasDefaults = CanvasDefaults(), check_request=None, cfg_group=None,
+                 loras: tuple[dict, ...] = ()):
         self.dit, self.text_encoder, self.video_vae, self.audio_vae = dit, text_encoder, video_vae, audio_vae
         self.shifts, self.device, self.canvas = shifts, torch.device(device), canvas
         self.check_request = check_request  # a bundle's admission check: (prepared, schedule) -> None or raise
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
+        self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (models/lora.py), for every clip record
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
-             vae_precision: str | None = None):
-        """The eager pipeline; `vae_precision` None: bf16 on CUDA, fp32 on the CPU (VAEPrecision.default)."""
+             vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = ()):
+        """The eager pipeline for `task`'s partition, with `loras` merged into its DiT; `vae_precision` None: bf16 on
+        CUDA, fp32 on the CPU (VAEPrecision.default)."""
         device = torch.device(device)
         vae = VAEPrecision.resolve(vae_precision, device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, source = load_dit(model_root, task, dtype=dtype, device=device)
+        records = merge_loras(model, loras, task)
         meta = source.metadata
         shifts = (meta.video_shift, meta.audio_shift) if meta else (12.0, 3.0)
         return cls(EagerDiT(model), *eager_components(source.component_root, device, dtype, vae), shifts, device,
-                   canvas)
+                   canvas, loras=records)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
@@ -296,7 +301,8 @@ class H3Pipeline:
         text_encoder, video_vae, audio_vae = eager_components(Path(bundle_root), device, dtype,
                                                               VAEPrecision(m["vae_precision"]))
         video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
-        return cls(engine.dit, text_encoder, video_vae, audio_vae, shifts, device, canvas, admit, cfg_group)
+        return cls(engine.dit, text_encoder, video_vae, audio_vae, shifts, device, canvas, admit, cfg_group,
+                   loras=m.get("loras") or ())
 
     def schedule(self, request: Request) -> Schedule:
         return Schedule(request.steps, request.video_shift or self.shifts[0], request.audio_shift or self.shifts[1])
@@ -439,6 +445,7 @@ class H3Pipeline:
             "sequence_rows": layout.seq_len, "device": str(self.device), "vae_precision": self.video_vae.precision,
             "torch": torch.__version__, "python": platform.python_version(),
             "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
+            **({"loras": list(self.loras)} if self.loras else {}),
         }
 
     def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:

@@ -39,6 +39,7 @@ class Job:
     model_name: str = ""  # what the record says served it
     record_extra: dict = field(default_factory=dict)  # added to every record (e.g. the bundle's identity)
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else bf16 on CUDA / fp32 on the CPU)
+    loras: tuple = ()  # LoraSpecs merged into an eager DiT on every rank (a bundle has its own)
 
 
 def rank_device(device_type: str) -> torch.device:
@@ -52,7 +53,8 @@ def load_rank_pipeline(job: Job, par: Parallel, device: torch.device):
     if job.engine:
         return H3Pipeline.load_engine(Path(job.model_root), device, job.canvas, mesh=par.config,
                                       sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=job.vae_precision)
-    pipeline = H3Pipeline.load(Path(job.model_root), job.task, device, job.canvas, job.vae_precision)
+    pipeline = H3Pipeline.load(Path(job.model_root), job.task, device, job.canvas, job.vae_precision,
+                               loras=job.loras)
     if par.sp_group is not None:
         pipeline.dit = UlyssesDiT(pipeline.dit.model, par.sp_group)
     pipeline.cfg_group = par.cfg_group
