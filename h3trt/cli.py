@@ -91,6 +91,18 @@ def _run_parser(sub) -> None:
     p.add_argument("--guidance", type=float, default=1.0,
                    help="classifier-free guidance scale (default 1 = off: H3 is guidance-distilled and needs none)")
     p.add_argument("--negative-prompt", help="the negative branch's prompt (required with --guidance > 1)")
+    cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
+    cache.add_argument("--cache", choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
+                                                                       "predicts (default: off)")
+    cache.add_argument("--cache-threshold", type=float, help="first-block: relative change of block 0's residual "
+                                                             "(default 0.05); mag: accumulated error (default 0.06)")
+    cache.add_argument("--mag-ratios", help="mag: the model's magnitude ratios, R1,R2,... or a .json list "
+                                            "(interpolated to the steps; recorded in the clip's JSON)")
+    cache.add_argument("--mag-calibrate", action="store_true", help="mag: skip nothing and record this model's "
+                                                                    "ratios in the clip's JSON")
+    cache.add_argument("--cache-max-skip", type=int, default=3, help="mag: consecutive skips at most (default 3)")
+    cache.add_argument("--cache-retention", type=float, default=0.2,
+                       help="mag: leading fraction of the steps never skipped (default 0.2)")
     mesh = p.add_argument_group("parallel (mesh axes replica x cfg x sp = ranks)")
     mesh.add_argument("--gpus", type=int, default=1,
                       help="local ranks to spawn (one GPU each; CPU processes over gloo on a CPU-only machine). Under "
@@ -108,6 +120,47 @@ def _lora_argument(p, where: str) -> None:
                    help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
                         "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
                         "musubi-tuner, DiffSynth-Studio")
+
+
+def step_cache_from_args(args):
+    """The request's StepCacheConfig, or None when --cache is not given (the cache flags alone are an error)."""
+    from .models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
+
+    if args.cache is None:
+        given = [f for f, v in (("--cache-threshold", args.cache_threshold), ("--mag-ratios", args.mag_ratios),
+                                ("--mag-calibrate", args.mag_calibrate)) if v]
+        if given:
+            raise ValueError(f"{' '.join(given)} configure step caching; add --cache first-block or --cache mag.")
+        return None
+    ratios = None
+    if args.mag_ratios is not None:
+        ratios = parse_mag_ratios(args.mag_ratios)
+    threshold = DEFAULT_THRESHOLDS[args.cache] if args.cache_threshold is None else args.cache_threshold
+    return StepCacheConfig(args.cache, threshold, ratios, args.cache_max_skip, args.cache_retention,
+                           args.mag_calibrate)
+
+
+def parse_mag_ratios(text: str) -> tuple[float, ...]:
+    """R1,R2,... or a .json file: a list of numbers, {"mag_ratios": [...]}, or an --mag-calibrate clip record."""
+    import json
+
+    if text.endswith(".json"):
+        path = Path(text)
+        if not path.is_file():
+            raise ValueError(f"--mag-ratios {path} does not exist.")
+        data = json.loads(path.read_text())
+        if isinstance(data, dict) and "step_cache" in data:  # the record of an --mag-calibrate run
+            data = data["step_cache"]["branches"].get("cond", {}).get("mag_ratios_calibrated")
+        values = data.get("mag_ratios") if isinstance(data, dict) else data
+        if not isinstance(values, list):
+            raise ValueError(f"--mag-ratios {path} must hold a JSON list of numbers, {{\"mag_ratios\": [...]}}, or "
+                             "the clip record of an --mag-calibrate run.")
+    else:
+        values = text.split(",")
+    try:
+        return tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise ValueError(f"--mag-ratios must be numbers (R1,R2,... or a .json list), got {text!r}.") from None
 
 
 def check_lora_source(args) -> None:
@@ -135,7 +188,7 @@ def cmd_run(args) -> int:
     steps = args.steps if args.steps is not None else (manifest["schedule"]["steps"] if manifest else DEFAULT_STEPS)
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, steps, args.width,
                       args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
-                      args.negative_prompt)
+                      args.negative_prompt, step_cache_from_args(args))
     tiny = manifest["tiny"] if manifest else args.model is None
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())

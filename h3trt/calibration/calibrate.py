@@ -76,7 +76,9 @@ class MaxCalibrator:
             self._record(f"blocks.{self.current_block}.attn.{name}", t)
         return sdpa_attention(q, k, v)
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
+        if cache is not None:  # calibration must see every block at every step
+            raise ValueError("FP8 calibration runs every evaluation; it takes no step cache.")
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
                           layout.video_index, layout.audio_index, layout.text_index, attn_fn=self._attention)
 

@@ -15,6 +15,7 @@ from ..models.attention import bound_attention, check_attention_record, dense_ke
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
+from ..models.step_cache import run_blocks
 from ..parallel.ulysses import RowShard, UlyssesExchange
 from .adaln import load_adaln
 from .loaders import LoadedSegment, load_segments, load_weights
@@ -50,7 +51,7 @@ class EngineDiT:
                                                              for n in entries["attention"]["weights"]])
                                       for i in range(cfg.num_layers)]
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout):
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None):
         if unique_t.numel() == 1:
             # Compiled for T >= 2 distinct timesteps; a duplicate row is never indexed, so outputs are unchanged.
             unique_t = unique_t.repeat(2)
@@ -60,11 +61,14 @@ class EngineDiT:
         adaln_index = t_index * NUM_MODALITIES + layout.token_tags
         cos, sin = rope_tables(layout.position_ids, self.inv_freq)
         if self.group is None:
-            for i, w in enumerate(self.block_w["block"]):
+            def block_fn(i, x):
                 blk = self.segments[self.layer_segments[i]]
-                (x,) = blk(x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin, *w)
+                return blk(x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin,
+                           *self.block_w["block"][i])[0]
+
+            x = run_blocks(x, self.cfg.num_layers, block_fn, cache)
         else:
-            x = self._sharded_blocks(x, rows, temb, adaln_index, cos, sin, layout.seq_len)
+            x = self._sharded_blocks(x, rows, temb, adaln_index, cos, sin, layout.seq_len, cache)
         return self.segments["final"](x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
                                       layout.audio_index, *self.final_w)
 
@@ -72,18 +76,20 @@ class EngineDiT:
         segment = self.segments["attention"]
         return lambda q, k, v: segment(q, k, v, *scales)[0]
 
-    def _sharded_blocks(self, x, rows, temb, adaln_index, cos, sin, seq_len):
+    def _sharded_blocks(self, x, rows, temb, adaln_index, cos, sin, seq_len, cache=None):
         """The block stack on this rank's rows: pre half (compiled), exchange + SDPA (eager), post half (compiled)."""
         shard = RowShard(self.group, seq_len)
         exchange = UlyssesExchange(self.group, seq_len, shard.padded)
         pre, post = self.segments["block_pre"], self.segments["block_post"]
         x = shard.local(x, 1)
         adaln_index, cos, sin = shard.local(adaln_index, 0), shard.local(cos, 0), shard.local(sin, 0)
-        for i, (w_pre, w_post) in enumerate(zip(self.block_w["block_pre"], self.block_w["block_post"])):
+
+        def block_fn(i, x):
             mod = self.adaln.block(i, rows, temb).contiguous()
-            (qkv,) = pre(x, mod, adaln_index, cos, sin, *w_pre)
-            (x,) = post(x, exchange(qkv, self.sharded_attention[i]), mod, adaln_index, *w_post)
-        return shard.gather(x)
+            (qkv,) = pre(x, mod, adaln_index, cos, sin, *self.block_w["block_pre"][i])
+            return post(x, exchange(qkv, self.sharded_attention[i]), mod, adaln_index, *self.block_w["block_post"][i])[0]
+
+        return shard.gather(run_blocks(x, self.cfg.num_layers, block_fn, cache, self.group, shard.live_rows))
 
 
 class Engine:

@@ -18,6 +18,7 @@ import torch
 
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
+from ..models.step_cache import run_blocks
 from .adaln import load_adaln
 from .manifest import BundleError, verify_files
 
@@ -144,14 +145,17 @@ class TrtDiT:
         self.blocks = [segments[f"block_{i}"] for i in range(cfg.num_layers)]
         self.inv_freq = rope_inv_freq(cfg).to(device)
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
         x, temb = self.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
                              layout.token_tags)
         rows = self.adaln.rows(unique_t)
         adaln_index = t_index * NUM_MODALITIES + layout.token_tags
         cos, sin = rope_tables(layout.position_ids, self.inv_freq)
-        for i, block in enumerate(self.blocks):
-            (x,) = block(x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin)
+
+        def block_fn(i, x):
+            return self.blocks[i](x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin)[0]
+
+        x = run_blocks(x, len(self.blocks), block_fn, cache)
         return self.final(x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
                           layout.audio_index)
 

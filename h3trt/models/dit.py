@@ -22,6 +22,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, NUM_MODULATION_PARAMS, H3Config
+from .step_cache import CacheContext, run_blocks
 
 # Prefixes whose weights the released checkpoint stores in float32 (VideoX-Fun MINIMAX_H3_FP32_SOURCE_PREFIXES);
 # everything else is bfloat16, AdaLN included.
@@ -298,8 +299,10 @@ class H3DiT(nn.Module):
         audio_index_A: torch.Tensor,
         text_index_L: torch.Tensor,
         attn_fn: AttentionFn = sdpa_attention,
+        cache: CacheContext | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One evaluation over a packed sequence (argument meanings as in `h3trt.models.packing.PackedLayout`)."""
+        """One evaluation over a packed sequence (argument meanings as in `h3trt.models.packing.PackedLayout`);
+        `cache`: a step cache's state for this denoiser call (models/step_cache.py), None: every block runs."""
         seq_len = position_ids_S3.shape[0]
         if token_tags_S.shape != (seq_len,) or timestep_index_S.shape != (seq_len,):
             raise ValueError(
@@ -313,23 +316,25 @@ class H3DiT(nn.Module):
         # 2. Row -> modulation-table row, and the rotary tables, shared by every block.
         adaln_index_S = timestep_index_S * NUM_MODALITIES + token_tags_S
         rope = self.rope(position_ids_S3)
-        # 3. The block stack.
-        for block in self.blocks:
-            x_BSH = block(x_BSH, block.modulation(temb_TE), adaln_index_S, rope, attn_fn)
+        # 3. The block stack (a step cache may skip all of it, or all but block 0).
+        def block_fn(i: int, x: torch.Tensor) -> torch.Tensor:
+            return self.blocks[i](x, self.blocks[i].modulation(temb_TE), adaln_index_S, rope, attn_fn)
+
+        x_BSH = run_blocks(x_BSH, len(self.blocks), block_fn, cache)
         # 4. Output heads on the video and audio rows.
         return self.final(x_BSH, temb_TE, timestep_index_S, video_index_V, audio_index_A)
 
 
 class EagerDiT:
     """The reference DiT behind the runner signature the pipeline calls; an engine bundle provides the same one:
-    (video, audio, text, unique timesteps, row timestep index, PackedLayout) -> (video v, audio v)."""
+    (video, audio, text, unique timesteps, row timestep index, PackedLayout, cache=None) -> (video v, audio v)."""
 
     def __init__(self, model: H3DiT):
         self.model, self.cfg = model, model.cfg
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
-                          layout.video_index, layout.audio_index, layout.text_index)
+                          layout.video_index, layout.audio_index, layout.text_index, cache=cache)
 
 
 def build_dit(cfg: H3Config, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> H3DiT:

@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from ..models.config import NUM_MODALITIES
 from ..models.dit import AttentionFn, H3DiT
 from ..models.packing import PackedLayout
+from ..models.step_cache import run_blocks
 
 
 def padded_length(seq_len: int, sp: int) -> int:
@@ -106,6 +107,7 @@ class RowShard:
         self.seq_len, self.padded = seq_len, padded_length(seq_len, self.sp)
         local = self.padded // self.sp
         self.rows = slice(self.rank * local, (self.rank + 1) * local)
+        self.live_rows = max(0, min(local, seq_len - self.rank * local))  # my leading rows that are not padding
 
     def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Pad `t` along its row dimension `dim` with zeros and keep my rows (contiguous: compiled segments need it)."""
@@ -125,8 +127,9 @@ class RowShard:
 
 
 @torch.no_grad()
-def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout):
-    """One DiT evaluation with the block stack sharded over `group`; every rank returns the full outputs."""
+def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None):
+    """One DiT evaluation with the block stack sharded over `group`; every rank returns the full outputs. A step
+    `cache` decides on values all ranks share (models/step_cache.py), so every rank skips the same blocks."""
     sp = dist.get_world_size(group)
     if model.cfg.num_heads % sp:
         raise ValueError(f"sp={sp} does not divide the {model.cfg.num_heads} heads.")
@@ -140,8 +143,11 @@ def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layou
     adaln_index = shard.local(t_index * NUM_MODALITIES + layout.token_tags, 0)
     rope = (shard.local(cos, 0), shard.local(sin, 0))
     attn = shard.attention()
-    for block in model.blocks:
-        x_local = block(x_local, block.modulation(temb), adaln_index, rope, attn)
+
+    def block_fn(i, x):
+        return model.blocks[i](x, model.blocks[i].modulation(temb), adaln_index, rope, attn)
+
+    x_local = run_blocks(x_local, len(model.blocks), block_fn, cache, group, shard.live_rows)
     # 3. Every rank gathers the rows and runs the heads (the sampler updates the same latents everywhere).
     return model.final(shard.gather(x_local), temb, t_index, layout.video_index, layout.audio_index)
 
@@ -152,5 +158,5 @@ class UlyssesDiT:
     def __init__(self, model: H3DiT, group):
         self.model, self.cfg, self.group = model, model.cfg, group
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout):
-        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout)
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None):
+        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout, cache)

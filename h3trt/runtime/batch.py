@@ -518,6 +518,9 @@ def run_requests(args) -> int:
         raise ValueError(f"--requests takes every request from its file; drop {' '.join(single)}.")
     if args.out_dir is None:
         raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
+    if args.cache is not None:
+        raise ValueError("--cache decides per request, and a batch run shares one DiT evaluation per step across "
+                         "requests; run cached requests one at a time (h3trt run --prompt ... --cache ...).")
     if args.lora and args.engine is not None:
         raise ValueError(f"--lora applies to --model runs; the bundle {args.engine} was compiled with the LoRAs its "
                          "manifest lists. Rebuild it with h3trt build --lora FILE[:SCALE].")

@@ -42,20 +42,26 @@ def combine(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
     return neg + scale * (pos - neg)
 
 
-def guided_denoiser(dit, positive: Branch, negative: Branch, scale: float, cfg_group=None):
+def guided_denoiser(dit, positive: Branch, negative: Branch, scale: float, cfg_group=None, cache=None):
     """The sampler's model function (video, audio, unique_t, t_index) -> (video v, audio v), guided. With `cfg_group`
-    (2 ranks) group rank 0 evaluates the positive branch and rank 1 the negative; both get the combined result."""
+    (2 ranks) group rank 0 evaluates the positive branch and rank 1 the negative; both get the combined result.
+    A step `cache` (models/step_cache.py) keeps one state per branch, "cond" and "uncond", as the reference's cache
+    contexts: each branch skips on its own residuals."""
     if cfg_group is not None and dist.get_world_size(cfg_group) != 2:
         raise ValueError(f"A cfg group has 2 ranks (one per branch), got {dist.get_world_size(cfg_group)}.")
 
     def model(video, audio, unique_t, t_index):
         t_neg = branch_t_index(negative.layout, positive.layout, t_index)
-        runs = ((positive, t_index), (negative, t_neg))
+        runs = ((positive, t_index, "cond"), (negative, t_neg, "uncond"))
+
+        def run(branch, t, name):
+            return dit(video, audio, branch.text, unique_t, t, branch.layout,
+                       cache=cache.context(name) if cache is not None else None)
+
         if cfg_group is None:
-            (pv, pa), (nv, na) = (dit(video, audio, b.text, unique_t, t, b.layout) for b, t in runs)
+            (pv, pa), (nv, na) = (run(*r) for r in runs)
         else:
-            branch, t = runs[dist.get_rank(cfg_group)]
-            mv, ma = dit(video, audio, branch.text, unique_t, t, branch.layout)
+            mv, ma = run(*runs[dist.get_rank(cfg_group)])
             (pv, pa), (nv, na) = _exchange(mv, ma, cfg_group)
         return combine(pv, nv, scale), combine(pa, na, scale)
 

@@ -31,6 +31,7 @@ from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
 from ..models.lora import LoraSpec, merge_loras
+from ..models.step_cache import StepCache, StepCacheConfig
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, FPS, FRAMES_PER_CHUNK,
     LATENTS_PER_CHUNK, Geometry, PackedLayout, RefBlock, frames_for_duration, pack_ref2va, pack_t2va, resolve_canvas,
@@ -70,6 +71,7 @@ class Request:
     audio_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (3)
     guidance: float = 1.0  # classifier-free guidance scale; 1: off (H3 is guidance-distilled)
     negative_prompt: str | None = None  # the negative branch's prompt (required when guidance > 1)
+    cache: StepCacheConfig | None = None  # step caching (models/step_cache.py); None: every block of every step runs
 
     @property
     def task(self) -> str:
@@ -316,7 +318,8 @@ class H3Pipeline:
         share of the video tiles and only the writer (write=True) writes; without it a rank with write=False stops
         after denoising."""
         timer, start = StageTimer(self.device), time.perf_counter()
-        schedule, layout, final = self.denoise_request(prepared, on_step, timer)
+        cache = new_step_cache(prepared.request, self.schedule(prepared.request))
+        schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache)
         if not write and decode_group is None:
             return None
 
@@ -326,15 +329,20 @@ class H3Pipeline:
         if not write:
             return None
         record = self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
+        if cache is not None:
+            record["step_cache"] = cache.report()
         record["wall_s"] = round(time.perf_counter() - start, 4)  # the stages overlap (decode, audio, encode)
         return record
 
     @torch.no_grad()
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
-                        timer: StageTimer | None = None) -> tuple[Schedule, PackedLayout, Latents]:
-        """Stages 1-3 for a prepared request: the schedule, the packed layout and the final latent rows."""
+                        timer: StageTimer | None = None,
+                        cache: StepCache | None = None) -> tuple[Schedule, PackedLayout, Latents]:
+        """Stages 1-3 for a prepared request: the schedule, the packed layout and the final latent rows. A request
+        with a step cache fills `cache` (a new one when None) with what it skipped."""
         req, timer = prepared.request, timer or StageTimer(self.device)
         schedule = self.schedule(req)
+        cache = cache or new_step_cache(req, schedule)
         if self.check_request is not None:
             self.check_request(prepared, schedule)
         if self.cfg_group is not None and req.guidance == 1.0:
@@ -358,7 +366,9 @@ class H3Pipeline:
                         Branch(negative.embeds.to(self.device),
                                self._pack(prepared, negative.tags, conditions)[0].to(self.device)))
         with timer("denoise"):
-            final = self._denoise(text.embeds, layout, latents, schedule, on_step, branches, req.guidance)
+            final = self._denoise(text.embeds, layout, latents, schedule, on_step, branches, req.guidance, cache)
+        if cache is not None and self.cfg_group is not None:  # every rank of the cfg group: a collective
+            cache.gather(self.cfg_group)
         return schedule, layout, final
 
     @torch.no_grad()
@@ -370,6 +380,9 @@ class H3Pipeline:
             self.check_request(prepared, schedule)
         if getattr(req, "guidance", 1.0) != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
+        if getattr(req, "cache", None) is not None:
+            raise ValueError("Step caching decides per request, and a batch shares one evaluation per step; run a "
+                             "cached request alone (h3trt run --prompt ... --cache ...).")
         with timer("text_encode"):
             text = self._encode_text(prepared)
         with timer("condition_encode"):
@@ -520,18 +533,26 @@ class H3Pipeline:
         return self.text_encoder.encode_ref2va(prompt, refs)
 
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
-                 branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0):
+                 branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
+                 cache: StepCache | None = None):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
+        cond = cache.context("cond") if cache is not None and branches is None else None  # the reference's name
 
         def unguided(video, audio, unique_t, t_index):
-            return dit(video, audio, text, unique_t, t_index, lay)
+            return dit(video, audio, text, unique_t, t_index, lay, cache=cond)
 
-        model = unguided if branches is None else guided_denoiser(dit, *branches, guidance, self.cfg_group)
+        model = unguided if branches is None else guided_denoiser(dit, *branches, guidance, self.cfg_group, cache)
 
         start = Latents(latents.video.to(device), latents.audio.to(device))
         return denoise(model, start, layout, schedule, on_step)
+
+
+def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:
+    """A generation's step cache, or None when the request asks for none."""
+    config = getattr(request, "cache", None)
+    return StepCache(config, schedule.num_evaluations) if config is not None else None
 
 
 def write_json_atomic(path: Path, data: dict) -> None:
@@ -550,6 +571,8 @@ def request_dict(request: Request) -> dict:
     for key in ("image", "last_image"):
         data[key] = str(data[key]) if data[key] else None
     data["refs"] = [str(p) for p in request.refs]
+    if request.cache is not None:
+        data["cache"] = request.cache.to_dict()
     return data
 
 
