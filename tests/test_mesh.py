@@ -195,6 +195,27 @@ def _engine_rank(rank, world, store, bundle, root, out):
                                   for a, b in zip(got, other)]
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(errors))
     (Path(out) / f"rank{rank}_bf16_attention.json").write_text(json.dumps(errors_bf16_attention))
+    if engine.manifest["precision"] == "fp32":  # step caching through the sharded compiled halves (padded layout)
+        (Path(out) / f"rank{rank}_cache.json").write_text(json.dumps(_cached_decisions(engine.dit, eager, layout)))
+
+
+def _cached_decisions(engine_dit, eager, layout) -> dict:
+    """First-block cache decisions and final latents of a short denoise, through the bundle and the eager DiT."""
+    from h3trt.models.sampler import denoise, initial_latents
+    from h3trt.models.step_cache import StepCache, StepCacheConfig
+
+    schedule, cfg = Schedule(12, 12.0, 3.0), eager.cfg
+    g = torch.Generator().manual_seed(4)
+    text = torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g)
+    start = initial_latents(2, 7, 6, 10, 23, conditions=(torch.randn(1, cfg.in_channels, 1, 6, 10, generator=g),))
+    out = {}
+    for name, dit in (("engine", engine_dit), ("eager", eager)):
+        cache = StepCache(StepCacheConfig("first-block", 0.12), schedule.num_evaluations)
+        with torch.no_grad():
+            final = denoise(lambda v, a, u, t: dit(v, a, text, u, t, layout, cache=cache.context("cond")), start,
+                            layout, schedule)
+        out[name] = {"skipped": cache.report()["branches"]["cond"]["skipped_steps"], "video": final.video.tolist()}
+    return out
 
 
 @pytest.mark.build
@@ -209,6 +230,10 @@ def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_pa
     for rank in (0, 1):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert max(errors) <= REL_TOL, f"rank {rank}: {errors}"
+        cached = json.loads((tmp_path / f"rank{rank}_cache.json").read_text())
+        assert cached["engine"]["skipped"] == cached["eager"]["skipped"] and cached["eager"]["skipped"]
+        got, want = torch.tensor(cached["engine"]["video"]), torch.tensor(cached["eager"]["video"])
+        assert ((got - want).norm() / want.norm()).item() <= 1e-4
 
 
 @pytest.fixture(scope="module")
