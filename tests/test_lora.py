@@ -55,7 +55,8 @@ def original_factors(seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     out = {}
     for module, r in MODULES.items():
         rows, cols = shapes[module]
-        out[module] = (torch.randn(r, cols, generator=g) / cols ** 0.5, 0.3 * torch.randn(rows, r, generator=g) / r ** 0.5)
+        out[module] = (torch.randn(r, cols, generator=g) / cols ** 0.5,
+                       0.3 * torch.randn(rows, r, generator=g) / r ** 0.5)
     return out
 
 

@@ -87,7 +87,8 @@ class EngineDiT:
         def block_fn(i, x):
             mod = self.adaln.block(i, rows, temb).contiguous()
             (qkv,) = pre(x, mod, adaln_index, cos, sin, *self.block_w["block_pre"][i])
-            return post(x, exchange(qkv, self.sharded_attention[i]), mod, adaln_index, *self.block_w["block_post"][i])[0]
+            attn = exchange(qkv, self.sharded_attention[i])
+            return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
 
         return shard.gather(run_blocks(x, self.cfg.num_layers, block_fn, cache, self.group, shard.live_rows))
 

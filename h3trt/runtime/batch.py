@@ -168,7 +168,8 @@ def _parse_line(text: str, number: int, base: Path, canvas: CanvasDefaults, defa
             raise ValueError(f"resolution must be 'WIDTHxHEIGHT' such as '1344x768', got {data['resolution']!r}.")
         width, height = int(match[1]), int(match[2])
     request = Request(_typed(data, "prompt", str), image, last_image, refs, _typed(data, "seed", int, 42),
-                      _typed(data, "steps", int, default_steps), width, height, float(_typed(data, "duration", (int, float), 5.0)),
+                      _typed(data, "steps", int, default_steps), width, height,
+                      float(_typed(data, "duration", (int, float), 5.0)),
                       _optional_float(data, "video_shift"), _optional_float(data, "audio_shift"))
     prepared = prepare(request, canvas)  # inputs readable, canvas and duration allowed; dropped, re-read at run time
     geo = prepared.geometry
@@ -532,7 +533,8 @@ def run_requests(args) -> int:
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
     config = BatchConfig(args.out_dir, args.max_batch, args.fail_fast, args.crf, quiet=args.quiet)
-    items = parse_requests(args.requests, canvas, manifest["schedule"]["steps"] if manifest else 50)  # all checked first
+    default_steps = manifest["schedule"]["steps"] if manifest else 50  # a bundle's baked schedule is its default
+    items = parse_requests(args.requests, canvas, default_steps)  # every line checked before any model loads
     tasks = {"ref2va" if i.key[0] == "ref2va" else "t2va" for i in items}
     if manifest is None and len(tasks) > 1:
         raise ValueError(f"{args.requests} mixes ref2va with t2va/fl2va requests, which use different checkpoint "
