@@ -31,6 +31,7 @@ from .models.checkpoint import CheckpointError, locate_transformer
 from .models.config import H3Config
 from .models.lora import LoraSpec
 from .models.sampler import DEFAULT_STEPS
+from .models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
 from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
 from .parallel.launch import RankFailed, init_torchrun_rank, launch, torchrun_rank
@@ -124,8 +125,6 @@ def _lora_argument(p, where: str) -> None:
 
 def step_cache_from_args(args):
     """The request's StepCacheConfig, or None when --cache is not given (the cache flags alone are an error)."""
-    from .models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
-
     if args.cache is None:
         given = [f for f, v in (("--cache-threshold", args.cache_threshold), ("--mag-ratios", args.mag_ratios),
                                 ("--mag-calibrate", args.mag_calibrate)) if v]
@@ -142,8 +141,6 @@ def step_cache_from_args(args):
 
 def parse_mag_ratios(text: str) -> tuple[float, ...]:
     """R1,R2,... or a .json file: a list of numbers, {"mag_ratios": [...]}, or an --mag-calibrate clip record."""
-    import json
-
     if text.endswith(".json"):
         path = Path(text)
         if not path.is_file():

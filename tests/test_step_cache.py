@@ -26,8 +26,8 @@ from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Latents, Schedule, denoise, euler_step, initial_latents
 from h3trt.models.step_cache import StepCache, StepCacheConfig, nearest_interp
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.runtime.launch import init_rank, launch
-from h3trt.runtime.mesh import MeshConfig, build_mesh
+from h3trt.parallel.launch import init_rank, launch
+from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
 from h3trt.runtime.serve import Job, load_rank_pipeline
 
