@@ -13,7 +13,7 @@ TIERS = ("unit", "multiproc", "build")
 BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
 
 
-BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle"}
+BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle", "lora_bundle"}
 
 
 def pytest_collection_modifyitems(config, items):

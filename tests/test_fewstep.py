@@ -62,7 +62,7 @@ def lora_file(tmp_path_factory, tiny_cfg):
 
 
 @pytest.fixture(scope="module")
-def bundle(tmp_path_factory, tiny_root, lora_file):
+def lora_bundle(tmp_path_factory, tiny_root, lora_file):
     out = tmp_path_factory.mktemp("fewstep") / "bundle"
     # A fresh process, as `h3trt build` runs: a build inside the test process could find kernels earlier tests
     # compiled in memory, which would then never land in the bundle's cache.
@@ -82,8 +82,8 @@ def eager(tiny_root, lora_file):
     return EagerDiT(model)
 
 
-def test_manifest_records_the_loras_and_the_few_step_schedule(bundle, lora_file):
-    m = read_manifest(bundle)
+def test_manifest_records_the_loras_and_the_few_step_schedule(lora_bundle, lora_file):
+    m = read_manifest(lora_bundle)
     (lora,) = m["loras"]
     assert lora["sha256"] == hashlib.sha256(lora_file.read_bytes()).hexdigest() and lora["scale"] == SCALE
     assert lora["partition"] == "FL2VA" and lora["alpha"].startswith("__metadata__ alpha 3")
@@ -98,8 +98,8 @@ def _inputs(layout, cfg, seed=0):
             torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g))
 
 
-def test_bundle_equals_eager_and_diffusers_with_the_lora(bundle, eager, tiny_root, lora_file):
-    engine = Engine.load(bundle, "cpu")
+def test_bundle_equals_eager_and_diffusers_with_the_lora(lora_bundle, eager, tiny_root, lora_file):
+    engine = Engine.load(lora_bundle, "cpu")
     layout = pack_t2va(text_tags_for(11, [range(2, 6)]), 7, 6, 10, 23, keyframes=("first",))
     args = _inputs(layout, eager.cfg)
     with torch.no_grad(), no_compile():
@@ -133,12 +133,13 @@ def test_bundle_equals_eager_and_diffusers_with_the_lora(bundle, eager, tiny_roo
         assert scale > 0.1 and err <= 2e-5 * scale, f"max abs err {err:.3e} vs {scale:.3e}"
 
 
-def test_run_serves_the_bundle_like_the_eager_lora_run(bundle, lora_file, tmp_path, tiny_cache):
+def test_run_serves_the_bundle_like_the_eager_lora_run(lora_bundle, lora_file, tmp_path, tiny_cache):
     eager_out, engine_out = tmp_path / "eager.mp4", tmp_path / "engine.mp4"
     assert main(["run", "--prompt", "a fox", "--output", str(eager_out), "--quiet", "--steps", str(STEPS),
                  "--video-shift", str(VIDEO_SHIFT), "--lora", f"{lora_file}:{SCALE}"]) == 0
     # No --steps: a bundle's baked schedule is the run's default.
-    assert main(["run", "--engine", str(bundle), "--prompt", "a fox", "--output", str(engine_out), "--quiet"]) == 0
+    assert main(["run", "--engine", str(lora_bundle), "--prompt", "a fox", "--output", str(engine_out),
+                 "--quiet"]) == 0
     a, _, _ = read_video(eager_out)
     b, _, _ = read_video(engine_out)
     assert a.shape == b.shape and np.abs(a.astype(np.float32) - b.astype(np.float32)).mean() <= 1.0
@@ -149,11 +150,11 @@ def test_run_serves_the_bundle_like_the_eager_lora_run(bundle, lora_file, tmp_pa
 
 @pytest.mark.parametrize("config", [StepCacheConfig("first-block", 0.3),
                                     StepCacheConfig("mag", 0.08, (0.99, 0.97, 0.95, 0.9), retention_ratio=0.0)])
-def test_cached_bundle_takes_the_eager_decisions(bundle, tiny_root, lora_file, config):
+def test_cached_bundle_takes_the_eager_decisions(lora_bundle, tiny_root, lora_file, config):
     request = Request("a fox", steps=STEPS, video_shift=VIDEO_SHIFT, cache=config)
     results = []
-    for pipeline in (H3Pipeline.load(tiny_root, "t2va", "cpu", CANVAS, (LoraSpec(lora_file, SCALE),)),
-                     H3Pipeline.load_engine(bundle, "cpu", CANVAS)):
+    for pipeline in (H3Pipeline.load(tiny_root, "t2va", "cpu", CANVAS, loras=(LoraSpec(lora_file, SCALE),)),
+                     H3Pipeline.load_engine(lora_bundle, "cpu", CANVAS)):
         cache = StepCache(config, SCHEDULE.num_evaluations)
         with no_compile():
             _, _, final = pipeline.denoise_request(prepare(request, CANVAS), cache=cache)
@@ -172,13 +173,13 @@ def test_fp8_calibration_runs_on_the_few_step_schedule(tiny_root, tmp_path):
 
     def calib(steps, **kw):
         return BuildConfig(tiny_root, tmp_path / "b", precision="fp8", steps=steps, calib_prompts=prompts,
-                           profiles=(Profile(160, 96, 5.0),), device="cpu", **kw).recipe.calib_steps
+                           profiles=(Profile(160, 96, 5.0),), device="cpu", **kw).calibration_steps
 
     assert calib(4) == 4 and calib(6) == 6 and calib(8) == 8  # the timesteps the bundle serves
     assert calib(50) == 8 and calib(4, calib_steps=3) == 3  # a 50-step bundle: an 8-point grid; explicit wins
 
 
-def test_lora_misuse_is_one_clear_line(bundle, lora_file, tmp_path, tiny_cache, capsys):
+def test_lora_misuse_is_one_clear_line(lora_bundle, lora_file, tmp_path, tiny_cache, capsys):
     ref_only = {k.replace("diffusion_model.", ""): v for k, v in load_file(str(lora_file)).items()}
     from diffusers.loaders.lora_conversion_utils import _convert_non_diffusers_minimax_h3_lora_to_diffusers
 
@@ -189,7 +190,7 @@ def test_lora_misuse_is_one_clear_line(bundle, lora_file, tmp_path, tiny_cache, 
     cases = [
         (["run", "--prompt", "a fox", "--output", str(tmp_path / "a.mp4"), "--lora", str(ref_file)],
          "trained against the Ref2VA partition"),
-        (["run", "--engine", str(bundle), "--prompt", "a fox", "--output", str(tmp_path / "b.mp4"), "--lora",
+        (["run", "--engine", str(lora_bundle), "--prompt", "a fox", "--output", str(tmp_path / "b.mp4"), "--lora",
           str(lora_file)], "Rebuild it with h3trt build --lora"),
         (["build", "--model", "tiny", "--output", str(tmp_path / "c"), "--device", "cpu", "--lora",
           str(tmp_path / "missing.safetensors")], "does not exist"),

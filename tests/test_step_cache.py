@@ -201,6 +201,7 @@ def _serve(rank, world, store, root, out):
         torch.save(_cached(pipeline, name), out / f"{name}.rank{rank}.pt")
 
 
+@pytest.mark.multiproc
 def test_sp2_x_cfg2_ranks_take_the_one_process_decisions(tiny_root, tmp_path):
     single = H3Pipeline.load(tiny_root, "t2va", "cpu", CANVAS)
     want = {name: _cached(single, name) for name in MESH_REQUESTS}
