@@ -333,7 +333,8 @@ def _diffusers_clip(model, z: torch.Tensor) -> torch.Tensor:
 def _compile_decoders(video: VideoVAE, z: torch.Tensor, work: Path, options: dict) -> tuple[dict, float]:
     """The bundle's path for every tile shape of `z`: in / block / out segments compiled (inductor), saved, loaded.
     Returns ({key: (segments, entries)}, compile seconds)."""
-    from h3trt.build.backends import compile_segment, load_segment
+    from h3trt.build.backends import compile_segment
+    from h3trt.engines.loaders import load_segment
     from h3trt.build.builder import video_decoder_specs
     from h3trt.engines.video_decoder import parse_video_decoder_name
 
@@ -540,7 +541,8 @@ def precision_axis(args) -> dict:
 
 def _compiled_audio(audio: AudioVAE, rows_audio: torch.Tensor, work: Path, options: dict) -> dict:
     """The audio decoder compiled for this clip length (the bundle's path), timed like the eager one."""
-    from h3trt.build.backends import compile_segment, load_segment
+    from h3trt.build.backends import compile_segment
+    from h3trt.engines.loaders import load_segment
     from h3trt.build.segments import audio_decoder_segment
     from h3trt.models.packing import AUDIO_CHANNELS, rows_to_audio
 

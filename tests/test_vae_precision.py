@@ -205,7 +205,8 @@ def test_compiled_tile_decoder_at_precision(roots, tmp_path, precision):
     tensors by TileDecoder, against the eager decoder at the same precision (VAE_VERIFY_REL_TOL)."""
     from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-    from h3trt.build.backends import compile_segment, load_segment
+    from h3trt.build.backends import compile_segment
+    from h3trt.engines.loaders import load_segment
     from h3trt.build.builder import VAE_VERIFY_REL_TOL
     from h3trt.build.segments import video_decoder_segments
     from h3trt.engines.guard import no_compile
