@@ -21,7 +21,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from .build.builder import BuildConfig, Profile, build
 from .engines.guard import no_compile
@@ -29,14 +28,18 @@ from .engines.manifest import bundle_identity, read_manifest, verify_files
 from .eval import evaluate, read_requests, table
 from .models.checkpoint import CheckpointError, locate_transformer
 from .models.config import H3Config
+from .models.packing import FPS
 from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
 from .parallel.launch import RankFailed, init_torchrun_rank, launch, torchrun_rank
 from .parallel.mesh import resolve_mesh
 from .runtime.batch import run_requests
+from .runtime.files import (InterruptedAfterCommit, OutputError, OutputRefused, estimated_clip_bytes, preflight_clip,
+                            remove_leftovers, remove_own_temps, write_json_atomic)
 from .runtime.media import MediaError
-from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare, write_json_atomic
-from .runtime.serve import Job, finish_record, launch_gpus, serve_launched, serve_rank
+from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, check_prompt_tokens, prepare, record_path
+from .runtime.serve import (Job, StepBar, launch_gpus, record_completer, report_record, serve_launched,
+                            serve_rank)
 
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
@@ -51,18 +54,19 @@ def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
                                    "--ref makes it ref2va.")
-    p.add_argument("--prompt", help="the text prompt (required unless --requests)")
+    p.add_argument("--prompt", help="the text prompt, UTF-8, at most 1024 tokens (required unless --requests)")
     p.add_argument("--output", type=Path, help="output .mp4, a .json with timings beside it (required unless --requests)")
     p.add_argument("--image", type=Path, help="first keyframe (PNG/JPEG/WebP): fl2va")
     p.add_argument("--last-image", type=Path, help="last keyframe: fl2va")
     p.add_argument("--ref", type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
                                                                    "in the order the model should read them")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="noise seed, -2^63 <= seed < 2^64 (default 42)")
     p.add_argument("--steps", type=int, default=50, help="sigma grid points; steps - 1 DiT evaluations (default 50)")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
     p.add_argument("--duration", type=float, default=5.0,
-                   help="seconds (5 to 15), rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames)")
+                   help="seconds, 5 to 14.375, rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames; "
+                        "14.375 -> 345, the longest)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (official layout: FL2VA/ and "
                                                    "Ref2VA/). Default: the embedded tiny model")
@@ -105,10 +109,7 @@ def cmd_run(args) -> int:
     if args.prompt is None or args.output is None:
         raise ValueError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     output: Path = args.output
-    if output.suffix.lower() != ".mp4":
-        raise ValueError(f"--output must end in .mp4, got {output}.")
-    if output.exists() and not args.overwrite:
-        raise ValueError(f"{output} already exists; pass --overwrite to replace it or choose another --output.")
+    check_mp4_name(output)
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, args.steps, args.width,
                       args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
                       args.negative_prompt)
@@ -119,6 +120,9 @@ def cmd_run(args) -> int:
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
     prepared = prepare(request, canvas)  # every input error surfaces here, before any model is loaded
+    geo = prepared.geometry
+    preflight_clip(output, record_path(output), args.overwrite,
+                   estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, args.crf))
     device = args.device or (manifest["device"].split(":")[0] if manifest else
                              ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.vae_precision is not None:
@@ -126,14 +130,15 @@ def cmd_run(args) -> int:
 
         VAEPrecision(args.vae_precision)  # a bad value fails before any model loads
     if manifest is not None:
-        model_root = args.engine
-    elif tiny:
-        print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
-        model_root = ensure_tiny_checkpoint()
+        model_root = component_root = args.engine
     else:
-        model_root = args.model
-        locate_transformer(model_root, request.task)  # a bad checkpoint fails before the slow loads
-    output.parent.mkdir(parents=True, exist_ok=True)
+        if tiny:
+            print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
+        model_root = ensure_tiny_checkpoint() if tiny else args.model
+        # A bad checkpoint fails before the slow loads.
+        component_root = locate_transformer(model_root, request.task).component_root
+    check_prompt_tokens(component_root, [(w, p) for w, p in (("the prompt", request.prompt),
+                                                             ("the negative prompt", request.negative_prompt)) if p])
 
     if args.gpus > 1 or torchrun_rank() is not None:
         return _run_on_mesh(args, [(prepared, str(output))], model_root, manifest, device, canvas, tiny)
@@ -145,24 +150,27 @@ def cmd_run(args) -> int:
     else:
         pipeline = H3Pipeline.load(model_root, request.task, device, canvas, args.vae_precision)
         serving = contextlib.nullcontext()
-    bar = None
-    if not args.quiet:
-        bar = tqdm(total=pipeline.schedule(request).num_evaluations, desc="denoise", unit="step", file=sys.stderr)
+    bar = None if args.quiet else StepBar()
+    extra = {"bundle": bundle_identity(manifest)} if manifest else {}
+    model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root))
     try:
         with serving:
-            record = pipeline.generate(prepared, output, crf=args.crf,
-                                       on_step=(lambda i, n: bar.update(1)) if bar else None)
+            record = pipeline.generate(prepared, output, crf=args.crf, on_step=bar,
+                                       finish=record_completer(request, model, extra), overwrite=args.overwrite)
     finally:
         if bar is not None:
             bar.close()
-    if manifest:
-        record["bundle"] = bundle_identity(manifest)
-    _finish(record, request, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), output)
+    report_record(record, output)
     return 0
 
 
-def _finish(record: dict, request, model: str, output: Path) -> None:
-    finish_record(record, request, model, output)
+def check_mp4_name(output: Path) -> None:
+    """--output names an .mp4 file (one line otherwise)."""
+    if output.name.lower() == ".mp4":
+        raise ValueError(f"--output {output} has no file name before the extension; name the clip, e.g. "
+                         f"{output.with_name('clip.mp4')}.")
+    if output.suffix.lower() != ".mp4":
+        raise ValueError(f"--output must end in .mp4, got {str(output)!r}; e.g. {output.with_suffix('.mp4')}.")
 
 
 def mesh_from_args(args, world: int, num_heads: int, manifest: dict | None):
@@ -191,14 +199,19 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
     extra = {"bundle": bundle_identity(manifest)} if manifest else {}
     job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
               args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra,
-              vae_precision=args.vae_precision)
+              vae_precision=args.vae_precision, overwrite=args.overwrite)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(device_type)
         serve_rank(rank, world, local_rank, job, heads)
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    launch(serve_launched, world, (job, heads), gpus=gpus)
+    try:
+        launch(serve_launched, world, (job, heads), gpus=gpus)
+    except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
+        for folder in {Path(output).parent for _, output in items}:
+            remove_leftovers(folder)
+        raise
     return 0
 
 
@@ -339,12 +352,19 @@ def main(argv=None) -> int:
         choose_gpu(args)
         return {"run": cmd_run, "build": cmd_build, "eval": cmd_eval, "inspect": cmd_inspect,
                 "verify": cmd_verify}[args.command](args)
-    except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed) as e:
+    except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed, OutputRefused) as e:
         message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
         print(f"h3trt: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("h3trt: interrupted; no output was written.", file=sys.stderr)
+    except OutputError as e:  # at write time: the work was done, the file could not be written
+        print(f"h3trt: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        remove_own_temps()  # whatever an unwinding frame did not get to
+        if isinstance(e, InterruptedAfterCommit):
+            print(f"h3trt: interrupted after writing {' and '.join(map(str, e.targets))}.", file=sys.stderr)
+        else:
+            print("h3trt: interrupted; no output was written (temporary files removed).", file=sys.stderr)
         return 130
 
 

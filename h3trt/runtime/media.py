@@ -19,6 +19,8 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from av.video.reformatter import ColorPrimaries, ColorRange, ColorTrc, Colorspace, Interpolation
 
+from .files import commit, discard, temp_path
+
 # AAC in MP4 is what every browser and phone plays; 32 kHz stereo is the model's native audio format.
 DEFAULT_SAMPLE_RATE = 32000
 DEFAULT_FPS = 24
@@ -26,6 +28,9 @@ DEFAULT_CRF = 18
 # AAC-LC at 32 kHz stereo is transparent well below this; fixed so output size does not depend on FFmpeg defaults.
 AAC_BIT_RATE = 160_000
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+# Input images and video frames larger than this are refused before they are decoded (8192 x 8192): every input is
+# resized to at most H3's 2048 px reference edge, and a 20000 x 20000 PNG alone would need 1.2 GB decoded.
+MAX_INPUT_PIXELS = 8192 * 8192
 # x264's presets, fastest first: each step searches harder for the same CRF quality (smaller file, more time).
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 # probe() always returns every key; those of a missing stream are None, so callers can index without checking.
@@ -79,9 +84,12 @@ class Mp4Writer:
     """Streaming MP4 writer: H.264 yuv420p video plus AAC audio, committed atomically on a clean exit.
 
     Frames arrive window by window while the model is still producing later windows, so the container is written
-    incrementally. The file is built under `.<name>.partial` and renamed onto `path` only after both encoders are
+    incrementally. The file is built under a temporary name unique to this writer (`files.temp_path`:
+    `.<name>.<host>-<pid>-<token>.partial`, in the same folder) and renamed onto `path` only after both encoders are
     flushed and the container is closed; an exception in the `with` block deletes it, so a crash never leaves a
-    truncated clip that looks finished.
+    truncated clip that looks finished. `overwrite=False` refuses to replace a `path` that exists by then
+    (files.OutputExists). With `commit=False` the finished file stays at `partial_path` for the caller to commit
+    together with other files (files.commit); the caller then owns it.
 
     Thread-compatible, not thread-safe: any single thread may drive it (e.g. an encoder thread fed by a queue), but
     only one thread at a time. It holds no global state, so independent writers may run on different threads.
@@ -91,8 +99,10 @@ class Mp4Writer:
 
     def __init__(self, path: str | os.PathLike, width: int, height: int, fps: int | Fraction = DEFAULT_FPS,
                  crf: int = DEFAULT_CRF, sample_rate: int = DEFAULT_SAMPLE_RATE, audio_channels: int = 2,
-                 low_latency: bool = False, preset: str = "medium") -> None:
+                 low_latency: bool = False, preset: str = "medium", commit: bool = True,
+                 overwrite: bool = True) -> None:
         self.path = Path(path)
+        self.commit, self.overwrite = commit, overwrite
         if self.path.suffix.lower() != ".mp4":
             raise MediaError(f"{self.path}: output must be an MP4 file; give it a .mp4 extension")
         if not self.path.parent.is_dir():
@@ -117,9 +127,10 @@ class Mp4Writer:
         # Chosen here, not at open, so a missing encoder fails before any generation work starts.
         self.encoder, self._options, self._bit_rate = _h264_encoder(crf, width, height, self.fps,
                                                                     low_latency=low_latency, preset=preset)
-        # Hidden, in the same directory (so os.replace is an atomic rename on one filesystem), and not ending in .mp4
-        # so globs for finished clips never pick up an unfinished one.
-        self.partial_path = self.path.with_name(f".{self.path.name}.partial")
+        # Hidden, in the same directory (so the commit is an atomic rename on one filesystem), unique to this writer
+        # (two runs writing one target never share it), and not ending in .mp4 so globs never pick up an unfinished
+        # clip.
+        self.partial_path = temp_path(self.path)
         self.frames_written = self.samples_written = 0
         # perf_counter() when closing passed each step (audio_flushed, video_flushed, closed, renamed): what the end
         # of a clip costs after its last frame, for the host-tail breakdown.
@@ -275,7 +286,7 @@ class Mp4Writer:
                 container.close()
             except Exception:  # noqa: BLE001 - the caller's exception is the one worth reporting; the file is deleted
                 pass
-        self.partial_path.unlink(missing_ok=True)
+        discard(self.partial_path)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
@@ -286,7 +297,8 @@ class Mp4Writer:
         except BaseException:
             self._discard()
             raise
-        os.replace(self.partial_path, self.path)
+        if self.commit:
+            commit([(self.partial_path, self.path)], overwrite=self.overwrite)
         self.marks["renamed"] = time.perf_counter()
 
 
@@ -338,11 +350,21 @@ def read_image(path: str | os.PathLike) -> Image.Image:
         with Image.open(path) as image:
             if image.format not in IMAGE_FORMATS:
                 raise MediaError(f"{path} is a {image.format} image, which is not supported; convert it to PNG or JPEG")
+            _check_pixels(path, *image.size)
             image.load()
             return ImageOps.exif_transpose(image).convert("RGB")
+    except Image.DecompressionBombError:  # PIL's own guard, past twice its limit: refused from the header alone
+        raise MediaError(f"{path} is over h3trt's input limit of {MAX_INPUT_PIXELS:,} pixels (8192 x 8192) by "
+                         "far; downscale it first") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
         # PIL raises OSError/SyntaxError for truncated or corrupt files after the header parsed.
         raise MediaError(f"{path} is not a readable image ({err}); re-save it as PNG or JPEG") from None
+
+
+def _check_pixels(path: Path, width: int, height: int) -> None:
+    if width * height > MAX_INPUT_PIXELS:
+        raise MediaError(f"{path} is {width}x{height} ({width * height:,} pixels), over h3trt's input limit of "
+                         f"{MAX_INPUT_PIXELS:,} (8192 x 8192); downscale it first")
 
 
 def _decode_audio(container: Any, path: Path, sample_rate: int) -> np.ndarray:
@@ -394,6 +416,7 @@ def read_video(path: str | os.PathLike) -> tuple[np.ndarray, float, np.ndarray |
             raise MediaError(f"{path} has no video stream; pass a video file (e.g. an H.264 MP4)")
         stream = container.streams.video[0]
         fps = float(_frame_rate(stream, path))
+        _check_pixels(path, stream.codec_context.width, stream.codec_context.height)
         frames: list[np.ndarray] = []
         try:
             # to_ndarray converts with each frame's own colorspace/range tags (so our BT.709 output round-trips);
