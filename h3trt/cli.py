@@ -24,7 +24,9 @@ import torch.distributed as dist
 
 from .build.builder import BuildConfig, Profile, build
 from .engines.guard import no_compile
-from .engines.manifest import bundle_identity, read_manifest, verify_files
+from .engines.manifest import read_manifest, verify_files
+from .engines.signing import (generate_key, key_fingerprint, load_private_key, load_public_key, read_signature,
+                              read_trusted_manifest, sign_bundle)
 from .eval import evaluate, read_requests, table
 from .models.checkpoint import CheckpointError, locate_transformer
 from .models.config import H3Config
@@ -33,7 +35,7 @@ from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ens
 from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
 from .parallel.launch import RankFailed, init_torchrun_rank, launch, torchrun_rank
 from .parallel.mesh import resolve_mesh
-from .runtime.batch import run_requests
+from .runtime.batch import engine_manifest, run_requests, served_identity
 from .runtime.files import (InterruptedAfterCommit, OutputError, OutputRefused, estimated_clip_bytes, preflight_clip,
                             remove_leftovers, remove_own_temps, write_json_atomic)
 from .runtime.media import MediaError
@@ -71,6 +73,9 @@ def _run_parser(sub) -> None:
     source.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (official layout: FL2VA/ and "
                                                    "Ref2VA/). Default: the embedded tiny model")
     source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build` (serves without compiling)")
+    p.add_argument("--trust", type=Path, metavar="KEY.pub", help="with --engine: serve the bundle only if its manifest "
+                                                                 "is signed by this Ed25519 public key and every file "
+                                                                 "matches it (checked before any of its code loads)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     p.add_argument("--crf", type=int, default=18, help="H.264 constant rate factor (default 18)")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
@@ -113,9 +118,9 @@ def cmd_run(args) -> int:
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, args.steps, args.width,
                       args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
                       args.negative_prompt)
-    manifest = None
-    if args.engine is not None:
-        manifest = read_manifest(args.engine)
+    if args.trust is not None and args.engine is None:
+        raise ValueError("--trust checks a bundle's signature; pass it with --engine DIR.")
+    manifest = engine_manifest(args) if args.engine is not None else None
     tiny = manifest["tiny"] if manifest else args.model is None
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
@@ -145,13 +150,14 @@ def cmd_run(args) -> int:
     if args.sp or args.cfg or args.replicas:  # one process: the degrees must all be 1 (the message says why not)
         mesh_from_args(args, 1, 1, None)
     if manifest is not None:
-        pipeline = H3Pipeline.load_engine(model_root, device, canvas, vae_precision=args.vae_precision)
+        pipeline = H3Pipeline.load_engine(model_root, device, canvas, vae_precision=args.vae_precision,
+                                          trust=args.trust)
         serving = no_compile()  # a request compiles nothing: any compiler call raises
     else:
         pipeline = H3Pipeline.load(model_root, request.task, device, canvas, args.vae_precision)
         serving = contextlib.nullcontext()
     bar = None if args.quiet else StepBar()
-    extra = {"bundle": bundle_identity(manifest)} if manifest else {}
+    extra = {"bundle": served_identity(manifest, args)} if manifest else {}
     model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root))
     try:
         with serving:
@@ -196,10 +202,11 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
                          "default); pass --guidance > 1 or use --cfg 1.")
     device_type = torch_device_type(device)
     gpus = launch_gpus(device_type, world) if torchrun is None else None
-    extra = {"bundle": bundle_identity(manifest)} if manifest else {}
+    extra = {"bundle": served_identity(manifest, args)} if manifest else {}
     job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
               args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra,
-              vae_precision=args.vae_precision, overwrite=args.overwrite)
+              vae_precision=args.vae_precision, overwrite=args.overwrite,
+              trust=str(args.trust) if args.trust is not None else None)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(device_type)
         serve_rank(rank, world, local_rank, job, heads)
@@ -259,6 +266,8 @@ def _build_parser(sub) -> None:
     p.add_argument("--cfg", type=int, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
+                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
     e = sub.add_parser("eval", help="compare an engine bundle with a reference on the same requests and seeds")
     e.add_argument("--engine", required=True, type=Path, help="the bundle under test (e.g. an fp8 build)")
     e.add_argument("--reference", required=True, help="a bundle, a checkpoint folder, or 'tiny' (eager)")
@@ -266,9 +275,13 @@ def _build_parser(sub) -> None:
                                                                 "(width/height/duration/steps default to the engine's)")
     e.add_argument("--json", type=Path, help="write the per-request and mean metrics here")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    for name, help_ in (("inspect", "print a bundle's manifest"), ("verify", "re-hash every file of a bundle")):
-        q = sub.add_parser(name, help=help_)
-        q.add_argument("bundle", type=Path)
+    sub.add_parser("inspect", help="print a bundle's manifest").add_argument("bundle", type=Path)
+    q = sub.add_parser("verify", help="re-hash every file of a bundle; with --trust, check who signed it")
+    q.add_argument("bundle", type=Path)
+    q.add_argument("--trust", type=Path, metavar="KEY.pub", help="the Ed25519 public key the bundle must be signed "
+                                                                 "with")
+    k = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles (KEY and KEY.pub)")
+    k.add_argument("key", type=Path, help="private key path (mode 0600); the public key goes to KEY.pub")
 
 
 def cmd_build(args) -> int:
@@ -282,11 +295,15 @@ def cmd_build(args) -> int:
                          cfg=args.cfg, trt_targets=args.trt_targets, calib_prompts=args.calib_prompts,
                          calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
                          fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision)
-    manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr))
+    key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
+    manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
+                     sign=(lambda root: sign_bundle(root, key)) if key is not None else None)
     size = sum(f["bytes"] for f in manifest["files"].values())
+    signed = f"signed by key {key_fingerprint(key.public_key())[:16]}" if key is not None else "unsigned"
     print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "
           f"{len(manifest['files'])} files, {size / 1e6:.1f} MB; AdaLN "
-          f"{'baked' if manifest['adaln']['baked'] else 'kept'}; video decoder {manifest['vae_precision']}")
+          f"{'baked' if manifest['adaln']['baked'] else 'kept'}; video decoder {manifest['vae_precision']}; "
+          f"manifest_sha256 {manifest['manifest_sha256']}, {signed}")
     return 0
 
 
@@ -307,12 +324,15 @@ def cmd_inspect(args) -> int:
     summary = {k: v for k, v in manifest.items() if k not in ("files", "segments")}
     summary["segments"] = {k: v["artifact"] for k, v in manifest["segments"].items()}
     summary["files"] = f"{len(manifest['files'])} files, {sum(f['bytes'] for f in manifest['files'].values())} bytes"
+    signature = read_signature(args.bundle)
+    summary["signature"] = (f"ed25519 by key {signature['key_sha256']} (not checked: h3trt verify --trust KEY.pub)"
+                            if signature else "unsigned")
     print(json.dumps(summary, indent=1))
     return 0
 
 
 def cmd_verify(args) -> int:
-    manifest = read_manifest(args.bundle)
+    manifest = read_trusted_manifest(args.bundle, args.trust) if args.trust else read_manifest(args.bundle)
     problems = verify_files(args.bundle, manifest)
     if problems:
         for p in problems:
@@ -320,7 +340,21 @@ def cmd_verify(args) -> int:
         print(f"h3trt: error: {args.bundle}: {len(problems)} file(s) do not match the manifest; re-copy or rebuild.",
               file=sys.stderr)
         return 1
-    print(f"{args.bundle}: all {len(manifest['files'])} files match the manifest")
+    if args.trust:
+        print(f"{args.bundle}: signed by the trusted key {key_fingerprint(load_public_key(args.trust))[:16]}, and all "
+              f"{len(manifest['files'])} files match its manifest (manifest_sha256 {manifest['manifest_sha256']})")
+    else:
+        # A bundle is executable code; without a signature anyone who can change a file can change its hash too.
+        print(f"{args.bundle}: all {len(manifest['files'])} files match the manifest (manifest_sha256 "
+              f"{manifest['manifest_sha256']}); this detects accidental changes only: pass --trust KEY.pub to check "
+              f"who built it{' (the bundle is signed)' if read_signature(args.bundle) else ''}")
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    private, public = generate_key(args.key)
+    print(f"wrote {private} (private: keep it; h3trt build --sign {private}) and {public} (public: h3trt run/verify "
+          f"--trust {public}); key {key_fingerprint(load_public_key(public))[:16]}")
     return 0
 
 
@@ -351,7 +385,7 @@ def main(argv=None) -> int:
     try:
         choose_gpu(args)
         return {"run": cmd_run, "build": cmd_build, "eval": cmd_eval, "inspect": cmd_inspect,
-                "verify": cmd_verify}[args.command](args)
+                "verify": cmd_verify, "keygen": cmd_keygen}[args.command](args)
     except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed, OutputRefused) as e:
         message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
         print(f"h3trt: error: {message}", file=sys.stderr)

@@ -5,7 +5,8 @@
   3. compile embed / block / final once each (one block serves every layer: its weights are inputs)
   4. copy the eager components (text encoder, tokenizer, processor, VAEs)
   5. load every artifact in a fresh process, under the no-compile guard, and check it against the eager segment
-  6. hash every file into manifest.json, then rename the finished bundle into place
+  6. hash every file into manifest.json (which hashes its own content; --sign adds manifest.sig), then rename the
+     finished bundle into place
 The bundle is assembled in `<output>.partial` and only renamed when complete: a failed build leaves nothing that
 looks like a bundle.
 """
@@ -262,7 +263,7 @@ def _save(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def build(config: BuildConfig, log=print) -> dict:
+def build(config: BuildConfig, log=print, sign=None) -> dict:
     out = Path(config.output)
     if out.exists() and not config.overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --output.")
@@ -308,8 +309,7 @@ def build(config: BuildConfig, log=print) -> dict:
         t0 = time.perf_counter()
         model, source = load_dit(config.model_root, config.task, dtype=dtype, device=device)
         meta = source.metadata
-        schedule = Schedule(config.steps, config.video_shift or (meta.video_shift if meta else 12.0),
-                            config.audio_shift or (meta.audio_shift if meta else 3.0))
+        schedule = Schedule(config.steps, config.video_shift or source.shifts[0], config.audio_shift or source.shifts[1])
         timings["load_s"] = time.perf_counter() - t0
         log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
             f"{config.precision}) in {timings['load_s']:.1f} s")
@@ -403,6 +403,8 @@ def build(config: BuildConfig, log=print) -> dict:
             manifest.update(tensorrt=trt_record, device="cuda", arch=",".join(trt_record["targets"]),
                             weight_bytes={k: v for k, v in sizes.items() if k.startswith("adaln")})
         manifest = write_manifest(work, manifest)
+        if sign is not None:  # sign(root): manifest.sig beside the manifest (engines/signing.py), before the rename
+            sign(work)
         if out.exists():
             shutil.rmtree(out)
         os.replace(work, out)

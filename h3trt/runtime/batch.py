@@ -38,6 +38,7 @@ from tqdm import tqdm
 
 from ..engines.guard import no_compile
 from ..engines.manifest import bundle_identity, read_manifest, sha256_file
+from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..models.checkpoint import locate_transformer
 from ..models.config import H3Config
 from ..models.packing import FPS
@@ -495,7 +496,8 @@ def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model
     if mesh.cfg == 2:
         raise ValueError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
     job = Job(str(root), manifest is not None, task, "cuda" if str(device).startswith("cuda") else "cpu", mesh,
-              canvas=canvas, model_name=model, record_extra=extra, vae_precision=args.vae_precision)
+              canvas=canvas, model_name=model, record_extra=extra, vae_precision=args.vae_precision,
+              trust=str(args.trust) if args.trust is not None else None)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(job.device_type)
         failed = serve_batch_rank(rank, world, local_rank, job, heads, items, config)
@@ -537,6 +539,22 @@ def serve_batch_launched(rank: int, world: int, store: str, job: Job, num_heads:
 # `h3trt run --requests FILE --out-dir DIR`
 
 
+def engine_manifest(args) -> dict:
+    """--engine's manifest, read before anything else: with --trust only if it carries that key's signature (every
+    file is then checked against it when the bundle loads, before any of its code runs)."""
+    if args.trust is not None:
+        return read_trusted_manifest(args.engine, args.trust)
+    return read_manifest(args.engine)
+
+
+def served_identity(manifest: dict, args) -> dict:
+    """What a record says about the bundle that served it, with the key that vouched for it under --trust."""
+    identity = bundle_identity(manifest)
+    if args.trust is not None:
+        identity["signed_by"] = key_fingerprint(load_public_key(args.trust))
+    return identity
+
+
 def run_requests(args) -> int:
     """The CLI's batch mode: validate the whole file, load the model once, run; 0 if every request is done."""
     single = [flag for flag, value in (("--prompt", args.prompt), ("--output", args.output), ("--image", args.image),
@@ -545,9 +563,11 @@ def run_requests(args) -> int:
         raise ValueError(f"--requests takes every request from its file; drop {' '.join(single)}.")
     if args.out_dir is None:
         raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
+    if args.trust is not None and args.engine is None:
+        raise ValueError("--trust checks a bundle's signature; pass it with --engine DIR.")
     manifest = None
     if args.engine is not None:
-        manifest = read_manifest(args.engine)
+        manifest = engine_manifest(args)
         check_bundle_batch(manifest, args.max_batch)
     tiny = manifest["tiny"] if manifest else args.model is None
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
@@ -589,11 +609,12 @@ def run_requests(args) -> int:
 def _run_requests_locked(args, items, config, manifest, tiny, root, canvas, device, torchrun) -> int:
     if args.gpus > 1 or torchrun is not None:
         model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(root))
-        extra = {"bundle": bundle_identity(manifest)} if manifest else {}
+        extra = {"bundle": served_identity(manifest, args)} if manifest else {}
         return run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model, extra)
     if manifest is not None:
-        pipeline = H3Pipeline.load_engine(args.engine, device, canvas, vae_precision=args.vae_precision)
-        extra = {"bundle": bundle_identity(manifest)}
+        pipeline = H3Pipeline.load_engine(args.engine, device, canvas, vae_precision=args.vae_precision,
+                                          trust=args.trust)
+        extra = {"bundle": served_identity(manifest, args)}
         model, serving = str(args.engine), no_compile()
     else:
         if tiny:

@@ -7,6 +7,7 @@ the fix, because these messages end up verbatim in `h3trt run` output.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from fractions import Fraction
@@ -367,20 +368,24 @@ def _check_pixels(path: Path, width: int, height: int) -> None:
                          f"{MAX_INPUT_PIXELS:,} (8192 x 8192); downscale it first")
 
 
-def _decode_audio(container: Any, path: Path, sample_rate: int) -> np.ndarray:
-    """Decode the first audio stream of an open container to float32 [2, N] at `sample_rate`."""
+def _decode_audio(container: Any, path: Path) -> tuple[np.ndarray, int]:
+    """Decode the first audio stream of an open container to float32 stereo [2, N] at its own sample rate."""
     stream = container.streams.audio[0]
     channels = stream.codec_context.channels
-    # Mono is resampled as mono and duplicated afterwards: swresample's mono->stereo matrix scales by 1/sqrt(2),
-    # which would make mono references 3 dB quieter than the same sound in stereo. >2 channels use swresample's
-    # standard (normalised, clip-free) downmix matrix.
+    rate = int(stream.codec_context.sample_rate)
+    if rate <= 0:
+        raise MediaError(f"{path}: audio stream has no sample rate; re-export it as WAV or M4A")
+    # A format conversion only, at the stream's own rate: the rate is changed afterwards by `resample`, the
+    # reference's resampler. Mono is decoded as mono and duplicated (swresample's mono->stereo matrix would scale it
+    # by 1/sqrt(2), 3 dB quieter than the same sound in stereo; the reference duplicates too). More than 2 channels
+    # use swresample's standard (normalised, clip-free) downmix; the reference refuses them.
     layout = "mono" if channels == 1 else "stereo"
-    resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
     chunks: list[np.ndarray] = []
     try:
         for frame in container.decode(stream):
             # Samples are concatenated in decode order, so timestamps carry nothing here; clearing them keeps input
-            # quirks (gaps, resets after edits) out of the resampling filter graph.
+            # quirks (gaps, resets after edits) out of the conversion's filter graph.
             frame.pts = None
             chunks.extend(out.to_ndarray() for out in resampler.resample(frame))
         chunks.extend(out.to_ndarray() for out in resampler.resample(None))
@@ -389,16 +394,55 @@ def _decode_audio(container: Any, path: Path, sample_rate: int) -> np.ndarray:
     if not chunks:
         raise MediaError(f"{path}: audio stream decodes to no samples; re-export it with audible content")
     audio = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
-    return np.repeat(audio, 2, axis=0) if layout == "mono" else audio
+    return (np.repeat(audio, 2, axis=0) if layout == "mono" else audio), rate
 
 
-def read_audio(path: str | os.PathLike, sample_rate: int = DEFAULT_SAMPLE_RATE) -> np.ndarray:
-    """Decode the first audio stream of any audio or video file to float32 stereo [2, N] at `sample_rate`."""
+# The reference's resampler: torchaudio.transforms.Resample(orig, new) with its defaults (windowed sinc, Hann window,
+# lowpass_filter_width 6, rolloff 0.99), which diffusers' MiniMax-H3 pipeline applies to reference audio once, after
+# truncating it at its native rate. Reproduced here in plain torch (torchaudio is not a dependency).
+RESAMPLE_LOWPASS_WIDTH = 6
+RESAMPLE_ROLLOFF = 0.99
+
+
+def resample(waveform_CN: torch.Tensor, orig_rate: int, new_rate: int) -> torch.Tensor:
+    """float32 [C, N] at `orig_rate` -> [C, ceil(N * new / orig)] at `new_rate`: torchaudio's sinc_interp_hann,
+    the same arithmetic (kernel in float64, stored and applied in float32), so the reference's numbers."""
+    if orig_rate == new_rate:
+        return waveform_CN
+    gcd = math.gcd(int(orig_rate), int(new_rate))
+    orig, new = int(orig_rate) // gcd, int(new_rate) // gcd
+    base = min(orig, new) * RESAMPLE_ROLLOFF
+    width = math.ceil(RESAMPLE_LOWPASS_WIDTH * orig / base)
+    idx = torch.arange(-width, width + orig, dtype=torch.float64)[None, None] / orig
+    t = torch.arange(0, -new, -1)[:, None, None] / new + idx  # [new, 1, 2 * width + orig]
+    t = (t * base).clamp_(-RESAMPLE_LOWPASS_WIDTH, RESAMPLE_LOWPASS_WIDTH)
+    window = torch.cos(t * math.pi / RESAMPLE_LOWPASS_WIDTH / 2) ** 2
+    t = t * math.pi
+    kernel = torch.where(t == 0, torch.tensor(1.0, dtype=t.dtype), t.sin() / t) * window * (base / orig)
+    kernel = kernel.to(torch.float32)
+    channels, length = waveform_CN.shape
+    padded = torch.nn.functional.pad(waveform_CN.float(), (width, width + orig))
+    out = torch.nn.functional.conv1d(padded[:, None], kernel, stride=orig).transpose(1, 2).reshape(channels, -1)
+    return out[:, : math.ceil(new * length / orig)]
+
+
+def _audio_at(audio: np.ndarray, rate: int, sample_rate: int, max_seconds: float | None) -> np.ndarray:
+    """Native-rate audio truncated to `max_seconds` there (as the reference does), then resampled once."""
+    if max_seconds is not None:
+        audio = audio[:, : int(max_seconds * rate)]
+    return resample(torch.from_numpy(np.ascontiguousarray(audio)), rate, sample_rate).numpy()
+
+
+def read_audio(path: str | os.PathLike, sample_rate: int = DEFAULT_SAMPLE_RATE,
+               max_seconds: float | None = None) -> np.ndarray:
+    """Decode the first audio stream of any audio or video file to float32 stereo [2, N] at `sample_rate`: decoded
+    at its own rate, cut to the first `max_seconds` (None: all of it), then resampled as the reference resamples."""
     path = _existing_file(path)
     with _open_media(path, "audio") as container:
         if not container.streams.audio:
             raise MediaError(f"{path} has no audio stream; pass a file with sound (WAV, MP3, M4A, video with audio)")
-        return _decode_audio(container, path, sample_rate)
+        audio, rate = _decode_audio(container, path)
+    return _audio_at(audio, rate, sample_rate, max_seconds)
 
 
 def _frame_rate(stream: Any, path: Path) -> Fraction:
@@ -408,8 +452,12 @@ def _frame_rate(stream: Any, path: Path) -> Fraction:
     return Fraction(rate)
 
 
-def read_video(path: str | os.PathLike) -> tuple[np.ndarray, float, np.ndarray | None]:
-    """Decode a video to (uint8 RGB frames [T, H, W, 3], fps, float32 stereo audio [2, N] at 32 kHz or None)."""
+def read_video(path: str | os.PathLike, max_audio_seconds: float | None = None
+               ) -> tuple[np.ndarray, float, np.ndarray | None]:
+    """Decode a video to (uint8 RGB frames [T, H, W, 3], fps, float32 stereo audio [2, N] at 32 kHz or None).
+
+    Frames come upright as a player shows them: a display-matrix rotation (phones tag portrait video this way) is
+    undone in quarter turns, as the reference does (diffusers' MiniMaxH3VideoReference.from_file, after ffmpeg)."""
     path = _existing_file(path)
     with _open_media(path, "video") as container:
         if not container.streams.video:
@@ -418,10 +466,13 @@ def read_video(path: str | os.PathLike) -> tuple[np.ndarray, float, np.ndarray |
         fps = float(_frame_rate(stream, path))
         _check_pixels(path, stream.codec_context.width, stream.codec_context.height)
         frames: list[np.ndarray] = []
+        rotation = 0.0
         try:
             # to_ndarray converts with each frame's own colorspace/range tags (so our BT.709 output round-trips);
             # untagged sources get swscale's BT.601 default, as the ffmpeg CLI does.
-            frames.extend(frame.to_ndarray(format="rgb24") for frame in container.decode(stream))
+            for frame in container.decode(stream):
+                rotation = frame.rotation  # the stream's display matrix, surfaced on every frame (degrees, CCW)
+                frames.append(frame.to_ndarray(format="rgb24"))
         except av.error.FFmpegError as err:
             raise MediaError(f"{path}: video stream is corrupt ({err.strerror}); re-encode it as H.264 MP4") from None
         has_audio = bool(container.streams.audio)
@@ -429,12 +480,16 @@ def read_video(path: str | os.PathLike) -> tuple[np.ndarray, float, np.ndarray |
         raise MediaError(f"{path}: video stream decodes to no frames; re-encode it")
     if len({f.shape for f in frames}) != 1:
         raise MediaError(f"{path}: frame size changes mid-stream; re-encode it at one resolution")
+    video = np.stack(frames)
+    turns = round(rotation / 90.0) % 4  # the reference snaps to quarter turns too
+    if turns:
+        video = np.ascontiguousarray(np.rot90(video, k=-turns, axes=(1, 2)))
     audio = None
     if has_audio:
         # A second open keeps the two decode loops independent; demuxing twice costs far less than decoding.
         with _open_media(path, "video") as container:
-            audio = _decode_audio(container, path, DEFAULT_SAMPLE_RATE)
-    return np.stack(frames), fps, audio
+            audio = _audio_at(*_decode_audio(container, path), DEFAULT_SAMPLE_RATE, max_audio_seconds)
+    return video, fps, audio
 
 
 def probe(path: str | os.PathLike) -> dict[str, Any]:

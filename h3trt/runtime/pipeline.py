@@ -176,12 +176,13 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
         if kind == "image":
             ref.image = _reference_image(read_image(path), canvas.reference_short_edge)
         elif kind == "audio":
-            ref.audio = torch.from_numpy(read_audio(path, AUDIO_SAMPLE_RATE))[:, : num_frames * AUDIO_SAMPLE_RATE // FPS]
+            # Cut to the clip's length at the file's own rate, then resampled once, as the reference does.
+            ref.audio = torch.from_numpy(read_audio(path, AUDIO_SAMPLE_RATE, max_seconds=num_frames / FPS))
         else:
-            frames, fps, audio = read_video(path)
+            frames, fps, audio = read_video(path, max_audio_seconds=num_frames / FPS)
             ref.frames = _reference_frames(frames, fps, num_frames, canvas)
             if audio is not None:
-                ref.audio = torch.from_numpy(audio)[:, : num_frames * AUDIO_SAMPLE_RATE // FPS]
+                ref.audio = torch.from_numpy(audio)
         references.append(ref)
     kinds = [r.kind for r in references]
     for kind in ("image", "video", "audio"):
@@ -306,19 +307,20 @@ class H3Pipeline:
         vae = VAEPrecision.resolve(vae_precision, device)
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, source = load_dit(model_root, task, dtype=dtype, device=device)
-        meta = source.metadata
-        shifts = (meta.video_shift, meta.audio_shift) if meta else (12.0, 3.0)
+        shifts = source.shifts
         return cls(EagerDiT(model), *eager_components(source.component_root, device, dtype, vae), shifts, device,
                    canvas)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
-                    mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None):
+                    mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None,
+                    trust: Path | None = None):
         """A bundle's pipeline for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
         the bundle's; `sp_group` / `cfg_group` this rank's groups. The video VAE runs at the bundle's
-        --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one."""
+        --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one; `trust` a
+        public key the bundle must be signed with (Engine.load)."""
         device = torch.device(device)
-        engine = Engine.load(bundle_root, device, mesh, sp_group)
+        engine = Engine.load(bundle_root, device, mesh, sp_group, trust=trust)
         m = engine.manifest
         if vae_precision is not None and vae_precision != m["vae_precision"]:
             VAEPrecision(vae_precision)  # an unknown name gets the list of known ones

@@ -40,6 +40,7 @@ class Job:
     record_extra: dict = field(default_factory=dict)  # added to every record (e.g. the bundle's identity)
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else bf16 on CUDA / fp32 on the CPU)
     overwrite: bool = False  # --overwrite: replace an existing clip and record (the preflight refused them otherwise)
+    trust: str | None = None  # --trust: the public key a bundle must be signed with
 
 
 class StepBar:
@@ -72,7 +73,8 @@ def load_rank_pipeline(job: Job, par: Parallel, device: torch.device):
     """This rank's pipeline: a bundle checked against the launched mesh, or the eager model with Ulysses blocks."""
     if job.engine:
         return H3Pipeline.load_engine(Path(job.model_root), device, job.canvas, mesh=par.config,
-                                      sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=job.vae_precision)
+                                      sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=job.vae_precision,
+                                      trust=job.trust)
     pipeline = H3Pipeline.load(Path(job.model_root), job.task, device, job.canvas, job.vae_precision)
     if par.sp_group is not None:
         pipeline.dit = UlyssesDiT(pipeline.dit.model, par.sp_group)
