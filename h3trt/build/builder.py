@@ -309,7 +309,8 @@ def build(config: BuildConfig, log=print, sign=None) -> dict:
         t0 = time.perf_counter()
         model, source = load_dit(config.model_root, config.task, dtype=dtype, device=device)
         meta = source.metadata
-        schedule = Schedule(config.steps, config.video_shift or source.shifts[0], config.audio_shift or source.shifts[1])
+        video_shift, audio_shift = source.shifts  # the checkpoint's: its release metadata, or diffusers' schedulers
+        schedule = Schedule(config.steps, config.video_shift or video_shift, config.audio_shift or audio_shift)
         timings["load_s"] = time.perf_counter() - t0
         log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
             f"{config.precision}) in {timings['load_s']:.1f} s")
@@ -334,8 +335,11 @@ def build(config: BuildConfig, log=print, sign=None) -> dict:
             sizes["adaln_tables"] = _save(work / "weights" / "adaln_tables.safetensors", bake_tables(model, values))
             adaln = {"baked": True, "timesteps": values.numel(), "adaln_weight_bytes": adaln_bytes,
                      "table_bytes": sizes["adaln_tables"], "bytes_saved": adaln_bytes - sizes["adaln_tables"]}
+            saved = adaln["bytes_saved"]  # negative for a model this small: its tables outweigh its weights
             log(f"baked AdaLN for {values.numel()} timesteps: {sizes['adaln_tables'] / 1e6:.1f} MB of tables replace "
-                f"{adaln_bytes / 1e6:.1f} MB of adaln_proj weights (saved {adaln['bytes_saved'] / 1e6:.1f} MB)")
+                f"{adaln_bytes / 1e6:.1f} MB of adaln_proj weights ("
+                + (f"{saved / 1e6:.1f} MB saved)" if saved >= 0 else f"{-saved / 1e6:.1f} MB more: at this width the "
+                   "tables of every step are larger than the weights; --keep-adaln keeps the weights instead)"))
         del weights
 
         # 3. Compile each segment once, capturing the compiled binaries in the bundle's own Inductor cache.

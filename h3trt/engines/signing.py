@@ -135,10 +135,10 @@ def read_trusted_manifest(root: Path, trust: Path | Ed25519PublicKey) -> dict:
     try:
         public_key.verify(base64.b64decode(record["signature"]), data)
     except InvalidSignature:
-        signer = record.get("key_sha256", "?")
-        raise BundleError(
-            f"{root}: the signature does not verify against the trusted key {key_fingerprint(public_key)[:16]}... "
-            f"({'the manifest changed after it was signed' if signer == key_fingerprint(public_key) else 'it was signed by key ' + signer[:16] + '...'}); "
-            "the bundle is refused and none of its code was loaded. Re-copy it from its builder, or rebuild and "
-            "sign it.") from None
+        trusted, signer = key_fingerprint(public_key), str(record.get("key_sha256", "?"))
+        why = ("the manifest changed after it was signed" if signer == trusted
+               else f"it was signed by key {signer[:16]}...")
+        raise BundleError(f"{root}: the signature does not verify against the trusted key {trusted[:16]}... ({why}); "
+                          "the bundle is refused and none of its code was loaded. Re-copy it from its builder, or "
+                          "rebuild and sign it.") from None
     return parse_manifest(data, root)
