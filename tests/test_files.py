@@ -50,6 +50,7 @@ def _leftovers(folder: Path) -> list[str]:
     return sorted(p.name for p in folder.iterdir() if p.name.endswith(".partial"))
 
 
+@pytest.mark.multiproc
 @pytest.mark.parametrize("overwrite", [False, True])
 def test_two_processes_writing_one_clip_never_mix_or_lose_it(tmp_path, overwrite):
     """Two processes commit the same clip.mp4 + clip.json at the same moment, three rounds. Without --overwrite one
@@ -79,6 +80,7 @@ def test_a_commit_takes_back_its_record_when_the_mp4_appeared(tmp_path):
     assert mp4.read_bytes() == b"theirs" and not record.exists() and _leftovers(tmp_path) == []
 
 
+@pytest.mark.multiproc
 def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
     """A process that dies (SIGKILL) mid-write leaves its temporary file; the next run removes it, but never the file
     of a process that is still running."""
@@ -101,6 +103,7 @@ def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
     assert remove_leftovers(tmp_path) == [live_file]
 
 
+@pytest.mark.multiproc
 def test_a_second_batch_on_one_out_dir_is_refused_naming_the_first(tmp_path, capsys, tiny_root):
     """A real second process holds the out-dir; the CLI's batch gets one line naming it, before any model loads."""
     from h3trt.cli import main

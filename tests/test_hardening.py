@@ -43,6 +43,7 @@ def _errors(stderr: str) -> list[str]:
     return [line for line in stderr.strip().splitlines() if "tiny default model" not in line]
 
 
+@pytest.mark.multiproc
 def test_a_target_that_appears_meanwhile_is_left_alone(tmp_path, tiny_root, capsys):
     """Another process writes clip.mp4 while this run decodes: the run fails at its commit with one line, exit 1,
     and leaves the other file as it was and nothing of its own."""
@@ -58,6 +59,7 @@ def test_a_target_that_appears_meanwhile_is_left_alone(tmp_path, tiny_root, caps
     assert sorted(os.listdir(tmp_path)) == ["clip.mp4"] and (tmp_path / "clip.mp4").read_bytes() == b"theirs"
 
 
+@pytest.mark.multiproc
 def test_ctrl_c_and_sigkill_during_decode_leave_nothing(tmp_path, tiny_root, tiny_cache):
     """SIGKILL mid-mux leaves a temporary file (nothing can run on SIGKILL); the next run removes it. Ctrl-C mid-mux
     exits 130 (never 134, SIGABRT), says no output was written, and leaves nothing."""
@@ -121,6 +123,7 @@ def test_unwritable_and_full_folders_are_refused_before_any_load(tmp_path, tiny_
         assert os.listdir(small) == ["out"] and os.listdir(small / "out") == []
 
 
+@pytest.mark.multiproc
 def test_a_disk_that_fills_while_writing_is_one_line(tmp_path, tiny_root, tiny_cache):
     """The disk passes the preflight, then another process fills it while the clip is written: one line, exit 1,
     no temporary file, no abort."""

@@ -30,6 +30,7 @@ print((target / "weights.bin").read_text())
 """
 
 
+@pytest.mark.multiproc
 def test_concurrent_first_runs_build_once_and_never_delete_a_finished_cache(tmp_path):
     cache = tmp_path / "cache"
     procs = [subprocess.Popen([sys.executable, "-c", FIRST_RUN, str(cache), f"p{i}"], stdout=subprocess.PIPE,

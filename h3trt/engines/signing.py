@@ -23,18 +23,23 @@ import hashlib
 import json
 import os
 from pathlib import Path
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from typing import TYPE_CHECKING
 
 from .manifest import MANIFEST, SIGNATURE, BundleError, parse_manifest
+
+if TYPE_CHECKING:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+# `cryptography` (install_requires) is imported where a key is made, read or checked: a process that serves a bundle
+# without --trust (every rank of a GPU job launched from a bare image, say) never needs it.
 
 ALGORITHM = "ed25519"
 
 
 def key_fingerprint(public_key: Ed25519PublicKey) -> str:
     """sha256 of the raw 32-byte public key, hex: what records and messages name a key by."""
+    from cryptography.hazmat.primitives import serialization
+
     raw = public_key.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()
 
@@ -47,6 +52,9 @@ def generate_key(path: Path) -> tuple[Path, Path]:
     for p in (path, public_path):
         if p.exists():
             raise ValueError(f"{p} already exists; choose another key path (an existing key is never replaced).")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     key = Ed25519PrivateKey.generate()
     private = key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
                                 serialization.NoEncryption())
@@ -60,6 +68,8 @@ def generate_key(path: Path) -> tuple[Path, Path]:
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     key = _load(Path(path), private=True)
     if not isinstance(key, Ed25519PrivateKey):
         raise ValueError(f"--sign {path} is a {type(key).__name__}, not an Ed25519 private key; make one with "
@@ -68,6 +78,8 @@ def load_private_key(path: Path) -> Ed25519PrivateKey:
 
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     key = _load(Path(path), private=False)
     if not isinstance(key, Ed25519PublicKey):
         raise ValueError(f"--trust {path} is a {type(key).__name__}, not an Ed25519 public key; pass the KEY.pub "
@@ -76,6 +88,8 @@ def load_public_key(path: Path) -> Ed25519PublicKey:
 
 
 def _load(path: Path, private: bool):
+    from cryptography.hazmat.primitives import serialization
+
     flag = "--sign" if private else "--trust"
     try:
         data = path.read_bytes()
@@ -122,6 +136,9 @@ def read_trusted_manifest(root: Path, trust: Path | Ed25519PublicKey) -> dict:
     """The manifest, only if its bytes carry a valid signature by `trust` (a public key or its PEM file). The bytes
     are read once and the signature checked before they are parsed; the caller then checks every file against
     the returned manifest (verify_files) before it loads any of the bundle's code."""
+    from cryptography.exceptions import InvalidSignature
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     root = Path(root)
     public_key = trust if isinstance(trust, Ed25519PublicKey) else load_public_key(trust)
     record = read_signature(root)
