@@ -20,6 +20,8 @@ setup(
         "Pillow",
         "tqdm",
         "matplotlib",  # h3trt run --requests draws OUT/timeline.png
+        "filelock",  # concurrent first runs build the tiny model's cache once
+        "cryptography",  # Ed25519 bundle signatures (h3trt build --sign, run/verify --trust)
     ],
     extras_require={
         "test": [

@@ -21,25 +21,30 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from tqdm import tqdm
 
 from .build.builder import BuildConfig, Profile, build
 from .engines.guard import no_compile
-from .engines.manifest import bundle_identity, read_manifest, verify_files
+from .engines.manifest import read_manifest, verify_files
+from .engines.signing import (generate_key, key_fingerprint, load_private_key, load_public_key, read_signature,
+                              read_trusted_manifest, sign_bundle)
 from .eval import evaluate, read_requests, table
 from .models.checkpoint import CheckpointError, locate_transformer
 from .models.config import H3Config
 from .models.lora import LoraSpec
 from .models.sampler import DEFAULT_STEPS
 from .models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
+from .models.packing import FPS
 from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
 from .parallel.launch import RankFailed, init_torchrun_rank, launch, torchrun_rank
 from .parallel.mesh import resolve_mesh
-from .runtime.batch import run_requests
+from .runtime.batch import engine_manifest, run_requests, served_identity
+from .runtime.files import (InterruptedAfterCommit, OutputError, OutputRefused, estimated_clip_bytes, preflight_clip,
+                            remove_leftovers, remove_own_temps, write_json_atomic)
 from .runtime.media import MediaError
-from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare, write_json_atomic
-from .runtime.serve import Job, finish_record, launch_gpus, serve_launched, serve_rank
+from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, check_prompt_tokens, prepare, record_path
+from .runtime.serve import (Job, StepBar, launch_gpus, record_completer, report_record, serve_launched,
+                            serve_rank)
 
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
@@ -54,23 +59,27 @@ def _run_parser(sub) -> None:
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
                                    "--ref makes it ref2va.")
-    p.add_argument("--prompt", help="the text prompt (required unless --requests)")
+    p.add_argument("--prompt", help="the text prompt, UTF-8, at most 1024 tokens (required unless --requests)")
     p.add_argument("--output", type=Path, help="output .mp4, a .json with timings beside it (required unless --requests)")
     p.add_argument("--image", type=Path, help="first keyframe (PNG/JPEG/WebP): fl2va")
     p.add_argument("--last-image", type=Path, help="last keyframe: fl2va")
     p.add_argument("--ref", type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
                                                                    "in the order the model should read them")
-    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--seed", type=int, default=42, help="noise seed, -2^63 <= seed < 2^64 (default 42)")
     p.add_argument("--steps", type=int, default=None,
                    help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's baked schedule, else 50)")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
     p.add_argument("--duration", type=float, default=5.0,
-                   help="seconds (5 to 15), rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames)")
+                   help="seconds, 5 to 14.375, rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames; "
+                        "14.375 -> 345, the longest)")
     source = p.add_mutually_exclusive_group()
     source.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (official layout: FL2VA/ and "
                                                    "Ref2VA/). Default: the embedded tiny model")
     source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build` (serves without compiling)")
+    p.add_argument("--trust", type=Path, metavar="KEY.pub", help="with --engine: serve the bundle only if its manifest "
+                                                                 "is signed by this Ed25519 public key and every file "
+                                                                 "matches it (checked before any of its code loads)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     _lora_argument(p, "eager --model runs; a bundle has its LoRAs merged at build time")
     p.add_argument("--crf", type=int, default=18, help="H.264 constant rate factor (default 18)")
@@ -174,13 +183,10 @@ def cmd_run(args) -> int:
     if args.prompt is None or args.output is None:
         raise ValueError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     output: Path = args.output
-    if output.suffix.lower() != ".mp4":
-        raise ValueError(f"--output must end in .mp4, got {output}.")
-    if output.exists() and not args.overwrite:
-        raise ValueError(f"{output} already exists; pass --overwrite to replace it or choose another --output.")
-    manifest = None
-    if args.engine is not None:
-        manifest = read_manifest(args.engine)
+    check_mp4_name(output)
+    if args.trust is not None and args.engine is None:
+        raise ValueError("--trust checks a bundle's signature; pass it with --engine DIR.")
+    manifest = engine_manifest(args) if args.engine is not None else None
     # A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps.
     steps = args.steps if args.steps is not None else (manifest["schedule"]["steps"] if manifest else DEFAULT_STEPS)
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, steps, args.width,
@@ -190,6 +196,9 @@ def cmd_run(args) -> int:
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
     prepared = prepare(request, canvas)  # every input error surfaces here, before any model is loaded
+    geo = prepared.geometry
+    preflight_clip(output, record_path(output), args.overwrite,
+                   estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, args.crf))
     device = args.device or (manifest["device"].split(":")[0] if manifest else
                              ("cuda" if torch.cuda.is_available() else "cpu"))
     if args.vae_precision is not None:
@@ -197,44 +206,49 @@ def cmd_run(args) -> int:
 
         VAEPrecision(args.vae_precision)  # a bad value fails before any model loads
     if manifest is not None:
-        model_root = args.engine
-    elif tiny:
-        print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
-        model_root = ensure_tiny_checkpoint()
+        model_root = component_root = args.engine
     else:
-        model_root = args.model
-        locate_transformer(model_root, request.task)  # a bad checkpoint fails before the slow loads
-    output.parent.mkdir(parents=True, exist_ok=True)
+        if tiny:
+            print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
+        model_root = ensure_tiny_checkpoint() if tiny else args.model
+        # A bad checkpoint fails before the slow loads.
+        component_root = locate_transformer(model_root, request.task).component_root
+    check_prompt_tokens(component_root, [(w, p) for w, p in (("the prompt", request.prompt),
+                                                             ("the negative prompt", request.negative_prompt)) if p])
 
     if args.gpus > 1 or torchrun_rank() is not None:
         return _run_on_mesh(args, [(prepared, str(output))], model_root, manifest, device, canvas, tiny)
     if args.sp or args.cfg or args.replicas:  # one process: the degrees must all be 1 (the message says why not)
         mesh_from_args(args, 1, 1, None)
     if manifest is not None:
-        pipeline = H3Pipeline.load_engine(model_root, device, canvas, vae_precision=args.vae_precision)
+        pipeline = H3Pipeline.load_engine(model_root, device, canvas, vae_precision=args.vae_precision,
+                                          trust=args.trust)
         serving = no_compile()  # a request compiles nothing: any compiler call raises
     else:
         pipeline = H3Pipeline.load(model_root, request.task, device, canvas, args.vae_precision,
                                    loras=tuple(args.lora))
         serving = contextlib.nullcontext()
-    bar = None
-    if not args.quiet:
-        bar = tqdm(total=pipeline.schedule(request).num_evaluations, desc="denoise", unit="step", file=sys.stderr)
+    bar = None if args.quiet else StepBar()
+    extra = {"bundle": served_identity(manifest, args)} if manifest else {}
+    model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root))
     try:
         with serving:
-            record = pipeline.generate(prepared, output, crf=args.crf,
-                                       on_step=(lambda i, n: bar.update(1)) if bar else None)
+            record = pipeline.generate(prepared, output, crf=args.crf, on_step=bar,
+                                       finish=record_completer(request, model, extra), overwrite=args.overwrite)
     finally:
         if bar is not None:
             bar.close()
-    if manifest:
-        record["bundle"] = bundle_identity(manifest)
-    _finish(record, request, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), output)
+    report_record(record, output)
     return 0
 
 
-def _finish(record: dict, request, model: str, output: Path) -> None:
-    finish_record(record, request, model, output)
+def check_mp4_name(output: Path) -> None:
+    """--output names an .mp4 file (one line otherwise)."""
+    if output.name.lower() == ".mp4":
+        raise ValueError(f"--output {output} has no file name before the extension; name the clip, e.g. "
+                         f"{output.with_name('clip.mp4')}.")
+    if output.suffix.lower() != ".mp4":
+        raise ValueError(f"--output must end in .mp4, got {str(output)!r}; e.g. {output.with_suffix('.mp4')}.")
 
 
 def mesh_from_args(args, world: int, num_heads: int, manifest: dict | None):
@@ -260,17 +274,23 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
                          "default); pass --guidance > 1 or use --cfg 1.")
     device_type = torch_device_type(device)
     gpus = launch_gpus(device_type, world) if torchrun is None else None
-    extra = {"bundle": bundle_identity(manifest)} if manifest else {}
+    extra = {"bundle": served_identity(manifest, args)} if manifest else {}
     job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
               args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra,
-              vae_precision=args.vae_precision, loras=tuple(args.lora))
+              vae_precision=args.vae_precision, loras=tuple(args.lora), overwrite=args.overwrite,
+              trust=str(args.trust) if args.trust is not None else None)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(device_type)
         serve_rank(rank, world, local_rank, job, heads)
         dist.barrier()
         dist.destroy_process_group()
         return 0
-    launch(serve_launched, world, (job, heads), gpus=gpus)
+    try:
+        launch(serve_launched, world, (job, heads), gpus=gpus)
+    except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
+        for folder in {Path(output).parent for _, output in items}:
+            remove_leftovers(folder)
+        raise
     return 0
 
 
@@ -320,6 +340,8 @@ def _build_parser(sub) -> None:
     p.add_argument("--cfg", type=int, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
+                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
     e = sub.add_parser("eval", help="compare an engine bundle with a reference on the same requests and seeds")
     e.add_argument("--engine", required=True, type=Path, help="the bundle under test (e.g. an fp8 build)")
     e.add_argument("--reference", required=True, help="a bundle, a checkpoint folder, or 'tiny' (eager)")
@@ -327,9 +349,13 @@ def _build_parser(sub) -> None:
                                                                 "(width/height/duration/steps default to the engine's)")
     e.add_argument("--json", type=Path, help="write the per-request and mean metrics here")
     e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
-    for name, help_ in (("inspect", "print a bundle's manifest"), ("verify", "re-hash every file of a bundle")):
-        q = sub.add_parser(name, help=help_)
-        q.add_argument("bundle", type=Path)
+    sub.add_parser("inspect", help="print a bundle's manifest").add_argument("bundle", type=Path)
+    q = sub.add_parser("verify", help="re-hash every file of a bundle; with --trust, check who signed it")
+    q.add_argument("bundle", type=Path)
+    q.add_argument("--trust", type=Path, metavar="KEY.pub", help="the Ed25519 public key the bundle must be signed "
+                                                                 "with")
+    k = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles (KEY and KEY.pub)")
+    k.add_argument("key", type=Path, help="private key path (mode 0600); the public key goes to KEY.pub")
 
 
 def cmd_build(args) -> int:
@@ -344,11 +370,15 @@ def cmd_build(args) -> int:
                          calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
                          fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision,
                          loras=tuple(args.lora))
-    manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr))
+    key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
+    manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
+                     sign=(lambda root: sign_bundle(root, key)) if key is not None else None)
     size = sum(f["bytes"] for f in manifest["files"].values())
+    signed = f"signed by key {key_fingerprint(key.public_key())[:16]}" if key is not None else "unsigned"
     print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "
           f"{len(manifest['files'])} files, {size / 1e6:.1f} MB; AdaLN "
-          f"{'baked' if manifest['adaln']['baked'] else 'kept'}; video decoder {manifest['vae_precision']}")
+          f"{'baked' if manifest['adaln']['baked'] else 'kept'}; video decoder {manifest['vae_precision']}; "
+          f"manifest_sha256 {manifest['manifest_sha256']}, {signed}")
     return 0
 
 
@@ -369,12 +399,15 @@ def cmd_inspect(args) -> int:
     summary = {k: v for k, v in manifest.items() if k not in ("files", "segments")}
     summary["segments"] = {k: v["artifact"] for k, v in manifest["segments"].items()}
     summary["files"] = f"{len(manifest['files'])} files, {sum(f['bytes'] for f in manifest['files'].values())} bytes"
+    signature = read_signature(args.bundle)
+    summary["signature"] = (f"ed25519 by key {signature['key_sha256']} (not checked: h3trt verify --trust KEY.pub)"
+                            if signature else "unsigned")
     print(json.dumps(summary, indent=1))
     return 0
 
 
 def cmd_verify(args) -> int:
-    manifest = read_manifest(args.bundle)
+    manifest = read_trusted_manifest(args.bundle, args.trust) if args.trust else read_manifest(args.bundle)
     problems = verify_files(args.bundle, manifest)
     if problems:
         for p in problems:
@@ -382,7 +415,21 @@ def cmd_verify(args) -> int:
         print(f"h3trt: error: {args.bundle}: {len(problems)} file(s) do not match the manifest; re-copy or rebuild.",
               file=sys.stderr)
         return 1
-    print(f"{args.bundle}: all {len(manifest['files'])} files match the manifest")
+    if args.trust:
+        print(f"{args.bundle}: signed by the trusted key {key_fingerprint(load_public_key(args.trust))[:16]}, and all "
+              f"{len(manifest['files'])} files match its manifest (manifest_sha256 {manifest['manifest_sha256']})")
+    else:
+        # A bundle is executable code; without a signature anyone who can change a file can change its hash too.
+        print(f"{args.bundle}: all {len(manifest['files'])} files match the manifest (manifest_sha256 "
+              f"{manifest['manifest_sha256']}); this detects accidental changes only: pass --trust KEY.pub to check "
+              f"who built it{' (the bundle is signed)' if read_signature(args.bundle) else ''}")
+    return 0
+
+
+def cmd_keygen(args) -> int:
+    private, public = generate_key(args.key)
+    print(f"wrote {private} (private: keep it; h3trt build --sign {private}) and {public} (public: h3trt run/verify "
+          f"--trust {public}); key {key_fingerprint(load_public_key(public))[:16]}")
     return 0
 
 
@@ -413,13 +460,20 @@ def main(argv=None) -> int:
     try:
         choose_gpu(args)
         return {"run": cmd_run, "build": cmd_build, "eval": cmd_eval, "inspect": cmd_inspect,
-                "verify": cmd_verify}[args.command](args)
-    except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed) as e:
+                "verify": cmd_verify, "keygen": cmd_keygen}[args.command](args)
+    except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed, OutputRefused) as e:
         message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
         print(f"h3trt: error: {message}", file=sys.stderr)
         return 2
-    except KeyboardInterrupt:
-        print("h3trt: interrupted; no output was written.", file=sys.stderr)
+    except OutputError as e:  # at write time: the work was done, the file could not be written
+        print(f"h3trt: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt as e:
+        remove_own_temps()  # whatever an unwinding frame did not get to
+        if isinstance(e, InterruptedAfterCommit):
+            print(f"h3trt: interrupted after writing {' and '.join(map(str, e.targets))}.", file=sys.stderr)
+        else:
+            print("h3trt: interrupted; no output was written (temporary files removed).", file=sys.stderr)
         return 130
 
 

@@ -70,13 +70,24 @@ def tiny_root(tiny_cache):
 
 
 @pytest.fixture(scope="session")
-def bundles(tmp_path_factory, tiny_cache):
-    """fp32 CPU bundles of the tiny model at its 160x96x5 profile, for BUNDLE_STEPS steps: inductor (AdaLN baked)
-    and aoti (--keep-adaln). Built once per session by `h3trt build` in its own process (a process that already
-    serves a bundle refuses to build, and any earlier test may have loaded one)."""
+def signing_keys(tmp_path_factory):
+    """Two Ed25519 key pairs as `h3trt keygen` makes them, {name: (private, public)}: the builder's and another's."""
+    from h3trt.engines.signing import generate_key
+
+    root = tmp_path_factory.mktemp("keys")
+    return {name: generate_key(root / name) for name in ("builder", "other")}
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, tiny_cache, signing_keys):
+    """fp32 CPU bundles of the tiny model at its 160x96x5 profile, for BUNDLE_STEPS steps: inductor (AdaLN baked,
+    signed with `--sign` by signing_keys["builder"]) and aoti (--keep-adaln, unsigned). Built once per session by
+    `h3trt build` in its own process (a process that already serves a bundle refuses to build, and any earlier test
+    may have loaded one)."""
     root = tmp_path_factory.mktemp("bundles")
     out = {}
-    for backend, keep in (("inductor", ()), ("aoti", ("--keep-adaln",))):
+    sign = ("--sign", str(signing_keys["builder"][0]))
+    for backend, keep in (("inductor", sign), ("aoti", ("--keep-adaln",))):
         out[backend] = root / backend
         proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output",
                                str(out[backend]), "--precision", "fp32", "--device", "cpu", "--backend", backend,

@@ -15,6 +15,7 @@ from h3trt.runtime.batch import (BatchConfig, BatchFileError, check_bundle_batch
                                  run_batch)
 from h3trt.runtime.media import probe
 from h3trt.runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
+from h3trt.runtime.timeline import draw_timeline, legend_stages
 
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
@@ -153,7 +154,10 @@ def test_failure_recorded_interrupt_and_resume(pipeline, tmp_path, capsys):
         info = probe(out / f"{rid}.mp4")
         assert (info["width"], info["height"], info["frames"]) == (128, 32, 124)
     timeline = json.loads((out / "timeline.json").read_text())
-    assert timeline["summary"]["done"] == 3 and timeline["summary"]["clips_per_hour"] > 0
+    assert timeline["summary"]["done"] == 3 and timeline["summary"]["clips_per_hour"] > 0  # the latest run
+    assert [r["summary"]["done"] for r in timeline["runs"]] == [1, 3]  # the interrupted run is kept
+    assert [(row["id"], row["run"]) for row in timeline["requests"] if row["status"] == "done"] == [
+        ("a", 0), ("b", 1), ("d", 1), ("e", 1)]
     stages = {s for row in timeline["requests"] for s, _, _ in row["intervals"]}
     assert stages >= {"text_encode", "wait_batch", "denoise", "wait_decode"}
     assert "decode_mux" in stages or stages >= {"video_decode", "audio_decode", "mux"}  # overlapped or sequential
@@ -173,9 +177,23 @@ def test_failure_recorded_interrupt_and_resume(pipeline, tmp_path, capsys):
     assert status == 0
     assert "0 done, 0 failed, 4 skipped" in capsys.readouterr().out
     assert (out / "a.mp4").stat().st_mtime_ns == a_mtime
+    # A rerun that had nothing to do keeps the chart: every earlier row, plus this run in `runs`.
+    again = json.loads((out / "timeline.json").read_text())
+    assert again["requests"] == timeline["requests"] and len(again["runs"]) == 3
 
     # Replica group 1 of 2 takes every second request (b and e of a, b, d, e) and names its timeline by group.
     again = parse_requests(tmp_path / "again.jsonl", TINY_CANVAS)
     summary = run_batch(pipeline, again, BatchConfig(out, shard=(1, 2), quiet=True, timeline_png=False), "tiny")
     assert summary.skipped == ["b", "e"] and not summary.done
     assert json.loads((out / "timeline-group1.json").read_text())["shard"] == [1, 2]
+
+
+def test_timeline_legend_names_the_stages_drawn(tmp_path):
+    """The legend lists exactly the stages that have bars, in the colour table's order (an overlapped decode draws
+    decode_mux, a sequential one video_decode / audio_decode / mux, never both in one legend unless both occur)."""
+    rows = [{"id": "a", "status": "done", "intervals": [["denoise", 1.0, 2.0], ["text_encode", 0.0, 1.0],
+                                                       ["decode_mux", 2.0, 3.0]]},
+            {"id": "b", "status": "failed", "intervals": [["text_encode", 0.0, 0.5]]}]
+    assert legend_stages(rows) == ["text_encode", "denoise", "decode_mux"]
+    draw_timeline(rows, tmp_path / "t.png")
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG" and [p.name for p in tmp_path.iterdir()] == ["t.png"]

@@ -180,3 +180,42 @@ def test_shard_index_names_two_files_for_one_key(official_copy):
     save_file(b, str(shards[1]))
     with pytest.raises(CheckpointError, match="more than one shard"):
         load_dit(official_copy, "t2va")
+
+
+def test_a_folder_saved_by_diffusers_modular_pipeline_loads_with_its_shifts(tiny_cfg, tiny_states, tiny_checkpoints,
+                                                                            tmp_path):
+    """diffusers' own MiniMaxH3ModularPipeline.save_pretrained writes modular_model_index.json (no model_index.json)
+    and scheduler/ + audio_scheduler/ configs: the folder loads, gives the official layout's outputs, and its shifts
+    (here 7 and 2, not the released 12 and 3) are the checkpoint's."""
+    from diffusers import MiniMaxH3Scheduler
+    from diffusers.modular_pipelines.minimax_h3 import MiniMaxH3Blocks
+
+    transformer = MiniMaxH3Transformer3DModel(**tiny_cfg.to_diffusers_kwargs())
+    transformer.load_state_dict(diffusers_state_dict(tiny_states["FL2VA"], tiny_cfg))
+    pipe = MiniMaxH3Blocks().init_pipeline()
+    pipe.update_components(transformer=transformer, scheduler=MiniMaxH3Scheduler(shift=7.0),
+                           audio_scheduler=MiniMaxH3Scheduler(shift=2.0))
+    pipe.save_pretrained(str(tmp_path / "modular"), overwrite_modular_index=True)
+    assert (tmp_path / "modular" / "modular_model_index.json").exists()
+    assert not (tmp_path / "modular" / "model_index.json").exists()
+
+    source = locate_transformer(tmp_path / "modular", "t2va")
+    assert source.naming == "diffusers" and source.shifts == (7.0, 2.0)
+    model, _ = load_dit(tmp_path / "modular", "t2va", torch.float32)
+    official, _ = load_dit(tiny_checkpoints["official"], "t2va", torch.float32)
+    for a, b in zip(_forward(model, tiny_cfg), _forward(official, tiny_cfg)):
+        assert torch.equal(a, b)
+
+
+def test_scheduler_shifts_of_a_diffusers_layout_are_honoured(tiny_checkpoints, tmp_path):
+    root = tmp_path / "diffusers"
+    shutil.copytree(tiny_checkpoints["diffusers"], root)
+    assert locate_transformer(root, "t2va").shifts == (12.0, 3.0)  # no scheduler configs: the released shifts
+    (root / "audio_scheduler").mkdir()
+    (root / "audio_scheduler" / "scheduler_config.json").write_text(json.dumps({"_class_name": "MiniMaxH3Scheduler",
+                                                                                "shift": 5.0}))
+    assert locate_transformer(root, "ref2va").shifts == (12.0, 5.0)  # video keeps the released 12
+    (root / "scheduler").mkdir()
+    (root / "scheduler" / "scheduler_config.json").write_text(json.dumps({"shift": -1}))
+    with pytest.raises(CheckpointError, match="shift must be a positive number"):
+        locate_transformer(root, "t2va")

@@ -20,7 +20,8 @@ from h3trt.build.segments import dit_segments
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import CompilerInvoked, no_compile
-from h3trt.engines.manifest import BundleError, read_manifest
+from h3trt.engines.manifest import BundleError, bundle_identity, content_sha256, read_manifest, sha256_file
+from h3trt.engines.signing import load_private_key, sign_bundle
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
@@ -52,12 +53,13 @@ def test_compiled_dit_matches_eager(backend, bundles, tiny_root):
                     assert err <= REL_TOL, f"{backend}: relative error {err:.2e} at t=({tv}, {ta})"
 
 
-def test_run_from_bundle_matches_eager_run(bundles, tmp_path, tiny_cache):
+def test_run_from_bundle_matches_eager_run(bundles, signing_keys, tmp_path, tiny_cache):
+    """Served under --trust (the bundle is signed): the record names the manifest and the key that vouched for it."""
     eager_out, engine_out = tmp_path / "eager.mp4", tmp_path / "engine.mp4"
     steps = ["--steps", str(BUNDLE_STEPS)]
     assert main(["run", "--prompt", "a fox", "--output", str(eager_out), "--quiet", *steps]) == 0
-    assert main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output", str(engine_out),
-                 "--quiet", *steps]) == 0
+    assert main(["run", "--engine", str(bundles["inductor"]), "--trust", str(signing_keys["builder"][1]), "--prompt",
+                 "a fox", "--output", str(engine_out), "--quiet", *steps]) == 0
     a, _, _ = read_video(eager_out)
     b, fps, audio = read_video(engine_out)
     assert a.shape == b.shape == (124, 96, 160, 3) and fps == 24 and audio is not None
@@ -65,6 +67,8 @@ def test_run_from_bundle_matches_eager_run(bundles, tmp_path, tiny_cache):
     record = json.loads(engine_out.with_suffix(".json").read_text())
     assert record["bundle"]["backend"] == "inductor" and record["vae_precision"] == "fp32"
     assert json.loads(eager_out.with_suffix(".json").read_text())["vae_precision"] == "fp32"  # the CPU default
+    assert record["bundle"]["manifest_sha256"] == read_manifest(bundles["inductor"])["manifest_sha256"]
+    assert len(record["bundle"]["signed_by"]) == 64 and record["mp4_sha256"] == sha256_file(engine_out)
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aoti"])
@@ -122,7 +126,8 @@ def bundle_copy(bundles, tmp_path):
     return dst
 
 
-def _edit_manifest(root, **changes):
+def _edit_manifest(root, rehash=True, **changes):
+    """Change manifest fields; `rehash` also recomputes manifest_sha256, as someone who means it would."""
     path = root / "manifest.json"
     data = json.loads(path.read_text())
     for key, value in changes.items():
@@ -131,6 +136,8 @@ def _edit_manifest(root, **changes):
         for p in parents:
             target = target[p]
         target[leaf] = value
+    if rehash:
+        data["manifest_sha256"] = content_sha256(data)
     path.write_text(json.dumps(data))
 
 
@@ -241,3 +248,84 @@ def test_a_process_serving_a_bundle_refuses_to_build(bundles, tiny_root, tmp_pat
     with pytest.raises(BuildError, match=r"already serves from the bundle .* Build in a fresh process"):
         build(BuildConfig(tiny_root, tmp_path / "b", precision="fp32", profiles=(TINY_PROFILE,), device="cpu"))
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+
+
+def test_an_edited_manifest_field_is_refused(bundle_copy, capsys):
+    """num_layers 2 -> 1 keeps the manifest valid JSON: refused by verify and by a load, since the manifest hashes
+    its own content. Re-hashed by hand it passes an unsigned verify (accidents only), but its manifest_sha256, which
+    every clip's record carries, is another."""
+    before = bundle_identity(read_manifest(bundle_copy))
+    _edit_manifest(bundle_copy, rehash=False, **{"model_config.num_layers": 1})
+    assert main(["verify", str(bundle_copy)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "manifest.json was changed after the build" in err[0], err
+    with pytest.raises(BundleError, match="changed after the build"):
+        Engine.load(bundle_copy, "cpu")
+    _edit_manifest(bundle_copy, **{"model_config.num_layers": 1})
+    assert main(["verify", str(bundle_copy)]) == 0
+    assert "detects accidental changes only: pass --trust KEY.pub" in capsys.readouterr().out
+    after = bundle_identity(read_manifest(bundle_copy))
+    assert after["manifest_sha256"] != before["manifest_sha256"] and after["files_sha256"] == before["files_sha256"]
+
+
+def test_a_signed_bundle_verifies_under_trust_and_shows_its_hash(bundles, signing_keys, capsys):
+    assert main(["verify", str(bundles["inductor"]), "--trust", str(signing_keys["builder"][1])]) == 0
+    assert "signed by the trusted key" in capsys.readouterr().out
+    assert main(["inspect", str(bundles["inductor"])]) == 0
+    shown = json.loads(capsys.readouterr().out)
+    assert shown["signature"].startswith("ed25519 by key ") and len(shown["manifest_sha256"]) == 64
+    assert main(["verify", str(bundles["aoti"]), "--trust", str(signing_keys["builder"][1])]) == 2  # unsigned
+    assert "is not signed" in capsys.readouterr().err
+
+
+def _cache_python_file(root):
+    return next(p for p in sorted((root / "inductor_cache").rglob("*.py")))
+
+
+@pytest.mark.parametrize("tamper, message", [
+    ("file", "changed (sha256 differs from the manifest)"),  # a file edited, the manifest left alone
+    ("file_and_hash", "the manifest changed after it was signed"),  # the file and its hash (and manifest_sha256)
+    ("extra_file", "is not part of the bundle"),
+    ("other_key", "it was signed by key"),  # re-signed by someone else
+    ("unsigned", "is not signed"),
+])
+def test_trust_refuses_any_change_before_code_loads(bundle_copy, signing_keys, monkeypatch, capsys, tamper, message):
+    """Under --trust a bundle whose code (here an Inductor wrapper .py in its cache) or manifest changed in any way is
+    refused by verify, by `run` and by a load, and none of its code is loaded."""
+    import h3trt.engines.bundle as bundle_module
+
+    code = _cache_python_file(bundle_copy)
+    rel = code.relative_to(bundle_copy).as_posix()
+    if tamper in ("file", "file_and_hash"):
+        code.write_text(code.read_text() + "\nimport os  # injected\n")
+    if tamper == "file_and_hash":
+        data = json.loads((bundle_copy / "manifest.json").read_text())
+        data["files"][rel] = {"sha256": sha256_file(code), "bytes": code.stat().st_size}
+        data["manifest_sha256"] = content_sha256(data)  # a consistent manifest: an unsigned verify would pass it
+        (bundle_copy / "manifest.json").write_text(json.dumps(data))
+        assert main(["verify", str(bundle_copy)]) == 0
+        capsys.readouterr()
+    if tamper == "extra_file":
+        (bundle_copy / "inductor_cache" / "sitecustomize.py").write_text("import os\n")
+    if tamper == "other_key":
+        sign_bundle(bundle_copy, load_private_key(signing_keys["other"][0]))
+    if tamper == "unsigned":
+        (bundle_copy / "manifest.sig").unlink()
+    pub = str(signing_keys["builder"][1])
+
+    def no_code(*args, **kwargs):
+        raise AssertionError("the bundle's code was loaded")
+
+    monkeypatch.setattr(bundle_module, "load_segments", no_code)
+    assert main(["verify", str(bundle_copy), "--trust", pub]) in (1, 2)
+    assert message in capsys.readouterr().err
+    with pytest.raises(BundleError, match=re.escape(message) if tamper != "file_and_hash" else "after it was signed"):
+        Engine.load(bundle_copy, "cpu", trust=pub)
+
+
+def test_keygen_makes_a_private_and_a_public_key(tmp_path, capsys):
+    key = tmp_path / "k"
+    assert main(["keygen", str(key)]) == 0
+    assert (key.stat().st_mode & 0o777) == 0o600 and (tmp_path / "k.pub").read_text().startswith("-----BEGIN PUBLIC")
+    assert main(["keygen", str(key)]) == 2  # an existing key is never replaced
+    assert "already exists" in capsys.readouterr().err

@@ -2,6 +2,7 @@
 
 import os
 import signal
+import tempfile
 import time
 
 import pytest
@@ -39,11 +40,13 @@ def _succeeds(rank, world, store, out):
     (out / f"{rank}.txt").write_text(str(x.item()))
 
 
-def test_a_raising_rank_ends_the_job_with_its_reason():
+def test_a_raising_rank_ends_the_job_with_its_reason(tmp_path, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # where the launcher keeps its rendezvous store
     start = time.monotonic()
     with pytest.raises(RankFailed, match=r"rank 1 of 2 failed: ValueError: rank one cannot continue"):
         launch(_raises_on_rank_1, 2)
     assert time.monotonic() - start < BOUND_S
+    assert list(tmp_path.iterdir()) == []  # the temporary store is gone
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -54,6 +57,10 @@ def test_a_rank_killed_mid_step_ends_the_job(world):
     assert time.monotonic() - start < BOUND_S
 
 
-def test_all_ranks_succeed(tmp_path):
+def test_all_ranks_succeed(tmp_path, monkeypatch):
+    store = tmp_path / "tmp"
+    store.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(store))
     launch(_succeeds, 3, (tmp_path,))
     assert [float((tmp_path / f"{r}.txt").read_text()) for r in range(3)] == [3.0, 3.0, 3.0]
+    assert list(store.iterdir()) == []  # --gpus leaves no h3trt-launch-* folder behind

@@ -5,7 +5,8 @@
   3. compile embed / block / final once each (one block serves every layer: its weights are inputs)
   4. copy the eager components (text encoder, tokenizer, processor, VAEs)
   5. load every artifact in a fresh process, under the no-compile guard, and check it against the eager segment
-  6. hash every file into manifest.json, then rename the finished bundle into place
+  6. hash every file into manifest.json (which hashes its own content; --sign adds manifest.sig), then rename the
+     finished bundle into place
 The bundle is assembled in `<output>.partial` and only renamed when complete: a failed build leaves nothing that
 looks like a bundle.
 """
@@ -277,7 +278,7 @@ def _save(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
-def build(config: BuildConfig, log=print) -> dict:
+def build(config: BuildConfig, log=print, sign=None) -> dict:
     out = Path(config.output)
     if out.exists() and not config.overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --output.")
@@ -323,8 +324,8 @@ def build(config: BuildConfig, log=print) -> dict:
         t0 = time.perf_counter()
         model, source = load_dit(config.model_root, config.task, dtype=dtype, device=device)
         meta = source.metadata
-        schedule = Schedule(config.steps, config.video_shift or (meta.video_shift if meta else 12.0),
-                            config.audio_shift or (meta.audio_shift if meta else 3.0))
+        video_shift, audio_shift = source.shifts  # the checkpoint's: its release metadata, or diffusers' schedulers
+        schedule = Schedule(config.steps, config.video_shift or video_shift, config.audio_shift or audio_shift)
         timings["load_s"] = time.perf_counter() - t0
         log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
             f"{config.precision}) in {timings['load_s']:.1f} s")
@@ -355,8 +356,11 @@ def build(config: BuildConfig, log=print) -> dict:
             sizes["adaln_tables"] = _save(work / "weights" / "adaln_tables.safetensors", bake_tables(model, values))
             adaln = {"baked": True, "timesteps": values.numel(), "adaln_weight_bytes": adaln_bytes,
                      "table_bytes": sizes["adaln_tables"], "bytes_saved": adaln_bytes - sizes["adaln_tables"]}
+            saved = adaln["bytes_saved"]  # negative for a model this small: its tables outweigh its weights
             log(f"baked AdaLN for {values.numel()} timesteps: {sizes['adaln_tables'] / 1e6:.1f} MB of tables replace "
-                f"{adaln_bytes / 1e6:.1f} MB of adaln_proj weights (saved {adaln['bytes_saved'] / 1e6:.1f} MB)")
+                f"{adaln_bytes / 1e6:.1f} MB of adaln_proj weights ("
+                + (f"{saved / 1e6:.1f} MB saved)" if saved >= 0 else f"{-saved / 1e6:.1f} MB more: at this width the "
+                   "tables of every step are larger than the weights; --keep-adaln keeps the weights instead)"))
         del weights
 
         # 3. Compile each segment once, capturing the compiled binaries in the bundle's own Inductor cache.
@@ -425,6 +429,8 @@ def build(config: BuildConfig, log=print) -> dict:
             manifest.update(tensorrt=trt_record, device="cuda", arch=",".join(trt_record["targets"]),
                             weight_bytes={k: v for k, v in sizes.items() if k.startswith("adaln")})
         manifest = write_manifest(work, manifest)
+        if sign is not None:  # sign(root): manifest.sig beside the manifest (engines/signing.py), before the rename
+            sign(work)
         if out.exists():
             shutil.rmtree(out)
         os.replace(work, out)

@@ -20,6 +20,7 @@ from ..parallel.ulysses import RowShard, UlyssesExchange
 from .adaln import load_adaln
 from .loaders import LoadedSegment, load_segments, load_weights
 from .manifest import BundleError, check_environment, read_manifest, verify_files
+from .signing import read_trusted_manifest
 from .tensorrt_runtime import load_trt_engine
 from .video_decoder import TileDecoder, parse_video_decoder_name
 
@@ -113,12 +114,13 @@ class Engine:
                 for key, names in parts.items()}
 
     @classmethod
-    def load(cls, root: Path, device: str | torch.device, mesh=None, sp_group=None) -> "Engine":
+    def load(cls, root: Path, device: str | torch.device, mesh=None, sp_group=None, trust=None) -> "Engine":
         """Load a bundle for one rank: `mesh` is the launched MeshConfig (None: one process), `sp_group` this
-        rank's sequence-parallel group when the bundle's sp > 1."""
+        rank's sequence-parallel group when the bundle's sp > 1. With `trust` (an Ed25519 public key file) the
+        manifest must carry that key's signature; every file is checked against it before any code loads."""
         root = Path(root)
         device = torch.device(device)
-        manifest = read_manifest(root)
+        manifest = read_trusted_manifest(root, trust) if trust is not None else read_manifest(root)
         if manifest["backend"] == "tensorrt":  # plans: their own GPU check, runner and loader
             return load_trt_engine(cls, root, manifest, device, mesh)
         check_environment(manifest, device, mesh)

@@ -1,7 +1,8 @@
 """The bundle manifest: what was built, for what, and the sha256 of every file; and the checks a load applies.
 
 Every refusal says what differs and how to rebuild. A bundle holds compiled code (shared objects, Triton binaries):
-load only bundles you trust.
+load only bundles you trust. The manifest hashes its own content (`manifest_sha256`, recorded in every clip served
+from it), so an edit of any field is refused; against intent rather than accident, bundles are signed (signing.py).
 """
 
 from __future__ import annotations
@@ -14,8 +15,12 @@ from pathlib import Path
 
 import torch
 
-FORMAT_VERSION = 2  # 2: the video decoder as in/block/out segments at a recorded --vae-precision
+# 2: the video decoder as in/block/out segments at a recorded --vae-precision; 3: the manifest carries
+# manifest_sha256, the hash of its own content
+FORMAT_VERSION = 3
 MANIFEST = "manifest.json"
+SIGNATURE = "manifest.sig"  # Ed25519 over manifest.json's bytes (signing.py); the one file the manifest cannot list
+UNLISTED = (MANIFEST, SIGNATURE)
 
 
 class BundleError(ValueError):
@@ -35,7 +40,7 @@ def hash_tree(root: Path) -> dict[str, dict]:
     files = {}
     for path in sorted(p for p in root.rglob("*") if p.is_file()):
         rel = path.relative_to(root).as_posix()
-        if rel == MANIFEST:
+        if rel in UNLISTED:
             continue
         files[rel] = {"sha256": sha256_file(path), "bytes": path.stat().st_size}
     return files
@@ -60,8 +65,15 @@ def runtime_versions() -> dict:
             "python": platform.python_version()}
 
 
+def content_sha256(data: dict) -> str:
+    """sha256 of the manifest's content (every field but manifest_sha256 itself, as canonical JSON)."""
+    body = {k: v for k, v in data.items() if k != "manifest_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
+
+
 def write_manifest(root: Path, data: dict) -> dict:
     data = dict(data, format_version=FORMAT_VERSION, files=hash_tree(root))
+    data["manifest_sha256"] = content_sha256(data)
     tmp = root / f".{MANIFEST}.partial"
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, root / MANIFEST)
@@ -72,14 +84,24 @@ def read_manifest(root: Path) -> dict:
     path = Path(root) / MANIFEST
     if not path.exists():
         raise BundleError(f"{root} is not an h3trt bundle (no {MANIFEST}); build one with `h3trt build`.")
+    return parse_manifest(path.read_bytes(), root)
+
+
+def parse_manifest(data: bytes, root: Path) -> dict:
+    """manifest.json's bytes -> the manifest, refusing a corrupt file, another format and any edited field."""
+    path = Path(root) / MANIFEST
     try:
-        data = json.loads(path.read_text())
+        manifest = json.loads(data.decode("utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise BundleError(f"{path} is corrupted ({e}); re-copy the bundle or rebuild it.") from None
-    if data.get("format_version") != FORMAT_VERSION:
-        raise BundleError(f"{root} is bundle format {data.get('format_version')!r}; this h3trt reads format "
+    if not isinstance(manifest, dict) or manifest.get("format_version") != FORMAT_VERSION:
+        version = manifest.get("format_version") if isinstance(manifest, dict) else None
+        raise BundleError(f"{root} is bundle format {version!r}; this h3trt reads format "
                           f"{FORMAT_VERSION}. Rebuild it with this h3trt's `h3trt build`.")
-    return data
+    if manifest.get("manifest_sha256") != content_sha256(manifest):
+        raise BundleError(f"{path} was changed after the build (its content no longer hashes to its "
+                          "manifest_sha256); a manifest is never edited by hand. Re-copy the bundle or rebuild it.")
+    return manifest
 
 
 def verify_files(root: Path, manifest: dict) -> list[str]:
@@ -100,13 +122,15 @@ def verify_files(root: Path, manifest: dict) -> list[str]:
 
 def hash_tree_names(root: Path) -> list[str]:
     return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
-            and p.relative_to(root).as_posix() != MANIFEST]
+            and p.relative_to(root).as_posix() not in UNLISTED]
 
 
 def bundle_identity(manifest: dict) -> dict:
-    """What a record says about the bundle that served it; files_sha256 hashes the manifest's file table."""
+    """What a record says about the bundle that served it: manifest_sha256 hashes the whole manifest (every field,
+    the file table included); files_sha256 the file table alone."""
     files = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
-    return {"backend": manifest["backend"], "precision": manifest["precision"], "files_sha256": files}
+    return {"backend": manifest["backend"], "precision": manifest["precision"], "files_sha256": files,
+            "manifest_sha256": manifest["manifest_sha256"]}
 
 
 def check_process_gpu(device: torch.device) -> None:

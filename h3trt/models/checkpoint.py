@@ -7,6 +7,8 @@ Layouts read (see h3_reference.md section 3 and the sglang/VideoX-Fun loaders):
   per head, `[h0: q k v, h1: q k v, ...]`, and are de-interleaved here to `[q; k; v]`.
 - diffusers: `<root>/transformer/` (t2va, fl2va) and `<root>/transformer_ref/` (ref2va) with diffusers names
   (`_class_name` "MiniMaxH3Transformer3DModel"); to_q/to_k/to_v fused, the fc1 halves swapped back to [gate; value].
+  The root holds `model_index.json`, or `modular_model_index.json` where diffusers' modular pipeline saved it
+  (`MiniMaxH3ModularPipeline.save_pretrained`); `scheduler/` and `audio_scheduler/` configs carry the sigma shifts.
 - Comfy single file: native names under the `model.diffusion_model.` prefix, QKV already `[q; k; v]`.
 
 The model is built on the meta device and loaded with `assign=True`; loading is strict: every missing key, unexpected
@@ -15,6 +17,7 @@ key and shape mismatch is reported in one `CheckpointError`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass
@@ -29,6 +32,11 @@ from .dit import H3DiT, build_dit, parameter_dtype, rope_inv_freq
 TASK_PARTITIONS = {"t2va": "FL2VA", "fl2va": "FL2VA", "ref2va": "Ref2VA"}
 DIFFUSERS_COMPONENTS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 NATIVE_CLASS = "MiniMaxH3DiTModel"
+RELEASED_SHIFTS = (12.0, 3.0)  # (video, audio) sigma shifts of the released checkpoints
+# diffusers' folders name their pipeline in one of these; the modular pipeline's save_pretrained writes the second.
+PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
+# The diffusers layout's two MiniMaxH3Scheduler folders, (video, audio); each config's `shift` is that schedule's.
+SCHEDULER_FOLDERS = ("scheduler", "audio_scheduler")
 DIFFUSERS_CLASS = "MiniMaxH3Transformer3DModel"
 COMFY_PREFIX = "model.diffusion_model."
 INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
@@ -99,6 +107,15 @@ class TransformerSource:
     config: H3Config
     component_root: Path  # the folder holding the other components (text encoder, VAEs) for this task
     metadata: ReleaseMetadata | None = None
+    scheduler_shifts: tuple[float, float] | None = None  # diffusers layout: (video, audio) from its scheduler configs
+
+    @property
+    def shifts(self) -> tuple[float, float]:
+        """The checkpoint's (video, audio) sigma shifts: the official `_minimax_h3` block's, else a diffusers
+        layout's scheduler configs, else the released values."""
+        if self.metadata is not None:
+            return self.metadata.video_shift, self.metadata.audio_shift
+        return self.scheduler_shifts or RELEASED_SHIFTS
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -201,8 +218,8 @@ def locate_transformer(path: str | Path, task: str = "t2va") -> TransformerSourc
     partition_dir = path / TASK_PARTITIONS[task]
     if partition_dir.is_dir():
         path = partition_dir
-    index_path = path / "model_index.json"
-    if index_path.exists():
+    index_path = next((path / name for name in PIPELINE_INDEXES if (path / name).exists()), None)
+    if index_path is not None:
         index = _read_json(index_path)
         if "_minimax_h3" in index:
             meta = parse_release_metadata(index, index_path)
@@ -215,13 +232,32 @@ def locate_transformer(path: str | Path, task: str = "t2va") -> TransformerSourc
         component = path / DIFFUSERS_COMPONENTS[task]
         if not component.is_dir():
             raise CheckpointError(f"{path} is a diffusers layout without {component.name}/, which serves {task!r}.")
-        return _transformer_folder(component, path, None)
+        source = _transformer_folder(component, path, None)
+        return dataclasses.replace(source, scheduler_shifts=diffusers_shifts(path))
     if (path / "config.json").exists():
         return _transformer_folder(path, path.parent, None)
     raise CheckpointError(
         f"{path} is not a MiniMax-H3 checkpoint: expected FL2VA/ and Ref2VA/ partitions (official layout), a "
         "model_index.json, or a transformer folder with config.json."
     )
+
+
+def diffusers_shifts(root: Path) -> tuple[float, float] | None:
+    """(video, audio) sigma shifts from a diffusers layout's scheduler/ and audio_scheduler/ configs (a missing folder
+    keeps that modality's released shift); None when the folder has neither."""
+    configs = [root / name / "scheduler_config.json" for name in SCHEDULER_FOLDERS]
+    if not any(c.exists() for c in configs):
+        return None
+    shifts = []
+    for config, released in zip(configs, RELEASED_SHIFTS):
+        if not config.exists():
+            shifts.append(released)
+            continue
+        shift = _read_json(config).get("shift", released)  # MiniMaxH3Scheduler's only field, omitted at its default
+        if isinstance(shift, bool) or not isinstance(shift, (int, float)) or shift <= 0:
+            raise CheckpointError(f"{config}: shift must be a positive number, got {shift!r}.")
+        shifts.append(float(shift))
+    return shifts[0], shifts[1]
 
 
 def _single_file(path: Path) -> TransformerSource:

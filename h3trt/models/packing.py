@@ -28,7 +28,9 @@ CANVAS_MULTIPLE = 32  # VAE ratio x patch width: a canvas must stay a whole numb
 CANVAS_SHORT_EDGE = 768
 CANVAS_MAX_PIXELS = 768 * 1344
 MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
-MIN_DURATION_S, MAX_DURATION_S = 5.0, 15.0  # diffusers' bounds; sglang allows 4 s
+# diffusers' bounds (sglang allows 4 s). At the top, 15 s rounds up to 362 frames (15.083 s), past the bound, so the
+# longest clip is 345 frames: 14.375 s, which is what every message and the README state.
+MIN_DURATION_S, MAX_DURATION_S = 5.0, 14.375
 AUDIO_LATENTS_PER_SECOND = 40  # audio VAE hop 800 at 32 kHz
 AUDIO_CHANNELS = 2  # stereo, packed as two channel-major blocks
 AUDIO_SAMPLE_RATE = 32000
@@ -88,7 +90,7 @@ def validate_canvas(height: int, width: int) -> None:
     if height <= 0 or width <= 0 or height % m or width % m:
         raise ValueError(
             f"Unsupported resolution {width}x{height}: width and height must be positive multiples of {m} "
-            f"(for example {round(width / m) * m or m}x{round(height / m) * m or m})."
+            f"(for example {max(m, round(width / m) * m)}x{max(m, round(height / m) * m)})."
         )
     height_f, width_f = _canvas_before_rounding(width, height)  # also checks the aspect ratio
     max_area = (height_f + m / 2) * (width_f + m / 2)  # rounding to the nearest 32 moves each edge by <= 16
@@ -118,8 +120,8 @@ def frames_for_duration(seconds: float, min_s: float = MIN_DURATION_S, max_s: fl
         hi = int((max_s * FPS - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
         raise ValueError(
             f"Unsupported duration {seconds:g} s: it generates {frames} frames ({frames / FPS:.3f} s at {FPS} fps), "
-            f"but MiniMax-H3 generates {min_s:g} to {max_s:g} s, i.e. {lo} to {hi} frames of the form 17n + 5 "
-            f"({lo / FPS:.3f} to {hi / FPS:.3f} s)."
+            f"but MiniMax-H3 takes {min_s:g} to {max_s:g} s: {lo} to {hi} frames of the form 17n + 5 "
+            f"({lo / FPS:.3f} to {hi / FPS:.3f} s once rounded up)."
         )
     return frames
 

@@ -10,15 +10,17 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
 import torch
+from filelock import FileLock, Timeout
 
 from .checkpoint_writer import random_state_dict, save_official
 from .config import H3Config
 from .text_encoder import write_tiny_text_encoder
-from .vae_checkpoint import save_audio_vae, save_video_vae
+from .vae_checkpoint import save_audio_vae, save_video_vae, weight_norm_quietly
 
 TINY_VERSION = 1  # bump when the tiny components change, so stale caches are rebuilt
 TINY_SEED = 0
@@ -46,8 +48,9 @@ def tiny_audio_vae():
     mean = (0.1 * torch.randn(32, generator=gen)).tolist()
     std = (0.5 + torch.rand(32, generator=gen)).tolist()
     torch.manual_seed(TINY_SEED + 21)
-    return AutoencoderKLMiniMaxH3Audio(encoder_dim=8, latent_dim=64, decoder_dim=128, latents_mean=mean,
-                                       latents_std=std).eval()
+    with weight_norm_quietly():
+        return AutoencoderKLMiniMaxH3Audio(encoder_dim=8, latent_dim=64, decoder_dim=128, latents_mean=mean,
+                                           latents_std=std).eval()
 
 
 def write_tiny_checkpoint(root: Path) -> Path:
@@ -80,26 +83,51 @@ def default_cache_dir() -> Path:
     return Path(base) / "h3trt"
 
 
+class TinyCacheError(ValueError):
+    """The tiny model's cache folder cannot be written (one line naming XDG_CACHE_HOME)."""
+
+
 def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
-    """The tiny checkpoint folder, written on first use. Built in a temporary folder and renamed into place, so an
-    interrupted build never leaves a half-written model that later runs would trust."""
+    """The tiny checkpoint folder, written on first use.
+
+    Safe for concurrent first runs: one process builds under a file lock (`<cache>/.tiny-v<N>.lock`, filelock) while
+    the others wait and then use what it built. The build goes to a temporary folder renamed into place once
+    complete, so an interrupted build never leaves a half-written model that later runs would trust; a finished
+    model (its h3trt_tiny.json written last) is never deleted. A read-only cache that already holds the model works."""
     cache_dir = Path(cache_dir) if cache_dir else default_cache_dir()
     target = cache_dir / f"tiny-v{TINY_VERSION}"
     marker = target / "h3trt_tiny.json"
     if marker.exists():
         return target
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=cache_dir))
     try:
-        write_tiny_checkpoint(tmp)
-        if target.exists():  # a stale or broken earlier attempt without its marker
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        if marker.exists():  # another process finished the same build first
-            return target
-        raise
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        lock = FileLock(cache_dir / f".tiny-v{TINY_VERSION}.lock")
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            print(f"h3trt: waiting for another process to finish building the tiny model in {cache_dir}",
+                  file=sys.stderr)
+            lock.acquire()
+        try:
+            if marker.exists():  # built by the process we waited for
+                return target
+            for stale in cache_dir.glob(".tiny-build-*"):  # interrupted builds; under the lock nobody else builds
+                shutil.rmtree(stale, ignore_errors=True)
+            if target.exists():  # no marker: a broken attempt of an older h3trt, never a finished model
+                shutil.rmtree(target)
+            tmp = Path(tempfile.mkdtemp(prefix=".tiny-build-", dir=cache_dir))
+            try:
+                write_tiny_checkpoint(tmp)
+                os.replace(tmp, target)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
+                raise
+        finally:
+            lock.release()
+    except OSError as e:
+        raise TinyCacheError(f"the tiny model's cache {cache_dir} is not writable ({e.strerror or e}); set "
+                             "XDG_CACHE_HOME to a writable folder (h3trt caches under $XDG_CACHE_HOME/h3trt, "
+                             "default ~/.cache/h3trt), or pass --model PATH.") from None
     return target
 
 

@@ -17,8 +17,10 @@ shapes, so a smaller test VAE in the same layout loads through the same code.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import re
+import warnings
 from pathlib import Path
 
 import torch
@@ -201,6 +203,17 @@ def audio_vae_kwargs(metadata_kwargs: dict, config: dict) -> dict:
     return kwargs
 
 
+@contextlib.contextmanager
+def weight_norm_quietly():
+    """Construct diffusers' audio VAE without torch's FutureWarning about `torch.nn.utils.weight_norm`: the call is
+    diffusers' (its checkpoints use the weight_g / weight_v names of that API), not the user's to act on, and it
+    was printed on every run. Only that warning is filtered, only while the module is built."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"`torch\.nn\.utils\.weight_norm` is deprecated",
+                                category=FutureWarning)
+        yield
+
+
 def load_audio_vae(component_root: Path, device="cpu", dtype=torch.float32) -> AudioVAE:
     """The audio VAE of an official partition (metadata.json + config.json + model.safetensors) or a diffusers one.
     fp32 by default: the released decoder is audibly worse in bf16."""
@@ -210,12 +223,14 @@ def load_audio_vae(component_root: Path, device="cpu", dtype=torch.float32) -> A
     if (folder / "metadata.json").exists():
         meta = _read_json(folder / "metadata.json")
         kwargs = audio_vae_kwargs(meta.get("metadata", {}).get("kwargs", {}), _read_json(folder / "config.json"))
-        vae = AutoencoderKLMiniMaxH3Audio(**kwargs)  # small (~0.3 GB); weight_norm needs real tensors to build
+        with weight_norm_quietly():
+            vae = AutoencoderKLMiniMaxH3Audio(**kwargs)  # small (~0.3 GB); weight_norm needs real tensors to build
         state = _load_safetensors(folder / "model.safetensors")
         check_state_dict(vae, state, str(folder / "model.safetensors"))
         vae.load_state_dict(state, strict=True)
     elif (folder / "config.json").exists():
-        vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(str(folder), local_files_only=True)
+        with weight_norm_quietly():
+            vae = AutoencoderKLMiniMaxH3Audio.from_pretrained(str(folder), local_files_only=True)
     else:
         raise CheckpointError(f"{folder} is missing (expected metadata.json, config.json and model.safetensors).")
     return AudioVAE(place(vae, device, dtype), vae.config.latents_mean, vae.config.latents_std)

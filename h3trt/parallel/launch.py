@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import shutil
+import signal
 import tempfile
 import time
 import traceback
@@ -60,6 +62,9 @@ def init_torchrun_rank(device_type: str) -> tuple[int, int, int]:
 
 
 def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple) -> None:
+    # Ctrl-C reaches every process of the terminal's group; it is the launcher's to handle (it stops every rank and
+    # removes what they were writing), so no rank dies of it on its own and turns an interrupt into a rank failure.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
         fn(rank, world, store, *args)
         if dist.is_initialized():
@@ -117,6 +122,7 @@ def launch(fn: Callable, world: int, args: tuple = (), gpus: list[str] | None = 
             time.sleep(POLL_S)
     finally:
         _stop(procs)
+        shutil.rmtree(work, ignore_errors=True)  # the rendezvous store and the ranks' error notes
 
 
 def _stop(procs) -> None:

@@ -38,12 +38,16 @@ from tqdm import tqdm
 
 from ..engines.guard import no_compile
 from ..engines.manifest import bundle_identity, read_manifest, sha256_file
+from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..models.checkpoint import locate_transformer
 from ..models.config import H3Config
+from ..models.packing import FPS
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from ..parallel.launch import init_rank, init_torchrun_rank, launch, torchrun_rank
 from ..parallel.mesh import build_mesh, resolve_mesh
-from .pipeline import CanvasDefaults, Encoded, H3Pipeline, Request, prepare, request_dict, write_json_atomic
+from .files import (BatchLock, OutputError, estimated_clip_bytes, preflight_out_dir, remove_leftovers,
+                    remove_own_temps, write_json_atomic)
+from .pipeline import CanvasDefaults, Encoded, H3Pipeline, Request, check_prompt_tokens, prepare, request_dict
 from .serve import Job, launch_gpus, load_rank_pipeline, rank_device
 from .timeline import TimelineTimer, write_timeline
 
@@ -108,7 +112,13 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = 50) 
     if not path.is_file():
         raise BatchFileError(f"{path}: no such requests file.")
     items, errors, seen = [], [], {}
-    for number, text in enumerate(path.read_text().splitlines(), start=1):
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            errors.append(f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                          "save the file as UTF-8.")
+            continue
         if not text.strip():
             continue
         try:
@@ -307,8 +317,11 @@ class _Run:
             self.summary.wall_s = time.perf_counter() - self.origin
             self._close_bars()
             if cfg.write:
-                write_timeline(self.out_dir, cfg.shard, self.rows, self.summary.as_dict(), cfg.timeline_png,
-                               started_unix)
+                try:
+                    write_timeline(self.out_dir, cfg.shard, self.rows, self.summary.as_dict(), cfg.timeline_png,
+                                   started_unix)
+                except (OutputError, OSError) as e:  # a full disk: the clips' own records are what matters
+                    self._log(f"the timeline could not be written: {e}")
         return self.summary
 
     def _run_group(self, group: list[BatchItem]) -> None:
@@ -361,8 +374,10 @@ class _Run:
             mp4, _ = output_paths(self.out_dir, p.item)
             seen, start = len(p.timer.intervals), time.perf_counter()
             try:
+                # overwrite: a retried request replaces its stale files; the out-dir lock keeps other runs out.
                 record = self.pipeline.decode_request(p.encoded, final, mp4, self.config.crf, p.timer,
-                                                      self.config.decode_group, self.config.write)
+                                                      self.config.decode_group, self.config.write,
+                                                      finish=self._completer(p, batch), overwrite=True)
             except Exception as e:  # noqa: BLE001
                 self._fail([p], e, "decode")
                 continue
@@ -370,13 +385,16 @@ class _Run:
                 p.timer.mark("decode_mux", start, time.perf_counter())
             self._done(p, batch, record)
 
-    def _done(self, p: _Pending, batch: dict, record: dict | None) -> None:
-        if record is not None:
-            mp4, json_path = output_paths(self.out_dir, p.item)
+    def _completer(self, p: _Pending, batch: dict) -> Callable[[dict], None]:
+        """What a done record holds besides the pipeline's fields; filled in just before it is committed."""
+        def finish(record: dict) -> None:
             record.update(status="done", id=p.item.id, line=p.item.line, request=request_dict(p.item.request),
                           model=self.model, batch=batch, shard=list(self.config.shard),
-                          peak_memory=peak_memory(self.pipeline.device), mp4_sha256=sha256_file(mp4), **self.extra)
-            write_json_atomic(json_path, record)
+                          peak_memory=peak_memory(self.pipeline.device), **self.extra)
+
+        return finish
+
+    def _done(self, p: _Pending, batch: dict, record: dict | None) -> None:
         self.summary.done.append(p.item.id)
         self.rows.append({"id": p.item.id, "status": "done", "batch": batch["members"], "intervals": p.timer.intervals})
         self._advance()
@@ -390,7 +408,7 @@ class _Run:
                               "intervals": p.timer.intervals})
             if self.config.write:
                 _, json_path = output_paths(self.out_dir, p.item)
-                write_json_atomic(json_path, {
+                self._write_failed_record(json_path, {
                     "status": "failed", "id": p.item.id, "line": p.item.line, "stage": stage,
                     "error": f"{type(error).__name__}: {error}",
                     "traceback": traceback.format_exception(error)[-3:], "request": request_dict(p.item.request),
@@ -406,6 +424,14 @@ class _Run:
         if self.config.fail_fast:
             raise BatchAborted(f"{bucket[0].item.id} (line {bucket[0].item.line}) failed at {stage}: {error} "
                                "(--fail-fast; a rerun skips the finished requests and retries this one).")
+
+    def _write_failed_record(self, path: Path, record: dict) -> None:
+        """A failed request's record; where even that cannot be written (a full disk), one line says so and the
+        batch goes on (the rerun retries the request either way)."""
+        try:
+            write_json_atomic(path, record)
+        except OutputError as e:
+            self._log(f"{record['id']}: its failure record could not be written either: {e}")
 
     def _open_bars(self, total: int, skipped: int) -> None:
         if self.config.quiet or not self.config.write:
@@ -473,7 +499,7 @@ def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model
         raise ValueError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
     job = Job(str(root), manifest is not None, task, "cuda" if str(device).startswith("cuda") else "cpu", mesh,
               canvas=canvas, model_name=model, record_extra=extra, vae_precision=args.vae_precision,
-              loras=tuple(args.lora))
+              loras=tuple(args.lora), trust=str(args.trust) if args.trust is not None else None)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(job.device_type)
         failed = serve_batch_rank(rank, world, local_rank, job, heads, items, config)
@@ -481,8 +507,12 @@ def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model
         dist.destroy_process_group()
         return 1 if failed else 0
     with tempfile.TemporaryDirectory(prefix="h3trt-batch-") as tmp:
-        launch(serve_batch_launched, world, (job, heads, items, config, tmp),
-               gpus=launch_gpus(job.device_type, world))
+        try:
+            launch(serve_batch_launched, world, (job, heads, items, config, tmp),
+                   gpus=launch_gpus(job.device_type, world))
+        except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
+            remove_leftovers(config.out_dir)
+            raise
         failed = sum(int(f.read_text()) for f in Path(tmp).glob("failed-*"))
     print(f"{config.out_dir}: batch on replica({mesh.replica}) x cfg({mesh.cfg}) x sp({mesh.sp}): {failed} failed "
           f"(per-request records in {config.out_dir})")
@@ -511,6 +541,22 @@ def serve_batch_launched(rank: int, world: int, store: str, job: Job, num_heads:
 # `h3trt run --requests FILE --out-dir DIR`
 
 
+def engine_manifest(args) -> dict:
+    """--engine's manifest, read before anything else: with --trust only if it carries that key's signature (every
+    file is then checked against it when the bundle loads, before any of its code runs)."""
+    if args.trust is not None:
+        return read_trusted_manifest(args.engine, args.trust)
+    return read_manifest(args.engine)
+
+
+def served_identity(manifest: dict, args) -> dict:
+    """What a record says about the bundle that served it, with the key that vouched for it under --trust."""
+    identity = bundle_identity(manifest)
+    if args.trust is not None:
+        identity["signed_by"] = key_fingerprint(load_public_key(args.trust))
+    return identity
+
+
 def run_requests(args) -> int:
     """The CLI's batch mode: validate the whole file, load the model once, run; 0 if every request is done."""
     single = [flag for flag, value in (("--prompt", args.prompt), ("--output", args.output), ("--image", args.image),
@@ -525,9 +571,11 @@ def run_requests(args) -> int:
     if args.lora and args.engine is not None:
         raise ValueError(f"--lora applies to --model runs; the bundle {args.engine} was compiled with the LoRAs its "
                          "manifest lists. Rebuild it with h3trt build --lora FILE[:SCALE].")
+    if args.trust is not None and args.engine is None:
+        raise ValueError("--trust checks a bundle's signature; pass it with --engine DIR.")
     manifest = None
     if args.engine is not None:
-        manifest = read_manifest(args.engine)
+        manifest = engine_manifest(args)
         check_bundle_batch(manifest, args.max_batch)
     tiny = manifest["tiny"] if manifest else args.model is None
     canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
@@ -541,20 +589,46 @@ def run_requests(args) -> int:
                          "partitions (Ref2VA/ and FL2VA/); split the file and run each part.")
     device = args.device or (manifest["device"].split(":")[0] if manifest else
                              ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.gpus > 1 or torchrun_rank() is not None:
-        root = args.engine if manifest else (ensure_tiny_checkpoint() if tiny else args.model)
+    root = args.engine if manifest else (ensure_tiny_checkpoint() if tiny else args.model)
+    component_root = root if manifest else locate_transformer(root, items[0].key[0]).component_root
+    try:
+        check_prompt_tokens(component_root, [(f"{args.requests}:{i.line}: the prompt", i.request.prompt)
+                                             for i in items])
+    except ValueError as e:
+        raise BatchFileError(f"{e} Nothing was run.") from None
+    # Before any model loads: the out-dir is a writable folder with room for its largest clip, and no other batch
+    # writes it (under torchrun, rank 0 holds the lock for the job).
+    preflight_out_dir(args.out_dir, max(estimated_clip_bytes(i.key[2], i.key[1], i.key[3], FPS, args.crf)
+                                        for i in items))
+    torchrun = torchrun_rank()
+    lock = BatchLock(args.out_dir) if torchrun is None or torchrun[0] == 0 else nullcontext()
+    try:
+        with lock:
+            return _run_requests_locked(args, items, config, manifest, tiny, root, canvas, device, torchrun)
+    except KeyboardInterrupt:
+        remove_own_temps()
+        done = [i.id for i in items if finished(config.out_dir, i)]
+        listed = ", ".join(done[:10]) + (f" and {len(done) - 10} more" if len(done) > 10 else "")
+        print(f"h3trt: interrupted: {len(done)} of {len(items)} requests are done in {args.out_dir}"
+              f"{' (' + listed + ')' if done else ''}, each with its record; the others left no files. Rerun the "
+              "same command to finish them.", file=sys.stderr)
+        return 130
+
+
+def _run_requests_locked(args, items, config, manifest, tiny, root, canvas, device, torchrun) -> int:
+    if args.gpus > 1 or torchrun is not None:
         model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(root))
-        extra = {"bundle": bundle_identity(manifest)} if manifest else {}
+        extra = {"bundle": served_identity(manifest, args)} if manifest else {}
         return run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model, extra)
     if manifest is not None:
-        pipeline = H3Pipeline.load_engine(args.engine, device, canvas, vae_precision=args.vae_precision)
-        extra = {"bundle": bundle_identity(manifest)}
+        pipeline = H3Pipeline.load_engine(args.engine, device, canvas, vae_precision=args.vae_precision,
+                                          trust=args.trust)
+        extra = {"bundle": served_identity(manifest, args)}
         model, serving = str(args.engine), no_compile()
     else:
         if tiny:
             print("h3trt: using the embedded tiny default model (random weights): every clip is noise. Pass --model "
                   "PATH for real MiniMax-H3 weights.", file=sys.stderr)
-        root = ensure_tiny_checkpoint() if tiny else args.model
         pipeline = H3Pipeline.load(root, items[0].key[0], device, canvas, args.vae_precision,
                                    loras=tuple(args.lora))
         extra, model, serving = {}, "embedded-tiny" if tiny else str(root), nullcontext()

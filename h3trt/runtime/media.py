@@ -7,6 +7,7 @@ the fix, because these messages end up verbatim in `h3trt run` output.
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from fractions import Fraction
@@ -19,6 +20,8 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from av.video.reformatter import ColorPrimaries, ColorRange, ColorTrc, Colorspace, Interpolation
 
+from .files import commit, discard, temp_path
+
 # AAC in MP4 is what every browser and phone plays; 32 kHz stereo is the model's native audio format.
 DEFAULT_SAMPLE_RATE = 32000
 DEFAULT_FPS = 24
@@ -26,6 +29,9 @@ DEFAULT_CRF = 18
 # AAC-LC at 32 kHz stereo is transparent well below this; fixed so output size does not depend on FFmpeg defaults.
 AAC_BIT_RATE = 160_000
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")
+# Input images and video frames larger than this are refused before they are decoded (8192 x 8192): every input is
+# resized to at most H3's 2048 px reference edge, and a 20000 x 20000 PNG alone would need 1.2 GB decoded.
+MAX_INPUT_PIXELS = 8192 * 8192
 # x264's presets, fastest first: each step searches harder for the same CRF quality (smaller file, more time).
 X264_PRESETS = ("ultrafast", "superfast", "veryfast", "faster", "fast", "medium", "slow", "slower", "veryslow")
 # probe() always returns every key; those of a missing stream are None, so callers can index without checking.
@@ -79,9 +85,12 @@ class Mp4Writer:
     """Streaming MP4 writer: H.264 yuv420p video plus AAC audio, committed atomically on a clean exit.
 
     Frames arrive window by window while the model is still producing later windows, so the container is written
-    incrementally. The file is built under `.<name>.partial` and renamed onto `path` only after both encoders are
+    incrementally. The file is built under a temporary name unique to this writer (`files.temp_path`:
+    `.<name>.<host>-<pid>-<token>.partial`, in the same folder) and renamed onto `path` only after both encoders are
     flushed and the container is closed; an exception in the `with` block deletes it, so a crash never leaves a
-    truncated clip that looks finished.
+    truncated clip that looks finished. `overwrite=False` refuses to replace a `path` that exists by then
+    (files.OutputExists). With `commit=False` the finished file stays at `partial_path` for the caller to commit
+    together with other files (files.commit); the caller then owns it.
 
     Thread-compatible, not thread-safe: any single thread may drive it (e.g. an encoder thread fed by a queue), but
     only one thread at a time. It holds no global state, so independent writers may run on different threads.
@@ -91,8 +100,10 @@ class Mp4Writer:
 
     def __init__(self, path: str | os.PathLike, width: int, height: int, fps: int | Fraction = DEFAULT_FPS,
                  crf: int = DEFAULT_CRF, sample_rate: int = DEFAULT_SAMPLE_RATE, audio_channels: int = 2,
-                 low_latency: bool = False, preset: str = "medium") -> None:
+                 low_latency: bool = False, preset: str = "medium", commit: bool = True,
+                 overwrite: bool = True) -> None:
         self.path = Path(path)
+        self.commit, self.overwrite = commit, overwrite
         if self.path.suffix.lower() != ".mp4":
             raise MediaError(f"{self.path}: output must be an MP4 file; give it a .mp4 extension")
         if not self.path.parent.is_dir():
@@ -117,9 +128,10 @@ class Mp4Writer:
         # Chosen here, not at open, so a missing encoder fails before any generation work starts.
         self.encoder, self._options, self._bit_rate = _h264_encoder(crf, width, height, self.fps,
                                                                     low_latency=low_latency, preset=preset)
-        # Hidden, in the same directory (so os.replace is an atomic rename on one filesystem), and not ending in .mp4
-        # so globs for finished clips never pick up an unfinished one.
-        self.partial_path = self.path.with_name(f".{self.path.name}.partial")
+        # Hidden, in the same directory (so the commit is an atomic rename on one filesystem), unique to this writer
+        # (two runs writing one target never share it), and not ending in .mp4 so globs never pick up an unfinished
+        # clip.
+        self.partial_path = temp_path(self.path)
         self.frames_written = self.samples_written = 0
         # perf_counter() when closing passed each step (audio_flushed, video_flushed, closed, renamed): what the end
         # of a clip costs after its last frame, for the host-tail breakdown.
@@ -275,7 +287,7 @@ class Mp4Writer:
                 container.close()
             except Exception:  # noqa: BLE001 - the caller's exception is the one worth reporting; the file is deleted
                 pass
-        self.partial_path.unlink(missing_ok=True)
+        discard(self.partial_path)
 
     def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
         if exc_type is not None:
@@ -286,7 +298,8 @@ class Mp4Writer:
         except BaseException:
             self._discard()
             raise
-        os.replace(self.partial_path, self.path)
+        if self.commit:
+            commit([(self.partial_path, self.path)], overwrite=self.overwrite)
         self.marks["renamed"] = time.perf_counter()
 
 
@@ -338,27 +351,41 @@ def read_image(path: str | os.PathLike) -> Image.Image:
         with Image.open(path) as image:
             if image.format not in IMAGE_FORMATS:
                 raise MediaError(f"{path} is a {image.format} image, which is not supported; convert it to PNG or JPEG")
+            _check_pixels(path, *image.size)
             image.load()
             return ImageOps.exif_transpose(image).convert("RGB")
+    except Image.DecompressionBombError:  # PIL's own guard, past twice its limit: refused from the header alone
+        raise MediaError(f"{path} is over h3trt's input limit of {MAX_INPUT_PIXELS:,} pixels (8192 x 8192) by "
+                         "far; downscale it first") from None
     except (UnidentifiedImageError, OSError, SyntaxError) as err:
         # PIL raises OSError/SyntaxError for truncated or corrupt files after the header parsed.
         raise MediaError(f"{path} is not a readable image ({err}); re-save it as PNG or JPEG") from None
 
 
-def _decode_audio(container: Any, path: Path, sample_rate: int) -> np.ndarray:
-    """Decode the first audio stream of an open container to float32 [2, N] at `sample_rate`."""
+def _check_pixels(path: Path, width: int, height: int) -> None:
+    if width * height > MAX_INPUT_PIXELS:
+        raise MediaError(f"{path} is {width}x{height} ({width * height:,} pixels), over h3trt's input limit of "
+                         f"{MAX_INPUT_PIXELS:,} (8192 x 8192); downscale it first")
+
+
+def _decode_audio(container: Any, path: Path) -> tuple[np.ndarray, int]:
+    """Decode the first audio stream of an open container to float32 stereo [2, N] at its own sample rate."""
     stream = container.streams.audio[0]
     channels = stream.codec_context.channels
-    # Mono is resampled as mono and duplicated afterwards: swresample's mono->stereo matrix scales by 1/sqrt(2),
-    # which would make mono references 3 dB quieter than the same sound in stereo. >2 channels use swresample's
-    # standard (normalised, clip-free) downmix matrix.
+    rate = int(stream.codec_context.sample_rate)
+    if rate <= 0:
+        raise MediaError(f"{path}: audio stream has no sample rate; re-export it as WAV or M4A")
+    # A format conversion only, at the stream's own rate: the rate is changed afterwards by `resample`, the
+    # reference's resampler. Mono is decoded as mono and duplicated (swresample's mono->stereo matrix would scale it
+    # by 1/sqrt(2), 3 dB quieter than the same sound in stereo; the reference duplicates too). More than 2 channels
+    # use swresample's standard (normalised, clip-free) downmix; the reference refuses them.
     layout = "mono" if channels == 1 else "stereo"
-    resampler = av.AudioResampler(format="fltp", layout=layout, rate=sample_rate)
+    resampler = av.AudioResampler(format="fltp", layout=layout, rate=rate)
     chunks: list[np.ndarray] = []
     try:
         for frame in container.decode(stream):
             # Samples are concatenated in decode order, so timestamps carry nothing here; clearing them keeps input
-            # quirks (gaps, resets after edits) out of the resampling filter graph.
+            # quirks (gaps, resets after edits) out of the conversion's filter graph.
             frame.pts = None
             chunks.extend(out.to_ndarray() for out in resampler.resample(frame))
         chunks.extend(out.to_ndarray() for out in resampler.resample(None))
@@ -367,16 +394,55 @@ def _decode_audio(container: Any, path: Path, sample_rate: int) -> np.ndarray:
     if not chunks:
         raise MediaError(f"{path}: audio stream decodes to no samples; re-export it with audible content")
     audio = np.concatenate(chunks, axis=1).astype(np.float32, copy=False)
-    return np.repeat(audio, 2, axis=0) if layout == "mono" else audio
+    return (np.repeat(audio, 2, axis=0) if layout == "mono" else audio), rate
 
 
-def read_audio(path: str | os.PathLike, sample_rate: int = DEFAULT_SAMPLE_RATE) -> np.ndarray:
-    """Decode the first audio stream of any audio or video file to float32 stereo [2, N] at `sample_rate`."""
+# The reference's resampler: torchaudio.transforms.Resample(orig, new) with its defaults (windowed sinc, Hann window,
+# lowpass_filter_width 6, rolloff 0.99), which diffusers' MiniMax-H3 pipeline applies to reference audio once, after
+# truncating it at its native rate. Reproduced here in plain torch (torchaudio is not a dependency).
+RESAMPLE_LOWPASS_WIDTH = 6
+RESAMPLE_ROLLOFF = 0.99
+
+
+def resample(waveform_CN: torch.Tensor, orig_rate: int, new_rate: int) -> torch.Tensor:
+    """float32 [C, N] at `orig_rate` -> [C, ceil(N * new / orig)] at `new_rate`: torchaudio's sinc_interp_hann,
+    the same arithmetic (kernel in float64, stored and applied in float32), so the reference's numbers."""
+    if orig_rate == new_rate:
+        return waveform_CN
+    gcd = math.gcd(int(orig_rate), int(new_rate))
+    orig, new = int(orig_rate) // gcd, int(new_rate) // gcd
+    base = min(orig, new) * RESAMPLE_ROLLOFF
+    width = math.ceil(RESAMPLE_LOWPASS_WIDTH * orig / base)
+    idx = torch.arange(-width, width + orig, dtype=torch.float64)[None, None] / orig
+    t = torch.arange(0, -new, -1)[:, None, None] / new + idx  # [new, 1, 2 * width + orig]
+    t = (t * base).clamp_(-RESAMPLE_LOWPASS_WIDTH, RESAMPLE_LOWPASS_WIDTH)
+    window = torch.cos(t * math.pi / RESAMPLE_LOWPASS_WIDTH / 2) ** 2
+    t = t * math.pi
+    kernel = torch.where(t == 0, torch.tensor(1.0, dtype=t.dtype), t.sin() / t) * window * (base / orig)
+    kernel = kernel.to(torch.float32)
+    channels, length = waveform_CN.shape
+    padded = torch.nn.functional.pad(waveform_CN.float(), (width, width + orig))
+    out = torch.nn.functional.conv1d(padded[:, None], kernel, stride=orig).transpose(1, 2).reshape(channels, -1)
+    return out[:, : math.ceil(new * length / orig)]
+
+
+def _audio_at(audio: np.ndarray, rate: int, sample_rate: int, max_seconds: float | None) -> np.ndarray:
+    """Native-rate audio truncated to `max_seconds` there (as the reference does), then resampled once."""
+    if max_seconds is not None:
+        audio = audio[:, : int(max_seconds * rate)]
+    return resample(torch.from_numpy(np.ascontiguousarray(audio)), rate, sample_rate).numpy()
+
+
+def read_audio(path: str | os.PathLike, sample_rate: int = DEFAULT_SAMPLE_RATE,
+               max_seconds: float | None = None) -> np.ndarray:
+    """Decode the first audio stream of any audio or video file to float32 stereo [2, N] at `sample_rate`: decoded
+    at its own rate, cut to the first `max_seconds` (None: all of it), then resampled as the reference resamples."""
     path = _existing_file(path)
     with _open_media(path, "audio") as container:
         if not container.streams.audio:
             raise MediaError(f"{path} has no audio stream; pass a file with sound (WAV, MP3, M4A, video with audio)")
-        return _decode_audio(container, path, sample_rate)
+        audio, rate = _decode_audio(container, path)
+    return _audio_at(audio, rate, sample_rate, max_seconds)
 
 
 def _frame_rate(stream: Any, path: Path) -> Fraction:
@@ -386,19 +452,27 @@ def _frame_rate(stream: Any, path: Path) -> Fraction:
     return Fraction(rate)
 
 
-def read_video(path: str | os.PathLike) -> tuple[np.ndarray, float, np.ndarray | None]:
-    """Decode a video to (uint8 RGB frames [T, H, W, 3], fps, float32 stereo audio [2, N] at 32 kHz or None)."""
+def read_video(path: str | os.PathLike, max_audio_seconds: float | None = None
+               ) -> tuple[np.ndarray, float, np.ndarray | None]:
+    """Decode a video to (uint8 RGB frames [T, H, W, 3], fps, float32 stereo audio [2, N] at 32 kHz or None).
+
+    Frames come upright as a player shows them: a display-matrix rotation (phones tag portrait video this way) is
+    undone in quarter turns, as the reference does (diffusers' MiniMaxH3VideoReference.from_file, after ffmpeg)."""
     path = _existing_file(path)
     with _open_media(path, "video") as container:
         if not container.streams.video:
             raise MediaError(f"{path} has no video stream; pass a video file (e.g. an H.264 MP4)")
         stream = container.streams.video[0]
         fps = float(_frame_rate(stream, path))
+        _check_pixels(path, stream.codec_context.width, stream.codec_context.height)
         frames: list[np.ndarray] = []
+        rotation = 0.0
         try:
             # to_ndarray converts with each frame's own colorspace/range tags (so our BT.709 output round-trips);
             # untagged sources get swscale's BT.601 default, as the ffmpeg CLI does.
-            frames.extend(frame.to_ndarray(format="rgb24") for frame in container.decode(stream))
+            for frame in container.decode(stream):
+                rotation = frame.rotation  # the stream's display matrix, surfaced on every frame (degrees, CCW)
+                frames.append(frame.to_ndarray(format="rgb24"))
         except av.error.FFmpegError as err:
             raise MediaError(f"{path}: video stream is corrupt ({err.strerror}); re-encode it as H.264 MP4") from None
         has_audio = bool(container.streams.audio)
@@ -406,12 +480,16 @@ def read_video(path: str | os.PathLike) -> tuple[np.ndarray, float, np.ndarray |
         raise MediaError(f"{path}: video stream decodes to no frames; re-encode it")
     if len({f.shape for f in frames}) != 1:
         raise MediaError(f"{path}: frame size changes mid-stream; re-encode it at one resolution")
+    video = np.stack(frames)
+    turns = round(rotation / 90.0) % 4  # the reference snaps to quarter turns too
+    if turns:
+        video = np.ascontiguousarray(np.rot90(video, k=-turns, axes=(1, 2)))
     audio = None
     if has_audio:
         # A second open keeps the two decode loops independent; demuxing twice costs far less than decoding.
         with _open_media(path, "video") as container:
-            audio = _decode_audio(container, path, DEFAULT_SAMPLE_RATE)
-    return np.stack(frames), fps, audio
+            audio = _audio_at(*_decode_audio(container, path), DEFAULT_SAMPLE_RATE, max_audio_seconds)
+    return video, fps, audio
 
 
 def probe(path: str | os.PathLike) -> dict[str, Any]:

@@ -26,7 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .media import X264_PRESETS, Mp4Writer
+from .files import OutputError, discard, join_holding_interrupts
+from .media import X264_PRESETS, MediaError, Mp4Writer
 
 PUT_POLL_S = 0.5  # how often a blocked producer re-checks that the encoder thread is still alive
 _STOP = object()
@@ -112,14 +113,15 @@ class PipelinedWriter:
 
     `put_frames` takes uint8 RGB [f, H, W, 3] on any device, converts it to yuv420p there and returns once the copies
     are queued; `put_audio` takes float32 [2, N] in [-1, 1]. On a clean exit the encoders are flushed and the file is
-    renamed into place; on an exception the partial file is deleted (Mp4Writer's contract) and the exception
-    propagates.
+    renamed into place (with `commit=False` it stays at `writer.partial_path` for the caller to commit); on an
+    exception the partial file is deleted (Mp4Writer's contract) and the exception propagates. A failure to write
+    (full disk, read-only folder) surfaces as one-line files.OutputError, the partial file deleted.
     """
 
     def __init__(self, path: Path, width: int, height: int, fps: int, crf: int, sample_rate: int,
-                 device: torch.device, config: OutputConfig = OutputConfig()):
+                 device: torch.device, config: OutputConfig = OutputConfig(), commit: bool = True):
         self.writer = Mp4Writer(path, width, height, fps=fps, crf=crf, sample_rate=sample_rate,
-                                low_latency=config.low_latency, preset=config.preset)  # validates early
+                                low_latency=config.low_latency, preset=config.preset, commit=commit)  # validates early
         self.device, self.config = torch.device(device), config
         self.cuda = self.device.type == "cuda"
         self.copy_stream = torch.cuda.Stream(self.device) if self.cuda else None
@@ -190,7 +192,19 @@ class PipelinedWriter:
 
     def _check_alive(self) -> None:
         if self._error is not None or not self._thread.is_alive():
-            raise EncoderThreadFailed(f"the MP4 encoder thread stopped: {self._error!r}") from self._error
+            raise self._failure("stopped") from self._error
+
+    def _failure(self, how: str) -> Exception:
+        """The encoder thread's error for the producer: writing problems (OSError: a full disk, a read-only folder;
+        MediaError: the file could not be created; OutputError: the final rename) as one line naming the file."""
+        error = self._error
+        if isinstance(error, OutputError):
+            return error
+        if isinstance(error, (OSError, MediaError)):
+            reason = error.strerror if isinstance(error, OSError) and error.strerror else str(error)
+            return OutputError(f"{self.writer.path}: writing the clip failed ({reason}); its temporary file was "
+                               "removed.")
+        return EncoderThreadFailed(f"the MP4 encoder thread {how}: {error!r}")
 
     def _run(self) -> None:
         try:
@@ -225,9 +239,13 @@ class PipelinedWriter:
             self._queue.put(("abort", None, None))
         else:
             self._queue.put(_STOP)
-        self._thread.join()
+        # The thread ends within a few frames' encode; a Ctrl-C meanwhile waits for it (never leave it in FFmpeg).
+        interrupted = join_holding_interrupts(self._thread)
         self._pool.clear()  # freed here, on the thread that allocated them
         while not self._free.empty():
             self._free.get_nowait()
+        if interrupted and exc_type is None:
+            discard(self.writer.partial_path)
+            raise KeyboardInterrupt
         if exc_type is None and self._error is not None:
-            raise EncoderThreadFailed(f"the MP4 encoder thread failed: {self._error}") from self._error
+            raise self._failure("failed") from self._error

@@ -27,6 +27,7 @@ import torch.distributed as dist
 
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS
 from ..models.video_vae import DecodePlan, VideoVAE, WindowFrames, stitch
+from .files import join_holding_interrupts
 from .output import OutputConfig, PipelinedWriter
 
 WRITER_RANK = 0  # group rank that stitches, converts and writes; it also decodes its share of tiles
@@ -190,8 +191,13 @@ class _AudioDecode:
         except BaseException as e:  # noqa: BLE001 - re-raised on the calling thread by result()
             self.error = e
 
+    def join(self) -> None:
+        """Wait for the thread, through Ctrl-C too (it ends by itself within one audio decode), then deliver it."""
+        if join_holding_interrupts(self.thread):
+            raise KeyboardInterrupt
+
     def result(self) -> torch.Tensor:
-        self.thread.join()
+        self.join()
         if self.error is not None:
             raise RuntimeError(f"audio decode failed: {self.error}") from self.error
         return self.waveform
@@ -229,14 +235,16 @@ def tail_steps(marks: dict[str, float]) -> dict[str, float]:
 @torch.no_grad()
 def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor, audio_rows: torch.Tensor,
                      output: Path, group=None, fps: int = FPS, crf: int = 18, sample_rate: int = AUDIO_SAMPLE_RATE,
-                     output_config: OutputConfig = OutputConfig()) -> dict:
+                     output_config: OutputConfig = OutputConfig(), commit: bool = True) -> dict:
     """Stages 4-5: decode video (tile-parallel over `group`) and audio, and write the MP4 on group rank 0.
 
     Every rank of `group` (None: this process alone) calls with the same normalised latents [1, C, T, H, W] and
     audio rows [2A, C]. Returns on every rank {frames, audio_samples, wrote, timings_s}; timings_s has video_decode
     (until the last frames were queued), audio_decode (on its rank), mux (encoder-thread time, overlapping the
     decode) and decode_tail_s (last tile on hand -> MP4 renamed into place; on the writing rank). On the writing rank
-    tail_s splits decode_tail_s into consecutive steps (TAIL_STEPS); elsewhere it is {}.
+    tail_s splits decode_tail_s into consecutive steps (TAIL_STEPS); elsewhere it is {}. With `commit=False` the
+    finished MP4 stays under its temporary name, returned as mp4_temp on the writing rank, for the caller to commit
+    with its record (files.commit); on any failure or interrupt nothing is left behind and no thread is left running.
     """
     rank, world = _group_rank_world(group)
     writer, error = None, None
@@ -244,7 +252,8 @@ def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor
         _validate(video_vae, video_latents, audio_rows)
         if rank == WRITER_RANK:  # the writer checks the output path, size and encoder now
             height, width = (s * video_vae.vae.spatial_compression_ratio for s in video_latents.shape[3:])
-            writer = PipelinedWriter(output, width, height, fps, crf, sample_rate, video_vae.device, output_config)
+            writer = PipelinedWriter(output, width, height, fps, crf, sample_rate, video_vae.device, output_config,
+                                     commit=commit)
     except ValueError as e:  # MediaError is a ValueError
         error = e
     _agree(group, rank, world, tuple(video_latents.shape) + tuple(audio_rows.shape), error)
@@ -283,14 +292,19 @@ def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor
 
     marks: dict[str, float] = {}
     frames = 0
-    with writer if writer is not None else nullcontext():
-        for chunk in decode_frames(video_vae, video_latents, group, between_waves, marks):
-            writer.put_frames(chunk)
-            frames += chunk.shape[0]
+    try:
+        with writer if writer is not None else nullcontext():
+            for chunk in decode_frames(video_vae, video_latents, group, between_waves, marks):
+                writer.put_frames(chunk)
+                frames += chunk.shape[0]
+            if audio is not None:
+                audio.result()  # a single process's audio thread may still be running; its error surfaces here
+                audio_seconds[0] = audio.seconds
+            decoded = time.perf_counter()
+    except BaseException:
         if audio is not None:
-            audio.result()  # a single process's audio thread may still be running; its error surfaces here
-            audio_seconds[0] = audio.seconds
-        decoded = time.perf_counter()
+            audio.join()  # never leave the audio thread inside torch: exiting under it aborts the process (SIGABRT)
+        raise
     end = time.perf_counter()
     timings = {"video_decode": decoded - start, "audio_decode": audio_seconds[0]}
     tail = {}
@@ -298,6 +312,7 @@ def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor
         timings.update(mux=writer.encode_s, decode_tail_s=end - marks["last_tile"])
         tail = tail_steps({**marks, **writer.marks, **writer.writer.marks, "end": end})
     return {"frames": frames, "audio_samples": writer.audio_samples if writer else 0, "wrote": writer is not None,
+            "mp4_temp": writer.writer.partial_path if writer is not None and not commit else None,
             "timings_s": {k: round(v, 4) for k, v in timings.items()},
             "tail_s": {k: round(v, 4) for k, v in tail.items()}}
 

@@ -11,8 +11,6 @@ Reads top to bottom as the stages a request goes through:
 
 from __future__ import annotations
 
-import json
-import os
 import platform
 import time
 from contextlib import contextmanager
@@ -23,10 +21,11 @@ from typing import Callable
 import numpy as np
 import torch
 from PIL import Image
+from transformers import AutoTokenizer
 
 from ..calibration.vae_fp8 import load_video_vae_at
 from ..engines.bundle import Engine
-from ..engines.manifest import BundleError, check_request
+from ..engines.manifest import BundleError, check_request, sha256_file
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
@@ -39,10 +38,11 @@ from ..models.packing import (
 )
 from ..models.sampler import (DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule, denoise, euler_step,
                               initial_latents)
-from ..models.text_encoder import AudioRef, H3TextEncoder, ImageRef, VideoRef, quiet_transformers
+from ..models.text_encoder import TOKENIZER_DIR, AudioRef, H3TextEncoder, ImageRef, VideoRef, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE, image_to_pixels, prepare_keyframe
+from .files import commit, discard, write_json_atomic, write_json_file  # noqa: F401 - write_json_atomic re-exported
 from .guidance import Branch, guided_denoiser
 from .media import MediaError, read_audio, read_image, read_video
 from .parallel_vae import decode_and_write
@@ -51,6 +51,10 @@ IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".m4a", ".aac", ".ogg", ".opus"}
 VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi"}
 REFERENCE_IMAGE_SHORT_EDGE = 2048  # reference images are encoded at their own short edge, upscaling included
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: int64 or uint64, [lo, hi)
+# h3trt's budget for a prompt, in the checkpoint's tokens. The reference sets none; the text rows join every
+# attention of every step, and H3's own prompts run tens to a few hundred tokens. Checked before any model loads.
+MAX_PROMPT_TOKENS = 1024
 MAX_REFERENCES = {"image": 9, "video": 3, "audio": 3, "total": 12}  # documented limits of the released model
 
 
@@ -130,8 +134,15 @@ def _reference_kind(path: Path) -> str:
 
 def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prepared:
     """Stage 0: read every input and resolve the geometry, raising one clear error before any model work."""
+    for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt)):
+        if text is not None:
+            check_utf8(text, what)
     if not request.prompt.strip():
         raise ValueError("The prompt is empty; pass --prompt \"...\".")
+    if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not (
+            SEED_RANGE[0] <= request.seed < SEED_RANGE[1]):
+        raise ValueError(f"seed {request.seed} is outside [-2^63, 2^64), the range torch.Generator takes; pass a "
+                         "seed in that range.")
     if request.steps < 2:
         raise ValueError(f"--steps must be at least 2 (the grid includes the final sigma 0), got {request.steps}.")
     if request.refs and (request.image or request.last_image):
@@ -168,12 +179,13 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
         if kind == "image":
             ref.image = _reference_image(read_image(path), canvas.reference_short_edge)
         elif kind == "audio":
-            ref.audio = torch.from_numpy(read_audio(path, AUDIO_SAMPLE_RATE))[:, : num_frames * AUDIO_SAMPLE_RATE // FPS]
+            # Cut to the clip's length at the file's own rate, then resampled once, as the reference does.
+            ref.audio = torch.from_numpy(read_audio(path, AUDIO_SAMPLE_RATE, max_seconds=num_frames / FPS))
         else:
-            frames, fps, audio = read_video(path)
+            frames, fps, audio = read_video(path, max_audio_seconds=num_frames / FPS)
             ref.frames = _reference_frames(frames, fps, num_frames, canvas)
             if audio is not None:
-                ref.audio = torch.from_numpy(audio)[:, : num_frames * AUDIO_SAMPLE_RATE // FPS]
+                ref.audio = torch.from_numpy(audio)
         references.append(ref)
     kinds = [r.kind for r in references]
     for kind in ("image", "video", "audio"):
@@ -184,6 +196,35 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
     if kinds and set(kinds) == {"audio"}:
         raise ValueError("An audio reference must be paired with at least one image or video reference.")
     return Prepared(request, Geometry(height, width, num_frames), keyframes, references)
+
+
+def check_utf8(text: str, what: str = "prompt") -> None:
+    """Refuse text that is not valid UTF-8: arguments with undecodable bytes reach Python as lone surrogates
+    (surrogateescape), which the tokenizer and the JSON record cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = text[e.start]
+        byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"character {char!r}"
+        raise ValueError(f"The {what} is not valid UTF-8 ({byte} at position {e.start}); re-encode it as UTF-8."
+                         ) from None
+
+
+def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) -> None:
+    """Refuse prompts over MAX_PROMPT_TOKENS, counted by the checkpoint's own tokenizer (loaded only for prompts
+    longer than the budget in bytes: a byte-level BPE token covers at least one byte). `prompts`: (where, prompt)
+    pairs; every one over the budget is listed in one error."""
+    long = [(where, p) for where, p in prompts if len(p.encode("utf-8")) > MAX_PROMPT_TOKENS]
+    if not long:
+        return
+    tokenizer = AutoTokenizer.from_pretrained(Path(component_root) / TOKENIZER_DIR, local_files_only=True)
+    over = []
+    for where, p in long:
+        n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
+        if n > MAX_PROMPT_TOKENS:
+            over.append(f"{where} has {n} tokens")
+    if over:
+        raise ValueError(f"{'; '.join(over)}; h3trt takes prompts of at most {MAX_PROMPT_TOKENS} tokens. Shorten it.")
 
 
 def _reference_image(image: Image.Image, short_edge: int) -> Image.Image:
@@ -273,19 +314,20 @@ class H3Pipeline:
         dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
         model, source = load_dit(model_root, task, dtype=dtype, device=device)
         records = merge_loras(model, loras, task)
-        meta = source.metadata
-        shifts = (meta.video_shift, meta.audio_shift) if meta else (12.0, 3.0)
+        shifts = source.shifts
         return cls(EagerDiT(model), *eager_components(source.component_root, device, dtype, vae), shifts, device,
                    canvas, loras=records)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
-                    mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None):
+                    mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None,
+                    trust: Path | None = None):
         """A bundle's pipeline for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
         the bundle's; `sp_group` / `cfg_group` this rank's groups. The video VAE runs at the bundle's
-        --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one."""
+        --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one; `trust` a
+        public key the bundle must be signed with (Engine.load)."""
         device = torch.device(device)
-        engine = Engine.load(bundle_root, device, mesh, sp_group)
+        engine = Engine.load(bundle_root, device, mesh, sp_group, trust=trust)
         m = engine.manifest
         if vae_precision is not None and vae_precision != m["vae_precision"]:
             VAEPrecision(vae_precision)  # an unknown name gets the list of known ones
@@ -312,11 +354,13 @@ class H3Pipeline:
     @torch.no_grad()
     def generate(self, prepared: Prepared, output: Path, crf: int = 18,
                  on_step: Callable[[int, int], None] | None = None, write: bool = True,
-                 decode_group=None) -> dict | None:
+                 decode_group=None, finish: Callable[[dict], None] | None = None,
+                 overwrite: bool = False) -> dict | None:
         """Run stages 1-5 for a prepared request; returns the record written beside the MP4 (None on a rank that does
         not write). With `decode_group` (the ranks of one replica group, the writer first) every rank decodes its
         share of the video tiles and only the writer (write=True) writes; without it a rank with write=False stops
-        after denoising."""
+        after denoising. `finish(record)` completes the record before it is written; the MP4 and the record are then
+        committed together, never replacing existing files unless `overwrite` (files.commit)."""
         timer, start = StageTimer(self.device), time.perf_counter()
         cache = new_step_cache(prepared.request, self.schedule(prepared.request))
         schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache)
@@ -324,15 +368,15 @@ class H3Pipeline:
             return None
 
         # 4-5. Decode and mux, streamed: a window of frames is encoded while the next decodes.
-        frames_written, audio_samples = self._decode_and_mux(prepared, layout, final, output, crf, timer,
-                                                             decode_group)
+        frames_written, audio_samples, mp4_temp = self._decode_and_mux(prepared, layout, final, output, crf, timer,
+                                                                       decode_group)
         if not write:
             return None
         record = self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
         if cache is not None:
             record["step_cache"] = cache.report()
         record["wall_s"] = round(time.perf_counter() - start, 4)  # the stages overlap (decode, audio, encode)
-        return record
+        return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
 
     @torch.no_grad()
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
@@ -420,16 +464,18 @@ class H3Pipeline:
 
     @torch.no_grad()
     def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = 18,
-                       timer: StageTimer | None = None, group=None, write: bool = True) -> dict | None:
-        """Stages 4-5 for one request of a batch; returns its record (None on a rank of `group` that does not
-        write: it decodes its share of the tiles)."""
+                       timer: StageTimer | None = None, group=None, write: bool = True,
+                       finish: Callable[[dict], None] | None = None, overwrite: bool = False) -> dict | None:
+        """Stages 4-5 for one request of a batch; returns its record, committed with the MP4 as in `generate` (None
+        on a rank of `group` that does not write: it decodes its share of the tiles)."""
         timer = timer or StageTimer(self.device)
-        frames_written, audio_samples = self._decode_and_mux(encoded.prepared, encoded.layout, final, output, crf,
-                                                             timer, group)
+        frames_written, audio_samples, mp4_temp = self._decode_and_mux(encoded.prepared, encoded.layout, final,
+                                                                       output, crf, timer, group)
         if not write:
             return None
-        return self._record(encoded.prepared, encoded.schedule, encoded.layout, output, frames_written, audio_samples,
-                            timer)
+        record = self._record(encoded.prepared, encoded.schedule, encoded.layout, output, frames_written,
+                              audio_samples, timer)
+        return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
 
     def generate_batch(self, prepared: list[Prepared], outputs: list[Path], crf: int = 18,
                        on_step: Callable[[int, int], None] | None = None) -> list[dict]:
@@ -495,8 +541,9 @@ class H3Pipeline:
         return layout, latents
 
     def _decode_and_mux(self, prepared: Prepared, layout: PackedLayout, final: Latents, output: Path, crf: int,
-                        timer: StageTimer, group=None) -> tuple[int, int]:
-        """Stages 4-5 for one request's final rows [V, C] / [A, C]: returns (frames written, audio samples).
+                        timer: StageTimer, group=None) -> tuple[int, int, Path | None]:
+        """Stages 4-5 for one request's final rows [V, C] / [A, C]: returns (frames written, audio samples, the
+        finished MP4 under its temporary name on the writing rank, not committed yet).
 
         Tile-parallel over `group` (None: this process alone; otherwise every rank of the group calls this with the
         same rows and only group rank 0 writes); frames are encoded on a background thread while later windows
@@ -509,10 +556,10 @@ class H3Pipeline:
         video_latents = video_latents.reshape(1, cfg.in_channels, lf, lh, lw)
         result = decode_and_write(self.video_vae, self.audio_vae, video_latents,
                                   final.audio[layout.num_condition_audio_rows:], output, group=group, fps=FPS,
-                                  crf=crf, sample_rate=AUDIO_SAMPLE_RATE)
+                                  crf=crf, sample_rate=AUDIO_SAMPLE_RATE, commit=False)
         for stage, seconds in result["timings_s"].items():  # video_decode, audio_decode, mux, decode_tail_s
             timer.seconds[stage] = timer.seconds.get(stage, 0.0) + seconds
-        return result["frames"], result["audio_samples"]
+        return result["frames"], result["audio_samples"], result["mp4_temp"]
 
     def _encode_text(self, prepared: Prepared, prompt: str | None = None):
         """The request's prompt (or `prompt`: the negative branch's) with the task's visual context."""
@@ -555,10 +602,22 @@ def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:
     return StepCache(config, schedule.num_evaluations) if config is not None else None
 
 
-def write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(data, indent=1))
-    os.replace(tmp, path)
+
+def commit_clip(record: dict, mp4_temp: Path, output: Path, finish: Callable[[dict], None] | None = None,
+                overwrite: bool = False) -> dict:
+    """Stage 5's last step: the record (with the MP4's sha256, completed by `finish`) and the finished MP4 renamed
+    into place together, or neither (files.commit: no-clobber unless `overwrite`)."""
+    try:
+        record["mp4_sha256"] = sha256_file(mp4_temp)
+        if finish is not None:
+            finish(record)
+        json_temp = write_json_file(record_path(output), record)
+    except BaseException:
+        discard(mp4_temp)
+        raise
+    # The record first: when the MP4 appears under its name, its record is already beside it.
+    commit([(json_temp, record_path(output)), (mp4_temp, output)], overwrite=overwrite)
+    return record
 
 
 def record_path(output: Path) -> Path:

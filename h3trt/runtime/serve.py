@@ -20,7 +20,7 @@ from ..parallel.devices import node_gpus
 from ..parallel.launch import init_rank
 from ..parallel.mesh import MeshConfig, Parallel, build_mesh
 from ..parallel.ulysses import UlyssesDiT
-from .pipeline import H3Pipeline, record_path, request_dict, write_json_atomic
+from .pipeline import H3Pipeline, record_path, request_dict
 
 
 @dataclass(frozen=True)
@@ -40,6 +40,28 @@ class Job:
     record_extra: dict = field(default_factory=dict)  # added to every record (e.g. the bundle's identity)
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else bf16 on CUDA / fp32 on the CPU)
     loras: tuple = ()  # LoraSpecs merged into an eager DiT on every rank (a bundle has its own)
+    overwrite: bool = False  # --overwrite: replace an existing clip and record (the preflight refused them otherwise)
+    trust: str | None = None  # --trust: the public key a bundle must be signed with
+
+
+class StepBar:
+    """The denoise progress bar of one request, an `on_step` callback: one bar, open from the first step to the last,
+    so neither the text encode before it nor the decode after it is counted in its rate."""
+
+    def __init__(self, desc: str = "denoise"):
+        self.desc, self.bar = desc, None
+
+    def __call__(self, i: int, n: int) -> None:
+        if self.bar is None:
+            self.bar = tqdm(total=n, initial=i - 1, desc=self.desc, unit="step", file=sys.stderr)
+        self.bar.update(1)
+        if i == n:
+            self.close()
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
 
 
 def rank_device(device_type: str) -> torch.device:
@@ -52,7 +74,8 @@ def load_rank_pipeline(job: Job, par: Parallel, device: torch.device):
     """This rank's pipeline: a bundle checked against the launched mesh, or the eager model with Ulysses blocks."""
     if job.engine:
         return H3Pipeline.load_engine(Path(job.model_root), device, job.canvas, mesh=par.config,
-                                      sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=job.vae_precision)
+                                      sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=job.vae_precision,
+                                      trust=job.trust)
     pipeline = H3Pipeline.load(Path(job.model_root), job.task, device, job.canvas, job.vae_precision,
                                loras=job.loras)
     if par.sp_group is not None:
@@ -82,20 +105,19 @@ def serve_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int)
     for prepared, output in mine:
         bar = None
         if par.writes and not job.quiet:
-            bar = tqdm(total=pipeline.schedule(prepared.request).num_evaluations, unit="step", file=sys.stderr,
-                       desc=f"denoise {Path(output).name} (replica {par.replica_index}, {_mesh_text(job.mesh)})")
+            bar = StepBar(f"denoise {Path(output).name} (replica {par.replica_index}, {_mesh_text(job.mesh)})")
         try:
+            mesh = {"replica": job.mesh.replica, "cfg": job.mesh.cfg, "sp": job.mesh.sp,
+                    "replica_index": par.replica_index}
             record = pipeline.generate(prepared, Path(output), crf=job.crf, write=par.writes,
-                                       on_step=(lambda i, n: bar.update(1)) if bar else None,
-                                       decode_group=par.decode_group)
+                                       on_step=bar, decode_group=par.decode_group, overwrite=job.overwrite,
+                                       finish=record_completer(prepared.request, job.model_name,
+                                                               {**job.record_extra, "mesh": mesh}))
         finally:
             if bar is not None:
                 bar.close()
         if par.writes:
-            record.update(job.record_extra)
-            record["mesh"] = {"replica": job.mesh.replica, "cfg": job.mesh.cfg, "sp": job.mesh.sp,
-                              "replica_index": par.replica_index}
-            finish_record(record, prepared.request, job.model_name, Path(output))
+            report_record(record, Path(output))
             records.append(record)
     return records
 
@@ -110,11 +132,19 @@ def serve_launched(rank: int, world: int, store: str, job: Job, num_heads: int) 
     serve_rank(rank, world, rank, job, num_heads)
 
 
-def finish_record(record: dict, request, model: str, output: Path) -> None:
-    """Write the record beside the MP4 (atomically) and print the summary."""
-    record["request"] = request_dict(request)
-    record["model"] = model
-    write_json_atomic(record_path(output), record)
+def record_completer(request, model: str, extra: dict | None = None):
+    """`finish` for H3Pipeline.generate: the request, what served it and `extra` (a bundle's identity, the mesh) go
+    into the record before it is committed with the MP4."""
+    def finish(record: dict) -> None:
+        record.update(extra or {})
+        record["request"] = request_dict(request)
+        record["model"] = model
+
+    return finish
+
+
+def report_record(record: dict, output: Path) -> None:
+    """Print the summary of a written clip."""
     print(f"wrote {output}: {record['frames']} frames {record['width']}x{record['height']} @ {record['fps']} fps, "
           f"{record['audio_samples'] / record['audio_sample_rate']:.3f} s stereo audio ({record['task']}, "
           f"seed {record['seed']})")

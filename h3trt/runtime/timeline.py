@@ -8,12 +8,13 @@ request, the host tail (decode and mux after the last denoise) and the idle gaps
 
 from __future__ import annotations
 
-import os
+import json
 from pathlib import Path
 
 import torch
 
-from .pipeline import StageTimer, write_json_atomic
+from .files import commit, discard, temp_path, write_json_atomic
+from .pipeline import StageTimer
 
 # Colour per stage (the PNG's legend order); a stage not listed here is refused rather than drawn grey.
 STAGE_COLOURS = {
@@ -61,23 +62,53 @@ def timeline_names(shard: tuple[int, int]) -> tuple[str, str]:
 
 def write_timeline(out_dir: Path, shard: tuple[int, int], rows: list[dict], summary: dict, png: bool,
                    started_unix: float) -> list[Path]:
-    """Write the JSON (and the PNG) atomically; `rows` are {"id", "status", "batch", "intervals"}."""
+    """Write the JSON (and the PNG) atomically; `rows` are {"id", "status", "batch", "intervals"}.
+
+    A resumed run keeps the earlier runs' rows: each run is listed in `runs` (its start and summary) and each row
+    says which run it belongs to, its intervals in seconds since that run started. `summary` and `started_unix` at
+    the top are the latest run's."""
     json_name, png_name = timeline_names(shard)
-    data = {"started_unix": started_unix, "clock": "seconds since the run started", "shard": list(shard),
-            "summary": summary,
-            "requests": [{**row, "intervals": [[s, round(a, 4), round(b, 4)] for s, a, b in row["intervals"]]}
-                         for row in rows]}
-    written = [Path(out_dir) / json_name]
-    write_json_atomic(written[0], data)
+    path = Path(out_dir) / json_name
+    runs, earlier = _earlier_runs(path)
+    run = len(runs)
+    runs.append({"started_unix": started_unix, "summary": summary})
+    data = {"started_unix": started_unix, "clock": "seconds since the row's run started", "shard": list(shard),
+            "summary": summary, "runs": runs,
+            "requests": earlier + [{**row, "run": run,
+                                    "intervals": [[s, round(a, 4), round(b, 4)] for s, a, b in row["intervals"]]}
+                                   for row in rows]}
+    written = [path]
+    write_json_atomic(path, data)
     if png:
         written.append(Path(out_dir) / png_name)
-        draw_timeline(rows, written[1], title=f"{summary['done']} done, {summary['failed']} failed, "
-                                              f"{summary['skipped']} skipped; {summary['clips_per_hour']:.1f} clips/h")
+        title = (f"{summary['done']} done, {summary['failed']} failed, {summary['skipped']} skipped; "
+                 f"{summary['clips_per_hour']:.1f} clips/h" + (f"; rows of {run + 1} runs" if run else ""))
+        draw_timeline(data["requests"], written[1], title=title)
     return written
 
 
+def _earlier_runs(path: Path) -> tuple[list[dict], list[dict]]:
+    """The runs and rows of an existing timeline (a file from before runs were kept counts as one run)."""
+    if not path.exists():
+        return [], []
+    try:
+        old = json.loads(path.read_text())
+        runs = old.get("runs") or [{"started_unix": old["started_unix"], "summary": old["summary"]}]
+        rows = [{**row, "run": row.get("run", 0)} for row in old["requests"]]
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return [], []  # unreadable: this run's timeline replaces it (the clips' own records are untouched)
+    return runs, rows
+
+
+def legend_stages(rows: list[dict]) -> list[str]:
+    """The stages the rows draw, in STAGE_COLOURS order: the legend names what is on the chart and nothing else."""
+    drawn = {stage for row in rows for stage, _, _ in row["intervals"]}
+    return [s for s in STAGE_COLOURS if s in drawn]
+
+
 def draw_timeline(rows: list[dict], path: Path, title: str = "") -> None:
-    """One horizontal row of coloured intervals per request, first request on top; written atomically."""
+    """One horizontal row of coloured intervals per request, first request on top; written atomically. Rows of
+    several runs are labelled with their run; the legend lists the stages drawn."""
     import matplotlib  # only a batch run that draws its timeline needs matplotlib (about a second to import)
 
     matplotlib.use("Agg")  # files only: never open a window, never need a display
@@ -89,18 +120,19 @@ def draw_timeline(rows: list[dict], path: Path, title: str = "") -> None:
     for y, row in enumerate(rows):
         for stage, start, end in row["intervals"]:
             ax.broken_barh([(start, max(end - start, 1e-4))], (y - 0.4, 0.8), color=STAGE_COLOURS[stage])
+    several = len({row.get("run", 0) for row in rows}) > 1
     ax.set_yticks(range(len(rows)), [f"{r['id']}{'' if r['status'] == 'done' else ' (' + r['status'] + ')'}"
-                                     for r in rows])
+                                     f"{' run ' + str(r.get('run', 0) + 1) if several else ''}" for r in rows])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds since the run started")
+    ax.set_xlabel("seconds since its run started" if several else "seconds since the run started")
     ax.set_title(title, fontsize=10)
-    ax.legend(handles=[Patch(color=c, label=s) for s, c in STAGE_COLOURS.items()], loc="upper left",
+    ax.legend(handles=[Patch(color=STAGE_COLOURS[s], label=s) for s in legend_stages(rows)], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    tmp = path.with_name(f".{path.name}.partial")
+    tmp = temp_path(path)
     try:
         fig.savefig(tmp, format="png", dpi=110)
-        os.replace(tmp, path)
+        commit([(tmp, path)], overwrite=True)
     finally:
         plt.close(fig)
-        tmp.unlink(missing_ok=True)
+        discard(tmp)

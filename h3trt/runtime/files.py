@@ -1,0 +1,415 @@
+"""Output files that are never lost, mixed up or left half-written: under concurrency, interruption and full disks.
+
+  * Temporary names are unique per process and live in the target's own folder: `.<name>.<host>-<pid>-<token>.partial`
+    (hidden, not ending in .mp4, on the target's filesystem so the final step is a rename). Two runs writing the same
+    target never share a temporary file, and a later run can tell a dead process's leftovers from a live one's.
+  * The final step never clobbers: a clip's MP4 and its JSON record are committed together, each with no-replace
+    semantics (renameat2 RENAME_NOREPLACE, or a hard link where the filesystem lacks it). If either target appeared
+    while the run was working, the run fails and removes what it wrote; it never replaces another run's files unless
+    `overwrite` (then the pair is replaced under a lock on the folder, so two overwriting runs cannot mix their files).
+  * A batch out-dir is locked for the whole run (`OUT/.h3trt-batch.lock`, which names the holder).
+  * Ctrl-C cannot split a commit: SIGINT is held back while the pair is renamed into place.
+  * `preflight_clip` / `preflight_out_dir` check a target before any model loads: the folder exists or is created,
+    is a folder, is writable, and has room for the clip's worst-case size.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import fcntl
+import json
+import os
+import re
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+BATCH_LOCK = ".h3trt-batch.lock"
+TEMP_SUFFIX = ".partial"
+_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
+# .<target name>.<host>-<pid>-<token>.partial
+_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})\.partial$")
+# Worst-case H.264 bits per pixel and frame at CRF 18: uniform noise, x264's worst case, measured 3.6 (1344x768,
+# preset veryfast, zerolatency) and 3.9 (the tiny model's 160x96 noise clips); 6 leaves room. Each 6 CRF steps below
+# 18 doubles it (x264's rule of thumb), capped above raw yuv420p (12 bits) plus container overhead.
+WORST_CASE_BITS_PER_PIXEL = 6.0
+AAC_BYTES_PER_SECOND = 160_000 // 8
+CONTAINER_SLACK_BYTES = 1 << 20  # index, headers, the JSON record
+
+
+class OutputError(RuntimeError):
+    """A target that cannot be written (one line: the file, what happened, what to do). Nothing was left behind."""
+
+
+class OutputRefused(OutputError):
+    """A preflight refusal, before any model loaded (the CLI exits 2, as for any bad input)."""
+
+
+class OutputExists(OutputError):
+    """A target appeared while this run was working: another run (or person) wrote it first; it was left alone."""
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Temporary names, and the leftovers of killed runs
+
+
+_LIVE: set[Path] = set()  # this process's temporary files not yet committed or removed
+_LIVE_LOCK = threading.Lock()
+
+
+def temp_path(target: Path) -> Path:
+    """A fresh temporary name for `target` in its folder, registered so an interrupt can remove it."""
+    target = Path(target)
+    path = target.with_name(f".{target.name}.{_HOST}-{os.getpid()}-{secrets.token_hex(4)}{TEMP_SUFFIX}")
+    with _LIVE_LOCK:
+        _LIVE.add(path)
+    return path
+
+
+def discard(path: Path) -> None:
+    """Remove a temporary file (if it exists) and forget it."""
+    try:
+        os.unlink(path)
+    except OSError:
+        if os.path.lexists(path):  # a read-only filesystem answers EROFS even for a file that is not there
+            raise
+    with _LIVE_LOCK:
+        _LIVE.discard(Path(path))
+
+
+def _forget(path: Path) -> None:
+    with _LIVE_LOCK:
+        _LIVE.discard(Path(path))
+
+
+def remove_own_temps() -> list[Path]:
+    """Remove every temporary file this process still has (called on the way out of an interrupt)."""
+    with _LIVE_LOCK:
+        paths = sorted(_LIVE)
+        _LIVE.clear()
+    for p in paths:
+        with contextlib.suppress(OSError):
+            p.unlink(missing_ok=True)
+    return paths
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # someone else's live process
+        return True
+    return True
+
+
+def remove_leftovers(folder: Path) -> list[Path]:
+    """Remove the temporary files that runs on this host left in `folder` when they were killed (their process is
+    gone). A live process's files, another host's, and anything not named like ours are left alone."""
+    removed = []
+    try:
+        entries = list(os.scandir(folder))
+    except OSError:
+        return removed
+    for entry in entries:
+        m = _TEMP_NAME.match(entry.name)
+        if m is None or m["host"] != _HOST or int(m["pid"]) == os.getpid() or _alive(int(m["pid"])):
+            continue
+        with contextlib.suppress(OSError):
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path)
+            else:
+                os.unlink(entry.path)
+            removed.append(Path(entry.path))
+    return removed
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The no-clobber final step
+
+
+RENAME_NOREPLACE = 1
+AT_FDCWD = -100
+_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+_renameat2 = getattr(_libc, "renameat2", None)
+
+
+def rename_noreplace(src: Path, dst: Path) -> None:
+    """Rename `src` onto `dst` only if `dst` does not exist (FileExistsError otherwise), atomically.
+
+    renameat2(RENAME_NOREPLACE) on Linux; where the filesystem or libc lacks it, a hard link (which fails if `dst`
+    exists) and an unlink of `src`: the same guarantee, with a moment where both names exist."""
+    if _renameat2 is not None:
+        if _renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
+            return
+        err = ctypes.get_errno()
+        if err == errno.EEXIST:
+            raise FileExistsError(err, os.strerror(err), str(dst))
+        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+            raise OSError(err, os.strerror(err), str(dst))
+    try:
+        os.link(src, dst)
+    except OSError as e:
+        if e.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP) and not os.path.lexists(dst):
+            raise OutputError(f"{dst}: this filesystem supports neither renameat2(RENAME_NOREPLACE) nor hard links, "
+                              "so h3trt cannot write it without risking another run's file; write to another "
+                              "filesystem, or pass --overwrite.") from None
+        raise
+    os.unlink(src)
+
+
+class InterruptedAfterCommit(KeyboardInterrupt):
+    """Ctrl-C arrived during a commit, which finished first: `targets` were written."""
+
+    def __init__(self, targets: list[Path]):
+        super().__init__()
+        self.targets = targets
+
+
+@contextlib.contextmanager
+def interrupts_held():
+    """Hold back SIGINT (Ctrl-C) for the block and deliver it afterwards, so a commit is never cut in half. Only the
+    main thread receives signals; elsewhere this does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield None
+        return
+    pending = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
+    try:
+        yield pending
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def join_holding_interrupts(thread: threading.Thread) -> bool:
+    """Join `thread` with Ctrl-C held back; True if one arrived meanwhile (the caller raises KeyboardInterrupt).
+
+    Why not retry `thread.join()` after a KeyboardInterrupt: on Python 3.11 an interrupted join can mark the thread
+    stopped while it still runs (the bpo-45274 fix releases the thread's own lock), so the retry returns at once and
+    the process exits under a thread inside torch or FFmpeg: "terminate called without an active exception"."""
+    with interrupts_held() as pending:
+        thread.join()
+    return bool(pending)
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive flock on the folder itself (no lock file left behind), held while an --overwrite commit replaces
+    a pair of files."""
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        except OSError as e:
+            raise OutputError(f"{folder}: cannot lock the folder to replace files together ({e.strerror}; NFS "
+                              "cannot lock folders); remove the old files and run without --overwrite.") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def commit(pairs: list[tuple[Path, Path]], overwrite: bool = False) -> None:
+    """Move finished temporary files onto their targets, all or none: [(temp, target), ...] in order.
+
+    Without `overwrite` each rename is no-replace; if a target exists (it appeared after the preflight), the targets
+    committed so far are taken back (only while they are still this run's file), every temporary file is removed, and
+    OutputExists names the target. With `overwrite` the targets are replaced under a lock on their folder.
+    SIGINT waits until the commit is over; then InterruptedAfterCommit says what was written."""
+    committed = False
+    with interrupts_held() as pending:
+        done: list[tuple[Path, os.stat_result]] = []
+        try:
+            if overwrite:
+                with _folder_lock(Path(pairs[0][1]).parent):
+                    for temp, target in pairs:
+                        os.replace(temp, target)
+                        _forget(temp)
+            else:
+                for temp, target in pairs:
+                    mine = os.stat(temp)
+                    try:
+                        rename_noreplace(temp, target)
+                    except FileExistsError:
+                        _take_back(done)
+                        raise OutputExists(f"{target} appeared while this run was writing it (another run?); it was "
+                                           "left as it is and this run's output was removed. Choose another output, "
+                                           "or pass --overwrite.") from None
+                    _forget(temp)
+                    done.append((Path(target), mine))
+            committed = True
+        except OSError as e:
+            _take_back(done)
+            raise OutputError(f"{e.filename or pairs[0][1]}: could not be written ({e.strerror}); this run's files "
+                              "were removed.") from None
+        finally:
+            for temp, _ in pairs:
+                discard(temp)
+    if pending:
+        if committed:
+            raise InterruptedAfterCommit([Path(t) for _, t in pairs])
+        raise KeyboardInterrupt
+
+
+def _take_back(done: list[tuple[Path, os.stat_result]]) -> None:
+    """Remove targets this commit already renamed into place, each only while it is still the same file."""
+    for path, st in done:
+        with contextlib.suppress(OSError):
+            now = os.stat(path)
+            if (now.st_ino, now.st_dev) == (st.st_ino, st.st_dev):
+                os.unlink(path)
+
+
+def write_json_file(path: Path, data: dict) -> Path:
+    """`data` as JSON in a fresh temporary file beside `path` (not committed); returns the temporary path."""
+    tmp = temp_path(path)
+    try:
+        tmp.write_text(json.dumps(data, indent=1))
+    except OSError as e:
+        discard(tmp)
+        raise OutputError(f"{path}: could not be written ({e.strerror}); its temporary file was removed.") from None
+    except BaseException:
+        discard(tmp)
+        raise
+    return tmp
+
+
+def write_json_atomic(path: Path, data: dict, overwrite: bool = True) -> None:
+    """Write JSON under a unique temporary name and rename it into place (replacing, unless `overwrite=False`)."""
+    path = Path(path)
+    commit([(write_json_file(path, data), path)], overwrite=overwrite)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Preflight: before any model loads
+
+
+def estimated_clip_bytes(width: int, height: int, num_frames: int, fps: int, crf: int = 18) -> int:
+    """An upper bound on a clip's MP4 size (worst-case content at this CRF; see WORST_CASE_BITS_PER_PIXEL)."""
+    bits = min(16.0, WORST_CASE_BITS_PER_PIXEL * 2.0 ** ((18 - crf) / 6.0))
+    video = width * height * num_frames * bits / 8
+    return int(video + AAC_BYTES_PER_SECOND * num_frames / fps + CONTAINER_SLACK_BYTES)
+
+
+def _make_folder(folder: Path, what: str) -> None:
+    """Create `folder` (and its parents) unless it exists; refuse a file on the way, one line."""
+    for parent in (folder, *folder.parents):
+        if parent.exists():
+            if not parent.is_dir():
+                raise OutputRefused(f"{what}: {parent} is a file, not a folder; choose another location.")
+            break
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise OutputRefused(f"{what}: cannot create the folder {folder} ({e.strerror}); create it or choose another "
+                          "location.") from None
+
+
+def _check_writable(folder: Path, what: str) -> None:
+    probe = temp_path(folder / "probe")
+    try:
+        fd = os.open(probe, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+        os.close(fd)
+    except OSError as e:
+        raise OutputRefused(f"{what}: the folder {folder} is not writable ({e.strerror}); choose another location."
+                          ) from None
+    finally:
+        discard(probe)
+
+
+def _check_space(folder: Path, need: int, what: str) -> None:
+    free = shutil.disk_usage(folder).free
+    if free < need:
+        raise OutputRefused(f"{what}: {folder} has {free / 1e6:.1f} MB free, and the clip may need up to "
+                          f"{need / 1e6:.1f} MB (worst-case content); free some space or choose another location.")
+
+
+def preflight_clip(mp4: Path, record: Path, overwrite: bool, need_bytes: int) -> None:
+    """Before any model loads: the folder is created if missing, is writable and has `need_bytes` free; neither the
+    MP4 nor its record is a folder; neither exists unless `overwrite`. Leftovers of killed runs are removed."""
+    mp4, record = Path(mp4), Path(record)
+    for path in (mp4, record):
+        if path.is_dir():
+            raise OutputRefused(f"{path} is a folder; --output must name a file (e.g. {path / 'clip.mp4'}).")
+    folder = mp4.parent
+    _make_folder(folder, str(mp4))
+    remove_leftovers(folder)
+    if not overwrite:
+        existing = [str(p) for p in (mp4, record) if p.exists()]
+        if existing:
+            raise OutputRefused(f"{' and '.join(existing)} already exist{'s' if len(existing) == 1 else ''}; pass "
+                              "--overwrite to replace the clip and its record, or choose another --output.")
+    _check_writable(folder, str(mp4))
+    _check_space(folder, need_bytes, str(mp4))
+
+
+def preflight_out_dir(out_dir: Path, need_bytes: int) -> None:
+    """Before any model loads: --out-dir is a folder (created if missing), writable, with room for its largest clip."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not out_dir.is_dir():
+        raise OutputRefused(f"--out-dir {out_dir} is a file; pass a folder (created if missing).")
+    _make_folder(out_dir, f"--out-dir {out_dir}")
+    remove_leftovers(out_dir)
+    _check_writable(out_dir, f"--out-dir {out_dir}")
+    _check_space(out_dir, need_bytes, f"--out-dir {out_dir}")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The batch out-dir lock
+
+
+class OutputBusy(OutputRefused):
+    """Another run holds the out-dir."""
+
+
+@dataclass
+class BatchLock:
+    """An exclusive lock on a batch out-dir for the whole run: flock on OUT/.h3trt-batch.lock, whose content names the
+    holder (pid, host, start time, command). The lock dies with its process, so a killed run never blocks the next;
+    the file stays (empty once released)."""
+
+    out_dir: Path
+    _fd: int | None = None
+
+    def __enter__(self) -> BatchLock:
+        path = Path(self.out_dir) / BATCH_LOCK
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:
+            raise OutputRefused(f"--out-dir {self.out_dir}: cannot create its lock file ({e.strerror}).") from None
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
+            os.close(fd)
+            try:
+                h = json.loads(holder)
+                who = (f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}")
+            except (ValueError, KeyError, TypeError):
+                who = "a run that is just starting"
+            raise OutputBusy(f"--out-dir {self.out_dir} is in use by another h3trt batch ({who}); wait for it to "
+                             "finish, or pass another --out-dir.") from None
+        except OSError as e:
+            os.close(fd)
+            raise OutputRefused(f"--out-dir {self.out_dir}: cannot lock it ({e.strerror}).") from None
+        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
+                             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                             "command": " ".join(["h3trt", *sys.argv[1:]])[:1000]})
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, holder.encode(), 0)
+        self._fd = fd
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._fd is not None:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._fd, 0)
+            os.close(self._fd)  # releases the flock
+            self._fd = None

@@ -1,0 +1,124 @@
+"""Every bad input is one line, exit status 2, before any model loads, and leaves no file: seeds, non-UTF-8 text,
+oversized images, outputs that are folders or under files, prompts over the token budget, durations."""
+
+import json
+import struct
+import time
+import zlib
+from pathlib import Path
+
+import pytest
+
+from h3trt.cli import main
+from h3trt.runtime.pipeline import MAX_PROMPT_TOKENS
+
+FAST_S = 20  # a refusal comes before any model load: well under a tiny run on a loaded 2-core machine
+
+
+def huge_png(path: Path, width=20000, height=20000) -> Path:
+    """A PNG whose header claims width x height (the pixel data is a stub: the header is all a refusal may read)."""
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(kind + data))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    path.write_bytes(b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 64))
+                     + chunk(b"IEND", b""))
+    return path
+
+
+def _one_line_refusal(capsys, argv, message, cwd: Path):
+    before = sorted(p.name for p in cwd.rglob("*"))
+    start = time.perf_counter()
+    code = main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    err = [line for line in err if "tiny default model" not in line]
+    assert code == 2 and len(err) == 1 and err[0].startswith("h3trt: error: ") and message in err[0], (code, err)
+    assert time.perf_counter() - start < FAST_S
+    assert sorted(p.name for p in cwd.rglob("*")) == before  # nothing written, nothing left behind
+    return err[0]
+
+
+@pytest.mark.parametrize("extra, message", [
+    (["--seed", str(2 ** 64)], "seed 18446744073709551616 is outside [-2^63, 2^64)"),
+    (["--seed", str(-2 ** 63 - 1)], "is outside [-2^63, 2^64)"),
+    (["--prompt", "a fox \udcff\udcfe"], "The prompt is not valid UTF-8 (byte 0xff at position 6)"),
+    (["--image", "big.png"], "big.png is over h3trt's input limit of 67,108,864 pixels"),
+    (["--image", "wide.png"], "wide.png is 9000x8000 (72,000,000 pixels), over h3trt's input limit"),
+    (["--ref", "big.png"], "over h3trt's input limit"),
+    (["--prompt", "fox " * (MAX_PROMPT_TOKENS + 1)], f"at most {MAX_PROMPT_TOKENS} tokens"),
+    (["--duration", "15"], "takes 5 to 14.375 s"),
+    (["--width", "-32", "--height", "96"], "(for example 32x96)"),
+])
+def test_bad_request_is_one_line_before_any_load(tmp_path, tiny_root, capsys, monkeypatch, extra, message):
+    monkeypatch.chdir(tmp_path)
+    huge_png(tmp_path / "big.png")
+    huge_png(tmp_path / "wide.png", 9000, 8000)  # under PIL's own guard, over h3trt's limit
+    argv = ["run", "--prompt", "x", "--output", "out.mp4", "--quiet", *extra]
+    if "--prompt" in extra:
+        argv = ["run", "--output", "out.mp4", "--quiet", *extra]
+    _one_line_refusal(capsys, argv, message, tmp_path)
+
+
+@pytest.mark.parametrize("output, overwrite, message", [
+    ("d.mp4", True, "d.mp4 is a folder"),  # even with --overwrite
+    ("afile/c.mp4", False, "afile is a file, not a folder"),
+    ("keep.mp4", False, "keep.mp4 and keep.json already exist"),
+    ("only.mp4", False, "only.json already exists"),  # the record alone is protected too
+    (".mp4", False, "has no file name before the extension"),
+])
+def test_bad_output_is_one_line_before_any_load(tmp_path, tiny_root, capsys, monkeypatch, output, overwrite,
+                                                message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "d.mp4").mkdir()
+    (tmp_path / "afile").write_text("a file")
+    (tmp_path / "keep.mp4").write_bytes(b"precious")
+    (tmp_path / "keep.json").write_text("{}")
+    (tmp_path / "only.json").write_text('{"mine": 1}')
+    argv = ["run", "--prompt", "x", "--output", output, "--quiet"] + (["--overwrite"] if overwrite else [])
+    _one_line_refusal(capsys, argv, message, tmp_path)
+    assert (tmp_path / "keep.mp4").read_bytes() == b"precious" and (tmp_path / "only.json").read_text() == '{"mine": 1}'
+    assert (tmp_path / "afile").read_text() == "a file" and (tmp_path / "d.mp4").is_dir()
+
+
+def test_a_missing_output_folder_is_created(tmp_path, tiny_root, capsys, monkeypatch):
+    """The folder is made before the run (then a bad request still refuses with one line)."""
+    monkeypatch.chdir(tmp_path)
+    assert main(["run", "--prompt", "x", "--output", "new/deeper/c.mp4", "--quiet", "--model", "no/such"]) == 2
+    assert "no/such does not exist" in capsys.readouterr().err
+    _one_line_refusal(capsys, ["run", "--prompt", "x", "--output", "new/deeper/c.mp4", "--quiet", "--model",
+                               "no/such"], "does not exist", tmp_path)
+    assert (tmp_path / "new" / "deeper").is_dir() and list((tmp_path / "new" / "deeper").iterdir()) == []
+
+
+def test_bad_jsonl_lines_are_named_with_file_and_line(tmp_path, tiny_root, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    base = {"task": "t2va", "prompt": "ok", "resolution": "128x32", "steps": 2}
+    lines = [json.dumps({**base, "id": "a"}).encode(),
+             json.dumps({**base, "id": "b"}).encode().replace(b'"ok"', b'"o\xff\xfek"'),
+             json.dumps({**base, "id": "c", "seed": 2 ** 70}).encode(),
+             json.dumps({**base, "id": "d", "seed": -2 ** 63}).encode()]  # the lowest seed is fine
+    path = tmp_path / "b.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    err = _one_line_refusal(capsys, ["run", "--requests", str(path), "--out-dir", "out", "--quiet"],
+                            f"{path}: 2 bad line(s), nothing was run: {path}:2: not valid UTF-8 (byte 0xff at "
+                            "column", tmp_path)
+    assert f"{path}:3: seed 1180591620717411303424 is outside [-2^63, 2^64)" in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_jsonl_prompt_over_the_token_budget_is_named(tmp_path, tiny_root, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = tmp_path / "b.jsonl"
+    path.write_text(json.dumps({"id": "a", "task": "t2va", "prompt": "fox " * (MAX_PROMPT_TOKENS + 5)}) + "\n")
+    _one_line_refusal(capsys, ["run", "--requests", str(path), "--out-dir", "out", "--quiet"],
+                      f"{path}:1: the prompt has", tmp_path)
+
+
+def test_an_out_dir_that_is_a_file_is_refused(tmp_path, tiny_root, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").write_text("a file")
+    path = tmp_path / "b.jsonl"
+    path.write_text(json.dumps({"id": "a", "task": "t2va", "prompt": "x"}) + "\n")
+    _one_line_refusal(capsys, ["run", "--requests", str(path), "--out-dir", "out", "--quiet"],
+                      "--out-dir out is a file", tmp_path)
+    assert (tmp_path / "out").read_text() == "a file"
