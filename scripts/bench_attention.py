@@ -42,6 +42,7 @@ sys.path.insert(0, str(ROOT))
 
 from h3trt.models.attention import attention, kernel_problem  # noqa: E402
 from h3trt.calibration.formats import FP8, fp8_scale, quantize_fp8  # noqa: E402
+from h3trt.build.attention_choice import median_cuda_ms  # noqa: E402
 from h3trt.calibration.fp8_attention import (attention_calibration_tensors, center_rows, cudnn_fp8_attention,  # noqa: E402
                                       cudnn_fp8_plans, fp8_sdpa)
 
@@ -49,25 +50,15 @@ ROWS, HEAD_DIM, REF_ROWS, REF_HEADS = 37_838, 128, 1024, 8
 
 
 def timed(fn, device: torch.device, n=10, warm=3) -> float:
-    for _ in range(warm):
+    if device.type != "cuda":  # the CPU check: the script runs, the numbers mean nothing
         fn()
-    if device.type != "cuda":
         times = []
         for _ in range(2):
             t0 = time.perf_counter()
             fn()
             times.append((time.perf_counter() - t0) * 1e3)
         return min(times)
-    torch.cuda.synchronize(device)
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize(device)
-        times.append(a.elapsed_time(b))
-    return sorted(times)[n // 2]
+    return median_cuda_ms(fn, n, warm, device)
 
 
 def reference_rows(q, k, v, rows: torch.Tensor, heads: int) -> torch.Tensor:

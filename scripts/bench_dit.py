@@ -32,22 +32,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from h3trt.build.attention_choice import median_cuda_ms  # noqa: E402
+
 TEXT, LATENT_T, LATENT_H, LATENT_W, AUDIO = 128, 37, 48, 84, 207
 
 
 def bench(fn, n=5, warm=2) -> float:
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(n):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return sorted(times)[n // 2]
+    return median_cuda_ms(fn, n, warm)
 
 
 def env() -> dict:

@@ -111,15 +111,20 @@ def measure_kernel_ms(kernel: str, precision: str, shape: AttentionShape, device
         def run():
             return attention(q, k, v, kernel)
     with torch.no_grad():
-        for _ in range(BENCH_WARMUP):
-            run()
+        return median_cuda_ms(run, BENCH_ITERS, BENCH_WARMUP, device)
+
+
+def median_cuda_ms(fn, iters: int, warmup: int, device=None) -> float:
+    """Median of `iters` CUDA-event timings of fn() after `warmup` calls, in ms (the benches use it too)."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize(device)
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
         torch.cuda.synchronize(device)
-        times = []
-        for _ in range(BENCH_ITERS):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            run()
-            end.record()
-            torch.cuda.synchronize(device)
-            times.append(start.elapsed_time(end))
+        times.append(start.elapsed_time(end))
     return sorted(times)[len(times) // 2]
