@@ -49,9 +49,9 @@ class _Recording:
         self.dit, self.cfg = dit, dit.cfg
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):
         self.inputs.append((video[0].float().cpu(), audio[0].float().cpu()))
-        return self.dit(video, audio, text, unique_t, t_index, layout)
+        return self.dit(video, audio, text, unique_t, t_index, layout, **kwargs)  # kwargs: the step cache
 
 
 def read_requests(path: Path) -> list[dict]:
