@@ -69,6 +69,18 @@ def tiny_root(tiny_cache):
     return ensure_tiny_checkpoint()
 
 
+@pytest.fixture
+def no_model_load(monkeypatch):
+    """Fails the test if anything loads a model or a bundle: what a refusal "before any model loads" promises."""
+    from h3trt.runtime.pipeline import H3Pipeline
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a model was loaded before the refusal")
+
+    monkeypatch.setattr(H3Pipeline, "load", refuse)
+    monkeypatch.setattr(H3Pipeline, "load_engine", refuse)
+
+
 @pytest.fixture(scope="session")
 def signing_keys(tmp_path_factory):
     """Two Ed25519 key pairs as `h3trt keygen` makes them, {name: (private, public)}: the builder's and another's."""

@@ -7,7 +7,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import pytest
@@ -104,7 +103,7 @@ def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
 
 
 @pytest.mark.multiproc
-def test_a_second_batch_on_one_out_dir_is_refused_naming_the_first(tmp_path, capsys, tiny_root):
+def test_a_second_batch_on_one_out_dir_is_refused_naming_the_first(tmp_path, capsys, tiny_root, no_model_load):
     """A real second process holds the out-dir; the CLI's batch gets one line naming it, before any model loads."""
     from h3trt.cli import main
 
@@ -118,11 +117,9 @@ def test_a_second_batch_on_one_out_dir_is_refused_naming_the_first(tmp_path, cap
         requests = tmp_path / "b.jsonl"
         requests.write_text(json.dumps({"id": "a", "task": "t2va", "prompt": "x", "resolution": "128x32",
                                         "steps": 2}) + "\n")
-        start = time.perf_counter()
         assert main(["run", "--requests", str(requests), "--out-dir", str(out), "--quiet"]) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and "is in use by another h3trt batch" in err[0] and f"pid {holder.pid}" in err[0], err
-        assert time.perf_counter() - start < 10  # refused before any model load
         with pytest.raises(OutputBusy):
             BatchLock(out).__enter__()
     finally:

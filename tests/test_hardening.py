@@ -107,15 +107,13 @@ def _tmpfs(path: Path, size: str, read_only: bool = False):
         subprocess.run(["umount", "-l", str(path)], check=True)
 
 
-def test_unwritable_and_full_folders_are_refused_before_any_load(tmp_path, tiny_root, capsys):
+def test_unwritable_and_full_folders_are_refused_before_any_load(tmp_path, tiny_root, no_model_load, capsys):
     with _tmpfs(tmp_path / "ro", "1m", read_only=True) as ro, _tmpfs(tmp_path / "small", "300k") as small:
-        start = time.perf_counter()
         assert main(["run", "--prompt", "x", "--output", str(ro / "c.mp4"), *SMALL]) == 2
         assert main(["run", "--prompt", "x", "--output", str(small / "c.mp4"), *SMALL]) == 2
         requests = tmp_path / "b.jsonl"
         requests.write_text(json.dumps({"id": "a", "task": "t2va", "prompt": "x", "resolution": "128x32"}) + "\n")
         assert main(["run", "--requests", str(requests), "--out-dir", str(small / "out"), "--quiet"]) == 2
-        assert time.perf_counter() - start < 20  # no model was loaded
         err = _errors(capsys.readouterr().err)
         assert len(err) == 3, err
         assert f"the folder {ro} is not writable" in err[0]

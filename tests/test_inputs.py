@@ -3,7 +3,6 @@ oversized images, outputs that are folders or under files, prompts over the toke
 
 import json
 import struct
-import time
 import zlib
 from pathlib import Path
 
@@ -12,7 +11,6 @@ import pytest
 from h3trt.cli import main
 from h3trt.runtime.pipeline import MAX_PROMPT_TOKENS
 
-FAST_S = 20  # a refusal comes before any model load: well under a tiny run on a loaded 2-core machine
 
 
 def huge_png(path: Path, width=20000, height=20000) -> Path:
@@ -28,12 +26,10 @@ def huge_png(path: Path, width=20000, height=20000) -> Path:
 
 def _one_line_refusal(capsys, argv, message, cwd: Path):
     before = sorted(p.name for p in cwd.rglob("*"))
-    start = time.perf_counter()
     code = main(argv)
     err = capsys.readouterr().err.strip().splitlines()
     err = [line for line in err if "tiny default model" not in line]
     assert code == 2 and len(err) == 1 and err[0].startswith("h3trt: error: ") and message in err[0], (code, err)
-    assert time.perf_counter() - start < FAST_S
     assert sorted(p.name for p in cwd.rglob("*")) == before  # nothing written, nothing left behind
     return err[0]
 
@@ -49,7 +45,7 @@ def _one_line_refusal(capsys, argv, message, cwd: Path):
     (["--duration", "15"], "takes 5 to 14.375 s"),
     (["--width", "-32", "--height", "96"], "(for example 32x96)"),
 ])
-def test_bad_request_is_one_line_before_any_load(tmp_path, tiny_root, capsys, monkeypatch, extra, message):
+def test_bad_request_is_one_line_before_any_load(tmp_path, tiny_root, no_model_load, capsys, monkeypatch, extra, message):
     monkeypatch.chdir(tmp_path)
     huge_png(tmp_path / "big.png")
     huge_png(tmp_path / "wide.png", 9000, 8000)  # under PIL's own guard, over h3trt's limit
@@ -66,7 +62,7 @@ def test_bad_request_is_one_line_before_any_load(tmp_path, tiny_root, capsys, mo
     ("only.mp4", False, "only.json already exists"),  # the record alone is protected too
     (".mp4", False, "has no file name before the extension"),
 ])
-def test_bad_output_is_one_line_before_any_load(tmp_path, tiny_root, capsys, monkeypatch, output, overwrite,
+def test_bad_output_is_one_line_before_any_load(tmp_path, tiny_root, no_model_load, capsys, monkeypatch, output, overwrite,
                                                 message):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "d.mp4").mkdir()
@@ -80,7 +76,7 @@ def test_bad_output_is_one_line_before_any_load(tmp_path, tiny_root, capsys, mon
     assert (tmp_path / "afile").read_text() == "a file" and (tmp_path / "d.mp4").is_dir()
 
 
-def test_a_missing_output_folder_is_created(tmp_path, tiny_root, capsys, monkeypatch):
+def test_a_missing_output_folder_is_created(tmp_path, tiny_root, no_model_load, capsys, monkeypatch):
     """The folder is made before the run (then a bad request still refuses with one line)."""
     monkeypatch.chdir(tmp_path)
     assert main(["run", "--prompt", "x", "--output", "new/deeper/c.mp4", "--quiet", "--model", "no/such"]) == 2
@@ -90,7 +86,7 @@ def test_a_missing_output_folder_is_created(tmp_path, tiny_root, capsys, monkeyp
     assert (tmp_path / "new" / "deeper").is_dir() and list((tmp_path / "new" / "deeper").iterdir()) == []
 
 
-def test_bad_jsonl_lines_are_named_with_file_and_line(tmp_path, tiny_root, capsys, monkeypatch):
+def test_bad_jsonl_lines_are_named_with_file_and_line(tmp_path, tiny_root, no_model_load, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     base = {"task": "t2va", "prompt": "ok", "resolution": "128x32", "steps": 2}
     lines = [json.dumps({**base, "id": "a"}).encode(),
@@ -106,7 +102,7 @@ def test_bad_jsonl_lines_are_named_with_file_and_line(tmp_path, tiny_root, capsy
     assert not (tmp_path / "out").exists()
 
 
-def test_a_jsonl_prompt_over_the_token_budget_is_named(tmp_path, tiny_root, capsys, monkeypatch):
+def test_a_jsonl_prompt_over_the_token_budget_is_named(tmp_path, tiny_root, no_model_load, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     path = tmp_path / "b.jsonl"
     path.write_text(json.dumps({"id": "a", "task": "t2va", "prompt": "fox " * (MAX_PROMPT_TOKENS + 5)}) + "\n")
@@ -114,7 +110,7 @@ def test_a_jsonl_prompt_over_the_token_budget_is_named(tmp_path, tiny_root, caps
                       f"{path}:1: the prompt has", tmp_path)
 
 
-def test_an_out_dir_that_is_a_file_is_refused(tmp_path, tiny_root, capsys, monkeypatch):
+def test_an_out_dir_that_is_a_file_is_refused(tmp_path, tiny_root, no_model_load, capsys, monkeypatch):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out").write_text("a file")
     path = tmp_path / "b.jsonl"
