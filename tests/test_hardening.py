@@ -164,3 +164,29 @@ def test_an_interrupted_batch_says_what_finished(tmp_path, tiny_root, capsys, mo
     names = sorted(os.listdir(out))
     assert names == [".h3trt-batch.lock", "a.json", "a.mp4", "timeline.json", "timeline.png"], names
     assert json.loads((out / "a.json").read_text())["status"] == "done"
+
+
+def test_the_audio_vae_loads_without_torchs_weight_norm_warning(tiny_root):
+    """diffusers builds the audio VAE with torch.nn.utils.weight_norm, whose FutureWarning every run used to print."""
+    import warnings
+
+    from h3trt.models.vae_checkpoint import load_audio_vae
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        load_audio_vae(tiny_root / "FL2VA")
+    assert not [w for w in caught if "weight_norm" in str(w.message)]
+
+
+def test_one_denoise_bar_open_only_over_the_steps(capsys):
+    from h3trt.runtime.serve import StepBar
+
+    bar = StepBar()
+    assert capsys.readouterr().err == ""  # nothing before the first step (text encode, loading)
+    for i in range(1, 4):
+        bar(i, 3)
+    assert bar.bar is None  # closed at the last step, before the decode
+    err = capsys.readouterr().err
+    assert err.count("denoise") >= 1 and "3/3" in err.split("\r")[-1]
+    bar.close()  # closing again (the caller's finally) draws nothing
+    assert capsys.readouterr().err == ""
