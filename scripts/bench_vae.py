@@ -641,7 +641,7 @@ def main() -> None:
                       help="also run the fresh-process bundle check on the fp8 decoder (bf16's always runs; ~20 s)")
     axis.add_argument("--audio-compile", choices=("auto", "always", "never"), default="auto",
                       help=f"compile the audio decoder too: auto = when its eager decode is over "
-                           f"{AUDIO_COMPILE_FRACTION:.0%} of the bf16 video decode")
+                           f"{100 * AUDIO_COMPILE_FRACTION:.0f}%% of the video decode stage")
     par = parser.add_argument_group("tile-parallel phases (--gpus N >= 2)")
     par.add_argument("--repeats", type=int, default=3)
     par.add_argument("--vae-precision", choices=tuple(VAE_PRECISIONS), default="bf16",
