@@ -330,26 +330,52 @@ def _diffusers_clip(model, z: torch.Tensor) -> torch.Tensor:
     return (frames * 255.0).round().to(torch.uint8)
 
 
-def _compile_decoders(video: VideoVAE, z: torch.Tensor, work: Path, options: dict) -> tuple[dict, float]:
+def _compile_decoders(video: VideoVAE, z: torch.Tensor, work: Path, options: dict,
+                      fresh_check: dict | None = None) -> tuple[dict, float]:
     """The bundle's path for every tile shape of `z`: in / block / out segments compiled (inductor), saved, loaded.
-    Returns ({key: (segments, entries)}, compile seconds)."""
+    Returns ({key: (segments, entries)}, compile seconds). With `fresh_check` (a dict to fill), the saved segments are
+    first loaded and checked in a fresh process under the no-compile guard, exactly as `h3trt build` checks a bundle
+    before writing it, with the Inductor cache as it stood right after compiling (nothing run or loaded here yet)."""
     from h3trt.build.backends import compile_segment
-    from h3trt.engines.loaders import load_segment
     from h3trt.build.builder import video_decoder_specs
+    from h3trt.engines.loaders import load_segment
     from h3trt.engines.video_decoder import parse_video_decoder_name
 
     shapes = video.tile_shapes(*z.shape[2:])
     start = time.perf_counter()
     specs, examples = video_decoder_specs(video, shapes)
     (work / "segments").mkdir(parents=True, exist_ok=True)
+    entries = {name: {"name": name, **compile_segment("inductor", spec, examples[name], work / "segments", options),
+                      "inputs": spec.inputs, "weights": spec.weights}
+               for name, spec in specs.items()}
+    compile_s = time.perf_counter() - start
+    if fresh_check is not None:
+        fresh_check.update(_fresh_process_check(video, work, entries, examples, specs))
     out: dict = {}
-    for name, spec in specs.items():
+    for name, entry in entries.items():
         part, key = parse_video_decoder_name(name)
-        entry = {"name": name, **compile_segment("inductor", spec, examples[name], work / "segments", options),
-                 "weights": spec.weights}
-        segments, entries = out.setdefault(key, ({}, {}))
-        segments[part], entries[part] = load_segment("inductor", entry, work, video.device), entry
-    return out, time.perf_counter() - start
+        segments, bound = out.setdefault(key, ({}, {}))
+        segments[part], bound[part] = load_segment("inductor", entry, work, video.device), entry
+    return out, compile_s
+
+
+def _fresh_process_check(video: VideoVAE, work: Path, entries: dict, examples: dict, specs: dict) -> dict:
+    """h3trt build's step 5 on these segments: `_verify_in_subprocess` over a copy of this process's Inductor cache
+    (the bundle's inductor_cache/). Whether a full-size decoder compiled here would ship as a loadable bundle."""
+    import shutil
+
+    from h3trt.build.builder import BuildConfig, BuildError, _verify_in_subprocess
+
+    start = time.perf_counter()
+    cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    shutil.copytree(cache, work / "inductor_cache", dirs_exist_ok=True)
+    config = BuildConfig(work, work / "unused", device=str(video.device.type), vae_precision=video.precision)
+    try:
+        _verify_in_subprocess(work, config, entries, examples, specs)
+        result = {"fresh_process_load": "ok"}
+    except BuildError as e:
+        result = {"fresh_process_load": "FAILED", "fresh_process_error": str(e)[-1500:]}
+    return {**result, "fresh_process_check_s": time.perf_counter() - start}
 
 
 def _serve(video: VideoVAE, compiled: dict, cuda_graph: bool) -> VideoVAE:
@@ -448,9 +474,11 @@ def precision_axis(args) -> dict:
 
         # 4-7. Compiled, launched and replayed as one CUDA graph per tile (bitwise equal); the faster is "chosen". A
         # row that raises is recorded with its error and the run goes on: one GPU run has to answer every question.
-        def compiled_rows(name: str, video: VideoVAE, graphs=(False, True)) -> tuple[dict | None, dict | None]:
+        def compiled_rows(name: str, video: VideoVAE, graphs=(False, True),
+                          fresh: bool = False) -> tuple[dict | None, dict | None]:
+            check = {} if fresh else None
             try:
-                compiled, compile_s = _compile_decoders(video, z, work / name.replace(" ", "_"), options)
+                compiled, compile_s = _compile_decoders(video, z, work / name.replace(" ", "_"), options, check)
             except Exception as e:  # noqa: BLE001 - recorded in the result, printed
                 failed(name, video.precision, "compiled", e)
                 return None, None
@@ -461,7 +489,7 @@ def precision_axis(args) -> dict:
                     _serve(video, compiled, graph)
                     frames_of[graph] = _window_frames(video, z1)  # warm-up (and capture)
                     row = add(name, video.precision, mode, _clip_s(video, z), False, frames_of[graph],
-                              compile_s=compile_s, cuda_graph=graph)
+                              compile_s=compile_s, cuda_graph=graph, **(check or {}))
                 except Exception as e:  # noqa: BLE001
                     failed(name, video.precision, mode, e)
                     continue
@@ -472,7 +500,7 @@ def precision_axis(args) -> dict:
                 best["chosen"] = True
             return best, compiled
 
-        bf16_best, bf16_compiled = compiled_rows("h3trt bf16", bf16)
+        bf16_best, bf16_compiled = compiled_rows("h3trt bf16", bf16, fresh=True)
         graph = (bf16_best["cuda_graph"],) if bf16_best else (False, True)
         try:
             fp8_eager = h3trt_vae("fp8")
@@ -481,7 +509,7 @@ def precision_axis(args) -> dict:
             del fp8_eager
         except Exception as e:  # noqa: BLE001
             failed("h3trt fp8 dynamic", "fp8", "eager", e)
-        fp8_best, _ = compiled_rows("h3trt fp8 dynamic", h3trt_vae("fp8"))
+        fp8_best, _ = compiled_rows("h3trt fp8 dynamic", h3trt_vae("fp8"), fresh=args.fp8_fresh_check)
         free()
         bf16_eager = h3trt_vae("bf16")
         amax = calibrate_video_decoder(bf16_eager, z_cal)
@@ -580,7 +608,8 @@ def print_axis(record: dict) -> None:
         print(f"{r['name']:<31} {r['mode'] + mark:<22} {r['s_per_clip']:8.3f} {r['clip_from']:>13} "
               f"{r['speedup_vs_diffusers']:11.2f}x {q['vs_fp32']:>18} {q['vs_bf16']:>18} {compile_s:>9}")
     for r in record["rows"]:
-        for key in ("bitwise_diffusers", "placement_matches_diffusers", "graph_bitwise_launched"):
+        for key in ("bitwise_diffusers", "placement_matches_diffusers", "graph_bitwise_launched",
+                    "fresh_process_load", "fresh_process_error"):
             if key in r:
                 print(f"  {r['name']} ({r['mode']}): {key} = {r[key]}")
     t, a, v, b = record["host_tail"], record["audio"], record["verdict"], record["bars"]
@@ -608,9 +637,11 @@ def main() -> None:
     axis = parser.add_argument_group("the precision axis (--gpus 1)")
     axis.add_argument("--tiny", action="store_true", help="dry run: toy decoder at 160x96 on this CPU")
     axis.add_argument("--fp32-compiled", action="store_true", help="also compile the fp32 decoder (one window)")
+    axis.add_argument("--fp8-fresh-check", action="store_true",
+                      help="also run the fresh-process bundle check on the fp8 decoder (bf16's always runs; ~20 s)")
     axis.add_argument("--audio-compile", choices=("auto", "always", "never"), default="auto",
                       help=f"compile the audio decoder too: auto = when its eager decode is over "
-                           f"{AUDIO_COMPILE_FRACTION:.0%} of the bf16 video decode")
+                           f"{100 * AUDIO_COMPILE_FRACTION:.0f}%% of the video decode stage")
     par = parser.add_argument_group("tile-parallel phases (--gpus N >= 2)")
     par.add_argument("--repeats", type=int, default=3)
     par.add_argument("--vae-precision", choices=tuple(VAE_PRECISIONS), default="bf16",
@@ -622,6 +653,9 @@ def main() -> None:
     par.add_argument("--preset", choices=X264_PRESETS, default=OutputConfig().preset,
                      help="x264 preset of the pipelined writer (default: OutputConfig's)")
     args = parser.parse_args()
+    # The fresh-process check (h3trt.build.verify) runs in a child: it must import this checkout's h3trt.
+    repo = str(Path(__file__).resolve().parents[1])
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (repo, os.environ.get("PYTHONPATH")) if p)
     if args.gpus == 1:
         if not args.tiny and not torch.cuda.is_available():
             parser.error("the precision axis needs a CUDA GPU; pass --tiny for the CPU dry run.")
