@@ -168,6 +168,7 @@ def test_h3trt_block_reproduces_modelopts_fake_quantized_block(name, dtype, tol,
     assert repro_err < limit, f"{name} {dtype}: h3trt vs ModelOpt {repro_err:.2e} (tolerance {limit:.0e})"
 
 
+@pytest.mark.build  # an ONNX export, as tests/test_tensorrt.py's
 @pytest.mark.parametrize("name", ["fp8_max", "fp8_smoothquant"])
 def test_onnx_qdq_carries_the_scales_of_the_inductor_modules(name, tiny_root, tmp_path):
     """One calibration, both backends: the TRT_FP8QuantizeLinear scales of the exported ONNX block are the
@@ -255,7 +256,7 @@ def test_bad_combinations_are_refused_before_anything_loads(tiny_root, tmp_path,
     with pytest.raises(ValueError, match="--fp8-attention is h3trt's FP8 attention op"):
         BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=prompts, fp8_attention=True,
                     backend="tensorrt", device="cpu")
-    assert BuildConfig(tiny_root, tmp_path / "b", precision="nvfp4").recipe.calib_steps == 0  # weights only
+    assert BuildConfig(tiny_root, tmp_path / "b", precision="nvfp4").recipe_for("").calib_steps == 0  # weights only
     assert {p: a[0] for p, a in CALIB_ALGOS.items()} == {"fp8": "max", "nvfp4": "max"}  # the README's defaults
     # ModelOpt missing, or another release: refused with the fix, before the model loads.
     real = importlib.metadata.version
