@@ -33,6 +33,9 @@ setup(
             "onnx-graphsurgeon>=0.6.1", "onnxscript", "onnxslim", "lief",
             "peft",  # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/test_lora.py)
         ],
+        # `h3trt build --precision fp8|nvfp4`: calibration runs through NVIDIA ModelOpt (h3trt/quant/calibrate.py is
+        # written against this release and refuses another). Pure Python; its CUDA extensions are never built.
+        "calibration": ["nvidia-modelopt==0.47.0"],
         # `h3trt build --fp8-attention` on a GPU, and serving its bundles: cuDNN's FP8 flash attention through the
         # cuDNN graph API (1.16.0: 2 MB, no dependencies; it uses the cuDNN that torch already loaded).
         "fp8-attention": ["nvidia-cudnn-frontend==1.16.0"],

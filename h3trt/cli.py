@@ -6,6 +6,7 @@
     h3trt build --model PATH|tiny --output DIR [--precision bf16] [--profile WxHxSECONDS ...] [--steps 50]
                 [--device cuda|cpu] [--backend inductor|aoti|tensorrt] [--trt-targets sm89,sm120] [--keep-adaln]
                 [--task t2va|fl2va|ref2va] [--vae-precision fp32|bf16|fp8]
+                [--precision fp8|nvfp4 --calib-algo ALGO --calib-prompts FILE]
     h3trt inspect DIR        h3trt verify DIR
 
 Errors the user can fix are one line on stderr and exit status 2; no output file is left behind.
@@ -305,10 +306,12 @@ def _build_parser(sub) -> None:
     p.add_argument("--output", required=True, type=Path, help="bundle folder to create")
     p.add_argument("--precision", default="bf16", help="bf16 (default), fp32, fp8 (W8A8, calibrated) or nvfp4 "
                                                         "(weight-only on Hopper)")
-    p.add_argument("--calib-prompts", type=Path, help="fp8: text file, one calibration prompt per line")
+    p.add_argument("--calib-prompts", type=Path, help="fp8, awq_lite: text file, one calibration prompt per line")
     p.add_argument("--calib-steps", type=int, default=None,
-                   help="fp8: sigma grid points per calibration trajectory (default: the bundle's --steps when <= 8, "
-                        "so a few-step bundle calibrates on the timesteps it serves; else 8)")
+                   help="fp8, awq_lite: sigma grid points per calibration trajectory (default: the bundle's --steps "
+                        "when <= 8, so a few-step bundle calibrates on the timesteps it serves; else 8)")
+    p.add_argument("--calib-algo", help="ModelOpt calibration algorithm: fp8 max (default), percentile or "
+                                        "smoothquant; nvfp4 max (default) or awq_lite")
     p.add_argument("--quant-exclude", nargs="+", default=(), metavar="NAME",
                    help="fp8/nvfp4: keep in bf16 whole blocks (blocks.N) and/or a block linear in every block "
                         "(attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2)")
@@ -369,7 +372,7 @@ def cmd_build(args) -> int:
                          cfg=args.cfg, trt_targets=args.trt_targets, calib_prompts=args.calib_prompts,
                          calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
                          fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision,
-                         loras=tuple(args.lora))
+                         loras=tuple(args.lora), calib_algo=args.calib_algo)
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)

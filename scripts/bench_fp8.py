@@ -20,7 +20,7 @@ kernel the GPU cannot run skipped with the reason recorded:
                        kernel K (h3trt::fp8_sdpa)
   h3trt_nvfp4_wo       NVFP4 weight-only (dequantize in the compiled block, bf16 GEMM): memory, not speed (--nvfp4)
 Relative errors are of the block's update (output - input) against the bf16 eager block's, at full width.
-Scales come from max calibration on the block's own input (one block, one input: a benchmark, not a recipe).
+Scales come from ModelOpt max calibration on the block's own input (one block, one input: a benchmark, not a recipe).
 """
 
 from __future__ import annotations
@@ -51,25 +51,17 @@ def _cpu_bench(fn, n=3, warm=1) -> float:
     return sorted(times)[n // 2]
 
 
-def calibrated_amax(block, x, mod, idx, rope) -> dict[str, torch.Tensor]:
-    """max |x| into each block linear and of q/k/v, from one eager call (the MaxCalibrator's hooks, on one block)."""
-    from h3trt.models.dit import sdpa_attention
-    from h3trt.calibration.fp8_attention import attention_calibration_tensors
-    from h3trt.calibration.recipe import BLOCK_LINEARS
+def quantized_copy(block, cfg, recipe, x, mod, idx, rope):
+    """A copy of `block` calibrated through ModelOpt on one input (h3trt/calibration/calibrate.py; one block, one
+    input: a benchmark, not a recipe), with h3trt's quantized modules filled from its quantizers."""
+    from h3trt.calibration.calibrate import calibrate
+    from h3trt.calibration.modules import load_quantized_block
 
-    amax, hooks = {}, []
-    for name in BLOCK_LINEARS:
-        hooks.append(block.get_submodule(name).register_forward_pre_hook(
-            lambda m, args, key=f"{name}.input": amax.__setitem__(key, args[0].abs().amax().float().cpu())))
-
-    def attn(q, k, v):
-        amax.update({f"attn.{n}": t.abs().amax().float().cpu() for n, t in attention_calibration_tensors(q, k, v).items()})
-        return sdpa_attention(q, k, v)
-
-    block(x, mod, idx, rope, attn)
-    for h in hooks:
-        h.remove()
-    return amax
+    calibrated = copy.deepcopy(block)
+    forward = (lambda attn: calibrated(x, mod, idx, rope, attn)) if recipe.needs_calibration_data else None
+    tensors = calibrate([calibrated], recipe, forward, log=lambda m: None).export_block(0)
+    del calibrated
+    return load_quantized_block(copy.deepcopy(block), cfg, recipe, tensors)
 
 
 def compiled(spec, example, dev):
@@ -95,7 +87,6 @@ def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: boo
     from h3trt.models.config import H3Config
     from h3trt.models.packing import pack_t2va, text_tags_for
     from h3trt.calibration.build import dit_weight_bytes
-    from h3trt.calibration.modules import quantize_block
     from h3trt.models.attention import kernel_problem
     from h3trt.calibration.recipe import QuantRecipe
 
@@ -122,7 +113,6 @@ def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: boo
             ms["diffusers_eager"] = timer(lambda: ref(x, temb, idx, rot))
             print(f"diffusers block eager (bf16)     {ms['diffusers_eager']:8.2f} ms", flush=True)
         want = ours(x, mod, idx, (cos, sin))
-        amax = calibrated_amax(ours, x, mod, idx, (cos, sin))
 
         # (row, recipe, bf16 attention kernel, the precision the row's attention runs in)
         rows = []
@@ -143,7 +133,7 @@ def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: boo
         if nvfp4:
             rows.append(("h3trt_nvfp4_wo", QuantRecipe("nvfp4"), "sdpa" if cpu_check else "cudnn"))
         for name, recipe, kernel in rows:
-            block = ours if recipe is None else quantize_block(copy.deepcopy(ours), cfg, recipe, amax)
+            block = ours if recipe is None else quantized_copy(ours, cfg, recipe, x, mod, idx, (cos, sin))
             spec = block_segment(cfg, torch.bfloat16, recipe, attention=kernel)
             tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
             example = [x, mod, idx, cos, sin, *[tensors[n].detach() for n in spec.weights]]
@@ -182,22 +172,27 @@ def block_sensitivity(out: Path) -> dict:
     from h3trt.models.dit import EagerDiT
     from h3trt.models.tiny import ensure_tiny_checkpoint
     from h3trt.calibration.calibrate import calibrate
-    from h3trt.calibration.modules import quantize_block
+    from h3trt.calibration.trajectories import trajectory_forward
+    from h3trt.calibration.modules import load_quantized_block
     from h3trt.calibration.recipe import QuantRecipe
     from h3trt.runtime.pipeline import H3Pipeline, Request, eager_components
 
     base, source = load_dit(ensure_tiny_checkpoint(), "t2va", torch.bfloat16)
     root = source.component_root
     n = base.cfg.num_layers
-    amax = calibrate(base, root, ["a red fox runs through fresh snow", "waves break on a rocky shore"], 4, 160, 96,
-                     5.0, (12.0, 3.0), log=lambda m: None)
+    recipe = QuantRecipe("fp8", calib_steps=4)
+    calibrated = copy.deepcopy(base)
+    forward = trajectory_forward(calibrated, root, ["a red fox runs through fresh snow", "waves break on a rocky shore"],
+                                 4, 160, 96, 5.0, (12.0, 3.0), log=lambda m: None)
+    calibration = calibrate(calibrated.blocks, recipe, forward, log=lambda m: None)
+    tensors = [calibration.export_block(i) for i in range(n)]
     components = eager_components(root, torch.device("cpu"), torch.bfloat16)
     request = Request("a lighthouse at night, rain on the glass", seed=5, steps=6, width=160, height=96)
 
     def run(quantized: list[int]):
         model = copy.deepcopy(base)
         for i in quantized:
-            quantize_block(model.blocks[i], model.cfg, QuantRecipe("fp8", calib_steps=4), amax[i])
+            load_quantized_block(model.blocks[i], model.cfg, recipe, tensors[i])
         return trace(H3Pipeline(EagerDiT(model), *components, (12.0, 3.0), torch.device("cpu")), request)
 
     reference = run([])

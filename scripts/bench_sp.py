@@ -108,12 +108,9 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
         ref = step_sp1()
         recipe, cblocks = None, blocks  # what the compiled rows run
         if precision == "fp8":
-            import copy
-
             sys.path.insert(0, str(ROOT / "scripts"))
-            from bench_fp8 import calibrated_amax
+            from bench_fp8 import quantized_copy
 
-            from h3trt.calibration.modules import quantize_block
             from h3trt.calibration.recipe import QuantRecipe
 
             # The kernel is bound per compiled row below; quantizing does not depend on it.
@@ -121,7 +118,7 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
                                  attention_kernel="emulated" if fp8_attention else "")
             cblocks, h = [], x
             for b, m in zip(blocks, mods):
-                cblocks.append(quantize_block(copy.deepcopy(b), cfg, recipe, calibrated_amax(b, h, m, idx, (cos, sin))))
+                cblocks.append(quantized_copy(b, cfg, recipe, h, m, idx, (cos, sin)))
                 h = b(h, m, idx, (cos, sin))
         result["ms_per_step_sp1"] = _time(step_sp1, device)
         got = step_sp()

@@ -1,5 +1,6 @@
-"""FP8 / NVFP4 on the CPU: formats, the quantized block against the bf16 block, max calibration, an FP8 tiny bundle
-calibrated and built end to end, and `h3trt eval` of it against the eager tiny model.
+"""FP8 / NVFP4 on the CPU: formats, the quantized block against the bf16 block, an FP8 tiny bundle calibrated through
+ModelOpt (SmoothQuant) and built end to end, and `h3trt eval` of it against the eager tiny model. The calibration
+itself (ModelOpt's algorithms, the export of their scales to both backends) is tests/test_calibration.py.
 
 Tolerances (relative error, Frobenius): an e4m3 per-tensor round trip of a Gaussian is ~2.6%, so an FP8 block stays
 within 5% of the bf16 block; NVFP4 (E2M1, ~9.6% per weight) within 15%. The compiled FP8 DiT must differ from the
@@ -23,11 +24,9 @@ from h3trt.models.config import H3Config
 from h3trt.models.dit import Block, EagerDiT, rope_inv_freq, rope_tables
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.calibration.build import dit_weight_bytes
-from h3trt.calibration.calibrate import MaxCalibrator, read_prompts
-from h3trt.calibration.formats import (FP8, FP8_MAX, _e2m1_codes, dequantize_nvfp4, e2m1_values, fp8_linear, fp8_scale,
-                                 quantize_fp8, quantize_nvfp4)
-from h3trt.calibration.fp8_attention import attention_calibration_tensors
-from h3trt.calibration.modules import quantize_block
+from h3trt.calibration.calibrate import calibrate, read_prompts
+from h3trt.calibration.formats import FP8, FP8_MAX, dequantize_nvfp4, e2m1_values, fp8_linear, fp8_scale, quantize_fp8
+from h3trt.calibration.modules import load_quantized_block
 from h3trt.calibration.recipe import QuantRecipe, parse_exclusions
 
 STEPS = 6  # the FP8 bundle's baked schedule: a short one, so the eval runs in seconds
@@ -41,7 +40,8 @@ def rel(a, b):
 
 @pytest.fixture(scope="module")
 def fp8_bundle(tmp_path_factory, tiny_root):
-    """FP8 tiny bundle: calibrated on two prompts, block 1 kept in bf16, FP8 attention on; AdaLN for 6 steps."""
+    """FP8 tiny bundle: calibrated through ModelOpt's SmoothQuant on two prompts, block 1 kept in bf16, FP8 attention
+    on; AdaLN for 6 steps."""
     root = tmp_path_factory.mktemp("fp8")
     prompts = root / "prompts.txt"
     prompts.write_text("# calibration prompts\na red fox runs through fresh snow\nwaves break on a rocky shore\n")
@@ -50,7 +50,8 @@ def fp8_bundle(tmp_path_factory, tiny_root):
     # that earlier tests compiled in memory, which then never land in the bundle's cache.
     proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
                            "--device", "cpu", "--precision", "fp8", "--calib-prompts", str(prompts), "--calib-steps",
-                           "3", "--quant-exclude", "blocks.1", "--fp8-attention", "--steps", str(STEPS)],
+                           "3", "--calib-algo", "smoothquant", "--quant-exclude", "blocks.1", "--fp8-attention",
+                           "--steps", str(STEPS)],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-2000:]
     return out
@@ -59,7 +60,10 @@ def fp8_bundle(tmp_path_factory, tiny_root):
 def test_fp8_bundle_records_the_recipe_and_serves(fp8_bundle, tiny_root):
     engine = Engine.load(fp8_bundle, "cpu")
     q = engine.manifest["quant"]
-    assert engine.manifest["precision"] == "fp8" and q["calibration"] == "max" and q["calib_prompts"] == 2
+    assert engine.manifest["precision"] == "fp8" and q["calib_algo"] == "smoothquant" and q["calib_prompts"] == 2
+    assert q["modelopt"]["version"] == "0.47.0" and q["modelopt"]["algorithm"] == "smoothquant"
+    assert q["modelopt"]["modelopt_algorithm"] == {"method": "smoothquant", "alpha": 1.0}
+    assert q["modelopt"]["forward_passes"] == 1 and q["calib_steps"] == 3
     assert q["exclude_blocks"] == [1] and q["layer_segments"] == ["block", "block_hp"] and q["fp8_attention"]
     assert q["attention_kernel"] == "emulated"  # a CPU build bakes the reference kernel; a GPU build, cuDNN's
     assert "torch._scaled_mm" in q["execution"] and "token_refiner" in q["always_high_precision"]
@@ -69,6 +73,10 @@ def test_fp8_bundle_records_the_recipe_and_serves(fp8_bundle, tiny_root):
     blocks = load_file(str(fp8_bundle / "weights" / "blocks.safetensors"))
     assert blocks["blocks.0.mlp.fc1.weight"].dtype == FP8 and blocks["blocks.1.mlp.fc1.weight"].dtype == torch.bfloat16
     assert blocks["blocks.0.attn.q_scale"].item() == pytest.approx(q["amax"]["blocks.0"]["attn.q"] / FP8_MAX, rel=1e-5)
+    # SmoothQuant's per-channel scales travel as the linears' pre_quant_scale; the smoothed inputs' range is ~1.
+    assert blocks["blocks.0.mlp.fc1.pre_quant_scale"].shape == (engine.manifest["model_config"]["hidden_size"],)
+    assert "blocks.1.mlp.fc1.pre_quant_scale" not in blocks
+    assert q["amax"]["blocks.0"]["mlp.fc1.input"] == pytest.approx(1.0, rel=1e-2)
 
     eager = EagerDiT(load_dit(tiny_root, "t2va", torch.bfloat16)[0])
     layout = pack_t2va(text_tags_for(11), 7, 6, 10, 23)
@@ -127,22 +135,22 @@ def test_fp8_linear_is_the_gemm_of_the_quantized_operands():
     assert rel(y, torch.nn.functional.linear(x.float(), w)) < 0.05
 
 
-def test_e2m1_codes_round_to_nearest_even_and_pack():
-    x = torch.tensor([0.0, 0.25, 0.3, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0, 9.0, -0.5, -3.2])
-    assert e2m1_values(_e2m1_codes(x)).tolist() == [0.0, 0.0, 0.5, 1.0, 1.0, 2.0, 2.0, 4.0, 4.0, 6.0, 6.0, -0.5, -3.0]
+def test_nvfp4_modules_decode_modelopts_packing_exactly():
+    """h3trt's NVFP4 dequantization reads the weights ModelOpt's NVFP4 export packs (E2M1 codes, element 2j in the
+    low nibble, E4M3 block scales, fp32 global scale) exactly as ModelOpt decodes them."""
+    from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor
+
     grid = e2m1_values(torch.arange(16, dtype=torch.uint8))
-    w = grid.repeat(4, 2) * 0.01  # every code, in rows of 32 = two NVFP4 groups
-    q = quantize_nvfp4(w)
-    assert q["weight_packed"].shape == (4, 16) and q["weight_block_scale"].shape == (4, 2)
-    back = dequantize_nvfp4(q["weight_packed"], q["weight_block_scale"], q["weight_global_scale"], torch.float32)
-    assert rel(back, w) < 1e-6  # values on the E2M1 grid survive exactly (up to the e4m3 scale)
-    assert (q["weight_packed"][0, 0] & 15).item() == _e2m1_codes(w[0, :1] / (w[0, :16].abs().max() / 6)).item()
-    gauss = torch.randn(64, 96, generator=torch.Generator().manual_seed(1))
-    q = quantize_nvfp4(gauss)
-    assert rel(dequantize_nvfp4(q["weight_packed"], q["weight_block_scale"], q["weight_global_scale"],
-                                torch.float32), gauss) < 0.12
-    with pytest.raises(ValueError, match="divisible by 16"):
-        quantize_nvfp4(torch.randn(4, 40))
+    assert grid.tolist() == [0, .5, 1, 1.5, 2, 3, 4, 6, -0.0, -.5, -1, -1.5, -2, -3, -4, -6]
+    # Every code, in rows of 32 = two NVFP4 groups (survives exactly); then a Gaussian (E2M1's ~10% error).
+    for w, tol in ((grid.repeat(4, 2) * 0.01, 1e-6), (torch.randn(64, 96, generator=torch.Generator().manual_seed(1)),
+                                                     0.12)):
+        global_scale = w.abs().amax() / (6 * 448)
+        packed, block_scale, global_scale = NVFP4QTensor.quantize(w, 16, weights_scaling_factor_2=global_scale)
+        theirs = packed.dequantize(torch.float32, scale=block_scale, double_scale=global_scale, block_sizes={-1: 16})
+        ours = dequantize_nvfp4(packed._quantized_data, block_scale, global_scale.reshape(1), torch.float32)
+        assert packed._quantized_data.shape == (w.shape[0], w.shape[1] // 2) and block_scale.dtype == FP8
+        assert torch.equal(ours, theirs) and rel(ours, w) < tol
 
 
 def _tiny_block_inputs(cfg, seed=0):
@@ -165,8 +173,13 @@ def _tiny_block_inputs(cfg, seed=0):
     (QuantRecipe("fp8", calib_steps=2, fp8_attention=True, attention_kernel="emulated", exclude_linears=("mlp.fc2",)),
      0.05),
     (QuantRecipe("nvfp4"), 0.15),
+    (QuantRecipe("nvfp4", "awq_lite", calib_steps=2), 0.15),
 ])
 def test_quantized_block_stays_close_to_bf16(recipe, tol):
+    """The block segment over the modules calibrated through ModelOpt (one block, one input), against the bf16 block;
+    NVFP4 also compiled (its weight-only dequantization and AWQ's input scale in one Inductor graph)."""
+    import copy
+
     from h3trt.build.backends import compile_segment
     from h3trt.engines.loaders import load_segment
     from h3trt.build.segments import block_segment
@@ -175,26 +188,16 @@ def test_quantized_block_stays_close_to_bf16(recipe, tol):
     block, args = _tiny_block_inputs(cfg)
     with torch.no_grad():
         want = block(*args)
-        calibrator = MaxCalibrator.__new__(MaxCalibrator)  # the calibrator's recording, on one block
-        amax = {}
-        hooks = [block.get_submodule(n).register_forward_pre_hook(
-            lambda m, a, key=f"{n}.input": amax.__setitem__(key, a[0].abs().amax().float()))
-            for n in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")]
-
-        def attn(q, k, v):
-            amax.update({f"attn.{n}": t.abs().amax().float() for n, t in attention_calibration_tensors(q, k, v).items()})
-            from h3trt.models.dit import sdpa_attention
-            return sdpa_attention(q, k, v)
-
-        block(*args, attn)
-        for h in hooks:
-            h.remove()
-        del calibrator
-        quantize_block(block, cfg, recipe, amax)
-        spec = block_segment(cfg, torch.bfloat16, recipe)
-        tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
-        assert all(n in tensors for n in spec.weights)
-        got = spec.fn(*args[:3], *args[3], *[tensors[n] for n in spec.weights])
+    calibrated = copy.deepcopy(block)
+    forward = (lambda attn: calibrated(*args, attn)) if recipe.needs_calibration_data else None
+    tensors = calibrate([calibrated], recipe, forward, log=lambda m: None).export_block(0)
+    load_quantized_block(block, cfg, recipe, tensors)
+    spec = block_segment(cfg, torch.bfloat16, recipe)
+    weights = {**dict(block.named_parameters()), **dict(block.named_buffers())}
+    assert all(n in weights for n in spec.weights)
+    assert ("mlp.fc1.pre_quant_scale" in spec.weights) == recipe.smooths_inputs
+    with torch.no_grad():
+        got = spec.fn(*args[:3], *args[3], *[weights[n] for n in spec.weights])
     err = rel(got, want)
     assert 0 < err < tol, f"{recipe.precision}: relative error {err:.3e} (tolerance {tol})"
     if recipe.precision == "nvfp4":  # the compiled weight-only segment computes the same values
@@ -203,36 +206,12 @@ def test_quantized_block_stays_close_to_bf16(recipe, tol):
 
         from torch._inductor.runtime.cache_dir_utils import temporary_cache_dir
 
-        example = [*args[:3], *args[3], *[tensors[n] for n in spec.weights]]
+        example = [*args[:3], *args[3], *[weights[n] for n in spec.weights]]
         with tempfile.TemporaryDirectory() as tmp, temporary_cache_dir(f"{tmp}/cache"):
             (Path(tmp) / "segments").mkdir()
             entry = compile_segment("inductor", spec, example, Path(tmp) / "segments")
             seg = load_segment("inductor", {"name": "block", **entry}, Path(tmp), torch.device("cpu"))
             assert rel(seg(*example)[0], got) < 2e-2
-
-
-def test_max_calibration_keeps_the_running_maximum(tiny_root):
-    model = load_dit(tiny_root, "t2va", torch.float32)[0]
-    calibrator = MaxCalibrator(model)
-    layout = pack_t2va(text_tags_for(7), 3, 4, 6, 5)
-    seen = []
-    for seed in (0, 1):
-        g = torch.Generator().manual_seed(seed)
-        scale = 1.0 + 3.0 * seed  # the second call is larger everywhere
-        video = scale * torch.randn(1, layout.video_index.numel(), model.cfg.video_patch_dim, generator=g)
-        audio = scale * torch.randn(1, layout.audio_index.numel(), model.cfg.audio_in_channels, generator=g)
-        text = scale * torch.randn(1, 7, model.cfg.text_dim, generator=g)
-        unique_t, t_index = row_timesteps(layout, 0.5, 0.5)
-        with torch.no_grad():
-            calibrator(video, audio, text, unique_t, t_index, layout)
-        seen.append({k: v.clone() for k, v in calibrator.amax.items()})
-    amax = calibrator.close()
-    expected = {f"blocks.{i}.{n}" for i in range(model.cfg.num_layers) for n in
-                ("attn.qkv_proj.input", "attn.out_proj.input", "mlp.fc1.input", "mlp.fc2.input",
-                 "attn.q", "attn.k", "attn.v")}
-    assert set(amax) == expected
-    assert all(torch.equal(amax[k], torch.maximum(seen[0][k], seen[1][k])) for k in amax)
-    assert not model.blocks[0].mlp.fc1._forward_pre_hooks  # closed: hooks removed
 
 
 def test_recipe_and_build_options_are_validated(tiny_root, tmp_path):
@@ -264,6 +243,13 @@ def test_build_cli_refuses_bad_quantization_flags(tiny_cache, tmp_path, capsys):
     assert "name a whole block (blocks.N) or a block linear" in capsys.readouterr().err
     assert main(base + ["--precision", "nvfp4", "--fp8-attention"]) == 2
     assert "--fp8-attention needs --precision fp8" in capsys.readouterr().err
+    assert main(base + ["--precision", "fp8", "--calib-algo", "awq_lite"]) == 2
+    assert "--calib-algo awq_lite does not apply to --precision fp8: it takes max, percentile, smoothquant" in \
+        capsys.readouterr().err
+    assert main(base + ["--precision", "nvfp4", "--calib-algo", "awq_lite"]) == 2
+    assert "needs --calib-prompts FILE (one prompt per line) for --calib-algo awq_lite" in capsys.readouterr().err
+    assert main(base + ["--calib-algo", "max"]) == 2
+    assert "apply to --precision fp8/nvfp4, not bf16" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
 
 

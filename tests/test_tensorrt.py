@@ -6,7 +6,10 @@ What runs here and what cannot:
   - TensorRT-RTX parses and builds every segment for sm_89 (BF16, FP8) and sm_120 (NVFP4) without a GPU; attention
     is one fused kernel (`_gemm_mha_v2` in the plan's layer list) and the plan's activation memory grows linearly,
     not quadratically, with the sequence length;
-  - NVFP4: ModelOpt's FP4 fake-quant has no CPU kernel, so here its forward is stubbed out for calibration; the
+  - FP8/NVFP4 blocks are calibrated by h3trt.calibration.calibrate (ModelOpt, here over the build's example; the builder
+    runs real trajectories) and exported with ModelOpt's quantizers as Q/DQ (tests/test_calibration.py checks these
+    scales are the Inductor modules');
+  - NVFP4: ModelOpt's FP4 fake-quant has no CPU kernel, so here its forward is stubbed out for the export; the
     exported graph (TRT_FP4DynamicQuantize + FP4 weights behind two DequantizeLinear) is the real one, its numbers
     are not checked (that needs a CUDA GPU);
   - no plan executes: TensorRT-RTX needs an RTX-class GPU, and this machine has none. The refusal a GPU that cannot
@@ -24,13 +27,15 @@ import tensorrt_rtx as trt
 import torch
 
 from h3trt.build.builder import Profile, example_inputs
-from h3trt.build.onnx_export import export_graph, modelopt_qdq_block, segment_graphs
+from h3trt.build.onnx_export import export_graph, segment_graphs
 from h3trt.build.tensorrt import TrtFlavour, build_plan, build_plans, input_shapes, parse_targets, shape_ranges
 from h3trt.engines.manifest import BundleError
 from h3trt.engines.tensorrt_runtime import pick_profile, plan_device_problem
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.config import NUM_MODALITIES
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.calibration.calibrate import calibrate
+from h3trt.calibration.recipe import QuantRecipe
 
 pytestmark = pytest.mark.build  # ONNX export, onnxruntime sessions and TensorRT-RTX plan builds
 
@@ -125,9 +130,27 @@ def bf16_model(tiny_root):
     return model, example_inputs(model, TINY_PROFILE.geometry, torch.device("cpu"))
 
 
+def _calibrated_model(tiny_root, precision: str):
+    """A fresh bf16 tiny DiT whose blocks ModelOpt calibrated (max) on the build's example: what the builder hands
+    build_plans, without the trajectories."""
+    model, _ = load_dit(tiny_root, "t2va", torch.bfloat16)
+    examples = example_inputs(model, TINY_PROFILE.geometry, torch.device("cpu"))
+    x, mod, adaln_index, cos, sin = examples["block"][:5]
+
+    def forward(attn):
+        h = x
+        for block in model.blocks:
+            h = block(h, mod, adaln_index, (cos, sin), attn)
+
+    # NVFP4 as TensorRT runs it: FP4 activations too, their global range calibrated like FP8's.
+    recipe = QuantRecipe(precision, calib_steps=2, fp4_activations=precision == "nvfp4")
+    calibrate(model.blocks, recipe, forward, log=lambda m: None)
+    return model, examples
+
+
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
-def test_rtx_builds_every_segment_for_sm89(precision, bf16_model, tmp_path):
-    model, examples = bf16_model
+def test_rtx_builds_every_segment_for_sm89(precision, bf16_model, tiny_root, tmp_path):
+    model, examples = bf16_model if precision == "bf16" else _calibrated_model(tiny_root, precision)
     logs = []
     entries = build_plans(model, examples, [TINY_PROFILE.geometry, Profile(192, 96, 5.0).geometry], precision,
                           ("sm89",), RTX, tmp_path, logs.append)
@@ -143,11 +166,11 @@ def test_rtx_builds_every_segment_for_sm89(precision, bf16_model, tmp_path):
     assert len(logs) == 4
 
 
-def test_fp8_graph_has_modelopt_qdq_and_is_refused_for_ampere(bf16_model, tmp_path):
+def test_fp8_graph_has_modelopt_qdq_and_is_refused_for_ampere(bf16_model, tiny_root, tmp_path):
     model, examples = bf16_model
     module, spec = segment_graphs(model)["block_0"]
     example = examples["block"][:5]
-    quantized = modelopt_qdq_block(module, "fp8", [tuple(example)])
+    quantized, _ = segment_graphs(_calibrated_model(tiny_root, "fp8")[0])["block_0"]
     path = export_graph(quantized, spec, example, tmp_path / "block_0.onnx")
     ops = collections.Counter((n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node)
     # 4 linears: input + weight Q/DQ each
@@ -161,15 +184,14 @@ def test_fp8_graph_has_modelopt_qdq_and_is_refused_for_ampere(bf16_model, tmp_pa
     assert err < 5e-2, f"FP8 block relative error {err:.2e}"
 
 
-def test_nvfp4_graph_builds_for_sm120_only(bf16_model, tmp_path, monkeypatch):
+def test_nvfp4_graph_builds_for_sm120_only(tiny_root, tmp_path, monkeypatch):
     import modelopt.torch.quantization.tensor_quant as tensor_quant
 
     # CPU only: ModelOpt's FP4 fake-quant kernel needs CUDA; the graph comes from the op's ONNX symbolic regardless.
     monkeypatch.setattr(tensor_quant, "_dynamic_block_quantize_forward", lambda ctx, x, *a, **k: x)
-    model, examples = bf16_model
-    module, spec = segment_graphs(model)["block_1"]
+    model, examples = _calibrated_model(tiny_root, "nvfp4")
+    quantized, spec = segment_graphs(model)["block_1"]
     example = examples["block"][:5]
-    quantized = modelopt_qdq_block(module, "nvfp4", [tuple(example)])
     path = export_graph(quantized, spec, example, tmp_path / "block_1.onnx", nvfp4=True)
     ops = collections.Counter((n.domain, n.op_type) for n in onnx.load(str(path), load_external_data=False).graph.node)
     assert ops[("trt", "TRT_FP4DynamicQuantize")] == 4 and ops[("", "DequantizeLinear")] == 16
@@ -240,10 +262,15 @@ def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
     from h3trt.engines.manifest import read_manifest
 
     out = tmp_path / "trt"
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("a red fox runs through fresh snow\n")
     assert main(["build", "--model", "tiny", "--output", str(out), "--backend", "tensorrt", "--precision", "fp8",
                  "--trt-targets", "sm89,sm120", "--device", "cpu", "--profile", "160x96x5", "--profile",
-                 "192x96x5"]) == 0
+                 "192x96x5", "--calib-prompts", str(prompts), "--calib-steps", "2"]) == 0
     manifest = read_manifest(out)
+    quant = manifest["quant"]  # calibrated through ModelOpt on a trajectory, as the Inductor bundles are
+    assert quant["calib_algo"] == "max" and quant["modelopt"]["version"] == "0.47.0" and quant["calib_prompts"] == 1
+    assert quant["execution"].startswith("TensorRT FP8 GEMMs") and set(quant["amax"]) == {"blocks.0", "blocks.1"}
     assert manifest["tensorrt"]["flavour"] == "tensorrt_rtx" and manifest["tensorrt"]["version"] == trt.__version__
     assert manifest["tensorrt"]["targets"] == ["sm89", "sm120"] and manifest["device"] == "cuda"
     assert sorted(manifest["segments"]) == ["block_0", "block_1", "embed", "final"]
@@ -379,30 +406,3 @@ def test_trt_dit_runs_the_segment_interface_like_eager(adaln, fp32_graphs):
                          geometry.audio_latents, cfg.patch_size)
         dit(torch.randn(1, long.video_index.numel(), cfg.video_patch_dim), audio,
             torch.randn(1, 65, cfg.text_dim), *row_timesteps(long, tv, ta), long)
-
-
-def _fp8_scales(path) -> set[float]:
-    """The scale each TRT_FP8QuantizeLinear reads (its second input: a Constant node or an initializer)."""
-    from onnx import numpy_helper
-
-    model = onnx.load(str(path), load_external_data=True)
-    values = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
-    values.update({n.output[0]: numpy_helper.to_array(n.attribute[0].t) for n in model.graph.node
-                   if n.op_type == "Constant" and n.attribute and n.attribute[0].type == onnx.AttributeProto.TENSOR})
-    return {round(float(np.asarray(values[n.input[1]], dtype=np.float32).reshape(-1)[0]), 6)
-            for n in model.graph.node if n.op_type == "TRT_FP8QuantizeLinear" and n.input[1] in values}
-
-
-def test_calibrated_activation_ranges_set_the_fp8_input_scales(bf16_model, tmp_path):
-    """The calibration issue's amax per block linear input (h3trt.calibration.calibrate) becomes the FP8 input scale
-    amax / 448 of the exported graph."""
-    model, examples = bf16_model
-    module, spec = segment_graphs(model)["block_0"]
-    example = examples["block"][:5]
-    amax = {"attn.qkv_proj.input": 7.0, "attn.out_proj.input": 3.5, "mlp.fc1.input": 14.0, "mlp.fc2.input": 0.875}
-    quantized = modelopt_qdq_block(module, "fp8", [tuple(example)], {k: torch.tensor(v) for k, v in amax.items()})
-    scales = _fp8_scales(export_graph(quantized, spec, example, tmp_path / "block_0.onnx"))
-    for value in amax.values():  # bf16 scales: compare at bf16 resolution
-        assert any(abs(s - value / 448) <= 4e-3 * value / 448 for s in scales), (value / 448, sorted(scales))
-    with pytest.raises(ValueError, match="dynamically"):
-        modelopt_qdq_block(module, "nvfp4", [], {k: torch.tensor(v) for k, v in amax.items()})

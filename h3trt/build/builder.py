@@ -13,6 +13,7 @@ looks like a bundle.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
@@ -28,8 +29,8 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import save_file
 
-from ..calibration.build import block_weight_sets, first_layer, quantize_dit
-from ..calibration.recipe import QUANT_PRECISIONS, QuantRecipe, parse_exclusions
+from ..calibration.build import block_weight_sets, calibrate_dit, first_layer
+from ..calibration.recipe import CALIB_ALGOS, QUANT_PRECISIONS, QuantRecipe, check_modelopt, parse_exclusions
 from ..engines.loaders import bundle_activated
 from ..engines.manifest import device_arch, runtime_versions, sha256_file, write_manifest
 from ..models.attention import ATTENTION_REQUESTS, attention_precision
@@ -49,6 +50,7 @@ from .adaln import bake_tables, schedule_timesteps
 from .backends import BACKENDS, compile_segment
 from .segments import (block_weight_names, check_sharded_recipe, dit_segments, embed_segment, final_weight_names,
                        video_decoder_segments)
+from .tensorrt import EXECUTION as TRT_EXECUTION
 from .tensorrt import build_tensorrt_segments, check_build_config
 from .attention_choice import AttentionShape, resolve_attention
 
@@ -118,8 +120,9 @@ class BuildConfig:
     overwrite: bool = False
     tiny: bool = False
     cfg: int = 1  # guidance-branch parallel degree the bundle is launched with (1: H3 is guidance-distilled)
-    calib_prompts: Path | None = None  # fp8: text file, one calibration prompt per line
-    calib_steps: int | None = None  # fp8: sigma grid points of each calibration trajectory (None: see recipe)
+    calib_prompts: Path | None = None  # fp8 / awq_lite: text file, one calibration prompt per line
+    calib_steps: int | None = None  # fp8 / awq_lite: sigma points of each calibration trajectory (None: see recipe)
+    calib_algo: str | None = None  # fp8/nvfp4: ModelOpt calibration algorithm (None: CALIB_ALGOS[precision][0])
     quant_exclude: tuple[str, ...] = ()  # fp8/nvfp4: blocks.N and/or block linear names kept in bf16
     fp8_attention: bool = False  # fp8: q/k/v in e4m3 with calibrated scales
     trt_targets: str | None = None  # tensorrt: compute capabilities of the plans, e.g. "sm89,sm120" (None: default)
@@ -140,15 +143,19 @@ class BuildConfig:
             raise ValueError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
                              "in its own plans. Drop --attention with --backend tensorrt.")
         if self.precision in QUANT_PRECISIONS:
-            recipe = self.recipe_for("emulated")  # validates exclusions, --fp8-attention and --calib-steps
+            # validates --calib-algo against the precision, exclusions, --fp8-attention and --calib-steps
+            recipe = self.recipe_for("emulated")
             if self.sp > 1:
                 check_sharded_recipe(recipe, self.sp)
-            if self.precision == "fp8" and self.calib_prompts is None and self.backend != "tensorrt":
-                raise ValueError("--precision fp8 needs --calib-prompts FILE (one prompt per line): its activation "
-                                 "scales are calibrated on real denoising trajectories.")
-        elif self.quant_exclude or self.fp8_attention or self.calib_prompts is not None:
-            raise ValueError(f"--quant-exclude, --fp8-attention and --calib-prompts apply to --precision fp8/nvfp4, "
-                             f"not {self.precision}.")
+            if recipe.needs_calibration_data and self.calib_prompts is None:
+                what = ("AWQ's scales are" if recipe.calib_algo == "awq_lite" else "its activation ranges are")
+                raise ValueError(f"--precision {self.precision} needs --calib-prompts FILE (one prompt per line) for "
+                                 f"--calib-algo {recipe.calib_algo}: {what} calibrated on real denoising trajectories.")
+            check_modelopt()  # calibration runs through ModelOpt: missing or another version is refused here
+        elif (self.quant_exclude or self.fp8_attention or self.calib_prompts is not None
+              or self.calib_algo is not None):
+            raise ValueError(f"--quant-exclude, --fp8-attention, --calib-prompts and --calib-algo apply to --precision "
+                             f"fp8/nvfp4, not {self.precision}.")
         if self.task not in TASK_PARTITIONS:
             raise ValueError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
         self.vae  # validates --vae-precision
@@ -174,10 +181,14 @@ class BuildConfig:
         if self.precision not in QUANT_PRECISIONS:
             return None
         blocks, linears = parse_exclusions(self.quant_exclude)
-        return QuantRecipe(self.precision, exclude_blocks=blocks, exclude_linears=linears,
-                           fp8_attention=self.fp8_attention,
-                           attention_kernel=fp8_kernel if self.fp8_attention else "",
-                           calib_steps=self.calibration_steps if self.precision == "fp8" else 0)
+        algo = self.calib_algo or CALIB_ALGOS[self.precision][0]
+        recipe = QuantRecipe(self.precision, algo, exclude_blocks=blocks, exclude_linears=linears,
+                             fp4_activations=self.precision == "nvfp4" and self.backend == "tensorrt",
+                             fp8_attention=self.fp8_attention,
+                             attention_kernel=fp8_kernel if self.fp8_attention else "",
+                             calib_steps=self.calibration_steps)
+        # A weight-only calibration runs no trajectories: its manifest says 0 steps.
+        return recipe if recipe.needs_calibration_data else dataclasses.replace(recipe, calib_steps=0)
 
     @property
     def calibration_steps(self) -> int:
@@ -336,12 +347,18 @@ def build(config: BuildConfig, log=print, sign=None) -> dict:
             log(f"merged LoRA {r['file']} x {r['scale']:g} into {r['partition']} ({r['modules']} modules, "
                 f"{r['layout']}, {r['alpha']})")
 
-        # 1b. FP8 / NVFP4: calibrate on real trajectories of this model, then quantize its blocks in place.
-        # tensorrt quantizes at ONNX export (ModelOpt Q/DQ in tensorrt.py), not in place here.
-        recipe, quant = (config.recipe_for(fp8_kernel) if config.backend != "tensorrt" else None), None
+        # 1b. FP8 / NVFP4: calibrate through ModelOpt on real trajectories of this model, then quantize its blocks in
+        # place. tensorrt keeps ModelOpt's quantizers in the blocks: the ONNX export writes them as Q/DQ, so both
+        # backends take their scales from the same calibration. Its segments are ONNX graphs, not the recipe's
+        # compiled blocks, hence no recipe for the steps below.
+        recipe, quant = config.recipe_for(fp8_kernel), None
         if recipe is not None:
-            recipe, quant = quantize_dit(model, recipe, source.component_root, config.calib_prompts,
-                                         config.profiles[0], (schedule.video_shift, schedule.audio_shift), log)
+            trt = config.backend == "tensorrt"
+            recipe, quant = calibrate_dit(model, recipe, source.component_root, config.calib_prompts,
+                                          config.profiles[0], (schedule.video_shift, schedule.audio_shift),
+                                          keep_modelopt_quantizers=trt, log=log)
+            if trt:
+                quant["execution"], recipe = TRT_EXECUTION[config.precision], None
 
         # 2. Weights, and the AdaLN tables for the schedule.
         weights = _weights(model, recipe)

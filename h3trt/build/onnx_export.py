@@ -1,5 +1,8 @@
 """The DiT segments as ONNX graphs TensorRT parses and fuses, optionally with ModelOpt's FP8 / NVFP4 Q/DQ.
 
+FP8/NVFP4 blocks are exported with the ModelOpt quantizers the builder's calibration left in them
+(h3trt/calibration/calibrate.py): the Q/DQ scales are the amax the Inductor modules take theirs from.
+
 The graphs are the segments of `segments.py` (same input names, same dynamic dimensions), with three rewrites that
 change no arithmetic but the ONNX form (tensorrt_notes.md section 8, step 1):
   - RMSNorm by hand (`x * rsqrt(mean(x^2) + eps) * w`): the TorchScript exporter at opset 20 rejects aten::rms_norm;
@@ -27,14 +30,11 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..calibration.recipe import BLOCK_LINEARS  # the calibration's amax keys are `<linear>.input`
 from ..models.dit import H3DiT
 from .segments import block_segment, embed_segment, final_segment
 
 ONNX_OPSET = 20
 ONNX_PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
-# ModelOpt writes Q/DQ scales in this dtype so no Cast sits between a DQ and its MatMul (a Cast blocks the fusion).
-TRT_HIGH_PRECISION = "BFloat16"
 
 
 class ExportRMSNorm(nn.Module):
@@ -67,11 +67,15 @@ def fusable_attention(head_dim: int):
 
 
 def _export_norms(module: nn.Module) -> nn.Module:
-    """A copy of `module` whose RMSNorms are ExportRMSNorm (weights shared, not copied)."""
+    """A copy of `module` whose RMSNorms are ExportRMSNorm (weights shared, not copied). Subtrees without a norm are
+    the same objects: ModelOpt's calibrated linears (and their quantizers) are exported as they are."""
     module = copy.copy(module)
     module._modules = dict(module._modules)
     for name, child in list(module._modules.items()):
-        module._modules[name] = ExportRMSNorm(child) if isinstance(child, nn.RMSNorm) else _export_norms(child)
+        if isinstance(child, nn.RMSNorm):
+            module._modules[name] = ExportRMSNorm(child)
+        elif any(isinstance(m, nn.RMSNorm) for m in child.modules()):
+            module._modules[name] = _export_norms(child)
     return module
 
 
@@ -126,43 +130,6 @@ def segment_graphs(model: H3DiT) -> dict[str, tuple[nn.Module, object]]:
         graphs[f"block_{i}"] = (BlockGraph(layer), block)
     graphs["final"] = (FinalGraph(model.final_layer), final_segment(cfg, dtype))
     return graphs
-
-
-def modelopt_qdq_block(graph: BlockGraph, precision: str, calib: list[tuple[torch.Tensor, ...]],
-                   input_amax: dict[str, torch.Tensor] | None = None) -> BlockGraph:
-    """A copy of one layer with ModelOpt Q/DQ on every Linear: FP8 E4M3 per-tensor weights and inputs, or NVFP4
-    (E2M1, blocks of 16, E4M3 block scales, dynamic activations). Max calibration over `calib` (block inputs).
-
-    Embed and final stay BF16: the patch / time / condition projections and the output heads are the layers every
-    diffusion recipe keeps in high precision (tensorrt_notes.md 2.3), and they are a sliver of the FLOPs.
-    """
-    # ModelOpt is the TensorRT backend's optional dependency (the test extra; not on the GPU image): imported when used.
-    import modelopt.torch.quantization as mtq
-
-    if input_amax is not None and precision != "fp8":
-        raise ValueError(f"{precision} quantizes activations dynamically; calibrated activation ranges apply to fp8 "
-                         "only.")
-    base = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}[precision]
-    config = copy.deepcopy(base)
-    for entry in config["quant_cfg"]:
-        if "cfg" in entry:
-            entry["cfg"] = dict(entry["cfg"], trt_high_precision_dtype=TRT_HIGH_PRECISION)
-    graph = copy.deepcopy(graph)
-
-    def forward_loop(module):
-        # The eager block (SDPA) sees the same Linear inputs as the exported form and never holds the S^2 scores.
-        for x, mod, adaln_index, cos, sin in calib:
-            module.block(x, mod, adaln_index, (cos, sin))
-
-    with torch.no_grad():
-        graph = mtq.quantize(graph, config, forward_loop)
-    if input_amax is not None:
-        # Activation ranges from the calibration issue's trajectories (h3trt.calibration.calibrate: {"mlp.fc1.input": amax,
-        # ...} per block) replace the ones seen on `calib`; weight ranges come from the weights either way.
-        for name in BLOCK_LINEARS:
-            quantizer = graph.block.get_submodule(name).input_quantizer
-            quantizer.amax = input_amax[f"{name}.input"].to(quantizer.amax.device, quantizer.amax.dtype)
-    return graph
 
 
 def export_graph(module: nn.Module, spec, example: list[torch.Tensor], path: Path, nvfp4: bool = False) -> Path:

@@ -25,9 +25,10 @@ from pathlib import Path
 
 import torch
 
+from ..calibration.recipe import parse_exclusions
 from ..models.config import H3Config
 from ..models.packing import AUDIO_CHANNELS, Geometry
-from .onnx_export import export_graph, onnx_output_names, modelopt_qdq_block, segment_graphs
+from .onnx_export import export_graph, onnx_output_names, segment_graphs
 
 # Targets TensorRT-RTX 1.7.1 can compile for (its ComputeCapability enum; no sm_90, sm_100 or sm_103).
 RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
@@ -210,13 +211,17 @@ def build_report(lines: list[str]) -> dict:
             "fused_attention": any("mha" in name.lower() for name in layers), "gemm_types": gemm_types}
 
 
-# The distinct timesteps of a few calibration steps along a trajectory, sorted as `row_timesteps` sorts them for the
-# builder's example (video t < audio t < condition 0.999), so the example's adaln_index reads the same roles.
-CALIBRATION_TIMESTEPS = ((0.9, 0.95, 0.999), (0.6, 0.75, 0.999), (0.3, 0.4, 0.999), (0.05, 0.1, 0.999))
 # Rows of the block example the ONNX trace runs on. Every sequence dimension is dynamic, so the trace needs only
 # ranks and dtypes; at the full example (37,838 rows) the traced explicit attention would hold 56 x S^2 bf16 scores
 # (160 GB).
 TRACE_ROWS = 256
+# How each precision executes in a plan: the manifest's quant.execution for --backend tensorrt.
+EXECUTION = {
+    "fp8": "TensorRT FP8 GEMMs from ModelOpt's FP8 Q/DQ (e4m3 weights and activations, per-tensor static scales "
+           "from the calibration); attention bf16 (fused MHA)",
+    "nvfp4": "TensorRT FP4 GEMMs from ModelOpt's NVFP4 Q/DQ (FP4 weights with E4M3 block scales from the calibration, "
+             "FP4 activations quantized dynamically); attention bf16 (fused MHA)",
+}
 
 
 def _trace_block_example(example: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -226,42 +231,33 @@ def _trace_block_example(example: list[torch.Tensor]) -> list[torch.Tensor]:
 
 
 def build_plans(model, examples: dict, geometries: list[Geometry], precision: str, targets: tuple[str, ...],
-                flavour: TrtFlavour, segments_dir: Path, log=print,
-                input_amax: dict[int, dict[str, torch.Tensor]] | None = None) -> dict[str, dict]:
-    """Export every segment of `model` to ONNX (blocks with Q/DQ for fp8/nvfp4), build its plan into
-    `segments_dir`, return the manifest entries by segment name. `examples` are the builder's example inputs.
+                flavour: TrtFlavour, segments_dir: Path, log=print, exclude_blocks: tuple[int, ...] = ()
+                ) -> dict[str, dict]:
+    """Export every segment of `model` to ONNX, build its plan into `segments_dir`, return the manifest entries by
+    segment name. `examples` are the builder's example inputs.
 
-    FP8/NVFP4 calibration walks the layers in order: each layer is calibrated on the residual stream the eager
-    (unquantized) layers before it produce at every CALIBRATION_TIMESTEPS step, so only one layer's inputs are held
-    at a time (all 50 layers' at 37k rows would be 80 GB). `input_amax` (fp8): per layer, activation ranges from
-    `h3trt.calibration.calibrate` over real trajectories, replacing the example's."""
-    device = next(model.parameters()).device
+    fp8/nvfp4: the blocks (but `exclude_blocks`) must hold ModelOpt's calibrated quantizers
+    (h3trt.calibration.calibrate.calibrate, which the builder runs over real trajectories); the export writes them as
+    Q/DQ."""
     quantize = precision in ("fp8", "nvfp4")
-    if precision == "nvfp4" and device.type != "cuda":
-        raise ValueError("--precision nvfp4 needs a CUDA GPU (compute capability >= 8.9) to calibrate: ModelOpt's "
-                         "FP4 fake-quantization has no CPU kernel. Build with --device cuda.")
-    x0, _, adaln_index, cos, sin = examples["block"][:5]
     if quantize:
-        with torch.no_grad():
-            tembs = [model.time_embedder(torch.tensor(t, device=device)) for t in CALIBRATION_TIMESTEPS]
-        streams = [x0] * len(tembs)  # the residual stream entering the current layer, per calibration step
+        # ModelOpt is the calibration's dependency (h3trt[calibration]); a bf16/fp32 plan build never needs it.
+        from modelopt.torch.quantization.utils import is_quantized
+
+        bare = [i for i, layer in enumerate(model.blocks) if i not in exclude_blocks and not is_quantized(layer)]
+        if bare:
+            raise ValueError(f"--precision {precision}: blocks {bare} hold no ModelOpt quantizers; calibrate them "
+                             "first (h3trt.calibration.calibrate.calibrate).")
     entries = {}
     with tempfile.TemporaryDirectory(prefix="h3trt-onnx-") as tmp:
         for name, (module, spec) in segment_graphs(model).items():
             is_block = name.startswith("block_")
+            quantized = quantize and is_block and int(name.removeprefix("block_")) not in exclude_blocks
             example = examples["block" if is_block else name][:len(spec.inputs)]
             trace = _trace_block_example(example) if is_block else example
-            if is_block and quantize:
-                index = int(name.removeprefix("block_"))
-                layer = model.blocks[index]
-                with torch.no_grad():
-                    mods = [layer.modulation(temb).contiguous() for temb in tembs]
-                    calib = [(x, mod, adaln_index, cos, sin) for x, mod in zip(streams, mods)]
-                    module = modelopt_qdq_block(module, precision, calib, None if input_amax is None else input_amax[index])
-                    streams = [layer(x, mod, adaln_index, (cos, sin)) for x, mod in zip(streams, mods)]
             t0 = time.perf_counter()
             onnx_path = export_graph(module, spec, trace, Path(tmp) / f"{name}.onnx",
-                                     nvfp4=is_block and precision == "nvfp4")
+                                     nvfp4=quantized and precision == "nvfp4")
             export_s = time.perf_counter() - t0
             profiles = [input_shapes(spec, example, shape_ranges(model.cfg, g)) for g in geometries]
             report = build_plan(flavour, onnx_path, segments_dir / f"{name}.plan", profiles, targets)
@@ -274,7 +270,7 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: st
             entries[name] = {"name": name, "artifact": f"{name}.plan", "inputs": spec.inputs,
                              "outputs": onnx_output_names(spec), "dynamic": spec.dynamic,
                              "profiles": [{k: [list(s) for s in v] for k, v in p.items()} for p in profiles],
-                             "quantized": precision if is_block and quantize else None, "export_s": round(export_s, 2),
+                             "quantized": precision if quantized else None, "export_s": round(export_s, 2),
                              **{k: v for k, v in report.items() if k != "layers"}, "layers": len(report["layers"])}
     return entries
 
@@ -288,6 +284,13 @@ def check_build_config(config) -> None:
         raise ValueError(f"--backend tensorrt serves one process; --sp {config.sp} needs the inductor backend.")
     if config.precision not in PRECISION_TARGETS:
         raise ValueError(f"--backend tensorrt builds {sorted(PRECISION_TARGETS)}, not --precision {config.precision}.")
+    if config.fp8_attention:
+        raise ValueError("--fp8-attention is h3trt's FP8 attention op, which the inductor and aoti backends compile; "
+                         "the TensorRT graphs run attention as one fused bf16 MHA kernel. Drop --fp8-attention or use "
+                         "--backend inductor.")
+    if config.precision == "nvfp4" and config.device != "cuda" and not config.device.startswith("cuda:"):
+        raise ValueError("--backend tensorrt --precision nvfp4 needs --device cuda (compute capability >= 8.9): its "
+                         "FP4 activation quantizers have no CPU kernel in ModelOpt, and the ONNX export runs them.")
     if config.trt_targets is not None:
         targets = [t.strip().lower().replace("_", "") for t in config.trt_targets.split(",") if t.strip()]
         if not targets or any(t not in RTX_TARGETS for t in targets):
@@ -305,8 +308,9 @@ def build_tensorrt_segments(model, examples: dict, config, work: Path, log=print
     log(f"building TensorRT plans with {flavour.name} {flavour.version} for {', '.join(targets)} "
         f"({config.precision}, {len(config.profiles)} optimization profile(s))")
     t0 = time.perf_counter()
+    exclude = parse_exclusions(config.quant_exclude)[0]  # blocks.N kept bf16: calibrated without quantizers
     segments = build_plans(model, examples, [p.geometry for p in config.profiles], config.precision, targets, flavour,
-                           work / "segments", log)
+                           work / "segments", log, exclude)
     seconds = time.perf_counter() - t0
     for name in ("embed", "blocks", "final"):
         (work / "weights" / f"{name}.safetensors").unlink(missing_ok=True)

@@ -1,5 +1,6 @@
-"""The builder's quantization step: calibrate the loaded DiT, quantize its blocks in place, and say which compiled
-block serves each layer. The builder then writes weights and compiles segments exactly as for bf16."""
+"""The builder's quantization step: calibrate the loaded DiT through ModelOpt (h3trt/calibration/calibrate.py), then put
+h3trt's quantized modules into its blocks (Inductor/AOTI) or leave ModelOpt's quantizers there for the ONNX Q/DQ
+(TensorRT), and say which compiled block serves each layer."""
 
 from __future__ import annotations
 
@@ -11,35 +12,41 @@ import torch
 
 from ..models.config import NUM_MODALITIES, NUM_MODULATION_PARAMS
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
-from .calibrate import calibrate, read_prompts
-from .modules import quantize_block, quantized_template
+from .modules import quantized_template
 from .recipe import QuantRecipe, layer_segments
+from .trajectories import trajectory_forward
 
 
-def quantize_dit(model: H3DiT, recipe: QuantRecipe, component_root: Path, calib_prompts: Path | None, profile,
-                 shifts: tuple[float, float], log=print) -> tuple[QuantRecipe, dict]:
-    """Calibrate (FP8) and quantize every non-excluded block of `model` in place. Returns the recipe with the
-    calibration's size filled in, and a manifest record of the activation maxima per block."""
+def calibrate_dit(model: H3DiT, recipe: QuantRecipe, component_root: Path, calib_prompts: Path | None, profile,
+                  shifts: tuple[float, float], keep_modelopt_quantizers: bool = False,
+                  log=print) -> tuple[QuantRecipe, dict]:
+    """Calibrate every non-excluded block of `model` through ModelOpt and quantize it in place: h3trt's FP8/NVFP4
+    modules, or (`keep_modelopt_quantizers`, the TensorRT backend) ModelOpt's own, which the ONNX export writes as
+    Q/DQ. Returns the recipe with the calibration's size filled in, and the manifest's `quant` record."""
+    # Imported here, not at the top: it imports ModelOpt (seconds, and an optional dependency a bf16 build never needs).
+    from .calibrate import calibrate, quantize_blocks, read_prompts
+
     recipe.check_layers(model.cfg.num_layers)
-    amax: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(model.cfg.num_layers)}
-    record = {}
-    if recipe.needs_calibration:
+    forward = None
+    if recipe.needs_calibration_data:
         prompts = read_prompts(calib_prompts)
-        t0 = time.perf_counter()
-        amax = calibrate(model, component_root, prompts, recipe.calib_steps, profile.width, profile.height,
-                         profile.seconds, shifts, log)
+        forward = trajectory_forward(model, component_root, prompts, recipe.calib_steps, profile.width,
+                                     profile.height, profile.seconds, shifts, log)
         recipe = dataclasses.replace(recipe, calib_prompts=len(prompts))
-        record["calibration_s"] = round(time.perf_counter() - t0, 2)
-        record["amax"] = {f"blocks.{i}": {k: round(float(v), 6) for k, v in sorted(a.items())} for i, a in amax.items()}
     elif calib_prompts is not None:
-        raise ValueError(f"--precision {recipe.precision} is weight-only here: it has no activation scales to "
-                         "calibrate. Drop --calib-prompts.")
-    for i, block in enumerate(model.blocks):
-        if i not in recipe.exclude_blocks:
-            quantize_block(block, model.cfg, recipe, amax[i])
-    log(f"quantized {model.cfg.num_layers - len(recipe.exclude_blocks)} of {model.cfg.num_layers} blocks to "
-        f"{recipe.precision} ({', '.join(recipe.quantized_linears())}"
-        f"{', FP8 attention' if recipe.fp8_attention else ''})")
+        raise ValueError(f"--precision {recipe.precision} --calib-algo {recipe.calib_algo} calibrates the weights "
+                         "only (weight-only NVFP4): it runs no trajectories. Drop --calib-prompts, or use --calib-algo "
+                         "awq_lite.")
+    t0 = time.perf_counter()
+    calibration = calibrate(model.blocks, recipe, forward, log)
+    record = {"calibration_s": round(time.perf_counter() - t0, 2), "modelopt": calibration.record,
+              "amax": {f"blocks.{i}": calibration.amax(i) for i in range(model.cfg.num_layers)
+                       if i not in recipe.exclude_blocks}}
+    if not keep_modelopt_quantizers:
+        quantize_blocks(model, calibration)
+    log(f"calibrated ({recipe.calib_algo}, ModelOpt {calibration.record['version']}) and quantized "
+        f"{model.cfg.num_layers - len(recipe.exclude_blocks)} of {model.cfg.num_layers} blocks to {recipe.precision} "
+        f"({', '.join(recipe.quantized_linears())}{', FP8 attention' if recipe.fp8_attention else ''})")
     return recipe, {**recipe.to_dict(), "layer_segments": layer_segments(recipe, model.cfg.num_layers), **record}
 
 

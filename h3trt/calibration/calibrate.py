@@ -1,28 +1,82 @@
-"""Max calibration over real denoising trajectories of the model being built.
+"""Calibration through NVIDIA ModelOpt, over real denoising trajectories of the model being built, and the export of
+its quantizers into h3trt's FP8/NVFP4 modules. The TensorRT backend exports the same quantizers as ONNX Q/DQ
+(h3trt/build/onnx_export.py), so both backends take their scales from one calibration.
 
-The build's own DiT (block dtype, weights not yet quantized) denoises each calibration prompt as a t2va request,
-from the model pieces alone (text encoder, packing, seeded noise, the sampler; no VAE, nothing written): a
-`--calib-steps`-point schedule with the bundle's shifts, at the bundle's first profile. Hooks record max |x|
-entering every block linear and, for FP8 attention, max |q|, |k|, |v| after QK-norm and RoPE. The scale of a tensor is then amax / 448 (e4m3).
+  1. `calibration_tree`: what ModelOpt quantizes, and nothing else. It gets a tree of containers holding the DiT's own
+     modules under their DiT names (`blocks.3.mlp.fc1`): the recipe's block linears and, with --fp8-attention, one
+     `AttentionCore` per block (q/k/v quantizers; v centered as h3trt's FP8 attention quantizes it). ModelOpt converts
+     modules in place, so the DiT's forward runs through its quantizers; adaln_proj, the refiner and the heads are
+     never in the tree and never wrapped.
+  2. the forward loop, a `Forward`: for a build, h3trt/calibration/trajectories.py (real denoising trajectories of
+     the model being built); tests and benchmarks pass their own.
+  3. `calibrate`: `mtq.quantize(tree, config, forward_loop)` with the recipe's `--calib-algo` (ModelOpt's names).
+  4. `Calibration.export_block`: ModelOpt's amax (and what the algorithm did to the weights) as the tensors of h3trt's
+     modules: e4m3 weights with scale amax / 448, NVFP4 weights packed by ModelOpt's own NVFP4 tensor export.
 
-This is ModelOpt's "max" calibrator (per-tensor amax over all calibration batches), implemented here in a few lines:
-the compiled block needs only the amax values, and ModelOpt's quantizer modules are not importable on the GPU image.
+What each algorithm does, in ModelOpt 0.47.0 (checked in its source and tests/test_calibration.py):
+  max          per-tensor amax of every weight and activation; weights untouched.
+  percentile   activations through ModelOpt's histogram calibrator, amax at its 99.99th percentile (ModelOpt's
+               default). ModelOpt's "max" flow calls `compute_amax()` without a method, which its histogram
+               calibrator refuses, so `PercentileCalibrator` names the method; everything else is ModelOpt's.
+  smoothquant  ModelOpt's `smoothquant` (alpha 1.0, its default): per-channel input amax a_c, s_c = w_c^0 / a_c, the
+               weight's columns multiplied by 1/s (folded into the weights), the input by s before quantization
+               (`pre_quant_scale`), then per-tensor amax of the smoothed tensors. ModelOpt 0.47 runs its smoothing
+               only on 8-bit integer quantizers (it skips FP8 ones with a warning and leaves per-channel input amax
+               behind), so h3trt calibrates with the quantizers declared 8-bit and declares them e4m3 afterwards;
+               the smoothing arithmetic never reads the bit width.
+  awq_lite     ModelOpt's `awq_lite` (alpha step 0.1): two passes over the trajectories (statistics, then the
+               alpha search with the weights fake-quantized), scales folded into the weights (W * s) and the input
+               multiplied by 1/s (`pre_quant_scale`), then the weights' amax. The search fake-quantizes NVFP4 with
+               ModelOpt's Triton kernel on a GPU; on a CPU, where ModelOpt 0.47 has no NVFP4 kernel, with ModelOpt's
+               NVFP4 tensor export (`NVFP4QTensor` quantize + dequantize, registered as a ModelOpt quant backend).
+ModelOpt's CUDA extensions are never needed: calibration only collects statistics, and the one fake quantization
+(AWQ's search) is Triton or the CPU path above.
+
+Shape legend: B batch, S rows, N heads, D head dim, K a linear's input features.
 """
 
 from __future__ import annotations
 
+import copy
+import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
-from ..models.dit import H3DiT, sdpa_attention
-from ..models.packing import Geometry, frames_for_duration, pack_t2va, validate_canvas
-from ..models.sampler import Latents, Schedule, denoise, initial_latents
-from ..models.text_encoder import H3TextEncoder, quiet_transformers
-from .fp8_attention import attention_calibration_tensors
-from .recipe import BLOCK_LINEARS
+from ..models.dit import Block, H3DiT, sdpa_attention
+from .formats import FP4_MAX, FP8_MAX, NVFP4_GROUP, fp8_scale, quantize_fp8
+from .fp8_attention import center_rows
+from .modules import load_quantized_block
+from .recipe import QuantRecipe, check_modelopt
+
+check_modelopt()  # importing this module means calibrating: refuse a missing or other ModelOpt with the fix
+
+with warnings.catch_warnings():
+    # ModelOpt warns at import that this transformers release is untested with it; h3trt hands it no transformers model.
+    warnings.filterwarnings("ignore", message=".*is not tested with current version of modelopt.*")
+    import modelopt  # noqa: E402
+    import modelopt.torch.quantization as mtq  # noqa: E402
+from modelopt.torch.quantization.calib.histogram import HistogramCalibrator  # noqa: E402
+from modelopt.torch.quantization.nn import TensorQuantizer  # noqa: E402
+from modelopt.torch.quantization.nn.modules.tensor_quantizer import register_quant_backend  # noqa: E402
+from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor  # noqa: E402
 
 MAX_CALIB_PROMPTS = 64  # a calibration file is a handful of prompts; more is a wrong file, not more accuracy
+PERCENTILE = 99.99  # ModelOpt's HistogramCalibrator default
+# ModelOpt algorithm config per --calib-algo (method and its parameters, ModelOpt's defaults), recorded in the manifest.
+ALGORITHMS = {
+    "max": {"method": "max"},
+    "percentile": {"method": "max"},  # the percentile lives in the activation quantizers' calibrator
+    "smoothquant": {"method": "smoothquant", "alpha": 1.0},
+    "awq_lite": {"method": "awq_lite", "alpha_step": 0.1},
+}
+CPU_NVFP4_BACKEND = "h3trt_nvfp4_export_math"
+# ONNX Q/DQ scales in bf16, so no Cast sits between a DQ and its MatMul (a Cast blocks TensorRT's fusion). Inductor
+# never reads it.
+TRT_HIGH_PRECISION = "BFloat16"
 
 
 def read_prompts(path: Path) -> list[str]:
@@ -35,97 +89,248 @@ def read_prompts(path: Path) -> list[str]:
         raise ValueError(f"--calib-prompts {path} has no prompts (one per line; '#' starts a comment).")
     if len(prompts) > MAX_CALIB_PROMPTS:
         raise ValueError(f"--calib-prompts {path} has {len(prompts)} prompts; at most {MAX_CALIB_PROMPTS} are used "
-                         "for max calibration. Trim the file.")
+                         "for calibration. Trim the file.")
     return prompts
 
 
-class MaxCalibrator:
-    """The eager DiT behind the runner signature, recording per-tensor amax as it runs.
+# ---- What ModelOpt sees ------------------------------------------------------------------------------------------
 
-    amax keys: `blocks.{i}.{linear}.input` for every block linear, `blocks.{i}.attn.{q,k,v}` (v centered over the
-    rows, as FP8 attention quantizes it).
-    """
+class AttentionCore(nn.Module):
+    """softmax(q k^T / sqrt(D)) v over [B, S, N, D], as a module so ModelOpt can wrap it with q/k/v quantizers."""
 
-    def __init__(self, model: H3DiT):
-        self.model, self.cfg = model, model.cfg
-        self.amax: dict[str, torch.Tensor] = {}
-        self.current_block = -1
-        self.hooks = []
-        for i, block in enumerate(model.blocks):
-            self.hooks.append(block.register_forward_pre_hook(self._enter_block(i)))
-            for name in BLOCK_LINEARS:
-                self.hooks.append(block.get_submodule(name).register_forward_pre_hook(
-                    self._record_input(f"blocks.{i}.{name}.input")))
+    def forward(self, q_BSND, k_BSND, v_BSND):
+        return sdpa_attention(q_BSND, k_BSND, v_BSND)
 
-    def _enter_block(self, i: int):
-        def hook(module, args):
-            self.current_block = i
-        return hook
 
-    def _record_input(self, key: str):
-        def hook(module, args):
-            self._record(key, args[0])
-        return hook
+class QuantAttentionCore(AttentionCore):
+    """ModelOpt's form of AttentionCore (registered below): q, k and the row-centered v pass e4m3 quantizers, as
+    h3trt's FP8 attention quantizes them (h3trt/calibration/fp8_attention.py); the mean returns in full precision."""
 
-    def _record(self, key: str, x: torch.Tensor) -> None:
-        value = x.detach().abs().amax().float().cpu()
-        self.amax[key] = torch.maximum(self.amax[key], value) if key in self.amax else value
+    def _setup(self):
+        self.q_bmm_quantizer, self.k_bmm_quantizer, self.v_bmm_quantizer = (TensorQuantizer() for _ in range(3))
 
-    def _attention(self, q, k, v):
-        for name, t in attention_calibration_tensors(q, k, v).items():
-            self._record(f"blocks.{self.current_block}.attn.{name}", t)
-        return sdpa_attention(q, k, v)
+    def forward(self, q_BSND, k_BSND, v_BSND):
+        v_centered, mu_B1ND = center_rows(v_BSND)
+        out = sdpa_attention(self.q_bmm_quantizer(q_BSND), self.k_bmm_quantizer(k_BSND),
+                             self.v_bmm_quantizer(v_centered))
+        return (out.float() + mu_B1ND).to(q_BSND.dtype)
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
-        if cache is not None:  # calibration must see every block at every step
-            raise ValueError("FP8 calibration runs every evaluation; it takes no step cache.")
-        return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
-                          layout.video_index, layout.audio_index, layout.text_index, attn_fn=self._attention)
 
-    def close(self) -> dict[str, torch.Tensor]:
+mtq.register(original_cls=AttentionCore, quantized_cls=QuantAttentionCore)
+
+
+class PercentileCalibrator(HistogramCalibrator):
+    """ModelOpt's histogram calibrator with its percentile method chosen up front (see the module docstring)."""
+
+    def __init__(self, num_bits=8, axis=None, unsigned=False, percentile: float = PERCENTILE):
+        super().__init__(num_bits, axis, unsigned)
+        self.percentile = percentile
+
+    def compute_amax(self):
+        return super().compute_amax("percentile", percentile=self.percentile)
+
+
+def _nvfp4_export_math(x: torch.Tensor, quantizer) -> torch.Tensor:
+    """NVFP4 fake quantization through ModelOpt's NVFP4 tensor export (quantize, then dequantize), with the global
+    amax the Triton kernel would take: for the CPU, where ModelOpt 0.47's NVFP4 fake-quant kernels do not run."""
+    block = quantizer.block_sizes[-1]
+    global_scale = quantizer._get_amax(x).float().amax() / (FP4_MAX * FP8_MAX)
+    packed, block_scale, global_scale = NVFP4QTensor.quantize(x, block, weights_scaling_factor_2=global_scale)
+    return packed.dequantize(x.dtype, scale=block_scale, double_scale=global_scale, block_sizes={-1: block})
+
+
+register_quant_backend(CPU_NVFP4_BACKEND, _nvfp4_export_math)
+
+
+class _Node(nn.Module):
+    """A container of the calibration tree: it holds the DiT's own modules, by reference."""
+
+
+def calibration_tree(blocks: Sequence[Block], recipe: QuantRecipe) -> nn.Module:
+    """`blocks.{i}.{linear}` for the recipe's linears of every quantized block, `blocks.{i}.attn.core` with FP8
+    attention; excluded blocks are empty nodes (their index keeps its place)."""
+    root = _Node()
+    root.blocks = nn.ModuleList()
+    for i, block in enumerate(blocks):
+        node = _Node()
+        if i not in recipe.exclude_blocks:
+            for name in recipe.quantized_linears():
+                parent, leaf = name.split(".")
+                if not hasattr(node, parent):
+                    setattr(node, parent, _Node())
+                setattr(getattr(node, parent), leaf, block.get_submodule(name))
+            if recipe.fp8_attention:
+                if not hasattr(node, "attn"):
+                    node.attn = _Node()
+                node.attn.core = AttentionCore()
+        root.blocks.append(node)
+    return root
+
+
+def _format_cfg(base: dict, quantizer: str) -> dict:
+    (entry,) = [e for e in base["quant_cfg"] if e.get("quantizer_name") == quantizer and "cfg" in e]
+    return dict(copy.deepcopy(entry["cfg"]), trt_high_precision_dtype=TRT_HIGH_PRECISION)
+
+
+def modelopt_config(recipe: QuantRecipe, device: torch.device) -> dict:
+    """The `mtq.quantize` config: formats from ModelOpt's own FP8_DEFAULT_CFG / NVFP4_DEFAULT_CFG entries, applied to
+    every quantizer of the calibration tree (it holds only what the recipe quantizes). FP8 quantizes weights and
+    inputs; NVFP4 the weights only (h3trt's Inductor block dequantizes them to bf16), or with the recipe's
+    fp4_activations the inputs too (the TensorRT backend's FP4 GEMMs)."""
+    base = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}[recipe.precision]
+    weight, inputs = _format_cfg(base, "*weight_quantizer"), _format_cfg(base, "*input_quantizer")
+    attention = _format_cfg(mtq.FP8_DEFAULT_CFG, "*input_quantizer")
+    if recipe.calib_algo == "percentile":
+        inputs["calibrator"] = attention["calibrator"] = (PercentileCalibrator, (), {"percentile": PERCENTILE})
+    if recipe.calib_algo == "smoothquant":  # declared e4m3 after smoothing (module docstring)
+        weight["num_bits"] = inputs["num_bits"] = 8
+    if recipe.precision == "nvfp4" and device.type == "cpu" and not recipe.fp4_activations:
+        # Weight-only on the CPU (AWQ's search fake-quantizes). Never for the TensorRT graphs: a quant backend has no
+        # ONNX form, and their FP4 activations have no CPU kernel anyway (the builder refuses them on a CPU).
+        weight["backend"] = CPU_NVFP4_BACKEND
+    quant_cfg = [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*weight_quantizer", "cfg": weight}]
+    if recipe.precision == "fp8" or recipe.fp4_activations:
+        quant_cfg.append({"quantizer_name": "*input_quantizer", "cfg": inputs})
+    if recipe.fp8_attention:
+        quant_cfg.append({"quantizer_name": "*_bmm_quantizer", "cfg": attention})
+    return {"quant_cfg": quant_cfg, "algorithm": dict(ALGORITHMS[recipe.calib_algo])}
+
+
+# ---- Running it --------------------------------------------------------------------------------------------------
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+# Forwards the calibration data through the blocks, calling the given attention core wherever they attend.
+Forward = Callable[[AttentionFn], None]
+
+
+class _AttentionRouter:
+    """The attention core of the block running now (a forward pre-hook on each block says which): one callable the
+    whole DiT can take as its attn_fn."""
+
+    def __init__(self, blocks: Sequence[Block], tree: nn.Module):
+        self.tree, self.current = tree, -1
+        self.hooks = [b.register_forward_pre_hook(lambda m, a, i=i: setattr(self, "current", i))
+                      for i, b in enumerate(blocks)]
+
+    def __call__(self, q, k, v):
+        return attention_core(self.tree, self.current)(q, k, v)
+
+    def close(self) -> None:
         for h in self.hooks:
             h.remove()
-        return self.amax
+
+
+def attention_core(tree: nn.Module, index: int) -> AttentionFn:
+    """Block `index`'s ModelOpt-quantized attention core, or bf16 SDPA where the block has none."""
+    attn = getattr(tree.blocks[index], "attn", None)
+    return getattr(attn, "core", None) or sdpa_attention
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """A finished ModelOpt calibration: the tree (ModelOpt's quantizers, in place in the DiT's modules) and the record
+    of how it ran."""
+
+    tree: nn.Module
+    recipe: QuantRecipe
+    record: dict  # library, version, algorithm and its parameters, device, forward passes
+
+    def quantizers(self, index: int) -> dict[str, TensorQuantizer]:
+        """Block `index`'s enabled quantizers by name inside the block (`mlp.fc1.input_quantizer`, ...)."""
+        node = self.tree.blocks[index]
+        return {n: m for n, m in node.named_modules() if isinstance(m, TensorQuantizer) and m.is_enabled}
+
+    def amax(self, index: int) -> dict[str, float]:
+        """The calibrated maxima the manifest records: `{linear}.weight`, `{linear}.input` (FP8), `attn.q|k|v`."""
+        out = {}
+        for name, q in self.quantizers(index).items():
+            module, kind = name.rsplit(".", 1)
+            key = {"weight_quantizer": f"{module}.weight", "input_quantizer": f"{module}.input"}.get(kind)
+            out[key or f"attn.{kind[0]}"] = round(float(q.amax.float().amax()), 6)
+        return dict(sorted(out.items()))
+
+    @torch.no_grad()
+    def export_block(self, index: int) -> dict[str, torch.Tensor]:
+        """The tensors of block `index`'s h3trt modules (names inside the block), from ModelOpt's quantizers and the
+        weights as the algorithm left them (SmoothQuant and AWQ fold their scales in)."""
+        node, recipe, out = self.tree.blocks[index], self.recipe, {}
+        for name in recipe.quantized_linears():
+            linear = node.get_submodule(name)
+            weight, wq, iq = linear.weight.detach(), linear.weight_quantizer, linear.input_quantizer
+            if recipe.precision == "fp8":
+                scale = fp8_scale(wq.amax)
+                out.update({f"{name}.weight": quantize_fp8(weight, scale), f"{name}.weight_scale": scale,
+                            f"{name}.input_scale": fp8_scale(iq.amax)})
+            else:
+                global_scale = wq.amax.float() / (FP4_MAX * FP8_MAX)
+                packed, block_scale, global_scale = NVFP4QTensor.quantize(weight, NVFP4_GROUP,
+                                                                          weights_scaling_factor_2=global_scale)
+                out.update({f"{name}.weight_packed": packed._quantized_data,
+                            f"{name}.weight_block_scale": block_scale,
+                            f"{name}.weight_global_scale": global_scale.float().reshape(1)})
+            if recipe.smooths_inputs:
+                if iq.pre_quant_scale is None:
+                    raise RuntimeError(f"ModelOpt's {recipe.calib_algo} left no pre_quant_scale on blocks.{index}."
+                                       f"{name}: it skipped the layer (see its warnings above).")
+                out[f"{name}.pre_quant_scale"] = iq.pre_quant_scale.detach().to(weight.dtype).reshape(-1)
+        if recipe.fp8_attention:
+            core = node.attn.core
+            for n in ("q", "k", "v"):
+                out[f"attn.{n}_scale"] = fp8_scale(getattr(core, f"{n}_bmm_quantizer").amax)
+        return {k: v.contiguous() for k, v in out.items()}
 
 
 @torch.no_grad()
-def calibrate(model: H3DiT, component_root: Path, prompts: list[str], steps: int, width: int, height: int,
-              seconds: float, shifts: tuple[float, float], log=print) -> dict[int, dict[str, torch.Tensor]]:
-    """{block index: {"mlp.fc1.input": amax, ..., "attn.q": amax, ...}} from one trajectory per prompt."""
-    device = model.condition_proj.weight.device
-    geometry = Geometry(height, width, frames_for_duration(seconds))
-    validate_canvas(height, width)
-    schedule = Schedule(steps, *shifts)
-    quiet_transformers()
-    text_encoder = H3TextEncoder.from_pretrained(component_root, device=device, dtype=model.dtype)
-    calibrator = MaxCalibrator(model)
+def calibrate(blocks: Sequence[Block], recipe: QuantRecipe, forward: Forward | None, log=print) -> Calibration:
+    """Quantize the recipe's modules of `blocks` with ModelOpt and calibrate them by `forward` (None: weights only,
+    for NVFP4 with max). The blocks keep ModelOpt's quantizers in place afterwards: `Calibration.export_block` reads
+    them for h3trt's modules, and the ONNX export writes them as Q/DQ."""
+    if (forward is None) == recipe.needs_calibration_data:
+        raise ValueError(f"--precision {recipe.precision} --calib-algo {recipe.calib_algo} "
+                         f"{'calibrates on data: give it a forward' if forward is None else 'needs no data'}.")
+    device = next(iter(blocks)).norm1.weight.device
+    tree = calibration_tree(blocks, recipe)
+    config = modelopt_config(recipe, device)
+    router = _AttentionRouter(blocks, tree)
+    passes = []
+
+    def forward_loop(_tree):
+        passes.append(len(passes) + 1)
+        log(f"calibration ({recipe.calib_algo}) pass {len(passes)}")
+        forward(router)
+
     try:
-        for seed, prompt in enumerate(prompts):
-            t2va_trajectory(calibrator, text_encoder, prompt, seed, geometry, schedule, device)
-            log(f"calibration trajectory {seed + 1}/{len(prompts)}: {steps - 1} evaluations")
+        mtq.quantize(tree, config, forward_loop if forward is not None else None)
     finally:
-        amax = calibrator.close()
-    per_block: dict[int, dict[str, torch.Tensor]] = {i: {} for i in range(model.cfg.num_layers)}
-    for key, value in amax.items():
-        _, i, rest = key.split(".", 2)
-        per_block[int(i)][rest] = value
-    return per_block
+        router.close()
+    if recipe.calib_algo == "smoothquant":
+        for m in tree.modules():
+            if isinstance(m, TensorQuantizer) and m.num_bits == 8:
+                m.num_bits = (4, 3)  # the e4m3 the ranges were calibrated for (module docstring)
+    _check_calibrated(tree, recipe)
+    fake_quant = ("none: calibration only collects ranges" if recipe.calib_algo != "awq_lite" else
+                  "ModelOpt NVFP4QTensor (CPU)" if device.type == "cpu" else "ModelOpt Triton NVFP4 kernel")
+    record = {"library": "nvidia-modelopt", "version": modelopt.__version__, "algorithm": recipe.calib_algo,
+              "modelopt_algorithm": config["algorithm"], "device": str(device), "forward_passes": len(passes),
+              "fake_quant_during_calibration": fake_quant}
+    if recipe.calib_algo == "percentile":
+        record["percentile"] = PERCENTILE
+    return Calibration(tree, recipe, record)
 
 
-def t2va_trajectory(dit, text_encoder: H3TextEncoder, prompt: str, seed: int, geometry: Geometry, schedule: Schedule,
-                    device: torch.device) -> Latents:
-    """One t2va request denoised with `dit` (the runner signature), as the eager pipeline does it: the prompt's
-    embeddings and tags, the packed rows, the noise drawn from `seed`, the sampler's loop. Returns the final rows."""
-    if not prompt.strip():
-        raise ValueError("A calibration prompt is empty; remove blank prompts from --calib-prompts.")
-    cfg, g = dit.cfg, geometry
-    text = text_encoder.encode_t2va(prompt)
-    layout = pack_t2va(text.tags, g.latent_frames, g.latent_height, g.latent_width, g.audio_latents, cfg.patch_size, ())
-    start = initial_latents(seed, g.latent_frames, g.latent_height, g.latent_width, g.audio_latents, cfg.patch_size,
-                            cfg.in_channels, cfg.audio_in_channels)
-    text_BLC, lay = text.embeds.to(device), layout.to(device)
+def _check_calibrated(tree: nn.Module, recipe: QuantRecipe) -> None:
+    """Every enabled quantizer ends with a finite per-tensor range (NVFP4's is the global one its block scales are
+    normalised by): ModelOpt only warns about a quantizer the data never reached."""
+    for name, q in tree.named_modules():
+        if not isinstance(q, TensorQuantizer) or not q.is_enabled:
+            continue
+        if q.amax is None or q.amax.numel() != 1 or not torch.isfinite(q.amax).all():
+            raise RuntimeError(f"ModelOpt left {name} without a per-tensor range (amax {q.amax}): the calibration "
+                               f"runs never reached it, or --calib-algo {recipe.calib_algo} left per-channel ranges.")
 
-    def model(video, audio, unique_t, t_index):
-        return dit(video, audio, text_BLC, unique_t, t_index, lay)
 
-    return denoise(model, Latents(start.video.to(device), start.audio.to(device)), layout, schedule)
+def quantize_blocks(model: H3DiT, calibration: Calibration) -> None:
+    """h3trt's FP8/NVFP4 modules in place of the calibrated ones, in every block the recipe quantizes."""
+    for i, block in enumerate(model.blocks):
+        if i not in calibration.recipe.exclude_blocks:
+            load_quantized_block(block, model.cfg, calibration.recipe, calibration.export_block(i))

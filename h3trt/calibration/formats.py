@@ -1,5 +1,6 @@
-"""FP8 (e4m3) and NVFP4 (E2M1 + E4M3 per 16 values + fp32 global) tensors: quantize, pack, dequantize, and the
-linear functions the compiled block calls. Pure tensor functions; nothing here holds state.
+"""FP8 (e4m3) and NVFP4 (E2M1 + E4M3 per 16 values + fp32 global) tensors: FP8 quantization, NVFP4 dequantization,
+and the linear functions the compiled block calls. Pure tensor functions; nothing here holds state. NVFP4 weights
+are packed by ModelOpt's own NVFP4 export (h3trt/calibration/calibrate.py): E2M1 codes, element 2j in the low nibble.
 
 Shape legend: N output features, K input features, G = K / 16 NVFP4 groups, M flattened rows.
 """
@@ -57,20 +58,6 @@ def fp8_rowwise_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale_1N
 
 # ---- NVFP4 -------------------------------------------------------------------------------------------------------
 
-def _e2m1_codes(x: torch.Tensor) -> torch.Tensor:
-    """Round-to-nearest E2M1 codes (uint8 0..15: sign bit 3, exponent bits 2-1, mantissa bit 0) of values already
-    scaled into [-6, 6]. The magnitudes are 0, .5, 1, 1.5, 2, 3, 4, 6; ties go to the even mantissa."""
-    mag = x.abs().clamp(max=FP4_MAX)
-    # Midpoints between consecutive magnitudes; a value at a midpoint rounds to the code with mantissa 0.
-    bounds = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0], dtype=mag.dtype, device=mag.device)
-    code = torch.bucketize(mag, bounds, right=False)
-    odd = (code % 2) == 1
-    at_mid = torch.isin(mag, bounds)
-    # bucketize(right=False) sends a midpoint to the lower code; when that code's mantissa is odd, the tie goes up.
-    code = torch.where(at_mid & odd, code + 1, code)
-    return (code | ((x < 0).to(code.dtype) << 3)).to(torch.uint8)
-
-
 def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     """Decode E2M1 codes arithmetically (no lookup table: an exported graph must carry no constant tensors)."""
     c = codes.to(torch.int32)
@@ -79,24 +66,6 @@ def e2m1_values(codes: torch.Tensor) -> torch.Tensor:
     subnormal = man * 0.5
     normal = torch.exp2(exp - 1.0) * (1.0 + 0.5 * man)
     return sign * torch.where(exp == 0, subnormal, normal)
-
-
-def quantize_nvfp4(w_NK: torch.Tensor) -> dict[str, torch.Tensor]:
-    """{"weight_packed": uint8 [N, K/2] (element 2j in the low nibble), "weight_block_scale": e4m3 [N, G],
-    "weight_global_scale": fp32 [1]}; w ~ e2m1 * block_scale * global_scale."""
-    N, K = w_NK.shape
-    if K % NVFP4_GROUP:
-        raise ValueError(f"NVFP4 needs in_features divisible by {NVFP4_GROUP}; got {K} = {K // NVFP4_GROUP} * "
-                         f"{NVFP4_GROUP} + {K % NVFP4_GROUP}.")
-    w = w_NK.float().view(N, K // NVFP4_GROUP, NVFP4_GROUP)
-    global_scale = (w.abs().amax().clamp_min(MIN_AMAX) / (FP4_MAX * FP8_MAX)).reshape(1)
-    block_scale = (w.abs().amax(-1) / FP4_MAX / global_scale).clamp(max=FP8_MAX).to(FP8)
-    denom = (block_scale.float() * global_scale)[..., None]
-    scaled = torch.where(denom > 0, w / denom.clamp_min(MIN_AMAX), torch.zeros_like(w))
-    codes = _e2m1_codes(scaled).view(N, K)
-    packed = codes[:, 0::2] | (codes[:, 1::2] << 4)
-    return {"weight_packed": packed.contiguous(), "weight_block_scale": block_scale.contiguous(),
-            "weight_global_scale": global_scale.contiguous()}
 
 
 def dequantize_nvfp4(packed_NK2: torch.Tensor, block_scale_NG: torch.Tensor, global_scale: torch.Tensor,

@@ -11,9 +11,7 @@ import torch.nn as nn
 
 from ..models.attention import bound_attention
 from ..models.dit import Block
-from .formats import (
-    FP8, NVFP4_GROUP, fp8_linear, fp8_scale, nvfp4_weight_only_linear, quantize_fp8, quantize_nvfp4,
-)
+from .formats import FP8, NVFP4_GROUP, fp8_linear, nvfp4_weight_only_linear, quantize_fp8
 from .fp8_attention import center_rows, fp8_sdpa
 from .recipe import QuantRecipe
 
@@ -31,6 +29,18 @@ class FP8Linear(nn.Module):
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale)
 
 
+class SmoothedFP8Linear(FP8Linear):
+    """FP8Linear behind a per-input-channel scale (SmoothQuant's pre_quant_scale, in the block dtype as ModelOpt keeps
+    it). Inside the compiled block the multiply fuses into the pointwise kernel that quantizes the input."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device=None):
+        super().__init__(out_features, in_features, device)
+        self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=dtype, device=device))
+
+    def forward(self, x):
+        return fp8_linear(x * self.pre_quant_scale, self.weight, self.weight_scale, self.input_scale)
+
+
 class NVFP4Linear(nn.Module):
     """Weight-only NVFP4 linear: dequantized to the activation dtype inside the compiled block, bf16 GEMM."""
 
@@ -44,6 +54,18 @@ class NVFP4Linear(nn.Module):
 
     def forward(self, x):
         return nvfp4_weight_only_linear(x, self.weight_packed, self.weight_block_scale, self.weight_global_scale)
+
+
+class SmoothedNVFP4Linear(NVFP4Linear):
+    """NVFP4Linear behind a per-input-channel scale (AWQ's pre_quant_scale, in the block dtype as ModelOpt keeps it)."""
+
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device=None):
+        super().__init__(out_features, in_features, device)
+        self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=dtype, device=device))
+
+    def forward(self, x):
+        return nvfp4_weight_only_linear(x * self.pre_quant_scale, self.weight_packed, self.weight_block_scale,
+                                        self.weight_global_scale)
 
 
 ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale")
@@ -84,33 +106,31 @@ def quantized_template(block: Block, cfg, recipe: QuantRecipe) -> Block:
             block.attn.register_buffer(name, torch.ones(1, dtype=torch.float32, device=device))
     for name in recipe.quantized_linears():
         linear = block.get_submodule(name)
-        cls = FP8Linear if recipe.precision == "fp8" else NVFP4Linear
-        _swap(block, name, cls(linear.out_features, linear.in_features, device=device))
+        shape = (linear.out_features, linear.in_features)
+        if recipe.smooths_inputs:
+            cls = SmoothedFP8Linear if recipe.precision == "fp8" else SmoothedNVFP4Linear
+            module = cls(*shape, dtype=linear.weight.dtype, device=device)
+        else:
+            module = (FP8Linear if recipe.precision == "fp8" else NVFP4Linear)(*shape, device=device)
+        _swap(block, name, module)
     return block
 
 
 @torch.no_grad()
-def quantize_block(block: Block, cfg, recipe: QuantRecipe, amax: dict[str, torch.Tensor]) -> Block:
-    """Replace the block's linears (and attention, with --fp8-attention) by quantized modules holding real weights.
-    `amax` maps names inside the block (`mlp.fc1.input`, `attn.q`, ...) to calibrated max |x|."""
-    originals = {name: block.get_submodule(name).weight.detach() for name in recipe.quantized_linears()}
+def load_quantized_block(block: Block, cfg, recipe: QuantRecipe, tensors: dict[str, torch.Tensor]) -> Block:
+    """Replace the block's linears (and attention, with --fp8-attention) by the recipe's quantized modules, filled
+    with `tensors`: every buffer they declare, by its name inside the block (`mlp.fc1.weight`, `mlp.fc1.input_scale`,
+    `attn.q_scale`, ...), as h3trt/calibration/calibrate.py exports them from ModelOpt's quantizers."""
     quantized_template(block, cfg, recipe)
-    for name, weight in originals.items():
-        module = block.get_submodule(name)
-        if recipe.precision == "fp8":
-            module.weight_scale.copy_(fp8_scale(weight.abs().amax()))
-            module.weight.copy_(quantize_fp8(weight, module.weight_scale))
-            module.input_scale.copy_(fp8_scale(_amax(amax, f"{name}.input")))
-        else:
-            for key, value in quantize_nvfp4(weight).items():
-                getattr(module, key).copy_(value)
-    if recipe.fp8_attention:
-        for name in ("q", "k", "v"):
-            getattr(block.attn, f"{name}_scale").copy_(fp8_scale(_amax(amax, f"attn.{name}")))
+    prefixes = tuple(f"{n}." for n in recipe.quantized_linears()) + ("attn.q_scale", "attn.k_scale", "attn.v_scale")
+    for name, buffer in block.named_buffers():
+        if not name.startswith(prefixes):
+            continue
+        if name not in tensors:
+            raise KeyError(f"the calibration exported no {name!r} for this block; it exported {sorted(tensors)}.")
+        value = tensors[name]
+        if value.shape != buffer.shape or value.dtype != buffer.dtype:
+            raise ValueError(f"{name}: the calibration exported {value.dtype} {tuple(value.shape)}, the module holds "
+                             f"{buffer.dtype} {tuple(buffer.shape)}.")
+        buffer.copy_(value)
     return block
-
-
-def _amax(amax: dict[str, torch.Tensor], key: str) -> torch.Tensor:
-    if key not in amax:
-        raise KeyError(f"calibration recorded no max for {key!r}: the calibration runs never reached it.")
-    return amax[key]

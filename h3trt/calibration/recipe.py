@@ -18,8 +18,25 @@ BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 # Never quantized (documented in the manifest so a reader sees the full picture, not only the configurable part).
 ALWAYS_HIGH_PRECISION = ("video_patch_proj", "audio_patch_proj", "condition_proj", "time_embedder", "token_refiner",
                          "final_layer", "adaln_proj (baked tables)", "norms")
-CALIBRATIONS = ("max",)
+# The calibration algorithms each precision takes, by ModelOpt's names (h3trt/calibration/calibrate.py runs them
+# through ModelOpt); the first is the default. CALIB_ALGO_NOTES says what each does to the model.
+CALIB_ALGOS = {"fp8": ("max", "percentile", "smoothquant"), "nvfp4": ("max", "awq_lite")}
+CALIB_ALGO_NOTES = {
+    "max": "scale = max |x| / format max over the calibration data (ModelOpt's max calibrator); weights per tensor",
+    "percentile": "activation scale from the 99.99th percentile of |x| (ModelOpt's histogram calibrator), clipping "
+                  "outliers; weights as max",
+    "smoothquant": "per-input-channel scales s = 1 / max |x_c| (alpha 1) moved from the activations into the weights "
+                   "(W * 1/s folded in, x * s before quantization: the pre_quant_scale buffer), then max",
+    "awq_lite": "per-input-channel scales searched (alpha in 0..1) to minimise the quantized layer's output error, "
+                "folded into the weights (W * s) with x * 1/s before the GEMM (pre_quant_scale); weights then max",
+}
 ATTENTION_KERNELS = kernels_for("fp8")  # cudnn | fa3 | emulated: h3trt/calibration/fp8_attention.py says what each runs
+# The ModelOpt release the calibration is written against: its algorithms' defaults, its SmoothQuant's int8 gate and
+# its NVFP4 tensor export (h3trt/calibration/calibrate.py says where each is used). Another release is refused,
+# not guessed at.
+MODELOPT_VERSION = "0.47.0"
+MODELOPT_FIX = (f"pip install 'h3trt[calibration]' (nvidia-modelopt=={MODELOPT_VERSION}, pure Python on the CPU; "
+                "h3trt calibrates every FP8/NVFP4 bundle through it)")
 # How each precision executes: recorded in the manifest, so a reader knows what the bundle actually does.
 EXECUTION = {
     "fp8": "W8A8: e4m3 weights and activations, per-tensor static scales, torch._scaled_mm (cuBLAS on CUDA); the "
@@ -30,10 +47,26 @@ EXECUTION = {
 }
 
 
+def check_modelopt() -> str:
+    """ModelOpt's version, or the error that names the fix; reads package metadata only (importing ModelOpt takes
+    seconds), so a build refuses before it loads anything."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        found = version("nvidia-modelopt")
+    except PackageNotFoundError:
+        raise ImportError(f"FP8/NVFP4 calibration runs through NVIDIA ModelOpt, which is not installed: "
+                           f"{MODELOPT_FIX}.") from None
+    if found != MODELOPT_VERSION:
+        raise ImportError(f"h3trt's calibration is written against nvidia-modelopt {MODELOPT_VERSION}; found {found}. "
+                           f"{MODELOPT_FIX}.")
+    return found
+
+
 @dataclass(frozen=True)
 class QuantRecipe:
     precision: str  # fp8 | nvfp4
-    calibration: str = "max"  # activation scale = max |x| over the calibration trajectories / e4m3 max
+    calib_algo: str = "max"  # ModelOpt calibration algorithm (CALIB_ALGOS[precision])
     exclude_blocks: tuple[int, ...] = ()  # main blocks kept in the block dtype (a second compiled block serves them)
     exclude_linears: tuple[str, ...] = ()  # block linears (BLOCK_LINEARS names) kept in the block dtype everywhere
     fp8_attention: bool = False  # q/k/v quantized to e4m3 with calibrated static scales before attention
@@ -41,14 +74,23 @@ class QuantRecipe:
     # attention) or "fa3" (FlashAttention-3's), chosen on the build GPU by --attention, or "emulated" (the reference
     # numerics, built on a CPU); "" without --fp8-attention.
     attention_kernel: str = ""
+    # NVFP4 activations too, dynamically per 16 values with a calibrated global range (the TensorRT backend's FP4
+    # GEMMs); False: NVFP4 weights only (the Inductor block dequantizes them to bf16).
+    fp4_activations: bool = False
     calib_steps: int = 0  # sigma grid points of each calibration trajectory (0: not calibrated)
     calib_prompts: int = 0  # how many prompts the calibration ran
 
     def __post_init__(self):
         if self.precision not in QUANT_PRECISIONS:
             raise ValueError(f"quantized precision must be one of {QUANT_PRECISIONS}, got {self.precision!r}.")
-        if self.calibration not in CALIBRATIONS:
-            raise ValueError(f"calibration must be one of {CALIBRATIONS}, got {self.calibration!r}.")
+        algos = CALIB_ALGOS[self.precision]
+        if self.calib_algo not in algos:
+            known = {a for options in CALIB_ALGOS.values() for a in options}
+            why = ({"fp8": "AWQ searches scales for 4-bit block weights; FP8 weights are per-tensor e4m3",
+                    "nvfp4": "NVFP4 is weight-only here: it has no activation ranges to clip or smooth"}[self.precision]
+                   if self.calib_algo in known else f"h3trt drives ModelOpt's {', '.join(sorted(known))}")
+            raise ValueError(f"--calib-algo {self.calib_algo} does not apply to --precision {self.precision}: it takes "
+                             f"{', '.join(algos)} (default {algos[0]}); {why}.")
         unknown = sorted(set(self.exclude_linears) - set(BLOCK_LINEARS))
         if unknown:
             raise ValueError(f"--quant-exclude names {unknown}; block linears are {list(BLOCK_LINEARS)}, whole blocks "
@@ -57,19 +99,28 @@ class QuantRecipe:
             raise ValueError("--quant-exclude lists every block linear: nothing would be quantized; build bf16.")
         if any(i < 0 for i in self.exclude_blocks) or tuple(sorted(set(self.exclude_blocks))) != self.exclude_blocks:
             raise ValueError(f"exclude_blocks must be distinct non-negative indices in order, got {self.exclude_blocks}.")
+        if self.fp4_activations and self.precision != "nvfp4":
+            raise ValueError("fp4_activations applies to --precision nvfp4.")
         if self.fp8_attention and self.precision != "fp8":
             raise ValueError("--fp8-attention needs --precision fp8 (its q/k/v scales come from the FP8 calibration).")
         kernels = ATTENTION_KERNELS if self.fp8_attention else ("",)
         if self.attention_kernel not in kernels:
             raise ValueError(f"attention_kernel must be one of {kernels} with fp8_attention={self.fp8_attention}, "
                              f"got {self.attention_kernel!r}.")
-        if self.needs_calibration and self.calib_steps < 2:
-            raise ValueError(f"FP8 needs calibration: --calib-steps must be at least 2, got {self.calib_steps}.")
+        if self.needs_calibration_data and self.calib_steps < 2:
+            raise ValueError(f"--precision {self.precision} --calib-algo {self.calib_algo} calibrates on trajectories: "
+                             f"--calib-steps must be at least 2, got {self.calib_steps}.")
 
     @property
-    def needs_calibration(self) -> bool:
-        """FP8 activation scales are static, so they come from calibration; NVFP4 here is weight-only."""
-        return self.precision == "fp8"
+    def needs_calibration_data(self) -> bool:
+        """FP8 activation scales are static, so they come from calibration runs, FP4 activations need their global
+        range, and AWQ searches its scales on them; weight-only NVFP4 with max needs only the weights."""
+        return self.precision == "fp8" or self.fp4_activations or self.calib_algo == "awq_lite"
+
+    @property
+    def smooths_inputs(self) -> bool:
+        """SmoothQuant and AWQ leave a per-input-channel scale that multiplies each linear's input (pre_quant_scale)."""
+        return self.calib_algo in ("smoothquant", "awq_lite")
 
     def quantized_linears(self) -> tuple[str, ...]:
         return tuple(n for n in BLOCK_LINEARS if n not in self.exclude_linears)
@@ -88,7 +139,8 @@ class QuantRecipe:
 
     @classmethod
     def from_dict(cls, data: dict) -> "QuantRecipe":
-        keep = {"precision", "calibration", "fp8_attention", "attention_kernel", "calib_steps", "calib_prompts"}
+        keep = {"precision", "calib_algo", "fp4_activations", "fp8_attention", "attention_kernel", "calib_steps",
+                "calib_prompts"}
         return cls(**{k: data[k] for k in keep}, exclude_blocks=tuple(data["exclude_blocks"]),
                    exclude_linears=tuple(data["exclude_linears"]))
 

@@ -1,0 +1,72 @@
+"""The calibration's forward loop over real denoising trajectories of the model being built: each `--calib-prompts`
+prompt denoised as a seeded t2va request from the model pieces alone (text encoder, packing, noise, the sampler; no
+VAE, nothing written), a `--calib-steps`-point schedule with the bundle's shifts, at the bundle's first profile. The
+DiT attends through whatever attention the calibration hands the loop (h3trt/calibration/calibrate.py's cores).
+Apart from the ModelOpt driver so that it alone needs the text encoder's dependencies (transformers, Pillow)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from ..models.dit import H3DiT, sdpa_attention
+from ..models.packing import Geometry, frames_for_duration, pack_t2va, validate_canvas
+from ..models.sampler import Latents, Schedule, denoise, initial_latents
+from ..models.text_encoder import H3TextEncoder, quiet_transformers
+
+AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def trajectory_forward(model: H3DiT, component_root: Path, prompts: list[str], steps: int, width: int, height: int,
+                       seconds: float, shifts: tuple[float, float], log=print) -> Callable[[AttentionFn], None]:
+    """The forward loop over real trajectories: each prompt denoised as a seeded t2va request from the model pieces
+    alone (text encoder, packing, noise, sampler; no VAE), the DiT attending through the calibration's cores."""
+    device = model.condition_proj.weight.device
+    geometry = Geometry(height, width, frames_for_duration(seconds))
+    validate_canvas(height, width)
+    schedule = Schedule(steps, *shifts)
+    quiet_transformers()
+    text_encoder = H3TextEncoder.from_pretrained(component_root, device=device, dtype=model.dtype)
+    runner = _Runner(model)
+
+    def forward(attention: AttentionFn) -> None:
+        runner.attention = attention
+        for seed, prompt in enumerate(prompts):
+            t2va_trajectory(runner, text_encoder, prompt, seed, geometry, schedule, device)
+            log(f"  trajectory {seed + 1}/{len(prompts)}: {steps - 1} evaluations")
+
+    return forward
+
+
+def t2va_trajectory(dit, text_encoder: H3TextEncoder, prompt: str, seed: int, geometry: Geometry, schedule: Schedule,
+                    device: torch.device) -> Latents:
+    """One t2va request denoised with `dit` (the runner signature), as the eager pipeline does it: the prompt's
+    embeddings and tags, the packed rows, the noise drawn from `seed`, the sampler's loop. Returns the final rows."""
+    if not prompt.strip():
+        raise ValueError("A calibration prompt is empty; remove blank prompts from --calib-prompts.")
+    cfg, g = dit.cfg, geometry
+    text = text_encoder.encode_t2va(prompt)
+    layout = pack_t2va(text.tags, g.latent_frames, g.latent_height, g.latent_width, g.audio_latents, cfg.patch_size, ())
+    start = initial_latents(seed, g.latent_frames, g.latent_height, g.latent_width, g.audio_latents, cfg.patch_size,
+                            cfg.in_channels, cfg.audio_in_channels)
+    text_BLC, lay = text.embeds.to(device), layout.to(device)
+
+    def model(video, audio, unique_t, t_index):
+        return dit(video, audio, text_BLC, unique_t, t_index, lay)
+
+    return denoise(model, Latents(start.video.to(device), start.audio.to(device)), layout, schedule)
+
+
+class _Runner:
+    """The eager DiT behind the runner signature the pipeline calls, attending through `attention`."""
+
+    def __init__(self, model: H3DiT):
+        self.model, self.cfg, self.attention = model, model.cfg, sdpa_attention
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
+        if cache is not None:  # calibration must see every block at every step
+            raise ValueError("Calibration runs every evaluation; it takes no step cache.")
+        return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
+                          layout.video_index, layout.audio_index, layout.text_index, attn_fn=self.attention)
