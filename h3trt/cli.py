@@ -90,6 +90,9 @@ def _run_parser(sub) -> None:
     p.add_argument("--audio-shift", type=float, help="audio sigma shift (default: the checkpoint's, 3)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--profile-step", type=int, metavar="N",
+                   help="measure evaluation N's host overhead (GPU idle time between its kernels, torch.profiler) "
+                        "into the record's step_profile")
     batch = p.add_argument_group("batch: many requests from one JSONL file, the model loaded once")
     batch.add_argument("--requests", type=Path, help="JSONL, one request per line: id, task, prompt, image/last_image/"
                                                      "refs, seed, resolution WxH, duration, steps (validated first)")
@@ -179,6 +182,8 @@ def check_lora_source(args) -> None:
 
 def cmd_run(args) -> int:
     if args.requests is not None:
+        if args.profile_step is not None:
+            raise ValueError("--profile-step measures one request's step; run that request alone (without --requests).")
         return run_requests(args)
     check_lora_source(args)
     if args.prompt is None or args.output is None:
@@ -235,7 +240,8 @@ def cmd_run(args) -> int:
     try:
         with serving:
             record = pipeline.generate(prepared, output, crf=args.crf, on_step=bar,
-                                       finish=record_completer(request, model, extra), overwrite=args.overwrite)
+                                       finish=record_completer(request, model, extra), overwrite=args.overwrite,
+                                       profile_step=args.profile_step)
     finally:
         if bar is not None:
             bar.close()
@@ -279,7 +285,8 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
     job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
               args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra,
               vae_precision=args.vae_precision, loras=tuple(args.lora), overwrite=args.overwrite,
-              trust=str(args.trust) if args.trust is not None else None)
+              trust=str(args.trust) if args.trust is not None else None,
+              profile_step=args.profile_step)
     if torchrun is not None:
         rank, world, local_rank = init_torchrun_rank(device_type)
         serve_rank(rank, world, local_rank, job, heads)

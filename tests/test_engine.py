@@ -6,6 +6,7 @@ clip served from a bundle decodes to frames within 1 uint8 level (mean) of the e
 """
 
 import json
+import os
 import re
 import shutil
 
@@ -109,7 +110,9 @@ def test_manifest_records_the_build(bundles):
                                   "video_decoder_out_7x6x10"}
     assert m["vae_precision"] == "fp32" and m["video_decoder"]["cuda_graph"] in (True, False)
     assert not any(name.startswith("weights/adaln_weights") for name in m["files"])  # adaln_proj left out
-    assert all(len(f["sha256"]) == 64 for f in m["files"].values())
+    assert m["hash_chunk_bytes"] == 64 << 20
+    assert all(len(f["sha256_chunks"]) == max(1, -(-f["bytes"] // (64 << 20))) and all(len(d) == 64 for d in
+               f["sha256_chunks"]) for f in m["files"].values())
     # fp32 attention on a CPU: torch SDPA, nothing timed, at the bundle's attention shape (every row, 2 heads).
     att = m["attention"]["fp32"]
     assert set(m["attention"]) == {"fp32"} and (att["kernel"], att["requested"], att["measured_ms"]) == (
@@ -329,3 +332,79 @@ def test_keygen_makes_a_private_and_a_public_key(tmp_path, capsys):
     assert (key.stat().st_mode & 0o777) == 0o600 and (tmp_path / "k.pub").read_text().startswith("-----BEGIN PUBLIC")
     assert main(["keygen", str(key)]) == 2  # an existing key is never replaced
     assert "already exists" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Cold start of a whole bundle: the verified-once record, chunks hashed while read (engines/weights_io.py)
+
+
+@pytest.fixture
+def bundle(bundles):
+    return bundles["inductor"]
+
+
+@pytest.fixture
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    return tmp_path / "xdg"
+
+
+def _load(root):
+    engine = Engine.load(root, "cpu", threads=3)
+    engine.verification.wait_all()
+    return engine
+
+
+def test_second_load_hashes_nothing_and_gives_the_same_weights(bundle, private_cache):
+    first = _load(bundle)
+    assert first.load_report["files_trusted"] == 0 and first.load_report["weights_read"]["hashed_chunks"] > 0
+    second = _load(bundle)
+    assert second.load_report["files_hashed"] == 0 and second.load_report["weights_read"]["hashed_chunks"] == 0
+    report = second.load_report
+    assert report["weights_bytes"] > 0 and report["weights_GBps"] > 0
+    for key in ("checks_s", "code_verified_s", "segments_s", "weights_s", "total_s"):
+        assert report[key] >= 0
+    from safetensors.torch import load_file
+
+    want = load_file(str(bundle / "weights" / "blocks.safetensors"))
+    for i, layer in enumerate(second.dit.block_w["block"]):
+        names = second.manifest["segments"]["block"]["weights"]
+        for name, t in zip(names, layer):
+            assert torch.equal(t, want[f"blocks.{i}.{name}"])
+
+
+@pytest.mark.parametrize("change", ["content_same_mtime", "size", "content"])
+def test_record_does_not_hide_a_changed_file(bundle, private_cache, tmp_path, change):
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    _load(copy)  # verified once: the record now trusts every file
+    path = copy / "weights" / "blocks.safetensors"
+    raw = bytearray(path.read_bytes())
+    st = os.stat(path)
+    if change == "size":
+        raw += b"\0" * 8
+    else:
+        raw[len(raw) // 2] ^= 0x01
+    path.write_bytes(bytes(raw))
+    if change == "content_same_mtime":
+        os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))
+    with pytest.raises(BundleError, match="weights/blocks.safetensors changed"):
+        _load(copy)
+
+
+def test_a_tampered_component_is_refused_before_use(bundle, private_cache, tmp_path):
+    from h3trt.runtime.pipeline import H3Pipeline
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    vae = next((copy / "video_vae").rglob("*.safetensors"))
+    raw = bytearray(vae.read_bytes())
+    raw[-1] ^= 0x01
+    vae.write_bytes(bytes(raw))
+    pipeline = H3Pipeline.load_engine(copy, "cpu")  # the DiT and text encoder load; the VAE loads in the background
+    with pytest.raises(BundleError, match="video_vae/.*changed"):
+        pipeline.video_vae
+    from h3trt.engines.verified import VerifiedRecord, identity
+
+    record = VerifiedRecord.open(copy)
+    assert not record.trusted(vae.relative_to(copy).as_posix(), identity(vae))

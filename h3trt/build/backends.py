@@ -39,8 +39,14 @@ def no_duck_shapes():
 # Inductor options of every build. One compile thread: a worker pool started earlier in the process would write its
 # binaries to the cache folder it started with, not the bundle's. Coordinate-descent tuning stays off: it gained
 # 0.6-1.1% per full-width block on the H200, but its kernels re-tune (compile Triton) when a bundle is loaded, which
-# the no-compile guard refused (bench/results/dit_blocks_variants*_h200.json).
-INDUCTOR_OPTIONS = {"compile_threads": 1}
+# the no-compile guard refused (bench/results/dit_blocks_variants*_h200.json). Dynamic RBLOCK scaling stays off for
+# the same reason: when a loaded reduction kernel uses more registers than full occupancy allows and the launch has
+# more blocks than the GPU holds at once (full-size shapes only: 37,838 rows), Inductor compiles a config with half
+# the RBLOCK the first time the kernel loads (`CachingAutotuner._dynamic_scale_rblock`, which its own comment says it
+# cannot do ahead in a worker). The build saves its autotuners before that step, so the child's fresh-process check
+# compiled Triton and was refused: both full-size builds failed so (bench/results/e2e_h200_call*). The flag is baked
+# into each kernel's inductor_meta, so a load never rescales.
+INDUCTOR_OPTIONS = {"compile_threads": 1, "dynamic_scale_rblock": False}
 
 
 def compile_inductor(spec: SegmentSpec, example: list[torch.Tensor], path: Path, options: dict | None = None) -> dict:

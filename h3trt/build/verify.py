@@ -30,7 +30,10 @@ def main(argv: list[str]) -> int:
     with torch.no_grad(), no_compile():
         for name, item in plan["plan"].items():
             inputs = [tensors[f"{name}.in.{i}"].to(device) for i in range(item["inputs"])]
-            got = segments[name](*inputs)
+            try:
+                got = segments[name](*inputs)
+            except Exception as e:  # the builder shows the last lines: let them name the segment
+                raise RuntimeError(f"segment {name} failed at its first call: {type(e).__name__}: {e}") from e
             for i in range(item["outputs"]):
                 want = tensors[f"{name}.out.{i}"].float()
                 err = ((got[i].float().cpu() - want).norm() / want.norm().clamp_min(1e-12)).item()

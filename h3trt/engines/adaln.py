@@ -68,8 +68,12 @@ class LiveAdaLN:
 def load_adaln(root: Path, manifest: dict, cfg: H3Config, device: torch.device):
     """The bundle's AdaLN runner: its baked tables (kept on the CPU for the lookup, rows moved to `device`), or its
     kept modulation weights."""
-    weights = Path(root) / "weights"
+    name = "adaln_tables" if manifest["adaln"]["baked"] else "adaln_weights"
+    return adaln_runner(manifest, load_weights(Path(root) / "weights" / f"{name}.safetensors", device), cfg, device)
+
+
+def adaln_runner(manifest: dict, tensors: dict[str, torch.Tensor], cfg: H3Config, device: torch.device):
+    """The AdaLN runner from the bundle's adaln file, already loaded (on any device)."""
     if manifest["adaln"]["baked"]:
-        return BakedAdaLN(load_weights(weights / "adaln_tables.safetensors", torch.device("cpu")), device)
-    return LiveAdaLN(load_weights(weights / "adaln_weights.safetensors", device), cfg.num_layers, cfg.hidden_size,
-                     device)
+        return BakedAdaLN({**tensors, "timesteps": tensors["timesteps"].cpu()}, device)
+    return LiveAdaLN(tensors, cfg.num_layers, cfg.hidden_size, device)

@@ -5,7 +5,11 @@
 
 from __future__ import annotations
 
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -17,12 +21,18 @@ from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
 from ..models.step_cache import run_blocks
 from ..parallel.ulysses import RowShard, UlyssesExchange
-from .adaln import load_adaln
-from .loaders import LoadedSegment, load_segments, load_weights
-from .manifest import BundleError, check_environment, read_manifest, verify_files
+from .adaln import adaln_runner
+from .loaders import LoadedSegment, load_segments
+from .manifest import BundleError, check_environment, hash_threads, read_manifest, structure_problems
 from .signing import read_trusted_manifest
 from .tensorrt_runtime import load_trt_engine
+from .verified import VerifiedRecord, identity
 from .video_decoder import TileDecoder, parse_video_decoder_name
+from .weights_io import ReadStats, WeightsError, read_safetensors, verify_file
+
+# Files a load must have verified before it runs them: the compiled code (shared objects, Triton binaries).
+CODE_PREFIXES = ("segments/", "inductor_cache/")
+DIT_WEIGHT_FILES = ("embed", "blocks", "final")
 
 
 class EngineDiT:
@@ -95,10 +105,21 @@ class EngineDiT:
 
 
 class Engine:
-    """A loaded bundle."""
+    """A loaded bundle. `load_report` is the cold-start split (seconds, bytes, GB/s, what was hashed);
+    `component_ready(name)` waits until the files of an eager component (video_vae/, text_encoder/, ...) are verified,
+    which continues in the background after `load` returns."""
 
-    def __init__(self, root: Path, manifest: dict, dit: EngineDiT, segments: dict[str, LoadedSegment]):
+    def __init__(self, root: Path, manifest: dict, dit: EngineDiT, segments: dict[str, LoadedSegment],
+                 load_report: dict | None = None, verification: "BundleVerification | None" = None):
         self.root, self.manifest, self.dit, self.segments = Path(root), manifest, dit, segments
+        self.load_report = load_report or {}
+        self.verification = verification
+
+    def component_ready(self, component: str) -> None:
+        """Block until every file under `component`/ matched the manifest; raise BundleError if one did not."""
+        if self.verification is not None:
+            self.verification.wait_prefix(component.rstrip("/") + "/")
+
 
     def video_decoders(self, vae) -> dict[tuple[int, int, int], TileDecoder]:
         """The compiled tile decoders, by (window latents, tile h, tile w), bound to `vae`'s tensors (the VAE loaded
@@ -114,10 +135,24 @@ class Engine:
                 for key, names in parts.items()}
 
     @classmethod
-    def load(cls, root: Path, device: str | torch.device, mesh=None, sp_group=None, trust=None) -> "Engine":
+    def load(cls, root: Path, device: str | torch.device, mesh=None, sp_group=None, trust=None,
+             threads: int | None = None, early: tuple[str, ...] = (),
+             alongside: Callable[["BundleVerification"], None] | None = None) -> "Engine":
         """Load a bundle for one rank: `mesh` is the launched MeshConfig (None: one process), `sp_group` this
         rank's sequence-parallel group when the bundle's sp > 1. With `trust` (an Ed25519 public key file) the
-        manifest must carry that key's signature; every file is checked against it before any code loads."""
+        manifest must carry that key's signature, and every file is hashed (the verified-once record is not
+        consulted); the compiled code is checked before any of it loads.
+
+        Cold start, overlapped (each file hashed in chunks on `threads` threads, the default one per core up to 16):
+          1. the manifest and environment checks; the size of every file; which files the verified-once record trusts
+          2. the compiled code (segments/, inductor_cache/) verified first, then loaded on this thread, while
+          3. the DiT weight files are read straight into device memory, each chunk hashed as it is read, and
+          4. the eager components' files (VAEs, text encoder) are verified after them, in the background: the
+             pipeline waits for a component's files (`component_ready`) before loading it.
+        `early`: components (top-level folders) verified right after the code, before the weights; `alongside` is
+        called with the verification once everything is queued, so a caller can load those components on its own
+        thread while the weights stream (the text encoder, which the first step needs)."""
+        t0 = time.perf_counter()
         root = Path(root)
         device = torch.device(device)
         manifest = read_trusted_manifest(root, trust) if trust is not None else read_manifest(root)
@@ -133,16 +168,180 @@ class Engine:
                 check_attention_kernel(quant["attention_kernel"], device)
         except (ValueError, RuntimeError) as e:
             raise BundleError(f"{root}: {e}") from e
-        problems = verify_files(root, manifest)
+        problems = structure_problems(root, manifest)
         if problems:
-            listed = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-            raise BundleError(f"{root} does not match its manifest: {listed}. Re-copy the bundle or rebuild it.")
+            raise _mismatch(root, problems)
         cfg = H3Config.from_dict(manifest["model_config"])
-        segments = load_segments(root, manifest["backend"], manifest["segments"], device)
-        weights = {name: load_weights(root / "weights" / f"{name}.safetensors", device)
-                   for name in ("embed", "blocks", "final")}
-        adaln = load_adaln(root, manifest, cfg, device)
+        verification = BundleVerification(root, manifest, threads or hash_threads(), use_record=trust is None)
+        adaln_file = "adaln_tables" if manifest["adaln"]["baked"] else "adaln_weights"
+        t_checks = time.perf_counter()
+        try:
+            # 2-4 are queued in this order on one pool: code first (small), then weights, then components.
+            code = verification.verify([rel for rel in manifest["files"] if rel.startswith(CODE_PREFIXES)])
+            first = tuple(f"{c.rstrip('/')}/" for c in early)
+            verification.verify([rel for rel in manifest["files"] if rel.startswith(first)])
+            weight_futures = {name: verification.read(f"weights/{name}.safetensors", device)
+                              for name in (*DIT_WEIGHT_FILES, adaln_file)}
+            verification.verify([rel for rel in manifest["files"] if not rel.startswith((*CODE_PREFIXES, *first))
+                                 and not rel.startswith("weights/")])
+            verification.close_submissions()
+            if alongside is not None:
+                alongside(verification)
+            verification.wait(code)
+            t_code = time.perf_counter()
+            segments = load_segments(root, manifest["backend"], manifest["segments"], device)
+            t_segments = time.perf_counter()
+            weights = {name: verification.result(f) for name, f in weight_futures.items()}
+            # When the last weight file was on the device (each reader synchronised its own copies).
+            t_weights = max(verification.done_at[f"weights/{name}.safetensors"] for name in weight_futures)
+        except BaseException:
+            verification.abandon()
+            raise
+        adaln = adaln_runner(manifest, weights.pop(adaln_file), cfg, device)
         dit = EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device,
                         sp_group if manifest["mesh"]["sp"] > 1 else None,
                         quant.get("layer_segments"), dense_kernel(attention) if attention else None)
-        return cls(root, manifest, dit, segments)
+        end = time.perf_counter()
+        stats = verification.weight_stats
+        report = {
+            "threads": verification.threads,
+            "checks_s": round(t_checks - t0, 4),  # manifest, environment, sizes, verified-once record
+            "code_verified_s": round(t_code - t_checks, 4),  # compiled code hashed (segments/, inductor_cache/)
+            "segments_s": round(t_segments - t_code, 4),  # compiled segments loaded (overlaps the weight read)
+            "weights_s": round(t_weights - t_checks, 4),  # DiT weights read, hashed and on the device
+            "weights_bytes": stats.bytes,
+            "weights_GBps": round(stats.bytes / 1e9 / max(t_weights - t_checks, 1e-9), 3),
+            "weights_read": stats.to_dict(),
+            "files_trusted": len(verification.trusted), "files_hashed": len(manifest["files"]) - len(verification.trusted),
+            "bundle_bytes": sum(f["bytes"] for f in manifest["files"].values()),
+            "total_s": round(end - t0, 4),
+        }
+        return cls(root, manifest, dit, segments, report, verification)
+
+
+def _mismatch(root: Path, problems: list[str]) -> BundleError:
+    listed = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
+    return BundleError(f"{root} does not match its manifest: {listed}. Re-copy the bundle or rebuild it.")
+
+
+class BundleVerification:
+    """Every file of one bundle load, checked against the manifest on one thread pool: hashed in chunks (read into the
+    device for weight files), or trusted by the verified-once record. Each file's identity is taken before it is read
+    and checked again after; when every file has matched, the record is updated so that the next load hashes
+    nothing that did not change."""
+
+    def __init__(self, root: Path, manifest: dict, threads: int, use_record: bool = True):
+        self.root, self.manifest, self.threads = Path(root), manifest, threads
+        self.chunk_bytes = manifest["hash_chunk_bytes"]
+        self.record = VerifiedRecord.open(root)
+        files = manifest["files"]
+        self.identity = {rel: identity(self.root / rel) for rel in files}
+        # Under --trust every byte is hashed: the record guards against accidents, a signature against intent.
+        self.trusted = {rel for rel in files if use_record and self.record.trusted(rel, self.identity[rel])}
+        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="h3trt-load")
+        self.futures: dict[str, Future] = {}
+        self.done_at: dict[str, float] = {}  # perf_counter when each file was checked (and read)
+        self.weight_stats, self.other_stats = ReadStats(), ReadStats()
+        self.started = time.perf_counter()
+        self.finished_s: float | None = None  # seconds from the start until every file was checked
+        self.error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._pending = 0
+        self._closed = False
+        self._all_done = threading.Event()
+
+    def _digests(self, rel: str) -> list[str] | None:
+        return None if rel in self.trusted else self.manifest["files"][rel]["sha256_chunks"]
+
+    def read(self, rel: str, device: torch.device) -> Future:
+        return self._track(rel, read_safetensors(self.root / rel, device, self.pool, self._digests(rel),
+                                                 self.chunk_bytes, self.weight_stats, rel))
+
+    def verify(self, rels: list[str]) -> list[Future]:
+        out = []
+        for rel in rels:
+            digests = self._digests(rel)
+            if digests is None:
+                done: Future = Future()
+                done.set_result(None)
+                out.append(self._track(rel, done))
+            else:
+                out.append(self._track(rel, verify_file(self.root / rel, self.pool, digests, self.chunk_bytes,
+                                                        self.other_stats, rel)))
+        return out
+
+    def _track(self, rel: str, future: Future) -> Future:
+        with self._lock:
+            self._pending += 1
+        self.futures[rel] = future
+        future.add_done_callback(lambda f, rel=rel: self._done(rel, f))
+        return future
+
+    def _same_file(self, rel: str) -> bool:
+        try:
+            return identity(self.root / rel) == self.identity[rel]
+        except OSError:
+            return False
+
+    def _done(self, rel: str, future: Future) -> None:
+        self.done_at[rel] = time.perf_counter()
+        error = future.exception() if not future.cancelled() else WeightsError(f"{rel}: the load was abandoned")
+        if error is None and not self._same_file(rel):
+            error = WeightsError(f"{rel} changed while it was being loaded")
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._pending -= 1
+            last = self._closed and self._pending == 0
+        if last:
+            self._finish()
+
+    def close_submissions(self) -> None:
+        with self._lock:
+            self._closed = True
+            last = self._pending == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.finished_s = time.perf_counter() - self.started
+        if self.error is None:
+            for rel in self.manifest["files"]:
+                self.record.add(rel, self.identity[rel])
+            self.record.save()
+        self.pool.shutdown(wait=False)
+        self._all_done.set()
+
+    def _raise(self, error: BaseException) -> None:
+        if isinstance(error, WeightsError):
+            raise _mismatch(self.root, [str(error)]) from None
+        raise error
+
+    def result(self, future: Future):
+        try:
+            value = future.result()
+        except BaseException as e:
+            self._raise(e)
+        rel = next(r for r, f in self.futures.items() if f is future)
+        if not self._same_file(rel):
+            self._raise(WeightsError(f"{rel} changed while it was being loaded"))
+        return value
+
+    def wait(self, futures: list[Future]) -> None:
+        for f in futures:
+            self.result(f)
+
+    def wait_prefix(self, prefix: str) -> None:
+        self.wait([f for rel, f in self.futures.items() if rel.startswith(prefix)])
+
+    def wait_all(self) -> dict:
+        """Block until every file was checked; raise if one did not match. Returns the background share's report."""
+        self._all_done.wait()
+        if self.error is not None:
+            self._raise(self.error)
+        return {"all_files_checked_s": round(self.finished_s, 4), "components_read": self.other_stats.to_dict()}
+
+    def abandon(self) -> None:
+        for f in self.futures.values():
+            f.cancel()
+        self.pool.shutdown(wait=False, cancel_futures=True)

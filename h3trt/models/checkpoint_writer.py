@@ -63,23 +63,28 @@ def _save_sharded(folder: Path, tensors: dict[str, torch.Tensor], shards: int, s
     (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
+def official_model_index(partition: str, video_shift: float = 12.0, audio_shift: float = 3.0) -> dict:
+    """The model_index.json of an official partition ("FL2VA" or "Ref2VA")."""
+    name, tasks = PARTITION_TASKS[partition]
+    return {
+        "_class_name": "MiniMaxH3Pipeline",
+        "_diffusers_version": "0.36.0",
+        "scheduler": None,
+        "transformer": ["diffusers", "MiniMaxH3DiTModel"],
+        "_minimax_h3": {"schema_version": 1, "partition": name, "tasks": tasks, "task_aliases": {},
+                        "sigma_shift_scales": {"video": video_shift, "audio": audio_shift}},
+    }
+
+
 def save_official(root: str | Path, cfg: H3Config, states: dict[str, dict[str, torch.Tensor]],
                   dtype: torch.dtype = torch.bfloat16, shards: int = 2,
                   video_shift: float = 12.0, audio_shift: float = 3.0) -> Path:
     """`root/FL2VA` and/or `root/Ref2VA` partitions (keys of `states`), native names, QKV interleaved per head."""
     root = Path(root)
     for partition, state in states.items():
-        name, tasks = PARTITION_TASKS[partition]
         folder = root / partition
         folder.mkdir(parents=True, exist_ok=True)
-        index = {
-            "_class_name": "MiniMaxH3Pipeline",
-            "_diffusers_version": "0.36.0",
-            "scheduler": None,
-            "transformer": ["diffusers", "MiniMaxH3DiTModel"],
-            "_minimax_h3": {"schema_version": 1, "partition": name, "tasks": tasks, "task_aliases": {},
-                            "sigma_shift_scales": {"video": video_shift, "audio": audio_shift}},
-        }
+        index = official_model_index(partition, video_shift, audio_shift)
         (folder / "model_index.json").write_text(json.dumps(index, indent=1))
         tensors = dict(state)
         for key in [k for k in tensors if k.endswith(".attn.qkv_proj.weight")]:

@@ -396,13 +396,17 @@ def _tiny_tokenizer():
     return tokenizer
 
 
-def write_tiny_text_encoder(component_root: Path, hidden_size: int = 48, seed: int = 0) -> None:
+def write_tiny_text_encoder(component_root: Path, hidden_size: int = 48, seed: int = 0, head_dim: int | None = None,
+                            intermediate_size: int | None = None) -> None:
     """Write `text_encoder/`, `tokenizer/` and `processor/` of a tiny random Qwen3-VL under `component_root`.
 
     The text stack has TEXT_ENCODER_LAYER + 1 layers so that hidden_states[50] is a pre-norm state, as in the real
     64-layer conditioner. The processor folder is written in Qwen3-VL's file layout (preprocessor_config.json,
     video_preprocessor_config.json, tokenizer files) one sub-processor at a time, because transformers cannot
     instantiate a Qwen3VLProcessor without torchvision; Qwen3VLProcessor.from_pretrained reads it back.
+
+    `head_dim` and `intermediate_size` (default hidden_size / 4 and hidden_size) let a conditioner with H3's real
+    output width (5120) stay small: 51 layers of 5120-wide attention and MLP would be 7B parameters.
     """
     from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
     from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
@@ -412,10 +416,10 @@ def write_tiny_text_encoder(component_root: Path, hidden_size: int = 48, seed: i
     root = Path(component_root)
     tokenizer = _tiny_tokenizer()
     token_id = tokenizer.convert_tokens_to_ids
-    head_dim = hidden_size // 4
+    head_dim = head_dim or hidden_size // 4
     config = Qwen3VLConfig(
         text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=hidden_size,
+            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or hidden_size,
             num_hidden_layers=TEXT_ENCODER_LAYER + 1, num_attention_heads=4, num_key_value_heads=1,
             head_dim=head_dim, max_position_embeddings=4096,
             # Interleaved M-RoPE as in Qwen3-VL; the sections split head_dim // 2 over (t, h, w).

@@ -240,20 +240,29 @@ def load_audio_vae(component_root: Path, device="cpu", dtype=torch.float32) -> A
 # Writers (official layout)
 
 
-def save_video_vae(component_root: Path, vae, tile_px: int = TILE_PX, tile_overlap_px: int = TILE_OVERLAP_PX) -> None:
-    folder = Path(component_root) / "video_vae"
-    (folder / "source").mkdir(parents=True, exist_ok=True)
+def video_vae_files(vae, tile_px: int = TILE_PX,
+                    tile_overlap_px: int = TILE_OVERLAP_PX) -> tuple[dict[str, torch.Tensor], dict]:
+    """What an official partition's video_vae/ holds for a diffusers `AutoencoderKLMiniMaxH3`: the native tensors of
+    source/model.safetensors (on the VAE's device) and config.json."""
     cfg = vae.config
     native = video_vae_diffusers_to_native({k: v.contiguous() for k, v in vae.state_dict().items()},
                                            cfg.decoder_num_attention_heads, cfg.decoder_attention_head_dim)
-    save_file(native, str(folder / "source" / "model.safetensors"))
-    (folder / "config.json").write_text(json.dumps({
+    config = {
         "_class_name": "MiniMaxH3VideoVAE", "latent_channels": cfg.latent_channels,
         "latents_mean": list(cfg.latents_mean), "latents_std": list(cfg.latents_std),
         "source_path": "source", "source_safetensors_path": "model.safetensors",
         "vae_clip_length": cfg.clip_length, "vae_token_drop": cfg.token_drop,
         "vae_tile_size": tile_px, "vae_tile_overlap_min": tile_overlap_px,
-    }, indent=1))
+    }
+    return native, config
+
+
+def save_video_vae(component_root: Path, vae, tile_px: int = TILE_PX, tile_overlap_px: int = TILE_OVERLAP_PX) -> None:
+    folder = Path(component_root) / "video_vae"
+    (folder / "source").mkdir(parents=True, exist_ok=True)
+    native, config = video_vae_files(vae, tile_px, tile_overlap_px)
+    save_file(native, str(folder / "source" / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
 
 
 def save_audio_vae(component_root: Path, vae) -> None:

@@ -11,7 +11,9 @@ Reads top to bottom as the stages a request goes through:
 
 from __future__ import annotations
 
+import contextlib
 import platform
+import threading
 import time
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
@@ -25,7 +27,7 @@ from transformers import AutoTokenizer
 
 from ..calibration.vae_fp8 import load_video_vae_at
 from ..engines.bundle import Engine
-from ..engines.manifest import BundleError, check_request, sha256_file
+from ..engines.manifest import BundleError, check_request, read_manifest, sha256_file
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
@@ -46,6 +48,7 @@ from .files import commit, discard, write_json_atomic, write_json_file  # noqa: 
 from .guidance import Branch, guided_denoiser
 from .media import MediaError, read_audio, read_image, read_video
 from .parallel_vae import decode_and_write
+from .step_profile import StepProfiler
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".m4a", ".aac", ".ogg", ".opus"}
@@ -258,11 +261,16 @@ def _reference_frames(frames: np.ndarray, fps: float, num_frames: int, canvas: C
 
 
 class StageTimer:
-    """Wall time per stage, synchronising the device so GPU work is charged to the stage that queued it."""
+    """Wall time per stage, synchronising the device so GPU work is charged to the stage that queued it. `spans` keeps
+    each stage's first start and last end in Unix seconds, so a record shows the gaps between stages."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.seconds: dict[str, float] = {}
+        self.spans: dict[str, list[float]] = {}
+        self.step_marks: list[float] = []  # seconds since the denoise stage began, at each step's callback
+        self.step_profile: dict | None = None  # --profile-step's host-overhead report
+        self._unix_offset = time.time() - time.perf_counter()
 
     @contextmanager
     def __call__(self, stage: str):
@@ -279,30 +287,87 @@ class StageTimer:
     def add(self, stage: str, start: float, end: float) -> None:
         """Charge [start, end] (perf_counter seconds) to `stage`; a timeline recorder also keeps the interval."""
         self.seconds[stage] = self.seconds.get(stage, 0.0) + end - start
+        self.span(stage, start, end)
+
+    def span(self, stage: str, start: float, end: float) -> None:
+        """Widen `stage`'s span to cover [start, end] (perf_counter seconds) without charging time to it."""
+        a, b = start + self._unix_offset, end + self._unix_offset
+        old = self.spans.get(stage)
+        self.spans[stage] = [min(old[0], a), max(old[1], b)] if old else [a, b]
+
+
+class Deferred:
+    """A value built on a background thread (the VAEs while the DiT loads and denoises); `result()` waits for it and
+    raises what the builder raised. `seconds` is how long the builder ran."""
+
+    def __init__(self, build: Callable[[], object]):
+        self._value, self._error, self.seconds = None, None, None
+        self._thread = threading.Thread(target=self._run, args=(build,), name="h3trt-deferred", daemon=True)
+        self._thread.start()
+
+    def _run(self, build) -> None:
+        start = time.perf_counter()
+        try:
+            self._value = build()
+        except BaseException as e:  # re-raised on the caller's thread by result()
+            self._error = e
+        self.seconds = time.perf_counter() - start
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
 
 
 def eager_components(root: Path, device: torch.device, dtype: torch.dtype,
                      vae_precision: VAEPrecision | None = None):
     """The text encoder at `dtype`, the video VAE at `vae_precision` (None: VAEPrecision.default) and the audio VAE
     in fp32 (diffusers pins all of it to fp32 at every precision: h3trt/models/vae_precision.py)."""
+    return _text_encoder(root, device, dtype), *_vaes(root, device, vae_precision or VAEPrecision.default(device))
+
+
+def _text_encoder(root: Path, device: torch.device, dtype: torch.dtype) -> H3TextEncoder:
     quiet_transformers()
-    text_encoder = H3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
-    vae_precision = vae_precision or VAEPrecision.default(device)
-    return text_encoder, load_video_vae_at(root, device, vae_precision), load_audio_vae(root, device)
+    return H3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
+
+
+def _vaes(root: Path, device: torch.device, vae_precision: VAEPrecision) -> tuple[VideoVAE, AudioVAE]:
+    return load_video_vae_at(root, device, vae_precision), load_audio_vae(root, device)
 
 
 class H3Pipeline:
     """Loaded components for one task partition. Constructed from built parts; `load` reads a checkpoint,
     `load_engine` a bundle."""
 
-    def __init__(self, dit, text_encoder, video_vae: VideoVAE, audio_vae: AudioVAE, shifts: tuple[float, float],
-                 device: torch.device, canvas: CanvasDefaults = CanvasDefaults(), check_request=None, cfg_group=None,
-                 loras: tuple[dict, ...] = ()):
-        self.dit, self.text_encoder, self.video_vae, self.audio_vae = dit, text_encoder, video_vae, audio_vae
+    def __init__(self, dit, text_encoder, video_vae: VideoVAE | None, audio_vae: AudioVAE | None,
+                 shifts: tuple[float, float], device: torch.device, canvas: CanvasDefaults = CanvasDefaults(),
+                 check_request=None, cfg_group=None, loras: tuple[dict, ...] = (),
+                 deferred_vaes: Deferred | None = None, load_report: dict | None = None):
+        """`deferred_vaes`: (video VAE, audio VAE) still loading on a background thread, in place of the two
+        (a bundle's cold start: the first denoise step needs neither); the first use waits for them.
+        `load_report`: a bundle's cold-start split (Engine.load_report and the components), for every record."""
+        if (video_vae is None) != (deferred_vaes is not None) or (audio_vae is None) != (deferred_vaes is not None):
+            raise ValueError("H3Pipeline takes either both VAEs or deferred_vaes, not a mix.")
+        self.dit, self.text_encoder, self._vaes = dit, text_encoder, (video_vae, audio_vae)
+        self._deferred_vaes, self.load_report = deferred_vaes, load_report
         self.shifts, self.device, self.canvas = shifts, torch.device(device), canvas
         self.check_request = check_request  # a bundle's admission check: (prepared, schedule) -> None or raise
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
         self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (models/lora.py), for every clip record
+
+    def _ready_vaes(self) -> tuple[VideoVAE, AudioVAE]:
+        if self._deferred_vaes is not None:
+            self._vaes, self._deferred_vaes = self._deferred_vaes.result(), None
+        return self._vaes
+
+    @property
+    def video_vae(self) -> VideoVAE:
+        return self._ready_vaes()[0]
+
+    @property
+    def audio_vae(self) -> AudioVAE:
+        return self._ready_vaes()[1]
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
@@ -327,14 +392,36 @@ class H3Pipeline:
         --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one; `trust` a
         public key the bundle must be signed with (Engine.load)."""
         device = torch.device(device)
-        engine = Engine.load(bundle_root, device, mesh, sp_group, trust=trust)
+        start = time.perf_counter()
+        # diffusers resolves its classes lazily, and two threads importing through it (and transformers) at once can
+        # see a half-initialised module (measured: "cannot import name 'AutoModel'"): resolve the VAE classes here.
+        import diffusers
+
+        diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio
+        text_parts = ("text_encoder", "tokenizer", "processor")
+        # Engine.load reads and checks the manifest (and its signature) again; this is only for the text dtype.
+        dtype = torch.float32 if read_manifest(bundle_root)["precision"] == "fp32" else torch.bfloat16
+        pending: dict[str, Deferred] = {}
+
+        def text_encoder_alongside(verification) -> None:
+            # The text encoder loads on its own thread while the DiT weights stream in: the first step needs it.
+            def load_text():
+                for part in text_parts:
+                    verification.wait_prefix(f"{part}/")
+                t0 = time.perf_counter()
+                return _text_encoder(Path(bundle_root), device, dtype), time.perf_counter() - t0
+
+            pending["text"] = Deferred(load_text)
+
+        engine = Engine.load(bundle_root, device, mesh, sp_group, trust=trust, early=text_parts,
+                             alongside=text_encoder_alongside)
+        engine_s = time.perf_counter() - start
         m = engine.manifest
         if vae_precision is not None and vae_precision != m["vae_precision"]:
             VAEPrecision(vae_precision)  # an unknown name gets the list of known ones
             raise BundleError(f"This bundle's video decoder was compiled at --vae-precision {m['vae_precision']}; "
                               f"the run asks for {vae_precision}. Leave --vae-precision out to serve the bundle's, "
                               f"or rebuild with h3trt build --vae-precision {vae_precision}.")
-        dtype = torch.float32 if m["precision"] == "fp32" else torch.bfloat16  # fp8/nvfp4 bundles run in bf16
 
         def admit(prepared: Prepared, schedule: Schedule) -> None:
             geo = prepared.geometry
@@ -342,11 +429,38 @@ class H3Pipeline:
                           schedule.audio_shift, prepared.request.task)
 
         shifts = (m["schedule"]["video_shift"], m["schedule"]["audio_shift"])
-        text_encoder, video_vae, audio_vae = eager_components(Path(bundle_root), device, dtype,
-                                                              VAEPrecision(m["vae_precision"]))
-        video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
-        return cls(engine.dit, text_encoder, video_vae, audio_vae, shifts, device, canvas, admit, cfg_group,
-                   loras=m.get("loras") or ())
+        report = {"engine": engine.load_report, "engine_s": round(engine_s, 4)}
+
+        def vaes() -> tuple[VideoVAE, AudioVAE]:
+            # Off the cold-start path: the first denoise step needs neither VAE (a keyframe's encode, or the decode,
+            # waits for them). Their files are verified first; then every bundle file has been checked.
+            for component in ("video_vae", "vae", "audio_vae"):
+                engine.component_ready(component)
+            t0 = time.perf_counter()
+            # On a side stream: the default stream is the denoise loop's, and 10 GB of copies queued there would
+            # hold up its steps.
+            stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                video_vae, audio_vae = _vaes(Path(bundle_root), device, VAEPrecision(m["vae_precision"]))
+            if stream is not None:
+                stream.synchronize()
+            video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
+            report["vae_load_s"] = round(time.perf_counter() - t0, 4)
+            if engine.verification is not None:  # a tensorrt bundle verified every file before loading
+                report.update(engine.verification.wait_all())
+            return video_vae, audio_vae
+
+        t0 = time.perf_counter()
+        if "text" in pending:
+            text_encoder, load_s = pending["text"].result()
+            report["text_encoder_load_s"] = round(load_s, 4)  # on its thread, overlapping the weights
+        else:  # a tensorrt bundle: loaded and verified before this point
+            text_encoder = _text_encoder(Path(bundle_root), device, dtype)
+        report["text_encoder_wait_s"] = round(time.perf_counter() - t0, 4)  # after the DiT was ready
+        deferred = Deferred(vaes)  # after the text encoder: one loader thread inside transformers/diffusers at a time
+        report["total_s"] = round(time.perf_counter() - start, 4)  # bundle on hand, ready to encode and denoise
+        return cls(engine.dit, text_encoder, None, None, shifts, device, canvas, admit, cfg_group,
+                   loras=m.get("loras") or (), deferred_vaes=deferred, load_report=report)
 
     def schedule(self, request: Request) -> Schedule:
         return Schedule(request.steps, request.video_shift or self.shifts[0], request.audio_shift or self.shifts[1])
@@ -355,15 +469,16 @@ class H3Pipeline:
     def generate(self, prepared: Prepared, output: Path, crf: int = 18,
                  on_step: Callable[[int, int], None] | None = None, write: bool = True,
                  decode_group=None, finish: Callable[[dict], None] | None = None,
-                 overwrite: bool = False) -> dict | None:
+                 overwrite: bool = False, profile_step: int | None = None) -> dict | None:
         """Run stages 1-5 for a prepared request; returns the record written beside the MP4 (None on a rank that does
         not write). With `decode_group` (the ranks of one replica group, the writer first) every rank decodes its
         share of the video tiles and only the writer (write=True) writes; without it a rank with write=False stops
         after denoising. `finish(record)` completes the record before it is written; the MP4 and the record are then
-        committed together, never replacing existing files unless `overwrite` (files.commit)."""
+        committed together, never replacing existing files unless `overwrite` (files.commit). `profile_step`: the
+        evaluation (from 1) whose host overhead is measured (step_profile.py)."""
         timer, start = StageTimer(self.device), time.perf_counter()
         cache = new_step_cache(prepared.request, self.schedule(prepared.request))
-        schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache)
+        schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache, profile_step)
         if not write and decode_group is None:
             return None
 
@@ -380,8 +495,8 @@ class H3Pipeline:
 
     @torch.no_grad()
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
-                        timer: StageTimer | None = None,
-                        cache: StepCache | None = None) -> tuple[Schedule, PackedLayout, Latents]:
+                        timer: StageTimer | None = None, cache: StepCache | None = None,
+                        profile_step: int | None = None) -> tuple[Schedule, PackedLayout, Latents]:
         """Stages 1-3 for a prepared request: the schedule, the packed layout and the final latent rows. A request
         with a step cache fills `cache` (a new one when None) with what it skipped."""
         req, timer = prepared.request, timer or StageTimer(self.device)
@@ -409,8 +524,19 @@ class H3Pipeline:
             branches = (Branch(text.embeds.to(self.device), layout.to(self.device)),
                         Branch(negative.embeds.to(self.device),
                                self._pack(prepared, negative.tags, conditions)[0].to(self.device)))
+        if profile_step is not None and not 1 <= profile_step <= schedule.num_evaluations:
+            raise ValueError(f"--profile-step {profile_step}: this request runs {schedule.num_evaluations} "
+                             "evaluations (count from 1).")
         with timer("denoise"):
-            final = self._denoise(text.embeds, layout, latents, schedule, on_step, branches, req.guidance, cache)
+            begun = time.perf_counter()
+
+            def stepped(i: int, n: int) -> None:
+                timer.step_marks.append(time.perf_counter() - begun)
+                if on_step is not None:
+                    on_step(i, n)
+
+            final = self._denoise(text.embeds, layout, latents, schedule, stepped, branches, req.guidance, cache,
+                                  profile_step, timer)
         if cache is not None and self.cfg_group is not None:  # every rank of the cfg group: a collective
             cache.gather(self.cfg_group)
         return schedule, layout, final
@@ -504,6 +630,16 @@ class H3Pipeline:
             "sequence_rows": layout.seq_len, "device": str(self.device), "vae_precision": self.video_vae.precision,
             "torch": torch.__version__, "python": platform.python_version(),
             "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
+            "spans_unix": {k: [round(a, 4), round(b, 4)] for k, (a, b) in timer.spans.items()},
+            # Host-side marks: a step's kernels are queued ahead, and each step waits for the one before (the baked
+            # AdaLN lookup syncs), so the differences are the steps' device times within one step's queueing.
+            "step_marks_s": [round(m, 4) for m in timer.step_marks],
+            "video_decoder": "compiled" if self.video_vae.tile_decoders else "eager",
+            **({"step_profile": timer.step_profile} if timer.step_profile is not None else {}),
+            **({"load": self.load_report} if self.load_report is not None else {}),
+            **({"peak_memory_gib": {"allocated": round(torch.cuda.max_memory_allocated(self.device) / 2**30, 3),
+                                    "reserved": round(torch.cuda.max_memory_reserved(self.device) / 2**30, 3)}}
+               if self.device.type == "cuda" else {}),
             **({"loras": list(self.loras)} if self.loras else {}),
         }
 
@@ -550,13 +686,18 @@ class H3Pipeline:
         decode, AAC as soon as the audio is ready (h3trt/runtime/parallel_vae.py)."""
         geo, cfg = prepared.geometry, self.dit.cfg
         lf, lh, lw = geo.latent_frames, geo.latent_height, geo.latent_width
+        start = time.perf_counter()
+        video_vae, audio_vae = self.video_vae, self.audio_vae  # a bundle's VAEs may still be loading: wait here
+        timer.span("wait_vaes", start, time.perf_counter())
         video_rows = final.video[layout.num_condition_video_rows:]
         video_latents = video_rows.reshape(1, lf, lh // cfg.patch_size[1], lw // cfg.patch_size[2], cfg.in_channels,
                                            *cfg.patch_size).permute(0, 4, 1, 5, 2, 6, 3, 7)
         video_latents = video_latents.reshape(1, cfg.in_channels, lf, lh, lw)
-        result = decode_and_write(self.video_vae, self.audio_vae, video_latents,
+        start = time.perf_counter()
+        result = decode_and_write(video_vae, audio_vae, video_latents,
                                   final.audio[layout.num_condition_audio_rows:], output, group=group, fps=FPS,
                                   crf=crf, sample_rate=AUDIO_SAMPLE_RATE, commit=False)
+        timer.span("decode_and_mux", start, time.perf_counter())
         for stage, seconds in result["timings_s"].items():  # video_decode, audio_decode, mux, decode_tail_s
             timer.seconds[stage] = timer.seconds.get(stage, 0.0) + seconds
         return result["frames"], result["audio_samples"], result["mp4_temp"]
@@ -581,7 +722,7 @@ class H3Pipeline:
 
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
                  branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
-                 cache: StepCache | None = None):
+                 cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
@@ -591,9 +732,15 @@ class H3Pipeline:
             return dit(video, audio, text, unique_t, t_index, lay, cache=cond)
 
         model = unguided if branches is None else guided_denoiser(dit, *branches, guidance, self.cfg_group, cache)
+        profiler = None
+        if profile_step is not None:
+            model = profiler = StepProfiler(model, profile_step, device)
 
         start = Latents(latents.video.to(device), latents.audio.to(device))
-        return denoise(model, start, layout, schedule, on_step)
+        final = denoise(model, start, layout, schedule, on_step)
+        if profiler is not None and timer is not None:
+            timer.step_profile = profiler.report
+        return final
 
 
 def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:

@@ -42,6 +42,7 @@ class Job:
     loras: tuple = ()  # LoraSpecs merged into an eager DiT on every rank (a bundle has its own)
     overwrite: bool = False  # --overwrite: replace an existing clip and record (the preflight refused them otherwise)
     trust: str | None = None  # --trust: the public key a bundle must be signed with
+    profile_step: int | None = None  # --profile-step: the evaluation whose host overhead is measured
 
 
 class StepBar:
@@ -111,6 +112,7 @@ def serve_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int)
                     "replica_index": par.replica_index}
             record = pipeline.generate(prepared, Path(output), crf=job.crf, write=par.writes,
                                        on_step=bar, decode_group=par.decode_group, overwrite=job.overwrite,
+                                       profile_step=job.profile_step,
                                        finish=record_completer(prepared.request, job.model_name,
                                                                {**job.record_extra, "mesh": mesh}))
         finally:
