@@ -27,17 +27,15 @@ Phases (any subset, in this order; state between calls in --state, RAM-backed /d
 Rows: bf16 (sp=1), fp8 (fp8 GEMMs + --fp8-attention, sp=1), bf16-sp2 and fp8-sp2 (need 2 GPUs). bf16 runs all 50
 steps; other rows run --short-steps (6: 5 evaluations) and are extrapolated to 49 evaluations (said in the output).
 
-Device minutes, estimated from bench/README (6.26 s per Diffusers evaluation; h3trt bf16 ~5.5 s an evaluation with
-cuDNN attention, ~4.8 s with FA3; fp8 + FP8 attention ~3.3-3.7 s; decode 6.1 s bf16 / 48 s fp32) plus I/O guesses
-(tmpfs ~5 GB/s, disk ~2 GB/s):
-  checkpoint ~0.6 min; reference ~1.3 min (3 + 2 evaluations, 2 decodes; weights regenerated in place of a 66 GB
-  read); build bf16 ~3-3.5 min (load 66 GB, write 41 GB, compile embed/block/final ~35 s and the video decoder tile,
-  fresh-process check); build fp8 ~3.5-4 min (+ one calibration evaluation); run bf16 ~5-5.5 min (cold start + 49
-  evaluations + decode, 48 s while the bundle's compiled decoder is fp32); run fp8 ~1.3 min + second start ~0.4 min.
-  Call 1: --phase checkpoint,reference,build,run --rows fp8 (~7.5 min); call 2: --phase checkpoint,build,run --rows
-  bf16 (~8.5-9 min; ~0.6 less when /dev/shm survived). --budget-s (default 560) stops a call's subprocesses in time
-  to write the JSON. --out merges into an existing file: copy call 1's JSON to call 2's --out path first, and the
-  summary (speedup against the Diffusers row) covers both.
+Device minutes, from the first H200 attempt (bench/results/e2e_h200_call*: checkpoint 36 s, reference 51 s, each
+build ~200 s up to its fresh-process check) and bench/README (h3trt bf16 ~5.5 s an evaluation with cuDNN attention,
+~4.8 s with FA3; fp8 + FP8 attention ~3.3-3.7 s; the bundle's video decode ~6 s at --vae-precision bf16, 48 s fp32):
+  checkpoint ~0.6 min; reference ~0.9 min; build fp8 ~3.7 min; build bf16 ~3.5 min; run fp8 ~0.8 min + second start
+  ~0.4 min; run bf16 ~4.5-5 min (cold start + 49 evaluations + decode).
+  Call 1: --phase checkpoint,reference,build,run --rows fp8 (~6.5 min); call 2: --phase checkpoint,build,run --rows
+  bf16 (~8.3 min, ~8.9 when /dev/shm was lost and the checkpoint is rewritten). --budget-s (default 560) stops a
+  call's subprocesses in time to write the JSON. --out merges into an existing file: copy call 1's JSON to call 2's
+  --out path first, and the summary (speedup against the Diffusers row) covers both.
 """
 
 from __future__ import annotations
@@ -672,7 +670,8 @@ def summarise_run(record: dict, launched: float, ended: float, nvml: NvmlSampler
             "waiting_for_vaes": round(spans["wait_vaes"][1] - spans["wait_vaes"][0], 3) if "wait_vaes" in spans else None,
             "decode_end_to_exit": round(ended - spans["decode_and_mux"][1], 3),
         },
-        "video_vae": record.get("video_vae"), "step_profile": record.get("step_profile"),
+        "video_vae": {"precision": record.get("vae_precision"), "decoder": record.get("video_decoder")},
+        "step_profile": record.get("step_profile"),
         "peak_memory_gib": record.get("peak_memory_gib"), "peak_memory_nvml_gib": nvml.peak_memory_gib(),
         "energy_j": {"clip": nvml.joules(gen_start, gen_end), "denoise": nvml.joules(*spans["denoise"]),
                      "decode_and_mux": nvml.joules(*spans["decode_and_mux"]), "process": nvml.joules(launched, ended)},

@@ -33,6 +33,6 @@ def test_profile_step_and_record_timings(tmp_path, tiny_cache):
     assert len(record["step_marks_s"]) == 3 and record["step_marks_s"] == sorted(record["step_marks_s"])
     spans = record["spans_unix"]
     assert spans["denoise"][1] <= spans["decode_and_mux"][0] and spans["text_encode"][1] <= spans["denoise"][0]
-    assert record["video_vae"] == {"dtype": "float32", "decoder": "eager"}
+    assert record["vae_precision"] == "fp32" and record["video_decoder"] == "eager"
     assert main(["run", "--prompt", "a fox", "--output", str(tmp_path / "b.mp4"), "--quiet", "--steps", "4",
                  "--profile-step", "4"]) == 2  # 3 evaluations: there is no 4th
