@@ -659,7 +659,10 @@ def main() -> None:
     if args.gpus == 1:
         if not args.tiny and not torch.cuda.is_available():
             parser.error("the precision axis needs a CUDA GPU; pass --tiny for the CPU dry run.")
-        record = precision_axis(args)
+        # No autograd anywhere in the axis: Diffusers' decode outside no_grad kept every tile's activations (OOM at
+        # 123 GiB on the H200, twice).
+        with torch.no_grad():
+            record = precision_axis(args)
         print_axis(record)
         if args.json:
             args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -22,6 +22,7 @@ from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import CompilerInvoked, no_compile
 from h3trt.engines.manifest import BundleError, bundle_identity, content_sha256, read_manifest, sha256_file
+from h3trt.engines.weights_io import chunk_digests
 from h3trt.engines.signing import load_private_key, sign_bundle
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
@@ -299,11 +300,13 @@ def test_trust_refuses_any_change_before_code_loads(bundle_copy, signing_keys, m
 
     code = _cache_python_file(bundle_copy)
     rel = code.relative_to(bundle_copy).as_posix()
-    if tamper in ("file", "file_and_hash"):
-        code.write_text(code.read_text() + "\nimport os  # injected\n")
+    if tamper in ("file", "file_and_hash"):  # one byte replaced: the size stays, so only the content hash can tell
+        data = code.read_bytes()
+        code.write_bytes(data[:-2] + (b"#" if data[-2:-1] != b"#" else b"!") + data[-1:])
     if tamper == "file_and_hash":
         data = json.loads((bundle_copy / "manifest.json").read_text())
-        data["files"][rel] = {"sha256": sha256_file(code), "bytes": code.stat().st_size}
+        data["files"][rel] = {**data["files"][rel], "sha256_chunks": chunk_digests(code, data["hash_chunk_bytes"]),
+                              "bytes": code.stat().st_size}
         data["manifest_sha256"] = content_sha256(data)  # a consistent manifest: an unsigned verify would pass it
         (bundle_copy / "manifest.json").write_text(json.dumps(data))
         assert main(["verify", str(bundle_copy)]) == 0
@@ -322,7 +325,9 @@ def test_trust_refuses_any_change_before_code_loads(bundle_copy, signing_keys, m
     monkeypatch.setattr(bundle_module, "load_segments", no_code)
     assert main(["verify", str(bundle_copy), "--trust", pub]) in (1, 2)
     assert message in capsys.readouterr().err
-    with pytest.raises(BundleError, match=re.escape(message) if tamper != "file_and_hash" else "after it was signed"):
+    load_message = {"file_and_hash": "after it was signed",  # a load hashes while reading: it names the chunk
+                    "file": re.escape(rel) + r" changed: bytes .* do not match the manifest's sha256"}
+    with pytest.raises(BundleError, match=load_message.get(tamper, re.escape(message))):
         Engine.load(bundle_copy, "cpu", trust=pub)
 
 

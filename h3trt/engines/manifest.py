@@ -112,6 +112,13 @@ def parse_manifest(data: bytes, root: Path) -> dict:
     if manifest.get("manifest_sha256") != content_sha256(manifest):
         raise BundleError(f"{path} was changed after the build (its content no longer hashes to its "
                           "manifest_sha256); a manifest is never edited by hand. Re-copy the bundle or rebuild it.")
+    files = manifest.get("files")
+    malformed = [rel for rel, meta in (files.items() if isinstance(files, dict) else [])
+                 if not (isinstance(meta, dict) and isinstance(meta.get("bytes"), int)
+                         and isinstance(meta.get("sha256_chunks"), list))]
+    if not isinstance(files, dict) or malformed:
+        raise BundleError(f"{path} lists {'no files' if not isinstance(files, dict) else malformed[0]} without the "
+                          f"format {FORMAT_VERSION} fields (bytes, sha256_chunks); re-copy the bundle or rebuild it.")
     return manifest
 
 
