@@ -39,11 +39,13 @@ from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ens
 from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
 from .parallel.launch import RankFailed, init_torchrun_rank, launch, torchrun_rank
 from .parallel.mesh import resolve_mesh
-from .runtime.batch import engine_manifest, run_requests, served_identity
+from .runtime.batch_entry import engine_manifest, run_requests, served_identity
 from .runtime.files import (InterruptedAfterCommit, OutputError, OutputRefused, estimated_clip_bytes, preflight_clip,
                             remove_leftovers, remove_own_temps, write_json_atomic)
 from .runtime.media import MediaError
-from .runtime.pipeline import CanvasDefaults, H3Pipeline, Request, check_prompt_tokens, prepare, record_path
+from .runtime.pipeline import H3Pipeline
+from .runtime.records import record_path
+from .runtime.request import CanvasDefaults, Request, check_prompt_tokens, prepare
 from .runtime.serve import (Job, StepBar, launch_gpus, record_completer, report_record, serve_launched,
                             serve_rank)
 

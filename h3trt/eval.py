@@ -24,7 +24,8 @@ import torch.nn.functional as F
 from .engines.manifest import read_manifest
 from .models.packing import unpatchify
 from .models.tiny import ensure_tiny_checkpoint
-from .runtime.pipeline import H3Pipeline, Request, prepare
+from .runtime.pipeline import H3Pipeline
+from .runtime.request import Request, prepare
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004

@@ -27,8 +27,11 @@ import torch
 from h3trt.models.config import H3Config
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
-from h3trt.runtime.batch import BatchConfig, BatchItem, parse_requests, run_batch, summary_line
-from h3trt.runtime.pipeline import CanvasDefaults, H3Pipeline, write_json_atomic
+from h3trt.runtime.batch import BatchConfig, run_batch, summary_line
+from h3trt.runtime.batch_file import BatchItem, parse_requests
+from h3trt.runtime.files import write_json_atomic
+from h3trt.runtime.pipeline import H3Pipeline
+from h3trt.runtime.request import CanvasDefaults
 
 PROMPT = "a red fox runs through fresh snow, wind howling"
 

@@ -55,7 +55,7 @@ from h3trt.parallel.launch import init_rank, launch  # noqa: E402
 from h3trt.runtime.media import X264_PRESETS  # noqa: E402
 from h3trt.runtime.output import OutputConfig, rgb_to_yuv420  # noqa: E402
 from h3trt.runtime.parallel_vae import TAIL_STEPS, decode_and_write, decode_frames  # noqa: E402
-from h3trt.runtime.pipeline import write_json_atomic  # noqa: E402
+from h3trt.runtime.files import write_json_atomic  # noqa: E402
 
 FULL = dict(width=1344, height=768, latent_frames=37, audio_latents=207)  # 124 frames, 5 s
 TOY = dict(width=160, height=96, latent_frames=12, audio_latents=30)  # 39 frames

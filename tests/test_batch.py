@@ -11,10 +11,11 @@ from PIL import Image
 
 from h3trt.cli import main
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.runtime.batch import (BatchConfig, BatchFileError, check_bundle_batch, finished, parse_requests,
-                                 run_batch)
+from h3trt.runtime.batch import BatchConfig, finished, run_batch
+from h3trt.runtime.batch_file import BatchFileError, check_bundle_batch, parse_requests
 from h3trt.runtime.media import probe
-from h3trt.runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
+from h3trt.runtime.pipeline import H3Pipeline
+from h3trt.runtime.request import CanvasDefaults, Request, prepare
 from h3trt.runtime.timeline import draw_timeline, legend_stages
 
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,

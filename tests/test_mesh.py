@@ -26,7 +26,8 @@ from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.runtime.guidance import branch_t_index
 from h3trt.parallel.launch import RankFailed, init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
-from h3trt.runtime.pipeline import CanvasDefaults, H3Pipeline, Request, prepare
+from h3trt.runtime.pipeline import H3Pipeline
+from h3trt.runtime.request import CanvasDefaults, Request, prepare
 from h3trt.runtime.serve import Job, load_rank_pipeline
 
 from helpers import dit_inputs

@@ -1,7 +1,6 @@
 """Batch generation: a JSONL file of requests in, OUT/<id>.mp4 and OUT/<id>.json per request out, resumable.
 
-  1. parse: every line is validated (JSON, keys, types, task against its inputs, then `prepare`: files readable,
-     canvas and duration allowed) before any model loads; every error names its line, all errors are reported at once
+  1. parse (batch_file.py): every line is validated before any model loads; every error names its line
   2. plan: requests whose outputs exist and verify (record says done, same request, MP4 hash matches) are skipped;
      the rest are grouped by (task, canvas, frames, schedule), in file order
   3. run: within a group, requests are encoded one at a time into buckets by packed layout (same text length); a full
@@ -9,7 +8,7 @@
      decodes and writes. A failing request is recorded and the run goes on (unless fail_fast)
   4. record: OUT/<id>.json (status done or failed), the timeline (timeline.py) and the summary
 
-On a mesh (`--gpus N` or torchrun; `run_batch_on_mesh` below, ranks set up as in h3trt/runtime/serve.py) each
+On a mesh (`--gpus N` or torchrun; batch_entry.py, ranks set up as in h3trt/runtime/serve.py) each
 replica group calls `run_batch` with `shard=(group, groups)`: group g takes requests g, g + groups, ... Every rank
 of a group runs the same plan (it is computed before the first collective) and enters every batched denoise and every
 tile-parallel decode together; only the group's first rank (`write=True`) writes. A failure inside denoise or decode
@@ -20,61 +19,27 @@ from __future__ import annotations
 
 import hashlib
 import json
-import math
-import re
 import resource
 import sys
-import tempfile
 import time
 import traceback
-from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
 import torch
-import torch.distributed as dist
 from tqdm import tqdm
 
-from ..engines.guard import no_compile
-from ..engines.manifest import bundle_identity, read_manifest, sha256_file
-from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
-from ..models.checkpoint import locate_transformer
-from ..models.config import H3Config
-from ..models.packing import FPS
-from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
-from ..parallel.launch import init_rank, init_torchrun_rank, launch, torchrun_rank
-from ..parallel.mesh import build_mesh, resolve_mesh
-from .files import (BatchLock, OutputError, estimated_clip_bytes, preflight_out_dir, remove_leftovers,
-                    remove_own_temps, write_json_atomic)
-from .pipeline import CanvasDefaults, Encoded, H3Pipeline, Request, check_prompt_tokens, prepare, request_dict
-from .serve import Job, launch_gpus, load_rank_pipeline, rank_device
+from ..engines.manifest import sha256_file
+from .batch_file import BatchItem
+from .files import OutputError, write_json_atomic
+from .pipeline import H3Pipeline
+from .request import Encoded, prepare, request_dict
 from .timeline import TimelineTimer, write_timeline
-
-TASKS = ("t2va", "fl2va", "ref2va")
-ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
-REQUIRED_KEYS = ("id", "task", "prompt")
-OPTIONAL_KEYS = ("image", "last_image", "refs", "seed", "steps", "resolution", "duration", "video_shift",
-                 "audio_shift")
-MAX_LISTED_ERRORS = 20  # a file with hundreds of bad lines lists the first 20 and counts the rest
-
-
-class BatchFileError(ValueError):
-    """A requests file that cannot be run as a whole; the message lists every bad line."""
 
 
 class BatchAborted(RuntimeError):
     """--fail-fast: a request failed, so the run stopped after recording it."""
-
-
-@dataclass(frozen=True)
-class BatchItem:
-    """One validated line of a requests file."""
-
-    id: str
-    line: int  # 1-based line number in the file
-    request: Request
-    key: tuple  # (task, height, width, frames, steps, video_shift, audio_shift): requests that may share a batch
 
 
 @dataclass(frozen=True)
@@ -99,130 +64,6 @@ class BatchConfig:
             raise ValueError(f"shard=({group}, {groups}) needs 0 <= group ({group}) < groups ({groups}).")
         if not 0 <= self.crf <= 51:
             raise ValueError(f"crf={self.crf} is outside H.264's range 0..51.")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# 1. Parse
-
-
-def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = 50) -> list[BatchItem]:
-    """Every line of a JSONL requests file, validated; raises BatchFileError listing every bad line. A line without
-    "steps" takes `default_steps` (a bundle's baked schedule, else 50)."""
-    path = Path(path)
-    if not path.is_file():
-        raise BatchFileError(f"{path}: no such requests file.")
-    items, errors, seen = [], [], {}
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
-        try:
-            text = raw.decode("utf-8")
-        except UnicodeDecodeError as e:
-            errors.append(f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
-                          "save the file as UTF-8.")
-            continue
-        if not text.strip():
-            continue
-        try:
-            item = _parse_line(text, number, path.parent, canvas, default_steps)
-        except (ValueError, OSError) as e:
-            errors.append(f"{path}:{number}: {' '.join(str(e).split())}")
-            continue
-        if item.id in seen:
-            errors.append(f"{path}:{number}: duplicate id {item.id!r} (first on line {seen[item.id]}); ids name the "
-                          "output files, so each must be unique.")
-            continue
-        seen[item.id] = number
-        items.append(item)
-    if errors:
-        listed = errors[:MAX_LISTED_ERRORS] + ([f"and {len(errors) - MAX_LISTED_ERRORS} more"]
-                                               if len(errors) > MAX_LISTED_ERRORS else [])
-        raise BatchFileError(f"{path}: {len(errors)} bad line(s), nothing was run: " + "; ".join(listed))
-    if not items:
-        raise BatchFileError(f"{path}: no requests (one JSON object per line).")
-    return items
-
-
-def _parse_line(text: str, number: int, base: Path, canvas: CanvasDefaults, default_steps: int = 50) -> BatchItem:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno}).") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object, got {type(data).__name__}.")
-    missing = [k for k in REQUIRED_KEYS if k not in data]
-    unknown = sorted(set(data) - set(REQUIRED_KEYS) - set(OPTIONAL_KEYS))
-    if missing or unknown:
-        raise ValueError(" ".join(filter(None, [f"missing {missing}." if missing else "",
-                                                f"unknown key(s) {unknown}; allowed: "
-                                                f"{list(REQUIRED_KEYS + OPTIONAL_KEYS)}." if unknown else ""])))
-    rid = _typed(data, "id", str)
-    if not ID_PATTERN.fullmatch(rid) or rid.startswith("timeline"):
-        raise ValueError(f"id {rid!r} must be 1-128 of [A-Za-z0-9._-], start with a letter or digit (it names "
-                         "OUT/<id>.mp4) and not start with 'timeline' (the run's own files).")
-    task = _typed(data, "task", str)
-    if task not in TASKS:
-        raise ValueError(f"task {task!r} must be one of {list(TASKS)}.")
-    image, last_image = (_path(data, k, base) for k in ("image", "last_image"))
-    refs = data.get("refs", [])
-    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
-        raise ValueError("refs must be a list of file paths.")
-    refs = tuple(_resolve(r, base) for r in refs)
-    implied = "ref2va" if refs else "fl2va" if (image or last_image) else "t2va"
-    if implied != task:
-        needs = {"t2va": "no image, last_image or refs", "fl2va": "image and/or last_image, no refs",
-                 "ref2va": "refs (and no image/last_image)"}
-        raise ValueError(f"task {task!r} takes {needs[task]}, but the line's inputs make it {implied}.")
-    width = height = None
-    if "resolution" in data:
-        match = re.fullmatch(r"(\d+)x(\d+)", str(data["resolution"]))
-        if not match:
-            raise ValueError(f"resolution must be 'WIDTHxHEIGHT' such as '1344x768', got {data['resolution']!r}.")
-        width, height = int(match[1]), int(match[2])
-    request = Request(_typed(data, "prompt", str), image, last_image, refs, _typed(data, "seed", int, 42),
-                      _typed(data, "steps", int, default_steps), width, height,
-                      float(_typed(data, "duration", (int, float), 5.0)),
-                      _optional_float(data, "video_shift"), _optional_float(data, "audio_shift"))
-    prepared = prepare(request, canvas)  # inputs readable, canvas and duration allowed; dropped, re-read at run time
-    geo = prepared.geometry
-    key = (task, geo.height, geo.width, geo.num_frames, request.steps, request.video_shift, request.audio_shift)
-    return BatchItem(rid, number, request, key)
-
-
-def _typed(data: dict, key: str, kind, default=None):
-    value = data.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, kind):
-        name = {str: "a string", int: "an integer"}.get(kind, "a number")
-        raise ValueError(f"{key} must be {name}, got {json.dumps(value)}.")
-    if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{key} must be finite, got {value}.")
-    return value
-
-
-def _optional_float(data: dict, key: str) -> float | None:
-    return None if data.get(key) is None else float(_typed(data, key, (int, float)))
-
-
-def _path(data: dict, key: str, base: Path) -> Path | None:
-    return None if data.get(key) is None else _resolve(_typed(data, key, str), base)
-
-
-def _resolve(value: str, base: Path) -> Path:
-    """Relative paths are relative to the requests file, so a batch folder can move as a whole."""
-    p = Path(value).expanduser()
-    return p if p.is_absolute() else base / p
-
-
-def check_bundle_batch(manifest: dict, max_batch: int) -> None:
-    """Refuse --max-batch > 1 on a bundle whose DiT segments were compiled for batch 1: a segment's first activation
-    ([B, ...]) without a dynamic dimension 0 has its batch size baked into the artifact."""
-    if max_batch == 1:
-        return
-    static = sorted(name for name, entry in manifest["segments"].items()
-                    if not name.startswith(("video_decoder", "audio_decoder"))
-                    and "0" not in {str(d) for d in entry.get("dynamic", {}).get(entry["inputs"][0], {})})
-    if static:
-        raise ValueError(f"--max-batch {max_batch}: this bundle's DiT segments {static} are compiled for batch 1 (the "
-                         "batch dimension is static in the artifacts); pass --max-batch 1 with --engine, or serve "
-                         "batches from --model (eager).")
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -481,162 +322,3 @@ def summary_line(summary: BatchSummary) -> str:
     return (f"{s['done']} done, {s['failed']} failed, {s['skipped']} skipped in {s['wall_s']:.1f} s: "
             f"{s['clips_per_hour']:.1f} clips/hour" + (f"; failed: {', '.join(s['failed_ids'])}" if s['failed'] else ""))
 
-
-# ----------------------------------------------------------------------------------------------------------------------
-# On a mesh: each replica group runs `run_batch` over its share of the file
-
-
-def run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model: str, extra: dict) -> int:
-    """`h3trt run --requests` on a mesh: each replica group runs `run_batch` over its share of the file."""
-    torchrun = torchrun_rank()
-    if torchrun is not None and args.gpus > 1:
-        raise ValueError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
-    world = torchrun[1] if torchrun else args.gpus
-    task = "ref2va" if items[0].key[0] == "ref2va" else "t2va"
-    heads = (H3Config.from_dict(manifest["model_config"]) if manifest else locate_transformer(root, task).config).num_heads
-    mesh = resolve_mesh(world, heads, manifest["mesh"] if manifest else None, args.cfg, args.sp, args.replicas)
-    if mesh.cfg == 2:
-        raise ValueError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
-    job = Job(str(root), manifest is not None, task, "cuda" if str(device).startswith("cuda") else "cpu", mesh,
-              canvas=canvas, model_name=model, record_extra=extra, vae_precision=args.vae_precision,
-              loras=tuple(args.lora), trust=str(args.trust) if args.trust is not None else None)
-    if torchrun is not None:
-        rank, world, local_rank = init_torchrun_rank(job.device_type)
-        failed = serve_batch_rank(rank, world, local_rank, job, heads, items, config)
-        dist.barrier()
-        dist.destroy_process_group()
-        return 1 if failed else 0
-    with tempfile.TemporaryDirectory(prefix="h3trt-batch-") as tmp:
-        try:
-            launch(serve_batch_launched, world, (job, heads, items, config, tmp),
-                   gpus=launch_gpus(job.device_type, world))
-        except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
-            remove_leftovers(config.out_dir)
-            raise
-        failed = sum(int(f.read_text()) for f in Path(tmp).glob("failed-*"))
-    print(f"{config.out_dir}: batch on replica({mesh.replica}) x cfg({mesh.cfg}) x sp({mesh.sp}): {failed} failed "
-          f"(per-request records in {config.out_dir})")
-    return 1 if failed else 0
-
-
-def serve_batch_rank(rank: int, world: int, local_rank: int, job: Job, num_heads: int, items, config) -> int:
-    """One rank of a mesh batch run; returns the failures its replica group recorded (0 on non-writing ranks)."""
-    par = build_mesh(job.mesh, job.device_type, world, num_heads)
-    pipeline = load_rank_pipeline(job, par, rank_device(job.device_type))
-    mine = replace(config, shard=(par.replica_index, job.mesh.replica), write=par.writes,
-                   decode_group=par.decode_group, quiet=config.quiet or not par.writes)
-    summary = run_batch(pipeline, items, mine, job.model_name, job.record_extra)
-    if par.writes:
-        print(f"replica group {par.replica_index}: {summary_line(summary)}")
-        return len(summary.failed)
-    return 0
-
-
-def serve_batch_launched(rank: int, world: int, store: str, job: Job, num_heads: int, items, config, tmp: str) -> None:
-    init_rank(rank, world, store, job.device_type)
-    Path(tmp, f"failed-{rank}").write_text(str(serve_batch_rank(rank, world, rank, job, num_heads, items, config)))
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# `h3trt run --requests FILE --out-dir DIR`
-
-
-def engine_manifest(args) -> dict:
-    """--engine's manifest, read before anything else: with --trust only if it carries that key's signature (every
-    file is then checked against it when the bundle loads, before any of its code runs)."""
-    if args.trust is not None:
-        return read_trusted_manifest(args.engine, args.trust)
-    return read_manifest(args.engine)
-
-
-def served_identity(manifest: dict, args) -> dict:
-    """What a record says about the bundle that served it, with the key that vouched for it under --trust."""
-    identity = bundle_identity(manifest)
-    if args.trust is not None:
-        identity["signed_by"] = key_fingerprint(load_public_key(args.trust))
-    return identity
-
-
-def run_requests(args) -> int:
-    """The CLI's batch mode: validate the whole file, load the model once, run; 0 if every request is done."""
-    single = [flag for flag, value in (("--prompt", args.prompt), ("--output", args.output), ("--image", args.image),
-                                       ("--last-image", args.last_image), ("--ref", args.ref)) if value]
-    if single:
-        raise ValueError(f"--requests takes every request from its file; drop {' '.join(single)}.")
-    if args.out_dir is None:
-        raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
-    if args.cache is not None:
-        raise ValueError("--cache decides per request, and a batch run shares one DiT evaluation per step across "
-                         "requests; run cached requests one at a time (h3trt run --prompt ... --cache ...).")
-    if args.lora and args.engine is not None:
-        raise ValueError(f"--lora applies to --model runs; the bundle {args.engine} was compiled with the LoRAs its "
-                         "manifest lists. Rebuild it with h3trt build --lora FILE[:SCALE].")
-    if args.trust is not None and args.engine is None:
-        raise ValueError("--trust checks a bundle's signature; pass it with --engine DIR.")
-    manifest = None
-    if args.engine is not None:
-        manifest = engine_manifest(args)
-        check_bundle_batch(manifest, args.max_batch)
-    tiny = manifest["tiny"] if manifest else args.model is None
-    canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
-                             reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
-    config = BatchConfig(args.out_dir, args.max_batch, args.fail_fast, args.crf, quiet=args.quiet)
-    default_steps = manifest["schedule"]["steps"] if manifest else 50  # a bundle's baked schedule is its default
-    items = parse_requests(args.requests, canvas, default_steps)  # every line checked before any model loads
-    tasks = {"ref2va" if i.key[0] == "ref2va" else "t2va" for i in items}
-    if manifest is None and len(tasks) > 1:
-        raise ValueError(f"{args.requests} mixes ref2va with t2va/fl2va requests, which use different checkpoint "
-                         "partitions (Ref2VA/ and FL2VA/); split the file and run each part.")
-    device = args.device or (manifest["device"].split(":")[0] if manifest else
-                             ("cuda" if torch.cuda.is_available() else "cpu"))
-    root = args.engine if manifest else (ensure_tiny_checkpoint() if tiny else args.model)
-    component_root = root if manifest else locate_transformer(root, items[0].key[0]).component_root
-    try:
-        check_prompt_tokens(component_root, [(f"{args.requests}:{i.line}: the prompt", i.request.prompt)
-                                             for i in items])
-    except ValueError as e:
-        raise BatchFileError(f"{e} Nothing was run.") from None
-    # Before any model loads: the out-dir is a writable folder with room for its largest clip, and no other batch
-    # writes it (under torchrun, rank 0 holds the lock for the job).
-    preflight_out_dir(args.out_dir, max(estimated_clip_bytes(i.key[2], i.key[1], i.key[3], FPS, args.crf)
-                                        for i in items))
-    torchrun = torchrun_rank()
-    lock = BatchLock(args.out_dir) if torchrun is None or torchrun[0] == 0 else nullcontext()
-    try:
-        with lock:
-            return _run_requests_locked(args, items, config, manifest, tiny, root, canvas, device, torchrun)
-    except KeyboardInterrupt:
-        remove_own_temps()
-        done = [i.id for i in items if finished(config.out_dir, i)]
-        listed = ", ".join(done[:10]) + (f" and {len(done) - 10} more" if len(done) > 10 else "")
-        print(f"h3trt: interrupted: {len(done)} of {len(items)} requests are done in {args.out_dir}"
-              f"{' (' + listed + ')' if done else ''}, each with its record; the others left no files. Rerun the "
-              "same command to finish them.", file=sys.stderr)
-        return 130
-
-
-def _run_requests_locked(args, items, config, manifest, tiny, root, canvas, device, torchrun) -> int:
-    if args.gpus > 1 or torchrun is not None:
-        model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(root))
-        extra = {"bundle": served_identity(manifest, args)} if manifest else {}
-        return run_batch_on_mesh(args, items, config, root, manifest, device, canvas, model, extra)
-    if manifest is not None:
-        pipeline = H3Pipeline.load_engine(args.engine, device, canvas, vae_precision=args.vae_precision,
-                                          trust=args.trust)
-        extra = {"bundle": served_identity(manifest, args)}
-        model, serving = str(args.engine), no_compile()
-    else:
-        if tiny:
-            print("h3trt: using the embedded tiny default model (random weights): every clip is noise. Pass --model "
-                  "PATH for real MiniMax-H3 weights.", file=sys.stderr)
-        pipeline = H3Pipeline.load(root, items[0].key[0], device, canvas, args.vae_precision,
-                                   loras=tuple(args.lora))
-        extra, model, serving = {}, "embedded-tiny" if tiny else str(root), nullcontext()
-    try:
-        with serving:
-            summary = run_batch(pipeline, items, config, model, extra)
-    except BatchAborted as e:
-        print(f"h3trt: stopped: {e}", file=sys.stderr)
-        return 1
-    print(f"{args.out_dir}: {summary_line(summary)}")
-    return 1 if summary.failed else 0

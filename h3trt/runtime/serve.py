@@ -20,7 +20,9 @@ from ..parallel.devices import node_gpus
 from ..parallel.launch import init_rank
 from ..parallel.mesh import MeshConfig, Parallel, build_mesh
 from ..parallel.ulysses import UlyssesDiT
-from .pipeline import H3Pipeline, record_path, request_dict
+from .pipeline import H3Pipeline
+from .records import record_path
+from .request import request_dict
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from .files import commit, discard, temp_path, write_json_atomic
-from .pipeline import StageTimer
+from .records import StageTimer
 
 # Colour per stage (the PNG's legend order); a stage not listed here is refused rather than drawn grey.
 STAGE_COLOURS = {

@@ -1,0 +1,177 @@
+"""The two ways a pipeline's components are loaded: from a checkpoint (the eager reference modules) or from an engine
+bundle (its compiled DiT, the text encoder beside the weights as they stream in, the VAEs off the cold-start path).
+Each returns `Components`, the built parts H3Pipeline is constructed from."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..calibration.vae_fp8 import load_video_vae_at
+from ..engines.bundle import Engine
+from ..engines.manifest import BundleError, check_request, read_manifest
+from ..models.audio_vae import AudioVAE
+from ..models.checkpoint import load_dit
+from ..models.dit import EagerDiT
+from ..models.lora import LoraSpec, merge_loras
+from ..models.sampler import Schedule
+from ..models.text_encoder import H3TextEncoder, quiet_transformers
+from ..models.vae_checkpoint import load_audio_vae
+from ..models.vae_precision import VAEPrecision
+from ..models.video_vae import VideoVAE
+from .request import Prepared
+
+
+@dataclass(frozen=True)
+class Components:
+    """What a loader hands H3Pipeline: the DiT (any callable of the EagerDiT signature), the text encoder, the VAEs
+    (or `deferred_vaes` still loading them), the checkpoint's or bundle's default shifts, and what every record
+    carries about the source."""
+
+    dit: object
+    text_encoder: H3TextEncoder
+    video_vae: VideoVAE | None
+    audio_vae: AudioVAE | None
+    shifts: tuple[float, float]  # (video, audio) sigma shifts a request without its own uses
+    check_request: Callable[[Prepared, Schedule], None] | None = None  # a bundle's admission check: raises
+    loras: tuple[dict, ...] = ()  # records of the LoRAs merged into the DiT
+    deferred_vaes: Deferred | None = None  # (video VAE, audio VAE) on a background thread, in place of the two
+    load_report: dict | None = None  # a bundle's cold-start split, for every record
+
+
+class Deferred:
+    """A value built on a background thread (the VAEs while the DiT loads and denoises); `result()` waits for it and
+    raises what the builder raised. `seconds` is how long the builder ran."""
+
+    def __init__(self, build: Callable[[], object]):
+        self._value, self._error, self.seconds = None, None, None
+        self._thread = threading.Thread(target=self._run, args=(build,), name="h3trt-deferred", daemon=True)
+        self._thread.start()
+
+    def _run(self, build) -> None:
+        start = time.perf_counter()
+        try:
+            self._value = build()
+        except BaseException as e:  # re-raised on the caller's thread by result()
+            self._error = e
+        self.seconds = time.perf_counter() - start
+
+    def result(self):
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+
+def eager_components(root: Path, device: torch.device, dtype: torch.dtype,
+                     vae_precision: VAEPrecision | None = None):
+    """The text encoder at `dtype`, the video VAE at `vae_precision` (None: VAEPrecision.default) and the audio VAE
+    in fp32 (diffusers pins all of it to fp32 at every precision: h3trt/models/vae_precision.py)."""
+    return _text_encoder(root, device, dtype), *_vaes(root, device, vae_precision or VAEPrecision.default(device))
+
+
+def _text_encoder(root: Path, device: torch.device, dtype: torch.dtype) -> H3TextEncoder:
+    quiet_transformers()
+    return H3TextEncoder.from_pretrained(root, device=device, dtype=dtype)
+
+
+def _vaes(root: Path, device: torch.device, vae_precision: VAEPrecision) -> tuple[VideoVAE, AudioVAE]:
+    return load_video_vae_at(root, device, vae_precision), load_audio_vae(root, device)
+
+
+def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precision: str | None = None,
+                    loras: tuple[LoraSpec, ...] = ()) -> Components:
+    """The eager components for `task`'s partition, with `loras` merged into the DiT; `vae_precision` None: bf16 on
+    CUDA, fp32 on the CPU (VAEPrecision.default)."""
+    device = torch.device(device)
+    vae = VAEPrecision.resolve(vae_precision, device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model, source = load_dit(model_root, task, dtype=dtype, device=device)
+    records = merge_loras(model, loras, task)
+    shifts = source.shifts
+    return Components(EagerDiT(model), *eager_components(source.component_root, device, dtype, vae), shifts,
+                      loras=records)
+
+
+def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None, vae_precision: str | None = None,
+                trust: Path | None = None) -> Components:
+    """A bundle's components for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
+    the bundle's; `sp_group` this rank's sequence-parallel group. The video VAE runs at the bundle's
+    --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one; `trust` a
+    public key the bundle must be signed with (Engine.load)."""
+    device = torch.device(device)
+    start = time.perf_counter()
+    # diffusers resolves its classes lazily, and two threads importing through it (and transformers) at once can
+    # see a half-initialised module (measured: "cannot import name 'AutoModel'"): resolve the VAE classes here.
+    import diffusers
+
+    diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio
+    text_parts = ("text_encoder", "tokenizer", "processor")
+    # Engine.load reads and checks the manifest (and its signature) again; this is only for the text dtype.
+    dtype = torch.float32 if read_manifest(bundle_root)["precision"] == "fp32" else torch.bfloat16
+    pending: dict[str, Deferred] = {}
+
+    def text_encoder_alongside(verification) -> None:
+        # The text encoder loads on its own thread while the DiT weights stream in: the first step needs it.
+        def load_text():
+            for part in text_parts:
+                verification.wait_prefix(f"{part}/")
+            t0 = time.perf_counter()
+            return _text_encoder(Path(bundle_root), device, dtype), time.perf_counter() - t0
+
+        pending["text"] = Deferred(load_text)
+
+    engine = Engine.load(bundle_root, device, mesh, sp_group, trust=trust, early=text_parts,
+                         alongside=text_encoder_alongside)
+    engine_s = time.perf_counter() - start
+    m = engine.manifest
+    if vae_precision is not None and vae_precision != m["vae_precision"]:
+        VAEPrecision(vae_precision)  # an unknown name gets the list of known ones
+        raise BundleError(f"This bundle's video decoder was compiled at --vae-precision {m['vae_precision']}; "
+                          f"the run asks for {vae_precision}. Leave --vae-precision out to serve the bundle's, "
+                          f"or rebuild with h3trt build --vae-precision {vae_precision}.")
+
+    def admit(prepared: Prepared, schedule: Schedule) -> None:
+        geo = prepared.geometry
+        check_request(m, geo.width, geo.height, geo.num_frames, schedule.steps, schedule.video_shift,
+                      schedule.audio_shift, prepared.request.task)
+
+    shifts = (m["schedule"]["video_shift"], m["schedule"]["audio_shift"])
+    report = {"engine": engine.load_report, "engine_s": round(engine_s, 4)}
+
+    def vaes() -> tuple[VideoVAE, AudioVAE]:
+        # Off the cold-start path: the first denoise step needs neither VAE (a keyframe's encode, or the decode,
+        # waits for them). Their files are verified first; then every bundle file has been checked.
+        for component in ("video_vae", "vae", "audio_vae"):
+            engine.component_ready(component)
+        t0 = time.perf_counter()
+        # On a side stream: the default stream is the denoise loop's, and 10 GB of copies queued there would
+        # hold up its steps.
+        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            video_vae, audio_vae = _vaes(Path(bundle_root), device, VAEPrecision(m["vae_precision"]))
+        if stream is not None:
+            stream.synchronize()
+        video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
+        report["vae_load_s"] = round(time.perf_counter() - t0, 4)
+        if engine.verification is not None:  # a tensorrt bundle verified every file before loading
+            report.update(engine.verification.wait_all())
+        return video_vae, audio_vae
+
+    t0 = time.perf_counter()
+    if "text" in pending:
+        text_encoder, load_s = pending["text"].result()
+        report["text_encoder_load_s"] = round(load_s, 4)  # on its thread, overlapping the weights
+    else:  # a tensorrt bundle: loaded and verified before this point
+        text_encoder = _text_encoder(Path(bundle_root), device, dtype)
+    report["text_encoder_wait_s"] = round(time.perf_counter() - t0, 4)  # after the DiT was ready
+    deferred = Deferred(vaes)  # after the text encoder: one loader thread inside transformers/diffusers at a time
+    report["total_s"] = round(time.perf_counter() - start, 4)  # bundle on hand, ready to encode and denoise
+    return Components(engine.dit, text_encoder, None, None, shifts, admit, loras=m.get("loras") or (),
+                      deferred_vaes=deferred, load_report=report)

@@ -1,0 +1,105 @@
+"""What a generation leaves beside its MP4: the stage timer, the provenance and timing record, and the commit that
+puts the record and the clip in place together."""
+
+from __future__ import annotations
+
+import platform
+import time
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from ..engines.manifest import sha256_file
+from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout
+from ..models.sampler import Schedule
+from .files import commit, discard, write_json_file
+from .request import Prepared
+
+
+class StageTimer:
+    """Wall time per stage, synchronising the device so GPU work is charged to the stage that queued it. `spans` keeps
+    each stage's first start and last end in Unix seconds, so a record shows the gaps between stages."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = {}
+        self.spans: dict[str, list[float]] = {}
+        self.step_marks: list[float] = []  # seconds since the denoise stage began, at each step's callback
+        self.step_profile: dict | None = None  # --profile-step's host-overhead report
+        self._unix_offset = time.time() - time.perf_counter()
+
+    @contextmanager
+    def __call__(self, stage: str):
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            self.add(stage, start, time.perf_counter())
+
+    def add(self, stage: str, start: float, end: float) -> None:
+        """Charge [start, end] (perf_counter seconds) to `stage`; a timeline recorder also keeps the interval."""
+        self.seconds[stage] = self.seconds.get(stage, 0.0) + end - start
+        self.span(stage, start, end)
+
+    def span(self, stage: str, start: float, end: float) -> None:
+        """Widen `stage`'s span to cover [start, end] (perf_counter seconds) without charging time to it."""
+        a, b = start + self._unix_offset, end + self._unix_offset
+        old = self.spans.get(stage)
+        self.spans[stage] = [min(old[0], a), max(old[1], b)] if old else [a, b]
+
+
+def commit_clip(record: dict, mp4_temp: Path, output: Path, finish: Callable[[dict], None] | None = None,
+                overwrite: bool = False) -> dict:
+    """Stage 5's last step: the record (with the MP4's sha256, completed by `finish`) and the finished MP4 renamed
+    into place together, or neither (files.commit: no-clobber unless `overwrite`)."""
+    try:
+        record["mp4_sha256"] = sha256_file(mp4_temp)
+        if finish is not None:
+            finish(record)
+        json_temp = write_json_file(record_path(output), record)
+    except BaseException:
+        discard(mp4_temp)
+        raise
+    # The record first: when the MP4 appears under its name, its record is already beside it.
+    commit([(json_temp, record_path(output)), (mp4_temp, output)], overwrite=overwrite)
+    return record
+
+
+def record_path(output: Path) -> Path:
+    """The timing/provenance JSON beside an MP4: clip.mp4 -> clip.json."""
+    return output.with_suffix(".json")
+
+
+def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
+                audio_samples: int, timer: StageTimer, device: torch.device, video_vae,
+                load_report: dict | None = None, loras: tuple[dict, ...] = ()) -> dict:
+    """The provenance and timing record written beside an MP4: the request, its schedule and layout, what was written,
+    and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged `loras`)."""
+    req, geo = prepared.request, prepared.geometry
+    return {
+        "output": str(output), "task": req.task, "prompt": req.prompt, "seed": req.seed,
+        "steps": req.steps, "evaluations": schedule.num_evaluations,
+        "shifts": {"video": schedule.video_shift, "audio": schedule.audio_shift},
+        "width": geo.width, "height": geo.height, "frames": frames_written, "fps": FPS,
+        "audio_samples": int(audio_samples), "audio_sample_rate": AUDIO_SAMPLE_RATE,
+        "sequence_rows": layout.seq_len, "device": str(device), "vae_precision": video_vae.precision,
+        "torch": torch.__version__, "python": platform.python_version(),
+        "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
+        "spans_unix": {k: [round(a, 4), round(b, 4)] for k, (a, b) in timer.spans.items()},
+        # Host-side marks: a step's kernels are queued ahead, and each step waits for the one before (the baked
+        # AdaLN lookup syncs), so the differences are the steps' device times within one step's queueing.
+        "step_marks_s": [round(m, 4) for m in timer.step_marks],
+        "video_decoder": "compiled" if video_vae.tile_decoders else "eager",
+        **({"step_profile": timer.step_profile} if timer.step_profile is not None else {}),
+        **({"load": load_report} if load_report is not None else {}),
+        **({"peak_memory_gib": {"allocated": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+                                "reserved": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}}
+           if device.type == "cuda" else {}),
+        **({"loras": list(loras)} if loras else {}),
+    }

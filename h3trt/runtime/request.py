@@ -1,0 +1,241 @@
+"""Requests: what a user asks for, and stage 0 of a generation (every input read and the geometry resolved before any
+model loads). `Encoded` is a request after stages 1-2 and the pack, the unit a batch denoises together."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import AutoTokenizer
+
+from ..models.packing import (
+    AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, FPS, FRAMES_PER_CHUNK,
+    LATENTS_PER_CHUNK, Geometry, PackedLayout, frames_for_duration, resolve_canvas, validate_canvas,
+)
+from ..models.sampler import DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule
+from ..models.step_cache import StepCacheConfig
+from ..models.text_encoder import TOKENIZER_DIR
+from ..models.video_vae import prepare_keyframe
+from .media import MediaError, read_audio, read_image, read_video
+
+IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
+AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".m4a", ".aac", ".ogg", ".opus"}
+VIDEO_SUFFIXES = {".mp4", ".mov", ".mkv", ".webm", ".avi"}
+REFERENCE_IMAGE_SHORT_EDGE = 2048  # reference images are encoded at their own short edge, upscaling included
+SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: int64 or uint64, [lo, hi)
+# h3trt's budget for a prompt, in the checkpoint's tokens. The reference sets none; the text rows join every
+# attention of every step, and H3's own prompts run tens to a few hundred tokens. Checked before any model loads.
+MAX_PROMPT_TOKENS = 1024
+MAX_REFERENCES = {"image": 9, "video": 3, "audio": 3, "total": 12}  # documented limits of the released model
+
+
+@dataclass(frozen=True)
+class Request:
+    """One generation request, as the user states it."""
+
+    prompt: str
+    image: Path | None = None  # first keyframe (fl2va)
+    last_image: Path | None = None  # last keyframe (fl2va)
+    refs: tuple[Path, ...] = ()  # image / audio / video references (ref2va), in the order the model reads them
+    seed: int = DEFAULT_SEED
+    steps: int = DEFAULT_STEPS
+    width: int | None = None
+    height: int | None = None
+    duration: float = 5.0  # seconds; rounded up to the next 17n + 5 frames
+    video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (12)
+    audio_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (3)
+    guidance: float = 1.0  # classifier-free guidance scale; 1: off (H3 is guidance-distilled)
+    negative_prompt: str | None = None  # the negative branch's prompt (required when guidance > 1)
+    cache: StepCacheConfig | None = None  # step caching (models/step_cache.py); None: every block of every step runs
+
+    @property
+    def task(self) -> str:
+        if self.refs:
+            return "ref2va"
+        return "fl2va" if (self.image or self.last_image) else "t2va"
+
+
+@dataclass
+class Reference:
+    kind: str  # image | audio | video
+    path: Path
+    image: Image.Image | None = None
+    frames: np.ndarray | None = None  # uint8 [T, H, W, 3] at 24 fps
+    audio: torch.Tensor | None = None  # [2, N] at 32 kHz
+
+
+@dataclass
+class Prepared:
+    """A validated request: decoded inputs and the resolved geometry."""
+
+    request: Request
+    geometry: Geometry
+    keyframes: list[tuple[str, Image.Image]] = field(default_factory=list)  # (anchor, image on the canvas)
+    references: list[Reference] = field(default_factory=list)
+
+
+@dataclass
+class Encoded:
+    """A request after stages 1-2 and the pack, waiting to be denoised with others of the same layout."""
+
+    prepared: Prepared
+    schedule: Schedule
+    text_embeds: torch.Tensor  # [1, L, C_text]
+    layout: PackedLayout
+    latents: Latents  # starting rows [V, C] / [A, C], drawn from the request's own seed
+
+
+@dataclass(frozen=True)
+class CanvasDefaults:
+    """How a model picks a canvas when the request names none."""
+
+    short_edge: int = CANVAS_SHORT_EDGE
+    max_pixels: int = CANVAS_MAX_PIXELS
+    reference_short_edge: int = REFERENCE_IMAGE_SHORT_EDGE
+
+
+def _reference_kind(path: Path) -> str:
+    suffix = path.suffix.lower()
+    for kind, suffixes in (("image", IMAGE_SUFFIXES), ("audio", AUDIO_SUFFIXES), ("video", VIDEO_SUFFIXES)):
+        if suffix in suffixes:
+            return kind
+    raise MediaError(f"{path}: cannot tell whether this reference is an image, audio or video from '{suffix}'; "
+                     f"use one of {sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES | VIDEO_SUFFIXES)}.")
+
+
+def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prepared:
+    """Stage 0: read every input and resolve the geometry, raising one clear error before any model work."""
+    for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt)):
+        if text is not None:
+            check_utf8(text, what)
+    if not request.prompt.strip():
+        raise ValueError("The prompt is empty; pass --prompt \"...\".")
+    if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not (
+            SEED_RANGE[0] <= request.seed < SEED_RANGE[1]):
+        raise ValueError(f"seed {request.seed} is outside [-2^63, 2^64), the range torch.Generator takes; pass a "
+                         "seed in that range.")
+    if request.steps < 2:
+        raise ValueError(f"--steps must be at least 2 (the grid includes the final sigma 0), got {request.steps}.")
+    if request.refs and (request.image or request.last_image):
+        raise ValueError("--ref (ref2va) cannot be combined with --image/--last-image (fl2va); pick one task.")
+    Schedule(request.steps, request.video_shift or 12.0, request.audio_shift or 3.0)  # validates shifts
+    if request.guidance < 1.0:
+        raise ValueError(f"--guidance must be >= 1 (1 = off, the default: H3 is guidance-distilled), got "
+                         f"{request.guidance}.")
+    if request.negative_prompt is not None and request.guidance == 1.0:
+        raise ValueError("--negative-prompt only acts with --guidance > 1 (H3 is guidance-distilled and runs one "
+                         "branch by default); pass --guidance too, or drop --negative-prompt.")
+    if request.guidance > 1.0 and not (request.negative_prompt or "").strip():
+        raise ValueError(f"--guidance {request.guidance:g} needs --negative-prompt \"...\": the negative branch "
+                         "is the request with that prompt (H3's text encoder takes no empty prompt).")
+    num_frames = frames_for_duration(request.duration)
+
+    keyframes = [(anchor, read_image(path)) for anchor, path in (("first", request.image),
+                                                                  ("last", request.last_image)) if path]
+    if (request.width is None) != (request.height is None):
+        raise ValueError("--width and --height go together: pass both, or neither for the model's canvas.")
+    if request.width is not None:
+        height, width = request.height, request.width
+    else:
+        aspect = keyframes[0][1].size if keyframes else (16, 9)
+        height, width = resolve_canvas(*aspect, short_edge=canvas.short_edge, max_pixels=canvas.max_pixels)
+    validate_canvas(height, width)
+    keyframes = [(anchor, prepare_keyframe(img, height, width, stretch=i == 0)) for i, (anchor, img) in
+                 enumerate(keyframes)]
+
+    references = []
+    for path in request.refs:
+        kind = _reference_kind(Path(path))
+        ref = Reference(kind, Path(path))
+        if kind == "image":
+            ref.image = _reference_image(read_image(path), canvas.reference_short_edge)
+        elif kind == "audio":
+            # Cut to the clip's length at the file's own rate, then resampled once, as the reference does.
+            ref.audio = torch.from_numpy(read_audio(path, AUDIO_SAMPLE_RATE, max_seconds=num_frames / FPS))
+        else:
+            frames, fps, audio = read_video(path, max_audio_seconds=num_frames / FPS)
+            ref.frames = _reference_frames(frames, fps, num_frames, canvas)
+            if audio is not None:
+                ref.audio = torch.from_numpy(audio)
+        references.append(ref)
+    kinds = [r.kind for r in references]
+    for kind in ("image", "video", "audio"):
+        if kinds.count(kind) > MAX_REFERENCES[kind]:
+            raise ValueError(f"MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, got {kinds.count(kind)}.")
+    if len(kinds) > MAX_REFERENCES["total"]:
+        raise ValueError(f"MiniMax-H3 takes at most {MAX_REFERENCES['total']} references, got {len(kinds)}.")
+    if kinds and set(kinds) == {"audio"}:
+        raise ValueError("An audio reference must be paired with at least one image or video reference.")
+    return Prepared(request, Geometry(height, width, num_frames), keyframes, references)
+
+
+def check_utf8(text: str, what: str = "prompt") -> None:
+    """Refuse text that is not valid UTF-8: arguments with undecodable bytes reach Python as lone surrogates
+    (surrogateescape), which the tokenizer and the JSON record cannot take."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        char = text[e.start]
+        byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"character {char!r}"
+        raise ValueError(f"The {what} is not valid UTF-8 ({byte} at position {e.start}); re-encode it as UTF-8."
+                         ) from None
+
+
+def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) -> None:
+    """Refuse prompts over MAX_PROMPT_TOKENS, counted by the checkpoint's own tokenizer (loaded only for prompts
+    longer than the budget in bytes: a byte-level BPE token covers at least one byte). `prompts`: (where, prompt)
+    pairs; every one over the budget is listed in one error."""
+    long = [(where, p) for where, p in prompts if len(p.encode("utf-8")) > MAX_PROMPT_TOKENS]
+    if not long:
+        return
+    tokenizer = AutoTokenizer.from_pretrained(Path(component_root) / TOKENIZER_DIR, local_files_only=True)
+    over = []
+    for where, p in long:
+        n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
+        if n > MAX_PROMPT_TOKENS:
+            over.append(f"{where} has {n} tokens")
+    if over:
+        raise ValueError(f"{'; '.join(over)}; h3trt takes prompts of at most {MAX_PROMPT_TOKENS} tokens. Shorten it.")
+
+
+def _reference_image(image: Image.Image, short_edge: int) -> Image.Image:
+    """A reference image at its own short edge (multiples of 32, upscaling included, no area cap), LANCZOS."""
+    width, height = image.size
+    if width > 4 * height or height > 4 * width:
+        raise ValueError(f"A reference image must be within 1:4 and 4:1, got {width}x{height}.")
+    scale = short_edge / min(width, height)
+    m = CANVAS_MULTIPLE
+    size = (max(m, round(width * scale / m) * m), max(m, round(height * scale / m) * m))
+    return image if image.size == size else image.resize(size, Image.Resampling.LANCZOS)
+
+
+def _reference_frames(frames: np.ndarray, fps: float, num_frames: int, canvas: CanvasDefaults) -> np.ndarray:
+    """A reference video on 24 fps (hold each frame until the next one's slot), truncated to the generated length,
+    on the canvas of its own aspect ratio, snapped down to 17n + 5 frames for the VAE."""
+    if fps != FPS:
+        scale = FPS / fps
+        slots = np.floor(np.arange(frames.shape[0]) * scale + 0.5).astype(np.int64)
+        frames = np.repeat(frames, np.diff(slots, append=int(np.floor(frames.shape[0] * scale + 0.5))), axis=0)
+    frames = frames[:num_frames]
+    usable = max(1, (frames.shape[0] - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
+    if frames.shape[0] < usable:
+        raise ValueError(f"A reference video needs at least {usable} frames at {FPS} fps, got {frames.shape[0]}.")
+    frames = frames[:usable]
+    height, width = resolve_canvas(frames.shape[2], frames.shape[1], canvas.short_edge, canvas.max_pixels)
+    if frames.shape[1:3] != (height, width):
+        frames = np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS))
+                           for f in frames])
+    return frames
+
+
+def request_dict(request: Request) -> dict:
+    data = asdict(request)
+    for key in ("image", "last_image"):
+        data[key] = str(data[key]) if data[key] else None
+    data["refs"] = [str(p) for p in request.refs]
+    if request.cache is not None:
+        data["cache"] = request.cache.to_dict()
+    return data
