@@ -14,7 +14,8 @@ from diffusers.modular_pipelines.minimax_h3.before_denoise import MiniMaxH3SetTi
 from diffusers.utils.torch_utils import randn_tensor
 
 from h3trt.models.packing import RefBlock, pack_ref2va, pack_t2va, text_tags_for
-from h3trt.models.sampler import Latents, Schedule, denoise, euler_step, initial_latents, shifted_sigmas
+from h3trt.models.sampler import (Latents, Schedule, denoise, denoise_batch, euler_step, initial_latents,
+                                  shifted_sigmas)
 
 PATCH = (1, 2, 2)
 CPU = torch.device("cpu")
@@ -257,3 +258,18 @@ def test_denoise_matches_diffusers_loop(case, steps, video_shift, audio_shift):
     # the input state is not modified in place
     assert torch.equal(start.video, video0) and torch.equal(start.audio, audio0)
     assert progress == [(i + 1, steps - 1) for i in range(steps - 1)]
+
+
+def test_denoise_batch_ends_where_each_request_would_alone():
+    """The one denoise loop with a batch dimension: three requests of one layout (their own seeds' noise, stacked)
+    each end on the diffusers loop's rows for that request alone, bit for bit (the stand-in model and the update are
+    elementwise per request), and the model sees [B, V, C] / [B, A, C] once per step."""
+    layout = pack_t2va(torch.ones(8, dtype=torch.long), 7, 4, 6, 20, PATCH)
+    starts = [initial_latents(seed, 7, 4, 6, 20) for seed in (7, 8, 9)]
+    calls = []
+    outs = denoise_batch(fake_model_for(layout, calls), starts, layout, Schedule(5, 12.0, 3.0))
+    assert len(calls) == 4 and calls[0][0].shape == (3, *starts[0].video.shape)
+    for start, out in zip(starts, outs):
+        ref_v, ref_a = reference_loop(fake_model_for(layout, []), start.video, start.audio, layout, 5)
+        assert torch.equal(out.video, ref_v) and torch.equal(out.audio, ref_a)
+    assert not torch.equal(outs[0].video, outs[1].video)  # each kept its own noise

@@ -72,3 +72,16 @@ def test_mesh_validation_names_the_arithmetic():
     with pytest.raises(ValueError, match="cfg must be 1 or 2"):
         MeshConfig(cfg=3)
     MeshConfig(replica=2, cfg=2, sp=2).validate(8, 56)
+
+
+def test_a_row_shard_needs_the_exchanging_attention():
+    """The one block-stack runner keeps this rank's rows under a shard; plain SDPA there would attend over those rows
+    only, so the eager forward refuses a shard without the attention that exchanges rows."""
+    cfg = H3Config.tiny(num_heads=4, head_dim=32)
+    model = build_dit(cfg, torch.float32)
+    layout = LAYOUTS["t2va_padded"]()
+    video, audio, text = dit_inputs(layout, cfg, seed=1)
+    unique_t, t_index = row_timesteps(layout, 0.3, 0.6)
+    with pytest.raises(ValueError, match=r"attn_fn=shard.attention\(\)"):
+        model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids, layout.video_index,
+              layout.audio_index, layout.text_index, shard=object())

@@ -19,8 +19,8 @@ from ..models.attention import bound_attention, check_attention_record, dense_ke
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
-from ..models.step_cache import run_blocks
-from ..parallel.ulysses import RowShard, UlyssesExchange
+from ..models.block_stack import run_block_stack
+from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
 from .manifest import BundleError, check_environment, hash_threads, read_manifest, structure_problems
@@ -36,8 +36,8 @@ DIT_WEIGHT_FILES = ("embed", "blocks", "final")
 
 
 class EngineDiT:
-    """The DiT forward from compiled segments: embed, the block segment(s) once per layer, final. With an sp group
-    the block is the two halves around the Ulysses exchange, on this rank's rows."""
+    """The DiT forward from compiled segments: embed, the block segment(s) once per layer (models/block_stack.py),
+    final. With an sp group the block is the two halves around the Ulysses exchange, on this rank's rows."""
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None):
@@ -71,15 +71,9 @@ class EngineDiT:
         rows = self.adaln.rows(unique_t)
         adaln_index = t_index * NUM_MODALITIES + layout.token_tags
         cos, sin = rope_tables(layout.position_ids, self.inv_freq)
-        if self.group is None:
-            def block_fn(i, x):
-                blk = self.segments[self.layer_segments[i]]
-                return blk(x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin,
-                           *self.block_w["block"][i])[0]
-
-            x = run_blocks(x, self.cfg.num_layers, block_fn, cache)
-        else:
-            x = self._sharded_blocks(x, rows, temb, adaln_index, cos, sin, layout.seq_len, cache)
+        shard = RowShard(self.group, layout.seq_len) if self.group is not None else None
+        block_fn = self._block(rows, temb) if shard is None else self._sharded_block(rows, temb, shard.exchange())
+        x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), cache, shard)
         return self.segments["final"](x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
                                       layout.audio_index, *self.final_w)
 
@@ -87,21 +81,25 @@ class EngineDiT:
         segment = self.segments["attention"]
         return lambda q, k, v: segment(q, k, v, *scales)[0]
 
-    def _sharded_blocks(self, x, rows, temb, adaln_index, cos, sin, seq_len, cache=None):
-        """The block stack on this rank's rows: pre half (compiled), exchange + SDPA (eager), post half (compiled)."""
-        shard = RowShard(self.group, seq_len)
-        exchange = UlyssesExchange(self.group, seq_len, shard.padded)
-        pre, post = self.segments["block_pre"], self.segments["block_post"]
-        x = shard.local(x, 1)
-        adaln_index, cos, sin = shard.local(adaln_index, 0), shard.local(cos, 0), shard.local(sin, 0)
-
-        def block_fn(i, x):
+    def _block(self, rows, temb):
+        """Layer i as one compiled block segment (attention inside it)."""
+        def block_fn(i, x, adaln_index, rope):
             mod = self.adaln.block(i, rows, temb).contiguous()
-            (qkv,) = pre(x, mod, adaln_index, cos, sin, *self.block_w["block_pre"][i])
+            return self.segments[self.layer_segments[i]](x, mod, adaln_index, *rope, *self.block_w["block"][i])[0]
+
+        return block_fn
+
+    def _sharded_block(self, rows, temb, exchange):
+        """Layer i on this rank's rows: pre half (compiled), exchange + attention (eager), post half (compiled)."""
+        pre, post = self.segments["block_pre"], self.segments["block_post"]
+
+        def block_fn(i, x, adaln_index, rope):
+            mod = self.adaln.block(i, rows, temb).contiguous()
+            (qkv,) = pre(x, mod, adaln_index, *rope, *self.block_w["block_pre"][i])
             attn = exchange(qkv, self.sharded_attention[i])
             return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
 
-        return shard.gather(run_blocks(x, self.cfg.num_layers, block_fn, cache, self.group, shard.live_rows))
+        return block_fn
 
 
 class Engine:

@@ -18,7 +18,7 @@ import torch
 
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
-from ..models.step_cache import run_blocks
+from ..models.block_stack import run_block_stack
 from .adaln import load_adaln
 from .manifest import BundleError, verify_files
 
@@ -152,10 +152,10 @@ class TrtDiT:
         adaln_index = t_index * NUM_MODALITIES + layout.token_tags
         cos, sin = rope_tables(layout.position_ids, self.inv_freq)
 
-        def block_fn(i, x):
-            return self.blocks[i](x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, cos, sin)[0]
+        def block_fn(i, x, adaln_index, rope):
+            return self.blocks[i](x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, *rope)[0]
 
-        x = run_blocks(x, len(self.blocks), block_fn, cache)
+        x = run_block_stack(x, len(self.blocks), block_fn, adaln_index, (cos, sin), cache)
         return self.final(x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
                           layout.audio_index)
 

@@ -22,7 +22,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, NUM_MODULATION_PARAMS, H3Config
-from .step_cache import CacheContext, run_blocks
+from .block_stack import RowSharding, run_block_stack
+from .step_cache import CacheContext
 
 # Prefixes whose weights the released checkpoint stores in float32 (VideoX-Fun MINIMAX_H3_FP32_SOURCE_PREFIXES);
 # everything else is bfloat16, AdaLN included.
@@ -300,15 +301,26 @@ class H3DiT(nn.Module):
         text_index_L: torch.Tensor,
         attn_fn: AttentionFn = sdpa_attention,
         cache: CacheContext | None = None,
+        shard: RowSharding | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One evaluation over a packed sequence (argument meanings as in `h3trt.models.packing.PackedLayout`);
-        `cache`: a step cache's state for this denoiser call (models/step_cache.py), None: every block runs."""
+        """One evaluation over a packed sequence: video_BVC [B, V, C] and audio_BAC [B, A, C_audio] rows (fp32,
+        condition rows first), text_BLC [B, L, C_text], timesteps_T [T] distinct t in [0, 1]; the row vectors
+        timestep_index_S, token_tags_S [S], position_ids_S3 [S, 3] and the row indices video_index_V, audio_index_A,
+        text_index_L as in `h3trt.models.packing.PackedLayout`. Returns the velocities [B, V, C] and [B, A, C_audio]
+        in fp32.
+
+        `cache`: a step cache's state for this denoiser call (models/step_cache.py), None: every block runs.
+        `shard`: this rank's rows under sequence parallelism (parallel/ulysses.py RowShard), with `attn_fn` the
+        attention that exchanges them (RowShard.attention()); None: every row here."""
         seq_len = position_ids_S3.shape[0]
         if token_tags_S.shape != (seq_len,) or timestep_index_S.shape != (seq_len,):
             raise ValueError(
                 f"token_tags {tuple(token_tags_S.shape)} and timestep_index {tuple(timestep_index_S.shape)} must both "
                 f"be ({seq_len},), one entry per packed row."
             )
+        if shard is not None and attn_fn is sdpa_attention:
+            raise ValueError("A row shard needs the attention that exchanges rows between ranks: pass "
+                             "attn_fn=shard.attention() (plain SDPA would attend over this rank's rows only).")
         # 1. Embed every modality into the packed stream; one time embedding per distinct timestep.
         x_BSH, temb_TE = self.embed(
             video_BVC, audio_BAC, text_BLC, timesteps_T, video_index_V, audio_index_A, text_index_L, seq_len
@@ -316,11 +328,11 @@ class H3DiT(nn.Module):
         # 2. Row -> modulation-table row, and the rotary tables, shared by every block.
         adaln_index_S = timestep_index_S * NUM_MODALITIES + token_tags_S
         rope = self.rope(position_ids_S3)
-        # 3. The block stack (a step cache may skip all of it, or all but block 0).
-        def block_fn(i: int, x: torch.Tensor) -> torch.Tensor:
-            return self.blocks[i](x, self.blocks[i].modulation(temb_TE), adaln_index_S, rope, attn_fn)
+        # 3. The block stack, on this rank's rows under a shard (a step cache may skip all of it, or all but block 0).
+        def block_fn(i: int, x: torch.Tensor, adaln_index: torch.Tensor, rope) -> torch.Tensor:
+            return self.blocks[i](x, self.blocks[i].modulation(temb_TE), adaln_index, rope, attn_fn)
 
-        x_BSH = run_blocks(x_BSH, len(self.blocks), block_fn, cache)
+        x_BSH = run_block_stack(x_BSH, len(self.blocks), block_fn, adaln_index_S, rope, cache, shard)
         # 4. Output heads on the video and audio rows.
         return self.final(x_BSH, temb_TE, timestep_index_S, video_index_V, audio_index_A)
 

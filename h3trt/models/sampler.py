@@ -122,7 +122,8 @@ def initial_latents(
     return Latents(video_rows, audio_rows)
 
 
-# (video rows [1, V, C], audio rows [1, A, C], unique timesteps [T], timestep index [S]) -> (video v, audio v)
+# (video rows [B, V, C], audio rows [B, A, C_audio], unique timesteps [T], timestep index [S]) -> (video v [B, V, C],
+# audio v [B, A, C_audio]): one evaluation for a batch of requests of one packed layout (B = 1: one request).
 Denoiser = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
 
 
@@ -133,17 +134,32 @@ def denoise(
     schedule: Schedule,
     on_step: Callable[[int, int], None] | None = None,
 ) -> Latents:
-    """The denoising loop: one model evaluation per step; condition rows stay pinned, target rows step in fp32."""
-    device = latents.video.device
+    """One request's denoising: `denoise_batch` with a batch of one (rows [V, C] / [A, C] in and out)."""
+    return denoise_batch(model, [latents], layout, schedule, on_step)[0]
+
+
+def denoise_batch(
+    model: Denoiser,
+    batch: list[Latents],
+    layout: PackedLayout,
+    schedule: Schedule,
+    on_step: Callable[[int, int], None] | None = None,
+) -> list[Latents]:
+    """The denoising loop: one model evaluation per step for requests of one packed layout and schedule, stacked
+    along the batch dimension; condition rows stay pinned, target rows step in fp32. Each request keeps its own
+    starting rows [V, C] / [A, C] (its own seed's noise), and the update is elementwise, so each ends where it would
+    alone, a batch of one bitwise so."""
+    device = batch[0].video.device
     cv, ca = layout.num_condition_video_rows, layout.num_condition_audio_rows
-    video, audio = latents.video.clone(), latents.audio.clone()
+    video = torch.stack([item.video for item in batch])  # [B, V, C] fp32, a copy: the inputs stay as they were
+    audio = torch.stack([item.audio for item in batch])  # [B, A, C_audio]
     sv, sa = schedule.video_sigmas, schedule.audio_sigmas
     steps = schedule.timesteps()
     for i, (tv, ta) in enumerate(steps):
         unique_t, t_index = row_timesteps(layout, tv, ta)
-        v_video, v_audio = model(video[None], audio[None], unique_t.to(device), t_index.to(device))
-        video[cv:] = euler_step(video[cv:], v_video[0, cv:], tv, sv[i], sv[i + 1])
-        audio[ca:] = euler_step(audio[ca:], v_audio[0, ca:], ta, sa[i], sa[i + 1])
+        v_video, v_audio = model(video, audio, unique_t.to(device), t_index.to(device))
+        video[:, cv:] = euler_step(video[:, cv:], v_video[:, cv:], tv, sv[i], sv[i + 1])
+        audio[:, ca:] = euler_step(audio[:, ca:], v_audio[:, ca:], ta, sa[i], sa[i + 1])
         if on_step is not None:
             on_step(i + 1, len(steps))
-    return Latents(video, audio)
+    return [Latents(video[b], audio[b]) for b in range(len(batch))]

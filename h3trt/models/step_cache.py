@@ -33,7 +33,7 @@ DEFAULT_THRESHOLDS = {"first-block": 0.05, "mag": 0.06}
 DEFAULT_MAX_SKIP_STEPS = 3
 DEFAULT_RETENTION_RATIO = 0.2
 
-BlockFn = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, x [B, S, H]) -> x
+LayerFn = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, x [B, S, H]) -> x
 
 
 @dataclass(frozen=True)
@@ -80,17 +80,6 @@ def nearest_interp(ratios: torch.Tensor, length: int) -> torch.Tensor:
     scale = (len(ratios) - 1) / (length - 1)
     grid = torch.arange(length, dtype=torch.float32)
     return ratios[torch.round(grid * scale).long()]
-
-
-def run_blocks(x: torch.Tensor, num_layers: int, block_fn: BlockFn, cache: "CacheContext | None" = None,
-               group=None, live_rows: int | None = None) -> torch.Tensor:
-    """The block stack, through `cache` when one is given. `group`: the sp group whose ranks hold the other rows;
-    `live_rows`: how many leading rows of x are real (the rest is sp padding)."""
-    if cache is None:
-        for i in range(num_layers):
-            x = block_fn(i, x)
-        return x
-    return cache.run_blocks(x, num_layers, block_fn, group, live_rows)
 
 
 class StepCache:
@@ -163,7 +152,7 @@ class CacheContext:
             out["mag_ratios_calibrated"] = self.calibrated
         return out
 
-    def run_blocks(self, x, num_layers: int, block_fn: BlockFn, group=None, live_rows=None):
+    def run_blocks(self, x, num_layers: int, block_fn: LayerFn, group=None, live_rows=None):
         if self.config.kind == "first-block":
             return self._first_block(x, num_layers, block_fn, group, live_rows)
         return self._mag(x, num_layers, block_fn, group, live_rows)

@@ -16,10 +16,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..models.config import NUM_MODALITIES
 from ..models.dit import AttentionFn, H3DiT
 from ..models.packing import PackedLayout
-from ..models.step_cache import run_blocks
 
 
 def padded_length(seq_len: int, sp: int) -> int:
@@ -123,33 +121,26 @@ class RowShard:
         return torch.cat(parts, dim=1)[:, : self.seq_len]
 
     def attention(self) -> UlyssesAttention:
+        """The eager block's `attn_fn` over these rows: to_head_groups, the exchange, from_head_groups."""
         return UlyssesAttention(self.group, self.seq_len, self.padded)
+
+    def exchange(self) -> UlyssesExchange:
+        """The exchange alone, for compiled halves that bake to_head_groups / from_head_groups in."""
+        return UlyssesExchange(self.group, self.seq_len, self.padded)
 
 
 @torch.no_grad()
 def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None):
-    """One DiT evaluation with the block stack sharded over `group`; every rank returns the full outputs. A step
-    `cache` decides on values all ranks share (models/step_cache.py), so every rank skips the same blocks."""
+    """One DiT evaluation with the block stack sharded over `group`; every rank returns the full outputs. Embed and
+    the heads run on every rank (cheap next to the blocks; the sampler then updates the same latents everywhere), the
+    blocks on this rank's rows (models/block_stack.py). A step `cache` decides on values all ranks share
+    (models/step_cache.py), so every rank skips the same blocks."""
     sp = dist.get_world_size(group)
     if model.cfg.num_heads % sp:
         raise ValueError(f"sp={sp} does not divide the {model.cfg.num_heads} heads.")
     shard = RowShard(group, layout.seq_len)
-    # 1. Embed on every rank (text refiner and projections are cheap next to the blocks).
-    x, temb = model.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
-                          layout.seq_len)
-    cos, sin = model.rope(layout.position_ids)
-    # 2. My rows through every block.
-    x_local = shard.local(x, 1)
-    adaln_index = shard.local(t_index * NUM_MODALITIES + layout.token_tags, 0)
-    rope = (shard.local(cos, 0), shard.local(sin, 0))
-    attn = shard.attention()
-
-    def block_fn(i, x):
-        return model.blocks[i](x, model.blocks[i].modulation(temb), adaln_index, rope, attn)
-
-    x_local = run_blocks(x_local, len(model.blocks), block_fn, cache, group, shard.live_rows)
-    # 3. Every rank gathers the rows and runs the heads (the sampler updates the same latents everywhere).
-    return model.final(shard.gather(x_local), temb, t_index, layout.video_index, layout.audio_index)
+    return model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids, layout.video_index,
+                 layout.audio_index, layout.text_index, attn_fn=shard.attention(), cache=cache, shard=shard)
 
 
 class UlyssesDiT:

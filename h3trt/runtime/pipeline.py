@@ -19,8 +19,8 @@ import torch
 
 from ..models.audio_vae import AudioVAE
 from ..models.lora import LoraSpec
-from ..models.packing import FPS, AUDIO_SAMPLE_RATE, PackedLayout, RefBlock, pack_ref2va, pack_t2va, row_timesteps
-from ..models.sampler import Latents, Schedule, denoise, euler_step, initial_latents
+from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
+from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
@@ -193,23 +193,15 @@ class H3Pipeline:
                 raise ValueError("denoise_batch needs one schedule and one packed layout (task, canvas, duration and "
                                  f"text length) for the whole batch; {other.prepared.request.prompt[:40]!r} differs "
                                  f"from {first.prepared.request.prompt[:40]!r}.")
-        device, dit, schedule = self.device, self.dit, first.schedule
-        layout, lay = first.layout, first.layout.to(device)
+        device, dit = self.device, self.dit
+        lay = first.layout.to(device)
         text_BLC = torch.cat([e.text_embeds for e in batch]).to(device)
-        video = torch.stack([e.latents.video for e in batch]).to(device)  # [B, V, C] fp32
-        audio = torch.stack([e.latents.audio for e in batch]).to(device)  # [B, A, C] fp32
-        cv, ca = layout.num_condition_video_rows, layout.num_condition_audio_rows
-        sv, sa = schedule.video_sigmas, schedule.audio_sigmas
-        steps = schedule.timesteps()
-        # The loop of `sampler.denoise` with a batch dimension: the same ops per item, so B = 1 is bitwise equal.
-        for i, (tv, ta) in enumerate(steps):
-            unique_t, t_index = row_timesteps(layout, tv, ta)
-            v_video, v_audio = dit(video, audio, text_BLC, unique_t.to(device), t_index.to(device), lay)
-            video[:, cv:] = euler_step(video[:, cv:], v_video[:, cv:], tv, sv[i], sv[i + 1])
-            audio[:, ca:] = euler_step(audio[:, ca:], v_audio[:, ca:], ta, sa[i], sa[i + 1])
-            if on_step is not None:
-                on_step(i + 1, len(steps))
-        return [Latents(video[b], audio[b]) for b in range(len(batch))]
+
+        def model(video_BVC, audio_BAC, unique_t, t_index):
+            return dit(video_BVC, audio_BAC, text_BLC, unique_t, t_index, lay)
+
+        starts = [Latents(e.latents.video.to(device), e.latents.audio.to(device)) for e in batch]
+        return denoise_batch(model, starts, first.layout, first.schedule, on_step)
 
     @torch.no_grad()
     def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = 18,
