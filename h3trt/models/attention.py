@@ -142,7 +142,7 @@ def _(q_BSND, k_BSND, v_BSND, kernel):
 
 
 def bound_attention(kernel: str):
-    """The block's attention core (AttentionFn) running `kernel`."""
+    """The block's attention core (AttentionFn) running `kernel`: q, k, v [B, S, N, D] -> [B, S, N, D]."""
     return lambda q, k, v: attention(q, k, v, kernel)
 
 

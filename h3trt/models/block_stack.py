@@ -27,9 +27,11 @@ class RowSharding(Protocol):
     group: object  # the sp process group whose ranks hold the other rows
     live_rows: int  # this rank's leading rows that are not padding
 
-    def local(self, t: torch.Tensor, dim: int) -> torch.Tensor: ...
+    def local(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """`t` with its row dimension `dim` (S rows) padded and cut to this rank's Sl rows."""
 
-    def gather(self, x_BSlH: torch.Tensor) -> torch.Tensor: ...
+    def gather(self, x_BSlH: torch.Tensor) -> torch.Tensor:
+        """Every rank's rows [B, Sl, H] -> [B, S, H], padding dropped."""
 
 
 def run_block_stack(x_BSH: torch.Tensor, num_layers: int, block_fn: BlockFn, adaln_index_S: torch.Tensor,

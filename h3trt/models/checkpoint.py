@@ -327,7 +327,8 @@ def native_name(diffusers_name: str) -> str:
 
 
 def deinterleave_qkv(weight: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """[h0: q k v, h1: q k v, ...] rows -> [q_all; k_all; v_all]."""
+    """qkv_proj weight [3 * N * D, ...] with rows [h0: q k v, h1: q k v, ...] -> rows [q_all; k_all; v_all], same
+    shape (N = num_heads, D = head_dim)."""
     grouped = weight.reshape(num_heads, 3, head_dim, *weight.shape[1:])
     return grouped.transpose(0, 1).reshape(weight.shape)
 

@@ -50,7 +50,8 @@ def sdpa_attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Ten
 
 
 def apply_rope(x_BSND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
-    """NeoX (rotate-half) rotation of the leading R head dims; the rest pass through."""
+    """NeoX (rotate-half) rotation of the leading R head dims of x [B, S, N, D] by cos/sin [S, R] (fp32, cast to x's
+    dtype); the rest pass through. Returns [B, S, N, D]."""
     rotary = cos_SR.shape[-1]
     x_rot, x_pass = x_BSND[..., :rotary], x_BSND[..., rotary:]
     cos = cos_SR.to(x_BSND.dtype)[None, :, None, :]
@@ -61,13 +62,14 @@ def apply_rope(x_BSND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor)
 
 
 def rope_inv_freq(cfg: H3Config) -> torch.Tensor:
-    """The 16 (full size) rotary frequencies shared by the t, h and w axes."""
+    """The F = cfg.rope_freq_dim rotary frequencies [F] fp32 (16 at full size), shared by the t, h and w axes."""
     f = cfg.rope_freq_dim
     return 1.0 / (cfg.rope_theta ** (torch.arange(0, 2 * f, 2, dtype=torch.float32) / (2 * f)))
 
 
 def rope_tables(position_ids_S3: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [S, 6F] for (t, h, w) positions. Positions are cast to fp32 before the multiply, as the reference."""
+    """cos/sin [S, 6F] fp32 for (t, h, w) positions [S, 3] and inv_freq [F]. Positions are cast to fp32 before the
+    multiply, as the reference."""
     freqs_S3F = position_ids_S3.to(torch.float32)[..., None] * inv_freq.view(1, 1, -1)
     freqs_S3F = freqs_S3F.flatten(1)  # t | h | w
     freqs = torch.cat((freqs_S3F, freqs_S3F), dim=-1)
@@ -92,7 +94,8 @@ class Attention(nn.Module):
         self.out_proj = nn.Linear(cfg.inner_dim, cfg.hidden_size, bias=False)
 
     def qkv(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
-        """Project, per-head QK RMSNorm, then RoPE (the norm comes first, as in the checkpoint's training code)."""
+        """x [B, S, H] -> q, k, v [B, S, N, D]: project, per-head QK RMSNorm, then RoPE with `rope` (cos, sin) [S, R]
+        (the norm comes first, as in the checkpoint's training code; None: no rotation, the refiner's)."""
         B, S, _ = x_BSH.shape
         q, k, v = self.qkv_proj(x_BSH).view(B, S, 3, self.num_heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)
@@ -101,6 +104,7 @@ class Attention(nn.Module):
         return q, k, v
 
     def forward(self, x_BSH, rope=None, attn_fn: AttentionFn = sdpa_attention):
+        """Self-attention over x [B, S, H] -> [B, S, H]; `attn_fn` the core over [B, S, N, D] q/k/v."""
         q, k, v = self.qkv(x_BSH, rope)
         out_BSND = attn_fn(q, k, v)
         return self.out_proj(out_BSND.flatten(2).to(x_BSH.dtype))
@@ -113,6 +117,7 @@ class SwiGLU(nn.Module):
         self.fc2 = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=False)
 
     def forward(self, x):
+        """x [..., H] -> [..., H]."""
         gate, value = self.fc1(x).chunk(2, dim=-1)
         return self.fc2(value * F.silu(gate))
 
@@ -128,6 +133,7 @@ class RefinerBlock(nn.Module):
         self.mlp = SwiGLU(cfg)
 
     def forward(self, x_BLH):
+        """Text rows [B, L, H] -> [B, L, H]."""
         x_BLH = x_BLH + self.attn(self.norm1(x_BLH))
         return x_BLH + self.mlp(self.norm2(x_BLH))
 
@@ -139,6 +145,7 @@ class TokenRefiner(nn.Module):
         self.final_norm = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
 
     def forward(self, x_BLH):
+        """Projected text rows [B, L, H] -> refined [B, L, H]."""
         for block in self.blocks:
             x_BLH = block(x_BLH)
         return self.final_norm(x_BLH)
@@ -152,6 +159,7 @@ class TimeEmbedder(nn.Module):
         self.proj_out = nn.Linear(cfg.time_embed_hidden_dim, cfg.time_embed_dim)
 
     def forward(self, timesteps_T):
+        """Distinct timesteps [T] -> time embedding temb [T, E] (fp32 weights: the checkpoint's precision island)."""
         emb = timestep_sinusoid(timesteps_T, self.freq_dim).to(self.proj_in.weight.dtype)
         return self.proj_out(F.silu(self.proj_in(emb)))
 
@@ -162,6 +170,7 @@ class AdaLNProj(nn.Module):
         self.linear = nn.Linear(in_dim, out_dim)
 
     def forward(self, temb_TE):
+        """temb [T, E] fp32 -> [T, out_dim] in the weights' dtype."""
         # SiLU at temb's own precision (fp32), cast after: a rounding before the activation would bias every block
         # identically at every step.
         return self.linear(F.silu(temb_TE).to(self.linear.weight.dtype))
@@ -191,6 +200,8 @@ class Block(nn.Module):
         rope: tuple[torch.Tensor, torch.Tensor],
         attn_fn: AttentionFn = sdpa_attention,
     ) -> torch.Tensor:
+        """x [B, S, H] -> [B, S, H], with the block's modulation table [M, 6, H], each row's table row
+        adaln_index [S] and rope (cos, sin) [S, R]."""
         q, k, v = self.pre_attention(x_BSH, mod_M6H, adaln_index_S, rope)
         return self.post_attention(x_BSH, attn_fn(q, k, v), mod_M6H, adaln_index_S)
 
@@ -230,6 +241,8 @@ class FinalLayer(nn.Module):
         return self.adaln_proj(temb_TE).view(-1, 2, self.hidden_size)
 
     def forward(self, x_BSH, mod_T2H, timestep_index_S, video_index_V, audio_index_A):
+        """x [B, S, H], the table [T, 2, H] and each row's timestep index [S] -> video rows [B, V, C_video] and audio
+        rows [B, A, C_audio] at the heads' dtype (fp32 in the checkpoint)."""
         shift = mod_T2H[:, 0].index_select(0, timestep_index_S)
         scale = mod_T2H[:, 1].index_select(0, timestep_index_S)
         h = (self.norm(x_BSH) * (1.0 + scale) + shift).to(self.video_out.weight.dtype)
@@ -259,6 +272,7 @@ class H3DiT(nn.Module):
         return self.condition_proj.weight.dtype
 
     def rope(self, position_ids_S3: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin [S, R] fp32 for positions [S, 3] (rope_tables)."""
         return rope_tables(position_ids_S3.to(self.rope_inv_freq.device), self.rope_inv_freq)
 
     def embed(
@@ -345,6 +359,8 @@ class EagerDiT:
         self.model, self.cfg = model, model.cfg
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
+        """video [B, V, C], audio [B, A, C_audio], text [B, L, C_text], unique_t [T], t_index [S] -> the velocities
+        [B, V, C], [B, A, C_audio] fp32 (H3DiT.forward)."""
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
                           layout.video_index, layout.audio_index, layout.text_index, cache=cache)
 

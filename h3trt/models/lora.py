@@ -382,7 +382,8 @@ def native_target(module: str, cfg: H3Config) -> tuple[str, slice | None, bool]:
 @torch.no_grad()
 def merge_loras(model: torch.nn.Module, specs: list[LoraSpec] | tuple[LoraSpec, ...], task: str) -> list[dict]:
     """Merge every LoRA into `model` (an H3DiT) in place, in order; returns one record per file for the manifest or
-    the clip record. Each delta is computed in fp32 and the weight rounded once, after all LoRAs are added."""
+    the clip record. Each delta, up [out, r] @ down [r, in] * scaling * scale onto a weight (or its rows) [out, in],
+    is computed in fp32 and the weight rounded once, after all LoRAs are added."""
     cfg: H3Config = model.cfg
     params = dict(model.named_parameters())
     deltas: dict[str, torch.Tensor] = {}

@@ -182,7 +182,7 @@ def patchify(latents_BCTHW: torch.Tensor, patch_size: tuple[int, int, int]) -> t
 
 
 def unpatchify(rows: torch.Tensor, shape_CTHW: tuple[int, int, int, int], patch_size: tuple[int, int, int]) -> torch.Tensor:
-    """Inverse of `patchify` for one item: rows -> [1, C, T, H, W]."""
+    """Inverse of `patchify` for one item: rows [T' * H' * W', C * pt * ph * pw] -> [1, C, T, H, W]."""
     pt, ph, pw = patch_size
     C, T, H, W = shape_CTHW
     x = rows.reshape(1, T // pt, H // ph, W // pw, C, pt, ph, pw)
@@ -244,7 +244,7 @@ def frame_span(k: int) -> float:
 
 
 def temporal_grid(num_latent_frames: int, origin: float) -> torch.Tensor:
-    """Rotary time of each latent frame from `origin` (torch cumsum in float64, as the reference)."""
+    """Rotary time of each latent frame from `origin`: [num_latent_frames] float64 (torch cumsum, as the reference)."""
     spans = torch.tensor([frame_span(k) for k in range(num_latent_frames)], dtype=torch.float64)
     return origin + torch.cat([torch.zeros(1, dtype=torch.float64), spans[:-1].cumsum(0)])
 
@@ -294,7 +294,9 @@ def pack_t2va(
 ) -> PackedLayout:
     """Layout of a t2va request, or fl2va with keyframes ('first', 'last' or both, in packed order).
 
-    `text_tags` tags every text row: 1 for text, 0 for the rows of a vision block inside the text stream.
+    `text_tags` [L] long tags every text row: 1 for text, 0 for the rows of a vision block inside the text stream.
+    The target is `latent_frames_` x `latent_h` x `latent_w` video latents (rows of `patch_size` patches) and
+    `audio_latents_` stereo audio latents (2 rows each); a keyframe adds one latent frame of condition rows.
     """
     for anchor in keyframes:
         if anchor not in ("first", "last"):
@@ -355,7 +357,11 @@ def pack_ref2va(
     patch_size: tuple[int, int, int] = (1, 2, 2),
 ) -> PackedLayout:
     """Layout of a ref2va request. Each reference advances the shared clock: an image by 1 unit, audio by its
-    latent count, a video by max(soundtrack, video span). A video's soundtrack rows come right before its frames."""
+    latent count, a video by max(soundtrack, video span). A video's soundtrack rows come right before its frames.
+
+    `text_tags` [L] long as in `pack_t2va`; `references` in the order the model reads them (their latent shapes
+    (t, h, w) and audio latents); the target as in `pack_t2va`.
+    """
     _, ph, pw = patch_size
     L = text_tags.shape[0]
 
@@ -408,7 +414,8 @@ def pack_ref2va(
 
 
 def row_timesteps(layout: PackedLayout, video_t: float, audio_t: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """Distinct timesteps (sorted) of one evaluation and each row's index into them.
+    """Distinct timesteps (sorted) of one evaluation, unique_t [T] fp32, and each row's index into them,
+    t_index [S] long.
 
     Text and padding rows take the video t; target audio the audio t; condition video rows max(video t, 0.999);
     reference audio rows 1.0.
@@ -421,7 +428,7 @@ def row_timesteps(layout: PackedLayout, video_t: float, audio_t: float) -> tuple
 
 
 def text_tags_for(num_text_tokens: int, vision_rows: list[range] | tuple = ()) -> torch.Tensor:
-    """Text tags: 1 everywhere, 0 on the rows of vision blocks shown to the text encoder."""
+    """Text tags [num_text_tokens] long: 1 everywhere, 0 on the rows of vision blocks shown to the text encoder."""
     tags = torch.full((num_text_tokens,), TEXT_TAG, dtype=torch.long)
     for rows in vision_rows:
         tags[rows.start : rows.stop] = VIDEO_TAG

@@ -24,7 +24,7 @@ DEFAULT_SEED = 42
 
 
 def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:
-    """The sigma grid, terminal 0 included, float32 on the CPU."""
+    """The sigma grid [K] (K <= steps: float32 collisions merge), terminal 0 included, float32 on the CPU."""
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the grid includes the terminal sigma 0), got {steps}.")
     if shift <= 0:
@@ -66,8 +66,9 @@ class Schedule:
 
 def euler_step(x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, sigma: torch.Tensor,
                sigma_next: torch.Tensor) -> torch.Tensor:
-    """One data-ward Euler step in fp32. `t` is what the model saw; the ratio uses the stored grid (the reference
-    keeps the two apart: 1 - (1 - sigma) is not exact in fp32)."""
+    """One data-ward Euler step in fp32: rows x and velocity v of one shape ([..., rows, C]) -> the next rows, fp32.
+    `t` is what the model saw; `sigma`, `sigma_next` 0-d entries of the stored grid, which the ratio uses (the
+    reference keeps the two apart: 1 - (1 - sigma) is not exact in fp32)."""
     t = torch.as_tensor(t, dtype=torch.float32, device=x.device)
     x, v = x.float(), v.float()
     x0 = x + (1 - t) * v
@@ -76,7 +77,8 @@ def euler_step(x: torch.Tensor, v: torch.Tensor, t: float | torch.Tensor, sigma:
 
 
 def noise_conditions(conditions: list[torch.Tensor], generator: torch.Generator, patch_size) -> torch.Tensor:
-    """Noise each visual condition to t = 0.999 (x = t * clean + (1 - t) * noise) and pack it into rows."""
+    """Noise each visual condition latent [1, C, t, h, w] to t = 0.999 (x = t * clean + (1 - t) * noise) and pack
+    them into rows [sum of t * h/ph * w/pw, C * ph * pw] fp32 on the CPU, in order."""
     rows = []
     for latents in conditions:
         noise = torch.randn(latents.shape, generator=generator, dtype=torch.float32)

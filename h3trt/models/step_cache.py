@@ -153,6 +153,8 @@ class CacheContext:
         return out
 
     def run_blocks(self, x, num_layers: int, block_fn: LayerFn, group=None, live_rows=None):
+        """The block stack over x [B, S, H] (this rank's rows under sp: `group`, with `live_rows` of them real) ->
+        [B, S, H], skipping what this evaluation's decision allows (models/block_stack.py calls this)."""
         if self.config.kind == "first-block":
             return self._first_block(x, num_layers, block_fn, group, live_rows)
         return self._mag(x, num_layers, block_fn, group, live_rows)

@@ -134,7 +134,8 @@ class _Presentation:
 def sample_video_frames(
     frames: np.ndarray, fps: float, sample_fps: float, temporal_patch: int
 ) -> tuple[list[np.ndarray], list[float]]:
-    """The frames the conditioner reads (every `fps / sample_fps`-th, deduplicated) and one timestamp per vision block.
+    """The frames the conditioner reads (every `fps / sample_fps`-th of `frames` uint8 [T, H, W, 3], deduplicated,
+    each [H, W, 3]) and one timestamp per vision block.
 
     Qwen3-VL merges sampled frames in groups of `temporal_patch` (repeating the last one), and a block is labelled with
     the mean timestamp of its group. Mirrors diffusers' `_sample_video_condition_frames` step for step.
@@ -238,13 +239,14 @@ class H3TextEncoder:
         return self._video_processor
 
     def encode_t2va(self, prompt: str) -> TextConditioning:
-        """The prompt verbatim: no chat template, no special tokens."""
+        """The prompt verbatim: no chat template, no special tokens. Returns embeds [1, L, hidden], tags [L]."""
         presentation = _Presentation(self.tokenizer)
         presentation.prompt(prompt)
         return self._encode(presentation, {})
 
     def encode_fl2va(self, prompt: str, keyframes: list[Image.Image]) -> TextConditioning:
-        """`"<Picture i>: "` + vision block per keyframe (already on the target canvas), then the prompt."""
+        """`"<Picture i>: "` + vision block per keyframe (PIL RGB, already on the target canvas), then the prompt.
+        Returns embeds [1, L, hidden], tags [L] (0 on the vision blocks' rows)."""
         if not keyframes:
             raise ValueError("fl2va needs at least one keyframe; use encode_t2va for a text-only request.")
         vision = self.image_processor(images=list(keyframes), return_tensors="pt")
@@ -258,7 +260,8 @@ class H3TextEncoder:
         return self._encode(presentation, inputs)
 
     def encode_ref2va(self, prompt: str, references: list[ImageRef | AudioRef | VideoRef]) -> TextConditioning:
-        """One label per reference in request order, numbered per modality, then the prompt."""
+        """One label per reference in request order, numbered per modality, then the prompt. Returns embeds
+        [1, L, hidden], tags [L] (0 on the vision blocks' rows)."""
         if not references:
             raise ValueError("ref2va needs at least one reference; use encode_t2va for a text-only request.")
         for index, reference in enumerate(references):

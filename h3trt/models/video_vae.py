@@ -130,7 +130,8 @@ def decoder_epilogue(vae, x_BSD: torch.Tensor, t: int, h: int, w: int) -> torch.
 
 
 def stitch(vae, plan: DecodePlan, tile_pixels: list[torch.Tensor]) -> torch.Tensor:
-    """Blend the row-major tile outputs of one window into its frames, exactly as diffusers' `_stitch_tiles`."""
+    """Blend the row-major tile outputs of one window (each [B, 3, f, h, w]) into its frames [B, 3, f, H, W],
+    exactly as diffusers' `_stitch_tiles`."""
     rows, cols = plan.grid
     grid = [tile_pixels[r * cols:(r + 1) * cols] for r in range(rows)]
     return vae._stitch_tiles(grid, list(plan.height_overlaps_px), list(plan.width_overlaps_px))
@@ -204,6 +205,7 @@ class VideoVAE:
         return plan_decode(self.vae, latent_frames, latent_h, latent_w)
 
     def denormalize(self, z_BCTHW: torch.Tensor) -> torch.Tensor:
+        """Normalised latents [B, C, T, H, W] (the DiT's) -> the VAE's latent space, same shape, fp32."""
         return z_BCTHW * self.latents_std.to(z_BCTHW.device) + self.latents_mean.to(z_BCTHW.device)
 
     @torch.no_grad()
@@ -214,6 +216,7 @@ class VideoVAE:
 
     @staticmethod
     def window_latents(z_BCTHW: torch.Tensor, plan: DecodePlan, window: int) -> torch.Tensor:
+        """The latent frames of one window: [B, C, t, H, W], a view."""
         start, stop = plan.windows[window]
         return z_BCTHW[:, :, start:stop]
 
@@ -236,7 +239,8 @@ class VideoVAE:
         return sorted({(t, tile.y1 - tile.y0, tile.x1 - tile.x0) for t in windows for tile in plan.tiles})
 
     def prepare(self, latents_BCTHW: torch.Tensor) -> tuple[torch.Tensor, DecodePlan]:
-        """Denormalised latents on the VAE's device, padded at the end to whole windows, and their plan."""
+        """Denormalised latents [B, C, T', H, W] on the VAE's device and dtype (T' >= T: padded at the end to whole
+        windows by repeating the last frame) from normalised [B, C, T, H, W], and their plan."""
         z = self.denormalize(latents_BCTHW.float()).to(self.device, self.dtype)
         plan = self.plan(*z.shape[2:])
         if plan.pad_latents:
@@ -259,6 +263,7 @@ class VideoVAE:
 
     @staticmethod
     def to_unit_range(pixels: torch.Tensor) -> torch.Tensor:
+        """VAE output pixels [B, 3, F, H, W] (ImageNet-normalised) -> fp32 in [0, 1], same shape."""
         mean = torch.tensor(PIXEL_MEAN, device=pixels.device).view(1, -1, 1, 1, 1)
         std = torch.tensor(PIXEL_STD, device=pixels.device).view(1, -1, 1, 1, 1)
         return (pixels.float() * std + mean).clamp(0, 1)
@@ -281,8 +286,9 @@ def image_to_pixels(image: Image.Image) -> torch.Tensor:
 
 
 def prepare_keyframe(image: Image.Image, height: int, width: int, stretch: bool) -> Image.Image:
-    """Fit a keyframe to the canvas: the first (geometry anchor) is stretched, a following one cover-cropped, with
-    the reference's rounding (round the size, centre with (src - dst) // 2), LANCZOS either way."""
+    """Fit a keyframe (any PIL mode) to the height x width canvas, in RGB: the first (geometry anchor) is stretched,
+    a following one cover-cropped, with the reference's rounding (round the size, centre with (src - dst) // 2),
+    LANCZOS either way."""
     image = image.convert("RGB")
     if image.size == (width, height):
         return image
