@@ -15,7 +15,6 @@ Errors the user can fix are one line on stderr and exit status 2; no output file
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import sys
 from pathlib import Path
@@ -24,38 +23,34 @@ import torch
 import torch.distributed as dist
 
 from .build.builder import BuildConfig, Profile, build
-from .engines.guard import no_compile
-from .engines.manifest import read_manifest, verify_files
+from .engines.manifest import BACKENDS, MANIFEST, read_manifest, verify_files
 from .engines.signing import (generate_key, key_fingerprint, load_private_key, load_public_key, read_signature,
                               read_trusted_manifest, sign_bundle)
-from .eval import evaluate, read_requests, table
-from .models.checkpoint import CheckpointError, locate_transformer
-from .models.config import H3Config
+from .eval import evaluate, table
+from .models.checkpoint import TASKS, CheckpointError
 from .models.lora import LoraSpec
-from .models.sampler import DEFAULT_STEPS
+from .models.packing import DEFAULT_DURATION, FPS
+from .models.precision import DIT_PRECISIONS
+from .models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
 from .models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
-from .models.packing import FPS
-from .models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
+from .models.tiny import TINY_HEIGHT, TINY_WIDTH, ensure_tiny_checkpoint
 from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
-from .parallel.launch import RankFailed, init_torchrun_rank, launch, torchrun_rank
-from .parallel.mesh import resolve_mesh
-from .runtime.batch_entry import engine_manifest, run_requests, served_identity
-from .runtime.files import (InterruptedAfterCommit, OutputError, OutputRefused, estimated_clip_bytes, preflight_clip,
-                            remove_leftovers, remove_own_temps, write_json_atomic)
+from .parallel.launch import RankFailed, init_torchrun_rank, launch
+from .runtime.batch_entry import run_requests
+from .runtime.entry import Entry
+from .runtime.files import (DEFAULT_CRF, InterruptedAfterCommit, OutputError, OutputRefused, estimated_clip_bytes,
+                            preflight_clip, remove_leftovers, remove_own_temps, write_json_atomic)
 from .runtime.media import MediaError
-from .runtime.pipeline import H3Pipeline
 from .runtime.records import record_path
-from .runtime.request import CanvasDefaults, Request, check_prompt_tokens, prepare
-from .runtime.serve import (Job, StepBar, launch_gpus, record_completer, report_record, serve_launched,
-                            serve_rank)
+from .runtime.request import Request, check_prompt_tokens, prepare
+from .runtime.requests import read_eval_requests
+from .runtime.serve import StepBar, launch_gpus, record_completer, report_record, serve_launched, serve_rank
 
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
                       "encoder, norms, scales - fp32), or fp8 (opt-in: bf16 plus W8A8 e4m3 ViT linears with per-token "
                       "activation scales). Default: bf16 on CUDA, fp32 on the CPU. Keyframe encode and the audio VAE "
                       "stay fp32 at every precision, as in the reference")
-NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
-             "Pass --model PATH for real MiniMax-H3 weights.")
 
 
 def _run_parser(sub) -> None:
@@ -68,12 +63,14 @@ def _run_parser(sub) -> None:
     p.add_argument("--last-image", type=Path, help="last keyframe: fl2va")
     p.add_argument("--ref", type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
                                                                    "in the order the model should read them")
-    p.add_argument("--seed", type=int, default=42, help="noise seed, -2^63 <= seed < 2^64 (default 42)")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                   help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
     p.add_argument("--steps", type=int, default=None,
-                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's baked schedule, else 50)")
+                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's baked schedule, else "
+                        f"{DEFAULT_STEPS})")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
-    p.add_argument("--duration", type=float, default=5.0,
+    p.add_argument("--duration", type=float, default=DEFAULT_DURATION,
                    help="seconds, 5 to 14.375, rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames; "
                         "14.375 -> 345, the longest)")
     source = p.add_mutually_exclusive_group()
@@ -85,7 +82,7 @@ def _run_parser(sub) -> None:
                                                                  "matches it (checked before any of its code loads)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     _lora_argument(p, "eager --model runs; a bundle has its LoRAs merged at build time")
-    p.add_argument("--crf", type=int, default=18, help="H.264 constant rate factor (default 18)")
+    p.add_argument("--crf", type=int, default=DEFAULT_CRF, help=f"H.264 constant rate factor (default {DEFAULT_CRF})")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
                                            "refused)")
     p.add_argument("--video-shift", type=float, help="video sigma shift (default: the checkpoint's, 12)")
@@ -104,7 +101,7 @@ def _run_parser(sub) -> None:
                                                                 "batch dimension (default 1)")
     batch.add_argument("--fail-fast", action="store_true", help="stop at the first failed request (default: record "
                                                                 "it and go on)")
-    p.add_argument("--guidance", type=float, default=1.0,
+    p.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE,
                    help="classifier-free guidance scale (default 1 = off: H3 is guidance-distilled and needs none)")
     p.add_argument("--negative-prompt", help="the negative branch's prompt (required with --guidance > 1)")
     cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
@@ -175,80 +172,66 @@ def parse_mag_ratios(text: str) -> tuple[float, ...]:
         raise ValueError(f"--mag-ratios must be numbers (R1,R2,... or a .json list), got {text!r}.") from None
 
 
-def check_lora_source(args) -> None:
-    """--lora merges into eager weights; a bundle's weights (and tables, scales, compiled code) are fixed."""
-    if args.lora and args.engine is not None:
-        raise ValueError(f"--lora applies to --model runs; the bundle {args.engine} was compiled with the LoRAs its "
-                         "manifest lists (h3trt inspect). Rebuild it with h3trt build --lora FILE[:SCALE].")
+def entry_from_args(args) -> Entry:
+    """The one Entry of an `h3trt run` (one clip or --requests, one process or a mesh): what serves it, where."""
+    return Entry.resolve(args.engine, args.model, args.device, args.trust, args.vae_precision, tuple(args.lora),
+                         args.gpus, args.cfg, args.sp, args.replicas)
 
 
 def cmd_run(args) -> int:
     if args.requests is not None:
         if args.profile_step is not None:
             raise ValueError("--profile-step measures one request's step; run that request alone (without --requests).")
-        return run_requests(args)
-    check_lora_source(args)
+        check_batch_args(args)
+        return run_requests(entry_from_args(args), args.requests, args.out_dir, args.max_batch, args.fail_fast,
+                            args.crf, args.quiet)
     if args.prompt is None or args.output is None:
         raise ValueError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     output: Path = args.output
     check_mp4_name(output)
-    if args.trust is not None and args.engine is None:
-        raise ValueError("--trust checks a bundle's signature; pass it with --engine DIR.")
-    manifest = engine_manifest(args) if args.engine is not None else None
-    # A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps.
-    steps = args.steps if args.steps is not None else (manifest["schedule"]["steps"] if manifest else DEFAULT_STEPS)
+    entry = entry_from_args(args)
+    steps = args.steps if args.steps is not None else entry.default_steps
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, steps, args.width,
                       args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
                       args.negative_prompt, step_cache_from_args(args))
-    tiny = manifest["tiny"] if manifest else args.model is None
-    canvas = (CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
-                             reference_short_edge=TINY_REFERENCE_SHORT_EDGE) if tiny else CanvasDefaults())
-    prepared = prepare(request, canvas)  # every input error surfaces here, before any model is loaded
+    prepared = prepare(request, entry.canvas)  # every input error surfaces here, before any model is loaded
     geo = prepared.geometry
     preflight_clip(output, record_path(output), args.overwrite,
                    estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, args.crf))
-    device = args.device or (manifest["device"].split(":")[0] if manifest else
-                             ("cuda" if torch.cuda.is_available() else "cpu"))
-    if args.vae_precision is not None:
-        from .models.vae_precision import VAEPrecision
+    if not entry.is_bundle:
+        entry.note()
+    check_prompt_tokens(entry.component_root(request.task),
+                        [(w, p) for w, p in (("the prompt", request.prompt),
+                                             ("the negative prompt", request.negative_prompt)) if p])
 
-        VAEPrecision(args.vae_precision)  # a bad value fails before any model loads
-    if manifest is not None:
-        model_root = component_root = args.engine
-    else:
-        if tiny:
-            print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
-        model_root = ensure_tiny_checkpoint() if tiny else args.model
-        # A bad checkpoint fails before the slow loads.
-        component_root = locate_transformer(model_root, request.task).component_root
-    check_prompt_tokens(component_root, [(w, p) for w, p in (("the prompt", request.prompt),
-                                                             ("the negative prompt", request.negative_prompt)) if p])
-
-    if args.gpus > 1 or torchrun_rank() is not None:
-        return _run_on_mesh(args, [(prepared, str(output))], model_root, manifest, device, canvas, tiny)
-    if args.sp or args.cfg or args.replicas:  # one process: the degrees must all be 1 (the message says why not)
-        mesh_from_args(args, 1, 1, None)
-    if manifest is not None:
-        pipeline = H3Pipeline.load_engine(model_root, device, canvas, vae_precision=args.vae_precision,
-                                          trust=args.trust)
-        serving = no_compile()  # a request compiles nothing: any compiler call raises
-    else:
-        pipeline = H3Pipeline.load(model_root, request.task, device, canvas, args.vae_precision,
-                                   loras=tuple(args.lora))
-        serving = contextlib.nullcontext()
+    if entry.on_mesh:
+        return _run_on_mesh(args, entry, [(prepared, str(output))])
+    entry.mesh(request.task)  # one process: --sp/--cfg/--replicas must all be 1 (the message says why not)
+    pipeline = entry.load(request.task)
     bar = None if args.quiet else StepBar()
-    extra = {"bundle": served_identity(manifest, args)} if manifest else {}
-    model = str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root))
     try:
-        with serving:
+        with entry.serving():
             record = pipeline.generate(prepared, output, crf=args.crf, on_step=bar,
-                                       finish=record_completer(request, model, extra), overwrite=args.overwrite,
-                                       profile_step=args.profile_step)
+                                       finish=record_completer(request, entry.model_name, entry.record_extra),
+                                       overwrite=args.overwrite, profile_step=args.profile_step)
     finally:
         if bar is not None:
             bar.close()
     report_record(record, output)
     return 0
+
+
+def check_batch_args(args) -> None:
+    """--requests takes every request from its file: the one-clip flags are refused."""
+    single = [flag for flag, value in (("--prompt", args.prompt), ("--output", args.output), ("--image", args.image),
+                                       ("--last-image", args.last_image), ("--ref", args.ref)) if value]
+    if single:
+        raise ValueError(f"--requests takes every request from its file; drop {' '.join(single)}.")
+    if args.out_dir is None:
+        raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
+    if args.cache is not None:
+        raise ValueError("--cache decides per request, and a batch run shares one DiT evaluation per step across "
+                         "requests; run cached requests one at a time (h3trt run --prompt ... --cache ...).")
 
 
 def check_mp4_name(output: Path) -> None:
@@ -260,43 +243,28 @@ def check_mp4_name(output: Path) -> None:
         raise ValueError(f"--output must end in .mp4, got {str(output)!r}; e.g. {output.with_suffix('.mp4')}.")
 
 
-def mesh_from_args(args, world: int, num_heads: int, manifest: dict | None):
-    """The launched mesh from --cfg/--sp/--replicas and a bundle's degrees (parallel.mesh.resolve_mesh)."""
-    return resolve_mesh(world, num_heads, manifest["mesh"] if manifest else None, args.cfg, args.sp, args.replicas)
-
-
-def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int:
+def _run_on_mesh(args, entry: Entry, items) -> int:
     """Serve on a mesh: spawn --gpus local ranks, or, under torchrun, be one rank of its world."""
     requests = [prepared.request for prepared, _ in items]
-    torchrun = torchrun_rank()
-    if torchrun is not None and args.gpus > 1:
-        raise ValueError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
-    world = torchrun[1] if torchrun else args.gpus
-    heads = (H3Config.from_dict(manifest["model_config"]) if manifest else
-             locate_transformer(model_root, requests[0].task).config).num_heads
-    mesh = mesh_from_args(args, world, heads, manifest)
+    mesh = entry.mesh(requests[0].task)
     if mesh.replica > len(items):
         raise ValueError(f"replicas={mesh.replica} serve different requests, but there are {len(items)}; use "
                          f"--replicas {len(items)} and give the other ranks to --sp or --cfg.")
-    if mesh.cfg == 2 and any(r.guidance == 1.0 for r in requests):
+    if mesh.cfg == 2 and any(r.guidance == DEFAULT_GUIDANCE for r in requests):
         raise ValueError("--cfg 2 runs the two guidance branches side by side, but --guidance is 1 (off, H3's "
                          "default); pass --guidance > 1 or use --cfg 1.")
-    device_type = torch_device_type(device)
-    gpus = launch_gpus(device_type, world) if torchrun is None else None
-    extra = {"bundle": served_identity(manifest, args)} if manifest else {}
-    job = Job(str(model_root), manifest is not None, requests[0].task, device_type, mesh, items, canvas, args.crf,
-              args.quiet, str(args.engine) if manifest else ("embedded-tiny" if tiny else str(model_root)), extra,
-              vae_precision=args.vae_precision, loras=tuple(args.lora), overwrite=args.overwrite,
-              trust=str(args.trust) if args.trust is not None else None,
-              profile_step=args.profile_step)
-    if torchrun is not None:
-        rank, world, local_rank = init_torchrun_rank(device_type)
+    gpus = launch_gpus(entry.device_type, entry.world) if entry.torchrun is None else None
+    job = entry.job(requests[0].task, mesh, items=items, crf=args.crf, quiet=args.quiet, overwrite=args.overwrite,
+                    profile_step=args.profile_step)
+    heads = entry.num_heads(requests[0].task)
+    if entry.torchrun is not None:
+        rank, world, local_rank = init_torchrun_rank(entry.device_type)
         serve_rank(rank, world, local_rank, job, heads)
         dist.barrier()
         dist.destroy_process_group()
         return 0
     try:
-        launch(serve_launched, world, (job, heads), gpus=gpus)
+        launch(serve_launched, entry.world, (job, heads), gpus=gpus)
     except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
         for folder in {Path(output).parent for _, output in items}:
             remove_leftovers(folder)
@@ -304,17 +272,13 @@ def _run_on_mesh(args, items, model_root, manifest, device, canvas, tiny) -> int
     return 0
 
 
-def torch_device_type(device: str) -> str:
-    return "cuda" if str(device).startswith("cuda") else "cpu"
-
-
 def _build_parser(sub) -> None:
     p = sub.add_parser("build", help="compile an engine bundle ahead of time",
                        description="Compile the DiT segments of a checkpoint into an engine bundle.")
     p.add_argument("--model", required=True, help="checkpoint folder, or 'tiny' for the embedded tiny model")
     p.add_argument("--output", required=True, type=Path, help="bundle folder to create")
-    p.add_argument("--precision", default="bf16", help="bf16 (default), fp32, fp8 (W8A8, calibrated) or nvfp4 "
-                                                        "(weight-only on Hopper)")
+    p.add_argument("--precision", default="bf16", choices=DIT_PRECISIONS,
+                   help="bf16 (default), fp32, fp8 (W8A8, calibrated) or nvfp4 (weight-only on Hopper)")
     p.add_argument("--calib-prompts", type=Path, help="fp8, awq_lite: text file, one calibration prompt per line")
     p.add_argument("--calib-steps", type=int, default=None,
                    help="fp8, awq_lite: sigma grid points per calibration trajectory (default: the bundle's --steps "
@@ -333,11 +297,12 @@ def _build_parser(sub) -> None:
                         "that cannot run it refuses the bundle")
     p.add_argument("--profile", action="append", default=None,
                    help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5)")
-    p.add_argument("--steps", type=int, default=50, help="the schedule the AdaLN tables are baked for")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"the schedule the AdaLN tables are baked for (default {DEFAULT_STEPS})")
     p.add_argument("--video-shift", type=float, help="video sigma shift to bake (default: the checkpoint's)")
     p.add_argument("--audio-shift", type=float, help="audio sigma shift to bake (default: the checkpoint's)")
     p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available); the bundle runs there")
-    p.add_argument("--backend", default="inductor",
+    p.add_argument("--backend", default="inductor", choices=BACKENDS,
                    help="inductor (default), aoti, or tensorrt (ONNX -> TensorRT plans)")
     p.add_argument("--trt-targets", default=None,
                    help="tensorrt with TensorRT-RTX: compute capabilities to build for, e.g. sm89,sm120 "
@@ -346,7 +311,8 @@ def _build_parser(sub) -> None:
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + " (of --device). The video decoder is compiled at it "
                                            "and the bundle serves it")
     _lora_argument(p, "merged before calibration, AdaLN baking and compiling; the manifest records each file's sha256")
-    p.add_argument("--task", default="t2va", help="t2va/fl2va (FL2VA partition, default) or ref2va (Ref2VA)")
+    p.add_argument("--task", default=TASKS[0], choices=TASKS,
+                   help="t2va/fl2va (FL2VA partition, default t2va) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
                                                      "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
     p.add_argument("--cfg", type=int, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
@@ -357,10 +323,11 @@ def _build_parser(sub) -> None:
     e = sub.add_parser("eval", help="compare an engine bundle with a reference on the same requests and seeds")
     e.add_argument("--engine", required=True, type=Path, help="the bundle under test (e.g. an fp8 build)")
     e.add_argument("--reference", required=True, help="a bundle, a checkpoint folder, or 'tiny' (eager)")
-    e.add_argument("--requests", required=True, type=Path, help="JSON lines: {\"prompt\": ..., \"seed\": ...} "
-                                                                "(width/height/duration/steps default to the engine's)")
+    e.add_argument("--requests", required=True, type=Path,
+                   help="JSON lines, the schema of `run --requests` (id and task optional): {\"prompt\": ..., "
+                        "\"seed\": ...} (resolution or width/height, duration, steps default to the engine's)")
     e.add_argument("--json", type=Path, help="write the per-request and mean metrics here")
-    e.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    e.add_argument("--device", default=None, help="cpu or cuda (default: where the engine bundle was built)")
     sub.add_parser("inspect", help="print a bundle's manifest").add_argument("bundle", type=Path)
     q = sub.add_parser("verify", help="re-hash every file of a bundle; with --trust, check who signed it")
     q.add_argument("bundle", type=Path)
@@ -385,20 +352,20 @@ def cmd_build(args) -> int:
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)
-    size = sum(f["bytes"] for f in manifest["files"].values())
     signed = f"signed by key {key_fingerprint(key.public_key())[:16]}" if key is not None else "unsigned"
-    print(f"wrote {args.output}: {manifest['backend']} {manifest['precision']} bundle for {manifest['arch']}, "
-          f"{len(manifest['files'])} files, {size / 1e6:.1f} MB; AdaLN "
-          f"{'baked' if manifest['adaln']['baked'] else 'kept'}; video decoder {manifest['vae_precision']}; "
-          f"manifest_sha256 {manifest['manifest_sha256']}, {signed}")
+    print(f"wrote {args.output}: {manifest.backend} {manifest.precision} bundle for {manifest.arch}, "
+          f"{len(manifest.files)} files, {manifest.total_bytes / 1e6:.1f} MB; AdaLN "
+          f"{'baked' if manifest.adaln.baked else 'kept'}; video decoder {manifest.vae_precision}; "
+          f"manifest_sha256 {manifest.manifest_sha256}, {signed}")
     return 0
 
 
 def cmd_eval(args) -> int:
     if args.json is not None and args.json.exists():
         raise ValueError(f"{args.json} already exists; choose another --json path.")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    result = evaluate(args.engine, args.reference, read_requests(args.requests), device,
+    engine = Entry.resolve(engine=args.engine, device=args.device)
+    requests = read_eval_requests(args.requests, engine.manifest)  # every line checked before any model loads
+    result = evaluate(engine, reference_entry(args.reference, engine.device), requests,
                       log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr))
     print(table(result))
     if args.json is not None:
@@ -406,11 +373,21 @@ def cmd_eval(args) -> int:
     return 0
 
 
+def reference_entry(reference: str, device: str) -> Entry:
+    """eval --reference: 'tiny' (the embedded model, eager), a bundle (a folder with a manifest), or a checkpoint."""
+    if reference == "tiny":
+        return Entry.resolve(device=device)
+    if (Path(reference) / MANIFEST).exists():
+        return Entry.resolve(engine=Path(reference), device=device)
+    return Entry.resolve(model=Path(reference), device=device)
+
+
 def cmd_inspect(args) -> int:
     manifest = read_manifest(args.bundle)
-    summary = {k: v for k, v in manifest.items() if k not in ("files", "segments")}
-    summary["segments"] = {k: v["artifact"] for k, v in manifest["segments"].items()}
-    summary["files"] = f"{len(manifest['files'])} files, {sum(f['bytes'] for f in manifest['files'].values())} bytes"
+    # Every recorded field as written (`raw`), the long tables summarised.
+    summary = {k: v for k, v in manifest.raw.items() if k not in ("files", "segments")}
+    summary["segments"] = {k: v["artifact"] for k, v in manifest.segments.items()}
+    summary["files"] = f"{len(manifest.files)} files, {manifest.total_bytes} bytes"
     signature = read_signature(args.bundle)
     summary["signature"] = (f"ed25519 by key {signature['key_sha256']} (not checked: h3trt verify --trust KEY.pub)"
                             if signature else "unsigned")
@@ -429,11 +406,11 @@ def cmd_verify(args) -> int:
         return 1
     if args.trust:
         print(f"{args.bundle}: signed by the trusted key {key_fingerprint(load_public_key(args.trust))[:16]}, and all "
-              f"{len(manifest['files'])} files match its manifest (manifest_sha256 {manifest['manifest_sha256']})")
+              f"{len(manifest.files)} files match its manifest (manifest_sha256 {manifest.manifest_sha256})")
     else:
         # A bundle is executable code; without a signature anyone who can change a file can change its hash too.
-        print(f"{args.bundle}: all {len(manifest['files'])} files match the manifest (manifest_sha256 "
-              f"{manifest['manifest_sha256']}); this detects accidental changes only: pass --trust KEY.pub to check "
+        print(f"{args.bundle}: all {len(manifest.files)} files match the manifest (manifest_sha256 "
+              f"{manifest.manifest_sha256}); this detects accidental changes only: pass --trust KEY.pub to check "
               f"who built it{' (the bundle is signed)' if read_signature(args.bundle) else ''}")
     return 0
 

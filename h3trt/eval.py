@@ -13,24 +13,19 @@ measure how far a precision moves the computation, not how good the clip looks.
 from __future__ import annotations
 
 import gc
-import json
 import math
-from dataclasses import dataclass, fields
-from pathlib import Path
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from .engines.manifest import read_manifest
 from .models.packing import unpatchify
-from .models.tiny import ensure_tiny_checkpoint
-from .runtime.pipeline import H3Pipeline
-from .runtime.request import Request, prepare
+from .runtime.entry import Entry
+from .runtime.request import CanvasDefaults, Request, prepare
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004
 LSD_FFT, LSD_HOP, LSD_EPS = 1024, 256, 1e-10
-REQUEST_KEYS = ("prompt", "seed", "steps", "width", "height", "duration", "image", "last_image", "refs")
 
 
 @dataclass
@@ -53,47 +48,6 @@ class _Recording:
     def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):
         self.inputs.append((video[0].float().cpu(), audio[0].float().cpu()))
         return self.dit(video, audio, text, unique_t, t_index, layout, **kwargs)  # kwargs: the step cache
-
-
-def read_requests(path: Path) -> list[dict]:
-    """JSON lines, one request each: {"prompt": ..., "seed": 42, "steps": .., "width": .., "height": ..,
-    "duration": .., "image": .., "last_image": .., "refs": [..]}; only "prompt" is required."""
-    path = Path(path)
-    if not path.is_file():
-        raise ValueError(f"--requests {path} does not exist; give a JSON-lines file, one request per line.")
-    requests = []
-    for n, line in enumerate(path.read_text().splitlines(), 1):
-        if not line.strip() or line.lstrip().startswith("#"):
-            continue
-        try:
-            item = json.loads(line)
-        except json.JSONDecodeError as e:
-            raise ValueError(f"--requests {path} line {n} is not JSON ({e}).") from None
-        unknown = sorted(set(item) - set(REQUEST_KEYS))
-        if unknown or "prompt" not in item:
-            raise ValueError(f"--requests {path} line {n}: needs \"prompt\"; known keys are {list(REQUEST_KEYS)}"
-                             f"{f', unknown {unknown}' if unknown else ''}.")
-        requests.append(item)
-    if not requests:
-        raise ValueError(f"--requests {path} has no requests.")
-    return requests
-
-
-def _request(item: dict, defaults: dict):
-    data = {**defaults, **item}
-    for key in ("image", "last_image"):
-        if data.get(key):
-            data[key] = Path(data[key])
-    data["refs"] = tuple(Path(p) for p in data.get("refs", ()))
-    known = {f.name for f in fields(Request)}
-    return Request(**{k: v for k, v in data.items() if k in known})
-
-
-def _load(source: str, task: str, device: str):
-    if source == "tiny" or not (Path(source) / "manifest.json").exists():
-        root = ensure_tiny_checkpoint() if source == "tiny" else Path(source)
-        return H3Pipeline.load(root, task, device)
-    return H3Pipeline.load_engine(Path(source), device)
 
 
 @torch.no_grad()
@@ -167,12 +121,12 @@ def compare(a: Trace, b: Trace) -> dict:
             "audio_lsd_db": log_spectral_distance(a.waveform, b.waveform)}
 
 
-def evaluate(engine: str, reference: str, requests: list[dict], device: str = "cpu", log=print) -> dict:
-    manifest = read_manifest(Path(engine))
-    profile, schedule = manifest["profiles"][0], manifest["schedule"]
-    defaults = {"width": profile["width"], "height": profile["height"], "duration": profile["seconds"],
-                "steps": schedule["steps"]}
-    reqs = [_request(item, defaults) for item in requests]
+def evaluate(engine: Entry, reference: Entry, reqs: list[Request], log=print) -> dict:
+    """`reqs` (h3trt/runtime/requests.py: read_eval_requests) through the engine bundle and the reference, on the
+    engine's device, one side in memory at a time."""
+    if engine.manifest is None:
+        raise ValueError(f"--engine {engine.root} must be a bundle (h3trt build); the reference may be any model.")
+    manifest = engine.manifest
     tasks = {r.task == "ref2va" for r in reqs}
     if len(tasks) > 1:
         raise ValueError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
@@ -180,7 +134,8 @@ def evaluate(engine: str, reference: str, requests: list[dict], device: str = "c
     task = reqs[0].task
     traces = {}
     for side, source in (("engine", engine), ("reference", reference)):
-        pipeline = _load(source, task, device)
+        # The requests are prepared with the default canvas (their canvas is given or the engine's profile's).
+        pipeline = source.load(task, CanvasDefaults())
         traces[side] = []
         for i, r in enumerate(reqs):
             traces[side].append(trace(pipeline, r))
@@ -197,12 +152,12 @@ def evaluate(engine: str, reference: str, requests: list[dict], device: str = "c
         steps = [p["latent_rel_err_per_step"][modality] for p in per_request]
         mean[f"latent_rel_err_per_step_{modality}"] = [sum(s) / len(s) for s in zip(*steps)]
         mean[f"final_latent_rel_err_{modality}"] = mean[f"latent_rel_err_per_step_{modality}"][-1]
-    return {"engine": str(engine), "engine_precision": manifest["precision"], "engine_quant": _quant_summary(manifest),
-            "reference": str(reference), "device": device, "requests": per_request, "mean": mean}
+    return {"engine": str(engine.root), "engine_precision": manifest.precision,
+            "engine_quant": _quant_summary(manifest), "reference": "tiny" if reference.source == "tiny" else str(reference.root), "device": engine.device, "requests": per_request, "mean": mean}
 
 
-def _quant_summary(manifest: dict) -> dict | None:
-    quant = manifest.get("quant")
+def _quant_summary(manifest) -> dict | None:
+    quant = manifest.quant
     return None if quant is None else {k: v for k, v in quant.items() if k != "amax"}
 
 

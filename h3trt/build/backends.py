@@ -16,9 +16,10 @@ from pathlib import Path
 
 import torch
 
+from ..engines.manifest import BACKENDS as MANIFEST_BACKENDS
 from .segments import SegmentSpec
 
-BACKENDS = ("inductor", "aoti", "tensorrt")  # tensorrt: ONNX + plans, built by tensorrt.py, served by
+BACKENDS = MANIFEST_BACKENDS  # tensorrt: ONNX + plans, built by tensorrt.py, served by
 # engines/tensorrt_runtime.py (not through compile_segment / load_segment)
 
 

@@ -33,7 +33,7 @@ from safetensors.torch import save_file
 from ..calibration.build import block_weight_sets, calibrate_dit, first_layer
 from ..calibration.recipe import CALIB_ALGOS, QUANT_PRECISIONS, QuantRecipe, check_modelopt, parse_exclusions
 from ..engines.loaders import bundle_activated
-from ..engines.manifest import device_arch, hash_threads, runtime_versions, sha256_file, write_manifest
+from ..engines.manifest import Manifest, device_arch, hash_threads, runtime_versions, sha256_file, write_manifest
 from ..engines.weights_io import write_safetensors
 from ..models.attention import ATTENTION_REQUESTS, attention_precision
 from ..models.checkpoint import TASK_PARTITIONS, load_dit, locate_transformer
@@ -41,7 +41,8 @@ from ..models.config import NUM_MODALITIES
 from ..models.dit import H3DiT
 from ..models.lora import LoraSpec, merge_loras
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, row_timesteps, text_tags_for, validate_canvas
-from ..models.sampler import Schedule
+from ..models.precision import precision_dtype
+from ..models.sampler import DEFAULT_STEPS, Schedule
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import decoder_prologue
 from ..parallel.mesh import MeshConfig
@@ -56,8 +57,6 @@ from .tensorrt import EXECUTION as TRT_EXECUTION
 from .tensorrt import build_tensorrt_segments, check_build_config
 from .attention_choice import AttentionShape, resolve_attention
 
-# Quantized precisions keep everything they do not quantize (and their activations) in bf16.
-PRECISIONS = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.bfloat16, "nvfp4": torch.bfloat16}
 EAGER_COMPONENTS = ("text_encoder", "tokenizer", "processor", "video_vae", "audio_vae", "vae")
 EXAMPLE_TEXT_ROWS = 37  # the text length the example inputs use; every dimension is dynamic anyway
 VERIFY_TIMEOUT_S = 900
@@ -112,7 +111,7 @@ class BuildConfig:
     task: str = "t2va"
     precision: str = "bf16"
     profiles: tuple[Profile, ...] = (Profile(1344, 768, 5.0),)
-    steps: int = 50
+    steps: int = DEFAULT_STEPS
     video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales
     audio_shift: float | None = None
     device: str = "cuda"
@@ -137,8 +136,7 @@ class BuildConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"--precision must be one of {sorted(PRECISIONS)}, got {self.precision!r}.")
+        precision_dtype(self.precision)  # one of DIT_PRECISIONS
         if self.attention not in ATTENTION_REQUESTS:
             raise ValueError(f"--attention must be one of {ATTENTION_REQUESTS}, got {self.attention!r}.")
         if self.backend == "tensorrt" and self.attention != "auto":
@@ -204,7 +202,7 @@ class BuildConfig:
     def attention_precisions(self) -> tuple[str, ...]:
         """Every precision the bundle's attention runs in: the block dtype's (always: the block_hp layers, or every
         layer), and fp8 with --fp8-attention."""
-        return (attention_precision(PRECISIONS[self.precision]),) + (("fp8",) if self.fp8_attention else ())
+        return (attention_precision(precision_dtype(self.precision)),) + (("fp8",) if self.fp8_attention else ())
 
 
 def _weights(model: H3DiT, recipe: QuantRecipe | None = None) -> dict[str, dict[str, torch.Tensor]]:
@@ -291,7 +289,7 @@ def _save(path: Path, tensors: dict[str, torch.Tensor]) -> int:
     return write_safetensors(path, tensors)
 
 
-def build(config: BuildConfig, log=print, sign=None) -> dict:
+def build(config: BuildConfig, log=print, sign=None) -> Manifest:
     out = Path(config.output)
     if out.exists() and not config.overwrite:
         raise ValueError(f"{out} already exists; pass --overwrite to replace it or choose another --output.")
@@ -306,7 +304,7 @@ def build(config: BuildConfig, log=print, sign=None) -> dict:
         # cuda:0 (h3trt/parallel/devices.py). `h3trt build --device cuda:N` makes GPU N this process's cuda:0.
         raise ValueError(f"Bundles are compiled on the process's cuda:0, not {device}; use h3trt build --device "
                          f"cuda:{device.index}, which makes that GPU the process's cuda:0.")
-    dtype = PRECISIONS[config.precision]
+    dtype = precision_dtype(config.precision)
     # The attention kernels, before anything slow: measured at the bundle's attention shape (every row of the
     # longest profile, one rank's heads), or a named kernel checked against this GPU.
     attention = {}

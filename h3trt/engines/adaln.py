@@ -12,6 +12,7 @@ import torch
 
 from ..models.config import H3Config
 from .loaders import load_weights
+from .manifest import Manifest
 
 
 class BakedAdaLN:
@@ -65,15 +66,15 @@ class LiveAdaLN:
         return self._project(temb, *self.final).view(-1, 2, self.hidden)
 
 
-def load_adaln(root: Path, manifest: dict, cfg: H3Config, device: torch.device):
+def load_adaln(root: Path, manifest: Manifest, cfg: H3Config, device: torch.device):
     """The bundle's AdaLN runner: its baked tables (kept on the CPU for the lookup, rows moved to `device`), or its
     kept modulation weights."""
-    name = "adaln_tables" if manifest["adaln"]["baked"] else "adaln_weights"
+    name = "adaln_tables" if manifest.adaln.baked else "adaln_weights"
     return adaln_runner(manifest, load_weights(Path(root) / "weights" / f"{name}.safetensors", device), cfg, device)
 
 
-def adaln_runner(manifest: dict, tensors: dict[str, torch.Tensor], cfg: H3Config, device: torch.device):
+def adaln_runner(manifest: Manifest, tensors: dict[str, torch.Tensor], cfg: H3Config, device: torch.device):
     """The AdaLN runner from the bundle's adaln file, already loaded (on any device)."""
-    if manifest["adaln"]["baked"]:
+    if manifest.adaln.baked:
         return BakedAdaLN({**tensors, "timesteps": tensors["timesteps"].cpu()}, device)
     return LiveAdaLN(tensors, cfg.num_layers, cfg.hidden_size, device)

@@ -23,7 +23,7 @@ from ..models.block_stack import run_block_stack
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
-from .manifest import BundleError, check_environment, hash_threads, read_manifest, structure_problems
+from .manifest import BundleError, Manifest, check_environment, hash_threads, read_manifest, structure_problems
 from .signing import read_trusted_manifest
 from .tensorrt_runtime import load_trt_engine
 from .verified import VerifiedRecord, identity
@@ -107,7 +107,7 @@ class Engine:
     `component_ready(name)` waits until the files of an eager component (video_vae/, text_encoder/, ...) are verified,
     which continues in the background after `load` returns."""
 
-    def __init__(self, root: Path, manifest: dict, dit: EngineDiT, segments: dict[str, LoadedSegment],
+    def __init__(self, root: Path, manifest: Manifest, dit: EngineDiT, segments: dict[str, LoadedSegment],
                  load_report: dict | None = None, verification: "BundleVerification | None" = None):
         self.root, self.manifest, self.dit, self.segments = Path(root), manifest, dit, segments
         self.load_report = load_report or {}
@@ -123,13 +123,13 @@ class Engine:
         """The compiled tile decoders, by (window latents, tile h, tile w), bound to `vae`'s tensors (the VAE loaded
         at the bundle's --vae-precision: its weights are the compiled segments' inputs)."""
         parts: dict[tuple[int, int, int], dict[str, str]] = {}
-        for name in self.manifest["segments"]:
+        for name in self.manifest.segments:
             parsed = parse_video_decoder_name(name)
             if parsed is not None:
                 parts.setdefault(parsed[1], {})[parsed[0]] = name
-        cuda_graph = self.manifest["video_decoder"]["cuda_graph"]
+        cuda_graph = self.manifest.video_decoder_cuda_graph
         return {key: TileDecoder({p: self.segments[n] for p, n in names.items()},
-                                 {p: self.manifest["segments"][n] for p, n in names.items()}, vae, cuda_graph)
+                                 {p: self.manifest.segments[n] for p, n in names.items()}, vae, cuda_graph)
                 for key, names in parts.items()}
 
     @classmethod
@@ -154,11 +154,11 @@ class Engine:
         root = Path(root)
         device = torch.device(device)
         manifest = read_trusted_manifest(root, trust) if trust is not None else read_manifest(root)
-        if manifest["backend"] == "tensorrt":  # plans: their own GPU check, runner and loader
+        if manifest.backend == "tensorrt":  # plans: their own GPU check, runner and loader
             return load_trt_engine(cls, root, manifest, device, mesh)
         check_environment(manifest, device, mesh)
-        quant = manifest.get("quant") or {}
-        attention = manifest.get("attention")  # absent: a bundle from before kernels were recorded (bf16 SDPA)
+        quant = manifest.quant or {}
+        attention = manifest.attention  # absent: a bundle from before kernels were recorded (bf16 SDPA)
         try:
             if attention is not None:
                 check_attention_record(attention, device)
@@ -169,25 +169,25 @@ class Engine:
         problems = structure_problems(root, manifest)
         if problems:
             raise _mismatch(root, problems)
-        cfg = H3Config.from_dict(manifest["model_config"])
+        cfg = manifest.model_config
         verification = BundleVerification(root, manifest, threads or hash_threads(), use_record=trust is None)
-        adaln_file = "adaln_tables" if manifest["adaln"]["baked"] else "adaln_weights"
+        adaln_file = "adaln_tables" if manifest.adaln.baked else "adaln_weights"
         t_checks = time.perf_counter()
         try:
             # 2-4 are queued in this order on one pool: code first (small), then weights, then components.
-            code = verification.verify([rel for rel in manifest["files"] if rel.startswith(CODE_PREFIXES)])
+            code = verification.verify([rel for rel in manifest.files if rel.startswith(CODE_PREFIXES)])
             first = tuple(f"{c.rstrip('/')}/" for c in early)
-            verification.verify([rel for rel in manifest["files"] if rel.startswith(first)])
+            verification.verify([rel for rel in manifest.files if rel.startswith(first)])
             weight_futures = {name: verification.read(f"weights/{name}.safetensors", device)
                               for name in (*DIT_WEIGHT_FILES, adaln_file)}
-            verification.verify([rel for rel in manifest["files"] if not rel.startswith((*CODE_PREFIXES, *first))
+            verification.verify([rel for rel in manifest.files if not rel.startswith((*CODE_PREFIXES, *first))
                                  and not rel.startswith("weights/")])
             verification.close_submissions()
             if alongside is not None:
                 alongside(verification)
             verification.wait(code)
             t_code = time.perf_counter()
-            segments = load_segments(root, manifest["backend"], manifest["segments"], device)
+            segments = load_segments(root, manifest.backend, manifest.segments, device)
             t_segments = time.perf_counter()
             weights = {name: verification.result(f) for name, f in weight_futures.items()}
             # When the last weight file was on the device (each reader synchronised its own copies).
@@ -196,8 +196,8 @@ class Engine:
             verification.abandon()
             raise
         adaln = adaln_runner(manifest, weights.pop(adaln_file), cfg, device)
-        dit = EngineDiT(cfg, segments, manifest["segments"], weights, adaln, device,
-                        sp_group if manifest["mesh"]["sp"] > 1 else None,
+        dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device,
+                        sp_group if manifest.mesh.sp > 1 else None,
                         quant.get("layer_segments"), dense_kernel(attention) if attention else None)
         end = time.perf_counter()
         stats = verification.weight_stats
@@ -210,8 +210,8 @@ class Engine:
             "weights_bytes": stats.bytes,
             "weights_GBps": round(stats.bytes / 1e9 / max(t_weights - t_checks, 1e-9), 3),
             "weights_read": stats.to_dict(),
-            "files_trusted": len(verification.trusted), "files_hashed": len(manifest["files"]) - len(verification.trusted),
-            "bundle_bytes": sum(f["bytes"] for f in manifest["files"].values()),
+            "files_trusted": len(verification.trusted), "files_hashed": len(manifest.files) - len(verification.trusted),
+            "bundle_bytes": manifest.total_bytes,
             "total_s": round(end - t0, 4),
         }
         return cls(root, manifest, dit, segments, report, verification)
@@ -228,11 +228,11 @@ class BundleVerification:
     and checked again after; when every file has matched, the record is updated so that the next load hashes
     nothing that did not change."""
 
-    def __init__(self, root: Path, manifest: dict, threads: int, use_record: bool = True):
+    def __init__(self, root: Path, manifest: Manifest, threads: int, use_record: bool = True):
         self.root, self.manifest, self.threads = Path(root), manifest, threads
-        self.chunk_bytes = manifest["hash_chunk_bytes"]
+        self.chunk_bytes = manifest.hash_chunk_bytes
         self.record = VerifiedRecord.open(root)
-        files = manifest["files"]
+        files = manifest.files
         self.identity = {rel: identity(self.root / rel) for rel in files}
         # Under --trust every byte is hashed: the record guards against accidents, a signature against intent.
         self.trusted = {rel for rel in files if use_record and self.record.trusted(rel, self.identity[rel])}
@@ -249,7 +249,7 @@ class BundleVerification:
         self._all_done = threading.Event()
 
     def _digests(self, rel: str) -> list[str] | None:
-        return None if rel in self.trusted else self.manifest["files"][rel]["sha256_chunks"]
+        return None if rel in self.trusted else list(self.manifest.files[rel].sha256_chunks)
 
     def read(self, rel: str, device: torch.device) -> Future:
         return self._track(rel, read_safetensors(self.root / rel, device, self.pool, self._digests(rel),
@@ -304,7 +304,7 @@ class BundleVerification:
     def _finish(self) -> None:
         self.finished_s = time.perf_counter() - self.started
         if self.error is None:
-            for rel in self.manifest["files"]:
+            for rel in self.manifest.files:
                 self.record.add(rel, self.identity[rel])
             self.record.save()
         self.pool.shutdown(wait=False)

@@ -17,10 +17,14 @@ import json
 import os
 import platform
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..models.checkpoint import TASKS
+from ..models.config import H3Config
+from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
 # 2: the video decoder as in/block/out segments at a recorded --vae-precision; 3: the manifest carries
@@ -29,10 +33,193 @@ FORMAT_VERSION = 4
 MANIFEST = "manifest.json"
 SIGNATURE = "manifest.sig"  # Ed25519 over manifest.json's bytes (signing.py); the one file the manifest cannot list
 UNLISTED = (MANIFEST, SIGNATURE)
+# What compiles a bundle's segments (h3trt/build/backends.py): tensorrt is ONNX + plans, served by tensorrt_runtime.py.
+BACKENDS = ("inductor", "aoti", "tensorrt")
 
 
 class BundleError(ValueError):
     """A bundle that cannot serve here or cannot serve this request."""
+
+
+@dataclass(frozen=True)
+class ScheduleRecord:
+    """The schedule a bundle was built for: its AdaLN tables are baked for it, and it is a run's default."""
+
+    steps: int  # sigma grid points
+    video_shift: float
+    audio_shift: float
+
+
+@dataclass(frozen=True)
+class MeshRecord:
+    """The mesh baked into the segments: sp fixes each rank's heads; any number of replicas may serve it."""
+
+    cfg: int
+    sp: int
+    heads_per_rank: int
+
+
+@dataclass(frozen=True)
+class ProfileRecord:
+    """A canvas and duration a request may use (the compiled video decoder's tile shapes come from these)."""
+
+    width: int
+    height: int
+    seconds: float
+    num_frames: int
+
+
+@dataclass(frozen=True)
+class AdalnRecord:
+    """baked: modulation tables for the schedule replace adaln_proj (weights/adaln_tables); else its weights are
+    kept (weights/adaln_weights) and any schedule is served."""
+
+    baked: bool
+    timesteps: int | None = None  # baked only: the table rows
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """One bundle file: its size and the sha256 of each `hash_chunk_bytes` chunk (one digest up to one chunk)."""
+
+    bytes: int
+    sha256_chunks: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A bundle's manifest.json, typed: parsed and validated once (`from_dict`, through `parse_manifest`), read by
+    attribute everywhere else. `raw` is the JSON object as read: the hashes (manifest_sha256, files_sha256) and
+    `h3trt inspect` are computed from it, so nothing about the file's bytes depends on this class."""
+
+    raw: dict = field(repr=False, compare=False)
+    backend: str  # one of BACKENDS
+    precision: str  # one of DIT_PRECISIONS
+    task: str  # the partition it was built from (t2va/fl2va: FL2VA, ref2va: Ref2VA)
+    tasks: tuple[str, ...]  # the tasks it serves
+    model_config: H3Config
+    schedule: ScheduleRecord
+    adaln: AdalnRecord
+    profiles: tuple[ProfileRecord, ...]
+    mesh: MeshRecord
+    arch: str  # sm_90, cpu-x86_64, or a tensorrt bundle's comma-separated plan targets
+    device: str  # what it was built on (cuda, cpu): a run's default device type
+    versions: dict  # torch, cuda, triton, python of the build
+    segments: dict  # segment name -> its entry (artifact, inputs, weights, outputs, dynamic: backend-specific)
+    weight_bytes: dict
+    tiny: bool  # built from the embedded tiny model (random weights)
+    quant: dict | None  # fp8/nvfp4: the recipe, the calibration record, which segment serves each layer
+    attention: dict | None  # precision -> the attention kernel chosen at build time
+    vae_precision: str  # one of VAE_PRECISIONS: the compiled video decoder's
+    video_decoder_cuda_graph: bool  # serve each compiled tile decoder as one CUDA graph replay
+    loras: tuple[dict, ...]  # the LoRAs merged at build time
+    tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
+    files: dict[str, FileRecord]
+    hash_chunk_bytes: int
+    manifest_sha256: str
+
+    @property
+    def device_type(self) -> str:
+        return self.device.split(":")[0]
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(f.bytes for f in self.files.values())
+
+    @classmethod
+    def from_dict(cls, data: dict, where: Path | str = MANIFEST) -> "Manifest":
+        """The typed manifest, refusing a missing field or one of the wrong type with a message that names it."""
+        top = _Fields(data, str(where))
+        schedule, adaln, mesh = top.sub("schedule"), top.sub("adaln"), top.sub("mesh")
+        decoder = top.sub("video_decoder")
+        files = top.get("files", dict)
+        profiles = top.get("profiles", list)
+        if not profiles:
+            raise top.error("profiles", "a non-empty list")
+        manifest = cls(
+            raw=data, backend=top.choice("backend", BACKENDS), precision=top.choice("precision", DIT_PRECISIONS),
+            task=top.choice("task", TASKS), tasks=tuple(top.strings("tasks", TASKS)),
+            model_config=top.model_config("model_config"),
+            schedule=ScheduleRecord(schedule.get("steps", int), schedule.get("video_shift", float),
+                                    schedule.get("audio_shift", float)),
+            adaln=AdalnRecord(adaln.get("baked", bool), adaln.get("timesteps", int, optional=True)),
+            profiles=tuple(ProfileRecord(p.get("width", int), p.get("height", int), p.get("seconds", float),
+                                         p.get("num_frames", int))
+                           for p in (top.item("profiles", i, entry) for i, entry in enumerate(profiles))),
+            mesh=MeshRecord(mesh.positive("cfg"), mesh.positive("sp"), mesh.positive("heads_per_rank")),
+            arch=top.get("arch", str), device=top.get("device", str), versions=top.get("versions", dict),
+            segments=top.get("segments", dict), weight_bytes=top.get("weight_bytes", dict), tiny=top.get("tiny", bool),
+            quant=top.get("quant", dict, optional=True), attention=top.get("attention", dict, optional=True),
+            vae_precision=top.choice("vae_precision", VAE_PRECISIONS),
+            video_decoder_cuda_graph=decoder.get("cuda_graph", bool),
+            loras=tuple(top.get("loras", list, optional=True) or ()),
+            tensorrt=top.get("tensorrt", dict, optional=True),
+            files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
+            hash_chunk_bytes=top.positive("hash_chunk_bytes"), manifest_sha256=top.get("manifest_sha256", str))
+        if manifest.backend == "tensorrt" and manifest.tensorrt is None:
+            raise top.error("tensorrt", "an object (a tensorrt bundle records its plans' flavour and targets)")
+        return manifest
+
+
+_KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
+          list: "a list"}
+
+
+class _Fields:
+    """One JSON object of a manifest, read field by field: every refusal names the field and what it must be."""
+
+    def __init__(self, data, where: str, prefix: str = ""):
+        self.data, self.where, self.prefix = data, where, prefix
+
+    def error(self, key: str, what: str) -> BundleError:
+        value = self.data.get(key, "<missing>") if isinstance(self.data, dict) else "<missing>"
+        got = "it is missing" if value == "<missing>" else f"got {json.dumps(value)[:80]}"
+        return BundleError(f"{self.where}: field {self.prefix + key!r} must be {what}, {got}. The manifest is "
+                           "malformed (not written by this h3trt's `h3trt build`): re-copy the bundle or rebuild it.")
+
+    def get(self, key: str, kind: type, optional: bool = False):
+        value = self.data.get(key)
+        if value is None and optional:
+            return None
+        # JSON has one number type: an integer is a valid float field; true/false is never a number.
+        number = not isinstance(value, bool) or kind is bool
+        if not (number and isinstance(value, (int, float) if kind is float else kind)):
+            raise self.error(key, _KINDS[kind] + (" or null" if optional else ""))
+        return float(value) if kind is float else value
+
+    def positive(self, key: str) -> int:
+        value = self.get(key, int)
+        if value < 1:
+            raise self.error(key, "an integer >= 1")
+        return value
+
+    def choice(self, key: str, choices: tuple[str, ...]) -> str:
+        value = self.data.get(key)
+        if value not in choices:
+            raise self.error(key, f"one of {list(choices)}")
+        return value
+
+    def strings(self, key: str, choices: tuple[str, ...]) -> list[str]:
+        values = self.get(key, list)
+        if not values or any(v not in choices for v in values):
+            raise self.error(key, f"a non-empty list of {list(choices)}")
+        return values
+
+    def sub(self, key: str) -> "_Fields":
+        return _Fields(self.get(key, dict), self.where, f"{self.prefix}{key}.")
+
+    def item(self, key: str, index: int, value) -> "_Fields":
+        if not isinstance(value, dict):
+            raise BundleError(f"{self.where}: field {self.prefix}{key}[{index}] must be an object, got "
+                              f"{json.dumps(value)[:80]}. Re-copy the bundle or rebuild it.")
+        return _Fields(value, self.where, f"{self.prefix}{key}[{index}].")
+
+    def model_config(self, key: str) -> H3Config:
+        try:
+            return H3Config.from_dict(self.get(key, dict))
+        except (TypeError, ValueError) as e:
+            raise BundleError(f"{self.where}: field {self.prefix + key!r} is not a model config ({e}). Re-copy the "
+                              "bundle or rebuild it.") from None
 
 
 def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
@@ -82,24 +269,28 @@ def content_sha256(data: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def write_manifest(root: Path, data: dict) -> dict:
+def write_manifest(root: Path, data: dict) -> "Manifest":
+    """Hash every file under `root` into `data` and write it as ROOT/manifest.json, parsed first: a manifest this
+    reader would refuse is never written."""
     data = dict(data, format_version=FORMAT_VERSION, hash_chunk_bytes=HASH_CHUNK_BYTES, files=hash_tree(root))
     data["manifest_sha256"] = content_sha256(data)
+    manifest = Manifest.from_dict(data, Path(root) / MANIFEST)
     tmp = root / f".{MANIFEST}.partial"
     tmp.write_text(json.dumps(data, indent=1))
     os.replace(tmp, root / MANIFEST)
-    return data
+    return manifest
 
 
-def read_manifest(root: Path) -> dict:
+def read_manifest(root: Path) -> "Manifest":
     path = Path(root) / MANIFEST
     if not path.exists():
         raise BundleError(f"{root} is not an h3trt bundle (no {MANIFEST}); build one with `h3trt build`.")
     return parse_manifest(path.read_bytes(), root)
 
 
-def parse_manifest(data: bytes, root: Path) -> dict:
-    """manifest.json's bytes -> the manifest, refusing a corrupt file, another format and any edited field."""
+def parse_manifest(data: bytes, root: Path) -> "Manifest":
+    """manifest.json's bytes -> the manifest, refusing a corrupt file, another format, any edited field and any field
+    of the wrong type. The one place a manifest is read (read_manifest, signing.read_trusted_manifest)."""
     path = Path(root) / MANIFEST
     try:
         manifest = json.loads(data.decode("utf-8"))
@@ -119,33 +310,33 @@ def parse_manifest(data: bytes, root: Path) -> dict:
     if not isinstance(files, dict) or malformed:
         raise BundleError(f"{path} lists {'no files' if not isinstance(files, dict) else malformed[0]} without the "
                           f"format {FORMAT_VERSION} fields (bytes, sha256_chunks); re-copy the bundle or rebuild it.")
-    return manifest
+    return Manifest.from_dict(manifest, path)
 
 
-def verify_files(root: Path, manifest: dict) -> list[str]:
+def verify_files(root: Path, manifest: Manifest) -> list[str]:
     """Problems with the bundle's files: missing, changed or unexpected. Empty when every hash matches. Hashes every
     byte (chunks in parallel), whatever the verified-once record says."""
     root = Path(root)
-    listed = manifest["files"]
+    listed = manifest.files
     problems = structure_problems(root, manifest)
-    present = [rel for rel in listed if (root / rel).is_file() and (root / rel).stat().st_size == listed[rel]["bytes"]]
+    present = [rel for rel in listed if (root / rel).is_file() and (root / rel).stat().st_size == listed[rel].bytes]
     with ThreadPoolExecutor(hash_threads()) as pool:
-        digests = {rel: chunk_digests(root / rel, manifest["hash_chunk_bytes"], pool) for rel in present}
+        digests = {rel: chunk_digests(root / rel, manifest.hash_chunk_bytes, pool) for rel in present}
     problems += [f"{rel} changed (sha256 differs from the manifest)" for rel in present
-                 if digests[rel] != listed[rel]["sha256_chunks"]]
+                 if tuple(digests[rel]) != listed[rel].sha256_chunks]
     return problems
 
 
-def structure_problems(root: Path, manifest: dict) -> list[str]:
+def structure_problems(root: Path, manifest: Manifest) -> list[str]:
     """What a load refuses before reading any content: files missing, of another size, or not part of the bundle."""
     root = Path(root)
-    listed, problems = manifest["files"], []
+    listed, problems = manifest.files, []
     for rel, meta in listed.items():
         path = root / rel
         if not path.is_file():
             problems.append(f"{rel} is missing")
-        elif path.stat().st_size != meta["bytes"]:
-            problems.append(f"{rel} changed (size {path.stat().st_size} bytes, the manifest says {meta['bytes']})")
+        elif path.stat().st_size != meta.bytes:
+            problems.append(f"{rel} changed (size {path.stat().st_size} bytes, the manifest says {meta.bytes})")
     extra = sorted(set(hash_tree_names(root)) - set(listed))
     return problems + [f"{rel} is not part of the bundle" for rel in extra]
 
@@ -155,12 +346,12 @@ def hash_tree_names(root: Path) -> list[str]:
             and p.relative_to(root).as_posix() not in UNLISTED]
 
 
-def bundle_identity(manifest: dict) -> dict:
+def bundle_identity(manifest: Manifest) -> dict:
     """What a record says about the bundle that served it: manifest_sha256 hashes the whole manifest (every field,
     the file table included); files_sha256 the file table alone."""
-    files = hashlib.sha256(json.dumps(manifest["files"], sort_keys=True).encode()).hexdigest()
-    return {"backend": manifest["backend"], "precision": manifest["precision"], "files_sha256": files,
-            "manifest_sha256": manifest["manifest_sha256"]}
+    files = hashlib.sha256(json.dumps(manifest.raw["files"], sort_keys=True).encode()).hexdigest()
+    return {"backend": manifest.backend, "precision": manifest.precision, "files_sha256": files,
+            "manifest_sha256": manifest.manifest_sha256}
 
 
 def check_process_gpu(device: torch.device) -> None:
@@ -176,45 +367,45 @@ def check_process_gpu(device: torch.device) -> None:
                           "process's cuda:0), or start the process with CUDA_VISIBLE_DEVICES listing that GPU first.")
 
 
-def check_environment(manifest: dict, device: torch.device, mesh=None) -> None:
+def check_environment(manifest: Manifest, device: torch.device, mesh=None) -> None:
     """Refuse a bundle built for another GPU, torch version or mesh (`mesh`: the launched MeshConfig; None: one
     process)."""
-    built = manifest["versions"]["torch"]
+    built = manifest.versions.get("torch")
     if built != torch.__version__:
         raise BundleError(f"This bundle was built with torch {built}; this process runs torch {torch.__version__}. "
                           "Compiled code is specific to the torch version: rebuild the bundle on this image "
                           "(h3trt build ...).")
     check_process_gpu(device)
     arch = device_arch(device)
-    if manifest["arch"] != arch:
-        raise BundleError(f"This bundle was built for {manifest['arch']}; this device is {arch} ({device}). Rebuild "
-                          f"it on a {arch} machine, or run it on {manifest['arch']}.")
-    want = manifest["mesh"]
+    if manifest.arch != arch:
+        raise BundleError(f"This bundle was built for {manifest.arch}; this device is {arch} ({device}). Rebuild "
+                          f"it on a {arch} machine, or run it on {manifest.arch}.")
+    want = manifest.mesh
     replica, cfg, sp = (mesh.replica, mesh.cfg, mesh.sp) if mesh is not None else (1, 1, 1)
-    if (want["sp"], want["cfg"]) != (sp, cfg):
-        group = want["sp"] * want["cfg"]
-        raise BundleError(f"This bundle was built for sp={want['sp']} x cfg={want['cfg']} ({group} rank(s) per "
-                          f"replica, {want['heads_per_rank']} heads per rank); the job was launched as "
+    if (want.sp, want.cfg) != (sp, cfg):
+        group = want.sp * want.cfg
+        raise BundleError(f"This bundle was built for sp={want.sp} x cfg={want.cfg} ({group} rank(s) per "
+                          f"replica, {want.heads_per_rank} heads per rank); the job was launched as "
                           f"replica({replica}) x cfg({cfg}) x sp({sp}). Launch a multiple of {group} ranks (h3trt "
-                          f"run --gpus {group}, or torchrun) with --sp {want['sp']} --cfg {want['cfg']}, or rebuild "
+                          f"run --gpus {group}, or torchrun) with --sp {want.sp} --cfg {want.cfg}, or rebuild "
                           f"with h3trt build --sp {sp} --cfg {cfg}.")
 
 
-def check_request(manifest: dict, width: int, height: int, num_frames: int, steps: int, video_shift: float,
+def check_request(manifest: Manifest, width: int, height: int, num_frames: int, steps: int, video_shift: float,
                   audio_shift: float, task: str) -> None:
     """Refuse a request the bundle was not built to serve, naming what it serves."""
-    if task not in manifest["tasks"]:
-        raise BundleError(f"This bundle serves {manifest['tasks']}, not {task}; build one from the "
+    if task not in manifest.tasks:
+        raise BundleError(f"This bundle serves {list(manifest.tasks)}, not {task}; build one from the "
                           f"{'Ref2VA' if task == 'ref2va' else 'FL2VA'} partition (h3trt build --task {task}).")
-    profiles = manifest["profiles"]
-    if not any(p["width"] == width and p["height"] == height and p["num_frames"] == num_frames for p in profiles):
-        built = ", ".join(f"{p['width']}x{p['height']}x{p['seconds']:g}s" for p in profiles)
+    profiles = manifest.profiles
+    if not any(p.width == width and p.height == height and p.num_frames == num_frames for p in profiles):
+        built = ", ".join(f"{p.width}x{p.height}x{p.seconds:g}s" for p in profiles)
         raise BundleError(f"This bundle was not built for {width}x{height}, {num_frames} frames; its profiles are "
                           f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:.4g}.")
-    sched = manifest["schedule"]
-    if manifest["adaln"]["baked"] and (steps, video_shift, audio_shift) != (
-            sched["steps"], sched["video_shift"], sched["audio_shift"]):
-        raise BundleError(f"This bundle's AdaLN tables are baked for steps={sched['steps']}, video shift "
-                          f"{sched['video_shift']:g}, audio shift {sched['audio_shift']:g}; the request asks for "
+    sched = manifest.schedule
+    if manifest.adaln.baked and (steps, video_shift, audio_shift) != (
+            sched.steps, sched.video_shift, sched.audio_shift):
+        raise BundleError(f"This bundle's AdaLN tables are baked for steps={sched.steps}, video shift "
+                          f"{sched.video_shift:g}, audio shift {sched.audio_shift:g}; the request asks for "
                           f"steps={steps}, shifts {video_shift:g}/{audio_shift:g}. Use the bundle's schedule, or "
                           "rebuild with --steps/--video-shift/--audio-shift, or with --keep-adaln to serve any.")

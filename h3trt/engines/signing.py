@@ -25,7 +25,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .manifest import MANIFEST, SIGNATURE, BundleError, parse_manifest
+from .manifest import MANIFEST, SIGNATURE, BundleError, Manifest, parse_manifest
 
 if TYPE_CHECKING:
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
@@ -132,7 +132,7 @@ def read_signature(root: Path) -> dict | None:
     return record
 
 
-def read_trusted_manifest(root: Path, trust: Path | Ed25519PublicKey) -> dict:
+def read_trusted_manifest(root: Path, trust: Path | Ed25519PublicKey) -> Manifest:
     """The manifest, only if its bytes carry a valid signature by `trust` (a public key or its PEM file). The bytes
     are read once and the signature checked before they are parsed; the caller then checks every file against
     the returned manifest (verify_files) before it loads any of the bundle's code."""

@@ -20,7 +20,7 @@ from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.block_stack import run_block_stack
 from .adaln import load_adaln
-from .manifest import BundleError, verify_files
+from .manifest import BundleError, Manifest, verify_files
 
 
 def plan_device_problem(trt_info: dict, gpu: str | None, capability: tuple[int, int] | None,
@@ -160,10 +160,10 @@ class TrtDiT:
                           layout.audio_index)
 
 
-def load_trt_engine(engine_cls, root: Path, manifest: dict, device: torch.device, mesh=None):
+def load_trt_engine(engine_cls, root: Path, manifest: Manifest, device: torch.device, mesh=None):
     """`Engine.load` for a tensorrt bundle: device check first, then hashes, plans, AdaLN. The video decoder runs
     eagerly from the bundle's copied VAE (the plans cover the DiT only)."""
-    info = manifest["tensorrt"]
+    info = manifest.tensorrt
     if mesh is not None and mesh.world_size != 1:
         raise BundleError(f"This TensorRT bundle serves one process; the job has world size {mesh.world_size}. "
                           "Launch one rank.")
@@ -171,10 +171,10 @@ def load_trt_engine(engine_cls, root: Path, manifest: dict, device: torch.device
     problems = verify_files(root, manifest)
     if problems:
         raise BundleError(f"{root} does not match its manifest: {'; '.join(problems[:10])}. Re-copy or rebuild it.")
-    cfg = H3Config.from_dict(manifest["model_config"])
+    cfg = manifest.model_config
     trt = importlib.import_module(info["flavour"])
     segments = {name: TrtSegment(trt, (root / "segments" / e["artifact"]).read_bytes(), e, device, info["flavour"])
-                for name, e in manifest["segments"].items()}
+                for name, e in manifest.segments.items()}
     adaln = load_adaln(root, manifest, cfg, device)
     engine = engine_cls(root, manifest, TrtDiT(cfg, segments, adaln, device), segments)
     engine.video_decoders = lambda vae: None  # None: VideoVAE decodes eagerly

@@ -28,11 +28,13 @@ from safetensors import safe_open
 
 from .config import H3Config
 from .dit import H3DiT, build_dit, parameter_dtype, rope_inv_freq
+from .sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
 
 TASK_PARTITIONS = {"t2va": "FL2VA", "fl2va": "FL2VA", "ref2va": "Ref2VA"}
+TASKS = tuple(TASK_PARTITIONS)  # t2va (the default), fl2va, ref2va
 DIFFUSERS_COMPONENTS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
 NATIVE_CLASS = "MiniMaxH3DiTModel"
-RELEASED_SHIFTS = (12.0, 3.0)  # (video, audio) sigma shifts of the released checkpoints
+RELEASED_SHIFTS = (DEFAULT_VIDEO_SHIFT, DEFAULT_AUDIO_SHIFT)  # (video, audio) sigma shifts of the released checkpoints
 # diffusers' folders name their pipeline in one of these; the modular pipeline's save_pretrained writes the second.
 PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
 # The diffusers layout's two MiniMaxH3Scheduler folders, (video, audio); each config's `shift` is that schedule's.

@@ -17,6 +17,7 @@ from safetensors.torch import save_file
 from .checkpoint import COMFY_PREFIX, DIFFUSERS_CLASS, interleave_qkv, to_native_config
 from .config import H3Config
 from .dit import build_dit, parameter_dtype, rope_inv_freq
+from .sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
 
 # The official release partitions and what each serves (sglang task_profiles.py, release_metadata.py).
 PARTITION_TASKS = {"FL2VA": ("fl2va", ["t2va", "fl2va"]), "Ref2VA": ("ref2va", ["ref2va"])}
@@ -63,7 +64,8 @@ def _save_sharded(folder: Path, tensors: dict[str, torch.Tensor], shards: int, s
     (folder / index_name).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
 
 
-def official_model_index(partition: str, video_shift: float = 12.0, audio_shift: float = 3.0) -> dict:
+def official_model_index(partition: str, video_shift: float = DEFAULT_VIDEO_SHIFT,
+                         audio_shift: float = DEFAULT_AUDIO_SHIFT) -> dict:
     """The model_index.json of an official partition ("FL2VA" or "Ref2VA")."""
     name, tasks = PARTITION_TASKS[partition]
     return {
@@ -78,7 +80,7 @@ def official_model_index(partition: str, video_shift: float = 12.0, audio_shift:
 
 def save_official(root: str | Path, cfg: H3Config, states: dict[str, dict[str, torch.Tensor]],
                   dtype: torch.dtype = torch.bfloat16, shards: int = 2,
-                  video_shift: float = 12.0, audio_shift: float = 3.0) -> Path:
+                  video_shift: float = DEFAULT_VIDEO_SHIFT, audio_shift: float = DEFAULT_AUDIO_SHIFT) -> Path:
     """`root/FL2VA` and/or `root/Ref2VA` partitions (keys of `states`), native names, QKV interleaved per head."""
     root = Path(root)
     for partition, state in states.items():

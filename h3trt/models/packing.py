@@ -31,6 +31,7 @@ MIN_ASPECT, MAX_ASPECT = 1 / 4, 4.0
 # diffusers' bounds (sglang allows 4 s). At the top, 15 s rounds up to 362 frames (15.083 s), past the bound, so the
 # longest clip is 345 frames: 14.375 s, which is what every message and the README state.
 MIN_DURATION_S, MAX_DURATION_S = 5.0, 14.375
+DEFAULT_DURATION = MIN_DURATION_S  # seconds: the shortest clip, 124 frames
 AUDIO_LATENTS_PER_SECOND = 40  # audio VAE hop 800 at 32 kHz
 AUDIO_CHANNELS = 2  # stereo, packed as two channel-major blocks
 AUDIO_SAMPLE_RATE = 32000

@@ -21,6 +21,7 @@ DEFAULT_STEPS = 50
 DEFAULT_VIDEO_SHIFT = 12.0
 DEFAULT_AUDIO_SHIFT = 3.0
 DEFAULT_SEED = 42
+DEFAULT_GUIDANCE = 1.0  # classifier-free guidance off: H3 is guidance-distilled
 
 
 def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:

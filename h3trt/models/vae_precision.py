@@ -26,8 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-# --vae-precision: the dtype of the tensors the rule does not pin to fp32. fp8 is bf16 placement plus e4m3 ViT linears.
-VAE_PRECISIONS = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": torch.bfloat16}
+from .precision import PRECISION_DTYPES, VAE_PRECISIONS, eager_dtype, precision_dtype
 
 
 @dataclass(frozen=True)
@@ -38,13 +37,12 @@ class VAEPrecision:
     name: str
 
     def __post_init__(self):
-        if self.name not in VAE_PRECISIONS:
-            raise ValueError(f"--vae-precision must be one of {list(VAE_PRECISIONS)}, got {self.name!r}.")
+        precision_dtype(self.name, VAE_PRECISIONS, "--vae-precision")
 
     @property
     def dtype(self) -> torch.dtype:
-        """What the tensors diffusers does not pin to fp32 are cast to."""
-        return VAE_PRECISIONS[self.name]
+        """What the tensors diffusers does not pin to fp32 are cast to (fp8: bf16 placement plus e4m3 ViT linears)."""
+        return PRECISION_DTYPES[self.name]
 
     @property
     def quantized(self) -> bool:
@@ -54,7 +52,7 @@ class VAEPrecision:
     def default(cls, device: str | torch.device) -> "VAEPrecision":
         """bf16 on CUDA (what a Diffusers user runs), fp32 on the CPU (where bf16 matmuls are slow and the bitwise
         parity tests run)."""
-        return cls("bf16" if torch.device(device).type == "cuda" else "fp32")
+        return cls("bf16" if eager_dtype(device) == torch.bfloat16 else "fp32")
 
     @classmethod
     def resolve(cls, name: str | None, device: str | torch.device) -> "VAEPrecision":

@@ -74,13 +74,13 @@ class Parallel:
 SINGLE = Parallel(MeshConfig())
 
 
-def resolve_mesh(world: int, num_heads: int, built: dict | None = None, cfg: int | None = None,
+def resolve_mesh(world: int, num_heads: int, built=None, cfg: int | None = None,
                  sp: int | None = None, replicas: int | None = None) -> MeshConfig:
-    """The launched mesh: explicit degrees (None: not given), else a bundle's (`built`: its manifest's mesh), else sp
-    takes the ranks cfg and replicas leave; validated with the arithmetic before any process starts."""
-    built = built or {}
-    cfg = cfg or built.get("cfg", 1)
-    sp = sp or built.get("sp") or max(1, world // (cfg * (replicas or 1)))
+    """The launched mesh: explicit degrees (None: not given), else a bundle's (`built`: its manifest's mesh, with .cfg
+    and .sp), else sp takes the ranks cfg and replicas leave; validated with the arithmetic before any process
+    starts."""
+    cfg = cfg or (built.cfg if built is not None else 1)
+    sp = sp or (built.sp if built is not None else None) or max(1, world // (cfg * (replicas or 1)))
     replicas = replicas or max(1, world // (cfg * sp))
     mesh = MeshConfig(replicas, cfg, sp)
     mesh.validate(world, num_heads)

@@ -32,6 +32,7 @@ from tqdm import tqdm
 
 from ..engines.manifest import sha256_file
 from .batch_file import BatchItem
+from .files import DEFAULT_CRF
 from .files import OutputError, write_json_atomic
 from .pipeline import H3Pipeline
 from .request import Encoded, prepare, request_dict
@@ -49,7 +50,7 @@ class BatchConfig:
     out_dir: Path
     max_batch: int = 1  # requests of one layout denoised together along the batch dimension
     fail_fast: bool = False  # stop at the first failed request (it is still recorded)
-    crf: int = 18
+    crf: int = DEFAULT_CRF
     shard: tuple[int, int] = (0, 1)  # (replica group, groups): this group serves requests group::groups
     write: bool = True  # this rank writes MP4s and records (the first rank of its group)
     decode_group: object = None  # the ranks of this replica group: all denoise and decode together, one writes

@@ -32,6 +32,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+DEFAULT_CRF = 18  # H.264 constant rate factor of every clip (h3trt run --crf)
+
 BATCH_LOCK = ".h3trt-batch.lock"
 TEMP_SUFFIX = ".partial"
 _HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
@@ -291,7 +293,7 @@ def write_json_atomic(path: Path, data: dict, overwrite: bool = True) -> None:
 # Preflight: before any model loads
 
 
-def estimated_clip_bytes(width: int, height: int, num_frames: int, fps: int, crf: int = 18) -> int:
+def estimated_clip_bytes(width: int, height: int, num_frames: int, fps: int, crf: int = DEFAULT_CRF) -> int:
     """An upper bound on a clip's MP4 size (worst-case content at this CRF; see WORST_CASE_BITS_PER_PIXEL)."""
     bits = min(16.0, WORST_CASE_BITS_PER_PIXEL * 2.0 ** ((18 - crf) / 6.0))
     video = width * height * num_frames * bits / 8

@@ -23,6 +23,7 @@ from ..models.lora import LoraSpec, merge_loras
 from ..models.sampler import Schedule
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
+from ..models.precision import eager_dtype, precision_dtype
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
 from .request import Prepared
@@ -91,7 +92,7 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     CUDA, fp32 on the CPU (VAEPrecision.default)."""
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = eager_dtype(device)
     model, source = load_dit(model_root, task, dtype=dtype, device=device)
     records = merge_loras(model, loras, task)
     shifts = source.shifts
@@ -114,7 +115,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio
     text_parts = ("text_encoder", "tokenizer", "processor")
     # Engine.load reads and checks the manifest (and its signature) again; this is only for the text dtype.
-    dtype = torch.float32 if read_manifest(bundle_root)["precision"] == "fp32" else torch.bfloat16
+    dtype = precision_dtype(read_manifest(bundle_root).precision)
     pending: dict[str, Deferred] = {}
 
     def text_encoder_alongside(verification) -> None:
@@ -131,9 +132,9 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                          alongside=text_encoder_alongside)
     engine_s = time.perf_counter() - start
     m = engine.manifest
-    if vae_precision is not None and vae_precision != m["vae_precision"]:
+    if vae_precision is not None and vae_precision != m.vae_precision:
         VAEPrecision(vae_precision)  # an unknown name gets the list of known ones
-        raise BundleError(f"This bundle's video decoder was compiled at --vae-precision {m['vae_precision']}; "
+        raise BundleError(f"This bundle's video decoder was compiled at --vae-precision {m.vae_precision}; "
                           f"the run asks for {vae_precision}. Leave --vae-precision out to serve the bundle's, "
                           f"or rebuild with h3trt build --vae-precision {vae_precision}.")
 
@@ -142,7 +143,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
         check_request(m, geo.width, geo.height, geo.num_frames, schedule.steps, schedule.video_shift,
                       schedule.audio_shift, prepared.request.task)
 
-    shifts = (m["schedule"]["video_shift"], m["schedule"]["audio_shift"])
+    shifts = (m.schedule.video_shift, m.schedule.audio_shift)
     report = {"engine": engine.load_report, "engine_s": round(engine_s, 4)}
 
     def vaes() -> tuple[VideoVAE, AudioVAE]:
@@ -155,7 +156,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
         # hold up its steps.
         stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            video_vae, audio_vae = _vaes(Path(bundle_root), device, VAEPrecision(m["vae_precision"]))
+            video_vae, audio_vae = _vaes(Path(bundle_root), device, VAEPrecision(m.vae_precision))
         if stream is not None:
             stream.synchronize()
         video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
@@ -173,5 +174,5 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     report["text_encoder_wait_s"] = round(time.perf_counter() - t0, 4)  # after the DiT was ready
     deferred = Deferred(vaes)  # after the text encoder: one loader thread inside transformers/diffusers at a time
     report["total_s"] = round(time.perf_counter() - start, 4)  # bundle on hand, ready to encode and denoise
-    return Components(engine.dit, text_encoder, None, None, shifts, admit, loras=m.get("loras") or (),
+    return Components(engine.dit, text_encoder, None, None, shifts, admit, loras=m.loras,
                       deferred_vaes=deferred, load_report=report)

@@ -20,12 +20,11 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from av.video.reformatter import ColorPrimaries, ColorRange, ColorTrc, Colorspace, Interpolation
 
-from .files import commit, discard, temp_path
+from .files import DEFAULT_CRF, commit, discard, temp_path
 
 # AAC in MP4 is what every browser and phone plays; 32 kHz stereo is the model's native audio format.
 DEFAULT_SAMPLE_RATE = 32000
 DEFAULT_FPS = 24
-DEFAULT_CRF = 18
 # AAC-LC at 32 kHz stereo is transparent well below this; fixed so output size does not depend on FFmpeg defaults.
 AAC_BIT_RATE = 160_000
 IMAGE_FORMATS = ("PNG", "JPEG", "WEBP")

@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS
 from ..models.video_vae import DecodePlan, VideoVAE, WindowFrames, stitch
-from .files import join_holding_interrupts
+from .files import DEFAULT_CRF, join_holding_interrupts
 from .output import OutputConfig, PipelinedWriter
 
 WRITER_RANK = 0  # group rank that stitches, converts and writes; it also decodes its share of tiles
@@ -234,8 +234,8 @@ def tail_steps(marks: dict[str, float]) -> dict[str, float]:
 
 @torch.no_grad()
 def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor, audio_rows: torch.Tensor,
-                     output: Path, group=None, fps: int = FPS, crf: int = 18, sample_rate: int = AUDIO_SAMPLE_RATE,
-                     output_config: OutputConfig = OutputConfig(), commit: bool = True) -> dict:
+                     output: Path, group=None, fps: int = FPS, crf: int = DEFAULT_CRF,
+                     sample_rate: int = AUDIO_SAMPLE_RATE, output_config: OutputConfig = OutputConfig(), commit: bool = True) -> dict:
     """Stages 4-5: decode video (tile-parallel over `group`) and audio, and write the MP4 on group rank 0.
 
     Every rank of `group` (None: this process alone) calls with the same normalised latents [1, C, T, H, W] and

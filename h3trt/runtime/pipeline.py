@@ -24,6 +24,7 @@ from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
+from .files import DEFAULT_CRF
 from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_vae import decode_and_write
@@ -89,7 +90,7 @@ class H3Pipeline:
         return Schedule(request.steps, request.video_shift or self.shifts[0], request.audio_shift or self.shifts[1])
 
     @torch.no_grad()
-    def generate(self, prepared: Prepared, output: Path, crf: int = 18,
+    def generate(self, prepared: Prepared, output: Path, crf: int = DEFAULT_CRF,
                  on_step: Callable[[int, int], None] | None = None, write: bool = True,
                  decode_group=None, finish: Callable[[dict], None] | None = None,
                  overwrite: bool = False, profile_step: int | None = None) -> dict | None:
@@ -204,7 +205,7 @@ class H3Pipeline:
         return denoise_batch(model, starts, first.layout, first.schedule, on_step)
 
     @torch.no_grad()
-    def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = 18,
+    def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = DEFAULT_CRF,
                        timer: StageTimer | None = None, group=None, write: bool = True,
                        finish: Callable[[dict], None] | None = None, overwrite: bool = False) -> dict | None:
         """Stages 4-5 for one request of a batch; returns its record, committed with the MP4 as in `generate` (None
@@ -218,7 +219,7 @@ class H3Pipeline:
                               audio_samples, timer)
         return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
 
-    def generate_batch(self, prepared: list[Prepared], outputs: list[Path], crf: int = 18,
+    def generate_batch(self, prepared: list[Prepared], outputs: list[Path], crf: int = DEFAULT_CRF,
                        on_step: Callable[[int, int], None] | None = None) -> list[dict]:
         """Stages 1-5 for requests of one layout, denoised as one batch; one record per request, in order."""
         if len(prepared) != len(outputs):

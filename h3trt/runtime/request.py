@@ -12,10 +12,11 @@ from PIL import Image
 from transformers import AutoTokenizer
 
 from ..models.packing import (
-    AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, FPS, FRAMES_PER_CHUNK,
+    AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK,
     LATENTS_PER_CHUNK, Geometry, PackedLayout, frames_for_duration, resolve_canvas, validate_canvas,
 )
-from ..models.sampler import DEFAULT_SEED, DEFAULT_STEPS, Latents, Schedule
+from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS,
+                              DEFAULT_VIDEO_SHIFT, Latents, Schedule)
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
@@ -44,10 +45,10 @@ class Request:
     steps: int = DEFAULT_STEPS
     width: int | None = None
     height: int | None = None
-    duration: float = 5.0  # seconds; rounded up to the next 17n + 5 frames
+    duration: float = DEFAULT_DURATION  # seconds; rounded up to the next 17n + 5 frames
     video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (12)
     audio_shift: float | None = None  # None: the checkpoint's sigma_shift_scales (3)
-    guidance: float = 1.0  # classifier-free guidance scale; 1: off (H3 is guidance-distilled)
+    guidance: float = DEFAULT_GUIDANCE  # classifier-free guidance scale; 1: off (H3 is guidance-distilled)
     negative_prompt: str | None = None  # the negative branch's prompt (required when guidance > 1)
     cache: StepCacheConfig | None = None  # step caching (models/step_cache.py); None: every block of every step runs
 
@@ -121,7 +122,8 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
         raise ValueError(f"--steps must be at least 2 (the grid includes the final sigma 0), got {request.steps}.")
     if request.refs and (request.image or request.last_image):
         raise ValueError("--ref (ref2va) cannot be combined with --image/--last-image (fl2va); pick one task.")
-    Schedule(request.steps, request.video_shift or 12.0, request.audio_shift or 3.0)  # validates shifts
+    Schedule(request.steps, request.video_shift or DEFAULT_VIDEO_SHIFT,
+             request.audio_shift or DEFAULT_AUDIO_SHIFT)  # validates shifts
     if request.guidance < 1.0:
         raise ValueError(f"--guidance must be >= 1 (1 = off, the default: H3 is guidance-distilled), got "
                          f"{request.guidance}.")

@@ -20,6 +20,7 @@ from ..parallel.devices import node_gpus
 from ..parallel.launch import init_rank
 from ..parallel.mesh import MeshConfig, Parallel, build_mesh
 from ..parallel.ulysses import UlyssesDiT
+from .files import DEFAULT_CRF
 from .pipeline import H3Pipeline
 from .records import record_path
 from .request import request_dict
@@ -36,7 +37,7 @@ class Job:
     mesh: MeshConfig
     items: list = field(default_factory=list)  # [(Prepared, output path)] in request order
     canvas: object = None  # CanvasDefaults
-    crf: int = 18
+    crf: int = DEFAULT_CRF
     quiet: bool = False
     model_name: str = ""  # what the record says served it
     record_extra: dict = field(default_factory=dict)  # added to every record (e.g. the bundle's identity)

@@ -1,0 +1,182 @@
+"""What serves a job: a bundle, a checkpoint folder or the embedded tiny model, resolved once (cli.entry_from_args)
+into the canvas defaults, the device, the no-compile guard and how ranks start (one process, --gpus spawn, or
+torchrun). `h3trt run` (one clip or a --requests batch, on one process or a mesh) and `h3trt eval` (both sides) all
+load through an Entry, so the "bundle or tiny or checkpoint" decisions are written once.
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engines.guard import no_compile
+from ..engines.manifest import Manifest, bundle_identity, read_manifest
+from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
+from ..models.checkpoint import locate_transformer
+from ..models.lora import LoraSpec
+from ..models.sampler import DEFAULT_STEPS
+from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
+from ..models.vae_precision import VAEPrecision
+from ..parallel.launch import torchrun_rank
+from ..parallel.mesh import MeshConfig, resolve_mesh
+from .pipeline import H3Pipeline
+from .request import CanvasDefaults
+from .serve import Job
+
+SOURCES = ("bundle", "checkpoint", "tiny")
+TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
+                             reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
+NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
+             "Pass --model PATH for real MiniMax-H3 weights.")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One resolved model source and how it is launched. Made once per job (`resolve`); every path that loads a model
+    reads it instead of the command line."""
+
+    source: str  # one of SOURCES
+    path: Path | None  # the bundle folder or the checkpoint folder (None: the embedded tiny model, see `root`)
+    manifest: Manifest | None  # a bundle's, read once (under --trust only if signed by that key)
+    device: str  # cpu or cuda (a --device cuda:N was already made the process's cuda:0: cli.choose_gpu)
+    trust: Path | None = None  # --trust: the public key a bundle must be signed with
+    vae_precision: str | None = None  # --vae-precision (None: a bundle's, else VAEPrecision.default)
+    loras: tuple[LoraSpec, ...] = ()  # merged into an eager DiT (a bundle has its own)
+    gpus: int = 1  # --gpus: local ranks to spawn
+    torchrun: tuple[int, int] | None = None  # (rank, world) when this process is a torchrun rank
+    cfg: int | None = None  # --cfg / --sp / --replicas as given (None: a bundle's, else resolve_mesh's choice)
+    sp: int | None = None
+    replicas: int | None = None
+
+    def __post_init__(self):
+        if self.source not in SOURCES:
+            raise ValueError(f"Entry source must be one of {SOURCES}, got {self.source!r}.")
+        if (self.source == "bundle") != (self.manifest is not None) or (self.source == "tiny") != (self.path is None):
+            raise ValueError("An Entry has a manifest exactly when its source is a bundle, a path unless it is tiny.")
+
+    @classmethod
+    def resolve(cls, engine: Path | None = None, model: Path | None = None, device: str | None = None,
+                trust: Path | None = None, vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (),
+                gpus: int = 1, cfg: int | None = None, sp: int | None = None,
+                replicas: int | None = None) -> "Entry":
+        """--engine DIR (a bundle), --model PATH (a checkpoint), or neither (the embedded tiny model); every flag
+        that does not fit the source is refused here, before any model loads."""
+        if engine is not None and model is not None:
+            raise ValueError("--engine and --model name two models; pass one.")
+        if trust is not None and engine is None:
+            raise ValueError("--trust checks a bundle's signature; pass it with --engine DIR.")
+        if loras and engine is not None:
+            raise ValueError(f"--lora applies to --model runs; the bundle {engine} was compiled with the LoRAs its "
+                             "manifest lists (h3trt inspect). Rebuild it with h3trt build --lora FILE[:SCALE].")
+        if vae_precision is not None:
+            VAEPrecision(vae_precision)  # a bad value fails before any model loads
+        torchrun = torchrun_rank()
+        if torchrun is not None and gpus > 1:
+            raise ValueError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
+        manifest = None
+        if engine is not None:
+            # With --trust, only if its bytes carry that key's signature (every file is then checked against it when
+            # the bundle loads, before any of its code runs).
+            manifest = read_trusted_manifest(engine, trust) if trust is not None else read_manifest(engine)
+            source, path = "bundle", Path(engine)
+        elif model is not None:
+            source, path = "checkpoint", Path(model)
+        else:
+            source, path = "tiny", None
+        if device is None:  # a bundle serves where it was built; an eager model on the GPU when there is one
+            device = manifest.device_type if manifest else ("cuda" if torch.cuda.is_available() else "cpu")
+        return cls(source, path, manifest, device, trust, vae_precision, tuple(loras), gpus, torchrun, cfg, sp,
+                   replicas)
+
+    @property
+    def root(self) -> Path:
+        """The bundle, the checkpoint, or the embedded tiny checkpoint (built at first use: after the inputs were
+        checked, so a bad request fails without that wait)."""
+        return self.path if self.path is not None else ensure_tiny_checkpoint()
+
+    @property
+    def is_bundle(self) -> bool:
+        return self.manifest is not None
+
+    @property
+    def tiny(self) -> bool:
+        """Random weights: the embedded tiny model, or a bundle built from it."""
+        return self.manifest.tiny if self.manifest is not None else self.source == "tiny"
+
+    @property
+    def canvas(self) -> CanvasDefaults:
+        return TINY_CANVAS if self.tiny else CanvasDefaults()
+
+    @property
+    def default_steps(self) -> int:
+        """A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps."""
+        return self.manifest.schedule.steps if self.manifest is not None else DEFAULT_STEPS
+
+    @property
+    def device_type(self) -> str:
+        return "cuda" if str(self.device).startswith("cuda") else "cpu"
+
+    @property
+    def on_mesh(self) -> bool:
+        """Several ranks: --gpus N spawns them, or this process is one of torchrun's."""
+        return self.gpus > 1 or self.torchrun is not None
+
+    @property
+    def world(self) -> int:
+        return self.torchrun[1] if self.torchrun is not None else self.gpus
+
+    @property
+    def model_name(self) -> str:
+        """What a record says served it."""
+        return "embedded-tiny" if self.source == "tiny" else str(self.root)
+
+    @property
+    def record_extra(self) -> dict:
+        """Added to every record: a bundle's identity, with the key that vouched for it under --trust."""
+        if self.manifest is None:
+            return {}
+        identity = bundle_identity(self.manifest)
+        if self.trust is not None:
+            identity["signed_by"] = key_fingerprint(load_public_key(self.trust))
+        return {"bundle": identity}
+
+    def component_root(self, task: str) -> Path:
+        """Where the tokenizer and the eager components are (a bad checkpoint fails here, before the slow loads)."""
+        return self.root if self.manifest is not None else locate_transformer(self.root, task).component_root
+
+    def num_heads(self, task: str) -> int:
+        cfg = self.manifest.model_config if self.manifest is not None else locate_transformer(self.root, task).config
+        return cfg.num_heads
+
+    def mesh(self, task: str) -> MeshConfig:
+        """The launched mesh from --cfg/--sp/--replicas, the world and a bundle's degrees (parallel.mesh)."""
+        if not self.on_mesh:  # one process: the degrees must all be 1 (the message says why not)
+            return resolve_mesh(1, 1, None, self.cfg, self.sp, self.replicas)
+        return resolve_mesh(self.world, self.num_heads(task), self.manifest.mesh if self.manifest else None,
+                            self.cfg, self.sp, self.replicas)
+
+    def serving(self):
+        """A bundle serves under the no-compile guard (a request compiles nothing: any compiler call raises)."""
+        return no_compile() if self.manifest is not None else nullcontext()
+
+    def note(self) -> None:
+        if self.source == "tiny":
+            print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
+
+    def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
+        """This process's pipeline (one process; mesh ranks load through `job` and serve.load_rank_pipeline)."""
+        canvas = self.canvas if canvas is None else canvas
+        if self.manifest is not None:
+            return H3Pipeline.load_engine(self.root, self.device, canvas, vae_precision=self.vae_precision,
+                                          trust=self.trust)
+        return H3Pipeline.load(self.root, task, self.device, canvas, self.vae_precision, loras=self.loras)
+
+    def job(self, task: str, mesh: MeshConfig, **fields) -> Job:
+        """What every rank of a mesh needs (picklable); `fields`: the run's own (items, crf, quiet, ...)."""
+        return Job(str(self.root), self.manifest is not None, task, self.device_type, mesh, canvas=self.canvas,
+                   model_name=self.model_name, record_extra=self.record_extra, vae_precision=self.vae_precision,
+                   loras=self.loras, trust=str(self.trust) if self.trust is not None else None, **fields)

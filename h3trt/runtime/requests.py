@@ -1,0 +1,196 @@
+"""The requests file of `h3trt run --requests` and `h3trt eval --requests`: one schema, one parser.
+
+JSON lines, one object per line (blank lines skipped), UTF-8:
+
+    {"id": "fox", "task": "t2va", "prompt": "a red fox runs", "seed": 42, "steps": 50, "resolution": "1344x768",
+     "duration": 5, "image": "first.png", "last_image": "last.png", "refs": ["a.png", "b.wav"],
+     "video_shift": 12, "audio_shift": 3}
+
+`run` needs id (it names OUT/<id>.mp4), task and prompt; `eval` needs prompt (it also takes id and task, so a run
+file evaluates as it is). `width` and `height` may stand in for `resolution`. A stated task must be the one its inputs
+make (t2va: none; fl2va: image and/or last_image; ref2va: refs). Relative paths are relative to the file, so a batch
+folder can move as a whole. Every line is checked before any model loads; every bad line is reported at once, each
+with its line number and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+from ..engines.manifest import Manifest
+from ..models.checkpoint import TASKS
+from ..models.packing import DEFAULT_DURATION
+from ..models.sampler import DEFAULT_SEED, DEFAULT_STEPS
+from .request import Request
+
+KEYS = ("id", "task", "prompt", "image", "last_image", "refs", "seed", "steps", "resolution", "width", "height",
+        "duration", "video_shift", "audio_shift")
+RUN_REQUIRED = ("id", "task", "prompt")
+EVAL_REQUIRED = ("prompt",)
+ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+MAX_LISTED_ERRORS = 20  # a file with hundreds of bad lines lists the first 20 and counts the rest
+TASK_INPUTS = {"t2va": "no image, last_image or refs", "fl2va": "image and/or last_image, no refs",
+               "ref2va": "refs (and no image/last_image)"}
+
+
+class RequestsFileError(ValueError):
+    """A requests file that cannot be run as a whole; the message lists every bad line."""
+
+
+@dataclass(frozen=True)
+class RequestDefaults:
+    """What a line that leaves a field out gets: `run` takes a bundle's baked steps and the model's canvas; `eval` the
+    engine's first profile and schedule."""
+
+    steps: int = DEFAULT_STEPS
+    width: int | None = None  # None (with height None): the model picks the canvas
+    height: int | None = None
+    duration: float = DEFAULT_DURATION
+
+    @classmethod
+    def of_bundle(cls, manifest: Manifest) -> "RequestDefaults":
+        profile = manifest.profiles[0]
+        return cls(manifest.schedule.steps, profile.width, profile.height, profile.seconds)
+
+
+@dataclass(frozen=True)
+class RequestLine:
+    """One parsed line."""
+
+    line: int  # 1-based line number in the file
+    id: str | None  # None: not given (eval only)
+    request: Request
+
+    @property
+    def task(self) -> str:
+        return self.request.task
+
+
+def read_request_file(path: Path, required: tuple[str, ...], defaults: RequestDefaults = RequestDefaults(),
+                      check: Callable[[RequestLine], object] = lambda line: line) -> list:
+    """Every line of a requests file, parsed and passed through `check` (which may raise ValueError/OSError: that
+    line's error); raises RequestsFileError listing every bad line, or when there are no requests."""
+    path = Path(path)
+    if not path.is_file():
+        raise RequestsFileError(f"{path}: no such requests file (JSON lines, one request per line).")
+    items, errors, seen = [], [], {}
+    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as e:
+            errors.append(f"{path}:{number}: not valid UTF-8 (byte 0x{raw[e.start]:02x} at column {e.start + 1}); "
+                          "save the file as UTF-8.")
+            continue
+        if not text.strip():
+            continue
+        try:
+            line = parse_line(text, number, path.parent, required, defaults)
+            item = check(line)
+        except (ValueError, OSError) as e:
+            errors.append(f"{path}:{number}: {' '.join(str(e).split())}")
+            continue
+        if line.id is not None and line.id in seen:
+            errors.append(f"{path}:{number}: duplicate id {line.id!r} (first on line {seen[line.id]}); ids name the "
+                          "output files, so each must be unique.")
+            continue
+        if line.id is not None:
+            seen[line.id] = number
+        items.append(item)
+    if errors:
+        listed = errors[:MAX_LISTED_ERRORS] + ([f"and {len(errors) - MAX_LISTED_ERRORS} more"]
+                                               if len(errors) > MAX_LISTED_ERRORS else [])
+        raise RequestsFileError(f"{path}: {len(errors)} bad line(s), nothing was run: " + "; ".join(listed))
+    if not items:
+        raise RequestsFileError(f"{path}: no requests (one JSON object per line).")
+    return items
+
+
+def read_eval_requests(path: Path, manifest: Manifest) -> list[Request]:
+    """`h3trt eval --requests`: the requests, a field left out taking the engine bundle's profile and schedule."""
+    return [line.request for line in read_request_file(path, EVAL_REQUIRED, RequestDefaults.of_bundle(manifest))]
+
+
+def parse_line(text: str, number: int, base: Path, required: tuple[str, ...],
+               defaults: RequestDefaults = RequestDefaults()) -> RequestLine:
+    """One line -> its request; ValueError names the first thing wrong with it."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno}).") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"expected a JSON object, got {type(data).__name__}.")
+    missing = [k for k in required if k not in data]
+    unknown = sorted(set(data) - set(KEYS))
+    if missing or unknown:
+        raise ValueError(" ".join(filter(None, [f"missing {missing}." if missing else "",
+                                                f"unknown key(s) {unknown}; allowed: {list(KEYS)}."
+                                                if unknown else ""])))
+    rid = None
+    if "id" in data:
+        rid = _typed(data, "id", str)
+        if not ID_PATTERN.fullmatch(rid) or rid.startswith("timeline"):
+            raise ValueError(f"id {rid!r} must be 1-128 of [A-Za-z0-9._-], start with a letter or digit (it names "
+                             "OUT/<id>.mp4) and not start with 'timeline' (the run's own files).")
+    image, last_image = (_path(data, k, base) for k in ("image", "last_image"))
+    refs = data.get("refs", [])
+    if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
+        raise ValueError("refs must be a list of file paths.")
+    refs = tuple(_resolve(r, base) for r in refs)
+    if "task" in data:
+        task = _typed(data, "task", str)
+        if task not in TASKS:
+            raise ValueError(f"task {task!r} must be one of {list(TASKS)}.")
+        implied = "ref2va" if refs else "fl2va" if (image or last_image) else "t2va"
+        if implied != task:
+            raise ValueError(f"task {task!r} takes {TASK_INPUTS[task]}, but the line's inputs make it {implied}.")
+    width, height = _canvas(data, defaults)
+    request = Request(_typed(data, "prompt", str), image, last_image, refs, _typed(data, "seed", int, DEFAULT_SEED),
+                      _typed(data, "steps", int, defaults.steps), width, height,
+                      float(_typed(data, "duration", (int, float), defaults.duration)),
+                      _optional_float(data, "video_shift"), _optional_float(data, "audio_shift"))
+    return RequestLine(number, rid, request)
+
+
+def _canvas(data: dict, defaults: RequestDefaults) -> tuple[int | None, int | None]:
+    """(width, height) from "resolution": "WxH", or "width" and "height", else the defaults."""
+    if "resolution" in data:
+        if "width" in data or "height" in data:
+            raise ValueError("give the canvas as resolution 'WIDTHxHEIGHT' or as width and height, not both.")
+        match = re.fullmatch(r"(\d+)x(\d+)", str(data["resolution"]))
+        if not match:
+            raise ValueError(f"resolution must be 'WIDTHxHEIGHT' such as '1344x768', got {data['resolution']!r}.")
+        return int(match[1]), int(match[2])
+    if ("width" in data) != ("height" in data):
+        raise ValueError("width and height go together: give both, or resolution 'WIDTHxHEIGHT', or neither.")
+    if "width" in data:
+        return _typed(data, "width", int), _typed(data, "height", int)
+    return defaults.width, defaults.height
+
+
+def _typed(data: dict, key: str, kind, default=None):
+    value = data.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, kind):
+        name = {str: "a string", int: "an integer"}.get(kind, "a number")
+        raise ValueError(f"{key} must be {name}, got {json.dumps(value)}.")
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{key} must be finite, got {value}.")
+    return value
+
+
+def _optional_float(data: dict, key: str) -> float | None:
+    return None if data.get(key) is None else float(_typed(data, key, (int, float)))
+
+
+def _path(data: dict, key: str, base: Path) -> Path | None:
+    return None if data.get(key) is None else _resolve(_typed(data, key, str), base)
+
+
+def _resolve(value: str, base: Path) -> Path:
+    """Relative paths are relative to the requests file, so a batch folder can move as a whole."""
+    p = Path(value).expanduser()
+    return p if p.is_absolute() else base / p
