@@ -224,9 +224,9 @@ def run_stack(out_path: Path, layers: int) -> dict:
     manifest = build(BuildConfig(work / "ckpt", work / "bundle", profiles=(Profile(1344, 768, 5.0),), device="cuda"),
                      log=lambda m: print("  build:", m, flush=True))
     result["build_s"] = time.perf_counter() - t0
-    result["bundle_bytes"] = sum(f["bytes"] for f in manifest["files"].values())
-    result["adaln"] = manifest["adaln"]
-    result["build_timings_s"] = manifest["build_timings_s"]
+    result["bundle_bytes"] = manifest.total_bytes
+    result["adaln"] = manifest.raw["adaln"]
+    result["build_timings_s"] = manifest.build_timings_s
     print(f"built the bundle in {result['build_s']:.0f} s, {result['bundle_bytes'] / 1e9:.2f} GB", flush=True)
     _write(out_path, result)
     proc = subprocess.run([sys.executable, __file__, "_stack_child", str(work)], capture_output=True, text=True,

@@ -533,7 +533,7 @@ def phase_build(ctx: Ctx, row: str) -> None:
     bundle = bundle_path(ctx, row)
     if (bundle / "manifest.json").exists():
         m = read_manifest(bundle)
-        if m["precision"] == precision and m["schedule"]["steps"] == steps and m["mesh"]["sp"] == sp:
+        if m.precision == precision and m.schedule.steps == steps and m.mesh.sp == sp:
             ctx.log(f"build {row}: reusing {bundle}")
             result["build"] = {**result.get("build", {}), "reused": True}
             return
@@ -569,10 +569,10 @@ def phase_build(ctx: Ctx, row: str) -> None:
     build = {"seconds": round(seconds, 2), "rc": rc, "command": " ".join(cmd[2:]), "steps": steps}
     if rc == 0:
         m = read_manifest(bundle)
-        build.update(bundle_bytes=sum(f["bytes"] for f in m["files"].values()), weight_bytes=m["weight_bytes"],
-                     build_timings_s=m["build_timings_s"], attention=m.get("attention"),
+        build.update(bundle_bytes=m.total_bytes, weight_bytes=m.weight_bytes,
+                     build_timings_s=m.build_timings_s, attention=m.attention,
                      disk_free_gb=round(shutil.disk_usage(bundle).free / 1e9, 1))
-        ctx.log(f"build {row}: {build['bundle_bytes'] / 1e9:.1f} GB in {seconds:.0f} s {m['build_timings_s']}")
+        ctx.log(f"build {row}: {build['bundle_bytes'] / 1e9:.1f} GB in {seconds:.0f} s {m.build_timings_s}")
     else:
         build["error"] = f"h3trt build exited {rc} (see {ctx.log_path})"
         ctx.log(f"build {row}: {build['error']}")

@@ -55,12 +55,12 @@ def run(layers: int, precisions: list[str], tiny: bool) -> dict:
                                      device=device, backend="tensorrt", tiny=tiny),
                          log=lambda m: print("  build:", m, flush=True))
         result["builds"][precision] = {
-            "wall_s": round(time.perf_counter() - t0, 1), "tensorrt": manifest["tensorrt"],
+            "wall_s": round(time.perf_counter() - t0, 1), "tensorrt": manifest.tensorrt,
             "peak_host_rss_gb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6, 2),
             "peak_gpu_gb": round(torch.cuda.max_memory_allocated() / 2**30, 2) if device == "cuda" else None,
             "segments": {name: {k: e[k] for k in ("export_s", "build_s", "plan_bytes", "activation_bytes",
                                                   "fused_attention", "gemm_types", "quantized", "layers")}
-                         for name, e in manifest["segments"].items()},
+                         for name, e in manifest.segments.items()},
         }
     return result
 

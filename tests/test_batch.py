@@ -12,10 +12,11 @@ from PIL import Image
 from h3trt.cli import main
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.runtime.batch import BatchConfig, finished, run_batch
-from h3trt.runtime.batch_file import BatchFileError, check_bundle_batch, parse_requests
+from h3trt.runtime.batch_file import check_bundle_batch, parse_requests
 from h3trt.runtime.media import probe
 from h3trt.runtime.pipeline import H3Pipeline
 from h3trt.runtime.request import CanvasDefaults, Request, prepare
+from h3trt.runtime.requests import RequestsFileError
 from h3trt.runtime.timeline import draw_timeline, legend_stages
 
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
@@ -57,7 +58,7 @@ def test_every_bad_line_is_reported_with_its_number(tmp_path):
         {"id": "s", "task": "t2va", "prompt": "a fox", "seed": "7"},
         {"id": "fine", "task": "fl2va", "prompt": "a fox", "image": "first.png", "duration": 6},
     ])
-    with pytest.raises(BatchFileError) as err:
+    with pytest.raises(RequestsFileError) as err:
         parse_requests(path, TINY_CANVAS)
     message = str(err.value)
     assert "8 bad line(s), nothing was run" in message
@@ -81,15 +82,15 @@ def test_a_bad_line_stops_the_batch_before_any_work(tmp_path, capsys):
 
 
 def test_static_batch_bundle_refuses_max_batch():
-    manifest = {"segments": {"embed": {"inputs": ["video"], "dynamic": {"video": {"1": "V"}}},
-                             "block": {"inputs": ["x"], "dynamic": {"x": {"1": "S"}}},
-                             "video_decoder_2x4x4": {"inputs": ["z"], "dynamic": {}}}}
-    check_bundle_batch(manifest, 1)
+    segments = {"embed": {"inputs": ["video"], "dynamic": {"video": {"1": "V"}}},
+                "block": {"inputs": ["x"], "dynamic": {"x": {"1": "S"}}},
+                "video_decoder_2x4x4": {"inputs": ["z"], "dynamic": {}}}
+    check_bundle_batch(segments, 1)
     with pytest.raises(ValueError, match=r"\['block', 'embed'\] are compiled for batch 1.*--max-batch 1"):
-        check_bundle_batch(manifest, 2)
-    manifest["segments"]["embed"]["dynamic"]["video"]["0"] = "B"
-    manifest["segments"]["block"]["dynamic"]["x"]["0"] = "B"
-    check_bundle_batch(manifest, 4)
+        check_bundle_batch(segments, 2)
+    segments["embed"]["dynamic"]["video"]["0"] = "B"
+    segments["block"]["dynamic"]["x"]["0"] = "B"
+    check_bundle_batch(segments, 4)
 
 
 def test_batched_denoise_gives_each_request_what_it_gets_alone(pipeline, tmp_path):

@@ -101,26 +101,26 @@ def test_serving_compiles_nothing():
 
 def test_manifest_records_the_build(bundles):
     m = read_manifest(bundles["inductor"])
-    assert m["backend"] == "inductor" and m["precision"] == "fp32" and m["arch"].startswith("cpu-")
-    assert m["versions"]["torch"] == torch.__version__
-    assert m["adaln"]["baked"] and m["adaln"]["timesteps"] == schedule_timesteps(Schedule(BUNDLE_STEPS)).numel()
-    assert (m["mesh"]["cfg"], m["mesh"]["sp"], m["mesh"]["heads_per_rank"]) == (1, 1, 2)
-    assert m["tasks"] == ["t2va", "fl2va"]
+    assert m.backend == "inductor" and m.precision == "fp32" and m.arch.startswith("cpu-")
+    assert m.versions["torch"] == torch.__version__
+    assert m.adaln.baked and m.adaln.timesteps == schedule_timesteps(Schedule(BUNDLE_STEPS)).numel()
+    assert (m.mesh.cfg, m.mesh.sp, m.mesh.heads_per_rank) == (1, 1, 2)
+    assert m.tasks == ("t2va", "fl2va") and m.model_config.num_heads == 2
     # 160x96: one 6x10 tile; the decoder as in + one block serving both layers + out, at the CPU default fp32
-    assert set(m["segments"]) == {"embed", "block", "final", "video_decoder_in_7x6x10", "video_decoder_block_7x6x10",
-                                  "video_decoder_out_7x6x10"}
-    assert m["vae_precision"] == "fp32" and m["video_decoder"]["cuda_graph"] in (True, False)
-    assert not any(name.startswith("weights/adaln_weights") for name in m["files"])  # adaln_proj left out
-    assert m["hash_chunk_bytes"] == 64 << 20
-    assert all(len(f["sha256_chunks"]) == max(1, -(-f["bytes"] // (64 << 20))) and all(len(d) == 64 for d in
-               f["sha256_chunks"]) for f in m["files"].values())
+    assert set(m.segments) == {"embed", "block", "final", "video_decoder_in_7x6x10", "video_decoder_block_7x6x10",
+                               "video_decoder_out_7x6x10"}
+    assert m.vae_precision == "fp32" and m.video_decoder_cuda_graph in (True, False)
+    assert not any(name.startswith("weights/adaln_weights") for name in m.files)  # adaln_proj left out
+    assert m.hash_chunk_bytes == 64 << 20
+    assert all(len(f.sha256_chunks) == max(1, -(-f.bytes // (64 << 20))) and all(len(d) == 64 for d in
+               f.sha256_chunks) for f in m.files.values())
     # fp32 attention on a CPU: torch SDPA, nothing timed, at the bundle's attention shape (every row, 2 heads).
-    att = m["attention"]["fp32"]
-    assert set(m["attention"]) == {"fp32"} and (att["kernel"], att["requested"], att["measured_ms"]) == (
+    att = m.attention["fp32"]
+    assert set(m.attention) == {"fp32"} and (att["kernel"], att["requested"], att["measured_ms"]) == (
         "sdpa", "auto", {})
     assert att["shape"]["heads"] == 2 and att["shape"]["rows"] > 1000
     keep = read_manifest(bundles["aoti"])
-    assert not keep["adaln"]["baked"] and "weights/adaln_weights.safetensors" in keep["files"]
+    assert not keep.adaln.baked and "weights/adaln_weights.safetensors" in keep.files
 
 
 @pytest.fixture
@@ -221,7 +221,7 @@ def test_build_is_refused_when_a_segment_fails_to_load(bundles, tmp_path, tiny_r
     config = BuildConfig(tiny_root, tmp_path / "out", precision="fp32", profiles=(TINY_PROFILE,), device="cpu")
     specs = {spec.name: spec for spec in dit_segments(model.cfg, torch.float32)}
     with pytest.raises(BuildError, match="failed to load or match in a fresh process"):
-        _verify_in_subprocess(work, config, manifest["segments"], example_inputs(model, TINY_PROFILE.geometry, "cpu"),
+        _verify_in_subprocess(work, config, manifest.segments, example_inputs(model, TINY_PROFILE.geometry, "cpu"),
                               specs)
 
 
@@ -373,7 +373,7 @@ def test_second_load_hashes_nothing_and_gives_the_same_weights(bundle, private_c
 
     want = load_file(str(bundle / "weights" / "blocks.safetensors"))
     for i, layer in enumerate(second.dit.block_w["block"]):
-        names = second.manifest["segments"]["block"]["weights"]
+        names = second.manifest.segments["block"]["weights"]
         for name, t in zip(names, layer):
             assert torch.equal(t, want[f"blocks.{i}.{name}"])
 

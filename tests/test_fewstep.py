@@ -85,11 +85,11 @@ def eager(tiny_root, lora_file):
 
 def test_manifest_records_the_loras_and_the_few_step_schedule(lora_bundle, lora_file):
     m = read_manifest(lora_bundle)
-    (lora,) = m["loras"]
+    (lora,) = m.loras
     assert lora["sha256"] == hashlib.sha256(lora_file.read_bytes()).hexdigest() and lora["scale"] == SCALE
     assert lora["partition"] == "FL2VA" and lora["alpha"].startswith("__metadata__ alpha 3")
-    assert m["schedule"] == {"steps": STEPS, "video_shift": VIDEO_SHIFT, "audio_shift": 3.0}
-    assert m["adaln"]["baked"] and m["adaln"]["timesteps"] == schedule_timesteps(SCHEDULE).numel()
+    assert (m.schedule.steps, m.schedule.video_shift, m.schedule.audio_shift) == (STEPS, VIDEO_SHIFT, 3.0)
+    assert m.adaln.baked and m.adaln.timesteps == schedule_timesteps(SCHEDULE).numel()
 
 
 def _inputs(layout, cfg, seed=0):

@@ -196,7 +196,7 @@ def _engine_rank(rank, world, store, bundle, root, out):
                                   for a, b in zip(got, other)]
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(errors))
     (Path(out) / f"rank{rank}_bf16_attention.json").write_text(json.dumps(errors_bf16_attention))
-    if engine.manifest["precision"] == "fp32":  # step caching through the sharded compiled halves (padded layout)
+    if engine.manifest.precision == "fp32":  # step caching through the sharded compiled halves (padded layout)
         (Path(out) / f"rank{rank}_cache.json").write_text(json.dumps(_cached_decisions(engine.dit, eager, layout)))
 
 

@@ -59,8 +59,8 @@ def fp8_bundle(tmp_path_factory, tiny_root):
 
 def test_fp8_bundle_records_the_recipe_and_serves(fp8_bundle, tiny_root):
     engine = Engine.load(fp8_bundle, "cpu")
-    q = engine.manifest["quant"]
-    assert engine.manifest["precision"] == "fp8" and q["calib_algo"] == "smoothquant" and q["calib_prompts"] == 2
+    q = engine.manifest.quant
+    assert engine.manifest.precision == "fp8" and q["calib_algo"] == "smoothquant" and q["calib_prompts"] == 2
     assert q["modelopt"]["version"] == "0.47.0" and q["modelopt"]["algorithm"] == "smoothquant"
     assert q["modelopt"]["modelopt_algorithm"] == {"method": "smoothquant", "alpha": 1.0}
     assert q["modelopt"]["forward_passes"] == 1 and q["calib_steps"] == 3
@@ -74,7 +74,7 @@ def test_fp8_bundle_records_the_recipe_and_serves(fp8_bundle, tiny_root):
     assert blocks["blocks.0.mlp.fc1.weight"].dtype == FP8 and blocks["blocks.1.mlp.fc1.weight"].dtype == torch.bfloat16
     assert blocks["blocks.0.attn.q_scale"].item() == pytest.approx(q["amax"]["blocks.0"]["attn.q"] / FP8_MAX, rel=1e-5)
     # SmoothQuant's per-channel scales travel as the linears' pre_quant_scale; the smoothed inputs' range is ~1.
-    assert blocks["blocks.0.mlp.fc1.pre_quant_scale"].shape == (engine.manifest["model_config"]["hidden_size"],)
+    assert blocks["blocks.0.mlp.fc1.pre_quant_scale"].shape == (engine.manifest.model_config.hidden_size,)
     assert "blocks.1.mlp.fc1.pre_quant_scale" not in blocks
     assert q["amax"]["blocks.0"]["mlp.fc1.input"] == pytest.approx(1.0, rel=1e-2)
 

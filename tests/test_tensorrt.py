@@ -268,15 +268,15 @@ def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
                  "--trt-targets", "sm89,sm120", "--device", "cpu", "--profile", "160x96x5", "--profile",
                  "192x96x5", "--calib-prompts", str(prompts), "--calib-steps", "2"]) == 0
     manifest = read_manifest(out)
-    quant = manifest["quant"]  # calibrated through ModelOpt on a trajectory, as the Inductor bundles are
+    quant = manifest.quant  # calibrated through ModelOpt on a trajectory, as the Inductor bundles are
     assert quant["calib_algo"] == "max" and quant["modelopt"]["version"] == "0.47.0" and quant["calib_prompts"] == 1
     assert quant["execution"].startswith("TensorRT FP8 GEMMs") and set(quant["amax"]) == {"blocks.0", "blocks.1"}
-    assert manifest["tensorrt"]["flavour"] == "tensorrt_rtx" and manifest["tensorrt"]["version"] == trt.__version__
-    assert manifest["tensorrt"]["targets"] == ["sm89", "sm120"] and manifest["device"] == "cuda"
-    assert sorted(manifest["segments"]) == ["block_0", "block_1", "embed", "final"]
-    assert all(len(e["profiles"]) == 2 for e in manifest["segments"].values())
-    assert all(e["fused_attention"] for n, e in manifest["segments"].items() if n != "final")
-    assert [e["quantized"] for e in manifest["segments"].values()] == [None, "fp8", "fp8", None]
+    assert manifest.tensorrt["flavour"] == "tensorrt_rtx" and manifest.tensorrt["version"] == trt.__version__
+    assert manifest.tensorrt["targets"] == ["sm89", "sm120"] and manifest.device == "cuda"
+    assert sorted(manifest.segments) == ["block_0", "block_1", "embed", "final"]
+    assert all(len(e["profiles"]) == 2 for e in manifest.segments.values())
+    assert all(e["fused_attention"] for n, e in manifest.segments.items() if n != "final")
+    assert [e["quantized"] for e in manifest.segments.values()] == [None, "fp8", "fp8", None]
     assert not (out / "weights" / "blocks.safetensors").exists()  # the plans embed the weights
     assert main(["verify", str(out)]) == 0
     with pytest.raises(BundleError, match=r"tensorrt_rtx .* plans for sm89, sm120.*has none"):

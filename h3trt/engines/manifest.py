@@ -98,6 +98,7 @@ class Manifest:
     task: str  # the partition it was built from (t2va/fl2va: FL2VA, ref2va: Ref2VA)
     tasks: tuple[str, ...]  # the tasks it serves
     model_config: H3Config
+    checkpoint: dict  # path and sha256 of the checkpoint it was built from
     schedule: ScheduleRecord
     adaln: AdalnRecord
     profiles: tuple[ProfileRecord, ...]
@@ -107,6 +108,7 @@ class Manifest:
     versions: dict  # torch, cuda, triton, python of the build
     segments: dict  # segment name -> its entry (artifact, inputs, weights, outputs, dynamic: backend-specific)
     weight_bytes: dict
+    build_timings_s: dict
     tiny: bool  # built from the embedded tiny model (random weights)
     quant: dict | None  # fp8/nvfp4: the recipe, the calibration record, which segment serves each layer
     attention: dict | None  # precision -> the attention kernel chosen at build time
@@ -139,7 +141,7 @@ class Manifest:
         manifest = cls(
             raw=data, backend=top.choice("backend", BACKENDS), precision=top.choice("precision", DIT_PRECISIONS),
             task=top.choice("task", TASKS), tasks=tuple(top.strings("tasks", TASKS)),
-            model_config=top.model_config("model_config"),
+            model_config=top.model_config("model_config"), checkpoint=top.get("checkpoint", dict),
             schedule=ScheduleRecord(schedule.get("steps", int), schedule.get("video_shift", float),
                                     schedule.get("audio_shift", float)),
             adaln=AdalnRecord(adaln.get("baked", bool), adaln.get("timesteps", int, optional=True)),
@@ -148,7 +150,8 @@ class Manifest:
                            for p in (top.item("profiles", i, entry) for i, entry in enumerate(profiles))),
             mesh=MeshRecord(mesh.positive("cfg"), mesh.positive("sp"), mesh.positive("heads_per_rank")),
             arch=top.get("arch", str), device=top.get("device", str), versions=top.get("versions", dict),
-            segments=top.get("segments", dict), weight_bytes=top.get("weight_bytes", dict), tiny=top.get("tiny", bool),
+            segments=top.get("segments", dict), weight_bytes=top.get("weight_bytes", dict),
+            build_timings_s=top.get("build_timings_s", dict), tiny=top.get("tiny", bool),
             quant=top.get("quant", dict, optional=True), attention=top.get("attention", dict, optional=True),
             vae_precision=top.choice("vae_precision", VAE_PRECISIONS),
             video_decoder_cuda_graph=decoder.get("cuda_graph", bool),

@@ -1,0 +1,171 @@
+"""One requests schema for `run --requests` and `eval --requests`, the typed Manifest, the entry resolver and the CLI's
+closed choices: pure parsing, no model, no compiler (milliseconds each)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from h3trt.cli import main
+from h3trt.engines.manifest import FORMAT_VERSION, BundleError, Manifest, bundle_identity, content_sha256
+from h3trt.models.config import H3Config
+from h3trt.models.sampler import DEFAULT_SEED, DEFAULT_STEPS
+from h3trt.runtime.batch_file import parse_requests
+from h3trt.runtime.entry import TINY_CANVAS, Entry
+from h3trt.runtime.requests import EVAL_REQUIRED, RequestsFileError, read_eval_requests, read_request_file
+
+pytestmark = pytest.mark.unit
+
+
+def _write(path, lines) -> str:
+    path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
+    return path
+
+
+def _manifest_dict(**changes) -> dict:
+    """A format-4 manifest as `h3trt build` writes it (a tiny fp32 CPU bundle), with `changes` ("a.b": value)."""
+    data = {
+        "backend": "inductor", "precision": "fp32", "task": "t2va", "tasks": ["t2va", "fl2va"],
+        "model_config": H3Config.tiny().to_dict(),
+        "checkpoint": {"path": "/ckpt", "sha256": "0" * 64},
+        "schedule": {"steps": 8, "video_shift": 12.0, "audio_shift": 3},
+        "adaln": {"baked": True, "timesteps": 14},
+        "profiles": [{"width": 160, "height": 96, "seconds": 5.0, "num_frames": 124}],
+        "mesh": {"cfg": 1, "sp": 1, "heads_per_rank": 2, "rows_per_rank": "ceil(S / sp), symbolic"},
+        "arch": "cpu-x86_64", "device": "cpu", "versions": {"torch": "2.13"}, "segments": {}, "weight_bytes": {},
+        "tiny": True, "build_timings_s": {}, "quant": None, "attention": {}, "vae_precision": "fp32",
+        "video_decoder": {"cuda_graph": True}, "loras": [],
+        "format_version": FORMAT_VERSION, "hash_chunk_bytes": 64 << 20,
+        "files": {"weights/blocks.safetensors": {"bytes": 10, "sha256_chunks": ["a" * 64]}},
+    }
+    for key, value in changes.items():
+        target = data
+        *parents, leaf = key.split(".")
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    data["manifest_sha256"] = content_sha256(data)
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# One schema: a `run --requests` file evaluates as it is
+
+
+def test_eval_takes_a_run_requests_file_with_id_and_task(tmp_path):
+    (tmp_path / "first.png").write_bytes(b"")  # paths resolve against the file; eval reads them when it runs
+    path = _write(tmp_path / "run.jsonl", [
+        {"id": "fox", "task": "t2va", "prompt": "a red fox runs", "seed": 3},
+        {"id": "key", "task": "fl2va", "prompt": "a fox", "image": "first.png", "resolution": "128x64"},
+        {"prompt": "no id, the engine's canvas", "steps": 4},
+    ])
+    manifest = Manifest.from_dict(_manifest_dict())
+    fox, key, plain = read_eval_requests(path, manifest)
+    assert (fox.prompt, fox.seed, fox.task, fox.steps, fox.width, fox.height, fox.duration) == (
+        "a red fox runs", 3, "t2va", 8, 160, 96, 5.0)  # the engine's schedule and first profile
+    assert key.task == "fl2va" and key.image == tmp_path / "first.png" and (key.width, key.height) == (128, 64)
+    assert plain.seed == DEFAULT_SEED and plain.steps == 4
+    # The same file runs as a batch (which needs the ids and tasks).
+    assert [i.id for i in parse_requests(_write(tmp_path / "b.jsonl", [{"id": "fox", "task": "t2va",
+                                                                         "prompt": "a fox"}]), TINY_CANVAS)] == ["fox"]
+
+
+def test_a_bad_line_names_its_fault_not_a_missing_prompt(tmp_path):
+    path = _write(tmp_path / "eval.jsonl", [
+        {"prompt": "a fox", "sed": 3},
+        {"seed": 3},
+        {"prompt": "a fox", "task": "fl2va"},
+        {"prompt": "a fox", "width": 128},
+        {"prompt": "a fox", "id": "a/b"},
+        {"prompt": "a fox", "steps": "8"},
+    ])
+    with pytest.raises(RequestsFileError) as err:
+        read_request_file(path, EVAL_REQUIRED)
+    lines = {n: next(e for e in str(err.value).split("; ") if f"eval.jsonl:{n}: " in e) for n in range(1, 7)}
+    assert "unknown key(s) ['sed']" in lines[1] and "missing" not in lines[1]  # it has a prompt
+    assert "missing ['prompt']" in lines[2]
+    assert "task 'fl2va' takes image and/or last_image" in lines[3]
+    assert "width and height go together" in lines[4]
+    assert "id 'a/b' must be" in lines[5]
+    assert 'steps must be an integer, got "8"' in lines[6]
+    assert "6 bad line(s), nothing was run" in str(err.value)
+
+
+def test_run_requires_id_and_task_eval_does_not(tmp_path):
+    path = _write(tmp_path / "r.jsonl", [{"prompt": "a fox"}])
+    assert [r.prompt for r in read_eval_requests(path, Manifest.from_dict(_manifest_dict()))] == ["a fox"]
+    with pytest.raises(RequestsFileError, match=r"r.jsonl:1: missing \['id', 'task'\]"):
+        parse_requests(path, TINY_CANVAS)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The typed manifest
+
+
+def test_manifest_reads_every_field_typed_and_keeps_the_raw_json():
+    data = _manifest_dict()
+    m = Manifest.from_dict(data)
+    assert m.raw is data and m.schedule.steps == 8 and m.schedule.audio_shift == 3.0  # an integer is a JSON number
+    assert (m.mesh.sp, m.mesh.cfg, m.mesh.heads_per_rank) == (1, 1, 2) and m.adaln.baked and m.adaln.timesteps == 14
+    assert m.profiles[0].num_frames == 124 and m.tasks == ("t2va", "fl2va") and m.device_type == "cpu"
+    assert m.model_config.num_heads == 2 and m.files["weights/blocks.safetensors"].sha256_chunks == ("a" * 64,)
+    assert m.total_bytes == 10 and m.quant is None and m.tensorrt is None
+    # The record's identity hashes the JSON as written, not this class.
+    assert bundle_identity(m)["manifest_sha256"] == data["manifest_sha256"] == content_sha256(data)
+
+
+@pytest.mark.parametrize("key, value, message", [
+    ("schedule.steps", "fifty", "field 'schedule.steps' must be an integer, got \"fifty\""),
+    ("schedule.video_shift", True, "field 'schedule.video_shift' must be a number, got true"),
+    ("mesh.sp", 0, "field 'mesh.sp' must be an integer >= 1, got 0"),
+    ("precision", "fp16", "field 'precision' must be one of ['bf16', 'fp32', 'fp8', 'nvfp4'], got \"fp16\""),
+    ("backend", "onnx", "field 'backend' must be one of ['inductor', 'aoti', 'tensorrt']"),
+    ("vae_precision", None, "field 'vae_precision' must be one of ['fp32', 'bf16', 'fp8'], got null"),
+    ("tasks", ["t2v"], "field 'tasks' must be a non-empty list of ['t2va', 'fl2va', 'ref2va']"),
+    ("adaln.baked", "yes", "field 'adaln.baked' must be true or false"),
+    ("video_decoder", [], "field 'video_decoder' must be an object"),
+    ("profiles", [], "field 'profiles' must be a non-empty list"),
+    ("model_config.hidden_sizes", 3, "field 'model_config' is not a model config"),
+])
+def test_manifest_refuses_a_malformed_field_by_name(key, value, message):
+    with pytest.raises(BundleError) as err:
+        Manifest.from_dict(_manifest_dict(**{key: value}), "b/manifest.json")
+    assert str(err.value).startswith("b/manifest.json: ") and message in str(err.value)
+    assert "rebuild" in str(err.value)
+
+
+def test_manifest_refuses_a_missing_field():
+    data = _manifest_dict()
+    del data["schedule"]
+    with pytest.raises(BundleError, match="field 'schedule' must be an object, it is missing"):
+        Manifest.from_dict(data)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# The entry resolver and the CLI's closed choices
+
+
+def test_entry_resolves_the_tiny_model_without_building_it():
+    entry = Entry.resolve(device="cpu")
+    assert entry.source == "tiny" and entry.path is None and entry.tiny and entry.canvas == TINY_CANVAS
+    assert entry.default_steps == DEFAULT_STEPS and entry.model_name == "embedded-tiny" and entry.record_extra == {}
+    assert not entry.on_mesh and entry.world == 1 and entry.device_type == "cpu"
+
+
+def test_entry_refuses_flags_that_do_not_fit_the_source(tmp_path):
+    with pytest.raises(ValueError, match="--trust checks a bundle's signature; pass it with --engine"):
+        Entry.resolve(model=tmp_path, trust=tmp_path / "k.pub")
+    with pytest.raises(ValueError, match="--vae-precision must be one of"):
+        Entry.resolve(vae_precision="fp16")
+    with pytest.raises(BundleError, match="is not an h3trt bundle"):
+        Entry.resolve(engine=tmp_path)
+
+
+@pytest.mark.parametrize("flag, value", [("--precision", "bogus"), ("--backend", "onnx"), ("--task", "t2v")])
+def test_build_refuses_an_unknown_choice_in_argparse(flag, value, tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(["build", "--model", "tiny", "--output", str(tmp_path / "b"), flag, value])
+    assert exit_.value.code == 2
+    assert f"argument {flag}: invalid choice: '{value}'" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
