@@ -17,6 +17,7 @@ import torch
 
 from ..models.attention import (ATTENTION_PRECISIONS, ATTENTION_REQUESTS, CPU_KERNEL, GPU_CANDIDATES, attention,
                                 kernel_problem)
+from ..models.precision import precision_dtype
 from ..calibration.formats import fp8_scale, quantize_fp8
 from ..calibration.fp8_attention import fp8_sdpa
 
@@ -97,7 +98,7 @@ def measure_kernel_ms(kernel: str, precision: str, shape: AttentionShape, device
     """Median ms of the kernel's op alone (`h3trt::attention`, or `h3trt::fp8_sdpa` on e4m3 q/k/v quantized with
     their own max), CUDA events, after warm-up: exactly the call the compiled code makes, at the bundle's shape."""
     g = torch.Generator(device).manual_seed(0)
-    dtype = torch.float32 if precision == "fp32" else torch.bfloat16
+    dtype = precision_dtype(precision, ATTENTION_PRECISIONS, "the attention precision")  # fp8: quantized below
     q, k, v = (torch.randn(shape.batch, shape.rows, shape.heads, shape.head_dim, device=device, dtype=dtype,
                            generator=g) for _ in range(3))
     if precision == "fp8":
