@@ -198,8 +198,7 @@ def cmd_run(args) -> int:
     geo = prepared.geometry
     preflight_clip(output, record_path(output), args.overwrite,
                    estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, args.crf))
-    if not entry.is_bundle:
-        entry.note()
+    entry.note()  # the embedded tiny model: its clips are noise
     check_prompt_tokens(entry.component_root(request.task),
                         [(w, p) for w, p in (("the prompt", request.prompt),
                                              ("the negative prompt", request.negative_prompt)) if p])

@@ -69,7 +69,7 @@ def test_run_from_bundle_matches_eager_run(bundles, signing_keys, tmp_path, tiny
     record = json.loads(engine_out.with_suffix(".json").read_text())
     assert record["bundle"]["backend"] == "inductor" and record["vae_precision"] == "fp32"
     assert json.loads(eager_out.with_suffix(".json").read_text())["vae_precision"] == "fp32"  # the CPU default
-    assert record["bundle"]["manifest_sha256"] == read_manifest(bundles["inductor"])["manifest_sha256"]
+    assert record["bundle"]["manifest_sha256"] == read_manifest(bundles["inductor"]).manifest_sha256
     assert len(record["bundle"]["signed_by"]) == 64 and record["mp4_sha256"] == sha256_file(engine_out)
 
 

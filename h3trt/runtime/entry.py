@@ -164,6 +164,7 @@ class Entry:
         return no_compile() if self.manifest is not None else nullcontext()
 
     def note(self) -> None:
+        """Tell the user when the clips will be noise (the embedded tiny model's random weights)."""
         if self.source == "tiny":
             print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
 
