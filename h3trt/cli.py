@@ -32,7 +32,8 @@ from .models.lora import LoraSpec
 from .models.packing import DEFAULT_DURATION, FPS
 from .models.precision import DIT_PRECISIONS
 from .models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
-from .models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
+from .models.step_cache import (DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS,
+                                 StepCacheConfig)
 from .models.tiny import TINY_HEIGHT, TINY_WIDTH, ensure_tiny_checkpoint
 from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
 from .parallel.launch import RankFailed, init_torchrun_rank, launch
@@ -107,15 +108,18 @@ def _run_parser(sub) -> None:
     cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
     cache.add_argument("--cache", choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
                                                                        "predicts (default: off)")
-    cache.add_argument("--cache-threshold", type=float, help="first-block: relative change of block 0's residual "
-                                                             "(default 0.05); mag: accumulated error (default 0.06)")
+    cache.add_argument("--cache-threshold", type=float,
+                       help="first-block: relative change of block 0's residual (default "
+                            f"{DEFAULT_THRESHOLDS['first-block']}); mag: accumulated error (default "
+                            f"{DEFAULT_THRESHOLDS['mag']})")
     cache.add_argument("--mag-ratios", help="mag: the model's magnitude ratios, R1,R2,... or a .json list "
                                             "(interpolated to the steps; recorded in the clip's JSON)")
     cache.add_argument("--mag-calibrate", action="store_true", help="mag: skip nothing and record this model's "
                                                                     "ratios in the clip's JSON")
-    cache.add_argument("--cache-max-skip", type=int, default=3, help="mag: consecutive skips at most (default 3)")
-    cache.add_argument("--cache-retention", type=float, default=0.2,
-                       help="mag: leading fraction of the steps never skipped (default 0.2)")
+    cache.add_argument("--cache-max-skip", type=int, default=DEFAULT_MAX_SKIP_STEPS,
+                       help=f"mag: consecutive skips at most (default {DEFAULT_MAX_SKIP_STEPS})")
+    cache.add_argument("--cache-retention", type=float, default=DEFAULT_RETENTION_RATIO,
+                       help=f"mag: leading fraction of the steps never skipped (default {DEFAULT_RETENTION_RATIO})")
     mesh = p.add_argument_group("parallel (mesh axes replica x cfg x sp = ranks)")
     mesh.add_argument("--gpus", type=int, default=1,
                       help="local ranks to spawn (one GPU each; CPU processes over gloo on a CPU-only machine). Under "
