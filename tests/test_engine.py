@@ -413,3 +413,22 @@ def test_a_tampered_component_is_refused_before_use(bundle, private_cache, tmp_p
 
     record = VerifiedRecord.open(copy)
     assert not record.trusted(vae.relative_to(copy).as_posix(), identity(vae))
+
+
+@pytest.mark.parametrize("private", [True, False])
+def test_a_key_of_another_type_is_refused_by_name(tmp_path, private):
+    """--sign / --trust with a PEM key that is not Ed25519 (here EC P-256) is one error naming the flag and the fix."""
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric import ec
+
+    from h3trt.engines.signing import load_public_key
+
+    key = ec.generate_private_key(ec.SECP256R1())
+    path = tmp_path / ("k" if private else "k.pub")
+    path.write_bytes(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
+                                       serialization.NoEncryption()) if private else
+                     key.public_key().public_bytes(serialization.Encoding.PEM,
+                                                   serialization.PublicFormat.SubjectPublicKeyInfo))
+    flag, kind, fix = ("--sign", "private", "h3trt keygen") if private else ("--trust", "public", "KEY.pub")
+    with pytest.raises(ValueError, match=rf"{flag} .* not an Ed25519 {kind} key; .*{fix}"):
+        (load_private_key if private else load_public_key)(path)

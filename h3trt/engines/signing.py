@@ -68,22 +68,28 @@ def generate_key(path: Path) -> tuple[Path, Path]:
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
-    key = _load(Path(path), private=True)
-    if not isinstance(key, Ed25519PrivateKey):
-        raise ValueError(f"--sign {path} is a {type(key).__name__}, not an Ed25519 private key; make one with "
-                         "`h3trt keygen KEY` or `openssl genpkey -algorithm ed25519 -out KEY`.")
-    return key
+    return _load_ed25519(path, private=True)
 
 
 def load_public_key(path: Path) -> Ed25519PublicKey:
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+    return _load_ed25519(path, private=False)
 
-    key = _load(Path(path), private=False)
-    if not isinstance(key, Ed25519PublicKey):
-        raise ValueError(f"--trust {path} is a {type(key).__name__}, not an Ed25519 public key; pass the KEY.pub "
-                         "of the key that signed the bundle (`openssl pkey -in KEY -pubout` prints it).")
+
+_KEY_HINTS = {  # private: what a wrong file passed to --sign / --trust is told to pass instead
+    True: "make one with `h3trt keygen KEY` or `openssl genpkey -algorithm ed25519 -out KEY`.",
+    False: "pass the KEY.pub of the key that signed the bundle (`openssl pkey -in KEY -pubout` prints it).",
+}
+
+
+def _load_ed25519(path: Path, private: bool):
+    """The Ed25519 key in PEM file `path` (private for --sign, public for --trust); any other key is refused."""
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+
+    want = Ed25519PrivateKey if private else Ed25519PublicKey
+    key = _load(Path(path), private)
+    if not isinstance(key, want):
+        raise ValueError(f"{'--sign' if private else '--trust'} {path} is a {type(key).__name__}, not an Ed25519 "
+                         f"{'private' if private else 'public'} key; {_KEY_HINTS[private]}")
     return key
 
 

@@ -299,18 +299,22 @@ def convert_original(state: dict[str, torch.Tensor], head_dim: int, path: Path) 
         pair = pull(source)
         if pair is not None:
             put(target, *pair)
+    def pull_fused(source: str, parts: int, not_what: str):
+        """pull() of a fused projection whose up rows split into `parts` equal parts (QKV: 3, SwiGLU fc1: 2)."""
+        pair = pull(source)
+        if pair is not None and pair[1].shape[0] % parts:
+            raise LoraError(f"--lora {path}: {source} has {pair[1].shape[0]} output rows, not {not_what}.")
+        return pair
+
     for pattern, source_prefix, target_prefix in ((r"blocks\.(\d+)\.", "blocks", "transformer_blocks"),
                                                   (r"token_refiner\.blocks\.(\d+)\.", "token_refiner.blocks",
                                                    "token_refiner.refiner_blocks")):
         layers = 1 + max((int(m.group(1)) for m in map(lambda k: re.match(pattern, k), state) if m), default=-1)
         for i in range(layers):
             source, target = f"{source_prefix}.{i}", f"{target_prefix}.{i}"
-            qkv = pull(f"{source}.attn.qkv_proj")
+            qkv = pull_fused(f"{source}.attn.qkv_proj", 3, "a multiple of 3: not a fused MiniMax-H3 QKV projection")
             if qkv is not None:
                 down, up = qkv
-                if up.shape[0] % 3:
-                    raise LoraError(f"--lora {path}: {source}.attn.qkv_proj has {up.shape[0]} output rows, not a "
-                                    "multiple of 3: not a fused MiniMax-H3 QKV projection.")
                 if diffsynth:
                     if up.shape[0] % (3 * head_dim):
                         raise LoraError(f"--lora {path}: {source}.attn.qkv_proj has {up.shape[0]} output rows, not a "
@@ -320,12 +324,9 @@ def convert_original(state: dict[str, torch.Tensor], head_dim: int, path: Path) 
                     up = up.reshape(heads, 3, head_dim, up.shape[1]).transpose(0, 1).reshape(up.shape)
                 for name, part in zip(("to_q", "to_k", "to_v"), up.chunk(3, dim=0)):
                     put(f"{target}.attn.{name}", down, part.contiguous())
-            fc1 = pull(f"{source}.mlp.fc1")
+            fc1 = pull_fused(f"{source}.mlp.fc1", 2, "even: not a fused MiniMax-H3 SwiGLU projection")
             if fc1 is not None:
                 down, up = fc1
-                if up.shape[0] % 2:
-                    raise LoraError(f"--lora {path}: {source}.mlp.fc1 has {up.shape[0]} output rows, not even: not a "
-                                    "fused MiniMax-H3 SwiGLU projection.")
                 gate, value = up.chunk(2, dim=0)
                 put(f"{target}.ff.net.0.proj", down, torch.cat([value, gate]))  # diffusers fuses [value; gate]
             for src, dst in (("attn.out_proj", "attn.to_out.0"), ("mlp.fc2", "ff.net.2"),
