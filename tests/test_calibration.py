@@ -4,8 +4,11 @@
     scale = amax / (6 * 448), pre_quant_scale = the input quantizer's;
   - what each algorithm does to the model: max/percentile leave the weights, SmoothQuant and AWQ fold per-channel
     scales into them (W' * s_in == W) and leave the input scale;
-  - the h3trt block reproduces ModelOpt's fake-quantized block on held-out inputs: in fp32 to 1e-5 relative error of
-    the block's update (FP8 attention 2e-2: h3trt's kernel also rounds its output to e4m3 at v's scale, which the
+  - the h3trt block reproduces ModelOpt's fake-quantized block on held-out inputs: in fp32 to 5e-4 relative error of
+    the block's update (bitwise but for fp32 summation order and e4m3 rounding flips: h3trt quantizes x / (amax/448),
+    ModelOpt x * (448/amax), which differ by an ulp, so an element lying on an e4m3 rounding boundary can round the
+    other way; measured 1e-7 without a flip and 1.1e-4 with one, on an AVX2 machine whose fc1 input had such an
+    element; FP8 attention 2e-2: h3trt's kernel also rounds its output to e4m3 at v's scale, which the
     ModelOpt reference does not; measured 0.9%), against quantization errors of 5-26%. In bf16 the update of this
     tiny block is at bf16's own noise floor (the bf16 eager block is 6.8% from the fp32 one), and ModelOpt computes
     in bf16 from dequantized operands where h3trt's FP8 GEMM accumulates e4m3 operands in fp32: there the bound is
@@ -140,7 +143,7 @@ def test_percentile_clips_below_max_and_max_is_the_running_max():
     assert pct_cal.record["percentile"] == PERCENTILE == 99.99
 
 
-@pytest.mark.parametrize("dtype, tol, attn_tol", [(torch.float32, 1e-5, 2e-2), (torch.bfloat16, None, None)])
+@pytest.mark.parametrize("dtype, tol, attn_tol", [(torch.float32, 5e-4, 2e-2), (torch.bfloat16, None, None)])
 @pytest.mark.parametrize("name", sorted(RECIPES))
 def test_h3trt_block_reproduces_modelopts_fake_quantized_block(name, dtype, tol, attn_tol):
     from h3trt.build.segments import block_segment
