@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from .build.builder import BuildConfig, Profile, build
+from .calibration.recipe import FP8_ACCUMS
 from .engines.manifest import BACKENDS, MANIFEST, read_manifest, verify_files
 from .engines.signing import (generate_key, key_fingerprint, load_private_key, load_public_key, read_signature,
                               read_trusted_manifest, sign_bundle)
@@ -293,6 +294,10 @@ def _build_parser(sub) -> None:
                         "(attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2)")
     p.add_argument("--fp8-attention", action="store_true", help="fp8: q/k/v in e4m3 with calibrated scales, through "
                                                                     "the --attention kernel (a CPU build: emulated)")
+    p.add_argument("--fp8-accum", choices=FP8_ACCUMS, default=None,
+                   help="fp8: how the GEMMs accumulate: fast (default; the FP8 tensor cores' accumulator over the "
+                        "whole reduction, about 8%% faster GEMMs on Hopper) or exact (fp32 promotion, cuBLAS's "
+                        "default). Recorded in the manifest")
     p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "fa3"),
                    help="attention kernel, bf16 and --fp8-attention alike: auto (default: the fastest measured on the "
                         "build GPU at the bundle's shape; on a CPU, torch SDPA or the FP8 emulation), cudnn, or fa3 "
@@ -351,7 +356,7 @@ def cmd_build(args) -> int:
                          cfg=args.cfg, trt_targets=args.trt_targets, calib_prompts=args.calib_prompts,
                          calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
                          fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision,
-                         loras=tuple(args.lora), calib_algo=args.calib_algo)
+                         loras=tuple(args.lora), calib_algo=args.calib_algo, fp8_accum=args.fp8_accum)
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)

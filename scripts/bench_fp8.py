@@ -18,6 +18,8 @@ kernel the GPU cannot run skipped with the reason recorded:
                        attention through kernel K
   h3trt_fp8_attn_K     plus --fp8-attention: q/k/v quantized with calibrated scales (v centered) into FP8 attention
                        kernel K (h3trt::fp8_sdpa)
+  ..._fast             the two fp8 rows again with --fp8-accum fast (FP8 GEMMs keep the tensor cores' accumulator;
+                       the unsuffixed rows accumulate exactly, cuBLAS's default)
   h3trt_nvfp4_wo       NVFP4 weight-only (dequantize in the compiled block, bf16 GEMM): memory, not speed (--nvfp4)
 Relative errors are of the block's update (output - input) against the bf16 eager block's, at full width.
 Scales come from ModelOpt max calibration on the block's own input (one block, one input: a benchmark, not a recipe).
@@ -79,7 +81,8 @@ def compiled(spec, example, dev):
     return seg, time.perf_counter() - t0
 
 
-def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: bool = True) -> dict:
+def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: bool = True,
+        accums: tuple[str, ...] = ("exact", "fast")) -> dict:
     from bench_dit import TEXT, AUDIO, LATENT_T, bench, block_pair, rel_err
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
 
@@ -119,11 +122,15 @@ def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: boo
         result["skipped"] = {}
         for kernel in kernels or (["sdpa"] if cpu_check else ["cudnn", "fa3"]):
             fp8_kernel = "emulated" if kernel == "sdpa" else kernel
-            for name, recipe, precision in (
-                    (f"h3trt_bf16_{kernel}", None, "bf16"),
-                    (f"h3trt_fp8_{kernel}", QuantRecipe("fp8", calib_steps=2), "bf16"),
-                    (f"h3trt_fp8_attn_{fp8_kernel}", QuantRecipe("fp8", calib_steps=2, fp8_attention=True,
-                                                                 attention_kernel=fp8_kernel), "fp8")):
+            variants = [(f"h3trt_bf16_{kernel}", None, "bf16")]
+            for accum in accums:
+                tag = "" if accum == "exact" else f"_{accum}"  # unsuffixed: exact, as rows were named before
+                variants += [
+                    (f"h3trt_fp8_{kernel}{tag}", QuantRecipe("fp8", calib_steps=2, fp8_accum=accum), "bf16"),
+                    (f"h3trt_fp8_attn_{fp8_kernel}{tag}", QuantRecipe("fp8", calib_steps=2, fp8_attention=True,
+                                                                      attention_kernel=fp8_kernel, fp8_accum=accum),
+                     "fp8")]
+            for name, recipe, precision in variants:
                 problem = kernel_problem(fp8_kernel if precision == "fp8" else kernel, precision, torch.device(dev))
                 if problem:
                     result["skipped"][name] = problem
@@ -226,13 +233,15 @@ def main() -> int:
     p.add_argument("--attention-kernels", nargs="+", choices=("cudnn", "fa3", "sdpa"),
                    help="a row per kernel (default: cudnn fa3 on a GPU, sdpa with --cpu-check)")
     p.add_argument("--no-nvfp4", action="store_true", help="leave out the NVFP4 weight-only row")
+    p.add_argument("--fp8-accums", nargs="+", choices=("exact", "fast"), default=("exact", "fast"),
+                   help="FP8 GEMM accumulation of the fp8 rows (h3trt build --fp8-accum); fast rows end in _fast")
     p.add_argument("--block-sensitivity", action="store_true",
                    help="tiny model on the CPU: first/last block in bf16 vs all FP8, against all bf16")
     args = p.parse_args()
     if args.block_sensitivity:
         block_sensitivity(args.json)
     else:
-        run(args.json, args.cpu_check, args.attention_kernels, not args.no_nvfp4)
+        run(args.json, args.cpu_check, args.attention_kernels, not args.no_nvfp4, tuple(args.fp8_accums))
     return 0
 
 

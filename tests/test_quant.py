@@ -67,6 +67,7 @@ def test_fp8_bundle_records_the_recipe_and_serves(fp8_bundle, tiny_root):
     assert q["exclude_blocks"] == [1] and q["layer_segments"] == ["block", "block_hp"] and q["fp8_attention"]
     assert q["attention_kernel"] == "emulated"  # a CPU build bakes the reference kernel; a GPU build, cuDNN's
     assert "torch._scaled_mm" in q["execution"] and "token_refiner" in q["always_high_precision"]
+    assert q["fp8_accum"] == "fast" and QuantRecipe.from_dict(q).fp8_accum == "fast"  # the default, recorded
     assert all(v > 0 for v in q["amax"]["blocks.0"].values()) and set(engine.segments) >= {"block", "block_hp"}
     from safetensors.torch import load_file
 
@@ -133,6 +134,30 @@ def test_fp8_linear_is_the_gemm_of_the_quantized_operands():
     assert y.shape == (3, 40, 48) and y.dtype == torch.bfloat16
     assert rel(y, want) < 8e-3  # the bf16 output rounding only
     assert rel(y, torch.nn.functional.linear(x.float(), w)) < 0.05
+
+
+@pytest.mark.parametrize("accum", ["fast", "exact"])
+def test_fp8_accumulation_is_baked_into_the_block_code(accum):
+    """--fp8-accum reaches every FP8 GEMM of the block the builder compiles: the exported graph's _scaled_mm calls
+    carry use_fast_accum (the CPU kernel ignores it, so the code is what can be checked here)."""
+    from h3trt.calibration.modules import quantized_template
+
+    cfg = H3Config.tiny()
+    block = quantized_template(Block(cfg), cfg, QuantRecipe("fp8", calib_steps=2, fp8_accum=accum))
+    x = torch.randn(1, 5, cfg.hidden_size)
+    calls = []
+    for name in ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2"):
+        graph = torch.export.export(block.get_submodule(name), (x if name != "mlp.fc2" else
+                                                                torch.randn(1, 5, cfg.ffn_dim),)).graph
+        calls += [n for n in graph.nodes if n.target == torch.ops.aten._scaled_mm.default]
+    assert len(calls) == 4
+    names = [a.name for a in torch.ops.aten._scaled_mm.default._schema.arguments]
+
+    def fast(call) -> bool:
+        given = {**dict(zip(names, call.args)), **call.kwargs}
+        return given.get("use_fast_accum", False)
+
+    assert all(fast(c) is (accum == "fast") for c in calls)
 
 
 def test_nvfp4_modules_decode_modelopts_packing_exactly():
@@ -231,6 +256,16 @@ def test_recipe_and_build_options_are_validated(tiny_root, tmp_path):
     (tmp_path / "empty.txt").write_text("# nothing\n\n")
     with pytest.raises(ValueError, match="has no prompts"):
         read_prompts(tmp_path / "empty.txt")
+    with pytest.raises(ValueError, match="--fp8-accum must be one of"):
+        QuantRecipe("fp8", calib_steps=2, fp8_accum="tf32")
+    with pytest.raises(ValueError, match="--fp8-accum .* applies to --precision fp8 \\(got nvfp4\\)"):
+        BuildConfig(tiny_root, tmp_path / "b", precision="nvfp4", fp8_accum="exact")
+    with pytest.raises(ValueError, match="not to --backend tensorrt"):
+        BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=tmp_path / "p", fp8_accum="fast",
+                    backend="tensorrt")
+    # A bundle recorded before the field existed ran cuBLAS's default, exact accumulation.
+    legacy = {k: v for k, v in QuantRecipe("fp8", calib_steps=2).to_dict().items() if k != "fp8_accum"}
+    assert QuantRecipe.from_dict(legacy).fp8_accum == "exact"
     with pytest.raises(ValueError, match="blocks \\[7\\] do not exist"):
         QuantRecipe("nvfp4", exclude_blocks=(7,)).check_layers(2)
 
@@ -250,6 +285,8 @@ def test_build_cli_refuses_bad_quantization_flags(tiny_cache, tmp_path, capsys):
     assert "needs --calib-prompts FILE (one prompt per line) for --calib-algo awq_lite" in capsys.readouterr().err
     assert main(base + ["--calib-algo", "max"]) == 2
     assert "apply to --precision fp8/nvfp4, not bf16" in capsys.readouterr().err
+    assert main(base + ["--fp8-accum", "exact"]) == 2
+    assert "--fp8-accum sets how" in capsys.readouterr().err
     assert not (tmp_path / "b").exists()
 
 

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 from safetensors.torch import save_file
 
 from ..calibration.build import block_weight_sets, calibrate_dit, first_layer
-from ..calibration.recipe import CALIB_ALGOS, QUANT_PRECISIONS, QuantRecipe, check_modelopt, parse_exclusions
+from ..calibration.recipe import CALIB_ALGOS, FP8_ACCUMS, QUANT_PRECISIONS, QuantRecipe, check_modelopt, parse_exclusions
 from ..engines.loaders import bundle_activated
 from ..engines.manifest import Manifest, device_arch, hash_threads, runtime_versions, sha256_file, write_manifest
 from ..engines.weights_io import write_safetensors
@@ -126,6 +126,7 @@ class BuildConfig:
     calib_algo: str | None = None  # fp8/nvfp4: ModelOpt calibration algorithm (None: CALIB_ALGOS[precision][0])
     quant_exclude: tuple[str, ...] = ()  # fp8/nvfp4: blocks.N and/or block linear names kept in bf16
     fp8_attention: bool = False  # fp8: q/k/v in e4m3 with calibrated scales
+    fp8_accum: str | None = None  # fp8: GEMM accumulation, FP8_ACCUMS (None: the first, fast)
     trt_targets: str | None = None  # tensorrt: compute capabilities of the plans, e.g. "sm89,sm120" (None: default)
     # Attention kernel (h3trt/build/attention_choice.py): auto (the fastest measured on the build GPU; a CPU build's
     # one kernel), or cudnn / fa3 for every attention of the bundle, FP8 attention included.
@@ -156,6 +157,10 @@ class BuildConfig:
               or self.calib_algo is not None):
             raise ValueError(f"--quant-exclude, --fp8-attention, --calib-prompts and --calib-algo apply to --precision "
                              f"fp8/nvfp4, not {self.precision}.")
+        if self.fp8_accum is not None and (self.precision != "fp8" or self.backend == "tensorrt"):
+            raise ValueError("--fp8-accum sets how the inductor and aoti backends' FP8 GEMMs accumulate: it applies to "
+                             f"--precision fp8 (got {self.precision}) and not to --backend tensorrt, whose plans "
+                             "choose their own kernels.")
         if self.task not in TASK_PARTITIONS:
             raise ValueError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
         self.vae  # validates --vae-precision
@@ -186,7 +191,7 @@ class BuildConfig:
                              fp4_activations=self.precision == "nvfp4" and self.backend == "tensorrt",
                              fp8_attention=self.fp8_attention,
                              attention_kernel=fp8_kernel if self.fp8_attention else "",
-                             calib_steps=self.calibration_steps)
+                             calib_steps=self.calibration_steps, fp8_accum=self.fp8_accum or FP8_ACCUMS[0])
         # A weight-only calibration runs no trajectories: its manifest says 0 steps.
         return recipe if recipe.needs_calibration_data else dataclasses.replace(recipe, calib_steps=0)
 

@@ -17,28 +17,30 @@ from .recipe import QuantRecipe
 
 
 class FP8Linear(nn.Module):
-    """W8A8 linear, per-tensor static scales (no bias: no block linear has one)."""
+    """W8A8 linear, per-tensor static scales (no bias: no block linear has one). `fast_accum` is code, not data: the
+    compiled segment bakes it (QuantRecipe.fp8_accum)."""
 
-    def __init__(self, out_features: int, in_features: int, device=None):
+    def __init__(self, out_features: int, in_features: int, device=None, fast_accum: bool = False):
         super().__init__()
+        self.fast_accum = fast_accum
         self.register_buffer("weight", torch.empty(out_features, in_features, dtype=FP8, device=device))
         self.register_buffer("weight_scale", torch.ones(1, dtype=torch.float32, device=device))
         self.register_buffer("input_scale", torch.ones(1, dtype=torch.float32, device=device))
 
     def forward(self, x):
-        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale)
+        return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.fast_accum)
 
 
 class SmoothedFP8Linear(FP8Linear):
     """FP8Linear behind a per-input-channel scale (SmoothQuant's pre_quant_scale, in the block dtype as ModelOpt keeps
     it). Inside the compiled block the multiply fuses into the pointwise kernel that quantizes the input."""
 
-    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device=None):
-        super().__init__(out_features, in_features, device)
+    def __init__(self, out_features: int, in_features: int, dtype: torch.dtype, device=None, fast_accum: bool = False):
+        super().__init__(out_features, in_features, device, fast_accum)
         self.register_buffer("pre_quant_scale", torch.ones(in_features, dtype=dtype, device=device))
 
     def forward(self, x):
-        return fp8_linear(x * self.pre_quant_scale, self.weight, self.weight_scale, self.input_scale)
+        return fp8_linear(x * self.pre_quant_scale, self.weight, self.weight_scale, self.input_scale, self.fast_accum)
 
 
 class NVFP4Linear(nn.Module):
@@ -104,14 +106,15 @@ def quantized_template(block: Block, cfg, recipe: QuantRecipe) -> Block:
         # Buffers, so the scales travel with the block's weights; the block segment binds them into its attn_fn.
         for name in ATTENTION_SCALES:
             block.attn.register_buffer(name, torch.ones(1, dtype=torch.float32, device=device))
+    fast = {"fast_accum": recipe.fp8_accum == "fast"} if recipe.precision == "fp8" else {}
     for name in recipe.quantized_linears():
         linear = block.get_submodule(name)
         shape = (linear.out_features, linear.in_features)
         if recipe.smooths_inputs:
             cls = SmoothedFP8Linear if recipe.precision == "fp8" else SmoothedNVFP4Linear
-            module = cls(*shape, dtype=linear.weight.dtype, device=device)
+            module = cls(*shape, dtype=linear.weight.dtype, device=device, **fast)
         else:
-            module = (FP8Linear if recipe.precision == "fp8" else NVFP4Linear)(*shape, device=device)
+            module = (FP8Linear if recipe.precision == "fp8" else NVFP4Linear)(*shape, device=device, **fast)
         _swap(block, name, module)
     return block
 

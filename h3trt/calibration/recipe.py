@@ -30,6 +30,10 @@ CALIB_ALGO_NOTES = {
     "awq_lite": "per-input-channel scales searched (alpha in 0..1) to minimise the quantized layer's output error, "
                 "folded into the weights (W * s) with x * 1/s before the GEMM (pre_quant_scale); weights then max",
 }
+# How FP8 GEMMs accumulate (torch._scaled_mm's use_fast_accum; the first is the default): "fast" keeps the Hopper
+# tensor cores' FP8 accumulator over the whole reduction, "exact" promotes partial sums to fp32 every few k-blocks
+# (cuBLAS's default). Measured on the H200 by scripts/bench_fp8.py (bench/README.md: speed and the block's error).
+FP8_ACCUMS = ("fast", "exact")
 ATTENTION_KERNELS = kernels_for("fp8")  # cudnn | fa3 | emulated: h3trt/calibration/fp8_attention.py says what each runs
 # The ModelOpt release the calibration is written against: its algorithms' defaults, its SmoothQuant's int8 gate and
 # its NVFP4 tensor export (h3trt/calibration/calibrate.py says where each is used). Another release is refused,
@@ -39,8 +43,9 @@ MODELOPT_FIX = (f"pip install 'h3trt[calibration]' (nvidia-modelopt=={MODELOPT_V
                 "h3trt calibrates every FP8/NVFP4 bundle through it)")
 # How each precision executes: recorded in the manifest, so a reader knows what the bundle actually does.
 EXECUTION = {
-    "fp8": "W8A8: e4m3 weights and activations, per-tensor static scales, torch._scaled_mm (cuBLAS on CUDA); the "
-           "activation quantization is a pointwise op Inductor fuses into the kernel that produces the activation",
+    "fp8": "W8A8: e4m3 weights and activations, per-tensor static scales, torch._scaled_mm (cuBLAS on CUDA; "
+           "accumulation per fp8_accum); the activation quantization is a pointwise op Inductor fuses into the kernel "
+           "that produces the activation",
     "nvfp4": "weight-only: packed E2M1 weights with E4M3 scales per 16 values and an fp32 global scale, dequantized "
              "to bf16 inside the compiled block before a bf16 GEMM (saves memory, not time; native FP4 GEMMs need "
              "sm_100+ and are not implemented in this build)",
@@ -79,6 +84,7 @@ class QuantRecipe:
     fp4_activations: bool = False
     calib_steps: int = 0  # sigma grid points of each calibration trajectory (0: not calibrated)
     calib_prompts: int = 0  # how many prompts the calibration ran
+    fp8_accum: str = FP8_ACCUMS[0]  # fp8: how the GEMMs accumulate (FP8_ACCUMS); unused by nvfp4
 
     def __post_init__(self):
         if self.precision not in QUANT_PRECISIONS:
@@ -99,6 +105,8 @@ class QuantRecipe:
             raise ValueError("--quant-exclude lists every block linear: nothing would be quantized; build bf16.")
         if any(i < 0 for i in self.exclude_blocks) or tuple(sorted(set(self.exclude_blocks))) != self.exclude_blocks:
             raise ValueError(f"exclude_blocks must be distinct non-negative indices in order, got {self.exclude_blocks}.")
+        if self.fp8_accum not in FP8_ACCUMS:
+            raise ValueError(f"--fp8-accum must be one of {FP8_ACCUMS}, got {self.fp8_accum!r}.")
         if self.fp4_activations and self.precision != "nvfp4":
             raise ValueError("fp4_activations applies to --precision nvfp4.")
         if self.fp8_attention and self.precision != "fp8":
@@ -141,8 +149,9 @@ class QuantRecipe:
     def from_dict(cls, data: dict) -> "QuantRecipe":
         keep = {"precision", "calib_algo", "fp4_activations", "fp8_attention", "attention_kernel", "calib_steps",
                 "calib_prompts"}
+        # Bundles recorded before fp8_accum existed ran cuBLAS's default, exact accumulation.
         return cls(**{k: data[k] for k in keep}, exclude_blocks=tuple(data["exclude_blocks"]),
-                   exclude_linears=tuple(data["exclude_linears"]))
+                   exclude_linears=tuple(data["exclude_linears"]), fp8_accum=data.get("fp8_accum", "exact"))
 
 
 def parse_exclusions(items) -> tuple[tuple[int, ...], tuple[str, ...]]:
