@@ -26,6 +26,7 @@ from ..models.vae_checkpoint import load_audio_vae
 from ..models.precision import eager_dtype, precision_dtype
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
+from .records import process_started_unix
 from .request import Prepared
 
 
@@ -108,6 +109,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     public key the bundle must be signed with (Engine.load)."""
     device = torch.device(device)
     start = time.perf_counter()
+    started_unix, process_unix = time.time(), process_started_unix()
     # diffusers resolves its classes lazily, and two threads importing through it (and transformers) at once can
     # see a half-initialised module (measured: "cannot import name 'AutoModel'"): resolve the VAE classes here.
     import diffusers
@@ -144,7 +146,9 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                       schedule.audio_shift, prepared.request.task)
 
     shifts = (m.schedule.video_shift, m.schedule.audio_shift)
-    report = {"engine": engine.load_report, "engine_s": round(engine_s, 4)}
+    # Process start to this load: interpreter, imports, CUDA's first call, the request's checks (tokenizer included).
+    before = round(started_unix - process_unix, 4) if process_unix is not None else None
+    report = {"process_to_load_s": before, "engine": engine.load_report, "engine_s": round(engine_s, 4)}
 
     def vaes() -> tuple[VideoVAE, AudioVAE]:
         # Off the cold-start path: the first denoise step needs neither VAE (a keyframe's encode, or the decode,

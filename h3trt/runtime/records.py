@@ -3,6 +3,7 @@ puts the record and the clip in place together."""
 
 from __future__ import annotations
 
+import os
 import platform
 import time
 from contextlib import contextmanager
@@ -16,6 +17,18 @@ from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout
 from ..models.sampler import Schedule
 from .files import commit, discard, write_json_file
 from .request import Prepared
+
+
+def process_started_unix() -> float | None:
+    """When this process started, in Unix seconds (Linux: /proc; None elsewhere): a record's cold start begins there,
+    before the interpreter imported anything."""
+    try:
+        fields = Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()
+        boot = next(float(line.split()[1]) for line in Path("/proc/stat").read_text().splitlines()
+                    if line.startswith("btime "))
+        return boot + int(fields[19]) / os.sysconf("SC_CLK_TCK")  # field 22, starttime, in clock ticks since boot
+    except (OSError, ValueError, IndexError, StopIteration):
+        return None
 
 
 class StageTimer:
