@@ -110,11 +110,6 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     device = torch.device(device)
     start = time.perf_counter()
     started_unix, process_unix = time.time(), process_started_unix()
-    # diffusers resolves its classes lazily, and two threads importing through it (and transformers) at once can
-    # see a half-initialised module (measured: "cannot import name 'AutoModel'"): resolve the VAE classes here.
-    import diffusers
-
-    diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio
     text_parts = ("text_encoder", "tokenizer", "processor")
     # Engine.load reads and checks the manifest (and its signature) again; this is only for the text dtype.
     dtype = precision_dtype(read_manifest(bundle_root).precision)
@@ -123,10 +118,21 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     def text_encoder_alongside(verification) -> None:
         # The text encoder loads on its own thread while the DiT weights stream in: the first step needs it.
         def load_text():
+            # Imports first, while the weights stream: transformers and diffusers take seconds (10 s on the H200
+            # machine), and nothing before the first step needs them on the main thread. The VAE classes are
+            # resolved here too, on this one thread: diffusers resolves its classes lazily, and two threads importing
+            # through it (and transformers) at once can see a half-initialised module (measured: "cannot import name
+            # 'AutoModel'"); the VAE thread starts only after this one has finished.
+            t0 = time.perf_counter()
+            import diffusers
+
+            diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio
+            quiet_transformers()
+            imports_s = time.perf_counter() - t0
             for part in text_parts:
                 verification.wait_prefix(f"{part}/")
             t0 = time.perf_counter()
-            return _text_encoder(Path(bundle_root), device, dtype), time.perf_counter() - t0
+            return _text_encoder(Path(bundle_root), device, dtype), time.perf_counter() - t0, imports_s
 
         pending["text"] = Deferred(load_text)
 
@@ -171,8 +177,9 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
 
     t0 = time.perf_counter()
     if "text" in pending:
-        text_encoder, load_s = pending["text"].result()
+        text_encoder, load_s, imports_s = pending["text"].result()
         report["text_encoder_load_s"] = round(load_s, 4)  # on its thread, overlapping the weights
+        report["text_encoder_imports_s"] = round(imports_s, 4)  # transformers and diffusers, on that thread
     else:  # a tensorrt bundle: loaded and verified before this point
         text_encoder = _text_encoder(Path(bundle_root), device, dtype)
     report["text_encoder_wait_s"] = round(time.perf_counter() - t0, 4)  # after the DiT was ready

@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
-from transformers import AutoTokenizer
 
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK,
@@ -193,6 +192,11 @@ def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) ->
     long = [(where, p) for where, p in prompts if len(p.encode("utf-8")) > MAX_PROMPT_TOKENS]
     if not long:
         return
+    # transformers takes 10 s to import on the H200 machine (its auto classes pull in sklearn, sympy and
+    # torch.distributed.tensor): imported here, only for a long prompt, so a bundle's cold start imports it on the
+    # text encoder's thread while the DiT weights stream in (runtime/loading.py).
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(Path(component_root) / TOKENIZER_DIR, local_files_only=True)
     over = []
     for where, p in long:
