@@ -331,9 +331,11 @@ def run(out: Path, cpu_check: bool, n_blocks: int, calib_inputs: int) -> dict:
 
 
 # What importing ModelOpt 0.47 and running the calibration needs beyond torch (bench/README.md lists the wheels).
+# huggingface_hub's own dependencies depend on its version (2.x: httpx2, httpcore2, truststore; the GPU image's 1.33:
+# httpx), so only the hub itself is listed.
 MODELOPT_NEEDS = ("modelopt", "scipy", "pulp", "pydantic", "pydantic_core", "annotated_types", "typing_inspection",
                   "omegaconf", "yaml", "regex", "rich", "tqdm", "packaging", "safetensors", "numpy", "requests",
-                  "urllib3", "idna", "certifi", "huggingface_hub", "httpx2", "httpcore2", "h11", "truststore")
+                  "urllib3", "idna", "certifi", "huggingface_hub")
 
 
 def main() -> int:
