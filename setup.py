@@ -26,6 +26,7 @@ setup(
     extras_require={
         "test": [
             "pytest",
+            "pytest-xdist",  # the README's test command runs two workers (-n 2 --dist loadfile), one per CI core
             # The TensorRT backend's CPU tests (tests/test_tensorrt.py): ONNX export and onnxruntime parity, ModelOpt
             # FP8/NVFP4 Q/DQ (with the pieces of its [onnx] extra the NVFP4 exporter imports; the extra itself pulls
             # CUDA wheels), and TensorRT-RTX, which builds plans without a GPU. About 150 MB, under a minute to install.

@@ -16,14 +16,29 @@ BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT
 BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle", "lora_bundle"}
 
 
+# The files whose bundle builds and spawned ranks take minutes: run first, so that under pytest-xdist (README: `-n 2
+# --dist loadfile`, one file per worker at a time) no long file starts last while the other workers sit idle.
+SLOW_FILES = ("test_engine.py", "test_mesh.py", "test_quant.py", "test_vae_precision.py", "test_fewstep.py",
+              "test_parallel_vae.py", "test_step_cache.py")
+
+
+def pytest_configure(config):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # One intra-op thread per worker: the workers already fill the cores, and torch's default (a thread per
+        # core in every worker) oversubscribes them. Processes the tests spawn keep torch's default.
+        torch.set_num_threads(1)
+
+
 def pytest_collection_modifyitems(config, items):
     """Tiers (registered in setup.cfg): a test that takes a built bundle is a build test; a test without a tier
-    marker is a unit test."""
+    marker is a unit test. The slow files go first (stable: the order inside each file is kept)."""
     for item in items:
         if BUNDLE_FIXTURES & set(getattr(item, "fixturenames", ())) and not item.get_closest_marker("build"):
             item.add_marker(pytest.mark.build)
         if not any(item.get_closest_marker(t) for t in TIERS):
             item.add_marker(pytest.mark.unit)
+    rank = {name: i for i, name in enumerate(SLOW_FILES)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(SLOW_FILES)))
 
 
 @pytest.fixture(scope="session")
