@@ -22,7 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from .build.builder import BuildConfig, Profile, build
+from .build.builder import build
+from .build.config import BuildConfig, Profile
 from .calibration.recipe import FP8_ACCUMS
 from .engines.manifest import BACKENDS, MANIFEST, read_manifest, verify_files
 from .engines.signing import (generate_key, key_fingerprint, load_private_key, load_public_key, read_signature,

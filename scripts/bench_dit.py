@@ -207,7 +207,8 @@ def _write(path: Path, data: dict) -> None:
 
 
 def run_stack(out_path: Path, layers: int) -> dict:
-    from h3trt.build.builder import BuildConfig, Profile, build
+    from h3trt.build.builder import build
+    from h3trt.build.config import BuildConfig, Profile
     from h3trt.models.checkpoint_writer import random_state_dict, save_official
     from h3trt.models.config import H3Config
 

@@ -364,7 +364,8 @@ def _fresh_process_check(video: VideoVAE, work: Path, entries: dict, examples: d
     (the bundle's inductor_cache/). Whether a full-size decoder compiled here would ship as a loadable bundle."""
     import shutil
 
-    from h3trt.build.builder import BuildConfig, BuildError, _verify_in_subprocess
+    from h3trt.build.builder import BuildError, _verify_in_subprocess
+    from h3trt.build.config import BuildConfig
 
     start = time.perf_counter()
     cache = os.environ.get("TORCHINDUCTOR_CACHE_DIR")

@@ -26,7 +26,7 @@ import numpy as np
 import pytest
 import torch
 
-from h3trt.build.builder import BuildConfig
+from h3trt.build.config import BuildConfig
 from h3trt.models.config import H3Config
 from h3trt.models.dit import Block, rope_inv_freq, rope_tables
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
@@ -180,7 +180,8 @@ def test_onnx_qdq_carries_the_scales_of_the_inductor_modules(name, tiny_root, tm
     import onnx
     from onnx import numpy_helper
 
-    from h3trt.build.builder import Profile, example_inputs
+    from h3trt.build.builder import example_inputs
+    from h3trt.build.config import Profile
     from h3trt.build.onnx_export import export_graph, segment_graphs
     from h3trt.models.checkpoint import load_dit
 

@@ -16,7 +16,8 @@ import torch
 
 from h3trt.build.adaln import schedule_timesteps
 from h3trt.engines.adaln import BakedAdaLN
-from h3trt.build.builder import BuildConfig, BuildError, Profile, _verify_in_subprocess, build, example_inputs
+from h3trt.build.builder import BuildError, _verify_in_subprocess, build, example_inputs
+from h3trt.build.config import BuildConfig, Profile
 from h3trt.build.segments import dit_segments
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine

@@ -21,7 +21,7 @@ from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_c
 from safetensors.torch import load_file, save_file
 
 from h3trt.build.adaln import schedule_timesteps
-from h3trt.build.builder import BuildConfig, Profile
+from h3trt.build.config import BuildConfig, Profile
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile

@@ -278,7 +278,7 @@ def test_fp8_sp2_bundle_shards_the_quantized_blocks(fp8_sp2_bundle, tiny_root, t
 
 
 def test_sharded_quantized_builds_refuse_what_they_cannot_shard(tiny_root, tmp_path):
-    from h3trt.build.builder import BuildConfig
+    from h3trt.build.config import BuildConfig
 
     with pytest.raises(ValueError, match="--quant-exclude blocks.N is built for --sp 1 only"):
         BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=tmp_path / "p", sp=2,

@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from h3trt.build.builder import BuildConfig
+from h3trt.build.config import BuildConfig
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.eval import PSNR_CAP_DB, log_spectral_distance, psnr, ssim

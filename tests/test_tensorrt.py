@@ -26,7 +26,8 @@ import pytest
 import tensorrt_rtx as trt
 import torch
 
-from h3trt.build.builder import Profile, example_inputs
+from h3trt.build.builder import example_inputs
+from h3trt.build.config import Profile
 from h3trt.build.onnx_export import export_graph, segment_graphs
 from h3trt.build.tensorrt import TrtFlavour, build_plan, build_plans, input_shapes, parse_targets, shape_ranges
 from h3trt.engines.manifest import BundleError

@@ -14,7 +14,7 @@ from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.models.modeling_utils import get_parameter_dtype
 from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
 
-from h3trt.build.builder import BuildConfig
+from h3trt.build.config import BuildConfig
 from h3trt.cli import main
 from h3trt.eval import psnr
 from h3trt.models.tiny import tiny_audio_vae

@@ -1,0 +1,151 @@
+"""What `h3trt build` is asked for: the build's one frozen configuration (every flag of the command, validated once,
+before anything loads) and the request profiles a bundle serves."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..calibration.recipe import CALIB_ALGOS, FP8_ACCUMS, QUANT_PRECISIONS, QuantRecipe, check_modelopt, parse_exclusions
+from ..models.attention import ATTENTION_REQUESTS, attention_precision
+from ..models.checkpoint import TASK_PARTITIONS
+from ..models.lora import LoraSpec
+from ..models.packing import Geometry, frames_for_duration, validate_canvas
+from ..models.precision import precision_dtype
+from ..models.sampler import DEFAULT_STEPS
+from ..models.vae_precision import VAEPrecision
+from ..parallel.mesh import MeshConfig
+from .backends import BACKENDS
+from .segments import check_sharded_recipe
+from .tensorrt import check_build_config
+
+DEFAULT_CALIB_STEPS = 8  # fp8: the longest calibration trajectory taken by default (grid points)
+
+
+@dataclass(frozen=True)
+class Profile:
+    width: int
+    height: int
+    seconds: float
+
+    @classmethod
+    def parse(cls, text: str) -> "Profile":
+        try:
+            w, h, s = text.lower().split("x")
+            profile = cls(int(w), int(h), float(s))
+        except ValueError:
+            raise ValueError(f"--profile must be WIDTHxHEIGHTxSECONDS (e.g. 1344x768x5), got {text!r}.") from None
+        validate_canvas(profile.height, profile.width)
+        frames_for_duration(profile.seconds)
+        return profile
+
+    @property
+    def geometry(self) -> Geometry:
+        return Geometry(self.height, self.width, frames_for_duration(self.seconds))
+
+
+@dataclass(frozen=True)
+class BuildConfig:
+    model_root: Path
+    output: Path
+    task: str = "t2va"
+    precision: str = "bf16"
+    profiles: tuple[Profile, ...] = (Profile(1344, 768, 5.0),)
+    steps: int = DEFAULT_STEPS
+    video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales
+    audio_shift: float | None = None
+    device: str = "cuda"
+    backend: str = "inductor"
+    keep_adaln: bool = False
+    sp: int = 1  # Ulysses degree the bundle serves: baked into the block segments' head grouping
+    overwrite: bool = False
+    tiny: bool = False
+    cfg: int = 1  # guidance-branch parallel degree the bundle is launched with (1: H3 is guidance-distilled)
+    calib_prompts: Path | None = None  # fp8 / awq_lite: text file, one calibration prompt per line
+    calib_steps: int | None = None  # fp8 / awq_lite: sigma points of each calibration trajectory (None: see recipe)
+    calib_algo: str | None = None  # fp8/nvfp4: ModelOpt calibration algorithm (None: CALIB_ALGOS[precision][0])
+    quant_exclude: tuple[str, ...] = ()  # fp8/nvfp4: blocks.N and/or block linear names kept in bf16
+    fp8_attention: bool = False  # fp8: q/k/v in e4m3 with calibrated scales
+    fp8_accum: str | None = None  # fp8: GEMM accumulation, FP8_ACCUMS (None: the first, fast)
+    trt_targets: str | None = None  # tensorrt: compute capabilities of the plans, e.g. "sm89,sm120" (None: default)
+    # Attention kernel (h3trt/build/attention_choice.py): auto (the fastest measured on the build GPU; a CPU build's
+    # one kernel), or cudnn / fa3 for every attention of the bundle, FP8 attention included.
+    attention: str = "auto"
+    vae_precision: str | None = None  # video decoder: fp32 | bf16 | fp8 (None: bf16 on CUDA, fp32 on the CPU)
+    loras: tuple[LoraSpec, ...] = ()  # merged into the DiT before calibration, baking and compiling, in order
+
+    def __post_init__(self):
+        if self.backend not in BACKENDS:
+            raise ValueError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
+        precision_dtype(self.precision)  # one of DIT_PRECISIONS
+        if self.attention not in ATTENTION_REQUESTS:
+            raise ValueError(f"--attention must be one of {ATTENTION_REQUESTS}, got {self.attention!r}.")
+        if self.backend == "tensorrt" and self.attention != "auto":
+            raise ValueError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
+                             "in its own plans. Drop --attention with --backend tensorrt.")
+        if self.precision in QUANT_PRECISIONS:
+            # validates --calib-algo against the precision, exclusions, --fp8-attention and --calib-steps
+            recipe = self.recipe_for("emulated")
+            if self.sp > 1:
+                check_sharded_recipe(recipe, self.sp)
+            if recipe.needs_calibration_data and self.calib_prompts is None:
+                what = ("AWQ's scales are" if recipe.calib_algo == "awq_lite" else "its activation ranges are")
+                raise ValueError(f"--precision {self.precision} needs --calib-prompts FILE (one prompt per line) for "
+                                 f"--calib-algo {recipe.calib_algo}: {what} calibrated on real denoising trajectories.")
+            check_modelopt()  # calibration runs through ModelOpt: missing or another version is refused here
+        elif (self.quant_exclude or self.fp8_attention or self.calib_prompts is not None
+              or self.calib_algo is not None):
+            raise ValueError(f"--quant-exclude, --fp8-attention, --calib-prompts and --calib-algo apply to --precision "
+                             f"fp8/nvfp4, not {self.precision}.")
+        if self.fp8_accum is not None and (self.precision != "fp8" or self.backend == "tensorrt"):
+            raise ValueError("--fp8-accum sets how the inductor and aoti backends' FP8 GEMMs accumulate: it applies to "
+                             f"--precision fp8 (got {self.precision}) and not to --backend tensorrt, whose plans "
+                             "choose their own kernels.")
+        if self.task not in TASK_PARTITIONS:
+            raise ValueError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
+        self.vae  # validates --vae-precision
+        MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
+        if not self.profiles:
+            raise ValueError("At least one --profile is needed.")
+        for spec in self.loras:  # before the (slow) checkpoint load
+            if not Path(spec.path).is_file():
+                raise ValueError(f"--lora {spec.path} does not exist; pass a LoRA .safetensors file.")
+        if self.backend == "tensorrt":
+            check_build_config(self)
+        elif self.trt_targets is not None:
+            raise ValueError("--trt-targets applies to --backend tensorrt.")
+
+    @property
+    def vae(self) -> VAEPrecision:
+        """The video decoder's precision. TensorRT plans serve on CUDA wherever they were built, and so does their
+        (eager) video decoder."""
+        return VAEPrecision.resolve(self.vae_precision, "cuda" if self.backend == "tensorrt" else self.device)
+
+    def recipe_for(self, fp8_kernel: str) -> QuantRecipe | None:
+        """The quantization recipe, its FP8 attention (with --fp8-attention) running `fp8_kernel`."""
+        if self.precision not in QUANT_PRECISIONS:
+            return None
+        blocks, linears = parse_exclusions(self.quant_exclude)
+        algo = self.calib_algo or CALIB_ALGOS[self.precision][0]
+        recipe = QuantRecipe(self.precision, algo, exclude_blocks=blocks, exclude_linears=linears,
+                             fp4_activations=self.precision == "nvfp4" and self.backend == "tensorrt",
+                             fp8_attention=self.fp8_attention,
+                             attention_kernel=fp8_kernel if self.fp8_attention else "",
+                             calib_steps=self.calibration_steps, fp8_accum=self.fp8_accum or FP8_ACCUMS[0])
+        # A weight-only calibration runs no trajectories: its manifest says 0 steps.
+        return recipe if recipe.needs_calibration_data else dataclasses.replace(recipe, calib_steps=0)
+
+    @property
+    def calibration_steps(self) -> int:
+        """--calib-steps, else the bundle's own schedule when it has at most DEFAULT_CALIB_STEPS points (a few-step
+        bundle calibrates on exactly the timesteps it serves), else a DEFAULT_CALIB_STEPS-point grid with the
+        bundle's shifts (a cost cap: a 50-point trajectory costs 6x the calibration time for max scales)."""
+        if self.calib_steps is not None:
+            return self.calib_steps
+        return self.steps if self.steps <= DEFAULT_CALIB_STEPS else DEFAULT_CALIB_STEPS
+
+    def attention_precisions(self) -> tuple[str, ...]:
+        """Every precision the bundle's attention runs in: the block dtype's (always: the block_hp layers, or every
+        layer), and fp8 with --fp8-attention."""
+        return (attention_precision(precision_dtype(self.precision)),) + (("fp8",) if self.fp8_attention else ())
