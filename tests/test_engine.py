@@ -102,6 +102,25 @@ def test_serving_compiles_nothing():
     assert "invoked while serving from a bundle" in str(info.value) or isinstance(info.value, CompilerInvoked)
 
 
+def test_segments_load_on_one_compile_thread(bundles, monkeypatch):
+    """Loading a bundle's segments must not start Inductor's pool of compile workers (a process per core importing
+    torch: 5.3 s of the full-size segment load on the H200 machine): the load runs with compile_threads 1, and the
+    process's own setting is back afterwards."""
+    import torch._inductor.config as inductor_config
+    from h3trt.engines import loaders
+
+    seen = []
+    real = loaders.load_segment
+    monkeypatch.setattr(loaders, "load_segment",
+                        lambda *a, **k: seen.append(inductor_config.compile_threads) or real(*a, **k))
+    monkeypatch.setattr(inductor_config, "compile_threads", 7)
+    root = bundles["inductor"]
+    manifest = read_manifest(root)
+    segments = loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
+    assert set(segments) == set(manifest.segments) and seen == [1] * len(manifest.segments)
+    assert inductor_config.compile_threads == 7
+
+
 def test_manifest_records_the_build(bundles):
     m = read_manifest(bundles["inductor"])
     assert m.backend == "inductor" and m.precision == "fp32" and m.arch.startswith("cpu-")

@@ -80,7 +80,12 @@ def _no_precompiled_header(*args, **kwargs) -> str:
 
 def load_segments(root: Path, backend: str, entries: dict, device: torch.device) -> dict[str, LoadedSegment]:
     activate_compiled_cache(root)
-    with no_compile():
+    # One compile thread: a saved Triton kernel loads in this process either way (from the bundled binaries), but with
+    # more than one Inductor first starts its pool of compile workers, a process per core, each importing torch: on the
+    # 16-core H200 machine that pool cost 5.3 s of a 9.1 s segment load and took the cores hashing the weights.
+    import torch._inductor.config as inductor_config
+
+    with no_compile(), inductor_config.patch(compile_threads=1):
         return {name: load_segment(backend, entry, Path(root), device) for name, entry in entries.items()}
 
 
