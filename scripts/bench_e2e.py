@@ -597,7 +597,6 @@ def evict_page_cache(root: Path) -> dict:
 
 
 def phase_run(ctx: Ctx, row: str) -> None:
-    precision, sp, _ = ROWS[row]
     result = ctx.results.setdefault("rows", {}).setdefault(row, {})
     bundle = bundle_path(ctx, row)
     if not (bundle / "manifest.json").exists():
@@ -605,18 +604,46 @@ def phase_run(ctx: Ctx, row: str) -> None:
                                   "loses it)"}
         ctx.log(f"run {row}: {result['run']['error']}")
         return
-    steps = row_steps(ctx, row)
     outdir = ctx.state / "out"
     outdir.mkdir(parents=True, exist_ok=True)
     clip = outdir / f"{row}.mp4"
     xdg = ctx.state / f"xdg-run-{row}"  # empty: no verified-once record, so this load hashes every byte
     shutil.rmtree(xdg, ignore_errors=True)
     xdg.mkdir(parents=True)
+    run = run_clip(ctx, row, bundle, clip, xdg, evict=True)
+    result["run"] = run
+    if "error" in run:
+        return
+    ctx.log(f"run {row}: first step {run['cold_start_s']:.1f} s after launch, {run['step_s']:.3f} s per step, "
+            f"denoise {run['denoise_s']:.1f} s, decode {run['video_decode_s']:.1f} s, wall {run['wall_s']:.1f} s"
+            + (f" -> {run['end_to_end_49_s']:.1f} s extrapolated to 49 evaluations" if run["extrapolated"] else ""))
+    if row in ctx.args.second_start:
+        result["second_start"] = second_start(ctx, bundle, xdg)
+    if row in ctx.args.warm_run:
+        # The same run again with the bundle's pages still in memory and the verified-once record present: what a
+        # fleet node restarting its process sees, and the loader without this machine's disk (1.6 GB/s) under it.
+        warm = run_clip(ctx, row, bundle, clip, xdg, evict=False)
+        result["warm_run"] = warm
+        if "error" not in warm:
+            ctx.log(f"run {row} again, pages cached: first step {warm['cold_start_s']:.1f} s after launch (weights "
+                    f"{warm['load']['engine']['weights_GBps']} GB/s, process start to load "
+                    f"{warm['load']['process_to_load_s']} s)")
+    clip.unlink(missing_ok=True)
+    if not ctx.args.keep_bundles:
+        shutil.rmtree(bundle, ignore_errors=True)
+        ctx.log(f"run {row}: deleted {bundle} (--keep-bundles keeps it)")
+
+
+def run_clip(ctx: Ctx, row: str, bundle: Path, clip: Path, xdg: Path, evict: bool) -> dict:
+    """`h3trt run --engine` in a fresh process, the bundle's pages evicted first (or left cached); the record's
+    cold-start split, step times, energy."""
+    _, sp, _ = ROWS[row]
+    steps = row_steps(ctx, row)
     prompt = checkpoint_complete(ctx)["prompt"] if checkpoint_complete(ctx) else BASE_PROMPT
-    evicted = evict_page_cache(bundle)
+    evicted = evict_page_cache(bundle) if evict else {"how": "not evicted: pages cached by the previous load"}
     cmd = [sys.executable, "-m", "h3trt.cli", "run", "--engine", str(bundle), "--prompt", prompt, "--output",
            str(clip), "--width", str(ctx.width), "--height", str(ctx.height), "--duration", "5", "--steps", str(steps),
-           "--profile-step", str(min(4, steps - 1)), "--quiet", "--overwrite"]
+           "--profile-step", str(min(ctx.args.profile_step, steps - 1)), "--quiet", "--overwrite"]
     if sp > 1:
         cmd += ["--gpus", str(sp)]
     nvml = NvmlSampler().start()
@@ -625,29 +652,27 @@ def phase_run(ctx: Ctx, row: str) -> None:
     ended = time.time()
     nvml.stop()
     run = {"rc": rc, "process_s": round(seconds, 2), "steps": steps, "page_cache": evicted,
-           "command": " ".join(cmd[2:])}
+           "python_bytecode": bytecode_note(), "command": " ".join(cmd[2:])}
     record_file = clip.with_suffix(".json")
     if rc != 0 or not record_file.exists():
         run["error"] = f"h3trt run exited {rc} (see {ctx.log_path})"
-        result["run"] = run
         ctx.log(f"run {row}: {run['error']}")
-        return
+        return run
     record = json.loads(record_file.read_text())
+    record_file.unlink()
     run.update(summarise_run(record, launched, ended, nvml))
     run["record"] = record
-    result["run"] = run
-    ctx.log(f"run {row}: first step {run['cold_start_s']:.1f} s after launch, {run['step_s']:.3f} s per step, "
-            f"denoise {run['denoise_s']:.1f} s, decode {run['video_decode_s']:.1f} s, wall {run['wall_s']:.1f} s"
-            + (f" -> {run['end_to_end_49_s']:.1f} s extrapolated to 49 evaluations" if run["extrapolated"] else ""))
-    if row in ctx.args.second_start:
-        result["second_start"] = second_start(ctx, bundle, xdg)
-        # Once more with the bundle's pages still in memory (what a fleet node restarting a process, or a bundle on
-        # a RAM disk, sees): the loader without the disk under it.
-        result["warm_start"] = second_start(ctx, bundle, xdg, evict=False)
-    clip.unlink(missing_ok=True)
-    if not ctx.args.keep_bundles:
-        shutil.rmtree(bundle, ignore_errors=True)
-        ctx.log(f"run {row}: deleted {bundle} (--keep-bundles keeps it)")
+    return run
+
+
+def bytecode_note() -> str:
+    """Where this run's Python finds compiled bytecode: a process that cannot read or write .pyc files compiles
+    every module it imports from source (seconds of torch and Inductor on the H200 image)."""
+    prefix = os.environ.get("PYTHONPYCACHEPREFIX")
+    if prefix:
+        return f"PYTHONPYCACHEPREFIX={prefix} (compiled ahead with compileall)"
+    return "as the image has it" + (" (PYTHONDONTWRITEBYTECODE set)" if os.environ.get("PYTHONDONTWRITEBYTECODE")
+                                    else "")
 
 
 def summarise_run(record: dict, launched: float, ended: float, nvml: NvmlSampler) -> dict:
@@ -662,7 +687,8 @@ def summarise_run(record: dict, launched: float, ended: float, nvml: NvmlSampler
     out = {
         "cold_start_s": round(spans["denoise"][0] - launched, 3),  # process launch -> first denoise step
         "load": record.get("load"),
-        "step_s": round(step_s, 4), "evaluations": evals, "denoise_s": t["denoise"],
+        "step_s": round(step_s, 4), "first_step_s": round(marks[0], 3) if marks else None,
+        "evaluations": evals, "denoise_s": t["denoise"],
         "video_decode_s": t.get("video_decode"), "audio_decode_s": t.get("audio_decode"), "mux_s": t.get("mux"),
         "decode_tail_s": t.get("decode_tail_s"), "wall_s": record["wall_s"],
         "process_wall_s": round(ended - launched, 2),
@@ -750,7 +776,13 @@ def summarise(ctx: Ctx) -> None:
                       "weights_GBps": ((r[k].get("load") or {}).get("engine") or {}).get("weights_GBps"),
                       "process_to_load_s": (r[k].get("load") or {}).get("process_to_load_s")}
                   for k in ("second_start", "warm_start") if isinstance(r.get(k), dict) and "ready_s" in r[k]}
+        warm = r.get("warm_run") or {}
+        if "cold_start_s" in warm:
+            starts["warm_run"] = {"cold_start_s": warm["cold_start_s"], "first_step_s": warm.get("first_step_s"),
+                                  "weights_GBps": (warm["load"].get("engine") or {}).get("weights_GBps"),
+                                  "process_to_load_s": warm["load"].get("process_to_load_s")}
         summary[row] = {"end_to_end_49_s": run["end_to_end_49_s"], "cold_start_s": run["cold_start_s"],
+                        "first_step_s": run.get("first_step_s"), "python_bytecode": run.get("python_bytecode"),
                         "process_to_load_s": (run.get("load") or {}).get("process_to_load_s"), **starts,
                         "weights_GBps": load.get("weights_GBps"),
                         "speedup_vs_diffusers": (round(diffusers_e2e / run["end_to_end_49_s"], 3)
@@ -776,6 +808,11 @@ def summarise(ctx: Ctx) -> None:
         lines.append(f"{row}: {s['speedup_vs_diffusers']}x Diffusers end to end; host idle "
                      f"{s['host_idle_fraction']} of a step; video VAE {s['video_vae']}; process start to bundle "
                      f"load {s['process_to_load_s']} s")
+        if "warm_run" in s:
+            w = s["warm_run"]
+            lines.append(f"{row} warm_run (pages cached, record present): first step {w['cold_start_s']} s after "
+                         f"launch, weights {w['weights_GBps']} GB/s, process start to bundle load "
+                         f"{w['process_to_load_s']} s, first step took {w['first_step_s']} s")
         for k in ("second_start", "warm_start"):
             if k in s:
                 lines.append(f"{row} {k}: ready {s[k]['ready_s']} s after launch (before the text encode), weights "
@@ -818,8 +855,11 @@ def main() -> int:
     p.add_argument("--ref-evals", type=int, default=3, help="Diffusers evaluations (the first a warm-up)")
     p.add_argument("--eager-evals", type=int, default=2, help="h3trt eager evaluations (the first a warm-up)")
     p.add_argument("--ref-decodes", type=int, default=2, help="Diffusers VAE decodes (the first a warm-up)")
-    p.add_argument("--second-start", default="fp8", help="rows whose bundle is loaded again with the verified-once "
-                                                         "record present (comma list, '' for none)")
+    p.add_argument("--second-start", default="", help="rows whose bundle is loaded again (load only) with the "
+                                                      "verified-once record present, pages evicted (comma list)")
+    p.add_argument("--warm-run", default="fp8", help="rows run again with the bundle's pages cached and the "
+                                                     "verified-once record present (comma list, '' for none)")
+    p.add_argument("--profile-step", type=int, default=4, help="the step whose host overhead the run profiles")
     p.add_argument("--keep-bundles", action="store_true", help="keep each bundle after its run")
     p.add_argument("--budget-s", type=float, default=None, help="stop subprocesses in time to write the results "
                                                                  "(default 560: a device call may not exceed 600 s; "
@@ -829,15 +869,16 @@ def main() -> int:
     args.state = args.state or f"/dev/shm/h3trt-e2e{suffix}"
     args.bundles = args.bundles or f"/tmp/h3trt-e2e-bundles{suffix}"
     args.second_start = [r for r in args.second_start.split(",") if r]
+    args.warm_run = [r for r in args.warm_run.split(",") if r]
     args.budget_s = args.budget_s or (3600.0 if args.tiny else 560.0)
     phases = [x for x in args.phase.split(",") if x]
     rows = [x for x in args.rows.split(",") if x]
     for x in phases:
         if x not in PHASES:
             p.error(f"--phase {x!r}: choose from {PHASES}")
-    for x in rows + args.second_start:
+    for x in rows + args.second_start + args.warm_run:
         if x not in ROWS:
-            p.error(f"--rows / --second-start {x!r}: choose from {list(ROWS)}")
+            p.error(f"--rows / --second-start / --warm-run {x!r}: choose from {list(ROWS)}")
     ctx = Ctx(args)
     ctx.results.setdefault("calls", []).append({"phases": phases, "rows": rows, "started_unix": ctx.started,
                                                 "env": ctx.env()})
