@@ -201,6 +201,10 @@ def cmd_run(args) -> int:
                       args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
                       args.negative_prompt, step_cache_from_args(args))
     prepared = prepare(request, entry.canvas)  # every input error surfaces here, before any model is loaded
+    entry.admit(prepared)
+    if args.profile_step is not None and not 1 <= args.profile_step < steps:
+        raise ValueError(f"--profile-step {args.profile_step}: a {steps}-step request runs {steps - 1} evaluations; "
+                         f"pick one of 1..{steps - 1}.")
     geo = prepared.geometry
     preflight_clip(output, record_path(output), args.overwrite,
                    estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, args.crf))

@@ -9,6 +9,8 @@ import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -102,6 +104,29 @@ def test_serving_compiles_nothing():
     assert "invoked while serving from a bundle" in str(info.value) or isinstance(info.value, CompilerInvoked)
 
 
+def test_an_error_right_after_the_load_exits_with_its_code(bundles):
+    """The pipeline returns while the VAEs still load in the background; a process that ends right then (any error
+    after the load) must exit with its own code. A daemon loader thread still inside torch at interpreter exit made it
+    abort instead ("terminate called without an active exception", exit 134)."""
+    code = ("import sys\nfrom h3trt.runtime.pipeline import H3Pipeline\n"
+            f"H3Pipeline.load_engine({str(bundles['inductor'])!r}, 'cpu')\nsys.exit(3)\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 3 and "terminate called" not in proc.stderr, proc.stderr[-2000:]
+
+
+def test_a_request_the_bundle_cannot_serve_is_refused_before_the_load(bundles, tmp_path, monkeypatch, capsys):
+    """A schedule the AdaLN tables were not baked for, or a --profile-step past the last evaluation, is refused
+    from the manifest alone: nothing loads."""
+    from h3trt.runtime import entry as entry_module
+
+    monkeypatch.setattr(entry_module.Entry, "load", lambda *a, **k: pytest.fail("the bundle was loaded"))
+    base = ["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output", str(tmp_path / "a.mp4")]
+    assert main([*base, "--steps", str(BUNDLE_STEPS + 1)]) == 2
+    assert "baked for steps=" in capsys.readouterr().err
+    assert main([*base, "--profile-step", str(BUNDLE_STEPS)]) == 2
+    assert f"pick one of 1..{BUNDLE_STEPS - 1}" in capsys.readouterr().err
+
+
 def test_segments_load_on_one_compile_thread(bundles, monkeypatch):
     """Loading a bundle's segments must not start Inductor's pool of compile workers (a process per core importing
     torch: 5.3 s of the full-size segment load on the H200 machine): the load runs with compile_threads 1, and the
@@ -114,11 +139,18 @@ def test_segments_load_on_one_compile_thread(bundles, monkeypatch):
     monkeypatch.setattr(loaders, "load_segment",
                         lambda *a, **k: seen.append(inductor_config.compile_threads) or real(*a, **k))
     monkeypatch.setattr(inductor_config, "compile_threads", 7)
+    monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     root = bundles["inductor"]
     manifest = read_manifest(root)
     segments = loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
     assert set(segments) == set(manifest.segments) and seen == [1] * len(manifest.segments)
     assert inductor_config.compile_threads == 7
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")  # Inductor's own knob, when a user sets it, wins
+    loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
+    assert seen[len(manifest.segments):] == [4] * len(manifest.segments)
+    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "many")
+    with pytest.raises(ValueError, match="TORCHINDUCTOR_COMPILE_THREADS"):
+        loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
 
 
 def test_manifest_records_the_build(bundles):

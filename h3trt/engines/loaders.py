@@ -80,13 +80,22 @@ def _no_precompiled_header(*args, **kwargs) -> str:
 
 def load_segments(root: Path, backend: str, entries: dict, device: torch.device) -> dict[str, LoadedSegment]:
     activate_compiled_cache(root)
-    # One compile thread: a saved Triton kernel loads in this process either way (from the bundled binaries), but with
-    # more than one Inductor first starts its pool of compile workers, a process per core, each importing torch: on the
-    # 16-core H200 machine that pool cost 5.3 s of a 9.1 s segment load and took the cores hashing the weights.
     import torch._inductor.config as inductor_config
 
-    with no_compile(), inductor_config.patch(compile_threads=1):
+    with no_compile(), inductor_config.patch(compile_threads=load_compile_threads()):
         return {name: load_segment(backend, entry, Path(root), device) for name, entry in entries.items()}
+
+
+def load_compile_threads() -> int:
+    """Inductor's compile threads while segments load: TORCHINDUCTOR_COMPILE_THREADS when set, else 1. With more than
+    one, Inductor starts its pool of compile workers (a process per thread, each importing torch) and hands them the
+    bundle's Triton kernels that are not statically launchable; with one they load in this process."""
+    value = os.environ.get("TORCHINDUCTOR_COMPILE_THREADS")
+    try:
+        return max(1, int(value)) if value else 1
+    except ValueError:
+        raise ValueError(f"TORCHINDUCTOR_COMPILE_THREADS={value!r} is not a whole number; unset it or give the "
+                         "number of Inductor compile workers.") from None
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from ..engines.guard import no_compile
-from ..engines.manifest import Manifest, bundle_identity, read_manifest
+from ..engines.manifest import Manifest, bundle_identity, check_request, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
@@ -24,7 +24,7 @@ from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
 from .pipeline import H3Pipeline
-from .request import CanvasDefaults
+from .request import CanvasDefaults, Prepared
 from .serve import Job
 
 SOURCES = ("bundle", "checkpoint", "tiny")
@@ -167,6 +167,15 @@ class Entry:
         """Tell the user when the clips will be noise (the embedded tiny model's random weights)."""
         if self.source == "tiny":
             print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
+
+    def admit(self, prepared: Prepared) -> None:
+        """A bundle refuses a request it was not built for (task, canvas, schedule) before anything loads; the
+        loaded pipeline checks each request again (the --requests path)."""
+        if self.manifest is None:
+            return
+        req, geo, sched = prepared.request, prepared.geometry, self.manifest.schedule
+        check_request(self.manifest, geo.width, geo.height, geo.num_frames, req.steps,
+                      req.video_shift or sched.video_shift, req.audio_shift or sched.audio_shift, req.task)
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
         """This process's pipeline (one process; mesh ranks load through `job` and serve.load_rank_pipeline)."""

@@ -49,11 +49,15 @@ class Components:
 
 class Deferred:
     """A value built on a background thread (the VAEs while the DiT loads and denoises); `result()` waits for it and
-    raises what the builder raised. `seconds` is how long the builder ran."""
+    raises what the builder raised. `seconds` is how long the builder ran.
+
+    Not a daemon: a process that ends while the builder is still loading (an error right after the load) waits for
+    it. A daemon thread still inside torch when the interpreter exits aborts the process ("terminate called without
+    an active exception", exit 134) in place of the clean error exit."""
 
     def __init__(self, build: Callable[[], object]):
         self._value, self._error, self.seconds = None, None, None
-        self._thread = threading.Thread(target=self._run, args=(build,), name="h3trt-deferred", daemon=True)
+        self._thread = threading.Thread(target=self._run, args=(build,), name="h3trt-deferred", daemon=False)
         self._thread.start()
 
     def _run(self, build) -> None:
