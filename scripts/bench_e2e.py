@@ -652,7 +652,9 @@ def run_clip(ctx: Ctx, row: str, bundle: Path, clip: Path, xdg: Path, evict: boo
     ended = time.time()
     nvml.stop()
     run = {"rc": rc, "process_s": round(seconds, 2), "steps": steps, "page_cache": evicted,
-           "python_bytecode": bytecode_note(), "command": " ".join(cmd[2:])}
+           "python_bytecode": bytecode_note(),
+           "segment_load_compile_threads": os.environ.get("TORCHINDUCTOR_COMPILE_THREADS", "1 (h3trt's default)"),
+           "command": " ".join(cmd[2:])}
     record_file = clip.with_suffix(".json")
     if rc != 0 or not record_file.exists():
         run["error"] = f"h3trt run exited {rc} (see {ctx.log_path})"
