@@ -127,6 +127,20 @@ def test_a_request_the_bundle_cannot_serve_is_refused_before_the_load(bundles, t
     assert f"pick one of 1..{BUNDLE_STEPS - 1}" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("bytecode", [True, False])
+def test_a_bundle_run_without_bytecode_says_how_to_fix_it(bundles, tmp_path, monkeypatch, capsys, bytecode):
+    """No compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 images) costs every cold start seconds of compiling
+    Python: h3trt run names it and the fix, and says nothing when the bytecode is there."""
+    from h3trt.runtime import entry as entry_module
+
+    monkeypatch.setattr(entry_module, "torch_bytecode", lambda: bytecode)
+    monkeypatch.setattr(entry_module.Entry, "load", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop here")))
+    assert main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output",
+                 str(tmp_path / "a.mp4")]) == 2
+    err = capsys.readouterr().err
+    assert "stop here" in err and ("PYTHONPYCACHEPREFIX" in err) != bytecode
+
+
 def test_segments_load_on_one_compile_thread(bundles, monkeypatch):
     """Loading a bundle's segments must not start Inductor's pool of compile workers (a process per core importing
     torch: 5.3 s of the full-size segment load on the H200 machine): the load runs with compile_threads 1, and the

@@ -24,10 +24,15 @@ from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
 from .pipeline import H3Pipeline
+from .records import torch_bytecode
 from .request import CanvasDefaults, Prepared
 from .serve import Job
 
 SOURCES = ("bundle", "checkpoint", "tiny")
+NOTE_NO_BYTECODE = ("note: this Python has no compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 or a read-only "
+                    "install), so every process compiles torch, Inductor and transformers from source: seconds of "
+                    "each cold start. Compile it once: python -m compileall -q -j 0 <site-packages>, or set "
+                    "PYTHONPYCACHEPREFIX to a writable folder.")
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
 NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
@@ -164,9 +169,12 @@ class Entry:
         return no_compile() if self.manifest is not None else nullcontext()
 
     def note(self) -> None:
-        """Tell the user when the clips will be noise (the embedded tiny model's random weights)."""
+        """Tell the user when the clips will be noise (the embedded tiny model's random weights), and when a bundle's
+        cold start will compile Python from source (no bytecode)."""
         if self.source == "tiny":
             print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
+        if self.source == "bundle" and not torch_bytecode():
+            print(f"h3trt: {NOTE_NO_BYTECODE}", file=sys.stderr)
 
     def admit(self, prepared: Prepared) -> None:
         """A bundle refuses a request it was not built for (task, canvas, schedule) before anything loads; the

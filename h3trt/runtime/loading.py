@@ -26,7 +26,7 @@ from ..models.vae_checkpoint import load_audio_vae
 from ..models.precision import eager_dtype, precision_dtype
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
-from .records import process_started_unix
+from .records import process_started_unix, torch_bytecode
 from .request import Prepared
 
 
@@ -166,7 +166,8 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     shifts = (m.schedule.video_shift, m.schedule.audio_shift)
     # Process start to this load: interpreter, imports, CUDA's first call, the request's checks (tokenizer included).
     before = round(started_unix - process_unix, 4) if process_unix is not None else None
-    report = {"process_to_load_s": before, "engine": engine.load_report, "engine_s": round(engine_s, 4)}
+    report = {"process_to_load_s": before, "engine": engine.load_report, "engine_s": round(engine_s, 4),
+              "python_bytecode": torch_bytecode()}
 
     def vaes() -> tuple[VideoVAE, AudioVAE]:
         # Off the cold-start path: the first denoise step needs neither VAE (a keyframe's encode, or the decode,

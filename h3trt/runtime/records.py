@@ -31,6 +31,15 @@ def process_started_unix() -> float | None:
         return None
 
 
+def torch_bytecode() -> bool:
+    """Whether this interpreter found torch's compiled bytecode (.pyc, under PYTHONPYCACHEPREFIX when set). Without
+    it every process compiles each module it imports from source: an image built with PYTHONDONTWRITEBYTECODE=1 and no
+    .pyc files pays that on every start."""
+    import importlib.util
+
+    return Path(importlib.util.cache_from_source(torch.__file__)).is_file()
+
+
 class StageTimer:
     """Wall time per stage, synchronising the device so GPU work is charged to the stage that queued it. `spans` keeps
     each stage's first start and last end in Unix seconds, so a record shows the gaps between stages."""
