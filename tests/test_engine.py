@@ -152,19 +152,24 @@ def test_segments_load_on_one_compile_thread(bundles, monkeypatch):
     real = loaders.load_segment
     monkeypatch.setattr(loaders, "load_segment",
                         lambda *a, **k: seen.append(inductor_config.compile_threads) or real(*a, **k))
-    monkeypatch.setattr(inductor_config, "compile_threads", 7)
     monkeypatch.delenv("TORCHINDUCTOR_COMPILE_THREADS", raising=False)
     root = bundles["inductor"]
     manifest = read_manifest(root)
-    segments = loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
-    assert set(segments) == set(manifest.segments) and seen == [1] * len(manifest.segments)
-    assert inductor_config.compile_threads == 7
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")  # Inductor's own knob, when a user sets it, wins
-    loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
-    assert seen[len(manifest.segments):] == [4] * len(manifest.segments)
-    monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "many")
-    with pytest.raises(ValueError, match="TORCHINDUCTOR_COMPILE_THREADS"):
+    # Set and restored by hand: monkeypatch would delete the entry on undo (it cannot see a config module's values).
+    before = inductor_config.compile_threads
+    inductor_config.compile_threads = 7
+    try:
+        segments = loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
+        assert set(segments) == set(manifest.segments) and seen == [1] * len(manifest.segments)
+        assert inductor_config.compile_threads == 7
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "4")  # Inductor's own knob, when a user sets it, wins
         loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
+        assert seen[len(manifest.segments):] == [4] * len(manifest.segments)
+        monkeypatch.setenv("TORCHINDUCTOR_COMPILE_THREADS", "many")
+        with pytest.raises(ValueError, match="TORCHINDUCTOR_COMPILE_THREADS"):
+            loaders.load_segments(root, manifest.backend, manifest.segments, torch.device("cpu"))
+    finally:
+        inductor_config.compile_threads = before
 
 
 def test_manifest_records_the_build(bundles):
