@@ -21,17 +21,20 @@ Phases (any subset, in this order; state between calls in --state, RAM-backed /d
   build       `h3trt build` per row (bf16: --steps 50; other rows: --steps of their run), in a fresh process.
   run         `h3trt run --engine` per row in a fresh process, the bundle's pages evicted from the page cache and an
               empty user cache (so no verified-once record: the first load of a copied bundle, every byte hashed);
-              --profile-step 4 measures the host overhead of one step (the 4th: after the VAEs' background load). For --second-start rows, a second fresh process
-              loads the same bundle with the record now present (page cache evicted again). A row's bundle is deleted
-              after its run unless --keep-bundles (disk: 64 GiB).
+              --profile-step 4 measures the host overhead of one step (the 4th: after the VAEs' background load).
+              For --warm-run rows (default fp8) the same run again at once: pages cached, the record present (a node
+              restarting its process). For --second-start rows a fresh process only loads the bundle, the record
+              present and the pages evicted again. A row's bundle is deleted after its run unless --keep-bundles
+              (disk: 64 GiB). Each run records whether Python found compiled bytecode (set PYTHONPYCACHEPREFIX and
+              run compileall first to measure an install that has it: the H200 image has none).
 Rows: bf16 (sp=1), fp8 (fp8 GEMMs + --fp8-attention, sp=1), bf16-sp2 and fp8-sp2 (need 2 GPUs). bf16 runs all 50
 steps; other rows run --short-steps (6: 5 evaluations) and are extrapolated to 49 evaluations (said in the output).
 
 Device minutes, from the first H200 attempt (bench/results/e2e_h200_call*: checkpoint 36 s, reference 51 s, each
 build ~200 s up to its fresh-process check) and bench/README (h3trt bf16 ~5.5 s an evaluation with cuDNN attention,
 ~4.8 s with FA3; fp8 + FP8 attention ~3.3-3.7 s; the bundle's video decode ~6 s at --vae-precision bf16, 48 s fp32):
-  checkpoint ~0.6 min; reference ~0.9 min; build fp8 ~3.7 min; build bf16 ~3.5 min; run fp8 ~0.8 min + second start
-  ~0.4 min; run bf16 ~4.5-5 min (cold start + 49 evaluations + decode).
+  checkpoint ~0.6 min; reference ~0.9 min; build fp8 ~3.7 min; build bf16 ~3.5 min; run fp8 ~0.8 min + warm run
+  ~0.7 min; run bf16 ~4.5-5 min (cold start + 49 evaluations + decode).
   Call 1: --phase checkpoint,reference,build,run --rows fp8 (~6.5 min); call 2: --phase checkpoint,build,run --rows
   bf16 (~8.3 min, ~8.9 when /dev/shm was lost and the checkpoint is rewritten). --budget-s (default 560) stops a
   call's subprocesses in time to write the JSON. --out merges into an existing file: copy call 1's JSON to call 2's
