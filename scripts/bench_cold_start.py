@@ -8,7 +8,9 @@ Probes (each a fresh `python` process, run one after another):
                      transformers and diffusers as the text encoder's thread imports them; nothing else running
   segments:<how>     the bundle's segments loaded as `Engine.load` loads them (cache activated, then each segment,
                      under the no-compile guard), seconds per segment, with <how> one of
-                       as_served   what h3trt.engines.loaders.load_segments does now
+                       as_served   what h3trt.engines.loaders.load_segments does (one compile thread unless
+                                   TORCHINDUCTOR_COMPILE_THREADS is set; when cold_start_probe_h200.json was
+                                   measured it was Inductor's default, a pool of compile workers)
                        threads1    Inductor's compile_threads forced to 1 first (no compile-worker pool started)
                        contend     as_served while another thread imports transformers + diffusers (a cold start)
                        contend_t1  threads1 while that thread imports them
