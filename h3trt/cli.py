@@ -28,6 +28,7 @@ from .calibration.recipe import FP8_ACCUMS
 from .engines.manifest import BACKENDS, MANIFEST, read_manifest, verify_files
 from .engines.signing import (generate_key, key_fingerprint, load_private_key, load_public_key, read_signature,
                               read_trusted_manifest, sign_bundle)
+from .errors import UserError
 from .eval import evaluate, table
 from .models.checkpoint import TASKS, CheckpointError
 from .models.lora import LoraSpec
@@ -463,7 +464,7 @@ def main(argv=None) -> int:
         choose_gpu(args)
         return {"run": cmd_run, "build": cmd_build, "eval": cmd_eval, "inspect": cmd_inspect,
                 "verify": cmd_verify, "keygen": cmd_keygen}[args.command](args)
-    except (ValueError, CheckpointError, MediaError, FileNotFoundError, ImportError, RankFailed, OutputRefused) as e:
+    except (UserError, ValueError, FileNotFoundError, ImportError, RankFailed, OutputRefused) as e:
         message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
         print(f"h3trt: error: {message}", file=sys.stderr)
         return 2

@@ -1,9 +1,11 @@
 """The package's layers import downward only (DESIGN.md, "Package layout"):
 
-    models <- parallel <- calibration <- engines <- build
-                                        engines <- runtime <- eval <- cli
+    errors <- models <- parallel <- calibration <- engines <- build
+                                                   engines <- runtime <- server <- cli
+                                                              runtime <- eval <- cli
 
-build and runtime never import each other; models imports none of the others. Every import counts, the ones inside
+build and runtime never import each other; models imports none of the others but errors (the one user-error class,
+which every layer may raise). Every import counts, the ones inside
 functions included, and no two h3trt modules may import each other, directly or around a cycle. The checker is
 pure `ast` over the source files (nothing is imported), so it runs in well under a second.
 """
@@ -21,14 +23,16 @@ PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
 
 # layer -> the layers it may import (besides itself). `h3trt` is the package's own __init__.
 ALLOWED = {
-    "models": set(),
-    "parallel": {"models"},
-    "calibration": {"models", "parallel"},
-    "engines": {"models", "parallel", "calibration"},
-    "build": {"models", "parallel", "calibration", "engines"},
-    "runtime": {"models", "parallel", "calibration", "engines"},
-    "eval": {"models", "parallel", "calibration", "engines", "runtime"},
-    "cli": {"models", "parallel", "calibration", "engines", "build", "runtime", "eval"},
+    "errors": set(),
+    "models": {"errors"},
+    "parallel": {"errors", "models"},
+    "calibration": {"errors", "models", "parallel"},
+    "engines": {"errors", "models", "parallel", "calibration"},
+    "build": {"errors", "models", "parallel", "calibration", "engines"},
+    "runtime": {"errors", "models", "parallel", "calibration", "engines"},
+    "server": {"errors", "models", "parallel", "calibration", "engines", "runtime"},
+    "eval": {"errors", "models", "parallel", "calibration", "engines", "runtime"},
+    "cli": {"errors", "models", "parallel", "calibration", "engines", "build", "runtime", "server", "eval"},
     "h3trt": set(),
 }
 

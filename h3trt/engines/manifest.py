@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.config import H3Config
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS
@@ -37,7 +38,7 @@ UNLISTED = (MANIFEST, SIGNATURE)
 BACKENDS = ("inductor", "aoti", "tensorrt")
 
 
-class BundleError(ValueError):
+class BundleError(UserError):
     """A bundle that cannot serve here or cannot serve this request."""
 
 

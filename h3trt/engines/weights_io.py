@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
+
 HASH_CHUNK_BYTES = 64 << 20  # chunk of a bundle file hashed (and read) as one unit; recorded in the manifest
 MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 STAGING_BYTES = 64 << 20  # the writer's pinned buffer for device tensors
@@ -43,7 +45,7 @@ DTYPES = {
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
-class WeightsError(ValueError):
+class WeightsError(UserError):
     """A weights file that is malformed, or whose bytes do not match the digests it must have."""
 
 

@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
+from ..errors import UserError
 from .config import H3Config
 from .dit import H3DiT, build_dit, parameter_dtype, rope_inv_freq
 from .sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
@@ -84,7 +85,7 @@ _DIFFUSERS_TO_NATIVE = [
 ]
 
 
-class CheckpointError(ValueError):
+class CheckpointError(UserError):
     """A checkpoint that is missing, malformed, or does not match the model."""
 
 

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from .checkpoint import native_name
 from .config import H3Config
 
@@ -68,7 +69,7 @@ _STANDALONE = {
 }
 
 
-class LoraError(ValueError):
+class LoraError(UserError):
     """A LoRA file that cannot be merged into this model; the message says why and what to use instead."""
 
 

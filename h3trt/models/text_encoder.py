@@ -28,6 +28,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import UserError
+
 TEXT_ENCODER_LAYER = 50  # MiniMax-H3 conditions on hidden_states[50] of Qwen3-VL-32B (64 layers).
 TEXT_TAG = 1  # Per-row modality tags index the transformer's AdaLN table: a checkpoint contract.
 VISION_TAG = 0  # A vision block's rows (start, pads, end) carry the *video* tag.
@@ -52,7 +54,7 @@ def quiet_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
-class MissingComponentError(ValueError):
+class MissingComponentError(UserError):
     """A conditioner folder is absent from the checkpoint root."""
 
 

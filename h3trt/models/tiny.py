@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 from filelock import FileLock, Timeout
 
+from ..errors import UserError
 from .checkpoint_writer import random_state_dict, save_official
 from .config import H3Config
 from .text_encoder import write_tiny_text_encoder
@@ -83,7 +84,7 @@ def default_cache_dir() -> Path:
     return Path(base) / "h3trt"
 
 
-class TinyCacheError(ValueError):
+class TinyCacheError(UserError):
     """The tiny model's cache folder cannot be written (one line naming XDG_CACHE_HOME)."""
 
 

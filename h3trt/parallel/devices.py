@@ -21,10 +21,12 @@ from __future__ import annotations
 import os
 from typing import MutableMapping
 
+from ..errors import UserError
+
 VISIBLE = "CUDA_VISIBLE_DEVICES"
 
 
-class DeviceMappingError(ValueError):
+class DeviceMappingError(UserError):
     """The rank's GPU cannot be chosen (too few visible GPUs, or CUDA already initialised)."""
 
 

@@ -20,6 +20,7 @@ import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 from av.video.reformatter import ColorPrimaries, ColorRange, ColorTrc, Colorspace, Interpolation
 
+from ..errors import UserError
 from .files import DEFAULT_CRF, commit, discard, temp_path
 
 # AAC in MP4 is what every browser and phone plays; 32 kHz stereo is the model's native audio format.
@@ -38,7 +39,7 @@ PROBE_KEYS = ("format", "video_codec", "pix_fmt", "width", "height", "fps", "fra
               "audio_codec", "sample_rate", "audio_channels", "audio_duration")
 
 
-class MediaError(ValueError):
+class MediaError(UserError):
     """A user-facing media problem; the message is one line: file, problem, fix."""
 
 

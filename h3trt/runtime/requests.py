@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..errors import UserError
 from ..engines.manifest import Manifest
 from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
@@ -38,7 +39,7 @@ TASK_INPUTS = {"t2va": "no image, last_image or refs", "fl2va": "image and/or la
                "ref2va": "refs (and no image/last_image)"}
 
 
-class RequestsFileError(ValueError):
+class RequestsFileError(UserError):
     """A requests file that cannot be run as a whole; the message lists every bad line."""
 
 
