@@ -123,6 +123,13 @@ def parse_line(text: str, number: int, base: Path, required: tuple[str, ...],
         data = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(f"not valid JSON ({e.msg} at column {e.colno}).") from None
+    return parse_object(data, number, base, required, defaults)
+
+
+def parse_object(data, number: int, base: Path, required: tuple[str, ...],
+                 defaults: RequestDefaults = RequestDefaults()) -> RequestLine:
+    """One request object (a decoded line, or a job the server was sent) -> its request; ValueError names the first
+    thing wrong with it. Relative paths are relative to `base`."""
     if not isinstance(data, dict):
         raise ValueError(f"expected a JSON object, got {type(data).__name__}.")
     missing = [k for k in required if k not in data]
