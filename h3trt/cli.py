@@ -1,54 +1,25 @@
-"""h3trt command line. Thin: parse, validate, call the pipeline, report.
+"""h3trt command line: parse the arguments, call one function.
 
-    h3trt run --prompt "..." --output clip.mp4 [--image first.png] [--last-image last.png] [--ref FILE ...]
-              [--seed 42] [--steps 50] [--width W --height H] [--duration 5] [--model PATH | --engine DIR]
-              [--vae-precision fp32|bf16|fp8]
-    h3trt build --model PATH|tiny --output DIR [--precision bf16] [--profile WxHxSECONDS ...] [--steps 50]
-                [--device cuda|cpu] [--backend inductor|aoti|tensorrt] [--trt-targets sm89,sm120] [--keep-adaln]
-                [--task t2va|fl2va|ref2va] [--vae-precision fp32|bf16|fp8]
-                [--precision fp8|nvfp4 --calib-algo ALGO --calib-prompts FILE]
-    h3trt inspect DIR        h3trt verify DIR
+    h3trt run --prompt "..." --output clip.mp4 [--image first.png] [--last-image last.png] [--ref FILE ...] [...]
+    h3trt run --requests FILE --out-dir DIR [--max-batch N] [...]
+    h3trt serve [--engine DIR | --model PATH] [--port 8000] [--api-key KEY] [--data-dir DIR] [...]
+    h3trt build --model PATH|tiny --output DIR [--precision bf16|fp8|nvfp4] [...]
+    h3trt eval | inspect | verify | keygen
 
-Errors the user can fix are one line on stderr and exit status 2; no output file is left behind.
+What each command does lives below the CLI (runtime/run.py for run, server/ for serve, build/ for build); this module
+only turns arguments into their calls. It imports nothing heavy at the top: torch and the model code load inside
+`main`, where an interrupt (Ctrl-C, or SIGTERM, treated alike) during the first second's imports is one line too.
+Errors the user can fix are one line on stderr and exit status 2; a failed job or rank is one line and exit 1; an
+interrupt exits 130. Anything else is a bug and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import signal
 import sys
 from pathlib import Path
-
-import torch
-import torch.distributed as dist
-
-from .build.builder import build
-from .build.config import BuildConfig, Profile
-from .calibration.recipe import FP8_ACCUMS
-from .engines.manifest import BACKENDS, MANIFEST, read_manifest, verify_files
-from .engines.signing import (generate_key, key_fingerprint, load_private_key, load_public_key, read_signature,
-                              read_trusted_manifest, sign_bundle)
-from .errors import UserError
-from .eval import evaluate, table
-from .models.checkpoint import TASKS, CheckpointError
-from .models.lora import LoraSpec
-from .models.packing import DEFAULT_DURATION, FPS
-from .models.precision import DIT_PRECISIONS
-from .models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
-from .models.step_cache import (DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS,
-                                 StepCacheConfig)
-from .models.tiny import TINY_HEIGHT, TINY_WIDTH, ensure_tiny_checkpoint
-from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
-from .parallel.launch import RankFailed, init_torchrun_rank, launch
-from .runtime.batch_entry import run_requests
-from .runtime.entry import Entry
-from .runtime.files import (DEFAULT_CRF, InterruptedAfterCommit, OutputError, OutputRefused, estimated_clip_bytes,
-                            preflight_clip, remove_leftovers, remove_own_temps, write_json_atomic)
-from .runtime.media import MediaError
-from .runtime.records import record_path
-from .runtime.request import Request, check_prompt_tokens, prepare
-from .runtime.requests import read_eval_requests
-from .runtime.serve import StepBar, launch_gpus, record_completer, report_record, serve_launched, serve_rank
 
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
@@ -58,6 +29,11 @@ VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as th
 
 
 def _run_parser(sub) -> None:
+    from .models.packing import DEFAULT_DURATION
+    from .models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+    from .models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
+    from .runtime.files import DEFAULT_CRF
+
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
                                    "--ref makes it ref2va.")
@@ -123,6 +99,18 @@ def _run_parser(sub) -> None:
                        help=f"mag: consecutive skips at most (default {DEFAULT_MAX_SKIP_STEPS})")
     cache.add_argument("--cache-retention", type=float, default=DEFAULT_RETENTION_RATIO,
                        help=f"mag: leading fraction of the steps never skipped (default {DEFAULT_RETENTION_RATIO})")
+    _mesh_arguments(p)
+
+def _lora_argument(p, where: str) -> None:
+    from .models.lora import LoraSpec
+
+    p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
+                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
+                        "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
+                        "musubi-tuner, DiffSynth-Studio")
+
+
+def _mesh_arguments(p) -> None:
     mesh = p.add_argument_group("parallel (mesh axes replica x cfg x sp = ranks)")
     mesh.add_argument("--gpus", type=int, default=1,
                       help="local ranks to spawn (one GPU each; CPU processes over gloo on a CPU-only machine). Under "
@@ -135,15 +123,50 @@ def _run_parser(sub) -> None:
                                                    "(default: the ranks left over)")
 
 
-def _lora_argument(p, where: str) -> None:
-    p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
-                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
-                        "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
-                        "musubi-tuner, DiffSynth-Studio")
+
+def _serve_parser(sub) -> None:
+    from .runtime.files import DEFAULT_CRF
+    from .server.options import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUE, DEFAULT_PORT, DEFAULT_RETENTION,
+                              DEFAULT_UPLOAD_MB)
+
+    p = sub.add_parser("serve", help="serve the OpenAI Videos job API (POST /v1/videos ...) over long-lived workers",
+                       description="Load the model once per replica group and serve video jobs over HTTP: the OpenAI "
+                                   "Videos API, a job store that survives restarts, /health, /ready, /metrics and a "
+                                   "page at /.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (default: the embedded tiny model)")
+    source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build`")
+    p.add_argument("--trust", type=Path, metavar="KEY.pub", help="with --engine: serve the bundle only if signed by "
+                                                                 "this Ed25519 public key")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: a bundle's, else cuda if available)")
+    p.add_argument("--vae-precision", help=VAE_PRECISION_HELP)
+    _lora_argument(p, "eager --model serving")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
+                                                "key)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free "
+                                                                  "port, printed when ready)")
+    p.add_argument("--api-key", help="Bearer token clients must send (default: $H3TRT_API_KEY; without one the server "
+                                     "binds to 127.0.0.1 only)")
+    p.add_argument("--data-dir", type=Path, default=Path("h3trt-serve"),
+                   help="the job store (jobs.sqlite3), uploads and finished clips (default ./h3trt-serve)")
+    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+                   help=f"queued jobs at most; beyond it POST answers 429 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--retention", default=DEFAULT_RETENTION,
+                   help=f"how long a finished job's clip, record and row are kept, e.g. 30m, 24h, 7d (default "
+                        f"{DEFAULT_RETENTION}); expired together")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help=f"on SIGTERM, seconds running jobs may take to finish (default {DEFAULT_DRAIN_TIMEOUT_S:g}); "
+                        "queued jobs stay in the store")
+    p.add_argument("--max-upload-mb", type=float, default=DEFAULT_UPLOAD_MB,
+                   help=f"a request body's size limit, uploads included (default {DEFAULT_UPLOAD_MB:g} MB)")
+    p.add_argument("--crf", type=int, default=DEFAULT_CRF, help=f"H.264 constant rate factor (default {DEFAULT_CRF})")
+    _mesh_arguments(p)
 
 
 def step_cache_from_args(args):
     """The request's StepCacheConfig, or None when --cache is not given (the cache flags alone are an error)."""
+    from .models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
+
     if args.cache is None:
         given = [f for f, v in (("--cache-threshold", args.cache_threshold), ("--mag-ratios", args.mag_ratios),
                                 ("--mag-calibrate", args.mag_calibrate)) if v]
@@ -179,56 +202,47 @@ def parse_mag_ratios(text: str) -> tuple[float, ...]:
         raise ValueError(f"--mag-ratios must be numbers (R1,R2,... or a .json list), got {text!r}.") from None
 
 
-def entry_from_args(args) -> Entry:
-    """The one Entry of an `h3trt run` (one clip or --requests, one process or a mesh): what serves it, where."""
+def entry_from_args(args):
+    """The one Entry of an `h3trt run` or `serve` (one clip, --requests or HTTP; one process or a mesh)."""
+    from .runtime.entry import Entry
+
     return Entry.resolve(args.engine, args.model, args.device, args.trust, args.vae_precision, tuple(args.lora),
                          args.gpus, args.cfg, args.sp, args.replicas)
 
 
 def cmd_run(args) -> int:
+    from .runtime.run import run_clip, run_requests
+
     if args.requests is not None:
         if args.profile_step is not None:
-            raise ValueError("--profile-step measures one request's step; run that request alone (without --requests).")
+            raise _user_error("--profile-step measures one request's step; run that request alone (without "
+                              "--requests).")
         check_batch_args(args)
         return run_requests(entry_from_args(args), args.requests, args.out_dir, args.max_batch, args.fail_fast,
                             args.crf, args.quiet)
     if args.prompt is None or args.output is None:
-        raise ValueError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
-    output: Path = args.output
-    check_mp4_name(output)
+        raise _user_error("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
+    from .runtime.request import Request
+
     entry = entry_from_args(args)
     steps = args.steps if args.steps is not None else entry.default_steps
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, steps, args.width,
                       args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
                       args.negative_prompt, step_cache_from_args(args))
-    prepared = prepare(request, entry.canvas)  # every input error surfaces here, before any model is loaded
-    entry.admit(prepared)
-    if args.profile_step is not None and not 1 <= args.profile_step < steps:
-        raise ValueError(f"--profile-step {args.profile_step}: a {steps}-step request runs {steps - 1} evaluations; "
-                         f"pick one of 1..{steps - 1}.")
-    geo = prepared.geometry
-    preflight_clip(output, record_path(output), args.overwrite,
-                   estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, args.crf))
-    entry.note()  # the embedded tiny model: its clips are noise
-    check_prompt_tokens(entry.component_root(request.task),
-                        [(w, p) for w, p in (("the prompt", request.prompt),
-                                             ("the negative prompt", request.negative_prompt)) if p])
+    return run_clip(entry, request, args.output, args.crf, args.overwrite, args.quiet, args.profile_step)
 
-    if entry.on_mesh:
-        return _run_on_mesh(args, entry, [(prepared, str(output))])
-    entry.mesh(request.task)  # one process: --sp/--cfg/--replicas must all be 1 (the message says why not)
-    pipeline = entry.load(request.task)
-    bar = None if args.quiet else StepBar()
-    try:
-        with entry.serving():
-            record = pipeline.generate(prepared, output, crf=args.crf, on_step=bar,
-                                       finish=record_completer(request, entry.model_name, entry.record_extra),
-                                       overwrite=args.overwrite, profile_step=args.profile_step)
-    finally:
-        if bar is not None:
-            bar.close()
-    report_record(record, output)
-    return 0
+
+def cmd_serve(args) -> int:
+    from .server.main import serve
+    from .server.options import ServeOptions
+
+    return serve(entry_from_args(args), ServeOptions.from_args(args))
+
+
+def _user_error(message: str):
+    from .errors import UserError
+
+    return UserError(message)
 
 
 def check_batch_args(args) -> None:
@@ -244,45 +258,13 @@ def check_batch_args(args) -> None:
                          "requests; run cached requests one at a time (h3trt run --prompt ... --cache ...).")
 
 
-def check_mp4_name(output: Path) -> None:
-    """--output names an .mp4 file (one line otherwise)."""
-    if output.name.lower() == ".mp4":
-        raise ValueError(f"--output {output} has no file name before the extension; name the clip, e.g. "
-                         f"{output.with_name('clip.mp4')}.")
-    if output.suffix.lower() != ".mp4":
-        raise ValueError(f"--output must end in .mp4, got {str(output)!r}; e.g. {output.with_suffix('.mp4')}.")
-
-
-def _run_on_mesh(args, entry: Entry, items) -> int:
-    """Serve on a mesh: spawn --gpus local ranks, or, under torchrun, be one rank of its world."""
-    requests = [prepared.request for prepared, _ in items]
-    mesh = entry.mesh(requests[0].task)
-    if mesh.replica > len(items):
-        raise ValueError(f"replicas={mesh.replica} serve different requests, but there are {len(items)}; use "
-                         f"--replicas {len(items)} and give the other ranks to --sp or --cfg.")
-    if mesh.cfg == 2 and any(r.guidance == DEFAULT_GUIDANCE for r in requests):
-        raise ValueError("--cfg 2 runs the two guidance branches side by side, but --guidance is 1 (off, H3's "
-                         "default); pass --guidance > 1 or use --cfg 1.")
-    gpus = launch_gpus(entry.device_type, entry.world) if entry.torchrun is None else None
-    job = entry.job(requests[0].task, mesh, items=items, crf=args.crf, quiet=args.quiet, overwrite=args.overwrite,
-                    profile_step=args.profile_step)
-    heads = entry.num_heads(requests[0].task)
-    if entry.torchrun is not None:
-        rank, world, local_rank = init_torchrun_rank(entry.device_type)
-        serve_rank(rank, world, local_rank, job, heads)
-        dist.barrier()
-        dist.destroy_process_group()
-        return 0
-    try:
-        launch(serve_launched, entry.world, (job, heads), gpus=gpus)
-    except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
-        for folder in {Path(output).parent for _, output in items}:
-            remove_leftovers(folder)
-        raise
-    return 0
-
-
 def _build_parser(sub) -> None:
+    from .calibration.recipe import FP8_ACCUMS
+    from .engines.manifest import BACKENDS
+    from .models.checkpoint import TASKS
+    from .models.precision import DIT_PRECISIONS
+    from .models.sampler import DEFAULT_STEPS
+
     p = sub.add_parser("build", help="compile an engine bundle ahead of time",
                        description="Compile the DiT segments of a checkpoint into an engine bundle.")
     p.add_argument("--model", required=True, help="checkpoint folder, or 'tiny' for the embedded tiny model")
@@ -352,6 +334,13 @@ def _build_parser(sub) -> None:
 
 
 def cmd_build(args) -> int:
+    import torch
+
+    from .build.builder import build
+    from .build.config import BuildConfig, Profile
+    from .engines.signing import key_fingerprint, load_private_key, sign_bundle
+    from .models.tiny import TINY_HEIGHT, TINY_WIDTH, ensure_tiny_checkpoint
+
     tiny = args.model == "tiny"
     default_profile = f"{TINY_WIDTH}x{TINY_HEIGHT}x5" if tiny else "1344x768x5"
     profiles = tuple(Profile.parse(p) for p in (args.profile or [default_profile]))
@@ -375,6 +364,11 @@ def cmd_build(args) -> int:
 
 
 def cmd_eval(args) -> int:
+    from .eval import evaluate, table
+    from .runtime.entry import Entry
+    from .runtime.files import write_json_atomic
+    from .runtime.requests import read_eval_requests
+
     if args.json is not None and args.json.exists():
         raise ValueError(f"{args.json} already exists; choose another --json path.")
     engine = Entry.resolve(engine=args.engine, device=args.device)
@@ -387,7 +381,10 @@ def cmd_eval(args) -> int:
     return 0
 
 
-def reference_entry(reference: str, device: str) -> Entry:
+def reference_entry(reference: str, device: str):
+    from .engines.manifest import MANIFEST
+    from .runtime.entry import Entry
+
     """eval --reference: 'tiny' (the embedded model, eager), a bundle (a folder with a manifest), or a checkpoint."""
     if reference == "tiny":
         return Entry.resolve(device=device)
@@ -397,6 +394,9 @@ def reference_entry(reference: str, device: str) -> Entry:
 
 
 def cmd_inspect(args) -> int:
+    from .engines.manifest import read_manifest
+    from .engines.signing import read_signature
+
     manifest = read_manifest(args.bundle)
     # Every recorded field as written (`raw`), the long tables summarised.
     summary = {k: v for k, v in manifest.raw.items() if k not in ("files", "segments")}
@@ -410,6 +410,9 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
+    from .engines.manifest import read_manifest, verify_files
+    from .engines.signing import key_fingerprint, load_public_key, read_signature, read_trusted_manifest
+
     manifest = read_trusted_manifest(args.bundle, args.trust) if args.trust else read_manifest(args.bundle)
     problems = verify_files(args.bundle, manifest)
     if problems:
@@ -430,6 +433,8 @@ def cmd_verify(args) -> int:
 
 
 def cmd_keygen(args) -> int:
+    from .engines.signing import generate_key, key_fingerprint, load_public_key
+
     private, public = generate_key(args.key)
     print(f"wrote {private} (private: keep it; h3trt build --sign {private}) and {public} (public: h3trt run/verify "
           f"--trust {public}); key {key_fingerprint(load_public_key(public))[:16]}")
@@ -439,10 +444,13 @@ def cmd_keygen(args) -> int:
 def choose_gpu(args) -> None:
     """Make the process's GPU its cuda:0 before anything starts CUDA (why: h3trt/parallel/devices.py): a torchrun rank
     takes GPU #LOCAL_RANK of the node, `--device cuda:N` takes GPU #N; `--device` then reads `cuda`."""
+    from .parallel.devices import cuda_index, pin_own_gpu, torchrun_local_rank
+
     device = getattr(args, "device", None)
     index = cuda_index(device)
     local_rank = torchrun_local_rank()
-    if args.command == "run" and (local_rank is not None or getattr(args, "gpus", 1) > 1):
+    if args.command in ("run", "serve") and (local_rank is not None or getattr(args, "gpus", 1) > 1 or
+                                            args.command == "serve"):
         if index is not None:
             raise ValueError(f"--device {device} names one GPU, but on a mesh each rank takes its own (GPU #local "
                              "rank of the visible ones); pass --device cuda, and restrict the GPUs with "
@@ -454,30 +462,64 @@ def choose_gpu(args) -> None:
         args.device = "cuda"
 
 
-def main(argv=None) -> int:
+COMMANDS = {"run": "cmd_run", "serve": "cmd_serve", "build": "cmd_build", "eval": "cmd_eval",
+            "inspect": "cmd_inspect", "verify": "cmd_verify", "keygen": "cmd_keygen"}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="h3trt", description="Compiled inference engine for MiniMax-H3.")
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
+    _serve_parser(sub)
     _build_parser(sub)
-    args = parser.parse_args(argv)
+    return parser
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    # SIGTERM ends a run as Ctrl-C does: temporaries removed, what was finished kept, one line (`serve` installs its
+    # own: it drains). Installed before anything heavy is imported, so a signal in the first second is handled too.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
-        choose_gpu(args)
-        return {"run": cmd_run, "build": cmd_build, "eval": cmd_eval, "inspect": cmd_inspect,
-                "verify": cmd_verify, "keygen": cmd_keygen}[args.command](args)
-    except (UserError, ValueError, FileNotFoundError, ImportError, RankFailed, OutputRefused) as e:
-        message = " ".join(str(e).split()) if not isinstance(e, CheckpointError) else str(e)
-        print(f"h3trt: error: {message}", file=sys.stderr)
-        return 2
-    except OutputError as e:  # at write time: the work was done, the file could not be written
-        print(f"h3trt: error: {' '.join(str(e).split())}", file=sys.stderr)
-        return 1
+        parser = build_parser()
+        args = parser.parse_args(argv)
+        return _call(args)
     except KeyboardInterrupt as e:
+        from .runtime.files import InterruptedAfterCommit, remove_own_temps
+
         remove_own_temps()  # whatever an unwinding frame did not get to
         if isinstance(e, InterruptedAfterCommit):
             print(f"h3trt: interrupted after writing {' and '.join(map(str, e.targets))}.", file=sys.stderr)
         else:
             print("h3trt: interrupted; no output was written (temporary files removed).", file=sys.stderr)
         return 130
+
+
+def _call(args) -> int:
+    from .errors import UserError
+    from .parallel.launch import RankFailed
+    from .runtime.files import OutputError, OutputRefused
+    from .runtime.jobs import JobFailed
+
+    try:
+        choose_gpu(args)
+        return globals()[COMMANDS[args.command]](args)
+    except (UserError, ValueError, FileNotFoundError, ImportError, OutputRefused) as e:
+        print(f"h3trt: error: {' '.join(str(e).split()) if not _multiline(e) else str(e)}", file=sys.stderr)
+        return 2
+    except (OutputError, RankFailed, JobFailed) as e:  # the work was attempted: the result could not be made/written
+        print(f"h3trt: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1
+
+
+def _multiline(error: Exception) -> bool:
+    """A checkpoint's errors list one problem per line (missing keys, shapes); they keep their lines."""
+    from .models.checkpoint import CheckpointError
+
+    return isinstance(error, CheckpointError)
 
 
 if __name__ == "__main__":

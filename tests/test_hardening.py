@@ -145,7 +145,7 @@ def test_an_interrupted_batch_says_what_finished(tmp_path, tiny_root, capsys, mo
     from h3trt.runtime.pipeline import H3Pipeline
 
     calls = []
-    decode = H3Pipeline.decode_request
+    decode = H3Pipeline._decode_and_mux  # what every clip's decode goes through, batched or not
 
     def interrupted_second(self, *args, **kwargs):
         calls.append(1)
@@ -153,7 +153,7 @@ def test_an_interrupted_batch_says_what_finished(tmp_path, tiny_root, capsys, mo
             raise KeyboardInterrupt
         return decode(self, *args, **kwargs)
 
-    monkeypatch.setattr(H3Pipeline, "decode_request", interrupted_second)
+    monkeypatch.setattr(H3Pipeline, "_decode_and_mux", interrupted_second)
     requests = tmp_path / "b.jsonl"
     requests.write_text("".join(json.dumps({"id": i, "task": "t2va", "prompt": "x", "resolution": "128x32",
                                             "steps": 2}) + "\n" for i in ("a", "b", "c")))
@@ -179,14 +179,17 @@ def test_the_audio_vae_loads_without_torchs_weight_norm_warning(tiny_root):
 
 
 def test_one_denoise_bar_open_only_over_the_steps(capsys):
-    from h3trt.runtime.serve import StepBar
+    from h3trt.runtime.jobs import Event
+    from h3trt.runtime.run import ClipQueue
 
-    bar = StepBar()
+    queue = ClipQueue(None, quiet=False)
+    queue.report(Event("clip", "started", "text_encode"))
     assert capsys.readouterr().err == ""  # nothing before the first step (text encode, loading)
     for i in range(1, 4):
-        bar(i, 3)
-    assert bar.bar is None  # closed at the last step, before the decode
+        queue.report(Event("clip", "progress", "denoise", 30 * i, evaluations=(i, 3)))
+    assert queue.bar is None  # closed at the last step, before the decode
     err = capsys.readouterr().err
     assert err.count("denoise") >= 1 and "3/3" in err.split("\r")[-1]
-    bar.close()  # closing again (the caller's finally) draws nothing
+    queue.report(Event("clip", "progress", "decode", 97))  # the decode's progress draws no bar
+    queue.close()  # closing again (the caller's finally) draws nothing
     assert capsys.readouterr().err == ""

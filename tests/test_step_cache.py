@@ -30,7 +30,7 @@ from h3trt.parallel.launch import init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.runtime.pipeline import H3Pipeline
 from h3trt.runtime.request import CanvasDefaults, Request, prepare
-from h3trt.runtime.serve import Job, load_rank_pipeline
+from h3trt.runtime.rank import WorkerSpec, load_rank_pipeline
 
 LATENT_TOL = 1e-4
 SCHEDULE = Schedule(20, 12.0, 3.0)  # 19 evaluations
@@ -197,7 +197,8 @@ def _serve(rank, world, store, root, out):
     init_rank(rank, world, store, "cpu")
     mesh = MeshConfig(cfg=2, sp=2)
     par = build_mesh(mesh, "cpu", world, 2)
-    pipeline = load_rank_pipeline(Job(str(root), False, "t2va", "cpu", mesh, canvas=CANVAS), par, torch.device("cpu"))
+    pipeline = load_rank_pipeline(WorkerSpec(str(root), False, "t2va", "cpu", mesh, 2, canvas=CANVAS), par,
+                                  torch.device("cpu"))
     for name in MESH_REQUESTS:
         torch.save(_cached(pipeline, name), out / f"{name}.rank{rank}.pt")
 

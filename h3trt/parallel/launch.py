@@ -14,6 +14,7 @@ import signal
 import tempfile
 import time
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -61,7 +62,22 @@ def init_torchrun_rank(device_type: str) -> tuple[int, int, int]:
     return rank, world, local_rank
 
 
-def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple) -> None:
+def die_with_parent(parent_pid: int) -> None:
+    """Linux: the kernel kills this process (SIGKILL) when the thread that started it exits, so a launcher killed
+    outright (SIGKILL, OOM) leaves no rank running on its own. Elsewhere a no-op. A parent already gone by now (the
+    race before prctl) ends this process at once."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent_pid:
+        os._exit(1)
+
+
+def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple, parent_pid: int) -> None:
+    die_with_parent(parent_pid)
     # Ctrl-C reaches every process of the terminal's group; it is the launcher's to handle (it stops every rank and
     # removes what they were writing), so no rank dies of it on its own and turns an interrupt into a rank failure.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -76,53 +92,104 @@ def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args
         os._exit(1)
 
 
-def launch(fn: Callable, world: int, args: tuple = (), gpus: list[str] | None = None) -> None:
-    """Run fn(rank, world, store, *args) in `world` spawned processes; return when all succeed.
+@dataclass(frozen=True)
+class Failure:
+    """Why a group of ranks stopped: the first rank that failed, in its own words when it left any."""
 
-    gpus: the node's visible GPUs (parallel.devices.node_gpus) when the ranks serve on CUDA: rank r starts with GPU
-    #r first in its CUDA_VISIBLE_DEVICES, so it is the rank's cuda:0 and the peers stay visible to NCCL."""
-    ctx = mp.get_context("spawn")
-    work = tempfile.mkdtemp(prefix="h3trt-launch-")
-    store = os.path.join(work, "store")
-    procs = [ctx.Process(target=_entry, args=(fn, r, world, store, work, args)) for r in range(world)]
-    parent_visible = os.environ.get(VISIBLE)
-    try:
-        for r, p in enumerate(procs):
-            if gpus is not None:
-                # A spawned child copies the parent's environment when it starts, before it imports torch.
-                os.environ[VISIBLE] = ",".join(own_first(gpus, r))
-            p.start()
-    finally:
-        if parent_visible is None:
-            os.environ.pop(VISIBLE, None)
-        else:
-            os.environ[VISIBLE] = parent_visible
+    rank: int
+    world: int
+    reason: str  # the rank's error line, or how it died
+    died: bool  # killed or exited without a word (a signal, the OOM killer): not an error of the work it held
+    others: tuple[int, ...] = ()  # ranks that failed after it (their peer was gone)
+    details: str = ""  # the rank's traceback, when it raised
+
+    def message(self) -> str:
+        also = (f" (then rank{'s' if len(self.others) > 1 else ''} {list(self.others)} failed with it)"
+                if self.others else "")
+        return f"rank {self.rank} of {self.world} failed: {self.reason}{also}"
+
+
+class RankGroup:
+    """`world` spawned processes of one process group, started together, watched without blocking, and stopped
+    together. Rank r runs fn(rank, world, store, *args_of(r)).
+
+    gpus: the node's visible GPUs (parallel.devices.node_gpus) when the ranks serve on CUDA; rank r takes GPU
+    #(first_gpu + r), put first in its CUDA_VISIBLE_DEVICES so it is the rank's cuda:0 while the peers stay visible to
+    NCCL. Started from a thread that outlives the group: a rank dies with the thread that spawned it
+    (die_with_parent)."""
+
+    def __init__(self, fn: Callable, world: int, args_of: Callable[[int], tuple] = lambda rank: (),
+                 gpus: list[str] | None = None, first_gpu: int = 0):
+        ctx = mp.get_context("spawn")
+        self.world = world
+        self.work = tempfile.mkdtemp(prefix="h3trt-launch-")
+        store = os.path.join(self.work, "store")
+        self.procs = [ctx.Process(target=_entry, args=(fn, r, world, store, self.work, args_of(r), os.getpid()))
+                      for r in range(world)]
+        parent_visible = os.environ.get(VISIBLE)
+        try:
+            for r, p in enumerate(self.procs):
+                if gpus is not None:
+                    # A spawned child copies the parent's environment when it starts, before it imports torch.
+                    os.environ[VISIBLE] = ",".join(own_first(gpus, first_gpu + r))
+                p.start()
+        except BaseException:
+            self.stop()
+            raise
+        finally:
+            if parent_visible is None:
+                os.environ.pop(VISIBLE, None)
+            else:
+                os.environ[VISIBLE] = parent_visible
+
+    @property
+    def sentinels(self) -> list:
+        """Waitable handles (multiprocessing.connection.wait) that become ready when a rank exits."""
+        return [p.sentinel for p in self.procs]
+
+    def failure(self) -> Failure | None:
+        """The first rank that failed, if one has: the root cause first (a rank that died without a word, else the
+        earliest recorded error); peers of a failed rank fail too (connection reset) and are named as consequences."""
+        failed = [(r, p.exitcode) for r, p in enumerate(self.procs) if p.exitcode not in (None, 0)]
+        if not failed:
+            return None
+
+        def when(item):
+            f = Path(self.work, f"rank{item[0]}.err")
+            return f.stat().st_mtime if f.exists() else float("-inf")
+
+        failed.sort(key=when)
+        rank, code = failed[0]
+        note = Path(self.work, f"rank{rank}.err")
+        text = note.read_text() if note.exists() else ""
+        reason = (text.split("\n", 1)[0] if text else f"it died (signal {-code})" if code < 0
+                  else f"it exited with status {code}")
+        return Failure(rank, self.world, reason, not text, tuple(r for r, _ in failed[1:]), text)
+
+    def finished(self) -> bool:
+        """Every rank exited 0."""
+        return all(p.exitcode == 0 for p in self.procs)
+
+    def stop(self) -> None:
+        """End every rank still running (SIGTERM, then SIGKILL after GRACE_S) and remove the rendezvous files."""
+        _stop(self.procs)
+        shutil.rmtree(self.work, ignore_errors=True)  # the rendezvous store and the ranks' error notes
+
+
+def launch(fn: Callable, world: int, args: tuple = (), gpus: list[str] | None = None) -> None:
+    """Run fn(rank, world, store, *args) in `world` spawned processes; return when all succeed, raise RankFailed
+    (every rank stopped) when one raises or dies."""
+    group = RankGroup(fn, world, lambda rank: args, gpus)
     try:
         while True:
-            codes = [p.exitcode for p in procs]
-            failed = [(r, c) for r, c in enumerate(codes) if c not in (None, 0)]
-            if failed:
-                # The root cause first: a rank that died without a word, else the earliest recorded error; peers
-                # of a failed rank fail too (connection reset) and are named as consequences.
-                def when(item):
-                    f = Path(work, f"rank{item[0]}.err")
-                    return f.stat().st_mtime if f.exists() else float("-inf")
-
-                failed.sort(key=when)
-                rank, code = failed[0]
-                reason_file = Path(work, f"rank{rank}.err")
-                reason = (reason_file.read_text().split("\n", 1)[0] if reason_file.exists()
-                          else f"it died (signal {-code})" if code < 0 else f"it exited with status {code}")
-                others = [r for r, _ in failed[1:]]
-                also = f" (then rank{'s' if len(others) > 1 else ''} {others} failed with it)" if others else ""
-                raise RankFailed(f"rank {rank} of {world} failed: {reason}{also}. Every rank was stopped; no "
-                                 "output was written.")
-            if all(c == 0 for c in codes):
+            failure = group.failure()
+            if failure is not None:
+                raise RankFailed(f"{failure.message()}. Every rank was stopped; no output was written.")
+            if group.finished():
                 return
             time.sleep(POLL_S)
     finally:
-        _stop(procs)
-        shutil.rmtree(work, ignore_errors=True)  # the rendezvous store and the ranks' error notes
+        group.stop()
 
 
 def _stop(procs) -> None:

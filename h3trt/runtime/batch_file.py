@@ -6,9 +6,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from ..models.sampler import DEFAULT_STEPS
-from .request import CanvasDefaults, Request, prepare
+from .request import CanvasDefaults, Prepared, Request, prepare
 from .requests import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
 
 
@@ -22,13 +23,17 @@ class BatchItem:
     key: tuple  # (task, height, width, frames, steps, video_shift, audio_shift): requests that may share a batch
 
 
-def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFAULT_STEPS) -> list[BatchItem]:
+def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFAULT_STEPS,
+                   admit: Callable[[Prepared], None] | None = None) -> list[BatchItem]:
     """Every line of a JSONL requests file, validated; raises RequestsFileError listing every bad line. A line
-    without "steps" takes `default_steps` (a bundle's baked schedule, else DEFAULT_STEPS)."""
+    without "steps" takes `default_steps` (a bundle's baked schedule, else DEFAULT_STEPS); `admit` refuses what the
+    model cannot serve (a bundle's task, canvas and schedule: Entry.admit)."""
 
     def check(line: RequestLine) -> BatchItem:
         request = line.request
         prepared = prepare(request, canvas)  # inputs readable, canvas and duration allowed; re-read at run time
+        if admit is not None:
+            admit(prepared)
         geo = prepared.geometry
         key = (request.task, geo.height, geo.width, geo.num_frames, request.steps, request.video_shift,
                request.audio_shift)

@@ -7,13 +7,11 @@ load through an Entry, so the "bundle or tiny or checkpoint" decisions are writt
 from __future__ import annotations
 
 import sys
-from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..engines.guard import no_compile
 from ..engines.manifest import Manifest, bundle_identity, check_request, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..models.checkpoint import locate_transformer
@@ -25,8 +23,8 @@ from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
 from .pipeline import H3Pipeline
 from .records import torch_bytecode
+from .rank import WorkerSpec
 from .request import CanvasDefaults, Prepared
-from .serve import Job
 
 SOURCES = ("bundle", "checkpoint", "tiny")
 NOTE_NO_BYTECODE = ("note: this Python has no compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 or a read-only "
@@ -131,6 +129,15 @@ class Entry:
         return self.gpus > 1 or self.torchrun is not None
 
     @property
+    def how(self) -> str:
+        """How the job loop's ranks start (runtime/workers.py): this process, spawned by it, or torchrun's."""
+        return "torchrun" if self.torchrun is not None else "spawn" if self.gpus > 1 else "process"
+
+    @property
+    def spawns(self) -> bool:
+        return self.how == "spawn"
+
+    @property
     def world(self) -> int:
         return self.torchrun[1] if self.torchrun is not None else self.gpus
 
@@ -164,10 +171,6 @@ class Entry:
         return resolve_mesh(self.world, self.num_heads(task), self.manifest.mesh if self.manifest else None,
                             self.cfg, self.sp, self.replicas)
 
-    def serving(self):
-        """A bundle serves under the no-compile guard (a request compiles nothing: any compiler call raises)."""
-        return no_compile() if self.manifest is not None else nullcontext()
-
     def note(self) -> None:
         """Tell the user when the clips will be noise (the embedded tiny model's random weights), and when a bundle's
         cold start will compile Python from source (no bytecode)."""
@@ -186,15 +189,18 @@ class Entry:
                       req.video_shift or sched.video_shift, req.audio_shift or sched.audio_shift, req.task)
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
-        """This process's pipeline (one process; mesh ranks load through `job` and serve.load_rank_pipeline)."""
+        """A pipeline in this process (h3trt eval; the job loop's ranks load through `worker_spec` and
+        rank.load_rank_pipeline)."""
         canvas = self.canvas if canvas is None else canvas
         if self.manifest is not None:
             return H3Pipeline.load_engine(self.root, self.device, canvas, vae_precision=self.vae_precision,
                                           trust=self.trust)
         return H3Pipeline.load(self.root, task, self.device, canvas, self.vae_precision, loras=self.loras)
 
-    def job(self, task: str, mesh: MeshConfig, **fields) -> Job:
-        """What every rank of a mesh needs (picklable); `fields`: the run's own (items, crf, quiet, ...)."""
-        return Job(str(self.root), self.manifest is not None, task, self.device_type, mesh, canvas=self.canvas,
-                   model_name=self.model_name, record_extra=self.record_extra, vae_precision=self.vae_precision,
-                   loras=self.loras, trust=str(self.trust) if self.trust is not None else None, **fields)
+    def worker_spec(self, task: str, mesh: MeshConfig, **fields) -> WorkerSpec:
+        """What every rank of every replica group needs (picklable); `fields`: the front door's own (crf,
+        max_batch, raise_failures)."""
+        return WorkerSpec(str(self.root), self.manifest is not None, task, self.device_type, mesh,
+                          self.num_heads(task), canvas=self.canvas, model_name=self.model_name,
+                          record_extra=self.record_extra, vae_precision=self.vae_precision, loras=self.loras,
+                          trust=str(self.trust) if self.trust is not None else None, **fields)

@@ -26,6 +26,7 @@ from ..models.vae_checkpoint import load_audio_vae
 from ..models.precision import eager_dtype, precision_dtype
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
+from ..parallel.ulysses import UlyssesDiT
 from .records import process_started_unix, torch_bytecode
 from .request import Prepared
 
@@ -92,16 +93,18 @@ def _vaes(root: Path, device: torch.device, vae_precision: VAEPrecision) -> tupl
 
 
 def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precision: str | None = None,
-                    loras: tuple[LoraSpec, ...] = ()) -> Components:
+                    loras: tuple[LoraSpec, ...] = (), sp_group=None) -> Components:
     """The eager components for `task`'s partition, with `loras` merged into the DiT; `vae_precision` None: bf16 on
-    CUDA, fp32 on the CPU (VAEPrecision.default)."""
+    CUDA, fp32 on the CPU (VAEPrecision.default). With `sp_group` (this rank's Ulysses group) the DiT runner shards
+    its block stack over it."""
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
     dtype = eager_dtype(device)
     model, source = load_dit(model_root, task, dtype=dtype, device=device)
     records = merge_loras(model, loras, task)
     shifts = source.shifts
-    return Components(EagerDiT(model), *eager_components(source.component_root, device, dtype, vae), shifts,
+    dit = UlyssesDiT(model, sp_group) if sp_group is not None else EagerDiT(model)
+    return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
                       loras=records)
 
 

@@ -235,7 +235,8 @@ def tail_steps(marks: dict[str, float]) -> dict[str, float]:
 @torch.no_grad()
 def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor, audio_rows: torch.Tensor,
                      output: Path, group=None, fps: int = FPS, crf: int = DEFAULT_CRF,
-                     sample_rate: int = AUDIO_SAMPLE_RATE, output_config: OutputConfig = OutputConfig(), commit: bool = True) -> dict:
+                     sample_rate: int = AUDIO_SAMPLE_RATE, output_config: OutputConfig = OutputConfig(), commit: bool = True,
+                     on_frames: Callable[[int], None] | None = None) -> dict:
     """Stages 4-5: decode video (tile-parallel over `group`) and audio, and write the MP4 on group rank 0.
 
     Every rank of `group` (None: this process alone) calls with the same normalised latents [1, C, T, H, W] and
@@ -245,6 +246,7 @@ def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor
     tail_s splits decode_tail_s into consecutive steps (TAIL_STEPS); elsewhere it is {}. With `commit=False` the
     finished MP4 stays under its temporary name, returned as mp4_temp on the writing rank, for the caller to commit
     with its record (files.commit); on any failure or interrupt nothing is left behind and no thread is left running.
+    `on_frames(n)`: called on the writing rank with the number of frames handed to the encoder so far.
     """
     rank, world = _group_rank_world(group)
     writer, error = None, None
@@ -297,6 +299,8 @@ def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor
             for chunk in decode_frames(video_vae, video_latents, group, between_waves, marks):
                 writer.put_frames(chunk)
                 frames += chunk.shape[0]
+                if on_frames is not None:
+                    on_frames(frames)
             if audio is not None:
                 audio.result()  # a single process's audio thread may still be running; its error surfaces here
                 audio_seconds[0] = audio.seconds

@@ -74,9 +74,11 @@ class H3Pipeline:
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
-             vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = ()):
-        """The eager pipeline for `task`'s partition (loading.load_checkpoint)."""
-        return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras), device, canvas)
+             vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (), sp_group=None, cfg_group=None):
+        """The eager pipeline for `task`'s partition (loading.load_checkpoint); on a mesh, this rank's Ulysses group
+        (`sp_group`) and guidance-branch group (`cfg_group`)."""
+        return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group),
+                                   device, canvas, cfg_group)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
@@ -93,22 +95,25 @@ class H3Pipeline:
     def generate(self, prepared: Prepared, output: Path, crf: int = DEFAULT_CRF,
                  on_step: Callable[[int, int], None] | None = None, write: bool = True,
                  decode_group=None, finish: Callable[[dict], None] | None = None,
-                 overwrite: bool = False, profile_step: int | None = None) -> dict | None:
+                 overwrite: bool = False, profile_step: int | None = None, timer: StageTimer | None = None,
+                 on_frames: Callable[[int], None] | None = None) -> dict | None:
         """Run stages 1-5 for a prepared request; returns the record written beside the MP4 (None on a rank that does
         not write). With `decode_group` (the ranks of one replica group, the writer first) every rank decodes its
         share of the video tiles and only the writer (write=True) writes; without it a rank with write=False stops
         after denoising. `finish(record)` completes the record before it is written; the MP4 and the record are then
         committed together, never replacing existing files unless `overwrite` (files.commit). `profile_step`: the
-        evaluation (from 1) whose host overhead is measured (step_profile.py)."""
-        timer, start = StageTimer(self.device), time.perf_counter()
+        evaluation (from 1) whose host overhead is measured (step_profile.py). `timer` (a fresh StageTimer when None)
+        takes the stages' times; `on_frames(n)` is called on the writing rank as frames reach the encoder."""
+        timer, start = timer or StageTimer(self.device), time.perf_counter()
         cache = new_step_cache(prepared.request, self.schedule(prepared.request))
         schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache, profile_step)
+        check_finite(final)
         if not write and decode_group is None:
             return None
 
         # 4-5. Decode and mux, streamed: a window of frames is encoded while the next decodes.
         frames_written, audio_samples, mp4_temp = self._decode_and_mux(prepared, layout, final, output, crf, timer,
-                                                                       decode_group)
+                                                                       decode_group, on_frames)
         if not write:
             return None
         record = self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
@@ -207,12 +212,14 @@ class H3Pipeline:
     @torch.no_grad()
     def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = DEFAULT_CRF,
                        timer: StageTimer | None = None, group=None, write: bool = True,
-                       finish: Callable[[dict], None] | None = None, overwrite: bool = False) -> dict | None:
+                       finish: Callable[[dict], None] | None = None, overwrite: bool = False,
+                       on_frames: Callable[[int], None] | None = None) -> dict | None:
         """Stages 4-5 for one request of a batch; returns its record, committed with the MP4 as in `generate` (None
         on a rank of `group` that does not write: it decodes its share of the tiles)."""
         timer = timer or StageTimer(self.device)
+        check_finite(final)
         frames_written, audio_samples, mp4_temp = self._decode_and_mux(encoded.prepared, encoded.layout, final,
-                                                                       output, crf, timer, group)
+                                                                       output, crf, timer, group, on_frames)
         if not write:
             return None
         record = self._record(encoded.prepared, encoded.schedule, encoded.layout, output, frames_written,
@@ -272,7 +279,8 @@ class H3Pipeline:
         return layout, latents
 
     def _decode_and_mux(self, prepared: Prepared, layout: PackedLayout, final: Latents, output: Path, crf: int,
-                        timer: StageTimer, group=None) -> tuple[int, int, Path | None]:
+                        timer: StageTimer, group=None,
+                        on_frames: Callable[[int], None] | None = None) -> tuple[int, int, Path | None]:
         """Stages 4-5 for one request's final rows [V, C] / [A, C]: returns (frames written, audio samples, the
         finished MP4 under its temporary name on the writing rank, not committed yet).
 
@@ -291,7 +299,7 @@ class H3Pipeline:
         start = time.perf_counter()
         result = decode_and_write(video_vae, audio_vae, video_latents,
                                   final.audio[layout.num_condition_audio_rows:], output, group=group, fps=FPS,
-                                  crf=crf, sample_rate=AUDIO_SAMPLE_RATE, commit=False)
+                                  crf=crf, sample_rate=AUDIO_SAMPLE_RATE, commit=False, on_frames=on_frames)
         timer.span("decode_and_mux", start, time.perf_counter())
         for stage, seconds in result["timings_s"].items():  # video_decode, audio_decode, mux, decode_tail_s
             timer.seconds[stage] = timer.seconds.get(stage, 0.0) + seconds
@@ -343,6 +351,13 @@ def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:
     config = getattr(request, "cache", None)
     return StepCache(config, schedule.num_evaluations) if config is not None else None
 
+
+def check_finite(final: Latents) -> None:
+    """Refuse to decode latents holding NaN or inf (a numerical failure: a clip of them is garbage, not a result)."""
+    bad = [name for name, rows in (("video", final.video), ("audio", final.audio)) if not torch.isfinite(rows).all()]
+    if bad:
+        raise FloatingPointError(f"the denoised {' and '.join(bad)} latents hold NaN or inf; the clip was not "
+                                 "decoded.")
 
 
 def same_layout(a: PackedLayout, b: PackedLayout) -> bool:

@@ -54,26 +54,21 @@ class TimelineTimer(StageTimer):
             self.intervals.append((stage, start, end))
 
 
-def timeline_names(shard: tuple[int, int]) -> tuple[str, str]:
-    """timeline.json/png for a run with one replica group; timeline-group{i}.json/png for group i of several."""
-    stem = "timeline" if shard[1] == 1 else f"timeline-group{shard[0]}"
-    return f"{stem}.json", f"{stem}.png"
-
-
-def write_timeline(out_dir: Path, shard: tuple[int, int], rows: list[dict], summary: dict, png: bool,
+def write_timeline(out_dir: Path, stem: str, rows: list[dict], summary: dict, png: bool,
                    started_unix: float) -> list[Path]:
-    """Write the JSON (and the PNG) atomically; `rows` are {"id", "status", "batch", "intervals"}.
+    """Write OUT/<stem>.json (and OUT/<stem>.png) atomically; `rows` are {"id", "status", "group", "batch",
+    "intervals"}. `stem` is "timeline", or "timeline-group{i}" for torchrun's group i (each group serves its own
+    share there).
 
     A resumed run keeps the earlier runs' rows: each run is listed in `runs` (its start and summary) and each row
     says which run it belongs to, its intervals in seconds since that run started. `summary` and `started_unix` at
     the top are the latest run's."""
-    json_name, png_name = timeline_names(shard)
+    json_name, png_name = f"{stem}.json", f"{stem}.png"
     path = Path(out_dir) / json_name
     runs, earlier = _earlier_runs(path)
     run = len(runs)
     runs.append({"started_unix": started_unix, "summary": summary})
-    data = {"started_unix": started_unix, "clock": "seconds since the row's run started", "shard": list(shard),
-            "summary": summary, "runs": runs,
+    data = {"started_unix": started_unix, "clock": "seconds since the row's run started", "summary": summary, "runs": runs,
             "requests": earlier + [{**row, "run": run,
                                     "intervals": [[s, round(a, 4), round(b, 4)] for s, a, b in row["intervals"]]}
                                    for row in rows]}

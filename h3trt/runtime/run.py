@@ -1,0 +1,217 @@
+"""`h3trt run`: one clip (--prompt) or a requests file (--requests), each checked whole before any model loads, then
+served by the one job loop (runtime/rank.py) launched from its one place (runtime/workers.py): this process, spawned
+replica groups (--gpus N), or torchrun.
+
+  1. validate: inputs, canvas, schedule, what a bundle can serve, the mesh, the output's folder, space and lock
+  2. queue: a queue of one job (`ClipQueue`), or the file's (`batch.FileQueue`, which skips finished requests)
+  3. serve it; report: the clip's summary, or the batch's; an interrupt removes what was being written
+"""
+
+from __future__ import annotations
+
+import sys
+from contextlib import nullcontext
+from pathlib import Path
+
+from ..errors import UserError
+from ..models.packing import FPS
+from ..models.sampler import DEFAULT_GUIDANCE
+from .batch import BatchConfig, FileQueue, finished, summary_line
+from .batch_file import check_bundle_batch, parse_requests
+from .entry import Entry
+from .files import (BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
+                    remove_leftovers, remove_own_temps)
+from .jobs import Event, Job, JobFailed
+from .records import record_path
+from .request import Request, check_prompt_tokens, prepare
+from .requests import RequestsFileError
+from .workers import launch_gpus, serve_queue
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One clip
+
+
+def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: bool = False, quiet: bool = False,
+             profile_step: int | None = None) -> int:
+    """`h3trt run --prompt ... --output clip.mp4`: 0 when the clip and its record are written."""
+    check_mp4_name(output)
+    prepared = prepare(request, entry.canvas)  # every input error surfaces here, before any model is loaded
+    entry.admit(prepared)
+    steps = request.steps
+    if profile_step is not None and not 1 <= profile_step < steps:
+        raise UserError(f"--profile-step {profile_step}: a {steps}-step request runs {steps - 1} evaluations; "
+                        f"pick one of 1..{steps - 1}.")
+    mesh = entry.mesh(request.task)
+    if mesh.replica > 1:
+        raise UserError(f"replicas={mesh.replica} serve different requests, but there is one; use --replicas 1 and "
+                        "give the other ranks to --sp or --cfg.")
+    if mesh.cfg == 2 and request.guidance == DEFAULT_GUIDANCE:
+        raise UserError("--cfg 2 runs the two guidance branches side by side, but --guidance is 1 (off, H3's "
+                        "default); pass --guidance > 1 or use --cfg 1.")
+    gpus = launch_gpus(entry.device_type, entry.world) if entry.spawns else None
+    geo = prepared.geometry
+    preflight_clip(output, record_path(output), overwrite,
+                   estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, crf))
+    entry.note()  # the embedded tiny model: its clips are noise
+    check_prompt_tokens(entry.component_root(request.task),
+                        [(w, p) for w, p in (("the prompt", request.prompt),
+                                             ("the negative prompt", request.negative_prompt)) if p])
+    queue = ClipQueue(Job(output.stem, request, output, overwrite, profile_step), quiet)
+    spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not entry.on_mesh)
+    try:
+        serve_queue(spec, lambda group, groups: queue if group == 0 else ClipQueue(None, True), entry.how, gpus)
+    except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
+        if entry.on_mesh:
+            remove_leftovers(Path(output).parent)
+        raise
+    finally:
+        queue.close()
+    return queue.result(entry.torchrun is None or entry.torchrun[0] == 0)
+
+
+class ClipQueue:
+    """A queue of one job (or of none: a torchrun group other than the first), shown as a denoise progress bar; its
+    summary printed when the clip is written."""
+
+    def __init__(self, job: Job | None, quiet: bool):
+        self.job, self.quiet = job, quiet
+        self.pending = [job] if job is not None else []
+        self.record: dict | None = None
+        self.error: Event | str | None = None
+        self.retried = False
+        self.bar = None
+
+    def take(self, group: int, limit: int) -> list[Job] | None:
+        return [self.pending.pop()] if self.pending else None
+
+    def report(self, event: Event) -> None:
+        if event.kind == "progress" and event.evaluations[1] and not self.quiet:
+            done, total = event.evaluations
+            if self.bar is None:
+                from tqdm import tqdm
+
+                self.bar = tqdm(total=total, desc="denoise", unit="step", file=sys.stderr)
+            self.bar.update(done - self.bar.n)
+            if done == total:
+                self.close()  # the bar's rate is the denoise's: the decode after it is not counted
+        elif event.kind == "done":
+            self.close()
+            self.record = event.record
+        elif event.kind in ("failed", "cancelled"):
+            self.close()
+            self.error = event
+
+    def lost(self, group: int, jobs: list[Job], reason: str, died: bool) -> None:
+        if died and not self.retried:
+            self.retried = True
+            self.pending = list(jobs)
+            print(f"h3trt: replica group {group} died ({reason}); running the request again", file=sys.stderr)
+        else:
+            self.error = f"replica group {group} failed: {reason}"
+
+    def cancels(self) -> list[str]:
+        return []
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+    def result(self, reports: bool) -> int:
+        """0 and the clip's summary, or the job's failure as one error (UserError when the request was at fault)."""
+        if self.error is not None:
+            event = self.error
+            if isinstance(event, str):
+                raise JobFailed(f"{event}. Every rank was stopped; no output was written.")
+            raise (UserError if (event.record or {}).get("user_error") else JobFailed)(event.error)
+        if reports and self.record is not None:
+            report_record(self.record, self.job.output)
+        return 0
+
+
+def check_mp4_name(output: Path) -> None:
+    """--output names an .mp4 file (one line otherwise)."""
+    if output.name.lower() == ".mp4":
+        raise UserError(f"--output {output} has no file name before the extension; name the clip, e.g. "
+                        f"{output.with_name('clip.mp4')}.")
+    if output.suffix.lower() != ".mp4":
+        raise UserError(f"--output must end in .mp4, got {str(output)!r}; e.g. {output.with_suffix('.mp4')}.")
+
+
+def report_record(record: dict, output: Path) -> None:
+    """Print the summary of a written clip."""
+    print(f"wrote {output}: {record['frames']} frames {record['width']}x{record['height']} @ {record['fps']} fps, "
+          f"{record['audio_samples'] / record['audio_sample_rate']:.3f} s stereo audio ({record['task']}, "
+          f"seed {record['seed']})")
+    for stage, seconds in record["timings_s"].items():
+        print(f"  {stage:<17}{seconds:8.2f} s")
+    # Stages overlap (video decode, audio decode and encoding run concurrently): the total is wall time, not a sum.
+    print(f"  {'wall':<17}{record['wall_s']:8.2f} s   (timings: {record_path(output)})")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# A requests file
+
+
+def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1, fail_fast: bool = False,
+                 crf: int = 23, quiet: bool = False) -> int:
+    """`h3trt run --requests FILE --out-dir OUT`: 0 when every request is done (now or by an earlier run)."""
+    if entry.manifest is not None:
+        check_bundle_batch(entry.manifest.segments, max_batch)
+    config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet)
+    # Every line checked before any model loads, a bundle's admission included (task, canvas, schedule).
+    items = parse_requests(requests, entry.canvas, entry.default_steps, admit=entry.admit)
+    try:
+        for task in sorted({i.request.task for i in items}):
+            check_prompt_tokens(entry.component_root(task),
+                                [(f"{requests}:{i.line}: the prompt", i.request.prompt) for i in items
+                                 if i.request.task == task])
+    except ValueError as e:
+        raise RequestsFileError(f"{e} Nothing was run.") from None
+    mesh = entry.mesh(items[0].request.task)
+    if mesh.cfg == 2:
+        raise UserError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
+    gpus = launch_gpus(entry.device_type, entry.world) if entry.spawns else None
+    # Before any model loads: the out-dir is a writable folder with room for its largest clip, and no other batch
+    # writes it (under torchrun, rank 0 holds the lock for the job).
+    preflight_out_dir(out_dir, max(estimated_clip_bytes(i.key[2], i.key[1], i.key[3], FPS, config.crf)
+                                   for i in items))
+    lock = BatchLock(out_dir) if entry.torchrun is None or entry.torchrun[0] == 0 else nullcontext()
+    queues: list[FileQueue] = []
+
+    def queue_of(group: int, groups: int) -> FileQueue:
+        queues.append(FileQueue(items, BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet,
+                                                   shard=(group, groups)),
+                                entry.model_name, entry.record_extra))
+        return queues[-1]
+
+    spec = entry.worker_spec(items[0].request.task, mesh, crf=crf, max_batch=max_batch)
+    try:
+        with lock:
+            entry.note()
+            try:
+                serve_queue(spec, queue_of, entry.how, gpus)
+            finally:
+                for q in queues:
+                    summary = q.finish("timeline" if q.config.shard[1] == 1 else f"timeline-group{q.config.shard[0]}")
+    except KeyboardInterrupt:
+        remove_own_temps()
+        if entry.on_mesh:
+            remove_leftovers(out_dir)
+        done = [i.id for i in items if finished(out_dir, i)]
+        listed = ", ".join(done[:10]) + (f" and {len(done) - 10} more" if len(done) > 10 else "")
+        print(f"h3trt: interrupted: {len(done)} of {len(items)} requests are done in {out_dir}"
+              f"{' (' + listed + ')' if done else ''}, each with its record; the others left no files. Rerun the "
+              "same command to finish them.", file=sys.stderr)
+        return 130
+    if not queues:  # a torchrun rank that serves no queue (not its group's first)
+        return 0
+    queue = queues[0]
+    if queue.stopped:
+        print(f"h3trt: stopped: {queue.stopped}", file=sys.stderr)
+        return 1
+    where = f"replica group {queue.config.shard[0]}: " if queue.config.shard[1] > 1 else f"{out_dir}: "
+    print(where + summary_line(summary))
+    return 1 if summary.failed else 0
+

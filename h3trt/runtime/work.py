@@ -1,0 +1,279 @@
+"""One unit of work on the ranks of a replica group: a job, or jobs that share a batched denoise (runtime/jobs.py).
+
+Every rank of the group runs `run_work` on the same jobs, in step: every rank denoises, every rank decodes its share
+of the video tiles, only the group's first rank (`writes`) commits MP4s and records and reports events.
+
+  1. one job: the pipeline's `generate` (guidance, step caching and --profile-step included)
+  2. several (equal keys): each encoded alone, bucketed by packed layout (same text length, same condition rows), each
+     bucket denoised as ONE batch along the batch dimension, then each member decoded and committed
+  3. after every denoise evaluation: the device is synchronised (progress counts evaluations FINISHED, not queued),
+     and the group agrees on cancellations (a cancelled job stops at this step, on every rank together)
+  4. a job that fails fails alone on a one-rank group (the event names its stage and reason, the memory is freed,
+     the next job runs); on a group of several ranks the error is re-raised once reported: the other ranks may be
+     inside a collective of that stage, so the group is restarted (runtime/workers.py)
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import resource
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..errors import UserError
+from .files import OutputRefused
+from .jobs import Event, Job, decode_progress, denoise_progress
+from .parallel_vae import _comm_device
+from .pipeline import H3Pipeline
+from .request import Encoded, prepare, request_dict
+from .timeline import TimelineTimer
+
+
+class JobCancelled(Exception):
+    """Every rank of the group agreed to stop this job at this step."""
+
+
+@dataclass(frozen=True)
+class Place:
+    """Where the work runs: this rank's replica group and what each record says served it."""
+
+    group: int = 0  # the replica group's index
+    decode_group: object = None  # every rank of the group (None: one rank); they denoise and decode together
+    writes: bool = True  # this rank commits the group's files and reports its events
+    crf: int = 23
+    raise_failures: bool = False  # re-raise a failed job's error once reported (one clip in this process)
+    model: str = ""  # what the record says served it (a checkpoint path, a bundle, embedded-tiny)
+    record_extra: dict = field(default_factory=dict)  # added to every record (a bundle's identity, the mesh)
+
+
+class Reporter:
+    """Events of the jobs of one unit, sent on the writing rank only; cancellations agreed by the whole group."""
+
+    def __init__(self, place: Place, send: Callable[[Event], None], cancelled: Callable[[str], bool],
+                 device: torch.device):
+        self.place, self._send, self._cancelled, self.device = place, send, cancelled, device
+        self.progress: dict[str, int] = {}
+
+    def event(self, job: Job, kind: str, stage: str = "", progress: int | None = None, **fields) -> None:
+        if progress is not None:
+            progress = max(progress, self.progress.get(job.id, 0))  # monotonic per job
+            self.progress[job.id] = progress
+        if self.place.writes:
+            self._send(Event(job.id, kind, stage, self.progress.get(job.id, 0), group=self.place.group, **fields))
+
+    def step(self, jobs: list[Job], i: int, n: int) -> list[bool]:
+        """After evaluation i of n: wait for the device (true progress), report, and agree on cancellations: the
+        flags of `jobs` that any rank of the group saw cancelled."""
+        if self.device.type == "cuda":
+            torch.cuda.current_stream(self.device).synchronize()
+        for job in jobs:
+            self.event(job, "progress", "denoise" if i < n else "decode", denoise_progress(i, n), evaluations=(i, n))
+        return self.agree([self._cancelled(job.id) for job in jobs])
+
+    def agree(self, flags: list[bool]) -> list[bool]:
+        group = self.place.decode_group
+        if group is None:
+            return flags
+        mine = torch.tensor([int(f) for f in flags], dtype=torch.int32, device=_comm_device(group, self.device))
+        dist.all_reduce(mine, op=dist.ReduceOp.MAX, group=group)
+        return [bool(v) for v in mine.tolist()]
+
+
+def run_work(pipeline: H3Pipeline, jobs: list[Job], place: Place, reporter: Reporter) -> None:
+    """Steps 1-4 for one unit of work; every job ends in exactly one done, failed or cancelled event."""
+    for job in jobs:
+        reporter.event(job, "started", "text_encode", 0)
+    if len(jobs) == 1:
+        _run_one(pipeline, jobs[0], place, reporter)
+    else:
+        _Batch(pipeline, jobs, place, reporter).run()
+
+
+def _run_one(pipeline: H3Pipeline, job: Job, place: Place, reporter: Reporter) -> None:
+    timer = unix_timer(pipeline.device)
+    frames = prepared = None
+
+    def on_step(i: int, n: int) -> None:
+        if reporter.step([job], i, n)[0]:
+            raise JobCancelled(f"cancelled at denoise evaluation {i} of {n}")
+
+    def on_frames(count: int) -> None:
+        reporter.event(job, "progress", "decode", decode_progress(count, frames))
+
+    if pipeline.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(pipeline.device)
+    stage = "prepare"
+    try:
+        prepared = prepare(job.request, pipeline.canvas)
+        frames, stage = prepared.geometry.num_frames, "generate"
+        record = pipeline.generate(prepared, job.output, place.crf, on_step, place.writes, place.decode_group,
+                                   finish=_completer(job, place, pipeline, {"size": 1, "index": 0,
+                                                                            "members": [job.id]}),
+                                   overwrite=job.overwrite, profile_step=job.profile_step, timer=timer,
+                                   on_frames=on_frames)
+    except JobCancelled as e:
+        reporter.event(job, "cancelled", error=str(e))
+        return
+    except Exception as e:  # noqa: BLE001 -- the job fails alone; see step 4
+        _failed(reporter, place, [job], _stage_of(timer, stage), e, timer)
+        return
+    mark_decode(timer)
+    reporter.event(job, "done", "done", 100, record=record, intervals=tuple(timer.intervals))
+
+
+@dataclass
+class _Pending:
+    job: Job
+    encoded: Encoded
+    timer: TimelineTimer
+    encoded_at: float
+
+
+class _Batch:
+    """Step 2: encode each job, bucket by layout, denoise each bucket as one batch, decode each member."""
+
+    def __init__(self, pipeline: H3Pipeline, jobs: list[Job], place: Place, reporter: Reporter):
+        self.pipeline, self.jobs, self.place, self.reporter = pipeline, jobs, place, reporter
+
+    def run(self) -> None:
+        buckets: dict[bytes, list[_Pending]] = {}
+        for job in self.jobs:
+            timer = unix_timer(self.pipeline.device)
+            try:
+                encoded = self.pipeline.encode_request(prepare(job.request, self.pipeline.canvas), timer)
+            except Exception as e:  # noqa: BLE001 -- one job's bad input fails that job
+                _failed(self.reporter, self.place, [job], "encode", e, timer)
+                continue
+            buckets.setdefault(layout_key(encoded), []).append(_Pending(job, encoded, timer, time.perf_counter()))
+        for bucket in buckets.values():
+            self._run_bucket(bucket)
+
+    def _run_bucket(self, bucket: list[_Pending]) -> None:
+        device, reporter = self.pipeline.device, self.reporter
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # GPU work is charged to the interval that queued it
+            torch.cuda.reset_peak_memory_stats(device)
+        start = time.perf_counter()
+        for p in bucket:
+            p.timer.add("wait_batch", p.encoded_at, start)
+        live = list(bucket)
+
+        def on_step(i: int, n: int) -> None:
+            nonlocal live
+            flags = reporter.step([p.job for p in live], i, n)
+            for p, cancelled in zip(list(live), flags):
+                if cancelled:
+                    reporter.event(p.job, "cancelled", error=f"cancelled at denoise evaluation {i} of {n}")
+            live = [p for p, cancelled in zip(live, flags) if not cancelled]
+            if not live:
+                raise JobCancelled(f"every job of the batch was cancelled at evaluation {i} of {n}")
+
+        try:
+            finals = self.pipeline.denoise_batch([p.encoded for p in bucket], on_step)
+        except JobCancelled:
+            return
+        except Exception as e:  # noqa: BLE001
+            _failed(reporter, self.place, [p.job for p in live], "denoise", e, *[p.timer for p in live])
+            return
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        end = time.perf_counter()
+        members = [p.job.id for p in bucket]
+        for index, (p, final) in enumerate(zip(bucket, finals)):
+            if p not in live:
+                continue
+            p.timer.add("denoise", start, end)
+            p.timer.add("wait_decode", end, time.perf_counter())
+            batch = {"size": len(bucket), "index": index, "members": members}
+            if not self.place.writes and self.place.decode_group is None:
+                continue
+            frames = p.encoded.prepared.geometry.num_frames
+            try:
+                record = self.pipeline.decode_request(
+                    p.encoded, final, p.job.output, self.place.crf, p.timer, self.place.decode_group,
+                    self.place.writes, finish=_completer(p.job, self.place, self.pipeline, batch),
+                    overwrite=p.job.overwrite,
+                    on_frames=lambda count, job=p.job: reporter.event(job, "progress", "decode",
+                                                                      decode_progress(count, frames)))
+            except Exception as e:  # noqa: BLE001
+                _failed(reporter, self.place, [p.job], "decode", e, p.timer)
+                continue
+            mark_decode(p.timer)
+            reporter.event(p.job, "done", "done", 100, record=record, intervals=tuple(p.timer.intervals))
+
+
+def unix_timer(device: torch.device) -> TimelineTimer:
+    """A job's timer whose intervals are in Unix seconds: ranks of other processes report on one clock."""
+    return TimelineTimer(device, time.perf_counter() - time.time())
+
+
+def mark_decode(timer: TimelineTimer) -> None:
+    """An overlapped decode reports seconds per stage, not intervals: one decode_mux bar from its span."""
+    span = timer.spans.get("decode_and_mux")
+    if span is not None and not any(stage == "decode_mux" for stage, _, _ in timer.intervals):
+        timer.intervals.append(("decode_mux", span[0], span[1]))
+
+
+def _stage_of(timer: TimelineTimer, fallback: str) -> str:
+    """The stage a failing `generate` was in: the last one the timer saw begin."""
+    if fallback == "prepare":
+        return "encode"
+    if "decode_and_mux" in timer.spans or "wait_vaes" in timer.spans:
+        return "decode"
+    return "denoise" if "condition_encode" in timer.seconds else "encode"
+
+
+def _failed(reporter: Reporter, place: Place, jobs: list[Job], stage: str, error: Exception,
+            *timers: TimelineTimer) -> None:
+    """Report the failure of `jobs`, free what the attempt held, and re-raise on a group of several ranks."""
+    reason = f"{stage}: {type(error).__name__}: {' '.join(str(error).split())}"
+    for job, timer in zip(jobs, timers if timers else [None] * len(jobs)):
+        reporter.event(job, "failed", stage, error=reason,
+                       intervals=tuple(timer.intervals) if timer is not None else (),
+                       record={"traceback": traceback.format_exception(error)[-3:],
+                               "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()} if timer else {},
+                               "user_error": isinstance(error, (UserError, OutputRefused))})
+    free_memory(reporter.device)
+    if place.decode_group is not None or place.raise_failures:
+        raise error
+
+
+def free_memory(device: torch.device) -> None:
+    """What a failed job held goes back to the allocator's pool and then to the device (a CUDA OOM included)."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def _completer(job: Job, place: Place, pipeline: H3Pipeline, batch: dict) -> Callable[[dict], None]:
+    """What a done record holds besides the pipeline's fields; filled in just before it is committed."""
+    def finish(record: dict) -> None:
+        record.update(status="done", id=job.id, request=request_dict(job.request), model=place.model, batch=batch,
+                      peak_memory=peak_memory(pipeline.device), **place.record_extra, **job.record)
+
+    return finish
+
+
+def layout_key(encoded: Encoded) -> bytes:
+    """Requests with equal keys pack into the same rows (task, canvas, frames, text length, conditions) and the same
+    schedule, so they can share one batched DiT evaluation."""
+    lay, digest = encoded.layout, hashlib.sha256()
+    digest.update(repr((encoded.schedule, lay.num_condition_video_rows, lay.num_condition_audio_rows,
+                        tuple(encoded.text_embeds.shape))).encode())
+    for t in (lay.position_ids, lay.token_tags, lay.video_index, lay.audio_index, lay.text_index):
+        digest.update(t.cpu().contiguous().numpy().tobytes())
+    return digest.digest()
+
+
+def peak_memory(device: torch.device) -> dict:
+    """CUDA: the allocator's peak since this work started; CPU: the process's peak resident set since it started."""
+    if device.type == "cuda":
+        return {"bytes": int(torch.cuda.max_memory_allocated(device)), "what": "cuda max_memory_allocated, this work"}
+    return {"bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, "what": "process peak RSS"}
+
