@@ -19,6 +19,7 @@ What runs here and what cannot:
 
 import collections
 import ctypes
+import sys
 import time
 
 import numpy as np
@@ -27,10 +28,16 @@ import onnxruntime as ort
 import pytest
 import tensorrt_rtx as trt
 import torch
-from polygraphy.backend.base import BaseRunner
-from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-from polygraphy.common import TensorMetadata
-from polygraphy.comparator import Comparator, L2CompareFunc
+
+from h3trt.engines.tensorrt_inspect import bind_polygraphy
+
+# This file's plans are TensorRT-RTX's, and polygraphy binds its TensorRT-reading modules to one flavour as they are
+# first imported: bound before any is.
+bind_polygraphy("tensorrt_rtx")
+from polygraphy.backend.base import BaseRunner  # noqa: E402
+from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: E402
+from polygraphy.common import TensorMetadata  # noqa: E402
+from polygraphy.comparator import Comparator, L2CompareFunc  # noqa: E402
 
 from h3trt.build.builder import example_inputs
 from h3trt.build.config import Profile
@@ -301,19 +308,28 @@ def test_pick_profile_and_gpu_refusals():
     assert plan_device_problem(info, "NVIDIA GeForce RTX 4090", (8, 9), installed) is None
 
 
-def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
-    """The CLI end to end: an FP8 bundle for sm89 + sm120 with two profiles; the manifest records flavour, version
-    and targets; every file hashes; serving it on this GPU-less machine is refused naming the plans' targets."""
+@pytest.fixture(scope="module")
+def fp8_trt_bundle(tiny_cache, tmp_path_factory):
+    """`h3trt build --backend tensorrt`: an FP8 bundle of the tiny model for sm89 + sm120 with two profiles."""
+    from h3trt.cli import main
+
+    root = tmp_path_factory.mktemp("trt_bundle")
+    prompts = root / "prompts.txt"
+    prompts.write_text("a red fox runs through fresh snow\n")
+    assert main(["build", "--model", "tiny", "--output", str(root / "trt"), "--backend", "tensorrt", "--precision",
+                 "fp8", "--trt-targets", "sm89,sm120", "--device", "cpu", "--profile", "160x96x5", "--profile",
+                 "192x96x5", "--calib-prompts", str(prompts), "--calib-steps", "2"]) == 0
+    return root / "trt"
+
+
+def test_h3trt_build_tensorrt_bundle(fp8_trt_bundle, tmp_path, capsys):
+    """The CLI end to end: the manifest records flavour, version and targets; every file hashes; serving the bundle on
+    this GPU-less machine is refused naming the plans' targets."""
     from h3trt.cli import main
     from h3trt.engines.bundle import Engine
     from h3trt.engines.manifest import read_manifest
 
-    out = tmp_path / "trt"
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox runs through fresh snow\n")
-    assert main(["build", "--model", "tiny", "--output", str(out), "--backend", "tensorrt", "--precision", "fp8",
-                 "--trt-targets", "sm89,sm120", "--device", "cpu", "--profile", "160x96x5", "--profile",
-                 "192x96x5", "--calib-prompts", str(prompts), "--calib-steps", "2"]) == 0
+    out = fp8_trt_bundle
     manifest = read_manifest(out)
     quant = manifest.quant  # calibrated through ModelOpt on a trajectory, as the Inductor bundles are
     assert quant["calib_algo"] == "max" and quant["modelopt"]["version"] == "0.47.0" and quant["calib_prompts"] == 1
@@ -332,6 +348,99 @@ def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
     assert main(["build", "--model", "tiny", "--output", str(tmp_path / "x"), "--backend", "tensorrt",
                  "--trt-targets", "sm90"]) == 2
     assert "Hopper (sm90)" in capsys.readouterr().err
+
+
+def test_inspect_shows_graphs_and_plans_through_polygraphy(fp8_trt_bundle, fp32_graphs, tmp_path, monkeypatch,
+                                                           capsys):
+    """What `h3trt inspect` adds for a tensorrt bundle: polygraphy's view of its ONNX graphs (a graph is copied in:
+    the builder keeps none) and of its plans, which on this GPU-less machine is one plain sentence saying polygraphy
+    could not load them and why. Nothing of polygraphy's log reaches stdout (inspect prints JSON there)."""
+    import dataclasses
+    import json
+    import shutil
+
+    import polygraphy
+
+    from h3trt.engines.manifest import read_manifest
+    from h3trt.engines.tensorrt_inspect import inspect_trt_bundle
+
+    model, paths = fp32_graphs
+    root = tmp_path / "bundle"
+    shutil.copytree(fp8_trt_bundle, root)
+    for src in (paths["block_0"], paths["block_0"].with_name("block_0.onnx.data")):
+        shutil.copy(src, root / "segments" / src.name)
+    manifest = read_manifest(root)
+    manifest = dataclasses.replace(manifest, files={**manifest.files, "segments/block_0.onnx": None})
+    capsys.readouterr()
+    view = inspect_trt_bundle(root, manifest)
+    assert capsys.readouterr().out == ""
+    json.dumps(view)  # printed within inspect's JSON
+    assert view["version"] == polygraphy.__version__
+    graph = onnx.load(str(paths["block_0"]), load_external_data=False)
+    shown = view["onnx"]["segments/block_0.onnx"]
+    assert list(view["onnx"]) == ["segments/block_0.onnx"] and list(shown["inputs"]) == segment_graphs(model)[
+        "block_0"][1].inputs and list(shown["outputs"]) == ["x_out"]
+    h = model.cfg.hidden_size
+    assert shown["inputs"]["x"] == f"float32 (1, 'S', {h})" and shown["inputs"]["mod"] == f"float32 ('M', 6, {h})"
+    assert shown["inputs"]["adaln_index"] == "int64 ('S',)" and shown["outputs"]["x_out"].endswith(f"'S', {h})")
+    assert (shown["opset"], shown["nodes"], shown["initializers"]) == (20, len(graph.graph.node),
+                                                                       len(graph.graph.initializer))
+    plans = view["plans"]
+    assert plans.startswith(f"polygraphy could not load segments/embed.plan with tensorrt_rtx {trt.__version__}, so "
+                            "none of the 4 plans is shown: Could not deserialize engine (")
+    assert "plans for sm89, sm120; TensorRT plans run on a CUDA GPU and this process has none" in plans
+    # Other bundles have nothing to show; without polygraphy the view says how to get it.
+    assert inspect_trt_bundle(root, dataclasses.replace(manifest, backend="inductor", files={})) is None
+    monkeypatch.setitem(sys.modules, "polygraphy", None)
+    assert inspect_trt_bundle(root, manifest) == ("not installed: `pip install polygraphy==0.53.6` shows this "
+                                                  "bundle's 1 ONNX graph(s) and 4 plan(s)")
+
+
+def test_plan_view_reads_a_loaded_plan_through_polygraphy(fp8_trt_bundle, monkeypatch):
+    """Where a plan loads (an RTX-class GPU of its targets; none here), its view is what polygraphy reads from the
+    engine: checked on a stand-in engine with block_0's inputs, outputs and dynamic dimensions."""
+    import types
+
+    from h3trt.engines.manifest import read_manifest
+    from polygraphy.backend.trt import loader
+
+    from h3trt.engines.tensorrt_inspect import plan_view
+
+    entry = read_manifest(fp8_trt_bundle).segments["block_0"]
+    box = entry["profiles"][0]  # dynamic where min != max: -1, as a plan reports it
+    shapes = {n: tuple(lo if lo == hi else -1 for lo, hi in zip(box[n][0], box[n][2])) for n in entry["inputs"]}
+    shapes["x_out"] = shapes["x"]
+
+    class Engine:
+        num_layers, num_optimization_profiles, names = 42, 2, entry["inputs"] + entry["outputs"]
+        num_io_tensors = len(names)
+
+        def get_tensor_name(self, index):
+            return self.names[index]
+
+        def get_tensor_mode(self, name):
+            return trt.TensorIOMode.INPUT if name in entry["inputs"] else trt.TensorIOMode.OUTPUT
+
+        def get_tensor_dtype(self, name):
+            return trt.DataType.INT64 if name == "adaln_index" else trt.DataType.BF16
+
+        def get_tensor_shape(self, name):
+            return shapes[name]
+
+        def get_tensor_format(self, name, profile):
+            return trt.TensorFormat.LINEAR
+
+        def create_execution_context(self):
+            return types.SimpleNamespace(active_optimization_profile=0)
+
+    monkeypatch.setattr(loader, "EngineFromBytes", lambda data: lambda: Engine())
+    h = read_manifest(fp8_trt_bundle).model_config.hidden_size
+    view = plan_view(fp8_trt_bundle / "segments" / "block_0.plan", "tensorrt_rtx")
+    assert view["inputs"]["x"] == f"bfloat16 (1, -1, {h})" and view["inputs"]["adaln_index"] == "int64 (-1,)"
+    assert list(view["inputs"]) == entry["inputs"] and view["outputs"] == {"x_out": f"bfloat16 (1, -1, {h})"}
+    assert (view["layers"], view["profiles"]) == (42, 2)
+    with pytest.raises(RuntimeError, match="loaded for tensorrt_rtx earlier in this process"):
+        bind_polygraphy("tensorrt")  # the full TensorRT's plans: not in a process bound to TensorRT-RTX
 
 
 class _OrtAsTensorRT:
