@@ -32,6 +32,11 @@ setup(
             # CUDA wheels), and TensorRT-RTX, which builds plans without a GPU. About 150 MB, under a minute to install.
             "onnx>=1.21", "onnxruntime>=1.20", "tensorrt-rtx==1.7.1.116", "nvidia-modelopt==0.47.0",
             "onnx-graphsurgeon>=0.6.1", "onnxscript", "onnxslim", "lief",
+            # The onnxruntime-vs-eager parity checks run through polygraphy's Comparator, as the plans' checks against
+            # onnxruntime will on a GPU (tensorrt_notes.md section 5); `h3trt inspect` shows a tensorrt bundle's plans
+            # through it where it is installed (h3trt/engines/tensorrt_inspect.py, same pin). Pure Python, no
+            # dependencies, 0.5 MB.
+            "polygraphy==0.53.6",
             "peft",  # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/test_lora.py)
         ],
         # `h3trt build --precision fp8|nvfp4`: calibration runs through NVIDIA ModelOpt (h3trt/quant/calibrate.py is

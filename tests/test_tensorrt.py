@@ -2,7 +2,8 @@
 
 What runs here and what cannot:
   - every exported graph, as an FP32 twin, matches its eager segment in onnxruntime at a layout other than the one it
-    was exported at (so the dynamic dimensions are real), to a relative error (norm) of 1e-5;
+    was exported at (so the dynamic dimensions are real), to a relative error (norm) of 1e-5, compared by polygraphy
+    (the tool that compares the plans against onnxruntime on a GPU: tensorrt_notes.md section 5);
   - TensorRT-RTX parses and builds every segment for sm_89 (BF16, FP8) and sm_120 (NVFP4) without a GPU; attention
     is one fused kernel (`_gemm_mha_v2` in the plan's layer list) and the plan's activation memory grows linearly,
     not quadratically, with the sequence length;
@@ -18,6 +19,8 @@ What runs here and what cannot:
 
 import collections
 import ctypes
+import sys
+import time
 
 import numpy as np
 import onnx  # the test extras (pip install -e '.[test]'): a missing one fails here, loudly, instead of skipping
@@ -25,6 +28,16 @@ import onnxruntime as ort
 import pytest
 import tensorrt_rtx as trt
 import torch
+
+from h3trt.engines.tensorrt_inspect import bind_polygraphy
+
+# This file's plans are TensorRT-RTX's, and polygraphy binds its TensorRT-reading modules to one flavour as they are
+# first imported: bound before any is.
+bind_polygraphy("tensorrt_rtx")
+from polygraphy.backend.base import BaseRunner  # noqa: E402
+from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: E402
+from polygraphy.common import TensorMetadata  # noqa: E402
+from polygraphy.comparator import Comparator, L2CompareFunc  # noqa: E402
 
 from h3trt.build.builder import example_inputs
 from h3trt.build.config import Profile
@@ -41,13 +54,64 @@ from h3trt.calibration.recipe import QuantRecipe
 pytestmark = pytest.mark.build  # ONNX export, onnxruntime sessions and TensorRT-RTX plan builds
 
 TINY_PROFILE = Profile(160, 96, 5.0)
+# Relative L2 error ||got - want|| / ||want|| an fp32 graph may have against its eager segment, per output. Measured:
+# about 1e-7 (max absolute error 1.3e-6 on activations of rms 1).
 ORT_REL_TOL = 1e-5
 RTX = TrtFlavour("tensorrt_rtx", trt.__version__)
 
 
-def _rel(got: np.ndarray, want: torch.Tensor) -> float:
-    want = want.float().numpy()
-    return float(np.linalg.norm(got - want) / np.linalg.norm(want))
+class TorchRunner(BaseRunner):
+    """A PyTorch callable as a polygraphy runner, on the CPU (polygraphy's PytRunner moves its inputs to CUDA): called
+    with the feeds in `input_metadata` order, its outputs named `output_names`."""
+
+    def __init__(self, fn, input_metadata: TensorMetadata, output_names: list[str], name: str):
+        super().__init__(name=name, prefix="torch")
+        self.fn, self.input_metadata, self.output_names = fn, input_metadata, list(output_names)
+
+    def get_input_metadata_impl(self):
+        return self.input_metadata
+
+    def infer_impl(self, feed_dict):
+        start = time.perf_counter()
+        with torch.no_grad():
+            outputs = self.fn(*(feed_dict[name] for name in self.input_metadata))
+        self.inference_time = time.perf_counter() - start
+        return collections.OrderedDict(zip(self.output_names, outputs if isinstance(outputs, tuple) else (outputs,)))
+
+
+def assert_agree(runner, reference: TorchRunner, feeds: dict[str, torch.Tensor], rel_tol: float = ORT_REL_TOL) -> dict:
+    """Runs `runner` and `reference` on `feeds` through polygraphy's Comparator; every output must have the same shape
+    and a relative L2 error of at most `rel_tol` (polygraphy's L2 distance against rel_tol x the reference output's
+    norm). A failure names each output that missed with its relative, max absolute and max relative errors. Returns
+    the reference's outputs."""
+    results = Comparator.run([runner, reference], data_loader=[feeds])
+    got, want = results[runner.name][0], results[reference.name][0]
+    norms = {name: float(torch.linalg.vector_norm(out.double())) for name, out in want.items()}
+    accuracy = Comparator.compare_accuracy(results, compare_func=L2CompareFunc(
+        l2_threshold={name: rel_tol * norm for name, norm in norms.items()}))
+    if not accuracy:
+        missed = []
+        for output, result in accuracy[0][(runner.name, reference.name)][0].items():
+            if result:
+                continue
+            g, w = got[output].double(), want[output].double()
+            if g.shape != w.shape:  # polygraphy compares no values across shapes
+                missed.append(f"{output}: shape {tuple(g.shape)}, want {tuple(w.shape)}")
+                continue
+            diff = (g - w).abs()
+            missed.append(f"{output}: relative error {result.l2_norm / norms[output]:.2e} > {rel_tol:.0e} (max abs "
+                          f"{diff.max().item():.2e}, max rel {(diff / w.abs().clamp_min(1e-30)).max().item():.2e})")
+        pytest.fail(f"{runner.name} vs {reference.name}: " + "; ".join(missed))
+    return want
+
+
+def assert_graph_matches(path, eager, feeds: dict[str, torch.Tensor]) -> tuple[torch.Tensor, ...]:
+    """The ONNX graph at `path` in onnxruntime against `eager` (the eager segment, called with the feeds in order) by
+    assert_agree. Returns the eager outputs, in the graph's output order."""
+    outputs = [o.name for o in onnx.load(str(path), load_external_data=False).graph.output]
+    reference = TorchRunner(eager, TensorMetadata().from_feed_dict(feeds), outputs, f"eager {path.stem}")
+    want = assert_agree(OnnxrtRunner(SessionFromOnnx(str(path)), name=f"onnxruntime {path.stem}"), reference, feeds)
+    return tuple(want[name] for name in outputs)
 
 
 @pytest.fixture(scope="module")
@@ -78,37 +142,26 @@ def test_onnx_fp32_twin_matches_eager_segments_in_onnxruntime(fp32_graphs):
     model, paths = fp32_graphs
     layout, video, audio, text, unique_t, t_index = _other_layout_inputs(model)
     assert unique_t.numel() == 3  # video t, audio t, condition rows: T differs from nothing the export fixed
-
-    def run(name, feeds):
-        session = ort.InferenceSession(str(paths[name]), providers=["CPUExecutionProvider"])
-        return session.run(None, {k: v.numpy() for k, v in feeds.items()})
-
+    # embed: the eager DiT's embed
+    x, temb = assert_graph_matches(
+        paths["embed"],
+        lambda video, audio, text, timesteps, video_index, audio_index, text_index, token_tags: model.embed(
+            video, audio, text, timesteps, video_index, audio_index, text_index, token_tags.shape[0]),
+        dict(video=video, audio=audio, text=text, timesteps=unique_t, video_index=layout.video_index,
+             audio_index=layout.audio_index, text_index=layout.text_index, token_tags=layout.token_tags))
+    # every layer: the eager block with SDPA, on the eager output of the one before
     with torch.no_grad():
-        # embed: the eager DiT's embed
-        want_x, want_temb = model.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index,
-                                        layout.text_index, layout.seq_len)
-        got_x, got_temb = run("embed", dict(video=video, audio=audio, text=text, timesteps=unique_t,
-                                            video_index=layout.video_index, audio_index=layout.audio_index,
-                                            text_index=layout.text_index, token_tags=layout.token_tags))
-        assert _rel(got_x, want_x) <= ORT_REL_TOL and _rel(got_temb, want_temb) <= ORT_REL_TOL
-        # every layer: the eager block with SDPA, on the embed output
         cos, sin = model.rope(layout.position_ids)
         adaln_index = t_index * NUM_MODALITIES + layout.token_tags
-        x = want_x
         for i, block in enumerate(model.blocks):
-            mod = block.modulation(want_temb).contiguous()
-            want = block(x, mod, adaln_index, (cos, sin))
-            (got,) = run(f"block_{i}", dict(x=x, mod=mod, adaln_index=adaln_index, cos=cos, sin=sin))
-            err = _rel(got, want)
-            assert err <= ORT_REL_TOL, f"block_{i}: relative error {err:.2e}"
-            x = want
-        # final: both heads
-        mod = model.final_layer.modulation(want_temb).contiguous()
-        want_v, want_a = model.final_layer(x, mod, t_index, layout.video_index, layout.audio_index)
-        got_v, got_a = run("final", dict(x=x, mod=mod, timestep_index=t_index, video_index=layout.video_index,
-                                         audio_index=layout.audio_index))
-        assert got_v.shape == tuple(want_v.shape) and got_a.shape == tuple(want_a.shape)
-        assert _rel(got_v, want_v) <= ORT_REL_TOL and _rel(got_a, want_a) <= ORT_REL_TOL
+            (x,) = assert_graph_matches(
+                paths[f"block_{i}"], lambda x, mod, adaln_index, cos, sin: block(x, mod, adaln_index, (cos, sin)),
+                dict(x=x, mod=block.modulation(temb).contiguous(), adaln_index=adaln_index, cos=cos, sin=sin))
+        mod = model.final_layer.modulation(temb).contiguous()
+    # final: both heads (their shapes included)
+    assert_graph_matches(paths["final"], model.final_layer, dict(x=x, mod=mod, timestep_index=t_index,
+                                                                 video_index=layout.video_index,
+                                                                 audio_index=layout.audio_index))
 
 
 def test_onnx_graphs_are_export_friendly(fp32_graphs):
@@ -255,19 +308,28 @@ def test_pick_profile_and_gpu_refusals():
     assert plan_device_problem(info, "NVIDIA GeForce RTX 4090", (8, 9), installed) is None
 
 
-def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
-    """The CLI end to end: an FP8 bundle for sm89 + sm120 with two profiles; the manifest records flavour, version
-    and targets; every file hashes; serving it on this GPU-less machine is refused naming the plans' targets."""
+@pytest.fixture(scope="module")
+def fp8_trt_bundle(tiny_cache, tmp_path_factory):
+    """`h3trt build --backend tensorrt`: an FP8 bundle of the tiny model for sm89 + sm120 with two profiles."""
+    from h3trt.cli import main
+
+    root = tmp_path_factory.mktemp("trt_bundle")
+    prompts = root / "prompts.txt"
+    prompts.write_text("a red fox runs through fresh snow\n")
+    assert main(["build", "--model", "tiny", "--output", str(root / "trt"), "--backend", "tensorrt", "--precision",
+                 "fp8", "--trt-targets", "sm89,sm120", "--device", "cpu", "--profile", "160x96x5", "--profile",
+                 "192x96x5", "--calib-prompts", str(prompts), "--calib-steps", "2"]) == 0
+    return root / "trt"
+
+
+def test_h3trt_build_tensorrt_bundle(fp8_trt_bundle, tmp_path, capsys):
+    """The CLI end to end: the manifest records flavour, version and targets; every file hashes; serving the bundle on
+    this GPU-less machine is refused naming the plans' targets."""
     from h3trt.cli import main
     from h3trt.engines.bundle import Engine
     from h3trt.engines.manifest import read_manifest
 
-    out = tmp_path / "trt"
-    prompts = tmp_path / "prompts.txt"
-    prompts.write_text("a red fox runs through fresh snow\n")
-    assert main(["build", "--model", "tiny", "--output", str(out), "--backend", "tensorrt", "--precision", "fp8",
-                 "--trt-targets", "sm89,sm120", "--device", "cpu", "--profile", "160x96x5", "--profile",
-                 "192x96x5", "--calib-prompts", str(prompts), "--calib-steps", "2"]) == 0
+    out = fp8_trt_bundle
     manifest = read_manifest(out)
     quant = manifest.quant  # calibrated through ModelOpt on a trajectory, as the Inductor bundles are
     assert quant["calib_algo"] == "max" and quant["modelopt"]["version"] == "0.47.0" and quant["calib_prompts"] == 1
@@ -286,6 +348,99 @@ def test_h3trt_build_tensorrt_bundle(tiny_cache, tmp_path, capsys):
     assert main(["build", "--model", "tiny", "--output", str(tmp_path / "x"), "--backend", "tensorrt",
                  "--trt-targets", "sm90"]) == 2
     assert "Hopper (sm90)" in capsys.readouterr().err
+
+
+def test_inspect_shows_graphs_and_plans_through_polygraphy(fp8_trt_bundle, fp32_graphs, tmp_path, monkeypatch,
+                                                           capsys):
+    """What `h3trt inspect` adds for a tensorrt bundle: polygraphy's view of its ONNX graphs (a graph is copied in:
+    the builder keeps none) and of its plans, which on this GPU-less machine is one plain sentence saying polygraphy
+    could not load them and why. Nothing of polygraphy's log reaches stdout (inspect prints JSON there)."""
+    import dataclasses
+    import json
+    import shutil
+
+    import polygraphy
+
+    from h3trt.engines.manifest import read_manifest
+    from h3trt.engines.tensorrt_inspect import inspect_trt_bundle
+
+    model, paths = fp32_graphs
+    root = tmp_path / "bundle"
+    shutil.copytree(fp8_trt_bundle, root)
+    for src in (paths["block_0"], paths["block_0"].with_name("block_0.onnx.data")):
+        shutil.copy(src, root / "segments" / src.name)
+    manifest = read_manifest(root)
+    manifest = dataclasses.replace(manifest, files={**manifest.files, "segments/block_0.onnx": None})
+    capsys.readouterr()
+    view = inspect_trt_bundle(root, manifest)
+    assert capsys.readouterr().out == ""
+    json.dumps(view)  # printed within inspect's JSON
+    assert view["version"] == polygraphy.__version__
+    graph = onnx.load(str(paths["block_0"]), load_external_data=False)
+    shown = view["onnx"]["segments/block_0.onnx"]
+    assert list(view["onnx"]) == ["segments/block_0.onnx"] and list(shown["inputs"]) == segment_graphs(model)[
+        "block_0"][1].inputs and list(shown["outputs"]) == ["x_out"]
+    h = model.cfg.hidden_size
+    assert shown["inputs"]["x"] == f"float32 (1, 'S', {h})" and shown["inputs"]["mod"] == f"float32 ('M', 6, {h})"
+    assert shown["inputs"]["adaln_index"] == "int64 ('S',)" and shown["outputs"]["x_out"].endswith(f"'S', {h})")
+    assert (shown["opset"], shown["nodes"], shown["initializers"]) == (20, len(graph.graph.node),
+                                                                       len(graph.graph.initializer))
+    plans = view["plans"]
+    assert plans.startswith(f"polygraphy could not load segments/embed.plan with tensorrt_rtx {trt.__version__}, so "
+                            "none of the 4 plans is shown: Could not deserialize engine (")
+    assert "plans for sm89, sm120; TensorRT plans run on a CUDA GPU and this process has none" in plans
+    # Other bundles have nothing to show; without polygraphy the view says how to get it.
+    assert inspect_trt_bundle(root, dataclasses.replace(manifest, backend="inductor", files={})) is None
+    monkeypatch.setitem(sys.modules, "polygraphy", None)
+    assert inspect_trt_bundle(root, manifest) == ("not installed: `pip install polygraphy==0.53.6` shows this "
+                                                  "bundle's 1 ONNX graph(s) and 4 plan(s)")
+
+
+def test_plan_view_reads_a_loaded_plan_through_polygraphy(fp8_trt_bundle, monkeypatch):
+    """Where a plan loads (an RTX-class GPU of its targets; none here), its view is what polygraphy reads from the
+    engine: checked on a stand-in engine with block_0's inputs, outputs and dynamic dimensions."""
+    import types
+
+    from h3trt.engines.manifest import read_manifest
+    from polygraphy.backend.trt import loader
+
+    from h3trt.engines.tensorrt_inspect import plan_view
+
+    entry = read_manifest(fp8_trt_bundle).segments["block_0"]
+    box = entry["profiles"][0]  # dynamic where min != max: -1, as a plan reports it
+    shapes = {n: tuple(lo if lo == hi else -1 for lo, hi in zip(box[n][0], box[n][2])) for n in entry["inputs"]}
+    shapes["x_out"] = shapes["x"]
+
+    class Engine:
+        num_layers, num_optimization_profiles, names = 42, 2, entry["inputs"] + entry["outputs"]
+        num_io_tensors = len(names)
+
+        def get_tensor_name(self, index):
+            return self.names[index]
+
+        def get_tensor_mode(self, name):
+            return trt.TensorIOMode.INPUT if name in entry["inputs"] else trt.TensorIOMode.OUTPUT
+
+        def get_tensor_dtype(self, name):
+            return trt.DataType.INT64 if name == "adaln_index" else trt.DataType.BF16
+
+        def get_tensor_shape(self, name):
+            return shapes[name]
+
+        def get_tensor_format(self, name, profile):
+            return trt.TensorFormat.LINEAR
+
+        def create_execution_context(self):
+            return types.SimpleNamespace(active_optimization_profile=0)
+
+    monkeypatch.setattr(loader, "EngineFromBytes", lambda data: lambda: Engine())
+    h = read_manifest(fp8_trt_bundle).model_config.hidden_size
+    view = plan_view(fp8_trt_bundle / "segments" / "block_0.plan", "tensorrt_rtx")
+    assert view["inputs"]["x"] == f"bfloat16 (1, -1, {h})" and view["inputs"]["adaln_index"] == "int64 (-1,)"
+    assert list(view["inputs"]) == entry["inputs"] and view["outputs"] == {"x_out": f"bfloat16 (1, -1, {h})"}
+    assert (view["layers"], view["profiles"]) == (42, 2)
+    with pytest.raises(RuntimeError, match="loaded for tensorrt_rtx earlier in this process"):
+        bind_polygraphy("tensorrt")  # the full TensorRT's plans: not in a process bound to TensorRT-RTX
 
 
 class _OrtAsTensorRT:
@@ -397,11 +552,11 @@ def test_trt_dit_runs_the_segment_interface_like_eager(adaln, fp32_graphs):
     audio = torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g)
     text = torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g)
     unique_t, t_index = row_timesteps(layout, tv, ta)
-    with torch.no_grad():
-        got = dit(video, audio, text, unique_t, t_index, layout)
-        want = EagerDiT(model)(video, audio, text, unique_t, t_index, layout)
-    for g_, w in zip(got, want):
-        assert g_.shape == w.shape and ((g_ - w).norm() / w.norm()).item() <= ORT_REL_TOL
+    feeds = dict(video=video, audio=audio, text=text, unique_t=unique_t, t_index=t_index)
+    meta = TensorMetadata().from_feed_dict(feeds)
+    eager = EagerDiT(model)
+    assert_agree(TorchRunner(lambda *x: dit(*x, layout), meta, ["video", "audio"], f"TrtDiT {adaln}"),
+                 TorchRunner(lambda *x: eager(*x, layout), meta, ["video", "audio"], "EagerDiT"), feeds)
     with pytest.raises(BundleError, match="no optimization profile"):  # 65 text rows: past this test's L range
         long = pack_t2va(text_tags_for(65), geometry.latent_frames, geometry.latent_height, geometry.latent_width,
                          geometry.audio_latents, cfg.patch_size)
