@@ -396,6 +396,7 @@ def reference_entry(reference: str, device: str):
 def cmd_inspect(args) -> int:
     from .engines.manifest import read_manifest
     from .engines.signing import read_signature
+    from .engines.tensorrt_inspect import inspect_trt_bundle
 
     manifest = read_manifest(args.bundle)
     # Every recorded field as written (`raw`), the long tables summarised.
@@ -405,6 +406,9 @@ def cmd_inspect(args) -> int:
     signature = read_signature(args.bundle)
     summary["signature"] = (f"ed25519 by key {signature['key_sha256']} (not checked: h3trt verify --trust KEY.pub)"
                             if signature else "unsigned")
+    polygraphy_view = inspect_trt_bundle(args.bundle, manifest)  # tensorrt bundles: ONNX graphs and plans
+    if polygraphy_view is not None:
+        summary["polygraphy"] = polygraphy_view
     print(json.dumps(summary, indent=1))
     return 0
 
