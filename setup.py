@@ -1,10 +1,14 @@
 from setuptools import find_packages, setup
 
+SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "python-multipart", "prometheus-client", "sqlalchemy>=2", "alembic"]
+
 setup(
     name="h3trt",
     version="0.1.0",
     description="Compiled inference engine for MiniMax-H3, the joint video+audio diffusion transformer",
     packages=find_packages(include=["h3trt", "h3trt.*"]),
+    # h3trt serve's page and the job store's Alembic migrations travel with the package.
+    package_data={"h3trt.server": ["page.html", "migrations/*.py", "migrations/*.mako", "migrations/versions/*.py"]},
     python_requires=">=3.10",
     install_requires=[
         # The GPU image runs torch 2.11; CI and developer machines run 2.13 (CPU wheel). Both are supported.
@@ -24,7 +28,14 @@ setup(
         "cryptography",  # Ed25519 bundle signatures (h3trt build --sign, run/verify --trust)
     ],
     extras_require={
+        # `h3trt serve`: the HTTP API (FastAPI on uvicorn; multipart uploads), Prometheus metrics, the job store
+        # (SQLAlchemy Core over SQLite by default, its schema versioned by Alembic).
+        "serve": SERVE,
         "test": [
+            *SERVE,
+            # The server's tests: the official openai SDK as the client, schemathesis over the OpenAPI schema, and a
+            # real browser (Debian's chromium, driven by playwright) for the page.
+            "openai>=2", "httpx", "schemathesis>=4", "playwright",
             "pytest",
             "pytest-xdist",  # the README's test command runs two workers (-n 2 --dist loadfile), one per CI core
             # The TensorRT backend's CPU tests (tests/test_tensorrt.py): ONNX export and onnxruntime parity, ModelOpt

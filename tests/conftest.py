@@ -9,7 +9,7 @@ from h3trt.models.checkpoint_writer import random_state_dict, save_comfy, save_d
 from h3trt.models.config import H3Config
 
 
-TIERS = ("unit", "multiproc", "build")
+TIERS = ("unit", "multiproc", "build", "serve")
 BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
 
 

@@ -54,6 +54,12 @@ class BatchConfig:
             raise ValueError(f"crf={self.crf} is outside H.264's range 0..51.")
 
 
+def batchable(request) -> bool:
+    """Whether a request may share a batched denoise: one branch (no guidance) and no step cache (a cache decides
+    per request which evaluations to skip)."""
+    return request.guidance == 1.0 and request.cache is None
+
+
 def output_paths(out_dir: Path, item: BatchItem) -> tuple[Path, Path]:
     return Path(out_dir) / f"{item.id}.mp4", Path(out_dir) / f"{item.id}.json"
 
@@ -113,7 +119,8 @@ class FileQueue:
             else:
                 mp4, _ = output_paths(self.out_dir, item)
                 # overwrite: a retried request replaces its own stale files; the out-dir lock keeps other runs out.
-                jobs.append(Job(item.id, item.request, mp4, overwrite=True, record={"line": item.line}, key=item.key))
+                jobs.append(Job(item.id, item.request, mp4, overwrite=True, record={"line": item.line},
+                                key=item.key if batchable(item.request) else ()))
         self.pending: deque[Job] = deque(jobs)
         self.retried: set[str] = set()
         self.stopped: str | None = None  # why no more work is handed out (--fail-fast)

@@ -238,7 +238,8 @@ def _failed(reporter: Reporter, place: Place, jobs: list[Job], stage: str, error
                        intervals=tuple(timer.intervals) if timer is not None else (),
                        record={"traceback": traceback.format_exception(error)[-3:],
                                "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()} if timer else {},
-                               "user_error": isinstance(error, (UserError, OutputRefused))})
+                               "user_error": isinstance(error, (UserError, OutputRefused)),
+                               "error_type": type(error).__name__})
     free_memory(reporter.device)
     if place.decode_group is not None or place.raise_failures:
         raise error

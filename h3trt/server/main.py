@@ -1,0 +1,174 @@
+"""`h3trt serve`: one node's video job server.
+
+  1. check: the [serve] extra, the model (Entry, resolved by the CLI), the mesh, the options, the data folder (one
+     server per folder: a lock naming its holder)
+  2. recover the store: jobs a stopped server was running are queued again (once), files without a job removed
+  3. start the replica groups (runtime/workers.py, on a thread of this process; their ranks in processes of their
+     own, loading the model once each), the expiry sweep, and the HTTP server (uvicorn, this thread)
+  4. SIGTERM or Ctrl-C: drain (new jobs 503, running jobs finish within --drain-timeout, queued jobs stay in the
+     store), then exit 0; a second signal stops at once (running jobs are queued again for the next start)
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import sys
+import threading
+import time
+
+from ..errors import UserError
+from ..runtime.entry import Entry
+from ..runtime.files import BatchLock
+from ..runtime.workers import launch_gpus
+from .options import LOOPBACK, ServeOptions
+
+EXTRA_MODULES = ("fastapi", "uvicorn", "prometheus_client", "sqlalchemy", "alembic", "multipart")
+
+
+def serve(entry: Entry, options: ServeOptions) -> int:
+    missing = [m for m in EXTRA_MODULES if not _importable(m)]
+    if missing:
+        raise UserError(f"h3trt serve needs {', '.join(missing)}: pip install 'h3trt[serve]'.")
+    if entry.torchrun is not None:
+        raise UserError("h3trt serve launches its own ranks (--gpus N); run it as one process, not under torchrun. "
+                        "A fleet of nodes runs one server per node, or Ray Serve (README, 'A fleet').")
+    task = entry.manifest.task if entry.manifest is not None else "t2va"
+    mesh = entry.mesh(task)
+    spec = entry.worker_spec(task, mesh, crf=options.crf)
+    gpus = launch_gpus(entry.device_type, mesh.world_size)
+    options.data_dir.mkdir(parents=True, exist_ok=True)
+    with BatchLock(options.data_dir):
+        return _serve_locked(entry, options, spec, gpus)
+
+
+def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus) -> int:
+    import uvicorn
+
+    from .app import create_app
+    from .service import VideoService, _log
+
+    service = VideoService(entry, options, spec, gpus)
+    service.recover()
+    if options.api_key is None:
+        _log("no_auth", message=f"no --api-key: serving on {LOOPBACK} only, without authentication")
+    entry.note()
+    workers = threading.Thread(target=_run_workers, args=(service,), name="h3trt-workers")
+    workers.start()
+    stop_sweep = threading.Event()
+    sweep = threading.Thread(target=_sweep, args=(service, stop_sweep), name="h3trt-expiry", daemon=True)
+    sweep.start()
+    server = _Server(uvicorn.Config(create_app(service), host=options.host, port=options.port, log_level="warning",
+                                   access_log=False, lifespan="off", timeout_graceful_shutdown=5), service)
+    try:
+        server.run()
+    finally:
+        if not service.draining.is_set():  # the server stopped without a signal (a bind error, say)
+            service.draining.set()
+        service.workers.stop()
+        workers.join(timeout=60)
+        stop_sweep.set()
+        service.store.close()
+    if server.bind_failed:
+        raise UserError(f"could not listen on {options.host}:{options.port} (in use, or not an address of this "
+                        "host); pass another --port.")
+    _log("stopped", message="queued jobs stay in the store for the next start")
+    return 0
+
+
+def _run_workers(service) -> None:
+    try:
+        service.workers.run()
+    except BaseException as e:  # noqa: BLE001 -- the server stays up; /ready says no group serves
+        from .service import _log
+
+        _log("workers_stopped", error=f"{type(e).__name__}: {e}")
+
+
+def _sweep(service, stop: threading.Event) -> None:
+    """Expire finished jobs (files and rows together) at a tenth of the retention, at most every 30 s."""
+    period = min(30.0, max(0.5, service.options.retention_s / 10))
+    while not stop.wait(period):
+        with contextlib.suppress(Exception):
+            service.expire()
+
+
+class _Server:
+    """uvicorn's server with h3trt's signals: the first SIGTERM/SIGINT drains, a second one stops at once."""
+
+    def __init__(self, config, service):
+        import uvicorn
+
+        class Server(uvicorn.Server):
+            @contextlib.contextmanager
+            def capture_signals(inner):
+                old = {sig: signal.signal(sig, self._signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+                try:
+                    yield
+                finally:
+                    for sig, handler in old.items():
+                        signal.signal(sig, handler)
+
+            async def startup(inner, sockets=None):
+                await super().startup(sockets)
+                if inner.started:
+                    self._started(inner)
+                else:
+                    self.bind_failed = True
+
+        self.server, self.service = Server(config), service
+        self.bind_failed, self._signals = False, 0
+
+    def run(self) -> None:
+        self.server.run()
+        if not self.server.started:
+            self.bind_failed = True
+
+    def _started(self, server) -> None:
+        from .service import _log
+
+        sockets = [s for srv in server.servers for s in srv.sockets]
+        host, port = sockets[0].getsockname()[:2] if sockets else (self.service.options.host, 0)
+        _log("listening", url=f"http://{host}:{port}")
+        print(f"h3trt serve: listening on http://{host}:{port} (the model loads in the workers; GET /ready)",
+              file=sys.stderr, flush=True)
+        threading.Thread(target=self._announce_ready, args=(f"http://{host}:{port}",), daemon=True).start()
+
+    def _announce_ready(self, url: str) -> None:
+        from .service import _log
+
+        while not self.service.draining.is_set():
+            serving = self.service.workers.serving()
+            if serving:
+                total = len(self.service.workers.groups)
+                _log("ready", url=url, groups_serving=serving, groups=total)
+                print(f"h3trt serve: ready at {url}: {serving} of {total} replica group(s) serving "
+                      f"{self.service.model_id}", file=sys.stderr, flush=True)
+                return
+            time.sleep(0.2)
+
+    def _signal(self, signum, frame) -> None:
+        from .service import _log
+
+        self._signals += 1
+        if self._signals > 1:
+            _log("stopping", message="second signal: stopping now; running jobs are queued again")
+            self.service.draining.set()
+            self.service.workers.stop()
+            self.server.should_exit = True
+            return
+        _log("draining", signal=signal.Signals(signum).name, timeout_s=self.service.options.drain_timeout_s)
+        print(f"h3trt serve: draining (new jobs get 503; running jobs may take {self.service.options.drain_timeout_s:g}"
+              " s; a second signal stops now)", file=sys.stderr, flush=True)
+
+        def drain():
+            self.service.drain(self.service.options.drain_timeout_s)
+            self.server.should_exit = True
+
+        threading.Thread(target=drain, name="h3trt-drain", daemon=True).start()
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None

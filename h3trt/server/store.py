@@ -1,0 +1,267 @@
+"""The job store: every job of a server (or a fleet), its state and its result, in one table that outlives the
+process. SQLite by default (a file under the server's data folder, write-ahead logged); any database SQLAlchemy
+speaks through the same class (a fleet's PostgreSQL: a URL). The schema is versioned by Alembic migrations
+(server/migrations/), applied when a store opens.
+
+A job moves queued -> in_progress -> completed | failed | cancelled. `claim` takes the oldest queued job for a
+worker atomically (one UPDATE guarded by the status it expects, so two workers never take the same job; PostgreSQL
+also skips rows another transaction holds). A job found in_progress when a server starts was running when the
+previous one stopped: `recover` queues it again, once (MAX_ATTEMPTS), else fails it with the reason.
+
+No SQL is written by hand: statements are SQLAlchemy Core expressions with bound parameters.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from sqlalchemy import (Boolean, Column, Float, Integer, MetaData, String, Table, Text, create_engine, event, func,
+                        select, update, delete)
+from sqlalchemy.engine import Engine, Row
+
+STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
+ENDED = ("completed", "failed", "cancelled")
+MAX_ATTEMPTS = 2  # a job that was running when its worker or server died runs once more, then fails
+
+metadata = MetaData()
+jobs = Table(
+    "jobs", metadata,
+    Column("seq", Integer, primary_key=True, autoincrement=True),  # creation order (the list's cursor order)
+    Column("id", String(64), nullable=False, unique=True),  # video_<hex>
+    Column("status", String(16), nullable=False, index=True),
+    Column("created_at", Float, nullable=False),  # Unix seconds
+    Column("started_at", Float),  # taken by a worker (the latest attempt)
+    Column("completed_at", Float),  # ended, whichever way
+    Column("expires_at", Float, index=True),  # its files and this row are removed then (ended jobs only)
+    Column("progress", Integer, nullable=False, default=0),  # 0-100, monotonic (runtime/jobs.py)
+    Column("stage", String(32), nullable=False, default="queued"),
+    Column("evaluations_done", Integer, nullable=False, default=0),
+    Column("evaluations_total", Integer, nullable=False, default=0),
+    Column("attempts", Integer, nullable=False, default=0),  # times a worker took it
+    Column("cancel_requested", Boolean, nullable=False, default=False),
+    Column("deleted", Boolean, nullable=False, default=False),  # DELETE while running: removed when it stops
+    Column("error_code", String(64)),
+    Column("error_message", Text),
+    Column("request", Text, nullable=False),  # JSON: the request in the one schema, and the OpenAI fields as sent
+    Column("record", Text),  # JSON: the clip's record (timings, seed, the bundle's manifest hash)
+    Column("output", Text),  # where the MP4 is (a path, or a URL of a fleet's storage)
+    Column("worker", String(128)),  # which replica group ran it
+)
+
+
+@dataclass(frozen=True)
+class JobRow:
+    """One job as stored."""
+
+    seq: int
+    id: str
+    status: str
+    created_at: float
+    started_at: float | None
+    completed_at: float | None
+    expires_at: float | None
+    progress: int
+    stage: str
+    evaluations_done: int
+    evaluations_total: int
+    attempts: int
+    cancel_requested: bool
+    deleted: bool
+    error_code: str | None
+    error_message: str | None
+    request: dict
+    record: dict | None
+    output: str | None
+    worker: str | None
+
+    @classmethod
+    def of(cls, row: Row) -> "JobRow":
+        data = dict(row._mapping)
+        data["request"] = json.loads(data["request"])
+        data["record"] = json.loads(data["record"]) if data["record"] else None
+        data["cancel_requested"], data["deleted"] = bool(data["cancel_requested"]), bool(data["deleted"])
+        return cls(**data)
+
+
+def sqlite_url(data_dir: Path) -> str:
+    return f"sqlite:///{Path(data_dir).resolve() / 'jobs.sqlite3'}"
+
+
+class JobStore:
+    """The store's interface over one database URL (module doc). Thread-safe: every call is its own transaction."""
+
+    def __init__(self, url: str):
+        self.url = url
+        self.sqlite = url.startswith("sqlite")
+        kwargs = {"connect_args": {"check_same_thread": False, "timeout": 30}} if self.sqlite else {}
+        self.engine: Engine = create_engine(url, future=True, **kwargs)
+        if self.sqlite:
+            event.listen(self.engine, "connect", _sqlite_pragmas)
+        migrate(self.engine)
+
+    def close(self) -> None:
+        self.engine.dispose()
+
+    # --- writes -----------------------------------------------------------------------------------------------------
+
+    def create(self, job_id: str, request: dict, now: float | None = None) -> JobRow:
+        with self.engine.begin() as c:
+            c.execute(jobs.insert().values(id=job_id, status="queued", created_at=now or time.time(), progress=0,
+                                           stage="queued", evaluations_done=0, evaluations_total=0, attempts=0,
+                                           cancel_requested=False, deleted=False, request=json.dumps(request)))
+        return self.get(job_id)
+
+    def claim(self, worker: str, now: float | None = None) -> JobRow | None:
+        """The oldest queued job, now in_progress for `worker` (attempts + 1); None when none is queued."""
+        while True:
+            with self.engine.begin() as c:
+                query = select(jobs.c.id).where(jobs.c.status == "queued").order_by(jobs.c.seq).limit(1)
+                if not self.sqlite:
+                    query = query.with_for_update(skip_locked=True)
+                job_id = c.execute(query).scalar()
+                if job_id is None:
+                    return None
+                taken = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "queued").values(
+                    status="in_progress", started_at=now or time.time(), worker=worker, stage="text_encode",
+                    attempts=jobs.c.attempts + 1)).rowcount
+            if taken:
+                return self.get(job_id)
+            # another worker took it between the select and the update: look again
+
+    def progress(self, job_id: str, progress: int, stage: str, evaluations: tuple[int, int]) -> None:
+        """A running job's progress (never backwards); `evaluations` (done, total), (0, 0) when not a denoise step."""
+        values = dict(progress=progress, stage=stage)
+        if evaluations[1]:
+            values.update(evaluations_done=evaluations[0], evaluations_total=evaluations[1])
+        with self.engine.begin() as c:
+            c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress",
+                                         jobs.c.progress <= progress).values(**values))
+
+    def end(self, job_id: str, status: str, retention_s: float, now: float | None = None, record: dict | None = None,
+            output: str | None = None, error: tuple[str, str] | None = None) -> JobRow | None:
+        """A job's end: completed (its record and output), failed (error code and message) or cancelled; its files
+        and row expire `retention_s` later. Only a job not already ended changes (an end is reported once)."""
+        if status not in ENDED:
+            raise ValueError(f"end status {status!r} is not one of {ENDED}.")
+        now = now or time.time()
+        values = dict(status=status, completed_at=now, expires_at=now + retention_s,
+                      stage="done" if status == "completed" else status)
+        if status == "completed":
+            values.update(progress=100, record=json.dumps(record), output=output)
+        if error is not None:
+            values.update(error_code=error[0], error_message=error[1])
+        with self.engine.begin() as c:
+            changed = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status.notin_(ENDED))
+                                .values(**values)).rowcount
+        return self.get(job_id) if changed else None
+
+    def requeue(self, job_id: str) -> bool:
+        """Put an in_progress job back in the queue (its worker died); False when it was not in progress."""
+        with self.engine.begin() as c:
+            return bool(c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress").values(
+                status="queued", stage="queued", progress=0, evaluations_done=0, worker=None)).rowcount)
+
+    def request_cancel(self, job_id: str, delete_after: bool = False) -> JobRow | None:
+        """Cancel a job: a queued one at once, a running one at its next denoise step (its worker confirms).
+        `delete_after`: remove it (files and row) once it has stopped (DELETE)."""
+        with self.engine.begin() as c:
+            c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status.notin_(ENDED))
+                      .values(cancel_requested=True))
+            if delete_after:
+                c.execute(update(jobs).where(jobs.c.id == job_id).values(deleted=True))
+        return self.get(job_id)
+
+    def remove(self, job_id: str) -> None:
+        with self.engine.begin() as c:
+            c.execute(delete(jobs).where(jobs.c.id == job_id))
+
+    def recover(self, retention_s: float, now: float | None = None) -> tuple[list[str], list[str]]:
+        """After a restart: jobs that were running are queued again, or failed after MAX_ATTEMPTS; (queued again,
+        failed)."""
+        requeued, failed = [], []
+        for row in self.rows(status="in_progress"):
+            if row.attempts < MAX_ATTEMPTS and not row.cancel_requested:
+                if self.requeue(row.id):
+                    requeued.append(row.id)
+            elif row.cancel_requested:
+                self.end(row.id, "cancelled", retention_s, now)
+            else:
+                self.end(row.id, "failed", retention_s, now, error=(
+                    "worker_lost", f"the server or its worker stopped while this job ran, {row.attempts} times; it "
+                                   "is not run again"))
+                failed.append(row.id)
+        return requeued, failed
+
+    # --- reads ------------------------------------------------------------------------------------------------------
+
+    def get(self, job_id: str) -> JobRow | None:
+        with self.engine.connect() as c:
+            row = c.execute(select(jobs).where(jobs.c.id == job_id)).first()
+        return JobRow.of(row) if row is not None else None
+
+    def rows(self, status: str | None = None, expired_before: float | None = None) -> list[JobRow]:
+        query = select(jobs).order_by(jobs.c.seq)
+        if status is not None:
+            query = query.where(jobs.c.status == status)
+        if expired_before is not None:
+            query = query.where(jobs.c.status.in_(ENDED), jobs.c.expires_at < expired_before)
+        with self.engine.connect() as c:
+            return [JobRow.of(r) for r in c.execute(query)]
+
+    def page(self, after: str | None, limit: int, order: str) -> tuple[list[JobRow], bool]:
+        """Visible jobs (not deleted) by creation, `after` the cursor job; (rows, more after them)."""
+        query = select(jobs).where(jobs.c.deleted.is_(False))
+        if after is not None:
+            cursor = self.get(after)
+            if cursor is None:
+                raise KeyError(after)
+            query = query.where(jobs.c.seq > cursor.seq if order == "asc" else jobs.c.seq < cursor.seq)
+        query = query.order_by(jobs.c.seq.asc() if order == "asc" else jobs.c.seq.desc()).limit(limit + 1)
+        with self.engine.connect() as c:
+            rows = [JobRow.of(r) for r in c.execute(query)]
+        return rows[:limit], len(rows) > limit
+
+    def counts(self) -> dict[str, int]:
+        with self.engine.connect() as c:
+            found = dict(c.execute(select(jobs.c.status, func.count()).group_by(jobs.c.status)).all())
+        return {s: int(found.get(s, 0)) for s in STATUSES}
+
+    def cancels(self) -> list[str]:
+        """Running jobs whose cancellation was asked for."""
+        with self.engine.connect() as c:
+            return list(c.execute(select(jobs.c.id).where(jobs.c.status == "in_progress",
+                                                          jobs.c.cancel_requested.is_(True))).scalars())
+
+
+def _sqlite_pragmas(dbapi_connection, _record) -> None:
+    cursor = dbapi_connection.cursor()
+    cursor.execute("PRAGMA journal_mode=WAL")  # readers never wait for the writer; a crash keeps what committed
+    cursor.execute("PRAGMA synchronous=FULL")  # a committed job survives power loss too, not only kill -9
+    cursor.execute("PRAGMA busy_timeout=30000")
+    cursor.close()
+
+
+def migrate(engine: Engine) -> None:
+    """Bring the database to the newest schema (Alembic, server/migrations/); a database from a newer h3trt is
+    refused rather than written."""
+    from alembic import command
+    from alembic.config import Config
+    from alembic.runtime.migration import MigrationContext
+    from alembic.script import ScriptDirectory
+
+    config = Config()
+    config.set_main_option("script_location", str(Path(__file__).with_name("migrations")))
+    head = ScriptDirectory.from_config(config).get_current_head()
+    with engine.begin() as connection:
+        current = MigrationContext.configure(connection).get_current_revision()
+        if current == head:
+            return
+        known = {s.revision for s in ScriptDirectory.from_config(config).walk_revisions()}
+        if current is not None and current not in known:
+            raise RuntimeError(f"The job store {engine.url!r} has schema revision {current}, which this h3trt does "
+                               f"not know (newest known: {head}); run the h3trt that wrote it, or another store.")
+        config.attributes["connection"] = connection
+        command.upgrade(config, "head")
