@@ -143,6 +143,7 @@ class Workers:
     def status(self) -> list[dict]:
         with self.lock:
             return [{"group": g.index, "state": g.state, "restarts": g.restarts, "jobs": list(g.holding),
+                     "pids": [p.pid for p in g.ranks.procs] if g.ranks is not None else [],
                      **({"last_failure": g.last_failure} if g.last_failure else {})} for g in self.groups]
 
     def serving(self) -> int:
