@@ -1,9 +1,11 @@
 """Precisions: the one typed table every layer reads (the bottom layer with errors.py: anything may import it).
 
 A precision is named as flags and manifests spell it ("bf16", "fp32", "fp8", "nvfp4"). Each name is parsed once
-where it enters (BuildConfig, VAEPrecision, the manifest reader, QuantRecipe.from_dict) into a `Precision`, and inner
-code reads the facts of its row (`precision.spec`, a `PrecisionSpec`), never the name. `Precision` is a str enum: it
-compares, hashes, prints and serialises as its name, so manifests on disk keep the same strings.
+where it enters (BuildConfig, VAEPrecision, QuantRecipe and AttentionChoice through `Precision.parse`; the manifest
+reader through its field check) into a `Precision`, and inner code reads the facts of its row (`precision.spec`, a
+`PrecisionSpec`) rather than the name; where a layer runs one format's code (FP8 or NVFP4 modules), it compares
+members. `Precision` is a str enum: it compares, hashes, prints and serialises as its name, so manifests on disk keep
+the same strings.
 
 A quantized precision (fp8, nvfp4) keeps what it does not quantize, and every activation, in bf16: its dtype is
 bf16, and the quantized GEMMs are the calibration's modules (h3trt/calibration/). Three flags and records take a
