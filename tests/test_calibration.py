@@ -30,10 +30,11 @@ from h3trt.build.config import BuildConfig
 from h3trt.models.config import H3Config
 from h3trt.models.dit import Block, rope_inv_freq, rope_tables
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.precision import QUANT_PRECISIONS
 from h3trt.calibration.calibrate import PERCENTILE, attention_core, calibrate, modelopt_config
 from h3trt.calibration.formats import FP8_MAX, quantize_fp8
 from h3trt.calibration.modules import load_quantized_block
-from h3trt.calibration.recipe import CALIB_ALGOS, BLOCK_LINEARS, QuantRecipe, check_modelopt
+from h3trt.calibration.recipe import BLOCK_LINEARS, QuantRecipe, check_modelopt
 
 RECIPES = {
     "fp8_max": QuantRecipe("fp8", "max", calib_steps=2),
@@ -261,7 +262,8 @@ def test_bad_combinations_are_refused_before_anything_loads(tiny_root, tmp_path,
         BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=prompts, fp8_attention=True,
                     backend="tensorrt", device="cpu")
     assert BuildConfig(tiny_root, tmp_path / "b", precision="nvfp4").recipe_for("").calib_steps == 0  # weights only
-    assert {p: a[0] for p, a in CALIB_ALGOS.items()} == {"fp8": "max", "nvfp4": "max"}  # the README's defaults
+    # the README's defaults
+    assert {p: p.spec.calib_algos[0] for p in QUANT_PRECISIONS} == {"fp8": "max", "nvfp4": "max"}
     # ModelOpt missing, or another release: refused with the fix, before the model loads.
     real = importlib.metadata.version
 

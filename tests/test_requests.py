@@ -10,6 +10,7 @@ import pytest
 from h3trt.cli import main
 from h3trt.engines.manifest import FORMAT_VERSION, BundleError, Manifest, bundle_identity, content_sha256
 from h3trt.models.config import H3Config
+from h3trt.models.precision import Precision
 from h3trt.models.sampler import DEFAULT_SEED, DEFAULT_STEPS
 from h3trt.runtime.batch_file import parse_requests
 from h3trt.runtime.entry import TINY_CANVAS, Entry
@@ -111,6 +112,7 @@ def test_manifest_reads_every_field_typed_and_keeps_the_raw_json():
     assert m.profiles[0].num_frames == 124 and m.tasks == ("t2va", "fl2va") and m.device_type == "cpu"
     assert m.model_config.num_heads == 2 and m.files["weights/blocks.safetensors"].sha256_chunks == ("a" * 64,)
     assert m.total_bytes == 10 and m.quant is None and m.tensorrt is None
+    assert m.precision is Precision.FP32 and m.vae_precision is Precision.FP32  # parsed once, here
     # The record's identity hashes the JSON as written, not this class.
     assert bundle_identity(m)["manifest_sha256"] == data["manifest_sha256"] == content_sha256(data)
 

@@ -48,6 +48,7 @@ from h3trt.engines.tensorrt_runtime import pick_profile, plan_device_problem
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.config import NUM_MODALITIES
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.precision import Precision
 from h3trt.calibration.calibrate import calibrate
 from h3trt.calibration.recipe import QuantRecipe
 
@@ -202,7 +203,7 @@ def _calibrated_model(tiny_root, precision: str):
     return model, examples
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp8"])
+@pytest.mark.parametrize("precision", [Precision.BF16, Precision.FP8])
 def test_rtx_builds_every_segment_for_sm89(precision, bf16_model, tiny_root, tmp_path):
     model, examples = bf16_model if precision == "bf16" else _calibrated_model(tiny_root, precision)
     logs = []
@@ -277,12 +278,12 @@ def test_fused_attention_memory_is_linear_in_sequence_length(bf16_model, tmp_pat
 
 
 def test_parse_targets_and_shape_ranges(tiny_cfg):
-    assert parse_targets(None, "nvfp4", RTX) == ("sm120",)
-    assert parse_targets("sm_89, sm120", "fp8", RTX) == ("sm89", "sm120")
+    assert parse_targets(None, Precision.NVFP4, RTX) == ("sm120",)
+    assert parse_targets("sm_89, sm120", Precision.FP8, RTX) == ("sm89", "sm120")
     with pytest.raises(ValueError, match="sm90"):
-        parse_targets("sm90", "bf16", RTX)
+        parse_targets("sm90", Precision.BF16, RTX)
     with pytest.raises(ValueError, match="nvfp4 cannot be built for sm89"):
-        parse_targets("sm89,sm120", "nvfp4", RTX)
+        parse_targets("sm89,sm120", Precision.NVFP4, RTX)
     geo = TINY_PROFILE.geometry
     r = shape_ranges(tiny_cfg, geo)
     rows_per_frame = (geo.latent_height // 2) * (geo.latent_width // 2)

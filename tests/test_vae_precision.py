@@ -248,13 +248,11 @@ def compiled_tile_error(official: str, precision: str, work: str) -> dict:
 @pytest.mark.build
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
 def test_compiled_tile_decoder_at_precision(roots, tmp_path, precision):
-    """compiled_tile_error in a fresh process, within VAE_VERIFY_REL_TOL (what a build's check allows)."""
+    """compiled_tile_error in a fresh process, within the precision's verify_rel_tol (what a build's check allows)."""
     import json
     import subprocess
     import sys
     from pathlib import Path
-
-    from h3trt.build.builder import VAE_VERIFY_REL_TOL
 
     code = ("import json, sys; sys.path.insert(0, sys.argv[1]); import test_vae_precision as t; "
             "print(json.dumps(t.compiled_tile_error(*sys.argv[2:])))")
@@ -263,4 +261,4 @@ def test_compiled_tile_decoder_at_precision(roots, tmp_path, precision):
     assert proc.returncode == 0, proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result["dtypes"] == ["torch.bfloat16"] * 2 and result["shapes"] == [[1, 3, 28, 64, 64]] * 2
-    assert result["err"] <= VAE_VERIFY_REL_TOL[precision], result["err"]
+    assert result["err"] <= VAEPrecision(precision).verify_rel_tol, result["err"]

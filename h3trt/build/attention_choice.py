@@ -1,6 +1,6 @@
 """`h3trt build --attention auto|cudnn|fa3`: which attention kernel a bundle bakes in, per precision.
 
-`auto` (the default) times every candidate kernel the build GPU can run (h3trt/models/attention.py, GPU_CANDIDATES)
+`auto` (the default) times every candidate kernel the build GPU can run (h3trt/models/attention.py, gpu_candidates)
 on random q/k/v of the bundle's own attention shape: all rows of its longest profile, the heads ONE rank attends
 over (N / sp under Ulysses: the exchange hands each rank every row of its head group), head dim 128; the fastest
 wins. A kernel the GPU cannot run (package missing, wrong arch) is left out of the race, and the manifest records
@@ -15,9 +15,8 @@ from typing import Callable
 
 import torch
 
-from ..models.attention import (ATTENTION_PRECISIONS, ATTENTION_REQUESTS, CPU_KERNEL, GPU_CANDIDATES, attention,
-                                kernel_problem)
-from ..models.precision import precision_dtype
+from ..models.attention import ATTENTION_REQUESTS, attention, cpu_kernel, gpu_candidates, kernel_problem
+from ..models.precision import ATTENTION_PRECISIONS, Precision
 from ..calibration.formats import fp8_scale, quantize_fp8
 from ..calibration.fp8_attention import fp8_sdpa
 
@@ -42,7 +41,7 @@ class AttentionShape:
 class AttentionChoice:
     """One precision's kernel, and how it was chosen: the manifest's `attention.<precision>` record."""
 
-    precision: str  # bf16 | fp32 | fp8: the dtype the kernel reads q/k/v in
+    precision: Precision  # one of ATTENTION_PRECISIONS (a string is parsed): the dtype the kernel reads q/k/v in
     kernel: str  # the kernel the compiled code calls (h3trt/models/attention.py, KERNELS)
     requested: str  # what --attention asked for: auto, or a kernel
     shape: AttentionShape
@@ -50,8 +49,8 @@ class AttentionChoice:
     unavailable: dict[str, str] = field(default_factory=dict)  # auto on a GPU: candidates left out, and why
 
     def __post_init__(self):
-        if self.precision not in ATTENTION_PRECISIONS:
-            raise ValueError(f"attention precision must be one of {ATTENTION_PRECISIONS}, got {self.precision!r}.")
+        object.__setattr__(self, "precision", Precision.parse(self.precision, ATTENTION_PRECISIONS,
+                                                              "attention precision"))
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -61,12 +60,13 @@ class AttentionChoice:
         return cls(**{**data, "shape": AttentionShape(**data["shape"])})
 
 
-Measure = Callable[[str, str, AttentionShape, torch.device], float]
+Measure = Callable[[str, Precision, AttentionShape, torch.device], float]
 
 
-def resolve_attention(requested: str, precision: str, device: torch.device, shape: AttentionShape,
+def resolve_attention(requested: str, precision: Precision, device: torch.device, shape: AttentionShape,
                       measure: Measure | None = None,
-                      problem: Callable[[str, str, torch.device], str | None] = kernel_problem) -> AttentionChoice:
+                      problem: Callable[[str, Precision, torch.device], str | None] = kernel_problem
+                      ) -> AttentionChoice:
     """The kernel a build bakes for `precision` on `device`. `measure(kernel, precision, shape, device)` -> ms and
     `problem` (why a kernel cannot run here, or None) are parameters so the choice is testable without a GPU."""
     if requested not in ATTENTION_REQUESTS:
@@ -74,7 +74,7 @@ def resolve_attention(requested: str, precision: str, device: torch.device, shap
     device = torch.device(device)
     measure = measure or measure_kernel_ms
     if requested != "auto":
-        if precision == "fp32":
+        if precision == Precision.FP32:
             raise ValueError(f"--attention {requested} runs bf16 (or FP8) q/k/v; an fp32 bundle's attention is torch "
                              "SDPA. Use --attention auto with --precision fp32.")
         reason = problem(requested, precision, device)
@@ -82,8 +82,8 @@ def resolve_attention(requested: str, precision: str, device: torch.device, shap
             raise RuntimeError(f"--attention {requested}: {reason}")
         return AttentionChoice(precision, requested, requested, shape)
     if device.type != "cuda":
-        return AttentionChoice(precision, CPU_KERNEL[precision], requested, shape)
-    candidates = GPU_CANDIDATES[precision]
+        return AttentionChoice(precision, cpu_kernel(precision), requested, shape)
+    candidates = gpu_candidates(precision)
     unavailable = {k: r for k in candidates if (r := problem(k, precision, device)) is not None}
     runnable = [k for k in candidates if k not in unavailable]
     if not runnable:
@@ -94,14 +94,14 @@ def resolve_attention(requested: str, precision: str, device: torch.device, shap
     return AttentionChoice(precision, fastest, requested, shape, measured, unavailable)
 
 
-def measure_kernel_ms(kernel: str, precision: str, shape: AttentionShape, device: torch.device) -> float:
+def measure_kernel_ms(kernel: str, precision: Precision, shape: AttentionShape, device: torch.device) -> float:
     """Median ms of the kernel's op alone (`h3trt::attention`, or `h3trt::fp8_sdpa` on e4m3 q/k/v quantized with
     their own max), CUDA events, after warm-up: exactly the call the compiled code makes, at the bundle's shape."""
     g = torch.Generator(device).manual_seed(0)
-    dtype = precision_dtype(precision, ATTENTION_PRECISIONS, "the attention precision")  # fp8: quantized below
+    dtype = precision.spec.dtype  # fp8: bf16, quantized below
     q, k, v = (torch.randn(shape.batch, shape.rows, shape.heads, shape.head_dim, device=device, dtype=dtype,
                            generator=g) for _ in range(3))
-    if precision == "fp8":
+    if precision.spec.quantized:
         scales = [fp8_scale(t.abs().amax()) for t in (q, k, v)]
         q8, k8, v8 = (quantize_fp8(t, s).contiguous() for t, s in zip((q, k, v), scales))
         del q, k, v

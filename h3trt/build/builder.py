@@ -39,7 +39,7 @@ from ..models.config import NUM_MODALITIES
 from ..models.dit import H3DiT
 from ..models.lora import merge_loras
 from ..models.packing import Geometry, pack_t2va, row_timesteps, text_tags_for
-from ..models.precision import precision_dtype
+from ..models.precision import Precision
 from ..models.sampler import Schedule
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import decoder_prologue
@@ -52,22 +52,12 @@ from .config import BuildConfig, Profile
 from .backends import compile_segment
 from .segments import (block_weight_names, dit_segments, embed_segment, final_weight_names,
                        video_decoder_segments)
-from .tensorrt import EXECUTION as TRT_EXECUTION
 from .tensorrt import build_tensorrt_segments
 from .attention_choice import AttentionShape, resolve_attention
 
 EAGER_COMPONENTS = ("text_encoder", "tokenizer", "processor", "video_vae", "audio_vae", "vae")
 EXAMPLE_TEXT_ROWS = 37  # the text length the example inputs use; every dimension is dynamic anyway
 VERIFY_TIMEOUT_S = 900
-# Relative error (norm) a freshly loaded segment may show against the eager segment on the build's example.
-# Quantized: compiled vs eager quantized segment; a 1-ulp bf16 difference before an e4m3 rounding can flip a code.
-VERIFY_REL_TOL = {"bf16": 2e-2, "fp32": 1e-4, "fp8": 3e-2, "nvfp4": 2e-2}
-# The same for the video decoder's segments, by --vae-precision. fp8: the compiled and the eager FP8 decoder each round
-# to e4m3 on their own (Inductor keeps a fused norm's output in fp32 where eager rounds it to bf16 first, so codes
-# flip), and differ by about the quantization noise itself: a 7x4x4 tile of the random tiny decoder measured 5.5%
-# compiled vs eager, where eager FP8 vs bf16 is 9%. A wrong graph is ~100%; FP8's quality is measured separately
-# (scripts/bench_vae.py: PSNR vs fp32 of the compiled and the eager FP8 decoder).
-VAE_VERIFY_REL_TOL = {"fp32": 1e-4, "bf16": 2e-2, "fp8": 0.15}
 # Serve each compiled tile decoder as one CUDA graph replay (h3trt/engines/video_decoder.py says why); recorded in the
 # manifest, ignored on the CPU. scripts/bench_vae.py measures both ways in one run (bitwise-equal pixels).
 VIDEO_DECODER_CUDA_GRAPH = True
@@ -179,7 +169,7 @@ def build(config: BuildConfig, log=print, sign=None) -> Manifest:
         # cuda:0 (h3trt/parallel/devices.py). `h3trt build --device cuda:N` makes GPU N this process's cuda:0.
         raise ValueError(f"Bundles are compiled on the process's cuda:0, not {device}; use h3trt build --device "
                          f"cuda:{device.index}, which makes that GPU the process's cuda:0.")
-    dtype = precision_dtype(config.precision)
+    dtype = config.precision.spec.dtype
     # The attention kernels, before anything slow: measured at the bundle's attention shape (every row of the
     # longest profile, one rank's heads), or a named kernel checked against this GPU.
     attention = {}
@@ -199,8 +189,8 @@ def build(config: BuildConfig, log=print, sign=None) -> Manifest:
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
         raise BuildError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                          "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
-    fp8_kernel = attention["fp8"].kernel if "fp8" in attention else ""
-    dense_kernel = next((c.kernel for p, c in attention.items() if p != "fp8"), "sdpa")
+    fp8_kernel = attention[Precision.FP8].kernel if Precision.FP8 in attention else ""
+    dense_kernel = next((c.kernel for p, c in attention.items() if p != Precision.FP8), "sdpa")
     work = out.with_name(out.name + ".partial")
     shutil.rmtree(work, ignore_errors=True)
     (work / "segments").mkdir(parents=True)
@@ -233,7 +223,7 @@ def build(config: BuildConfig, log=print, sign=None) -> Manifest:
                                           config.profiles[0], (schedule.video_shift, schedule.audio_shift),
                                           keep_modelopt_quantizers=trt, log=log)
             if trt:
-                quant["execution"], recipe = TRT_EXECUTION[config.precision], None
+                quant["execution"], recipe = config.precision.spec.trt_execution, None
 
         # 2. Weights, and the AdaLN tables for the schedule.
         weights = _weights(model, recipe)
@@ -404,8 +394,8 @@ def _verify_in_subprocess(work: Path, config: BuildConfig, segments: dict, examp
                 tensors[f"{name}.in.{i}"] = t.detach().cpu().clone()  # clones: safetensors refuses shared storage
             for i, t in enumerate(want):
                 tensors[f"{name}.out.{i}"] = t.detach().cpu().clone()
-            rel_tol = (VAE_VERIFY_REL_TOL[config.vae.name] if parse_video_decoder_name(name)
-                       else VERIFY_REL_TOL[config.precision])
+            rel_tol = (config.vae.verify_rel_tol if parse_video_decoder_name(name)
+                       else config.precision.spec.verify_rel_tol)
             plan[name] = {"entry": segments[name], "inputs": len(inputs), "outputs": len(want), "rel_tol": rel_tol}
         save_file(tensors, f"{tmp}/examples.safetensors")
         del tensors, want  # host copies (at full size ~13 GB, the video decoder's fp32 weights): free for the child

@@ -7,12 +7,12 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..calibration.recipe import CALIB_ALGOS, FP8_ACCUMS, QUANT_PRECISIONS, QuantRecipe, check_modelopt, parse_exclusions
-from ..models.attention import ATTENTION_REQUESTS, attention_precision
+from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_exclusions
+from ..models.attention import ATTENTION_REQUESTS
 from ..models.checkpoint import TASK_PARTITIONS
 from ..models.lora import LoraSpec
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
-from ..models.precision import precision_dtype
+from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
@@ -50,7 +50,7 @@ class BuildConfig:
     model_root: Path
     output: Path
     task: str = "t2va"
-    precision: str = "bf16"
+    precision: Precision = Precision.BF16  # --precision (a string is parsed)
     profiles: tuple[Profile, ...] = (Profile(1344, 768, 5.0),)
     steps: int = DEFAULT_STEPS
     video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales
@@ -64,7 +64,7 @@ class BuildConfig:
     cfg: int = 1  # guidance-branch parallel degree the bundle is launched with (1: H3 is guidance-distilled)
     calib_prompts: Path | None = None  # fp8 / awq_lite: text file, one calibration prompt per line
     calib_steps: int | None = None  # fp8 / awq_lite: sigma points of each calibration trajectory (None: see recipe)
-    calib_algo: str | None = None  # fp8/nvfp4: ModelOpt calibration algorithm (None: CALIB_ALGOS[precision][0])
+    calib_algo: str | None = None  # fp8/nvfp4: ModelOpt calibration algorithm (None: the precision's calib_algos[0])
     quant_exclude: tuple[str, ...] = ()  # fp8/nvfp4: blocks.N and/or block linear names kept in bf16
     fp8_attention: bool = False  # fp8: q/k/v in e4m3 with calibrated scales
     fp8_accum: str | None = None  # fp8: GEMM accumulation, FP8_ACCUMS (None: the first, fast)
@@ -78,13 +78,13 @@ class BuildConfig:
     def __post_init__(self):
         if self.backend not in BACKENDS:
             raise ValueError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
-        precision_dtype(self.precision)  # one of DIT_PRECISIONS
+        object.__setattr__(self, "precision", Precision.parse(self.precision))  # one of DIT_PRECISIONS
         if self.attention not in ATTENTION_REQUESTS:
             raise ValueError(f"--attention must be one of {ATTENTION_REQUESTS}, got {self.attention!r}.")
         if self.backend == "tensorrt" and self.attention != "auto":
             raise ValueError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
                              "in its own plans. Drop --attention with --backend tensorrt.")
-        if self.precision in QUANT_PRECISIONS:
+        if self.precision.spec.quantized:
             # validates --calib-algo against the precision, exclusions, --fp8-attention and --calib-steps
             recipe = self.recipe_for("emulated")
             if self.sp > 1:
@@ -98,7 +98,7 @@ class BuildConfig:
               or self.calib_algo is not None):
             raise ValueError(f"--quant-exclude, --fp8-attention, --calib-prompts and --calib-algo apply to --precision "
                              f"fp8/nvfp4, not {self.precision}.")
-        if self.fp8_accum is not None and (self.precision != "fp8" or self.backend == "tensorrt"):
+        if self.fp8_accum is not None and (self.precision is not Precision.FP8 or self.backend == "tensorrt"):
             raise ValueError("--fp8-accum sets how the inductor and aoti backends' FP8 GEMMs accumulate: it applies to "
                              f"--precision fp8 (got {self.precision}) and not to --backend tensorrt, whose plans "
                              "choose their own kernels.")
@@ -124,12 +124,12 @@ class BuildConfig:
 
     def recipe_for(self, fp8_kernel: str) -> QuantRecipe | None:
         """The quantization recipe, its FP8 attention (with --fp8-attention) running `fp8_kernel`."""
-        if self.precision not in QUANT_PRECISIONS:
+        if not self.precision.spec.quantized:
             return None
         blocks, linears = parse_exclusions(self.quant_exclude)
-        algo = self.calib_algo or CALIB_ALGOS[self.precision][0]
+        algo = self.calib_algo or self.precision.spec.calib_algos[0]
         recipe = QuantRecipe(self.precision, algo, exclude_blocks=blocks, exclude_linears=linears,
-                             fp4_activations=self.precision == "nvfp4" and self.backend == "tensorrt",
+                             fp4_activations=self.precision is Precision.NVFP4 and self.backend == "tensorrt",
                              fp8_attention=self.fp8_attention,
                              attention_kernel=fp8_kernel if self.fp8_attention else "",
                              calib_steps=self.calibration_steps, fp8_accum=self.fp8_accum or FP8_ACCUMS[0])
@@ -145,7 +145,7 @@ class BuildConfig:
             return self.calib_steps
         return self.steps if self.steps <= DEFAULT_CALIB_STEPS else DEFAULT_CALIB_STEPS
 
-    def attention_precisions(self) -> tuple[str, ...]:
+    def attention_precisions(self) -> tuple[Precision, ...]:
         """Every precision the bundle's attention runs in: the block dtype's (always: the block_hp layers, or every
         layer), and fp8 with --fp8-attention."""
-        return (attention_precision(precision_dtype(self.precision)),) + (("fp8",) if self.fp8_attention else ())
+        return (self.precision.spec.attention,) + ((Precision.FP8,) if self.fp8_attention else ())

@@ -31,11 +31,9 @@ import torch
 import torch.nn as nn
 
 from ..models.dit import H3DiT
-from ..models.precision import DIT_PRECISIONS
 from .segments import block_segment, embed_segment, final_segment
 
 ONNX_OPSET = 20
-ONNX_PRECISIONS = DIT_PRECISIONS  # every build precision exports (fp8/nvfp4 as ModelOpt Q/DQ)
 
 
 class ExportRMSNorm(nn.Module):

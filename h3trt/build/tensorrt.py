@@ -28,20 +28,12 @@ import torch
 from ..calibration.recipe import parse_exclusions
 from ..models.config import H3Config
 from ..models.packing import AUDIO_CHANNELS, Geometry
+from ..models.precision import Precision
 from .onnx_export import export_graph, onnx_output_names, segment_graphs
 
-# Targets TensorRT-RTX 1.7.1 can compile for (its ComputeCapability enum; no sm_90, sm_100 or sm_103).
+# Targets TensorRT-RTX 1.7.1 can compile for (its ComputeCapability enum; no sm_90, sm_100 or sm_103). Which of them
+# hold which precision, and which a build targets by default, is the precision's spec (trt_targets).
 RTX_TARGETS = ("sm75", "sm80", "sm86", "sm89", "sm120", "sm121")
-# Which targets hold which precision (TensorRT-RTX support matrix, confirmed by builds: FP8 GEMMs need Ada or
-# RTX Blackwell, FP4 only RTX Blackwell; BF16 needs Ampere+). fp32 is the parity twin, never shipped.
-PRECISION_TARGETS = {
-    "fp32": RTX_TARGETS,
-    "bf16": ("sm80", "sm86", "sm89", "sm120", "sm121"),
-    "fp8": ("sm89", "sm120", "sm121"),
-    "nvfp4": ("sm120", "sm121"),
-}
-DEFAULT_TARGETS = {"fp32": ("sm89", "sm120"), "bf16": ("sm89", "sm120"), "fp8": ("sm89", "sm120"),
-                   "nvfp4": ("sm120",)}
 # Text rows a request may bring: the prompt's tokens plus the vision rows of keyframes shown to the text encoder.
 # A plan refuses shapes past its profile, so the cap is generous; the optimum is a typical prompt.
 TEXT_ROWS = (1, 128, 1024)
@@ -81,7 +73,7 @@ def detect_flavour() -> TrtFlavour:
                       "containers, not PyPI).")
 
 
-def parse_targets(text: str | None, precision: str, flavour: TrtFlavour) -> tuple[str, ...]:
+def parse_targets(text: str | None, precision: Precision, flavour: TrtFlavour) -> tuple[str, ...]:
     """`--trt-targets sm89,sm120` -> ("sm89", "sm120"), checked against what the flavour and precision allow."""
     if flavour.name == "tensorrt":
         # The full builder tunes kernels on the GPU it runs on and its plans run on that GPU model only.
@@ -93,16 +85,16 @@ def parse_targets(text: str | None, precision: str, flavour: TrtFlavour) -> tupl
         major, minor = torch.cuda.get_device_capability()
         return (f"sm{major}{minor}",)
     targets = tuple(t.strip().lower().replace("_", "") for t in text.split(",") if t.strip()) if text else \
-        DEFAULT_TARGETS[precision]
+        precision.spec.trt_default_targets
     unknown = [t for t in targets if t not in RTX_TARGETS]
     if unknown:
         raise ValueError(f"--trt-targets {','.join(unknown)}: TensorRT-RTX {flavour.version} compiles for "
                          f"{', '.join(RTX_TARGETS)} only (no sm90/sm100: Hopper and datacenter Blackwell need the "
                          "full tensorrt builder).")
-    wrong = [t for t in targets if t not in PRECISION_TARGETS[precision]]
+    wrong = [t for t in targets if t not in precision.spec.trt_targets]
     if wrong:
         raise ValueError(f"--precision {precision} cannot be built for {','.join(wrong)}: {precision} plans need "
-                         f"one of {', '.join(PRECISION_TARGETS[precision])} (FP8 GEMMs need Ada or RTX Blackwell, "
+                         f"one of {', '.join(precision.spec.trt_targets)} (FP8 GEMMs need Ada or RTX Blackwell, "
                          "FP4 needs RTX Blackwell). Choose other --trt-targets or another --precision.")
     if len(set(targets)) != len(targets) or not targets:
         raise ValueError(f"--trt-targets must list distinct targets, got {text!r}.")
@@ -215,13 +207,6 @@ def build_report(lines: list[str]) -> dict:
 # ranks and dtypes; at the full example (37,838 rows) the traced explicit attention would hold 56 x S^2 bf16 scores
 # (160 GB).
 TRACE_ROWS = 256
-# How each precision executes in a plan: the manifest's quant.execution for --backend tensorrt.
-EXECUTION = {
-    "fp8": "TensorRT FP8 GEMMs from ModelOpt's FP8 Q/DQ (e4m3 weights and activations, per-tensor static scales "
-           "from the calibration); attention bf16 (fused MHA)",
-    "nvfp4": "TensorRT FP4 GEMMs from ModelOpt's NVFP4 Q/DQ (FP4 weights with E4M3 block scales from the calibration, "
-             "FP4 activations quantized dynamically); attention bf16 (fused MHA)",
-}
 
 
 def _trace_block_example(example: list[torch.Tensor]) -> list[torch.Tensor]:
@@ -230,7 +215,7 @@ def _trace_block_example(example: list[torch.Tensor]) -> list[torch.Tensor]:
     return [x[:, :n].contiguous(), mod, adaln_index[:n].contiguous(), cos[:n].contiguous(), sin[:n].contiguous()]
 
 
-def build_plans(model, examples: dict, geometries: list[Geometry], precision: str, targets: tuple[str, ...],
+def build_plans(model, examples: dict, geometries: list[Geometry], precision: Precision, targets: tuple[str, ...],
                 flavour: TrtFlavour, segments_dir: Path, log=print, exclude_blocks: tuple[int, ...] = ()
                 ) -> dict[str, dict]:
     """Export every segment of `model` to ONNX, build its plan into `segments_dir`, return the manifest entries by
@@ -239,7 +224,7 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: st
     fp8/nvfp4: the blocks (but `exclude_blocks`) must hold ModelOpt's calibrated quantizers
     (h3trt.calibration.calibrate.calibrate, which the builder runs over real trajectories); the export writes them as
     Q/DQ."""
-    quantize = precision in ("fp8", "nvfp4")
+    quantize = precision.spec.quantized
     if quantize:
         # ModelOpt is the calibration's dependency (h3trt[calibration]); a bf16/fp32 plan build never needs it.
         from modelopt.torch.quantization.utils import is_quantized
@@ -257,7 +242,7 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: st
             trace = _trace_block_example(example) if is_block else example
             t0 = time.perf_counter()
             onnx_path = export_graph(module, spec, trace, Path(tmp) / f"{name}.onnx",
-                                     nvfp4=quantized and precision == "nvfp4")
+                                     nvfp4=quantized and precision is Precision.NVFP4)
             export_s = time.perf_counter() - t0
             profiles = [input_shapes(spec, example, shape_ranges(model.cfg, g)) for g in geometries]
             report = build_plan(flavour, onnx_path, segments_dir / f"{name}.plan", profiles, targets)
@@ -282,13 +267,11 @@ def check_build_config(config) -> None:
                          "yet. Use --backend inductor for ref2va.")
     if config.sp != 1:
         raise ValueError(f"--backend tensorrt serves one process; --sp {config.sp} needs the inductor backend.")
-    if config.precision not in PRECISION_TARGETS:
-        raise ValueError(f"--backend tensorrt builds {sorted(PRECISION_TARGETS)}, not --precision {config.precision}.")
     if config.fp8_attention:
         raise ValueError("--fp8-attention is h3trt's FP8 attention op, which the inductor and aoti backends compile; "
                          "the TensorRT graphs run attention as one fused bf16 MHA kernel. Drop --fp8-attention or use "
                          "--backend inductor.")
-    if config.precision == "nvfp4" and config.device != "cuda" and not config.device.startswith("cuda:"):
+    if config.precision is Precision.NVFP4 and config.device != "cuda" and not config.device.startswith("cuda:"):
         raise ValueError("--backend tensorrt --precision nvfp4 needs --device cuda (compute capability >= 8.9): its "
                          "FP4 activation quantizers have no CPU kernel in ModelOpt, and the ONNX export runs them.")
     if config.trt_targets is not None:

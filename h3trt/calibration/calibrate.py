@@ -47,6 +47,7 @@ import torch
 import torch.nn as nn
 
 from ..models.dit import Block, H3DiT, sdpa_attention
+from ..models.precision import Precision
 from .formats import FP4_MAX, FP8_MAX, NVFP4_GROUP, fp8_scale, quantize_fp8
 from .fp8_attention import center_rows
 from .modules import load_quantized_block
@@ -177,19 +178,19 @@ def modelopt_config(recipe: QuantRecipe, device: torch.device) -> dict:
     every quantizer of the calibration tree (it holds only what the recipe quantizes). FP8 quantizes weights and
     inputs; NVFP4 the weights only (h3trt's Inductor block dequantizes them to bf16), or with the recipe's
     fp4_activations the inputs too (the TensorRT backend's FP4 GEMMs)."""
-    base = {"fp8": mtq.FP8_DEFAULT_CFG, "nvfp4": mtq.NVFP4_DEFAULT_CFG}[recipe.precision]
+    base = getattr(mtq, recipe.precision.spec.modelopt_config)
     weight, inputs = _format_cfg(base, "*weight_quantizer"), _format_cfg(base, "*input_quantizer")
     attention = _format_cfg(mtq.FP8_DEFAULT_CFG, "*input_quantizer")
     if recipe.calib_algo == "percentile":
         inputs["calibrator"] = attention["calibrator"] = (PercentileCalibrator, (), {"percentile": PERCENTILE})
     if recipe.calib_algo == "smoothquant":  # declared e4m3 after smoothing (module docstring)
         weight["num_bits"] = inputs["num_bits"] = 8
-    if recipe.precision == "nvfp4" and device.type == "cpu" and not recipe.fp4_activations:
+    if recipe.precision is Precision.NVFP4 and device.type == "cpu" and not recipe.fp4_activations:
         # Weight-only on the CPU (AWQ's search fake-quantizes). Never for the TensorRT graphs: a quant backend has no
         # ONNX form, and their FP4 activations have no CPU kernel anyway (the builder refuses them on a CPU).
         weight["backend"] = CPU_NVFP4_BACKEND
     quant_cfg = [{"quantizer_name": "*", "enable": False}, {"quantizer_name": "*weight_quantizer", "cfg": weight}]
-    if recipe.precision == "fp8" or recipe.fp4_activations:
+    if recipe.quantizes_activations:
         quant_cfg.append({"quantizer_name": "*input_quantizer", "cfg": inputs})
     if recipe.fp8_attention:
         quant_cfg.append({"quantizer_name": "*_bmm_quantizer", "cfg": attention})
@@ -257,7 +258,7 @@ class Calibration:
         for name in recipe.quantized_linears():
             linear = node.get_submodule(name)
             weight, wq, iq = linear.weight.detach(), linear.weight_quantizer, linear.input_quantizer
-            if recipe.precision == "fp8":
+            if recipe.precision is Precision.FP8:
                 scale = fp8_scale(wq.amax)
                 out.update({f"{name}.weight": quantize_fp8(weight, scale), f"{name}.weight_scale": scale,
                             f"{name}.input_scale": fp8_scale(iq.amax)})

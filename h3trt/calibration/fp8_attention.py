@@ -40,10 +40,11 @@ import torch.nn.functional as F
 
 from ..models import attention as _kernels
 from ..models.attention import CUDNN_FRONTEND_FIX, check_kernel, kernels_for
+from ..models.precision import Precision
 from .formats import FP8, FP8_MAX, quantize_fp8
 
 P_SCALE = FP8_MAX  # e4m3 scale of the unnormalised softmax probabilities (all in (0, 1])
-FP8_KERNELS = kernels_for("fp8")  # ("cudnn", "fa3", "emulated")
+FP8_KERNELS = kernels_for(Precision.FP8)  # ("cudnn", "fa3", "emulated")
 
 
 def center_rows(v_BSND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -59,7 +60,7 @@ def attention_calibration_tensors(q_BSND, k_BSND, v_BSND) -> dict[str, torch.Ten
 
 def check_attention_kernel(kernel: str, device: torch.device) -> None:
     """Raise, with the fix, where `device` cannot run FP8 `kernel` (at build and at load: never a silent emulation)."""
-    check_kernel(kernel, "fp8", device)
+    check_kernel(kernel, Precision.FP8, device)
 
 
 def output_dtype(kernel: str) -> torch.dtype:

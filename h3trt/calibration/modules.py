@@ -11,6 +11,7 @@ import torch.nn as nn
 
 from ..models.attention import bound_attention
 from ..models.dit import Block
+from ..models.precision import Precision
 from .formats import FP8, NVFP4_GROUP, fp8_linear, nvfp4_weight_only_linear, quantize_fp8
 from .fp8_attention import center_rows, fp8_sdpa
 from .recipe import QuantRecipe
@@ -106,15 +107,16 @@ def quantized_template(block: Block, cfg, recipe: QuantRecipe) -> Block:
         # Buffers, so the scales travel with the block's weights; the block segment binds them into its attn_fn.
         for name in ATTENTION_SCALES:
             block.attn.register_buffer(name, torch.ones(1, dtype=torch.float32, device=device))
-    fast = {"fast_accum": recipe.fp8_accum == "fast"} if recipe.precision == "fp8" else {}
+    fp8 = recipe.precision is Precision.FP8  # else NVFP4
+    fast = {"fast_accum": recipe.fp8_accum == "fast"} if fp8 else {}
     for name in recipe.quantized_linears():
         linear = block.get_submodule(name)
         shape = (linear.out_features, linear.in_features)
         if recipe.smooths_inputs:
-            cls = SmoothedFP8Linear if recipe.precision == "fp8" else SmoothedNVFP4Linear
+            cls = SmoothedFP8Linear if fp8 else SmoothedNVFP4Linear
             module = cls(*shape, dtype=linear.weight.dtype, device=device, **fast)
         else:
-            module = (FP8Linear if recipe.precision == "fp8" else NVFP4Linear)(*shape, device=device, **fast)
+            module = (FP8Linear if fp8 else NVFP4Linear)(*shape, device=device, **fast)
         _swap(block, name, module)
     return block
 

@@ -11,16 +11,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from ..models.attention import kernels_for
+from ..models.precision import QUANT_PRECISIONS, Precision
 
-QUANT_PRECISIONS = ("fp8", "nvfp4")
 # The quantizable linears of a main block, by their name inside the block (checkpoint-native names).
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")
 # Never quantized (documented in the manifest so a reader sees the full picture, not only the configurable part).
 ALWAYS_HIGH_PRECISION = ("video_patch_proj", "audio_patch_proj", "condition_proj", "time_embedder", "token_refiner",
                          "final_layer", "adaln_proj (baked tables)", "norms")
-# The calibration algorithms each precision takes, by ModelOpt's names (h3trt/calibration/calibrate.py runs them
-# through ModelOpt); the first is the default. CALIB_ALGO_NOTES says what each does to the model.
-CALIB_ALGOS = {"fp8": ("max", "percentile", "smoothquant"), "nvfp4": ("max", "awq_lite")}
+# What each calibration algorithm a precision takes (its spec's calib_algos, by ModelOpt's names) does to the model;
+# h3trt/calibration/calibrate.py runs them through ModelOpt.
 CALIB_ALGO_NOTES = {
     "max": "scale = max |x| / format max over the calibration data (ModelOpt's max calibrator); weights per tensor",
     "percentile": "activation scale from the 99.99th percentile of |x| (ModelOpt's histogram calibrator), clipping "
@@ -34,23 +33,14 @@ CALIB_ALGO_NOTES = {
 # tensor cores' FP8 accumulator over the whole reduction, "exact" promotes partial sums to fp32 every few k-blocks
 # (cuBLAS's default). Measured on the H200 by scripts/bench_fp8.py (bench/README.md: speed and the block's error).
 FP8_ACCUMS = ("fast", "exact")
-ATTENTION_KERNELS = kernels_for("fp8")  # cudnn | fa3 | emulated: h3trt/calibration/fp8_attention.py says what each runs
+# cudnn | fa3 | emulated: h3trt/calibration/fp8_attention.py says what each runs
+ATTENTION_KERNELS = kernels_for(Precision.FP8)
 # The ModelOpt release the calibration is written against: its algorithms' defaults, its SmoothQuant's int8 gate and
 # its NVFP4 tensor export (h3trt/calibration/calibrate.py says where each is used). Another release is refused,
 # not guessed at.
 MODELOPT_VERSION = "0.47.0"
 MODELOPT_FIX = (f"pip install 'h3trt[calibration]' (nvidia-modelopt=={MODELOPT_VERSION}, pure Python on the CPU; "
                 "h3trt calibrates every FP8/NVFP4 bundle through it)")
-# How each precision executes: recorded in the manifest, so a reader knows what the bundle actually does.
-EXECUTION = {
-    "fp8": "W8A8: e4m3 weights and activations, per-tensor static scales, torch._scaled_mm (cuBLAS on CUDA; "
-           "accumulation per fp8_accum); the activation quantization is a pointwise op Inductor fuses into the kernel "
-           "that produces the activation",
-    "nvfp4": "weight-only: packed E2M1 weights with E4M3 scales per 16 values and an fp32 global scale, dequantized "
-             "to bf16 inside the compiled block before a bf16 GEMM (saves memory, not time; native FP4 GEMMs need "
-             "sm_100+ and are not implemented in this build)",
-}
-
 
 def check_modelopt() -> str:
     """ModelOpt's version, or the error that names the fix; reads package metadata only (importing ModelOpt takes
@@ -70,8 +60,8 @@ def check_modelopt() -> str:
 
 @dataclass(frozen=True)
 class QuantRecipe:
-    precision: str  # fp8 | nvfp4
-    calib_algo: str = "max"  # ModelOpt calibration algorithm (CALIB_ALGOS[precision])
+    precision: Precision  # one of QUANT_PRECISIONS (a string is parsed)
+    calib_algo: str = "max"  # ModelOpt calibration algorithm (one of the precision's calib_algos)
     exclude_blocks: tuple[int, ...] = ()  # main blocks kept in the block dtype (a second compiled block serves them)
     exclude_linears: tuple[str, ...] = ()  # block linears (BLOCK_LINEARS names) kept in the block dtype everywhere
     fp8_attention: bool = False  # q/k/v quantized to e4m3 with calibrated static scales before attention
@@ -87,14 +77,13 @@ class QuantRecipe:
     fp8_accum: str = FP8_ACCUMS[0]  # fp8: how the GEMMs accumulate (FP8_ACCUMS); unused by nvfp4
 
     def __post_init__(self):
-        if self.precision not in QUANT_PRECISIONS:
-            raise ValueError(f"quantized precision must be one of {QUANT_PRECISIONS}, got {self.precision!r}.")
-        algos = CALIB_ALGOS[self.precision]
+        object.__setattr__(self, "precision", Precision.parse(self.precision, QUANT_PRECISIONS,
+                                                              "quantized precision"))
+        algos = self.precision.spec.calib_algos
         if self.calib_algo not in algos:
-            known = {a for options in CALIB_ALGOS.values() for a in options}
-            why = ({"fp8": "AWQ searches scales for 4-bit block weights; FP8 weights are per-tensor e4m3",
-                    "nvfp4": "NVFP4 is weight-only here: it has no activation ranges to clip or smooth"}[self.precision]
-                   if self.calib_algo in known else f"h3trt drives ModelOpt's {', '.join(sorted(known))}")
+            known = {a for p in QUANT_PRECISIONS for a in p.spec.calib_algos}
+            why = (self.precision.spec.calib_algos_why if self.calib_algo in known
+                   else f"h3trt drives ModelOpt's {', '.join(sorted(known))}")
             raise ValueError(f"--calib-algo {self.calib_algo} does not apply to --precision {self.precision}: it takes "
                              f"{', '.join(algos)} (default {algos[0]}); {why}.")
         unknown = sorted(set(self.exclude_linears) - set(BLOCK_LINEARS))
@@ -107,9 +96,9 @@ class QuantRecipe:
             raise ValueError(f"exclude_blocks must be distinct non-negative indices in order, got {self.exclude_blocks}.")
         if self.fp8_accum not in FP8_ACCUMS:
             raise ValueError(f"--fp8-accum must be one of {FP8_ACCUMS}, got {self.fp8_accum!r}.")
-        if self.fp4_activations and self.precision != "nvfp4":
+        if self.fp4_activations and self.precision is not Precision.NVFP4:
             raise ValueError("fp4_activations applies to --precision nvfp4.")
-        if self.fp8_attention and self.precision != "fp8":
+        if self.fp8_attention and self.precision is not Precision.FP8:
             raise ValueError("--fp8-attention needs --precision fp8 (its q/k/v scales come from the FP8 calibration).")
         kernels = ATTENTION_KERNELS if self.fp8_attention else ("",)
         if self.attention_kernel not in kernels:
@@ -123,7 +112,12 @@ class QuantRecipe:
     def needs_calibration_data(self) -> bool:
         """FP8 activation scales are static, so they come from calibration runs, FP4 activations need their global
         range, and AWQ searches its scales on them; weight-only NVFP4 with max needs only the weights."""
-        return self.precision == "fp8" or self.fp4_activations or self.calib_algo == "awq_lite"
+        return self.quantizes_activations or self.calib_algo == "awq_lite"
+
+    @property
+    def quantizes_activations(self) -> bool:
+        """The block linears' inputs are quantized too: FP8's static scales, or NVFP4's FP4 activations."""
+        return self.precision.spec.calibrated_activations or self.fp4_activations
 
     @property
     def smooths_inputs(self) -> bool:
@@ -142,7 +136,7 @@ class QuantRecipe:
 
     def to_dict(self) -> dict:
         return {**asdict(self), "exclude_blocks": list(self.exclude_blocks),
-                "exclude_linears": list(self.exclude_linears), "execution": EXECUTION[self.precision],
+                "exclude_linears": list(self.exclude_linears), "execution": self.precision.spec.execution,
                 "always_high_precision": list(ALWAYS_HIGH_PRECISION)}
 
     @classmethod

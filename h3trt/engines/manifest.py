@@ -25,7 +25,7 @@ import torch
 from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.config import H3Config
-from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS
+from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
 # 2: the video decoder as in/block/out segments at a recorded --vae-precision; 3: the manifest carries
@@ -95,7 +95,7 @@ class Manifest:
 
     raw: dict = field(repr=False, compare=False)
     backend: str  # one of BACKENDS
-    precision: str  # one of DIT_PRECISIONS
+    precision: Precision  # one of DIT_PRECISIONS
     task: str  # the partition it was built from (t2va/fl2va: FL2VA, ref2va: Ref2VA)
     tasks: tuple[str, ...]  # the tasks it serves
     model_config: H3Config
@@ -113,7 +113,7 @@ class Manifest:
     tiny: bool  # built from the embedded tiny model (random weights)
     quant: dict | None  # fp8/nvfp4: the recipe, the calibration record, which segment serves each layer
     attention: dict | None  # precision -> the attention kernel chosen at build time
-    vae_precision: str  # one of VAE_PRECISIONS: the compiled video decoder's
+    vae_precision: Precision  # one of VAE_PRECISIONS: the compiled video decoder's
     video_decoder_cuda_graph: bool  # serve each compiled tile decoder as one CUDA graph replay
     loras: tuple[dict, ...]  # the LoRAs merged at build time
     tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
@@ -140,7 +140,8 @@ class Manifest:
         if not profiles:
             raise top.error("profiles", "a non-empty list")
         manifest = cls(
-            raw=data, backend=top.choice("backend", BACKENDS), precision=top.choice("precision", DIT_PRECISIONS),
+            raw=data, backend=top.choice("backend", BACKENDS),
+            precision=Precision(top.choice("precision", DIT_PRECISIONS)),
             task=top.choice("task", TASKS), tasks=tuple(top.strings("tasks", TASKS)),
             model_config=top.model_config("model_config"), checkpoint=top.get("checkpoint", dict),
             schedule=ScheduleRecord(schedule.get("steps", int), schedule.get("video_shift", float),
@@ -154,7 +155,7 @@ class Manifest:
             segments=top.get("segments", dict), weight_bytes=top.get("weight_bytes", dict),
             build_timings_s=top.get("build_timings_s", dict), tiny=top.get("tiny", bool),
             quant=top.get("quant", dict, optional=True), attention=top.get("attention", dict, optional=True),
-            vae_precision=top.choice("vae_precision", VAE_PRECISIONS),
+            vae_precision=Precision(top.choice("vae_precision", VAE_PRECISIONS)),
             video_decoder_cuda_graph=decoder.get("cuda_graph", bool),
             loras=tuple(top.get("loras", list, optional=True) or ()),
             tensorrt=top.get("tensorrt", dict, optional=True),

@@ -14,7 +14,7 @@ Kernels of this op (q/k/v in the block dtype):
           "FlashAttention-3"). bf16, Hopper (sm_90) only.
   sdpa    torch's SDPA with PyTorch's own backend choice, in any dtype on any device: what a CPU build bakes, what an
           fp32 bundle runs, and the reference the others are tested against.
-FP8 attention's kernels (`cudnn`, `fa3`, `emulated`) share the table below under precision "fp8".
+FP8 attention's kernels (`cudnn`, `fa3`, `emulated`) share the table below under precision fp8.
 
 Shape legend: B batch, S rows, N heads, D head dim.
 """
@@ -27,11 +27,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .precision import Precision
+
 FA3_FIX = "pip install 'h3trt[fa3]' (fa3-fwd, FlashAttention-3's forward for Hopper)"
 CUDNN_FRONTEND_FIX = "pip install 'h3trt[fp8-attention]' (nvidia-cudnn-frontend, cuDNN's Python graph API)"
 FA3_MODULE = "fa3_fwd_interface"  # the fa3-fwd wheel's Python interface (it loads fa3_fwd._C, the kernels)
-# The precisions attention runs in: the dtype the kernel reads q/k/v in.
-ATTENTION_PRECISIONS = ("bf16", "fp32", "fp8")
 # What `--attention` accepts; "auto" measures the candidates on the build GPU.
 ATTENTION_REQUESTS = ("auto", "cudnn", "fa3")
 
@@ -47,35 +47,37 @@ class KernelNeeds:
     fix: str = ""  # how to install `module`
 
 
-# (kernel, precision) -> needs. A pair that is not here does not exist (e.g. cuDNN or FA3 on fp32 q/k/v).
-KERNELS: dict[tuple[str, str], KernelNeeds] = {
-    ("cudnn", "bf16"): KernelNeeds(cuda=True, min_sm=80),
-    ("fa3", "bf16"): KernelNeeds(cuda=True, min_sm=90, max_sm=90, module=FA3_MODULE, fix=FA3_FIX),
-    ("sdpa", "bf16"): KernelNeeds(cuda=False),
-    ("sdpa", "fp32"): KernelNeeds(cuda=False),
-    ("cudnn", "fp8"): KernelNeeds(cuda=True, min_sm=90, module="cudnn", fix=CUDNN_FRONTEND_FIX),
-    ("fa3", "fp8"): KernelNeeds(cuda=True, min_sm=90, max_sm=90, module=FA3_MODULE, fix=FA3_FIX),
-    ("emulated", "fp8"): KernelNeeds(cuda=False),
+# (kernel, precision) -> needs, the precision one of ATTENTION_PRECISIONS (what the kernel reads q/k/v in). A pair
+# that is not here does not exist (e.g. cuDNN or FA3 on fp32 q/k/v). A precision's CUDA kernels are what `--attention
+# auto` measures on a GPU, in this order (ties: the first); its one kernel that runs anywhere is what a CPU build bakes.
+KERNELS: dict[tuple[str, Precision], KernelNeeds] = {
+    ("cudnn", Precision.BF16): KernelNeeds(cuda=True, min_sm=80),
+    ("fa3", Precision.BF16): KernelNeeds(cuda=True, min_sm=90, max_sm=90, module=FA3_MODULE, fix=FA3_FIX),
+    ("sdpa", Precision.BF16): KernelNeeds(cuda=False),
+    ("sdpa", Precision.FP32): KernelNeeds(cuda=False),
+    ("cudnn", Precision.FP8): KernelNeeds(cuda=True, min_sm=90, module="cudnn", fix=CUDNN_FRONTEND_FIX),
+    ("fa3", Precision.FP8): KernelNeeds(cuda=True, min_sm=90, max_sm=90, module=FA3_MODULE, fix=FA3_FIX),
+    ("emulated", Precision.FP8): KernelNeeds(cuda=False),
 }
-# What `--attention auto` measures on a GPU, per precision, and bakes on a CPU (the one kernel that runs there).
-GPU_CANDIDATES = {"bf16": ("cudnn", "fa3"), "fp32": ("sdpa",), "fp8": ("cudnn", "fa3")}
-CPU_KERNEL = {"bf16": "sdpa", "fp32": "sdpa", "fp8": "emulated"}
 
 
-def attention_precision(dtype: torch.dtype) -> str:
-    """The attention precision of a non-FP8 block in `dtype`."""
-    if dtype == torch.bfloat16:
-        return "bf16"
-    if dtype == torch.float32:
-        return "fp32"
-    raise ValueError(f"attention runs on bf16 or fp32 q/k/v (or FP8 with --fp8-attention), not {dtype}.")
-
-
-def kernels_for(precision: str) -> tuple[str, ...]:
+def kernels_for(precision: Precision) -> tuple[str, ...]:
     return tuple(k for k, p in KERNELS if p == precision)
 
 
-def kernel_problem(kernel: str, precision: str, device: torch.device) -> str | None:
+def cpu_kernel(precision: Precision) -> str:
+    """The one kernel at `precision` that runs on any device: what a CPU build bakes."""
+    (kernel,) = (k for k in kernels_for(precision) if not KERNELS[k, precision].cuda)
+    return kernel
+
+
+def gpu_candidates(precision: Precision) -> tuple[str, ...]:
+    """What `--attention auto` measures on a GPU: the CUDA kernels at `precision`, else (fp32) the one that runs
+    anywhere."""
+    return tuple(k for k in kernels_for(precision) if KERNELS[k, precision].cuda) or (cpu_kernel(precision),)
+
+
+def kernel_problem(kernel: str, precision: Precision, device: torch.device) -> str | None:
     """Why `device` cannot run `kernel` at `precision`, with the fix; None when it can. Imports the kernel's package
     (a wheel that installs but cannot load, e.g. built for another CUDA, is a problem too)."""
     device = torch.device(device)
@@ -87,7 +89,7 @@ def kernel_problem(kernel: str, precision: str, device: torch.device) -> str | N
     if device.type != "cuda":
         return (f"the {kernel} {precision} attention kernel needs a CUDA GPU; this device is {device}. Serve the bundle "
                 f"on the GPU it was built for, or rebuild it on this machine (a CPU build bakes "
-                f"{CPU_KERNEL[precision]!r}).")
+                f"{cpu_kernel(precision)!r}).")
     major, minor = torch.cuda.get_device_capability(device)
     sm = major * 10 + minor
     if sm < needs.min_sm or (needs.max_sm and sm > needs.max_sm):
@@ -103,7 +105,7 @@ def kernel_problem(kernel: str, precision: str, device: torch.device) -> str | N
     return None
 
 
-def check_kernel(kernel: str, precision: str, device: torch.device) -> None:
+def check_kernel(kernel: str, precision: Precision, device: torch.device) -> None:
     """Raise, with the fix, where `device` cannot run `kernel` (at build and at load: never a silent substitute)."""
     problem = kernel_problem(kernel, precision, device)
     if problem is not None:
@@ -118,7 +120,7 @@ def check_attention_record(record: dict, device: torch.device) -> None:
 
 def dense_kernel(record: dict) -> str:
     """The kernel of a manifest's attention that is not FP8 (what the Ulysses exchange runs without FP8 attention)."""
-    dense = [choice["kernel"] for precision, choice in record.items() if precision != "fp8"]
+    dense = [choice["kernel"] for precision, choice in record.items() if precision != Precision.FP8]
     if len(dense) != 1:
         raise ValueError(f"a bundle's attention record holds one non-FP8 precision, got {sorted(record)}.")
     return dense[0]
@@ -133,7 +135,7 @@ def attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor, 
         return _cudnn(q_BSND, k_BSND, v_BSND)
     if kernel == "fa3":
         return _fa3(q_BSND, k_BSND, v_BSND)
-    raise ValueError(f"h3trt::attention kernels are {kernels_for('bf16')}, got {kernel!r}.")
+    raise ValueError(f"h3trt::attention kernels are {kernels_for(Precision.BF16)}, got {kernel!r}.")
 
 
 @attention.register_fake

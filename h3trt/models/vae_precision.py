@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .precision import PRECISION_DTYPES, VAE_PRECISIONS, eager_dtype, precision_dtype
+from .precision import VAE_PRECISIONS, Precision, eager_dtype, unquantized
 
 
 @dataclass(frozen=True)
@@ -34,28 +34,33 @@ class VAEPrecision:
     """How the video decoder runs: fp32 (the checkpoint's dtype), bf16 (the reference pipeline's load), or fp8 (bf16
     placement, the decoder's ViT linears W8A8 e4m3 with per-token activation scales)."""
 
-    name: str
+    name: Precision  # one of VAE_PRECISIONS (a string is parsed)
 
     def __post_init__(self):
-        precision_dtype(self.name, VAE_PRECISIONS, "--vae-precision")
+        object.__setattr__(self, "name", Precision.parse(self.name, VAE_PRECISIONS, "--vae-precision"))
 
     @property
     def dtype(self) -> torch.dtype:
         """What the tensors diffusers does not pin to fp32 are cast to (fp8: bf16 placement plus e4m3 ViT linears)."""
-        return PRECISION_DTYPES[self.name]
+        return self.name.spec.dtype
 
     @property
     def quantized(self) -> bool:
-        return self.name == "fp8"
+        return self.name.spec.quantized
+
+    @property
+    def verify_rel_tol(self) -> float:
+        """How far a build lets a compiled decoder segment differ from the eager one (PrecisionSpec says why)."""
+        return self.name.spec.vae_verify_rel_tol
 
     @classmethod
     def default(cls, device: str | torch.device) -> "VAEPrecision":
         """bf16 on CUDA (what a Diffusers user runs), fp32 on the CPU (where bf16 matmuls are slow and the bitwise
         parity tests run)."""
-        return cls("bf16" if eager_dtype(device) == torch.bfloat16 else "fp32")
+        return cls(unquantized(eager_dtype(device)))
 
     @classmethod
-    def resolve(cls, name: str | None, device: str | torch.device) -> "VAEPrecision":
+    def resolve(cls, name: str | Precision | None, device: str | torch.device) -> "VAEPrecision":
         return cls.default(device) if name is None else cls(name)
 
 

@@ -22,6 +22,8 @@ import numpy as np
 import torch
 from PIL import Image
 
+from .precision import Precision, unquantized
+
 PIXEL_MEAN = (0.485, 0.456, 0.406)  # ImageNet: the VAE's pixel convention over [0, 1]
 PIXEL_STD = (0.229, 0.224, 0.225)
 CONDITION_ENCODE_SEED = 42  # "the seed is part of the contract": the same keyframe always encodes the same way
@@ -193,13 +195,13 @@ class VideoVAE:
         return self.vae.post_quant_conv.weight.dtype
 
     @property
-    def precision(self) -> str:
+    def precision(self) -> Precision | str:
         """The --vae-precision these weights are at, read from the weights themselves (so it cannot disagree with
         them): fp8 when the ViT linears hold e4m3 weights, else the dtype of the unpinned decoder tensors."""
         block = self.vae.decoder.transformer_blocks[0]
         if block.attn.to_q.weight.dtype == torch.float8_e4m3fn:
-            return "fp8"
-        return {torch.float32: "fp32", torch.bfloat16: "bf16"}.get(self.dtype, str(self.dtype))
+            return Precision.FP8
+        return unquantized(self.dtype) or str(self.dtype)
 
     def plan(self, latent_frames: int, latent_h: int, latent_w: int) -> DecodePlan:
         return plan_decode(self.vae, latent_frames, latent_h, latent_w)
