@@ -12,7 +12,7 @@ from h3trt.build.tensorrt import RTX_TARGETS
 from h3trt.errors import UserError
 from h3trt.models.attention import KERNELS, cpu_kernel, gpu_candidates
 from h3trt.models.precision import (ATTENTION_PRECISIONS, DIT_PRECISIONS, QUANT_PRECISIONS, SPECS, VAE_PRECISIONS,
-                                    Precision, precision_dtype, unquantized)
+                                    Precision, unquantized)
 from h3trt.models.vae_precision import VAEPrecision
 
 # The tables the rows replaced, as they stood in each layer (models/precision.py, models/attention.py,
@@ -42,7 +42,6 @@ def test_parse_takes_a_name_or_a_precision_and_returns_the_member():
     for p in Precision:
         assert Precision.parse(p.value) is p and Precision.parse(p) is p
     assert Precision.parse("fp8", VAE_PRECISIONS, "--vae-precision") is Precision.FP8
-    assert precision_dtype("fp8") == torch.bfloat16
 
 
 @pytest.mark.parametrize("name, choices, flag, message", [

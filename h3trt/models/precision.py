@@ -134,12 +134,6 @@ def unquantized(dtype: torch.dtype) -> Precision | None:
     return next((p for p in Precision if not p.spec.quantized and p.spec.dtype == dtype), None)
 
 
-def precision_dtype(name) -> torch.dtype:
-    """The compute dtype of --precision `name`. runtime/loading.py's, until it reads its manifest's typed
-    `precision.spec.dtype`; everything else reads the spec."""
-    return Precision.parse(name).spec.dtype
-
-
 def eager_dtype(device: str | torch.device) -> torch.dtype:
     """What an eager (checkpoint) run computes in: bf16 on CUDA, fp32 on the CPU (where bf16 matmuls are slow and the
     bitwise parity tests run)."""

@@ -23,7 +23,7 @@ from ..models.lora import LoraSpec, merge_loras
 from ..models.sampler import Schedule
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
-from ..models.precision import eager_dtype, precision_dtype
+from ..models.precision import eager_dtype
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
 from ..parallel.ulysses import UlyssesDiT
@@ -119,7 +119,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     started_unix, process_unix = time.time(), process_started_unix()
     text_parts = ("text_encoder", "tokenizer", "processor")
     # Engine.load reads and checks the manifest (and its signature) again; this is only for the text dtype.
-    dtype = precision_dtype(read_manifest(bundle_root).precision)
+    dtype = read_manifest(bundle_root).precision.spec.dtype
     pending: dict[str, Deferred] = {}
 
     def text_encoder_alongside(verification) -> None:
