@@ -18,8 +18,8 @@ BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp
 
 # The files whose bundle builds and spawned ranks take minutes: run first, so that under pytest-xdist (README: `-n 2
 # --dist loadfile`, one file per worker at a time) no long file starts last while the other workers sit idle.
-SLOW_FILES = ("test_engine.py", "test_mesh.py", "test_quant.py", "test_vae_precision.py", "test_fewstep.py",
-              "test_parallel_vae.py", "test_step_cache.py")
+SLOW_FILES = ("test_serve_api.py", "test_engine.py", "test_serve_ops.py", "test_mesh.py", "test_quant.py",
+              "test_vae_precision.py", "test_fewstep.py", "test_parallel_vae.py", "test_step_cache.py")
 
 
 def pytest_configure(config):

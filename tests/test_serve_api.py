@@ -258,3 +258,43 @@ def test_schemathesis_no_500_and_every_response_matches_the_schema(tmp_path_fact
         assert not failures, "\n\n".join(failures)
     finally:
         assert srv.stop() == 0, srv.log()[-3000:]
+
+
+CHROMIUM = "/usr/bin/chromium"  # Debian's chromium, installed by .ci/run (playwright's own browser download is not)
+CHROMIUM_FLAGS = ["--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run", "--disable-background-networking",
+                  "--disable-component-update", "--disable-sync"]
+
+
+def test_the_page_submits_a_prompt_shows_progress_and_plays_the_clip(server):
+    """GET / in a real headless Chromium: the form submits a job, the job's card shows its status and progress, and
+    once completed the clip plays in a <video> (fetched with the API key) with its stage timeline."""
+    from playwright.sync_api import sync_playwright
+
+    prompt = "a fox seen from the browser"
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            page = browser.new_page()
+            page.goto(server.url + "/")
+            page.fill("#key", KEY)
+            page.dispatch_event("#key", "change")
+            page.fill("#prompt", prompt)
+            page.fill("#size", "128x32")
+            page.fill("#steps", "2")
+            page.click("#submit")
+            card = page.locator(".job", has_text=prompt)
+            card.wait_for(timeout=60_000)
+            assert card.locator(".status").inner_text().split(" · ")[0] in ("queued", "in_progress", "completed")
+            page.wait_for_function(
+                """prompt => [...document.querySelectorAll('.job')].some(card =>
+                     card.querySelector('.prompt').textContent === prompt && card.dataset.status === 'completed'
+                     && card.querySelector('video') && card.querySelector('video').readyState >= 1
+                     && card.querySelector('video').duration > 5)""", arg=prompt, timeout=240_000)
+            assert card.locator(".status").inner_text().startswith("completed · done · 100%")
+            assert card.locator("[data-testid=timeline] span").count() >= 3  # text encode, denoise, decode
+            assert "denoise" in card.locator(".legend").inner_text()
+            duration = card.locator("video").evaluate("v => v.duration")
+            assert 5.0 < duration < 5.3, duration  # 124 frames at 24 fps
+            assert page.locator("#message").inner_text() == ""
+        finally:
+            browser.close()
