@@ -7,8 +7,9 @@ runtime/, engines/, build/ or parallel/.
 Rows (each a real `h3trt` process, as a user runs it):
   eager sp=2 | bf16 bundle sp=2 | bf16 sp=1 bundle, 2 replicas over a batch | fp8 + --fp8-attention bundle sp=2 |
   eager cfg=2 with guidance | torchrun --nproc-per-node 2 serving the sp=2 bundle | the sp=1 bundle on the second
-  GPU alone (--device cuda:1, and CUDA_VISIBLE_DEVICES=1)
-plus the 1-GPU rows they rest on (sp=1 bundle on GPU 0, torchrun with one rank).
+  GPU alone (--device cuda:1, and CUDA_VISIBLE_DEVICES=1) | `h3trt serve` with 2 replica groups, and with one sp=2
+  group (two jobs through the API, downloaded)
+plus the 1-GPU rows they rest on (sp=1 bundle on GPU 0, torchrun with one rank, `h3trt serve` of the sp=1 bundle).
 
 The check: decoded frames (PSNR) and audio (SNR) of each row's MP4 against the eager clip of the same request. The
 tiny model has random weights, so the clip is noise and x264 re-encodes it lossily; a row passes when it is close
@@ -56,6 +57,65 @@ def decode(path: Path) -> tuple[np.ndarray, np.ndarray]:
     with av.open(str(path)) as f:
         audio = np.concatenate([fr.to_ndarray().reshape(-1) for fr in f.decode(audio=0)]).astype(np.float64)
     return frames, audio
+
+
+def serve_clips(h3: list[str], bundle: Path, flags: list[str], out: Path, env: dict, log) -> tuple[int, str]:
+    """`h3trt serve --engine BUNDLE` on a free port: the reference request and the other-seed one POSTed together,
+    polled to the end, downloaded to OUT/one.mp4 and OUT/two.mp4; SIGTERM, and the drain's exit status."""
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    url = f"http://127.0.0.1:{port}"
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = h3 + ["serve", "--engine", str(bundle), "--port", str(port), "--data-dir", str(out / "data")] + flags
+    log.write(f"$ {' '.join(cmd)}\n")
+    log.flush()
+    start = time.monotonic()
+    proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT)
+
+    def call(method: str, path: str, body: dict | None = None):
+        request = urllib.request.Request(url + path, method=method, data=json.dumps(body).encode() if body else None,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=30) as response:
+            data = response.read()
+        return data if "/content" in path else json.loads(data)
+
+    try:
+        while True:
+            if proc.poll() is not None:
+                return proc.returncode or 1, f"h3trt serve exited {proc.returncode} before it was ready"
+            if time.monotonic() - start > 300:
+                return 124, "not ready within 300 s"
+            try:
+                if call("GET", "/ready")["ready"]:
+                    break
+            except OSError:
+                pass
+            time.sleep(0.5)
+        ids = {name: call("POST", "/v1/videos", {"prompt": PROMPT, "seed": seed, "steps": STEPS})["id"]
+               for name, seed in (("one", SEED), ("two", OTHER_SEED))}
+        for name, job_id in ids.items():
+            while (job := call("GET", f"/v1/videos/{job_id}"))["status"] in ("queued", "in_progress"):
+                if time.monotonic() - start > 540:
+                    return 124, f"{name} still {job['status']} after 540 s"
+                time.sleep(0.5)
+            if job["status"] != "completed":
+                return 1, f"job {name}: {job['status']}: {job.get('error')}"
+            (out / f"{name}.mp4").write_bytes(call("GET", f"/v1/videos/{job_id}/content"))
+        return 0, f"served {len(ids)} jobs in {time.monotonic() - start:.1f} s (start included)"
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            code = proc.wait(120)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            code = "killed"
+        log.write(f"[serve exit {code}, {time.monotonic() - start:.1f} s]\n")
+        log.flush()
 
 
 def compare(got: Path, want: Path) -> dict:
@@ -133,6 +193,10 @@ def main() -> int:
             ("sp=1 bundle on the 2nd GPU (--device cuda:1)", "b1", 2, ["--device", "cuda:1"], None, None),
             ("sp=1 bundle on the 2nd GPU (CUDA_VISIBLE_DEVICES=1)", "b1", 2, ["--device", "cuda"],
              {"CUDA_VISIBLE_DEVICES": "1"}, None),
+            ("serve: sp=1 bundle behind the API", "b1", 1, ["serve"], None, None),
+            ("serve: 2 replica groups of the sp=1 bundle", "b1", 2, ["serve", "--gpus", "2", "--replicas", "2"], None,
+             None),
+            ("serve: sp=2 bundle, one group of 2 ranks", "b2", 2, ["serve", "--gpus", "2"], None, None),
         ]
         bundles = {"b1": ["--steps", str(STEPS)], "b2": ["--steps", str(STEPS), "--sp", "2"]}
         calib = work / "calib.txt"
@@ -159,7 +223,11 @@ def main() -> int:
                 continue
             source = ["--engine", str(work / bundle)] if bundle else []
             want = [(out, ref)]
-            if "--replicas" in flags:
+            if flags[:1] == ["serve"]:
+                rc, text = (serve_clips(h3, work / bundle, flags[1:], work / f"row{i}", env, log)
+                            if gpus >= needs else (-1, f"needs {needs} GPUs, {gpus} visible"))
+                want = [(work / f"row{i}" / "one.mp4", ref), (work / f"row{i}" / "two.mp4", other)]
+            elif "--replicas" in flags:
                 rc, text = (sh(h3 + ["run", "--engine", str(work / bundle), "--requests", str(batch), "--out-dir",
                                      str(work / f"row{i}"), "--quiet"] + flags, env, log) if gpus >= needs
                             else (-1, f"needs {needs} GPUs, {gpus} visible"))

@@ -1,0 +1,127 @@
+"""The job store (h3trt/server/store.py): one suite, parametrized over the databases a store can live in, run against
+each for real. Claims are exclusive, progress never goes back, an end is recorded once, a restart re-queues a running
+job once, pages follow creation order, expiry finds exactly the ended jobs past their time, and the migrated schema is
+the one the code queries."""
+
+import threading
+import time
+
+import pytest
+
+from h3trt.server.store import MAX_ATTEMPTS, JobStore, metadata, sqlite_url
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture(params=["sqlite"])
+def store(request, tmp_path):
+    s = JobStore(sqlite_url(tmp_path))
+    yield s
+    s.close()
+
+
+def test_claims_are_exclusive_and_in_creation_order(store):
+    for i in range(30):
+        store.create(f"video_{i:02d}", {"schema": {"prompt": str(i)}}, now=1000.0 + i)
+    taken, lock = [], threading.Lock()
+
+    def worker(name):
+        while (row := store.claim(name)) is not None:
+            with lock:
+                taken.append((row.id, name))
+
+    threads = [threading.Thread(target=worker, args=(f"g{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [job for job, _ in taken]
+    assert sorted(ids) == [f"video_{i:02d}" for i in range(30)] and len(set(ids)) == 30  # each exactly once
+    assert store.counts() == {"queued": 0, "in_progress": 30, "completed": 0, "failed": 0, "cancelled": 0}
+    row = store.get("video_00")
+    assert row.status == "in_progress" and row.attempts == 1 and row.worker.startswith("g") and row.started_at
+
+
+def test_progress_is_monotonic_and_an_end_is_recorded_once(store):
+    store.create("video_a", {"schema": {"prompt": "x"}})
+    store.claim("g0")
+    store.progress("video_a", 40, "denoise", (2, 5))
+    store.progress("video_a", 20, "denoise", (1, 5))  # a late, older report changes nothing
+    store.progress("video_a", 96, "decode", (0, 0))  # decode progress keeps the evaluations
+    row = store.get("video_a")
+    assert (row.progress, row.stage, row.evaluations_done, row.evaluations_total) == (96, "decode", 2, 5)
+    done = store.end("video_a", "completed", retention_s=60, now=2000.0, record={"seed": 1}, output="/x.mp4")
+    assert done.status == "completed" and done.progress == 100 and done.expires_at == 2060.0 and done.record == {
+        "seed": 1}
+    assert store.end("video_a", "failed", retention_s=60, error=("x", "y")) is None  # already ended
+    assert store.get("video_a").status == "completed"
+    with pytest.raises(ValueError, match="end status"):
+        store.end("video_a", "queued", 60)
+
+
+def test_recover_requeues_a_running_job_once_then_fails_it(store):
+    store.create("video_a", {"schema": {"prompt": "x"}})
+    for attempt in range(1, MAX_ATTEMPTS + 1):
+        assert store.claim("g0").attempts == attempt
+        requeued, failed = store.recover(retention_s=60)
+        if attempt < MAX_ATTEMPTS:
+            assert requeued == ["video_a"] and store.get("video_a").status == "queued"
+    assert failed == ["video_a"]
+    row = store.get("video_a")
+    assert row.status == "failed" and row.error_code == "worker_lost" and f"{MAX_ATTEMPTS} times" in row.error_message
+
+
+def test_cancel_and_delete_flags(store):
+    store.create("video_q", {"schema": {"prompt": "x"}})
+    store.create("video_r", {"schema": {"prompt": "y"}})
+    store.claim("g0")  # video_q running
+    store.request_cancel("video_q", delete_after=True)
+    assert store.cancels() == ["video_q"] and store.get("video_q").deleted
+    assert [r.id for r in store.page(None, 10, "asc")[0]] == ["video_r"]  # a deleted job is not listed
+    requeued, _ = store.recover(retention_s=60)
+    assert requeued == [] and store.get("video_q").status == "cancelled"  # a cancelled job is not run again
+
+
+def test_pages_follow_creation_order_with_a_cursor(store):
+    for i in range(7):
+        store.create(f"video_{i}", {"schema": {"prompt": str(i)}})
+    first, more = store.page(None, 3, "desc")
+    assert [r.id for r in first] == ["video_6", "video_5", "video_4"] and more
+    second, more = store.page(first[-1].id, 3, "desc")
+    assert [r.id for r in second] == ["video_3", "video_2", "video_1"] and more
+    last, more = store.page(second[-1].id, 3, "desc")
+    assert [r.id for r in last] == ["video_0"] and not more
+    assert [r.id for r in store.page("video_4", 10, "asc")[0]] == ["video_5", "video_6"]
+    with pytest.raises(KeyError):
+        store.page("video_nope", 3, "asc")
+
+
+def test_expiry_finds_exactly_the_ended_jobs_past_their_time(store):
+    now = time.time()
+    for name in ("old", "new", "queued"):
+        store.create(f"video_{name}", {"schema": {"prompt": name}})
+    store.claim("g0")
+    store.end("video_old", "completed", retention_s=10, now=now - 100, record={}, output="x")
+    store.claim("g0")
+    store.end("video_new", "failed", retention_s=10, now=now, error=("e", "m"))
+    assert [r.id for r in store.rows(expired_before=now)] == ["video_old"]
+    assert [r.id for r in store.rows(expired_before=now + 11)] == ["video_old", "video_new"]  # never a queued job
+
+
+def test_the_migrated_schema_is_the_one_the_code_queries(store):
+    """Alembic's comparison of the database its migrations made with the store's table: no difference."""
+    from alembic.autogenerate import compare_metadata
+    from alembic.migration import MigrationContext
+
+    with store.engine.connect() as c:
+        diff = compare_metadata(MigrationContext.configure(c), metadata)
+    assert diff == []
+
+
+def test_a_store_from_a_newer_h3trt_is_refused(tmp_path):
+    store = JobStore(sqlite_url(tmp_path))
+    with store.engine.begin() as c:
+        c.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
+    store.close()
+    with pytest.raises(RuntimeError, match="schema revision 9999, which this h3trt does not know"):
+        JobStore(sqlite_url(tmp_path))
