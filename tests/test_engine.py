@@ -117,9 +117,9 @@ def test_an_error_right_after_the_load_exits_with_its_code(bundles):
 def test_a_request_the_bundle_cannot_serve_is_refused_before_the_load(bundles, tmp_path, monkeypatch, capsys):
     """A schedule the AdaLN tables were not baked for, or a --profile-step past the last evaluation, is refused
     from the manifest alone: nothing loads."""
-    from h3trt.runtime import entry as entry_module
+    from h3trt.runtime.pipeline import H3Pipeline
 
-    monkeypatch.setattr(entry_module.Entry, "load", lambda *a, **k: pytest.fail("the bundle was loaded"))
+    monkeypatch.setattr(H3Pipeline, "load_engine", lambda *a, **k: pytest.fail("the bundle was loaded"))
     base = ["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output", str(tmp_path / "a.mp4")]
     assert main([*base, "--steps", str(BUNDLE_STEPS + 1)]) == 2
     assert "baked for steps=" in capsys.readouterr().err
@@ -132,9 +132,10 @@ def test_a_bundle_run_without_bytecode_says_how_to_fix_it(bundles, tmp_path, mon
     """No compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 images) costs every cold start seconds of compiling
     Python: h3trt run names it and the fix, and says nothing when the bytecode is there."""
     from h3trt.runtime import entry as entry_module
+    from h3trt.runtime.pipeline import H3Pipeline
 
     monkeypatch.setattr(entry_module, "torch_bytecode", lambda: bytecode)
-    monkeypatch.setattr(entry_module.Entry, "load", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop here")))
+    monkeypatch.setattr(H3Pipeline, "load_engine", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop here")))
     assert main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output",
                  str(tmp_path / "a.mp4")]) == 2
     err = capsys.readouterr().err

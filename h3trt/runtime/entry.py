@@ -28,9 +28,13 @@ from .request import CanvasDefaults, Prepared
 
 SOURCES = ("bundle", "checkpoint", "tiny")
 NOTE_NO_BYTECODE = ("note: this Python has no compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 or a read-only "
-                    "install), so every process compiles torch, Inductor and transformers from source: seconds of "
-                    "each cold start. Compile it once: python -m compileall -q -j 0 <site-packages>, or set "
-                    "PYTHONPYCACHEPREFIX to a writable folder.")
+                    "install) and h3trt could not keep its own (the user cache folder is not writable), so every "
+                    "process compiles torch, Inductor and transformers from source: seconds of each cold start. "
+                    "Compile it once: python -m compileall -q -j 0 <site-packages>, or set PYTHONPYCACHEPREFIX to a "
+                    "writable folder.")
+NOTE_FIRST_BYTECODE = ("note: first start with this Python: compiling torch's bytecode into {prefix} (seconds, once; "
+                       "PYTHONDONTWRITEBYTECODE or a read-only install keeps Python from writing it beside the "
+                       "source). Later starts read it.")
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
 NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
@@ -177,7 +181,8 @@ class Entry:
         if self.source == "tiny":
             print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
         if self.source == "bundle" and not torch_bytecode():
-            print(f"h3trt: {NOTE_NO_BYTECODE}", file=sys.stderr)
+            note = NOTE_FIRST_BYTECODE.format(prefix=sys.pycache_prefix) if sys.pycache_prefix else NOTE_NO_BYTECODE
+            print(f"h3trt: {note}", file=sys.stderr)
 
     def admit(self, prepared: Prepared) -> None:
         """A bundle refuses a request it was not built for (task, canvas, schedule) before anything loads; the

@@ -371,9 +371,10 @@ class StoreQueue:
             elif died and row.attempts < MAX_ATTEMPTS:
                 store.requeue(job.id)
                 self.service.log("requeued", job=job.id, reason=reason, attempts=row.attempts)
-            else:
+            else:  # a rank raised `reason` ("OutOfMemoryError: ..."), or the job already ran twice
+                kind = reason.split(":", 1)[0] if not died and ":" in reason else "WorkerLost"
                 self.service.on_event(Event(job.id, "failed", "worker", error=f"worker: {reason}",
-                                            record={"error_type": "WorkerLost"}))
+                                            record={"error_type": kind}))
 
     def cancels(self) -> list[str]:
         return self.service.store.cancels()
