@@ -16,6 +16,8 @@ from h3trt.runtime.loading import load_checkpoint
 from h3trt.runtime.pipeline import H3Pipeline
 from h3trt.runtime.request import Request, prepare
 
+from test_requests import _manifest_dict
+
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
@@ -97,7 +99,7 @@ def test_trace_refuses_a_pipeline_without_a_recorder(parts):
 SWITCHES = ("dit", "video_decoders", "tile_decoders", "cfg_group")
 # Where one is still made, until the lead's rewrite of these files passes the runner in (see the report of this change).
 STILL_TO_RETIRE = {("runtime/serve.py", "dit"), ("runtime/serve.py", "cfg_group"),
-                   ("runtime/loading.py", "tile_decoders"), ("engines/tensorrt_runtime.py", "video_decoders")}
+                   ("runtime/loading.py", "tile_decoders")}
 
 
 def attribute_switches(root: Path = PACKAGE) -> set[tuple[str, str]]:
@@ -115,6 +117,15 @@ def attribute_switches(root: Path = PACKAGE) -> set[tuple[str, str]]:
 
 
 def test_no_runner_is_swapped_in_after_construction():
-    """eval.py built its recording pipeline by swapping `pipeline.dit`; it now passes its recorder in when the
-    pipeline is built."""
+    """eval.py built its recording pipeline by swapping `pipeline.dit`, and a TensorRT engine had its
+    `video_decoders` replaced by a lambda; both now pass theirs in when they are built."""
     assert attribute_switches() <= STILL_TO_RETIRE
+
+
+def test_a_tensorrt_engine_is_built_without_compiled_video_decoders():
+    from h3trt.engines.bundle import Engine
+    from h3trt.engines.manifest import Manifest
+
+    manifest = Manifest.from_dict(_manifest_dict())
+    assert Engine(Path("b"), manifest, None, {}, compiled_video_decoder=False).video_decoders(None) is None
+    assert Engine(Path("b"), manifest, None, {}).video_decoders(None) == {}  # an Inductor bundle's, here none
