@@ -1,5 +1,6 @@
 """`h3trt eval`: the same requests (same seeds) through an engine bundle and a reference, compared step by step.
 
+  0. check both sides against every request before either loads (`evaluate`; `reference_entry` for --reference)
   1. run every request through the engine (A), its DiT wrapped in a StepRecorder that keeps a copy of the latents
      entering each evaluation; keep the final latents, the decoded frames and the waveform; free it
   2. the same through the reference (B: another bundle, a checkpoint folder, or "tiny")
@@ -15,10 +16,13 @@ from __future__ import annotations
 import gc
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .engines.manifest import MANIFEST
+from .errors import UserError
 from .models.packing import unpatchify
 from .runtime.entry import Entry
 from .runtime.loading import load_bundle, load_checkpoint
@@ -139,18 +143,39 @@ def compare(a: Trace, b: Trace) -> dict:
             "audio_lsd_db": log_spectral_distance(a.waveform, b.waveform)}
 
 
+def reference_entry(reference: str, device: str) -> Entry:
+    """`eval --reference`, resolved before anything runs: 'tiny' (the embedded model, eager), a bundle (a folder with
+    a manifest, which is read and checked here), or a checkpoint (its layout is checked against the requests' task
+    by `evaluate`, before either side loads)."""
+    if reference == "tiny":
+        return Entry.resolve(device=device)
+    path = Path(reference)
+    if not path.exists():
+        raise UserError(f"--reference {reference} does not exist; pass an engine bundle (h3trt build), a MiniMax-H3 "
+                        "checkpoint folder, or 'tiny'.")
+    if (path / MANIFEST).exists():
+        return Entry.resolve(engine=path, device=device)
+    return Entry.resolve(model=path, device=device)
+
+
 def evaluate(engine: Entry, reference: Entry, reqs: list[Request], log=print) -> dict:
     """`reqs` (h3trt/runtime/requests.py: read_eval_requests) through the engine bundle and the reference, on the
-    engine's device, one side in memory at a time."""
+    engine's device, one side in memory at a time. Both sides are checked against every request first (a missing or
+    wrong checkpoint, a bundle not built for a request's task, canvas or schedule), so neither fails after the other
+    ran."""
     if engine.manifest is None:
-        raise ValueError(f"--engine {engine.root} must be a bundle (h3trt build); the reference may be any model.")
+        raise UserError(f"--engine {engine.root} must be a bundle (h3trt build); the reference may be any model.")
     manifest = engine.manifest
     tasks = {r.task == "ref2va" for r in reqs}
     if len(tasks) > 1:
-        raise ValueError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
-                         "them in separate runs.")
+        raise UserError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
+                        "them in separate runs.")
     task = reqs[0].task
     prepared = [prepare(r) for r in reqs]  # the default canvas: each request's is given or the engine's profile's
+    for source in (engine, reference):
+        source.component_root(task)  # a checkpoint without the task's transformer fails here (CheckpointError)
+        for p in prepared:
+            source.admit(p)
     traces = {}
     for side, source in (("engine", engine), ("reference", reference)):
         pipeline = load_recording(source, task)

@@ -1,16 +1,21 @@
 """`h3trt eval` without a bundle build: the latents it records per step (a synthetic DiT whose trajectory is known),
-and the DiT runners passed in when a pipeline or an engine is built rather than swapped in afterwards."""
+the checks it makes on both sides before either runs, and the DiT runners passed in when a pipeline or an engine is
+built rather than swapped in afterwards."""
 
 from __future__ import annotations
 
 import ast
+import json
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
-from h3trt.eval import StepRecorder, compare, trace
+import h3trt.eval as eval_module
+from h3trt.cli import main
+from h3trt.errors import UserError
+from h3trt.eval import StepRecorder, compare, reference_entry, trace
 from h3trt.models.sampler import euler_step, initial_latents
 from h3trt.runtime.loading import load_checkpoint
 from h3trt.runtime.pipeline import H3Pipeline
@@ -89,6 +94,60 @@ def test_per_step_error_grows_from_step_to_step(parts, unit_trace):
 def test_trace_refuses_a_pipeline_without_a_recorder(parts):
     with pytest.raises(TypeError, match="StepRecorder"):
         trace(H3Pipeline.from_components(parts, "cpu"), prepare(REQUEST))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The reference, checked before either side runs
+
+
+def _bundle(root: Path, **changes) -> Path:
+    """A folder with a valid manifest (a tiny fp32 CPU bundle's, 6 steps): enough for everything eval checks first."""
+    root.mkdir(parents=True)
+    (root / "manifest.json").write_text(json.dumps(_manifest_dict(**{"schedule.steps": 6, **changes})))
+    return root
+
+
+@pytest.fixture
+def eval_inputs(tmp_path, monkeypatch, no_model_load):
+    """An engine bundle and a requests file; any load of either side fails the test."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a side was loaded before the reference was checked")
+
+    monkeypatch.setattr(eval_module, "load_recording", refuse, raising=False)
+    requests = tmp_path / "requests.jsonl"
+    requests.write_text('{"prompt": "a red fox runs through fresh snow", "seed": 3}\n')
+    return _bundle(tmp_path / "engine"), requests
+
+
+@pytest.mark.parametrize("kind, message", [
+    ("missing", "does not exist"),
+    ("not_a_checkpoint", "is not a MiniMax-H3 checkpoint"),
+    ("corrupt_bundle", "manifest.json is corrupted"),
+    ("bundle_for_another_canvas", "was not built for 160x96"),
+    ("checkpoint_without_the_task", "serves ['ref2va'], not 't2va'"),
+])
+def test_a_bad_reference_is_refused_before_anything_runs(tmp_path, tiny_root, eval_inputs, capsys, kind, message):
+    engine, requests = eval_inputs
+    reference = tiny_root / "Ref2VA" if kind == "checkpoint_without_the_task" else tmp_path / "reference"
+    if kind == "not_a_checkpoint":
+        reference.mkdir()
+    if kind == "corrupt_bundle":
+        reference.mkdir()
+        (reference / "manifest.json").write_text("{")
+    if kind == "bundle_for_another_canvas":
+        _bundle(reference, profiles=[{"width": 192, "height": 96, "seconds": 5.0, "num_frames": 124}])
+    code = main(["eval", "--engine", str(engine), "--reference", str(reference), "--requests", str(requests),
+                 "--device", "cpu"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and len(err) == 1 and message in err[0], err
+
+
+def test_reference_entry_names_the_flag_and_what_it_takes(tmp_path):
+    with pytest.raises(UserError, match=r"--reference .*missing does not exist; pass an engine bundle \(h3trt "
+                                        r"build\), a MiniMax-H3 checkpoint folder, or 'tiny'"):
+        reference_entry(str(tmp_path / "missing"), "cpu")
+    assert reference_entry(str(_bundle(tmp_path / "b")), "cpu").is_bundle
+    assert reference_entry("tiny", "cpu").source == "tiny"
 
 
 # ----------------------------------------------------------------------------------------------------------------------
