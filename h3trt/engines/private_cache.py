@@ -19,6 +19,7 @@ import re
 import shutil
 import signal
 import socket
+import stat
 import tempfile
 import threading
 from pathlib import Path
@@ -80,21 +81,17 @@ def remove_leftover_caches(folder: Path | None = None) -> list[Path]:
     are left alone."""
     folder = Path(tempfile.gettempdir()) if folder is None else folder
     removed = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _NAME.match(entry.name)
-        if m is None or m["host"] != HOST:
-            continue
+    for path in folder.glob(f"{PREFIX}{HOST}-*"):  # none when the folder is missing or unreadable
+        m = _NAME.match(path.name)
         try:
-            mine = entry.is_dir(follow_symlinks=False) and entry.stat(follow_symlinks=False).st_uid == os.geteuid()
-        except OSError:
+            info = path.lstat()
+        except OSError:  # removed meanwhile (another load's sweep)
             continue
-        if mine and owner_gone(int(m["pid"]), int(m["start"])):
-            shutil.rmtree(entry.path, ignore_errors=True)
-            removed.append(Path(entry.path))
+        if m is None or not stat.S_ISDIR(info.st_mode) or info.st_uid != os.geteuid():
+            continue
+        if owner_gone(int(m["pid"]), int(m["start"])):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
     return removed
 
 
