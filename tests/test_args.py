@@ -44,8 +44,8 @@ def h3trt(monkeypatch, capsys):
     (["eval", "--engine", "b"], "the following arguments are required: --reference, --requests; see `h3trt eval "
                                 "--help`."),
     (["run", "--cache", "teacache"], "argument --cache: invalid choice: 'teacache' (choose from 'first-block', 'mag')"),
-    (["serve"], "argument command: invalid choice: 'serve' (choose from 'run', 'build', 'eval', 'inspect', 'verify', "
-                "'keygen')"),
+    (["frob"], "argument command: invalid choice: 'frob' (choose from " + ", ".join(
+        repr(c) for c in cli.COMMANDS) + ")"),
     (["run", "--prompt", "a fox", "--frobnicate"], "unrecognized arguments: --frobnicate; see `h3trt --help`."),
 ])
 def test_a_usage_mistake_is_one_line_and_exit_2(h3trt, no_model_load, argv, line):
