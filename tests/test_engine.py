@@ -9,8 +9,11 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -112,6 +115,40 @@ def test_an_error_right_after_the_load_exits_with_its_code(bundles):
             f"H3Pipeline.load_engine({str(bundles['inductor'])!r}, 'cpu')\nsys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3 and "terminate called" not in proc.stderr, proc.stderr[-2000:]
+
+
+@pytest.mark.multiproc
+def test_a_killed_engine_run_leaves_no_copy_of_the_compiled_code(bundles, tmp_path, tiny_cache):
+    """`h3trt run --engine` copies the bundle's compiled code to $TMPDIR/h3trt-engine-cache-*. Sent SIGTERM (which
+    the CLI takes as Ctrl-C: exit 130), the run removes its copy; sent SIGKILL, the copy stays (nothing runs), and the
+    next run from a bundle removes it. (tests/test_engine_cache.py: the same without a bundle or the CLI's handler,
+    and the sweep's cases.)"""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+
+    def run(name):
+        return subprocess.Popen([sys.executable, "-m", "h3trt.cli", "run", "--engine", str(bundles["inductor"]),
+                                 "--prompt", "a fox", "--output", str(tmp_path / f"{name}.mp4"), "--quiet"], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+    def copies():
+        return sorted(tmp.glob("h3trt-engine-cache-*"))
+
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        proc = run(sig.name)
+        deadline = time.monotonic() + 300
+        while not copies():  # the moment the copy exists: it may be half-made, the hardest case
+            assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+            time.sleep(0.01)
+        proc.send_signal(sig)
+        proc.communicate(timeout=300)
+        assert proc.returncode == (130 if sig == signal.SIGTERM else -sig)
+        left = copies()
+        assert (left == []) if sig == signal.SIGTERM else (len(left) == 1 and f"-{proc.pid}-" in left[0].name)
+    later = run("later")
+    _, err = later.communicate(timeout=600)
+    assert later.returncode == 0 and copies() == [], err[-2000:]
 
 
 def test_a_request_the_bundle_cannot_serve_is_refused_before_the_load(bundles, tmp_path, monkeypatch, capsys):
@@ -397,7 +434,9 @@ def test_trust_refuses_any_change_before_code_loads(bundle_copy, signing_keys, m
         raise AssertionError("the bundle's code was loaded")
 
     monkeypatch.setattr(bundle_module, "load_segments", no_code)
-    assert main(["verify", str(bundle_copy), "--trust", pub]) in (1, 2)
+    # 1: the signed manifest holds, a file does not match it; 2: the manifest itself cannot be trusted (README)
+    status = {"file": 1, "extra_file": 1, "file_and_hash": 2, "other_key": 2, "unsigned": 2}[tamper]
+    assert main(["verify", str(bundle_copy), "--trust", pub]) == status
     assert message in capsys.readouterr().err
     load_message = {"file_and_hash": "after it was signed",  # a load hashes while reading: it names the chunk
                     "file": re.escape(rel) + r" changed: bytes .* do not match the manifest's sha256"}

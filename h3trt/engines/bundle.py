@@ -108,10 +108,14 @@ class Engine:
     which continues in the background after `load` returns."""
 
     def __init__(self, root: Path, manifest: Manifest, dit: EngineDiT, segments: dict[str, LoadedSegment],
-                 load_report: dict | None = None, verification: "BundleVerification | None" = None):
+                 load_report: dict | None = None, verification: "BundleVerification | None" = None,
+                 compiled_video_decoder: bool = True):
+        """`compiled_video_decoder` False: the bundle has none (a TensorRT bundle's plans cover the DiT only), and
+        `video_decoders` answers None, which VideoVAE takes as "decode eagerly"."""
         self.root, self.manifest, self.dit, self.segments = Path(root), manifest, dit, segments
         self.load_report = load_report or {}
         self.verification = verification
+        self.compiled_video_decoder = compiled_video_decoder
 
     def component_ready(self, component: str) -> None:
         """Block until every file under `component`/ matched the manifest; raise BundleError if one did not."""
@@ -119,9 +123,11 @@ class Engine:
             self.verification.wait_prefix(component.rstrip("/") + "/")
 
 
-    def video_decoders(self, vae) -> dict[tuple[int, int, int], TileDecoder]:
+    def video_decoders(self, vae) -> dict[tuple[int, int, int], TileDecoder] | None:
         """The compiled tile decoders, by (window latents, tile h, tile w), bound to `vae`'s tensors (the VAE loaded
-        at the bundle's --vae-precision: its weights are the compiled segments' inputs)."""
+        at the bundle's --vae-precision: its weights are the compiled segments' inputs); None without any."""
+        if not self.compiled_video_decoder:
+            return None
         parts: dict[tuple[int, int, int], dict[str, str]] = {}
         for name in self.manifest.segments:
             parsed = parse_video_decoder_name(name)
