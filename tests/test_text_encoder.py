@@ -32,8 +32,8 @@ from h3trt.models.text_encoder import (
     ImageRef,
     MissingComponentError,
     VideoRef,
-    write_tiny_text_encoder,
 )
+from h3trt.models.tiny_text_encoder import write_tiny_text_encoder
 
 PROMPT = "A red fox runs through the snowy forest, the camera follows it."
 needs_torchvision = pytest.mark.skipif(
