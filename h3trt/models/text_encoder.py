@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 from ..errors import UserError
+from .qwen_video import VideoProcessing, preprocess_videos
 
 TEXT_ENCODER_LAYER = 50  # MiniMax-H3 conditions on hidden_states[50] of Qwen3-VL-32B (64 layers).
 TEXT_TAG = 1  # Per-row modality tags index the transformer's AdaLN table: a checkpoint contract.
@@ -179,7 +180,7 @@ class H3TextEncoder:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self._processor_dir = processor_dir
-        self._video_processor = None  # Loaded on first use: it needs torchvision, which images and text do not.
+        self._video_processing: VideoProcessing | None = None  # read at the first video reference
         self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         self.video_pad_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
         if (self.image_pad_id, self.video_pad_id) != (model.config.image_token_id, model.config.video_token_id):
@@ -225,19 +226,12 @@ class H3TextEncoder:
         return self.model.language_model.embed_tokens.weight.device
 
     @property
-    def video_processor(self):
-        """Qwen3-VL's video processor, which transformers implements on torchvision only."""
-        if self._video_processor is None:
-            from transformers import AutoVideoProcessor
-            from transformers.utils import is_torchvision_available
-
-            if not is_torchvision_available():
-                raise ImportError(
-                    "Video references go through Qwen3-VL's video processor, which transformers implements with "
-                    "torchvision; install a torchvision matching your torch (pip install torchvision)."
-                )
-            self._video_processor = AutoVideoProcessor.from_pretrained(self._processor_dir, local_files_only=True)
-        return self._video_processor
+    def video_processing(self) -> VideoProcessing:
+        """The checkpoint's Qwen3-VL video processor settings (qwen_video.py runs them without torchvision). Read at
+        the first video reference, so a checkpoint's video settings never stand in the way of other requests."""
+        if self._video_processing is None:
+            self._video_processing = VideoProcessing.from_pretrained(self._processor_dir)
+        return self._video_processing
 
     def encode_t2va(self, prompt: str) -> TextConditioning:
         """The prompt verbatim: no chat template, no special tokens. Returns embeds [1, L, hidden], tags [L]."""
@@ -324,13 +318,12 @@ class H3TextEncoder:
                     f"VideoRef.fps is {video.fps:g}, but the text encoder reads references normalised onto "
                     f"MiniMax-H3's {MINIMAX_H3_FPS:g} fps clock; resample the frames to {MINIMAX_H3_FPS:g} fps first."
                 )
-        processor = self.video_processor
-        temporal_patch = processor.temporal_patch_size
+        settings = self.video_processing
+        temporal_patch = settings.temporal_patch_size
         sampled = [sample_video_frames(v.frames, MINIMAX_H3_FPS, VIDEO_SAMPLE_FPS, temporal_patch) for v in videos]
-        features = processor(videos=[np.stack(frames) for frames, _ in sampled], do_sample_frames=False,
-                             return_tensors="pt")
+        features = preprocess_videos([np.stack(frames) for frames, _ in sampled], settings)
         inputs.update(pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"])
-        merge = processor.merge_size**2
+        merge = settings.merge_size**2
         counts = [int(grid[1]) * int(grid[2]) // merge for grid in features["video_grid_thw"]]
         timestamps = [blocks for _, blocks in sampled]
         for blocks, grid in zip(timestamps, features["video_grid_thw"]):
