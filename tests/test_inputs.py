@@ -2,6 +2,7 @@
 oversized images, outputs that are folders or under files, prompts over the token budget, durations."""
 
 import json
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -118,3 +119,19 @@ def test_an_out_dir_that_is_a_file_is_refused(tmp_path, tiny_root, no_model_load
     _one_line_refusal(capsys, ["run", "--requests", str(path), "--out-dir", "out", "--quiet"],
                       "--out-dir out is a file", tmp_path)
     assert (tmp_path / "out").read_text() == "a file"
+
+
+@pytest.mark.parametrize("damaged", ["text_encoder/model.safetensors", "tokenizer/tokenizer.json",
+                                     "processor/video_preprocessor_config.json"])
+def test_a_truncated_text_encoder_file_is_one_line_naming_it(tmp_path, tiny_root, capsys, monkeypatch, damaged):
+    """A `--model` folder whose conditioner file was cut short (an interrupted copy): one line naming the file and
+    the fix, not transformers' traceback."""
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_root, model)
+    path = model / "FL2VA" / damaged
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    err = _one_line_refusal(capsys, ["run", "--prompt", "x", "--output", "out.mp4", "--quiet", "--model", str(model)],
+                            f"{path} is not ", tmp_path)
+    assert "download or copy it again" in err

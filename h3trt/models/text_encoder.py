@@ -28,6 +28,7 @@ import torch
 from PIL import Image
 
 from ..errors import UserError
+from .checkpoint import check_component_files
 from .qwen_video import VideoProcessing, preprocess_videos
 
 TEXT_ENCODER_LAYER = 50  # MiniMax-H3 conditions on hidden_states[50] of Qwen3-VL-32B (64 layers).
@@ -172,6 +173,14 @@ def _require_dir(root: Path, name: str) -> Path:
     return path
 
 
+def check_text_encoder_files(component_root: Path) -> None:
+    """The conditioner's three folders exist and every file a loader reads reads back whole (headers and JSON only:
+    checkpoint.check_component_files), so a truncated file is one line naming it; cheap enough to run before any
+    model loads."""
+    for name in (TEXT_ENCODER_DIR, TOKENIZER_DIR, PROCESSOR_DIR):
+        check_component_files(_require_dir(Path(component_root), name), weights=name == TEXT_ENCODER_DIR)
+
+
 class H3TextEncoder:
     """Qwen3-VL truncated to 50 decoder layers without its final norm, plus MiniMax-H3's per-task presentations."""
 
@@ -198,9 +207,9 @@ class H3TextEncoder:
         from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLConfig  # heavy: see _first_layers_model
 
         root = Path(component_root)
-        encoder_dir, tokenizer_dir, processor_dir = (
-            _require_dir(root, name) for name in (TEXT_ENCODER_DIR, TOKENIZER_DIR, PROCESSOR_DIR)
-        )
+        check_text_encoder_files(root)
+        encoder_dir, tokenizer_dir, processor_dir = (root / name for name in (TEXT_ENCODER_DIR, TOKENIZER_DIR,
+                                                                             PROCESSOR_DIR))
         config = Qwen3VLConfig.from_pretrained(encoder_dir, local_files_only=True)
         num_layers = config.text_config.num_hidden_layers
         if num_layers <= TEXT_ENCODER_LAYER:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..models.checkpoint import check_component_files
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK,
     LATENTS_PER_CHUNK, Geometry, PackedLayout, frames_for_duration, resolve_canvas, validate_canvas,
@@ -197,7 +198,9 @@ def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) ->
     # text encoder's thread while the DiT weights stream in (runtime/loading.py).
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(component_root) / TOKENIZER_DIR, local_files_only=True)
+    tokenizer_dir = Path(component_root) / TOKENIZER_DIR
+    check_component_files(tokenizer_dir, weights=False)  # a truncated tokenizer.json: one line, not a traceback
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     over = []
     for where, p in long:
         n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
