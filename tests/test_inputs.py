@@ -2,6 +2,7 @@
 oversized images, outputs that are folders or under files, prompts over the token budget, durations."""
 
 import json
+import os
 import shutil
 import struct
 import zlib
@@ -135,3 +136,27 @@ def test_a_truncated_text_encoder_file_is_one_line_naming_it(tmp_path, tiny_root
     err = _one_line_refusal(capsys, ["run", "--prompt", "x", "--output", "out.mp4", "--quiet", "--model", str(model)],
                             f"{path} is not ", tmp_path)
     assert "download or copy it again" in err
+
+
+@pytest.mark.parametrize("source", ["bom", "pipe"])
+def test_a_requests_file_with_a_bom_or_from_a_pipe_is_read(tmp_path, tiny_root, no_model_load, capsys, monkeypatch,
+                                                           source):
+    """`--requests` from a file saved with a UTF-8 byte-order mark, or from a pipe (`--requests <(...)`: /dev/fd/N,
+    not a regular file), reaches the next check (here: an --out-dir that is a file), the whole file parsed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").write_text("a file")
+    content = json.dumps({"id": "a", "task": "t2va", "prompt": "x"}).encode() + b"\n"
+    if source == "bom":
+        (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + content)
+        requests = "b.jsonl"
+    else:
+        read_fd, write_fd = os.pipe()
+        os.write(write_fd, content)
+        os.close(write_fd)
+        requests = f"/dev/fd/{read_fd}"
+    try:
+        _one_line_refusal(capsys, ["run", "--requests", requests, "--out-dir", "out", "--quiet"],
+                          "--out-dir out is a file", tmp_path)
+    finally:
+        if source == "pipe":
+            os.close(read_fd)
