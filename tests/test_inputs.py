@@ -1,5 +1,6 @@
 """Every bad input is one line, exit status 2, before any model loads, and leaves no file: seeds, non-UTF-8 text,
-oversized images, outputs that are folders or under files, prompts over the token budget, durations."""
+oversized images, outputs that are folders or under files, prompts over the token budget, durations, non-finite
+guidance and shifts."""
 
 import json
 import os
@@ -45,6 +46,13 @@ def _one_line_refusal(capsys, argv, message, cwd: Path):
     (["--ref", "big.png"], "over h3trt's input limit"),
     (["--prompt", "fox " * (MAX_PROMPT_TOKENS + 1)], f"at most {MAX_PROMPT_TOKENS} tokens"),
     (["--duration", "15"], "takes 5 to 14.375 s"),
+    (["--duration", "4.9"], "Unsupported duration 4.9 s: MiniMax-H3 takes 5 to 14.375 s"),
+    (["--guidance", "nan"], "--guidance must be a finite number >= 1"),
+    (["--guidance", "nan", "--negative-prompt", "blurry"], "--guidance must be a finite number >= 1"),
+    (["--guidance", "inf", "--negative-prompt", "blurry"], "--guidance must be a finite number >= 1"),
+    (["--video-shift", "nan"], "--video-shift must be a positive finite number (the checkpoint's is 12), got nan"),
+    (["--audio-shift", "inf"], "--audio-shift must be a positive finite number (the checkpoint's is 3), got inf"),
+    (["--video-shift", "0"], "--video-shift must be a positive finite number"),
     (["--width", "-32", "--height", "96"], "(for example 32x96)"),
 ])
 def test_bad_request_is_one_line_before_any_load(tmp_path, tiny_root, no_model_load, capsys, monkeypatch, extra, message):
