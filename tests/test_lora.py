@@ -172,6 +172,19 @@ def check_close(a, b, base):
         assert (want - before).abs().max().item() > 100 * REL_TOL * scale, "the LoRA changed nothing"
 
 
+def merged_like_diffusers(path, weights, scale=0.8) -> list[dict]:
+    """Merge the LoRA file at `scale` into the FL2VA weights and load it into diffusers' model as a peft adapter
+    at that strength; the two forwards must agree. Returns h3trt's LoRA records."""
+    base, _ = h3trt_model(weights["FL2VA"], [])
+    ours, records = h3trt_model(weights["FL2VA"], [LoraSpec(path, scale)])
+    ref = diffusers_model(weights["FL2VA"])
+    ReferencePipe(ref).load_lora_weights(str(path), adapter_name="x")
+    ref.set_adapters(["x"], [scale])
+    a, b = forward_both(ours, ref)
+    check_close(a, b, forward_both(base, ref)[0])
+    return records
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_merged_model_matches_diffusers_with_the_lora_loaded(name, weights, tmp_path):
     build, meta = FORMATS[name]
@@ -179,13 +192,7 @@ def test_merged_model_matches_diffusers_with_the_lora_loaded(name, weights, tmp_
     if meta == "adapter":
         meta = adapter_metadata(tensors)
     path = write(tmp_path / f"{name}.safetensors", tensors, meta)
-    base, _ = h3trt_model(weights["FL2VA"], [])
-    ours, records = h3trt_model(weights["FL2VA"], [LoraSpec(path, 0.8)])
-    ref = diffusers_model(weights["FL2VA"])
-    ReferencePipe(ref).load_lora_weights(str(path), adapter_name="x")
-    ref.set_adapters(["x"], [0.8])
-    a, b = forward_both(ours, ref)
-    check_close(a, b, forward_both(base, ref)[0])
+    records = merged_like_diffusers(path, weights)
     assert records[0]["scale"] == 0.8 and len(records[0]["sha256"]) == 64 and records[0]["partition"] == "FL2VA"
 
 
@@ -194,13 +201,7 @@ def test_a_metadata_alpha_that_is_not_a_number_is_ignored_as_diffusers_ignores_i
     records the rule it used (the record reaches the manifest and each clip's JSON)."""
     path = write(tmp_path / "odd_alpha.safetensors", fmt_original(original_factors(6), "diffusion_model."),
                  {"alpha": "sixteen"})
-    base, _ = h3trt_model(weights["FL2VA"], [])
-    ours, records = h3trt_model(weights["FL2VA"], [LoraSpec(path, 0.8)])
-    ref = diffusers_model(weights["FL2VA"])
-    ReferencePipe(ref).load_lora_weights(str(path), adapter_name="x")
-    ref.set_adapters(["x"], [0.8])
-    a, b = forward_both(ours, ref)
-    check_close(a, b, forward_both(base, ref)[0])
+    records = merged_like_diffusers(path, weights)
     assert "'sixteen' is not a number" in records[0]["alpha"] and "alpha == rank" in records[0]["alpha"]
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("h3trt: warning: --lora") and "'sixteen'" in err[0]
