@@ -133,10 +133,11 @@ def test_a_pipe_is_read_once_and_its_paths_are_relative_to_the_current_folder(tm
 
     fifo = tmp_path / "requests.fifo"  # a named pipe: read once too
     os.mkfifo(fifo)
-    writer = threading.Thread(target=fifo.write_bytes, args=(b'{"prompt": "a fox"}\n',))
+    # The writer blocks until a reader opens the pipe: a daemon, so a reader that never opens it cannot hang pytest.
+    writer = threading.Thread(target=fifo.write_bytes, args=(b'{"prompt": "a fox"}\n',), daemon=True)
     writer.start()
     assert [r.request.prompt for r in read_request_file(fifo, EVAL_REQUIRED)] == ["a fox"]
-    writer.join()
+    writer.join(timeout=10)
 
 
 def test_a_folder_or_missing_file_is_named(tmp_path):
