@@ -77,9 +77,8 @@ class LoraError(UserError):
 
 
 class LoraScaleError(LoraError, argparse.ArgumentTypeError):
-    """A `--lora FILE:SCALE` whose scale is not a finite number. Also an ArgumentTypeError: `LoraSpec.parse` is the
-    CLI's argparse type for --lora, and argparse shows only that class's own message (any ValueError becomes
-    "invalid parse value")."""
+    """A scale that is not finite. An ArgumentTypeError too: `LoraSpec.parse` is argparse's type for --lora, and
+    argparse shows only that class's message (a ValueError becomes "invalid parse value")."""
 
 
 @dataclass(frozen=True)
@@ -94,13 +93,11 @@ class LoraSpec:
         """FILE or FILE:SCALE; a path that itself contains ':' keeps it unless the last part parses as a float (then
         it is the scale, and must be finite: `f.safetensors:nan` is refused, not read as a file of that name)."""
         head, sep, tail = str(text).rpartition(":")
-        if not sep:
-            return cls(Path(text))
         try:
-            scale = float(tail)
+            scale = float(tail) if sep else None
         except ValueError:
-            return cls(Path(text))
-        return cls(Path(head), scale)
+            scale = None
+        return cls(Path(text)) if scale is None else cls(Path(head), scale)
 
     def __post_init__(self):
         if not math.isfinite(self.scale):
@@ -236,9 +233,8 @@ def read_lora(path: str | Path, head_dim: int = 128) -> LoraFile:
 
 
 def _metadata_alpha(text: str, path: Path) -> tuple[float | None, str | None]:
-    """(network alpha, None), or (None, the entry) for an entry that is not a number: diffusers' loader warns and
-    loads such a file with alpha == rank, and so does h3trt (the warning on stderr, the rule in the LoRA's record).
-    A NaN or infinite alpha parses as a float, and diffusers would scale every module by it; h3trt refuses it."""
+    """(network alpha, None), or (None, the entry) for one that is not a number, which diffusers warns about and
+    ignores (alpha == rank). NaN or inf parses as a float, which diffusers would scale by; h3trt refuses it."""
     try:
         alpha = float(text)
     except ValueError:
