@@ -1,0 +1,92 @@
+"""`h3trt build` as someone trying to break it, with real processes: Ctrl-C while --overwrite replaces the old bundle,
+two builds of one output, a killed build's leftovers, a disk without room (before the build, and filling during it),
+a user's mistake, a read-only key folder. Each case: the exit status it promises, one line when it fails, and either
+the old complete bundle or the new complete bundle in place, nothing else. Also: what a build prints while it compiles
+and checks, and a manifest that reads back exactly as the builder wrote it."""
+
+import contextlib
+import glob
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from h3trt.cli import main
+from h3trt.engines.manifest import MANIFEST, content_sha256, hash_tree, read_manifest, verify_files
+
+from helpers import small_filesystem
+
+ROOT = Path(__file__).resolve().parents[1]
+BUILD = ["--model", "tiny", "--device", "cpu", "--steps", "6"]  # the tiny default, a short schedule: ~1 min
+PAD_FILES = 20_000  # an old bundle this many files larger takes a moment to delete: long enough to interrupt
+
+
+def _start(args, cwd: Path) -> subprocess.Popen:
+    """`h3trt build ...` in its own process group, as a terminal starts it (Ctrl-C reaches the whole group)."""
+    return subprocess.Popen([sys.executable, "-m", "h3trt.cli", "build", *BUILD, *args], cwd=cwd,
+                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+
+
+def _wait_for(pattern: str, proc: subprocess.Popen, timeout: float = 300) -> list[str]:
+    deadline = time.monotonic() + timeout
+    while not (found := glob.glob(pattern, include_hidden=True)):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"{pattern} never appeared"
+        time.sleep(0.01)
+    return found
+
+
+def _error_line(stderr: str) -> str:
+    """The one error line h3trt printed (after any `h3trt build:` progress lines), and no traceback."""
+    assert "Traceback" not in stderr, stderr
+    errors = [line for line in stderr.strip().splitlines() if line.startswith("h3trt: ")]
+    assert len(errors) == 1 and stderr.strip().splitlines()[-1] == errors[0], stderr
+    return errors[0]
+
+
+def _intact(out: Path) -> str:
+    """The manifest_sha256 of the complete bundle at `out` (every file listed, present and matching)."""
+    manifest = read_manifest(out)
+    assert verify_files(out, manifest) == []
+    return manifest.manifest_sha256
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory, tiny_root):
+    """A tiny bundle and its build's stderr, built once by `h3trt build` in its own process."""
+    out = tmp_path_factory.mktemp("built") / "bundle"
+    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", *BUILD, "--output", str(out)],
+                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc.stderr
+
+
+def _old_bundle(built: Path, out: Path, pad_files: int = 0) -> str:
+    """A complete bundle at `out`: a copy of `built`, with `pad_files` more (empty) files listed in its manifest.
+    Returns its manifest_sha256."""
+    shutil.copytree(built, out)
+    if pad_files:
+        (out / "pad").mkdir()
+        for i in range(pad_files):
+            (out / "pad" / str(i)).touch()
+        data = json.loads((out / MANIFEST).read_text())
+        data["files"] = hash_tree(out)
+        data["manifest_sha256"] = content_sha256(data)
+        (out / MANIFEST).write_text(json.dumps(data))
+    return _intact(out)
+
+
+def test_keygen_into_a_read_only_folder_is_one_line(tmp_path, capsys):
+    with small_filesystem(tmp_path / "keys", "1m", read_only=True) as keys:
+        assert main(["keygen", str(keys / "k")]) == 2
+        line = _error_line(capsys.readouterr().err)
+        assert f"cannot write the key {keys / 'k'}: the folder {keys} is not writable" in line, line
+        assert os.listdir(keys) == []
