@@ -84,6 +84,14 @@ def _old_bundle(built: Path, out: Path, pad_files: int = 0) -> str:
     return _intact(out)
 
 
+def test_a_kernel_this_device_cannot_run_is_one_line(tmp_path, tiny_root, capsys):
+    """A user's mistake (a GPU kernel on the CPU): one line naming the fix, exit 2, nothing written."""
+    assert main(["build", *BUILD, "--output", str(tmp_path / "b"), "--attention", "fa3"]) == 2
+    line = _error_line(capsys.readouterr().err)
+    assert line.startswith("h3trt: error: --attention fa3: the fa3 bf16 attention kernel needs a CUDA GPU"), line
+    assert os.listdir(tmp_path) == []
+
+
 def test_keygen_into_a_read_only_folder_is_one_line(tmp_path, capsys):
     with small_filesystem(tmp_path / "keys", "1m", read_only=True) as keys:
         assert main(["keygen", str(keys / "k")]) == 2

@@ -27,6 +27,7 @@ from h3trt.engines.guard import CompilerInvoked, no_compile
 from h3trt.engines.manifest import BundleError, bundle_identity, content_sha256, read_manifest, sha256_file
 from h3trt.engines.weights_io import chunk_digests
 from h3trt.engines.signing import load_private_key, sign_bundle
+from h3trt.errors import UserError
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
@@ -309,7 +310,7 @@ def test_build_refuses_bad_options(tiny_root, tmp_path):
         BuildConfig(tiny_root, tmp_path / "b", attention="flash")
     with pytest.raises(ValueError, match="Drop --attention with --backend tensorrt"):
         BuildConfig(tiny_root, tmp_path / "b", backend="tensorrt", attention="fa3")
-    with pytest.raises(RuntimeError, match="--attention fa3: the fa3 bf16 attention kernel needs a CUDA GPU"):
+    with pytest.raises(UserError, match="--attention fa3: the fa3 bf16 attention kernel needs a CUDA GPU"):
         build(BuildConfig(tiny_root, tmp_path / "b", device="cpu", attention="fa3"))
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
     with pytest.raises(ValueError, match="WIDTHxHEIGHTxSECONDS"):
@@ -322,7 +323,7 @@ def test_a_process_serving_a_bundle_refuses_to_build(bundles, tiny_root, tmp_pat
     """After a bundle's compiled-code cache is active, a build in the same process would miss kernels (measured);
     it is refused with the way out."""
     Engine.load(bundles["inductor"], "cpu")
-    with pytest.raises(BuildError, match=r"already serves from the bundle .* Build in a fresh process"):
+    with pytest.raises(UserError, match=r"already serves from the bundle .* Build in a fresh process"):
         build(BuildConfig(tiny_root, tmp_path / "b", precision="fp32", profiles=(TINY_PROFILE,), device="cpu"))
     assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
 

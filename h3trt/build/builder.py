@@ -31,6 +31,7 @@ from safetensors.torch import save_file
 
 from ..calibration.build import block_weight_sets, calibrate_dit, first_layer
 from ..calibration.recipe import QuantRecipe
+from ..errors import UserError
 from ..engines.loaders import bundle_activated
 from ..engines.manifest import Manifest, device_arch, hash_threads, runtime_versions, sha256_file, write_manifest
 from ..engines.weights_io import write_safetensors
@@ -67,7 +68,8 @@ VIDEO_DECODER_INDUCTOR_OPTIONS: dict = {}
 
 
 class BuildError(RuntimeError):
-    pass
+    """The build failed, not its user: compiled code that does not load or match in a fresh process, or a check that
+    did not finish. The message gives the reason (the check's last lines). A user's mistake is a UserError."""
 
 
 def _weights(model: H3DiT, recipe: QuantRecipe | None = None) -> dict[str, dict[str, torch.Tensor]]:
@@ -187,7 +189,7 @@ def build(config: BuildConfig, log=print, sign=None) -> Manifest:
     if config.backend in ("inductor", "aoti") and bundle_activated():
         # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
-        raise BuildError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
+        raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                          "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
     fp8_kernel = attention[Precision.FP8].kernel if Precision.FP8 in attention else ""
     dense_kernel = next((c.kernel for p, c in attention.items() if p != Precision.FP8), "sdpa")
