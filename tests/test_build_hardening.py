@@ -98,3 +98,16 @@ def test_keygen_into_a_read_only_folder_is_one_line(tmp_path, capsys):
         line = _error_line(capsys.readouterr().err)
         assert f"cannot write the key {keys / 'k'}: the folder {keys} is not writable" in line, line
         assert os.listdir(keys) == []
+
+
+@pytest.mark.build
+def test_the_manifest_reads_back_as_the_builder_wrote_it(built, tmp_path):
+    """The builder serializes the typed Manifest the loader reads: every field it wrote is in the type, and what it
+    writes reads back equal."""
+    from h3trt.engines.manifest import write_manifest
+
+    manifest = read_manifest(built[0])
+    assert json.loads(json.dumps(manifest.to_dict())) == json.loads((built[0] / MANIFEST).read_text())
+    copy = tmp_path / "b"
+    shutil.copytree(built[0], copy)
+    assert read_manifest(copy) == write_manifest(copy, manifest) == manifest
