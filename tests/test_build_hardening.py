@@ -84,6 +84,111 @@ def _old_bundle(built: Path, out: Path, pad_files: int = 0) -> str:
     return _intact(out)
 
 
+@pytest.mark.build
+def test_ctrl_c_while_the_old_bundle_is_deleted_leaves_the_new_one(built, tmp_path):
+    """--overwrite: the new bundle is swapped in and the old one deleted with Ctrl-C held back; Ctrl-C while the old
+    one's files disappear exits 130 once the swap is over, naming the new bundle, which is complete."""
+    out = tmp_path / "b"
+    old = _old_bundle(built[0], out, PAD_FILES)
+    proc = _start(["--output", str(out), "--overwrite"], tmp_path)
+    _wait_for(str(tmp_path / "*partial" / MANIFEST), proc, timeout=900)  # finished and checked: the swap is next
+    deadline = time.monotonic() + 60
+    while True:  # Ctrl-C as soon as the old bundle's files start to disappear, wherever it is
+        counts = []
+        for entry in os.scandir(tmp_path):
+            with contextlib.suppress(OSError):
+                counts.append(sum(1 for _ in os.scandir(Path(entry.path) / "pad")))
+        if any(n < PAD_FILES for n in counts):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 130, stderr
+    assert _error_line(stderr) == f"h3trt: interrupted after writing {out}.", stderr
+    assert _intact(out) != old and not (out / "pad").exists()
+    assert os.listdir(tmp_path) == ["b"]
+
+
+@pytest.mark.build
+def test_two_builds_of_one_output_the_second_is_refused_naming_the_first(built, tmp_path):
+    """Two `h3trt build --overwrite` of one output 50 ms apart: one holds the output and the other is refused (one
+    line naming the holder, exit 2); Ctrl-C stops the holder, and the old bundle is whole and said to be."""
+    out = tmp_path / "b"
+    old = _old_bundle(built[0], out)
+    first = _start(["--output", str(out), "--overwrite"], tmp_path)
+    time.sleep(0.05)
+    second = _start(["--output", str(out), "--overwrite"], tmp_path)
+    deadline = time.monotonic() + 300
+    while first.poll() is None and second.poll() is None:
+        assert time.monotonic() < deadline, "neither build was refused"
+        time.sleep(0.01)
+    loser, holder = (first, second) if first.poll() is not None else (second, first)
+    _, stderr = loser.communicate()
+    assert loser.returncode == 2, stderr
+    line = _error_line(stderr)
+    assert f"{out} is being built by another h3trt build (pid {holder.pid} on " in line and "started" in line, line
+    os.killpg(holder.pid, signal.SIGINT)
+    _, stderr = holder.communicate(timeout=300)
+    assert holder.returncode == 130, stderr
+    assert f"h3trt build: interrupted: {out} is the previous bundle, unchanged" in stderr, stderr
+    assert _intact(out) == old
+    assert os.listdir(tmp_path) == ["b"]
+
+
+@pytest.mark.multiproc
+def test_a_killed_builds_leftovers_are_removed_by_the_next_build(tmp_path, tiny_root):
+    """SIGKILL leaves a build's temporary folder (nothing runs on SIGKILL): hidden, named for its host and pid. The
+    next build removes it before it loads anything."""
+    killed = _start(["--output", str(tmp_path / "b")], tmp_path)
+    (leftover,) = _wait_for(str(tmp_path / ".b.*-*-*.partial"), killed)
+    os.killpg(killed.pid, signal.SIGKILL)
+    killed.communicate()
+    assert os.path.isdir(leftover)
+    run = _start(["--output", str(tmp_path / "b")], tmp_path)
+    deadline = time.monotonic() + 300
+    while os.path.exists(leftover):
+        assert run.poll() is None and time.monotonic() < deadline, run.communicate()
+        time.sleep(0.01)
+    os.killpg(run.pid, signal.SIGINT)
+    _, stderr = run.communicate(timeout=300)
+    assert run.returncode == 130, stderr
+    assert _error_line(stderr) == "h3trt: interrupted; no output was written (temporary files removed).", stderr
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_disk_without_room_for_the_bundle_is_refused_before_any_load(tmp_path, tiny_root, monkeypatch, capsys):
+    import h3trt.build.builder as builder
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(builder, "load_dit", refuse)
+    with small_filesystem(tmp_path / "disk", "2m") as disk:
+        assert main(["build", *BUILD, "--output", str(disk / "b")]) == 2
+        line = _error_line(capsys.readouterr().err)
+        assert re.search(rf"--output {disk / 'b'}: {disk} has [\d.]+ MB free, and the bundle needs about [\d.]+ MB",
+                         line), line
+        assert os.listdir(disk) == []
+
+
+@pytest.mark.multiproc
+def test_a_disk_that_fills_during_the_build_is_one_line(tmp_path, tiny_root):
+    """The disk passes the check, then another process fills it while the build writes: one line, exit 1, nothing of
+    the build left."""
+    with small_filesystem(tmp_path / "disk", "64m") as disk:
+        run = _start(["--output", str(disk / "b")], tmp_path)
+        _wait_for(str(disk / "*partial"), run)
+        with contextlib.suppress(OSError), open(disk / "filler", "wb") as f:  # take every byte left
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        _, stderr = run.communicate(timeout=300)
+        assert run.returncode == 1, stderr
+        line = _error_line(stderr)
+        assert f"--output {disk / 'b'}: the disk filled up while building" in line and "No space left" in line, line
+        assert os.listdir(disk) == ["filler"]
+
+
 def test_a_kernel_this_device_cannot_run_is_one_line(tmp_path, tiny_root, capsys):
     """A user's mistake (a GPU kernel on the CPU): one line naming the fix, exit 2, nothing written."""
     assert main(["build", *BUILD, "--output", str(tmp_path / "b"), "--attention", "fa3"]) == 2

@@ -1,6 +1,7 @@
 """`h3trt build`: checkpoint -> engine bundle, one function per phase, each returning a typed record.
 
-  0. plan: every check that needs no model (plan.py)
+  0. plan: every check that needs no model (plan.py); then the output is claimed: locked, its leftovers removed, its
+     free space checked against the bundle's estimated size (output.py)
   1. load: the DiT of the task's partition, with the --lora files merged into it
   2. calibrate: fp8 / nvfp4 through ModelOpt on real trajectories of this model, blocks quantized in place
   3. bake: the segment weights (safetensors) and the AdaLN tables (or adaln_proj kept with --keep-adaln)
@@ -9,15 +10,14 @@
   5. copy the eager components (text encoder, tokenizer, processor, VAEs)
   6. check: every artifact loads in a fresh process, under the no-compile guard, and matches the eager segment
   7. write: the typed Manifest the loader reads, every file hashed into it (--sign adds manifest.sig); then the
-     finished bundle is renamed into place
-The bundle is assembled in `<output>.partial` and only renamed when complete: a failed build leaves nothing that
-looks like a bundle.
+     finished bundle is swapped into place
+The bundle is assembled in a temporary folder beside the output: a failed or interrupted build leaves the old bundle
+(or nothing), never a half-written one.
 """
 
 from __future__ import annotations
 
 import hashlib
-import os
 import shutil
 import tempfile
 import time
@@ -34,7 +34,6 @@ from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord
                                 device_arch, hash_threads, runtime_versions, sha256_file, write_manifest)
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
-from ..errors import UserError
 from ..models.checkpoint import TransformerSource, load_dit
 from ..models.dit import H3DiT
 from ..models.lora import merge_loras
@@ -44,6 +43,7 @@ from .backends import compile_segment
 from .check import check_in_fresh_process
 from .config import BuildConfig
 from .examples import example_inputs, profile_decoder_specs
+from .output import BundleOutput, check_output
 from .plan import EAGER_COMPONENTS, BuildPlan, plan_build
 from .segments import block_weight_names, dit_segments, embed_segment, final_weight_names
 from .tensorrt import build_tensorrt_segments
@@ -98,27 +98,19 @@ class Compiled:
 def build(config: BuildConfig, log=print, sign=None) -> Manifest:
     """Build the bundle `config` asks for at config.output; `sign(root)` writes manifest.sig (engines/signing.py)."""
     out = Path(config.output)
-    if out.exists() and not config.overwrite:
-        raise UserError(f"{out} already exists; pass --overwrite to replace it or choose another --output.")
+    check_output(out, config.overwrite)  # before anything slow; again under the output's lock
     plan = plan_build(config, log)
-    work = out.with_name(out.name + ".partial")
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    try:
+    with BundleOutput(out, config.overwrite, plan.size, log) as output:
         dit = load(config, plan, log)
         calibration = calibrate(config, plan, dit, log)
-        weights = bake(config, dit, calibration, work, log)
-        compiled = compile_segments(config, plan, dit, calibration, work, log)
-        copy_components(dit.source.component_root, work)
-        check_s = check(config, compiled, work)
-        manifest = write(work, bundle_manifest(config, plan, dit, calibration, weights, compiled, check_s), sign)
-        if out.exists():
-            shutil.rmtree(out)
-        os.replace(work, out)
-        return manifest
-    except BaseException:
-        shutil.rmtree(work, ignore_errors=True)
-        raise
+        weights = bake(config, dit, calibration, output.work, log)
+        compiled = compile_segments(config, plan, dit, calibration, output.work, log)
+        copy_components(dit.source.component_root, output.work)
+        check_s = check(config, compiled, output.work)
+        manifest = write(output.work, bundle_manifest(config, plan, dit, calibration, weights, compiled, check_s),
+                         sign)
+        output.commit()
+    return manifest
 
 
 def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
@@ -294,7 +286,7 @@ def _checkpoint_sha(files) -> str:
 
 
 def write(work: Path, manifest: Manifest, sign) -> Manifest:
-    """7. The manifest, every file hashed into it, then the signature (before the rename into place)."""
+    """7. The manifest, every file hashed into it, then the signature (before the swap into place)."""
     manifest = write_manifest(work, manifest)
     if sign is not None:  # sign(root): manifest.sig beside the manifest (engines/signing.py)
         sign(work)

@@ -142,7 +142,8 @@ def rename_noreplace(src: Path, dst: Path) -> None:
     """Rename `src` onto `dst` only if `dst` does not exist (FileExistsError otherwise), atomically.
 
     renameat2(RENAME_NOREPLACE) on Linux; where the filesystem or libc lacks it, a hard link (which fails if `dst`
-    exists) and an unlink of `src`: the same guarantee, with a moment where both names exist."""
+    exists) and an unlink of `src`: the same guarantee, with a moment where both names exist (a folder: a plain rename
+    after a check)."""
     err = _rename2(src, dst, RENAME_NOREPLACE)
     if err == 0:
         return
@@ -150,6 +151,13 @@ def rename_noreplace(src: Path, dst: Path) -> None:
         raise FileExistsError(err, os.strerror(err), str(dst))
     if err not in _UNSUPPORTED:
         raise OSError(err, os.strerror(err), str(dst))
+    if os.path.isdir(src) and not os.path.islink(src):
+        # No hard links to folders; a plain rename fails onto a non-empty folder (ENOTEMPTY) or a file, so all it can
+        # replace is an empty folder that appeared in the moment since the check.
+        if os.path.lexists(dst):
+            raise FileExistsError(errno.EEXIST, os.strerror(errno.EEXIST), str(dst))
+        os.rename(src, dst)
+        return
     try:
         os.link(src, dst)
     except OSError as e:
