@@ -206,6 +206,21 @@ def test_keygen_into_a_read_only_folder_is_one_line(tmp_path, capsys):
 
 
 @pytest.mark.build
+def test_a_build_says_what_it_does_before_each_long_step(built):
+    """The first compile (34 s on the H200) and the fresh-process check (11 s) each start with a line and end with one
+    that gives the seconds."""
+    lines = [line for line in built[1].splitlines() if line.startswith("h3trt build: ")]
+
+    def first(pattern: str) -> int:
+        return next(i for i, line in enumerate(lines) if re.match(pattern, line))
+
+    assert first(r"h3trt build: compiling 6 segments \(inductor\)") < first(r"h3trt build: compiled embed ")
+    assert first(r"h3trt build: compiled video_decoder_out") < first(
+        r"h3trt build: checking 6 segments in a fresh process") < first(
+        r"h3trt build: checked 6 segments in a fresh process in [\d.]+ s")
+
+
+@pytest.mark.build
 def test_the_manifest_reads_back_as_the_builder_wrote_it(built, tmp_path):
     """The builder serializes the typed Manifest the loader reads: every field it wrote is in the type, and what it
     writes reads back equal."""

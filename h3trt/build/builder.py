@@ -106,9 +106,9 @@ def build(config: BuildConfig, log=print, sign=None) -> Manifest:
         weights = bake(config, dit, calibration, output.work, log)
         compiled = compile_segments(config, plan, dit, calibration, output.work, log)
         copy_components(dit.source.component_root, output.work)
-        check_s = check(config, compiled, output.work)
-        manifest = write(output.work, bundle_manifest(config, plan, dit, calibration, weights, compiled, check_s),
-                         sign)
+        check_s = check(config, compiled, output.work, log)
+        manifest = write(output.work, bundle_manifest(config, plan, dit, calibration, weights, compiled, check_s, log),
+                         sign, log)
         output.commit()
     return manifest
 
@@ -117,6 +117,7 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     """1. The DiT of the task's partition, and the LoRAs merged into its weights: everything after (calibration,
     AdaLN tables, segments) sees them."""
     t0 = time.perf_counter()
+    log(f"loading the {config.task} DiT from {config.model_root} onto {plan.device}")
     model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device)
     video_shift, audio_shift = source.shifts  # the checkpoint's: its release metadata, or diffusers' schedulers
     schedule = Schedule(config.steps, config.video_shift or video_shift, config.audio_shift or audio_shift)
@@ -204,6 +205,7 @@ def compile_segments(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calib
     cache = work / "inductor_cache" if config.backend == "inductor" else Path(tempfile.mkdtemp(prefix="h3trt-aoti-"))
     cache.mkdir(parents=True, exist_ok=True)
     segments = {}
+    log(f"compiling {len(specs)} segments ({config.backend}): {', '.join(specs)}")
     try:
         with temporary_cache_dir(str(cache)):
             for spec in specs.values():
@@ -239,17 +241,22 @@ def copy_components(component_root: Path, work: Path) -> None:
             shutil.copytree(src, work / name)
 
 
-def check(config: BuildConfig, compiled: Compiled, work: Path) -> float:
+def check(config: BuildConfig, compiled: Compiled, work: Path, log) -> float:
     """6. Every artifact loads and matches in a fresh process (AOTI on the H200 image segfaults at load); seconds."""
     if not compiled.examples:  # tensorrt
         return 0.0
     t0 = time.perf_counter()
+    count = len(compiled.examples)
+    log(f"checking {count} segments in a fresh process (each loaded under the no-compile guard and run against its "
+        "eager segment)")
     check_in_fresh_process(work, config, compiled.segments, compiled.examples, compiled.specs)
-    return time.perf_counter() - t0
+    seconds = time.perf_counter() - t0
+    log(f"checked {count} segments in a fresh process in {seconds:.1f} s")
+    return seconds
 
 
 def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibration: Calibration,
-                    weights: BakedWeights, compiled: Compiled, check_s: float) -> Manifest:
+                    weights: BakedWeights, compiled: Compiled, check_s: float, log) -> Manifest:
     """The typed manifest of this build, the one the loader reads (its files are hashed in by write_manifest)."""
     model, source, schedule, trt = dit.model, dit.source, dit.schedule, compiled.tensorrt
     meta = source.metadata
@@ -258,7 +265,7 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         backend=config.backend, precision=config.precision, task=config.task,
         tasks=tuple(meta.tasks) if meta else ((config.task,) if config.task == "ref2va" else ("t2va", "fl2va")),
         model_config=model.cfg,
-        checkpoint={"path": str(config.model_root), "sha256": _checkpoint_sha(source.files)},
+        checkpoint={"path": str(config.model_root), "sha256": _checkpoint_sha(source.files, log)},
         schedule=ScheduleRecord(schedule.steps, schedule.video_shift, schedule.audio_shift), adaln=weights.adaln,
         profiles=tuple(ProfileRecord(p.width, p.height, p.seconds, p.geometry.num_frames) for p in config.profiles),
         mesh=MeshRecord(config.cfg, config.sp, model.cfg.num_heads // config.sp),
@@ -274,9 +281,11 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         loras=dit.loras, tensorrt=trt)
 
 
-def _checkpoint_sha(files) -> str:
+def _checkpoint_sha(files, log) -> str:
     """sha256 over the shards' names and sha256s. The shards hash in parallel (one thread each, up to one per core):
     a full-size checkpoint is 66 GB, over 40 s on one core."""
+    log(f"hashing the checkpoint ({len(files)} files, {sum(f.stat().st_size for f in files) / 1e9:.2f} GB) and "
+        "the bundle's files into its manifest")
     with ThreadPoolExecutor(hash_threads()) as pool:
         digests = list(pool.map(sha256_file, files))
     h = hashlib.sha256()
@@ -285,9 +294,12 @@ def _checkpoint_sha(files) -> str:
     return h.hexdigest()
 
 
-def write(work: Path, manifest: Manifest, sign) -> Manifest:
+def write(work: Path, manifest: Manifest, sign, log) -> Manifest:
     """7. The manifest, every file hashed into it, then the signature (before the swap into place)."""
+    t0 = time.perf_counter()
     manifest = write_manifest(work, manifest)
     if sign is not None:  # sign(root): manifest.sig beside the manifest (engines/signing.py)
         sign(work)
+    log(f"wrote manifest.json: {len(manifest.files)} files, {manifest.total_bytes / 1e6:.1f} MB, hashed in "
+        f"{time.perf_counter() - t0:.1f} s")
     return manifest
