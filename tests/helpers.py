@@ -47,3 +47,11 @@ def small_filesystem(path: Path, size: str, read_only: bool = False):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill_disk(folder: Path) -> None:
+    """Take every byte left on `folder`'s filesystem (a file `filler` in it), as another writer would."""
+    with contextlib.suppress(OSError), open(folder / "filler", "wb") as f:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()

@@ -21,7 +21,7 @@ import pytest
 from h3trt.cli import main
 from h3trt.engines.manifest import MANIFEST, content_sha256, hash_tree, read_manifest, verify_files
 
-from helpers import small_filesystem
+from helpers import fill_disk, small_filesystem
 
 ROOT = Path(__file__).resolve().parents[1]
 BUILD = ["--model", "tiny", "--device", "cpu", "--steps", "6"]  # the tiny default, a short schedule: ~1 min
@@ -178,10 +178,7 @@ def test_a_disk_that_fills_during_the_build_is_one_line(tmp_path, tiny_root):
     with small_filesystem(tmp_path / "disk", "64m") as disk:
         run = _start(["--output", str(disk / "b")], tmp_path)
         _wait_for(str(disk / "*partial"), run)
-        with contextlib.suppress(OSError), open(disk / "filler", "wb") as f:  # take every byte left
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+        fill_disk(disk)
         _, stderr = run.communicate(timeout=300)
         assert run.returncode == 1, stderr
         line = _error_line(stderr)

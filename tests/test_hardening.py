@@ -2,7 +2,6 @@
 Ctrl-C and SIGKILL during decode and mux, a read-only folder, a full disk (at the preflight and while writing), and a
 batch interrupted between requests. Each case: one line, the exit status it promises, nothing half-written left."""
 
-import contextlib
 import glob
 import json
 import os
@@ -16,7 +15,7 @@ import pytest
 
 from h3trt.cli import main
 
-from helpers import small_filesystem
+from helpers import fill_disk, small_filesystem
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--width", "128", "--height", "32", "--steps", "2", "--quiet"]  # the cheapest clip: 5 s, one evaluation
@@ -110,10 +109,7 @@ def test_a_disk_that_fills_while_writing_is_one_line(tmp_path, tiny_root, tiny_c
     with small_filesystem(tmp_path / "disk", "2m") as disk:
         run = _start(["--prompt", "a fox", "--output", str(disk / "clip.mp4"), *SMALL], tmp_path, tiny_cache)
         _wait_for(str(disk / ".clip.mp4.*.partial"), run)
-        with contextlib.suppress(OSError), open(disk / "filler", "wb") as f:  # take every byte left
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+        fill_disk(disk)
         _, stderr = run.communicate(timeout=300)
         err = _errors(stderr)
         assert run.returncode == 1 and len(err) == 1, stderr
