@@ -50,8 +50,8 @@ def check_in_fresh_process(work: Path, config: BuildConfig, segments: dict, exam
             proc = subprocess.run([sys.executable, "-m", "h3trt.build.verify", str(work), tmp], capture_output=True,
                                   text=True, timeout=VERIFY_TIMEOUT_S)
         except subprocess.TimeoutExpired:
-            raise BuildError(f"Loading the compiled segments in a fresh process did not finish in {VERIFY_TIMEOUT_S} s; "
-                             "the bundle was not written.") from None
+            raise BuildError(f"Loading the compiled segments in a fresh process did not finish in {VERIFY_TIMEOUT_S} "
+                             "s; the bundle was not written.") from None
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
         how = " (the process crashed: signal %d)" % -proc.returncode if proc.returncode < 0 else ""

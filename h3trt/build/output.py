@@ -10,10 +10,11 @@ holder, swapped into place once the bundle is complete. Whatever stops a build, 
   * Before any model loads: the folder is created if missing and must have room for the bundle's estimated size.
   * The swap, with SIGINT and SIGTERM held back until it is over: --overwrite exchanges the new bundle and the old one
     in one atomic rename (renameat2 RENAME_EXCHANGE; where the filesystem lacks it, the old one is renamed aside and
-    the new one in), then deletes the old one. Ctrl-C during the swap or the deletion says the new bundle was written.
+    the new one in), then deletes the old one. Ctrl-C or SIGTERM during the swap or the deletion is acted on after
+    it, as an interrupt that says the new bundle was written (the CLI turns SIGTERM into an interrupt everywhere).
   * Stopped before the swap (an error, Ctrl-C, a full disk): the temporary folder is removed and --output is as it
-    was. A disk that fills (ENOSPC) is one line. Killed outright (SIGKILL, or SIGTERM outside the swap), a build leaves
-    its temporary folder and lock file; the next build into that folder removes the one and takes the other.
+    was. A disk that fills (ENOSPC) is one line. Killed outright (SIGKILL), a build leaves its temporary folder and
+    lock file; the next build into that folder removes the one and takes the other.
 """
 
 from __future__ import annotations
@@ -74,9 +75,9 @@ class BundleOutput:
             remove_leftovers(folder)
             free = shutil.disk_usage(folder).free
             if free < self.size.total:
-                raise OutputRefused(f"--output {out}: {folder} has {free / 1e6:.1f} MB free, and the bundle needs about "
-                                    f"{self.size.total / 1e6:.1f} MB ({self.size.describe()}); free some space or "
-                                    "choose another --output.")
+                raise OutputRefused(f"--output {out}: {folder} has {free / 1e6:.1f} MB free, and the bundle needs "
+                                    f"about {self.size.total / 1e6:.1f} MB ({self.size.describe()}); free some space "
+                                    "or choose another --output.")
             self.work = temp_path(out)
             forget(self.work)  # a folder: this class removes it (remove_own_temps unlinks files)
             self.work.mkdir()
@@ -87,7 +88,7 @@ class BundleOutput:
 
     def commit(self) -> None:
         """Swap the finished bundle into place and delete the old one, with SIGINT and SIGTERM held back until both are
-        done; then act on one that arrived meanwhile (InterruptedAfterCommit: the CLI says the bundle was written)."""
+        done; either arrived meanwhile: InterruptedAfterCommit (the CLI says the bundle was written, exit 130)."""
         with interrupts_held((signal.SIGINT, signal.SIGTERM)) as pending:
             old = self._swap()
             self._committed = True
@@ -97,10 +98,6 @@ class BundleOutput:
                     self.log(f"could not delete all of the previous bundle, now at {old}; remove it yourself")
                 else:
                     self.log(f"replaced the previous bundle at {self.out} (deleted)")
-        if signal.SIGTERM in pending:
-            self.log(f"terminated after writing {self.out}")
-            self._release()
-            signal.raise_signal(signal.SIGTERM)  # its own handler again: the default ends the process
         if pending:
             raise InterruptedAfterCommit([self.out])
 

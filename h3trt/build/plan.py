@@ -53,7 +53,7 @@ class BuildPlan:
     device: torch.device
     dtype: torch.dtype  # the DiT's compute dtype
     model_cfg: H3Config
-    attention: dict[Precision, AttentionChoice]  # precision -> the kernel baked in (empty for tensorrt: it fuses its own)
+    attention: dict[Precision, AttentionChoice]  # the kernel baked in per precision (tensorrt: none, it fuses its own)
     size: BundleSize
 
     @property

@@ -164,7 +164,7 @@ class Engine:
                 check_attention_record(attention, device)
             elif quant.get("fp8_attention"):
                 check_attention_kernel(quant["attention_kernel"], device)
-        except ValueError as e:  # the user's: this device cannot run the bundle's kernel (a broken CUDA keeps its trace)
+        except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
             raise BundleError(f"{root}: {e}") from e
         problems = structure_problems(root, manifest)
         if problems:
