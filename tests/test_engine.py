@@ -21,7 +21,9 @@ import torch
 
 from h3trt.build.adaln import schedule_timesteps
 from h3trt.engines.adaln import BakedAdaLN
-from h3trt.build.builder import BuildError, _verify_in_subprocess, build, example_inputs
+from h3trt.build.builder import build
+from h3trt.build.check import BuildError, check_in_fresh_process
+from h3trt.build.examples import example_inputs
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.build.segments import dit_segments
 from h3trt.cli import main
@@ -30,6 +32,7 @@ from h3trt.engines.guard import CompilerInvoked, no_compile
 from h3trt.engines.manifest import BundleError, bundle_identity, content_sha256, read_manifest, sha256_file
 from h3trt.engines.weights_io import chunk_digests
 from h3trt.engines.signing import load_private_key, sign_bundle
+from h3trt.errors import UserError
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
@@ -332,7 +335,7 @@ def test_build_is_refused_when_a_segment_fails_to_load(bundles, tmp_path, tiny_r
     config = BuildConfig(tiny_root, tmp_path / "out", precision="fp32", profiles=(TINY_PROFILE,), device="cpu")
     specs = {spec.name: spec for spec in dit_segments(model.cfg, torch.float32)}
     with pytest.raises(BuildError, match="failed to load or match in a fresh process"):
-        _verify_in_subprocess(work, config, manifest.segments, example_inputs(model, TINY_PROFILE.geometry, "cpu"),
+        check_in_fresh_process(work, config, manifest.segments, example_inputs(model, TINY_PROFILE.geometry, "cpu"),
                               specs)
 
 
@@ -347,9 +350,9 @@ def test_build_refuses_bad_options(tiny_root, tmp_path):
         BuildConfig(tiny_root, tmp_path / "b", attention="flash")
     with pytest.raises(ValueError, match="Drop --attention with --backend tensorrt"):
         BuildConfig(tiny_root, tmp_path / "b", backend="tensorrt", attention="fa3")
-    with pytest.raises(RuntimeError, match="--attention fa3: the fa3 bf16 attention kernel needs a CUDA GPU"):
+    with pytest.raises(UserError, match="--attention fa3: the fa3 bf16 attention kernel needs a CUDA GPU"):
         build(BuildConfig(tiny_root, tmp_path / "b", device="cpu", attention="fa3"))
-    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+    assert os.listdir(tmp_path) == []  # refused before the output was claimed
     with pytest.raises(ValueError, match="WIDTHxHEIGHTxSECONDS"):
         Profile.parse("1344x768")
     with pytest.raises(ValueError, match="Unsupported resolution"):
@@ -360,9 +363,9 @@ def test_a_process_serving_a_bundle_refuses_to_build(bundles, tiny_root, tmp_pat
     """After a bundle's compiled-code cache is active, a build in the same process would miss kernels (measured);
     it is refused with the way out."""
     Engine.load(bundles["inductor"], "cpu")
-    with pytest.raises(BuildError, match=r"already serves from the bundle .* Build in a fresh process"):
+    with pytest.raises(UserError, match=r"already serves from the bundle .* Build in a fresh process"):
         build(BuildConfig(tiny_root, tmp_path / "b", precision="fp32", profiles=(TINY_PROFILE,), device="cpu"))
-    assert not (tmp_path / "b").exists() and not (tmp_path / "b.partial").exists()
+    assert os.listdir(tmp_path) == []  # refused before the output was claimed
 
 
 def test_an_edited_manifest_field_is_refused(bundle_copy, capsys):
