@@ -25,7 +25,6 @@ from .engines.manifest import MANIFEST
 from .errors import UserError
 from .models.packing import unpatchify
 from .runtime.entry import Entry
-from .runtime.loading import load_bundle, load_checkpoint
 from .runtime.pipeline import H3Pipeline
 from .runtime.request import Prepared, Request, prepare
 
@@ -64,10 +63,7 @@ class StepRecorder:
 def load_recording(source: Entry, task: str) -> H3Pipeline:
     """`source`'s pipeline for `task` with a StepRecorder as its DiT, passed in when the pipeline is built. The
     default canvas: the requests carry theirs (given, or the engine bundle's profile's)."""
-    if source.is_bundle:
-        parts = load_bundle(source.root, source.device, vae_precision=source.vae_precision, trust=source.trust)
-    else:
-        parts = load_checkpoint(source.root, task, source.device, source.vae_precision, source.loras)
+    parts = source.components(task)
     return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit)), source.device)
 
 

@@ -157,7 +157,7 @@ def test_reference_entry_names_the_flag_and_what_it_takes(tmp_path):
 # Assignments of these attributes on an object after it was built switch its behaviour (STYLE.md, "Still to retire").
 SWITCHES = ("dit", "video_decoders", "tile_decoders", "cfg_group")
 # Where one is still made: load_bundle sets the video VAE's compiled tile decoders once the VAE is loaded.
-STILL_TO_RETIRE = {("runtime/loading.py", "tile_decoders")}
+STILL_TO_RETIRE: set[tuple[str, str]] = set()
 
 
 def attribute_switches(root: Path = PACKAGE) -> set[tuple[str, str]]:

@@ -120,7 +120,7 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     log(f"loading the {config.task} DiT from {config.model_root} onto {plan.device}")
     model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device)
     video_shift, audio_shift = source.shifts  # the checkpoint's: its release metadata, or diffusers' schedulers
-    schedule = Schedule(config.steps, config.video_shift or video_shift, config.audio_shift or audio_shift)
+    schedule = Schedule.resolve(config.steps, config.video_shift, config.audio_shift, (video_shift, audio_shift))
     seconds = time.perf_counter() - t0
     log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
         f"{config.precision}) in {seconds:.1f} s")

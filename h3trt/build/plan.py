@@ -116,8 +116,8 @@ def estimated_size(config: BuildConfig, source: TransformerSource, dtype: torch.
     tables = 0
     if not config.keep_adaln:
         video_shift, audio_shift = source.shifts
-        timesteps = schedule_timesteps(Schedule(config.steps, config.video_shift or video_shift,
-                                                config.audio_shift or audio_shift)).numel()
+        timesteps = schedule_timesteps(Schedule.resolve(config.steps, config.video_shift,
+                                                        config.audio_shift, (video_shift, audio_shift))).numel()
         cfg = source.config
         tables = timesteps * (cfg.num_layers * 3 * 6 + 2) * cfg.hidden_size * dtype.itemsize  # adaln.bake_tables
     components = sum(f.stat().st_size for name in EAGER_COMPONENTS

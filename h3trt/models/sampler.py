@@ -43,6 +43,14 @@ class Schedule:
     video_shift: float = DEFAULT_VIDEO_SHIFT
     audio_shift: float = DEFAULT_AUDIO_SHIFT
 
+    @classmethod
+    def resolve(cls, steps: int, video_shift: float | None, audio_shift: float | None,
+                defaults: tuple[float, float]) -> "Schedule":
+        """A request's schedule: its own shifts where it gives them (None: not given; 0 is refused, not replaced),
+        else `defaults` (video, audio)."""
+        return cls(steps, defaults[0] if video_shift is None else video_shift,
+                   defaults[1] if audio_shift is None else audio_shift)
+
     def __post_init__(self):
         shifted_sigmas(self.steps, self.video_shift)  # validates
         shifted_sigmas(self.steps, self.audio_shift)

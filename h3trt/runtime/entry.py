@@ -16,11 +16,12 @@ from ..engines.manifest import Manifest, bundle_identity, check_request, read_ma
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
-from ..models.sampler import DEFAULT_STEPS
+from ..models.sampler import DEFAULT_STEPS, Schedule
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
+from .loading import Components, load_bundle, load_checkpoint
 from .pipeline import H3Pipeline
 from .records import torch_bytecode
 from .rank import WorkerSpec
@@ -190,17 +191,21 @@ class Entry:
         if self.manifest is None:
             return
         req, geo, sched = prepared.request, prepared.geometry, self.manifest.schedule
-        check_request(self.manifest, geo.width, geo.height, geo.num_frames, req.steps,
-                      req.video_shift or sched.video_shift, req.audio_shift or sched.audio_shift, req.task)
+        schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (sched.video_shift, sched.audio_shift))
+        check_request(self.manifest, geo.width, geo.height, geo.num_frames, req.steps, schedule.video_shift,
+                      schedule.audio_shift, req.task)
+
+    def components(self, task: str) -> Components:
+        """The built parts of a pipeline in this process (h3trt eval builds its own around them; the job loop's
+        ranks load through `worker_spec` and rank.load_rank_pipeline)."""
+        if self.manifest is not None:
+            return load_bundle(self.root, self.device, vae_precision=self.vae_precision, trust=self.trust)
+        return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras)
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
-        """A pipeline in this process (h3trt eval; the job loop's ranks load through `worker_spec` and
-        rank.load_rank_pipeline)."""
-        canvas = self.canvas if canvas is None else canvas
-        if self.manifest is not None:
-            return H3Pipeline.load_engine(self.root, self.device, canvas, vae_precision=self.vae_precision,
-                                          trust=self.trust)
-        return H3Pipeline.load(self.root, task, self.device, canvas, self.vae_precision, loras=self.loras)
+        """A pipeline in this process."""
+        return H3Pipeline.from_components(self.components(task), self.device,
+                                          self.canvas if canvas is None else canvas)
 
     def worker_spec(self, task: str, mesh: MeshConfig, **fields) -> WorkerSpec:
         """What every rank of every replica group needs (picklable); `fields`: the front door's own (crf,
