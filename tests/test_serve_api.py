@@ -86,7 +86,7 @@ BAD_FIELDS = [  # (body, the param the envelope names, words of the message)
     ({"prompt": "x", "size": "big"}, "size", "resolution must be 'WIDTHxHEIGHT'"),
     ({"prompt": "x", "seed": 1.5}, "seed", "seed must be an integer"),
     ({"prompt": "x", "steps": 1}, "steps", "steps must be at least 2"),
-    ({"prompt": "x", "guidance": 0.5}, "guidance", "guidance must be >= 1"),
+    ({"prompt": "x", "guidance": 0.5}, "guidance", "guidance must be a finite number >= 1"),
     ({"prompt": "x", "task": "fl2va"}, "task", "task 'fl2va' takes image"),
     ({"prompt": "x", "task": "t3va"}, "task", "must be one of"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown field(s) ['colour']"),

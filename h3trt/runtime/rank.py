@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 from ..engines.guard import no_compile
 from ..parallel.launch import init_rank
-from ..parallel.mesh import MeshConfig, Parallel, build_mesh
+from ..parallel.mesh import SINGLE, MeshConfig, Parallel, build_mesh
 from .files import DEFAULT_CRF
 from .jobs import Event, Job, JobQueue
 from .pipeline import H3Pipeline
@@ -212,9 +212,15 @@ def serve_group(spec: WorkerSpec, par: Parallel, group_index: int, channel, devi
 
 
 def group_rank_main(rank: int, world: int, store: str, conn: Connection, spec: WorkerSpec, group_index: int) -> None:
-    """Entry of a rank of a spawned replica group (runtime/workers.py): its own process group of cfg x sp ranks."""
-    init_rank(rank, world, store, spec.device_type)
-    par = build_mesh(MeshConfig(1, spec.mesh.cfg, spec.mesh.sp), spec.device_type, world, spec.num_heads)
+    """Entry of a rank of a spawned replica group (runtime/workers.py): its own process group of cfg x sp ranks (a
+    group of one rank needs none)."""
+    if world == 1:
+        if spec.device_type == "cuda":
+            torch.cuda.set_device(0)
+        par = SINGLE
+    else:
+        init_rank(rank, world, store, spec.device_type)
+        par = build_mesh(MeshConfig(1, spec.mesh.cfg, spec.mesh.sp), spec.device_type, world, spec.num_heads)
     device = rank_device(spec.device_type)
     pipelines = Pipelines(lambda task: load_rank_pipeline(spec, par, device, task), spec.task, spec.engine)
     channel = PipeChannel(conn, par.writes)
