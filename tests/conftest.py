@@ -9,7 +9,7 @@ from h3trt.models.checkpoint_writer import random_state_dict, save_comfy, save_d
 from h3trt.models.config import H3Config
 
 
-TIERS = ("unit", "multiproc", "build", "serve")
+TIERS = ("unit", "multiproc", "build", "serve", "fleet")
 BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
 
 
@@ -18,7 +18,7 @@ BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp
 
 # The files whose bundle builds and spawned ranks take minutes: run first, so that under pytest-xdist (README: `-n 2
 # --dist loadfile`, one file per worker at a time) no long file starts last while the other workers sit idle.
-SLOW_FILES = ("test_serve_api.py", "test_engine.py", "test_serve_ops.py", "test_mesh.py", "test_quant.py",
+SLOW_FILES = ("test_fleet.py", "test_serve_api.py", "test_engine.py", "test_serve_ops.py", "test_mesh.py", "test_quant.py",
               "test_vae_precision.py", "test_fewstep.py", "test_parallel_vae.py", "test_step_cache.py")
 
 

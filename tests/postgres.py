@@ -22,7 +22,8 @@ HOW_TO_INSTALL = "install Debian's PostgreSQL server: apt-get install -y postgre
 def _bin_dir() -> Path:
     found = sorted(glob.glob("/usr/lib/postgresql/*/bin/initdb"), key=lambda p: int(Path(p).parts[-3]))
     if not found:
-        raise RuntimeError(f"No PostgreSQL server binaries under /usr/lib/postgresql/*/bin: {HOW_TO_INSTALL}.")
+        raise RuntimeError(f"No PostgreSQL server binaries under /usr/lib/postgresql/*/bin: {HOW_TO_INSTALL}, or "
+                           "pass the folder of initdb and pg_ctl.")
     return Path(found[-1]).parent
 
 
@@ -33,10 +34,11 @@ def _free_port() -> int:
 
 
 class Postgres:
-    """One running cluster; `database()` makes a fresh database and returns its SQLAlchemy URL."""
+    """One running cluster; `database()` makes a fresh database and returns its SQLAlchemy URL. `bin_dir`: the folder
+    of initdb and pg_ctl (default: Debian's newest); scripts/bench_fleet.py starts its store through this too."""
 
-    def __init__(self):
-        self.bin = _bin_dir()
+    def __init__(self, bin_dir: Path | None = None):
+        self.bin = Path(bin_dir) if bin_dir is not None else _bin_dir()
         self.root = Path(tempfile.mkdtemp(prefix="h3trt-pg-"))
         self.data, self.sockets, self.log = self.root / "data", self.root / "sockets", self.root / "server.log"
         self.sockets.mkdir()

@@ -53,6 +53,8 @@ class Node:
         from .storage import Storage
         from .store import JobStore, sqlite_url
 
+        for folder in ("clips", "uploads"):  # the data folder's layout (README, "What survives a restart")
+            (options.data_dir / folder).mkdir(parents=True, exist_ok=True)
         store, storage, metrics = JobStore(sqlite_url(options.data_dir)), Storage(options.data_dir.resolve()), Metrics()
         self.queue = StoreQueue(store, storage, options.retention_s, request_defaults(entry), metrics, _log)
         self.workers = Workers(spec, self.queue, gpus, load_failures_fatal=False,
