@@ -18,12 +18,10 @@ records' Unix spans) over the clips. The overhead is fleet / run - 1 (the issue'
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -69,14 +67,7 @@ def phase_fleet(ctx, bundle: Path, replicas: int, clips: int, pg_bin: Path | Non
         ids = [client.post("/v1/videos", json={"prompt": p, "seed": i, "steps": steps, "seconds": "5",
                                                 "size": f"{ctx.width}x{ctx.height}"}).raise_for_status().json()["id"]
                for i, p in enumerate(prompts)]
-        jobs: dict = {}
-        while len(jobs) < len(ids) and ctx.remaining() > 20:
-            for job_id in ids:
-                if job_id not in jobs:
-                    job = client.get(f"/v1/videos/{job_id}").json()
-                    if job["status"] in ("completed", "failed", "cancelled"):
-                        jobs[job_id] = job
-            time.sleep(0.5)
+        jobs = bench_serve.ended_jobs(client, ids, lambda: ctx.remaining() > 20)
         result["jobs"] = {j: {k: v[k] for k in ("status", "attempts", "error")} for j, v in jobs.items()}
         records = [json.loads((storage / "clips" / f"{j}.json").read_text()) for j in ids
                    if jobs.get(j, {}).get("status") == "completed"]
@@ -84,7 +75,6 @@ def phase_fleet(ctx, bundle: Path, replicas: int, clips: int, pg_bin: Path | Non
             result["error"] = f"{len(records)} of {clips} jobs completed"
             return result
         result.update(bench_serve.service_time(records))
-        result["clips_per_hour"] = round(3600 / result["seconds_per_clip"], 1)
     finally:
         serve.shutdown()
         ray.shutdown()
@@ -93,53 +83,22 @@ def phase_fleet(ctx, bundle: Path, replicas: int, clips: int, pg_bin: Path | Non
 
 
 def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--phase", default="checkpoint,build,run,fleet")
-    p.add_argument("--tiny", action="store_true", help="the same flow on the CPU with the tiny config")
-    p.add_argument("--short-steps", type=int, default=6, help="steps of every clip (default 6: 5 evaluations)")
+    p = bench_serve.arguments(__doc__, "checkpoint,build,run,fleet")
     p.add_argument("--fleet-replicas", type=int, default=1, help="worker replicas, one GPU each (default 1)")
     p.add_argument("--clips", type=int, default=bench_serve.CLIPS, help="clips of the fleet phase (default 4)")
     p.add_argument("--pg-bin", type=Path, help="folder of initdb and pg_ctl (default: Debian's newest)")
-    p.add_argument("--budget-s", type=float, default=None, help="default 570 (a device call: 600 s); --tiny 3600")
     args = p.parse_args()
-    suffix = "-tiny" if args.tiny else ""
-    args.state, args.bundles = f"/dev/shm/h3trt-e2e{suffix}", f"/tmp/h3trt-e2e-bundles{suffix}"
-    args.full_steps, args.profile_step = 50, 4
-    args.budget_s = args.budget_s or (3600.0 if args.tiny else 570.0)
     phases = [x for x in args.phase.split(",") if x]
-    ctx = bench_e2e.Ctx(args)
-    ctx.results["env"] = ctx.env()
-    ctx.results["workload"] = {"clips": args.clips, "canvas": f"{ctx.width}x{ctx.height}", "seconds": 5,
-                               "steps": args.short_steps, "precision": "fp8 GEMMs + fp8 attention, sp=1",
-                               "fleet_replicas": args.fleet_replicas}
-    bundle = bench_e2e.bundle_path(ctx, ROW)
+    ctx = bench_serve.context(args, args.clips)
+    ctx.results["workload"]["fleet_replicas"] = args.fleet_replicas
     try:
-        if "checkpoint" in phases:
-            bench_e2e.phase_checkpoint(ctx)
-            bench_e2e.release_gpu_memory()
-        if "build" in phases:
-            bench_e2e.phase_build(ctx, ROW)
-            ctx.save()
-        if "run" in phases:
-            ctx.results["run"] = bench_serve.phase_run(ctx, bundle)
-            ctx.log(f"run: {ctx.results['run']}")
-            ctx.save()
+        bundle = bench_serve.bundle_and_run(ctx, phases)
         if "fleet" in phases:
             key = "fleet" if args.fleet_replicas == 1 else f"fleet_{args.fleet_replicas}_replicas"
             ctx.results[key] = phase_fleet(ctx, bundle, args.fleet_replicas, args.clips, args.pg_bin)
             ctx.log(f"{key}: { {k: v for k, v in ctx.results[key].items() if k not in ('jobs', 'ready')} }")
     finally:
-        run, fleet = ctx.results.get("run", {}), ctx.results.get("fleet", {})
-        if run.get("seconds_per_clip") and fleet.get("seconds_per_clip"):
-            ctx.results["summary"] = {
-                "run_seconds_per_clip": run["seconds_per_clip"], "fleet_seconds_per_clip": fleet["seconds_per_clip"],
-                "fleet_overhead": round(fleet["seconds_per_clip"] / run["seconds_per_clip"] - 1, 4),
-                "deploy_to_ready_s": fleet.get("deploy_to_ready_s"),
-                "fleet_clips_per_hour": fleet.get("clips_per_hour"),
-            }
-            ctx.log(f"summary: {ctx.results['summary']}")
-        ctx.save()
+        bench_serve.summarise(ctx, "fleet", lambda fleet: {"deploy_to_ready_s": fleet.get("deploy_to_ready_s")})
     return 0
 
 
