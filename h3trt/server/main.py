@@ -32,7 +32,7 @@ def serve(entry: Entry, options: ServeOptions) -> int:
         raise UserError(f"h3trt serve needs {', '.join(missing)}: pip install 'h3trt[serve]'.")
     if entry.torchrun is not None:
         raise UserError("h3trt serve launches its own ranks (--gpus N); run it as one process, not under torchrun. "
-                        "A fleet of nodes runs one server per node, or Ray Serve (README, 'A fleet').")
+                        "Several nodes serve as a fleet: h3trt serve --ray ADDRESS (README, 'A fleet').")
     task = entry.manifest.task if entry.manifest is not None else "t2va"
     mesh = entry.mesh(task)
     spec = entry.worker_spec(task, mesh, crf=options.crf)

@@ -58,9 +58,9 @@ class StoreQueue:
         worker = self.name(event.group)
         row = self.store.get(event.job)
         if row is None or row.status != "in_progress" or row.worker != worker:
-            # It ended, or its lease went to another worker while this one stalled: not this worker's to record.
-            if self.storage.local is None:
-                self.storage.remove(*(key for key in job_keys(event.job) if key != uploads_key(event.job)))
+            # It ended, or its lease went to another worker while this one stalled: not this worker's to record (nor
+            # its files to remove: only what this process wrote and did not publish goes).
+            self.storage.discard(*job_keys(event.job))
             return
         if event.kind in ("started", "progress"):
             self.store.progress(event.job, event.progress, event.stage or row.stage, event.evaluations, worker)

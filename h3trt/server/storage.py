@@ -110,12 +110,17 @@ class Storage:
         except FileNotFoundError:
             return []
 
+    def discard(self, *keys: str) -> None:
+        """Drop this process's unpublished copies of `keys` (object storage's scratch; in place, nothing: the files
+        are the storage's)."""
+        if self.local is None:
+            for key in keys:
+                _remove_local(self.scratch / key)
+
     def remove(self, *keys: str) -> None:
         """Remove files or folders (and any scratch copy); a missing one is no error."""
+        self.discard(*keys)
         for key in keys:
-            scratch = self.scratch / key
-            if self.local is None and scratch.exists():
-                _remove_local(scratch)
             if self.local is not None:
                 _remove_local(self.local / key)
                 continue
