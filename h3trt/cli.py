@@ -161,6 +161,8 @@ def _serve_parser(sub) -> None:
                    help=f"a request body's size limit, uploads included (default {DEFAULT_UPLOAD_MB:g} MB)")
     p.add_argument("--crf", type=int, default=DEFAULT_CRF, help=f"H.264 constant rate factor (default {DEFAULT_CRF})")
     _mesh_arguments(p)
+    from .fleet.options import DEFAULT_JOBS_PER_REPLICA, DEFAULT_LEASE
+
     fleet = p.add_argument_group("a fleet (Ray Serve; README, 'A fleet'): the mesh flags describe one replica group")
     fleet.add_argument("--ray", metavar="ADDRESS", help="deploy to the Ray cluster at ADDRESS (auto, or HEAD:6379) "
                                                         "instead of serving here; returns once the replicas serve")
@@ -171,11 +173,12 @@ def _serve_parser(sub) -> None:
     fleet.add_argument("--min-replicas", type=int, default=1, help="with --ray: worker replicas at least (default 1)")
     fleet.add_argument("--max-replicas", type=int, default=None, help="with --ray: worker replicas at most (default: "
                                                                       "--min-replicas)")
-    fleet.add_argument("--jobs-per-replica", type=float, default=1.0,
+    fleet.add_argument("--jobs-per-replica", type=float, default=DEFAULT_JOBS_PER_REPLICA,
                        help="with --ray: the queue depth (queued + running jobs) one replica holds before the "
                             "autoscaler adds one (default 1)")
-    fleet.add_argument("--lease", default="30s", help="with --ray: a running job whose replica stopped renewing its "
-                                                      "lease this long ago runs again elsewhere (default 30s)")
+    fleet.add_argument("--lease", default=DEFAULT_LEASE, help="with --ray: a running job whose replica stopped renewing "
+                                                              f"its lease this long ago runs again elsewhere (default "
+                                                              f"{DEFAULT_LEASE})")
 
 
 def step_cache_from_args(args):

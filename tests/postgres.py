@@ -2,7 +2,8 @@
 a cluster made by initdb in a temporary folder, on a free port and a private socket folder, stopped and removed after.
 
 PostgreSQL refuses to run as root, and CI runs as root: then the cluster is made and run as the `postgres` system
-user (runuser), in a folder that user owns. Durability is off (fsync): the data is the test's, for seconds.
+user (runuser; `nobody` where there is none, as on the GPU image with PostgreSQL from a wheel), in a folder that user
+owns. Durability is off (fsync): the data is the test's, for seconds.
 """
 
 from __future__ import annotations
@@ -27,6 +28,16 @@ def _bin_dir() -> Path:
     return Path(found[-1]).parent
 
 
+def _service_user() -> str:
+    """The system user a root process runs the server as."""
+    import pwd
+
+    try:
+        return pwd.getpwnam("postgres").pw_name
+    except KeyError:
+        return "nobody"
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -43,10 +54,11 @@ class Postgres:
         self.data, self.sockets, self.log = self.root / "data", self.root / "sockets", self.root / "server.log"
         self.sockets.mkdir()
         self.port = _free_port()
-        self.as_user = ["runuser", "-u", "postgres", "--"] if os.geteuid() == 0 else []
-        if self.as_user:
-            shutil.chown(self.root, "postgres")
-            shutil.chown(self.sockets, "postgres")
+        user = _service_user() if os.geteuid() == 0 else None
+        self.as_user = ["runuser", "-u", user, "--"] if user else []
+        if user:
+            shutil.chown(self.root, user)
+            shutil.chown(self.sockets, user)
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start", "-o",
                   f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 -c fsync=off "
