@@ -5,11 +5,14 @@ mode as the local S3-compatible stand-in, tests/conftest.py `s3`). One cluster a
 the replica kill runs last. Also, without the cluster: the queue-depth autoscaling policy and the fleet's options."""
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -40,10 +43,14 @@ def fleet(tmp_path_factory, tiny_cache, postgres, s3):
     store = postgres.database()
     env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
                                       "AWS_ENDPOINT_URL", "XDG_CACHE_HOME")}
-    env["PYTHONPATH"] = os.pathsep.join(sys.path[:1] + [os.environ.get("PYTHONPATH", "")]).strip(os.pathsep)
+    # This checkout's h3trt in every Ray worker (the replicas import the deployments from it).
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
     # Small: 2 cores. Logical CPUs only count placement (4 rank bundles, the ingress); the object store is unused.
+    # Ray's folder is short and private: its Unix sockets' paths must stay under 107 bytes (pytest's tmp paths under
+    # xdist come near), and /tmp/ray may be another cluster's.
+    ray_dir = tempfile.mkdtemp(prefix="ray-")
     context = ray.init(num_cpus=8, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False,
-                       runtime_env={"env_vars": env}, _temp_dir=str(tmp_path_factory.mktemp("ray")))
+                       runtime_env={"env_vars": env}, _temp_dir=ray_dir)
     port = free_port()
     log = tmp_path_factory.mktemp("fleet") / "deploy.log"
     try:
@@ -59,6 +66,7 @@ def fleet(tmp_path_factory, tiny_cache, postgres, s3):
     finally:
         serve.shutdown()
         ray.shutdown()
+        shutil.rmtree(ray_dir, ignore_errors=True)
 
 
 def _http(fleet) -> httpx.Client:
