@@ -62,7 +62,8 @@ def _run_parser(sub) -> None:
                                                                  "matches it (checked before any of its code loads)")
     p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
     _lora_argument(p, "eager --model runs; a bundle has its LoRAs merged at build time")
-    p.add_argument("--crf", type=int, default=DEFAULT_CRF, help=f"H.264 constant rate factor (default {DEFAULT_CRF})")
+    p.add_argument("--crf", default=DEFAULT_CRF, type=_crf, metavar="0..51",
+                   help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
                                            "refused)")
     p.add_argument("--video-shift", type=float, help="video sigma shift (default: the checkpoint's, 12)")
@@ -77,7 +78,7 @@ def _run_parser(sub) -> None:
                                                      "refs, seed, resolution WxH, duration, steps (validated first)")
     batch.add_argument("--out-dir", type=Path, help="OUT/<id>.mp4 + OUT/<id>.json per request, OUT/timeline.json/png; "
                                                     "a rerun skips requests whose outputs exist and verify")
-    batch.add_argument("--max-batch", type=int, default=1, help="requests of one layout denoised together along the "
+    batch.add_argument("--max-batch", type=_positive, default=1, help="requests of one layout denoised together along the "
                                                                 "batch dimension (default 1)")
     batch.add_argument("--fail-fast", action="store_true", help="stop at the first failed request (default: record "
                                                                 "it and go on)")
@@ -101,6 +102,29 @@ def _run_parser(sub) -> None:
                        help=f"mag: leading fraction of the steps never skipped (default {DEFAULT_RETENTION_RATIO})")
     _mesh_arguments(p)
 
+def _positive(text: str) -> int:
+    """A count of ranks, groups or jobs: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, got {text!r}")
+    return value
+
+
+def _crf(text: str) -> int:
+    """--crf: H.264's constant rate factor, checked when the arguments are read (not after the generation)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 51:
+        raise argparse.ArgumentTypeError(f"takes a whole number in H.264's range 0..51 (lower is better quality, "
+                                         f"default 23), got {text!r}")
+    return value
+
+
 def _lora_argument(p, where: str) -> None:
     from .models.lora import LoraSpec
 
@@ -112,14 +136,14 @@ def _lora_argument(p, where: str) -> None:
 
 def _mesh_arguments(p) -> None:
     mesh = p.add_argument_group("parallel (mesh axes replica x cfg x sp = ranks)")
-    mesh.add_argument("--gpus", type=int, default=1,
+    mesh.add_argument("--gpus", type=_positive, default=1,
                       help="local ranks to spawn (one GPU each; CPU processes over gloo on a CPU-only machine). Under "
                            "torchrun leave it out: the world comes from torchrun")
-    mesh.add_argument("--sp", type=int, help="Ulysses sequence-parallel degree: ranks sharing one sequence (default: "
+    mesh.add_argument("--sp", type=_positive, help="Ulysses sequence-parallel degree: ranks sharing one sequence (default: "
                                              "a bundle's, else every rank not used by --cfg/--replicas)")
-    mesh.add_argument("--cfg", type=int, help="1, or 2 to run the two --guidance branches on two rank groups "
+    mesh.add_argument("--cfg", type=_positive, help="1, or 2 to run the two --guidance branches on two rank groups "
                                               "(default: a bundle's, else 1)")
-    mesh.add_argument("--replicas", type=int, help="independent rank groups, each serving different requests "
+    mesh.add_argument("--replicas", type=_positive, help="independent rank groups, each serving different requests "
                                                    "(default: the ranks left over)")
 
 
@@ -149,7 +173,7 @@ def _serve_parser(sub) -> None:
                                      "binds to 127.0.0.1 only)")
     p.add_argument("--data-dir", type=Path, default=Path("h3trt-serve"),
                    help="the job store (jobs.sqlite3), uploads and finished clips (default ./h3trt-serve)")
-    p.add_argument("--max-queue", type=int, default=DEFAULT_MAX_QUEUE,
+    p.add_argument("--max-queue", type=_positive, default=DEFAULT_MAX_QUEUE,
                    help=f"queued jobs at most; beyond it POST answers 429 (default {DEFAULT_MAX_QUEUE})")
     p.add_argument("--retention", default=DEFAULT_RETENTION,
                    help=f"how long a finished job's clip, record and row are kept, e.g. 30m, 24h, 7d (default "
@@ -159,7 +183,8 @@ def _serve_parser(sub) -> None:
                         "queued jobs stay in the store")
     p.add_argument("--max-upload-mb", type=float, default=DEFAULT_UPLOAD_MB,
                    help=f"a request body's size limit, uploads included (default {DEFAULT_UPLOAD_MB:g} MB)")
-    p.add_argument("--crf", type=int, default=DEFAULT_CRF, help=f"H.264 constant rate factor (default {DEFAULT_CRF})")
+    p.add_argument("--crf", default=DEFAULT_CRF, type=_crf, metavar="0..51",
+                   help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
     _mesh_arguments(p)
     from .fleet.options import DEFAULT_JOBS_PER_REPLICA, DEFAULT_LEASE
 
@@ -339,9 +364,9 @@ def _build_parser(sub) -> None:
     _lora_argument(p, "merged before calibration, AdaLN baking and compiling; the manifest records each file's sha256")
     p.add_argument("--task", default=TASKS[0], choices=TASKS,
                    help="t2va/fl2va (FL2VA partition, default t2va) or ref2va (Ref2VA)")
-    p.add_argument("--sp", type=int, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
+    p.add_argument("--sp", type=_positive, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
                                                      "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
-    p.add_argument("--cfg", type=int, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
+    p.add_argument("--cfg", type=_positive, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
     p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
@@ -394,7 +419,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_eval(args) -> int:
-    from .eval import evaluate, table
+    from .eval import evaluate, reference_entry, table
     from .runtime.entry import Entry
     from .runtime.files import write_json_atomic
     from .runtime.requests import read_eval_requests
@@ -409,18 +434,6 @@ def cmd_eval(args) -> int:
     if args.json is not None:
         write_json_atomic(args.json, result)
     return 0
-
-
-def reference_entry(reference: str, device: str):
-    from .engines.manifest import MANIFEST
-    from .runtime.entry import Entry
-
-    """eval --reference: 'tiny' (the embedded model, eager), a bundle (a folder with a manifest), or a checkpoint."""
-    if reference == "tiny":
-        return Entry.resolve(device=device)
-    if (Path(reference) / MANIFEST).exists():
-        return Entry.resolve(engine=Path(reference), device=device)
-    return Entry.resolve(model=Path(reference), device=device)
 
 
 def cmd_inspect(args) -> int:
@@ -501,7 +514,9 @@ COMMANDS = {"run": "cmd_run", "serve": "cmd_serve", "build": "cmd_build", "eval"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="h3trt", description="Compiled inference engine for MiniMax-H3.")
+    from .runtime.args import OneLineParser  # usage mistakes are one line too (argparse's own print 16)
+
+    parser = OneLineParser(prog="h3trt", description="Compiled inference engine for MiniMax-H3.")
     sub = parser.add_subparsers(dest="command", required=True)
     _run_parser(sub)
     _serve_parser(sub)

@@ -1,7 +1,8 @@
 """`h3trt eval`: the same requests (same seeds) through an engine bundle and a reference, compared step by step.
 
-  1. run every request through the engine (A), keeping the latents entering each DiT evaluation, the final latents,
-     the decoded frames and the waveform; free it
+  0. check both sides against every request before either loads (`evaluate`; `reference_entry` for --reference)
+  1. run every request through the engine (A), its DiT wrapped in a StepRecorder that keeps a copy of the latents
+     entering each evaluation; keep the final latents, the decoded frames and the waveform; free it
   2. the same through the reference (B: another bundle, a checkpoint folder, or "tiny")
   3. per request and mean: latent relative error per step (video and audio target rows), decoded-video PSNR and SSIM,
      audio log-spectral distance
@@ -14,14 +15,18 @@ from __future__ import annotations
 
 import gc
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from .engines.manifest import MANIFEST
+from .errors import UserError
 from .models.packing import unpatchify
 from .runtime.entry import Entry
-from .runtime.request import CanvasDefaults, Request, prepare
+from .runtime.pipeline import H3Pipeline
+from .runtime.request import Prepared, Request, prepare
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004
@@ -38,31 +43,44 @@ class Trace:
     waveform: torch.Tensor  # [2, N]
 
 
-class _Recording:
-    """The pipeline's DiT, recording the latent rows each evaluation receives."""
+class StepRecorder:
+    """A DiT runner (EagerDiT's signature) that keeps a copy of the latent rows each evaluation receives, then runs the
+    DiT it wraps. A pipeline is built with it as its DiT (`load_recording`).
+
+    A copy, not the rows themselves: the sampler steps its latents in place (models/sampler.py `denoise_batch`), and
+    on the CPU `.float().cpu()` of fp32 rows returns the same storage, so every step would read as the last one."""
 
     def __init__(self, dit):
         self.dit, self.cfg = dit, dit.cfg
-        self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per evaluation: (video [V, C], audio [A, C]), fp32
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):
-        self.inputs.append((video[0].float().cpu(), audio[0].float().cpu()))
+        self.inputs.append((video[0].to("cpu", torch.float32, copy=True),
+                            audio[0].to("cpu", torch.float32, copy=True)))
         return self.dit(video, audio, text, unique_t, t_index, layout, **kwargs)  # kwargs: the step cache
 
 
+def load_recording(source: Entry, task: str) -> H3Pipeline:
+    """`source`'s pipeline for `task` with a StepRecorder as its DiT, passed in when the pipeline is built. The
+    default canvas: the requests carry theirs (given, or the engine bundle's profile's)."""
+    parts = source.components(task)
+    return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit)), source.device)
+
+
 @torch.no_grad()
-def trace(pipeline, request) -> Trace:
-    recorder = _Recording(pipeline.dit)
-    pipeline.dit = recorder
-    try:
-        prepared = prepare(request)
-        _, layout, final = pipeline.denoise_request(prepared)
-    finally:
-        pipeline.dit = recorder.dit
+def trace(pipeline: H3Pipeline, prepared: Prepared) -> Trace:
+    """One prepared request (runtime/request.py `prepare`, default canvas) through a pipeline whose DiT is a
+    StepRecorder (`load_recording`)."""
+    recorder = pipeline.dit
+    if not isinstance(recorder, StepRecorder):
+        raise TypeError(f"trace needs a pipeline built with a StepRecorder as its DiT (eval.load_recording), got "
+                        f"{type(recorder).__name__}.")
+    recorder.inputs.clear()
+    _, layout, final = pipeline.denoise_request(prepared)
     cv, ca = layout.num_condition_video_rows, layout.num_condition_audio_rows
     video_steps = [v[cv:] for v, _ in recorder.inputs[1:]] + [final.video[cv:].float().cpu()]
     audio_steps = [a[ca:] for _, a in recorder.inputs[1:]] + [final.audio[ca:].float().cpu()]
-    geo, cfg = prepared.geometry, pipeline.dit.cfg
+    geo, cfg = prepared.geometry, recorder.cfg
     latents = unpatchify(final.video[cv:], (cfg.in_channels, geo.latent_frames, geo.latent_height, geo.latent_width),
                          cfg.patch_size)
     frames = torch.cat([chunk[0].float().cpu() for chunk in pipeline.video_vae.decode_stream(latents)], dim=1)
@@ -121,24 +139,45 @@ def compare(a: Trace, b: Trace) -> dict:
             "audio_lsd_db": log_spectral_distance(a.waveform, b.waveform)}
 
 
+def reference_entry(reference: str, device: str) -> Entry:
+    """`eval --reference`, resolved before anything runs: 'tiny' (the embedded model, eager), a bundle (a folder with
+    a manifest, which is read and checked here), or a checkpoint (its layout is checked against the requests' task
+    by `evaluate`, before either side loads)."""
+    if reference == "tiny":
+        return Entry.resolve(device=device)
+    path = Path(reference)
+    if not path.exists():
+        raise UserError(f"--reference {reference} does not exist; pass an engine bundle (h3trt build), a MiniMax-H3 "
+                        "checkpoint folder, or 'tiny'.")
+    if (path / MANIFEST).exists():
+        return Entry.resolve(engine=path, device=device)
+    return Entry.resolve(model=path, device=device)
+
+
 def evaluate(engine: Entry, reference: Entry, reqs: list[Request], log=print) -> dict:
     """`reqs` (h3trt/runtime/requests.py: read_eval_requests) through the engine bundle and the reference, on the
-    engine's device, one side in memory at a time."""
+    engine's device, one side in memory at a time. Both sides are checked against every request first (a missing or
+    wrong checkpoint, a bundle not built for a request's task, canvas or schedule), so neither fails after the other
+    ran."""
     if engine.manifest is None:
-        raise ValueError(f"--engine {engine.root} must be a bundle (h3trt build); the reference may be any model.")
+        raise UserError(f"--engine {engine.root} must be a bundle (h3trt build); the reference may be any model.")
     manifest = engine.manifest
     tasks = {r.task == "ref2va" for r in reqs}
     if len(tasks) > 1:
-        raise ValueError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
-                         "them in separate runs.")
+        raise UserError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
+                        "them in separate runs.")
     task = reqs[0].task
+    prepared = [prepare(r) for r in reqs]  # the default canvas: each request's is given or the engine's profile's
+    for source in (engine, reference):
+        source.component_root(task)  # a checkpoint without the task's transformer fails here (CheckpointError)
+        for p in prepared:
+            source.admit(p)
     traces = {}
     for side, source in (("engine", engine), ("reference", reference)):
-        # The requests are prepared with the default canvas (their canvas is given or the engine's profile's).
-        pipeline = source.load(task, CanvasDefaults())
+        pipeline = load_recording(source, task)
         traces[side] = []
-        for i, r in enumerate(reqs):
-            traces[side].append(trace(pipeline, r))
+        for i, p in enumerate(prepared):
+            traces[side].append(trace(pipeline, p))
             log(f"{side}: request {i + 1}/{len(reqs)} done")
         del pipeline  # one side in memory at a time: two full-size DiTs would not fit one GPU
         gc.collect()

@@ -226,7 +226,7 @@ def phase_checkpoint(ctx: Ctx) -> None:
             f"{dit_bytes / 1e9:.1f} GB in {len(shards)} shards, {t_dit:.1f} s ({dit_bytes / 1e9 / t_dit:.2f} GB/s)")
     # 2. VAEs and the text encoder.
     vae_bytes = write_vaes(ctx, part)
-    from h3trt.models.text_encoder import write_tiny_text_encoder
+    from h3trt.models.tiny_text_encoder import write_tiny_text_encoder
 
     if ctx.tiny:
         write_tiny_text_encoder(part, hidden_size=ctx.cfg.text_dim, seed=SEED + 30)

@@ -174,7 +174,7 @@ def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: boo
 
 
 def block_sensitivity(out: Path) -> dict:
-    from h3trt.eval import compare, trace
+    from h3trt.eval import StepRecorder, compare, trace
     from h3trt.models.checkpoint import load_dit
     from h3trt.models.dit import EagerDiT
     from h3trt.models.tiny import ensure_tiny_checkpoint
@@ -184,7 +184,7 @@ def block_sensitivity(out: Path) -> dict:
     from h3trt.calibration.recipe import QuantRecipe
     from h3trt.runtime.loading import eager_components
     from h3trt.runtime.pipeline import H3Pipeline
-    from h3trt.runtime.request import Request
+    from h3trt.runtime.request import Request, prepare
 
     base, source = load_dit(ensure_tiny_checkpoint(), "t2va", torch.bfloat16)
     root = source.component_root
@@ -202,7 +202,8 @@ def block_sensitivity(out: Path) -> dict:
         model = copy.deepcopy(base)
         for i in quantized:
             load_quantized_block(model.blocks[i], model.cfg, recipe, tensors[i])
-        return trace(H3Pipeline(EagerDiT(model), *components, (12.0, 3.0), torch.device("cpu")), request)
+        pipeline = H3Pipeline(StepRecorder(EagerDiT(model)), *components, (12.0, 3.0), torch.device("cpu"))
+        return trace(pipeline, prepare(request))
 
     reference = run([])
     variants = {"all_fp8": list(range(n)), "first_bf16": list(range(1, n)), "last_bf16": list(range(n - 1))}

@@ -52,7 +52,7 @@ from h3trt.models.vae_precision import VAE_PRECISIONS, VAEPrecision, place  # no
 from h3trt.models.video_vae import VideoVAE  # noqa: E402
 from h3trt.calibration.vae_fp8 import quantize_video_decoder  # noqa: E402
 from h3trt.parallel.launch import init_rank, launch  # noqa: E402
-from h3trt.runtime.media import X264_PRESETS  # noqa: E402
+from h3trt.runtime.mp4 import X264_PRESETS  # noqa: E402
 from h3trt.runtime.output import OutputConfig, rgb_to_yuv420  # noqa: E402
 from h3trt.runtime.parallel_vae import TAIL_STEPS, decode_and_write, decode_frames  # noqa: E402
 from h3trt.runtime.files import write_json_atomic  # noqa: E402
@@ -337,7 +337,7 @@ def _compile_decoders(video: VideoVAE, z: torch.Tensor, work: Path, options: dic
     first loaded and checked in a fresh process under the no-compile guard, exactly as `h3trt build` checks a bundle
     before writing it, with the Inductor cache as it stood right after compiling (nothing run or loaded here yet)."""
     from h3trt.build.backends import compile_segment
-    from h3trt.build.builder import video_decoder_specs
+    from h3trt.build.examples import video_decoder_specs
     from h3trt.engines.loaders import load_segment
     from h3trt.engines.video_decoder import parse_video_decoder_name
 
@@ -360,11 +360,11 @@ def _compile_decoders(video: VideoVAE, z: torch.Tensor, work: Path, options: dic
 
 
 def _fresh_process_check(video: VideoVAE, work: Path, entries: dict, examples: dict, specs: dict) -> dict:
-    """h3trt build's step 5 on these segments: `_verify_in_subprocess` over a copy of this process's Inductor cache
+    """h3trt build's step 6 on these segments: `check_in_fresh_process` over a copy of this process's Inductor cache
     (the bundle's inductor_cache/). Whether a full-size decoder compiled here would ship as a loadable bundle."""
     import shutil
 
-    from h3trt.build.builder import BuildError, _verify_in_subprocess
+    from h3trt.build.check import BuildError, check_in_fresh_process
     from h3trt.build.config import BuildConfig
 
     start = time.perf_counter()
@@ -372,7 +372,7 @@ def _fresh_process_check(video: VideoVAE, work: Path, entries: dict, examples: d
     shutil.copytree(cache, work / "inductor_cache", dirs_exist_ok=True)
     config = BuildConfig(work, work / "unused", device=str(video.device.type), vae_precision=video.precision)
     try:
-        _verify_in_subprocess(work, config, entries, examples, specs)
+        check_in_fresh_process(work, config, entries, examples, specs)
         result = {"fresh_process_load": "ok"}
     except BuildError as e:
         result = {"fresh_process_load": "FAILED", "fresh_process_error": str(e)[-1500:]}

@@ -1,8 +1,15 @@
 """Shared test inputs: the random DiT activations every parity test feeds the model (one generator, drawn in the
-order video, audio, text, so a seed reproduces the same tensors wherever it is used)."""
+order video, audio, text, so a seed reproduces the same tensors wherever it is used); small filesystems for the
+hardening tests."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
 import torch
 
 from h3trt.models.config import H3Config
@@ -19,3 +26,32 @@ def dit_inputs(layout: PackedLayout, cfg: H3Config, seed: int = 0, batch: int = 
     text = torch.randn(batch, layout.text_index.numel() if text_rows is None else text_rows, cfg.text_dim,
                        generator=g)
     return video, audio, text
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str, read_only: bool = False):
+    """A small (or read-only) filesystem at `path`: a tmpfs mount as root, chmod otherwise (read-only only)."""
+    path.mkdir()
+    if os.geteuid() != 0:
+        if not read_only:
+            pytest.skip("a small filesystem needs root (mount -t tmpfs)")
+        path.chmod(0o555)
+        yield path
+        path.chmod(0o755)
+        return
+    opts = f"size={size}" + (",ro" if read_only else "")
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
+    if mounted.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=True)
+
+
+def fill_disk(folder: Path) -> None:
+    """Take every byte left on `folder`'s filesystem (a file `filler` in it), as another writer would."""
+    with contextlib.suppress(OSError), open(folder / "filler", "wb") as f:
+        while True:
+            f.write(b"\0" * 65536)
+            f.flush()

@@ -20,6 +20,7 @@ from h3trt.models import attention as attn
 from h3trt.models.attention import attention, check_attention_record, dense_kernel, kernel_problem
 from h3trt.calibration.formats import fp8_scale, quantize_fp8
 from h3trt.calibration.modules import fp8_attention
+from h3trt.errors import UserError
 
 SHAPE = AttentionShape(rows=37_838, heads=28, head_dim=128)
 CUDA = torch.device("cuda")
@@ -71,7 +72,7 @@ def test_auto_leaves_out_and_records_kernels_the_gpu_cannot_run():
     choice = resolve_attention("auto", "bf16", CUDA, SHAPE, measure=timer, problem=no_fa3)
     assert choice.kernel == "cudnn" and list(choice.measured_ms) == ["cudnn"]
     assert "h3trt[fa3]" in choice.unavailable["fa3"]
-    with pytest.raises(RuntimeError, match="no fp8 attention kernel runs on this GPU.*cudnn: x.*fa3: x"):
+    with pytest.raises(UserError, match="no fp8 attention kernel runs on this GPU.*cudnn: x.*fa3: x"):
         resolve_attention("auto", "fp8", CUDA, SHAPE, measure=timer, problem=lambda k, p, d: "x")
 
 
@@ -79,7 +80,7 @@ def test_a_named_kernel_is_checked_not_timed():
     timer = Timer({})
     choice = resolve_attention("fa3", "fp8", CUDA, SHAPE, measure=timer, problem=runs_everything)
     assert (choice.kernel, choice.requested, choice.measured_ms, timer.calls) == ("fa3", "fa3", {}, [])
-    with pytest.raises(RuntimeError, match=r"--attention fa3: .*pip install 'h3trt\[fa3\]'"):
+    with pytest.raises(UserError, match=r"--attention fa3: .*pip install 'h3trt\[fa3\]'"):
         resolve_attention("fa3", "bf16", CUDA, SHAPE, measure=timer,
                           problem=lambda k, p, d: "needs fa3_fwd_interface: pip install 'h3trt[fa3]'")
     with pytest.raises(ValueError, match="fp32 bundle's attention is torch SDPA"):
@@ -95,7 +96,7 @@ def test_a_cpu_build_bakes_its_one_kernel_and_refuses_gpu_kernels():
         "sdpa", "sdpa", "emulated"]
     assert timer.calls == []
     for kernel in ("cudnn", "fa3"):
-        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        with pytest.raises(UserError, match="needs a CUDA GPU"):
             resolve_attention(kernel, "bf16", cpu, SHAPE, measure=timer)
 
 
@@ -135,7 +136,7 @@ def test_requirements_refuse_the_wrong_gpu_and_a_missing_package_naming_the_fix(
     monkeypatch.setattr(attn.importlib, "import_module", without_fa3)
     problem = kernel_problem("fa3", "fp8", CUDA)
     assert "fa3_fwd_interface" in problem and "pip install 'h3trt[fa3]'" in problem
-    with pytest.raises(RuntimeError, match=r"pip install 'h3trt\[fa3\]'"):
+    with pytest.raises(UserError, match=r"pip install 'h3trt\[fa3\]'"):
         check_attention_record({"bf16": {"kernel": "cudnn"}, "fp8": {"kernel": "fa3"}}, CUDA)
     check_attention_record({"bf16": {"kernel": "cudnn"}}, CUDA)
     with pytest.raises(ValueError, match="bf16 attention kernels are"):

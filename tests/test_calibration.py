@@ -181,7 +181,7 @@ def test_onnx_qdq_carries_the_scales_of_the_inductor_modules(name, tiny_root, tm
     import onnx
     from onnx import numpy_helper
 
-    from h3trt.build.builder import example_inputs
+    from h3trt.build.examples import example_inputs
     from h3trt.build.config import Profile
     from h3trt.build.onnx_export import export_graph, segment_graphs
     from h3trt.models.checkpoint import load_dit

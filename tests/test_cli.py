@@ -27,6 +27,14 @@ def readme_run_command() -> str:
     raise AssertionError("README lost its first set-up command")
 
 
+def readme_video_reference_command() -> list[str]:
+    """The README's tiny-model ref2va command with a video reference, without its comment."""
+    for line in README.read_text().splitlines():
+        if line.startswith("h3trt run") and "clip.mp4" in line and "--ref" in line:
+            return shlex.split(line, comments=True)
+    raise AssertionError("README lost its video-reference command")
+
+
 def check_clip(path: Path, frames: int = 124, audio_latents: int = 207, size=(160, 96)):
     info = probe(path)
     assert info["video_codec"] == "h264" and info["pix_fmt"] == "yuv420p"
@@ -84,6 +92,26 @@ def test_ref2va_image_and_audio(tmp_path, tiny_cache):
     assert code == 0
     check_clip(out)
     assert json.loads(out.with_suffix(".json").read_text())["task"] == "ref2va"
+
+
+def test_readme_video_reference_runs_without_torchvision(tmp_path, tiny_cache, monkeypatch):
+    """ref2va with an image and a video reference (a real MP4 with a soundtrack), from the README's install: no
+    torchvision (transformers' Qwen3-VL video processor needs it; h3trt/models/qwen_video.py does not)."""
+    from h3trt.runtime.mp4 import write_mp4
+
+    monkeypatch.chdir(tmp_path)
+    cmd = readme_video_reference_command()
+    assert cmd[:2] == ["h3trt", "run"]
+    _png(tmp_path / "face.png")
+    t = np.arange(30)[:, None, None, None]  # 30 frames at 24 fps: one 22-frame VAE window and two vision blocks
+    frames = np.clip(np.linspace(0, 255, 64)[None, None, :, None] + 5 * t, 0, 255).astype(np.uint8)
+    tone = (0.2 * np.sin(2 * np.pi * 440 * np.arange(32000) / 32000)).astype(np.float32)
+    write_mp4(tmp_path / "clip.mp4", np.broadcast_to(frames, (30, 48, 64, 3)), np.stack([tone, tone]))
+    assert main([*cmd[1:], "--steps", "4", "--quiet"]) == 0
+    out = tmp_path / "ref.mp4"
+    check_clip(out)
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert record["task"] == "ref2va" and record["request"]["refs"] == ["face.png", "clip.mp4"]
 
 
 @pytest.mark.parametrize("extra, message", [

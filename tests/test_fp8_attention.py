@@ -16,6 +16,7 @@ from h3trt.calibration.fp8_attention import (attention_calibration_tensors, cent
                                       fp8_sdpa)
 from h3trt.calibration.modules import fp8_attention
 from h3trt.calibration.recipe import QuantRecipe
+from h3trt.errors import UserError
 
 
 def rel(a, b):
@@ -91,7 +92,7 @@ class _Core(torch.nn.Module):
 def test_kernel_choice_is_explicit_and_refused_where_it_cannot_run(qkv):
     check_attention_kernel("emulated", torch.device("cpu"))
     for kernel in ("cudnn", "fa3"):
-        with pytest.raises(RuntimeError, match="needs a CUDA GPU"):
+        with pytest.raises(UserError, match="needs a CUDA GPU"):
             check_attention_kernel(kernel, torch.device("cpu"))
     (q, k, v), scales = qkv
     q8 = quantize_fp8(q, scales[0])

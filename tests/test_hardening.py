@@ -2,7 +2,6 @@
 Ctrl-C and SIGKILL during decode and mux, a read-only folder, a full disk (at the preflight and while writing), and a
 batch interrupted between requests. Each case: one line, the exit status it promises, nothing half-written left."""
 
-import contextlib
 import glob
 import json
 import os
@@ -15,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from h3trt.cli import main
+
+from helpers import fill_disk, small_filesystem
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--width", "128", "--height", "32", "--steps", "2", "--quiet"]  # the cheapest clip: 5 s, one evaluation
@@ -86,29 +87,9 @@ def test_ctrl_c_and_sigkill_during_decode_leave_nothing(tmp_path, tiny_root, tin
     assert os.listdir(tmp_path) == []
 
 
-@contextlib.contextmanager
-def _tmpfs(path: Path, size: str, read_only: bool = False):
-    """A small (or read-only) filesystem at `path`: a tmpfs mount as root, chmod otherwise (read-only only)."""
-    path.mkdir()
-    if os.geteuid() != 0:
-        if not read_only:
-            pytest.skip("a small filesystem needs root (mount -t tmpfs)")
-        path.chmod(0o555)
-        yield path
-        path.chmod(0o755)
-        return
-    opts = f"size={size}" + (",ro" if read_only else "")
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", opts, "tmpfs", str(path)], capture_output=True)
-    if mounted.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode().strip()}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=True)
-
-
 def test_unwritable_and_full_folders_are_refused_before_any_load(tmp_path, tiny_root, no_model_load, capsys):
-    with _tmpfs(tmp_path / "ro", "1m", read_only=True) as ro, _tmpfs(tmp_path / "small", "300k") as small:
+    with (small_filesystem(tmp_path / "ro", "1m", read_only=True) as ro,
+          small_filesystem(tmp_path / "small", "300k") as small):
         assert main(["run", "--prompt", "x", "--output", str(ro / "c.mp4"), *SMALL]) == 2
         assert main(["run", "--prompt", "x", "--output", str(small / "c.mp4"), *SMALL]) == 2
         requests = tmp_path / "b.jsonl"
@@ -125,13 +106,10 @@ def test_unwritable_and_full_folders_are_refused_before_any_load(tmp_path, tiny_
 def test_a_disk_that_fills_while_writing_is_one_line(tmp_path, tiny_root, tiny_cache):
     """The disk passes the preflight, then another process fills it while the clip is written: one line, exit 1,
     no temporary file, no abort."""
-    with _tmpfs(tmp_path / "disk", "2m") as disk:
+    with small_filesystem(tmp_path / "disk", "2m") as disk:
         run = _start(["--prompt", "a fox", "--output", str(disk / "clip.mp4"), *SMALL], tmp_path, tiny_cache)
         _wait_for(str(disk / ".clip.mp4.*.partial"), run)
-        with contextlib.suppress(OSError), open(disk / "filler", "wb") as f:  # take every byte left
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
+        fill_disk(disk)
         _, stderr = run.communicate(timeout=300)
         err = _errors(stderr)
         assert run.returncode == 1 and len(err) == 1, stderr

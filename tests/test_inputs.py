@@ -1,7 +1,10 @@
 """Every bad input is one line, exit status 2, before any model loads, and leaves no file: seeds, non-UTF-8 text,
-oversized images, outputs that are folders or under files, prompts over the token budget, durations."""
+oversized images, outputs that are folders or under files, prompts over the token budget, durations, non-finite
+guidance and shifts."""
 
 import json
+import os
+import shutil
 import struct
 import zlib
 from pathlib import Path
@@ -43,6 +46,13 @@ def _one_line_refusal(capsys, argv, message, cwd: Path):
     (["--ref", "big.png"], "over h3trt's input limit"),
     (["--prompt", "fox " * (MAX_PROMPT_TOKENS + 1)], f"at most {MAX_PROMPT_TOKENS} tokens"),
     (["--duration", "15"], "takes 5 to 14.375 s"),
+    (["--duration", "4.9"], "Unsupported duration 4.9 s: MiniMax-H3 takes 5 to 14.375 s"),
+    (["--guidance", "nan"], "--guidance must be a finite number >= 1"),
+    (["--guidance", "nan", "--negative-prompt", "blurry"], "--guidance must be a finite number >= 1"),
+    (["--guidance", "inf", "--negative-prompt", "blurry"], "--guidance must be a finite number >= 1"),
+    (["--video-shift", "nan"], "--video-shift must be a positive finite number (the checkpoint's is 12), got nan"),
+    (["--audio-shift", "inf"], "--audio-shift must be a positive finite number (the checkpoint's is 3), got inf"),
+    (["--video-shift", "0"], "--video-shift must be a positive finite number"),
     (["--width", "-32", "--height", "96"], "(for example 32x96)"),
 ])
 def test_bad_request_is_one_line_before_any_load(tmp_path, tiny_root, no_model_load, capsys, monkeypatch, extra, message):
@@ -118,3 +128,43 @@ def test_an_out_dir_that_is_a_file_is_refused(tmp_path, tiny_root, no_model_load
     _one_line_refusal(capsys, ["run", "--requests", str(path), "--out-dir", "out", "--quiet"],
                       "--out-dir out is a file", tmp_path)
     assert (tmp_path / "out").read_text() == "a file"
+
+
+@pytest.mark.parametrize("damaged", ["text_encoder/model.safetensors", "tokenizer/tokenizer.json",
+                                     "processor/video_preprocessor_config.json"])
+def test_a_truncated_text_encoder_file_is_one_line_naming_it(tmp_path, tiny_root, capsys, monkeypatch, damaged):
+    """A `--model` folder whose conditioner file was cut short (an interrupted copy): one line naming the file and
+    the fix, not transformers' traceback."""
+    monkeypatch.chdir(tmp_path)
+    model = tmp_path / "model"
+    shutil.copytree(tiny_root, model)
+    path = model / "FL2VA" / damaged
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size // 2)
+    err = _one_line_refusal(capsys, ["run", "--prompt", "x", "--output", "out.mp4", "--quiet", "--model", str(model)],
+                            f"{path} is not ", tmp_path)
+    assert "download or copy it again" in err
+
+
+@pytest.mark.parametrize("source", ["bom", "pipe"])
+def test_a_requests_file_with_a_bom_or_from_a_pipe_is_read(tmp_path, tiny_root, no_model_load, capsys, monkeypatch,
+                                                           source):
+    """`--requests` from a file saved with a UTF-8 byte-order mark, or from a pipe (`--requests <(...)`: /dev/fd/N,
+    not a regular file), reaches the next check (here: an --out-dir that is a file), the whole file parsed."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out").write_text("a file")
+    content = json.dumps({"id": "a", "task": "t2va", "prompt": "x"}).encode() + b"\n"
+    if source == "bom":
+        (tmp_path / "b.jsonl").write_bytes(b"\xef\xbb\xbf" + content)
+        requests = "b.jsonl"
+    else:
+        read_fd, write_fd = os.pipe()
+        os.write(write_fd, content)
+        os.close(write_fd)
+        requests = f"/dev/fd/{read_fd}"
+    try:
+        _one_line_refusal(capsys, ["run", "--requests", requests, "--out-dir", "out", "--quiet"],
+                          "--out-dir out is a file", tmp_path)
+    finally:
+        if source == "pipe":
+            os.close(read_fd)

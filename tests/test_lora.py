@@ -19,6 +19,7 @@ from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_c
 from diffusers.utils.peft_utils import get_peft_kwargs
 from safetensors.torch import save_file
 
+from h3trt.cli import main
 from h3trt.models.checkpoint import interleave_qkv
 from h3trt.models.checkpoint_writer import random_state_dict
 from h3trt.models.config import H3Config
@@ -171,6 +172,19 @@ def check_close(a, b, base):
         assert (want - before).abs().max().item() > 100 * REL_TOL * scale, "the LoRA changed nothing"
 
 
+def merged_like_diffusers(path, weights, scale=0.8) -> list[dict]:
+    """Merge the LoRA file at `scale` into the FL2VA weights and load it into diffusers' model as a peft adapter
+    at that strength; the two forwards must agree. Returns h3trt's LoRA records."""
+    base, _ = h3trt_model(weights["FL2VA"], [])
+    ours, records = h3trt_model(weights["FL2VA"], [LoraSpec(path, scale)])
+    ref = diffusers_model(weights["FL2VA"])
+    ReferencePipe(ref).load_lora_weights(str(path), adapter_name="x")
+    ref.set_adapters(["x"], [scale])
+    a, b = forward_both(ours, ref)
+    check_close(a, b, forward_both(base, ref)[0])
+    return records
+
+
 @pytest.mark.parametrize("name", sorted(FORMATS))
 def test_merged_model_matches_diffusers_with_the_lora_loaded(name, weights, tmp_path):
     build, meta = FORMATS[name]
@@ -178,14 +192,24 @@ def test_merged_model_matches_diffusers_with_the_lora_loaded(name, weights, tmp_
     if meta == "adapter":
         meta = adapter_metadata(tensors)
     path = write(tmp_path / f"{name}.safetensors", tensors, meta)
-    base, _ = h3trt_model(weights["FL2VA"], [])
-    ours, records = h3trt_model(weights["FL2VA"], [LoraSpec(path, 0.8)])
-    ref = diffusers_model(weights["FL2VA"])
-    ReferencePipe(ref).load_lora_weights(str(path), adapter_name="x")
-    ref.set_adapters(["x"], [0.8])
-    a, b = forward_both(ours, ref)
-    check_close(a, b, forward_both(base, ref)[0])
+    records = merged_like_diffusers(path, weights)
     assert records[0]["scale"] == 0.8 and len(records[0]["sha256"]) == 64 and records[0]["partition"] == "FL2VA"
+
+
+def test_a_metadata_alpha_that_is_not_a_number_is_ignored_as_diffusers_ignores_it(weights, tmp_path, capsys):
+    """diffusers warns and loads such a file with alpha == rank; h3trt merges it the same way, says so on stderr and
+    records the rule it used (the record reaches the manifest and each clip's JSON)."""
+    path = write(tmp_path / "odd_alpha.safetensors", fmt_original(original_factors(6), "diffusion_model."),
+                 {"alpha": "sixteen"})
+    records = merged_like_diffusers(path, weights)
+    assert "'sixteen' is not a number" in records[0]["alpha"] and "alpha == rank" in records[0]["alpha"]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("h3trt: warning: --lora") and "'sixteen'" in err[0]
+
+    # NaN parses as a float: diffusers would scale every module by it; h3trt refuses the file.
+    nan = write(tmp_path / "nan_alpha.safetensors", fmt_original(original_factors(6)), {"alpha": "nan"})
+    with pytest.raises(LoraError, match="alpha = 'nan'.*non-finite"):
+        h3trt_model(weights["FL2VA"], [LoraSpec(nan)])
 
 
 def test_two_loras_and_the_ref2va_partition(weights, tmp_path):
@@ -233,3 +257,15 @@ def test_lora_spec_parsing(tmp_path):
     assert str(LoraSpec.parse("C:/x.safetensors").path) == "C:/x.safetensors"
     with pytest.raises(LoraError, match="does not exist"):
         h3trt_model(random_state_dict(CFG, 0), [LoraSpec(tmp_path / "missing.safetensors")])
+
+
+@pytest.mark.parametrize("scale", ["nan", "inf", "-inf"])
+def test_a_scale_that_is_not_finite_says_so(scale, capsys):
+    """`f.safetensors:nan` is a scale that is not finite, not a file named that (which then "does not exist")."""
+    with pytest.raises(LoraError, match="the scale must be a finite number"):
+        LoraSpec.parse(f"f.safetensors:{scale}")
+    with pytest.raises(SystemExit) as exit_:  # the CLI's argparse type: its message, not "invalid parse value"
+        main(["run", "--prompt", "x", "--output", "x.mp4", "--lora", f"f.safetensors:{scale}"])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert "the scale must be a finite number" in err and "does not exist" not in err

@@ -1,4 +1,4 @@
-"""h3trt.runtime.media: MP4 output checked by decoding it back, and the input readers' errors.
+"""h3trt.runtime.mp4 and h3trt.runtime.media: MP4 output checked by decoding it back, and the input readers' errors.
 
 Tolerances (measured with PyAV 18.1's bundled FFmpeg / libx264, CRF 18):
 - Audio: AAC output is never shorter than the samples written and at most one AAC frame (1024 samples = 32 ms at
@@ -22,7 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
-from h3trt.runtime.media import MediaError, Mp4Writer, probe, read_audio, read_image, read_video, write_mp4
+from h3trt.runtime.media import MediaError, probe, read_audio, read_image, read_video
+from h3trt.runtime.mp4 import Mp4Writer, write_mp4
 
 FPS, RATE = 24, 32000
 T, W, H = 22, 64, 96  # 64x96 is width x height

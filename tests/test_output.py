@@ -11,7 +11,7 @@ import pytest
 import torch
 from av.video.reformatter import ColorRange, Colorspace, Interpolation
 
-from h3trt.runtime.media import X264_PRESETS
+from h3trt.runtime.mp4 import X264_PRESETS
 from h3trt.runtime.output import OutputConfig, PipelinedWriter, rgb_to_yuv420
 
 H, W, T = 96, 160, 12

@@ -451,11 +451,13 @@ def _diffusers_duration_rule(seconds):
 
 
 def test_frames_for_duration_matches_diffusers_rule():
-    seconds = [s / 8 for s in range(24, 136)] + [5.1, 7.3, 10.01, 14.37, 14.375, 14.376, 4.9999]
+    """Within the stated range (from 5 s) the frame count is diffusers'. Below it h3trt refuses what diffusers' rule,
+    which checks the frame count once rounded up, lets through (4.9 s: 118 frames, rounded up to 124)."""
+    seconds = [s / 8 for s in range(24, 136)] + [5.1, 7.3, 10.01, 14.37, 14.375, 14.376, 4.9999, 4.9]
     accepted = 0
     for s in seconds:
         expected = _diffusers_duration_rule(s)
-        if expected is None:
+        if expected is None or s < 5:
             with pytest.raises(ValueError, match="Unsupported duration"):
                 frames_for_duration(s)
         else:
@@ -468,10 +470,11 @@ def test_frames_for_duration_known_values_and_errors():
     assert frames_for_duration(5) == 124
     assert frames_for_duration(5.0) == 124
     assert frames_for_duration(14.375) == 345  # the longest clip: 20 * 17 + 5 frames
-    for bad in (3, 16, 15.5):
+    for bad in (3, 16, 15.5, 4.9, 4.9999, 14.376):
         with pytest.raises(ValueError, match="Unsupported duration") as e:
             frames_for_duration(bad)
-        assert "124 to 345 frames" in str(e.value)
+        assert "takes 5 to 14.375 s" in str(e.value) and "124 to 345 frames" in str(e.value)
+    assert _diffusers_duration_rule(4.9) == 124  # the reference's frame rule would round 4.9 s into range
     for bad in (0, -1, float("nan"), float("inf")):
         with pytest.raises(ValueError, match="positive number of seconds"):
             frames_for_duration(bad)

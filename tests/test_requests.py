@@ -3,7 +3,11 @@ closed choices: pure parsing, no model, no compiler (milliseconds each)."""
 
 from __future__ import annotations
 
+import codecs
 import json
+import os
+import threading
+from pathlib import Path
 
 import pytest
 
@@ -14,7 +18,8 @@ from h3trt.models.precision import Precision
 from h3trt.models.sampler import DEFAULT_SEED, DEFAULT_STEPS
 from h3trt.runtime.batch_file import parse_requests
 from h3trt.runtime.entry import TINY_CANVAS, Entry
-from h3trt.runtime.requests import EVAL_REQUIRED, RequestsFileError, read_eval_requests, read_request_file
+from h3trt.runtime.requests import (EVAL_REQUIRED, RUN_REQUIRED, RequestsFileError, read_eval_requests,
+                                   read_request_file)
 
 pytestmark = pytest.mark.unit
 
@@ -98,6 +103,48 @@ def test_run_requires_id_and_task_eval_does_not(tmp_path):
     assert [r.prompt for r in read_eval_requests(path, Manifest.from_dict(_manifest_dict()))] == ["a fox"]
     with pytest.raises(RequestsFileError, match=r"r.jsonl:1: missing \['id', 'task'\]"):
         parse_requests(path, TINY_CANVAS)
+
+
+def test_a_byte_order_mark_is_skipped(tmp_path):
+    """Editors on Windows save UTF-8 with a byte-order mark; Python's JSON parser refuses it ("Unexpected UTF-8 BOM")."""
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(codecs.BOM_UTF8 + b'{"id": "a", "task": "t2va", "prompt": "caf\xc3\xa9"}\n'
+                     b'{"id": "b", "task": "t2va", "prompt": "b"}\n')
+    lines = read_request_file(path, RUN_REQUIRED)
+    assert [(line.line, line.id, line.request.prompt) for line in lines] == [(1, "a", "caf\u00e9"), (2, "b", "b")]
+
+
+def _pipe_path(content: bytes) -> str:
+    """A real pipe, as `--requests <(...)` hands it over: /dev/fd/N of the read end, the writer done and closed."""
+    read_fd, write_fd = os.pipe()
+    os.write(write_fd, content)
+    os.close(write_fd)
+    return f"/dev/fd/{read_fd}"
+
+
+def test_a_pipe_is_read_once_and_its_paths_are_relative_to_the_current_folder(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    path = _pipe_path(b'{"id": "k", "task": "fl2va", "prompt": "a fox", "image": "first.png"}\n')
+    try:
+        (line,) = read_request_file(Path(path), RUN_REQUIRED)
+    finally:
+        os.close(int(path.rsplit("/", 1)[1]))
+    assert line.request.image == tmp_path / "first.png"
+
+    fifo = tmp_path / "requests.fifo"  # a named pipe: read once too
+    os.mkfifo(fifo)
+    # The writer blocks until a reader opens the pipe: a daemon, so a reader that never opens it cannot hang pytest.
+    writer = threading.Thread(target=fifo.write_bytes, args=(b'{"prompt": "a fox"}\n',), daemon=True)
+    writer.start()
+    assert [r.request.prompt for r in read_request_file(fifo, EVAL_REQUIRED)] == ["a fox"]
+    writer.join(timeout=10)
+
+
+def test_a_folder_or_missing_file_is_named(tmp_path):
+    with pytest.raises(RequestsFileError, match="no such requests file"):
+        read_request_file(tmp_path / "missing.jsonl", RUN_REQUIRED)
+    with pytest.raises(RequestsFileError, match="is a folder"):
+        read_request_file(tmp_path, RUN_REQUIRED)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

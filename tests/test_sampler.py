@@ -65,7 +65,8 @@ def test_set_shift_override_matches():
     assert not torch.equal(shifted_sigmas(10, 12.0), d.sigmas)
 
 
-@pytest.mark.parametrize("steps,shift", [(1, 12.0), (0, 3.0), (10, 0.0), (10, -1.0)])
+@pytest.mark.parametrize("steps,shift", [(1, 12.0), (0, 3.0), (10, 0.0), (10, -1.0), (10, float("nan")),
+                                         (10, float("inf"))])
 def test_schedule_rejects_bad_arguments(steps, shift):
     with pytest.raises(ValueError):
         shifted_sigmas(steps, shift)

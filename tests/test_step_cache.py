@@ -20,6 +20,7 @@ from diffusers.hooks._helpers import TransformerBlockMetadata, TransformerBlockR
 from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 
+from h3trt.errors import UserError
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
@@ -172,6 +173,11 @@ def test_cache_options_are_validated():
         StepCacheConfig("teacache", 0.1)
     with pytest.raises(ValueError, match=">= 0"):
         StepCacheConfig("first-block", -1.0)
+    for ratios, named in (((-1.0, 0.0, float("inf")), r"not -1.0 \(#1\), 0.0 \(#2\), inf \(#3\)"),
+                          ((1.0, float("inf")), r"not inf \(#2\)"), ((0.99, float("nan")), r"not nan \(#2\)"),
+                          ((), "and at least one")):
+        with pytest.raises(UserError, match="--mag-ratios must be finite positive numbers, " + named):
+            StepCacheConfig("mag", 0.06, ratios)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

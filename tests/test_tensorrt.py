@@ -39,7 +39,7 @@ from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx  # noqa: E40
 from polygraphy.common import TensorMetadata  # noqa: E402
 from polygraphy.comparator import Comparator, L2CompareFunc  # noqa: E402
 
-from h3trt.build.builder import example_inputs
+from h3trt.build.examples import example_inputs
 from h3trt.build.config import Profile
 from h3trt.build.onnx_export import export_graph, segment_graphs
 from h3trt.build.tensorrt import TrtFlavour, build_plan, build_plans, input_shapes, parse_targets, shape_ranges

@@ -19,12 +19,20 @@ from pathlib import Path
 from h3trt.models import tiny
 
 def slow_build(root):
+    # Build until the other process has started (it writes its marker before it asks for the model), so it must find
+    # this build under way and wait, however the two processes are scheduled.
+    others = [p for p in Path(sys.argv[1]).parent.glob("started-*") if p.name != f"started-{sys.argv[2]}"]
+    deadline = time.monotonic() + 30
+    while not others and time.monotonic() < deadline:
+        time.sleep(0.05)
+        others = [p for p in Path(sys.argv[1]).parent.glob("started-*") if p.name != f"started-{sys.argv[2]}"]
     time.sleep(0.5)
     (root / "weights.bin").write_bytes(sys.argv[2].encode())
     (root / "h3trt_tiny.json").write_text("{}")
     return root
 
 tiny.write_tiny_checkpoint = slow_build
+(Path(sys.argv[1]).parent / f"started-{sys.argv[2]}").write_text("")
 target = tiny.ensure_tiny_checkpoint(Path(sys.argv[1]))
 print((target / "weights.bin").read_text())
 """

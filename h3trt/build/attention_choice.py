@@ -5,7 +5,8 @@ on random q/k/v of the bundle's own attention shape: all rows of its longest pro
 over (N / sp under Ulysses: the exchange hands each rank every row of its head group), head dim 128; the fastest
 wins. A kernel the GPU cannot run (package missing, wrong arch) is left out of the race, and the manifest records
 why, beside every time measured. On a CPU there is one kernel per precision (sdpa, or the FP8 emulation), so
-nothing is timed. A named kernel is checked, not timed: a GPU that cannot run it refuses the build.
+nothing is timed. A named kernel is checked, not timed: a GPU that cannot run it refuses the build (a UserError: the
+user picks another kernel, device or package).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS, attention, cpu_kernel, gpu_candidates, kernel_problem
 from ..models.precision import ATTENTION_PRECISIONS, Precision
 from ..calibration.formats import fp8_scale, quantize_fp8
@@ -70,16 +72,16 @@ def resolve_attention(requested: str, precision: Precision, device: torch.device
     """The kernel a build bakes for `precision` on `device`. `measure(kernel, precision, shape, device)` -> ms and
     `problem` (why a kernel cannot run here, or None) are parameters so the choice is testable without a GPU."""
     if requested not in ATTENTION_REQUESTS:
-        raise ValueError(f"--attention must be one of {ATTENTION_REQUESTS}, got {requested!r}.")
+        raise UserError(f"--attention must be one of {ATTENTION_REQUESTS}, got {requested!r}.")
     device = torch.device(device)
     measure = measure or measure_kernel_ms
     if requested != "auto":
         if precision == Precision.FP32:
-            raise ValueError(f"--attention {requested} runs bf16 (or FP8) q/k/v; an fp32 bundle's attention is torch "
+            raise UserError(f"--attention {requested} runs bf16 (or FP8) q/k/v; an fp32 bundle's attention is torch "
                              "SDPA. Use --attention auto with --precision fp32.")
         reason = problem(requested, precision, device)
         if reason is not None:
-            raise RuntimeError(f"--attention {requested}: {reason}")
+            raise UserError(f"--attention {requested}: {reason}")
         return AttentionChoice(precision, requested, requested, shape)
     if device.type != "cuda":
         return AttentionChoice(precision, cpu_kernel(precision), requested, shape)
@@ -88,7 +90,8 @@ def resolve_attention(requested: str, precision: Precision, device: torch.device
     runnable = [k for k in candidates if k not in unavailable]
     if not runnable:
         listed = "; ".join(f"{k}: {r}" for k, r in unavailable.items())
-        raise RuntimeError(f"no {precision} attention kernel runs on this GPU ({listed}).")
+        raise UserError(f"no {precision} attention kernel runs on this GPU ({listed}); apply one of those fixes, or "
+                        "build on a GPU that runs one.")
     measured = {k: round(float(measure(k, precision, shape, device)), 3) for k in runnable}
     fastest = min(runnable, key=lambda k: (measured[k], runnable.index(k)))  # ties: the table's order
     return AttentionChoice(precision, fastest, requested, shape, measured, unavailable)

@@ -23,7 +23,7 @@ from ..models.block_stack import run_block_stack
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
-from .manifest import BundleError, Manifest, check_environment, hash_threads, read_manifest, structure_problems
+from .manifest import BundleError, Manifest, device_arch, hash_threads, read_manifest, structure_problems
 from .signing import read_trusted_manifest
 from .tensorrt_runtime import load_trt_engine
 from .verified import VerifiedRecord, identity
@@ -108,10 +108,14 @@ class Engine:
     which continues in the background after `load` returns."""
 
     def __init__(self, root: Path, manifest: Manifest, dit: EngineDiT, segments: dict[str, LoadedSegment],
-                 load_report: dict | None = None, verification: "BundleVerification | None" = None):
+                 load_report: dict | None = None, verification: "BundleVerification | None" = None,
+                 compiled_video_decoder: bool = True):
+        """`compiled_video_decoder` False: the bundle has none (a TensorRT bundle's plans cover the DiT only), and
+        `video_decoders` answers None, which VideoVAE takes as "decode eagerly"."""
         self.root, self.manifest, self.dit, self.segments = Path(root), manifest, dit, segments
         self.load_report = load_report or {}
         self.verification = verification
+        self.compiled_video_decoder = compiled_video_decoder
 
     def component_ready(self, component: str) -> None:
         """Block until every file under `component`/ matched the manifest; raise BundleError if one did not."""
@@ -119,9 +123,11 @@ class Engine:
             self.verification.wait_prefix(component.rstrip("/") + "/")
 
 
-    def video_decoders(self, vae) -> dict[tuple[int, int, int], TileDecoder]:
+    def video_decoders(self, vae) -> dict[tuple[int, int, int], TileDecoder] | None:
         """The compiled tile decoders, by (window latents, tile h, tile w), bound to `vae`'s tensors (the VAE loaded
-        at the bundle's --vae-precision: its weights are the compiled segments' inputs)."""
+        at the bundle's --vae-precision: its weights are the compiled segments' inputs); None without any."""
+        if not self.compiled_video_decoder:
+            return None
         parts: dict[tuple[int, int, int], dict[str, str]] = {}
         for name in self.manifest.segments:
             parsed = parse_video_decoder_name(name)
@@ -164,7 +170,7 @@ class Engine:
                 check_attention_record(attention, device)
             elif quant.get("fp8_attention"):
                 check_attention_kernel(quant["attention_kernel"], device)
-        except (ValueError, RuntimeError) as e:
+        except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
             raise BundleError(f"{root}: {e}") from e
         problems = structure_problems(root, manifest)
         if problems:
@@ -219,6 +225,43 @@ class Engine:
             "total_s": round(end - t0, 4),
         }
         return cls(root, manifest, dit, segments, report, verification)
+
+
+def check_process_gpu(device: torch.device) -> None:
+    """Compiled code runs on the process's cuda:0 only: Inductor's saved wrapper names the device it was compiled on,
+    and h3trt always compiles and serves on cuda:0, making each rank's own GPU its cuda:0 (h3trt/parallel/devices.py).
+    Refuse any other device index rather than launch kernels on the wrong GPU."""
+    if device.type != "cuda":
+        return
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index != 0:
+        raise BundleError(f"A bundle serves on its process's cuda:0, not cuda:{index}: its compiled code launches on "
+                          "device 0. Use `h3trt run --device cuda:N` or --gpus/torchrun (they make the chosen GPU the "
+                          "process's cuda:0), or start the process with CUDA_VISIBLE_DEVICES listing that GPU first.")
+
+
+def check_environment(manifest: Manifest, device: torch.device, mesh=None) -> None:
+    """Refuse a bundle built for another GPU, torch version or mesh (`mesh`: the launched MeshConfig; None: one
+    process)."""
+    built = manifest.versions.get("torch")
+    if built != torch.__version__:
+        raise BundleError(f"This bundle was built with torch {built}; this process runs torch {torch.__version__}. "
+                          "Compiled code is specific to the torch version: rebuild the bundle on this image "
+                          "(h3trt build ...).")
+    check_process_gpu(device)
+    arch = device_arch(device)
+    if manifest.arch != arch:
+        raise BundleError(f"This bundle was built for {manifest.arch}; this device is {arch} ({device}). Rebuild "
+                          f"it on a {arch} machine, or run it on {manifest.arch}.")
+    want = manifest.mesh
+    replica, cfg, sp = (mesh.replica, mesh.cfg, mesh.sp) if mesh is not None else (1, 1, 1)
+    if (want.sp, want.cfg) != (sp, cfg):
+        group = want.sp * want.cfg
+        raise BundleError(f"This bundle was built for sp={want.sp} x cfg={want.cfg} ({group} rank(s) per "
+                          f"replica, {want.heads_per_rank} heads per rank); the job was launched as "
+                          f"replica({replica}) x cfg({cfg}) x sp({sp}). Launch a multiple of {group} ranks (h3trt "
+                          f"run --gpus {group}, or torchrun) with --sp {want.sp} --cfg {want.cfg}, or rebuild "
+                          f"with h3trt build --sp {sp} --cfg {cfg}.")
 
 
 def _settle(future: Future, error: BaseException | None) -> None:

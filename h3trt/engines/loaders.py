@@ -5,10 +5,8 @@ builder's fresh-process check of one in the making (h3trt/build/verify.py).
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
-import tempfile
 from pathlib import Path
 
 import torch
@@ -18,6 +16,7 @@ from safetensors.torch import load_file
 # that loads segments (serving, the build's fresh-process check) must have it.
 from ..calibration import fp8_attention  # noqa: F401
 from .guard import no_compile
+from .private_cache import make_private_cache, remove_leftover_caches
 
 
 class LoadedSegment:
@@ -48,7 +47,9 @@ _ACTIVE_CACHE: dict[str, str] = {}
 
 def activate_compiled_cache(root: Path) -> None:
     """Point Inductor at a private copy of the bundle's compiled binaries (a process-wide setting: one bundle's cache
-    per process), and skip the precompiled-header step, which would run the C++ preprocessor on a cache hit."""
+    per process), and skip the precompiled-header step, which would run the C++ preprocessor on a cache hit. Every
+    bundle load first removes the private copies that killed processes left (engines/private_cache.py)."""
+    remove_leftover_caches()
     src = Path(root) / "inductor_cache"
     if not src.is_dir():
         return
@@ -58,10 +59,9 @@ def activate_compiled_cache(root: Path) -> None:
     import torch._inductor.codecache as codecache
     from torch._inductor.utils import clear_caches
 
-    tmp = tempfile.mkdtemp(prefix="h3trt-engine-cache-")
+    tmp = make_private_cache()  # removed at exit and on SIGTERM; a SIGKILLed process's by the next load
     shutil.copytree(src, tmp, dirs_exist_ok=True)
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tmp
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(tmp)
     # The C++ kernels ship compiled; Inductor would still run the preprocessor over its precompiled header on every
     # first load to checksum it. The header only matters for compiling, which a served bundle never does.
     codecache._precompile_header = _no_precompiled_header

@@ -1,5 +1,5 @@
-"""The bundle manifest: what was built, for what, and the sha256 of every chunk of every file; and the checks a load
-applies.
+"""The bundle manifest: what was built, for what, and the sha256 of every chunk of every file; and the checks of its
+files and of a request against it (the device and mesh checks of a load are bundle.py's).
 
 Files are hashed in chunks of `hash_chunk_bytes` (64 MiB), each with its own sha256, so that a load verifies a file
 on as many cores as it reads it with, while it reads it (`weights_io.read_safetensors`), instead of one core
@@ -17,7 +17,7 @@ import json
 import os
 import platform
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -53,11 +53,13 @@ class ScheduleRecord:
 
 @dataclass(frozen=True)
 class MeshRecord:
-    """The mesh baked into the segments: sp fixes each rank's heads; any number of replicas may serve it."""
+    """The mesh baked into the segments: sp fixes each rank's heads (the block halves' buffer layout is static), the
+    rows per rank stay symbolic; any number of replicas may serve it (a replica group is one more copy of the ranks)."""
 
     cfg: int
     sp: int
     heads_per_rank: int
+    rows_per_rank: str = "ceil(S / sp), symbolic"  # for the reader: S is a request's packed length
 
 
 @dataclass(frozen=True)
@@ -77,6 +79,19 @@ class AdalnRecord:
 
     baked: bool
     timesteps: int | None = None  # baked only: the table rows
+    adaln_weight_bytes: int | None = None  # baked only: the adaln_proj weights left out
+    table_bytes: int | None = None  # baked only: the tables that replace them
+    bytes_saved: int = 0  # adaln_weight_bytes - table_bytes (negative for a model as small as the tiny one)
+
+
+@dataclass(frozen=True)
+class VideoDecoderRecord:
+    """How the compiled video decoder serves (h3trt/engines/video_decoder.py)."""
+
+    cuda_graph: bool  # each compiled tile decoder as one CUDA graph replay (ignored on the CPU)
+    inductor_options: dict = field(default_factory=dict)  # over the DiT's, what its segments compiled with
+    fp8: dict | None = None  # --vae-precision fp8: how its linears execute
+    segments: str = "in + block (one compiled block serves every layer) + out, per tile shape"
 
 
 @dataclass(frozen=True)
@@ -90,10 +105,10 @@ class FileRecord:
 @dataclass(frozen=True)
 class Manifest:
     """A bundle's manifest.json, typed: parsed and validated once (`from_dict`, through `parse_manifest`), read by
-    attribute everywhere else. `raw` is the JSON object as read: the hashes (manifest_sha256, files_sha256) and
-    `h3trt inspect` are computed from it, so nothing about the file's bytes depends on this class."""
+    attribute everywhere else; the builder constructs one and `write_manifest` serializes it (`to_dict`, the inverse
+    of `from_dict`). `raw` is the JSON object as read or written: the hashes (manifest_sha256, files_sha256) and
+    `h3trt inspect` are computed from it."""
 
-    raw: dict = field(repr=False, compare=False)
     backend: str  # one of BACKENDS
     precision: Precision  # one of DIT_PRECISIONS
     task: str  # the partition it was built from (t2va/fl2va: FL2VA, ref2va: Ref2VA)
@@ -114,12 +129,14 @@ class Manifest:
     quant: dict | None  # fp8/nvfp4: the recipe, the calibration record, which segment serves each layer
     attention: dict | None  # precision -> the attention kernel chosen at build time
     vae_precision: Precision  # one of VAE_PRECISIONS: the compiled video decoder's
-    video_decoder_cuda_graph: bool  # serve each compiled tile decoder as one CUDA graph replay
+    video_decoder: VideoDecoderRecord
     loras: tuple[dict, ...]  # the LoRAs merged at build time
     tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
-    files: dict[str, FileRecord]
-    hash_chunk_bytes: int
-    manifest_sha256: str
+    # Filled by write_manifest, from the files and the content:
+    files: dict[str, FileRecord] = field(default_factory=dict)
+    hash_chunk_bytes: int = HASH_CHUNK_BYTES
+    manifest_sha256: str = ""
+    raw: dict = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def device_type(self) -> str:
@@ -128,6 +145,24 @@ class Manifest:
     @property
     def total_bytes(self) -> int:
         return sum(f.bytes for f in self.files.values())
+
+    @property
+    def video_decoder_cuda_graph(self) -> bool:
+        return self.video_decoder.cuda_graph
+
+    def to_dict(self) -> dict:
+        """The manifest.json object: every field, as `from_dict` reads it back (None-valued record fields and an
+        absent tensorrt record are left out)."""
+        data = {"format_version": FORMAT_VERSION, **{f: getattr(self, f) for f in _PLAIN_FIELDS}}
+        data.update(
+            tasks=list(self.tasks), model_config=self.model_config.to_dict(), schedule=asdict(self.schedule),
+            adaln={k: v for k, v in asdict(self.adaln).items() if v is not None},
+            profiles=[asdict(p) for p in self.profiles], mesh=asdict(self.mesh), loras=list(self.loras),
+            video_decoder=asdict(self.video_decoder),
+            files={rel: {"bytes": f.bytes, "sha256_chunks": list(f.sha256_chunks)} for rel, f in self.files.items()})
+        if self.tensorrt is not None:
+            data["tensorrt"] = self.tensorrt
+        return data
 
     @classmethod
     def from_dict(cls, data: dict, where: Path | str = MANIFEST) -> "Manifest":
@@ -146,17 +181,22 @@ class Manifest:
             model_config=top.model_config("model_config"), checkpoint=top.get("checkpoint", dict),
             schedule=ScheduleRecord(schedule.get("steps", int), schedule.get("video_shift", float),
                                     schedule.get("audio_shift", float)),
-            adaln=AdalnRecord(adaln.get("baked", bool), adaln.get("timesteps", int, optional=True)),
+            adaln=AdalnRecord(adaln.get("baked", bool), *(adaln.get(k, int, optional=True) for k in (
+                "timesteps", "adaln_weight_bytes", "table_bytes")), adaln.get("bytes_saved", int, optional=True) or 0),
             profiles=tuple(ProfileRecord(p.get("width", int), p.get("height", int), p.get("seconds", float),
                                          p.get("num_frames", int))
                            for p in (top.item("profiles", i, entry) for i, entry in enumerate(profiles))),
-            mesh=MeshRecord(mesh.positive("cfg"), mesh.positive("sp"), mesh.positive("heads_per_rank")),
+            mesh=MeshRecord(mesh.positive("cfg"), mesh.positive("sp"), mesh.positive("heads_per_rank"),
+                            mesh.get("rows_per_rank", str, optional=True) or MeshRecord.rows_per_rank),
             arch=top.get("arch", str), device=top.get("device", str), versions=top.get("versions", dict),
             segments=top.get("segments", dict), weight_bytes=top.get("weight_bytes", dict),
             build_timings_s=top.get("build_timings_s", dict), tiny=top.get("tiny", bool),
             quant=top.get("quant", dict, optional=True), attention=top.get("attention", dict, optional=True),
             vae_precision=Precision(top.choice("vae_precision", VAE_PRECISIONS)),
-            video_decoder_cuda_graph=decoder.get("cuda_graph", bool),
+            video_decoder=VideoDecoderRecord(
+                decoder.get("cuda_graph", bool), decoder.get("inductor_options", dict, optional=True) or {},
+                decoder.get("fp8", dict, optional=True),
+                decoder.get("segments", str, optional=True) or VideoDecoderRecord.segments),
             loras=tuple(top.get("loras", list, optional=True) or ()),
             tensorrt=top.get("tensorrt", dict, optional=True),
             files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
@@ -166,6 +206,10 @@ class Manifest:
         return manifest
 
 
+# Manifest fields written to JSON as they are (the others: records, tuples and the model config, in to_dict).
+_PLAIN_FIELDS = ("backend", "precision", "task", "checkpoint", "arch", "device", "versions", "segments", "weight_bytes",
+                 "build_timings_s", "tiny", "quant", "attention", "vae_precision", "hash_chunk_bytes",
+                 "manifest_sha256")
 _KINDS = {str: "a string", int: "an integer", float: "a number", bool: "true or false", dict: "an object",
           list: "a list"}
 
@@ -274,16 +318,18 @@ def content_sha256(data: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
-def write_manifest(root: Path, data: dict) -> "Manifest":
-    """Hash every file under `root` into `data` and write it as ROOT/manifest.json, parsed first: a manifest this
-    reader would refuse is never written."""
-    data = dict(data, format_version=FORMAT_VERSION, hash_chunk_bytes=HASH_CHUNK_BYTES, files=hash_tree(root))
+def write_manifest(root: Path, manifest: Manifest) -> Manifest:
+    """Hash every file under `root` into `manifest`, serialize it (`to_dict`) as ROOT/manifest.json, and return it as
+    read back from those bytes (`parse_manifest`): a manifest this reader would refuse is never written."""
+    files = {rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in hash_tree(root).items()}
+    data = replace(manifest, files=files, hash_chunk_bytes=HASH_CHUNK_BYTES).to_dict()
     data["manifest_sha256"] = content_sha256(data)
-    manifest = Manifest.from_dict(data, Path(root) / MANIFEST)
+    text = json.dumps(data, indent=1).encode()
+    written = parse_manifest(text, root)
     tmp = root / f".{MANIFEST}.partial"
-    tmp.write_text(json.dumps(data, indent=1))
+    tmp.write_bytes(text)
     os.replace(tmp, root / MANIFEST)
-    return manifest
+    return written
 
 
 def read_manifest(root: Path) -> "Manifest":
@@ -357,43 +403,6 @@ def bundle_identity(manifest: Manifest) -> dict:
     files = hashlib.sha256(json.dumps(manifest.raw["files"], sort_keys=True).encode()).hexdigest()
     return {"backend": manifest.backend, "precision": manifest.precision, "files_sha256": files,
             "manifest_sha256": manifest.manifest_sha256}
-
-
-def check_process_gpu(device: torch.device) -> None:
-    """Compiled code runs on the process's cuda:0 only: Inductor's saved wrapper names the device it was compiled on,
-    and h3trt always compiles and serves on cuda:0, making each rank's own GPU its cuda:0 (h3trt/parallel/devices.py).
-    Refuse any other device index rather than launch kernels on the wrong GPU."""
-    if device.type != "cuda":
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index != 0:
-        raise BundleError(f"A bundle serves on its process's cuda:0, not cuda:{index}: its compiled code launches on "
-                          "device 0. Use `h3trt run --device cuda:N` or --gpus/torchrun (they make the chosen GPU the "
-                          "process's cuda:0), or start the process with CUDA_VISIBLE_DEVICES listing that GPU first.")
-
-
-def check_environment(manifest: Manifest, device: torch.device, mesh=None) -> None:
-    """Refuse a bundle built for another GPU, torch version or mesh (`mesh`: the launched MeshConfig; None: one
-    process)."""
-    built = manifest.versions.get("torch")
-    if built != torch.__version__:
-        raise BundleError(f"This bundle was built with torch {built}; this process runs torch {torch.__version__}. "
-                          "Compiled code is specific to the torch version: rebuild the bundle on this image "
-                          "(h3trt build ...).")
-    check_process_gpu(device)
-    arch = device_arch(device)
-    if manifest.arch != arch:
-        raise BundleError(f"This bundle was built for {manifest.arch}; this device is {arch} ({device}). Rebuild "
-                          f"it on a {arch} machine, or run it on {manifest.arch}.")
-    want = manifest.mesh
-    replica, cfg, sp = (mesh.replica, mesh.cfg, mesh.sp) if mesh is not None else (1, 1, 1)
-    if (want.sp, want.cfg) != (sp, cfg):
-        group = want.sp * want.cfg
-        raise BundleError(f"This bundle was built for sp={want.sp} x cfg={want.cfg} ({group} rank(s) per "
-                          f"replica, {want.heads_per_rank} heads per rank); the job was launched as "
-                          f"replica({replica}) x cfg({cfg}) x sp({sp}). Launch a multiple of {group} ranks (h3trt "
-                          f"run --gpus {group}, or torchrun) with --sp {want.sp} --cfg {want.cfg}, or rebuild "
-                          f"with h3trt build --sp {sp} --cfg {cfg}.")
 
 
 def check_request(manifest: Manifest, width: int, height: int, num_frames: int, steps: int, video_shift: float,

@@ -19,12 +19,14 @@ is the only file the manifest does not list.
 from __future__ import annotations
 
 import base64
+import errno
 import hashlib
 import json
 import os
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from ..errors import UserError
 from .manifest import MANIFEST, SIGNATURE, BundleError, Manifest, parse_manifest
 
 if TYPE_CHECKING:
@@ -46,12 +48,12 @@ def key_fingerprint(public_key: Ed25519PublicKey) -> str:
 
 def generate_key(path: Path) -> tuple[Path, Path]:
     """A new Ed25519 key pair: `path` (private, PEM PKCS#8, mode 0600) and `path`.pub (public, PEM). Refuses to
-    replace existing files."""
+    replace existing files, and a folder it cannot write, in one line; leaves nothing behind when it fails."""
     path = Path(path)
     public_path = path.with_name(path.name + ".pub")
     for p in (path, public_path):
         if p.exists():
-            raise ValueError(f"{p} already exists; choose another key path (an existing key is never replaced).")
+            raise UserError(f"{p} already exists; choose another key path (an existing key is never replaced).")
     from cryptography.hazmat.primitives import serialization
     from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
@@ -60,11 +62,32 @@ def generate_key(path: Path) -> tuple[Path, Path]:
                                 serialization.NoEncryption())
     public = key.public_key().public_bytes(serialization.Encoding.PEM,
                                            serialization.PublicFormat.SubjectPublicKeyInfo)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(fd, "wb") as f:
-        f.write(private)
-    public_path.write_bytes(public)
+    written = []
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        written.append(path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(private)
+        fd = os.open(public_path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        written.append(public_path)
+        with os.fdopen(fd, "wb") as f:
+            f.write(public)
+    except OSError as e:
+        for p in written:
+            p.unlink(missing_ok=True)
+        raise UserError(_unwritable(path, e)) from None
     return path, public_path
+
+
+def _unwritable(path: Path, error: OSError) -> str:
+    folder = path.parent
+    if error.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+        why = f"the folder {folder} is not writable ({error.strerror})"
+    elif error.errno == errno.ENOENT:
+        why = f"the folder {folder} does not exist"
+    else:
+        why = f"{error.strerror}"
+    return f"cannot write the key {path}: {why}; nothing was written. Choose a folder you can write to."
 
 
 def load_private_key(path: Path) -> Ed25519PrivateKey:
@@ -88,7 +111,7 @@ def _load_ed25519(path: Path, private: bool):
     want = Ed25519PrivateKey if private else Ed25519PublicKey
     key = _load(Path(path), private)
     if not isinstance(key, want):
-        raise ValueError(f"{'--sign' if private else '--trust'} {path} is a {type(key).__name__}, not an Ed25519 "
+        raise UserError(f"{'--sign' if private else '--trust'} {path} is a {type(key).__name__}, not an Ed25519 "
                          f"{'private' if private else 'public'} key; {_KEY_HINTS[private]}")
     return key
 
@@ -100,14 +123,14 @@ def _load(path: Path, private: bool):
     try:
         data = path.read_bytes()
     except OSError as e:
-        raise ValueError(f"{flag} {path}: cannot read the key ({e.strerror}).") from None
+        raise UserError(f"{flag} {path}: cannot read the key ({e.strerror}).") from None
     try:
         if private:
             return serialization.load_pem_private_key(data, password=None)
         return serialization.load_pem_public_key(data)
     except (ValueError, TypeError) as e:
         what = "private" if private else "public"
-        raise ValueError(f"{flag} {path} is not a PEM {what} key without a password ({e}).") from None
+        raise UserError(f"{flag} {path} is not a PEM {what} key without a password ({e}).") from None
 
 
 def sign_bundle(root: Path, key: Ed25519PrivateKey) -> dict:

@@ -176,6 +176,4 @@ def load_trt_engine(engine_cls, root: Path, manifest: Manifest, device: torch.de
     segments = {name: TrtSegment(trt, (root / "segments" / e["artifact"]).read_bytes(), e, device, info["flavour"])
                 for name, e in manifest.segments.items()}
     adaln = load_adaln(root, manifest, cfg, device)
-    engine = engine_cls(root, manifest, TrtDiT(cfg, segments, adaln, device), segments)
-    engine.video_decoders = lambda vae: None  # None: VideoVAE decodes eagerly
-    return engine
+    return engine_cls(root, manifest, TrtDiT(cfg, segments, adaln, device), segments, compiled_video_decoder=False)

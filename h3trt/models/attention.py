@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from .precision import Precision
 
 FA3_FIX = "pip install 'h3trt[fa3]' (fa3-fwd, FlashAttention-3's forward for Hopper)"
@@ -106,10 +107,11 @@ def kernel_problem(kernel: str, precision: Precision, device: torch.device) -> s
 
 
 def check_kernel(kernel: str, precision: Precision, device: torch.device) -> None:
-    """Raise, with the fix, where `device` cannot run `kernel` (at build and at load: never a silent substitute)."""
+    """Raise, with the fix, where `device` cannot run `kernel` (at build and at load: never a silent substitute). The
+    user's to fix (another device, the kernel's package, another --attention): a UserError."""
     problem = kernel_problem(kernel, precision, device)
     if problem is not None:
-        raise RuntimeError(problem)
+        raise UserError(problem)
 
 
 def check_attention_record(record: dict, device: torch.device) -> None:

@@ -125,13 +125,17 @@ class TransformerSource:
 # Locating
 
 
+# What to do about a file that does not read back whole: it was cut short or damaged on its way here.
+DAMAGED_FILE_FIX = "it is corrupted or truncated (an interrupted download or copy?): download or copy it again"
+
+
 def _read_json(path: Path) -> dict:
     try:
-        return json.loads(path.read_text())
+        return json.loads(path.read_bytes())
     except FileNotFoundError:
         raise CheckpointError(f"{path} is missing.") from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise CheckpointError(f"{path} is not valid JSON ({e}); the file is corrupted or truncated.") from None
+        raise CheckpointError(f"{path} is not valid JSON ({e}); {DAMAGED_FILE_FIX}.") from None
 
 
 def parse_release_metadata(model_index: dict, where: Path) -> ReleaseMetadata:
@@ -310,7 +314,19 @@ def _safe_open(path: Path):
     try:
         return safe_open(str(path), framework="pt", device="cpu")
     except Exception as e:  # safetensors raises its own error types for bad headers
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupted or truncated.") from None
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); {DAMAGED_FILE_FIX}.") from None
+
+
+def check_component_files(folder: Path, weights: bool) -> None:
+    """Read back every JSON file of a component folder (and, with `weights`, every safetensors file its index names,
+    or all of them): JSON must parse, and a safetensors header must parse and cover its file exactly, which a file
+    cut short anywhere does not. The first bad file is named with the fix, before a loader that would fail on it
+    with a traceback (transformers) reads anything; the weights themselves are not read."""
+    for path in sorted(folder.glob("*.json")):
+        _read_json(path)
+    for path in _shard_files(folder) if weights else ():
+        with _safe_open(path):
+            pass
 
 
 def _safetensors_keys(path: Path) -> list[str]:

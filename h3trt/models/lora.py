@@ -10,7 +10,8 @@ reads, with its alpha rules and partition routing.
      - peft dumps (diffusers names with `.default.`, no component prefix) -> `transformer.`
      - diffusers files (`transformer.` / `transformer_ref.` prefixed) as they are
   3. the per-module scaling peft would build: alpha == rank (1.0) for alpha-less files, `alpha / rank` for a
-     `__metadata__` network alpha, folded `.alpha` tensors, or diffusers' own `lora_adapter_metadata` (LoraConfig)
+     `__metadata__` network alpha (one that is not a number: ignored with a warning, alpha == rank, as diffusers
+     loads it), folded `.alpha` tensors, or diffusers' own `lora_adapter_metadata` (LoraConfig)
   4. route to the one partition this model serves (FL2VA = `transformer`, Ref2VA = `transformer_ref`)
   5. merge W += scale * scaling * B @ A in fp32, rounded once to the weight's dtype, mapped back to native names
      (to_q / to_k / to_v -> rows of qkv_proj, ff.net.0.proj -> mlp.fc1 with its halves swapped)
@@ -21,10 +22,12 @@ is why a bundle takes its LoRAs at build time. Shapes: A (down) [r, in], B (up) 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
 import re
+import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,6 +76,11 @@ class LoraError(UserError):
     """A LoRA file that cannot be merged into this model; the message says why and what to use instead."""
 
 
+class LoraScaleError(LoraError, argparse.ArgumentTypeError):
+    """A scale that is not finite. An ArgumentTypeError too: `LoraSpec.parse` is argparse's type for --lora, and
+    argparse shows only that class's message (a ValueError becomes "invalid parse value")."""
+
+
 @dataclass(frozen=True)
 class LoraSpec:
     """One `--lora FILE[:SCALE]`: the file and the strength it is merged at (1.0: as trained)."""
@@ -82,18 +90,19 @@ class LoraSpec:
 
     @classmethod
     def parse(cls, text: str) -> "LoraSpec":
-        """FILE or FILE:SCALE; a path that itself contains ':' keeps it unless the last part is a number."""
+        """FILE or FILE:SCALE; a path that itself contains ':' keeps it unless the last part parses as a float (then
+        it is the scale, and must be finite: `f.safetensors:nan` is refused, not read as a file of that name)."""
         head, sep, tail = str(text).rpartition(":")
-        if sep:
-            try:
-                return cls(Path(head), float(tail))
-            except ValueError:
-                pass
-        return cls(Path(text))
+        try:
+            scale = float(tail) if sep else None
+        except ValueError:
+            scale = None
+        return cls(Path(text)) if scale is None else cls(Path(head), scale)
 
     def __post_init__(self):
         if not math.isfinite(self.scale):
-            raise LoraError(f"--lora {self.path}: the scale must be a finite number, got {self.scale}.")
+            raise LoraScaleError(f"--lora {self.path}:{self.scale}: the scale must be a finite number (1.0: as "
+                                 f"trained), got {self.scale}; pass {self.path}:SCALE, or {self.path} alone for 1.0.")
 
 
 @dataclass
@@ -185,20 +194,18 @@ def read_lora(path: str | Path, head_dim: int = 128) -> LoraFile:
                         f"original-name nor diffusers LoRA factors, e.g. {sorted(unknown)[:3]} (lora_B biases and "
                         "other adapter types cannot be merged).")
 
-    network_alpha = None
+    network_alpha, ignored_alpha = None, None
     if adapter_meta is None and "alpha" in file_meta and not has_alpha_tensors:
-        try:
-            network_alpha = float(file_meta["alpha"])
-        except ValueError:
-            raise LoraError(f"--lora {path} records alpha = {file_meta['alpha']!r} in its __metadata__, which "
-                            "MiniMax-H3 reads as the network alpha every module was trained with; it must be a "
-                            "number. Fix or remove that entry.") from None
+        network_alpha, ignored_alpha = _metadata_alpha(file_meta["alpha"], path)
     if adapter_meta is not None:
         alpha_rule = "lora_adapter_metadata (peft LoraConfig: alpha / rank per module)"
     elif network_alpha is not None:
         alpha_rule = f"__metadata__ alpha {network_alpha:g} (alpha / rank per module)"
     elif has_alpha_tensors:
         alpha_rule = "per-module .alpha tensors folded (alpha / rank)"
+    elif ignored_alpha is not None:
+        alpha_rule = (f"__metadata__ alpha {ignored_alpha!r} is not a number and was ignored, as diffusers ignores "
+                      "it: alpha == rank (scale 1.0)")
     else:
         alpha_rule = "alpha-less: alpha == rank (scale 1.0)"
 
@@ -223,6 +230,22 @@ def read_lora(path: str | Path, head_dim: int = 128) -> LoraFile:
                 scaling = 1.0
             out[prefix][module] = LoraModule(down, up, scaling)
     return LoraFile(path, _sha256(path), layout, alpha_rule, out)
+
+
+def _metadata_alpha(text: str, path: Path) -> tuple[float | None, str | None]:
+    """(network alpha, None), or (None, the entry) for one that is not a number, which diffusers warns about and
+    ignores (alpha == rank). NaN or inf parses as a float, which diffusers would scale by; h3trt refuses it."""
+    try:
+        alpha = float(text)
+    except ValueError:
+        print(f"h3trt: warning: --lora {path} records alpha = {text!r} in its __metadata__, which is not a number; "
+              "it is ignored (as diffusers ignores it) and every module is merged with alpha == rank (scale 1.0).",
+              file=sys.stderr)
+        return None, text
+    if not math.isfinite(alpha):
+        raise LoraError(f"--lora {path} records alpha = {text!r} in its __metadata__: every module would be scaled "
+                        "by a non-finite alpha / rank. Fix or remove that entry.")
+    return alpha, None
 
 
 def _adapter_config(meta: dict, prefix: str) -> dict:

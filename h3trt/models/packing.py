@@ -112,17 +112,21 @@ def align_num_frames(num_frames: int) -> int:
 
 
 def frames_for_duration(seconds: float, min_s: float = MIN_DURATION_S, max_s: float = MAX_DURATION_S) -> int:
-    """The 17n + 5 frame count a duration generates (rounded up), within the model's duration range."""
+    """The 17n + 5 frame count a duration generates (rounded up), for a duration within the model's range.
+
+    The range is the stated one, on the duration asked for: diffusers takes a frame count and checks it once rounded
+    up (so 4.9 s, 118 frames, would pass as 124), but a duration under 5 s is outside what H3 is documented to
+    generate, and the longest, 14.375 s, is the last 17n + 5 count within diffusers' 15 s (345 frames; 15 s would
+    round up to 362 frames, 15.083 s)."""
     if not math.isfinite(seconds) or seconds <= 0:
         raise ValueError(f"Duration must be a positive number of seconds, got {seconds}.")
     frames = align_num_frames(math.ceil(seconds * FPS - 1e-9))
-    if not min_s <= frames / FPS <= max_s:
+    if not min_s <= seconds <= max_s or not min_s <= frames / FPS <= max_s:
         lo = align_num_frames(math.ceil(min_s * FPS))
         hi = int((max_s * FPS - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
         raise ValueError(
-            f"Unsupported duration {seconds:g} s: it generates {frames} frames ({frames / FPS:.3f} s at {FPS} fps), "
-            f"but MiniMax-H3 takes {min_s:g} to {max_s:g} s: {lo} to {hi} frames of the form 17n + 5 "
-            f"({lo / FPS:.3f} to {hi / FPS:.3f} s once rounded up)."
+            f"Unsupported duration {seconds:g} s: MiniMax-H3 takes {min_s:g} to {max_s:g} s, generated as {lo} to "
+            f"{hi} frames of the form 17n + 5 at {FPS} fps (a duration is rounded up to the next such count)."
         )
     return frames
 

@@ -10,6 +10,7 @@ Source: diffusers 0.42.1 `MiniMaxH3Scheduler` and the modular pipeline's prepare
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable
 
@@ -28,8 +29,8 @@ def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:
     """The sigma grid [K] (K <= steps: float32 collisions merge), terminal 0 included, float32 on the CPU."""
     if steps < 2:
         raise ValueError(f"steps must be >= 2 (the grid includes the terminal sigma 0), got {steps}.")
-    if shift <= 0:
-        raise ValueError(f"A sigma shift must be positive, got {shift}.")
+    if not (math.isfinite(shift) and shift > 0):  # NaN or inf would run every step and fail at the end
+        raise ValueError(f"A sigma shift must be a positive finite number, got {shift}.")
     base = torch.linspace(1.0, 0.0, int(steps), dtype=torch.float32)
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
 
@@ -41,6 +42,14 @@ class Schedule:
     steps: int = DEFAULT_STEPS  # grid points; steps - 1 model evaluations
     video_shift: float = DEFAULT_VIDEO_SHIFT
     audio_shift: float = DEFAULT_AUDIO_SHIFT
+
+    @classmethod
+    def resolve(cls, steps: int, video_shift: float | None, audio_shift: float | None,
+                defaults: tuple[float, float]) -> "Schedule":
+        """A request's schedule: its own shifts where it gives them (None: not given; 0 is refused, not replaced),
+        else `defaults` (video, audio)."""
+        return cls(steps, defaults[0] if video_shift is None else video_shift,
+                   defaults[1] if audio_shift is None else audio_shift)
 
     def __post_init__(self):
         shifted_sigmas(self.steps, self.video_shift)  # validates

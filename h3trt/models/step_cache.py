@@ -21,11 +21,14 @@ step index. Shapes: x [B, S, H] (S: this rank's rows under sp).
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from ..errors import UserError
 
 CACHE_KINDS = ("first-block", "mag")
 # The reference's defaults (FirstBlockCacheConfig, MagCacheConfig).
@@ -60,8 +63,14 @@ class StepCacheConfig:
         if (self.mag_ratios is None) == (not self.calibrate):
             raise ValueError("--cache mag needs the model's ratios: --mag-ratios R1,R2,... (or a .json list), or "
                              "--mag-calibrate to measure them on one run (recorded in the clip's JSON); not both.")
-        if self.mag_ratios is not None and (not self.mag_ratios or not all(r > 0 for r in self.mag_ratios)):
-            raise ValueError(f"--mag-ratios must be positive numbers, got {list(self.mag_ratios)}.")
+        if self.mag_ratios is not None:
+            # Each ratio scales the predicted residual magnitude: with 0, a negative, inf or nan the accumulated error
+            # is meaningless (nan compares false, inf never skips again), so every value is checked, by position.
+            bad = [f"{r} (#{i + 1})" for i, r in enumerate(self.mag_ratios) if not (math.isfinite(r) and r > 0)]
+            if bad or not self.mag_ratios:
+                raise UserError(f"--mag-ratios must be finite positive numbers, "
+                                f"{'not ' + ', '.join(bad) if bad else 'and at least one'}. Measure this model's "
+                                "with --mag-calibrate (its clip's JSON then serves as --mag-ratios FILE).")
         if self.max_skip_steps < 1:
             raise ValueError(f"--cache-max-skip must be >= 1, got {self.max_skip_steps}.")
         if not 0.0 <= self.retention_ratio <= 1.0:

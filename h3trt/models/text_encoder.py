@@ -20,7 +20,6 @@ model's `last_hidden_state` *is* diffusers' `hidden_states[50]` of the full 64-l
 from __future__ import annotations
 
 import functools
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +28,8 @@ import torch
 from PIL import Image
 
 from ..errors import UserError
+from .checkpoint import check_component_files
+from .qwen_video import VideoProcessing, preprocess_videos
 
 TEXT_ENCODER_LAYER = 50  # MiniMax-H3 conditions on hidden_states[50] of Qwen3-VL-32B (64 layers).
 TEXT_TAG = 1  # Per-row modality tags index the transformer's AdaLN table: a checkpoint contract.
@@ -172,6 +173,14 @@ def _require_dir(root: Path, name: str) -> Path:
     return path
 
 
+def check_text_encoder_files(component_root: Path) -> None:
+    """The conditioner's three folders exist and every file a loader reads reads back whole (headers and JSON only:
+    checkpoint.check_component_files), so a truncated file is one line naming it; cheap enough to run before any
+    model loads."""
+    for name in (TEXT_ENCODER_DIR, TOKENIZER_DIR, PROCESSOR_DIR):
+        check_component_files(_require_dir(Path(component_root), name), weights=name == TEXT_ENCODER_DIR)
+
+
 class H3TextEncoder:
     """Qwen3-VL truncated to 50 decoder layers without its final norm, plus MiniMax-H3's per-task presentations."""
 
@@ -180,7 +189,7 @@ class H3TextEncoder:
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self._processor_dir = processor_dir
-        self._video_processor = None  # Loaded on first use: it needs torchvision, which images and text do not.
+        self._video_processing: VideoProcessing | None = None  # read at the first video reference
         self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         self.video_pad_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
         if (self.image_pad_id, self.video_pad_id) != (model.config.image_token_id, model.config.video_token_id):
@@ -198,9 +207,9 @@ class H3TextEncoder:
         from transformers import AutoImageProcessor, AutoTokenizer, Qwen3VLConfig  # heavy: see _first_layers_model
 
         root = Path(component_root)
-        encoder_dir, tokenizer_dir, processor_dir = (
-            _require_dir(root, name) for name in (TEXT_ENCODER_DIR, TOKENIZER_DIR, PROCESSOR_DIR)
-        )
+        check_text_encoder_files(root)
+        encoder_dir, tokenizer_dir, processor_dir = (root / name for name in (TEXT_ENCODER_DIR, TOKENIZER_DIR,
+                                                                             PROCESSOR_DIR))
         config = Qwen3VLConfig.from_pretrained(encoder_dir, local_files_only=True)
         num_layers = config.text_config.num_hidden_layers
         if num_layers <= TEXT_ENCODER_LAYER:
@@ -226,19 +235,12 @@ class H3TextEncoder:
         return self.model.language_model.embed_tokens.weight.device
 
     @property
-    def video_processor(self):
-        """Qwen3-VL's video processor, which transformers implements on torchvision only."""
-        if self._video_processor is None:
-            from transformers import AutoVideoProcessor
-            from transformers.utils import is_torchvision_available
-
-            if not is_torchvision_available():
-                raise ImportError(
-                    "Video references go through Qwen3-VL's video processor, which transformers implements with "
-                    "torchvision; install a torchvision matching your torch (pip install torchvision)."
-                )
-            self._video_processor = AutoVideoProcessor.from_pretrained(self._processor_dir, local_files_only=True)
-        return self._video_processor
+    def video_processing(self) -> VideoProcessing:
+        """The checkpoint's Qwen3-VL video processor settings (qwen_video.py runs them without torchvision). Read at
+        the first video reference, so a checkpoint's video settings never stand in the way of other requests."""
+        if self._video_processing is None:
+            self._video_processing = VideoProcessing.from_pretrained(self._processor_dir)
+        return self._video_processing
 
     def encode_t2va(self, prompt: str) -> TextConditioning:
         """The prompt verbatim: no chat template, no special tokens. Returns embeds [1, L, hidden], tags [L]."""
@@ -325,13 +327,12 @@ class H3TextEncoder:
                     f"VideoRef.fps is {video.fps:g}, but the text encoder reads references normalised onto "
                     f"MiniMax-H3's {MINIMAX_H3_FPS:g} fps clock; resample the frames to {MINIMAX_H3_FPS:g} fps first."
                 )
-        processor = self.video_processor
-        temporal_patch = processor.temporal_patch_size
+        settings = self.video_processing
+        temporal_patch = settings.temporal_patch_size
         sampled = [sample_video_frames(v.frames, MINIMAX_H3_FPS, VIDEO_SAMPLE_FPS, temporal_patch) for v in videos]
-        features = processor(videos=[np.stack(frames) for frames, _ in sampled], do_sample_frames=False,
-                             return_tensors="pt")
+        features = preprocess_videos([np.stack(frames) for frames, _ in sampled], settings)
         inputs.update(pixel_values_videos=features["pixel_values_videos"], video_grid_thw=features["video_grid_thw"])
-        merge = processor.merge_size**2
+        merge = settings.merge_size**2
         counts = [int(grid[1]) * int(grid[2]) // merge for grid in features["video_grid_thw"]]
         timestamps = [blocks for _, blocks in sampled]
         for blocks, grid in zip(timestamps, features["video_grid_thw"]):
@@ -362,97 +363,3 @@ class H3TextEncoder:
         return TextConditioning(
             embeds=outputs.last_hidden_state, tags=torch.tensor(presentation.tags, dtype=torch.long)
         )
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# A tiny, random, offline Qwen3-VL conditioner in the checkpoint's folder layout, for tests.
-# ----------------------------------------------------------------------------------------------------------------
-
-_TINY_SPECIAL_TOKENS = ["<|im_start|>", "<|im_end|>", VISION_START, VISION_END, "<|vision_pad|>", IMAGE_PAD, VIDEO_PAD]
-_TINY_CORPUS = (
-    "<Picture 1>: <Picture 2>: <Audio 1>: <Video 1>: <0.2 seconds><1.2 seconds> "
-    "A red fox runs through the snowy forest while the camera follows it at sunset, and music plays."
-)
-_TINY_PATCH, _TINY_MERGE, _TINY_TEMPORAL = 4, 2, 2
-_TINY_MEAN_STD = {"image_mean": [0.5, 0.5, 0.5], "image_std": [0.5, 0.5, 0.5]}  # Qwen3-VL's own normalisation.
-
-
-def _tiny_tokenizer():
-    """A byte-level BPE with Qwen2's pre-tokenizer, trained on a fixed sentence, as a Qwen2Tokenizer."""
-    from tokenizers import AddedToken, Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
-    from transformers import Qwen2Tokenizer
-    from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX
-
-    bpe = Tokenizer(models.BPE())
-    bpe.normalizer = normalizers.NFC()
-    bpe.pre_tokenizer = pre_tokenizers.Sequence([
-        pre_tokenizers.Split(Regex(PRETOKENIZE_REGEX), behavior="isolated"),
-        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-    ])
-    trainer = trainers.BpeTrainer(vocab_size=352, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    bpe.train_from_iterator([_TINY_CORPUS], trainer)
-    trained = json.loads(bpe.to_str())["model"]
-    merges = [tuple(m) if isinstance(m, list) else tuple(m.split(" ")) for m in trained["merges"]]
-    tokenizer = Qwen2Tokenizer(vocab=trained["vocab"], merges=merges)
-    tokenizer.add_tokens([AddedToken(t, special=True, normalized=False) for t in _TINY_SPECIAL_TOKENS],
-                         special_tokens=True)
-    tokenizer._set_processor_class("Qwen3VLProcessor")
-    return tokenizer
-
-
-def write_tiny_text_encoder(component_root: Path, hidden_size: int = 48, seed: int = 0, head_dim: int | None = None,
-                            intermediate_size: int | None = None) -> None:
-    """Write `text_encoder/`, `tokenizer/` and `processor/` of a tiny random Qwen3-VL under `component_root`.
-
-    The text stack has TEXT_ENCODER_LAYER + 1 layers so that hidden_states[50] is a pre-norm state, as in the real
-    64-layer conditioner. The processor folder is written in Qwen3-VL's file layout (preprocessor_config.json,
-    video_preprocessor_config.json, tokenizer files) one sub-processor at a time, because transformers cannot
-    instantiate a Qwen3VLProcessor without torchvision; Qwen3VLProcessor.from_pretrained reads it back.
-
-    `head_dim` and `intermediate_size` (default hidden_size / 4 and hidden_size) let a conditioner with H3's real
-    output width (5120) stay small: 51 layers of 5120-wide attention and MLP would be 7B parameters.
-    """
-    from transformers import Qwen2VLImageProcessorPil, Qwen3VLConfig, Qwen3VLForConditionalGeneration
-    from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
-
-    if hidden_size % 4:
-        raise ValueError(f"hidden_size must be a multiple of 4 (4 attention heads), got {hidden_size}.")
-    root = Path(component_root)
-    tokenizer = _tiny_tokenizer()
-    token_id = tokenizer.convert_tokens_to_ids
-    head_dim = head_dim or hidden_size // 4
-    config = Qwen3VLConfig(
-        text_config=dict(
-            vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size or hidden_size,
-            num_hidden_layers=TEXT_ENCODER_LAYER + 1, num_attention_heads=4, num_key_value_heads=1,
-            head_dim=head_dim, max_position_embeddings=4096,
-            # Interleaved M-RoPE as in Qwen3-VL; the sections split head_dim // 2 over (t, h, w).
-            rope_parameters={"rope_type": "default", "rope_theta": 5_000_000.0, "mrope_interleaved": True,
-                             "mrope_section": [head_dim // 2 - 2 * (head_dim // 6), head_dim // 6, head_dim // 6]},
-        ),
-        vision_config=dict(
-            depth=2, hidden_size=16, intermediate_size=32, num_heads=2, patch_size=_TINY_PATCH,
-            spatial_merge_size=_TINY_MERGE, temporal_patch_size=_TINY_TEMPORAL, out_hidden_size=hidden_size,
-            num_position_embeddings=64, deepstack_visual_indexes=[0],
-        ),
-        image_token_id=token_id(IMAGE_PAD), video_token_id=token_id(VIDEO_PAD),
-        vision_start_token_id=token_id(VISION_START), vision_end_token_id=token_id(VISION_END),
-    )
-    with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(seed)
-        model = Qwen3VLForConditionalGeneration(config)
-    model.save_pretrained(root / TEXT_ENCODER_DIR)
-    tokenizer.save_pretrained(root / TOKENIZER_DIR)
-
-    patches = {"patch_size": _TINY_PATCH, "merge_size": _TINY_MERGE, "temporal_patch_size": _TINY_TEMPORAL}
-    image_processor = Qwen2VLImageProcessorPil(
-        size={"shortest_edge": 256, "longest_edge": 64 * 64 * 4}, **patches, **_TINY_MEAN_STD
-    )
-    video_processor = Qwen3VLVideoProcessor(
-        size={"shortest_edge": 256, "longest_edge": 64 * 64 * 64}, **patches, **_TINY_MEAN_STD
-    )
-    processor_dir = root / PROCESSOR_DIR
-    tokenizer.save_pretrained(processor_dir)
-    image_processor.save_pretrained(processor_dir)
-    video_processor.save_pretrained(processor_dir)

@@ -27,7 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .audio_vae import AudioVAE
-from .checkpoint import CheckpointError, check_state_dict, deinterleave_qkv, interleave_qkv
+from .checkpoint import DAMAGED_FILE_FIX, CheckpointError, check_state_dict, deinterleave_qkv, interleave_qkv
 from .vae_precision import place
 from .video_vae import TILE_OVERLAP_PX, TILE_PX, VideoVAE
 
@@ -48,7 +48,7 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     try:
         return load_file(str(path))
     except Exception as e:
-        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); it is corrupted or truncated.") from None
+        raise CheckpointError(f"{path} is not a readable safetensors file ({e}); {DAMAGED_FILE_FIX}.") from None
 
 
 def _read_json(path: Path) -> dict:

@@ -179,12 +179,17 @@ class WindowFrames:
 class VideoVAE:
     """A diffusers `AutoencoderKLMiniMaxH3` plus the latent normalisation of the checkpoint."""
 
-    def __init__(self, vae, latents_mean, latents_std):
+    def __init__(self, vae, latents_mean, latents_std, tile_decoders: dict | None = None):
         self.vae = vae.eval().requires_grad_(False)
         # Compiled tile decoders of an engine bundle, by (window latents, tile h, tile w); None: decode eagerly.
-        self.tile_decoders: dict[tuple[int, int, int], object] | None = None
+        self.tile_decoders: dict[tuple[int, int, int], object] | None = tile_decoders
         self.latents_mean = torch.as_tensor(latents_mean, dtype=torch.float32).view(1, -1, 1, 1, 1)
         self.latents_std = torch.as_tensor(latents_std, dtype=torch.float32).view(1, -1, 1, 1, 1)
+
+    def with_tile_decoders(self, tile_decoders: dict | None) -> "VideoVAE":
+        """The same weights decoding through a bundle's compiled tile decoders (a new VideoVAE: nothing is switched
+        on this one)."""
+        return VideoVAE(self.vae, self.latents_mean.flatten(), self.latents_std.flatten(), tile_decoders)
 
     @property
     def device(self) -> torch.device:

@@ -16,11 +16,12 @@ from ..engines.manifest import Manifest, bundle_identity, check_request, read_ma
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
-from ..models.sampler import DEFAULT_STEPS
+from ..models.sampler import DEFAULT_STEPS, Schedule
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
+from .loading import Components, load_bundle, load_checkpoint
 from .pipeline import H3Pipeline
 from .records import torch_bytecode
 from .rank import WorkerSpec
@@ -28,9 +29,13 @@ from .request import CanvasDefaults, Prepared
 
 SOURCES = ("bundle", "checkpoint", "tiny")
 NOTE_NO_BYTECODE = ("note: this Python has no compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 or a read-only "
-                    "install), so every process compiles torch, Inductor and transformers from source: seconds of "
-                    "each cold start. Compile it once: python -m compileall -q -j 0 <site-packages>, or set "
-                    "PYTHONPYCACHEPREFIX to a writable folder.")
+                    "install) and h3trt could not keep its own (the user cache folder is not writable), so every "
+                    "process compiles torch, Inductor and transformers from source: seconds of each cold start. "
+                    "Compile it once: python -m compileall -q -j 0 <site-packages>, or set PYTHONPYCACHEPREFIX to a "
+                    "writable folder.")
+NOTE_FIRST_BYTECODE = ("note: first start with this Python: compiling torch's bytecode into {prefix} (seconds, once; "
+                       "PYTHONDONTWRITEBYTECODE or a read-only install keeps Python from writing it beside the "
+                       "source). Later starts read it.")
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
 NOTE_TINY = ("using the embedded tiny default model (random weights, built at first use): the clip is noise. "
@@ -177,7 +182,8 @@ class Entry:
         if self.source == "tiny":
             print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
         if self.source == "bundle" and not torch_bytecode():
-            print(f"h3trt: {NOTE_NO_BYTECODE}", file=sys.stderr)
+            note = NOTE_FIRST_BYTECODE.format(prefix=sys.pycache_prefix) if sys.pycache_prefix else NOTE_NO_BYTECODE
+            print(f"h3trt: {note}", file=sys.stderr)
 
     def admit(self, prepared: Prepared) -> None:
         """A bundle refuses a request it was not built for (task, canvas, schedule) before anything loads; the
@@ -185,17 +191,21 @@ class Entry:
         if self.manifest is None:
             return
         req, geo, sched = prepared.request, prepared.geometry, self.manifest.schedule
-        check_request(self.manifest, geo.width, geo.height, geo.num_frames, req.steps,
-                      req.video_shift or sched.video_shift, req.audio_shift or sched.audio_shift, req.task)
+        schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (sched.video_shift, sched.audio_shift))
+        check_request(self.manifest, geo.width, geo.height, geo.num_frames, req.steps, schedule.video_shift,
+                      schedule.audio_shift, req.task)
+
+    def components(self, task: str) -> Components:
+        """The built parts of a pipeline in this process (h3trt eval builds its own around them; the job loop's
+        ranks load through `worker_spec` and rank.load_rank_pipeline)."""
+        if self.manifest is not None:
+            return load_bundle(self.root, self.device, vae_precision=self.vae_precision, trust=self.trust)
+        return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras)
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
-        """A pipeline in this process (h3trt eval; the job loop's ranks load through `worker_spec` and
-        rank.load_rank_pipeline)."""
-        canvas = self.canvas if canvas is None else canvas
-        if self.manifest is not None:
-            return H3Pipeline.load_engine(self.root, self.device, canvas, vae_precision=self.vae_precision,
-                                          trust=self.trust)
-        return H3Pipeline.load(self.root, task, self.device, canvas, self.vae_precision, loras=self.loras)
+        """A pipeline in this process."""
+        return H3Pipeline.from_components(self.components(task), self.device,
+                                          self.canvas if canvas is None else canvas)
 
     def worker_spec(self, task: str, mesh: MeshConfig, **fields) -> WorkerSpec:
         """What every rank of every replica group needs (picklable); `fields`: the front door's own (crf,

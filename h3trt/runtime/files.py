@@ -2,7 +2,9 @@
 
   * Temporary names are unique per process and live in the target's own folder: `.<name>.<host>-<pid>-<token>.partial`
     (hidden, not ending in .mp4, on the target's filesystem so the final step is a rename). Two runs writing the same
-    target never share a temporary file, and a later run can tell a dead process's leftovers from a live one's.
+    target never share a temporary file, and a later run can tell a dead process's leftovers from a live one's. These
+    names, the renames, the held signals and the holder-naming lock are engines/atomic.py's: `h3trt build` uses them
+    for bundles too.
   * The final step never clobbers: a clip's MP4 and its JSON record are committed together, each with no-replace
     semantics (renameat2 RENAME_NOREPLACE, or a hard link where the filesystem lacks it). If either target appeared
     while the run was working, the run fails and removes what it wrote; it never replaces another run's files unless
@@ -16,29 +18,21 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
-import errno
 import fcntl
 import json
 import os
-import re
-import secrets
 import shutil
-import signal
-import socket
-import sys
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
+
+# The primitives, shared with `h3trt build`; the runtime and the CLI import them from here.
+from ..engines.atomic import (HolderLock, InterruptedAfterCommit, LockHeld, OutputError, OutputRefused, discard, forget,
+                              interrupts_held, remove_leftovers, remove_own_temps, rename_noreplace, temp_path)
 
 DEFAULT_CRF = 18  # H.264 constant rate factor of every clip (h3trt run --crf)
 
 BATCH_LOCK = ".h3trt-batch.lock"
-TEMP_SUFFIX = ".partial"
-_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
-# .<target name>.<host>-<pid>-<token>.partial
-_TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})\.partial$")
 # Worst-case H.264 bits per pixel and frame at CRF 18: uniform noise, x264's worst case, measured 3.6 (1344x768,
 # preset veryfast, zerolatency) and 3.9 (the tiny model's 160x96 noise clips); 6 leaves room. Each 6 CRF steps below
 # 18 doubles it (x264's rule of thumb), capped above raw yuv420p (12 bits) plus container overhead.
@@ -47,148 +41,12 @@ AAC_BYTES_PER_SECOND = 160_000 // 8
 CONTAINER_SLACK_BYTES = 1 << 20  # index, headers, the JSON record
 
 
-class OutputError(RuntimeError):
-    """A target that cannot be written (one line: the file, what happened, what to do). Nothing was left behind."""
-
-
-class OutputRefused(OutputError):
-    """A preflight refusal, before any model loaded (the CLI exits 2, as for any bad input)."""
-
-
 class OutputExists(OutputError):
     """A target appeared while this run was working: another run (or person) wrote it first; it was left alone."""
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Temporary names, and the leftovers of killed runs
-
-
-_LIVE: set[Path] = set()  # this process's temporary files not yet committed or removed
-_LIVE_LOCK = threading.Lock()
-
-
-def temp_path(target: Path) -> Path:
-    """A fresh temporary name for `target` in its folder, registered so an interrupt can remove it."""
-    target = Path(target)
-    path = target.with_name(f".{target.name}.{_HOST}-{os.getpid()}-{secrets.token_hex(4)}{TEMP_SUFFIX}")
-    with _LIVE_LOCK:
-        _LIVE.add(path)
-    return path
-
-
-def discard(path: Path) -> None:
-    """Remove a temporary file (if it exists) and forget it."""
-    try:
-        os.unlink(path)
-    except OSError:
-        if os.path.lexists(path):  # a read-only filesystem answers EROFS even for a file that is not there
-            raise
-    with _LIVE_LOCK:
-        _LIVE.discard(Path(path))
-
-
-def _forget(path: Path) -> None:
-    with _LIVE_LOCK:
-        _LIVE.discard(Path(path))
-
-
-def remove_own_temps() -> list[Path]:
-    """Remove every temporary file this process still has (called on the way out of an interrupt)."""
-    with _LIVE_LOCK:
-        paths = sorted(_LIVE)
-        _LIVE.clear()
-    for p in paths:
-        with contextlib.suppress(OSError):
-            p.unlink(missing_ok=True)
-    return paths
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
-
-
-def remove_leftovers(folder: Path) -> list[Path]:
-    """Remove the temporary files that runs on this host left in `folder` when they were killed (their process is
-    gone). A live process's files, another host's, and anything not named like ours are left alone."""
-    removed = []
-    try:
-        entries = list(os.scandir(folder))
-    except OSError:
-        return removed
-    for entry in entries:
-        m = _TEMP_NAME.match(entry.name)
-        if m is None or m["host"] != _HOST or int(m["pid"]) == os.getpid() or _alive(int(m["pid"])):
-            continue
-        with contextlib.suppress(OSError):
-            if entry.is_dir(follow_symlinks=False):
-                shutil.rmtree(entry.path)
-            else:
-                os.unlink(entry.path)
-            removed.append(Path(entry.path))
-    return removed
-
-
-# ----------------------------------------------------------------------------------------------------------------------
 # The no-clobber final step
-
-
-RENAME_NOREPLACE = 1
-AT_FDCWD = -100
-_libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
-_renameat2 = getattr(_libc, "renameat2", None)
-
-
-def rename_noreplace(src: Path, dst: Path) -> None:
-    """Rename `src` onto `dst` only if `dst` does not exist (FileExistsError otherwise), atomically.
-
-    renameat2(RENAME_NOREPLACE) on Linux; where the filesystem or libc lacks it, a hard link (which fails if `dst`
-    exists) and an unlink of `src`: the same guarantee, with a moment where both names exist."""
-    if _renameat2 is not None:
-        if _renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
-            return
-        err = ctypes.get_errno()
-        if err == errno.EEXIST:
-            raise FileExistsError(err, os.strerror(err), str(dst))
-        if err not in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
-            raise OSError(err, os.strerror(err), str(dst))
-    try:
-        os.link(src, dst)
-    except OSError as e:
-        if e.errno in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP) and not os.path.lexists(dst):
-            raise OutputError(f"{dst}: this filesystem supports neither renameat2(RENAME_NOREPLACE) nor hard links, "
-                              "so h3trt cannot write it without risking another run's file; write to another "
-                              "filesystem, or pass --overwrite.") from None
-        raise
-    os.unlink(src)
-
-
-class InterruptedAfterCommit(KeyboardInterrupt):
-    """Ctrl-C arrived during a commit, which finished first: `targets` were written."""
-
-    def __init__(self, targets: list[Path]):
-        super().__init__()
-        self.targets = targets
-
-
-@contextlib.contextmanager
-def interrupts_held():
-    """Hold back SIGINT (Ctrl-C) for the block and deliver it afterwards, so a commit is never cut in half. Only the
-    main thread receives signals; elsewhere this does nothing."""
-    if threading.current_thread() is not threading.main_thread():
-        yield None
-        return
-    pending = []
-    previous = signal.signal(signal.SIGINT, lambda signum, frame: pending.append(signum))
-    try:
-        yield pending
-    finally:
-        signal.signal(signal.SIGINT, previous)
 
 
 def join_holding_interrupts(thread: threading.Thread) -> bool:
@@ -233,7 +91,7 @@ def commit(pairs: list[tuple[Path, Path]], overwrite: bool = False) -> None:
                 with _folder_lock(Path(pairs[0][1]).parent):
                     for temp, target in pairs:
                         os.replace(temp, target)
-                        _forget(temp)
+                        forget(temp)
             else:
                 for temp, target in pairs:
                     mine = os.stat(temp)
@@ -244,7 +102,7 @@ def commit(pairs: list[tuple[Path, Path]], overwrite: bool = False) -> None:
                         raise OutputExists(f"{target} appeared while this run was writing it (another run?); it was "
                                            "left as it is and this run's output was removed. Choose another output, "
                                            "or pass --overwrite.") from None
-                    _forget(temp)
+                    forget(temp)
                     done.append((Path(target), mine))
             committed = True
         except OSError as e:
@@ -373,45 +231,26 @@ class OutputBusy(OutputRefused):
 
 @dataclass
 class BatchLock:
-    """An exclusive lock on a batch out-dir for the whole run: flock on OUT/.h3trt-batch.lock, whose content names the
-    holder (pid, host, start time, command). The lock dies with its process, so a killed run never blocks the next;
-    the file stays (empty once released)."""
+    """An exclusive lock on a batch out-dir for the whole run: OUT/.h3trt-batch.lock, whose content names the holder
+    (pid, host, start time, command). The lock dies with its process, so a killed run never blocks the next; the file
+    stays (empty once released)."""
 
     out_dir: Path
-    _fd: int | None = None
+    _lock: HolderLock | None = None
 
     def __enter__(self) -> BatchLock:
-        path = Path(self.out_dir) / BATCH_LOCK
+        lock = HolderLock(Path(self.out_dir) / BATCH_LOCK)
         try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:
-            raise OutputRefused(f"--out-dir {self.out_dir}: cannot create its lock file ({e.strerror}).") from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(fd, 4096, 0).decode("utf-8", "replace").strip()
-            os.close(fd)
-            try:
-                h = json.loads(holder)
-                who = (f"pid {h['pid']} on {h['host']}, started {h['started']}: {h['command']}")
-            except (ValueError, KeyError, TypeError):
-                who = "a run that is just starting"
-            raise OutputBusy(f"--out-dir {self.out_dir} is in use by another h3trt batch ({who}); wait for it to "
+            lock.__enter__()
+        except LockHeld as e:
+            raise OutputBusy(f"--out-dir {self.out_dir} is in use by another h3trt batch ({e.holder}); wait for it to "
                              "finish, or pass another --out-dir.") from None
         except OSError as e:
-            os.close(fd)
             raise OutputRefused(f"--out-dir {self.out_dir}: cannot lock it ({e.strerror}).") from None
-        holder = json.dumps({"pid": os.getpid(), "host": socket.gethostname(),
-                             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                             "command": " ".join(["h3trt", *sys.argv[1:]])[:1000]})
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, holder.encode(), 0)
-        self._fd = fd
+        self._lock = lock
         return self
 
     def __exit__(self, *exc) -> None:
-        if self._fd is not None:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._fd, 0)
-            os.close(self._fd)  # releases the flock
-            self._fd = None
+        if self._lock is not None:
+            self._lock.__exit__(*exc)
+            self._lock = None

@@ -185,7 +185,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
             video_vae, audio_vae = _vaes(Path(bundle_root), device, VAEPrecision(m.vae_precision))
         if stream is not None:
             stream.synchronize()
-        video_vae.tile_decoders = engine.video_decoders(video_vae.vae)
+        video_vae = video_vae.with_tile_decoders(engine.video_decoders(video_vae.vae))
         report["vae_load_s"] = round(time.perf_counter() - t0, 4)
         if engine.verification is not None:  # a tensorrt bundle verified every file before loading
             report.update(engine.verification.wait_all())

@@ -27,7 +27,8 @@ import numpy as np
 import torch
 
 from .files import OutputError, discard, join_holding_interrupts
-from .media import X264_PRESETS, MediaError, Mp4Writer
+from .media import MediaError
+from .mp4 import X264_PRESETS, Mp4Writer
 
 PUT_POLL_S = 0.5  # how often a blocked producer re-checks that the encoder thread is still alive
 _STOP = object()
@@ -80,7 +81,7 @@ class OutputConfig:
     chunk_frames: int = 8  # frames per device-to-host copy (a window's 17 frames -> 3 copies)
     max_pending_frames: int = 64  # frames queued for the encoder before the decode waits (1344x768: 3 MB each)
     # x264 encodes each frame as it arrives (zerolatency tune) rather than holding ~40 in its lookahead, so what is
-    # left after the last tile is that window's frames, not the buffered backlog (the host tail; media.py measures it).
+    # left after the last tile is that window's frames, not the buffered backlog (the host tail; mp4.py measures it).
     low_latency: bool = True
     # x264 preset: the last window's frames cost their encode time after the last tile. Measured with zerolatency at
     # CRF 18 on 2 CPU cores, 124 frames of 1344x768 (the last 18 frames + flush + close; file; PSNR vs the input):

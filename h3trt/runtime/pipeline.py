@@ -89,7 +89,7 @@ class H3Pipeline:
                                    canvas, cfg_group)
 
     def schedule(self, request: Request) -> Schedule:
-        return Schedule(request.steps, request.video_shift or self.shifts[0], request.audio_shift or self.shifts[1])
+        return Schedule.resolve(request.steps, request.video_shift, request.audio_shift, self.shifts)
 
     @torch.no_grad()
     def generate(self, prepared: Prepared, output: Path, crf: int = DEFAULT_CRF,

@@ -3,6 +3,7 @@ model loads). `Encoded` is a request after stages 1-2 and the pack, the unit a b
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -10,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..models.checkpoint import check_component_files
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK,
     LATENTS_PER_CHUNK, Geometry, PackedLayout, frames_for_duration, resolve_canvas, validate_canvas,
@@ -121,11 +123,18 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
         raise ValueError(f"--steps must be at least 2 (the grid includes the final sigma 0), got {request.steps}.")
     if request.refs and (request.image or request.last_image):
         raise ValueError("--ref (ref2va) cannot be combined with --image/--last-image (fl2va); pick one task.")
-    Schedule(request.steps, request.video_shift or DEFAULT_VIDEO_SHIFT,
-             request.audio_shift or DEFAULT_AUDIO_SHIFT)  # validates shifts
-    if request.guidance < 1.0:
-        raise ValueError(f"--guidance must be >= 1 (1 = off, the default: H3 is guidance-distilled), got "
-                         f"{request.guidance}.")
+    for flag, shift, default in (("--video-shift", request.video_shift, DEFAULT_VIDEO_SHIFT),
+                                 ("--audio-shift", request.audio_shift, DEFAULT_AUDIO_SHIFT)):
+        if shift is not None and not (math.isfinite(shift) and shift > 0):
+            raise ValueError(f"{flag} must be a positive finite number (the checkpoint's is {default:g}), got "
+                             f"{shift}.")
+    Schedule(request.steps, *(DEFAULT_VIDEO_SHIFT if request.video_shift is None else request.video_shift,
+                              DEFAULT_AUDIO_SHIFT if request.audio_shift is None else request.audio_shift))
+    # NaN compares false with everything: unchecked, it would pass as "not > 1", run unguided and drop the negative
+    # prompt.
+    if not (math.isfinite(request.guidance) and request.guidance >= 1.0):
+        raise ValueError(f"--guidance must be a finite number >= 1 (1 = off, the default: H3 is guidance-distilled), "
+                         f"got {request.guidance}.")
     if request.negative_prompt is not None and request.guidance == 1.0:
         raise ValueError("--negative-prompt only acts with --guidance > 1 (H3 is guidance-distilled and runs one "
                          "branch by default); pass --guidance too, or drop --negative-prompt.")
@@ -197,7 +206,9 @@ def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) ->
     # text encoder's thread while the DiT weights stream in (runtime/loading.py).
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(Path(component_root) / TOKENIZER_DIR, local_files_only=True)
+    tokenizer_dir = Path(component_root) / TOKENIZER_DIR
+    check_component_files(tokenizer_dir, weights=False)  # a truncated tokenizer.json: one line, not a traceback
+    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
     over = []
     for where, p in long:
         n = len(tokenizer(p, add_special_tokens=False)["input_ids"])

@@ -9,15 +9,18 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
 `run` needs id (it names OUT/<id>.mp4), task and prompt; `eval` needs prompt (it also takes id and task, so a run
 file evaluates as it is). `width` and `height` may stand in for `resolution`. A stated task must be the one its inputs
 make (t2va: none; fl2va: image and/or last_image; ref2va: refs). Relative paths are relative to the file, so a batch
-folder can move as a whole. Every line is checked before any model loads; every bad line is reported at once, each
+folder can move as a whole (read from a pipe, `--requests <(...)`, to the current folder). A UTF-8 byte-order mark is
+skipped. Every line is checked before any model loads; every bad line is reported at once, each
 with its line number and what is wrong with it.
 """
 
 from __future__ import annotations
 
+import codecs
 import json
 import math
 import re
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -77,10 +80,9 @@ def read_request_file(path: Path, required: tuple[str, ...], defaults: RequestDe
     """Every line of a requests file, parsed and passed through `check` (which may raise ValueError/OSError: that
     line's error); raises RequestsFileError listing every bad line, or when there are no requests."""
     path = Path(path)
-    if not path.is_file():
-        raise RequestsFileError(f"{path}: no such requests file (JSON lines, one request per line).")
+    content, base = _read_once(path)
     items, errors, seen = [], [], {}
-    for number, raw in enumerate(path.read_bytes().split(b"\n"), start=1):
+    for number, raw in enumerate(content.split(b"\n"), start=1):
         try:
             text = raw.decode("utf-8")
         except UnicodeDecodeError as e:
@@ -90,7 +92,7 @@ def read_request_file(path: Path, required: tuple[str, ...], defaults: RequestDe
         if not text.strip():
             continue
         try:
-            line = parse_line(text, number, path.parent, required, defaults)
+            line = parse_line(text, number, base, required, defaults)
             item = check(line)
         except (ValueError, OSError) as e:
             errors.append(f"{path}:{number}: {' '.join(str(e).split())}")
@@ -109,6 +111,26 @@ def read_request_file(path: Path, required: tuple[str, ...], defaults: RequestDe
     if not items:
         raise RequestsFileError(f"{path}: no requests (one JSON object per line).")
     return items
+
+
+def _read_once(path: Path) -> tuple[bytes, Path]:
+    """The file's bytes, without a UTF-8 byte-order mark (editors on Windows write one), and the folder its relative
+    paths are relative to. A pipe (`--requests <(...)`, /dev/stdin) is read once, as it can only be, and its relative
+    paths are relative to the current folder: it has none of its own."""
+    try:
+        mode = path.stat().st_mode
+    except FileNotFoundError:
+        raise RequestsFileError(f"{path}: no such requests file (JSON lines, one request per line).") from None
+    except OSError as e:
+        raise RequestsFileError(f"{path}: cannot be read ({e.strerror}).") from None
+    if not (stat.S_ISREG(mode) or stat.S_ISFIFO(mode)):
+        raise RequestsFileError(f"{path} is {'a folder' if stat.S_ISDIR(mode) else 'neither a file nor a pipe'}; "
+                                "pass a requests file (JSON lines, one request per line).")
+    try:
+        content = path.read_bytes()
+    except OSError as e:
+        raise RequestsFileError(f"{path}: cannot be read ({e.strerror}).") from None
+    return content.removeprefix(codecs.BOM_UTF8), path.parent if stat.S_ISREG(mode) else Path.cwd()
 
 
 def read_eval_requests(path: Path, manifest: Manifest) -> list[Request]:

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..models.packing import FPS
+from ..models.text_encoder import check_text_encoder_files
 from ..models.sampler import DEFAULT_GUIDANCE
 from .batch import BatchConfig, FileQueue, finished, summary_line
 from .batch_file import check_bundle_batch, parse_requests
@@ -54,6 +55,7 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
     preflight_clip(output, record_path(output), overwrite,
                    estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, crf))
     entry.note()  # the embedded tiny model: its clips are noise
+    check_text_encoder_files(entry.component_root(request.task))  # a truncated file: one line, before any load
     check_prompt_tokens(entry.component_root(request.task),
                         [(w, p) for w, p in (("the prompt", request.prompt),
                                              ("the negative prompt", request.negative_prompt)) if p])
@@ -164,6 +166,7 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
     items = parse_requests(requests, entry.canvas, entry.default_steps, admit=entry.admit)
     try:
         for task in sorted({i.request.task for i in items}):
+            check_text_encoder_files(entry.component_root(task))
             check_prompt_tokens(entry.component_root(task),
                                 [(f"{requests}:{i.line}: the prompt", i.request.prompt) for i in items
                                  if i.request.task == task])

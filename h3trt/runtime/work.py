@@ -231,7 +231,11 @@ def _stage_of(timer: TimelineTimer, fallback: str) -> str:
 
 def _failed(reporter: Reporter, place: Place, jobs: list[Job], stage: str, error: Exception,
             *timers: TimelineTimer) -> None:
-    """Report the failure of `jobs`, free what the attempt held, and re-raise on a group of several ranks."""
+    """Report the failure of `jobs` and free what the attempt held. On a group of several ranks the error is only
+    re-raised: the rank dies with it, and the launcher decides what the job becomes from the group's root cause (this
+    error fails the job; a peer killed first, whose death this error only follows, re-queues it)."""
+    if place.decode_group is not None:
+        raise error
     reason = f"{stage}: {type(error).__name__}: {' '.join(str(error).split())}"
     for job, timer in zip(jobs, timers if timers else [None] * len(jobs)):
         reporter.event(job, "failed", stage, error=reason,
@@ -241,7 +245,7 @@ def _failed(reporter: Reporter, place: Place, jobs: list[Job], stage: str, error
                                "user_error": isinstance(error, (UserError, OutputRefused)),
                                "error_type": type(error).__name__})
     free_memory(reporter.device)
-    if place.decode_group is not None or place.raise_failures:
+    if place.raise_failures:
         raise error
 
 

@@ -100,9 +100,10 @@ class StoreQueue:
             elif died and row.attempts < MAX_ATTEMPTS:
                 self.store.requeue(job.id)
                 self.log("requeued", job=job.id, reason=reason, attempts=row.attempts)
-            else:
-                self.report(Event(job.id, "failed", "worker", error=f"worker: {reason}",
-                                  record={"error_type": "WorkerLost"}, group=group))
+            else:  # a rank raised `reason` ("OutOfMemoryError: ..."), or the job already ran twice
+                kind = reason.split(":", 1)[0] if not died and ":" in reason else "WorkerLost"
+                self.report(Event(job.id, "failed", "worker", error=f"worker: {reason}", record={"error_type": kind},
+                                  group=group))
 
     def cancels(self) -> list[str]:
         return self.store.cancels()

@@ -23,6 +23,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..models.packing import DEFAULT_DURATION
+from ..models.text_encoder import check_text_encoder_files
 from ..runtime.entry import Entry
 from ..runtime.request import check_prompt_tokens, prepare
 from ..runtime.requests import KEYS, RequestDefaults, parse_object
@@ -102,6 +103,7 @@ class VideoService:
             line = parse_object(schema, 0, folder, ("prompt",), self.defaults())
             prepared = prepare(line.request, self.entry.canvas)  # every input read and checked, as `run` does
             self.entry.admit(prepared)  # what a bundle serves (task, canvas, schedule)
+            check_text_encoder_files(self.entry.component_root(line.request.task))
             check_prompt_tokens(self.entry.component_root(line.request.task), [
                 (w, p) for w, p in (("prompt", line.request.prompt),
                                     ("negative_prompt", line.request.negative_prompt)) if p])

@@ -1,0 +1,126 @@
+"""`h3trt build` before anything loads: every check that can fail fast (sp against the heads, the device, the attention
+kernels, a process that already serves a bundle), and the bundle's size, estimated for the free-space check."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..engines.loaders import bundle_activated
+from ..errors import UserError
+from ..models.checkpoint import TransformerSource, locate_transformer
+from ..models.config import H3Config
+from ..models.dit import build_dit
+from ..models.precision import Precision
+from ..models.sampler import Schedule
+from ..parallel.mesh import MeshConfig
+from .adaln import schedule_timesteps
+from .attention_choice import AttentionChoice, AttentionShape, resolve_attention
+from .config import BuildConfig
+from .examples import example_layout
+
+EAGER_COMPONENTS = ("text_encoder", "tokenizer", "processor", "video_vae", "audio_vae", "vae")
+# Compiled code (Inductor's C++ / Triton binaries, AOTI packages, TensorRT's plans hold weights too) by device type:
+# measured, a full-size fp8 bundle on the H200 holds ~0.2 GB of it (32.27 GB, less 20.94 GB of weights and tables and
+# 11.0 GB of components), the tiny model's on the CPU 5.8 MB. An allowance above both, not a bound.
+COMPILED_CODE_BYTES = {"cuda": 256 << 20, "cpu": 32 << 20}
+
+
+@dataclass(frozen=True)
+class BundleSize:
+    """A bundle's size, estimated before anything loads, by part: what the free-space check asks for."""
+
+    weights: int  # the DiT's parameters at the build dtype (fp8/nvfp4: counted at bf16, an upper bound)
+    adaln_tables: int  # baked AdaLN tables for the schedule (0 with --keep-adaln: adaln_proj is in the weights)
+    components: int  # the eager components copied from the checkpoint (text encoder, tokenizer, VAEs)
+    compiled: int  # compiled code, COMPILED_CODE_BYTES
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.adaln_tables + self.components + self.compiled
+
+    def describe(self) -> str:
+        return (f"weights {self.weights / 1e6:.1f} MB, AdaLN tables {self.adaln_tables / 1e6:.1f} MB, components "
+                f"{self.components / 1e6:.1f} MB, compiled code {self.compiled / 1e6:.1f} MB")
+
+
+@dataclass(frozen=True)
+class BuildPlan:
+    """What the build will be, decided before anything loads."""
+
+    device: torch.device
+    dtype: torch.dtype  # the DiT's compute dtype
+    model_cfg: H3Config
+    attention: dict[Precision, AttentionChoice]  # the kernel baked in per precision (tensorrt: none, it fuses its own)
+    size: BundleSize
+
+    @property
+    def fp8_kernel(self) -> str:
+        return self.attention[Precision.FP8].kernel if Precision.FP8 in self.attention else ""
+
+    @property
+    def dense_kernel(self) -> str:
+        return next((c.kernel for p, c in self.attention.items() if p != Precision.FP8), "sdpa")
+
+
+def plan_build(config: BuildConfig, log=print) -> BuildPlan:
+    """Every check that needs no model, in the order of their cost; logs the attention kernels chosen."""
+    source = locate_transformer(config.model_root, config.task)
+    model_cfg = source.config
+    MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp, model_cfg.num_heads)
+    device = torch.device(config.device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise UserError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
+    if device.type == "cuda" and (device.index or 0) != 0:
+        # Compiled code names the device it was compiled on; bundles are compiled on, and served from, the process's
+        # cuda:0 (h3trt/parallel/devices.py). `h3trt build --device cuda:N` makes GPU N this process's cuda:0.
+        raise UserError(f"Bundles are compiled on the process's cuda:0, not {device}; use h3trt build --device "
+                        f"cuda:{device.index}, which makes that GPU the process's cuda:0.")
+    dtype = config.precision.spec.dtype
+    attention = {} if config.backend == "tensorrt" else _attention(config, model_cfg, device, log)
+    if config.backend in ("inductor", "aoti") and bundle_activated():
+        # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
+        # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
+        raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
+                        "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
+    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device))
+
+
+def _attention(config: BuildConfig, model_cfg: H3Config, device: torch.device,
+               log) -> dict[Precision, AttentionChoice]:
+    """The kernels, measured at the bundle's attention shape (every row of the longest profile, one rank's heads), or
+    a named kernel checked against this GPU."""
+    shape = AttentionShape(max(example_layout(model_cfg, p.geometry).seq_len for p in config.profiles),
+                           model_cfg.num_heads // config.sp, model_cfg.head_dim)
+    attention = {}
+    for precision in config.attention_precisions():
+        choice = resolve_attention(config.attention, precision, device, shape)
+        attention[precision] = choice
+        timed = ", ".join(f"{k} {ms:.2f} ms" for k, ms in choice.measured_ms.items())
+        left_out = "; ".join(f"{k} left out: {r}" for k, r in choice.unavailable.items())
+        log(f"{precision} attention: {choice.kernel} (--attention {config.attention}"
+            f"{', measured ' + timed if timed else ''} at {shape.rows} rows x {shape.heads} heads)"
+            f"{'; ' + left_out if left_out else ''}")
+    return attention
+
+
+def estimated_size(config: BuildConfig, source: TransformerSource, dtype: torch.dtype,
+                   device: torch.device) -> BundleSize:
+    """The bundle's bytes by part, from the model's shapes (on the meta device: nothing loads) and the sizes of the
+    component files it copies."""
+    model = build_dit(source.config, dtype, device="meta")
+    adaln = sum(p.numel() for n, p in model.named_parameters() if "adaln_proj" in n)
+    params = sum(p.numel() for p in model.parameters()) - (0 if config.keep_adaln else adaln)
+    tables = 0
+    if not config.keep_adaln:
+        video_shift, audio_shift = source.shifts
+        timesteps = schedule_timesteps(Schedule.resolve(config.steps, config.video_shift,
+                                                        config.audio_shift, (video_shift, audio_shift))).numel()
+        cfg = source.config
+        tables = timesteps * (cfg.num_layers * 3 * 6 + 2) * cfg.hidden_size * dtype.itemsize  # adaln.bake_tables
+    components = sum(f.stat().st_size for name in EAGER_COMPONENTS
+                     for f in Path(source.component_root, name).rglob("*") if f.is_file())
+    compiled = COMPILED_CODE_BYTES["cuda" if device.type == "cuda" or config.backend == "tensorrt" else "cpu"]
+    return BundleSize(params * dtype.itemsize, tables, components, compiled)
