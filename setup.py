@@ -1,6 +1,9 @@
 from setuptools import find_packages, setup
 
 SERVE = ["fastapi>=0.110", "uvicorn>=0.29", "python-multipart", "prometheus-client", "sqlalchemy>=2", "alembic"]
+# `h3trt serve --ray`: Ray Serve runs the ingress and the worker replicas (the autoscaling hooks are 2.60's), the shared
+# job store is PostgreSQL (psycopg 3, SQLAlchemy's postgresql+psycopg), clips on object storage through fsspec (s3fs).
+FLEET = ["ray[serve]==2.60.*", "psycopg[binary]>=3.1", "s3fs"]
 
 setup(
     name="h3trt",
@@ -31,8 +34,11 @@ setup(
         # `h3trt serve`: the HTTP API (FastAPI on uvicorn; multipart uploads), Prometheus metrics, the job store
         # (SQLAlchemy Core over SQLite by default, its schema versioned by Alembic).
         "serve": SERVE,
+        "fleet": [*SERVE, *FLEET],
         "test": [
-            *SERVE,
+            *SERVE, *FLEET,
+            # The fleet's tests: a local S3-compatible server (moto's server mode) stands in for object storage.
+            "moto[server]>=5",
             # The server's tests: the official openai SDK as the client, schemathesis over the OpenAPI schema, and a
             # real browser (Debian's chromium, driven by playwright) for the page.
             "openai>=2", "httpx", "schemathesis>=4", "playwright",

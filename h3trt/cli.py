@@ -186,6 +186,24 @@ def _serve_parser(sub) -> None:
     p.add_argument("--crf", default=DEFAULT_CRF, type=_crf, metavar="0..51",
                    help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
     _mesh_arguments(p)
+    from .fleet.options import DEFAULT_JOBS_PER_REPLICA, DEFAULT_LEASE
+
+    fleet = p.add_argument_group("a fleet (Ray Serve; README, 'A fleet'): the mesh flags describe one replica group")
+    fleet.add_argument("--ray", metavar="ADDRESS", help="deploy to the Ray cluster at ADDRESS (auto, or HEAD:6379) "
+                                                        "instead of serving here; returns once the replicas serve")
+    fleet.add_argument("--store", metavar="URL", help="with --ray: the shared job store, e.g. "
+                                                      "postgresql+psycopg://USER@HOST/DB")
+    fleet.add_argument("--storage", metavar="URL", help="with --ray: clips and uploads, a path every node mounts or "
+                                                        "an fsspec URL (s3://bucket/prefix)")
+    fleet.add_argument("--min-replicas", type=int, default=1, help="with --ray: worker replicas at least (default 1)")
+    fleet.add_argument("--max-replicas", type=int, default=None, help="with --ray: worker replicas at most (default: "
+                                                                      "--min-replicas)")
+    fleet.add_argument("--jobs-per-replica", type=float, default=DEFAULT_JOBS_PER_REPLICA,
+                       help="with --ray: the queue depth (queued + running jobs) one replica holds before the "
+                            "autoscaler adds one (default 1)")
+    fleet.add_argument("--lease", default=DEFAULT_LEASE, help="with --ray: a running job whose replica stopped renewing "
+                                                              f"its lease this long ago runs again elsewhere (default "
+                                                              f"{DEFAULT_LEASE})")
 
 
 def step_cache_from_args(args):
@@ -261,6 +279,18 @@ def cmd_serve(args) -> int:
     from .server.main import serve
     from .server.options import ServeOptions
 
+    if args.ray is not None:
+        from .fleet.deploy import deploy
+        from .fleet.options import FleetOptions
+
+        if args.max_replicas is None:
+            args.max_replicas = args.min_replicas
+        return deploy(entry_from_args(args), ServeOptions.from_args(args), FleetOptions.from_args(args))
+    given = [flag for flag, value in (("--store", args.store), ("--storage", args.storage),
+                                      ("--max-replicas", args.max_replicas)) if value is not None]
+    if given:
+        raise _user_error(f"{' '.join(given)} configure a fleet; add --ray ADDRESS (README, 'A fleet'). One node keeps "
+                          "its jobs and clips in --data-dir.")
     return serve(entry_from_args(args), ServeOptions.from_args(args))
 
 

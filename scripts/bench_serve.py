@@ -106,6 +106,19 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def ended_jobs(client, ids: list[str], more) -> dict:
+    """Poll the jobs every 0.5 s while `more()` until each has ended; {id: job} of those that did."""
+    jobs = {}
+    while len(jobs) < len(ids) and more():
+        for job_id in ids:
+            if job_id not in jobs:
+                job = client.get(f"/v1/videos/{job_id}").json()
+                if job["status"] in ("completed", "failed", "cancelled"):
+                    jobs[job_id] = job
+        time.sleep(0.5)
+    return jobs
+
+
 def phase_serve(ctx, bundle: Path) -> dict:
     import httpx
 
@@ -164,14 +177,7 @@ def phase_serve(ctx, bundle: Path) -> dict:
 
         sampler = threading.Thread(target=sample, daemon=True)
         sampler.start()
-        jobs = {}
-        while len(jobs) < len(ids) and time.time() - launched < ctx.remaining() - 20:
-            for job_id in ids:
-                if job_id not in jobs:
-                    job = client.get(f"/v1/videos/{job_id}").json()
-                    if job["status"] in ("completed", "failed", "cancelled"):
-                        jobs[job_id] = job
-            time.sleep(0.5)
+        jobs = ended_jobs(client, ids, lambda: time.time() - launched < ctx.remaining() - 20)
         stop.set()
         sampler.join()
         result["jobs"] = {j: {k: v[k] for k in ("status", "created_at", "started_at", "completed_at", "attempts",
@@ -202,51 +208,73 @@ def phase_serve(ctx, bundle: Path) -> dict:
     return result
 
 
-def main() -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def arguments(doc: str, phases: str) -> argparse.ArgumentParser:
+    """The flags this bench and bench_fleet.py share."""
+    p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", required=True, type=Path)
-    p.add_argument("--phase", default="checkpoint,build,run,serve")
+    p.add_argument("--phase", default=phases)
     p.add_argument("--tiny", action="store_true", help="the same flow on the CPU with the tiny config")
     p.add_argument("--short-steps", type=int, default=6, help="steps of every clip (default 6: 5 evaluations)")
     p.add_argument("--budget-s", type=float, default=None, help="default 570 (a device call: 600 s); --tiny 3600")
-    args = p.parse_args()
+    return p
+
+
+def context(args, clips: int) -> bench_e2e.Ctx:
+    """bench_e2e's context for these flags (its state folders, the call's budget) with the workload recorded."""
     suffix = "-tiny" if args.tiny else ""
     args.state, args.bundles = f"/dev/shm/h3trt-e2e{suffix}", f"/tmp/h3trt-e2e-bundles{suffix}"
     args.full_steps, args.profile_step = 50, 4
     args.budget_s = args.budget_s or (3600.0 if args.tiny else 570.0)
-    phases = [x for x in args.phase.split(",") if x]
     ctx = bench_e2e.Ctx(args)
     ctx.results["env"] = ctx.env()
-    ctx.results["workload"] = {"clips": CLIPS, "canvas": f"{ctx.width}x{ctx.height}", "seconds": 5,
+    ctx.results["workload"] = {"clips": clips, "canvas": f"{ctx.width}x{ctx.height}", "seconds": 5,
                                "steps": args.short_steps, "precision": "fp8 GEMMs + fp8 attention, sp=1"}
+    return ctx
+
+
+def bundle_and_run(ctx, phases: list[str]) -> Path:
+    """The phases both benches start with: the checkpoint, the bundle, `h3trt run` over the requests; the bundle."""
     bundle = bench_e2e.bundle_path(ctx, ROW)
+    if "checkpoint" in phases:
+        bench_e2e.phase_checkpoint(ctx)
+        bench_e2e.release_gpu_memory()
+    if "build" in phases:
+        bench_e2e.phase_build(ctx, ROW)
+        ctx.save()
+    if "run" in phases:
+        ctx.results["run"] = phase_run(ctx, bundle)
+        ctx.log(f"run: {ctx.results['run']}")
+        ctx.save()
+    return bundle
+
+
+def main() -> int:
+    args = arguments(__doc__, "checkpoint,build,run,serve").parse_args()
+    phases = [x for x in args.phase.split(",") if x]
+    ctx = context(args, CLIPS)
     try:
-        if "checkpoint" in phases:
-            bench_e2e.phase_checkpoint(ctx)
-            bench_e2e.release_gpu_memory()
-        if "build" in phases:
-            bench_e2e.phase_build(ctx, ROW)
-            ctx.save()
-        if "run" in phases:
-            ctx.results["run"] = phase_run(ctx, bundle)
-            ctx.log(f"run: {ctx.results['run']}")
-            ctx.save()
+        bundle = bundle_and_run(ctx, phases)
         if "serve" in phases:
             ctx.results["serve"] = phase_serve(ctx, bundle)
             ctx.log(f"serve: { {k: v for k, v in ctx.results['serve'].items() if k != 'jobs'} }")
     finally:
-        run, srv = ctx.results.get("run", {}), ctx.results.get("serve", {})
-        if run.get("seconds_per_clip") and srv.get("seconds_per_clip"):
-            ctx.results["summary"] = {
-                "run_seconds_per_clip": run["seconds_per_clip"], "serve_seconds_per_clip": srv["seconds_per_clip"],
-                "serve_overhead": round(srv["seconds_per_clip"] / run["seconds_per_clip"] - 1, 4),
-                "serve_clips_per_hour": round(3600 / srv["seconds_per_clip"], 1),
-                "run_clips_per_hour": round(3600 / run["seconds_per_clip"], 1),
-                "get_p99_ms": srv.get("get_latency_ms", {}).get("p99"), "start_to_ready_s": srv.get("start_to_ready_s"),
-            }
-            ctx.log(f"summary: {ctx.results['summary']}")
-        ctx.save()
+        summarise(ctx, "serve", lambda srv: {"get_p99_ms": srv.get("get_latency_ms", {}).get("p99"),
+                                             "start_to_ready_s": srv.get("start_to_ready_s")})
     return 0
+
+
+def summarise(ctx, key: str, extra) -> None:
+    """`key`'s phase against `h3trt run` (seconds per clip, the overhead, clips per hour) and `extra(its result)`;
+    the results saved either way."""
+    run, other = ctx.results.get("run", {}), ctx.results.get(key, {})
+    if run.get("seconds_per_clip") and other.get("seconds_per_clip"):
+        ctx.results["summary"] = {
+            "run_seconds_per_clip": run["seconds_per_clip"], f"{key}_seconds_per_clip": other["seconds_per_clip"],
+            f"{key}_overhead": round(other["seconds_per_clip"] / run["seconds_per_clip"] - 1, 4),
+            f"{key}_clips_per_hour": round(3600 / other["seconds_per_clip"], 1),
+            "run_clips_per_hour": round(3600 / run["seconds_per_clip"], 1), **extra(other)}
+        ctx.log(f"summary: {ctx.results['summary']}")
+    ctx.save()
 
 
 if __name__ == "__main__":

@@ -12,23 +12,13 @@
 # PuLP's bundled CBC solver binaries are dropped (35 MB): ModelOpt imports PuLP, calibration never solves anything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-out=.whl
-rm -rf "$out/wheels" "$out/site"
-mkdir -p "$out/wheels" "$out/site"
-platform=(--python-version 3.12 --implementation cp --only-binary=:all: --no-deps
-          --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64
-          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64)
-python3 -m pip download -q "${platform[@]}" -d "$out/wheels" \
+source scripts/carry.sh
+carry_unpack site \
   diffusers==0.42.1 importlib_metadata zipp av fa3-fwd==0.0.3 nvidia-cudnn-frontend==1.16.0 \
   cryptography cffi pycparser \
   nvidia-modelopt==0.47.0 PuLP==3.3.2 omegaconf==2.4.0 pydantic==2.13.4 pydantic-core==2.46.4 \
   annotated-types==0.7.0 typing-inspection==0.4.2 \
   fastapi starlette uvicorn h11 click python-multipart prometheus-client sqlalchemy alembic Mako MarkupSafe \
   anyio sniffio idna httpx httpcore certifi typing_extensions
-for wheel in "$out"/wheels/*.whl; do
-  unzip -q -o "$wheel" -d "$out/site"
-done
-rm -rf "$out/site/pulp/solverdir/cbc"
-find "$out/site" -name __pycache__ -prune -exec rm -rf {} +
-tar cf - -C "$out/site" . | xz -T2 -8 > "$out/site.tar.xz"
-ls -l "$out/site.tar.xz"
+rm -rf .whl/site/pulp/solverdir/cbc
+carry_pack site

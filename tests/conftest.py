@@ -9,7 +9,7 @@ from h3trt.models.checkpoint_writer import random_state_dict, save_comfy, save_d
 from h3trt.models.config import H3Config
 
 
-TIERS = ("unit", "multiproc", "build", "serve")
+TIERS = ("unit", "multiproc", "build", "serve", "fleet")
 BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
 
 
@@ -18,7 +18,7 @@ BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp
 
 # The files whose bundle builds and spawned ranks take minutes: run first, so that under pytest-xdist (README: `-n 2
 # --dist loadfile`, one file per worker at a time) no long file starts last while the other workers sit idle.
-SLOW_FILES = ("test_serve_api.py", "test_engine.py", "test_serve_ops.py", "test_mesh.py", "test_quant.py",
+SLOW_FILES = ("test_fleet.py", "test_serve_api.py", "test_engine.py", "test_serve_ops.py", "test_mesh.py", "test_quant.py",
               "test_vae_precision.py", "test_fewstep.py", "test_parallel_vae.py", "test_step_cache.py")
 
 
@@ -122,3 +122,45 @@ def bundles(tmp_path_factory, tiny_cache, signing_keys):
                               capture_output=True, text=True, timeout=1800)
         assert proc.returncode == 0, proc.stderr[-2000:]
     return out
+
+
+@pytest.fixture(scope="session")
+def postgres():
+    """A throwaway PostgreSQL server (tests/postgres.py), one per test process; each user makes its own database."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    from postgres import Postgres
+
+    server = Postgres()
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="session")
+def s3():
+    """A local S3-compatible server: moto's server mode, a stand-in for a fleet's object storage (AWS S3, MinIO, ...),
+    on a free port in a thread of this process, with a fresh bucket. Sets boto's environment (credentials, region,
+    AWS_ENDPOINT_URL) for this process and the processes it starts, as a fleet's nodes would have it; yields
+    (bucket, boto3 client)."""
+    import socket
+
+    import boto3
+    from moto.server import ThreadedMotoServer
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    env = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+           "AWS_ENDPOINT_URL": f"http://127.0.0.1:{port}"}
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    client = boto3.client("s3")
+    client.create_bucket(Bucket="h3trt-test")
+    yield "h3trt-test", client
+    server.stop()
+    for k, v in old.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v

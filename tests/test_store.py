@@ -1,7 +1,8 @@
-"""The job store (h3trt/server/store.py): one suite, parametrized over the databases a store can live in, run against
-each for real. Claims are exclusive, progress never goes back, an end is recorded once, a restart re-queues a running
-job once, pages follow creation order, expiry finds exactly the ended jobs past their time, and the migrated schema is
-the one the code queries."""
+"""The job store (h3trt/server/store.py): one suite, parametrized over the databases a store can live in (SQLite, one
+node's default; PostgreSQL, a fleet's: a throwaway server from Debian's packages, tests/postgres.py), run against each
+for real. Claims are exclusive, progress never goes back, an end is recorded once, a restart re-queues a running job
+once, a lease that runs out re-queues its job and silences its old worker, pages follow creation order, expiry finds
+exactly the ended jobs past their time, and the migrated schema is the one the code queries."""
 
 import threading
 import time
@@ -13,9 +14,16 @@ from h3trt.server.store import MAX_ATTEMPTS, JobStore, metadata, sqlite_url
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture(params=["sqlite"])
-def store(request, tmp_path):
-    s = JobStore(sqlite_url(tmp_path))
+@pytest.fixture(params=["sqlite", "postgresql"])
+def store_url(request, tmp_path):
+    if request.param == "sqlite":
+        return sqlite_url(tmp_path)
+    return request.getfixturevalue("postgres").database()
+
+
+@pytest.fixture
+def store(store_url):
+    s = JobStore(store_url)
     yield s
     s.close()
 
@@ -82,6 +90,30 @@ def test_cancel_and_delete_flags(store):
     assert requeued == [] and store.get("video_q").status == "cancelled"  # a cancelled job is not run again
 
 
+def test_a_lease_that_runs_out_requeues_its_job_once_and_silences_its_old_worker(store):
+    store.create("video_a", {"schema": {"prompt": "x"}})
+    store.create("video_b", {"schema": {"prompt": "y"}})
+    assert store.claim("host:1/group0", now=1000.0).id == "video_a"
+    assert store.claim("host:2/group0", now=1000.0).id == "video_b"
+    assert store.heartbeat(["host:1/group0"], now=1050.0) == 1  # worker 1 lives; worker 2 went silent at 1000
+    requeued, failed = store.recover(retention_s=60, now=1061.0, stale_before=1061.0 - 30)
+    assert requeued == ["video_b"] and failed == [] and store.get("video_a").status == "in_progress"
+    assert store.claim("host:1/group1", now=1062.0).id == "video_b"  # another worker takes it: attempt 2
+    store.progress("video_b", 50, "denoise", (1, 2), worker="host:2/group0")  # the old worker wakes up: ignored
+    assert store.end("video_b", "completed", 60, record={}, output="x", worker="host:2/group0") is None
+    row = store.get("video_b")
+    assert (row.status, row.progress, row.attempts, row.worker) == ("in_progress", 0, 2, "host:1/group1")
+    store.progress("video_b", 50, "denoise", (1, 2), worker="host:1/group1")
+    assert store.end("video_b", "completed", 60, record={}, output="x", worker="host:1/group1").progress == 100
+    # Worker 1 goes silent too: its job runs once more, and a second silence fails it (worker_lost), once, whoever
+    # notices first.
+    assert store.recover(retention_s=60, now=2000.0, stale_before=1999.0) == (["video_a"], [])
+    assert store.claim("host:3/group0", now=2001.0).attempts == MAX_ATTEMPTS
+    assert store.recover(retention_s=60, now=3000.0, stale_before=2999.0) == ([], ["video_a"])
+    assert store.recover(retention_s=60, now=3000.0, stale_before=2999.0) == ([], [])
+    assert store.get("video_a").error_code == "worker_lost"
+
+
 def test_pages_follow_creation_order_with_a_cursor(store):
     for i in range(7):
         store.create(f"video_{i}", {"schema": {"prompt": str(i)}})
@@ -118,10 +150,10 @@ def test_the_migrated_schema_is_the_one_the_code_queries(store):
     assert diff == []
 
 
-def test_a_store_from_a_newer_h3trt_is_refused(tmp_path):
-    store = JobStore(sqlite_url(tmp_path))
+def test_a_store_from_a_newer_h3trt_is_refused(store_url):
+    store = JobStore(store_url)
     with store.engine.begin() as c:
         c.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
     store.close()
     with pytest.raises(RuntimeError, match="schema revision 9999, which this h3trt does not know"):
-        JobStore(sqlite_url(tmp_path))
+        JobStore(store_url)

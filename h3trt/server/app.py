@@ -25,7 +25,7 @@ from typing import Literal
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response
+from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -216,9 +216,15 @@ def create_app(service: VideoService) -> FastAPI:
         **ERRORS, 200: {"content": {"video/mp4": {"schema": FILE}, "image/webp": {"schema": FILE}},
                         "description": "the MP4, or its first frame"}}, response_class=Response)
     def video_content(video_id: str, variant: Literal["video", "thumbnail", "spritesheet"] = "video"):
-        path = service.content(video_id, variant)
+        key = service.content(video_id, variant)
         media = "video/mp4" if variant == "video" else "image/webp"
-        return FileResponse(path, media_type=media, filename=f"{video_id}{path.suffix}")
+        filename = f"{video_id}.{'mp4' if variant == 'video' else 'webp'}"
+        path = service.storage.local_path(key)
+        if path is not None:
+            return FileResponse(path, media_type=media, filename=filename)
+        # Object storage: streamed through this process (a sync iterator: Starlette reads it on a worker thread).
+        return StreamingResponse(service.storage.chunks(key), media_type=media,
+                                 headers={"Content-Disposition": f'attachment; filename="{filename}"'})
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted, dependencies=api, responses=ERRORS)
     def delete_video(video_id: str) -> VideoDeleted:
@@ -235,9 +241,9 @@ def create_app(service: VideoService) -> FastAPI:
 
     @app.get("/ready", response_model=Ready, responses={503: {"model": Ready, "description": "not serving"}})
     def ready():
-        serving = service.workers.serving()
+        serving = service.groups.serving()
         body = Ready(ready=serving > 0 and not service.draining.is_set(), draining=service.draining.is_set(),
-                     groups_serving=serving, groups=service.workers.status(), model=service.model_id)
+                     groups_serving=serving, groups=service.groups.status(), model=service.model_id)
         return JSONResponse(body.model_dump(), 200 if body.ready else 503)
 
     @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})

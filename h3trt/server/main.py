@@ -32,7 +32,7 @@ def serve(entry: Entry, options: ServeOptions) -> int:
         raise UserError(f"h3trt serve needs {', '.join(missing)}: pip install 'h3trt[serve]'.")
     if entry.torchrun is not None:
         raise UserError("h3trt serve launches its own ranks (--gpus N); run it as one process, not under torchrun. "
-                        "A fleet of nodes runs one server per node, or Ray Serve (README, 'A fleet').")
+                        "Several nodes serve as a fleet: h3trt serve --ray ADDRESS (README, 'A fleet').")
     task = entry.manifest.task if entry.manifest is not None else "t2va"
     mesh = entry.mesh(task)
     spec = entry.worker_spec(task, mesh, crf=options.crf)
@@ -42,30 +42,70 @@ def serve(entry: Entry, options: ServeOptions) -> int:
         return _serve_locked(entry, options, spec, gpus)
 
 
+class Node:
+    """One node's server: the API side and the worker side over one SQLite store and one data folder."""
+
+    def __init__(self, entry: Entry, options: ServeOptions, spec, gpus):
+        from ..runtime.workers import Workers
+        from .metrics import Metrics
+        from .queue import StoreQueue
+        from .service import VideoService, _log, request_defaults
+        from .storage import Storage
+        from .store import JobStore, sqlite_url
+
+        for folder in ("clips", "uploads"):  # the data folder's layout (README, "What survives a restart")
+            (options.data_dir / folder).mkdir(parents=True, exist_ok=True)
+        store, storage, metrics = JobStore(sqlite_url(options.data_dir)), Storage(options.data_dir.resolve()), Metrics()
+        self.queue = StoreQueue(store, storage, options.retention_s, request_defaults(entry), metrics, _log)
+        self.workers = Workers(spec, self.queue, gpus, load_failures_fatal=False,
+                               log=lambda m: _log("worker", message=m))
+        metrics.watch(store, self.workers)
+        self.service = VideoService(entry, options, store, storage, self.workers, metrics, spec.mesh.cfg)
+
+    def drain(self, timeout_s: float) -> bool:
+        """SIGTERM: refuse new jobs, let the running ones finish (at most `timeout_s`); queued jobs stay queued.
+        True when every running job ended within the bound."""
+        from .service import _log
+
+        store = self.service.store
+        self.service.draining.set()
+        self.workers.drain()
+        deadline = time.monotonic() + timeout_s
+        while store.counts()["in_progress"] and time.monotonic() < deadline:
+            time.sleep(0.2)
+        clean = not store.counts()["in_progress"]
+        if not clean:
+            _log("drain_timeout", message=f"running jobs did not finish within {timeout_s:g} s; they are queued again "
+                                          "for the next start")
+        self.workers.stop()
+        return clean
+
+
 def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus) -> int:
     import uvicorn
 
     from .app import create_app
-    from .service import VideoService, _log
+    from .service import _log
 
-    service = VideoService(entry, options, spec, gpus)
-    service.recover()
+    node = Node(entry, options, spec, gpus)
+    service = node.service
+    node.queue.recover()
     if options.api_key is None:
         _log("no_auth", message=f"no --api-key: serving on {LOOPBACK} only, without authentication")
     entry.note()
-    workers = threading.Thread(target=_run_workers, args=(service,), name="h3trt-workers")
+    workers = threading.Thread(target=_run_workers, args=(node.workers,), name="h3trt-workers")
     workers.start()
     stop_sweep = threading.Event()
     sweep = threading.Thread(target=_sweep, args=(service, stop_sweep), name="h3trt-expiry", daemon=True)
     sweep.start()
     server = _Server(uvicorn.Config(create_app(service), host=options.host, port=options.port, log_level="warning",
-                                   access_log=False, lifespan="off", timeout_graceful_shutdown=5), service)
+                                   access_log=False, lifespan="off", timeout_graceful_shutdown=5), node)
     try:
         server.run()
     finally:
         if not service.draining.is_set():  # the server stopped without a signal (a bind error, say)
             service.draining.set()
-        service.workers.stop()
+        node.workers.stop()
         workers.join(timeout=60)
         stop_sweep.set()
         service.store.close()
@@ -76,9 +116,9 @@ def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus) -> int:
     return 0
 
 
-def _run_workers(service) -> None:
+def _run_workers(workers) -> None:
     try:
-        service.workers.run()
+        workers.run()
     except BaseException as e:  # noqa: BLE001 -- the server stays up; /ready says no group serves
         from .service import _log
 
@@ -96,7 +136,7 @@ def _sweep(service, stop: threading.Event) -> None:
 class _Server:
     """uvicorn's server with h3trt's signals: the first SIGTERM/SIGINT drains, a second one stops at once."""
 
-    def __init__(self, config, service):
+    def __init__(self, config, node: Node):
         import uvicorn
 
         class Server(uvicorn.Server):
@@ -116,7 +156,7 @@ class _Server:
                 else:
                     self.bind_failed = True
 
-        self.server, self.service = Server(config), service
+        self.server, self.node, self.service = Server(config), node, node.service
         self.bind_failed, self._signals = False, 0
 
     def run(self) -> None:
@@ -138,9 +178,9 @@ class _Server:
         from .service import _log
 
         while not self.service.draining.is_set():
-            serving = self.service.workers.serving()
+            serving = self.node.workers.serving()
             if serving:
-                total = len(self.service.workers.groups)
+                total = len(self.node.workers.groups)
                 _log("ready", url=url, groups_serving=serving, groups=total)
                 print(f"h3trt serve: ready at {url}: {serving} of {total} replica group(s) serving "
                       f"{self.service.model_id}", file=sys.stderr, flush=True)
@@ -154,7 +194,7 @@ class _Server:
         if self._signals > 1:
             _log("stopping", message="second signal: stopping now; running jobs are queued again")
             self.service.draining.set()
-            self.service.workers.stop()
+            self.node.workers.stop()
             self.server.should_exit = True
             return
         _log("draining", signal=signal.Signals(signum).name, timeout_s=self.service.options.drain_timeout_s)
@@ -162,7 +202,7 @@ class _Server:
               " s; a second signal stops now)", file=sys.stderr, flush=True)
 
         def drain():
-            self.service.drain(self.service.options.drain_timeout_s)
+            self.node.drain(self.service.options.drain_timeout_s)
             self.server.should_exit = True
 
         threading.Thread(target=drain, name="h3trt-drain", daemon=True).start()

@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+from typing import Protocol
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -22,9 +24,22 @@ LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 90
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 4, 5, 7.5, 10, 20, float("inf"))
 
 
+class Groups(Protocol):
+    """The replica groups a server's /ready and /metrics describe: its own (runtime/workers.py `Workers`), or a
+    fleet's worker replicas (h3trt/fleet/)."""
+
+    def status(self) -> list[dict]:
+        """One dict a group: group, state (loading, serving, busy, restarting, stopped), restarts, jobs, pids."""
+
+    def serving(self) -> int:
+        """Groups loaded and serving (busy or free)."""
+
+
 class Metrics:
-    def __init__(self, service):
-        self.service = service
+    """The counters a process updates as jobs end (the worker side) and requests are answered (the API side); `watch`
+    adds what is read at scrape time."""
+
+    def __init__(self):
         self.registry = CollectorRegistry()
         r = self.registry
         self.created = Counter("h3trt_jobs_created", "Jobs admitted to the queue.", registry=r)
@@ -41,7 +56,10 @@ class Metrics:
                                 ["group"], registry=r)
         self.http = Counter("h3trt_http_requests", "HTTP requests answered.", ["method", "route", "status"],
                             registry=r)
-        r.register(_StoreCollector(service))
+
+    def watch(self, store, groups: Groups) -> None:
+        """Report the store's counts and these groups' states at every scrape (once, by whoever serves /metrics)."""
+        self.registry.register(_StoreCollector(store, groups))
 
     def ended(self, row) -> None:
         """Account a job that just ended (its row as stored)."""
@@ -61,12 +79,12 @@ class Metrics:
         if peak is not None and row.worker:
             self.gpu_memory.labels(row.worker).set(peak * 2**30)
 
-    def retry_after(self, queued: int) -> int:
+    def retry_after(self, queued: int, serving: int) -> int:
         """Seconds a client refused for a full queue should wait: the queue ahead of it at the mean job latency over
-        the groups serving (30 s before any job has ended)."""
+        the `serving` groups (30 s before any job has ended)."""
         count, total = _histogram_totals(self.latency)
         mean = total / count if count else 30.0
-        groups = max(1, self.service.workers.serving())
+        groups = max(1, serving)
         return max(1, min(3600, round(mean * max(1, queued) / groups / 4)))
 
     def exposition(self) -> bytes:
@@ -76,21 +94,22 @@ class Metrics:
 class _StoreCollector:
     """What is read at scrape time: the store's counts and the workers' states."""
 
-    def __init__(self, service):
-        self.service = service
+    def __init__(self, store, groups: Groups):
+        self.store, self.groups = store, groups
 
     def collect(self):
         jobs = GaugeMetricFamily("h3trt_jobs", "Jobs in the store, by status.", labels=["status"])
-        for status, n in self.service.store.counts().items():
+        for status, n in self.store.counts().items():
             jobs.add_metric([status], n)
         yield jobs
         groups = GaugeMetricFamily("h3trt_replica_groups", "Replica groups, by state.", labels=["state"])
-        states = [g["state"] for g in self.service.workers.status()]
+        status = self.groups.status()
+        states = [g["state"] for g in status]
         for state in ("loading", "serving", "busy", "restarting", "stopped"):
             groups.add_metric([state], states.count(state))
         yield groups
         restarts = CounterMetricFamily("h3trt_replica_group_restarts", "Restarts of groups whose rank died.")
-        restarts.add_metric([], sum(g["restarts"] for g in self.service.workers.status()))
+        restarts.add_metric([], sum(g.get("restarts", 0) for g in status))
         yield restarts
 
 

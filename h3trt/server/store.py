@@ -5,8 +5,14 @@ speaks through the same class (a fleet's PostgreSQL: a URL). The schema is versi
 
 A job moves queued -> in_progress -> completed | failed | cancelled. `claim` takes the oldest queued job for a
 worker atomically (one UPDATE guarded by the status it expects, so two workers never take the same job; PostgreSQL
-also skips rows another transaction holds). A job found in_progress when a server starts was running when the
-previous one stopped: `recover` queues it again, once (MAX_ATTEMPTS), else fails it with the reason.
+also skips rows another transaction holds: SELECT ... FOR UPDATE SKIP LOCKED). A job found in_progress when a server
+starts was running when the previous one stopped: `recover` queues it again, once (MAX_ATTEMPTS), else fails it with
+the reason.
+
+Several processes on one store (a fleet): each running job holds a lease. Its worker renews it (`heartbeat`, every
+few seconds, `heartbeat_at`); a job whose lease ran out (`stale_before`) belongs to a worker that died, and any live
+process recovers it as a restart would. A worker whose lease was taken from it (it stalled) no longer owns the job:
+its late progress and end are ignored (`worker` guards them).
 
 No SQL is written by hand: statements are SQLAlchemy Core expressions with bound parameters.
 """
@@ -48,7 +54,8 @@ jobs = Table(
     Column("request", Text, nullable=False),  # JSON: the request in the one schema, and the OpenAI fields as sent
     Column("record", Text),  # JSON: the clip's record (timings, seed, the bundle's manifest hash)
     Column("output", Text),  # where the MP4 is (a path, or a URL of a fleet's storage)
-    Column("worker", String(128)),  # which replica group ran it
+    Column("worker", String(128)),  # which replica group ran it (a fleet: host:pid/group)
+    Column("heartbeat_at", Float),  # its worker's last renewal of the lease (in_progress jobs; migration 0002)
 )
 
 
@@ -76,6 +83,7 @@ class JobRow:
     record: dict | None
     output: str | None
     worker: str | None
+    heartbeat_at: float | None
 
     @classmethod
     def of(cls, row: Row) -> "JobRow":
@@ -124,26 +132,31 @@ class JobStore:
                 job_id = c.execute(query).scalar()
                 if job_id is None:
                     return None
+                now = now or time.time()
                 taken = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "queued").values(
-                    status="in_progress", started_at=now or time.time(), worker=worker, stage="text_encode",
+                    status="in_progress", started_at=now, heartbeat_at=now, worker=worker, stage="text_encode",
                     attempts=jobs.c.attempts + 1)).rowcount
             if taken:
                 return self.get(job_id)
             # another worker took it between the select and the update: look again
 
-    def progress(self, job_id: str, progress: int, stage: str, evaluations: tuple[int, int]) -> None:
-        """A running job's progress (never backwards); `evaluations` (done, total), (0, 0) when not a denoise step."""
+    def progress(self, job_id: str, progress: int, stage: str, evaluations: tuple[int, int],
+                 worker: str | None = None) -> None:
+        """A running job's progress (never backwards); `evaluations` (done, total), (0, 0) when not a denoise step;
+        `worker`: only while that worker holds it."""
         values = dict(progress=progress, stage=stage)
         if evaluations[1]:
             values.update(evaluations_done=evaluations[0], evaluations_total=evaluations[1])
         with self.engine.begin() as c:
             c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress",
-                                         jobs.c.progress <= progress).values(**values))
+                                         jobs.c.progress <= progress, *_held_by(worker)).values(**values))
 
     def end(self, job_id: str, status: str, retention_s: float, now: float | None = None, record: dict | None = None,
-            output: str | None = None, error: tuple[str, str] | None = None) -> JobRow | None:
+            output: str | None = None, error: tuple[str, str] | None = None,
+            worker: str | None = None) -> JobRow | None:
         """A job's end: completed (its record and output), failed (error code and message) or cancelled; its files
-        and row expire `retention_s` later. Only a job not already ended changes (an end is reported once)."""
+        and row expire `retention_s` later. Only a job not already ended changes (an end is reported once), and with
+        `worker` only one that worker holds."""
         if status not in ENDED:
             raise ValueError(f"end status {status!r} is not one of {ENDED}.")
         now = now or time.time()
@@ -154,15 +167,24 @@ class JobStore:
         if error is not None:
             values.update(error_code=error[0], error_message=error[1])
         with self.engine.begin() as c:
-            changed = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status.notin_(ENDED))
-                                .values(**values)).rowcount
+            changed = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status.notin_(ENDED),
+                                                   *_held_by(worker)).values(**values)).rowcount
         return self.get(job_id) if changed else None
 
-    def requeue(self, job_id: str) -> bool:
-        """Put an in_progress job back in the queue (its worker died); False when it was not in progress."""
+    def requeue(self, job_id: str, stale_before: float | None = None) -> bool:
+        """Put an in_progress job back in the queue (its worker died; with `stale_before`, only if its lease ran out
+        before then); False when it was not in progress (or its lease is live)."""
         with self.engine.begin() as c:
-            return bool(c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress").values(
-                status="queued", stage="queued", progress=0, evaluations_done=0, worker=None)).rowcount)
+            return bool(c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress",
+                                                     *_stale(stale_before)).values(
+                status="queued", stage="queued", progress=0, evaluations_done=0, worker=None,
+                heartbeat_at=None)).rowcount)
+
+    def heartbeat(self, workers: list[str], now: float | None = None) -> int:
+        """Renew the lease of every job these workers run; how many."""
+        with self.engine.begin() as c:
+            return c.execute(update(jobs).where(jobs.c.status == "in_progress", jobs.c.worker.in_(workers))
+                             .values(heartbeat_at=now or time.time())).rowcount
 
     def request_cancel(self, job_id: str, delete_after: bool = False) -> JobRow | None:
         """Cancel a job: a queued one at once, a running one at its next denoise step (its worker confirms).
@@ -178,20 +200,20 @@ class JobStore:
         with self.engine.begin() as c:
             c.execute(delete(jobs).where(jobs.c.id == job_id))
 
-    def recover(self, retention_s: float, now: float | None = None) -> tuple[list[str], list[str]]:
-        """After a restart: jobs that were running are queued again, or failed after MAX_ATTEMPTS; (queued again,
-        failed)."""
+    def recover(self, retention_s: float, now: float | None = None,
+                stale_before: float | None = None) -> tuple[list[str], list[str]]:
+        """After a restart (every running job), or in a fleet (`stale_before`: the running jobs whose lease ran out
+        before then): queued again, or failed after MAX_ATTEMPTS; (queued again, failed)."""
         requeued, failed = [], []
-        for row in self.rows(status="in_progress"):
+        for row in self.rows(status="in_progress", stale_before=stale_before):
             if row.attempts < MAX_ATTEMPTS and not row.cancel_requested:
-                if self.requeue(row.id):
+                if self.requeue(row.id, stale_before):
                     requeued.append(row.id)
             elif row.cancel_requested:
-                self.end(row.id, "cancelled", retention_s, now)
-            else:
-                self.end(row.id, "failed", retention_s, now, error=(
+                self.end(row.id, "cancelled", retention_s, now, worker=row.worker)
+            elif self.end(row.id, "failed", retention_s, now, worker=row.worker, error=(
                     "worker_lost", f"the server or its worker stopped while this job ran, {row.attempts} times; it "
-                                   "is not run again"))
+                                   "is not run again")) is not None:
                 failed.append(row.id)
         return requeued, failed
 
@@ -202,8 +224,9 @@ class JobStore:
             row = c.execute(select(jobs).where(jobs.c.id == job_id)).first()
         return JobRow.of(row) if row is not None else None
 
-    def rows(self, status: str | None = None, expired_before: float | None = None) -> list[JobRow]:
-        query = select(jobs).order_by(jobs.c.seq)
+    def rows(self, status: str | None = None, expired_before: float | None = None,
+             stale_before: float | None = None) -> list[JobRow]:
+        query = select(jobs).order_by(jobs.c.seq).where(*_stale(stale_before))
         if status is not None:
             query = query.where(jobs.c.status == status)
         if expired_before is not None:
@@ -234,6 +257,17 @@ class JobStore:
         with self.engine.connect() as c:
             return list(c.execute(select(jobs.c.id).where(jobs.c.status == "in_progress",
                                                           jobs.c.cancel_requested.is_(True))).scalars())
+
+
+def _held_by(worker: str | None) -> tuple:
+    """The condition that `worker` still holds a job (none when no worker is named)."""
+    return () if worker is None else (jobs.c.worker == worker,)
+
+
+def _stale(before: float | None) -> tuple:
+    """The condition that a running job's lease ran out before `before` (none when None): its last heartbeat, or its
+    start when it never had one."""
+    return () if before is None else (func.coalesce(jobs.c.heartbeat_at, jobs.c.started_at) < before,)
 
 
 def _sqlite_pragmas(dbapi_connection, _record) -> None:

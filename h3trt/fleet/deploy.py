@@ -1,0 +1,258 @@
+"""`h3trt serve --ray ADDRESS`: the same video API on a Ray Serve fleet, two deployments in one Serve application:
+
+  Ingress        the FastAPI app of `h3trt serve` (server/app.py `create_app`) over the API side (server/service.py):
+                 admission, reads, content, cancels, expiry; one replica, a fraction of a CPU, no GPU
+  WorkerReplica  one replica group of the mesh (cfg x sp ranks) per Serve replica: its GPUs reserved on one node by a
+                 placement group (a bundle per rank, STRICT_PACK: Ray's recipe for tensor-parallel inference), its
+                 ranks spawned inside the replica by h3trt's own launcher (runtime/workers.py `Workers`, one group;
+                 Ray's placement context does not reach plain subprocesses, vllm-project/vllm #30016, so the replica
+                 asks each bundle which GPU it holds and hands them to its ranks), running the same job loop as
+                 `h3trt serve`; autoscaled on queue depth (fleet/autoscale.py)
+
+Jobs flow through the shared store, not through Serve: the ingress inserts them queued (PostgreSQL), every worker
+replica claims the oldest queued job (FOR UPDATE SKIP LOCKED: two replicas never take the same one), reports progress
+and the end into its row, and publishes the clip to the shared storage before the row says completed. A worker
+replica renews the lease of the job it runs every lease / 4; when a replica dies (its process killed, its node gone),
+its ranks die with it and its lease runs out, and any live worker replica queues the job again, once (then fails it:
+worker_lost), so it finishes on another replica. Serve replaces the dead replica.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import socket
+import sys
+import threading
+import time
+
+from ..errors import UserError
+from ..runtime.entry import Entry
+from ..runtime.rank import WorkerSpec
+from ..runtime.workers import Workers
+from ..server.app import create_app
+from ..server.metrics import Metrics
+from ..server.options import ServeOptions
+from ..server.queue import HEARTBEAT_DIVISOR, StoreQueue
+from ..server.service import VideoService, _log, request_defaults
+from ..server.storage import Storage
+from ..server.store import JobStore
+from .autoscale import QUEUED, RUNNING, QueueDepthPolicy
+from .options import FleetOptions
+
+EXTRA_MODULES = ("ray", "psycopg", "fsspec")  # and [serve]'s (server/main.py EXTRA_MODULES)
+WORKER_DEPLOYMENT, INGRESS_DEPLOYMENT = "WorkerReplica", "Ingress"
+STATUS_CACHE_S = 2.0  # how long the ingress reuses Serve's view of the worker replicas (/ready, /metrics)
+EXPIRY_PERIOD_S = 30.0
+
+
+class WorkerReplica:
+    """One replica group in a Serve replica (module doc). Its constructor returns once the group has loaded the model
+    and serves: Serve counts the replica RUNNING from then on (replica start to ready)."""
+
+    def __init__(self, entry: Entry, options: ServeOptions, fleet: FleetOptions, spec: WorkerSpec):
+        self.fleet, self.options = fleet, options
+        self.id = f"{socket.gethostname()}:{os.getpid()}"
+        self.store, self.storage = JobStore(fleet.store_url), Storage(fleet.storage_url)
+        self.queue = StoreQueue(self.store, self.storage, options.retention_s, request_defaults(entry), Metrics(), _log,
+                                name=lambda group: f"{self.id}/group{group}")
+        self.workers = Workers(spec, self.queue, bundle_gpus(spec), load_failures_fatal=True,
+                               log=lambda m: _log("worker", replica=self.id, message=m))
+        self.failure: str | None = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="h3trt-workers", daemon=True)
+        self._thread.start()
+        threading.Thread(target=self._leases, name="h3trt-leases", daemon=True).start()
+        while not self.workers.serving():
+            if self.failure is not None:
+                raise RuntimeError(f"worker replica {self.id} could not start its replica group: {self.failure}")
+            time.sleep(0.1)
+        _log("replica_ready", replica=self.id, groups=self.workers.status())
+
+    def _run(self) -> None:
+        try:
+            self.workers.run()
+        except BaseException as e:  # noqa: BLE001 -- check_health reports it; Serve replaces this replica
+            self.failure = f"{type(e).__name__}: {e}"
+            _log("workers_stopped", replica=self.id, error=self.failure)
+
+    def _leases(self) -> None:
+        """Renew this replica's lease every lease / 4; recover the jobs of replicas that stopped renewing theirs."""
+        period = self.fleet.lease_s / HEARTBEAT_DIVISOR
+        while not self._stop.wait(period):
+            try:
+                self.queue.heartbeat(1)
+                self.queue.reclaim(self.fleet.lease_s)
+            except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
+                _log("lease_error", replica=self.id, error=f"{type(e).__name__}: {e}")
+
+    def record_autoscaling_stats(self) -> dict[str, float]:
+        """Serve's custom autoscaling metrics (fleet/autoscale.py): the fleet's queue depth, from the store."""
+        counts = self.store.counts()
+        return {QUEUED: float(counts["queued"]), RUNNING: float(counts["in_progress"])}
+
+    def check_health(self) -> None:
+        if self.failure is not None or not self._thread.is_alive():
+            raise RuntimeError(f"worker replica {self.id}: its replica group stopped ({self.failure})")
+
+    def status(self) -> list[dict]:
+        return [{**g, "replica": self.id} for g in self.workers.status()]
+
+    def __del__(self) -> None:
+        """Serve stops this replica (scale down, redeploy): take no new job, let the running one finish within the
+        drain timeout, then stop (what it still runs is queued again)."""
+        if not hasattr(self, "_thread"):
+            return
+        self.workers.drain()
+        self._thread.join(self.options.drain_timeout_s)
+        self.workers.stop()
+        self._thread.join(30)
+        self._stop.set()
+        self.storage.close()
+        self.store.close()
+
+
+def bundle_gpus(spec: WorkerSpec) -> list[str] | None:
+    """The GPUs of this replica's placement group, bundle by bundle (rank r takes bundle r's): a zero-CPU task in
+    each bundle reports the GPU Ray gave it, since the ranks are our own processes and inherit no placement. None on
+    the CPU."""
+    if spec.device_type != "cuda":
+        return None
+    import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    group = ray.util.get_current_placement_group()
+    if group is None:
+        raise RuntimeError("a GPU worker replica runs in its placement group (placement_group_bundles); none found")
+
+    @ray.remote(num_cpus=0, num_gpus=1)
+    def gpu_of_bundle() -> str:
+        return str(ray.get_gpu_ids()[0])
+
+    return ray.get([gpu_of_bundle.options(scheduling_strategy=PlacementGroupSchedulingStrategy(
+        group, placement_group_bundle_index=rank)).remote() for rank in range(spec.group_size)])
+
+
+class FleetGroups:
+    """The worker replicas as the ingress's /ready and /metrics describe them (server/metrics.py `Groups`): one group
+    per replica, its state from Serve's status of the worker deployment (RUNNING: serving; STARTING: loading)."""
+
+    STATES = {"RUNNING": "serving", "STARTING": "loading", "PENDING_MIGRATION": "serving"}
+
+    def __init__(self, app_name: str):
+        self.app_name = app_name
+        self._lock = threading.Lock()
+        self._cached: tuple[float, list[dict]] = (0.0, [])
+
+    def status(self) -> list[dict]:
+        with self._lock:
+            at, groups = self._cached
+            if time.monotonic() - at < STATUS_CACHE_S:
+                return groups
+            from ray import serve
+
+            try:
+                app = serve.status().applications[self.app_name]
+                states = app.deployments[WORKER_DEPLOYMENT].replica_states
+            except (KeyError, AttributeError):
+                states = {}
+            names = sorted(str(getattr(state, "value", state)) for state, n in states.items() for _ in range(n))
+            groups = [{"group": i, "state": self.STATES.get(name, "restarting"), "restarts": 0, "jobs": [],
+                       "pids": [], "replica_state": name} for i, name in enumerate(names)]
+            self._cached = (time.monotonic(), groups)
+            return groups
+
+    def serving(self) -> int:
+        return sum(1 for g in self.status() if g["state"] == "serving")
+
+
+class Ingress:
+    """The API side of `h3trt serve` over the fleet's store and storage; Serve builds its FastAPI app after the
+    constructor (`__serve_build_asgi_app__`)."""
+
+    def __init__(self, workers, entry: Entry, options: ServeOptions, fleet: FleetOptions, guidance_branches: int):
+        self.workers = workers  # the worker deployment's handle: it binds the two into one application
+        store, storage, metrics = JobStore(fleet.store_url), Storage(fleet.storage_url), Metrics()
+        groups = FleetGroups(fleet.app_name)
+        metrics.watch(store, groups)
+        self.service = VideoService(entry, options, store, storage, groups, metrics, guidance_branches)
+        self._stop = threading.Event()
+        threading.Thread(target=self._expire, name="h3trt-expiry", daemon=True).start()
+
+    def _expire(self) -> None:
+        """Expire finished jobs (files and rows together) at a tenth of the retention, at most every 30 s."""
+        period = min(EXPIRY_PERIOD_S, max(0.5, self.service.options.retention_s / 10))
+        while not self._stop.wait(period):
+            try:
+                self.service.expire()
+            except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
+                _log("expiry_error", error=f"{type(e).__name__}: {e}")
+
+    def __serve_build_asgi_app__(self):
+        return create_app(self.service)
+
+    def __del__(self) -> None:
+        if hasattr(self, "service"):
+            self.service.draining.set()
+            self._stop.set()
+
+
+def application(entry: Entry, options: ServeOptions, fleet: FleetOptions, spec: WorkerSpec):
+    """The Serve application: the ingress bound to the autoscaled worker deployment."""
+    from ray import serve
+    from ray.serve.config import AutoscalingConfig, AutoscalingPolicy
+
+    gpu = spec.device_type == "cuda"
+    bundle = {"CPU": 1, "GPU": 1} if gpu else {"CPU": 1}
+    worker = serve.deployment(
+        WorkerReplica, name=WORKER_DEPLOYMENT,
+        # A bundle per rank of the group, all on one node; the replica's actor sits in the first, without a GPU of
+        # its own (its ranks take the bundles' GPUs).
+        ray_actor_options={"num_cpus": 1, "num_gpus": 0},
+        placement_group_bundles=[bundle] * spec.group_size, placement_group_strategy="STRICT_PACK",
+        autoscaling_config=AutoscalingConfig(
+            min_replicas=fleet.min_replicas, max_replicas=fleet.max_replicas, initial_replicas=fleet.min_replicas,
+            policy=AutoscalingPolicy(policy_function=QueueDepthPolicy,
+                                     policy_kwargs={"jobs_per_replica": fleet.jobs_per_replica})),
+        graceful_shutdown_timeout_s=options.drain_timeout_s + 30, health_check_period_s=5,
+        max_ongoing_requests=4)
+    ingress = serve.deployment(serve.ingress()(Ingress), name=INGRESS_DEPLOYMENT, num_replicas=1,
+                               ray_actor_options={"num_cpus": 0.5}, max_ongoing_requests=256)
+    return ingress.bind(worker.bind(entry, options, fleet, spec), entry, options, fleet, spec.mesh.cfg)
+
+
+def deploy(entry: Entry, options: ServeOptions, fleet: FleetOptions) -> int:
+    """Connect to the Ray cluster at `fleet.address`, start Serve's HTTP proxy on --host/--port, deploy (or update)
+    the application, and return once every worker replica serves; the fleet runs on in the cluster."""
+    from ..server.main import EXTRA_MODULES as SERVE_MODULES
+
+    missing = [m for m in (*SERVE_MODULES, *EXTRA_MODULES) if importlib.util.find_spec(m) is None]
+    if missing:
+        raise UserError(f"h3trt serve --ray needs {', '.join(missing)}: pip install 'h3trt[fleet]'.")
+    task = entry.manifest.task if entry.manifest is not None else "t2va"
+    mesh = entry.mesh(task)
+    if mesh.replica != 1:
+        raise UserError(f"With --ray the mesh flags describe one replica group ({mesh.cfg * mesh.sp} ranks) and Serve "
+                        f"runs the replicas: drop --replicas {mesh.replica}, use --min-replicas/--max-replicas.")
+    spec = entry.worker_spec(task, mesh, crf=options.crf)
+    JobStore(fleet.store_url).close()  # the schema migrated (and a newer one refused) before anything deploys
+    import ray
+    from ray import serve
+
+    ray.init(address=fleet.address, log_to_driver=False)
+    started = time.time()
+    serve.start(http_options={"host": options.host, "port": options.port})
+    serve.run(application(entry, options, fleet, spec), name=fleet.app_name, route_prefix="/")
+    url = f"http://{options.host}:{options.port}"
+    _log("fleet_ready", url=url, seconds=round(time.time() - started, 3), replicas=fleet.min_replicas,
+         store=_redacted(fleet.store_url), storage=fleet.storage_url)
+    print(f"h3trt serve: the fleet serves at {url} ({fleet.min_replicas}..{fleet.max_replicas} worker replicas of "
+          f"{spec.group_size} rank(s); `serve status`, `serve shutdown` manage it)", file=sys.stderr, flush=True)
+    return 0
+
+
+def _redacted(url: str) -> str:
+    """A database URL without its password (for logs)."""
+    from sqlalchemy.engine import make_url
+
+    return make_url(url).render_as_string(hide_password=True)

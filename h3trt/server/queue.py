@@ -1,0 +1,194 @@
+"""The worker side of a job store, shared by `h3trt serve` (one node) and a fleet's worker replicas (h3trt/fleet/):
+
+  - `StoreQueue` is the JobQueue (runtime/jobs.py) replica groups take work from (runtime/workers.py): the store's
+    queued jobs, oldest first, each claimed by one worker (server/store.py `claim`)
+  - their events become the job's row: progress, stage, the end; a finished clip is published to storage
+    (server/storage.py) before its row says completed
+  - jobs whose worker is gone are dealt with once: a restart of one node (`recover`: every running job), or in a
+    fleet the jobs whose lease ran out (`reclaim`, from any live worker); a clip committed before its worker died is
+    completed, not run again
+
+The API side (admission, reads, cancel requests, expiry) is server/service.py.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from typing import Callable
+
+from ..runtime.files import remove_leftovers
+from ..runtime.jobs import Event, Job
+from ..runtime.requests import RequestDefaults, parse_object
+from .metrics import Metrics
+from .store import MAX_ATTEMPTS, JobRow, JobStore
+from .storage import Storage, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
+
+HEARTBEAT_DIVISOR = 4  # a worker renews its leases this many times per lease: a few missed renewals are survived
+
+
+class StoreQueue:
+    """A JobQueue over a job store and a storage (module doc). Group `g` claims jobs as `name(g)` (unique across a
+    fleet: host, process and group); its events apply only while it still holds the job."""
+
+    def __init__(self, store: JobStore, storage: Storage, retention_s: float, defaults: RequestDefaults,
+                 metrics: Metrics, log: Callable[..., None], name: Callable[[int], str] = lambda g: f"group{g}"):
+        self.store, self.storage, self.retention_s, self.defaults = store, storage, retention_s, defaults
+        self.metrics, self.log, self.name = metrics, log, name
+
+    # --- the JobQueue ------------------------------------------------------------------------------------------------
+
+    def take(self, group: int, limit: int) -> list[Job] | None:
+        row = self.store.claim(self.name(group))
+        if row is None:
+            return []
+        try:
+            return [self.job_of(row)]
+        except (ValueError, OSError) as e:  # its uploads vanished since it was admitted
+            self.report(Event(row.id, "failed", "encode", error=f"encode: {e}", group=group))
+            return []
+
+    def job_of(self, row: JobRow) -> Job:
+        line = parse_object(row.request["schema"], 0, self.storage.fetch(uploads_key(row.id)), ("prompt",),
+                            self.defaults)
+        return Job(row.id, line.request, self.storage.work_path(clip_key(row.id)), overwrite=True,
+                   record={"job": row.id})
+
+    def report(self, event: Event) -> None:
+        worker = self.name(event.group)
+        row = self.store.get(event.job)
+        if row is None or row.status != "in_progress" or row.worker != worker:
+            # It ended, or its lease went to another worker while this one stalled: not this worker's to record (nor
+            # its files to remove: only what this process wrote and did not publish goes).
+            self.storage.discard(*job_keys(event.job))
+            return
+        if event.kind in ("started", "progress"):
+            self.store.progress(event.job, event.progress, event.stage or row.stage, event.evaluations, worker)
+            return
+        if row.deleted or (event.kind == "done" and row.cancel_requested):
+            # DELETE or cancel while it ran: whatever it made goes.
+            self._remove_files(event.job)
+            if row.deleted:
+                self.store.remove(event.job)
+                self.log("deleted", job=event.job)
+                return
+            event = Event(event.job, "cancelled", error="cancelled by request", group=event.group)
+        if event.kind == "done":
+            self._complete(event.job, event.record, worker)
+        elif event.kind == "failed":
+            code = _error_code((event.record or {}).get("error_type", ""))
+            ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker)
+            self._remove_files(event.job)
+            if ended is not None:
+                self.metrics.ended(ended)
+            self.log("failed", job=event.job, code=code, error=event.error)
+        elif event.kind == "cancelled":
+            self._remove_files(event.job)
+            ended = self.store.end(event.job, "cancelled", self.retention_s,
+                                   error=("cancelled", event.error or "cancelled by request"), worker=worker)
+            if ended is not None:
+                self.metrics.ended(ended)
+            self.log("cancelled", job=event.job, detail=event.error)
+
+    def lost(self, group: int, jobs: list[Job], reason: str, died: bool) -> None:
+        for job in jobs:
+            row = self.store.get(job.id)
+            if row is None or row.worker != self.name(group):
+                continue
+            if row.deleted or row.cancel_requested:
+                self.report(Event(job.id, "cancelled", error="cancelled while its worker stopped", group=group))
+            elif died and row.attempts < MAX_ATTEMPTS:
+                self.store.requeue(job.id)
+                self.log("requeued", job=job.id, reason=reason, attempts=row.attempts)
+            else:  # a rank raised `reason` ("OutOfMemoryError: ..."), or the job already ran twice
+                kind = reason.split(":", 1)[0] if not died and ":" in reason else "WorkerLost"
+                self.report(Event(job.id, "failed", "worker", error=f"worker: {reason}", record={"error_type": kind},
+                                  group=group))
+
+    def cancels(self) -> list[str]:
+        return self.store.cancels()
+
+    # --- workers that are gone ----------------------------------------------------------------------------------------
+
+    def heartbeat(self, groups: int) -> int:
+        """Renew the leases of the jobs this process's `groups` run (a fleet's worker, every lease / 4)."""
+        return self.store.heartbeat([self.name(g) for g in range(groups)])
+
+    def reclaim(self, lease_s: float | None = None) -> tuple[list[str], list[str]]:
+        """Running jobs whose worker is gone: all of them (`lease_s` None: one node restarting), or those whose lease
+        ran out `lease_s` ago (a fleet). A committed clip completes its job; other jobs are queued again once, then
+        failed (store.recover). (queued again, failed)."""
+        stale_before = None if lease_s is None else time.time() - lease_s
+        for row in self.store.rows(status="in_progress", stale_before=stale_before):
+            if self._committed(row.id):  # committed before its worker died: done, not run again
+                self._complete(row.id, json.loads(self.storage.read_text(record_key(row.id))), row.worker)
+        requeued, failed = self.store.recover(self.retention_s, stale_before=stale_before)
+        for job_id in requeued:
+            self.log("requeued", job=job_id, reason="its worker stopped renewing its lease" if lease_s else
+                     "the server stopped while it ran")
+        return requeued, failed
+
+    def recover(self) -> None:
+        """One node, before its workers start (it alone uses its store and folder): every running job was
+        interrupted; partial files of killed ranks and files without a job go."""
+        if self.storage.local is not None:
+            remove_leftovers(self.storage.local / "clips")  # the partial MP4s of killed workers
+        requeued, failed = self.reclaim()
+        known = {row.id for row in self.store.rows()}
+        orphans = [f"{folder}/{name}" for folder in ("clips", "uploads") for name in self.storage.names(folder)
+                   if job_of(name) not in known]
+        self.storage.remove(*orphans)
+        self.log("recovered", requeued=requeued, failed=failed, orphans_removed=len(orphans),
+                 queued=self.store.counts()["queued"])
+
+    # --- files --------------------------------------------------------------------------------------------------------
+
+    def _remove_files(self, job_id: str) -> None:
+        self.storage.remove(*job_keys(job_id))
+
+    def _committed(self, job_id: str) -> bool:
+        """Whether a job's MP4 and record are in storage and agree (a worker commits them together; on object
+        storage the record is published last)."""
+        from ..engines.manifest import sha256_file
+
+        if not (self.storage.exists(clip_key(job_id)) and self.storage.exists(record_key(job_id))):
+            return False
+        mp4 = self.storage.local_path(clip_key(job_id))
+        if mp4 is None:
+            return True
+        try:
+            return json.loads(self.storage.read_text(record_key(job_id))).get("mp4_sha256") == sha256_file(mp4)
+        except (OSError, ValueError):
+            return False
+
+    def _complete(self, job_id: str, record: dict, worker: str | None) -> None:
+        mp4 = self.storage.work_path(clip_key(job_id))
+        if mp4.is_file() and not self.storage.exists(thumbnail_key(job_id)):
+            _thumbnail(mp4, self.storage.work_path(thumbnail_key(job_id)), self.log)
+        self.storage.publish(clip_key(job_id), thumbnail_key(job_id), record_key(job_id))
+        row = self.store.end(job_id, "completed", self.retention_s, record=record,
+                             output=self.storage.path(clip_key(job_id)), worker=worker)
+        self.storage.remove(uploads_key(job_id))
+        if row is not None:
+            self.metrics.ended(row)
+            self.log("completed", job=job_id, seconds=round(row.completed_at - row.created_at, 3))
+
+
+def _thumbnail(mp4, out, log) -> None:
+    """The clip's first frame as WebP (GET /content?variant=thumbnail)."""
+    import av
+
+    tmp = out.with_name(f".{out.name}.tmp")
+    try:
+        with av.open(str(mp4)) as container:
+            frame = next(container.decode(video=0))
+            frame.to_image().save(tmp, format="WEBP", quality=85)
+        tmp.replace(out)
+    except Exception as e:  # noqa: BLE001 -- a thumbnail is a convenience: the clip is what was asked for
+        tmp.unlink(missing_ok=True)
+        log("thumbnail_failed", job=job_of(mp4.name), error=str(e))
+
+
+def _error_code(error_type: str) -> str:
+    return {"OutOfMemoryError": "out_of_memory", "FloatingPointError": "numerical_error", "MediaError": "bad_media",
+            "WorkerLost": "worker_lost"}.get(error_type, "generation_failed")

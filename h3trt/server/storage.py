@@ -1,0 +1,172 @@
+"""Where a server's clips and uploads live: a folder, or any fsspec URL.
+
+    /var/lib/h3trt              a folder (h3trt serve's data dir; a fleet's path that every node mounts): the ranks
+                                write each MP4 in place (runtime/files.py: temporary names, a no-clobber commit)
+    s3://bucket/h3trt           object storage (s3fs; any fsspec protocol): each process writes in a scratch folder
+                                of its own and `publish` copies the finished files up, the record last
+
+Keys are relative names: `clips/<id>.mp4`, `clips/<id>.json` (the record), `clips/<id>.webp` (the thumbnail),
+`uploads/<id>/<file>` (a job's inputs, until it ends). Both kinds answer the same calls, so the API side (admission,
+content, cancel, expiry) and the worker side (inputs, outputs) are written once. Credentials and endpoints of object
+storage are the protocol's own (for S3, boto's environment: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...).
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+from typing import Iterator
+
+CHUNK = 1 << 20  # bytes a content response streams at a time from object storage
+
+
+class Storage:
+    """One storage URL (module doc). Thread-safe as its filesystem is (fsspec's are)."""
+
+    def __init__(self, url: str, scratch: Path | None = None):
+        import fsspec
+        from fsspec.implementations.local import LocalFileSystem
+
+        self.url = str(url)
+        self.fs, root = fsspec.core.url_to_fs(self.url)
+        self.root = root.rstrip("/")
+        self.local: Path | None = Path(root) if isinstance(self.fs, LocalFileSystem) else None
+        if self.local is not None:
+            self.local.mkdir(parents=True, exist_ok=True)
+        # Where this process writes a key before it is published: the folder itself, or a private scratch folder.
+        self.scratch = self.local if self.local is not None else Path(
+            scratch or tempfile.mkdtemp(prefix="h3trt-scratch-"))
+
+    def __repr__(self) -> str:
+        return f"Storage({self.url!r})"
+
+    def path(self, key: str) -> str:
+        """The key's full name: a path, or a URL with its protocol."""
+        full = f"{self.root}/{key}"
+        return full if self.local is not None else self.fs.unstrip_protocol(full)
+
+    def local_path(self, key: str) -> Path | None:
+        """The key as a file of this machine (a folder storage), else None."""
+        return self.local / key if self.local is not None else None
+
+    def work_path(self, key: str) -> Path:
+        """Where this process writes `key` (its folder created): in place, or in its scratch folder until
+        `publish`."""
+        path = self.scratch / key
+        path.parent.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def publish(self, *keys: str) -> None:
+        """Copy what this process wrote under `keys` (files or folders, in order) to the storage and drop its scratch
+        copies; in place there is nothing to do. Put the key whose presence means "complete" last."""
+        if self.local is not None:
+            return
+        for key in keys:
+            source = self.scratch / key
+            if source.is_dir():
+                self.fs.put(str(source), f"{self.root}/{key}", recursive=True)
+                shutil.rmtree(source, ignore_errors=True)
+            elif source.exists():
+                self.fs.put_file(str(source), f"{self.root}/{key}")
+                source.unlink()
+
+    def fetch(self, key: str) -> Path:
+        """A folder of the storage as a folder of this machine (a job's uploads, for its worker): in place, or
+        copied into the scratch folder."""
+        if self.local is not None:
+            return self.local / key
+        target = self.scratch / key
+        if self.exists(key):
+            target.parent.mkdir(parents=True, exist_ok=True)
+            self.fs.get(f"{self.root}/{key}/", str(target) + "/", recursive=True)
+        return target
+
+    def exists(self, key: str) -> bool:
+        if self.local is not None:
+            return (self.local / key).exists()
+        self.fs.invalidate_cache()  # another process may have written it since this one last listed
+        return self.fs.exists(f"{self.root}/{key}")
+
+    def read_text(self, key: str) -> str:
+        if self.local is not None:
+            return (self.local / key).read_text()
+        return self.fs.cat_file(f"{self.root}/{key}").decode()
+
+    def chunks(self, key: str) -> Iterator[bytes]:
+        """The file's bytes, CHUNK at a time (a content response from object storage)."""
+        with self.fs.open(f"{self.root}/{key}", "rb") as f:
+            while chunk := f.read(CHUNK):
+                yield chunk
+
+    def names(self, folder: str) -> list[str]:
+        """The names directly under a folder ([] when it does not exist)."""
+        if self.local is not None:
+            where = self.local / folder
+            return sorted(p.name for p in where.iterdir()) if where.is_dir() else []
+        self.fs.invalidate_cache()
+        try:
+            return sorted(p.rstrip("/").rsplit("/", 1)[-1] for p in self.fs.ls(f"{self.root}/{folder}", detail=False))
+        except FileNotFoundError:
+            return []
+
+    def discard(self, *keys: str) -> None:
+        """Drop this process's unpublished copies of `keys` (object storage's scratch; in place, nothing: the files
+        are the storage's)."""
+        if self.local is None:
+            for key in keys:
+                _remove_local(self.scratch / key)
+
+    def remove(self, *keys: str) -> None:
+        """Remove files or folders (and any scratch copy); a missing one is no error."""
+        self.discard(*keys)
+        for key in keys:
+            if self.local is not None:
+                _remove_local(self.local / key)
+                continue
+            try:
+                self.fs.rm(f"{self.root}/{key}", recursive=True)
+            except FileNotFoundError:
+                pass
+
+    def close(self) -> None:
+        """Drop the scratch folder of object storage (nothing of a folder storage)."""
+        if self.local is None:
+            shutil.rmtree(self.scratch, ignore_errors=True)
+
+
+def _remove_local(path: Path) -> None:
+    try:
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError:
+        pass
+
+
+# A job's keys (module doc). The record is published last: its presence means the clip is complete.
+def clip_key(job_id: str) -> str:
+    return f"clips/{job_id}.mp4"
+
+
+def record_key(job_id: str) -> str:
+    return f"clips/{job_id}.json"
+
+
+def thumbnail_key(job_id: str) -> str:
+    return f"clips/{job_id}.webp"
+
+
+def uploads_key(job_id: str) -> str:
+    return f"uploads/{job_id}"
+
+
+def job_keys(job_id: str) -> tuple[str, ...]:
+    """Everything a job may have in storage."""
+    return clip_key(job_id), thumbnail_key(job_id), record_key(job_id), uploads_key(job_id)
+
+
+def job_of(name: str) -> str:
+    """The job a file or folder name under clips/ or uploads/ belongs to."""
+    return name.split(".", 1)[0]
