@@ -18,7 +18,7 @@ carry_unpack site \
   cryptography cffi pycparser \
   nvidia-modelopt==0.47.0 PuLP==3.3.2 omegaconf==2.4.0 pydantic==2.13.4 pydantic-core==2.46.4 \
   annotated-types==0.7.0 typing-inspection==0.4.2 \
-  fastapi starlette uvicorn h11 click python-multipart prometheus-client sqlalchemy alembic Mako MarkupSafe \
+  fastapi starlette uvicorn h11 click python-multipart prometheus-client sqlalchemy alembic Mako MarkupSafe opentelemetry-api annotated-doc \
   anyio sniffio idna httpx httpcore certifi typing_extensions
 rm -rf .whl/site/pulp/solverdir/cbc
 carry_pack site
