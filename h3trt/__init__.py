@@ -13,13 +13,16 @@ import os
 import sys
 
 
+_MARK = "H3TRT_PYCACHE"  # the prefix h3trt set for this process tree (PYTHONPYCACHEPREFIX alone looks like a user's)
+
+
 def _own_bytecode_cache() -> None:
     import importlib.util
 
     root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
     prefix = os.path.join(root, "h3trt", "pycache")
-    if sys.pycache_prefix == prefix:  # inherited from an h3trt process: write what this one compiles, too
-        sys.dont_write_bytecode = False
+    if sys.pycache_prefix is not None and sys.pycache_prefix in (prefix, os.environ.get(_MARK)):
+        sys.dont_write_bytecode = False  # h3trt's cache, inherited from an h3trt process: write what this one compiles
         return
     if sys.pycache_prefix is not None:  # the user chose where bytecode goes
         return
@@ -40,6 +43,7 @@ def _own_bytecode_cache() -> None:
     sys.dont_write_bytecode = False
     # Processes this one starts (a build's fresh-process check, torchrun ranks) read the same cache from their start.
     os.environ.setdefault("PYTHONPYCACHEPREFIX", prefix)
+    os.environ.setdefault(_MARK, prefix)  # so they know it is h3trt's, not a prefix their user chose
 
 
 _own_bytecode_cache()

@@ -72,8 +72,11 @@ def fresh_user_cache(ctx) -> dict:
         shutil.copytree(seed, xdg / "h3trt" / "pycache")
     shutil.rmtree(xdg / "h3trt" / "verified", ignore_errors=True)
     xdg.mkdir(parents=True, exist_ok=True)
-    cached = sum(1 for _ in (xdg / "h3trt" / "pycache").rglob("*.pyc")) if (xdg / "h3trt" / "pycache").exists() else 0
-    return {"XDG_CACHE_HOME": str(xdg), "bytecode_files_cached": cached}
+    # The prefix the processes use: h3trt's own, which this bench process set up (h3trt/__init__.py) and its children
+    # inherit, else the one under this XDG_CACHE_HOME.
+    prefix = Path(os.environ.get("PYTHONPYCACHEPREFIX") or xdg / "h3trt" / "pycache")
+    cached = sum(1 for _ in prefix.rglob("*.pyc")) if prefix.exists() else 0
+    return {"XDG_CACHE_HOME": str(xdg), "bytecode_files_cached": cached, "bytecode_prefix": str(prefix)}
 
 
 def phase_run(ctx, bundle: Path) -> dict:

@@ -17,7 +17,8 @@ PROBE = ("import sys, h3trt, torch; print(sys.pycache_prefix); print(sys.dont_wr
 
 def _run(tmp_path, **env):
     out = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=60,
-                         env={**{k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"},
+                         env={**{k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX",
+                                                                                  "H3TRT_PYCACHE")},
                               "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{ROOT}", "PYTHONDONTWRITEBYTECODE": "1",
                               "XDG_CACHE_HOME": str(tmp_path / "cache"), **env})
     assert out.returncode == 0, out.stderr
@@ -42,6 +43,10 @@ def test_no_bytecode_anywhere_gets_a_cache_of_its_own_that_the_next_process_read
     assert _run(site)[2].stat().st_mtime_ns == first  # the next process read it, compiled nothing again
     # A process started by an h3trt process inherits the prefix (PYTHONPYCACHEPREFIX) and writes into it too.
     inherited, dont_write, _ = _run(site, PYTHONPYCACHEPREFIX=prefix)
+    assert inherited == prefix and not dont_write
+    # ...even under another user cache folder (a bench giving each process its own): the mark says it is h3trt's.
+    inherited, dont_write, _ = _run(site, PYTHONPYCACHEPREFIX=prefix, H3TRT_PYCACHE=prefix,
+                                    XDG_CACHE_HOME=str(site / "other"))
     assert inherited == prefix and not dont_write
 
 
