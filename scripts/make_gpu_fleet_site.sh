@@ -18,7 +18,7 @@ cd "$(dirname "$0")/.."
 source scripts/carry.sh
 carry_unpack fleet-site \
   "ray==2.60.0" msgpack jsonschema referencing rpds-py attrs jsonschema-specifications pyyaml protobuf \
-  aiohttp aiohttp_cors aiosignal frozenlist multidict yarl propcache aiohappyeyeballs colorful grpcio \
+  aiohttp aiohttp_cors aiosignal frozenlist multidict yarl propcache aiohappyeyeballs colorful grpcio grpcio-reflection \
   opencensus opencensus-context google-api-core googleapis-common-protos proto-plus google-auth pyasn1 \
   pyasn1-modules cachetools rsa opentelemetry-api opentelemetry-sdk opentelemetry-exporter-prometheus \
   opentelemetry-proto opentelemetry-semantic-conventions smart_open wrapt watchfiles requests urllib3 \
