@@ -19,6 +19,18 @@ SMALL = {"size": "128x32", "steps": 2}  # the cheapest clip H3 allows: 5 s at 12
 ENDED = ("completed", "failed", "cancelled")
 
 
+STARTED: list = []  # every Server of this test process, so a failed test leaves none running (stop_started)
+
+
+def stop_started(since: int = 0) -> None:
+    """Kill the servers started after the first `since` that still run (a test that failed before stopping its own:
+    a server left behind would hold the CPU for the tests after it)."""
+    for srv in STARTED[since:]:
+        if srv.proc is not None and srv.proc.poll() is None:
+            srv.kill()
+    del STARTED[since:]
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -34,6 +46,7 @@ class Server:
                      *(("--api-key", api_key) if api_key else ())]
         self.log_path = Path(data_dir).with_name(Path(data_dir).name + ".log")
         self.proc = None
+        STARTED.append(self)
         self.start()
 
     def start(self) -> "Server":

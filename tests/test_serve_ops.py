@@ -11,9 +11,17 @@ import time
 import httpx
 import pytest
 
+import serving
 from serving import Server
 
 pytestmark = pytest.mark.serve
+
+
+@pytest.fixture(autouse=True)
+def _no_server_outlives_its_test():
+    since = len(serving.STARTED)
+    yield
+    serving.stop_started(since)
 
 
 def _rows(data_dir) -> dict:
