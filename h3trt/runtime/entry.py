@@ -98,6 +98,8 @@ class Entry:
             source, path = "tiny", None
         if device is None:  # a bundle serves where it was built; an eager model on the GPU when there is one
             device = manifest.device_type if manifest else ("cuda" if torch.cuda.is_available() else "cpu")
+        elif str(device).startswith("cuda") and not torch.cuda.is_available():  # not torch's assert at the first load
+            raise UserError(f"--device {device} was asked for but no CUDA device is visible; use --device cpu.")
         return cls(source, path, manifest, device, trust, vae_precision, tuple(loras), gpus, torchrun, cfg, sp,
                    replicas)
 
