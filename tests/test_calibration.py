@@ -37,6 +37,8 @@ from h3trt.calibration.formats import FP8_MAX, quantize_fp8
 from h3trt.calibration.modules import load_quantized_block
 from h3trt.calibration.recipe import BLOCK_LINEARS, QuantRecipe, check_modelopt
 
+from helpers import uninstalled
+
 RECIPES = {
     "fp8_max": QuantRecipe("fp8", "max", calib_steps=2),
     "fp8_max_attn": QuantRecipe("fp8", "max", calib_steps=2, fp8_attention=True, attention_kernel="emulated"),
@@ -267,13 +269,7 @@ def test_bad_combinations_are_refused_before_anything_loads(tiny_root, tmp_path,
     assert {p: p.spec.calib_algos[0] for p in QUANT_PRECISIONS} == {"fp8": "max", "nvfp4": "max"}
     # ModelOpt missing, or another release: refused with the fix, before the model loads.
     real = importlib.metadata.version
-
-    def missing(name):
-        if name == "nvidia-modelopt":
-            raise importlib.metadata.PackageNotFoundError(name)
-        return real(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", missing)
+    uninstalled(monkeypatch, "nvidia-modelopt")
     with pytest.raises(UserError, match=r"pip install 'h3trt\[calibration\]'"):  # one line, exit 2
         BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=prompts)
     monkeypatch.setattr(importlib.metadata, "version", lambda n: "0.99.0" if n == "nvidia-modelopt" else real(n))

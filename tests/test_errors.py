@@ -4,7 +4,6 @@ it; anything else is a bug and propagates with its traceback, as Python does (no
 
 from __future__ import annotations
 
-import importlib.metadata
 import json
 import subprocess
 import sys
@@ -18,6 +17,7 @@ from h3trt.engines.manifest import device_arch
 from h3trt.errors import UserError
 from h3trt.runtime.files import OutputError, OutputRefused
 
+from helpers import uninstalled
 from test_requests import _manifest_dict
 
 pytestmark = pytest.mark.unit
@@ -94,17 +94,6 @@ def _fake_bundle(root: Path, tiny_root: Path, **changes) -> Path:
     return root
 
 
-def _missing_modelopt(monkeypatch):
-    real = importlib.metadata.version
-
-    def version(name):
-        if name == "nvidia-modelopt":
-            raise importlib.metadata.PackageNotFoundError(name)
-        return real(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", version)
-
-
 def _missing_fastapi(monkeypatch):
     import h3trt.server.main as server
 
@@ -133,7 +122,8 @@ CASES = {
     # calibration / server: a missing optional package, with its pip command
     "missing_modelopt": (["build", "--model", "tiny", "--output", "{tmp}/bundle", "--precision", "fp8",
                           "--calib-prompts", "{tmp}/prompts.txt", "--device", "cpu"],
-                         _missing_modelopt, "pip install 'h3trt[calibration]'"),
+                         lambda monkeypatch: uninstalled(monkeypatch, "nvidia-modelopt"),
+                         "pip install 'h3trt[calibration]'"),
     "missing_fastapi": (["serve", "--data-dir", "{tmp}/store", "--device", "cpu"],
                         _missing_fastapi, "pip install 'h3trt[serve]'"),
     # a machine that cannot run what was asked
