@@ -21,6 +21,8 @@ import signal
 import sys
 from pathlib import Path
 
+from .errors import UserError  # imports nothing: the one class a user's mistake raises, caught once in `main`
+
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
                       "encoder, norms, scales - fp32), or fp8 (opt-in: bf16 plus W8A8 e4m3 ViT linears with per-token "
@@ -60,7 +62,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--trust", type=Path, metavar="KEY.pub", help="with --engine: serve the bundle only if its manifest "
                                                                  "is signed by this Ed25519 public key and every file "
                                                                  "matches it (checked before any of its code loads)")
-    p.add_argument("--device", default=None, help="cpu or cuda[:N] (default: cuda if available)")
+    p.add_argument("--device", default=None, type=_device, help="cpu or cuda[:N] (default: cuda if available)")
     _lora_argument(p, "eager --model runs; a bundle has its LoRAs merged at build time")
     p.add_argument("--crf", default=DEFAULT_CRF, type=_crf, metavar="0..51",
                    help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
@@ -125,6 +127,14 @@ def _crf(text: str) -> int:
     return value
 
 
+def _device(text: str) -> str:
+    """--device: checked when the arguments are read (torch.device takes mps, xla, ... and a run would fall back to
+    the CPU for any of them)."""
+    if text in ("cpu", "cuda") or (text.startswith("cuda:") and text[len("cuda:"):].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"takes cpu, cuda or cuda:N (N a GPU index), got {text!r}")
+
+
 def _lora_argument(p, where: str) -> None:
     from .models.lora import LoraSpec
 
@@ -162,7 +172,8 @@ def _serve_parser(sub) -> None:
     source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build`")
     p.add_argument("--trust", type=Path, metavar="KEY.pub", help="with --engine: serve the bundle only if signed by "
                                                                  "this Ed25519 public key")
-    p.add_argument("--device", default=None, help="cpu or cuda (default: a bundle's, else cuda if available)")
+    p.add_argument("--device", default=None, type=_device,
+                   help="cpu or cuda (default: a bundle's, else cuda if available)")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP)
     _lora_argument(p, "eager --model serving")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
@@ -214,7 +225,7 @@ def step_cache_from_args(args):
         given = [f for f, v in (("--cache-threshold", args.cache_threshold), ("--mag-ratios", args.mag_ratios),
                                 ("--mag-calibrate", args.mag_calibrate)) if v]
         if given:
-            raise ValueError(f"{' '.join(given)} configure step caching; add --cache first-block or --cache mag.")
+            raise UserError(f"{' '.join(given)} configure step caching; add --cache first-block or --cache mag.")
         return None
     ratios = None
     if args.mag_ratios is not None:
@@ -229,20 +240,24 @@ def parse_mag_ratios(text: str) -> tuple[float, ...]:
     if text.endswith(".json"):
         path = Path(text)
         if not path.is_file():
-            raise ValueError(f"--mag-ratios {path} does not exist.")
-        data = json.loads(path.read_text())
-        if isinstance(data, dict) and "step_cache" in data:  # the record of an --mag-calibrate run
-            data = data["step_cache"]["branches"].get("cond", {}).get("mag_ratios_calibrated")
+            raise UserError(f"--mag-ratios {path} does not exist; pass R1,R2,... or an existing .json file.")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"--mag-ratios {path} cannot be read as JSON ({e}); pass a JSON list of numbers, or the "
+                            "clip record of an --mag-calibrate run.") from None
+        if isinstance(data, dict) and isinstance(data.get("step_cache"), dict):  # an --mag-calibrate run's record
+            data = ((data["step_cache"].get("branches") or {}).get("cond") or {}).get("mag_ratios_calibrated")
         values = data.get("mag_ratios") if isinstance(data, dict) else data
         if not isinstance(values, list):
-            raise ValueError(f"--mag-ratios {path} must hold a JSON list of numbers, {{\"mag_ratios\": [...]}}, or "
-                             "the clip record of an --mag-calibrate run.")
+            raise UserError(f"--mag-ratios {path} must hold a JSON list of numbers, {{\"mag_ratios\": [...]}}, or "
+                            "the clip record of an --mag-calibrate run.")
     else:
         values = text.split(",")
     try:
         return tuple(float(v) for v in values)
     except (TypeError, ValueError):
-        raise ValueError(f"--mag-ratios must be numbers (R1,R2,... or a .json list), got {text!r}.") from None
+        raise UserError(f"--mag-ratios must be numbers (R1,R2,... or a .json list), got {text!r}.") from None
 
 
 def entry_from_args(args):
@@ -258,13 +273,13 @@ def cmd_run(args) -> int:
 
     if args.requests is not None:
         if args.profile_step is not None:
-            raise _user_error("--profile-step measures one request's step; run that request alone (without "
-                              "--requests).")
+            raise UserError("--profile-step measures one request's step; run that request alone (without "
+                            "--requests).")
         check_batch_args(args)
         return run_requests(entry_from_args(args), args.requests, args.out_dir, args.max_batch, args.fail_fast,
                             args.crf, args.quiet)
     if args.prompt is None or args.output is None:
-        raise _user_error("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
+        raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     from .runtime.request import Request
 
     entry = entry_from_args(args)
@@ -294,23 +309,17 @@ def cmd_serve(args) -> int:
     return serve(entry_from_args(args), ServeOptions.from_args(args))
 
 
-def _user_error(message: str):
-    from .errors import UserError
-
-    return UserError(message)
-
-
 def check_batch_args(args) -> None:
     """--requests takes every request from its file: the one-clip flags are refused."""
     single = [flag for flag, value in (("--prompt", args.prompt), ("--output", args.output), ("--image", args.image),
                                        ("--last-image", args.last_image), ("--ref", args.ref)) if value]
     if single:
-        raise ValueError(f"--requests takes every request from its file; drop {' '.join(single)}.")
+        raise UserError(f"--requests takes every request from its file; drop {' '.join(single)}.")
     if args.out_dir is None:
-        raise ValueError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
+        raise UserError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
     if args.cache is not None:
-        raise ValueError("--cache decides per request, and a batch run shares one DiT evaluation per step across "
-                         "requests; run cached requests one at a time (h3trt run --prompt ... --cache ...).")
+        raise UserError("--cache decides per request, and a batch run shares one DiT evaluation per step across "
+                        "requests; run cached requests one at a time (h3trt run --prompt ... --cache ...).")
 
 
 def _build_parser(sub) -> None:
@@ -352,7 +361,8 @@ def _build_parser(sub) -> None:
                    help=f"the schedule the AdaLN tables are baked for (default {DEFAULT_STEPS})")
     p.add_argument("--video-shift", type=float, help="video sigma shift to bake (default: the checkpoint's)")
     p.add_argument("--audio-shift", type=float, help="audio sigma shift to bake (default: the checkpoint's)")
-    p.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available); the bundle runs there")
+    p.add_argument("--device", default=None, type=_device,
+                   help="cuda or cpu (default: cuda if available); the bundle runs there")
     p.add_argument("--backend", default="inductor", choices=BACKENDS,
                    help="inductor (default), aoti, or tensorrt (ONNX -> TensorRT plans)")
     p.add_argument("--trt-targets", default=None,
@@ -378,7 +388,8 @@ def _build_parser(sub) -> None:
                    help="JSON lines, the schema of `run --requests` (id and task optional): {\"prompt\": ..., "
                         "\"seed\": ...} (resolution or width/height, duration, steps default to the engine's)")
     e.add_argument("--json", type=Path, help="write the per-request and mean metrics here")
-    e.add_argument("--device", default=None, help="cpu or cuda (default: where the engine bundle was built)")
+    e.add_argument("--device", default=None, type=_device,
+                   help="cpu or cuda (default: where the engine bundle was built)")
     sub.add_parser("inspect", help="print a bundle's manifest").add_argument("bundle", type=Path)
     q = sub.add_parser("verify", help="re-hash every file of a bundle; with --trust, check who signed it")
     q.add_argument("bundle", type=Path)
@@ -425,7 +436,7 @@ def cmd_eval(args) -> int:
     from .runtime.requests import read_eval_requests
 
     if args.json is not None and args.json.exists():
-        raise ValueError(f"{args.json} already exists; choose another --json path.")
+        raise UserError(f"{args.json} already exists; choose another --json path.")
     engine = Entry.resolve(engine=args.engine, device=args.device)
     requests = read_eval_requests(args.requests, engine.manifest)  # every line checked before any model loads
     result = evaluate(engine, reference_entry(args.reference, engine.device), requests,
@@ -499,9 +510,9 @@ def choose_gpu(args) -> None:
     if args.command in ("run", "serve") and (local_rank is not None or getattr(args, "gpus", 1) > 1 or
                                             args.command == "serve"):
         if index is not None:
-            raise ValueError(f"--device {device} names one GPU, but on a mesh each rank takes its own (GPU #local "
-                             "rank of the visible ones); pass --device cuda, and restrict the GPUs with "
-                             "CUDA_VISIBLE_DEVICES if you need to.")
+            raise UserError(f"--device {device} names one GPU, but on a mesh each rank takes its own (GPU #local "
+                            "rank of the visible ones); pass --device cuda, and restrict the GPUs with "
+                            "CUDA_VISIBLE_DEVICES if you need to.")
         if local_rank is not None and device != "cpu":
             pin_own_gpu(local_rank)
     elif index is not None:
@@ -548,15 +559,17 @@ def main(argv=None) -> int:
 
 
 def _call(args) -> int:
-    from .errors import UserError
+    """Run the command. A UserError (OutputRefused included) is the user's to fix: one line, exit 2. A failed output,
+    rank or job: one line, exit 1. Anything else (a ValueError or RuntimeError included) is a bug or a broken install
+    and propagates with its traceback."""
     from .parallel.launch import RankFailed
-    from .runtime.files import OutputError, OutputRefused
+    from .runtime.files import OutputError
     from .runtime.jobs import JobFailed
 
     try:
         choose_gpu(args)
         return globals()[COMMANDS[args.command]](args)
-    except (UserError, ValueError, FileNotFoundError, ImportError, OutputRefused) as e:
+    except UserError as e:
         print(f"h3trt: error: {' '.join(str(e).split()) if not _multiline(e) else str(e)}", file=sys.stderr)
         return 2
     except (OutputError, RankFailed, JobFailed) as e:  # the work was attempted: the result could not be made/written

@@ -1,10 +1,11 @@
 """Shared test inputs: the random DiT activations every parity test feeds the model (one generator, drawn in the
 order video, audio, text, so a seed reproduces the same tensors wherever it is used); small filesystems for the
-hardening tests."""
+hardening tests; a distribution made to look not installed."""
 
 from __future__ import annotations
 
 import contextlib
+import importlib.metadata
 import os
 import subprocess
 from pathlib import Path
@@ -26,6 +27,18 @@ def dit_inputs(layout: PackedLayout, cfg: H3Config, seed: int = 0, batch: int = 
     text = torch.randn(batch, layout.text_index.numel() if text_rows is None else text_rows, cfg.text_dim,
                        generator=g)
     return video, audio, text
+
+
+def uninstalled(monkeypatch, distribution: str) -> None:
+    """importlib.metadata.version(`distribution`) raises PackageNotFoundError, as where it is not installed."""
+    real = importlib.metadata.version
+
+    def version(name):
+        if name == distribution:
+            raise importlib.metadata.PackageNotFoundError(name)
+        return real(name)
+
+    monkeypatch.setattr(importlib.metadata, "version", version)
 
 
 @contextlib.contextmanager

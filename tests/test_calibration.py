@@ -27,6 +27,7 @@ import pytest
 import torch
 
 from h3trt.build.config import BuildConfig
+from h3trt.errors import UserError
 from h3trt.models.config import H3Config
 from h3trt.models.dit import Block, rope_inv_freq, rope_tables
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
@@ -35,6 +36,8 @@ from h3trt.calibration.calibrate import PERCENTILE, attention_core, calibrate, m
 from h3trt.calibration.formats import FP8_MAX, quantize_fp8
 from h3trt.calibration.modules import load_quantized_block
 from h3trt.calibration.recipe import BLOCK_LINEARS, QuantRecipe, check_modelopt
+
+from helpers import uninstalled
 
 RECIPES = {
     "fp8_max": QuantRecipe("fp8", "max", calib_steps=2),
@@ -266,16 +269,10 @@ def test_bad_combinations_are_refused_before_anything_loads(tiny_root, tmp_path,
     assert {p: p.spec.calib_algos[0] for p in QUANT_PRECISIONS} == {"fp8": "max", "nvfp4": "max"}
     # ModelOpt missing, or another release: refused with the fix, before the model loads.
     real = importlib.metadata.version
-
-    def missing(name):
-        if name == "nvidia-modelopt":
-            raise importlib.metadata.PackageNotFoundError(name)
-        return real(name)
-
-    monkeypatch.setattr(importlib.metadata, "version", missing)
-    with pytest.raises(ImportError, match=r"pip install 'h3trt\[calibration\]'"):
+    uninstalled(monkeypatch, "nvidia-modelopt")
+    with pytest.raises(UserError, match=r"pip install 'h3trt\[calibration\]'"):  # one line, exit 2
         BuildConfig(tiny_root, tmp_path / "b", precision="fp8", calib_prompts=prompts)
     monkeypatch.setattr(importlib.metadata, "version", lambda n: "0.99.0" if n == "nvidia-modelopt" else real(n))
-    with pytest.raises(ImportError, match="written against nvidia-modelopt 0.47.0; found 0.99.0"):
+    with pytest.raises(UserError, match="written against nvidia-modelopt 0.47.0; found 0.99.0"):
         check_modelopt()
     BuildConfig(tiny_root, tmp_path / "b", precision="bf16")  # bf16 never needs ModelOpt

@@ -175,7 +175,8 @@ def test_a_bundle_run_without_bytecode_says_how_to_fix_it(bundles, tmp_path, mon
     from h3trt.runtime.pipeline import H3Pipeline
 
     monkeypatch.setattr(entry_module, "torch_bytecode", lambda: bytecode)
-    monkeypatch.setattr(H3Pipeline, "load_engine", lambda *a, **k: (_ for _ in ()).throw(ValueError("stop here")))
+    # Stopped right after the note: a UserError is one line and exit 2 (any other error is a bug and propagates).
+    monkeypatch.setattr(H3Pipeline, "load_engine", lambda *a, **k: (_ for _ in ()).throw(UserError("stop here")))
     assert main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output",
                  str(tmp_path / "a.mp4")]) == 2
     err = capsys.readouterr().err

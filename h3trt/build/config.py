@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_exclusions
+from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
 from ..models.checkpoint import TASK_PARTITIONS
 from ..models.lora import LoraSpec
@@ -35,7 +36,7 @@ class Profile:
             w, h, s = text.lower().split("x")
             profile = cls(int(w), int(h), float(s))
         except ValueError:
-            raise ValueError(f"--profile must be WIDTHxHEIGHTxSECONDS (e.g. 1344x768x5), got {text!r}.") from None
+            raise UserError(f"--profile must be WIDTHxHEIGHTxSECONDS (e.g. 1344x768x5), got {text!r}.") from None
         validate_canvas(profile.height, profile.width)
         frames_for_duration(profile.seconds)
         return profile
@@ -77,13 +78,13 @@ class BuildConfig:
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
-            raise ValueError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
+            raise UserError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
         object.__setattr__(self, "precision", Precision.parse(self.precision))  # one of DIT_PRECISIONS
         if self.attention not in ATTENTION_REQUESTS:
-            raise ValueError(f"--attention must be one of {ATTENTION_REQUESTS}, got {self.attention!r}.")
+            raise UserError(f"--attention must be one of {ATTENTION_REQUESTS}, got {self.attention!r}.")
         if self.backend == "tensorrt" and self.attention != "auto":
-            raise ValueError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
-                             "in its own plans. Drop --attention with --backend tensorrt.")
+            raise UserError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
+                            "in its own plans. Drop --attention with --backend tensorrt.")
         if self.precision.spec.quantized:
             # validates --calib-algo against the precision, exclusions, --fp8-attention and --calib-steps
             recipe = self.recipe_for("emulated")
@@ -91,30 +92,30 @@ class BuildConfig:
                 check_sharded_recipe(recipe, self.sp)
             if recipe.needs_calibration_data and self.calib_prompts is None:
                 what = ("AWQ's scales are" if recipe.calib_algo == "awq_lite" else "its activation ranges are")
-                raise ValueError(f"--precision {self.precision} needs --calib-prompts FILE (one prompt per line) for "
-                                 f"--calib-algo {recipe.calib_algo}: {what} calibrated on real denoising trajectories.")
+                raise UserError(f"--precision {self.precision} needs --calib-prompts FILE (one prompt per line) for "
+                                f"--calib-algo {recipe.calib_algo}: {what} calibrated on real denoising trajectories.")
             check_modelopt()  # calibration runs through ModelOpt: missing or another version is refused here
         elif (self.quant_exclude or self.fp8_attention or self.calib_prompts is not None
               or self.calib_algo is not None):
-            raise ValueError(f"--quant-exclude, --fp8-attention, --calib-prompts and --calib-algo apply to --precision "
-                             f"fp8/nvfp4, not {self.precision}.")
+            raise UserError(f"--quant-exclude, --fp8-attention, --calib-prompts and --calib-algo apply to --precision "
+                            f"fp8/nvfp4, not {self.precision}.")
         if self.fp8_accum is not None and (self.precision is not Precision.FP8 or self.backend == "tensorrt"):
-            raise ValueError("--fp8-accum sets how the inductor and aoti backends' FP8 GEMMs accumulate: it applies to "
-                             f"--precision fp8 (got {self.precision}) and not to --backend tensorrt, whose plans "
-                             "choose their own kernels.")
+            raise UserError("--fp8-accum sets how the inductor and aoti backends' FP8 GEMMs accumulate: it applies to "
+                            f"--precision fp8 (got {self.precision}) and not to --backend tensorrt, whose plans "
+                            "choose their own kernels.")
         if self.task not in TASK_PARTITIONS:
-            raise ValueError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
+            raise UserError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
         self.vae  # validates --vae-precision
         MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
-            raise ValueError("At least one --profile is needed.")
+            raise UserError("At least one --profile is needed.")
         for spec in self.loras:  # before the (slow) checkpoint load
             if not Path(spec.path).is_file():
-                raise ValueError(f"--lora {spec.path} does not exist; pass a LoRA .safetensors file.")
+                raise UserError(f"--lora {spec.path} does not exist; pass a LoRA .safetensors file.")
         if self.backend == "tensorrt":
             check_build_config(self)
         elif self.trt_targets is not None:
-            raise ValueError("--trt-targets applies to --backend tensorrt.")
+            raise UserError("--trt-targets applies to --backend tensorrt.")
 
     @property
     def vae(self) -> VAEPrecision:

@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..errors import UserError
 from ..models.dit import H3DiT
 from .segments import block_segment, embed_segment, final_segment
 
@@ -134,7 +135,11 @@ def segment_graphs(model: H3DiT) -> dict[str, tuple[nn.Module, object]]:
 def export_graph(module: nn.Module, spec, example: list[torch.Tensor], path: Path, nvfp4: bool = False) -> Path:
     """Export one graph to `path` (+ `path.name + '.data'`). Returns `path`."""
     # onnx and ModelOpt belong to the TensorRT backend's optional extra: imported when a tensorrt build runs.
-    import onnx
+    try:
+        import onnx
+    except ImportError as e:
+        raise UserError(f"--backend tensorrt exports ONNX graphs, and onnx does not import here ({e}): pip install "
+                        "'onnx>=1.21'.") from e
 
     dynamic_axes = {name: dict(dims) for name, dims in spec.dynamic.items()}
     for out, dims in _output_dynamic_axes(spec).items():

@@ -18,6 +18,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import UserError
 from ..models.config import H3Config
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
 from ..models.video_vae import decoder_epilogue, decoder_prologue
@@ -203,9 +204,9 @@ def sharded_attention_segment(cfg: H3Config, recipe: QuantRecipe) -> SegmentSpec
 def check_sharded_recipe(recipe: QuantRecipe, sp: int) -> None:
     """What a quantized bundle can shard: its FP8/NVFP4 linears and FP8 attention, yes; whole-block exclusions, no."""
     if recipe.exclude_blocks:
-        raise ValueError(f"--quant-exclude blocks.N is built for --sp 1 only (got --sp {sp}, blocks "
-                         f"{list(recipe.exclude_blocks)}): a bf16 block would need its own pair of sharded halves. "
-                         "Exclude block linears instead, or build --sp 1.")
+        raise UserError(f"--quant-exclude blocks.N is built for --sp 1 only (got --sp {sp}, blocks "
+                        f"{list(recipe.exclude_blocks)}): a bf16 block would need its own pair of sharded halves. "
+                        "Exclude block linears instead, or build --sp 1.")
 
 
 def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRecipe | None = None,

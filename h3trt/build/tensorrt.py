@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from ..calibration.recipe import parse_exclusions
+from ..errors import UserError
 from ..models.config import H3Config
 from ..models.packing import AUDIO_CHANNELS, Geometry
 from ..models.precision import Precision
@@ -68,9 +69,9 @@ def detect_flavour() -> TrtFlavour:
             continue
         if hasattr(module, "Builder"):  # the PyPI `tensorrt` stubs import but have no builder
             return TrtFlavour(name, module.__version__)
-    raise ImportError("--backend tensorrt needs TensorRT: `pip install tensorrt-rtx` (builds for RTX-class GPUs "
-                      "sm_80/86/89/120 without a GPU), or NVIDIA's full `tensorrt` (datacenter GPUs; from NVIDIA's "
-                      "containers, not PyPI).")
+    raise UserError("--backend tensorrt needs TensorRT: `pip install tensorrt-rtx` (builds for RTX-class GPUs "
+                    "sm_80/86/89/120 without a GPU), or NVIDIA's full `tensorrt` (datacenter GPUs; from NVIDIA's "
+                    "containers, not PyPI).")
 
 
 def parse_targets(text: str | None, precision: Precision, flavour: TrtFlavour) -> tuple[str, ...]:
@@ -78,26 +79,26 @@ def parse_targets(text: str | None, precision: Precision, flavour: TrtFlavour) -
     if flavour.name == "tensorrt":
         # The full builder tunes kernels on the GPU it runs on and its plans run on that GPU model only.
         if text:
-            raise ValueError("--trt-targets applies to TensorRT-RTX; the full tensorrt builder builds for the GPU it "
-                             "runs on. Drop --trt-targets, or build where only tensorrt-rtx is installed.")
+            raise UserError("--trt-targets applies to TensorRT-RTX; the full tensorrt builder builds for the GPU it "
+                            "runs on. Drop --trt-targets, or build where only tensorrt-rtx is installed.")
         if not torch.cuda.is_available():
-            raise ValueError("The full tensorrt builder needs a CUDA GPU to build on; none is visible.")
+            raise UserError("The full tensorrt builder needs a CUDA GPU to build on; none is visible.")
         major, minor = torch.cuda.get_device_capability()
         return (f"sm{major}{minor}",)
     targets = tuple(t.strip().lower().replace("_", "") for t in text.split(",") if t.strip()) if text else \
         precision.spec.trt_default_targets
     unknown = [t for t in targets if t not in RTX_TARGETS]
     if unknown:
-        raise ValueError(f"--trt-targets {','.join(unknown)}: TensorRT-RTX {flavour.version} compiles for "
-                         f"{', '.join(RTX_TARGETS)} only (no sm90/sm100: Hopper and datacenter Blackwell need the "
-                         "full tensorrt builder).")
+        raise UserError(f"--trt-targets {','.join(unknown)}: TensorRT-RTX {flavour.version} compiles for "
+                        f"{', '.join(RTX_TARGETS)} only (no sm90/sm100: Hopper and datacenter Blackwell need the "
+                        "full tensorrt builder).")
     wrong = [t for t in targets if t not in precision.spec.trt_targets]
     if wrong:
-        raise ValueError(f"--precision {precision} cannot be built for {','.join(wrong)}: {precision} plans need "
-                         f"one of {', '.join(precision.spec.trt_targets)} (FP8 GEMMs need Ada or RTX Blackwell, "
-                         "FP4 needs RTX Blackwell). Choose other --trt-targets or another --precision.")
+        raise UserError(f"--precision {precision} cannot be built for {','.join(wrong)}: {precision} plans need "
+                        f"one of {', '.join(precision.spec.trt_targets)} (FP8 GEMMs need Ada or RTX Blackwell, "
+                        "FP4 needs RTX Blackwell). Choose other --trt-targets or another --precision.")
     if len(set(targets)) != len(targets) or not targets:
-        raise ValueError(f"--trt-targets must list distinct targets, got {text!r}.")
+        raise UserError(f"--trt-targets must list distinct targets, got {text!r}.")
     return targets
 
 
@@ -263,23 +264,23 @@ def build_plans(model, examples: dict, geometries: list[Geometry], precision: Pr
 def check_build_config(config) -> None:
     """What a tensorrt build refuses up front (BuildConfig.__post_init__ calls this for --backend tensorrt)."""
     if config.task == "ref2va":
-        raise ValueError("--backend tensorrt builds t2va/fl2va bundles; ref2va's reference rows have no shape range "
-                         "yet. Use --backend inductor for ref2va.")
+        raise UserError("--backend tensorrt builds t2va/fl2va bundles; ref2va's reference rows have no shape range "
+                        "yet. Use --backend inductor for ref2va.")
     if config.sp != 1:
-        raise ValueError(f"--backend tensorrt serves one process; --sp {config.sp} needs the inductor backend.")
+        raise UserError(f"--backend tensorrt serves one process; --sp {config.sp} needs the inductor backend.")
     if config.fp8_attention:
-        raise ValueError("--fp8-attention is h3trt's FP8 attention op, which the inductor and aoti backends compile; "
-                         "the TensorRT graphs run attention as one fused bf16 MHA kernel. Drop --fp8-attention or use "
-                         "--backend inductor.")
+        raise UserError("--fp8-attention is h3trt's FP8 attention op, which the inductor and aoti backends compile; "
+                        "the TensorRT graphs run attention as one fused bf16 MHA kernel. Drop --fp8-attention or use "
+                        "--backend inductor.")
     if config.precision is Precision.NVFP4 and config.device != "cuda" and not config.device.startswith("cuda:"):
-        raise ValueError("--backend tensorrt --precision nvfp4 needs --device cuda (compute capability >= 8.9): its "
-                         "FP4 activation quantizers have no CPU kernel in ModelOpt, and the ONNX export runs them.")
+        raise UserError("--backend tensorrt --precision nvfp4 needs --device cuda (compute capability >= 8.9): its "
+                        "FP4 activation quantizers have no CPU kernel in ModelOpt, and the ONNX export runs them.")
     if config.trt_targets is not None:
         targets = [t.strip().lower().replace("_", "") for t in config.trt_targets.split(",") if t.strip()]
         if not targets or any(t not in RTX_TARGETS for t in targets):
-            raise ValueError(f"--trt-targets must be a comma-separated list of {', '.join(RTX_TARGETS)} (what "
-                             f"TensorRT-RTX compiles for), got {config.trt_targets!r}. Hopper (sm90) and datacenter "
-                             "Blackwell (sm100) need the full tensorrt builder, which builds for the GPU it runs on.")
+            raise UserError(f"--trt-targets must be a comma-separated list of {', '.join(RTX_TARGETS)} (what "
+                            f"TensorRT-RTX compiles for), got {config.trt_targets!r}. Hopper (sm90) and datacenter "
+                            "Blackwell (sm100) need the full tensorrt builder, which builds for the GPU it runs on.")
 
 
 def build_tensorrt_segments(model, examples: dict, config, work: Path, log=print) -> tuple[dict, dict]:

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from ..models.config import NUM_MODALITIES, NUM_MODULATION_PARAMS
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
 from .modules import quantized_template
@@ -34,9 +35,9 @@ def calibrate_dit(model: H3DiT, recipe: QuantRecipe, component_root: Path, calib
                                      profile.height, profile.seconds, shifts, log)
         recipe = dataclasses.replace(recipe, calib_prompts=len(prompts))
     elif calib_prompts is not None:
-        raise ValueError(f"--precision {recipe.precision} --calib-algo {recipe.calib_algo} calibrates the weights "
-                         "only (weight-only NVFP4): it runs no trajectories. Drop --calib-prompts, or use --calib-algo "
-                         "awq_lite.")
+        raise UserError(f"--precision {recipe.precision} --calib-algo {recipe.calib_algo} calibrates the weights "
+                        "only (weight-only NVFP4): it runs no trajectories. Drop --calib-prompts, or use --calib-algo "
+                        "awq_lite.")
     t0 = time.perf_counter()
     calibration = calibrate(model.blocks, recipe, forward, log)
     record = {"calibration_s": round(time.perf_counter() - t0, 2), "modelopt": calibration.record,

@@ -46,6 +46,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from ..errors import UserError
 from ..models.dit import Block, H3DiT, sdpa_attention
 from ..models.precision import Precision
 from .formats import FP4_MAX, FP8_MAX, NVFP4_GROUP, fp8_scale, quantize_fp8
@@ -84,13 +85,18 @@ def read_prompts(path: Path) -> list[str]:
     """One prompt per line; blank lines and lines starting with '#' are skipped."""
     path = Path(path)
     if not path.is_file():
-        raise ValueError(f"--calib-prompts {path} does not exist; give a text file with one prompt per line.")
-    prompts = [line.strip() for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+        raise UserError(f"--calib-prompts {path} does not exist; give a text file with one prompt per line.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--calib-prompts {path} cannot be read as UTF-8 text ({e}); pass a readable UTF-8 file with "
+                        "one prompt per line.") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
     if not prompts:
-        raise ValueError(f"--calib-prompts {path} has no prompts (one per line; '#' starts a comment).")
+        raise UserError(f"--calib-prompts {path} has no prompts (one per line; '#' starts a comment).")
     if len(prompts) > MAX_CALIB_PROMPTS:
-        raise ValueError(f"--calib-prompts {path} has {len(prompts)} prompts; at most {MAX_CALIB_PROMPTS} are used "
-                         "for calibration. Trim the file.")
+        raise UserError(f"--calib-prompts {path} has {len(prompts)} prompts; at most {MAX_CALIB_PROMPTS} are used "
+                        "for calibration. Trim the file.")
     return prompts
 
 

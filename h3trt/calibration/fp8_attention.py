@@ -38,6 +38,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from ..errors import UserError
 from ..models import attention as _kernels
 from ..models.attention import CUDNN_FRONTEND_FIX, check_kernel, kernels_for
 from ..models.precision import Precision
@@ -72,8 +73,8 @@ def require_cudnn_frontend():
     try:
         import cudnn  # noqa: F401  (nvidia-cudnn-frontend)
     except ImportError as e:
-        raise RuntimeError(f"the bundle's FP8 attention runs cuDNN's FP8 kernel, and nvidia-cudnn-frontend is not "
-                           f"installed: {CUDNN_FRONTEND_FIX}.") from e
+        raise UserError(f"the bundle's FP8 attention runs cuDNN's FP8 kernel, and nvidia-cudnn-frontend is not "
+                        f"installed: {CUDNN_FRONTEND_FIX}.") from e
     return cudnn
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
+from ..errors import UserError
 from ..models.attention import kernels_for
 from ..models.precision import QUANT_PRECISIONS, Precision
 
@@ -50,10 +51,10 @@ def check_modelopt() -> str:
     try:
         found = version("nvidia-modelopt")
     except PackageNotFoundError:
-        raise ImportError(f"FP8/NVFP4 calibration runs through NVIDIA ModelOpt, which is not installed: "
+        raise UserError(f"FP8/NVFP4 calibration runs through NVIDIA ModelOpt, which is not installed: "
                            f"{MODELOPT_FIX}.") from None
     if found != MODELOPT_VERSION:
-        raise ImportError(f"h3trt's calibration is written against nvidia-modelopt {MODELOPT_VERSION}; found {found}. "
+        raise UserError(f"h3trt's calibration is written against nvidia-modelopt {MODELOPT_VERSION}; found {found}. "
                            f"{MODELOPT_FIX}.")
     return found
 
@@ -84,29 +85,29 @@ class QuantRecipe:
             known = {a for p in QUANT_PRECISIONS for a in p.spec.calib_algos}
             why = (self.precision.spec.calib_algos_why if self.calib_algo in known
                    else f"h3trt drives ModelOpt's {', '.join(sorted(known))}")
-            raise ValueError(f"--calib-algo {self.calib_algo} does not apply to --precision {self.precision}: it takes "
-                             f"{', '.join(algos)} (default {algos[0]}); {why}.")
+            raise UserError(f"--calib-algo {self.calib_algo} does not apply to --precision {self.precision}: it takes "
+                            f"{', '.join(algos)} (default {algos[0]}); {why}.")
         unknown = sorted(set(self.exclude_linears) - set(BLOCK_LINEARS))
         if unknown:
-            raise ValueError(f"--quant-exclude names {unknown}; block linears are {list(BLOCK_LINEARS)}, whole blocks "
-                             "are blocks.N.")
+            raise UserError(f"--quant-exclude names {unknown}; block linears are {list(BLOCK_LINEARS)}, whole blocks "
+                            "are blocks.N.")
         if set(self.exclude_linears) == set(BLOCK_LINEARS):
-            raise ValueError("--quant-exclude lists every block linear: nothing would be quantized; build bf16.")
+            raise UserError("--quant-exclude lists every block linear: nothing would be quantized; build bf16.")
         if any(i < 0 for i in self.exclude_blocks) or tuple(sorted(set(self.exclude_blocks))) != self.exclude_blocks:
             raise ValueError(f"exclude_blocks must be distinct non-negative indices in order, got {self.exclude_blocks}.")
         if self.fp8_accum not in FP8_ACCUMS:
-            raise ValueError(f"--fp8-accum must be one of {FP8_ACCUMS}, got {self.fp8_accum!r}.")
+            raise UserError(f"--fp8-accum must be one of {FP8_ACCUMS}, got {self.fp8_accum!r}.")
         if self.fp4_activations and self.precision is not Precision.NVFP4:
             raise ValueError("fp4_activations applies to --precision nvfp4.")
         if self.fp8_attention and self.precision is not Precision.FP8:
-            raise ValueError("--fp8-attention needs --precision fp8 (its q/k/v scales come from the FP8 calibration).")
+            raise UserError("--fp8-attention needs --precision fp8 (its q/k/v scales come from the FP8 calibration).")
         kernels = ATTENTION_KERNELS if self.fp8_attention else ("",)
         if self.attention_kernel not in kernels:
             raise ValueError(f"attention_kernel must be one of {kernels} with fp8_attention={self.fp8_attention}, "
                              f"got {self.attention_kernel!r}.")
         if self.needs_calibration_data and self.calib_steps < 2:
-            raise ValueError(f"--precision {self.precision} --calib-algo {self.calib_algo} calibrates on trajectories: "
-                             f"--calib-steps must be at least 2, got {self.calib_steps}.")
+            raise UserError(f"--precision {self.precision} --calib-algo {self.calib_algo} calibrates on trajectories: "
+                            f"--calib-steps must be at least 2, got {self.calib_steps}.")
 
     @property
     def needs_calibration_data(self) -> bool:
@@ -130,9 +131,9 @@ class QuantRecipe:
     def check_layers(self, num_layers: int) -> None:
         bad = [i for i in self.exclude_blocks if i >= num_layers]
         if bad:
-            raise ValueError(f"--quant-exclude blocks {bad} do not exist: the model has blocks 0..{num_layers - 1}.")
+            raise UserError(f"--quant-exclude blocks {bad} do not exist: the model has blocks 0..{num_layers - 1}.")
         if len(self.exclude_blocks) == num_layers:
-            raise ValueError(f"--quant-exclude lists all {num_layers} blocks: nothing would be quantized; build bf16.")
+            raise UserError(f"--quant-exclude lists all {num_layers} blocks: nothing would be quantized; build bf16.")
 
     def to_dict(self) -> dict:
         return {**asdict(self), "exclude_blocks": list(self.exclude_blocks),
@@ -157,8 +158,8 @@ def parse_exclusions(items) -> tuple[tuple[int, ...], tuple[str, ...]]:
         elif item in BLOCK_LINEARS:
             linears.add(item)
         else:
-            raise ValueError(f"--quant-exclude {item!r}: name a whole block (blocks.N) or a block linear "
-                             f"({', '.join(BLOCK_LINEARS)}).")
+            raise UserError(f"--quant-exclude {item!r}: name a whole block (blocks.N) or a block linear "
+                            f"({', '.join(BLOCK_LINEARS)}).")
     return tuple(sorted(blocks)), tuple(n for n in BLOCK_LINEARS if n in linears)
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from ..errors import UserError
 from ..models.dit import H3DiT, sdpa_attention
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, validate_canvas
 from ..models.sampler import Latents, Schedule, denoise, initial_latents
@@ -45,7 +46,7 @@ def t2va_trajectory(dit, text_encoder: H3TextEncoder, prompt: str, seed: int, ge
     """One t2va request denoised with `dit` (the runner signature), as the eager pipeline does it: the prompt's
     embeddings and tags, the packed rows, the noise drawn from `seed`, the sampler's loop. Returns the final rows."""
     if not prompt.strip():
-        raise ValueError("A calibration prompt is empty; remove blank prompts from --calib-prompts.")
+        raise UserError("A calibration prompt is empty; remove blank prompts from --calib-prompts.")
     cfg, g = dit.cfg, geometry
     text = text_encoder.encode_t2va(prompt)
     layout = pack_t2va(text.tags, g.latent_frames, g.latent_height, g.latent_width, g.audio_latents, cfg.patch_size, ())

@@ -29,6 +29,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UserError
+
 TEMP_SUFFIX = ".partial"
 _HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
 # .<target name>.<host>-<pid>-<token>.partial
@@ -39,8 +41,9 @@ class OutputError(RuntimeError):
     """A target that cannot be written (one line: the file, what happened, what to do). Nothing was left behind."""
 
 
-class OutputRefused(OutputError):
-    """A preflight refusal, before any model loaded (the CLI exits 2, as for any bad input)."""
+class OutputRefused(OutputError, UserError):
+    """A preflight refusal, before any model loaded: the user's to fix (another path, room on the disk), so a
+    UserError (exit 2, as for any bad input) that `except OutputError` still catches."""
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 # Registers h3trt::fp8_sdpa, which the compiled blocks of an --fp8-attention bundle call by name: every process
 # that loads segments (serving, the build's fresh-process check) must have it.
 from ..calibration import fp8_attention  # noqa: F401
+from ..errors import UserError
 from .guard import no_compile
 from .private_cache import make_private_cache, remove_leftover_caches
 
@@ -94,8 +95,8 @@ def load_compile_threads() -> int:
     try:
         return max(1, int(value)) if value else 1
     except ValueError:
-        raise ValueError(f"TORCHINDUCTOR_COMPILE_THREADS={value!r} is not a whole number; unset it or give the "
-                         "number of Inductor compile workers.") from None
+        raise UserError(f"TORCHINDUCTOR_COMPILE_THREADS={value!r} is not a whole number; unset it or give the "
+                        "number of Inductor compile workers.") from None
 
 
 def load_weights(path: Path, device: torch.device) -> dict[str, torch.Tensor]:

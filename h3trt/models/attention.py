@@ -171,8 +171,8 @@ def fa3_interface():
     try:
         return importlib.import_module(FA3_MODULE)
     except (ImportError, OSError) as e:
-        raise RuntimeError(f"the fa3 attention kernel needs {FA3_MODULE!r}, which does not load here "
-                           f"({type(e).__name__}: {e}): {FA3_FIX}.") from e
+        raise UserError(f"the fa3 attention kernel needs {FA3_MODULE!r}, which does not load here "
+                        f"({type(e).__name__}: {e}): {FA3_FIX}.") from e
 
 
 def _fa3(q, k, v) -> torch.Tensor:

@@ -198,11 +198,16 @@ def to_native_config(cfg: H3Config) -> dict:
 def _transformer_folder(folder: Path, component_root: Path, metadata: ReleaseMetadata | None) -> TransformerSource:
     config = _read_json(folder / "config.json")
     cls = config.get("_class_name")
-    if cls == NATIVE_CLASS:
-        return TransformerSource(_shard_files(folder), "native", True, "", native_config(config), component_root, metadata)
-    if cls == DIFFUSERS_CLASS:
-        return TransformerSource(_shard_files(folder), "diffusers", False, "", H3Config.from_diffusers_config(config),
-                                 component_root, metadata)
+    if cls in (NATIVE_CLASS, DIFFUSERS_CLASS):
+        try:  # H3Config's own checks (eps, dims) are the checkpoint's problem here, not a bug: one line naming the file
+            cfg = native_config(config) if cls == NATIVE_CLASS else H3Config.from_diffusers_config(config)
+        except (KeyError, TypeError, ValueError) as e:
+            if isinstance(e, CheckpointError):
+                raise
+            raise CheckpointError(f"{folder / 'config.json'} is not an H3 transformer config ({e}); use the "
+                                  "checkpoint's own config.json.") from None
+        return TransformerSource(_shard_files(folder), "native" if cls == NATIVE_CLASS else "diffusers",
+                                 cls == NATIVE_CLASS, "", cfg, component_root, metadata)
     raise CheckpointError(
         f"{folder / 'config.json'}: _class_name {cls!r} is not a MiniMax-H3 transformer "
         f"(expected {NATIVE_CLASS!r} or {DIFFUSERS_CLASS!r}). Pruned checkpoints are not supported."

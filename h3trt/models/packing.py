@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..errors import UserError
 from .config import AUDIO_TAG, TEXT_TAG, VIDEO_TAG
 
 # Output contract of the released model.
@@ -55,10 +56,10 @@ def _canvas_before_rounding(aspect_width: float, aspect_height: float, short_edg
                             max_pixels: int = CANVAS_MAX_PIXELS) -> tuple[float, float]:
     """(height, width) of the canvas for an aspect ratio before rounding: short edge 768, area capped at 768x1344."""
     if aspect_width <= 0 or aspect_height <= 0:
-        raise ValueError(f"The aspect ratio must be positive, got {aspect_width}:{aspect_height}.")
+        raise UserError(f"The aspect ratio must be positive, got {aspect_width}:{aspect_height}.")
     ratio = aspect_width / aspect_height
     if not MIN_ASPECT <= ratio <= MAX_ASPECT:
-        raise ValueError(
+        raise UserError(
             f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1, got {aspect_width}:{aspect_height} ({ratio:.3g}). "
             "Crop the input or pick --width/--height within that range."
         )
@@ -89,7 +90,7 @@ def validate_canvas(height: int, width: int) -> None:
     (every canvas `resolve_canvas` returns passes)."""
     m = CANVAS_MULTIPLE
     if height <= 0 or width <= 0 or height % m or width % m:
-        raise ValueError(
+        raise UserError(
             f"Unsupported resolution {width}x{height}: width and height must be positive multiples of {m} "
             f"(for example {max(m, round(width / m) * m)}x{max(m, round(height / m) * m)})."
         )
@@ -97,7 +98,7 @@ def validate_canvas(height: int, width: int) -> None:
     max_area = (height_f + m / 2) * (width_f + m / 2)  # rounding to the nearest 32 moves each edge by <= 16
     if min(height, width) > CANVAS_SHORT_EDGE or height * width > max_area:
         fit_h, fit_w = resolve_canvas(width, height)
-        raise ValueError(
+        raise UserError(
             f"Unsupported resolution {width}x{height}: larger than MiniMax-H3's canvas for this aspect ratio "
             f"(short edge {CANVAS_SHORT_EDGE}, area cap {CANVAS_SHORT_EDGE}x{CANVAS_MAX_PIXELS // CANVAS_SHORT_EDGE}). "
             f"Use {fit_w}x{fit_h} or smaller."
@@ -119,12 +120,12 @@ def frames_for_duration(seconds: float, min_s: float = MIN_DURATION_S, max_s: fl
     generate, and the longest, 14.375 s, is the last 17n + 5 count within diffusers' 15 s (345 frames; 15 s would
     round up to 362 frames, 15.083 s)."""
     if not math.isfinite(seconds) or seconds <= 0:
-        raise ValueError(f"Duration must be a positive number of seconds, got {seconds}.")
+        raise UserError(f"Duration must be a positive number of seconds, got {seconds}.")
     frames = align_num_frames(math.ceil(seconds * FPS - 1e-9))
     if not min_s <= seconds <= max_s or not min_s <= frames / FPS <= max_s:
         lo = align_num_frames(math.ceil(min_s * FPS))
         hi = int((max_s * FPS - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
-        raise ValueError(
+        raise UserError(
             f"Unsupported duration {seconds:g} s: MiniMax-H3 takes {min_s:g} to {max_s:g} s, generated as {lo} to "
             f"{hi} frames of the form 17n + 5 at {FPS} fps (a duration is rounded up to the next such count)."
         )

@@ -16,6 +16,7 @@ from typing import Callable
 
 import torch
 
+from ..errors import UserError
 from .packing import CONDITION_VIDEO_T, PackedLayout, patchify, row_timesteps
 
 DEFAULT_STEPS = 50
@@ -28,9 +29,11 @@ DEFAULT_GUIDANCE = 1.0  # classifier-free guidance off: H3 is guidance-distilled
 def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:
     """The sigma grid [K] (K <= steps: float32 collisions merge), terminal 0 included, float32 on the CPU."""
     if steps < 2:
-        raise ValueError(f"steps must be >= 2 (the grid includes the terminal sigma 0), got {steps}.")
+        raise UserError(f"steps must be >= 2 (the grid includes the terminal sigma 0), got {steps}; pass --steps 2 or "
+                        "more.")
     if not (math.isfinite(shift) and shift > 0):  # NaN or inf would run every step and fail at the end
-        raise ValueError(f"A sigma shift must be a positive finite number, got {shift}.")
+        raise UserError(f"A sigma shift must be a positive finite number, got {shift}; pass a --video-shift or "
+                        "--audio-shift above 0, or leave it out for the checkpoint's.")
     base = torch.linspace(1.0, 0.0, int(steps), dtype=torch.float32)
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
 

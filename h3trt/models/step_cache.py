@@ -52,17 +52,17 @@ class StepCacheConfig:
 
     def __post_init__(self):
         if self.kind not in CACHE_KINDS:
-            raise ValueError(f"--cache must be one of {CACHE_KINDS}, got {self.kind!r}.")
+            raise UserError(f"--cache must be one of {CACHE_KINDS}, got {self.kind!r}.")
         if not self.threshold >= 0:
-            raise ValueError(f"--cache-threshold must be >= 0 (0: skip only what is exactly predicted), got "
-                             f"{self.threshold}.")
+            raise UserError(f"--cache-threshold must be >= 0 (0: skip only what is exactly predicted), got "
+                            f"{self.threshold}.")
         if self.kind == "first-block":
             if self.mag_ratios is not None or self.calibrate:
-                raise ValueError("--mag-ratios and --mag-calibrate apply to --cache mag, not first-block.")
+                raise UserError("--mag-ratios and --mag-calibrate apply to --cache mag, not first-block.")
             return
         if (self.mag_ratios is None) == (not self.calibrate):
-            raise ValueError("--cache mag needs the model's ratios: --mag-ratios R1,R2,... (or a .json list), or "
-                             "--mag-calibrate to measure them on one run (recorded in the clip's JSON); not both.")
+            raise UserError("--cache mag needs the model's ratios: --mag-ratios R1,R2,... (or a .json list), or "
+                            "--mag-calibrate to measure them on one run (recorded in the clip's JSON); not both.")
         if self.mag_ratios is not None:
             # Each ratio scales the predicted residual magnitude: with 0, a negative, inf or nan the accumulated error
             # is meaningless (nan compares false, inf never skips again), so every value is checked, by position.
@@ -72,9 +72,9 @@ class StepCacheConfig:
                                 f"{'not ' + ', '.join(bad) if bad else 'and at least one'}. Measure this model's "
                                 "with --mag-calibrate (its clip's JSON then serves as --mag-ratios FILE).")
         if self.max_skip_steps < 1:
-            raise ValueError(f"--cache-max-skip must be >= 1, got {self.max_skip_steps}.")
+            raise UserError(f"--cache-max-skip must be >= 1, got {self.max_skip_steps}.")
         if not 0.0 <= self.retention_ratio <= 1.0:
-            raise ValueError(f"--cache-retention must be in [0, 1], got {self.retention_ratio}.")
+            raise UserError(f"--cache-retention must be in [0, 1], got {self.retention_ratio}.")
 
     def to_dict(self) -> dict:
         data = asdict(self)

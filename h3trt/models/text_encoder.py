@@ -131,7 +131,7 @@ class _Presentation:
         if not isinstance(prompt, str):
             raise ValueError(f"MiniMax-H3 packs one request into one sequence: `prompt` must be a str, got {type(prompt)}.")
         if self.text(prompt) == 0:
-            raise ValueError(f"The prompt {prompt!r} tokenizes to zero tokens; pass a non-empty prompt.")
+            raise UserError(f"The prompt {prompt!r} tokenizes to zero tokens; pass a non-empty prompt.")
 
 
 def sample_video_frames(
@@ -151,7 +151,7 @@ def sample_video_frames(
         cursor += stride
     if len(indices) < temporal_patch:
         minimum = round((temporal_patch - 1) * stride) + 1
-        raise ValueError(
+        raise UserError(
             f"A reference video is read at {sample_fps:g} fps in groups of {temporal_patch} frames, so it needs at "
             f"least {minimum} frames at {fps:g} fps; got {frames.shape[0]}. Pass a longer reference."
         )
@@ -193,7 +193,7 @@ class H3TextEncoder:
         self.image_pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
         self.video_pad_id = tokenizer.convert_tokens_to_ids(VIDEO_PAD)
         if (self.image_pad_id, self.video_pad_id) != (model.config.image_token_id, model.config.video_token_id):
-            raise ValueError(
+            raise UserError(
                 f"Tokenizer pad ids ({self.image_pad_id}, {self.video_pad_id}) disagree with the text encoder's "
                 f"image/video token ids ({model.config.image_token_id}, {model.config.video_token_id}); the "
                 f"{TOKENIZER_DIR}/ and {TEXT_ENCODER_DIR}/ folders must come from the same checkpoint."
@@ -214,7 +214,7 @@ class H3TextEncoder:
         num_layers = config.text_config.num_hidden_layers
         if num_layers <= TEXT_ENCODER_LAYER:
             # With exactly 50 layers the checkpoint's own last state would be post-norm: not the conditioning.
-            raise ValueError(
+            raise UserError(
                 f"{encoder_dir} has {num_layers} decoder layers, but MiniMax-H3 reads hidden_states"
                 f"[{TEXT_ENCODER_LAYER}] of a deeper stack; use the Qwen3-VL-32B conditioner the checkpoint ships."
             )

@@ -22,6 +22,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import UserError
 from .precision import Precision, unquantized
 
 PIXEL_MEAN = (0.485, 0.456, 0.406)  # ImageNet: the VAE's pixel convention over [0, 1]
@@ -68,7 +69,8 @@ def plan_decode(vae, latent_frames: int, latent_h: int, latent_w: int) -> Decode
     drop = vae.config.token_drop  # 3
     ratio_t = vae.temporal_compression_ratio  # 4
     if drop <= 0:
-        raise ValueError("h3trt's decode plan needs token_drop > 0 (the released VAE drops 3).")
+        raise UserError(f"h3trt's decode plan needs the video VAE's token_drop > 0, got {drop}; use the checkpoint's "
+                        "released vae/ (it drops 3).")
     num_tokens = latent_frames + drop
     pad = (-num_tokens) % chunk
     num_windows = (num_tokens + pad) // chunk - 1
@@ -234,8 +236,8 @@ class VideoVAE:
             return decode_tile(self.vae, z_window, tile)
         key = (z_window.shape[2], tile.y1 - tile.y0, tile.x1 - tile.x0)
         if key not in self.tile_decoders:
-            raise ValueError(f"This bundle has no compiled video decoder for a {key[0]}-latent window of {key[1]}x"
-                             f"{key[2]} latent tiles (built: {sorted(self.tile_decoders)}); rebuild with this profile.")
+            raise UserError(f"This bundle has no compiled video decoder for a {key[0]}-latent window of {key[1]}x"
+                            f"{key[2]} latent tiles (built: {sorted(self.tile_decoders)}); rebuild with this profile.")
         # Compiled code was specialised to contiguous inputs; a tile is a strided view of the window.
         return self.tile_decoders[key](z_window[..., tile.y0:tile.y1, tile.x0:tile.x1].contiguous())
 

@@ -12,6 +12,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from ..errors import UserError
+
 AXES = ("replica", "cfg", "sp")
 
 
@@ -31,9 +33,10 @@ class MeshConfig:
     def __post_init__(self):
         for axis in AXES:
             if getattr(self, axis) < 1:
-                raise ValueError(f"Mesh degree {axis} must be >= 1, got {getattr(self, axis)}.")
+                flag = "--replicas" if axis == "replica" else f"--{axis}"
+                raise UserError(f"Mesh degree {axis} must be >= 1, got {getattr(self, axis)}; pass {flag} 1 or more.")
         if self.cfg not in (1, 2):
-            raise ValueError(f"cfg parallelism splits the two guidance branches: cfg must be 1 or 2, got {self.cfg}.")
+            raise UserError(f"cfg parallelism splits the two guidance branches: --cfg must be 1 or 2, got {self.cfg}.")
 
     @property
     def world_size(self) -> int:
@@ -46,12 +49,12 @@ class MeshConfig:
     def validate(self, world_size: int, num_heads: int) -> None:
         """Raise, with the arithmetic, unless the degrees fill the world and sp splits the heads."""
         if self.world_size != world_size:
-            raise ValueError(f"Invalid mesh: replica({self.replica}) * cfg({self.cfg}) * sp({self.sp}) = "
-                             f"{self.world_size} != world size ({world_size}). Launch {self.world_size} ranks or "
-                             "change the degrees.")
+            raise UserError(f"Invalid mesh: replica({self.replica}) * cfg({self.cfg}) * sp({self.sp}) = "
+                            f"{self.world_size} != world size ({world_size}). Launch {self.world_size} ranks or "
+                            "change the degrees.")
         if num_heads % self.sp:
-            raise ValueError(f"Invalid mesh: sp={self.sp} does not divide the {num_heads} attention heads "
-                             f"({num_heads} % {self.sp} = {num_heads % self.sp}); valid sp: {valid_sp(num_heads)}.")
+            raise UserError(f"Invalid mesh: sp={self.sp} does not divide the {num_heads} attention heads "
+                            f"({num_heads} % {self.sp} = {num_heads % self.sp}); valid sp: {valid_sp(num_heads)}.")
 
 
 @dataclass(frozen=True)

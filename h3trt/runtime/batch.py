@@ -24,6 +24,7 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..engines.manifest import sha256_file
+from ..errors import UserError
 from ..parallel.mesh import MeshConfig
 from .batch_file import BatchItem
 from .files import DEFAULT_CRF, OutputError, write_json_atomic
@@ -46,12 +47,12 @@ class BatchConfig:
 
     def __post_init__(self):
         if self.max_batch < 1:
-            raise ValueError(f"--max-batch must be >= 1, got {self.max_batch}.")
+            raise UserError(f"--max-batch must be >= 1, got {self.max_batch}.")
         group, groups = self.shard
         if groups < 1 or not 0 <= group < groups:
             raise ValueError(f"shard=({group}, {groups}) needs 0 <= group ({group}) < groups ({groups}).")
         if not 0 <= self.crf <= 51:
-            raise ValueError(f"crf={self.crf} is outside H.264's range 0..51.")
+            raise UserError(f"crf={self.crf} is outside H.264's range 0..51.")
 
 
 def batchable(request) -> bool:

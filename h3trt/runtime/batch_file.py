@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from .request import CanvasDefaults, Prepared, Request, prepare
 from .requests import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
@@ -51,6 +52,6 @@ def check_bundle_batch(segments: dict, max_batch: int) -> None:
                     if not name.startswith(("video_decoder", "audio_decoder"))
                     and "0" not in {str(d) for d in entry.get("dynamic", {}).get(entry["inputs"][0], {})})
     if static:
-        raise ValueError(f"--max-batch {max_batch}: this bundle's DiT segments {static} are compiled for batch 1 (the "
-                         "batch dimension is static in the artifacts); pass --max-batch 1 with --engine, or serve "
-                         "batches from --model (eager).")
+        raise UserError(f"--max-batch {max_batch}: this bundle's DiT segments {static} are compiled for batch 1 (the "
+                        "batch dimension is static in the artifacts); pass --max-batch 1 with --engine, or serve "
+                        "batches from --model (eager).")

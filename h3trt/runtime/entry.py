@@ -14,6 +14,7 @@ import torch
 
 from ..engines.manifest import Manifest, bundle_identity, check_request, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
+from ..errors import UserError
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
 from ..models.sampler import DEFAULT_STEPS, Schedule
@@ -74,17 +75,17 @@ class Entry:
         """--engine DIR (a bundle), --model PATH (a checkpoint), or neither (the embedded tiny model); every flag
         that does not fit the source is refused here, before any model loads."""
         if engine is not None and model is not None:
-            raise ValueError("--engine and --model name two models; pass one.")
+            raise UserError("--engine and --model name two models; pass one.")
         if trust is not None and engine is None:
-            raise ValueError("--trust checks a bundle's signature; pass it with --engine DIR.")
+            raise UserError("--trust checks a bundle's signature; pass it with --engine DIR.")
         if loras and engine is not None:
-            raise ValueError(f"--lora applies to --model runs; the bundle {engine} was compiled with the LoRAs its "
-                             "manifest lists (h3trt inspect). Rebuild it with h3trt build --lora FILE[:SCALE].")
+            raise UserError(f"--lora applies to --model runs; the bundle {engine} was compiled with the LoRAs its "
+                            "manifest lists (h3trt inspect). Rebuild it with h3trt build --lora FILE[:SCALE].")
         if vae_precision is not None:
             VAEPrecision(vae_precision)  # a bad value fails before any model loads
         torchrun = torchrun_rank()
         if torchrun is not None and gpus > 1:
-            raise ValueError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
+            raise UserError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
         manifest = None
         if engine is not None:
             # With --trust, only if its bytes carry that key's signature (every file is then checked against it when
@@ -97,6 +98,8 @@ class Entry:
             source, path = "tiny", None
         if device is None:  # a bundle serves where it was built; an eager model on the GPU when there is one
             device = manifest.device_type if manifest else ("cuda" if torch.cuda.is_available() else "cpu")
+        elif str(device).startswith("cuda") and not torch.cuda.is_available():  # not torch's assert at the first load
+            raise UserError(f"--device {device} was asked for but no CUDA device is visible; use --device cpu.")
         return cls(source, path, manifest, device, trust, vae_precision, tuple(loras), gpus, torchrun, cfg, sp,
                    replicas)
 

@@ -11,6 +11,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from ..errors import UserError
 from ..models.checkpoint import check_component_files
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK,
@@ -114,39 +115,39 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
         if text is not None:
             check_utf8(text, what)
     if not request.prompt.strip():
-        raise ValueError("The prompt is empty; pass --prompt \"...\".")
+        raise UserError("The prompt is empty; pass --prompt \"...\".")
     if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not (
             SEED_RANGE[0] <= request.seed < SEED_RANGE[1]):
-        raise ValueError(f"seed {request.seed} is outside [-2^63, 2^64), the range torch.Generator takes; pass a "
+        raise UserError(f"seed {request.seed} is outside [-2^63, 2^64), the range torch.Generator takes; pass a "
                          "seed in that range.")
     if request.steps < 2:
-        raise ValueError(f"--steps must be at least 2 (the grid includes the final sigma 0), got {request.steps}.")
+        raise UserError(f"--steps must be at least 2 (the grid includes the final sigma 0), got {request.steps}.")
     if request.refs and (request.image or request.last_image):
-        raise ValueError("--ref (ref2va) cannot be combined with --image/--last-image (fl2va); pick one task.")
+        raise UserError("--ref (ref2va) cannot be combined with --image/--last-image (fl2va); pick one task.")
     for flag, shift, default in (("--video-shift", request.video_shift, DEFAULT_VIDEO_SHIFT),
                                  ("--audio-shift", request.audio_shift, DEFAULT_AUDIO_SHIFT)):
         if shift is not None and not (math.isfinite(shift) and shift > 0):
-            raise ValueError(f"{flag} must be a positive finite number (the checkpoint's is {default:g}), got "
-                             f"{shift}.")
+            raise UserError(f"{flag} must be a positive finite number (the checkpoint's is {default:g}), got "
+                            f"{shift}.")
     Schedule(request.steps, *(DEFAULT_VIDEO_SHIFT if request.video_shift is None else request.video_shift,
                               DEFAULT_AUDIO_SHIFT if request.audio_shift is None else request.audio_shift))
     # NaN compares false with everything: unchecked, it would pass as "not > 1", run unguided and drop the negative
     # prompt.
     if not (math.isfinite(request.guidance) and request.guidance >= 1.0):
-        raise ValueError(f"--guidance must be a finite number >= 1 (1 = off, the default: H3 is guidance-distilled), "
-                         f"got {request.guidance}.")
+        raise UserError(f"--guidance must be a finite number >= 1 (1 = off, the default: H3 is guidance-distilled), "
+                        f"got {request.guidance}.")
     if request.negative_prompt is not None and request.guidance == 1.0:
-        raise ValueError("--negative-prompt only acts with --guidance > 1 (H3 is guidance-distilled and runs one "
-                         "branch by default); pass --guidance too, or drop --negative-prompt.")
+        raise UserError("--negative-prompt only acts with --guidance > 1 (H3 is guidance-distilled and runs one "
+                        "branch by default); pass --guidance too, or drop --negative-prompt.")
     if request.guidance > 1.0 and not (request.negative_prompt or "").strip():
-        raise ValueError(f"--guidance {request.guidance:g} needs --negative-prompt \"...\": the negative branch "
-                         "is the request with that prompt (H3's text encoder takes no empty prompt).")
+        raise UserError(f"--guidance {request.guidance:g} needs --negative-prompt \"...\": the negative branch "
+                        "is the request with that prompt (H3's text encoder takes no empty prompt).")
     num_frames = frames_for_duration(request.duration)
 
     keyframes = [(anchor, read_image(path)) for anchor, path in (("first", request.image),
                                                                   ("last", request.last_image)) if path]
     if (request.width is None) != (request.height is None):
-        raise ValueError("--width and --height go together: pass both, or neither for the model's canvas.")
+        raise UserError("--width and --height go together: pass both, or neither for the model's canvas.")
     if request.width is not None:
         height, width = request.height, request.width
     else:
@@ -174,11 +175,11 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
     kinds = [r.kind for r in references]
     for kind in ("image", "video", "audio"):
         if kinds.count(kind) > MAX_REFERENCES[kind]:
-            raise ValueError(f"MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, got {kinds.count(kind)}.")
+            raise UserError(f"MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, got {kinds.count(kind)}.")
     if len(kinds) > MAX_REFERENCES["total"]:
-        raise ValueError(f"MiniMax-H3 takes at most {MAX_REFERENCES['total']} references, got {len(kinds)}.")
+        raise UserError(f"MiniMax-H3 takes at most {MAX_REFERENCES['total']} references, got {len(kinds)}.")
     if kinds and set(kinds) == {"audio"}:
-        raise ValueError("An audio reference must be paired with at least one image or video reference.")
+        raise UserError("An audio reference must be paired with at least one image or video reference.")
     return Prepared(request, Geometry(height, width, num_frames), keyframes, references)
 
 
@@ -190,8 +191,8 @@ def check_utf8(text: str, what: str = "prompt") -> None:
     except UnicodeEncodeError as e:
         char = text[e.start]
         byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"character {char!r}"
-        raise ValueError(f"The {what} is not valid UTF-8 ({byte} at position {e.start}); re-encode it as UTF-8."
-                         ) from None
+        raise UserError(f"The {what} is not valid UTF-8 ({byte} at position {e.start}); re-encode it as UTF-8."
+                        ) from None
 
 
 def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) -> None:
@@ -215,14 +216,14 @@ def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) ->
         if n > MAX_PROMPT_TOKENS:
             over.append(f"{where} has {n} tokens")
     if over:
-        raise ValueError(f"{'; '.join(over)}; h3trt takes prompts of at most {MAX_PROMPT_TOKENS} tokens. Shorten it.")
+        raise UserError(f"{'; '.join(over)}; h3trt takes prompts of at most {MAX_PROMPT_TOKENS} tokens. Shorten it.")
 
 
 def _reference_image(image: Image.Image, short_edge: int) -> Image.Image:
     """A reference image at its own short edge (multiples of 32, upscaling included, no area cap), LANCZOS."""
     width, height = image.size
     if width > 4 * height or height > 4 * width:
-        raise ValueError(f"A reference image must be within 1:4 and 4:1, got {width}x{height}.")
+        raise UserError(f"A reference image must be within 1:4 and 4:1, got {width}x{height}.")
     scale = short_edge / min(width, height)
     m = CANVAS_MULTIPLE
     size = (max(m, round(width * scale / m) * m), max(m, round(height * scale / m) * m))
@@ -239,7 +240,7 @@ def _reference_frames(frames: np.ndarray, fps: float, num_frames: int, canvas: C
     frames = frames[:num_frames]
     usable = max(1, (frames.shape[0] - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK
     if frames.shape[0] < usable:
-        raise ValueError(f"A reference video needs at least {usable} frames at {FPS} fps, got {frames.shape[0]}.")
+        raise UserError(f"A reference video needs at least {usable} frames at {FPS} fps, got {frames.shape[0]}.")
     frames = frames[:usable]
     height, width = resolve_canvas(frames.shape[2], frames.shape[1], canvas.short_edge, canvas.max_pixels)
     if frames.shape[1:3] != (height, width):

@@ -77,8 +77,9 @@ class RequestLine:
 
 def read_request_file(path: Path, required: tuple[str, ...], defaults: RequestDefaults = RequestDefaults(),
                       check: Callable[[RequestLine], object] = lambda line: line) -> list:
-    """Every line of a requests file, parsed and passed through `check` (which may raise ValueError/OSError: that
-    line's error); raises RequestsFileError listing every bad line, or when there are no requests."""
+    """Every line of a requests file, parsed and passed through `check` (which may raise UserError/OSError: that
+    line's error; any other error is a bug and keeps its traceback); raises RequestsFileError listing every bad line,
+    or when there are no requests."""
     path = Path(path)
     content, base = _read_once(path)
     items, errors, seen = [], [], {}
@@ -94,7 +95,7 @@ def read_request_file(path: Path, required: tuple[str, ...], defaults: RequestDe
         try:
             line = parse_line(text, number, base, required, defaults)
             item = check(line)
-        except (ValueError, OSError) as e:
+        except (UserError, OSError) as e:
             errors.append(f"{path}:{number}: {' '.join(str(e).split())}")
             continue
         if line.id is not None and line.id in seen:
@@ -140,44 +141,44 @@ def read_eval_requests(path: Path, manifest: Manifest) -> list[Request]:
 
 def parse_line(text: str, number: int, base: Path, required: tuple[str, ...],
                defaults: RequestDefaults = RequestDefaults()) -> RequestLine:
-    """One line -> its request; ValueError names the first thing wrong with it."""
+    """One line -> its request; UserError names the first thing wrong with it."""
     try:
         data = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"not valid JSON ({e.msg} at column {e.colno}).") from None
+        raise UserError(f"not valid JSON ({e.msg} at column {e.colno}).") from None
     return parse_object(data, number, base, required, defaults)
 
 
 def parse_object(data, number: int, base: Path, required: tuple[str, ...],
                  defaults: RequestDefaults = RequestDefaults()) -> RequestLine:
-    """One request object (a decoded line, or a job the server was sent) -> its request; ValueError names the first
+    """One request object (a decoded line, or a job the server was sent) -> its request; UserError names the first
     thing wrong with it. Relative paths are relative to `base`."""
     if not isinstance(data, dict):
-        raise ValueError(f"expected a JSON object, got {type(data).__name__}.")
+        raise UserError(f"expected a JSON object, got {type(data).__name__}.")
     missing = [k for k in required if k not in data]
     unknown = sorted(set(data) - set(KEYS))
     if missing or unknown:
-        raise ValueError(" ".join(filter(None, [f"missing {missing}." if missing else "",
-                                                f"unknown key(s) {unknown}; allowed: {list(KEYS)}."
-                                                if unknown else ""])))
+        raise UserError(" ".join(filter(None, [f"missing {missing}." if missing else "",
+                                               f"unknown key(s) {unknown}; allowed: {list(KEYS)}."
+                                               if unknown else ""])))
     rid = None
     if "id" in data:
         rid = _typed(data, "id", str)
         if not ID_PATTERN.fullmatch(rid) or rid.startswith("timeline"):
-            raise ValueError(f"id {rid!r} must be 1-128 of [A-Za-z0-9._-], start with a letter or digit (it names "
-                             "OUT/<id>.mp4) and not start with 'timeline' (the run's own files).")
+            raise UserError(f"id {rid!r} must be 1-128 of [A-Za-z0-9._-], start with a letter or digit (it names "
+                            "OUT/<id>.mp4) and not start with 'timeline' (the run's own files).")
     image, last_image = (_path(data, k, base) for k in ("image", "last_image"))
     refs = data.get("refs", [])
     if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
-        raise ValueError("refs must be a list of file paths.")
+        raise UserError("refs must be a list of file paths.")
     refs = tuple(_resolve(r, base) for r in refs)
     if "task" in data:
         task = _typed(data, "task", str)
         if task not in TASKS:
-            raise ValueError(f"task {task!r} must be one of {list(TASKS)}.")
+            raise UserError(f"task {task!r} must be one of {list(TASKS)}.")
         implied = "ref2va" if refs else "fl2va" if (image or last_image) else "t2va"
         if implied != task:
-            raise ValueError(f"task {task!r} takes {TASK_INPUTS[task]}, but the line's inputs make it {implied}.")
+            raise UserError(f"task {task!r} takes {TASK_INPUTS[task]}, but the line's inputs make it {implied}.")
     width, height = _canvas(data, defaults)
     request = Request(_typed(data, "prompt", str), image, last_image, refs, _typed(data, "seed", int, DEFAULT_SEED),
                       _typed(data, "steps", int, defaults.steps), width, height,
@@ -192,13 +193,13 @@ def _canvas(data: dict, defaults: RequestDefaults) -> tuple[int | None, int | No
     """(width, height) from "resolution": "WxH", or "width" and "height", else the defaults."""
     if "resolution" in data:
         if "width" in data or "height" in data:
-            raise ValueError("give the canvas as resolution 'WIDTHxHEIGHT' or as width and height, not both.")
+            raise UserError("give the canvas as resolution 'WIDTHxHEIGHT' or as width and height, not both.")
         match = re.fullmatch(r"(\d+)x(\d+)", str(data["resolution"]))
         if not match:
-            raise ValueError(f"resolution must be 'WIDTHxHEIGHT' such as '1344x768', got {data['resolution']!r}.")
+            raise UserError(f"resolution must be 'WIDTHxHEIGHT' such as '1344x768', got {data['resolution']!r}.")
         return int(match[1]), int(match[2])
     if ("width" in data) != ("height" in data):
-        raise ValueError("width and height go together: give both, or resolution 'WIDTHxHEIGHT', or neither.")
+        raise UserError("width and height go together: give both, or resolution 'WIDTHxHEIGHT', or neither.")
     if "width" in data:
         return _typed(data, "width", int), _typed(data, "height", int)
     return defaults.width, defaults.height
@@ -208,9 +209,9 @@ def _typed(data: dict, key: str, kind, default=None):
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, kind):
         name = {str: "a string", int: "an integer"}.get(kind, "a number")
-        raise ValueError(f"{key} must be {name}, got {json.dumps(value)}.")
+        raise UserError(f"{key} must be {name}, got {json.dumps(value)}.")
     if isinstance(value, float) and not math.isfinite(value):
-        raise ValueError(f"{key} must be finite, got {value}.")
+        raise UserError(f"{key} must be finite, got {value}.")
     return value
 
 
