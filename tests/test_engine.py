@@ -145,10 +145,12 @@ def test_a_killed_engine_run_leaves_no_copy_of_the_compiled_code(bundles, tmp_pa
             assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
             time.sleep(0.01)
         proc.send_signal(sig)
-        proc.communicate(timeout=300)
-        assert proc.returncode == (130 if sig == signal.SIGTERM else -sig)
+        _, err = proc.communicate(timeout=300)
+        assert proc.returncode == (130 if sig == signal.SIGTERM else -sig), err[-2000:]
         left = copies()
-        assert (left == []) if sig == signal.SIGTERM else (len(left) == 1 and f"-{proc.pid}-" in left[0].name)
+        seen = {p.name: sorted(str(f.relative_to(p)) for f in p.rglob("*"))[:10] for p in left}
+        assert (left == []) if sig == signal.SIGTERM else (len(left) == 1 and f"-{proc.pid}-" in left[0].name), (
+            sig.name, proc.pid, seen, err[-2000:])
     later = run("later")
     _, err = later.communicate(timeout=600)
     assert later.returncode == 0 and copies() == [], err[-2000:]
