@@ -560,8 +560,9 @@ def main(argv=None) -> int:
 
 def _call(args) -> int:
     """Run the command. A UserError (OutputRefused included) is the user's to fix: one line, exit 2. A failed output,
-    rank or job: one line, exit 1. Anything else (a ValueError or RuntimeError included) is a bug or a broken install
-    and propagates with its traceback."""
+    rank, job or bundle check (the work was attempted and says why it failed): one line, exit 1. Anything else (a
+    ValueError or RuntimeError included) is a bug or a broken install and propagates with its traceback."""
+    from .build.check import BuildError
     from .parallel.launch import RankFailed
     from .runtime.files import OutputError
     from .runtime.jobs import JobFailed
@@ -572,7 +573,7 @@ def _call(args) -> int:
     except UserError as e:
         print(f"h3trt: error: {' '.join(str(e).split()) if not _multiline(e) else str(e)}", file=sys.stderr)
         return 2
-    except (OutputError, RankFailed, JobFailed) as e:  # the work was attempted: the result could not be made/written
+    except (OutputError, RankFailed, JobFailed, BuildError) as e:  # attempted: the result could not be made/written
         print(f"h3trt: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
 

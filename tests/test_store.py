@@ -9,6 +9,7 @@ import time
 
 import pytest
 
+from h3trt.errors import UserError
 from h3trt.server.store import MAX_ATTEMPTS, JobStore, metadata, sqlite_url
 
 pytestmark = pytest.mark.unit
@@ -155,5 +156,5 @@ def test_a_store_from_a_newer_h3trt_is_refused(store_url):
     with store.engine.begin() as c:
         c.exec_driver_sql("UPDATE alembic_version SET version_num = '9999'")
     store.close()
-    with pytest.raises(RuntimeError, match="schema revision 9999, which this h3trt does not know"):
+    with pytest.raises(UserError, match="schema revision 9999, which this h3trt does not know"):
         JobStore(store_url)

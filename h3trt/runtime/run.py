@@ -170,7 +170,7 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
             check_prompt_tokens(entry.component_root(task),
                                 [(f"{requests}:{i.line}: the prompt", i.request.prompt) for i in items
                                  if i.request.task == task])
-    except ValueError as e:
+    except UserError as e:
         raise RequestsFileError(f"{e} Nothing was run.") from None
     mesh = entry.mesh(items[0].request.task)
     if mesh.cfg == 2:

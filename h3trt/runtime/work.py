@@ -27,7 +27,6 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from .files import OutputRefused
 from .jobs import Event, Job, decode_progress, denoise_progress
 from .parallel_vae import _comm_device
 from .pipeline import H3Pipeline
@@ -242,7 +241,7 @@ def _failed(reporter: Reporter, place: Place, jobs: list[Job], stage: str, error
                        intervals=tuple(timer.intervals) if timer is not None else (),
                        record={"traceback": traceback.format_exception(error)[-3:],
                                "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()} if timer else {},
-                               "user_error": isinstance(error, (UserError, OutputRefused)),
+                               "user_error": isinstance(error, UserError),
                                "error_type": type(error).__name__})
     free_memory(reporter.device)
     if place.raise_failures:

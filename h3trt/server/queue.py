@@ -17,6 +17,7 @@ import json
 import time
 from typing import Callable
 
+from ..errors import UserError
 from ..runtime.files import remove_leftovers
 from ..runtime.jobs import Event, Job
 from ..runtime.requests import RequestDefaults, parse_object
@@ -44,7 +45,7 @@ class StoreQueue:
             return []
         try:
             return [self.job_of(row)]
-        except (ValueError, OSError) as e:  # its uploads vanished since it was admitted
+        except (UserError, OSError) as e:  # its uploads vanished since it was admitted
             self.report(Event(row.id, "failed", "encode", error=f"encode: {e}", group=group))
             return []
 

@@ -123,7 +123,7 @@ class VideoService:
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
-        except (ValueError, OSError) as e:  # the one schema's and prepare's messages name the field and the fix
+        except (UserError, OSError) as e:  # the one schema's and prepare's messages name the field and the fix
             self.storage.remove(uploads_key(job_id))
             raise ApiError(400, " ".join(str(e).split()), _param_of(e))
         self.metrics.created.inc()

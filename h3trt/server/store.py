@@ -28,6 +28,8 @@ from sqlalchemy import (Boolean, Column, Float, Integer, MetaData, String, Table
                         select, update, delete)
 from sqlalchemy.engine import Engine, Row
 
+from ..errors import UserError
+
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 ENDED = ("completed", "failed", "cancelled")
 MAX_ATTEMPTS = 2  # a job that was running when its worker or server died runs once more, then fails
@@ -295,7 +297,7 @@ def migrate(engine: Engine) -> None:
             return
         known = {s.revision for s in ScriptDirectory.from_config(config).walk_revisions()}
         if current is not None and current not in known:
-            raise RuntimeError(f"The job store {engine.url!r} has schema revision {current}, which this h3trt does "
+            raise UserError(f"The job store {engine.url!r} has schema revision {current}, which this h3trt does "
                                f"not know (newest known: {head}); run the h3trt that wrote it, or another store.")
         config.attributes["connection"] = connection
         command.upgrade(config, "head")
