@@ -405,7 +405,7 @@ def phase_reference(ctx: Ctx) -> None:
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
 
-    from h3trt.models.checkpoint import deinterleave_qkv
+    from h3trt.models.weight_layout import deinterleave_qkv
     from h3trt.models.checkpoint_writer import diffusers_state_dict
     from h3trt.models.dit import EagerDiT, build_dit, rope_inv_freq
 

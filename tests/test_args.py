@@ -1,12 +1,10 @@
 """Usage mistakes on the command line: one line `h3trt: error: <message>` naming the flag and the fix, exit status 2,
-and no usage block (runtime/args.py OneLineParser). The real `h3trt` parser is built with it (cli.main makes its parser
-as argparse.ArgumentParser; here cli's argparse hands out OneLineParser until cli.py constructs it by name), then fed
-the mistakes. --mag-ratios values that are not finite and positive are refused before any model loads."""
+and no usage block (runtime/args.py OneLineParser). The real `h3trt` parser (cli/parser.py, built of OneLineParsers) is
+fed the mistakes. --mag-ratios values that are not finite and positive are refused before any model loads."""
 
 from __future__ import annotations
 
 import argparse
-from types import SimpleNamespace
 
 import pytest
 
@@ -18,10 +16,8 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.fixture
-def h3trt(monkeypatch, capsys):
-    """cli.main with the one-line parser: returns (exit status, stderr lines). cli.py reaches argparse for its
-    ArgumentParser alone; argparse's own module is left as it is (its classes look themselves up by name)."""
-    monkeypatch.setattr(cli, "argparse", SimpleNamespace(ArgumentParser=OneLineParser))
+def h3trt(capsys):
+    """cli.main as the `h3trt` script calls it: returns (exit status, stderr lines)."""
 
     def run(*argv: str) -> tuple[int, list[str]]:
         try:
@@ -70,7 +66,7 @@ def test_mag_ratios_must_be_finite_and_positive(h3trt, no_model_load, tmp_path, 
 
 
 def test_mag_ratios_from_a_json_file_are_checked_too(tmp_path):
-    from h3trt.cli import parse_mag_ratios
+    from h3trt.runtime.args import parse_mag_ratios
 
     path = tmp_path / "ratios.json"
     path.write_text('{"mag_ratios": [0.99, Infinity, -0.5]}')  # Python's json reads Infinity
@@ -92,3 +88,16 @@ def test_subcommand_parsers_are_one_line_parsers_too():
 def test_a_type_function_without_a_known_kind_points_to_help():
     assert explain("argument --lora: invalid parse value: 'x:y'", "h3trt run") == (
         "--lora got 'x:y', which it cannot read; `h3trt run --help` says what it takes.")
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["serve", "--store", "sqlite:///x.db"], "--store is for a fleet; add --ray ADDRESS (README, 'A fleet'). One node "
+                                             "keeps its jobs and clips in --data-dir."),
+    (["serve", "--storage", "s3://b/p", "--max-replicas", "2"], "--storage --max-replicas are for a fleet; add --ray "
+                                                                "ADDRESS (README, 'A fleet'). One node keeps its jobs "
+                                                                "and clips in --data-dir."),
+])
+def test_fleet_flags_without_ray_are_refused(h3trt, no_model_load, tmp_path, argv, line):
+    """Checked before anything loads or binds (this raised a NameError before the fix)."""
+    assert h3trt(*argv, "--data-dir", str(tmp_path / "d")) == (2, [f"h3trt: error: {line}"])
+    assert not (tmp_path / "d").exists()

@@ -9,7 +9,8 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 from safetensors.torch import load_file, save_file
 
-from h3trt.models.checkpoint import CheckpointError, deinterleave_qkv, interleave_qkv, load_dit, locate_transformer
+from h3trt.models.checkpoint import CheckpointError, load_dit, locate_transformer
+from h3trt.models.weight_layout import deinterleave_qkv, interleave_qkv
 from h3trt.models.checkpoint_writer import diffusers_state_dict
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 

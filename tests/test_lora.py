@@ -20,7 +20,7 @@ from diffusers.utils.peft_utils import get_peft_kwargs
 from safetensors.torch import save_file
 
 from h3trt.cli import main
-from h3trt.models.checkpoint import interleave_qkv
+from h3trt.models.weight_layout import interleave_qkv
 from h3trt.models.checkpoint_writer import random_state_dict
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit

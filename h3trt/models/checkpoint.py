@@ -1,10 +1,10 @@
-"""Reading (and, for tests and the tiny default, writing) MiniMax-H3 transformer checkpoints.
+"""Reading MiniMax-H3 transformer checkpoints (checkpoint_writer.py writes them, for tests and the tiny default).
 
 Layouts read (see h3_reference.md section 3 and the sglang/VideoX-Fun loaders):
 - official: `<root>/FL2VA/` (t2va, fl2va) and `<root>/Ref2VA/` (ref2va), each a partition with its own
   `model_index.json` carrying a `_minimax_h3` block, and `transformer/` holding `config.json` (native field names,
   `_class_name` "MiniMaxH3DiTModel") and sharded `*.safetensors` with native tensor names. QKV rows are interleaved
-  per head, `[h0: q k v, h1: q k v, ...]`, and are de-interleaved here to `[q; k; v]`.
+  per head, `[h0: q k v, h1: q k v, ...]`, and are de-interleaved here to `[q; k; v]` (weight_layout.py).
 - diffusers: `<root>/transformer/` (t2va, fl2va) and `<root>/transformer_ref/` (ref2va) with diffusers names
   (`_class_name` "MiniMaxH3Transformer3DModel"); to_q/to_k/to_v fused, the fc1 halves swapped back to [gate; value].
   The root holds `model_index.json`, or `modular_model_index.json` where diffusers' modular pipeline saved it
@@ -30,6 +30,7 @@ from ..errors import UserError
 from .config import H3Config
 from .dit import H3DiT, build_dit, parameter_dtype, rope_inv_freq
 from .sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
+from .weight_layout import deinterleave_qkv, swap_halves
 
 TASK_PARTITIONS = {"t2va": "FL2VA", "fl2va": "FL2VA", "ref2va": "Ref2VA"}
 TASKS = tuple(TASK_PARTITIONS)  # t2va (the default), fl2va, ref2va
@@ -350,24 +351,6 @@ def native_name(diffusers_name: str) -> str:
     return diffusers_name
 
 
-def deinterleave_qkv(weight: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """qkv_proj weight [3 * N * D, ...] with rows [h0: q k v, h1: q k v, ...] -> rows [q_all; k_all; v_all], same
-    shape (N = num_heads, D = head_dim)."""
-    grouped = weight.reshape(num_heads, 3, head_dim, *weight.shape[1:])
-    return grouped.transpose(0, 1).reshape(weight.shape)
-
-
-def interleave_qkv(weight: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """Inverse of `deinterleave_qkv` (used to write official-layout test checkpoints)."""
-    stacked = weight.reshape(3, num_heads, head_dim, *weight.shape[1:])
-    return stacked.transpose(0, 1).reshape(weight.shape)
-
-
-def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
-    a, b = weight.chunk(2, dim=0)
-    return torch.cat([b, a], dim=0)
-
-
 def read_native_state_dict(source: TransformerSource) -> dict[str, torch.Tensor]:
     """All tensors of `source` under native names with QKV as [q; k; v] and fc1 as [gate; value]."""
     cfg = source.config
@@ -395,7 +378,7 @@ def read_native_state_dict(source: TransformerSource) -> dict[str, torch.Tensor]
                 fused.setdefault(m.group(1), {})[m.group(2)] = value
                 continue
             name = native_name(key)
-            out[name] = _swap_halves(value) if name.endswith(".mlp.fc1.weight") else value
+            out[name] = swap_halves(value) if name.endswith(".mlp.fc1.weight") else value
         for prefix, parts in fused.items():
             if set(parts) != {"q", "k", "v"}:
                 raise CheckpointError(f"{prefix}.attn has only to_{'/to_'.join(sorted(parts))}; to_q, to_k, to_v are all needed.")

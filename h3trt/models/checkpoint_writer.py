@@ -14,7 +14,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import COMFY_PREFIX, DIFFUSERS_CLASS, interleave_qkv, to_native_config
+from .checkpoint import COMFY_PREFIX, DIFFUSERS_CLASS, to_native_config
+from .weight_layout import interleave_qkv
 from .config import H3Config
 from .dit import build_dit, parameter_dtype, rope_inv_freq
 from .sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT

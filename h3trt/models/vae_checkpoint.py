@@ -27,7 +27,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from .audio_vae import AudioVAE
-from .checkpoint import DAMAGED_FILE_FIX, CheckpointError, check_state_dict, deinterleave_qkv, interleave_qkv
+from .checkpoint import DAMAGED_FILE_FIX, CheckpointError, check_state_dict
+from .weight_layout import deinterleave_qkv, interleave_qkv, swap_halves
 from .vae_precision import place
 from .video_vae import TILE_OVERLAP_PX, TILE_PX, VideoVAE
 
@@ -83,12 +84,6 @@ def _rename_video_vae_key(key: str, to_diffusers: bool) -> str:
     return key
 
 
-def _swap_halves(weight: torch.Tensor) -> torch.Tensor:
-    """SwiGLU w1: native [gate; up] <-> diffusers [up; gate] (the same swap both ways)."""
-    first, second = weight.chunk(2, dim=0)
-    return torch.cat([second, first]).contiguous()
-
-
 def video_vae_native_to_diffusers(native: dict[str, torch.Tensor], heads: int, head_dim: int) -> dict[str, torch.Tensor]:
     """Native video-VAE names -> diffusers `AutoencoderKLMiniMaxH3` names. QKV (weight and bias) is de-interleaved
     per head and split; the SwiGLU w1 halves are swapped from [gate; up] to diffusers' [up; gate]."""
@@ -101,7 +96,7 @@ def video_vae_native_to_diffusers(native: dict[str, torch.Tensor], heads: int, h
             for part, tensor in zip("qkv", deinterleave_qkv(value, heads, head_dim).chunk(3, dim=0)):
                 out[new.replace(".attn.to_qkv.", f".attn.to_{part}.")] = tensor.contiguous()
         else:
-            out[new] = _swap_halves(value) if ".ff.net.0.proj." in new else value
+            out[new] = swap_halves(value) if ".ff.net.0.proj." in new else value
     return out
 
 
@@ -113,7 +108,7 @@ def video_vae_diffusers_to_native(state: dict[str, torch.Tensor], heads: int, he
         if m:
             qkv.setdefault((m.group(1), m.group(3)), {})[m.group(2)] = value
             continue
-        out[_rename_video_vae_key(key, to_diffusers=False)] = _swap_halves(value) if ".ff.net.0.proj." in key else value
+        out[_rename_video_vae_key(key, to_diffusers=False)] = swap_halves(value) if ".ff.net.0.proj." in key else value
     for (prefix, kind), parts in qkv.items():
         stacked = torch.cat([parts["q"], parts["k"], parts["v"]])
         out[f"{prefix}.attn.to_qkv.{kind}"] = interleave_qkv(stacked, heads, head_dim).contiguous()

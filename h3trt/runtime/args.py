@@ -8,8 +8,12 @@ message leaves out the flag or the fix, the line names them.
 from __future__ import annotations
 
 import argparse
+import json
 import re
+from pathlib import Path
 from typing import NoReturn
+
+from ..errors import UserError
 
 # argparse's name of a flag's type -> what the flag takes
 TYPE_KINDS = {"int": "a whole number", "float": "a number"}
@@ -44,3 +48,79 @@ def explain(message: str, prog: str) -> str:
                            "one of the arguments")):
         return f"{message}; see `{prog} --help`."
     return message
+
+
+# Flag types: a value is checked when the arguments are read, before anything loads.
+
+def positive(text: str) -> int:
+    """A count of ranks, groups or jobs: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"takes a whole number of at least 1, got {text!r}")
+    return value
+
+
+def crf(text: str) -> int:
+    """--crf: H.264's constant rate factor, checked when the arguments are read (not after the generation)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = None
+    if value is None or not 0 <= value <= 51:
+        raise argparse.ArgumentTypeError(f"takes a whole number in H.264's range 0..51 (lower is better quality, "
+                                         f"default 23), got {text!r}")
+    return value
+
+
+def device(text: str) -> str:
+    """--device: checked when the arguments are read (torch.device takes mps, xla, ... and a run would fall back to
+    the CPU for any of them)."""
+    if text in ("cpu", "cuda") or (text.startswith("cuda:") and text[len("cuda:"):].isdigit()):
+        return text
+    raise argparse.ArgumentTypeError(f"takes cpu, cuda or cuda:N (N a GPU index), got {text!r}")
+
+
+def step_cache_from_args(args):
+    """The request's StepCacheConfig, or None when --cache is not given (the cache flags alone are an error)."""
+    from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
+
+    if args.cache is None:
+        given = [f for f, v in (("--cache-threshold", args.cache_threshold), ("--mag-ratios", args.mag_ratios),
+                                ("--mag-calibrate", args.mag_calibrate)) if v]
+        if given:
+            raise UserError(f"{' '.join(given)} configure step caching; add --cache first-block or --cache mag.")
+        return None
+    ratios = None
+    if args.mag_ratios is not None:
+        ratios = parse_mag_ratios(args.mag_ratios)
+    threshold = DEFAULT_THRESHOLDS[args.cache] if args.cache_threshold is None else args.cache_threshold
+    return StepCacheConfig(args.cache, threshold, ratios, args.cache_max_skip, args.cache_retention,
+                           args.mag_calibrate)
+
+
+def parse_mag_ratios(text: str) -> tuple[float, ...]:
+    """R1,R2,... or a .json file: a list of numbers, {"mag_ratios": [...]}, or an --mag-calibrate clip record."""
+    if text.endswith(".json"):
+        path = Path(text)
+        if not path.is_file():
+            raise UserError(f"--mag-ratios {path} does not exist; pass R1,R2,... or an existing .json file.")
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise UserError(f"--mag-ratios {path} cannot be read as JSON ({e}); pass a JSON list of numbers, or the "
+                            "clip record of an --mag-calibrate run.") from None
+        if isinstance(data, dict) and isinstance(data.get("step_cache"), dict):  # an --mag-calibrate run's record
+            data = ((data["step_cache"].get("branches") or {}).get("cond") or {}).get("mag_ratios_calibrated")
+        values = data.get("mag_ratios") if isinstance(data, dict) else data
+        if not isinstance(values, list):
+            raise UserError(f"--mag-ratios {path} must hold a JSON list of numbers, {{\"mag_ratios\": [...]}}, or "
+                            "the clip record of an --mag-calibrate run.")
+    else:
+        values = text.split(",")
+    try:
+        return tuple(float(v) for v in values)
+    except (TypeError, ValueError):
+        raise UserError(f"--mag-ratios must be numbers (R1,R2,... or a .json list), got {text!r}.") from None

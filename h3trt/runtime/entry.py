@@ -51,7 +51,7 @@ class Entry:
     source: str  # one of SOURCES
     path: Path | None  # the bundle folder or the checkpoint folder (None: the embedded tiny model, see `root`)
     manifest: Manifest | None  # a bundle's, read once (under --trust only if signed by that key)
-    device: str  # cpu or cuda (a --device cuda:N was already made the process's cuda:0: cli.choose_gpu)
+    device: str  # cpu or cuda (a --device cuda:N was already made the process's cuda:0: cli/commands.choose_gpu)
     trust: Path | None = None  # --trust: the public key a bundle must be signed with
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else VAEPrecision.default)
     loras: tuple[LoraSpec, ...] = ()  # merged into an eager DiT (a bundle has its own)

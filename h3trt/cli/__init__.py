@@ -1,0 +1,72 @@
+"""h3trt command line: parse the arguments, call one function.
+
+    h3trt run --prompt "..." --output clip.mp4 [--image first.png] [--last-image last.png] [--ref FILE ...] [...]
+    h3trt run --requests FILE --out-dir DIR [--max-batch N] [...]
+    h3trt serve [--engine DIR | --model PATH] [--port 8000] [--api-key KEY] [--data-dir DIR] [...]
+    h3trt build --model PATH|tiny --output DIR [--precision bf16|fp8|nvfp4] [...]
+    h3trt eval | inspect | verify | keygen
+
+The flags are in cli/parser.py, what each command calls in cli/commands.py (a few lines each: the work lives below,
+runtime/run.py for run, server/ for serve, build/ for build). Nothing heavy is imported at the top: torch and the model
+code load inside `main`, where an interrupt (Ctrl-C, or SIGTERM, treated alike) during the first second's imports is
+one line too. Errors the user can fix are one line on stderr and exit status 2; a failed job, rank, output or bundle
+check is one line and exit 1; an interrupt exits 130. Anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+
+from ..errors import UserError  # imports nothing: the one class a user's mistake raises, caught once in `main`
+
+COMMANDS = {"run": "cmd_run", "serve": "cmd_serve", "build": "cmd_build", "eval": "cmd_eval",
+            "inspect": "cmd_inspect", "verify": "cmd_verify", "keygen": "cmd_keygen"}
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
+
+
+def main(argv=None) -> int:
+    # SIGTERM ends a run as Ctrl-C does: temporaries removed, what was finished kept, one line (`serve` installs its
+    # own: it drains). Installed before anything heavy is imported, so a signal in the first second is handled too.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        from .parser import build_parser
+
+        args = build_parser().parse_args(argv)  # a usage mistake is one line and exit 2 (runtime/args.py)
+        return _call(args)
+    except KeyboardInterrupt as e:
+        from ..runtime.files import InterruptedAfterCommit, remove_own_temps
+
+        remove_own_temps()  # whatever an unwinding frame did not get to
+        if isinstance(e, InterruptedAfterCommit):
+            print(f"h3trt: interrupted after writing {' and '.join(map(str, e.targets))}.", file=sys.stderr)
+        else:
+            print("h3trt: interrupted; no output was written (temporary files removed).", file=sys.stderr)
+        return 130
+
+
+def _call(args) -> int:
+    """Run the command. A UserError (OutputRefused included) is the user's to fix: one line, exit 2. A failed output,
+    rank, job or bundle check (the work was attempted and says why it failed): one line, exit 1. Anything else (a
+    ValueError or RuntimeError included) is a bug or a broken install and propagates with its traceback."""
+    from ..build.check import BuildError
+    from ..parallel.launch import RankFailed
+    from ..runtime.files import OutputError
+    from ..runtime.jobs import JobFailed
+    from . import commands
+
+    try:
+        commands.choose_gpu(args)
+        return getattr(commands, COMMANDS[args.command])(args)
+    except UserError as e:
+        from ..models.checkpoint import CheckpointError  # its errors list a problem per line; they keep their lines
+
+        print(f"h3trt: error: {str(e) if isinstance(e, CheckpointError) else ' '.join(str(e).split())}",
+              file=sys.stderr)
+        return 2
+    except (OutputError, RankFailed, JobFailed, BuildError) as e:  # attempted: the result could not be made/written
+        print(f"h3trt: error: {' '.join(str(e).split())}", file=sys.stderr)
+        return 1

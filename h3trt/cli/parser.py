@@ -1,0 +1,263 @@
+"""The `h3trt` command line's arguments: one subparser per command, each flag checked as it is read (runtime/args.py's
+types), every usage mistake one line (OneLineParser). Model code loads only for the defaults it names."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from ..runtime.args import OneLineParser, crf, device, positive
+
+VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
+                      "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
+                      "encoder, norms, scales - fp32), or fp8 (opt-in: bf16 plus W8A8 e4m3 ViT linears with per-token "
+                      "activation scales). Default: bf16 on CUDA, fp32 on the CPU. Keyframe encode and the audio VAE "
+                      "stay fp32 at every precision, as in the reference")
+
+
+
+def build_parser() -> OneLineParser:
+    parser = OneLineParser(prog="h3trt", description="Compiled inference engine for MiniMax-H3.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    _run_parser(sub)
+    _serve_parser(sub)
+    _build_parser(sub)
+    _bundle_parsers(sub)
+    return parser
+
+
+def _run_parser(sub) -> None:
+    from ..models.packing import DEFAULT_DURATION
+    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+    from ..models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
+    from ..runtime.files import DEFAULT_CRF
+
+    p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
+                       description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
+                                   "--ref makes it ref2va.")
+    p.add_argument("--prompt", help="the text prompt, UTF-8, at most 1024 tokens (required unless --requests)")
+    p.add_argument("--output", type=Path, help="output .mp4, a .json with timings beside it (required unless --requests)")
+    p.add_argument("--image", type=Path, help="first keyframe (PNG/JPEG/WebP): fl2va")
+    p.add_argument("--last-image", type=Path, help="last keyframe: fl2va")
+    p.add_argument("--ref", type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
+                                                                   "in the order the model should read them")
+    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                   help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
+    p.add_argument("--steps", type=int, default=None,
+                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's baked schedule, else "
+                        f"{DEFAULT_STEPS})")
+    p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
+    p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
+    p.add_argument("--duration", type=float, default=DEFAULT_DURATION,
+                   help="seconds, 5 to 14.375, rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames; "
+                        "14.375 -> 345, the longest)")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (official layout: FL2VA/ and "
+                                                   "Ref2VA/). Default: the embedded tiny model")
+    source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build` (serves without compiling)")
+    p.add_argument("--trust", type=Path, metavar="KEY.pub", help="with --engine: serve the bundle only if its manifest "
+                                                                 "is signed by this Ed25519 public key and every file "
+                                                                 "matches it (checked before any of its code loads)")
+    p.add_argument("--device", default=None, type=device, help="cpu or cuda[:N] (default: cuda if available)")
+    _lora_argument(p, "eager --model runs; a bundle has its LoRAs merged at build time")
+    p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",
+                   help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
+    p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
+                                           "refused)")
+    p.add_argument("--video-shift", type=float, help="video sigma shift (default: the checkpoint's, 12)")
+    p.add_argument("--audio-shift", type=float, help="audio sigma shift (default: the checkpoint's, 3)")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--quiet", action="store_true", help="no progress bar")
+    p.add_argument("--profile-step", type=int, metavar="N",
+                   help="measure evaluation N's host overhead (GPU idle time between its kernels, torch.profiler) "
+                        "into the record's step_profile")
+    batch = p.add_argument_group("batch: many requests from one JSONL file, the model loaded once")
+    batch.add_argument("--requests", type=Path, help="JSONL, one request per line: id, task, prompt, image/last_image/"
+                                                     "refs, seed, resolution WxH, duration, steps (validated first)")
+    batch.add_argument("--out-dir", type=Path, help="OUT/<id>.mp4 + OUT/<id>.json per request, OUT/timeline.json/png; "
+                                                    "a rerun skips requests whose outputs exist and verify")
+    batch.add_argument("--max-batch", type=positive, default=1, help="requests of one layout denoised together along the "
+                                                                "batch dimension (default 1)")
+    batch.add_argument("--fail-fast", action="store_true", help="stop at the first failed request (default: record "
+                                                                "it and go on)")
+    p.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE,
+                   help="classifier-free guidance scale (default 1 = off: H3 is guidance-distilled and needs none)")
+    p.add_argument("--negative-prompt", help="the negative branch's prompt (required with --guidance > 1)")
+    cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
+    cache.add_argument("--cache", choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
+                                                                       "predicts (default: off)")
+    cache.add_argument("--cache-threshold", type=float,
+                       help="first-block: relative change of block 0's residual (default "
+                            f"{DEFAULT_THRESHOLDS['first-block']}); mag: accumulated error (default "
+                            f"{DEFAULT_THRESHOLDS['mag']})")
+    cache.add_argument("--mag-ratios", help="mag: the model's magnitude ratios, R1,R2,... or a .json list "
+                                            "(interpolated to the steps; recorded in the clip's JSON)")
+    cache.add_argument("--mag-calibrate", action="store_true", help="mag: skip nothing and record this model's "
+                                                                    "ratios in the clip's JSON")
+    cache.add_argument("--cache-max-skip", type=int, default=DEFAULT_MAX_SKIP_STEPS,
+                       help=f"mag: consecutive skips at most (default {DEFAULT_MAX_SKIP_STEPS})")
+    cache.add_argument("--cache-retention", type=float, default=DEFAULT_RETENTION_RATIO,
+                       help=f"mag: leading fraction of the steps never skipped (default {DEFAULT_RETENTION_RATIO})")
+    _mesh_arguments(p)
+
+
+def _lora_argument(p, where: str) -> None:
+    from ..models.lora import LoraSpec
+
+    p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
+                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
+                        "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
+                        "musubi-tuner, DiffSynth-Studio")
+
+
+def _mesh_arguments(p) -> None:
+    mesh = p.add_argument_group("parallel (mesh axes replica x cfg x sp = ranks)")
+    mesh.add_argument("--gpus", type=positive, default=1,
+                      help="local ranks to spawn (one GPU each; CPU processes over gloo on a CPU-only machine). Under "
+                           "torchrun leave it out: the world comes from torchrun")
+    mesh.add_argument("--sp", type=positive, help="Ulysses sequence-parallel degree: ranks sharing one sequence (default: "
+                                             "a bundle's, else every rank not used by --cfg/--replicas)")
+    mesh.add_argument("--cfg", type=positive, help="1, or 2 to run the two --guidance branches on two rank groups "
+                                              "(default: a bundle's, else 1)")
+    mesh.add_argument("--replicas", type=positive, help="independent rank groups, each serving different requests "
+                                                   "(default: the ranks left over)")
+
+
+
+def _serve_parser(sub) -> None:
+    from ..runtime.files import DEFAULT_CRF
+    from ..server.options import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUE, DEFAULT_PORT, DEFAULT_RETENTION,
+                              DEFAULT_UPLOAD_MB)
+
+    p = sub.add_parser("serve", help="serve the OpenAI Videos job API (POST /v1/videos ...) over long-lived workers",
+                       description="Load the model once per replica group and serve video jobs over HTTP: the OpenAI "
+                                   "Videos API, a job store that survives restarts, /health, /ready, /metrics and a "
+                                   "page at /.")
+    source = p.add_mutually_exclusive_group()
+    source.add_argument("--model", type=Path, help="MiniMax-H3 checkpoint folder (default: the embedded tiny model)")
+    source.add_argument("--engine", type=Path, help="an engine bundle made by `h3trt build`")
+    p.add_argument("--trust", type=Path, metavar="KEY.pub", help="with --engine: serve the bundle only if signed by "
+                                                                 "this Ed25519 public key")
+    p.add_argument("--device", default=None, type=device,
+                   help="cpu or cuda (default: a bundle's, else cuda if available)")
+    p.add_argument("--vae-precision", help=VAE_PRECISION_HELP)
+    _lora_argument(p, "eager --model serving")
+    p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
+                                                "key)")
+    p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free "
+                                                                  "port, printed when ready)")
+    p.add_argument("--api-key", help="Bearer token clients must send (default: $H3TRT_API_KEY; without one the server "
+                                     "binds to 127.0.0.1 only)")
+    p.add_argument("--data-dir", type=Path, default=Path("h3trt-serve"),
+                   help="the job store (jobs.sqlite3), uploads and finished clips (default ./h3trt-serve)")
+    p.add_argument("--max-queue", type=positive, default=DEFAULT_MAX_QUEUE,
+                   help=f"queued jobs at most; beyond it POST answers 429 (default {DEFAULT_MAX_QUEUE})")
+    p.add_argument("--retention", default=DEFAULT_RETENTION,
+                   help=f"how long a finished job's clip, record and row are kept, e.g. 30m, 24h, 7d (default "
+                        f"{DEFAULT_RETENTION}); expired together")
+    p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
+                   help=f"on SIGTERM, seconds running jobs may take to finish (default {DEFAULT_DRAIN_TIMEOUT_S:g}); "
+                        "queued jobs stay in the store")
+    p.add_argument("--max-upload-mb", type=float, default=DEFAULT_UPLOAD_MB,
+                   help=f"a request body's size limit, uploads included (default {DEFAULT_UPLOAD_MB:g} MB)")
+    p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",
+                   help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
+    _mesh_arguments(p)
+    from ..fleet.options import DEFAULT_JOBS_PER_REPLICA, DEFAULT_LEASE
+
+    fleet = p.add_argument_group("a fleet (Ray Serve; README, 'A fleet'): the mesh flags describe one replica group")
+    fleet.add_argument("--ray", metavar="ADDRESS", help="deploy to the Ray cluster at ADDRESS (auto, or HEAD:6379) "
+                                                        "instead of serving here; returns once the replicas serve")
+    fleet.add_argument("--store", metavar="URL", help="with --ray: the shared job store, e.g. "
+                                                      "postgresql+psycopg://USER@HOST/DB")
+    fleet.add_argument("--storage", metavar="URL", help="with --ray: clips and uploads, a path every node mounts or "
+                                                        "an fsspec URL (s3://bucket/prefix)")
+    fleet.add_argument("--min-replicas", type=int, default=1, help="with --ray: worker replicas at least (default 1)")
+    fleet.add_argument("--max-replicas", type=int, default=None, help="with --ray: worker replicas at most (default: "
+                                                                      "--min-replicas)")
+    fleet.add_argument("--jobs-per-replica", type=float, default=DEFAULT_JOBS_PER_REPLICA,
+                       help="with --ray: the queue depth (queued + running jobs) one replica holds before the "
+                            "autoscaler adds one (default 1)")
+    fleet.add_argument("--lease", default=DEFAULT_LEASE, help="with --ray: a running job whose replica stopped renewing "
+                                                              f"its lease this long ago runs again elsewhere (default "
+                                                              f"{DEFAULT_LEASE})")
+
+
+def _build_parser(sub) -> None:
+    from ..calibration.recipe import FP8_ACCUMS
+    from ..engines.manifest import BACKENDS
+    from ..models.checkpoint import TASKS
+    from ..models.precision import DIT_PRECISIONS
+    from ..models.sampler import DEFAULT_STEPS
+
+    p = sub.add_parser("build", help="compile an engine bundle ahead of time",
+                       description="Compile the DiT segments of a checkpoint into an engine bundle.")
+    p.add_argument("--model", required=True, help="checkpoint folder, or 'tiny' for the embedded tiny model")
+    p.add_argument("--output", required=True, type=Path, help="bundle folder to create")
+    p.add_argument("--precision", default="bf16", choices=DIT_PRECISIONS,
+                   help="bf16 (default), fp32, fp8 (W8A8, calibrated) or nvfp4 (weight-only on Hopper)")
+    p.add_argument("--calib-prompts", type=Path, help="fp8, awq_lite: text file, one calibration prompt per line")
+    p.add_argument("--calib-steps", type=int, default=None,
+                   help="fp8, awq_lite: sigma grid points per calibration trajectory (default: the bundle's --steps "
+                        "when <= 8, so a few-step bundle calibrates on the timesteps it serves; else 8)")
+    p.add_argument("--calib-algo", help="ModelOpt calibration algorithm: fp8 max (default), percentile or "
+                                        "smoothquant; nvfp4 max (default) or awq_lite")
+    p.add_argument("--quant-exclude", nargs="+", default=(), metavar="NAME",
+                   help="fp8/nvfp4: keep in bf16 whole blocks (blocks.N) and/or a block linear in every block "
+                        "(attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2)")
+    p.add_argument("--fp8-attention", action="store_true", help="fp8: q/k/v in e4m3 with calibrated scales, through "
+                                                                    "the --attention kernel (a CPU build: emulated)")
+    p.add_argument("--fp8-accum", choices=FP8_ACCUMS, default=None,
+                   help="fp8: how the GEMMs accumulate: fast (default; the FP8 tensor cores' accumulator over the "
+                        "whole reduction: a full-width H3 block 2.5%% faster on the H200, its error unchanged) or "
+                        "exact (fp32 promotion, cuBLAS's default). Recorded in the manifest")
+    p.add_argument("--attention", default="auto", choices=("auto", "cudnn", "fa3"),
+                   help="attention kernel, bf16 and --fp8-attention alike: auto (default: the fastest measured on the "
+                        "build GPU at the bundle's shape; on a CPU, torch SDPA or the FP8 emulation), cudnn, or fa3 "
+                        "(FlashAttention-3, Hopper; pip install 'h3trt[fa3]'). Recorded in the manifest; a machine "
+                        "that cannot run it refuses the bundle")
+    p.add_argument("--profile", action="append", default=None,
+                   help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5)")
+    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
+                   help=f"the schedule the AdaLN tables are baked for (default {DEFAULT_STEPS})")
+    p.add_argument("--video-shift", type=float, help="video sigma shift to bake (default: the checkpoint's)")
+    p.add_argument("--audio-shift", type=float, help="audio sigma shift to bake (default: the checkpoint's)")
+    p.add_argument("--device", default=None, type=device,
+                   help="cuda or cpu (default: cuda if available); the bundle runs there")
+    p.add_argument("--backend", default="inductor", choices=BACKENDS,
+                   help="inductor (default), aoti, or tensorrt (ONNX -> TensorRT plans)")
+    p.add_argument("--trt-targets", default=None,
+                   help="tensorrt with TensorRT-RTX: compute capabilities to build for, e.g. sm89,sm120 "
+                        "(default: sm89,sm120; nvfp4: sm120)")
+    p.add_argument("--keep-adaln", action="store_true", help="keep adaln_proj weights: serve any schedule")
+    p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + " (of --device). The video decoder is compiled at it "
+                                           "and the bundle serves it")
+    _lora_argument(p, "merged before calibration, AdaLN baking and compiling; the manifest records each file's sha256")
+    p.add_argument("--task", default=TASKS[0], choices=TASKS,
+                   help="t2va/fl2va (FL2VA partition, default t2va) or ref2va (Ref2VA)")
+    p.add_argument("--sp", type=positive, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
+                                                     "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
+    p.add_argument("--cfg", type=positive, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
+                                                      "(default; H3 is guidance-distilled) or 2")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
+                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
+
+
+def _bundle_parsers(sub) -> None:
+    """eval, inspect, verify, keygen: commands over bundles and keys."""
+    e = sub.add_parser("eval", help="compare an engine bundle with a reference on the same requests and seeds")
+    e.add_argument("--engine", required=True, type=Path, help="the bundle under test (e.g. an fp8 build)")
+    e.add_argument("--reference", required=True, help="a bundle, a checkpoint folder, or 'tiny' (eager)")
+    e.add_argument("--requests", required=True, type=Path,
+                   help="JSON lines, the schema of `run --requests` (id and task optional): {\"prompt\": ..., "
+                        "\"seed\": ...} (resolution or width/height, duration, steps default to the engine's)")
+    e.add_argument("--json", type=Path, help="write the per-request and mean metrics here")
+    e.add_argument("--device", default=None, type=device,
+                   help="cpu or cuda (default: where the engine bundle was built)")
+    sub.add_parser("inspect", help="print a bundle's manifest").add_argument("bundle", type=Path)
+    q = sub.add_parser("verify", help="re-hash every file of a bundle; with --trust, check who signed it")
+    q.add_argument("bundle", type=Path)
+    q.add_argument("--trust", type=Path, metavar="KEY.pub", help="the Ed25519 public key the bundle must be signed "
+                                                                 "with")
+    k = sub.add_parser("keygen", help="make an Ed25519 key pair for signing bundles (KEY and KEY.pub)")
+    k.add_argument("key", type=Path, help="private key path (mode 0600); the public key goes to KEY.pub")
