@@ -4,6 +4,7 @@ server's OpenAPI schema under schemathesis. One server serves the whole module (
 
 import hashlib
 import json
+import sqlite3
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -203,6 +204,13 @@ def test_twenty_concurrent_clients_each_get_their_clip_once(server):
         assert record["seed"] == video.model_extra["seed"] and record["status"] == "done"
         assert video.model_extra["attempts"] == 1  # ran exactly once
         assert data[4:8] == b"ftyp"
+    # One replica group ran them one after another, each next job taken before the previous one's end was recorded:
+    # the end's work (thumbnail, publishing, the store's row) overlaps the next job instead of delaying it.
+    with sqlite3.connect(server.data_dir / "jobs.sqlite3") as db:
+        rows = db.execute("SELECT started_at, completed_at FROM jobs WHERE id IN (%s) ORDER BY started_at"
+                          % ",".join("?" * len(ids)), ids).fetchall()
+    assert len(rows) == 20
+    assert all(nxt[0] < prev[1] for prev, nxt in zip(rows, rows[1:])), rows
     metrics = httpx.get(server.url + "/metrics").text
     assert 'h3trt_jobs_ended_total{status="completed"}' in metrics and "h3trt_job_latency_seconds_bucket" in metrics
     assert "h3trt_denoise_step_seconds_count" in metrics and 'h3trt_stage_seconds_count{stage="denoise"}' in metrics

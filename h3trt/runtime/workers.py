@@ -26,7 +26,7 @@ from ..errors import UserError
 from ..parallel.devices import node_gpus
 from ..parallel.launch import Failure, RankFailed, RankGroup, init_torchrun_rank
 from ..parallel.mesh import SINGLE, build_mesh
-from .jobs import Job, JobQueue
+from .jobs import Event, Job, JobQueue
 from .rank import BroadcastChannel, LocalChannel, Pipelines, WorkerSpec, group_rank_main, load_rank_pipeline, \
     rank_device, serve_group
 
@@ -129,6 +129,7 @@ class Workers:
         self._draining = threading.Event()
         self._stop = threading.Event()
         self.lock = threading.Lock()  # guards `groups` for status() readers on other threads
+        self._ended: list[tuple[_Group, Event]] = []  # jobs' last events, not yet reported (_report_ended)
 
     # --- what other threads may call --------------------------------------------------------------------------------
 
@@ -163,12 +164,16 @@ class Workers:
                     break
                 self._forward_cancels()
                 self._hand_out_work()
+                self._report_ended()
                 self._wait()
                 self._read_messages()
                 self._check_ranks()
         finally:
-            for g in self.groups:
-                self._kill(g)
+            try:
+                self._report_ended(flush=True)
+            finally:
+                for g in self.groups:
+                    self._kill(g)
 
     def _start(self, g: _Group) -> None:
         import multiprocessing as mp
@@ -220,6 +225,19 @@ class Workers:
                     g.holding, g.busy = {job.id: job for job in work}, True
                 self._send(g, "work", work)
 
+    def _report_ended(self, flush: bool = False) -> None:
+        """Record the jobs that ended, once their group has its next work (or none is coming): the loop calls this
+        after handing work out, so what a job's end costs the queue (a server's thumbnail, publishing the clip, the
+        store's row) overlaps the next job on the GPU instead of delaying it. A group whose work all ended but whose
+        "idle" has not arrived yet is in between: its ends wait for the next pass."""
+        waiting = []
+        for g, event in self._ended:
+            if not flush and g.busy and not g.holding:
+                waiting.append((g, event))
+            else:
+                self.queue.report(event)
+        self._ended = waiting
+
     def _wait(self) -> None:
         waitables = [c for g in self.groups for c in g.conns] + [s for g in self.groups if g.ranks
                                                                   for s in g.ranks.sentinels]
@@ -253,7 +271,9 @@ class Workers:
             if event.ends:
                 with self.lock:
                     g.holding.pop(event.job, None)
-            self.queue.report(event)
+                self._ended.append((g, event))  # recorded once the group's next work is out (_report_ended)
+            else:
+                self.queue.report(event)
         elif kind == "idle":
             with self.lock:
                 g.busy, g.holding = False, {}
