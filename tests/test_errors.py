@@ -45,6 +45,25 @@ def test_an_unexpected_error_in_run_propagates(tmp_path, capsys, monkeypatch, er
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_error_a_ctrl_c_caused_is_the_interrupt(tmp_path, capsys, monkeypatch):
+    """Ctrl-C inside torch's `with torch.device(...)` makes its exit raise RuntimeError("trying to pop from empty mode
+    stack") over the KeyboardInterrupt (seen once in a killed-build test): still the user's interrupt, exit 130, one
+    line; a RuntimeError with no interrupt behind it still propagates (the test above)."""
+    import h3trt.runtime.run as run
+
+    def interrupted_cleanup(*args, **kwargs):
+        try:
+            raise KeyboardInterrupt
+        except KeyboardInterrupt:
+            raise RuntimeError("trying to pop from empty mode stack")
+
+    monkeypatch.setattr(run, "prepare", interrupted_cleanup)
+    assert main(["run", "--prompt", "a fox", "--output", str(tmp_path / "clip.mp4")]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "h3trt: interrupted; no output was written (temporary files removed)."]
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_an_unexpected_error_in_build_propagates(tmp_path, tiny_root, capsys, monkeypatch):
     import h3trt.build.builder as builder
 

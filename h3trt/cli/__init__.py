@@ -37,15 +37,37 @@ def main(argv=None) -> int:
 
         args = build_parser().parse_args(argv)  # a usage mistake is one line and exit 2 (runtime/args.py)
         return _call(args)
+    except Exception as e:
+        interrupt = _interrupt_behind(e)
+        if interrupt is None:
+            raise
+        return _interrupted(interrupt)
     except KeyboardInterrupt as e:
-        from ..runtime.files import InterruptedAfterCommit, remove_own_temps
+        return _interrupted(e)
 
-        remove_own_temps()  # whatever an unwinding frame did not get to
-        if isinstance(e, InterruptedAfterCommit):
-            print(f"h3trt: interrupted after writing {' and '.join(map(str, e.targets))}.", file=sys.stderr)
-        else:
-            print("h3trt: interrupted; no output was written (temporary files removed).", file=sys.stderr)
-        return 130
+
+def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
+    """The interrupt an error was raised while handling, if any: Ctrl-C inside a library's context manager can make
+    its cleanup fail (torch's `with torch.device(...)`: "trying to pop from empty mode stack"), and that is still the
+    user's interrupt, not a bug."""
+    seen = set()
+    while error is not None and id(error) not in seen:
+        if isinstance(error, KeyboardInterrupt):
+            return error
+        seen.add(id(error))
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _interrupted(e: KeyboardInterrupt) -> int:
+    from ..runtime.files import InterruptedAfterCommit, remove_own_temps
+
+    remove_own_temps()  # whatever an unwinding frame did not get to
+    if isinstance(e, InterruptedAfterCommit):
+        print(f"h3trt: interrupted after writing {' and '.join(map(str, e.targets))}.", file=sys.stderr)
+    else:
+        print("h3trt: interrupted; no output was written (temporary files removed).", file=sys.stderr)
+    return 130
 
 
 def _call(args) -> int:
