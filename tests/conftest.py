@@ -2,8 +2,14 @@ import os
 import subprocess
 import sys
 
-import pytest
-import torch
+# Inductor probes the CPU's vector ISAs once per process by compiling and loading a test library for each (about 10 s
+# on two cores), into the Inductor cache, which a build points at a fresh folder inside its bundle: every `h3trt build`
+# process paid it again. The tests accept the ISAs the CPU's flags name (the probe picks the same ones on the CI
+# machine); set before torch loads, and inherited by every process the tests start.
+os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 from h3trt.models.checkpoint_writer import random_state_dict, save_comfy, save_diffusers, save_official
 from h3trt.models.config import H3Config
@@ -16,13 +22,17 @@ BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT
 BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle", "lora_bundle"}
 
 
-# The files whose bundle builds and spawned ranks take minutes: run first, so that under pytest-xdist (README: `-n 2
-# --dist loadfile`, one file per worker at a time) no long file starts last while the other workers sit idle.
-SLOW_FILES = ("test_fleet.py", "test_serve_api.py", "test_engine.py", "test_serve_ops.py", "test_mesh.py", "test_quant.py",
-              "test_vae_precision.py", "test_fewstep.py", "test_parallel_vae.py", "test_step_cache.py")
+# The files whose bundle builds and spawned ranks take minutes, longest first (measured on two cores): under
+# pytest-xdist (README: `-n 2 --dist loadfile`, one file per worker at a time) they go out first, so that no long file
+# starts last while the other worker sits idle. xdist's own order (files with the most tests first) is turned off.
+SLOW_FILES = ("test_mesh.py", "test_fleet.py", "test_engine.py", "test_quant.py", "test_build_hardening.py",
+              "test_vae_precision.py", "test_fewstep.py", "test_serve_api.py", "test_serve_ops.py",
+              "test_parallel_vae.py", "test_hardening.py", "test_cli.py", "test_step_cache.py")
 
 
 def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):
+        config.option.loadscopereorder = False
     if os.environ.get("PYTEST_XDIST_WORKER"):
         # One intra-op thread per worker: the workers already fill the cores, and torch's default (a thread per
         # core in every worker) oversubscribes them. Processes the tests spawn keep torch's default.

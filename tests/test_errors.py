@@ -5,8 +5,11 @@ it; anything else is a bug and propagates with its traceback, as Python does (no
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -64,6 +67,34 @@ def test_an_error_a_ctrl_c_caused_is_the_interrupt(tmp_path, capsys, monkeypatch
     assert list(tmp_path.iterdir()) == []
 
 
+def test_an_error_after_a_ctrl_c_a_library_swallowed_is_the_interrupt(tmp_path, capsys, monkeypatch):
+    """safetensors, interrupted inside `get_tensor`, swallows the KeyboardInterrupt and raises its own error, which the
+    loader reports as a corrupted file (seen in CI's killed-build test): after the signal arrived, that is the user's
+    interrupt, exit 130, not a bad checkpoint and exit 2."""
+    import h3trt.runtime.run as run
+    from h3trt.models.checkpoint import CheckpointError
+
+    def swallowed(*args, **kwargs):
+        try:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(5)
+        except KeyboardInterrupt:
+            pass  # what a library's native code does with it
+        raise CheckpointError("model.safetensors: tensor 'x' cannot be read; the file is corrupted.")
+
+    monkeypatch.setattr(run, "prepare", swallowed)
+    assert main(["run", "--prompt", "a fox", "--output", str(tmp_path / "clip.mp4")]) == 130
+    assert capsys.readouterr().err.strip().splitlines() == [
+        "h3trt: interrupted; no output was written (temporary files removed)."]
+
+    def corrupted(*args, **kwargs):  # the same error with no interrupt is the file's, exit 2
+        raise CheckpointError("model.safetensors: tensor 'x' cannot be read; the file is corrupted.")
+
+    monkeypatch.setattr(run, "prepare", corrupted)
+    assert main(["run", "--prompt", "a fox", "--output", str(tmp_path / "clip.mp4")]) == 2
+    assert "the file is corrupted" in capsys.readouterr().err
+
+
 def test_an_unexpected_error_in_build_propagates(tmp_path, tiny_root, capsys, monkeypatch):
     import h3trt.build.builder as builder
 
@@ -78,6 +109,7 @@ def test_an_unexpected_error_in_build_propagates(tmp_path, tiny_root, capsys, mo
 
 _BROKEN_RUN = """
 import sys
+import time
 import h3trt.runtime.run as run
 def broken(*args, **kwargs):
     raise ValueError("boom: an internal invariant")

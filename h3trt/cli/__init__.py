@@ -24,14 +24,21 @@ COMMANDS = {"run": "cmd_run", "serve": "cmd_serve", "build": "cmd_build", "eval"
             "inspect": "cmd_inspect", "verify": "cmd_verify", "keygen": "cmd_keygen"}
 
 
+_signalled: list[int] = []  # the interrupts (SIGINT, SIGTERM) this process has received
+
+
 def _interrupt(signum, frame):
+    _signalled.append(signum)
     raise KeyboardInterrupt
 
 
 def main(argv=None) -> int:
     # SIGTERM ends a run as Ctrl-C does: temporaries removed, what was finished kept, one line (`serve` installs its
     # own: it drains). Installed before anything heavy is imported, so a signal in the first second is handled too.
+    _signalled.clear()
     signal.signal(signal.SIGTERM, _interrupt)
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the parent ignores Ctrl-C
+        signal.signal(signal.SIGINT, _interrupt)
     try:
         from .parser import build_parser
 
@@ -47,16 +54,18 @@ def main(argv=None) -> int:
 
 
 def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
-    """The interrupt an error was raised while handling, if any: Ctrl-C inside a library's context manager can make
-    its cleanup fail (torch's `with torch.device(...)`: "trying to pop from empty mode stack"), and that is still the
-    user's interrupt, not a bug."""
+    """The interrupt behind an error, if any. An error raised while an interrupt unwound (torch's
+    `with torch.device(...)` exit: "trying to pop from empty mode stack") or after one arrived is the user's interrupt,
+    not a bug and not a bad input: a library can swallow the KeyboardInterrupt and raise its own error instead
+    (safetensors, interrupted inside `get_tensor`: "could not determine the shape of object type
+    'torch.storage.UntypedStorage'", which the loader reports as a corrupted file)."""
     seen = set()
     while error is not None and id(error) not in seen:
         if isinstance(error, KeyboardInterrupt):
             return error
         seen.add(id(error))
         error = error.__cause__ or error.__context__
-    return None
+    return KeyboardInterrupt() if _signalled else None
 
 
 def _interrupted(e: KeyboardInterrupt) -> int:
@@ -84,11 +93,15 @@ def _call(args) -> int:
         commands.choose_gpu(args)
         return getattr(commands, COMMANDS[args.command])(args)
     except UserError as e:
+        if _signalled:  # after an interrupt arrived, an error is its consequence (_interrupt_behind)
+            return _interrupted(KeyboardInterrupt())
         from ..models.checkpoint import CheckpointError  # its errors list a problem per line; they keep their lines
 
         print(f"h3trt: error: {str(e) if isinstance(e, CheckpointError) else ' '.join(str(e).split())}",
               file=sys.stderr)
         return 2
     except (OutputError, RankFailed, JobFailed, BuildError) as e:  # attempted: the result could not be made/written
+        if _signalled:
+            return _interrupted(KeyboardInterrupt())
         print(f"h3trt: error: {' '.join(str(e).split())}", file=sys.stderr)
         return 1
