@@ -106,7 +106,7 @@ SPECS: dict[Precision, PrecisionSpec] = {
         calib_algos_why="AWQ searches scales for 4-bit block weights; FP8 weights are per-tensor e4m3",
         modelopt_config="FP8_DEFAULT_CFG",
         execution="W8A8: e4m3 weights and activations, per-tensor static scales, torch._scaled_mm (cuBLAS on CUDA; "
-                  "accumulation per fp8_accum); the activation quantization is a pointwise op Inductor fuses into the "
+                  "accumulation per fp8_accum; the rowwise kernel on the CPU, the scales broadcast); the activation quantization is a pointwise op Inductor fuses into the "
                   "kernel that produces the activation",
         trt_execution="TensorRT FP8 GEMMs from ModelOpt's FP8 Q/DQ (e4m3 weights and activations, per-tensor static "
                       "scales from the calibration); attention bf16 (fused MHA)"),
