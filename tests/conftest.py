@@ -1,4 +1,5 @@
 import os
+import signal
 import subprocess
 import sys
 
@@ -31,6 +32,10 @@ SLOW_FILES = ("test_mesh.py", "test_fleet.py", "test_engine.py", "test_quant.py"
 
 
 def pytest_configure(config):
+    # A suite started in the background by a non-interactive shell inherits SIGINT ignored, as would every h3trt
+    # process it starts, and the tests that press Ctrl-C would find it ignored: give them a terminal's Ctrl-C.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
     if hasattr(config.option, "loadscopereorder"):
         config.option.loadscopereorder = False
     if os.environ.get("PYTEST_XDIST_WORKER"):

@@ -5,7 +5,10 @@ API, and a rank killed mid-job."""
 import json
 import os
 import signal
+import socket
 import sqlite3
+import subprocess
+import sys
 import time
 
 import httpx
@@ -154,3 +157,20 @@ def test_a_two_rank_gloo_group_serves_and_a_killed_rank_restarts_its_group(tmp_p
     assert "h3trt_replica_group_restarts_total 1.0" in metrics
     assert "rank 1 of 2 failed: it died (signal 9)" in ready["groups"][0]["last_failure"]
     assert srv.stop() == 0
+
+
+def test_a_port_in_use_is_refused_before_any_rank_starts(tmp_path, tiny_cache):
+    """The server binds --port before its workers start (a rank's gloo sockets take ephemeral ports, and one took a
+    test's freshly chosen port once): a port another process listens on is one line and exit 2, and no rank or
+    model was started for it."""
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen(1)
+        port = held.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "serve", "--data-dir", str(tmp_path / "data"),
+                               "--port", str(port), "--device", "cpu"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr, proc.stderr
+    assert proc.stderr.strip().splitlines() == [  # nothing before it: no store recovered, no model announced
+        f"h3trt: error: could not listen on 127.0.0.1:{port} (Address already in use); pass a free --port, and a "
+        "--host that is an address of this machine."], proc.stderr

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import socket
 import sys
 import threading
 import time
@@ -87,6 +88,7 @@ def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus) -> int:
     from .app import create_app
     from .service import _log
 
+    listener = _listen(options.host, options.port)  # first: the port is ours before any rank opens a socket
     node = Node(entry, options, spec, gpus)
     service = node.service
     node.queue.recover()
@@ -101,7 +103,7 @@ def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus) -> int:
     server = _Server(uvicorn.Config(create_app(service), host=options.host, port=options.port, log_level="warning",
                                    access_log=False, lifespan="off", timeout_graceful_shutdown=5), node)
     try:
-        server.run()
+        server.run([listener])
     finally:
         if not service.draining.is_set():  # the server stopped without a signal (a bind error, say)
             service.draining.set()
@@ -109,11 +111,27 @@ def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus) -> int:
         workers.join(timeout=60)
         stop_sweep.set()
         service.store.close()
+        listener.close()
     if server.bind_failed:
         raise UserError(f"could not listen on {options.host}:{options.port} (in use, or not an address of this "
                         "host); pass another --port.")
     _log("stopped", message="queued jobs stay in the store for the next start")
     return 0
+
+
+def _listen(host: str, port: int) -> socket.socket:
+    """The server's socket, bound before the workers start: a rank's gloo connections bind ephemeral ports, and one
+    could otherwise take --port (chosen free a moment earlier) before uvicorn binds it. A port in use is refused here,
+    before any model loads."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise UserError(f"could not listen on {host}:{port} ({e.strerror or e}); pass a free --port, and a --host "
+                        "that is an address of this machine.") from None
+    return sock
 
 
 def _run_workers(workers) -> None:
@@ -159,8 +177,8 @@ class _Server:
         self.server, self.node, self.service = Server(config), node, node.service
         self.bind_failed, self._signals = False, 0
 
-    def run(self) -> None:
-        self.server.run()
+    def run(self, sockets) -> None:
+        self.server.run(sockets)
         if not self.server.started:
             self.bind_failed = True
 
