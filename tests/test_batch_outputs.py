@@ -1,0 +1,118 @@
+"""A batch replaces only files it made (issue 35, items 13-15): `h3trt run --requests` in a subprocess, as a user runs
+it, on the tiny default model. The user's own files in --out-dir, a finished clip whose request line changed, and a
+clip that no longer matches its record are kept byte for byte: the run is refused with one line (exit 2) naming them
+and the way out, before any model loads."""
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+LINES = [{"id": "a", "task": "t2va", "prompt": "a red fox runs", "seed": 1, "resolution": "128x32", "steps": 2},
+         {"id": "b", "task": "t2va", "prompt": "a blue bird sings", "seed": 2, "resolution": "128x32", "steps": 2}]
+
+
+def _requests(path: Path, lines: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def _cli(cache: Path, requests: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), PYTHONPATH=str(ROOT))
+    return subprocess.run([sys.executable, "-m", "h3trt.cli", "run", "--requests", str(requests), "--out-dir",
+                           str(out), "--quiet", *extra], env=env, capture_output=True, text=True, timeout=600)
+
+
+def _contents(folder: Path) -> dict[str, bytes]:
+    """Every visible file's bytes (the hidden out-dir lock file aside)."""
+    return {p.name: p.read_bytes() for p in folder.iterdir() if not p.name.startswith(".")}
+
+
+def _error(proc: subprocess.CompletedProcess) -> str:
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("h3trt: error:")]
+    assert len(errors) == 1, proc.stderr
+    return errors[0]
+
+
+@pytest.fixture(scope="module")
+def finished_out(tmp_path_factory, tiny_cache, tiny_root) -> Path:
+    """One real batch of a and b, made once for the tests that rerun it (each on its own copy)."""
+    folder = tmp_path_factory.mktemp("finished")
+    proc = _cli(tiny_cache, _requests(folder / "b.jsonl", LINES), folder / "out")
+    assert proc.returncode == 0, proc.stderr
+    assert "2 done, 0 failed, 0 skipped" in proc.stdout
+    return folder / "out"
+
+
+def _copy(finished_out: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    shutil.copytree(finished_out, out)
+    return out
+
+
+def test_the_users_own_files_in_out_dir_are_never_replaced(tmp_path, tiny_cache, tiny_root):
+    """Item 13: OUT holds the user's a.json, b.mp4 and timeline.json; a batch of ids a and b is refused (exit 2) with
+    one line naming the three files, another --out-dir and --overwrite; nothing in OUT changed, no model loaded."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "a.json").write_text('{"my": "notes on a"}\n')
+    (out / "b.mp4").write_bytes(b"my own holiday video" * 100)
+    (out / "timeline.json").write_text('{"my": "project timeline"}\n')
+    before = _contents(out)
+    proc = _cli(tiny_cache, _requests(tmp_path / "b.jsonl", LINES), out)
+    assert proc.returncode == 2, proc.stderr
+    error = _error(proc)
+    for name in ("a.json", "b.mp4", "timeline.json"):
+        assert str(out / name) in error, error
+    assert "--out-dir" in error and "--overwrite" in error and "Nothing was run" in error, error
+    assert "random weights" not in proc.stderr  # refused before the model was resolved and loaded
+    assert _contents(out) == before
+
+
+def _item(id_: str, line: int = 1):
+    from h3trt.runtime.batch_file import BatchItem
+    from h3trt.runtime.request import Request
+
+    return BatchItem(id_, line, Request("a red fox runs", seed=line, steps=2, width=128, height=32), ())
+
+
+def _failure_record(out: Path, id_: str) -> Path:
+    """What a batch writes for a failed request (batch.FileQueue._failed), reduced to what marks it ours."""
+    from h3trt.runtime.batch_outputs import MADE_BY
+
+    path = out / f"{id_}.json"
+    path.write_text(json.dumps({"made_by": MADE_BY, "id": id_, "status": "failed", "error": "encode: gone"}))
+    return path
+
+
+def test_only_records_that_mark_a_file_ours_let_a_batch_replace_it(tmp_path):
+    """The plan, file by file: our failure record is retried (and may be replaced); a clip beside a failure record,
+    a record of another id, a record without the marker, a PNG beside no timeline of ours are not ours."""
+    from h3trt.runtime.batch_outputs import plan_out_dir
+    from h3trt.runtime.files import OutputRefused
+
+    out = tmp_path / "out"
+    out.mkdir()
+    items = [_item(i, n) for n, i in enumerate("abcde", 1)]
+    _failure_record(out, "a")
+    _failure_record(out, "b")
+    (out / "b.mp4").write_bytes(b"not the failed request's")
+    (out / "c.json").write_text(_failure_record(out, "x").read_text())  # ours, but of request x
+    (out / "d.json").write_text('{"status": "failed", "id": "d"}')  # an h3trt-like record without the marker
+    (out / "timeline.png").write_bytes(b"\x89PNG my chart")
+    plan = plan_out_dir(out, items[:1], ["timeline"], png=False, overwrite=False)
+    assert plan.replace == {"a"} and not plan.finished and plan.timelines == {"timeline": False} and not plan.notes
+    with pytest.raises(OutputRefused) as refused:
+        plan_out_dir(out, items, ["timeline"], png=True, overwrite=False)
+    message = str(refused.value)
+    for name in ("b.mp4", "c.json", "d.json", "timeline.png"):
+        assert str(out / name) in message, message
+    assert str(out / "a.json") not in message and "b.json" not in message and "--overwrite" in message
+    plan = plan_out_dir(out, items, ["timeline"], png=True, overwrite=True)
+    assert plan.replace == {"a", "b", "c", "d"} and plan.timelines == {"timeline": True}
+    assert len(plan.notes) == 1 and "--overwrite: replacing" in plan.notes[0] and "d.json" in plan.notes[0]
