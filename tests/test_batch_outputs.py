@@ -74,6 +74,35 @@ def test_the_users_own_files_in_out_dir_are_never_replaced(tmp_path, tiny_cache,
     assert _contents(out) == before
 
 
+
+def test_a_finished_clip_whose_request_changed_is_kept(tmp_path, finished_out, tiny_cache):
+    """Item 14: a's prompt changed in the file after a and b were made. The rerun is refused (exit 2) with one line
+    naming a, its line and --overwrite; a's clip and record are byte for byte as they were. Then the way out:
+    --overwrite makes a again for the new prompt and says so, b is still skipped, and a foreign timeline.png put there
+    meanwhile is replaced and named too."""
+    out = _copy(finished_out, tmp_path)
+    before = _contents(out)
+    requests = _requests(tmp_path / "b.jsonl", [dict(LINES[0], prompt="a grey wolf howls"), LINES[1]])
+    proc = _cli(tiny_cache, requests, out)
+    assert proc.returncode == 2, proc.stderr
+    error = _error(proc)
+    assert "finished clip of a (line 1)" in error and "request line changed" in error, error
+    assert "--overwrite" in error and "Nothing was run" in error and "b (line 2)" not in error, error
+    assert _contents(out) == before
+
+    (out / "timeline.png").write_bytes(b"\x89PNG the user's own chart")
+    proc = _cli(tiny_cache, requests, out, "--overwrite")
+    assert proc.returncode == 0, proc.stderr
+    assert "1 done, 0 failed, 1 skipped" in proc.stdout
+    assert "--overwrite: making a (line 1) again for the changed request" in proc.stderr
+    assert f"--overwrite: replacing {out / 'timeline.png'}" in proc.stderr
+    assert json.loads((out / "a.json").read_text())["prompt"] == "a grey wolf howls"
+    after = _contents(out)
+    assert after["a.mp4"] != before["a.mp4"] and all(after[n] == before[n] for n in ("b.mp4", "b.json"))
+    timeline = json.loads(after["timeline.json"])
+    assert [r["summary"]["done"] for r in timeline["runs"]] == [2, 1]  # our own timeline: the first run is kept
+    assert timeline["png"]["bytes"] == len(after["timeline.png"]) and after["timeline.png"][:4] == b"\x89PNG"
+
 def _item(id_: str, line: int = 1):
     from h3trt.runtime.batch_file import BatchItem
     from h3trt.runtime.request import Request

@@ -6,12 +6,17 @@ Before any model loads, `plan_out_dir` sorts what OUT holds for each request:
 
   nothing there                          run it; its files are committed without replacing anything
   our record of a failure, no clip       run it again, replacing that record
-  our record, done, the clip verifies    finished: skipped
+  our record, done, the clip verifies:
+      the same request                   finished: skipped
+      another request (the line changed) refused: the finished clip is kept
   any other file in the way              refused: not ours (the user's a.json, b.mp4, timeline.json, ...)
 
-A refusal is one line naming every such file, before any model loads: files that no record of ours marks may be the
-user's, and nothing says they can be made again. `--overwrite` runs those requests anyway and replaces the files
-(said once when the run starts); finished requests are still skipped.
+A refusal is one line naming every such file or id, before any model loads. Files that no record of ours marks may be
+the user's, and nothing says they can be made again. A finished clip of a changed request is refused rather than
+skipped or remade: skipping would leave a clip of the old request under the id while the run reports success, and
+remaking it would throw away a finished clip (minutes of GPU time, maybe the one the user wanted) because a line was
+edited. `--overwrite` runs those requests anyway and replaces their files (said once when the run starts); finished
+requests are still skipped.
 """
 
 from __future__ import annotations
@@ -59,7 +64,8 @@ def our_timeline(path: Path) -> dict | None:
 
 @dataclass(frozen=True)
 class ClipState:
-    """What OUT holds for one request: `kind` is new, retry, finished or foreign; `paths` the files not ours."""
+    """What OUT holds for one request: `kind` is new, retry, finished, changed or foreign; `paths` the files not
+    ours."""
 
     kind: str
     paths: tuple[Path, ...] = ()
@@ -75,10 +81,10 @@ def clip_state(out_dir: Path, item: BatchItem) -> ClipState:
         return ClipState("foreign", (json_path, mp4) if has_mp4 else (json_path,))
     if record.get("status") != "done":
         return ClipState("foreign", (mp4,)) if has_mp4 else ClipState("retry")  # a failure record marks no clip
-    if not has_mp4 or record.get("request") != request_dict(item.request):
+    if not has_mp4 or record.get("mp4_sha256") != sha256_file(mp4):
         return ClipState("retry")
-    if record.get("mp4_sha256") != sha256_file(mp4):
-        return ClipState("retry")
+    if record.get("request") != request_dict(item.request):
+        return ClipState("changed")  # a finished clip of what the line asked before
     return ClipState("finished")
 
 
@@ -117,7 +123,7 @@ class OutPlan:
 def plan_out_dir(out_dir: Path, items: list[BatchItem], stems: list[str], png: bool, overwrite: bool) -> OutPlan:
     """Sort what OUT holds (module docstring). Raises OutputRefused naming every file in the way that is not ours,
     unless `overwrite`; `stems` are the timelines this run writes (with their PNGs when `png`)."""
-    out_dir, plan, foreign = Path(out_dir), OutPlan(), []
+    out_dir, plan, foreign, changed = Path(out_dir), OutPlan(), [], []
     for item in items:
         state = clip_state(out_dir, item)
         if state.kind == "finished":
@@ -125,15 +131,22 @@ def plan_out_dir(out_dir: Path, items: list[BatchItem], stems: list[str], png: b
         elif state.kind != "new":
             plan.replace.add(item.id)
         foreign += state.paths
+        if state.kind == "changed":
+            changed.append(f"{item.id} (line {item.line})")
     for stem in stems:
         foreign += _timeline_foreign(out_dir, stem, png)
         plan.timelines[stem] = any(p.exists() for p in timeline_paths(out_dir, stem)[:2 if png else 1])
-    if not foreign:
+    files, ids = _listed([str(p) for p in foreign]), _listed(changed)
+    if overwrite:
+        plan.notes += [f"--overwrite: replacing {files} (not made by this batch)"] if foreign else []
+        plan.notes += [f"--overwrite: making {ids} again for the changed request, replacing the finished clip"
+                       ] if changed else []
         return plan
-    files = _listed([str(p) for p in foreign])
-    if not overwrite:
-        raise OutputRefused(f"--out-dir {out_dir} holds {files}, which this batch did not make (no record of an "
-                            "h3trt batch marks them); they may be yours, so they are kept. Nothing was run. Pass "
-                            "another --out-dir, move those files away, or pass --overwrite to replace them.")
-    plan.notes.append(f"--overwrite: replacing {files} (not made by this batch)")
+    refusals = [f"holds {files}, which this batch did not make (no record of an h3trt batch marks them); they may be "
+                "yours, so they are kept"] if foreign else []
+    refusals += [f"holds the finished clip of {ids}, whose request line changed since the clip was made; the clip is "
+                 "kept (give the changed request a new id to keep both)"] if changed else []
+    if refusals:
+        raise OutputRefused(f"--out-dir {out_dir} " + "; it ".join(refusals) + ". Nothing was run. Pass another "
+                            "--out-dir, move those files away, or pass --overwrite to replace them.")
     return plan
