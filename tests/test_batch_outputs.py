@@ -103,6 +103,23 @@ def test_a_finished_clip_whose_request_changed_is_kept(tmp_path, finished_out, t
     assert [r["summary"]["done"] for r in timeline["runs"]] == [2, 1]  # our own timeline: the first run is kept
     assert timeline["png"]["bytes"] == len(after["timeline.png"]) and after["timeline.png"][:4] == b"\x89PNG"
 
+
+def test_a_clip_that_no_longer_matches_its_record_is_kept(tmp_path, finished_out, tiny_cache):
+    """Item 15: b.mp4 truncated after the batch made it. The rerun is refused (exit 2) with one line naming b, the
+    sizes and the way out; the truncated file is byte for byte as it was, and a is untouched."""
+    out = _copy(finished_out, tmp_path)
+    clip = out / "b.mp4"
+    whole = clip.stat().st_size
+    clip.write_bytes(clip.read_bytes()[:whole // 2])
+    before = _contents(out)
+    proc = _cli(tiny_cache, _requests(tmp_path / "b.jsonl", LINES), out)
+    assert proc.returncode == 2, proc.stderr
+    error = _error(proc)
+    assert f"b ({clip} is {whole // 2} bytes, its record says {whole})" in error, error
+    assert "no longer matches its record" in error and "--overwrite" in error and "Nothing was run" in error, error
+    assert "a (" not in error, error
+    assert _contents(out) == before
+
 def _item(id_: str, line: int = 1):
     from h3trt.runtime.batch_file import BatchItem
     from h3trt.runtime.request import Request
@@ -145,3 +162,39 @@ def test_only_records_that_mark_a_file_ours_let_a_batch_replace_it(tmp_path):
     plan = plan_out_dir(out, items, ["timeline"], png=True, overwrite=True)
     assert plan.replace == {"a", "b", "c", "d"} and plan.timelines == {"timeline": True}
     assert len(plan.notes) == 1 and "--overwrite: replacing" in plan.notes[0] and "d.json" in plan.notes[0]
+
+
+
+def _done_record(out: Path, item, clip: bytes) -> None:
+    """A clip and the done record a batch writes beside it, reduced to what the plan reads."""
+    import hashlib
+
+    from h3trt.runtime.batch_outputs import MADE_BY
+    from h3trt.runtime.request import request_dict
+
+    (out / f"{item.id}.mp4").write_bytes(clip)
+    (out / f"{item.id}.json").write_text(json.dumps({
+        "made_by": MADE_BY, "id": item.id, "status": "done", "request": request_dict(item.request),
+        "mp4_sha256": hashlib.sha256(clip).hexdigest(), "mp4_bytes": len(clip)}))
+
+
+def test_a_missing_clip_is_made_again_with_a_word_and_an_edited_one_is_refused(tmp_path):
+    """Our done record without its clip: made again, and the plan says so. A clip of the recorded size whose bytes
+    changed (an edit in place): refused like a truncated one, naming the hash."""
+    from h3trt.runtime.batch_outputs import plan_out_dir
+    from h3trt.runtime.files import OutputRefused
+
+    out = tmp_path / "out"
+    out.mkdir()
+    a, b, c = _item("a", 1), _item("b", 2), _item("c", 3)
+    for item in (a, b, c):
+        _done_record(out, item, f"clip {item.id}".encode())
+    (out / "a.mp4").unlink()
+    plan = plan_out_dir(out, [a, c], [], png=False, overwrite=False)
+    assert plan.finished == {"c"} and plan.replace == {"a"}
+    assert plan.notes == [f"a: {out / 'a.mp4'} is gone though its record says done; making it again"]
+    (out / "b.mp4").write_bytes(b"clip B")  # same size, other bytes
+    with pytest.raises(OutputRefused, match=rf"b \(the sha256 of {out / 'b.mp4'} is not the one its record holds\)"):
+        plan_out_dir(out, [a, b, c], [], png=False, overwrite=False)
+    plan = plan_out_dir(out, [a, b, c], [], png=False, overwrite=True)
+    assert plan.replace == {"a", "b"} and plan.notes[-1].startswith("--overwrite: making b (the sha256 of")

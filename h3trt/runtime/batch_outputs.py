@@ -1,11 +1,13 @@
 """What a batch may replace in its --out-dir: only the files it made, as its own records show.
 
 A batch writes OUT/<id>.mp4 and OUT/<id>.json per request and OUT/<stem>.json and .png, the timeline. Every record and
-timeline it writes carries MADE_BY (a done record also holds its clip's sha256, a timeline its PNG's size and sha256).
+timeline it writes carries MADE_BY (a done record also holds its clip's size and sha256, a timeline its PNG's).
 Before any model loads, `plan_out_dir` sorts what OUT holds for each request:
 
   nothing there                          run it; its files are committed without replacing anything
   our record of a failure, no clip       run it again, replacing that record
+  our record, done, no clip              run it again, and say so
+  our record, done, the clip changed     refused: truncated or edited after it was made; kept
   our record, done, the clip verifies:
       the same request                   finished: skipped
       another request (the line changed) refused: the finished clip is kept
@@ -15,8 +17,11 @@ A refusal is one line naming every such file or id, before any model loads. File
 the user's, and nothing says they can be made again. A finished clip of a changed request is refused rather than
 skipped or remade: skipping would leave a clip of the old request under the id while the run reports success, and
 remaking it would throw away a finished clip (minutes of GPU time, maybe the one the user wanted) because a line was
-edited. `--overwrite` runs those requests anyway and replaces their files (said once when the run starts); finished
-requests are still skipped.
+edited. A clip that no longer matches its record is refused rather than remade: clips are committed whole, so a
+mismatch means something outside h3trt changed the file after it was finished (a person trimming it, a program, a
+disk fault); the batch cannot tell a ruined clip from an edited one, replacing it cannot be undone, and deleting it
+to have it made again is one command. `--overwrite` runs those requests anyway and replaces their files (said once
+when the run starts); finished requests are still skipped.
 """
 
 from __future__ import annotations
@@ -64,11 +69,23 @@ def our_timeline(path: Path) -> dict | None:
 
 @dataclass(frozen=True)
 class ClipState:
-    """What OUT holds for one request: `kind` is new, retry, finished, changed or foreign; `paths` the files not
-    ours."""
+    """What OUT holds for one request: `kind` is new, retry, missing, damaged, finished, changed or foreign; `paths`
+    the files not ours; `why` how a damaged clip differs from its record."""
 
     kind: str
     paths: tuple[Path, ...] = ()
+    why: str = ""
+
+
+def clip_damage(mp4: Path, record: dict) -> str | None:
+    """How the clip at `mp4` differs from what its done record holds (size first: a truncation shows without
+    reading the file), or None when it matches."""
+    size, recorded = mp4.stat().st_size, record.get("mp4_bytes")
+    if recorded is not None and size != recorded:
+        return f"{mp4} is {size} bytes, its record says {recorded}"
+    if sha256_file(mp4) != record.get("mp4_sha256"):
+        return f"the sha256 of {mp4} is not the one its record holds"
+    return None
 
 
 def clip_state(out_dir: Path, item: BatchItem) -> ClipState:
@@ -81,8 +98,11 @@ def clip_state(out_dir: Path, item: BatchItem) -> ClipState:
         return ClipState("foreign", (json_path, mp4) if has_mp4 else (json_path,))
     if record.get("status") != "done":
         return ClipState("foreign", (mp4,)) if has_mp4 else ClipState("retry")  # a failure record marks no clip
-    if not has_mp4 or record.get("mp4_sha256") != sha256_file(mp4):
-        return ClipState("retry")
+    if not has_mp4:
+        return ClipState("missing")  # nothing to keep; a SIGKILL between the record's and the clip's rename, too
+    damage = clip_damage(mp4, record)
+    if damage is not None:
+        return ClipState("damaged", why=damage)
     if record.get("request") != request_dict(item.request):
         return ClipState("changed")  # a finished clip of what the line asked before
     return ClipState("finished")
@@ -123,7 +143,7 @@ class OutPlan:
 def plan_out_dir(out_dir: Path, items: list[BatchItem], stems: list[str], png: bool, overwrite: bool) -> OutPlan:
     """Sort what OUT holds (module docstring). Raises OutputRefused naming every file in the way that is not ours,
     unless `overwrite`; `stems` are the timelines this run writes (with their PNGs when `png`)."""
-    out_dir, plan, foreign, changed = Path(out_dir), OutPlan(), [], []
+    out_dir, plan, foreign, changed, damaged = Path(out_dir), OutPlan(), [], [], []
     for item in items:
         state = clip_state(out_dir, item)
         if state.kind == "finished":
@@ -133,19 +153,28 @@ def plan_out_dir(out_dir: Path, items: list[BatchItem], stems: list[str], png: b
         foreign += state.paths
         if state.kind == "changed":
             changed.append(f"{item.id} (line {item.line})")
+        elif state.kind == "damaged":
+            damaged.append(f"{item.id} ({state.why})")
+        elif state.kind == "missing":
+            plan.notes.append(f"{item.id}: {output_paths(out_dir, item)[0]} is gone though its record says done; "
+                              "making it again")
     for stem in stems:
         foreign += _timeline_foreign(out_dir, stem, png)
         plan.timelines[stem] = any(p.exists() for p in timeline_paths(out_dir, stem)[:2 if png else 1])
-    files, ids = _listed([str(p) for p in foreign]), _listed(changed)
+    files, ids, clips = _listed([str(p) for p in foreign]), _listed(changed), _listed(damaged)
     if overwrite:
         plan.notes += [f"--overwrite: replacing {files} (not made by this batch)"] if foreign else []
         plan.notes += [f"--overwrite: making {ids} again for the changed request, replacing the finished clip"
                        ] if changed else []
+        plan.notes += [f"--overwrite: making {clips} again, replacing the clip that no longer matches its record"
+                       ] if damaged else []
         return plan
     refusals = [f"holds {files}, which this batch did not make (no record of an h3trt batch marks them); they may be "
                 "yours, so they are kept"] if foreign else []
     refusals += [f"holds the finished clip of {ids}, whose request line changed since the clip was made; the clip is "
                  "kept (give the changed request a new id to keep both)"] if changed else []
+    refusals += [f"holds {clips}: a clip that no longer matches its record, truncated or edited after the batch "
+                 "finished it; it is kept (delete it to have it made again)"] if damaged else []
     if refusals:
         raise OutputRefused(f"--out-dir {out_dir} " + "; it ".join(refusals) + ". Nothing was run. Pass another "
                             "--out-dir, move those files away, or pass --overwrite to replace them.")
