@@ -11,8 +11,9 @@ from PIL import Image
 
 from h3trt.cli import main
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.runtime.batch import BatchConfig, finished, run_batch
+from h3trt.runtime.batch import BatchConfig, run_batch
 from h3trt.runtime.batch_file import check_bundle_batch, parse_requests
+from h3trt.runtime.batch_outputs import finished
 from h3trt.runtime.media import probe
 from h3trt.runtime.pipeline import H3Pipeline
 from h3trt.runtime.request import CanvasDefaults, Request, prepare
@@ -186,10 +187,27 @@ def test_failure_recorded_interrupt_and_resume(pipeline, tmp_path, capsys):
     # Under torchrun, replica group 1 of 2 serves every second request (b and e of a, b, d, e) and names its
     # timeline by group.
     again = parse_requests(tmp_path / "again.jsonl", TINY_CANVAS)
-    summary = run_batch(pipeline, again, BatchConfig(out, shard=(1, 2), quiet=True, timeline_png=False), "tiny",
-                        timeline="timeline-group1")
+    summary = run_batch(pipeline, again, BatchConfig(out, shard=(1, 2), quiet=True, timeline_png=False), "tiny")
     assert summary.skipped == ["b", "e"] and not summary.done
     assert json.loads((out / "timeline-group1.json").read_text())["summary"]["skipped"] == 2
+
+
+def test_a_file_that_appears_in_out_dir_during_a_batch_is_kept(pipeline, tmp_path):
+    """The plan found OUT empty, so no job may replace anything: an a.mp4 that the user drops in while a runs is
+    kept, and a fails naming it (a rerun is refused until the file is moved, or --overwrite)."""
+    items = parse_requests(_write(tmp_path / "b.jsonl", [{"id": "a", "task": "t2va", "prompt": "a fox", **SMALL}]),
+                           TINY_CANVAS)
+    out = tmp_path / "out"
+
+    def drop(event):
+        if event.kind == "started":
+            (out / "a.mp4").write_bytes(b"the user's own clip")
+
+    summary = run_batch(pipeline, items, BatchConfig(out, quiet=True, timeline_png=False), "tiny", on_event=drop)
+    assert summary.failed == ["a"] and not summary.done
+    assert (out / "a.mp4").read_bytes() == b"the user's own clip"
+    record = json.loads((out / "a.json").read_text())
+    assert record["status"] == "failed" and "a.mp4 appeared while this run was writing it" in record["error"]
 
 
 def test_timeline_legend_names_the_stages_drawn(tmp_path):

@@ -28,7 +28,7 @@ def cmd_run(args) -> int:
                             "--requests).")
         check_batch_args(args)
         return run_requests(entry_from_args(args), args.requests, args.out_dir, args.max_batch, args.fail_fast,
-                            args.crf, args.quiet)
+                            args.crf, args.quiet, args.overwrite)
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     from ..runtime.request import Request

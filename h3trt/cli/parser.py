@@ -65,7 +65,8 @@ def _run_parser(sub) -> None:
                                            "refused)")
     p.add_argument("--video-shift", type=float, help="video sigma shift (default: the checkpoint's, 12)")
     p.add_argument("--audio-shift", type=float, help="audio sigma shift (default: the checkpoint's, 3)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing output file")
+    p.add_argument("--overwrite", action="store_true", help="replace an existing output file; with --requests, "
+                   "files in OUT this batch did not make")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
     p.add_argument("--profile-step", type=int, metavar="N",
                    help="measure evaluation N's host overhead (GPU idle time between its kernels, torch.profiler) "

@@ -1,8 +1,9 @@
 """`h3trt run --requests FILE --out-dir OUT` (and `run --prompt`, a file of one): the queue a requests file feeds.
 
   1. parse (batch_file.py): every line is validated before any model loads; every error names its line
-  2. plan: requests whose outputs exist and verify (record says done, same request, MP4 hash matches) are skipped;
-     the rest become jobs, in file order, each keyed by (task, canvas, frames, schedule)
+  2. plan (batch_outputs.py): requests whose outputs are ours and verify (our record says done, same request, MP4
+     hash matches) are skipped; files in OUT that are not ours are refused (unless --overwrite); the rest become
+     jobs, in file order, each keyed by (task, canvas, frames, schedule)
   3. serve: a replica group takes the next job and, with --max-batch N, up to N - 1 later jobs of the same key, which
      it denoises as one batch where their packed layouts agree (runtime/work.py); groups take work as they become
      free, so a slow request does not hold up another group's share
@@ -13,7 +14,7 @@
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import sys
 import time
 from collections import deque
@@ -23,10 +24,10 @@ from typing import Callable
 
 from tqdm import tqdm
 
-from ..engines.manifest import sha256_file
 from ..errors import UserError
 from ..parallel.mesh import MeshConfig
 from .batch_file import BatchItem
+from .batch_outputs import MADE_BY, OutPlan, our_record, output_paths, plan_out_dir
 from .files import DEFAULT_CRF, OutputError, write_json_atomic
 from .jobs import Event, Job
 from .request import request_dict
@@ -44,6 +45,7 @@ class BatchConfig:
     timeline_png: bool = True  # draw OUT/timeline.png (matplotlib) beside OUT/timeline.json
     quiet: bool = False  # no progress bars
     shard: tuple[int, int] = (0, 1)  # torchrun: (replica group, groups); this queue holds requests group::groups
+    overwrite: bool = False  # run requests whose files in OUT are not ours (or changed) and replace those files
 
     def __post_init__(self):
         if self.max_batch < 1:
@@ -54,28 +56,17 @@ class BatchConfig:
         if not 0 <= self.crf <= 51:
             raise UserError(f"crf={self.crf} is outside H.264's range 0..51.")
 
+    @property
+    def timeline_stem(self) -> str:
+        """OUT/timeline.*, or timeline-group<g>.* for torchrun's replica group g (each serves its own share)."""
+        group, groups = self.shard
+        return "timeline" if groups == 1 else f"timeline-group{group}"
+
 
 def batchable(request) -> bool:
     """Whether a request may share a batched denoise: one branch (no guidance) and no step cache (a cache decides
     per request which evaluations to skip)."""
     return request.guidance == 1.0 and request.cache is None
-
-
-def output_paths(out_dir: Path, item: BatchItem) -> tuple[Path, Path]:
-    return Path(out_dir) / f"{item.id}.mp4", Path(out_dir) / f"{item.id}.json"
-
-
-def finished(out_dir: Path, item: BatchItem) -> bool:
-    """Whether OUT/<id>.mp4 and OUT/<id>.json exist and verify: done, for this same request, MP4 hash as recorded."""
-    mp4, record = output_paths(out_dir, item)
-    if not (mp4.is_file() and record.is_file()):
-        return False
-    try:
-        data = json.loads(record.read_text())
-    except (OSError, json.JSONDecodeError):
-        return False
-    return (data.get("status") == "done" and data.get("request") == request_dict(item.request)
-            and data.get("mp4_sha256") == sha256_file(mp4))
 
 
 @dataclass
@@ -103,24 +94,34 @@ def summary_line(summary: BatchSummary) -> str:
 
 class FileQueue:
     """Steps 2-4: the jobs of a requests file (the JobQueue of runtime/jobs.py), their records and the timeline.
-    `on_event(event)` sees every event after it was recorded (tests stop a run there)."""
+    `plan`: what OUT holds (batch_outputs.plan_out_dir, made by the caller over the whole file before any model
+    loads; made here, and its notes said, when not given). `on_event(event)` sees every event after it was recorded
+    (tests stop a run there)."""
 
     def __init__(self, items: list[BatchItem], config: BatchConfig, model: str = "", record_extra: dict | None = None,
-                 on_event: Callable[[Event], None] | None = None):
+                 on_event: Callable[[Event], None] | None = None, plan: OutPlan | None = None):
         self.config, self.model, self.extra, self.on_event = config, model, record_extra or {}, on_event
         self.out_dir = Path(config.out_dir)
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.summary = BatchSummary()
         group, groups = config.shard
         self.items = {item.id: item for item in items[group::groups]}
+        if plan is None:  # 2. plan, before any model loads; refuses files in the way that are not ours
+            plan = plan_out_dir(self.out_dir, list(self.items.values()), [config.timeline_stem], config.timeline_png,
+                                config.overwrite)
+            for note in plan.notes:
+                print(f"h3trt: {note}", file=sys.stderr)
+        self.plan = plan
         jobs = []
-        for item in self.items.values():  # 2. plan, before any model loads
-            if finished(self.out_dir, item):
+        for item in self.items.values():
+            if item.id in plan.finished:
                 self.summary.skipped.append(item.id)
             else:
                 mp4, _ = output_paths(self.out_dir, item)
-                # overwrite: a retried request replaces its own stale files; the out-dir lock keeps other runs out.
-                jobs.append(Job(item.id, item.request, mp4, overwrite=True, record={"line": item.line},
+                # A job replaces only files the plan found ours (or --overwrite allowed); any other target is
+                # committed without replacing, so a file that appears meanwhile is kept and the job fails naming it.
+                jobs.append(Job(item.id, item.request, mp4, overwrite=item.id in plan.replace,
+                                record={"line": item.line, "made_by": MADE_BY},
                                 key=item.key if batchable(item.request) else ()))
         self.pending: deque[Job] = deque(jobs)
         self.retried: set[str] = set()
@@ -168,6 +169,8 @@ class FileQueue:
         for job in reversed(jobs):
             if died and job.id not in self.retried:
                 self.retried.add(job.id)
+                if self._ours_now(job.id):  # the group died after committing (part of) it: ours to replace
+                    job = dataclasses.replace(job, overwrite=True)
                 self.pending.appendleft(job)
                 self._log(f"{job.id}: its replica group {group} died ({reason}); running it again")
             else:
@@ -194,8 +197,9 @@ class FileQueue:
             write_json_atomic(json_path, {
                 "status": "failed", "id": job_id, "line": item.line, "stage": stage, "error": error,
                 "traceback": details.get("traceback", []), "request": request_dict(item.request),
-                "model": self.model, "timings_s": details.get("timings_s", {}), **self.extra})
-        except OutputError as e:  # a full disk: one line says so and the batch goes on (a rerun retries it)
+                "model": self.model, "timings_s": details.get("timings_s", {}), "made_by": MADE_BY, **self.extra},
+                overwrite=job_id in self.plan.replace or self._ours_now(job_id))
+        except OutputError as e:  # a full disk, or a file that appeared: one line says so and the batch goes on
             self._log(f"{job_id}: its failure record could not be written either: {e}")
         if event is not None:
             self._row(event, "failed")
@@ -207,7 +211,11 @@ class FileQueue:
             self.stopped = (f"{job_id} (line {item.line}) failed: {error} (--fail-fast; a rerun skips the finished "
                             "requests and retries this one).")
 
-    def finish(self, timeline_name: str = "timeline") -> BatchSummary:
+    def _ours_now(self, job_id: str) -> bool:
+        """Whether OUT/<id>.json is now a record of ours (this run's: the out-dir lock keeps other batches out)."""
+        return our_record(output_paths(self.out_dir, self.items[job_id])[1], job_id) is not None
+
+    def finish(self) -> BatchSummary:
         """Close the run: the summary's wall time, the bars, and the timeline (kept across resumed runs)."""
         self.summary.wall_s = time.perf_counter() - self._start
         if self.bars:
@@ -215,8 +223,9 @@ class FileQueue:
             self.bars[0].close()
             self.bars = None
         try:
-            write_timeline(self.out_dir, timeline_name, self.rows, self.summary.as_dict(), self.config.timeline_png,
-                           self.started_unix)
+            stem = self.config.timeline_stem
+            write_timeline(self.out_dir, stem, self.rows, self.summary.as_dict(), self.config.timeline_png,
+                           self.started_unix, replace=self.plan.timelines.get(stem, False))
         except (OutputError, OSError) as e:  # a full disk: the clips' own records are what matters
             self._log(f"the timeline could not be written: {e}")
         return self.summary
@@ -234,7 +243,7 @@ class FileQueue:
 
 
 def run_batch(pipeline, items: list[BatchItem], config: BatchConfig, model: str = "",
-              on_event: Callable[[Event], None] | None = None, timeline: str = "timeline") -> BatchSummary:
+              on_event: Callable[[Event], None] | None = None) -> BatchSummary:
     """A requests file's items on a pipeline already loaded in this process, through the one job loop (benchmarks
     and tests; `h3trt run --requests` goes through runtime/run.py, which also loads the model and launches ranks)."""
     from .rank import Pipelines, WorkerSpec
@@ -246,5 +255,5 @@ def run_batch(pipeline, items: list[BatchItem], config: BatchConfig, model: str 
     try:
         serve_in_process(spec, queue, Pipelines(lambda task: pipeline, "t2va", engine=True))
     finally:
-        summary = queue.finish(timeline)
+        summary = queue.finish()
     return summary

@@ -78,10 +78,10 @@ class StageTimer:
 
 def commit_clip(record: dict, mp4_temp: Path, output: Path, finish: Callable[[dict], None] | None = None,
                 overwrite: bool = False) -> dict:
-    """Stage 5's last step: the record (with the MP4's sha256, completed by `finish`) and the finished MP4 renamed
-    into place together, or neither (files.commit: no-clobber unless `overwrite`)."""
+    """Stage 5's last step: the record (with the MP4's sha256 and size, completed by `finish`) and the finished MP4
+    renamed into place together, or neither (files.commit: no-clobber unless `overwrite`)."""
     try:
-        record["mp4_sha256"] = sha256_file(mp4_temp)
+        record["mp4_sha256"], record["mp4_bytes"] = sha256_file(mp4_temp), os.path.getsize(mp4_temp)
         if finish is not None:
             finish(record)
         json_temp = write_json_file(record_path(output), record)

@@ -9,6 +9,7 @@ replica groups (--gpus N), or torchrun.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from contextlib import nullcontext
 from pathlib import Path
@@ -17,8 +18,9 @@ from ..errors import UserError
 from ..models.packing import FPS
 from ..models.text_encoder import check_text_encoder_files
 from ..models.sampler import DEFAULT_GUIDANCE
-from .batch import BatchConfig, FileQueue, finished, summary_line
+from .batch import BatchConfig, FileQueue, summary_line
 from .batch_file import check_bundle_batch, parse_requests
+from .batch_outputs import finished, plan_out_dir
 from .entry import Entry
 from .files import (BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
                     remove_leftovers, remove_own_temps)
@@ -157,11 +159,11 @@ def report_record(record: dict, output: Path) -> None:
 
 
 def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1, fail_fast: bool = False,
-                 crf: int = 23, quiet: bool = False) -> int:
+                 crf: int = 23, quiet: bool = False, overwrite: bool = False) -> int:
     """`h3trt run --requests FILE --out-dir OUT`: 0 when every request is done (now or by an earlier run)."""
     if entry.manifest is not None:
         check_bundle_batch(entry.manifest.segments, max_batch)
-    config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet)
+    config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet, overwrite=overwrite)
     # Every line checked before any model loads, a bundle's admission included (task, canvas, schedule).
     items = parse_requests(requests, entry.canvas, entry.default_steps, admit=entry.admit)
     try:
@@ -180,24 +182,31 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
     # writes it (under torchrun, rank 0 holds the lock for the job).
     preflight_out_dir(out_dir, max(estimated_clip_bytes(i.key[2], i.key[1], i.key[3], FPS, config.crf)
                                    for i in items))
-    lock = BatchLock(out_dir) if entry.torchrun is None or entry.torchrun[0] == 0 else nullcontext()
+    first = entry.torchrun is None or entry.torchrun[0] == 0
+    lock = BatchLock(out_dir) if first else nullcontext()
+    groups = mesh.replica if entry.torchrun is not None else 1  # torchrun: each group writes its own timeline
     queues: list[FileQueue] = []
 
     def queue_of(group: int, groups: int) -> FileQueue:
-        queues.append(FileQueue(items, BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet,
-                                                   shard=(group, groups)),
-                                entry.model_name, entry.record_extra))
+        queues.append(FileQueue(items, dataclasses.replace(config, shard=(group, groups)), entry.model_name,
+                                entry.record_extra, plan=plan))
         return queues[-1]
 
     spec = entry.worker_spec(items[0].request.task, mesh, crf=crf, max_batch=max_batch)
     try:
         with lock:
+            # Under the lock, before any model loads: what OUT holds that is not ours is refused (every rank sees
+            # the same files and refuses alike).
+            plan = plan_out_dir(out_dir, items, [dataclasses.replace(config, shard=(g, groups)).timeline_stem
+                                                 for g in range(groups)], config.timeline_png, overwrite)
+            for note in plan.notes if first else ():
+                print(f"h3trt: {note}", file=sys.stderr)
             entry.note()
             try:
                 serve_queue(spec, queue_of, entry.how, gpus)
             finally:
                 for q in queues:
-                    summary = q.finish("timeline" if q.config.shard[1] == 1 else f"timeline-group{q.config.shard[0]}")
+                    summary = q.finish()
     except KeyboardInterrupt:
         remove_own_temps()
         if entry.on_mesh:

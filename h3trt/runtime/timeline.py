@@ -8,12 +8,13 @@ request, the host tail (decode and mux after the last denoise) and the idle gaps
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import torch
 
-from .files import commit, discard, temp_path, write_json_atomic
+from ..engines.manifest import sha256_file
+from .batch_outputs import MADE_BY, our_timeline, timeline_paths
+from .files import commit, discard, temp_path, write_json_file
 from .records import StageTimer
 
 # Colour per stage (the PNG's legend order); a stage not listed here is refused rather than drawn grey.
@@ -55,43 +56,51 @@ class TimelineTimer(StageTimer):
 
 
 def write_timeline(out_dir: Path, stem: str, rows: list[dict], summary: dict, png: bool,
-                   started_unix: float) -> list[Path]:
-    """Write OUT/<stem>.json (and OUT/<stem>.png) atomically; `rows` are {"id", "status", "group", "batch",
+                   started_unix: float, replace: bool = True) -> list[Path]:
+    """Write OUT/<stem>.json (and OUT/<stem>.png), committed together; `rows` are {"id", "status", "group", "batch",
     "intervals"}. `stem` is "timeline", or "timeline-group{i}" for torchrun's group i (each group serves its own
-    share there).
+    share there). The JSON carries MADE_BY and the PNG's size and sha256: what marks both as a batch's own
+    (batch_outputs.py). `replace`: whether existing files may be replaced (the plan found them ours, or --overwrite);
+    otherwise a file that appeared meanwhile is kept and files.OutputExists raised.
 
     A resumed run keeps the earlier runs' rows: each run is listed in `runs` (its start and summary) and each row
     says which run it belongs to, its intervals in seconds since that run started. `summary` and `started_unix` at
     the top are the latest run's."""
-    json_name, png_name = f"{stem}.json", f"{stem}.png"
-    path = Path(out_dir) / json_name
+    path, png_path = timeline_paths(out_dir, stem)
     runs, earlier = _earlier_runs(path)
     run = len(runs)
     runs.append({"started_unix": started_unix, "summary": summary})
-    data = {"started_unix": started_unix, "clock": "seconds since the row's run started", "summary": summary, "runs": runs,
+    data = {"made_by": MADE_BY, "started_unix": started_unix, "clock": "seconds since the row's run started",
+            "summary": summary, "runs": runs,
             "requests": earlier + [{**row, "run": run,
                                     "intervals": [[s, round(a, 4), round(b, 4)] for s, a, b in row["intervals"]]}
                                    for row in rows]}
-    written = [path]
-    write_json_atomic(path, data)
-    if png:
-        written.append(Path(out_dir) / png_name)
-        title = (f"{summary['done']} done, {summary['failed']} failed, {summary['skipped']} skipped; "
-                 f"{summary['clips_per_hour']:.1f} clips/h" + (f"; rows of {run + 1} runs" if run else ""))
-        draw_timeline(data["requests"], written[1], title=title)
-    return written
+    pairs = []
+    try:
+        if png:
+            title = (f"{summary['done']} done, {summary['failed']} failed, {summary['skipped']} skipped; "
+                     f"{summary['clips_per_hour']:.1f} clips/h" + (f"; rows of {run + 1} runs" if run else ""))
+            pairs.append((temp_path(png_path), png_path))
+            draw_timeline(data["requests"], pairs[0][0], title=title)
+            data["png"] = {"bytes": pairs[0][0].stat().st_size, "sha256": sha256_file(pairs[0][0])}
+        pairs.insert(0, (write_json_file(path, data), path))
+    except BaseException:
+        for temp, _ in pairs:
+            discard(temp)
+        raise
+    commit(pairs, overwrite=replace)
+    return [target for _, target in pairs]
 
 
 def _earlier_runs(path: Path) -> tuple[list[dict], list[dict]]:
-    """The runs and rows of an existing timeline (a file from before runs were kept counts as one run)."""
-    if not path.exists():
-        return [], []
+    """The runs and rows of an existing timeline of ours (batch_outputs.our_timeline); none from any other file."""
+    old = our_timeline(path)
+    if old is None:
+        return [], []  # absent, or not ours (then --overwrite was given): this run's timeline starts afresh
     try:
-        old = json.loads(path.read_text())
-        runs = old.get("runs") or [{"started_unix": old["started_unix"], "summary": old["summary"]}]
-        rows = [{**row, "run": row.get("run", 0)} for row in old["requests"]]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return [], []  # unreadable: this run's timeline replaces it (the clips' own records are untouched)
+        runs, rows = list(old["runs"]), [dict(row, run=row["run"]) for row in old["requests"]]
+    except (KeyError, TypeError, ValueError):
+        return [], []  # ours but damaged: this run's timeline replaces it (the clips' own records are untouched)
     return runs, rows
 
 
@@ -102,8 +111,9 @@ def legend_stages(rows: list[dict]) -> list[str]:
 
 
 def draw_timeline(rows: list[dict], path: Path, title: str = "") -> None:
-    """One horizontal row of coloured intervals per request, first request on top; written atomically. Rows of
-    several runs are labelled with their run; the legend lists the stages drawn."""
+    """One horizontal row of coloured intervals per request, first request on top, saved as a PNG at `path` itself
+    (write_timeline passes a temporary name and commits it). Rows of several runs are labelled with their run; the
+    legend lists the stages drawn."""
     import matplotlib  # only a batch run that draws its timeline needs matplotlib (about a second to import)
 
     matplotlib.use("Agg")  # files only: never open a window, never need a display
@@ -124,10 +134,7 @@ def draw_timeline(rows: list[dict], path: Path, title: str = "") -> None:
     ax.legend(handles=[Patch(color=STAGE_COLOURS[s], label=s) for s in legend_stages(rows)], loc="upper left",
               bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     fig.tight_layout()
-    tmp = temp_path(path)
     try:
-        fig.savefig(tmp, format="png", dpi=110)
-        commit([(tmp, path)], overwrite=True)
+        fig.savefig(path, format="png", dpi=110)
     finally:
         plt.close(fig)
-        discard(tmp)
