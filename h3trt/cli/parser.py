@@ -88,14 +88,20 @@ def _run_parser(sub) -> None:
     cache.add_argument("--cache-threshold", type=float,
                        help="first-block: relative change of block 0's residual (default "
                             f"{DEFAULT_THRESHOLDS['first-block']}); mag: accumulated error (default "
-                            f"{DEFAULT_THRESHOLDS['mag']})")
+                            f"{DEFAULT_THRESHOLDS['mag']}); inf: every skip the warm-up and --cache-max-skip allow "
+                            "(a profile's fastest clip, for benchmarks)")
+    cache.add_argument("--cache-warmup", type=int, metavar="N",
+                       help="first-block: the first N evaluations of each branch run every block (default 0, "
+                            "diffusers'; Cache-DiT's max_warmup_steps)")
+    cache.add_argument("--cache-max-skip", type=int, metavar="K",
+                       help=f"consecutive skipped evaluations at most, then one runs every block (mag: default "
+                            f"{DEFAULT_MAX_SKIP_STEPS}; first-block: default no limit, diffusers'; Cache-DiT's "
+                            "max_continuous_cached_steps)")
     cache.add_argument("--mag-ratios", help="mag: the model's magnitude ratios, R1,R2,... or a .json list "
                                             "(interpolated to the steps; recorded in the clip's JSON)")
     cache.add_argument("--mag-calibrate", action="store_true", help="mag: skip nothing and record this model's "
                                                                     "ratios in the clip's JSON")
-    cache.add_argument("--cache-max-skip", type=int, default=DEFAULT_MAX_SKIP_STEPS,
-                       help=f"mag: consecutive skips at most (default {DEFAULT_MAX_SKIP_STEPS})")
-    cache.add_argument("--cache-retention", type=float, default=DEFAULT_RETENTION_RATIO,
+    cache.add_argument("--cache-retention", type=float,
                        help=f"mag: leading fraction of the steps never skipped (default {DEFAULT_RETENTION_RATIO})")
     _mesh_arguments(p)
 

@@ -88,8 +88,10 @@ def step_cache_from_args(args):
     from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
 
     if args.cache is None:
-        given = [f for f, v in (("--cache-threshold", args.cache_threshold), ("--mag-ratios", args.mag_ratios),
-                                ("--mag-calibrate", args.mag_calibrate)) if v]
+        given = [f for f, v in (("--cache-threshold", args.cache_threshold), ("--cache-warmup", args.cache_warmup),
+                                ("--cache-max-skip", args.cache_max_skip), ("--cache-retention", args.cache_retention),
+                                ("--mag-ratios", args.mag_ratios), ("--mag-calibrate", args.mag_calibrate))
+                 if v is not None and v is not False]
         if given:
             raise UserError(f"{' '.join(given)} configure step caching; add --cache first-block or --cache mag.")
         return None
@@ -97,8 +99,9 @@ def step_cache_from_args(args):
     if args.mag_ratios is not None:
         ratios = parse_mag_ratios(args.mag_ratios)
     threshold = DEFAULT_THRESHOLDS[args.cache] if args.cache_threshold is None else args.cache_threshold
-    return StepCacheConfig(args.cache, threshold, ratios, args.cache_max_skip, args.cache_retention,
-                           args.mag_calibrate)
+    retention = {} if args.cache_retention is None else {"retention_ratio": args.cache_retention}
+    return StepCacheConfig(args.cache, threshold, ratios, args.cache_max_skip, calibrate=args.mag_calibrate,
+                           warmup=args.cache_warmup or 0, **retention)
 
 
 def parse_mag_ratios(text: str) -> tuple[float, ...]:
