@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -120,3 +121,143 @@ def test_bad_cache_knobs_are_refused(kwargs, message):
 
 def test_mag_keeps_its_default_skip_limit():
     assert StepCacheConfig("mag", 0.06, (0.99,)).max_skip_steps == 3
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The named profiles
+
+# The documented table (README, 'Speed profiles'): (step cache kind, threshold, warm-up, skips in a row), sparsity,
+# dense leading evaluations.
+TABLE = {
+    "lossless": (None, 0.0, None),
+    "quality": (("first-block", 0.04, 4, 1), 0.0, None),
+    "balanced": (("first-block", 0.12, 4, 3), 0.75, 10),
+    "fast": (("first-block", 0.24, 4, 3), 0.80, 10),
+}
+
+
+def cache_of(fields):
+    c = fields["cache"]
+    return None if c is None else (c.kind, c.threshold, c.warmup, c.max_skip_steps)
+
+
+@pytest.mark.parametrize("name", list(TABLE))
+def test_each_profile_resolves_to_its_settings(name):
+    fields = profile_fields(name)
+    cache, sparsity, dense = TABLE[name]
+    assert fields["profile"] == name and cache_of(fields) == cache
+    assert fields["sparse_attention"] == sparsity and fields.get("sparse_dense_steps") == dense
+    assert set(PROFILES) == set(TABLE)
+
+
+@pytest.mark.parametrize("knobs, cache, sparse", [
+    ({"threshold": 0.3}, ("first-block", 0.3, 4, 3), (0.75, 10)),
+    ({"warmup": 0, "max_skip_steps": 1}, ("first-block", 0.12, 0, 1), (0.75, 10)),  # 0 is stated, not "unset"
+    ({"sparse_attention": 0.5, "sparse_dense_steps": 2}, ("first-block", 0.12, 4, 3), (0.5, 2)),
+    ({"sparse_attention": 0.0}, ("first-block", 0.12, 4, 3), (0.0, 10)),
+    ({"cache": "mag", "mag_ratios": (0.99, 0.98)}, ("mag", 0.06, 0, 3), (0.75, 10)),  # the cache replaced whole
+])
+def test_an_explicit_knob_overrides_the_profiles_value_for_that_knob_only(knobs, cache, sparse):
+    fields = profile_fields("balanced", **knobs)
+    assert cache_of(fields) == cache
+    assert (fields["sparse_attention"], fields["sparse_dense_steps"]) == sparse
+
+
+def test_without_a_profile_the_flags_alone_decide():
+    assert profile_fields(None) == {"profile": None, "cache": None}
+    assert cache_of(profile_fields(None, "first-block")) == ("first-block", 0.05, 0, None)  # diffusers' defaults
+
+
+@pytest.fixture
+def h3trt(capsys):
+    def run(*argv: str) -> tuple[int, list[str]]:
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err.strip().splitlines()
+
+    return run
+
+
+def test_run_builds_the_request_from_the_profile_and_the_flags(h3trt, monkeypatch, tmp_path):
+    seen = []
+    monkeypatch.setattr("h3trt.runtime.run.run_clip", lambda entry, request, *args: seen.append(request) or 0)
+    code, err = h3trt("run", "--prompt", "a fox", "--output", str(tmp_path / "c.mp4"), "--device", "cpu",
+                      "--profile", "fast", "--cache-max-skip", "1")
+    assert code == 0, err
+    (request,) = seen
+    assert request.profile == "fast" and (request.sparse_attention, request.sparse_dense_steps) == (0.8, 10)
+    assert (request.cache.threshold, request.cache.warmup, request.cache.max_skip_steps) == (0.24, 4, 1)
+
+
+@pytest.mark.parametrize("flags, line", [
+    (["--profile", "turbo"],
+     "argument --profile: invalid choice: 'turbo' (choose from 'lossless', 'quality', 'balanced', 'fast')"),
+    (["--profile", "quality", "--cache-max-skip", "0"], "--cache-max-skip must be a whole number >= 1"),
+    (["--profile", "quality", "--cache-warmup", "-1"], "--cache-warmup must be a whole number >= 0"),
+    (["--profile", "balanced", "--cache-threshold", "nan"], "--cache-threshold must be >= 0"),
+    (["--profile", "lossless", "--cache-warmup", "2"],
+     "--cache-warmup configure step caching, and --profile lossless has no step cache; add --cache first-block"),
+    (["--cache-max-skip", "2"], "--cache-max-skip configure step caching; add --cache first-block or --cache mag."),
+    (["--profile", "balanced", "--cache", "mag", "--mag-ratios", "0.99", "--cache-warmup", "4"],
+     "--cache-warmup applies to --cache first-block"),
+])
+def test_bad_profile_values_are_one_line_and_exit_2(h3trt, no_model_load, tmp_path, flags, line):
+    code, err = h3trt("run", "--prompt", "a fox", "--output", str(tmp_path / "c.mp4"), "--device", "cpu", *flags)
+    assert code == 2 and len(err) == 1 and err[0].startswith(f"h3trt: error: {line}"), err
+
+
+def test_a_batch_takes_profiles_from_its_lines_not_the_flags(h3trt, no_model_load, tmp_path):
+    requests = tmp_path / "r.jsonl"
+    requests.write_text('{"id": "a", "task": "t2va", "prompt": "a fox", "profile": "fast"}\n')
+    code, err = h3trt("run", "--requests", str(requests), "--out-dir", str(tmp_path / "out"), "--profile", "fast",
+                      "--cache-warmup", "0")
+    assert code == 2 and len(err) == 1 and "--profile --cache-warmup set one clip's speed profile" in err[0], err
+
+
+@pytest.mark.parametrize("line, check", [
+    ({"profile": "fast", "cache_max_skip": 1}, lambda r: (r.cache.threshold, r.cache.max_skip_steps) == (0.24, 1)),
+    ({"cache": "first-block", "cache_warmup": 4}, lambda r: (r.cache.warmup, r.cache.max_skip_steps) == (4, None)),
+    ({"profile": "lossless"}, lambda r: r.cache is None and r.sparse_attention == 0.0 and r.profile == "lossless"),
+])
+def test_request_lines_take_a_profile_and_cache_keys(line, check):
+    assert check(request_of({"prompt": "a fox", **line}))
+
+
+@pytest.mark.parametrize("line, message", [
+    ({"profile": "turbo"}, "profile 'turbo' is not one of ['lossless', 'quality', 'balanced', 'fast']"),
+    ({"profile": 3}, "profile must be one of"),
+    ({"cache": "mag"}, "cache must be 'first-block' in a request"),
+    ({"profile": "fast", "cache_threshold": "0.1"}, "cache_threshold must be a number"),
+    ({"profile": "fast", "cache_warmup": 1.5}, "cache_warmup must be a whole number"),
+    ({"profile": "fast", "cache_max_skip": 0}, "--cache-max-skip must be a whole number >= 1"),
+    ({"cache_warmup": 2}, 'cache_warmup configure step caching; add "cache": "first-block"'),
+    ({"profile": "lossless", "cache_threshold": 0.1}, "and profile 'lossless' has no step cache"),
+])
+def test_bad_request_keys_are_refused_by_name(line, message):
+    with pytest.raises(UserError, match=re.escape(message)):
+        request_of({"prompt": "a fox", **line})
+
+
+def request_of(data: dict):
+    from pathlib import Path
+
+    from h3trt.runtime.requests import parse_object
+
+    return parse_object(data, 1, Path("."), ("prompt",)).request
+
+
+def test_the_api_passes_the_profile_and_cache_fields_on(tmp_path):
+    """The server's schema step (server/service.py _to_schema), multipart included: numbers arrive as text."""
+    from types import SimpleNamespace
+
+    from h3trt.server.service import ApiError, VideoService
+
+    service = SimpleNamespace(model_id="h3")
+    schema, _ = VideoService._to_schema(service, {"prompt": "a fox", "profile": "balanced", "cache_warmup": "2",
+                                                  "cache_max_skip": "1"}, [], tmp_path, multipart=True)
+    request = request_of(schema)
+    assert request.profile == "balanced" and (request.cache.warmup, request.cache.max_skip_steps) == (2, 1)
+    with pytest.raises(ApiError, match="unknown field"):
+        VideoService._to_schema(service, {"prompt": "a fox", "cache_retention": 0.1}, [], tmp_path, multipart=False)

@@ -30,6 +30,7 @@ def _run_parser(sub) -> None:
     from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
     from ..models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
     from ..runtime.files import DEFAULT_CRF
+    from ..runtime.profiles import PROFILE_NAMES
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
@@ -82,9 +83,13 @@ def _run_parser(sub) -> None:
     p.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE,
                    help="classifier-free guidance scale (default 1 = off: H3 is guidance-distilled and needs none)")
     p.add_argument("--negative-prompt", help="the negative branch's prompt (required with --guidance > 1)")
+    speed = p.add_argument_group("speed profiles (README, 'Speed profiles'): step reuse and sparse attention by name")
+    speed.add_argument("--profile", choices=PROFILE_NAMES,
+                       help="lossless (default: every block of every step), quality, balanced or fast; a step-cache "
+                            "or sparse flag given too overrides the profile's value for that knob")
     cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
     cache.add_argument("--cache", choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
-                                                                       "predicts (default: off)")
+                                                                       "predicts (default: off, or the profile's)")
     cache.add_argument("--cache-threshold", type=float,
                        help="first-block: relative change of block 0's residual (default "
                             f"{DEFAULT_THRESHOLDS['first-block']}); mag: accumulated error (default "
