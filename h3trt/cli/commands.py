@@ -119,10 +119,19 @@ def cmd_eval(args) -> int:
 
     if args.json is not None and args.json.exists():
         raise UserError(f"{args.json} already exists; choose another --json path.")
-    engine = Entry.resolve(engine=args.engine, device=args.device)
+    if args.reference is None and args.profile is None:
+        raise UserError("h3trt eval needs --reference (a bundle, a checkpoint or 'tiny') or --profile NAME (the "
+                        "engine's clip with that profile against its own lossless clip).")
+    # With --profile and no --reference the engine runs both sides: any model source serves (a bundle, a checkpoint
+    # or 'tiny'); an engine compared with a reference is a bundle (evaluate says so).
+    if args.reference is None:
+        engine = reference_entry(str(args.engine), args.device)
+    else:
+        engine = Entry.resolve(engine=args.engine, device=args.device)
     requests = read_eval_requests(args.requests, engine.manifest)  # every line checked before any model loads
-    result = evaluate(engine, reference_entry(args.reference, engine.device), requests,
-                      log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr))
+    reference = reference_entry(args.reference, engine.device) if args.reference is not None else None
+    result = evaluate(engine, reference, requests, log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr),
+                      profile=args.profile)
     print(table(result))
     if args.json is not None:
         write_json_atomic(args.json, result)

@@ -256,9 +256,17 @@ def _build_parser(sub) -> None:
 
 def _bundle_parsers(sub) -> None:
     """eval, inspect, verify, keygen: commands over bundles and keys."""
-    e = sub.add_parser("eval", help="compare an engine bundle with a reference on the same requests and seeds")
-    e.add_argument("--engine", required=True, type=Path, help="the bundle under test (e.g. an fp8 build)")
-    e.add_argument("--reference", required=True, help="a bundle, a checkpoint folder, or 'tiny' (eager)")
+    from ..runtime.profiles import PROFILE_NAMES
+
+    e = sub.add_parser("eval", help="compare an engine bundle with a reference, or a speed profile with the lossless "
+                                    "run, on the same requests and seeds")
+    e.add_argument("--engine", required=True, type=Path,
+                   help="the bundle under test (e.g. an fp8 build); with --profile and no --reference, any model: a "
+                        "bundle, a checkpoint folder or 'tiny'")
+    e.add_argument("--reference", help="a bundle, a checkpoint folder, or 'tiny' (eager); required unless --profile")
+    e.add_argument("--profile", choices=PROFILE_NAMES,
+                   help="run the engine side with this speed profile and the reference side (default: the engine "
+                        "itself) lossless: SSIM/PSNR in YUV420, audio distance and denoise time of the profile")
     e.add_argument("--requests", required=True, type=Path,
                    help="JSON lines, the schema of `run --requests` (id and task optional): {\"prompt\": ..., "
                         "\"seed\": ...} (resolution or width/height, duration, steps default to the engine's)")

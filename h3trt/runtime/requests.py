@@ -138,9 +138,11 @@ def _read_once(path: Path) -> tuple[bytes, Path]:
     return content.removeprefix(codecs.BOM_UTF8), path.parent if stat.S_ISREG(mode) else Path.cwd()
 
 
-def read_eval_requests(path: Path, manifest: Manifest) -> list[Request]:
-    """`h3trt eval --requests`: the requests, a field left out taking the engine bundle's profile and schedule."""
-    return [line.request for line in read_request_file(path, EVAL_REQUIRED, RequestDefaults.of_bundle(manifest))]
+def read_eval_requests(path: Path, manifest: Manifest | None) -> list[Request]:
+    """`h3trt eval --requests`: the requests, a field left out taking the engine bundle's profile and schedule (an
+    eager engine's: the model's canvas and the default schedule)."""
+    defaults = RequestDefaults.of_bundle(manifest) if manifest is not None else RequestDefaults()
+    return [line.request for line in read_request_file(path, EVAL_REQUIRED, defaults)]
 
 
 def parse_line(text: str, number: int, base: Path, required: tuple[str, ...],
