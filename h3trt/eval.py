@@ -230,7 +230,8 @@ def reference_entry(reference: str, device: str) -> Entry:
     return Entry.resolve(model=path, device=device)
 
 
-def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=print, profile: str | None = None) -> dict:
+def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=print,
+             profile: str | None = None) -> dict:
     """`reqs` (h3trt/runtime/requests.py: read_eval_requests) through the engine and the reference, on the engine's
     device, one model in memory at a time. Both sides are checked against every request first (a missing or wrong
     checkpoint, a bundle not built for a request's task, canvas or schedule), so neither fails after the other ran.

@@ -215,7 +215,8 @@ def test_a_batch_takes_profiles_from_its_lines_not_the_flags(h3trt, no_model_loa
                       "--cache-warmup", "0")
     assert code == 2 and len(err) == 1 and "--profile --cache-warmup set one clip's speed profile" in err[0], err
     # Before: the cache knobs but --cache were ignored with --requests (the batch ran without them, silently).
-    code, err = h3trt("run", "--requests", str(requests), "--out-dir", str(tmp_path / "out"), "--cache-threshold", "0.1")
+    code, err = h3trt("run", "--requests", str(requests), "--out-dir", str(tmp_path / "out"),
+                      "--cache-threshold", "0.1")
     assert code == 2 and len(err) == 1 and "--cache-threshold set one clip's speed profile" in err[0], err
 
 

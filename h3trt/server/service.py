@@ -34,8 +34,9 @@ from .store import JobRow, JobStore
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
 
 SERVED_MODEL = "minimax-h3"
+# multipart sends every field as text: these are parsed as JSON numbers
 FORM_NUMBERS = {"seed": int, "steps": int, "guidance": float, "video_shift": float, "audio_shift": float,
-                "duration": float, "cache_threshold": float, "cache_warmup": int, "cache_max_skip": int}  # multipart sends every field as text: these are parsed as JSON numbers
+                "duration": float, "cache_threshold": float, "cache_warmup": int, "cache_max_skip": int}
 FILE_FIELDS = {"input_reference": "image", "last_image": "last_image", "refs": "refs"}
 OPENAI_FIELDS = ("prompt", "model", "seconds", "size", "input_reference")
 API_NAMES = {"duration": "seconds", "resolution": "size", "width": "size", "height": "size", "image": "input_reference"}
