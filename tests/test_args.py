@@ -37,8 +37,7 @@ def h3trt(capsys):
     (["run", "--cache", "mag", "--mag-ratios", "-1,0,inf"],
      "--mag-ratios needs a value (one that starts with '-' is written --mag-ratios=-VALUE)."),
     (["run", "--ref"], "--ref needs a value (one that starts with '-' is written --ref=-VALUE)."),
-    (["eval", "--engine", "b"], "the following arguments are required: --reference, --requests; see `h3trt eval "
-                                "--help`."),
+    (["eval", "--engine", "b"], "the following arguments are required: --requests; see `h3trt eval --help`."),
     (["run", "--cache", "teacache"], "argument --cache: invalid choice: 'teacache' (choose from 'first-block', 'mag')"),
     (["frob"], "argument command: invalid choice: 'frob' (choose from " + ", ".join(
         repr(c) for c in cli.COMMANDS) + ")"),

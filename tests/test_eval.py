@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import json
+import math
 from dataclasses import replace
 from pathlib import Path
 
@@ -187,3 +188,126 @@ def test_a_tensorrt_engine_is_built_without_compiled_video_decoders():
     manifest = Manifest.from_dict(_manifest_dict())
     assert Engine(Path("b"), manifest, None, {}, compiled_video_decoder=False).video_decoders(None) is None
     assert Engine(Path("b"), manifest, None, {}).video_decoders(None) == {}  # an Inductor bundle's, here none
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# SSIM and PSNR in YUV420, against FFmpeg's own ssim and psnr filters (PyAV's bundled FFmpeg, libavfilter)
+
+
+def ffmpeg_filter(name: str, planes_a, planes_b) -> list[dict]:
+    """Per-frame metadata of FFmpeg's `name` filter (ssim or psnr) over yuv420p frame pairs."""
+    from fractions import Fraction
+
+    import av
+
+    (t, h, w), graph = planes_a[0].shape, av.filter.Graph()
+    sources = [graph.add_buffer(width=w, height=h, format="yuv420p", time_base=Fraction(1, 24)) for _ in range(2)]
+    node, sink = graph.add(name), graph.add("buffersink")
+    sources[0].link_to(node, 0, 0)
+    sources[1].link_to(node, 0, 1)
+    node.link_to(sink)
+    graph.configure()
+    out = []
+    for i in range(t):
+        for source, planes in zip(sources, (planes_a, planes_b)):
+            frame = av.VideoFrame.from_ndarray(torch.cat([p[i].reshape(-1) for p in planes]).view(h * 3 // 2, w)
+                                               .numpy(), format="yuv420p")
+            frame.pts = i
+            source.push(frame)
+        out.append({k.rsplit(".", 1)[-1] if name == "ssim" else k[len("lavfi.psnr."):]: float(v)
+                    for k, v in sink.pull().metadata.items()})
+    return out
+
+
+def frames_pair(t=3, h=60, w=100):
+    """Smooth frames plus noise, and a copy with more noise: SSIM well inside (0, 1). 100x60: the chroma planes (50x30)
+    are not whole 4x4 blocks, so the pixels FFmpeg leaves out are left out here too."""
+    g = torch.Generator().manual_seed(5)
+    ramp = torch.linspace(0, 1, w).view(1, 1, 1, w) * torch.linspace(0.2, 0.9, h).view(1, 1, h, 1)
+    a = (ramp.expand(t, 3, h, w) * torch.tensor([1.0, 0.6, 0.3]).view(1, 3, 1, 1)
+         + 0.05 * torch.randn(t, 3, h, w, generator=g)).clamp(0, 1)
+    return a, (a + 0.08 * torch.randn(t, 3, h, w, generator=g)).clamp(0, 1)
+
+
+def test_ssim_yuv420_is_ffmpegs():
+    a, b = frames_pair()
+    got = eval_module.yuv420_metrics(a, b)
+    per_frame = ffmpeg_filter("ssim", eval_module.yuv420_planes(a), eval_module.yuv420_planes(b))
+    want = sum(f["All"] for f in per_frame) / len(per_frame)
+    assert 0.3 < want < 0.95, want  # a pair that tells the windows apart
+    assert abs(got["ssim_yuv420"] - want) < 2e-6, (got, want)  # FFmpeg prints 6 decimals
+    for plane in "yuv":
+        mean = sum(f[plane.upper()] for f in per_frame) / len(per_frame)
+        assert abs(got["ssim_yuv420_planes"][plane] - mean) < 2e-6
+
+
+def test_psnr_yuv420_is_ffmpegs_average():
+    a, b = frames_pair()
+    got = eval_module.yuv420_metrics(a, b)["psnr_yuv420_db"]
+    per_frame = ffmpeg_filter("psnr", eval_module.yuv420_planes(a), eval_module.yuv420_planes(b))
+    mse = sum(f["mse_avg"] for f in per_frame) / len(per_frame)  # FFmpeg's average: of the frames' MSE, then dB
+    assert abs(got - 10 * math.log10(255 ** 2 / mse)) < 1e-4, got
+    same = eval_module.yuv420_metrics(a, a)
+    assert abs(same["ssim_yuv420"] - 1.0) < 1e-12 and same["psnr_yuv420_db"] == eval_module.PSNR_CAP_DB
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# eval --profile: a profile's clip against the lossless clip of the same request, end to end on the tiny model
+
+
+def test_eval_needs_a_reference_or_a_profile(tmp_path, no_model_load, capsys):
+    requests = tmp_path / "r.jsonl"
+    requests.write_text('{"prompt": "a fox", "steps": 8, "resolution": "160x96"}\n')
+    assert main(["eval", "--engine", "tiny", "--requests", str(requests), "--device", "cpu"]) == 2
+    assert "needs --reference" in capsys.readouterr().err
+    requests.write_text('{"prompt": "a fox", "steps": 8, "resolution": "160x96", "profile": "fast"}\n')
+    assert main(["eval", "--engine", "tiny", "--profile", "balanced", "--requests", str(requests),
+                 "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "request(s) 1 of --requests state their own" in err[0], err
+
+
+class LatentVAEs:
+    """Stand-in VAEs whose output is a fixed function of the latents (the tiny VAEs' real decode of a 5 s clip takes
+    minutes on two busy cores; the metrics themselves are checked against FFmpeg above): frames are the sigmoid of
+    the first three latent channels, upsampled to 48x32; audio the tanh of the rows, stretched to 4096 samples."""
+
+    def decode_stream(self, latents):
+        x = torch.sigmoid(latents[:, :3].float())
+        yield torch.nn.functional.interpolate(x, size=(x.shape[2], 32, 48), mode="nearest")
+
+    def decode_rows(self, rows):
+        wave = torch.tanh(rows.float().reshape(1, 1, -1))
+        return torch.nn.functional.interpolate(wave, size=4096, mode="linear").expand(2, 1, 4096)[:, 0]
+
+
+def test_eval_profile_compares_with_the_lossless_run_of_the_same_engine(tmp_path, capsys, monkeypatch, parts):
+    """`h3trt eval --engine tiny --profile balanced`, through the command line: the tiny DiT runs each side (8
+    steps: 7 evaluations, the 4 of the warm-up and then the cache's), the model loaded once for both sides."""
+    loads = []
+
+    def load_recording(source, task):
+        loads.append(source)
+        vaes = LatentVAEs()
+        return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit), video_vae=vaes,
+                                                  audio_vae=vaes), "cpu")
+
+    monkeypatch.setattr(eval_module, "load_recording", load_recording)
+    requests, out = tmp_path / "r.jsonl", tmp_path / "eval.json"
+    requests.write_text('{"prompt": "a red fox runs through fresh snow", "seed": 3, "steps": 8, '
+                        '"resolution": "160x96"}\n')
+    assert main(["eval", "--engine", "tiny", "--profile", "balanced", "--requests", str(requests), "--json", str(out),
+                 "--device", "cpu"]) == 0
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    (r,) = result["requests"]
+    assert len(loads) == 1  # one engine serves both sides
+    assert result["profile"] == "balanced" and result["reference"] == "tiny, lossless"
+    assert result["random_weights"] and "numerical distance, not picture quality" in result["note"]
+    assert "numerical distance, not picture quality" in printed and "SSIM YUV420" in printed
+    cache = r["step_cache"]
+    assert cache["reference"] is None and cache["engine"]["computed"] + cache["engine"]["skipped"] == 7
+    assert cache["engine"]["skipped"] >= 1 and cache["engine"]["computed"] >= 5  # the warm-up ran every block
+    assert 0 < r["ssim_yuv420"] < 1 and 0 < r["psnr_yuv420_db"] < eval_module.PSNR_CAP_DB  # skips moved the clip
+    assert r["latent_rel_err_per_step"]["video"][:4] == [0.0] * 4  # identical through the warm-up
+    assert r["audio_lsd_db"] > 0 and r["denoise_s"]["engine"] > 0 and r["denoise_s"]["reference"] > 0

@@ -19,7 +19,7 @@ def entry_from_args(args):
 
 
 def cmd_run(args) -> int:
-    from ..runtime.args import step_cache_from_args
+    from ..runtime.args import profile_fields_from_args
     from ..runtime.run import run_clip, run_requests
 
     if args.requests is not None:
@@ -37,7 +37,7 @@ def cmd_run(args) -> int:
     steps = args.steps if args.steps is not None else entry.default_steps
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, steps, args.width,
                       args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
-                      args.negative_prompt, step_cache_from_args(args))
+                      args.negative_prompt, **profile_fields_from_args(args))
     return run_clip(entry, request, args.output, args.crf, args.overwrite, args.quiet, args.profile_step)
 
 
@@ -68,9 +68,17 @@ def check_batch_args(args) -> None:
         raise UserError(f"--requests takes every request from its file; drop {' '.join(single)}.")
     if args.out_dir is None:
         raise UserError("--requests needs --out-dir DIR (OUT/<id>.mp4 and OUT/<id>.json per request).")
-    if args.cache is not None:
-        raise UserError("--cache decides per request, and a batch run shares one DiT evaluation per step across "
-                        "requests; run cached requests one at a time (h3trt run --prompt ... --cache ...).")
+    per_request = [flag for flag, value in (("--profile", args.profile), ("--cache", args.cache),
+                                            ("--cache-threshold", args.cache_threshold),
+                                            ("--cache-warmup", args.cache_warmup),
+                                            ("--cache-max-skip", args.cache_max_skip),
+                                            ("--cache-retention", args.cache_retention),
+                                            ("--mag-ratios", args.mag_ratios), ("--mag-calibrate", args.mag_calibrate))
+                   if value is not None and value is not False]  # --cache-warmup 0 is stated too
+    if per_request:
+        raise UserError(f"{' '.join(per_request)} set one clip's speed profile; in a --requests file each line states "
+                        "its own (\"profile\", \"cache\", \"cache_threshold\", \"cache_warmup\", "
+                        "\"cache_max_skip\"), or run the clip alone (h3trt run --prompt ...).")
 
 
 def cmd_build(args) -> int:
@@ -111,10 +119,19 @@ def cmd_eval(args) -> int:
 
     if args.json is not None and args.json.exists():
         raise UserError(f"{args.json} already exists; choose another --json path.")
-    engine = Entry.resolve(engine=args.engine, device=args.device)
+    if args.reference is None and args.profile is None:
+        raise UserError("h3trt eval needs --reference (a bundle, a checkpoint or 'tiny') or --profile NAME (the "
+                        "engine's clip with that profile against its own lossless clip).")
+    # With --profile and no --reference the engine runs both sides: any model source serves (a bundle, a checkpoint
+    # or 'tiny'); an engine compared with a reference is a bundle (evaluate says so).
+    if args.reference is None:
+        engine = reference_entry(str(args.engine), args.device)
+    else:
+        engine = Entry.resolve(engine=args.engine, device=args.device)
     requests = read_eval_requests(args.requests, engine.manifest)  # every line checked before any model loads
-    result = evaluate(engine, reference_entry(args.reference, engine.device), requests,
-                      log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr))
+    reference = reference_entry(args.reference, engine.device) if args.reference is not None else None
+    result = evaluate(engine, reference, requests, log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr),
+                      profile=args.profile)
     print(table(result))
     if args.json is not None:
         write_json_atomic(args.json, result)

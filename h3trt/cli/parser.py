@@ -30,6 +30,7 @@ def _run_parser(sub) -> None:
     from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
     from ..models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
     from ..runtime.files import DEFAULT_CRF
+    from ..runtime.profiles import PROFILE_NAMES
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
@@ -83,20 +84,30 @@ def _run_parser(sub) -> None:
     p.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE,
                    help="classifier-free guidance scale (default 1 = off: H3 is guidance-distilled and needs none)")
     p.add_argument("--negative-prompt", help="the negative branch's prompt (required with --guidance > 1)")
+    speed = p.add_argument_group("speed profiles (README, 'Speed profiles'): step reuse and sparse attention by name")
+    speed.add_argument("--profile", choices=PROFILE_NAMES,
+                       help="lossless (default: every block of every step), quality, balanced or fast; a step-cache "
+                            "or sparse flag given too overrides the profile's value for that knob")
     cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
     cache.add_argument("--cache", choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
-                                                                       "predicts (default: off)")
+                                                                       "predicts (default: off, or the profile's)")
     cache.add_argument("--cache-threshold", type=float,
                        help="first-block: relative change of block 0's residual (default "
                             f"{DEFAULT_THRESHOLDS['first-block']}); mag: accumulated error (default "
-                            f"{DEFAULT_THRESHOLDS['mag']})")
+                            f"{DEFAULT_THRESHOLDS['mag']}); inf: every skip the warm-up and --cache-max-skip allow "
+                            "(a profile's fastest clip, for benchmarks)")
+    cache.add_argument("--cache-warmup", type=int, metavar="N",
+                       help="first-block: the first N evaluations of each branch run every block (default 0, "
+                            "diffusers'; Cache-DiT's max_warmup_steps)")
+    cache.add_argument("--cache-max-skip", type=int, metavar="K",
+                       help=f"consecutive skipped evaluations at most, then one runs every block (mag: default "
+                            f"{DEFAULT_MAX_SKIP_STEPS}; first-block: default no limit, diffusers'; Cache-DiT's "
+                            "max_continuous_cached_steps)")
     cache.add_argument("--mag-ratios", help="mag: the model's magnitude ratios, R1,R2,... or a .json list "
                                             "(interpolated to the steps; recorded in the clip's JSON)")
     cache.add_argument("--mag-calibrate", action="store_true", help="mag: skip nothing and record this model's "
                                                                     "ratios in the clip's JSON")
-    cache.add_argument("--cache-max-skip", type=int, default=DEFAULT_MAX_SKIP_STEPS,
-                       help=f"mag: consecutive skips at most (default {DEFAULT_MAX_SKIP_STEPS})")
-    cache.add_argument("--cache-retention", type=float, default=DEFAULT_RETENTION_RATIO,
+    cache.add_argument("--cache-retention", type=float,
                        help=f"mag: leading fraction of the steps never skipped (default {DEFAULT_RETENTION_RATIO})")
     _mesh_arguments(p)
 
@@ -246,9 +257,17 @@ def _build_parser(sub) -> None:
 
 def _bundle_parsers(sub) -> None:
     """eval, inspect, verify, keygen: commands over bundles and keys."""
-    e = sub.add_parser("eval", help="compare an engine bundle with a reference on the same requests and seeds")
-    e.add_argument("--engine", required=True, type=Path, help="the bundle under test (e.g. an fp8 build)")
-    e.add_argument("--reference", required=True, help="a bundle, a checkpoint folder, or 'tiny' (eager)")
+    from ..runtime.profiles import PROFILE_NAMES
+
+    e = sub.add_parser("eval", help="compare an engine bundle with a reference, or a speed profile with the lossless "
+                                    "run, on the same requests and seeds")
+    e.add_argument("--engine", required=True, type=Path,
+                   help="the bundle under test (e.g. an fp8 build); with --profile and no --reference, any model: a "
+                        "bundle, a checkpoint folder or 'tiny'")
+    e.add_argument("--reference", help="a bundle, a checkpoint folder, or 'tiny' (eager); required unless --profile")
+    e.add_argument("--profile", choices=PROFILE_NAMES,
+                   help="run the engine side with this speed profile and the reference side (default: the engine "
+                        "itself) lossless: SSIM/PSNR in YUV420, audio distance and denoise time of the profile")
     e.add_argument("--requests", required=True, type=Path,
                    help="JSON lines, the schema of `run --requests` (id and task optional): {\"prompt\": ..., "
                         "\"seed\": ...} (resolution or width/height, duration, steps default to the engine's)")

@@ -5,7 +5,17 @@ first-block (FBCache): block 0 always runs. Its residual r = block_0(x) - x is c
   residual of the last evaluation that ran every block: d = mean|r - r_prev| / mean|r_prev| over the whole packed
   stream. d > threshold: the other blocks run, and r_prev and the tail residual t = out - block_0(x) are stored.
   Otherwise the output is block_0(x) + t and nothing is stored, so a run of skips is measured against the same r_prev.
-  The first evaluation always runs (no r_prev).
+  The first evaluation always runs (no r_prev). Two knobs from Cache-DiT's DBCache (Fn=1, Bn=0; what SGLang and
+  vLLM-Omni run on H3), off by default so the default is diffusers' exactly:
+  - `warmup` W: the first W evaluations of each branch run every block (r_prev is stored; d is not computed).
+  - `max_skip_steps` K: after K skips in a row the next evaluation runs every block (d is not computed) and the run
+    starts again; any evaluation that runs every block ends a run. None: no limit.
+  The hit rule stays diffusers' (skip iff d <= threshold; DBCache skips iff d < threshold: they differ only where d
+  equals the threshold exactly). `threshold=inf` skips every evaluation the warm-up and K allow: a profile's
+  worst-case (fastest) clip. Two differences from Cache-DiT's code, by choice: its counter of consecutive hits counts
+  from the second hit after a forced run (its K=1 then allows 2 in a row) and is not reset by a natural miss; h3trt's
+  K is exact (at most K in a row, every miss resets). Its threshold >= 1 means "always hit" and <= 0 "never"; h3trt's
+  threshold is only compared with d (0: skip only an unchanged residual).
 mag (MagCache): decided from the step index alone, with a per-model ratio list (the expected ratio of consecutive
   residual magnitudes) interpolated to the number of evaluations by nearest index. From step round(retention * N)
   on: ratio *= mag_ratios[i], steps += 1, err += |1 - ratio|; the whole stack is skipped (out = x + the last computed
@@ -46,20 +56,33 @@ class StepCacheConfig:
     kind: str  # "first-block" or "mag"
     threshold: float  # FBCache: relative change of block 0's residual; MagCache: accumulated ratio error
     mag_ratios: tuple[float, ...] | None = None  # MagCache: the model's ratio per step (interpolated to the steps)
-    max_skip_steps: int = DEFAULT_MAX_SKIP_STEPS  # MagCache: consecutive skips at most (K)
+    # Consecutive skips at most (K). None: MagCache's default 3; for FBCache no limit (diffusers').
+    max_skip_steps: int | None = None
     retention_ratio: float = DEFAULT_RETENTION_RATIO  # MagCache: leading fraction of the steps never skipped
     calibrate: bool = False  # MagCache: skip nothing, measure the ratios of this model and schedule
+    warmup: int = 0  # FBCache: leading evaluations of each branch that run every block (DBCache's max_warmup_steps)
 
     def __post_init__(self):
         if self.kind not in CACHE_KINDS:
             raise UserError(f"--cache must be one of {CACHE_KINDS}, got {self.kind!r}.")
         if not self.threshold >= 0:
-            raise UserError(f"--cache-threshold must be >= 0 (0: skip only what is exactly predicted), got "
-                            f"{self.threshold}.")
+            raise UserError(f"--cache-threshold must be >= 0 (0: skip only what is exactly predicted; inf: every "
+                            f"skip the warm-up and --cache-max-skip allow), got {self.threshold}.")
+        if self.max_skip_steps is not None and (_not_int(self.max_skip_steps) or self.max_skip_steps < 1):
+            raise UserError(f"--cache-max-skip must be a whole number >= 1 (consecutive skipped evaluations at most; "
+                            f"leave it out for no limit), got {self.max_skip_steps!r}.")
+        if _not_int(self.warmup) or self.warmup < 0:
+            raise UserError(f"--cache-warmup must be a whole number >= 0 (leading evaluations that run every block), "
+                            f"got {self.warmup!r}.")
         if self.kind == "first-block":
             if self.mag_ratios is not None or self.calibrate:
                 raise UserError("--mag-ratios and --mag-calibrate apply to --cache mag, not first-block.")
             return
+        if self.warmup:
+            raise UserError("--cache-warmup applies to --cache first-block; mag never skips its leading steps "
+                            "(--cache-retention, a fraction of the steps).")
+        if self.max_skip_steps is None:  # the reference's MagCacheConfig default, recorded as it ran
+            object.__setattr__(self, "max_skip_steps", DEFAULT_MAX_SKIP_STEPS)
         if (self.mag_ratios is None) == (not self.calibrate):
             raise UserError("--cache mag needs the model's ratios: --mag-ratios R1,R2,... (or a .json list), or "
                             "--mag-calibrate to measure them on one run (recorded in the clip's JSON); not both.")
@@ -71,15 +94,23 @@ class StepCacheConfig:
                 raise UserError(f"--mag-ratios must be finite positive numbers, "
                                 f"{'not ' + ', '.join(bad) if bad else 'and at least one'}. Measure this model's "
                                 "with --mag-calibrate (its clip's JSON then serves as --mag-ratios FILE).")
-        if self.max_skip_steps < 1:
-            raise UserError(f"--cache-max-skip must be >= 1, got {self.max_skip_steps}.")
         if not 0.0 <= self.retention_ratio <= 1.0:
             raise UserError(f"--cache-retention must be in [0, 1], got {self.retention_ratio}.")
 
     def to_dict(self) -> dict:
         data = asdict(self)
         data["mag_ratios"] = list(self.mag_ratios) if self.mag_ratios is not None else None
+        data["threshold"] = json_number(self.threshold)
         return data
+
+
+def json_number(x: float) -> float | str:
+    """inf as the string "inf": a record is strict JSON (JSON has no infinity), and --cache-threshold inf is valid."""
+    return "inf" if math.isinf(x) else x
+
+
+def _not_int(value) -> bool:
+    return isinstance(value, bool) or not isinstance(value, int)
 
 
 def nearest_interp(ratios: torch.Tensor, length: int) -> torch.Tensor:
@@ -117,7 +148,9 @@ class StepCache:
     def report(self) -> dict:
         """What the clip record says: the settings, the ratios used, and each branch's skipped evaluations."""
         cfg = self.config
-        out = {"kind": cfg.kind, "threshold": cfg.threshold, "evaluations": self.num_evaluations}
+        out = {"kind": cfg.kind, "threshold": json_number(cfg.threshold), "evaluations": self.num_evaluations}
+        if cfg.kind == "first-block":
+            out.update(warmup=cfg.warmup, max_skip_steps=cfg.max_skip_steps)
         if cfg.kind == "mag":
             out.update(max_skip_steps=cfg.max_skip_steps, retention_ratio=cfg.retention_ratio,
                        retention_steps=self.retention_steps, calibrate=cfg.calibrate,
@@ -143,6 +176,7 @@ class CacheContext:
         self.computed: list[bool] = []  # per evaluation: did the block stack run
         self.metrics: list[float | None] = []  # FBCache: the relative change it compared (None: first evaluation)
         self.head_residual = self.tail_residual = None  # FBCache
+        self.skip_run = 0  # FBCache: skips in a row so far
         self.previous_residual = None  # MagCache
         self.step_index = 0
         self._reset_accumulators()
@@ -174,18 +208,27 @@ class CacheContext:
             raise ValueError("The first-block cache needs a head block and a tail: at least 2 layers.")
         head_out = block_fn(0, x)
         residual = head_out - x
-        metric = None if self.head_residual is None else _relative_change(residual, self.head_residual, group,
-                                                                          live_rows)
+        metric = _relative_change(residual, self.head_residual, group, live_rows) if self._may_skip() else None
         self.metrics.append(metric)
         if metric is not None and not metric > self.config.threshold:
             self.computed.append(False)
+            self.skip_run += 1
             return self.tail_residual + head_out
         self.computed.append(True)
+        self.skip_run = 0
         out = head_out
         for i in range(1, num_layers):
             out = block_fn(i, out)
         self.head_residual, self.tail_residual = residual, out - head_out
         return out
+
+    def _may_skip(self) -> bool:
+        """Whether this evaluation may skip at all, decided from counts alone (the same on every sp rank): not in the
+        warm-up, not past K skips in a row, and with an r_prev to compare."""
+        cfg = self.config
+        if self.head_residual is None or len(self.computed) < cfg.warmup:
+            return False
+        return cfg.max_skip_steps is None or self.skip_run < cfg.max_skip_steps
 
     # MagCache --------------------------------------------------------------------------------------------------------
     def _mag(self, x, num_layers, block_fn, group, live_rows):

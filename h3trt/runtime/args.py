@@ -83,22 +83,19 @@ def device(text: str) -> str:
     raise argparse.ArgumentTypeError(f"takes cpu, cuda or cuda:N (N a GPU index), got {text!r}")
 
 
-def step_cache_from_args(args):
-    """The request's StepCacheConfig, or None when --cache is not given (the cache flags alone are an error)."""
-    from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
+def profile_fields_from_args(args) -> dict:
+    """The request fields `h3trt run`'s --profile, step-cache flags and sparse flags give (runtime/profiles.py): a
+    flag stated explicitly overrides the profile's value for its knob."""
+    from .profiles import profile_fields
 
-    if args.cache is None:
-        given = [f for f, v in (("--cache-threshold", args.cache_threshold), ("--mag-ratios", args.mag_ratios),
-                                ("--mag-calibrate", args.mag_calibrate)) if v]
-        if given:
-            raise UserError(f"{' '.join(given)} configure step caching; add --cache first-block or --cache mag.")
-        return None
-    ratios = None
-    if args.mag_ratios is not None:
-        ratios = parse_mag_ratios(args.mag_ratios)
-    threshold = DEFAULT_THRESHOLDS[args.cache] if args.cache_threshold is None else args.cache_threshold
-    return StepCacheConfig(args.cache, threshold, ratios, args.cache_max_skip, args.cache_retention,
-                           args.mag_calibrate)
+    ratios = parse_mag_ratios(args.mag_ratios) if args.mag_ratios is not None else None
+    # --sparse-attention / --sparse-dense-steps come with block-sparse attention (models/sparse_attention.py); a
+    # parser without them states neither.
+    return profile_fields(args.profile, args.cache, getattr(args, "sparse_attention", None),
+                          getattr(args, "sparse_dense_steps", None), threshold=args.cache_threshold,
+                          warmup=args.cache_warmup, max_skip_steps=args.cache_max_skip,
+                          retention_ratio=args.cache_retention, mag_ratios=ratios,
+                          calibrate=True if args.mag_calibrate else None)
 
 
 def parse_mag_ratios(text: str) -> tuple[float, ...]:

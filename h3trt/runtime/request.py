@@ -53,6 +53,11 @@ class Request:
     guidance: float = DEFAULT_GUIDANCE  # classifier-free guidance scale; 1: off (H3 is guidance-distilled)
     negative_prompt: str | None = None  # the negative branch's prompt (required when guidance > 1)
     cache: StepCacheConfig | None = None  # step caching (models/step_cache.py); None: every block of every step runs
+    # Block-sparse attention (models/sparse_attention.py): the fraction of key blocks skipped (0: dense) and the leading
+    # evaluations kept dense (None: its default). Set by a profile or stated; read by the sparse attention path.
+    sparse_attention: float = 0.0
+    sparse_dense_steps: int | None = None
+    profile: str | None = None  # the named profile (runtime/profiles.py) the cache and sparsity came from, recorded
 
     @property
     def task(self) -> str:

@@ -4,7 +4,10 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
 
     {"id": "fox", "task": "t2va", "prompt": "a red fox runs", "seed": 42, "steps": 50, "resolution": "1344x768",
      "duration": 5, "image": "first.png", "last_image": "last.png", "refs": ["a.png", "b.wav"],
-     "video_shift": 12, "audio_shift": 3, "guidance": 1, "negative_prompt": "..."}
+     "video_shift": 12, "audio_shift": 3, "guidance": 1, "negative_prompt": "...", "profile": "balanced",
+     "cache": "first-block", "cache_threshold": 0.1, "cache_warmup": 4, "cache_max_skip": 3}
+
+`profile` (runtime/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
 
 `run` needs id (it names OUT/<id>.mp4), task and prompt; `eval` needs prompt (it also takes id and task, so a run
 file evaluates as it is). `width` and `height` may stand in for `resolution`. A stated task must be the one its inputs
@@ -30,10 +33,11 @@ from ..engines.manifest import Manifest
 from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+from .profiles import REQUEST_KEYS, request_profile_fields
 from .request import Request
 
 KEYS = ("id", "task", "prompt", "image", "last_image", "refs", "seed", "steps", "resolution", "width", "height",
-        "duration", "video_shift", "audio_shift", "guidance", "negative_prompt")
+        "duration", "video_shift", "audio_shift", "guidance", "negative_prompt", "profile", *REQUEST_KEYS)
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -134,9 +138,11 @@ def _read_once(path: Path) -> tuple[bytes, Path]:
     return content.removeprefix(codecs.BOM_UTF8), path.parent if stat.S_ISREG(mode) else Path.cwd()
 
 
-def read_eval_requests(path: Path, manifest: Manifest) -> list[Request]:
-    """`h3trt eval --requests`: the requests, a field left out taking the engine bundle's profile and schedule."""
-    return [line.request for line in read_request_file(path, EVAL_REQUIRED, RequestDefaults.of_bundle(manifest))]
+def read_eval_requests(path: Path, manifest: Manifest | None) -> list[Request]:
+    """`h3trt eval --requests`: the requests, a field left out taking the engine bundle's profile and schedule (an
+    eager engine's: the model's canvas and the default schedule)."""
+    defaults = RequestDefaults.of_bundle(manifest) if manifest is not None else RequestDefaults()
+    return [line.request for line in read_request_file(path, EVAL_REQUIRED, defaults)]
 
 
 def parse_line(text: str, number: int, base: Path, required: tuple[str, ...],
@@ -185,7 +191,8 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
                       float(_typed(data, "duration", (int, float), defaults.duration)),
                       _optional_float(data, "video_shift"), _optional_float(data, "audio_shift"),
                       float(_typed(data, "guidance", (int, float), DEFAULT_GUIDANCE)),
-                      None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str))
+                      None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str),
+                      **request_profile_fields(data))
     return RequestLine(number, rid, request)
 
 

@@ -30,6 +30,7 @@ from pydantic import BaseModel, Field
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from ..runtime.profiles import PROFILE_NAMES
 from .service import ApiError, Upload, VideoService
 from .store import JobRow
 
@@ -129,6 +130,12 @@ CREATE_FIELDS = {
     "guidance": {"type": "number", "minimum": 1},
     "video_shift": {"type": "number", "exclusiveMinimum": 0},
     "audio_shift": {"type": "number", "exclusiveMinimum": 0},
+    "profile": {"type": "string", "enum": list(PROFILE_NAMES),
+                "description": "speed profile: step reuse and sparse attention by name (README, 'Speed profiles')"},
+    "cache": {"type": "string", "enum": ["first-block"], "description": "step cache (overrides the profile's)"},
+    "cache_threshold": {"type": "number", "minimum": 0},
+    "cache_warmup": {"type": "integer", "minimum": 0},
+    "cache_max_skip": {"type": "integer", "minimum": 1},
 }
 FILE = {"type": "string", "format": "binary"}
 CREATE_BODY = {

@@ -25,6 +25,7 @@ from ..errors import UserError
 from ..models.packing import DEFAULT_DURATION
 from ..models.text_encoder import check_text_encoder_files
 from ..runtime.entry import Entry
+from ..runtime.profiles import REQUEST_KEYS
 from ..runtime.request import check_prompt_tokens, prepare
 from ..runtime.requests import KEYS, RequestDefaults, parse_object
 from .metrics import Groups, Metrics
@@ -33,13 +34,14 @@ from .store import JobRow, JobStore
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
 
 SERVED_MODEL = "minimax-h3"
+# multipart sends every field as text: these are parsed as JSON numbers
 FORM_NUMBERS = {"seed": int, "steps": int, "guidance": float, "video_shift": float, "audio_shift": float,
-                "duration": float}  # multipart sends every field as text: these are parsed as JSON numbers
+                "duration": float, "cache_threshold": float, "cache_warmup": int, "cache_max_skip": int}
 FILE_FIELDS = {"input_reference": "image", "last_image": "last_image", "refs": "refs"}
 OPENAI_FIELDS = ("prompt", "model", "seconds", "size", "input_reference")
 API_NAMES = {"duration": "seconds", "resolution": "size", "width": "size", "height": "size", "image": "input_reference"}
 H3_FIELDS = ("task", "seed", "steps", "negative_prompt", "guidance", "video_shift", "audio_shift", "last_image",
-             "refs")
+             "refs", "profile", *REQUEST_KEYS)  # profile and step-cache keys: runtime/profiles.py
 
 
 class ApiError(UserError):
@@ -140,7 +142,8 @@ class VideoService:
         schema: dict = {}
         if multipart:
             fields = {k: _form_value(k, v) for k, v in fields.items()}
-        for key in ("prompt", "task", "seed", "steps", "negative_prompt", "guidance", "video_shift", "audio_shift"):
+        for key in ("prompt", "task", "seed", "steps", "negative_prompt", "guidance", "video_shift", "audio_shift",
+                    "profile", *REQUEST_KEYS):
             if key in fields:
                 schema[key] = fields[key]
         model = fields.get("model")
