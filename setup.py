@@ -22,7 +22,11 @@ setup(
         # same version is the correctness oracle of every parity test.
         "diffusers==0.42.1",
         "accelerate",  # device_map loading of the 32B text encoder; diffusers' fp32-island loading needs it too
-        "transformers>=5.17",  # Qwen3-VL (transformers 5 APIs; tested on 5.17 and 5.24)
+        # Qwen3-VL (transformers 5 APIs). Bounded above: h3trt/models/qwen_video.py reproduces this range's
+        # Qwen3VLVideoProcessor bit for bit, and tests/data/qwen_video_reference.npz holds its outputs; a release is
+        # admitted once `scripts/make_qwen_video_fixtures.py --check` shows it makes them still (5.17.0, 5.24.0 and
+        # 5.25.0 do). tests/test_dependencies.py checks the bound and the installed version.
+        "transformers>=5.17,<5.26",
         "av>=14",  # H.264 + AAC muxing with PyAV's bundled FFmpeg
         "Pillow",
         "tqdm",
@@ -43,6 +47,7 @@ setup(
             # real browser (Debian's chromium, driven by playwright) for the page.
             "openai>=2", "httpx", "schemathesis>=4", "playwright",
             "pytest",
+            "packaging",  # tests/test_dependencies.py reads setup.py's version ranges with it
             "pytest-xdist",  # the README's test command runs two workers (-n 2 --dist loadfile), one per CI core
             # The TensorRT backend's CPU tests (tests/test_tensorrt.py): ONNX export and onnxruntime parity, ModelOpt
             # FP8/NVFP4 Q/DQ (with the pieces of its [onnx] extra the NVFP4 exporter imports; the extra itself pulls
@@ -54,10 +59,13 @@ setup(
             # through it where it is installed (h3trt/engines/tensorrt_inspect.py, same pin). Pure Python, no
             # dependencies, 0.5 MB.
             "polygraphy==0.53.6",
-            "peft",  # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/test_lora.py)
+            # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/test_lora.py). Bounded
+            # above (tested on 0.21.2): a peft release that changes how diffusers 0.42.1 maps a LoRA changes the oracle.
+            "peft<0.22",
         ],
-        # `h3trt build --precision fp8|nvfp4`: calibration runs through NVIDIA ModelOpt (h3trt/quant/calibrate.py is
-        # written against this release and refuses another). Pure Python; its CUDA extensions are never built.
+        # `h3trt build --precision fp8|nvfp4`: calibration runs through NVIDIA ModelOpt, this release and no other
+        # (h3trt/calibration/recipe.py MODELOPT_VERSION refuses another). Pure Python; its CUDA extensions are never
+        # built.
         "calibration": ["nvidia-modelopt==0.47.0"],
         # `h3trt build --fp8-attention` on a GPU, and serving its bundles: cuDNN's FP8 flash attention through the
         # cuDNN graph API (1.16.0: 2 MB, no dependencies; it uses the cuDNN that torch already loaded).

@@ -7,6 +7,9 @@ not installed, so they compare against outputs this script stores, made once in 
     python -m venv /tmp/tv && /tmp/tv/bin/pip install torch==2.14.1 torchvision==0.29.1 transformers==5.24.0 numpy
     PYTHONPATH=. /tmp/tv/bin/python scripts/make_qwen_video_fixtures.py tests/data/qwen_video_reference.npz
 
+`--check tests/data/qwen_video_reference.npz` records in memory and compares with the stored file instead: how a
+transformers release is admitted into setup.py's range (checked so: 5.17.0, 5.24.0, 5.25.0).
+
 The processor is called as diffusers' MiniMax-H3 text encoder calls it (`videos=[...]`, `do_sample_frames=False`,
 `return_tensors="pt"`). Each case is one call: its settings (the processor's constructor kwargs, as a checkpoint's
 video_preprocessor_config.json gives them), its uint8 videos and the two tensors the processor returns. The cases
@@ -71,7 +74,8 @@ CASES = {
 }
 
 
-def main(out_path: str) -> None:
+def record() -> tuple[dict, dict]:
+    """Every case through transformers' processor here: (arrays, index) as the fixture file holds them."""
     if not is_torchvision_available():
         raise SystemExit("run this where torchvision is installed (see the docstring): it records transformers' own "
                          "torchvision processor")
@@ -92,10 +96,30 @@ def main(out_path: str) -> None:
         diff = (ours["pixel_values_videos"] - out["pixel_values_videos"]).abs().max().item() if same_grid else None
         print(f"{name}: grid {out['video_grid_thw'].tolist()}, pixel_values {tuple(out['pixel_values_videos'].shape)},"
               f" h3trt max abs diff {diff}")
+    return arrays, index
+
+
+def main(out_path: str) -> None:
+    arrays, index = record()
     arrays["index.json"] = np.frombuffer(json.dumps(index, indent=1).encode(), dtype=np.uint8)
     np.savez_compressed(out_path, **arrays)
     print(f"wrote {out_path}")
 
 
+def check(stored_path: str) -> None:
+    """Whether this transformers' processor still makes the stored outputs bit for bit: the step before widening
+    setup.py's transformers range (the fixtures stand for every release in it)."""
+    arrays, _ = record()
+    stored = np.load(stored_path)
+    differ = sorted(k for k in {*arrays, *stored.files} - {"index.json"}
+                    if k not in arrays or k not in stored.files or arrays[k].dtype != stored[k].dtype
+                    or not np.array_equal(arrays[k], stored[k]))
+    if differ:
+        raise SystemExit(f"transformers {transformers.__version__} makes other outputs than {stored_path} "
+                         f"({', '.join(differ)}): keep setup.py's bound below it, or adapt h3trt/models/qwen_video.py "
+                         "and re-record")
+    print(f"transformers {transformers.__version__}: every case equals {stored_path} bit for bit")
+
+
 if __name__ == "__main__":
-    main(sys.argv[1])
+    check(sys.argv[2]) if sys.argv[1:2] == ["--check"] else main(sys.argv[1])

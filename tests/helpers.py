@@ -1,9 +1,10 @@
 """Shared test inputs: the random DiT activations every parity test feeds the model (one generator, drawn in the
 order video, audio, text, so a seed reproduces the same tensors wherever it is used); small filesystems for the
-hardening tests; a distribution made to look not installed."""
+hardening tests; a distribution made to look not installed; setup.py's version ranges."""
 
 from __future__ import annotations
 
+import ast
 import contextlib
 import importlib.metadata
 import os
@@ -68,3 +69,21 @@ def fill_disk(folder: Path) -> None:
         while True:
             f.write(b"\0" * 65536)
             f.flush()
+
+
+def setup_requirements(distribution: str) -> list:
+    """Every requirement on `distribution` in this checkout's setup.py (install_requires and every extra), as
+    packaging's Requirement: read from the source, not from the installed metadata, which may be another checkout's."""
+    from packaging.requirements import InvalidRequirement, Requirement
+    from packaging.utils import canonicalize_name
+
+    found = []
+    for node in ast.walk(ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            try:
+                requirement = Requirement(node.value)
+            except InvalidRequirement:
+                continue  # a description or a comment-like string, not a requirement
+            if canonicalize_name(requirement.name) == canonicalize_name(distribution):
+                found.append(requirement)
+    return found
