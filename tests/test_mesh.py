@@ -4,6 +4,7 @@ gives; a rank that dies mid-step ends the job within the bound; an sp=2 bundle r
 Tolerance: fp32, relative error (norm) <= 1e-5 against the single-process result (sharding only reorders sums).
 """
 
+import contextlib
 import json
 import os
 import signal
@@ -182,14 +183,16 @@ def _engine_rank(rank, world, store, bundle, root, out):
     eager = _eager_like(Path(bundle), Path(root))
     # With FP8 attention, also the same model with bf16 attention: the engine must be nearer the FP8 one (it runs it).
     bf16_attention = EagerDiT(eager.model) if isinstance(eager, _EagerQuantizedDiT) else None
-    errors, errors_bf16_attention = [], []
+    errors, errors_bf16_attention, fp8_calls = [], [], []
     for layout in (pack_t2va(text_tags_for(11), 37, 6, 10, 207),  # 11 + 2220 + 414 rows: even
                    pack_t2va(text_tags_for(8, [range(2, 5)]), 7, 6, 10, 23, keyframes=("first",))):  # odd: padded
         video, audio, text = dit_inputs(layout, eager.cfg, seed=0)
         text = text.to(eager.model.dtype)
         unique_t, t_index = row_timesteps(layout, *Schedule().timesteps()[20])
-        with torch.no_grad():
+        with torch.no_grad(), _counting_fp8_attention() as calls:
             got = engine.dit(video, audio, text, unique_t, t_index, layout)
+        fp8_calls.append(calls[0])
+        with torch.no_grad():
             want = eager(video, audio, text, unique_t, t_index, layout)
             other = bf16_attention(video, audio, text, unique_t, t_index, layout) if bf16_attention else want
         errors += [((a.float() - b.float()).norm() / b.float().norm()).item() for a, b in zip(got, want)]
@@ -197,8 +200,28 @@ def _engine_rank(rank, world, store, bundle, root, out):
                                   for a, b in zip(got, other)]
     (Path(out) / f"rank{rank}.json").write_text(json.dumps(errors))
     (Path(out) / f"rank{rank}_bf16_attention.json").write_text(json.dumps(errors_bf16_attention))
+    fp8 = {"calls": fp8_calls, "layers": eager.cfg.num_layers}
+    (Path(out) / f"rank{rank}_fp8_calls.json").write_text(json.dumps(fp8))
     if engine.manifest.precision == "fp32":  # step caching through the sharded compiled halves (padded layout)
         (Path(out) / f"rank{rank}_cache.json").write_text(json.dumps(_cached_decisions(engine.dit, eager, layout)))
+
+
+@contextlib.contextmanager
+def _counting_fp8_attention():
+    """Counts the emulated FP8 attention kernel's calls (the op's body looks it up by name at each call)."""
+    from h3trt.calibration import fp8_attention
+
+    calls, kernel = [0], fp8_attention._emulated_fp8_sdpa
+
+    def counted(*args):
+        calls[0] += 1
+        return kernel(*args)
+
+    fp8_attention._emulated_fp8_sdpa = counted
+    try:
+        yield calls
+    finally:
+        fp8_attention._emulated_fp8_sdpa = kernel
 
 
 def _cached_decisions(engine_dit, eager, layout) -> dict:
@@ -275,7 +298,12 @@ def test_fp8_sp2_bundle_shards_the_quantized_blocks(fp8_sp2_bundle, tiny_root, t
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         other = json.loads((tmp_path / f"rank{rank}_bf16_attention.json").read_text())
         assert max(errors) <= 3e-2, f"rank {rank}: {errors}"
-        assert sum(errors) < sum(other), f"rank {rank}: FP8 attention {errors}, bf16 attention {other}"
+        # The exchange runs FP8 attention, once per block per forward. (Which eager model the engine is nearer is
+        # no evidence: on the tiny model FP8 attention moves the output less than bf16 compiled-vs-eager noise, and
+        # the sums came out 0.028795 vs 0.028764 in CI.)
+        calls = json.loads((tmp_path / f"rank{rank}_fp8_calls.json").read_text())
+        assert calls["calls"] == [calls["layers"]] * 2, f"rank {rank}: FP8 attention calls {calls}"
+        assert len(other) == len(errors)
 
 
 def test_sharded_quantized_builds_refuse_what_they_cannot_shard(tiny_root, tmp_path):
