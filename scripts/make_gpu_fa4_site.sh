@@ -2,7 +2,7 @@
 # FlashAttention-4 (CuTe DSL; block-sparse on sm_90) for the H200 image, as a carry in TWO parts: packed it is about
 # 72 MB (nvidia-cutlass-dsl-libs-cu13's MLIR library alone is 193 MB unpacked), over one device call's 64 MiB.
 #     scripts/make_gpu_fa4_site.sh        # writes .whl/fa4.part1 and .whl/fa4.part2 (.whl/ is git-ignored)
-# The first part is the small one (13 MB), so it travels with .whl/site.tar.xz (make_gpu_site.sh, 44 MB) in one call.
+# The first part is the small one (13 MB), so it travels with .whl/site.tar.xz (make_gpu_site.sh, about 48 MB) in one call.
 # On a warm device machine (released 30 s after a call), call 1 carries .whl/fa4.part1 and keeps it:
 #     cp .whl/fa4.part1 /tmp/
 # call 2 carries .whl/fa4.part2 and joins them:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Everything the H200 benches need beyond the GPU image, in ONE carry under 64 MiB: the wheels for Python 3.12
 # x86_64 unpacked into one folder and xz-compressed (zip-compressed wheels do not shrink under xz; their contents do).
-#     scripts/make_gpu_site.sh            # writes .whl/site.tar.xz (about 44 MB; .whl/ is git-ignored)
+#     scripts/make_gpu_site.sh            # writes .whl/site.tar.xz (about 48 MB; .whl/ is git-ignored)
 # On the device, carrying .whl/site.tar.xz:
 #     mkdir -p /tmp/site && tar xJf .whl/site.tar.xz -C /tmp/site && export PYTHONPATH=/tmp/site:$PWD
 # What it holds: diffusers 0.42.1 (the oracle) and importlib_metadata/zipp, PyAV (MP4 output), fa3-fwd 0.0.3
