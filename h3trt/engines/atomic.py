@@ -30,9 +30,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..parallel.leftovers import HOST as _HOST, alive as _alive
 
 TEMP_SUFFIX = ".partial"
-_HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
 # .<target name>.<host>-<pid>-<token>.partial
 _TEMP_NAME = re.compile(r"^\.(?P<name>.+)\.(?P<host>[A-Za-z0-9_]+)-(?P<pid>\d+)-(?P<token>[0-9a-f]{8})\.partial$")
 
@@ -88,16 +88,6 @@ def remove_own_temps() -> list[Path]:
         with contextlib.suppress(OSError):
             p.unlink(missing_ok=True)
     return paths
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # someone else's live process
-        return True
-    return True
 
 
 def remove_leftovers(folder: Path) -> list[Path]:

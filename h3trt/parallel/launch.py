@@ -11,7 +11,6 @@ import datetime
 import os
 import shutil
 import signal
-import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -22,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .leftovers import LAUNCH_PREFIX, owned_temp_dir
 from .devices import VISIBLE, own_first
 
 POLL_S = 0.2
@@ -76,11 +76,25 @@ def die_with_parent(parent_pid: int) -> None:
         os._exit(1)
 
 
+GROUP_SIGNALS = {signal.SIGTERM, signal.SIGINT}
+
+
+def leave_launchers_group() -> None:
+    """A rank's lifetime is its launcher's: SIGTERM or Ctrl-C sent to the launcher's whole process group must not
+    kill a rank on its own (a server then drains: its running job finishes; `run` stops every rank and removes what
+    they wrote). The rank started with those signals blocked (RankGroup); it moves to a process group of its own,
+    drops what reached it meanwhile (all of it meant for the group), ignores SIGINT and unblocks SIGTERM, which from
+    now on only its launcher sends (stop). It still dies with its launcher (die_with_parent)."""
+    os.setpgid(0, 0)
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    while signal.sigtimedwait(GROUP_SIGNALS, 0) is not None:
+        pass
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, GROUP_SIGNALS)
+
+
 def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple, parent_pid: int) -> None:
     die_with_parent(parent_pid)
-    # Ctrl-C reaches every process of the terminal's group; it is the launcher's to handle (it stops every rank and
-    # removes what they were writing), so no rank dies of it on its own and turns an interrupt into a rank failure.
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    leave_launchers_group()
     try:
         fn(rank, world, store, *args)
         if dist.is_initialized():
@@ -122,11 +136,15 @@ class RankGroup:
                  gpus: list[str] | None = None, first_gpu: int = 0):
         ctx = mp.get_context("spawn")
         self.world = world
-        self.work = tempfile.mkdtemp(prefix="h3trt-launch-")
+        self.work = str(owned_temp_dir(LAUNCH_PREFIX))  # named by host and pid: swept once this process is gone
         store = os.path.join(self.work, "store")
         self.procs = [ctx.Process(target=_entry, args=(fn, r, world, store, self.work, args_of(r), os.getpid()))
                       for r in range(world)]
         parent_visible = os.environ.get(VISIBLE)
+        # A signal to the launcher's process group (systemd's KillMode=control-group, a terminal's Ctrl-C) is the
+        # launcher's to handle: a rank starts with SIGTERM and SIGINT blocked (the mask survives exec) and leaves the
+        # group before it unblocks them (_entry), so none dies of a signal meant for its launcher.
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, GROUP_SIGNALS)
         try:
             for r, p in enumerate(self.procs):
                 if gpus is not None:
@@ -137,6 +155,7 @@ class RankGroup:
             self.stop()
             raise
         finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
             if parent_visible is None:
                 os.environ.pop(VISIBLE, None)
             else:

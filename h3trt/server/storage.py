@@ -14,9 +14,11 @@ storage are the protocol's own (for S3, boto's environment: AWS_ACCESS_KEY_ID, A
 from __future__ import annotations
 
 import shutil
-import tempfile
 from pathlib import Path
 from typing import Iterator
+
+from ..engines.atomic import remove_leftovers
+from ..parallel.leftovers import LAUNCH_PREFIX, SCRATCH_PREFIX, owned_temp_dir, sweep_temp_dirs
 
 CHUNK = 1 << 20  # bytes a content response streams at a time from object storage
 
@@ -35,8 +37,7 @@ class Storage:
         if self.local is not None:
             self.local.mkdir(parents=True, exist_ok=True)
         # Where this process writes a key before it is published: the folder itself, or a private scratch folder.
-        self.scratch = self.local if self.local is not None else Path(
-            scratch or tempfile.mkdtemp(prefix="h3trt-scratch-"))
+        self.scratch = self.local if self.local is not None else Path(scratch or owned_temp_dir(SCRATCH_PREFIX))
 
     def __repr__(self) -> str:
         return f"Storage({self.url!r})"
@@ -128,6 +129,14 @@ class Storage:
                 self.fs.rm(f"{self.root}/{key}", recursive=True)
             except FileNotFoundError:
                 pass
+
+    def sweep(self) -> dict[str, int]:
+        """Remove what killed processes of this host left: the `.partial` files of clips/ (a folder storage), and
+        the scratch and rank-group folders in $TMPDIR (a worker replica's start; module doc of parallel/leftovers.py).
+        How many of each."""
+        partials = remove_leftovers(self.local / "clips") if self.local is not None else []
+        return {"partial_files": len(partials), "scratch_folders": len(sweep_temp_dirs(SCRATCH_PREFIX)),
+                "launch_folders": len(sweep_temp_dirs(LAUNCH_PREFIX))}
 
     def close(self) -> None:
         """Drop the scratch folder of object storage (nothing of a folder storage)."""
