@@ -76,6 +76,40 @@ class Deferred:
         return self._value
 
 
+def import_loader_modules() -> float:
+    """Import, on the calling thread, every package a bundle load's threads import (the text encoder's thread:
+    transformers, diffusers; the VAEs' thread: diffusers' VAE classes; the main thread: Inductor, for the compiled
+    code), and resolve the lazy names they use; returns the seconds it took. load_bundle calls it on its thread
+    before the loader threads start, so that no two threads ever import at once.
+
+    Why: Python's import lock covers one module at a time, and these packages import each other (diffusers and
+    transformers import torch._inductor through torch's compile helpers; both resolve their classes lazily). A thread
+    importing through them while another does can reach a module the other has only half executed: on the H200 one
+    cold start in three died with "cannot import name 'IndentedBuffer' from partially initialized module
+    'torch._inductor.utils'" (the text encoder's thread in diffusers while Engine.load imported
+    torch._inductor.codecache), and earlier with "cannot import name 'AutoModel'". tests/test_loader_imports.py runs
+    the thread bodies after this and fails on any of these packages first imported off the main thread."""
+    t0 = time.perf_counter()
+    import diffusers
+    import torch._inductor.codecache  # noqa: F401 -- engines/loaders.py activate_compiled_cache
+    import torch._inductor.config  # noqa: F401 -- engines/loaders.py load_segments
+    import torch._inductor.utils  # noqa: F401
+    import transformers
+    from diffusers.models.modeling_utils import get_parameter_dtype  # noqa: F401 -- calibration/vae_fp8.py
+
+    diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio  # models/vae_checkpoint.py
+    transformers.Qwen3VLModel, transformers.Qwen3VLConfig  # models/text_encoder.py
+    # AutoTokenizer and AutoImageProcessor import their classes by the names in the checkpoint's configs (Qwen3-VL's,
+    # the checkpoint contract), searching the model modules that list them.
+    from transformers.models.auto.image_processing_auto import get_image_processor_class_from_name
+    from transformers.models.auto.tokenization_auto import tokenizer_class_from_name
+
+    tokenizer_class_from_name("Qwen2Tokenizer")
+    get_image_processor_class_from_name("Qwen2VLImageProcessor")
+    quiet_transformers()
+    return time.perf_counter() - t0
+
+
 def eager_components(root: Path, device: torch.device, dtype: torch.dtype,
                      vae_precision: VAEPrecision | None = None):
     """The text encoder at `dtype`, the video VAE at `vae_precision` (None: VAEPrecision.default) and the audio VAE
@@ -121,21 +155,17 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     # Engine.load reads and checks the manifest (and its signature) again; this is only for the text dtype.
     dtype = read_manifest(bundle_root).precision.spec.dtype
     pending: dict[str, Deferred] = {}
+    report_early: dict[str, float] = {}
 
     def text_encoder_alongside(verification) -> None:
-        # The text encoder loads on its own thread while the DiT weights stream in: the first step needs it.
-        def load_text():
-            # Imports first, while the weights stream: transformers and diffusers take seconds (10 s on the H200
-            # machine), and nothing before the first step needs them on the main thread. The VAE classes are
-            # resolved here too, on this one thread: diffusers resolves its classes lazily, and two threads importing
-            # through it (and transformers) at once can see a half-initialised module (measured: "cannot import name
-            # 'AutoModel'"); the VAE thread starts only after this one has finished.
-            t0 = time.perf_counter()
-            import diffusers
+        # The text encoder loads on its own thread while the DiT weights stream in: the first step needs it. Every
+        # module the loader threads (and Engine.load's compiled code, after this) import is imported here first, on
+        # this thread, before the text encoder's thread starts: two threads importing at once can see a
+        # half-initialised module (import_loader_modules). The load pool's threads, already reading the weights,
+        # import nothing; the imports (10 s on the H200 machine) still overlap the weights streaming in.
+        report_early["imports_s"] = import_loader_modules()
 
-            diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio
-            quiet_transformers()
-            imports_s = time.perf_counter() - t0
+        def load_text():
             for part in text_parts:
                 verification.wait_prefix(f"{part}/")
             t0 = time.perf_counter()
@@ -147,7 +177,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
             encoder.encode_t2va("warm-up")
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            return encoder, load_s, imports_s, time.perf_counter() - t0
+            return encoder, load_s, time.perf_counter() - t0
 
         pending["text"] = Deferred(load_text)
 
@@ -193,13 +223,17 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
 
     t0 = time.perf_counter()
     if "text" in pending:
-        text_encoder, load_s, imports_s, warmup_s = pending["text"].result()
+        text_encoder, load_s, warmup_s = pending["text"].result()
         report["text_encoder_load_s"] = round(load_s, 4)  # on its thread, overlapping the weights
-        report["text_encoder_imports_s"] = round(imports_s, 4)  # transformers and diffusers, on that thread
         report["text_encoder_warmup_s"] = round(warmup_s, 4)  # its throwaway first encode, on that thread
     else:  # a tensorrt bundle: loaded and verified before this point
         text_encoder = _text_encoder(Path(bundle_root), device, dtype)
     report["text_encoder_wait_s"] = round(time.perf_counter() - t0, 4)  # after the DiT was ready
+    # A tensorrt bundle's first thread: its imports first, on this thread (import_loader_modules; done already, and
+    # a no-op, on the compiled path).
+    imports_s = import_loader_modules()
+    # transformers, diffusers and Inductor, on the main thread before the loader threads started
+    report["loader_imports_s"] = round(report_early.get("imports_s", imports_s), 4)
     deferred = Deferred(vaes)  # after the text encoder: one loader thread inside transformers/diffusers at a time
     report["total_s"] = round(time.perf_counter() - start, 4)  # bundle on hand, ready to encode and denoise
     return Components(engine.dit, text_encoder, None, None, shifts, admit, loras=m.loras,
