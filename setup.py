@@ -74,6 +74,13 @@ setup(
         # FlashAttention-3's forward, bf16 and FP8 (27.6 MB abi3 wheel, sm_90a cubins, torch stable ABI, CUDA 13
         # runtime; provenance in README, "FlashAttention-3").
         "fa3": ["fa3-fwd==0.0.3"],
+        # The fa4 block-sparse attention kernel (h3trt/models/sparse_kernels.py) on sm_90 and newer: FlashAttention-4's
+        # CuTe DSL forward, the exact set that ran on the H200 image (issue 36). The -libs-cu13 CuTe runtime, not
+        # -libs-cu12 (torch 2.11 on the GPU image is cu130). Kernels JIT-compile at load (warm_sparse_kernel). Not in
+        # the test extra: nothing of it runs on a CPU.
+        "fa4": ["flash-attn-4==4.0.0b36", "nvidia-cutlass-dsl==4.8.1", "nvidia-cutlass-dsl-libs-base==4.8.1",
+                "nvidia-cutlass-dsl-libs-core==4.8.1", "nvidia-cutlass-dsl-libs-cu13==4.8.1", "quack-kernels==0.6.5",
+                "apache-tvm-ffi==0.1.15.post2", "torch-c-dlpack-ext==0.1.5", "einops"],
     },
     entry_points={"console_scripts": ["h3trt=h3trt.cli:main"]},
 )

@@ -69,12 +69,13 @@ class StepRecorder:
 
     def __init__(self, dit):
         self.dit, self.cfg = dit, dit.cfg
+        self.sparse_kernel = getattr(dit, "sparse_kernel", None)  # what it wraps serves (models/sparse_run.py)
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per evaluation: (video [V, C], audio [A, C]), fp32
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):
         self.inputs.append((video[0].to("cpu", torch.float32, copy=True),
                             audio[0].to("cpu", torch.float32, copy=True)))
-        return self.dit(video, audio, text, unique_t, t_index, layout, **kwargs)  # kwargs: the step cache
+        return self.dit(video, audio, text, unique_t, t_index, layout, **kwargs)  # kwargs: step cache, sparse
 
 
 def load_recording(source: Entry, task: str) -> H3Pipeline:

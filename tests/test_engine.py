@@ -84,6 +84,15 @@ def test_run_from_bundle_matches_eager_run(bundles, signing_keys, tmp_path, tiny
     assert record["load"]["process_to_load_s"] > record["load"]["engine_s"] > 0
 
 
+def test_a_one_process_bundle_refuses_sparse_attention_in_one_line(bundles, tmp_path, tiny_cache, capsys):
+    """Its compiled block holds its attention: a sparse request is refused with the fix, never run dense silently."""
+    code = main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output",
+                 str(tmp_path / "s.mp4"), "--quiet", "--steps", str(BUNDLE_STEPS), "--sparse-attention", "0.5"])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code == 2 and "serves no block-sparse attention" in err[-1] and "--sparse-attention 0" in err[-1], err
+    assert not (tmp_path / "s.mp4").exists()
+
+
 @pytest.mark.parametrize("backend", ["inductor", "aoti"])
 def test_compiled_video_decoder_matches_eager(backend, bundles):
     from h3trt.models.vae_checkpoint import load_video_vae

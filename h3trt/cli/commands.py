@@ -73,12 +73,16 @@ def check_batch_args(args) -> None:
                                             ("--cache-warmup", args.cache_warmup),
                                             ("--cache-max-skip", args.cache_max_skip),
                                             ("--cache-retention", args.cache_retention),
-                                            ("--mag-ratios", args.mag_ratios), ("--mag-calibrate", args.mag_calibrate))
+                                            ("--mag-ratios", args.mag_ratios), ("--mag-calibrate", args.mag_calibrate),
+                                            ("--sparse-attention", args.sparse_attention),
+                                            ("--sparse-dense-steps", args.sparse_dense_steps),
+                                            ("--sparse-min-seq", args.sparse_min_seq))
                    if value is not None and value is not False]  # --cache-warmup 0 is stated too
     if per_request:
         raise UserError(f"{' '.join(per_request)} set one clip's speed profile; in a --requests file each line states "
                         "its own (\"profile\", \"cache\", \"cache_threshold\", \"cache_warmup\", "
-                        "\"cache_max_skip\"), or run the clip alone (h3trt run --prompt ...).")
+                        "\"cache_max_skip\", \"sparse_attention\", ...), or run the clip alone "
+                        "(h3trt run --prompt ...).")
 
 
 def cmd_build(args) -> int:

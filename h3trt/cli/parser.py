@@ -88,6 +88,15 @@ def _run_parser(sub) -> None:
     speed.add_argument("--profile", choices=PROFILE_NAMES,
                        help="lossless (default: every block of every step), quality, balanced or fast; a step-cache "
                             "or sparse flag given too overrides the profile's value for that knob")
+    sparse = p.add_argument_group("block-sparse attention (README, 'Block-sparse attention'; SubBlock's routing)")
+    sparse.add_argument("--sparse-attention", type=float, metavar="SPARSITY",
+                        help="fraction of key blocks each video query block skips, 0 <= s < 1 (default 0: dense, or "
+                             "the profile's); text, audio, condition and mixed query blocks stay dense")
+    sparse.add_argument("--sparse-dense-steps", type=int, metavar="N",
+                        help="the first N denoise steps stay dense (default 10; both guidance branches of a step "
+                             "are one)")
+    sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
+                        help="attentions over fewer rows stay dense (default 4096)")
     cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
     cache.add_argument("--cache", choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
                                                                        "predicts (default: off, or the profile's)")
@@ -138,7 +147,7 @@ def _mesh_arguments(p) -> None:
 def _serve_parser(sub) -> None:
     from ..runtime.files import DEFAULT_CRF
     from ..server.options import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUE, DEFAULT_PORT, DEFAULT_RETENTION,
-                              DEFAULT_UPLOAD_MB)
+                                  DEFAULT_UPLOAD_MB, OPENABLE)
 
     p = sub.add_parser("serve", help="serve the OpenAI Videos job API (POST /v1/videos ...) over long-lived workers",
                        description="Load the model once per replica group and serve video jobs over HTTP: the OpenAI "
@@ -169,6 +178,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--drain-timeout", type=float, default=DEFAULT_DRAIN_TIMEOUT_S,
                    help=f"on SIGTERM, seconds running jobs may take to finish (default {DEFAULT_DRAIN_TIMEOUT_S:g}); "
                         "queued jobs stay in the store")
+    p.add_argument("--open", action="append", choices=OPENABLE, metavar="|".join(OPENABLE),
+                   help="serve this endpoint without the API key (repeatable): metrics (/metrics, for Prometheus "
+                        "scrapers that send no key), docs (/docs and /openapi.json); /health, /ready and the page are "
+                        "always open, /v1 never")
     p.add_argument("--max-upload-mb", type=float, default=DEFAULT_UPLOAD_MB,
                    help=f"a request body's size limit, uploads included (default {DEFAULT_UPLOAD_MB:g} MB)")
     p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",

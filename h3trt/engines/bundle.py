@@ -20,6 +20,7 @@ from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
 from ..models.block_stack import run_block_stack
+from ..models.sparse_run import load_sparse_kernel
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
@@ -39,9 +40,15 @@ class EngineDiT:
     """The DiT forward from compiled segments: embed, the block segment(s) once per layer (models/block_stack.py),
     final. With an sp group the block is the two halves around the Ulysses exchange, on this rank's rows."""
 
+    sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
+
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
-                 device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None):
+                 device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
+                 sparse_kernel: str | None = None):
+        """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1 only: a one-process
+        bundle's compiled block holds its attention); None: none."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
+        self.sparse_kernel = sparse_kernel if group is not None else None
         self.embed_w = [weights["embed"][n] for n in entries["embed"]["weights"]]
         block_segments = ("block",) if "block" in entries else ("block_pre", "block_post")
         # A quantized bundle may keep some layers in bf16: those run the "block_hp" segment with its own weight names.
@@ -62,7 +69,11 @@ class EngineDiT:
                                                              for n in entries["attention"]["weights"]])
                                       for i in range(cfg.num_layers)]
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None):
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None):
+        core = sparse.attention(layout) if sparse is not None else None
+        if core is not None and self.group is None:
+            raise ValueError("a one-process bundle's compiled block holds its attention; it serves no sparse "
+                             "attention (sparse_kernel is None, which the pipeline checks before denoising).")
         if unique_t.numel() == 1:
             # Compiled for T >= 2 distinct timesteps; a duplicate row is never indexed, so outputs are unchanged.
             unique_t = unique_t.repeat(2)
@@ -72,7 +83,8 @@ class EngineDiT:
         adaln_index = t_index * NUM_MODALITIES + layout.token_tags
         cos, sin = rope_tables(layout.position_ids, self.inv_freq)
         shard = RowShard(self.group, layout.seq_len) if self.group is not None else None
-        block_fn = self._block(rows, temb) if shard is None else self._sharded_block(rows, temb, shard.exchange())
+        block_fn = (self._block(rows, temb) if shard is None
+                    else self._sharded_block(rows, temb, shard.exchange(), core))
         x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), cache, shard)
         return self.segments["final"](x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
                                       layout.audio_index, *self.final_w)
@@ -89,14 +101,15 @@ class EngineDiT:
 
         return block_fn
 
-    def _sharded_block(self, rows, temb, exchange):
-        """Layer i on this rank's rows: pre half (compiled), exchange + attention (eager), post half (compiled)."""
+    def _sharded_block(self, rows, temb, exchange, core=None):
+        """Layer i on this rank's rows: pre half (compiled), exchange + attention (eager), post half (compiled).
+        `core`: a sparse evaluation's attention (bf16 block-sparse, in place of the bundle's, FP8 included)."""
         pre, post = self.segments["block_pre"], self.segments["block_post"]
 
         def block_fn(i, x, adaln_index, rope):
             mod = self.adaln.block(i, rows, temb).contiguous()
             (qkv,) = pre(x, mod, adaln_index, *rope, *self.block_w["block_pre"][i])
-            attn = exchange(qkv, self.sharded_attention[i])
+            attn = exchange(qkv, core if core is not None else self.sharded_attention[i])
             return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
 
         return block_fn
@@ -206,9 +219,12 @@ class Engine:
             verification.abandon()
             raise
         adaln = adaln_runner(manifest, weights.pop(adaln_file), cfg, device)
-        dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device,
-                        sp_group if manifest.mesh.sp > 1 else None,
-                        quant.get("layer_segments"), dense_kernel(attention) if attention else None)
+        sharded = manifest.mesh.sp > 1
+        sparse_kernel, sparse_problem = (load_sparse_kernel(device, cfg.num_heads // manifest.mesh.sp, cfg.head_dim,
+                                                            torch.bfloat16) if sharded else (None, None))
+        dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
+                        quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel)
+        dit.sparse_problem = sparse_problem
         end = time.perf_counter()
         stats = verification.weight_stats
         report = {

@@ -353,16 +353,23 @@ class H3DiT(nn.Module):
 
 class EagerDiT:
     """The reference DiT behind the runner signature the pipeline calls; an engine bundle provides the same one:
-    (video, audio, text, unique timesteps, row timestep index, PackedLayout, cache=None) -> (video v, audio v)."""
+    (video, audio, text, unique timesteps, row timestep index, PackedLayout, cache=None, sparse=None) -> (video v,
+    audio v). `sparse_kernel`: the block-sparse attention kernel it serves (models/sparse_kernels.py), chosen and
+    warmed at load; None: it serves none."""
 
-    def __init__(self, model: H3DiT):
-        self.model, self.cfg = model, model.cfg
+    sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
+    def __init__(self, model: H3DiT, sparse_kernel: str | None = None):
+        self.model, self.cfg, self.sparse_kernel = model, model.cfg, sparse_kernel
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None, sparse=None):
         """video [B, V, C], audio [B, A, C_audio], text [B, L, C_text], unique_t [T], t_index [S] -> the velocities
-        [B, V, C], [B, A, C_audio] fp32 (H3DiT.forward)."""
+        [B, V, C], [B, A, C_audio] fp32 (H3DiT.forward). `sparse`: the request's SparseRun (models/sparse_run.py),
+        whose attention replaces the dense one in a sparse evaluation."""
+        attn = sparse.attention(layout) if sparse is not None else None
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
-                          layout.video_index, layout.audio_index, layout.text_index, cache=cache)
+                          layout.video_index, layout.audio_index, layout.text_index,
+                          attn_fn=attn if attn is not None else sdpa_attention, cache=cache)
 
 
 def build_dit(cfg: H3Config, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> H3DiT:

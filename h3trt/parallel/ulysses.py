@@ -90,11 +90,12 @@ class UlyssesExchange:
 class UlyssesAttention:
     """The eager block's `attn_fn` under sequence parallelism: [B, Sl, N, D] q/k/v in, [B, Sl, N, D] out."""
 
-    def __init__(self, group, seq_len: int, padded: int):
-        self.exchange = UlyssesExchange(group, seq_len, padded)
+    def __init__(self, group, seq_len: int, padded: int, core: AttentionFn | None = None):
+        """`core`: the attention over every real row of this rank's heads, after the exchange (None: SDPA)."""
+        self.exchange, self.core = UlyssesExchange(group, seq_len, padded), core
 
     def __call__(self, q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor) -> torch.Tensor:
-        return from_head_groups(self.exchange(to_head_groups(q_BSND, k_BSND, v_BSND, self.exchange.sp)))
+        return from_head_groups(self.exchange(to_head_groups(q_BSND, k_BSND, v_BSND, self.exchange.sp), self.core))
 
 
 class RowShard:
@@ -120,9 +121,10 @@ class RowShard:
         dist.all_gather(parts, x_BSlH.contiguous(), group=self.group)
         return torch.cat(parts, dim=1)[:, : self.seq_len]
 
-    def attention(self) -> UlyssesAttention:
-        """The eager block's `attn_fn` over these rows: to_head_groups, the exchange, from_head_groups."""
-        return UlyssesAttention(self.group, self.seq_len, self.padded)
+    def attention(self, core: AttentionFn | None = None) -> UlyssesAttention:
+        """The eager block's `attn_fn` over these rows: to_head_groups, the exchange (`core` after it: each rank's
+        heads over every row; None: SDPA), from_head_groups."""
+        return UlyssesAttention(self.group, self.seq_len, self.padded, core)
 
     def exchange(self) -> UlyssesExchange:
         """The exchange alone, for compiled halves that bake to_head_groups / from_head_groups in."""
@@ -130,24 +132,29 @@ class RowShard:
 
 
 @torch.no_grad()
-def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None):
+def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None,
+               sparse=None):
     """One DiT evaluation with the block stack sharded over `group`; every rank returns the full outputs. Embed and
     the heads run on every rank (cheap next to the blocks; the sampler then updates the same latents everywhere), the
     blocks on this rank's rows (models/block_stack.py). A step `cache` decides on values all ranks share
-    (models/step_cache.py), so every rank skips the same blocks."""
+    (models/step_cache.py), so every rank skips the same blocks. `sparse` (models/sparse_run.py): in a sparse
+    evaluation each rank routes its own heads after the exchange."""
     sp = dist.get_world_size(group)
     if model.cfg.num_heads % sp:
         raise ValueError(f"sp={sp} does not divide the {model.cfg.num_heads} heads.")
     shard = RowShard(group, layout.seq_len)
+    core = sparse.attention(layout) if sparse is not None else None
     return model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids, layout.video_index,
-                 layout.audio_index, layout.text_index, attn_fn=shard.attention(), cache=cache, shard=shard)
+                 layout.audio_index, layout.text_index, attn_fn=shard.attention(core), cache=cache, shard=shard)
 
 
 class UlyssesDiT:
     """The eager DiT with its block stack sharded over `group`: the runner signature the pipeline calls."""
 
-    def __init__(self, model: H3DiT, group):
-        self.model, self.cfg, self.group = model, model.cfg, group
+    sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None):
-        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout, cache)
+    def __init__(self, model: H3DiT, group, sparse_kernel: str | None = None):
+        self.model, self.cfg, self.group, self.sparse_kernel = model, model.cfg, group, sparse_kernel
+
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None):
+        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout, cache, sparse)

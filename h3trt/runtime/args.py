@@ -65,13 +65,15 @@ def positive(text: str) -> int:
 
 def crf(text: str) -> int:
     """--crf: H.264's constant rate factor, checked when the arguments are read (not after the generation)."""
+    from .files import DEFAULT_CRF
+
     try:
         value = int(text)
     except ValueError:
         value = None
     if value is None or not 0 <= value <= 51:
         raise argparse.ArgumentTypeError(f"takes a whole number in H.264's range 0..51 (lower is better quality, "
-                                         f"default 23), got {text!r}")
+                                         f"default {DEFAULT_CRF}), got {text!r}")
     return value
 
 
@@ -89,10 +91,8 @@ def profile_fields_from_args(args) -> dict:
     from .profiles import profile_fields
 
     ratios = parse_mag_ratios(args.mag_ratios) if args.mag_ratios is not None else None
-    # --sparse-attention / --sparse-dense-steps come with block-sparse attention (models/sparse_attention.py); a
-    # parser without them states neither.
-    return profile_fields(args.profile, args.cache, getattr(args, "sparse_attention", None),
-                          getattr(args, "sparse_dense_steps", None), threshold=args.cache_threshold,
+    return profile_fields(args.profile, args.cache, args.sparse_attention, args.sparse_dense_steps,
+                          args.sparse_min_seq, threshold=args.cache_threshold,
                           warmup=args.cache_warmup, max_skip_steps=args.cache_max_skip,
                           retention_ratio=args.cache_retention, mag_ratios=ratios,
                           calibrate=True if args.mag_calibrate else None)

@@ -64,9 +64,10 @@ class BatchConfig:
 
 
 def batchable(request) -> bool:
-    """Whether a request may share a batched denoise: one branch (no guidance) and no step cache (a cache decides
-    per request which evaluations to skip)."""
-    return request.guidance == 1.0 and request.cache is None
+    """Whether a request may share a batched denoise: one branch (no guidance), no step cache (a cache decides
+    per request which evaluations to skip) and dense attention (block-sparse attention counts one request's
+    evaluations)."""
+    return request.guidance == 1.0 and request.cache is None and not request.sparse_attention
 
 
 @dataclass

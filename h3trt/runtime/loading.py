@@ -26,6 +26,7 @@ from ..models.vae_checkpoint import load_audio_vae
 from ..models.precision import eager_dtype
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
+from ..models.sparse_run import load_sparse_kernel
 from ..parallel.ulysses import UlyssesDiT
 from .records import process_started_unix, torch_bytecode
 from .request import Prepared
@@ -137,7 +138,10 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     model, source = load_dit(model_root, task, dtype=dtype, device=device)
     records = merge_loras(model, loras, task)
     shifts = source.shifts
-    dit = UlyssesDiT(model, sp_group) if sp_group is not None else EagerDiT(model)
+    sp = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
+    kernel, sparse_problem = load_sparse_kernel(device, model.cfg.num_heads // sp, model.cfg.head_dim, dtype)
+    dit = UlyssesDiT(model, sp_group, kernel) if sp_group is not None else EagerDiT(model, kernel)
+    dit.sparse_problem = sparse_problem
     return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
                       loras=records)
 

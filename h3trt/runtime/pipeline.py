@@ -17,10 +17,14 @@ from typing import Callable
 
 import torch
 
+from ..errors import UserError
 from ..models.audio_vae import AudioVAE
 from ..models.lora import LoraSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
 from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
+from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.sparse_run import SparseRun
+from ..models.sparse_kernels import sparse_block
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
@@ -88,6 +92,21 @@ class H3Pipeline:
         return cls.from_components(load_bundle(bundle_root, device, mesh, sp_group, vae_precision, trust), device,
                                    canvas, cfg_group)
 
+    def new_sparse_run(self, request: Request) -> SparseRun | None:
+        """A request's block-sparse attention over its evaluations, or None when it asks for none (dense)."""
+        settings = request_sparse_settings(request)
+        if not settings.enabled:
+            return None
+        kernel = getattr(self.dit, "sparse_kernel", None)
+        problem = getattr(self.dit, "sparse_problem", None)
+        if kernel is None and problem is not None:
+            raise UserError(problem)
+        if kernel is None:
+            raise UserError("this engine serves no block-sparse attention: a one-process bundle's compiled block "
+                            "holds its attention. Run the request with --sparse-attention 0 (or a dense profile: "
+                            "lossless, quality), on the checkpoint (--model), or on a bundle built with --sp > 1.")
+        return SparseRun(settings, kernel, sparse_block(kernel, self.device))
+
     def schedule(self, request: Request) -> Schedule:
         return Schedule.resolve(request.steps, request.video_shift, request.audio_shift, self.shifts)
 
@@ -106,7 +125,8 @@ class H3Pipeline:
         takes the stages' times; `on_frames(n)` is called on the writing rank as frames reach the encoder."""
         timer, start = timer or StageTimer(self.device), time.perf_counter()
         cache = new_step_cache(prepared.request, self.schedule(prepared.request))
-        schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache, profile_step)
+        sparse = self.new_sparse_run(prepared.request)
+        schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache, profile_step, sparse)
         check_finite(final)
         if not write and decode_group is None:
             return None
@@ -119,18 +139,22 @@ class H3Pipeline:
         record = self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
         if cache is not None:
             record["step_cache"] = cache.report()
+        record["sparse_attention"] = sparse.report() if sparse is not None else {"sparsity": 0.0}
         record["wall_s"] = round(time.perf_counter() - start, 4)  # the stages overlap (decode, audio, encode)
         return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
 
     @torch.no_grad()
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
                         timer: StageTimer | None = None, cache: StepCache | None = None,
-                        profile_step: int | None = None) -> tuple[Schedule, PackedLayout, Latents]:
+                        profile_step: int | None = None,
+                        sparse: SparseRun | None = None) -> tuple[Schedule, PackedLayout, Latents]:
         """Stages 1-3 for a prepared request: the schedule, the packed layout and the final latent rows. A request
-        with a step cache fills `cache` (a new one when None) with what it skipped."""
+        with a step cache fills `cache` (a new one when None) with what it skipped; one with sparsity fills `sparse`
+        (a new one when None) with which evaluations ran sparse."""
         req, timer = prepared.request, timer or StageTimer(self.device)
         schedule = self.schedule(req)
         cache = cache or new_step_cache(req, schedule)
+        sparse = sparse or self.new_sparse_run(req)
         if self.check_request is not None:
             self.check_request(prepared, schedule)
         if self.cfg_group is not None and req.guidance == 1.0:
@@ -165,7 +189,7 @@ class H3Pipeline:
                     on_step(i, n)
 
             final = self._denoise(text.embeds, layout, latents, schedule, stepped, branches, req.guidance, cache,
-                                  profile_step, timer)
+                                  profile_step, timer, sparse)
         if cache is not None and self.cfg_group is not None:  # every rank of the cfg group: a collective
             cache.gather(self.cfg_group)
         return schedule, layout, final
@@ -179,6 +203,9 @@ class H3Pipeline:
             self.check_request(prepared, schedule)
         if getattr(req, "guidance", 1.0) != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
+        if request_sparse_settings(req).enabled:
+            raise ValueError("Block-sparse attention counts one request's evaluations; run a sparse request alone "
+                             "(h3trt run --prompt ... --sparse-attention ...).")
         if getattr(req, "cache", None) is not None:
             raise ValueError("Step caching decides per request, and a batch shares one evaluation per step; run a "
                              "cached request alone (h3trt run --prompt ... --cache ...).")
@@ -325,16 +352,21 @@ class H3Pipeline:
 
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
                  branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
-                 cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None):
+                 cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None,
+                 sparse: SparseRun | None = None):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
         cond = cache.context("cond") if cache is not None and branches is None else None  # the reference's name
+        kwargs = {"sparse": sparse} if sparse is not None else {}  # a dense request: the runner's own call
 
         def unguided(video, audio, unique_t, t_index):
-            return dit(video, audio, text, unique_t, t_index, lay, cache=cond)
+            return dit(video, audio, text, unique_t, t_index, lay, cache=cond, **kwargs)
 
-        model = unguided if branches is None else guided_denoiser(dit, *branches, guidance, self.cfg_group, cache)
+        model = (unguided if branches is None
+                 else guided_denoiser(dit, *branches, guidance, self.cfg_group, cache, sparse))
+        if sparse is not None:
+            model = counted(model, sparse)
         profiler = None
         if profile_step is not None:
             model = profiler = StepProfiler(model, profile_step, device)
@@ -344,6 +376,22 @@ class H3Pipeline:
         if profiler is not None and timer is not None:
             timer.step_profile = profiler.report
         return final
+
+
+def counted(model, sparse: SparseRun):
+    """The sampler's model function, advancing `sparse` to the next evaluation before each step's DiT call(s)."""
+    def step(video, audio, unique_t, t_index):
+        sparse.next_evaluation()
+        return model(video, audio, unique_t, t_index)
+
+    return step
+
+
+def request_sparse_settings(request: Request) -> SparseSettings:
+    """A request's checked sparse settings (sparse_plan.sparse_settings; the request keys' names in messages)."""
+    return sparse_settings(getattr(request, "sparse_attention", 0.0) or 0.0,
+                           getattr(request, "sparse_dense_steps", None), getattr(request, "sparse_min_seq", None),
+                           where="")
 
 
 def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:

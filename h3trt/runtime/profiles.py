@@ -25,6 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
+from ..models.sparse_plan import sparse_settings
 from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
 
 DBCACHE_WARMUP = 4  # SGLang's max_warmup_steps for H3's profiles
@@ -63,12 +64,17 @@ REQUEST_KEYS = {"cache": "kind", "cache_threshold": "threshold", "cache_warmup":
                 "cache_max_skip": "max_skip_steps"}
 
 
+SPARSE_KEYS = ("sparse_attention", "sparse_dense_steps", "sparse_min_seq")  # request keys, as the flags' names
+
+
 def profile_fields(profile: str | None, cache: str | None = None, sparse_attention: float | None = None,
-                   sparse_dense_steps: int | None = None, **cache_knobs) -> dict:
+                   sparse_dense_steps: int | None = None, sparse_min_seq: int | None = None, where: str = "--",
+                   **cache_knobs) -> dict:
     """The request fields (runtime/request.py Request) a profile and the explicitly stated knobs give: `cache` (the
     step-cache kind, --cache), `cache_knobs` (StepCacheConfig's fields, each None when not stated), the sparsity.
     A knob given explicitly overrides the profile's value for it; `cache` naming another kind than the profile's
-    replaces the profile's step cache (its knobs were the other kind's)."""
+    replaces the profile's step cache (its knobs were the other kind's). The sparse values are checked here, before
+    any model loads (models/sparse_plan.py; `where` "--" names the flags in a message, "" the request keys)."""
     base = None
     if profile is not None:
         if profile not in PROFILES:
@@ -97,6 +103,9 @@ def profile_fields(profile: str | None, cache: str | None = None, sparse_attenti
         value = given if given is not None else own
         if value is not None:
             fields[name] = value
+    if sparse_min_seq is not None:
+        fields["sparse_min_seq"] = sparse_min_seq
+    sparse_settings(fields.get("sparse_attention"), fields.get("sparse_dense_steps"), sparse_min_seq, where)
     return fields
 
 
@@ -121,7 +130,7 @@ def request_profile_fields(data: dict) -> dict:
         elif isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{key} must be finite, got {value}.")
         knobs[field] = float(value) if field == "threshold" else value
-    sparse = {k: data[k] for k in ("sparse_attention", "sparse_dense_steps") if data.get(k) is not None}
+    sparse = {k: data[k] for k in SPARSE_KEYS if data.get(k) is not None}
     if profile is None and not knobs and not sparse:
         return {}
     kind = knobs.pop("kind", None)
@@ -131,4 +140,4 @@ def request_profile_fields(data: dict) -> dict:
         none = f", and profile {profile!r} has no step cache" if profile is not None else ""
         raise UserError(f"{keys} configure step caching{none}; add \"cache\": \"first-block\" or a profile "
                         "that caches (quality, balanced, fast).")
-    return profile_fields(profile, kind, **sparse, **knobs)
+    return profile_fields(profile, kind, **sparse, where="", **knobs)
