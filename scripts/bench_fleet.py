@@ -49,8 +49,9 @@ def phase_fleet(ctx, bundle: Path, replicas: int, clips: int, pg_bin: Path | Non
     env = {"PYTHONPATH": f"{bench_e2e.ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "XDG_CACHE_HOME": str(ctx.state / "xdg-fleet")}
     try:
-        context = ray.init(num_cpus=os.cpu_count(), num_gpus=0 if ctx.tiny else None, include_dashboard=False,
-                           log_to_driver=False, runtime_env={"env_vars": env})
+        # address "local": a new cluster of the bench's own, whatever RAY_ADDRESS or /tmp/ray's session file name
+        context = ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=0 if ctx.tiny else None,
+                           include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
         result["page_cache"] = bench_e2e.evict_page_cache(bundle)
         rc, seconds = ctx.subprocess(
             [sys.executable, "-m", "h3trt.cli", "serve", "--ray", context.address_info["gcs_address"], "--engine",

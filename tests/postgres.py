@@ -60,10 +60,19 @@ class Postgres:
             shutil.chown(self.root, user)
             shutil.chown(self.sockets, user)
         self._run("initdb", "-D", str(self.data), "-A", "trust", "-U", "postgres", "-E", "UTF8", "--no-sync")
+        self.start()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def start(self) -> None:
+        """Start the server (again, after `halt`: same port, same data)."""
         self._run("pg_ctl", "-D", str(self.data), "-l", str(self.log), "-w", "-t", "60", "start", "-o",
                   f"-p {self.port} -k {self.sockets} -c listen_addresses=127.0.0.1 -c fsync=off "
                   "-c synchronous_commit=off -c full_page_writes=off -c max_connections=200")
-        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+
+    def halt(self) -> None:
+        """Stop the server, its connections dropped and its data kept (an outage: `start` brings it back). Fast, not
+        immediate: with synchronous_commit off, an immediate stop may lose the last commits."""
+        self._run("pg_ctl", "-D", str(self.data), "-m", "fast", "-w", "stop")
 
     def _run(self, tool: str, *args: str) -> None:
         out = subprocess.run([*self.as_user, str(self.bin / tool), *args], capture_output=True, text=True,

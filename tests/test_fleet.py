@@ -4,12 +4,11 @@ store in PostgreSQL (a throwaway Debian cluster, tests/postgres.py) and the clip
 mode as the local S3-compatible stand-in, tests/conftest.py `s3`). One cluster and one deployment serve the module;
 the replica kill runs last. Also, without the cluster: the queue-depth autoscaling policy and the fleet's options."""
 
+import json
 import os
-import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +17,7 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from ray_cluster import isolated_ray
 from serving import ENDED, SMALL, ffprobe, free_port
 
 KEY = "fleet-key-51c2"
@@ -36,7 +36,6 @@ def _rows(url: str) -> dict:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory, tiny_cache, postgres, s3):
-    import ray
     from ray import serve
 
     bucket, client = s3
@@ -46,27 +45,23 @@ def fleet(tmp_path_factory, tiny_cache, postgres, s3):
     # This checkout's h3trt in every Ray worker (the replicas import the deployments from it).
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
     # Small: 2 cores. Logical CPUs only count placement (4 rank bundles, the ingress); the object store is unused.
-    # Ray's folder is short and private: its Unix sockets' paths must stay under 107 bytes (pytest's tmp paths under
-    # xdist come near), and /tmp/ray may be another cluster's.
-    ray_dir = tempfile.mkdtemp(prefix="ray-")
-    context = ray.init(num_cpus=8, include_dashboard=False, object_store_memory=80 * 2**20, log_to_driver=False,
-                       runtime_env={"env_vars": env}, _temp_dir=ray_dir)
-    port = free_port()
-    log = tmp_path_factory.mktemp("fleet") / "deploy.log"
-    try:
-        with open(log, "wb") as out:
-            deployed = subprocess.run(
-                [sys.executable, "-m", "h3trt.cli", "serve", "--ray", context.address_info["gcs_address"], "--store",
-                 store, "--storage", f"s3://{bucket}/fleet", "--gpus", "2", "--sp", "2", "--device", "cpu",
-                 "--min-replicas", "2", "--max-replicas", "2", "--lease", f"{LEASE_S}s", "--port", str(port),
-                 "--api-key", KEY, "--retention", "1h"], stdout=out, stderr=subprocess.STDOUT,
-                env={**os.environ, **env}, timeout=480)
-        assert deployed.returncode == 0, log.read_text()[-4000:]
-        yield SimpleNamespace(url=f"http://127.0.0.1:{port}", store=store, bucket=bucket, s3=client, log=log)
-    finally:
-        serve.shutdown()
-        ray.shutdown()
-        shutil.rmtree(ray_dir, ignore_errors=True)
+    # The cluster is this module's own (tests/ray_cluster.py), whatever else runs on the machine.
+    with isolated_ray(num_cpus=8, object_store_memory=80 * 2**20, runtime_env={"env_vars": env}) as (context, _):
+        port = free_port()
+        log = tmp_path_factory.mktemp("fleet") / "deploy.log"
+        try:
+            with open(log, "wb") as out:
+                deployed = subprocess.run(
+                    [sys.executable, "-m", "h3trt.cli", "serve", "--ray", context.address_info["gcs_address"],
+                     "--store", store, "--storage", f"s3://{bucket}/fleet", "--gpus", "2", "--sp", "2", "--device",
+                     "cpu", "--min-replicas", "2", "--max-replicas", "2", "--lease", f"{LEASE_S}s", "--port",
+                     str(port), "--api-key", KEY, "--retention", "1h"], stdout=out, stderr=subprocess.STDOUT,
+                    env={**os.environ, **env}, timeout=480)
+            assert deployed.returncode == 0, log.read_text()[-4000:]
+            yield SimpleNamespace(url=f"http://127.0.0.1:{port}", store=store, bucket=bucket, s3=client, log=log,
+                                  postgres=postgres)
+        finally:
+            serve.shutdown()
 
 
 def _http(fleet) -> httpx.Client:
@@ -138,6 +133,39 @@ def test_30_jobs_from_10_clients_run_exactly_once_over_2_replicas(fleet, tmp_pat
 
 
 @pytest.mark.fleet
+def test_a_store_outage_is_a_503_and_not_ready_and_the_running_jobs_finish_once(fleet):
+    """PostgreSQL stopped for 10 s (over 2 leases) while both replicas run a job: every API answer is a 503 envelope,
+    /ready is false, and once it is back both jobs complete on their first attempt, on the replicas that had them."""
+    with _http(fleet) as c:
+        jobs = [c.post("/v1/videos", json={"prompt": f"through the outage {i}", "size": "160x96", "steps": 30})
+                .raise_for_status().json()["id"] for i in range(2)]
+        deadline = time.monotonic() + 300
+        while not all(c.get(f"/v1/videos/{j}").json()["evaluations"]["done"] >= 1 for j in jobs):
+            assert time.monotonic() < deadline, "the jobs never started denoising"
+            time.sleep(0.2)
+        workers = {j: r.worker for j, r in _rows(fleet.store).items() if j in jobs}
+        fleet.postgres.halt()
+        try:
+            down_until = time.monotonic() + 10
+            while time.monotonic() < down_until:
+                for answer in (c.get("/v1/videos"), c.get(f"/v1/videos/{jobs[0]}"),
+                               c.post("/v1/videos", json={**SMALL, "prompt": "during the outage"})):
+                    assert answer.status_code == 503, answer.text
+                    assert answer.json()["error"]["code"] == "store_unreachable", answer.text
+                ready = c.get("/ready")
+                assert ready.status_code == 503 and ready.json()["store_reachable"] is False, ready.text
+                time.sleep(1)
+        finally:
+            fleet.postgres.start()
+    ended = [_wait(fleet, j) for j in jobs]
+    assert [(j["status"], j["attempts"]) for j in ended] == [("completed", 1)] * 2, ended
+    rows = _rows(fleet.store)
+    assert {j: rows[j].worker for j in jobs} == workers  # no replica was replaced, no job moved
+    with _http(fleet) as c:
+        assert c.get("/ready").json()["ready"]
+
+
+@pytest.mark.fleet
 def test_a_replica_killed_mid_job_its_job_finishes_on_the_other(fleet):
     with _http(fleet) as c:
         long = c.post("/v1/videos", json={"prompt": "its replica dies", "size": "160x96", "steps": 30}).json()["id"]
@@ -184,3 +212,81 @@ def test_fleet_options_refuse_what_cannot_work():
     with pytest.raises(UserError, match="--lease must be at least 2 s"):
         FleetOptions("auto", pg, "/mnt/h3trt", lease_s=1)
     assert FleetOptions("auto", pg, "s3://bucket/h3trt", 1, 4).max_replicas == 4
+
+
+# A decoy: what another Ray user leaves on the machine. RAY_ADDRESS and the session file in Ray's default temp folder
+# (TMPDIR/ray/ray_current_cluster) name a cluster that is not the test's, and ~/.ray/auth_token holds their token.
+ISOLATED = """
+import json, os, sys
+sys.path.insert(0, sys.argv[1])
+import ray
+from ray_cluster import isolated_ray
+
+with isolated_ray(num_cpus=1) as (context, ray_dir):
+    node = ray._private.worker._global_node
+    print(json.dumps({"gcs": context.address_info["gcs_address"], "session": node.get_session_dir_path(),
+                      "ray_dir": ray_dir, "ran": ray.get(ray.remote(lambda: 42).remote())}))
+"""
+
+
+def _decoy_env(tmp_path) -> dict:
+    decoy = f"127.0.0.1:{free_port()}"
+    (tmp_path / "ray").mkdir()
+    (tmp_path / "ray" / "ray_current_cluster").write_text(decoy)
+    home = tmp_path / "home"
+    (home / ".ray").mkdir(parents=True)
+    (home / ".ray" / "auth_token").write_text("another-ray-users-token")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    return {**env, "RAY_ADDRESS": decoy, "TMPDIR": str(tmp_path), "HOME": str(home)}
+
+
+def test_the_tests_ray_cluster_is_their_own_whatever_else_the_machine_runs(tmp_path):
+    """The fleet fixture's cluster (tests/ray_cluster.py), with RAY_ADDRESS and Ray's session file naming another
+    cluster and another user's ~/.ray/auth_token: a new head of its own (not the decoy; its session in its own
+    folder), its tasks run (its own token), the other user's token file untouched and nothing else written in HOME.
+    The fixture's former `ray.init(num_cpus=8, ...)` connected to RAY_ADDRESS and failed ("Connecting to existing
+    Ray cluster at address ...", then "When connecting to an existing cluster, num_cpus ... must not be provided")."""
+    env = _decoy_env(tmp_path)
+    done = subprocess.run([sys.executable, "-c", ISOLATED, str(Path(__file__).parent)], env=env, capture_output=True,
+                          text=True, timeout=180)
+    assert done.returncode == 0, done.stderr[-3000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["gcs"] != env["RAY_ADDRESS"] and got["ran"] == 42, got
+    assert got["session"].startswith(got["ray_dir"]), got
+    assert "Connecting to existing Ray cluster" not in done.stderr
+    home = Path(env["HOME"])
+    assert (home / ".ray" / "auth_token").read_text() == "another-ray-users-token"
+    assert sorted(str(p.relative_to(home)) for p in home.rglob("*")) == [".ray", ".ray/auth_token"]
+
+
+def _deploy(address: str, env: dict, tmp_path, store: str) -> subprocess.CompletedProcess:
+    # A reachable store and a writable storage: the deploy checks both before it touches Ray (preflight).
+    return subprocess.run([sys.executable, "-m", "h3trt.cli", "serve", "--ray", address, "--store", store,
+                           "--storage", str(tmp_path / "storage"), "--device", "cpu", "--port", str(free_port())],
+                          env=env, capture_output=True, text=True, timeout=120)
+
+
+def test_deploy_with_another_users_ray_token_is_one_line_or_works(tiny_cache, tmp_path, postgres):
+    """The README's recipe on a token-authenticated cluster (what `ray start --head` makes when it finds a token):
+    `h3trt serve --ray HEAD:PORT` from a HOME whose ~/.ray/auth_token is another user's is refused in one line naming
+    the file and the fix, at once; with the cluster's token in that file the deploy's connect (deploy.connect, run
+    alone so that no fleet is deployed) gets in. Before, Ray never sent the file's token on an explicit address: 20 s
+    of retries, then its traceback."""
+    with isolated_ray(num_cpus=1) as (context, ray_dir):
+        address = context.address_info["gcs_address"]
+        env = _decoy_env(tmp_path)
+        del env["RAY_ADDRESS"]
+        token = Path(env["HOME"]) / ".ray" / "auth_token"
+        started = time.monotonic()
+        refused = _deploy(address, env, tmp_path, postgres.database())
+        assert refused.returncode == 2, refused.stderr[-3000:]
+        assert "Traceback" not in refused.stderr, refused.stderr[-3000:]
+        line = refused.stderr.strip().splitlines()[-1]
+        assert f"refused the token in {token}" in line and "ray get-auth-token" in line, line
+        assert time.monotonic() - started < 60
+        token.write_text((Path(ray_dir) / "auth_token").read_text())  # the head's token, copied to this machine
+        connected = subprocess.run(
+            [sys.executable, "-c", "import sys, ray; from h3trt.fleet.deploy import connect; connect(sys.argv[1]); "
+             "print('nodes', len(ray.nodes()))", address], env=env, capture_output=True, text=True, timeout=120)
+        assert connected.returncode == 0 and "nodes 1" in connected.stdout, connected.stderr[-3000:]
+        assert "InvalidAuthToken" not in connected.stderr

@@ -36,9 +36,10 @@ from ..server.options import ServeOptions
 from ..server.queue import HEARTBEAT_DIVISOR, StoreQueue
 from ..server.service import VideoService, _log, request_defaults
 from ..server.storage import Storage
-from ..server.store import JobStore
+from ..server.store import JobStore, store_unreachable
 from .autoscale import QUEUED, RUNNING, QueueDepthPolicy
 from .options import FleetOptions
+from .preflight import preflight
 
 EXTRA_MODULES = ("ray", "psycopg", "fsspec")  # and [serve]'s (server/main.py EXTRA_MODULES)
 WORKER_DEPLOYMENT, INGRESS_DEPLOYMENT = "WorkerReplica", "Ingress"
@@ -54,6 +55,9 @@ class WorkerReplica:
         self.fleet, self.options = fleet, options
         self.id = f"{socket.gethostname()}:{os.getpid()}"
         self.store, self.storage = JobStore(fleet.store_url), Storage(fleet.storage_url)
+        # What replicas killed on this host left (partial clips, scratch and rank-group folders), before this one
+        # writes its own; a live process's are left alone.
+        _log("swept", replica=self.id, **self.storage.sweep())
         self.queue = StoreQueue(self.store, self.storage, options.retention_s, request_defaults(entry), Metrics(), _log,
                                 name=lambda group: f"{self.id}/group{group}")
         self.workers = Workers(spec, self.queue, bundle_gpus(spec), load_failures_fatal=True,
@@ -79,9 +83,19 @@ class WorkerReplica:
     def _leases(self) -> None:
         """Renew this replica's lease every lease / 4; recover the jobs of replicas that stopped renewing theirs."""
         period = self.fleet.lease_s / HEARTBEAT_DIVISOR
+        renewing_since = time.monotonic()  # since when this replica's renewals reach the store without a gap
         while not self._stop.wait(period):
             try:
                 self.queue.heartbeat(1)
+            except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
+                renewing_since = time.monotonic()
+                _log("lease_error", replica=self.id, error=f"{type(e).__name__}: {e}")
+                continue
+            # After a store outage every replica's leases look stale: take no job from another replica until it has
+            # had a whole lease to renew its own (nothing that did not fail is run again).
+            if time.monotonic() - renewing_since < self.fleet.lease_s:
+                continue
+            try:
                 self.queue.reclaim(self.fleet.lease_s)
             except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
                 _log("lease_error", replica=self.id, error=f"{type(e).__name__}: {e}")
@@ -135,35 +149,57 @@ def bundle_gpus(spec: WorkerSpec) -> list[str] | None:
 
 class FleetGroups:
     """The worker replicas as the ingress's /ready and /metrics describe them (server/metrics.py `Groups`): one group
-    per replica, its state from Serve's status of the worker deployment (RUNNING: serving; STARTING: loading)."""
+    per replica, its state from Serve's status of the worker deployment (RUNNING: serving; STARTING: loading), and
+    what it runs from the store: a running job's row names its replica (host:pid/group), so a replica that holds one
+    is busy, with its jobs and its process id (its ranks are that process's children)."""
 
     STATES = {"RUNNING": "serving", "STARTING": "loading", "PENDING_MIGRATION": "serving"}
 
-    def __init__(self, app_name: str):
-        self.app_name = app_name
+    def __init__(self, app_name: str, store: JobStore):
+        self.app_name, self.store = app_name, store
         self._lock = threading.Lock()
         self._cached: tuple[float, list[dict]] = (0.0, [])
+
+    def replica_states(self) -> dict[str, int]:
+        """Serve's count of the worker deployment's replicas by state."""
+        from ray import serve
+
+        try:
+            app = serve.status().applications[self.app_name]
+            states = app.deployments[WORKER_DEPLOYMENT].replica_states
+        except (KeyError, AttributeError):
+            return {}
+        return {str(getattr(state, "value", state)): n for state, n in states.items()}
 
     def status(self) -> list[dict]:
         with self._lock:
             at, groups = self._cached
             if time.monotonic() - at < STATUS_CACHE_S:
                 return groups
-            from ray import serve
-
+            names = sorted(name for name, n in self.replica_states().items() for _ in range(n))
+            running: dict[str, list[str]] = {}
             try:
-                app = serve.status().applications[self.app_name]
-                states = app.deployments[WORKER_DEPLOYMENT].replica_states
-            except (KeyError, AttributeError):
-                states = {}
-            names = sorted(str(getattr(state, "value", state)) for state, n in states.items() for _ in range(n))
-            groups = [{"group": i, "state": self.STATES.get(name, "restarting"), "restarts": 0, "jobs": [],
-                       "pids": [], "replica_state": name} for i, name in enumerate(names)]
+                for row in self.store.rows(status="in_progress"):
+                    running.setdefault((row.worker or "").split("/", 1)[0], []).append(row.id)
+            except Exception as e:
+                if not store_unreachable(e):
+                    raise
+                # The replicas as Serve sees them, what they run unknown until the store answers (/ready says so).
+            busy = iter(sorted(running.items()))
+            groups = []
+            for i, name in enumerate(names):
+                group = {"group": i, "state": self.STATES.get(name, "restarting"), "restarts": 0, "jobs": [],
+                         "pids": [], "replica_state": name}
+                if group["state"] == "serving" and (held := next(busy, None)) is not None:
+                    replica, job_ids = held
+                    pid = replica.rsplit(":", 1)[-1]
+                    group.update(state="busy", replica=replica, jobs=job_ids, pids=[int(pid)] if pid.isdigit() else [])
+                groups.append(group)
             self._cached = (time.monotonic(), groups)
             return groups
 
     def serving(self) -> int:
-        return sum(1 for g in self.status() if g["state"] == "serving")
+        return sum(1 for g in self.status() if g["state"] in ("serving", "busy"))
 
 
 class Ingress:
@@ -173,7 +209,7 @@ class Ingress:
     def __init__(self, workers, entry: Entry, options: ServeOptions, fleet: FleetOptions, guidance_branches: int):
         self.workers = workers  # the worker deployment's handle: it binds the two into one application
         store, storage, metrics = JobStore(fleet.store_url), Storage(fleet.storage_url), Metrics()
-        groups = FleetGroups(fleet.app_name)
+        groups = FleetGroups(fleet.app_name, store)
         metrics.watch(store, groups)
         self.service = VideoService(entry, options, store, storage, groups, metrics, guidance_branches)
         self._stop = threading.Event()
@@ -229,17 +265,17 @@ def deploy(entry: Entry, options: ServeOptions, fleet: FleetOptions) -> int:
     missing = [m for m in (*SERVE_MODULES, *EXTRA_MODULES) if importlib.util.find_spec(m) is None]
     if missing:
         raise UserError(f"h3trt serve --ray needs {', '.join(missing)}: pip install 'h3trt[fleet]'.")
+    # The store reachable with a known schema (migrated), the storage writable: before anything is replaced.
+    preflight(fleet.store_url, fleet.storage_url)
     task = entry.manifest.task if entry.manifest is not None else "t2va"
     mesh = entry.mesh(task)
     if mesh.replica != 1:
         raise UserError(f"With --ray the mesh flags describe one replica group ({mesh.cfg * mesh.sp} ranks) and Serve "
                         f"runs the replicas: drop --replicas {mesh.replica}, use --min-replicas/--max-replicas.")
     spec = entry.worker_spec(task, mesh, crf=options.crf)
-    JobStore(fleet.store_url).close()  # the schema migrated (and a newer one refused) before anything deploys
-    import ray
+    connect(fleet.address)
     from ray import serve
 
-    ray.init(address=fleet.address, log_to_driver=False)
     started = time.time()
     serve.start(http_options={"host": options.host, "port": options.port})
     serve.run(application(entry, options, fleet, spec), name=fleet.app_name, route_prefix="/")
@@ -249,6 +285,47 @@ def deploy(entry: Entry, options: ServeOptions, fleet: FleetOptions) -> int:
     print(f"h3trt serve: the fleet serves at {url} ({fleet.min_replicas}..{fleet.max_replicas} worker replicas of "
           f"{spec.group_size} rank(s); `serve status`, `serve shutdown` manage it)", file=sys.stderr, flush=True)
     return 0
+
+
+def connect(address: str) -> None:
+    """Connect this process to the Ray cluster at `address` (host:port, or auto: the cluster `ray start` began on
+    this node) as its driver, with Ray's token authentication settled first.
+
+    `ray start --head` turns token authentication on when it finds a token (~/.ray/auth_token, RAY_AUTH_TOKEN_PATH,
+    RAY_AUTH_TOKEN), even one another Ray user left; `ray.init` with an explicit address never loads one, so the
+    README's recipe died after 20 s of retries with Ray's traceback. Here a token this machine holds is always
+    sent (the same rule as `ray start`'s; a cluster without token authentication ignores it), RAY_AUTH_MODE set
+    explicitly is respected, and a cluster that refuses the token (or needs one this machine lacks) is one line
+    naming the token's file and the fix, within a second."""
+    import ray
+    from ray._private import services
+    from ray._private.authentication.authentication_token_setup import maybe_enable_token_auth_if_token_available
+    from ray._raylet import AuthenticationTokenLoader, GcsClient
+    from ray.exceptions import AuthenticationError
+
+    maybe_enable_token_auth_if_token_available(warn_if_disabled=False)
+    try:
+        gcs = services.canonicalize_bootstrap_address_or_die(address)
+    except ConnectionError as e:
+        raise UserError(f"--ray {address}: {e}") from None
+    try:
+        GcsClient(address=gcs).cluster_id  # one authenticated call: Ray's own connect retries for 20 s
+    except AuthenticationError:
+        source = _token_source()
+        fix = "put the head node's token there (`ray get-auth-token` on the head prints it) and deploy again"
+        if AuthenticationTokenLoader.instance().has_token(ignore_auth_mode=True):
+            raise UserError(f"The Ray cluster at {gcs} refused the token in {source} (it is not this cluster's, "
+                            f"perhaps left by another Ray user): {fix}.") from None
+        raise UserError(f"The Ray cluster at {gcs} requires token authentication and this machine has no token "
+                        f"({source} does not exist): {fix}.") from None
+    ray.init(address=gcs, log_to_driver=False)
+
+
+def _token_source() -> str:
+    """Where Ray reads this process's authentication token from, in Ray's order."""
+    if os.environ.get("RAY_AUTH_TOKEN"):
+        return "the RAY_AUTH_TOKEN environment variable"
+    return os.environ.get("RAY_AUTH_TOKEN_PATH") or os.path.join(os.path.expanduser("~"), ".ray", "auth_token")
 
 
 def _redacted(url: str) -> str:
