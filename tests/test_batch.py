@@ -78,7 +78,7 @@ def test_a_bad_line_stops_the_batch_before_any_work(tmp_path, capsys):
     status = main(["run", "--requests", str(_write(tmp_path / "batch.jsonl", lines)), "--out-dir", str(out)])
     assert status == 2
     err = capsys.readouterr().err
-    assert "batch.jsonl:5: Unsupported duration 30 s" in err and "nothing was run" in err
+    assert "batch.jsonl:5: duration: Unsupported duration 30 s" in err and "nothing was run" in err
     assert not out.exists()  # nothing written, no model loaded
 
 

@@ -260,8 +260,8 @@ def test_the_api_passes_the_profile_and_cache_fields_on(tmp_path):
 
     service = SimpleNamespace(model_id="h3")
     schema, _ = VideoService._to_schema(service, {"prompt": "a fox", "profile": "balanced", "cache_warmup": "2",
-                                                  "cache_max_skip": "1"}, [], tmp_path, multipart=True)
+                                                  "cache_max_skip": "1"}, [], tmp_path, multipart=True, sent={})
     request = request_of(schema)
     assert request.profile == "balanced" and (request.cache.warmup, request.cache.max_skip_steps) == (2, 1)
     with pytest.raises(ApiError, match="unknown field"):
-        VideoService._to_schema(service, {"prompt": "a fox", "cache_retention": 0.1}, [], tmp_path, multipart=False)
+        VideoService._to_schema(service, {"prompt": "a fox", "cache_retention": 0.1}, [], tmp_path, multipart=False, sent={})

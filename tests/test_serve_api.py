@@ -60,6 +60,18 @@ def test_openai_sdk_create_poll_download_list_delete(server, tmp_path):
     assert not list((server.data_dir / "clips").glob(f"{video.id}.*"))  # MP4, record and thumbnail are gone
 
 
+def test_a_sparse_job_runs_sparse_and_its_metadata_says_so(server):
+    """sparse_attention and its knobs ride in the SDK's extra_body; the job and the clip record name what ran."""
+    video = server.openai().videos.create_and_poll(
+        prompt="a fox", size="128x32", poll_interval_ms=200,
+        extra_body={"steps": 4, "sparse_attention": 0.75, "sparse_dense_steps": 1, "sparse_min_seq": 1})
+    assert video.status == "completed", video
+    sparse = video.model_extra["sparse_attention"]
+    assert sparse["sparsity"] == 0.75 and sparse["sparse_evaluations"] == [1, 2] and 0 < sparse["kept_fraction"] < 1
+    record = json.loads((server.data_dir / "clips" / f"{video.id}.json").read_text())
+    assert record["sparse_attention"] == sparse
+
+
 def test_multipart_keyframes_make_an_fl2va_clip(server, tmp_path):
     first, last = png(tmp_path / "first.png", 1), png(tmp_path / "last.png", 2)
     with server.http() as c:
@@ -81,20 +93,27 @@ def test_multipart_keyframes_make_an_fl2va_clip(server, tmp_path):
 
 BAD_FIELDS = [  # (body, the param the envelope names, words of the message)
     ({"size": "128x32"}, "prompt", "missing ['prompt']"),
-    ({"prompt": "x", "seconds": "abc"}, "seconds", "seconds must be a number"),
+    ({"prompt": "x", "seconds": "abc"}, "seconds", "seconds must be a finite number"),
     ({"prompt": "x", "seconds": "30"}, "seconds", "Unsupported duration"),
     ({"prompt": "x", "size": "100x50"}, "size", "Unsupported resolution"),
     ({"prompt": "x", "size": "big"}, "size", "resolution must be 'WIDTHxHEIGHT'"),
     ({"prompt": "x", "seed": 1.5}, "seed", "seed must be an integer"),
     ({"prompt": "x", "steps": 1}, "steps", "steps must be at least 2"),
     ({"prompt": "x", "guidance": 0.5}, "guidance", "guidance must be a finite number >= 1"),
-    ({"prompt": "x", "task": "fl2va"}, "task", "task 'fl2va' takes image"),
+    ({"prompt": "x", "task": "fl2va"}, "task", "task 'fl2va' takes input_reference"),
     ({"prompt": "x", "task": "t3va"}, "task", "must be one of"),
     ({"prompt": "x", "colour": "red"}, "colour", "unknown field(s) ['colour']"),
     ({"prompt": "x", "model": "sora-2"}, "model", "'sora-2' is not served here"),
     ({"prompt": "x", "input_reference": {"image_url": "https://example.com/a.png"}}, "input_reference",
      "not supported"),
     ({"prompt": "   "}, "prompt", "prompt is empty"),
+    ({"prompt": "x", "steps": 10 ** 9}, "steps", "at most 1000"),
+    ({"prompt": "x", "seconds": "0"}, "seconds", "seconds must be a positive number"),
+    ({"prompt": "x", "seconds": True}, "seconds", "seconds must be a finite number"),
+    ({"prompt": "x", "sparse_attention": 1.0}, "sparse_attention", "sparse_attention takes a fraction"),
+    ({"prompt": "x", "sparse_attention": -0.5}, "sparse_attention", "sparse_attention takes a fraction"),
+    ({"prompt": "x", "sparse_dense_steps": 2.5}, "sparse_dense_steps", "sparse_dense_steps takes a whole number"),
+    ({"prompt": "x", "sparse_min_seq": 0}, "sparse_min_seq", "sparse_min_seq takes a whole number of at least 1"),
 ]
 
 
@@ -115,7 +134,8 @@ def test_other_error_paths(server, tmp_path):
         r = anonymous.get("/v1/videos")
         assert r.status_code == 401 and "Bearer" in r.json()["error"]["message"]
         assert anonymous.get("/v1/videos", headers={"Authorization": "Bearer wrong"}).status_code == 401
-        assert anonymous.get("/health").status_code == 200  # operations endpoints need no key
+        assert anonymous.get("/health").status_code == 200  # /health and /ready need no key; /metrics and /docs do
+        assert anonymous.get("/metrics").status_code == 401 and anonymous.get("/openapi.json").status_code == 401
     with server.http() as c:
         assert c.get("/v1/videos/video_" + "0" * 32).status_code == 404
         assert c.get("/v1/videos/nope/content").json()["error"]["type"] == "not_found_error"
@@ -211,7 +231,7 @@ def test_twenty_concurrent_clients_each_get_their_clip_once(server):
                           % ",".join("?" * len(ids)), ids).fetchall()
     assert len(rows) == 20
     assert all(nxt[0] < prev[1] for prev, nxt in zip(rows, rows[1:])), rows
-    metrics = httpx.get(server.url + "/metrics").text
+    metrics = httpx.get(server.url + "/metrics", headers=server.headers).text
     assert 'h3trt_jobs_ended_total{status="completed"}' in metrics and "h3trt_job_latency_seconds_bucket" in metrics
     assert "h3trt_denoise_step_seconds_count" in metrics and 'h3trt_stage_seconds_count{stage="denoise"}' in metrics
     assert 'h3trt_replica_groups{state="serving"} 1.0' in metrics or 'state="busy"} 1.0' in metrics
@@ -247,7 +267,7 @@ def test_schemathesis_no_500_and_every_response_matches_the_schema(tmp_path_fact
     srv = Server(tmp_path_factory.mktemp("fuzz") / "data", "--max-queue", "3", api_key=KEY)
     try:
         srv.wait("/ready")  # /ready is 503 while the model loads: by design, and documented in its schema
-        schema = schemathesis.openapi.from_url(srv.url + "/openapi.json")
+        schema = schemathesis.openapi.from_url(srv.url + "/openapi.json", headers={"Authorization": f"Bearer {KEY}"})
         failures, operations = [], 0
         for result in schema.get_all_operations():
             operation = result.ok()

@@ -121,7 +121,8 @@ def frames_for_duration(seconds: float, min_s: float = MIN_DURATION_S, max_s: fl
     round up to 362 frames, 15.083 s)."""
     if not math.isfinite(seconds) or seconds <= 0:
         raise UserError(f"Duration must be a positive number of seconds, got {seconds}.")
-    frames = align_num_frames(math.ceil(seconds * FPS - 1e-9))
+    # The range first: a huge duration (1e308 s) would overflow the frame count.
+    frames = align_num_frames(math.ceil(seconds * FPS - 1e-9)) if min_s <= seconds <= max_s else 0
     if not min_s <= seconds <= max_s or not min_s <= frames / FPS <= max_s:
         lo = align_num_frames(math.ceil(min_s * FPS))
         hi = int((max_s * FPS - LATENTS_PER_CHUNK) // FRAMES_PER_CHUNK) * FRAMES_PER_CHUNK + LATENTS_PER_CHUNK

@@ -10,7 +10,7 @@ from typing import Callable
 
 from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
-from .request import CanvasDefaults, Prepared, Request, prepare
+from .request import KEYS, CanvasDefaults, Prepared, Request, prepare
 from .requests import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
 
 
@@ -32,7 +32,7 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
 
     def check(line: RequestLine) -> BatchItem:
         request = line.request
-        prepared = prepare(request, canvas)  # inputs readable, canvas and duration allowed; re-read at run time
+        prepared = prepare(request, canvas, KEYS)  # inputs readable, canvas and duration allowed; re-read at run time
         if admit is not None:
             admit(prepared)
         geo = prepared.geometry

@@ -32,7 +32,46 @@ SEED_RANGE = (-2 ** 63, 2 ** 64)  # what torch.Generator.manual_seed takes: int6
 # h3trt's budget for a prompt, in the checkpoint's tokens. The reference sets none; the text rows join every
 # attention of every step, and H3's own prompts run tens to a few hundred tokens. Checked before any model loads.
 MAX_PROMPT_TOKENS = 1024
+# A prompt's bytes at most: the token budget at 16 bytes a token, far more than any text averages (English about 4,
+# CJK about 3), so no prompt within the token budget is refused, and a longer one is refused without tokenizing it.
+MAX_PROMPT_BYTES = 16 * MAX_PROMPT_TOKENS
 MAX_REFERENCES = {"image": 9, "video": 3, "audio": 3, "total": 12}  # documented limits of the released model
+# Sigma grid points at most: H3's schedule is 50 (DEFAULT_STEPS), its scheduler's training grid 1000 timesteps; a finer
+# grid changes nothing a user can see and only multiplies the job's time (1e9 steps: a minute to build the grid).
+MAX_STEPS = 1000
+
+
+@dataclass(frozen=True)
+class Names:
+    """What the user calls each request field, for the errors: the CLI's flags, a requests file's keys, or the
+    server's JSON fields (`prepare` and the requests parser word their errors with these)."""
+
+    prompt: str = "--prompt"
+    negative_prompt: str = "--negative-prompt"
+    seed: str = "--seed"
+    steps: str = "--steps"
+    duration: str = "--duration"
+    size: str = "--width and --height"
+    guidance: str = "--guidance"
+    video_shift: str = "--video-shift"
+    audio_shift: str = "--audio-shift"
+    image: str = "--image"
+    last_image: str = "--last-image"
+    refs: str = "--ref"
+    request: str = "the request"  # what holds the fields, in "the request's inputs make it t2va"
+
+
+FLAGS = Names()  # h3trt run's
+KEYS = Names("prompt", "negative_prompt", "seed", "steps", "duration", "width and height", "guidance", "video_shift",
+             "audio_shift", "image", "last_image", "refs", "the line")  # a requests file's (runtime/requests.py)
+
+
+class FieldError(UserError):
+    """A UserError about one request field (`field`, the request schema's key: runtime/requests.py KEYS)."""
+
+    def __init__(self, field: str, message: str):
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -57,6 +96,7 @@ class Request:
     # evaluations kept dense (None: its default). Set by a profile or stated; read by the sparse attention path.
     sparse_attention: float = 0.0
     sparse_dense_steps: int | None = None
+    sparse_min_seq: int | None = None  # the shortest attention made sparse (None: its default, 4096 rows)
     profile: str | None = None  # the named profile (runtime/profiles.py) the cache and sparsity came from, recorded
 
     @property
@@ -114,57 +154,85 @@ def _reference_kind(path: Path) -> str:
                      f"use one of {sorted(IMAGE_SUFFIXES | AUDIO_SUFFIXES | VIDEO_SUFFIXES)}.")
 
 
-def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prepared:
-    """Stage 0: read every input and resolve the geometry, raising one clear error before any model work."""
-    for what, text in (("prompt", request.prompt), ("negative prompt", request.negative_prompt)):
+def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults(), names: Names = FLAGS) -> Prepared:
+    """Stage 0: read every input and resolve the geometry, raising one clear error before any model work. Counts are
+    bounded before anything is read or built (steps, prompt bytes, references); errors name fields as `names` does."""
+    n = names
+    for key, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
         if text is not None:
-            check_utf8(text, what)
+            check_utf8(text, getattr(n, key).lstrip("-").replace("-", " "), key)
+            if len(text.encode("utf-8")) > MAX_PROMPT_BYTES:
+                raise FieldError(key, f"{getattr(n, key)} is {len(text.encode('utf-8')):,} bytes; h3trt takes prompts "
+                                      f"of at most {MAX_PROMPT_TOKENS} tokens and {MAX_PROMPT_BYTES:,} bytes. "
+                                      "Shorten it.")
     if not request.prompt.strip():
-        raise UserError("The prompt is empty; pass --prompt \"...\".")
+        raise FieldError("prompt", f"The prompt is empty; pass {n.prompt} \"...\".")
     if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not (
             SEED_RANGE[0] <= request.seed < SEED_RANGE[1]):
-        raise UserError(f"seed {request.seed} is outside [-2^63, 2^64), the range torch.Generator takes; pass a "
-                         "seed in that range.")
-    if request.steps < 2:
-        raise UserError(f"--steps must be at least 2 (the grid includes the final sigma 0), got {request.steps}.")
+        raise FieldError("seed", f"{n.seed} {request.seed} is outside [-2^63, 2^64), the range torch.Generator "
+                                 "takes; pass a seed in that range.")
+    if not 2 <= request.steps <= MAX_STEPS:
+        raise FieldError("steps", f"{n.steps} must be at least 2 (the grid includes the final sigma 0) and at most "
+                                  f"{MAX_STEPS} (H3's schedule is {DEFAULT_STEPS}), got {request.steps}.")
     if request.refs and (request.image or request.last_image):
-        raise UserError("--ref (ref2va) cannot be combined with --image/--last-image (fl2va); pick one task.")
-    for flag, shift, default in (("--video-shift", request.video_shift, DEFAULT_VIDEO_SHIFT),
-                                 ("--audio-shift", request.audio_shift, DEFAULT_AUDIO_SHIFT)):
+        raise FieldError("refs", f"{n.refs} (ref2va) cannot be combined with {n.image}/{n.last_image} (fl2va); pick "
+                                 "one task.")
+    for key, shift, default in (("video_shift", request.video_shift, DEFAULT_VIDEO_SHIFT),
+                                ("audio_shift", request.audio_shift, DEFAULT_AUDIO_SHIFT)):
         if shift is not None and not (math.isfinite(shift) and shift > 0):
-            raise UserError(f"{flag} must be a positive finite number (the checkpoint's is {default:g}), got "
-                            f"{shift}.")
+            raise FieldError(key, f"{getattr(n, key)} must be a positive finite number (the checkpoint's is "
+                                  f"{default:g}), got {shift}.")
     Schedule(request.steps, *(DEFAULT_VIDEO_SHIFT if request.video_shift is None else request.video_shift,
                               DEFAULT_AUDIO_SHIFT if request.audio_shift is None else request.audio_shift))
     # NaN compares false with everything: unchecked, it would pass as "not > 1", run unguided and drop the negative
     # prompt.
     if not (math.isfinite(request.guidance) and request.guidance >= 1.0):
-        raise UserError(f"--guidance must be a finite number >= 1 (1 = off, the default: H3 is guidance-distilled), "
-                        f"got {request.guidance}.")
+        raise FieldError("guidance", f"{n.guidance} must be a finite number >= 1 (1 = off, the default: H3 is "
+                                     f"guidance-distilled), got {request.guidance}.")
     if request.negative_prompt is not None and request.guidance == 1.0:
-        raise UserError("--negative-prompt only acts with --guidance > 1 (H3 is guidance-distilled and runs one "
-                        "branch by default); pass --guidance too, or drop --negative-prompt.")
+        raise FieldError("negative_prompt", f"{n.negative_prompt} only acts with {n.guidance} > 1 (H3 is "
+                                            "guidance-distilled and runs one branch by default); pass "
+                                            f"{n.guidance} too, or drop {n.negative_prompt}.")
     if request.guidance > 1.0 and not (request.negative_prompt or "").strip():
-        raise UserError(f"--guidance {request.guidance:g} needs --negative-prompt \"...\": the negative branch "
-                        "is the request with that prompt (H3's text encoder takes no empty prompt).")
-    num_frames = frames_for_duration(request.duration)
+        raise FieldError("guidance", f"{n.guidance} {request.guidance:g} needs {n.negative_prompt} \"...\": the "
+                                     "negative branch is the request with that prompt (H3's text encoder takes no "
+                                     "empty prompt).")
+    kinds = [_reference_kind(Path(path)) for path in request.refs]  # counted before any is read
+    for kind in ("image", "video", "audio"):
+        if kinds.count(kind) > MAX_REFERENCES[kind]:
+            raise FieldError("refs", f"{n.refs}: MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, "
+                                     f"got {kinds.count(kind)}.")
+    if len(kinds) > MAX_REFERENCES["total"]:
+        raise FieldError("refs", f"{n.refs}: MiniMax-H3 takes at most {MAX_REFERENCES['total']} references, got "
+                                 f"{len(kinds)}.")
+    if kinds and set(kinds) == {"audio"}:
+        raise FieldError("refs", f"{n.refs}: an audio reference must be paired with at least one image or video "
+                                 "reference.")
+    if not (math.isfinite(request.duration) and request.duration > 0):
+        raise FieldError("duration", f"{n.duration} must be a positive number of seconds, got {request.duration:g}.")
+    try:
+        num_frames = frames_for_duration(request.duration)
+    except UserError as e:
+        raise FieldError("duration", f"{n.duration}: {e}") from None
 
     keyframes = [(anchor, read_image(path)) for anchor, path in (("first", request.image),
                                                                   ("last", request.last_image)) if path]
     if (request.width is None) != (request.height is None):
-        raise UserError("--width and --height go together: pass both, or neither for the model's canvas.")
+        raise FieldError("width", f"{n.size} go together: pass both, or neither for the model's canvas.")
     if request.width is not None:
         height, width = request.height, request.width
     else:
         aspect = keyframes[0][1].size if keyframes else (16, 9)
         height, width = resolve_canvas(*aspect, short_edge=canvas.short_edge, max_pixels=canvas.max_pixels)
-    validate_canvas(height, width)
+    try:
+        validate_canvas(height, width)
+    except UserError as e:
+        raise FieldError("resolution", str(e)) from None
     keyframes = [(anchor, prepare_keyframe(img, height, width, stretch=i == 0)) for i, (anchor, img) in
                  enumerate(keyframes)]
 
     references = []
-    for path in request.refs:
-        kind = _reference_kind(Path(path))
+    for path, kind in zip(request.refs, kinds):
         ref = Reference(kind, Path(path))
         if kind == "image":
             ref.image = _reference_image(read_image(path), canvas.reference_short_edge)
@@ -177,18 +245,10 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults()) -> Prep
             if audio is not None:
                 ref.audio = torch.from_numpy(audio)
         references.append(ref)
-    kinds = [r.kind for r in references]
-    for kind in ("image", "video", "audio"):
-        if kinds.count(kind) > MAX_REFERENCES[kind]:
-            raise UserError(f"MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, got {kinds.count(kind)}.")
-    if len(kinds) > MAX_REFERENCES["total"]:
-        raise UserError(f"MiniMax-H3 takes at most {MAX_REFERENCES['total']} references, got {len(kinds)}.")
-    if kinds and set(kinds) == {"audio"}:
-        raise UserError("An audio reference must be paired with at least one image or video reference.")
     return Prepared(request, Geometry(height, width, num_frames), keyframes, references)
 
 
-def check_utf8(text: str, what: str = "prompt") -> None:
+def check_utf8(text: str, what: str = "prompt", field: str = "prompt") -> None:
     """Refuse text that is not valid UTF-8: arguments with undecodable bytes reach Python as lone surrogates
     (surrogateescape), which the tokenizer and the JSON record cannot take."""
     try:
@@ -196,8 +256,8 @@ def check_utf8(text: str, what: str = "prompt") -> None:
     except UnicodeEncodeError as e:
         char = text[e.start]
         byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"character {char!r}"
-        raise UserError(f"The {what} is not valid UTF-8 ({byte} at position {e.start}); re-encode it as UTF-8."
-                        ) from None
+        raise FieldError(field, f"The {what} is not valid UTF-8 ({byte} at position {e.start}); re-encode it as "
+                                "UTF-8.") from None
 
 
 def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) -> None:
@@ -219,9 +279,10 @@ def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) ->
     for where, p in long:
         n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
         if n > MAX_PROMPT_TOKENS:
-            over.append(f"{where} has {n} tokens")
+            over.append((where, f"{where} has {n} tokens"))
     if over:
-        raise UserError(f"{'; '.join(over)}; h3trt takes prompts of at most {MAX_PROMPT_TOKENS} tokens. Shorten it.")
+        raise FieldError(over[0][0], f"{'; '.join(text for _, text in over)}; h3trt takes prompts of at most "
+                                     f"{MAX_PROMPT_TOKENS} tokens. Shorten it.")
 
 
 def _reference_image(image: Image.Image, short_edge: int) -> Image.Image:

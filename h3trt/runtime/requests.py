@@ -33,17 +33,16 @@ from ..engines.manifest import Manifest
 from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
-from .profiles import REQUEST_KEYS, request_profile_fields
-from .request import Request
+from .profiles import REQUEST_KEYS, SPARSE_KEYS, request_profile_fields
+from .request import KEYS as KEY_NAMES, FieldError, Names, Request
 
 KEYS = ("id", "task", "prompt", "image", "last_image", "refs", "seed", "steps", "resolution", "width", "height",
-        "duration", "video_shift", "audio_shift", "guidance", "negative_prompt", "profile", *REQUEST_KEYS)
+        "duration", "video_shift", "audio_shift", "guidance", "negative_prompt", "profile", *REQUEST_KEYS,
+        *SPARSE_KEYS)
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 MAX_LISTED_ERRORS = 20  # a file with hundreds of bad lines lists the first 20 and counts the rest
-TASK_INPUTS = {"t2va": "no image, last_image or refs", "fl2va": "image and/or last_image, no refs",
-               "ref2va": "refs (and no image/last_image)"}
 
 
 class RequestsFileError(UserError):
@@ -155,10 +154,18 @@ def parse_line(text: str, number: int, base: Path, required: tuple[str, ...],
     return parse_object(data, number, base, required, defaults)
 
 
+def task_inputs(task: str, n: Names = KEY_NAMES) -> str:
+    """What a task takes, in the user's names."""
+    return {"t2va": f"no {n.image}, {n.last_image} or {n.refs}", "fl2va": f"{n.image} and/or {n.last_image}, no "
+            f"{n.refs}", "ref2va": f"{n.refs} (and no {n.image}/{n.last_image})"}[task]
+
+
 def parse_object(data, number: int, base: Path, required: tuple[str, ...],
-                 defaults: RequestDefaults = RequestDefaults()) -> RequestLine:
+                 defaults: RequestDefaults = RequestDefaults(), names: Names = KEY_NAMES) -> RequestLine:
     """One request object (a decoded line, or a job the server was sent) -> its request; UserError names the first
-    thing wrong with it. Relative paths are relative to `base`."""
+    thing wrong with it, in `names` (a requests file's keys, or the server's fields). Relative paths are relative to
+    `base`."""
+    n = names
     if not isinstance(data, dict):
         raise UserError(f"expected a JSON object, got {type(data).__name__}.")
     missing = [k for k in required if k not in data]
@@ -184,14 +191,18 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
             raise UserError(f"task {task!r} must be one of {list(TASKS)}.")
         implied = "ref2va" if refs else "fl2va" if (image or last_image) else "t2va"
         if implied != task:
-            raise UserError(f"task {task!r} takes {TASK_INPUTS[task]}, but the line's inputs make it {implied}.")
+            raise FieldError("task", f"task {task!r} takes {task_inputs(task, n)}, but {n.request}'s inputs make it "
+                                     f"{implied}.")
     width, height = _canvas(data, defaults)
-    request = Request(_typed(data, "prompt", str), image, last_image, refs, _typed(data, "seed", int, DEFAULT_SEED),
-                      _typed(data, "steps", int, defaults.steps), width, height,
-                      float(_typed(data, "duration", (int, float), defaults.duration)),
-                      _optional_float(data, "video_shift"), _optional_float(data, "audio_shift"),
-                      float(_typed(data, "guidance", (int, float), DEFAULT_GUIDANCE)),
-                      None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str),
+    request = Request(_typed(data, "prompt", str, name=n.prompt), image, last_image, refs,
+                      _typed(data, "seed", int, DEFAULT_SEED, n.seed),
+                      _typed(data, "steps", int, defaults.steps, n.steps), width, height,
+                      float(_typed(data, "duration", (int, float), defaults.duration, n.duration)),
+                      _optional_float(data, "video_shift", n.video_shift),
+                      _optional_float(data, "audio_shift", n.audio_shift),
+                      float(_typed(data, "guidance", (int, float), DEFAULT_GUIDANCE, n.guidance)),
+                      None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str,
+                                                                              name=n.negative_prompt),
                       **request_profile_fields(data))
     return RequestLine(number, rid, request)
 
@@ -212,18 +223,19 @@ def _canvas(data: dict, defaults: RequestDefaults) -> tuple[int | None, int | No
     return defaults.width, defaults.height
 
 
-def _typed(data: dict, key: str, kind, default=None):
+def _typed(data: dict, key: str, kind, default=None, name: str | None = None):
+    """data[key] (or `default`) as `kind`; `name`: what the user calls the field (default: the key)."""
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, kind):
-        name = {str: "a string", int: "an integer"}.get(kind, "a number")
-        raise UserError(f"{key} must be {name}, got {json.dumps(value)}.")
+        what = {str: "a string", int: "an integer"}.get(kind, "a number")
+        raise FieldError(key, f"{name or key} must be {what}, got {json.dumps(value)}.")
     if isinstance(value, float) and not math.isfinite(value):
-        raise UserError(f"{key} must be finite, got {value}.")
+        raise FieldError(key, f"{name or key} must be finite, got {value}.")
     return value
 
 
-def _optional_float(data: dict, key: str) -> float | None:
-    return None if data.get(key) is None else float(_typed(data, key, (int, float)))
+def _optional_float(data: dict, key: str, name: str | None = None) -> float | None:
+    return None if data.get(key) is None else float(_typed(data, key, (int, float), name=name))
 
 
 def _path(data: dict, key: str, base: Path) -> Path | None:

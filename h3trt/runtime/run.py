@@ -22,7 +22,7 @@ from .batch import BatchConfig, FileQueue, summary_line
 from .batch_file import check_bundle_batch, parse_requests
 from .batch_outputs import finished, plan_out_dir
 from .entry import Entry
-from .files import (BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
+from .files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
                     remove_leftovers, remove_own_temps)
 from .jobs import Event, Job, JobFailed
 from .records import record_path
@@ -159,7 +159,7 @@ def report_record(record: dict, output: Path) -> None:
 
 
 def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1, fail_fast: bool = False,
-                 crf: int = 23, quiet: bool = False, overwrite: bool = False) -> int:
+                 crf: int = DEFAULT_CRF, quiet: bool = False, overwrite: bool = False) -> int:
     """`h3trt run --requests FILE --out-dir OUT`: 0 when every request is done (now or by an earlier run)."""
     if entry.manifest is not None:
         check_bundle_batch(entry.manifest.segments, max_batch)

@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
+from .files import DEFAULT_CRF
 from .jobs import Event, Job, decode_progress, denoise_progress
 from .parallel_vae import _comm_device
 from .pipeline import H3Pipeline
@@ -45,7 +46,7 @@ class Place:
     group: int = 0  # the replica group's index
     decode_group: object = None  # every rank of the group (None: one rank); they denoise and decode together
     writes: bool = True  # this rank commits the group's files and reports its events
-    crf: int = 23
+    crf: int = DEFAULT_CRF
     raise_failures: bool = False  # re-raise a failed job's error once reported (one clip in this process)
     model: str = ""  # what the record says served it (a checkpoint path, a bundle, embedded-tiny)
     record_extra: dict = field(default_factory=dict)  # added to every record (a bundle's identity, the mesh)

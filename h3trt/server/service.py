@@ -13,6 +13,7 @@ The worker side (the store-fed JobQueue, events -> rows, recovery) is server/que
 from __future__ import annotations
 
 import json
+import math
 import re
 import sys
 import threading
@@ -25,23 +26,28 @@ from ..errors import UserError
 from ..models.packing import DEFAULT_DURATION
 from ..models.text_encoder import check_text_encoder_files
 from ..runtime.entry import Entry
-from ..runtime.profiles import REQUEST_KEYS
-from ..runtime.request import check_prompt_tokens, prepare
+from ..runtime.profiles import REQUEST_KEYS, SPARSE_KEYS
+from ..runtime.request import Names, check_prompt_tokens, prepare
 from ..runtime.requests import KEYS, RequestDefaults, parse_object
 from .metrics import Groups, Metrics
 from .options import ServeOptions
-from .store import JobRow, JobStore
+from .store import JobRow, JobStore, is_disk_full
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
 
 SERVED_MODEL = "minimax-h3"
 # multipart sends every field as text: these are parsed as JSON numbers
 FORM_NUMBERS = {"seed": int, "steps": int, "guidance": float, "video_shift": float, "audio_shift": float,
-                "duration": float, "cache_threshold": float, "cache_warmup": int, "cache_max_skip": int}
+                "duration": float, "cache_threshold": float, "cache_warmup": int, "cache_max_skip": int,
+                "sparse_attention": float, "sparse_dense_steps": int, "sparse_min_seq": int}
 FILE_FIELDS = {"input_reference": "image", "last_image": "last_image", "refs": "refs"}
 OPENAI_FIELDS = ("prompt", "model", "seconds", "size", "input_reference")
 API_NAMES = {"duration": "seconds", "resolution": "size", "width": "size", "height": "size", "image": "input_reference"}
+# The request's fields as a client sends them, for the errors of the one schema and `prepare` (not the CLI's flags)
+API_WORDS = Names("prompt", "negative_prompt", "seed", "steps", "seconds", "size", "guidance", "video_shift",
+                  "audio_shift", "input_reference", "last_image", "refs", "the request")
 H3_FIELDS = ("task", "seed", "steps", "negative_prompt", "guidance", "video_shift", "audio_shift", "last_image",
-             "refs", "profile", *REQUEST_KEYS)  # profile and step-cache keys: runtime/profiles.py
+             "refs", "profile", *REQUEST_KEYS,
+             *SPARSE_KEYS)  # profile and step-cache keys: runtime/profiles.py
 
 
 class ApiError(UserError):
@@ -100,10 +106,11 @@ class VideoService:
                                 "after it restarts.", kind="server_error", headers={"Retry-After": "30"})
         job_id = f"video_{uuid.uuid4().hex}"
         folder = self.storage.scratch / uploads_key(job_id)  # in place, or in scratch until it is admitted
+        sent: dict[Path, str] = {}  # a saved upload -> how its client knows it (its field and file name)
         try:
-            schema, openai_fields = self._to_schema(fields, uploads, folder, multipart)
-            line = parse_object(schema, 0, folder, ("prompt",), self.defaults())
-            prepared = prepare(line.request, self.entry.canvas)  # every input read and checked, as `run` does
+            schema, openai_fields = self._to_schema(fields, uploads, folder, multipart, sent)
+            line = parse_object(schema, 0, folder, ("prompt",), self.defaults(), API_WORDS)
+            prepared = prepare(line.request, self.entry.canvas, API_WORDS)  # every input read and checked, as `run`
             self.entry.admit(prepared)  # what a bundle serves (task, canvas, schedule)
             check_text_encoder_files(self.entry.component_root(line.request.task))
             check_prompt_tokens(self.entry.component_root(line.request.task), [
@@ -125,15 +132,23 @@ class VideoService:
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
-        except (UserError, OSError) as e:  # the one schema's and prepare's messages name the field and the fix
+        except Exception as e:
             self.storage.remove(uploads_key(job_id))
-            raise ApiError(400, " ".join(str(e).split()), _param_of(e))
+            if is_disk_full(e):  # SQLite's "database or disk is full", or an upload's ENOSPC: not the client's fault
+                raise disk_full_error() from None
+            if not isinstance(e, (UserError, OSError)):
+                raise
+            # the one schema's and prepare's messages name the field and the fix
+            message, param = _as_sent(" ".join(str(e).split()), sent)
+            raise ApiError(400, message, param or _param_of(e)) from None
         self.metrics.created.inc()
         self.log("queued", job=job_id, task=line.request.task, seed=line.request.seed)
         return row
 
-    def _to_schema(self, fields: dict, uploads: list[Upload], folder: Path, multipart: bool) -> tuple[dict, dict]:
-        """OpenAI's fields and H3's extras -> the one request schema (runtime/requests.py), uploads saved."""
+    def _to_schema(self, fields: dict, uploads: list[Upload], folder: Path, multipart: bool,
+                   sent: dict[Path, str]) -> tuple[dict, dict]:
+        """OpenAI's fields and H3's extras -> the one request schema (runtime/requests.py), uploads saved (`sent`:
+        each saved file's path -> its field and the client's file name)."""
         known = set(OPENAI_FIELDS) | set(H3_FIELDS)
         unknown = sorted(set(fields) - known)
         if unknown:
@@ -143,7 +158,7 @@ class VideoService:
         if multipart:
             fields = {k: _form_value(k, v) for k, v in fields.items()}
         for key in ("prompt", "task", "seed", "steps", "negative_prompt", "guidance", "video_shift", "audio_shift",
-                    "profile", *REQUEST_KEYS):
+                    "profile", *REQUEST_KEYS, *SPARSE_KEYS):
             if key in fields:
                 schema[key] = fields[key]
         model = fields.get("model")
@@ -151,14 +166,7 @@ class VideoService:
             raise ApiError(400, f"model {model!r} is not served here; this server serves {self.model_id!r} (or leave "
                                 "model out).", "model")
         if fields.get("seconds") is not None:
-            seconds = fields["seconds"]
-            try:
-                schema["duration"] = float(seconds) if not isinstance(seconds, bool) else None
-            except (TypeError, ValueError):
-                schema["duration"] = None
-            if schema["duration"] is None:
-                raise ApiError(400, f"seconds must be a number of seconds written as a string, such as \"5\"; got "
-                                    f"{json.dumps(seconds)}.", "seconds")
+            schema["duration"] = _seconds(fields["seconds"])
         if fields.get("size") is not None:
             schema["resolution"] = fields["size"]
         for name in ("input_reference", "last_image", "refs"):
@@ -178,6 +186,7 @@ class VideoService:
             folder.mkdir(parents=True, exist_ok=True)
             path = folder / f"{i:02d}-{upload.field}{suffix}"
             path.write_bytes(upload.data)
+            sent[path] = f"{upload.field} {upload.filename!r}"
             saved.setdefault(upload.field, []).append(path.name)
         for field, key in (("input_reference", "image"), ("last_image", "last_image")):
             if field in saved:
@@ -186,7 +195,11 @@ class VideoService:
                 schema[key] = saved[field][0]
         if "refs" in saved:
             schema["refs"] = saved["refs"]
-        openai_fields = {k: fields[k] for k in ("model", "seconds", "size") if fields.get(k) is not None}
+        # As the job's GET echoes them: text (OpenAI's types), whatever JSON type they came as.
+        openai_fields = {k: str(fields[k]) for k in ("model", "size") if fields.get(k) is not None}
+        if "duration" in schema:
+            seconds = fields["seconds"]
+            openai_fields["seconds"] = seconds.strip() if isinstance(seconds, str) else f"{schema['duration']:g}"
         return schema, openai_fields
 
     # --- what the API reads -----------------------------------------------------------------------------------------
@@ -231,10 +244,43 @@ class VideoService:
         return self.store.get(job_id)
 
 
+def disk_full_error() -> ApiError:
+    """507 in OpenAI's envelope: the server's data disk is full; nothing of the request was kept."""
+    return ApiError(507, "The server's data disk is full: the job was not stored. Retry later (the server resumes by "
+                         "itself once its operator frees space).", kind="server_error", headers={"Retry-After": "60"})
+
+
 def request_defaults(entry: Entry) -> RequestDefaults:
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
     worker side reads the stored request with them."""
     return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION)
+
+
+def _seconds(value) -> float:
+    """`seconds` as a duration: OpenAI's string ("5"), or a JSON number (5) as clients also send it; finite."""
+    duration = None
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        duration = float(value)
+    elif isinstance(value, str):
+        try:
+            duration = float(value)
+        except ValueError:
+            pass
+    if duration is None or not math.isfinite(duration):
+        raise ApiError(400, f"seconds must be a finite number of seconds, as a string such as \"5\" (or a number), "
+                            f"got {json.dumps(value)}.", "seconds")
+    return duration
+
+
+def _as_sent(message: str, sent: dict[Path, str]) -> tuple[str, str | None]:
+    """An error about a saved upload in its client's words: its field and file name, not the server's path (absolute
+    or not); and that field."""
+    param = None
+    for path, name in sent.items():
+        for text in dict.fromkeys((str(path.resolve()), str(path))):
+            if text in message:
+                message, param = message.replace(text, name), param or name.split(" ", 1)[0]
+    return message, param
 
 
 def _form_value(key: str, value):
@@ -256,15 +302,23 @@ def _param_of(error: Exception) -> str | None:
     if field is None:
         text, best = str(error), None
         for key in (*KEYS, "duration", "resolution", "width", "height"):
-            match = re.search(rf"(?<![\w-])(--)?{re.escape(key.replace('_', '[-_]'))}(?![\w-])", text)
+            match = re.search(rf"(?<![\w-])(--)?{re.escape(key).replace('_', '[-_]')}(?![\w-])", text)
             if key != "id" and match and (best is None or match.start() < best[0]):
                 best = (match.start(), key)
         field = best[1] if best else None
     return API_NAMES.get(field, field)
 
 
+_LOG_LOCK = threading.Lock()  # one writer at a time: the HTTP threads, the workers' and the drain's share stderr
+
+
 def _log(event: str, **fields) -> None:
-    """One JSON line per event on stderr (structured: a log shipper reads it as is)."""
-    print(json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, default=str), file=sys.stderr,
-          flush=True)
+    """One JSON line per event on stderr (structured: a log shipper reads it as is). The line and its newline go out
+    in one write under a lock, then flushed: print() writes them in two calls, and two threads' events were glued
+    onto one line between them."""
+    line = json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, default=str) + "\n"
+    with _LOG_LOCK:
+        stream = sys.stderr
+        stream.write(line)
+        stream.flush()
 
