@@ -19,22 +19,28 @@ import json
 import re
 import secrets
 import time
+import urllib.parse
 from importlib import resources
 from typing import Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
 from pydantic import BaseModel, Field
+from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.formparsers import MultiPartParser
 
 from ..runtime.profiles import PROFILE_NAMES
-from .service import ApiError, Upload, VideoService
-from .store import JobRow
+from ..runtime.request import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, MAX_STEPS
+from .service import ApiError, Upload, VideoService, disk_full_error
+from .store import STATUSES, JobRow, is_disk_full, store_unreachable
 
 JOB_ID = re.compile(r"/v1/videos/(video_[0-9a-f]{32})")
+STORE_RETRY_AFTER_S = 5  # what a 503 for an unreachable job store tells clients to wait
 POLL_AFTER_MS = 500  # what GET tells the SDK's poll() to wait before asking again
 
 
@@ -78,6 +84,8 @@ class Video(BaseModel):
     timings: dict[str, float] | None = Field(None, description="seconds per stage (the clip's record)")
     stage_spans: dict[str, list[float]] | None = Field(None, description="each stage's [start, end], Unix seconds")
     manifest_sha256: str | None = Field(None, description="the served bundle's manifest hash")
+    sparse_attention: dict | None = Field(None, description="block-sparse attention (the clip's record): sparsity "
+                                                            "asked, kept_fraction, sparse_evaluations")
 
 
 class VideoList(BaseModel):
@@ -108,6 +116,7 @@ class ErrorEnvelope(BaseModel):
 class Ready(BaseModel):
     ready: bool
     draining: bool
+    store_reachable: bool  # the job store answers (a fleet's PostgreSQL may be down for a while)
     groups_serving: int
     groups: list[dict]
     model: str
@@ -119,13 +128,15 @@ class Health(BaseModel):
 
 
 CREATE_FIELDS = {
-    "prompt": {"type": "string", "description": "what to generate (UTF-8, at most 1024 tokens)"},
+    "prompt": {"type": "string", "description": f"what to generate (UTF-8, at most {MAX_PROMPT_TOKENS} tokens and "
+                                                f"{MAX_PROMPT_BYTES} bytes)"},
     "model": {"type": "string", "description": "the served model id (optional)"},
-    "seconds": {"type": "string", "description": "duration, 5 to 14.375, as a string: \"5\""},
+    "seconds": {"type": ["string", "number"], "description": "duration, 5 to 14.375, as a string (\"5\", OpenAI's "
+                                                            "type) or a number"},
     "size": {"type": "string", "description": "WIDTHxHEIGHT, multiples of 32 within H3's canvas"},
     "task": {"type": "string", "enum": ["t2va", "fl2va", "ref2va"]},
     "seed": {"type": "integer"},
-    "steps": {"type": "integer", "minimum": 2},
+    "steps": {"type": "integer", "minimum": 2, "maximum": MAX_STEPS},
     "negative_prompt": {"type": "string"},
     "guidance": {"type": "number", "minimum": 1},
     "video_shift": {"type": "number", "exclusiveMinimum": 0},
@@ -136,6 +147,10 @@ CREATE_FIELDS = {
     "cache_threshold": {"type": "number", "minimum": 0},
     "cache_warmup": {"type": "integer", "minimum": 0},
     "cache_max_skip": {"type": "integer", "minimum": 1},
+    "sparse_attention": {"type": "number", "minimum": 0, "exclusiveMaximum": 1,
+                         "description": "block-sparse attention: fraction of key blocks skipped (0: dense)"},
+    "sparse_dense_steps": {"type": "integer", "minimum": 0, "description": "leading steps kept dense (default 10)"},
+    "sparse_min_seq": {"type": "integer", "minimum": 1, "description": "shorter attentions stay dense (4096)"},
 }
 FILE = {"type": "string", "format": "binary"}
 CREATE_BODY = {
@@ -152,14 +167,16 @@ CREATE_BODY = {
 ERRORS = {status: {"model": ErrorEnvelope, "description": text} for status, text in (
     (400, "a field is wrong (the message names it and the fix)"), (401, "missing or wrong API key"),
     (404, "no such job"), (409, "the job has no content yet"), (413, "the body is over the limit"),
-    (429, "the queue is full (Retry-After)"), (503, "the server is draining (Retry-After)"))}
+    (429, "the queue is full (Retry-After)"),
+    (503, "the server is draining, or its job store is unreachable (Retry-After)"),
+    (507, "the server's data disk is full (Retry-After)"))}
 
 
 # --- the app -----------------------------------------------------------------------------------------------------------
 
 def create_app(service: VideoService) -> FastAPI:
     app = FastAPI(title="h3trt serve", version="1", description="OpenAI-compatible video jobs over MiniMax-H3.",
-                  docs_url="/docs", redoc_url=None)
+                  docs_url=None, redoc_url=None, openapi_url=None)  # served below, behind the key unless --open docs
     options = service.options
 
     def envelope(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
@@ -169,13 +186,35 @@ def create_app(service: VideoService) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return envelope(e.status, str(e), e.kind, e.param, None, e.headers)
+        return envelope(e.status, str(e), e.kind, e.param, "disk_full" if e.status == 507 else None, e.headers)
+
+    async def disk_full(request: Request, e: Exception):
+        """Any route that met a full data disk (a cancel's write, a listing's read of a full WAL): 507 in the
+        envelope; anything else stays an error of the server."""
+        if not is_disk_full(e):
+            raise e
+        full = disk_full_error()
+        return envelope(full.status, str(full), full.kind, None, "disk_full", full.headers)
+
+    app.add_exception_handler(OSError, disk_full)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
         return envelope(400, f"{where or 'request'}: {first.get('msg', 'invalid')}", "invalid_request_error", where)
+
+    @app.exception_handler(SQLAlchemyError)
+    async def store_error(request: Request, e: SQLAlchemyError):
+        # One handler for every store error (Starlette takes the most specific class, so a second one registered
+        # for OperationalError would hide this one): a full disk is 507, an outage 503, anything else a 500.
+        if is_disk_full(e):
+            return await disk_full(request, e)
+        if not store_unreachable(e):
+            raise e
+        service.log("store_unreachable", path=request.url.path, error=" ".join(str(e).split())[:300])
+        return envelope(503, "The job store is unreachable for the moment; retry in a few seconds.", "server_error",
+                        code="store_unreachable", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
@@ -192,6 +231,18 @@ def create_app(service: VideoService) -> FastAPI:
                            kind="invalid_request_error")
 
     api = [Depends(authorized)]
+
+    def keyed(endpoint: str) -> list:
+        """The key's dependency, unless the operator opened `endpoint` (--open)."""
+        return [] if endpoint in options.open_endpoints else api
+
+    @app.get("/openapi.json", include_in_schema=False, dependencies=keyed("docs"))
+    def openapi_schema():
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", include_in_schema=False, dependencies=keyed("docs"))
+    def docs():
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="h3trt serve")
 
     @app.post("/v1/videos", response_model=Video, dependencies=api, responses=ERRORS,
               openapi_extra={"requestBody": CREATE_BODY})
@@ -249,11 +300,14 @@ def create_app(service: VideoService) -> FastAPI:
     @app.get("/ready", response_model=Ready, responses={503: {"model": Ready, "description": "not serving"}})
     def ready():
         serving = service.groups.serving()
-        body = Ready(ready=serving > 0 and not service.draining.is_set(), draining=service.draining.is_set(),
+        store = service.store.reachable()
+        draining = service.draining.is_set()
+        body = Ready(ready=serving > 0 and store and not draining, draining=draining, store_reachable=store,
                      groups_serving=serving, groups=service.groups.status(), model=service.model_id)
         return JSONResponse(body.model_dump(), 200 if body.ready else 503)
 
-    @app.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}})
+    @app.get("/metrics", response_class=Response, dependencies=keyed("metrics"),
+             responses={200: {"content": {"text/plain": {}}}, 401: ERRORS[401]})
     def metrics():
         return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
@@ -267,47 +321,117 @@ def create_app(service: VideoService) -> FastAPI:
 
 
 async def _read_create(request: Request) -> tuple[dict, list[Upload], bool]:
-    """POST /v1/videos's fields and files, whichever way they came (the SDK always sends multipart)."""
+    """POST /v1/videos's fields and files, whichever way they came (the SDK always sends multipart). Text fields are
+    UTF-8, as JSON's are: a field that is not is refused, naming it (Starlette would read it as Latin-1)."""
     kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
     if kind == "application/json":
         try:
             fields = json.loads(await request.body())
-        except ValueError as e:
+        except (ValueError, RecursionError) as e:  # RecursionError: nested deeper than the parser goes
             raise ApiError(400, f"The body is not valid JSON ({e}).") from None
         if not isinstance(fields, dict):
             raise ApiError(400, f"The body must be a JSON object, got {type(fields).__name__}.")
         return fields, [], False
-    if kind in ("multipart/form-data", "application/x-www-form-urlencoded"):
+    if kind == "application/x-www-form-urlencoded":
+        parts = [part for part in (await request.body()).split(b"&") if part]
+        if len(parts) > 64:
+            raise ApiError(400, f"The form has {len(parts)} fields; a job takes at most 64.")
+        pairs = [[urllib.parse.unquote_to_bytes(x.replace(b"+", b" ")) for x in (*part.split(b"=", 1), b"")[:2]]
+                 for part in parts]  # bytes, so a value that is not UTF-8 is seen (parse_qsl would replace it)
+        items = [(key.decode("utf-8", "replace"), _utf8(key.decode("utf-8", "replace"), value))
+                 for key, value in pairs]
+        return _form_fields(items), [], True
+    if kind == "multipart/form-data":
+        parser = _StrictMultiPart(request.headers, request.stream(), max_files=16, max_fields=64)
         try:
-            form = await request.form(max_files=16, max_fields=64)
+            form = await parser.parse()
         except Exception as e:  # noqa: BLE001 -- a malformed multipart body is the client's
             raise ApiError(400, f"The form could not be read ({e}).") from None
-        fields, uploads = {}, []
-        for key, value in form.multi_items():
-            key = key[:-2] if key.endswith("[]") else key
-            if isinstance(value, UploadFile):
-                uploads.append(Upload(key, value.filename or "", await value.read()))
-                if key not in ("input_reference", "last_image", "refs"):
-                    raise ApiError(400, f"{key} is not a file field; files go in input_reference, last_image or "
-                                        "refs.", key)
-            elif key in fields:
-                raise ApiError(400, f"{key} was sent twice; send it once.", key)
-            else:
-                fields[key] = value
-        return fields, uploads, True
+        try:
+            items, uploads = [], []
+            for key, value in form.multi_items():
+                key = key[:-2] if key.endswith("[]") else key
+                if isinstance(value, UploadFile):
+                    if key not in ("input_reference", "last_image", "refs"):
+                        raise ApiError(400, f"{key} is not a file field; files go in input_reference, last_image or "
+                                            "refs.", key)
+                    uploads.append(Upload(key, value.filename or "", await value.read()))
+                else:
+                    items.append((key, _utf8(key, value) if isinstance(value, bytes) else value))
+        finally:
+            await form.close()
+        return _form_fields(items), uploads, True
     raise ApiError(400, f"Content-Type {kind or '(none)'} is not accepted; send application/json or "
                         "multipart/form-data.")
 
 
+def _form_fields(items: list[tuple[str, str]]) -> dict:
+    fields = {}
+    for key, value in items:
+        key = key[:-2] if key.endswith("[]") else key
+        if key in fields:
+            raise ApiError(400, f"{key} was sent twice; send it once.", key)
+        fields[key] = value
+    return fields
+
+
+def _utf8(name: str, value: bytes) -> str:
+    """A form field's bytes as text; refused, naming the field, when they are not UTF-8."""
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ApiError(400, f"{name} is not valid UTF-8 (byte 0x{value[e.start]:02x} at position {e.start}); send "
+                            "text fields as UTF-8.", name) from None
+
+
+class _StrictMultiPart(MultiPartParser):
+    """Starlette's multipart parser, keeping a text field's bytes when they are not in the form's charset (UTF-8
+    unless it says otherwise) instead of reading them as Latin-1: `_read_create` refuses them."""
+
+    def on_part_end(self) -> None:
+        part = self._current_part
+        if part.file is not None:
+            return super().on_part_end()
+        try:
+            value = part.data.decode(self._charset)
+        except (UnicodeDecodeError, LookupError):
+            value = bytes(part.data)
+        self.items.append((part.field_name, value))
+
+
 def video_of(service: VideoService, row: JobRow) -> Video:
+    """A job as the API shows it. A row this h3trt did not write as it reads it (an older version's, a hand edit)
+    still shows, with what can be read of it and the reason, and is logged: one row never breaks a listing."""
+    try:
+        return _video_of(service, row)
+    except (KeyError, TypeError, ValueError, AttributeError) as e:  # pydantic's ValidationError is a ValueError
+        reason = f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+        service.log("unreadable_row", job=row.id, error=reason)
+        return Video(
+            id=str(row.id), model=service.model_id,
+            status=row.status if row.status in STATUSES else "failed",
+            progress=min(100, max(0, _int(row.progress) or 0)) if _number(row.progress) else 0,
+            created_at=_int(row.created_at) if _number(row.created_at) else 0, prompt="", seconds="", size="",
+            error=VideoError(code="unreadable_row", message=f"this job's stored request cannot be read ({reason})"),
+            task="", seed=0, steps=0, stage=str(row.stage), evaluations=Evaluations(done=0, total=0),
+            attempts=_int(row.attempts) if _number(row.attempts) else 0, cancel_requested=bool(row.cancel_requested))
+
+
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+
+
+def _video_of(service: VideoService, row: JobRow) -> Video:
     schema, openai = row.request["schema"], row.request.get("openai", {})
     width, height = row.request.get("geometry", [0, 0])
     record = row.record or {}
     duration = schema.get("duration", None)
+    seconds = openai.get("seconds")  # text since issue 35; an older h3trt stored the number a client sent
     return Video(
         id=row.id, model=openai.get("model", service.model_id), status=row.status, progress=row.progress,
         created_at=int(row.created_at), completed_at=_int(row.completed_at), expires_at=_int(row.expires_at),
-        prompt=schema["prompt"], seconds=openai.get("seconds") or f"{duration if duration is not None else 5:g}",
+        prompt=schema["prompt"],
+        seconds=(f"{seconds:g}" if _number(seconds) else seconds) or f"{duration if duration is not None else 5:g}",
         size=f"{width}x{height}",
         error=VideoError(code=row.error_code or "error", message=row.error_message or "")
         if row.status in ("failed", "cancelled") and row.error_message else None,
@@ -316,7 +440,7 @@ def video_of(service: VideoService, row: JobRow) -> Video:
         evaluations=Evaluations(done=row.evaluations_done, total=row.evaluations_total),
         started_at=_int(row.started_at), attempts=row.attempts, cancel_requested=row.cancel_requested,
         timings=record.get("timings_s"), stage_spans=record.get("spans_unix"),
-        manifest_sha256=service.manifest_sha256)
+        manifest_sha256=service.manifest_sha256, sparse_attention=record.get("sparse_attention"))
 
 
 def _task_of(schema: dict) -> str:

@@ -17,10 +17,12 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
+from ..engines.atomic import HolderLock, LockHeld
 from ..errors import UserError
 from ..runtime.entry import Entry
-from ..runtime.files import BatchLock
+from ..runtime.files import BATCH_LOCK
 from ..runtime.workers import launch_gpus
 from .options import LOOPBACK, ServeOptions
 
@@ -38,9 +40,39 @@ def serve(entry: Entry, options: ServeOptions) -> int:
     mesh = entry.mesh(task)
     spec = entry.worker_spec(task, mesh, crf=options.crf)
     gpus = launch_gpus(entry.device_type, mesh.world_size)
-    options.data_dir.mkdir(parents=True, exist_ok=True)
-    with BatchLock(options.data_dir):
-        return _serve_locked(entry, options, spec, gpus)
+    listener = _listen(options.host, options.port)  # first: a port in use creates nothing (no data folder, no lock)
+    try:
+        _make_data_dir(options.data_dir)
+        with _data_dir_lock(options.data_dir):
+            return _serve_locked(entry, options, spec, gpus, listener)
+    finally:
+        listener.close()
+
+
+def _make_data_dir(data_dir: Path) -> None:
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise UserError(f"--data-dir {data_dir}: cannot create it ({e.strerror or e}); create it yourself, or pass a "
+                        "--data-dir on a writable filesystem.") from None
+
+
+@contextlib.contextmanager
+def _data_dir_lock(data_dir: Path):
+    """One server per data folder: the lock file names its holder (pid, host, start time, command: its --port)."""
+    lock = HolderLock(Path(data_dir) / BATCH_LOCK)
+    try:
+        lock.__enter__()
+    except LockHeld as e:
+        raise UserError(f"--data-dir {data_dir} is in use by another h3trt process ({e.holder}); stop it, or pass "
+                        "another --data-dir.") from None
+    except OSError as e:
+        raise UserError(f"--data-dir {data_dir}: cannot lock it ({e.strerror or e}); pass a --data-dir on a writable "
+                        "filesystem.") from None
+    try:
+        yield
+    finally:
+        lock.__exit__(None, None, None)
 
 
 class Node:
@@ -82,13 +114,12 @@ class Node:
         return clean
 
 
-def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus) -> int:
+def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus, listener: socket.socket) -> int:
     import uvicorn
 
     from .app import create_app
     from .service import _log
 
-    listener = _listen(options.host, options.port)  # first: the port is ours before any rank opens a socket
     node = Node(entry, options, spec, gpus)
     service = node.service
     node.queue.recover()
@@ -111,7 +142,6 @@ def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus) -> int:
         workers.join(timeout=60)
         stop_sweep.set()
         service.store.close()
-        listener.close()
     if server.bind_failed:
         raise UserError(f"could not listen on {options.host}:{options.port} (in use, or not an address of this "
                         "host); pass another --port.")
@@ -188,8 +218,7 @@ class _Server:
         sockets = [s for srv in server.servers for s in srv.sockets]
         host, port = sockets[0].getsockname()[:2] if sockets else (self.service.options.host, 0)
         _log("listening", url=f"http://{host}:{port}")
-        print(f"h3trt serve: listening on http://{host}:{port} (the model loads in the workers; GET /ready)",
-              file=sys.stderr, flush=True)
+        _say(f"h3trt serve: listening on http://{host}:{port} (the model loads in the workers; GET /ready)")
         threading.Thread(target=self._announce_ready, args=(f"http://{host}:{port}",), daemon=True).start()
 
     def _announce_ready(self, url: str) -> None:
@@ -200,8 +229,8 @@ class _Server:
             if serving:
                 total = len(self.node.workers.groups)
                 _log("ready", url=url, groups_serving=serving, groups=total)
-                print(f"h3trt serve: ready at {url}: {serving} of {total} replica group(s) serving "
-                      f"{self.service.model_id}", file=sys.stderr, flush=True)
+                _say(f"h3trt serve: ready at {url}: {serving} of {total} replica group(s) serving "
+                     f"{self.service.model_id}")
                 return
             time.sleep(0.2)
 
@@ -216,14 +245,23 @@ class _Server:
             self.server.should_exit = True
             return
         _log("draining", signal=signal.Signals(signum).name, timeout_s=self.service.options.drain_timeout_s)
-        print(f"h3trt serve: draining (new jobs get 503; running jobs may take {self.service.options.drain_timeout_s:g}"
-              " s; a second signal stops now)", file=sys.stderr, flush=True)
+        _say(f"h3trt serve: draining (new jobs get 503; running jobs may take {self.service.options.drain_timeout_s:g}"
+             " s; a second signal stops now)")
 
         def drain():
             self.node.drain(self.service.options.drain_timeout_s)
             self.server.should_exit = True
 
         threading.Thread(target=drain, name="h3trt-drain", daemon=True).start()
+
+
+def _say(text: str) -> None:
+    """A line for the person at the terminal, written as the JSON events are (whole, under their lock)."""
+    from .service import _LOG_LOCK
+
+    with _LOG_LOCK:
+        sys.stderr.write(text + "\n")
+        sys.stderr.flush()
 
 
 def _importable(module: str) -> bool:

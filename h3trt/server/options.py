@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
+from ..runtime.files import DEFAULT_CRF
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 64
@@ -18,6 +19,9 @@ DEFAULT_DRAIN_TIMEOUT_S = 600.0
 DEFAULT_UPLOAD_MB = 64.0
 API_KEY_ENV = "H3TRT_API_KEY"
 LOOPBACK = "127.0.0.1"
+# Endpoints behind the API key unless named in --open: Prometheus scrapers often send no key (metrics), and a trusted
+# network may want the browsable schema (docs: /docs and /openapi.json). /health, /ready and the page are always open.
+OPENABLE = ("metrics", "docs")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
 
@@ -44,7 +48,8 @@ class ServeOptions:
     retention_s: float = 86400.0  # a finished job's files and row live this long after it ends
     drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S  # SIGTERM: running jobs may take this long to finish
     max_body_bytes: int = int(DEFAULT_UPLOAD_MB * 1e6)  # a request body, uploads included
-    crf: int = 23
+    crf: int = DEFAULT_CRF
+    open_endpoints: tuple[str, ...] = ()  # of OPENABLE: served without the key
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -57,6 +62,9 @@ class ServeOptions:
             raise UserError("--max-upload-mb must be positive.")
         if not 0 <= self.crf <= 51:
             raise UserError(f"--crf {self.crf} is outside H.264's range 0..51.")
+        unknown = sorted(set(self.open_endpoints) - set(OPENABLE))
+        if unknown:
+            raise UserError(f"--open {unknown[0]} is not an endpoint that can be opened; pick from {list(OPENABLE)}.")
         if self.api_key is not None and not self.api_key.strip():
             raise UserError("--api-key (or $H3TRT_API_KEY) is empty; pass a secret, or leave it out to serve on "
                             "127.0.0.1 only.")
@@ -69,4 +77,5 @@ class ServeOptions:
         key = args.api_key if args.api_key is not None else os.environ.get(API_KEY_ENV)
         return cls(Path(args.data_dir), args.host or LOOPBACK, args.port, key, args.max_queue,
                    parse_duration(args.retention, "--retention"), args.drain_timeout,
-                   int(args.max_upload_mb * 1e6) if math.isfinite(args.max_upload_mb) else 0, args.crf)
+                   int(args.max_upload_mb * 1e6) if math.isfinite(args.max_upload_mb) else 0, args.crf,
+                   tuple(dict.fromkeys(args.open or ())))

@@ -22,9 +22,10 @@ from ..runtime.files import remove_leftovers
 from ..runtime.jobs import Event, Job
 from ..runtime.requests import RequestDefaults, parse_object
 from .metrics import Metrics
-from .store import MAX_ATTEMPTS, JobRow, JobStore
+from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
 from .storage import Storage, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
 
+STORE_RETRY_S = 1.0  # how often a worker tries again to record an event while the store is unreachable
 HEARTBEAT_DIVISOR = 4  # a worker renews its leases this many times per lease: a few missed renewals are survived
 
 
@@ -36,11 +37,26 @@ class StoreQueue:
                  metrics: Metrics, log: Callable[..., None], name: Callable[[int], str] = lambda g: f"group{g}"):
         self.store, self.storage, self.retention_s, self.defaults = store, storage, retention_s, defaults
         self.metrics, self.log, self.name = metrics, log, name
+        self._unrecorded: list[Event] = []  # jobs' ends the store could not take (its disk full): retried each poll
+        self._disk_full = False
 
     # --- the JobQueue ------------------------------------------------------------------------------------------------
 
     def take(self, group: int, limit: int) -> list[Job] | None:
-        row = self.store.claim(self.name(group))
+        if not self._flush_unrecorded():
+            return []  # the disk is still full: no new job until what ended is recorded
+        try:
+            row = self.store.claim(self.name(group))
+        except Exception as e:  # noqa: BLE001 -- a full disk and an unreachable store are survived; else raised
+            if is_disk_full(e):
+                self._full(e)
+                return []
+            if not store_unreachable(e):
+                raise
+            self.log("store_unreachable", worker=self.name(group), during="claim", error=_short(e))
+            time.sleep(STORE_RETRY_S)  # nothing claimed: the group asks again, the replica stays (issue 35 #10)
+            return []
+        self._space_again()
         if row is None:
             return []
         try:
@@ -50,12 +66,74 @@ class StoreQueue:
             return []
 
     def job_of(self, row: JobRow) -> Job:
-        line = parse_object(row.request["schema"], 0, self.storage.fetch(uploads_key(row.id)), ("prompt",),
+        line = parse_object(row.request.get("schema"), 0, self.storage.fetch(uploads_key(row.id)), ("prompt",),
                             self.defaults)
         return Job(row.id, line.request, self.storage.work_path(clip_key(row.id)), overwrite=True,
                    record={"job": row.id})
 
     def report(self, event: Event) -> None:
+        """Record a job's event; while the store is unreachable, wait for it (the job keeps running, it is not
+        failed or run again for an outage). A full data disk stops no worker: a progress event is dropped, a job's end is kept
+        and recorded when space returns (each poll retries it); the job that met the full disk fails (disk_full)."""
+        if self._unrecorded and event.ends:
+            self._unrecorded.append(event)
+            self._flush_unrecorded()
+            return
+        try:
+            self._until_reachable(self._report, event, during=f"report {event.kind} of {event.job}")
+        except Exception as e:  # noqa: BLE001 -- only a full disk is survived; anything else is raised
+            if not is_disk_full(e):
+                raise
+            self._full(e)
+            if event.ends:
+                self._unrecorded.append(event)
+
+    def _flush_unrecorded(self) -> bool:
+        """Record the ends kept while the disk was full, oldest first; True when none is left."""
+        while self._unrecorded:
+            event = self._unrecorded[0]
+            try:
+                self._until_reachable(self._report, event, during=f"report {event.kind} of {event.job}")
+            except Exception as e:  # noqa: BLE001
+                if not is_disk_full(e):
+                    raise
+                self._full(e)
+                if event.kind == "done":  # its clip cannot be recorded: it fails, and its files free space
+                    self._remove_files(event.job)
+                    self._unrecorded[0] = Event(event.job, "failed", "store", group=event.group,
+                                                error=f"the server's data disk is full: {e.__class__.__name__}",
+                                                record={"error_type": "DiskFull"})
+                return False
+            self._unrecorded.pop(0)
+        self._space_again()
+        return True
+
+    def _full(self, error: BaseException) -> None:
+        if not self._disk_full:
+            self._disk_full = True
+            self.log("disk_full", error=" ".join(str(error).split())[:300],
+                     message="the data disk is full: new jobs wait, jobs that meet it fail; serving resumes by "
+                             "itself when space is freed")
+
+    def _space_again(self) -> None:
+        if self._disk_full:
+            self._disk_full = False
+            self.log("disk_space_again", message="the data disk takes writes again; serving resumes")
+
+    def _until_reachable(self, call: Callable, *args, during: str):
+        said = False
+        while True:
+            try:
+                return call(*args)
+            except Exception as e:
+                if not store_unreachable(e):
+                    raise
+                if not said:
+                    self.log("store_unreachable", during=during, error=_short(e))
+                    said = True
+            time.sleep(STORE_RETRY_S)
+
+    def _report(self, event: Event) -> None:
         worker = self.name(event.group)
         row = self.store.get(event.job)
         if row is None or row.status != "in_progress" or row.worker != worker:
@@ -78,6 +156,8 @@ class StoreQueue:
             self._complete(event.job, event.record, worker)
         elif event.kind == "failed":
             code = _error_code((event.record or {}).get("error_type", ""))
+            if is_disk_full(Exception(event.error or "")):
+                code = "disk_full"
             ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker)
             self._remove_files(event.job)
             if ended is not None:
@@ -92,6 +172,16 @@ class StoreQueue:
             self.log("cancelled", job=event.job, detail=event.error)
 
     def lost(self, group: int, jobs: list[Job], reason: str, died: bool) -> None:
+        try:
+            self._until_reachable(self._lost, group, jobs, reason, died, during="a group's lost jobs")
+        except Exception as e:  # noqa: BLE001 -- only a full disk is survived; anything else is raised
+            if not is_disk_full(e):
+                raise
+            self._full(e)
+            self._unrecorded += [Event(job.id, "failed", "worker", error=f"worker: {reason}",
+                                       record={"error_type": "WorkerLost"}, group=group) for job in jobs]
+
+    def _lost(self, group: int, jobs: list[Job], reason: str, died: bool) -> None:
         for job in jobs:
             row = self.store.get(job.id)
             if row is None or row.worker != self.name(group):
@@ -107,7 +197,14 @@ class StoreQueue:
                                   group=group))
 
     def cancels(self) -> list[str]:
-        return self.store.cancels()
+        if self._unrecorded:  # every poll, draining too (a drain claims nothing but waits on these ends)
+            self._flush_unrecorded()
+        try:
+            return self.store.cancels()
+        except Exception as e:  # noqa: BLE001
+            if not store_unreachable(e):
+                raise
+            return []  # asked again on the next turn, once the store answers
 
     # --- workers that are gone ----------------------------------------------------------------------------------------
 
@@ -190,6 +287,11 @@ def _thumbnail(mp4, out, log) -> None:
         log("thumbnail_failed", job=job_of(mp4.name), error=str(e))
 
 
+def _short(e: BaseException) -> str:
+    """An exception in one line (a driver's message spans several)."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())[:300]}"
+
+
 def _error_code(error_type: str) -> str:
     return {"OutOfMemoryError": "out_of_memory", "FloatingPointError": "numerical_error", "MediaError": "bad_media",
-            "WorkerLost": "worker_lost"}.get(error_type, "generation_failed")
+            "WorkerLost": "worker_lost", "DiskFull": "disk_full"}.get(error_type, "generation_failed")

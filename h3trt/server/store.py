@@ -27,11 +27,13 @@ from pathlib import Path
 from sqlalchemy import (Boolean, Column, Float, Integer, MetaData, String, Table, Text, create_engine, event, func,
                         select, update, delete)
 from sqlalchemy.engine import Engine, Row
+from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ..errors import UserError
 
 STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
 ENDED = ("completed", "failed", "cancelled")
+CONNECT_TIMEOUT_S = 5  # a PostgreSQL store that does not answer a connection within this is unreachable
 MAX_ATTEMPTS = 2  # a job that was running when its worker or server died runs once more, then fails
 
 metadata = MetaData()
@@ -90,10 +92,21 @@ class JobRow:
     @classmethod
     def of(cls, row: Row) -> "JobRow":
         data = dict(row._mapping)
-        data["request"] = json.loads(data["request"])
-        data["record"] = json.loads(data["record"]) if data["record"] else None
+        # A column that does not hold a JSON object (an older h3trt's, a hand edit) reads as an empty one, so one
+        # such row cannot break the reads of every other (the API renders what it can of it and logs it).
+        data["request"] = _object(data["request"]) or {}
+        data["record"] = _object(data["record"]) if data["record"] else None
         data["cancel_requested"], data["deleted"] = bool(data["cancel_requested"]), bool(data["deleted"])
         return cls(**data)
+
+
+def _object(text) -> dict | None:
+    """A JSON object column's value; None when it holds something else."""
+    try:
+        value = json.loads(text)
+    except (TypeError, ValueError, RecursionError):
+        return None
+    return value if isinstance(value, dict) else None
 
 
 def sqlite_url(data_dir: Path) -> str:
@@ -106,7 +119,10 @@ class JobStore:
     def __init__(self, url: str):
         self.url = url
         self.sqlite = url.startswith("sqlite")
-        kwargs = {"connect_args": {"check_same_thread": False, "timeout": 30}} if self.sqlite else {}
+        # PostgreSQL: a connection the server dropped (a restart) is noticed and replaced before it is used, and an
+        # unreachable server is an error within seconds, not a hang (store_unreachable).
+        kwargs = ({"connect_args": {"check_same_thread": False, "timeout": 30}} if self.sqlite else
+                  {"pool_pre_ping": True, "connect_args": {"connect_timeout": CONNECT_TIMEOUT_S}})
         self.engine: Engine = create_engine(url, future=True, **kwargs)
         if self.sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
@@ -114,6 +130,17 @@ class JobStore:
 
     def close(self) -> None:
         self.engine.dispose()
+
+    def reachable(self) -> bool:
+        """Whether the database answers now (/ready)."""
+        try:
+            with self.engine.connect() as c:
+                c.execute(select(1))
+            return True
+        except Exception as e:  # noqa: BLE001 -- only an outage is an answer; anything else is a bug to see
+            if store_unreachable(e):
+                return False
+            raise
 
     # --- writes -----------------------------------------------------------------------------------------------------
 
@@ -259,6 +286,35 @@ class JobStore:
         with self.engine.connect() as c:
             return list(c.execute(select(jobs.c.id).where(jobs.c.status == "in_progress",
                                                           jobs.c.cancel_requested.is_(True))).scalars())
+
+
+DISK_FULL_WORDS = ("database or disk is full", "no space left on device", "disk quota exceeded")
+
+
+def is_disk_full(error: BaseException) -> bool:
+    """Whether an error is the data disk being full: an OSError ENOSPC/EDQUOT from storage, SQLite's "database or
+    disk is full" (SQLITE_FULL) through SQLAlchemy, or either's words in a worker's error text."""
+    import errno
+
+    seen: list[BaseException] = []
+    while error is not None and error not in seen:
+        seen.append(error)
+        if isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        if any(w in str(error).lower() for w in DISK_FULL_WORDS):
+            return True
+        error = getattr(error, "orig", None) or error.__cause__ or error.__context__
+    return False
+
+
+def store_unreachable(e: BaseException) -> bool:
+    """Whether `e` says the database could not be reached or dropped the connection (a restart, a network fault), as
+    opposed to a wrong statement: the API answers 503 and workers wait for it rather than failing their jobs. A full
+    disk is an OperationalError too, but it is not an outage: waiting would never end while nothing frees space, so
+    it is answered as a full disk (507, the job that met it fails) and never counted here."""
+    if is_disk_full(e):
+        return False
+    return isinstance(e, OperationalError) or (isinstance(e, DBAPIError) and bool(e.connection_invalidated))
 
 
 def _held_by(worker: str | None) -> tuple:
