@@ -20,6 +20,10 @@ def isolated_ray(**init_kwargs):
     """Yields ray.init's context (`address_info["gcs_address"]`, the head's host:port) and the cluster's folder."""
     import ray
 
+    if ray.is_initialized():
+        # ray.init(address="local") would refuse with "Maybe you called ray.init twice by accident?": say whose.
+        raise RuntimeError("isolated_ray: this process already holds a Ray cluster (a module fixture's?); start the "
+                           "second cluster in a child process or in another test module")
     saved = {k: os.environ.pop(k) for k in RAY_ENV if k in os.environ}
     ray_dir = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short whatever TMPDIR says: the socket paths
     token = os.path.join(ray_dir, "auth_token")
