@@ -30,8 +30,9 @@ import torch
 from ..calibration.build import block_weight_sets, calibrate_dit
 from ..calibration.recipe import QuantRecipe
 from ..calibration.vae_fp8 import EXECUTION as VAE_FP8_EXECUTION
-from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord, ScheduleRecord, VideoDecoderRecord,
-                                device_arch, hash_threads, runtime_versions, sha256_file, write_manifest)
+from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord, ScheduleRecord, SparseRecord,
+                                VideoDecoderRecord, device_arch, hash_threads, runtime_versions, sha256_file,
+                                write_manifest)
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
 from ..models.checkpoint import TransformerSource, load_dit
@@ -196,11 +197,13 @@ def compile_segments(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calib
     model, recipe = dit.model, calibration.recipe
     (work / "segments").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    examples = example_inputs(model, config.profiles[0].geometry, plan.device, config.sp, recipe)
+    sparse = config.sparse is not None  # at sp=1: the halves beside the fused block (segments.dit_segments)
+    examples = example_inputs(model, config.profiles[0].geometry, plan.device, config.sp, recipe, sparse)
     if config.backend == "tensorrt":
         segments, record = build_tensorrt_segments(model, examples, config, work, log)
         return Compiled(segments, {}, {}, record, time.perf_counter() - t0)
-    specs = {spec.name: spec for spec in dit_segments(model.cfg, plan.dtype, config.sp, recipe, plan.dense_kernel)}
+    specs = {spec.name: spec for spec in dit_segments(model.cfg, plan.dtype, config.sp, recipe, plan.dense_kernel,
+                                                      sparse)}
     specs.update(profile_decoder_specs(dit.source.component_root, config.profiles, plan.device, config.vae, examples))
     cache = work / "inductor_cache" if config.backend == "inductor" else Path(tempfile.mkdtemp(prefix="h3trt-aoti-"))
     cache.mkdir(parents=True, exist_ok=True)
@@ -278,7 +281,15 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         attention={p: c.to_dict() for p, c in plan.attention.items()}, vae_precision=config.vae.name,
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
-        loras=dit.loras, tensorrt=trt)
+        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan))
+
+
+def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:
+    if config.sparse is None:
+        return None
+    kernel, block = plan.sparse_kernel
+    s = config.sparse
+    return SparseRecord(s.sparsity, s.dense_steps, s.min_seq, kernel, block)
 
 
 def _checkpoint_sha(files, log) -> str:

@@ -15,6 +15,7 @@ from ..models.lora import LoraSpec
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS
+from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
@@ -75,6 +76,11 @@ class BuildConfig:
     attention: str = "auto"
     vae_precision: str | None = None  # video decoder: fp32 | bf16 | fp8 (None: bf16 on CUDA, fp32 on the CPU)
     loras: tuple[LoraSpec, ...] = ()  # merged into the DiT before calibration, baking and compiling, in order
+    # Block-sparse attention (models/sparse_plan.py): with --sparse-attention (0 included) the bundle serves it, its
+    # sparsity and the two knobs below being its requests' defaults; None: it serves none at sp=1 (build/segments.py).
+    sparse_attention: float | None = None
+    sparse_dense_steps: int | None = None  # None: SubBlock's default (10)
+    sparse_min_seq: int | None = None  # None: SubBlock's default (4096 rows)
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -116,6 +122,35 @@ class BuildConfig:
             check_build_config(self)
         elif self.trt_targets is not None:
             raise UserError("--trt-targets applies to --backend tensorrt.")
+        self._check_sparse()
+
+    def _check_sparse(self) -> None:
+        """--sparse-attention and its knobs: their values (one line, the flags named), and what a bundle that serves
+        sparse attention cannot be."""
+        if self.sparse_attention is None:
+            if self.sparse_dense_steps is not None or self.sparse_min_seq is not None:
+                raise UserError("--sparse-dense-steps and --sparse-min-seq set the defaults of a bundle that serves "
+                                "block-sparse attention; add --sparse-attention SPARSITY (0: dense unless a request "
+                                "asks).")
+            return
+        sparse_settings(self.sparse_attention, self.sparse_dense_steps, self.sparse_min_seq)  # UserError, by flag
+        if self.backend == "tensorrt":
+            raise UserError("--sparse-attention applies to the inductor and aoti backends: TensorRT fuses attention "
+                            "inside its plans, so no sparse kernel can run between their halves. Drop "
+                            "--sparse-attention, or build with --backend inductor.")
+        recipe = self.recipe_for("emulated")
+        if recipe is not None and recipe.exclude_blocks:
+            raise UserError(f"--sparse-attention with --quant-exclude blocks.N (blocks {list(recipe.exclude_blocks)}) "
+                            "is not built: a bf16 block would need its own pair of halves around the sparse "
+                            "attention. Exclude block linears instead (attn.qkv_proj, mlp.fc1, ...), or drop "
+                            "--sparse-attention.")
+
+    @property
+    def sparse(self) -> SparseSettings | None:
+        """The bundle's default sparse settings (None: built without --sparse-attention)."""
+        if self.sparse_attention is None:
+            return None
+        return sparse_settings(self.sparse_attention, self.sparse_dense_steps, self.sparse_min_seq)
 
     @property
     def vae(self) -> VAEPrecision:

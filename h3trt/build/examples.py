@@ -31,10 +31,10 @@ def example_layout(cfg: H3Config, geometry: Geometry) -> PackedLayout:
 
 @torch.no_grad()
 def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
-                   recipe: QuantRecipe | None = None) -> dict[str, list[torch.Tensor]]:
+                   recipe: QuantRecipe | None = None, sparse: bool = False) -> dict[str, list[torch.Tensor]]:
     """Inputs for every segment at one profile (fl2va with a first keyframe, so condition rows are present), from
     the eager model: the same tensors check the compiled segments. With sp > 1 the block halves get the first rank's
-    rows of the padded sequence."""
+    rows of the padded sequence; at sp=1 with `sparse` (the halves beside the fused block) every row."""
     cfg = model.cfg
     layout = example_layout(cfg, geometry).to(device)
     g = torch.Generator().manual_seed(0)
@@ -43,7 +43,7 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
     text = torch.randn(1, EXAMPLE_TEXT_ROWS, cfg.text_dim, generator=g).to(device, model.dtype)
     unique_t, t_index = (t.to(device) for t in row_timesteps(layout, 0.25, 0.5))
     sd = model.state_dict()
-    emb, *blocks, fin = dit_segments(cfg, model.dtype, sp, recipe)
+    emb, *blocks, fin = dit_segments(cfg, model.dtype, sp, recipe, sparse=sparse)
     x, temb = model.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
                           layout.seq_len)
     cos, sin = model.rope(layout.position_ids)
@@ -57,6 +57,10 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
     }
     if sp == 1:
         examples["block"] = [x, mod, adaln_index, cos, sin]
+        if sparse:  # the halves around a sparse attention: the "exchange" of one rank is the identity
+            attn = torch.randn(1, 1, layout.seq_len, cfg.num_heads, cfg.head_dim, generator=g).to(device, model.dtype)
+            examples["block_pre"] = [x, mod, adaln_index, cos, sin]
+            examples["block_post"] = [x, attn, mod, adaln_index]
     else:
         rows = padded_length(layout.seq_len, sp) // sp
         x, adaln_index, cos, sin = (F.pad(t, (0, 0) * (t.dim() - 1 - d) + (0, rows * sp - layout.seq_len))

@@ -55,6 +55,9 @@ class BuildPlan:
     model_cfg: H3Config
     attention: dict[Precision, AttentionChoice]  # the kernel baked in per precision (tensorrt: none, it fuses its own)
     size: BundleSize
+    # --sparse-attention: the block-sparse kernel the bundle serves and its routing block (rows), chosen on the build
+    # device and compiled there once (a kernel this machine cannot run is refused here); None: no sparse attention.
+    sparse_kernel: tuple[str, int] | None = None
 
     @property
     def fp8_kernel(self) -> str:
@@ -85,7 +88,33 @@ def plan_build(config: BuildConfig, log=print) -> BuildPlan:
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
         raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
-    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device))
+    sparse = _sparse_kernel(config, model_cfg, device, dtype, log) if config.sparse is not None else None
+    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse)
+
+
+def _sparse_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,
+                   log) -> tuple[str, int]:
+    """The block-sparse kernel of a bundle built with --sparse-attention: the device's default (fa4 on sm_90 where it
+    loads, flex on another CUDA GPU, reference on the CPU), compiled once here at one rank's heads, so that a kernel
+    the build machine cannot run fails the build, not the first sparse request."""
+    from ..models.sparse_kernels import default_sparse_kernel, sparse_block, warm_sparse_kernel
+
+    kernel = default_sparse_kernel(device)
+    block = sparse_block(kernel, device)
+    heads = model_cfg.num_heads // config.sp
+    try:
+        warm_sparse_kernel(kernel, device, heads, model_cfg.head_dim, dtype, block)
+    except UserError:
+        raise
+    except Exception as e:  # a kernel that imports but does not compile here: the build's user can act on it
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise UserError(f"--sparse-attention: the {kernel} block-sparse attention kernel did not compile on {device} "
+                        f"({type(e).__name__}: {first}); fix its install (FlashAttention-4 on sm_90: pip install "
+                        f"'h3trt[fa4]'), or build without --sparse-attention.") from e
+    log(f"sparse attention: the {kernel} kernel, {block}-row blocks, {heads} heads per rank (default sparsity "
+        f"{config.sparse.sparsity:g}, first {config.sparse.dense_steps} evaluations dense, attentions under "
+        f"{config.sparse.min_seq} rows dense)")
+    return kernel, block
 
 
 def _attention(config: BuildConfig, model_cfg: H3Config, device: torch.device,

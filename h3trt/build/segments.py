@@ -210,14 +210,23 @@ def check_sharded_recipe(recipe: QuantRecipe, sp: int) -> None:
 
 
 def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRecipe | None = None,
-                 attention: str = "sdpa") -> list[SegmentSpec]:
+                 attention: str = "sdpa", sparse: bool = False) -> list[SegmentSpec]:
     """The DiT's segments: one fused block when a rank holds the whole sequence, else the two halves. A quantization
     recipe that keeps whole blocks in the block dtype adds their segment, block_hp. `attention`: the kernel of every
-    attention that is not FP8 (at sp > 1 it runs in the exchange, between the halves, not in a segment)."""
+    attention that is not FP8 (at sp > 1 it runs in the exchange, between the halves, not in a segment).
+
+    `sparse` (a bundle built with --sparse-attention) at sp=1: the halves too, beside the fused block, for the
+    evaluations whose attention is block-sparse (dense ones keep the fused block). The halves read the block's own
+    weights (their names are subsets of the block's), so the bundle stores no weight twice; only their compiled code is
+    added, which is why a bundle without --sparse-attention goes without them."""
     if sp != 1 and recipe is not None:
         check_sharded_recipe(recipe, sp)
-    blocks = ([block_segment(cfg, dtype, recipe, attention=attention)] if sp == 1
-              else [block_pre_segment(cfg, dtype, sp, recipe), block_post_segment(cfg, dtype, recipe)])
+    if sparse and recipe is not None and recipe.exclude_blocks:
+        raise UserError(f"a bundle that serves sparse attention has no halves for bf16 blocks "
+                        f"{list(recipe.exclude_blocks)} (--quant-exclude blocks.N); exclude block linears instead.")
+    halves = [block_pre_segment(cfg, dtype, sp, recipe), block_post_segment(cfg, dtype, recipe)]
+    blocks = ([block_segment(cfg, dtype, recipe, attention=attention)] + (halves if sparse else []) if sp == 1
+              else halves)
     if sp != 1 and recipe is not None and recipe.fp8_attention:
         blocks.append(sharded_attention_segment(cfg, recipe))
     if recipe is not None and recipe.exclude_blocks:

@@ -103,7 +103,9 @@ def cmd_build(args) -> int:
                          cfg=args.cfg, trt_targets=args.trt_targets, calib_prompts=args.calib_prompts,
                          calib_steps=args.calib_steps, quant_exclude=tuple(args.quant_exclude),
                          fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision,
-                         loras=tuple(args.lora), calib_algo=args.calib_algo, fp8_accum=args.fp8_accum)
+                         loras=tuple(args.lora), calib_algo=args.calib_algo, fp8_accum=args.fp8_accum,
+                         sparse_attention=args.sparse_attention, sparse_dense_steps=args.sparse_dense_steps,
+                         sparse_min_seq=args.sparse_min_seq)
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)
@@ -111,7 +113,9 @@ def cmd_build(args) -> int:
     print(f"wrote {args.output}: {manifest.backend} {manifest.precision} bundle for {manifest.arch}, "
           f"{len(manifest.files)} files, {manifest.total_bytes / 1e6:.1f} MB; AdaLN "
           f"{'baked' if manifest.adaln.baked else 'kept'}; video decoder {manifest.vae_precision}; "
-          f"manifest_sha256 {manifest.manifest_sha256}, {signed}")
+          + (f"sparse attention {manifest.sparse.kernel} (default sparsity {manifest.sparse.sparsity:g}); "
+             if manifest.sparse is not None else "")
+          + f"manifest_sha256 {manifest.manifest_sha256}, {signed}")
     return 0
 
 

@@ -90,8 +90,9 @@ def _run_parser(sub) -> None:
                             "or sparse flag given too overrides the profile's value for that knob")
     sparse = p.add_argument_group("block-sparse attention (README, 'Block-sparse attention'; SubBlock's routing)")
     sparse.add_argument("--sparse-attention", type=float, metavar="SPARSITY",
-                        help="fraction of key blocks each video query block skips, 0 <= s < 1 (default 0: dense, or "
-                             "the profile's); text, audio, condition and mixed query blocks stay dense")
+                        help="fraction of key blocks each video query block skips, 0 <= s < 1 (default: the "
+                             "profile's, else the bundle's --sparse-attention, else 0: dense); text, audio, "
+                             "condition and mixed query blocks stay dense")
     sparse.add_argument("--sparse-dense-steps", type=int, metavar="N",
                         help="the first N denoise steps stay dense (default 10; both guidance branches of a step "
                              "are one)")
@@ -263,6 +264,16 @@ def _build_parser(sub) -> None:
                                                      "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
     p.add_argument("--cfg", type=positive, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
+    sparse = p.add_argument_group("block-sparse attention (README, 'Block-sparse attention')")
+    sparse.add_argument("--sparse-attention", type=float, metavar="SPARSITY",
+                        help="serve block-sparse attention: compile the block's two halves around it (sp=1) and the "
+                             "kernel, and make SPARSITY (0 <= s < 1; 0: dense unless a request asks) its requests' "
+                             "default; a request's own value or profile wins. Without it an sp=1 bundle serves "
+                             "dense attention only")
+    sparse.add_argument("--sparse-dense-steps", type=int, metavar="N",
+                        help="with --sparse-attention: the default of the first N denoise steps kept dense (10)")
+    sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
+                        help="with --sparse-attention: the default of the shortest attention made sparse (4096)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
     p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
                                                             "`h3trt keygen KEY` makes one), writing manifest.sig")

@@ -26,6 +26,8 @@ from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.config import H3Config
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
+from ..models.sparse_kernels import SPARSE_KERNELS
+from ..models.sparse_plan import SparseSettings
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
 # 2: the video decoder as in/block/out segments at a recorded --vae-precision; 3: the manifest carries
@@ -95,6 +97,24 @@ class VideoDecoderRecord:
 
 
 @dataclass(frozen=True)
+class SparseRecord:
+    """A bundle built with --sparse-attention: its requests' default block-sparse settings (models/sparse_plan.py; a
+    request's own value wins, sparsity 0 is dense) and the kernel it serves, chosen and compiled on the build device
+    and compiled again by every load, never by a request."""
+
+    sparsity: float  # the default fraction of key blocks skipped (0: dense unless a request asks)
+    dense_steps: int  # the default leading evaluations kept dense
+    min_seq: int  # the default shortest attention made sparse (rows)
+    kernel: str  # one of models/sparse_kernels.py SPARSE_KERNELS
+    block: int  # the routing block's rows the kernel runs at
+    segments: str = ("block_pre + block_post around the sparse attention (sp=1: beside the fused block, which dense "
+                     "evaluations keep), reading the block's weights")
+
+    def settings(self) -> SparseSettings:
+        return SparseSettings(self.sparsity, self.dense_steps, self.min_seq)
+
+
+@dataclass(frozen=True)
 class FileRecord:
     """One bundle file: its size and the sha256 of each `hash_chunk_bytes` chunk (one digest up to one chunk)."""
 
@@ -132,6 +152,7 @@ class Manifest:
     video_decoder: VideoDecoderRecord
     loras: tuple[dict, ...]  # the LoRAs merged at build time
     tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
+    sparse: SparseRecord | None = None  # --sparse-attention: the default settings and the kernel; None: not built so
     # Filled by write_manifest, from the files and the content:
     files: dict[str, FileRecord] = field(default_factory=dict)
     hash_chunk_bytes: int = HASH_CHUNK_BYTES
@@ -162,6 +183,8 @@ class Manifest:
             files={rel: {"bytes": f.bytes, "sha256_chunks": list(f.sha256_chunks)} for rel, f in self.files.items()})
         if self.tensorrt is not None:
             data["tensorrt"] = self.tensorrt
+        if self.sparse is not None:
+            data["sparse"] = asdict(self.sparse)
         return data
 
     @classmethod
@@ -198,12 +221,24 @@ class Manifest:
                 decoder.get("fp8", dict, optional=True),
                 decoder.get("segments", str, optional=True) or VideoDecoderRecord.segments),
             loras=tuple(top.get("loras", list, optional=True) or ()),
-            tensorrt=top.get("tensorrt", dict, optional=True),
+            tensorrt=top.get("tensorrt", dict, optional=True), sparse=_sparse_record(top),
             files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
             hash_chunk_bytes=top.positive("hash_chunk_bytes"), manifest_sha256=top.get("manifest_sha256", str))
         if manifest.backend == "tensorrt" and manifest.tensorrt is None:
             raise top.error("tensorrt", "an object (a tensorrt bundle records its plans' flavour and targets)")
         return manifest
+
+
+def _sparse_record(top: "_Fields") -> SparseRecord | None:
+    if top.data.get("sparse") is None:
+        return None
+    sparse = top.sub("sparse")
+    record = SparseRecord(sparse.get("sparsity", float), sparse.get("dense_steps", int), sparse.positive("min_seq"),
+                          sparse.choice("kernel", SPARSE_KERNELS), sparse.positive("block"),
+                          sparse.get("segments", str, optional=True) or SparseRecord.segments)
+    if not 0.0 <= record.sparsity < 1.0 or record.dense_steps < 0:
+        raise sparse.error("sparsity", "a fraction in [0, 1) with dense_steps >= 0")
+    return record
 
 
 # Manifest fields written to JSON as they are (the others: records, tuples and the model config, in to_dict).
