@@ -20,6 +20,7 @@ from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
 from ..models.block_stack import run_block_stack
+from ..models.sparse_kernels import check_sparse_kernel, warm_sparse_kernel
 from ..models.sparse_run import load_sparse_kernel
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
@@ -38,19 +39,25 @@ DIT_WEIGHT_FILES = ("embed", "blocks", "final")
 
 class EngineDiT:
     """The DiT forward from compiled segments: embed, the block segment(s) once per layer (models/block_stack.py),
-    final. With an sp group the block is the two halves around the Ulysses exchange, on this rank's rows."""
+    final. With an sp group the block is the two halves around the Ulysses exchange, on this rank's rows. In one
+    process the block is the fused segment; a bundle built with --sparse-attention also has the halves, which a
+    sparse evaluation runs around its block-sparse attention (the exchange of one rank is the identity)."""
 
     sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
                  sparse_kernel: str | None = None):
-        """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1 only: a one-process
-        bundle's compiled block holds its attention); None: none."""
+        """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
+        bundle that has them beside its fused block); None: none."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
-        self.sparse_kernel = sparse_kernel if group is not None else None
+        self.halves = "block_pre" in entries and "block_post" in entries
+        if sparse_kernel is not None and not self.halves:
+            raise ValueError("a bundle without the block halves serves no sparse attention (its compiled block "
+                             "holds its attention): pass sparse_kernel None.")
+        self.sparse_kernel = sparse_kernel
         self.embed_w = [weights["embed"][n] for n in entries["embed"]["weights"]]
-        block_segments = ("block",) if "block" in entries else ("block_pre", "block_post")
+        block_segments = tuple(n for n in ("block", "block_pre", "block_post") if n in entries)
         # A quantized bundle may keep some layers in bf16: those run the "block_hp" segment with its own weight names.
         self.layer_segments = layer_segments or ["block"] * cfg.num_layers
         serving = {"block": self.layer_segments}
@@ -71,9 +78,9 @@ class EngineDiT:
 
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None):
         core = sparse.attention(layout) if sparse is not None else None
-        if core is not None and self.group is None:
-            raise ValueError("a one-process bundle's compiled block holds its attention; it serves no sparse "
-                             "attention (sparse_kernel is None, which the pipeline checks before denoising).")
+        if core is not None and not self.halves:
+            raise ValueError("this bundle's compiled block holds its attention and it has no halves; it serves no "
+                             "sparse attention (sparse_kernel is None, which the pipeline checks before denoising).")
         if unique_t.numel() == 1:
             # Compiled for T >= 2 distinct timesteps; a duplicate row is never indexed, so outputs are unchanged.
             unique_t = unique_t.repeat(2)
@@ -83,8 +90,12 @@ class EngineDiT:
         adaln_index = t_index * NUM_MODALITIES + layout.token_tags
         cos, sin = rope_tables(layout.position_ids, self.inv_freq)
         shard = RowShard(self.group, layout.seq_len) if self.group is not None else None
-        block_fn = (self._block(rows, temb) if shard is None
-                    else self._sharded_block(rows, temb, shard.exchange(), core))
+        if shard is not None:
+            block_fn = self._sharded_block(rows, temb, shard.exchange(), core)
+        elif core is not None:  # a sparse evaluation in one process: the halves around the sparse attention
+            block_fn = self._sharded_block(rows, temb, one_rank_exchange, core)
+        else:  # dense: the fused block, its attention (FP8 attention in an fp8 bundle) inside it
+            block_fn = self._block(rows, temb)
         x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), cache, shard)
         return self.segments["final"](x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
                                       layout.audio_index, *self.final_w)
@@ -103,7 +114,8 @@ class EngineDiT:
 
     def _sharded_block(self, rows, temb, exchange, core=None):
         """Layer i on this rank's rows: pre half (compiled), exchange + attention (eager), post half (compiled).
-        `core`: a sparse evaluation's attention (bf16 block-sparse, in place of the bundle's, FP8 included)."""
+        `core`: a sparse evaluation's attention (bf16 block-sparse, in place of the bundle's, FP8 included); in one
+        process `exchange` is `one_rank_exchange` and `core` is always given."""
         pre, post = self.segments["block_pre"], self.segments["block_post"]
 
         def block_fn(i, x, adaln_index, rope):
@@ -113,6 +125,14 @@ class EngineDiT:
             return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
 
         return block_fn
+
+
+def one_rank_exchange(qkv_send: torch.Tensor, attention) -> torch.Tensor:
+    """The Ulysses exchange of a group of one (parallel/ulysses.py UlyssesExchange's contract at sp=1): the send buffer
+    [1, 3, B, S, N, D] holds every row and head, so q/k/v go to `attention` as they are and its [B, S, N, D] output
+    comes back as the received buffer [1, B, S, N, D]."""
+    q, k, v = qkv_send[0].unbind(0)
+    return attention(q, k, v).unsqueeze(0)
 
 
 class Engine:
@@ -183,6 +203,8 @@ class Engine:
                 check_attention_record(attention, device)
             elif quant.get("fp8_attention"):
                 check_attention_kernel(quant["attention_kernel"], device)
+            if manifest.sparse is not None:
+                check_sparse_kernel(manifest.sparse.kernel, device)
         except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
             raise BundleError(f"{root}: {e}") from e
         problems = structure_problems(root, manifest)
@@ -220,8 +242,9 @@ class Engine:
             raise
         adaln = adaln_runner(manifest, weights.pop(adaln_file), cfg, device)
         sharded = manifest.mesh.sp > 1
-        sparse_kernel, sparse_problem = (load_sparse_kernel(device, cfg.num_heads // manifest.mesh.sp, cfg.head_dim,
-                                                            torch.bfloat16) if sharded else (None, None))
+        t_sparse = time.perf_counter()
+        sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
+        sparse_s = time.perf_counter() - t_sparse
         dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
                         quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel)
         dit.sparse_problem = sparse_problem
@@ -238,9 +261,42 @@ class Engine:
             "weights_read": stats.to_dict(),
             "files_trusted": len(verification.trusted), "files_hashed": len(manifest.files) - len(verification.trusted),
             "bundle_bytes": manifest.total_bytes,
+            "sparse_kernel_s": round(sparse_s, 4),  # the sparse kernel compiled and warmed (0 where none is served)
             "total_s": round(end - t0, 4),
         }
         return cls(root, manifest, dit, segments, report, verification)
+
+
+NO_SPARSE_HALVES = ("this bundle serves no block-sparse attention: it was built without --sparse-attention, and its "
+                    "compiled block holds its attention. Run the request with --sparse-attention 0 (or a dense "
+                    "profile: lossless, quality), or rebuild the bundle with h3trt build ... --sparse-attention "
+                    "SPARSITY (0: dense unless a request asks), which adds the block's halves around the sparse "
+                    "attention.")
+
+
+def bundle_sparse_kernel(root: Path, manifest: Manifest, device: torch.device) -> tuple[str | None, str | None]:
+    """(kernel, problem) of the block-sparse attention a bundle serves, compiled now so that no request compiles it:
+      - built with --sparse-attention: the kernel its manifest records (checked before anything loaded), warmed at
+        one rank's heads in the bundle's dtype; a kernel that does not compile here refuses the load, as a bundle
+        whose attention kernel cannot run does (it was built to serve it, and its requests default to it);
+      - sp > 1 without it: the device's default kernel, as the eager Ulysses runner picks it (a failure leaves the
+        engine dense-only, with why);
+      - sp=1 without it: none, and why (its compiled block holds its attention)."""
+    cfg, sp = manifest.model_config, manifest.mesh.sp
+    record = manifest.sparse
+    if record is None:
+        if sp > 1:
+            return load_sparse_kernel(device, cfg.num_heads // sp, cfg.head_dim, torch.bfloat16)
+        return None, NO_SPARSE_HALVES
+    try:
+        warm_sparse_kernel(record.kernel, device, cfg.num_heads // sp, cfg.head_dim,
+                           manifest.precision.spec.dtype, record.block)
+    except Exception as e:  # noqa: BLE001 - any failure of a kernel the bundle was built to serve refuses it
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise BundleError(f"{root}: this bundle serves the {record.kernel} block-sparse attention kernel (h3trt build "
+                          f"--sparse-attention), which did not compile on {device} ({type(e).__name__}: {first}). "
+                          "Serve it where it was built, or rebuild it here.") from e
+    return record.kernel, None
 
 
 def check_process_gpu(device: torch.device) -> None:
