@@ -20,6 +20,7 @@ def entry_from_args(args):
 
 def cmd_run(args) -> int:
     from ..runtime.args import profile_fields_from_args
+    from ..runtime.profiles import with_bundle_sparse
     from ..runtime.run import run_clip, run_requests
 
     if args.requests is not None:
@@ -35,9 +36,10 @@ def cmd_run(args) -> int:
 
     entry = entry_from_args(args)
     steps = args.steps if args.steps is not None else entry.default_steps
+    speed = with_bundle_sparse(profile_fields_from_args(args), entry.default_sparse)  # a flag > the bundle's default
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, steps, args.width,
                       args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
-                      args.negative_prompt, **profile_fields_from_args(args))
+                      args.negative_prompt, **speed)
     return run_clip(entry, request, args.output, args.crf, args.overwrite, args.quiet, args.profile_step)
 
 

@@ -10,6 +10,7 @@ from typing import Callable
 
 from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
+from ..models.sparse_plan import SparseSettings
 from .request import KEYS, CanvasDefaults, Prepared, Request, prepare
 from .requests import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
 
@@ -25,10 +26,12 @@ class BatchItem:
 
 
 def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFAULT_STEPS,
-                   admit: Callable[[Prepared], None] | None = None) -> list[BatchItem]:
+                   admit: Callable[[Prepared], None] | None = None,
+                   default_sparse: SparseSettings | None = None) -> list[BatchItem]:
     """Every line of a JSONL requests file, validated; raises RequestsFileError listing every bad line. A line
-    without "steps" takes `default_steps` (a bundle's baked schedule, else DEFAULT_STEPS); `admit` refuses what the
-    model cannot serve (a bundle's task, canvas and schedule: Entry.admit)."""
+    without "steps" takes `default_steps` (a bundle's baked schedule, else DEFAULT_STEPS), one that states no sparse
+    knob `default_sparse`'s (a bundle's --sparse-attention defaults); `admit` refuses what the model cannot serve (a
+    bundle's task, canvas and schedule: Entry.admit)."""
 
     def check(line: RequestLine) -> BatchItem:
         request = line.request
@@ -40,7 +43,8 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
                request.audio_shift)
         return BatchItem(line.id, line.line, request, key)
 
-    return read_request_file(path, RUN_REQUIRED, RequestDefaults(steps=default_steps), check)
+    return read_request_file(path, RUN_REQUIRED, RequestDefaults(steps=default_steps, sparse=default_sparse),
+                             check)
 
 
 def check_bundle_batch(segments: dict, max_batch: int) -> None:

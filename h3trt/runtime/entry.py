@@ -18,6 +18,7 @@ from ..errors import UserError
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
 from ..models.sampler import DEFAULT_STEPS, Schedule
+from ..models.sparse_plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
@@ -126,6 +127,14 @@ class Entry:
     def default_steps(self) -> int:
         """A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps."""
         return self.manifest.schedule.steps if self.manifest is not None else DEFAULT_STEPS
+
+    @property
+    def default_sparse(self) -> SparseSettings | None:
+        """A bundle built with --sparse-attention: its requests' default sparse settings, which a request's own value
+        (a flag, a key, its profile's) overrides knob by knob (profiles.with_bundle_sparse); None: dense by default."""
+        if self.manifest is None or self.manifest.sparse is None:
+            return None
+        return self.manifest.sparse.settings()
 
     @property
     def device_type(self) -> str:

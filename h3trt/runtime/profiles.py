@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
-from ..models.sparse_plan import sparse_settings
+from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
 
 DBCACHE_WARMUP = 4  # SGLang's max_warmup_steps for H3's profiles
@@ -107,6 +107,17 @@ def profile_fields(profile: str | None, cache: str | None = None, sparse_attenti
         fields["sparse_min_seq"] = sparse_min_seq
     sparse_settings(fields.get("sparse_attention"), fields.get("sparse_dense_steps"), sparse_min_seq, where)
     return fields
+
+
+def with_bundle_sparse(fields: dict, defaults: SparseSettings | None) -> dict:
+    """`fields` (profile_fields' or request_profile_fields' request fields) with a bundle's default sparse settings
+    (h3trt build --sparse-attention; None: it has none) filling each sparse knob neither the request nor its profile
+    set: an explicit value (a flag, a key, a profile's) > the bundle's default > the built-in default (dense)."""
+    if defaults is None:
+        return fields
+    own = {"sparse_attention": defaults.sparsity, "sparse_dense_steps": defaults.dense_steps,
+           "sparse_min_seq": defaults.min_seq}
+    return {**{k: v for k, v in own.items() if fields.get(k) is None}, **fields}
 
 
 def request_profile_fields(data: dict) -> dict:

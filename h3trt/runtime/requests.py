@@ -33,7 +33,8 @@ from ..engines.manifest import Manifest
 from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
-from .profiles import REQUEST_KEYS, SPARSE_KEYS, request_profile_fields
+from ..models.sparse_plan import SparseSettings
+from .profiles import REQUEST_KEYS, SPARSE_KEYS, request_profile_fields, with_bundle_sparse
 from .request import KEYS as KEY_NAMES, FieldError, Names, Request
 
 KEYS = ("id", "task", "prompt", "image", "last_image", "refs", "seed", "steps", "resolution", "width", "height",
@@ -51,13 +52,15 @@ class RequestsFileError(UserError):
 
 @dataclass(frozen=True)
 class RequestDefaults:
-    """What a line that leaves a field out gets: `run` takes a bundle's baked steps and the model's canvas; `eval` the
-    engine's first profile and schedule."""
+    """What a line that leaves a field out gets: `run` (and `serve`) take a bundle's baked steps, its default sparse
+    settings and the model's canvas; `eval` the engine's first profile and schedule, and no default sparsity: it
+    compares what its lines (or --profile) state."""
 
     steps: int = DEFAULT_STEPS
     width: int | None = None  # None (with height None): the model picks the canvas
     height: int | None = None
     duration: float = DEFAULT_DURATION
+    sparse: SparseSettings | None = None  # a bundle's --sparse-attention defaults (profiles.with_bundle_sparse)
 
     @classmethod
     def of_bundle(cls, manifest: Manifest) -> "RequestDefaults":
@@ -203,7 +206,7 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
                       float(_typed(data, "guidance", (int, float), DEFAULT_GUIDANCE, n.guidance)),
                       None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str,
                                                                               name=n.negative_prompt),
-                      **request_profile_fields(data))
+                      **with_bundle_sparse(request_profile_fields(data), defaults.sparse))
     return RequestLine(number, rid, request)
 
 

@@ -165,7 +165,8 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
         check_bundle_batch(entry.manifest.segments, max_batch)
     config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet, overwrite=overwrite)
     # Every line checked before any model loads, a bundle's admission included (task, canvas, schedule).
-    items = parse_requests(requests, entry.canvas, entry.default_steps, admit=entry.admit)
+    items = parse_requests(requests, entry.canvas, entry.default_steps, admit=entry.admit,
+                           default_sparse=entry.default_sparse)
     try:
         for task in sorted({i.request.task for i in items}):
             check_text_encoder_files(entry.component_root(task))

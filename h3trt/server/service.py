@@ -253,7 +253,7 @@ def disk_full_error() -> ApiError:
 def request_defaults(entry: Entry) -> RequestDefaults:
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
     worker side reads the stored request with them."""
-    return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION)
+    return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse)
 
 
 def _seconds(value) -> float:
