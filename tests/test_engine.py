@@ -84,13 +84,21 @@ def test_run_from_bundle_matches_eager_run(bundles, signing_keys, tmp_path, tiny
     assert record["load"]["process_to_load_s"] > record["load"]["engine_s"] > 0
 
 
-def test_a_one_process_bundle_refuses_sparse_attention_in_one_line(bundles, tmp_path, tiny_cache, capsys):
-    """Its compiled block holds its attention: a sparse request is refused with the fix, never run dense silently."""
+@pytest.mark.parametrize("flags", [["--sparse-attention", "0.5"], ["--profile", "balanced"]])
+def test_a_one_process_bundle_without_halves_refuses_sparse_attention_in_one_line(bundles, tmp_path, tiny_cache,
+                                                                                   capsys, monkeypatch, flags):
+    """Built without --sparse-attention, its compiled block holds its attention: a sparse request (stated, or a
+    profile's) is refused before denoising with both fixes, never run dense silently (tests/test_sparse_bundle.py
+    serves one built with it)."""
+    from h3trt.runtime.pipeline import H3Pipeline
+
+    monkeypatch.setattr(H3Pipeline, "_encode_text", lambda *a, **k: pytest.fail("the request got past the check"))
     code = main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output",
-                 str(tmp_path / "s.mp4"), "--quiet", "--steps", str(BUNDLE_STEPS), "--sparse-attention", "0.5"])
+                 str(tmp_path / "s.mp4"), "--quiet", "--steps", str(BUNDLE_STEPS), *flags])
     err = capsys.readouterr().err.strip().splitlines()
-    assert code == 2 and "serves no block-sparse attention" in err[-1] and "--sparse-attention 0" in err[-1], err
-    assert not (tmp_path / "s.mp4").exists()
+    assert code == 2 and err[-1].startswith("h3trt: error: this bundle serves no block-sparse attention"), err
+    assert "--sparse-attention 0" in err[-1] and "rebuild the bundle with h3trt build" in err[-1], err
+    assert "--sparse-attention SPARSITY" in err[-1] and not (tmp_path / "s.mp4").exists()
 
 
 @pytest.mark.parametrize("backend", ["inductor", "aoti"])
