@@ -9,7 +9,9 @@ Rows (each a real `h3trt` process, as a user runs it):
   eager cfg=2 with guidance | torchrun --nproc-per-node 2 serving the sp=2 bundle | the sp=1 bundle on the second
   GPU alone (--device cuda:1, and CUDA_VISIBLE_DEVICES=1) | `h3trt serve` with 2 replica groups, and with one sp=2
   group (two jobs through the API, downloaded)
-plus the 1-GPU rows they rest on (sp=1 bundle on GPU 0, torchrun with one rank, `h3trt serve` of the sp=1 bundle).
+plus the 1-GPU rows they rest on (sp=1 bundle on GPU 0, torchrun with one rank, `h3trt serve` of the sp=1 bundle), and
+an sp=1 bundle built with --sparse-attention serving its default (checked against the eager clip with the same sparse
+flags) and a request's --sparse-attention 0 (checked against the dense eager clip).
 
 The check: decoded frames (PSNR) and audio (SNR) of each row's MP4 against the eager clip of the same request. The
 tiny model has random weights, so the clip is noise and x264 re-encodes it lossily; a row passes when it is close
@@ -33,6 +35,8 @@ from pathlib import Path
 import numpy as np
 
 STEPS = 6
+# The sparse rows' settings: sparse from the third evaluation on, at the tiny model's short sequence.
+SPARSE = ["--sparse-attention", "0.75", "--sparse-dense-steps", "2", "--sparse-min-seq", "1"]
 PROMPT = "a red fox runs through fresh snow, wind howling"
 SEED, OTHER_SEED = 5, 6
 
@@ -183,6 +187,9 @@ def main() -> int:
             # name, bundle (or None: eager), GPUs, extra flags, env, argv, outputs [(mp4, reference)]
             ("sp=1 bundle, one GPU", "b1", 1, ["--device", "cuda"], None, None),
             ("torchrun 1 rank, sp=1 bundle", "b1", 1, [], None, torchrun + ["1", "-m", "h3trt.cli"]),
+            ("sp=1 sparse bundle, its default sparsity", "s1", 1, ["--device", "cuda"], None, None),
+            ("sp=1 sparse bundle, request --sparse-attention 0", "s1", 1, ["--device", "cuda", "--sparse-attention",
+                                                                          "0"], None, None),
             ("eager sp=2", None, 2, ["--gpus", "2"], None, None),
             ("bf16 bundle sp=2", "b2", 2, ["--gpus", "2"], None, None),
             ("bf16 sp=1 bundle, 2 replicas, batch", "b1", 2, ["--gpus", "2", "--replicas", "2"], None, None),
@@ -198,7 +205,8 @@ def main() -> int:
              None),
             ("serve: sp=2 bundle, one group of 2 ranks", "b2", 2, ["serve", "--gpus", "2"], None, None),
         ]
-        bundles = {"b1": ["--steps", str(STEPS)], "b2": ["--steps", str(STEPS), "--sp", "2"]}
+        bundles = {"b1": ["--steps", str(STEPS)], "b2": ["--steps", str(STEPS), "--sp", "2"],
+                   "s1": ["--steps", str(STEPS), *SPARSE]}
         calib = work / "calib.txt"
         calib.write_text(f"{PROMPT}\nwaves on a rocky shore, gulls calling\n")
         bundles["f2"] = ["--steps", str(STEPS), "--sp", "2", "--precision", "fp8", "--fp8-attention",
@@ -213,7 +221,7 @@ def main() -> int:
                           env, log)
             built[name] = (rc, text)
 
-        guided_ref = None
+        guided_ref = sparse_ref = None
         for i, (name, bundle, needs, flags, env_over, argv) in enumerate(plan):
             row = {"row": name, "gpus": needs}
             out = work / f"row{i}.mp4"
@@ -241,6 +249,14 @@ def main() -> int:
                              str(guided_ref)], env, log)
                 rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
                 want = [(out, guided_ref)]
+            elif bundle == "s1" and "--sparse-attention" not in flags:
+                # The bundle's default sparsity: the reference is the eager clip with the same sparse settings.
+                if sparse_ref is None and gpus >= needs:
+                    sparse_ref = work / "eager_sparse.mp4"
+                    sh(h3 + ["run", "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(STEPS), "--quiet",
+                             "--device", dev, *SPARSE, "--output", str(sparse_ref)], env, log)
+                rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
+                want = [(out, sparse_ref)]
             else:
                 rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
             if rc == -1:
@@ -256,6 +272,16 @@ def main() -> int:
                            audio_snr_db=min(c["audio_snr_db"] for c in checks))
                 if not ok:
                     row["why"] = f"PSNR {worst} dB vs eager (need >= {args.min_psnr} and control + {args.margin})"
+                # The tiny model's sparse and dense clips are close (CPU dry run: 34.5 dB apart, above --min-psnr), so
+                # PSNR alone cannot tell a sparse row that silently ran dense: its record must say which evaluations
+                # ran sparse (none for the 0 request).
+                if bundle == "s1":
+                    sparse = json.loads(out.with_suffix(".json").read_text()).get("sparse_attention", {})
+                    ran = sparse.get("sparse_evaluations", [])
+                    expected = [] if "--sparse-attention" in flags else list(range(2, STEPS - 1))
+                    row.update(sparse_kernel=sparse.get("kernel"), kept_fraction=sparse.get("kept_fraction"))
+                    if ran != expected:
+                        row.update(status="FAIL", why=f"sparse evaluations {ran}, expected {expected}")
             rows.append(row)
 
     failed = [r for r in rows if r["status"] != "PASS"]
