@@ -102,9 +102,10 @@ class H3Pipeline:
         if kernel is None and problem is not None:
             raise UserError(problem)
         if kernel is None:
-            raise UserError("this engine serves no block-sparse attention: a one-process bundle's compiled block "
-                            "holds its attention. Run the request with --sparse-attention 0 (or a dense profile: "
-                            "lossless, quality), on the checkpoint (--model), or on a bundle built with --sp > 1.")
+            raise UserError("this engine serves no block-sparse attention (a TensorRT bundle's plans fuse their "
+                            "attention). Run the request with --sparse-attention 0 (or a dense profile: lossless, "
+                            "quality), on the checkpoint (--model), or on an inductor/aoti bundle built with "
+                            "--sparse-attention or --sp > 1.")
         return SparseRun(settings, kernel, sparse_block(kernel, self.device))
 
     def schedule(self, request: Request) -> Schedule:
