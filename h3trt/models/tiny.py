@@ -130,9 +130,3 @@ def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
                              "XDG_CACHE_HOME to a writable folder (h3trt caches under $XDG_CACHE_HOME/h3trt, "
                              "default ~/.cache/h3trt), or pass --model PATH.") from None
     return target
-
-
-def tiny_defaults(model_root: Path) -> dict | None:
-    """The tiny model's own defaults (canvas, reference size) if `model_root` is the tiny checkpoint."""
-    marker = Path(model_root) / "h3trt_tiny.json"
-    return json.loads(marker.read_text()) if marker.exists() else None

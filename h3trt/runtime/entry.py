@@ -110,10 +110,6 @@ class Entry:
         return self.path if self.path is not None else ensure_tiny_checkpoint()
 
     @property
-    def is_bundle(self) -> bool:
-        return self.manifest is not None
-
-    @property
     def tiny(self) -> bool:
         """Random weights: the embedded tiny model, or a bundle built from it."""
         return self.manifest.tiny if self.manifest is not None else self.source == "tiny"
