@@ -5,9 +5,9 @@
                                                               runtime <- eval <- cli
                                                                          server <- cli
 
-build and runtime never import each other; models imports none of the others but errors (the one user-error class,
-which every layer may raise). Every import counts, the ones inside
-functions included, and no two h3trt modules may import each other, directly or around a cycle. The checker is
+build and runtime never import each other; models imports none of the others but the base, errors (the one
+user-error class, which every layer may raise) and paths (where h3trt keeps its caches). Every import counts, the ones
+inside functions included, and no two h3trt modules may import each other, directly or around a cycle. The checker is
 pure `ast` over the source files (nothing is imported), so it runs in well under a second.
 """
 
@@ -22,20 +22,23 @@ pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
 
-# layer -> the layers it may import (besides itself). `h3trt` is the package's own __init__.
+# layer -> the layers it may import (besides itself). `h3trt` is the package's own __init__. Every layer may import
+# the base: errors (the one user-error class) and paths (where h3trt keeps its caches), which import nothing.
+BASE = {"errors", "paths"}
 ALLOWED = {
     "errors": set(),
-    "models": {"errors"},
-    "parallel": {"errors", "models"},
-    "calibration": {"errors", "models", "parallel"},
-    "engines": {"errors", "models", "parallel", "calibration"},
-    "build": {"errors", "models", "parallel", "calibration", "engines"},
-    "runtime": {"errors", "models", "parallel", "calibration", "engines"},
-    "server": {"errors", "models", "parallel", "calibration", "engines", "runtime"},
-    "fleet": {"errors", "models", "parallel", "calibration", "engines", "runtime", "server"},
-    "eval": {"errors", "models", "parallel", "calibration", "engines", "runtime"},
-    "cli": {"errors", "models", "parallel", "calibration", "engines", "build", "runtime", "server", "fleet", "eval"},
-    "h3trt": set(),
+    "paths": set(),
+    "models": BASE,
+    "parallel": BASE | {"models"},
+    "calibration": BASE | {"models", "parallel"},
+    "engines": BASE | {"models", "parallel", "calibration"},
+    "build": BASE | {"models", "parallel", "calibration", "engines"},
+    "runtime": BASE | {"models", "parallel", "calibration", "engines"},
+    "server": BASE | {"models", "parallel", "calibration", "engines", "runtime"},
+    "fleet": BASE | {"models", "parallel", "calibration", "engines", "runtime", "server"},
+    "eval": BASE | {"models", "parallel", "calibration", "engines", "runtime"},
+    "cli": BASE | {"models", "parallel", "calibration", "engines", "build", "runtime", "server", "fleet", "eval"},
+    "h3trt": {"paths"},
 }
 
 

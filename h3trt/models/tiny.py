@@ -18,6 +18,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from ..errors import UserError
+from ..paths import cache_dir as default_cache_dir
 from .checkpoint_writer import random_state_dict, save_official
 from .config import H3Config
 from .tiny_text_encoder import write_tiny_text_encoder
@@ -77,11 +78,6 @@ def write_tiny_checkpoint(root: Path) -> Path:
         "note": "random weights: the output is noise; see README for real MiniMax-H3 weights",
     }, indent=1))
     return root
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "h3trt"
 
 
 class TinyCacheError(UserError):
