@@ -9,7 +9,8 @@ bytecode beside its source, every process would compile torch, Inductor and tran
 every cold start (26.6-31.0 s to the first step of a full-size bundle on the H200 image, against 13.4-17.6 s with
 bytecode). h3trt then keeps a bytecode cache of its own, cache_dir()/pycache, which every later process reads: a
 server's restart, a fleet scaling from zero, each spawned rank. A prefix the user set (PYTHONPYCACHEPREFIX) is left as
-it is. Importing the package calls it (h3trt/__init__.py), before anything that imports torch.
+it is. The entry points call it (the CLI's `main`, a spawned rank's `parallel.launch._entry`, a fleet replica's
+constructor), never an import: a program that imports h3trt keeps its own interpreter settings and environment.
 
 Imports nothing of h3trt (every layer may use it).
 """
@@ -30,7 +31,9 @@ def cache_dir() -> Path:
 
 
 def use_bytecode_cache() -> None:
-    """Keep compiled bytecode where Python writes none (module doc), before torch is imported."""
+    """Keep compiled bytecode where Python writes none (module doc). The CLI calls it before torch is imported; a
+    spawned rank or a fleet replica has imported torch by then (unpickling its target did), so it reads what its
+    launcher compiled through the inherited PYTHONPYCACHEPREFIX and from here on writes what it compiles itself."""
     import importlib.util
 
     prefix = str(cache_dir() / "pycache")

@@ -38,7 +38,7 @@ ALLOWED = {
     "fleet": BASE | {"models", "parallel", "calibration", "engines", "runtime", "server"},
     "eval": BASE | {"models", "parallel", "calibration", "engines", "runtime"},
     "cli": BASE | {"models", "parallel", "calibration", "engines", "build", "runtime", "server", "fleet", "eval"},
-    "h3trt": {"paths"},
+    "h3trt": set(),
 }
 
 
