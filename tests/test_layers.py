@@ -1,9 +1,9 @@
-"""The package's layers import downward only (DESIGN.md, "Package layout"):
+"""The package's layers import downward only (docs/architecture.md, "The layers"):
 
-    errors <- models <- parallel <- calibration <- engines <- build
-                                                   engines <- runtime <- server <- fleet <- cli
-                                                              runtime <- eval <- cli
-                                                                         server <- cli
+    errors, paths <- models <- parallel <- calibration <- engines <- build
+                                                          engines <- runtime <- server <- fleet <- cli
+                                                                     runtime <- eval <- cli
+                                                                                server <- cli
 
 build and runtime never import each other; models imports none of the others but the base, errors (the one
 user-error class, which every layer may raise) and paths (where h3trt keeps its caches). Every import counts, the ones
@@ -94,7 +94,8 @@ def direction_errors(graph: dict[str, dict[str, int]]) -> list[str]:
     for module, edges in graph.items():
         src = layer(module)
         if src not in ALLOWED:
-            errors.append(f"{module}: layer {src!r} is not in the layer map; add it to ALLOWED (and DESIGN.md)")
+            errors.append(f"{module}: layer {src!r} is not in the layer map; add it to ALLOWED "
+                          "(and docs/architecture.md)")
             continue
         for target, line in edges.items():
             dst = layer(target)
