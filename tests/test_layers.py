@@ -1,14 +1,15 @@
 """The package's layers import downward only (docs/architecture.md, "The layers"):
 
-    errors, paths <- models <- parallel <- calibration <- engines <- build
-                                                          engines <- runtime <- server <- fleet <- cli
-                                                                     runtime <- eval <- cli
-                                                                                server <- cli
+    errors, paths, str_enum <- models <- parallel <- calibration <- engines <- build
+                                                                    engines <- runtime <- server <- fleet <- cli
+                                                                               runtime <- eval <- cli
+                                                                                          server <- cli
 
-build and runtime never import each other; models imports none of the others but the base, errors (the one
-user-error class, which every layer may raise) and paths (where h3trt keeps its caches). Every import counts, the ones
-inside functions included, and no two h3trt modules may import each other, directly or around a cycle. The checker is
-pure `ast` over the source files (nothing is imported), so it runs in well under a second.
+build and runtime never import each other; models imports none of the others but the base: errors (the one
+user-error class, which every layer may raise), paths (where h3trt keeps its caches) and str_enum (the vocabularies'
+base). Every import counts, the ones inside functions included, and no two h3trt modules may import each other,
+directly or around a cycle. The checker is pure `ast` over the source files (nothing is imported), so it runs in well
+under a second.
 """
 
 from __future__ import annotations
@@ -23,11 +24,13 @@ pytestmark = pytest.mark.unit
 PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
 
 # layer -> the layers it may import (besides itself). `h3trt` is the package's own __init__. Every layer may import
-# the base: errors (the one user-error class) and paths (where h3trt keeps its caches), which import nothing.
-BASE = {"errors", "paths"}
+# the base, which imports nothing: errors (the one user-error class), paths (where h3trt keeps its caches) and
+# str_enum (the base of the vocabularies).
+BASE = {"errors", "paths", "str_enum"}
 ALLOWED = {
     "errors": set(),
     "paths": set(),
+    "str_enum": set(),
     "models": BASE,
     "parallel": BASE | {"models"},
     "calibration": BASE | {"models", "parallel"},
