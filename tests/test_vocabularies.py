@@ -89,3 +89,21 @@ def test_a_row_reads_its_status_as_a_member_with_its_facts(tmp_path):
     row = store.create("video_1", {}, now=1.0)
     assert row.status is JobStatus.QUEUED and f"{row.status}" == "queued"
     store.close()
+
+
+def test_an_entry_holds_its_model_source_and_launch_kind_as_members():
+    from pathlib import Path
+
+    from h3trt.runtime.entry import SOURCES, Entry, ModelSource
+    from h3trt.runtime.workers import HOW, LaunchKind
+
+    assert SOURCES == ("bundle", "checkpoint", "tiny") and HOW == ("process", "spawn", "torchrun")
+    tiny = Entry("tiny", None, None, "cpu")
+    assert tiny.source is ModelSource.TINY and tiny.source.embedded and not tiny.source.compiled
+    assert tiny.model_name == "embedded-tiny" and tiny.how is LaunchKind.PROCESS and not tiny.spawns
+    two = Entry(ModelSource.CHECKPOINT, Path("ckpt"), None, "cpu", gpus=2)
+    assert two.how is LaunchKind.SPAWN and two.spawns and json.dumps([two.source, two.how]) == '["checkpoint", "spawn"]'
+    with pytest.raises(ValueError, match="a path unless it is tiny"):
+        Entry(ModelSource.TINY, Path("x"), None, "cpu")
+    with pytest.raises(ValueError, match=r"Entry source must be one of \('bundle', 'checkpoint', 'tiny'\), got 'x'"):
+        Entry("x", Path("x"), None, "cpu")
