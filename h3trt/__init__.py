@@ -1,49 +1,5 @@
 """h3trt: a compiled inference engine for MiniMax-H3.
 
-Importing the package first makes sure Python keeps compiled bytecode for what h3trt imports next. Where the
-interpreter writes none (PYTHONDONTWRITEBYTECODE=1, as the H200 image sets, or a read-only install) and torch has no
-bytecode beside its source, every process would compile torch, Inductor and transformers from source: seconds of
-every cold start (26.6-31.0 s to the first step of a full-size bundle on the H200 image, against 13.4-17.6 s with
-bytecode). h3trt then keeps a bytecode cache of its own, $XDG_CACHE_HOME/h3trt/pycache (default ~/.cache/h3trt/
-pycache), which every later process reads: a server's restart, a fleet scaling from zero, each spawned rank (they
-import this package before torch). A prefix the user set (PYTHONPYCACHEPREFIX) is left as it is.
+Importing the package changes nothing in the interpreter or its environment; the entry points set up the bytecode
+cache they need (h3trt/paths.py, `use_bytecode_cache`).
 """
-
-import os
-import sys
-
-
-_MARK = "H3TRT_PYCACHE"  # the prefix h3trt set for this process tree (PYTHONPYCACHEPREFIX alone looks like a user's)
-
-
-def _own_bytecode_cache() -> None:
-    import importlib.util
-
-    root = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    prefix = os.path.join(root, "h3trt", "pycache")
-    if sys.pycache_prefix is not None and sys.pycache_prefix in (prefix, os.environ.get(_MARK)):
-        sys.dont_write_bytecode = False  # h3trt's cache, inherited from an h3trt process: write what this one compiles
-        return
-    if sys.pycache_prefix is not None:  # the user chose where bytecode goes
-        return
-    spec = importlib.util.find_spec("torch")  # finds the package without importing it
-    if spec is None or spec.origin is None:
-        return
-    compiled = os.path.isfile(importlib.util.cache_from_source(spec.origin))
-    writable = os.access(os.path.dirname(spec.origin), os.W_OK)
-    if compiled or (writable and not sys.dont_write_bytecode):
-        return  # torch has its bytecode, or Python will write it beside the source
-    try:
-        os.makedirs(prefix, exist_ok=True)
-    except OSError:
-        return  # no writable cache: Python compiles from source, as before (h3trt run says so)
-    if not os.access(prefix, os.W_OK):
-        return
-    sys.pycache_prefix = prefix
-    sys.dont_write_bytecode = False
-    # Processes this one starts (a build's fresh-process check, torchrun ranks) read the same cache from their start.
-    os.environ.setdefault("PYTHONPYCACHEPREFIX", prefix)
-    os.environ.setdefault(_MARK, prefix)  # so they know it is h3trt's, not a prefix their user chose
-
-
-_own_bytecode_cache()

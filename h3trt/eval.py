@@ -307,7 +307,7 @@ def _means(per_request: list[dict]) -> dict:
 
 
 def _name(source: Entry) -> str:
-    return "tiny" if source.source == "tiny" else str(source.root)
+    return "tiny" if source.source.embedded else str(source.root)
 
 
 def _quant_summary(manifest) -> dict | None:

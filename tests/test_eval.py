@@ -147,7 +147,7 @@ def test_reference_entry_names_the_flag_and_what_it_takes(tmp_path):
     with pytest.raises(UserError, match=r"--reference .*missing does not exist; pass an engine bundle \(h3trt "
                                         r"build\), a MiniMax-H3 checkpoint folder, or 'tiny'"):
         reference_entry(str(tmp_path / "missing"), "cpu")
-    assert reference_entry(str(_bundle(tmp_path / "b")), "cpu").is_bundle
+    assert reference_entry(str(_bundle(tmp_path / "b")), "cpu").source == "bundle"
     assert reference_entry("tiny", "cpu").source == "tiny"
 
 
@@ -155,9 +155,10 @@ def test_reference_entry_names_the_flag_and_what_it_takes(tmp_path):
 # Runners are passed in when a pipeline or an engine is built
 
 
-# Assignments of these attributes on an object after it was built switch its behaviour (STYLE.md, "Still to retire").
+# Assignments of these attributes on an object after it was built switch its behaviour; runners are passed in when
+# it is built instead (docs/architecture.md, "The layers").
 SWITCHES = ("dit", "video_decoders", "tile_decoders", "cfg_group")
-# Where one is still made: load_bundle sets the video VAE's compiled tile decoders once the VAE is loaded.
+# Where one is still made (none since load_bundle builds the video VAE with its tile decoders: with_tile_decoders).
 STILL_TO_RETIRE: set[tuple[str, str]] = set()
 
 

@@ -1,14 +1,15 @@
-"""The package's layers import downward only (DESIGN.md, "Package layout"):
+"""The package's layers import downward only (docs/architecture.md, "The layers"):
 
-    errors <- models <- parallel <- calibration <- engines <- build
-                                                   engines <- runtime <- server <- fleet <- cli
-                                                              runtime <- eval <- cli
-                                                                         server <- cli
+    errors, paths, str_enum <- models <- parallel <- calibration <- engines <- build
+                                                                    engines <- runtime <- server <- fleet <- cli
+                                                                               runtime <- eval <- cli
+                                                                                          server <- cli
 
-build and runtime never import each other; models imports none of the others but errors (the one user-error class,
-which every layer may raise). Every import counts, the ones inside
-functions included, and no two h3trt modules may import each other, directly or around a cycle. The checker is
-pure `ast` over the source files (nothing is imported), so it runs in well under a second.
+build and runtime never import each other; models imports none of the others but the base: errors (the one
+user-error class, which every layer may raise), paths (where h3trt keeps its caches) and str_enum (the vocabularies'
+base). Every import counts, the ones inside functions included, and no two h3trt modules may import each other,
+directly or around a cycle. The checker is pure `ast` over the source files (nothing is imported), so it runs in well
+under a second.
 """
 
 from __future__ import annotations
@@ -22,19 +23,24 @@ pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
 
-# layer -> the layers it may import (besides itself). `h3trt` is the package's own __init__.
+# layer -> the layers it may import (besides itself). `h3trt` is the package's own __init__. Every layer may import
+# the base, which imports nothing: errors (the one user-error class), paths (where h3trt keeps its caches) and
+# str_enum (the base of the vocabularies).
+BASE = {"errors", "paths", "str_enum"}
 ALLOWED = {
     "errors": set(),
-    "models": {"errors"},
-    "parallel": {"errors", "models"},
-    "calibration": {"errors", "models", "parallel"},
-    "engines": {"errors", "models", "parallel", "calibration"},
-    "build": {"errors", "models", "parallel", "calibration", "engines"},
-    "runtime": {"errors", "models", "parallel", "calibration", "engines"},
-    "server": {"errors", "models", "parallel", "calibration", "engines", "runtime"},
-    "fleet": {"errors", "models", "parallel", "calibration", "engines", "runtime", "server"},
-    "eval": {"errors", "models", "parallel", "calibration", "engines", "runtime"},
-    "cli": {"errors", "models", "parallel", "calibration", "engines", "build", "runtime", "server", "fleet", "eval"},
+    "paths": set(),
+    "str_enum": set(),
+    "models": BASE,
+    "parallel": BASE | {"models"},
+    "calibration": BASE | {"models", "parallel"},
+    "engines": BASE | {"models", "parallel", "calibration"},
+    "build": BASE | {"models", "parallel", "calibration", "engines"},
+    "runtime": BASE | {"models", "parallel", "calibration", "engines"},
+    "server": BASE | {"models", "parallel", "calibration", "engines", "runtime"},
+    "fleet": BASE | {"models", "parallel", "calibration", "engines", "runtime", "server"},
+    "eval": BASE | {"models", "parallel", "calibration", "engines", "runtime"},
+    "cli": BASE | {"models", "parallel", "calibration", "engines", "build", "runtime", "server", "fleet", "eval"},
     "h3trt": set(),
 }
 
@@ -91,7 +97,8 @@ def direction_errors(graph: dict[str, dict[str, int]]) -> list[str]:
     for module, edges in graph.items():
         src = layer(module)
         if src not in ALLOWED:
-            errors.append(f"{module}: layer {src!r} is not in the layer map; add it to ALLOWED (and DESIGN.md)")
+            errors.append(f"{module}: layer {src!r} is not in the layer map; add it to ALLOWED "
+                          "(and docs/architecture.md)")
             continue
         for target, line in edges.items():
             dst = layer(target)

@@ -19,6 +19,7 @@ import signal
 import sys
 
 from ..errors import UserError  # imports nothing: the one class a user's mistake raises, caught once in `main`
+from ..paths import use_bytecode_cache  # imports nothing either
 
 COMMANDS = {"run": "cmd_run", "serve": "cmd_serve", "build": "cmd_build", "eval": "cmd_eval",
             "inspect": "cmd_inspect", "verify": "cmd_verify", "keygen": "cmd_keygen"}
@@ -33,6 +34,7 @@ def _interrupt(signum, frame):
 
 
 def main(argv=None) -> int:
+    use_bytecode_cache()  # before the first heavy import (torch), so this process and its ranks keep their bytecode
     # SIGTERM ends a run as Ctrl-C does: temporaries removed, what was finished kept, one line (`serve` installs its
     # own: it drains). Installed before anything heavy is imported, so a signal in the first second is handled too.
     _signalled.clear()

@@ -25,12 +25,13 @@ import json
 import os
 from pathlib import Path
 
+from ..paths import cache_dir
+
 RECORD_VERSION = 1
 
 
 def cache_root() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "h3trt" / "verified"
+    return cache_dir() / "verified"
 
 
 def manifest_digest(root: Path) -> str:

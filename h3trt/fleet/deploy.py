@@ -27,6 +27,7 @@ import threading
 import time
 
 from ..errors import UserError
+from ..paths import use_bytecode_cache
 from ..runtime.entry import Entry
 from ..runtime.rank import WorkerSpec
 from ..runtime.workers import Workers
@@ -52,6 +53,7 @@ class WorkerReplica:
     and serves: Serve counts the replica RUNNING from then on (replica start to ready)."""
 
     def __init__(self, entry: Entry, options: ServeOptions, fleet: FleetOptions, spec: WorkerSpec):
+        use_bytecode_cache()  # a replica is an entry point: it and the ranks it spawns keep their bytecode
         self.fleet, self.options = fleet, options
         self.id = f"{socket.gethostname()}:{os.getpid()}"
         self.store, self.storage = JobStore(fleet.store_url), Storage(fleet.storage_url)
@@ -207,6 +209,7 @@ class Ingress:
     constructor (`__serve_build_asgi_app__`)."""
 
     def __init__(self, workers, entry: Entry, options: ServeOptions, fleet: FleetOptions, guidance_branches: int):
+        use_bytecode_cache()  # a replica is an entry point (paths.py)
         self.workers = workers  # the worker deployment's handle: it binds the two into one application
         store, storage, metrics = JobStore(fleet.store_url), Storage(fleet.storage_url), Metrics()
         groups = FleetGroups(fleet.app_name, store)

@@ -17,29 +17,21 @@ its fp8 is the decoder's own W8A8 scheme, h3trt/calibration/vae_fp8.py), the att
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import Enum
 
 import torch
 
 from ..errors import UserError
+from ..str_enum import StrEnum
 
 
-class Precision(str, Enum):
-    """A precision by the name flags and manifests use; `spec` holds what it means."""
+class Precision(StrEnum):
+    """A precision by the name flags and manifests use (printed as it: h3trt/str_enum.py); `spec` holds what it
+    means."""
 
     BF16 = "bf16"
     FP32 = "fp32"
     FP8 = "fp8"
     NVFP4 = "nvfp4"
-
-    # The name, wherever it is printed: f-strings, lists of choices in messages, argparse's "choose from".
-    __format__ = str.__format__
-
-    def __str__(self) -> str:
-        return self.value
-
-    def __repr__(self) -> str:
-        return repr(self.value)
 
     @property
     def spec(self) -> "PrecisionSpec":

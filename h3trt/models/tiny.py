@@ -18,6 +18,7 @@ import torch
 from filelock import FileLock, Timeout
 
 from ..errors import UserError
+from ..paths import cache_dir as default_cache_dir
 from .checkpoint_writer import random_state_dict, save_official
 from .config import H3Config
 from .tiny_text_encoder import write_tiny_text_encoder
@@ -79,11 +80,6 @@ def write_tiny_checkpoint(root: Path) -> Path:
     return root
 
 
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "h3trt"
-
-
 class TinyCacheError(UserError):
     """The tiny model's cache folder cannot be written (one line naming XDG_CACHE_HOME)."""
 
@@ -130,9 +126,3 @@ def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
                              "XDG_CACHE_HOME to a writable folder (h3trt caches under $XDG_CACHE_HOME/h3trt, "
                              "default ~/.cache/h3trt), or pass --model PATH.") from None
     return target
-
-
-def tiny_defaults(model_root: Path) -> dict | None:
-    """The tiny model's own defaults (canvas, reference size) if `model_root` is the tiny checkpoint."""
-    marker = Path(model_root) / "h3trt_tiny.json"
-    return json.loads(marker.read_text()) if marker.exists() else None

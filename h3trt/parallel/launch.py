@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ..paths import use_bytecode_cache
 from .leftovers import LAUNCH_PREFIX, owned_temp_dir
 from .devices import VISIBLE, own_first
 
@@ -95,6 +96,7 @@ def leave_launchers_group() -> None:
 def _entry(fn: Callable, rank: int, world: int, store: str, error_dir: str, args: tuple, parent_pid: int) -> None:
     die_with_parent(parent_pid)
     leave_launchers_group()
+    use_bytecode_cache()  # a rank's imports from here on (the model, Inductor) are kept for the next start
     try:
         fn(rank, world, store, *args)
         if dist.is_initialized():

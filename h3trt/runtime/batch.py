@@ -29,7 +29,7 @@ from ..parallel.mesh import MeshConfig
 from .batch_file import BatchItem
 from .batch_outputs import MADE_BY, OutPlan, our_record, output_paths, plan_out_dir
 from .files import DEFAULT_CRF, OutputError, write_json_atomic
-from .jobs import Event, Job
+from .jobs import Event, EventKind, Job
 from .request import request_dict
 from .timeline import write_timeline
 
@@ -151,17 +151,17 @@ class FileQueue:
         return work
 
     def report(self, event: Event) -> None:
-        if event.kind == "progress" and self.bars and event.evaluations[1]:
+        if event.kind is EventKind.PROGRESS and self.bars and event.evaluations[1]:
             done, total = event.evaluations
             bar = self.bars[1]
             if bar.total != total or bar.n > done:
                 bar.reset(total=total)
                 bar.set_description(f"denoise {event.job}")
             bar.update(done - bar.n)
-        elif event.kind == "done":
+        elif event.kind is EventKind.DONE:
             self.summary.done.append(event.job)
             self._row(event, "done")
-        elif event.kind == "failed":
+        elif event.kind is EventKind.FAILED:
             self._failed(event.job, event.stage, event.error, event)
         if self.on_event is not None:
             self.on_event(event)

@@ -23,13 +23,35 @@ from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, en
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
+from ..str_enum import StrEnum
 from .loading import Components, load_bundle, load_checkpoint
 from .pipeline import H3Pipeline
 from .records import torch_bytecode
 from .rank import WorkerSpec
 from .request import CanvasDefaults, Prepared
+from .workers import LaunchKind
 
-SOURCES = ("bundle", "checkpoint", "tiny")
+
+
+class ModelSource(StrEnum):
+    """What serves a job: --engine DIR, --model PATH, or neither."""
+
+    BUNDLE = "bundle"  # a compiled engine bundle: its manifest says what it serves
+    CHECKPOINT = "checkpoint"  # a MiniMax-H3 checkpoint folder, run eagerly
+    TINY = "tiny"  # the embedded tiny model: random weights, no path (built in the user's cache at first use)
+
+    @property
+    def compiled(self) -> bool:
+        """Served from a bundle's compiled segments, as its manifest describes."""
+        return self is ModelSource.BUNDLE
+
+    @property
+    def embedded(self) -> bool:
+        """The embedded tiny model: no path of the user's."""
+        return self is ModelSource.TINY
+
+
+SOURCES = tuple(ModelSource)
 NOTE_NO_BYTECODE = ("note: this Python has no compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 or a read-only "
                     "install) and h3trt could not keep its own (the user cache folder is not writable), so every "
                     "process compiles torch, Inductor and transformers from source: seconds of each cold start. "
@@ -49,7 +71,7 @@ class Entry:
     """One resolved model source and how it is launched. Made once per job (`resolve`); every path that loads a model
     reads it instead of the command line."""
 
-    source: str  # one of SOURCES
+    source: ModelSource  # a string is taken as its member
     path: Path | None  # the bundle folder or the checkpoint folder (None: the embedded tiny model, see `root`)
     manifest: Manifest | None  # a bundle's, read once (under --trust only if signed by that key)
     device: str  # cpu or cuda (a --device cuda:N was already made the process's cuda:0: cli/commands.choose_gpu)
@@ -65,7 +87,8 @@ class Entry:
     def __post_init__(self):
         if self.source not in SOURCES:
             raise ValueError(f"Entry source must be one of {SOURCES}, got {self.source!r}.")
-        if (self.source == "bundle") != (self.manifest is not None) or (self.source == "tiny") != (self.path is None):
+        object.__setattr__(self, "source", ModelSource(self.source))
+        if self.source.compiled != (self.manifest is not None) or self.source.embedded != (self.path is None):
             raise ValueError("An Entry has a manifest exactly when its source is a bundle, a path unless it is tiny.")
 
     @classmethod
@@ -92,11 +115,11 @@ class Entry:
             # With --trust, only if its bytes carry that key's signature (every file is then checked against it when
             # the bundle loads, before any of its code runs).
             manifest = read_trusted_manifest(engine, trust) if trust is not None else read_manifest(engine)
-            source, path = "bundle", Path(engine)
+            source, path = ModelSource.BUNDLE, Path(engine)
         elif model is not None:
-            source, path = "checkpoint", Path(model)
+            source, path = ModelSource.CHECKPOINT, Path(model)
         else:
-            source, path = "tiny", None
+            source, path = ModelSource.TINY, None
         if device is None:  # a bundle serves where it was built; an eager model on the GPU when there is one
             device = manifest.device_type if manifest else ("cuda" if torch.cuda.is_available() else "cpu")
         elif str(device).startswith("cuda") and not torch.cuda.is_available():  # not torch's assert at the first load
@@ -111,13 +134,9 @@ class Entry:
         return self.path if self.path is not None else ensure_tiny_checkpoint()
 
     @property
-    def is_bundle(self) -> bool:
-        return self.manifest is not None
-
-    @property
     def tiny(self) -> bool:
         """Random weights: the embedded tiny model, or a bundle built from it."""
-        return self.manifest.tiny if self.manifest is not None else self.source == "tiny"
+        return self.manifest.tiny if self.manifest is not None else self.source.embedded
 
     @property
     def canvas(self) -> CanvasDefaults:
@@ -146,13 +165,14 @@ class Entry:
         return self.gpus > 1 or self.torchrun is not None
 
     @property
-    def how(self) -> str:
+    def how(self) -> LaunchKind:
         """How the job loop's ranks start (runtime/workers.py): this process, spawned by it, or torchrun's."""
-        return "torchrun" if self.torchrun is not None else "spawn" if self.gpus > 1 else "process"
+        return (LaunchKind.TORCHRUN if self.torchrun is not None else LaunchKind.SPAWN if self.gpus > 1
+                else LaunchKind.PROCESS)
 
     @property
     def spawns(self) -> bool:
-        return self.how == "spawn"
+        return self.how.spawns
 
     @property
     def world(self) -> int:
@@ -161,7 +181,7 @@ class Entry:
     @property
     def model_name(self) -> str:
         """What a record says served it."""
-        return "embedded-tiny" if self.source == "tiny" else str(self.root)
+        return "embedded-tiny" if self.source.embedded else str(self.root)
 
     @property
     def record_extra(self) -> dict:
@@ -191,9 +211,9 @@ class Entry:
     def note(self) -> None:
         """Tell the user when the clips will be noise (the embedded tiny model's random weights), and when a bundle's
         cold start will compile Python from source (no bytecode)."""
-        if self.source == "tiny":
+        if self.source.embedded:
             print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
-        if self.source == "bundle" and not torch_bytecode():
+        if self.source.compiled and not torch_bytecode():
             note = NOTE_FIRST_BYTECODE.format(prefix=sys.pycache_prefix) if sys.pycache_prefix else NOTE_NO_BYTECODE
             print(f"h3trt: {note}", file=sys.stderr)
 

@@ -16,14 +16,42 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
+from ..str_enum import StrEnum
 from .request import Request
 
-# A job's stages, in order; `progress` (0-100) reaches DENOISE_END when the last denoise evaluation has finished on
-# the device, and 100 when the MP4 and its record are committed.
-STAGES = ("queued", "text_encode", "condition_encode", "denoise", "decode", "done")
+
+class Stage(StrEnum):
+    """A job's stages, in order (what a job's row and the API show as it runs); `progress` (0-100) reaches
+    DENOISE_END when the last denoise evaluation has finished on the device, and 100 when the MP4 and its record are
+    committed."""
+
+    QUEUED = "queued"
+    TEXT_ENCODE = "text_encode"
+    CONDITION_ENCODE = "condition_encode"
+    DENOISE = "denoise"
+    DECODE = "decode"
+    DONE = "done"
+
+
+class EventKind(StrEnum):
+    """What a worker reports of a job: started, progress, then exactly one end (done, failed or cancelled)."""
+
+    STARTED = "started"
+    PROGRESS = "progress"
+    DONE = "done"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def ends(self) -> bool:
+        """An event of this kind is the job's last."""
+        return self in (EventKind.DONE, EventKind.FAILED, EventKind.CANCELLED)
+
+
+STAGES = tuple(Stage)
 DENOISE_END = 95  # the denoise is ~95% of a full-size clip's time on the H200 (bench/README.md: 3.6 s x 49 vs ~10 s)
-EVENT_KINDS = ("started", "progress", "done", "failed", "cancelled")
-ENDS = ("done", "failed", "cancelled")  # an event of these kinds is the job's last
+EVENT_KINDS = tuple(EventKind)
+ENDS = tuple(kind for kind in EventKind if kind.ends)
 
 
 @dataclass(frozen=True)
@@ -45,8 +73,10 @@ class Event:
     finished on the device (not merely queued), then of the frames decoded."""
 
     job: str
-    kind: str  # one of EVENT_KINDS
-    stage: str = ""  # one of STAGES
+    kind: EventKind  # a string is taken as its member
+    # A Stage (its member when it names one); a failed event's says where it failed, which may be a step outside the
+    # job's stages ("prepare", "encode", "worker", "store").
+    stage: Stage | str = ""
     progress: int = 0
     evaluations: tuple[int, int] = (0, 0)  # (finished on the device, total)
     record: dict | None = None  # done: the clip's record as committed beside the MP4
@@ -57,10 +87,13 @@ class Event:
     def __post_init__(self):
         if self.kind not in EVENT_KINDS:
             raise ValueError(f"Event kind {self.kind!r} is not one of {EVENT_KINDS}.")
+        object.__setattr__(self, "kind", EventKind(self.kind))
+        if self.stage in STAGES:
+            object.__setattr__(self, "stage", Stage(self.stage))
 
     @property
     def ends(self) -> bool:
-        return self.kind in ENDS
+        return self.kind.ends
 
 
 def denoise_progress(finished: int, total: int) -> int:

@@ -254,20 +254,6 @@ class H3Pipeline:
                               audio_samples, timer)
         return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
 
-    def generate_batch(self, prepared: list[Prepared], outputs: list[Path], crf: int = DEFAULT_CRF,
-                       on_step: Callable[[int, int], None] | None = None) -> list[dict]:
-        """Stages 1-5 for requests of one layout, denoised as one batch; one record per request, in order."""
-        if len(prepared) != len(outputs):
-            raise ValueError(f"generate_batch got {len(prepared)} requests but {len(outputs)} outputs.")
-        timers = [StageTimer(self.device) for _ in prepared]
-        encoded = [self.encode_request(p, t) for p, t in zip(prepared, timers)]
-        start = time.perf_counter()
-        finals = self.denoise_batch(encoded, on_step)
-        end = time.perf_counter()
-        for timer in timers:
-            timer.add("denoise", start, end)
-        return [self.decode_request(e, f, o, crf, t) for e, f, o, t in zip(encoded, finals, outputs, timers)]
-
     def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
                 audio_samples: int, timer: StageTimer) -> dict:
         return clip_record(prepared, schedule, layout, output, frames_written, audio_samples, timer, self.device,

@@ -24,7 +24,7 @@ from .batch_outputs import finished, plan_out_dir
 from .entry import Entry
 from .files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
                     remove_leftovers, remove_own_temps)
-from .jobs import Event, Job, JobFailed
+from .jobs import Event, EventKind, Job, JobFailed
 from .records import record_path
 from .request import Request, check_prompt_tokens, prepare
 from .requests import RequestsFileError
@@ -90,7 +90,7 @@ class ClipQueue:
         return [self.pending.pop()] if self.pending else None
 
     def report(self, event: Event) -> None:
-        if event.kind == "progress" and event.evaluations[1] and not self.quiet:
+        if event.kind is EventKind.PROGRESS and event.evaluations[1] and not self.quiet:
             done, total = event.evaluations
             if self.bar is None:
                 from tqdm import tqdm
@@ -99,10 +99,10 @@ class ClipQueue:
             self.bar.update(done - self.bar.n)
             if done == total:
                 self.close()  # the bar's rate is the denoise's: the decode after it is not counted
-        elif event.kind == "done":
+        elif event.kind is EventKind.DONE:
             self.close()
             self.record = event.record
-        elif event.kind in ("failed", "cancelled"):
+        elif event.kind in (EventKind.FAILED, EventKind.CANCELLED):
             self.close()
             self.error = event
 

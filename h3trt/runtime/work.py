@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from ..errors import UserError
 from .files import DEFAULT_CRF
-from .jobs import Event, Job, decode_progress, denoise_progress
+from .jobs import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 from .parallel_vae import _comm_device
 from .pipeline import H3Pipeline
 from .request import Encoded, prepare, request_dict
@@ -60,7 +60,7 @@ class Reporter:
         self.place, self._send, self._cancelled, self.device = place, send, cancelled, device
         self.progress: dict[str, int] = {}
 
-    def event(self, job: Job, kind: str, stage: str = "", progress: int | None = None, **fields) -> None:
+    def event(self, job: Job, kind: EventKind, stage: Stage | str = "", progress: int | None = None, **fields) -> None:
         if progress is not None:
             progress = max(progress, self.progress.get(job.id, 0))  # monotonic per job
             self.progress[job.id] = progress
@@ -73,7 +73,8 @@ class Reporter:
         if self.device.type == "cuda":
             torch.cuda.current_stream(self.device).synchronize()
         for job in jobs:
-            self.event(job, "progress", "denoise" if i < n else "decode", denoise_progress(i, n), evaluations=(i, n))
+            self.event(job, EventKind.PROGRESS, Stage.DENOISE if i < n else Stage.DECODE, denoise_progress(i, n),
+                       evaluations=(i, n))
         return self.agree([self._cancelled(job.id) for job in jobs])
 
     def agree(self, flags: list[bool]) -> list[bool]:
@@ -88,7 +89,7 @@ class Reporter:
 def run_work(pipeline: H3Pipeline, jobs: list[Job], place: Place, reporter: Reporter) -> None:
     """Steps 1-4 for one unit of work; every job ends in exactly one done, failed or cancelled event."""
     for job in jobs:
-        reporter.event(job, "started", "text_encode", 0)
+        reporter.event(job, EventKind.STARTED, Stage.TEXT_ENCODE, 0)
     if len(jobs) == 1:
         _run_one(pipeline, jobs[0], place, reporter)
     else:
@@ -104,7 +105,7 @@ def _run_one(pipeline: H3Pipeline, job: Job, place: Place, reporter: Reporter) -
             raise JobCancelled(f"cancelled at denoise evaluation {i} of {n}")
 
     def on_frames(count: int) -> None:
-        reporter.event(job, "progress", "decode", decode_progress(count, frames))
+        reporter.event(job, EventKind.PROGRESS, Stage.DECODE, decode_progress(count, frames))
 
     if pipeline.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(pipeline.device)
@@ -118,13 +119,13 @@ def _run_one(pipeline: H3Pipeline, job: Job, place: Place, reporter: Reporter) -
                                    overwrite=job.overwrite, profile_step=job.profile_step, timer=timer,
                                    on_frames=on_frames)
     except JobCancelled as e:
-        reporter.event(job, "cancelled", error=str(e))
+        reporter.event(job, EventKind.CANCELLED, error=str(e))
         return
     except Exception as e:  # noqa: BLE001 -- the job fails alone; see step 4
         _failed(reporter, place, [job], _stage_of(timer, stage), e, timer)
         return
     mark_decode(timer)
-    reporter.event(job, "done", "done", 100, record=record, intervals=tuple(timer.intervals))
+    reporter.event(job, EventKind.DONE, Stage.DONE, 100, record=record, intervals=tuple(timer.intervals))
 
 
 @dataclass
@@ -169,7 +170,7 @@ class _Batch:
             flags = reporter.step([p.job for p in live], i, n)
             for p, cancelled in zip(list(live), flags):
                 if cancelled:
-                    reporter.event(p.job, "cancelled", error=f"cancelled at denoise evaluation {i} of {n}")
+                    reporter.event(p.job, EventKind.CANCELLED, error=f"cancelled at denoise evaluation {i} of {n}")
             live = [p for p, cancelled in zip(live, flags) if not cancelled]
             if not live:
                 raise JobCancelled(f"every job of the batch was cancelled at evaluation {i} of {n}")
@@ -199,13 +200,13 @@ class _Batch:
                     p.encoded, final, p.job.output, self.place.crf, p.timer, self.place.decode_group,
                     self.place.writes, finish=_completer(p.job, self.place, self.pipeline, batch),
                     overwrite=p.job.overwrite,
-                    on_frames=lambda count, job=p.job: reporter.event(job, "progress", "decode",
+                    on_frames=lambda count, job=p.job: reporter.event(job, EventKind.PROGRESS, Stage.DECODE,
                                                                       decode_progress(count, frames)))
             except Exception as e:  # noqa: BLE001
                 _failed(reporter, self.place, [p.job], "decode", e, p.timer)
                 continue
             mark_decode(p.timer)
-            reporter.event(p.job, "done", "done", 100, record=record, intervals=tuple(p.timer.intervals))
+            reporter.event(p.job, EventKind.DONE, Stage.DONE, 100, record=record, intervals=tuple(p.timer.intervals))
 
 
 def unix_timer(device: torch.device) -> TimelineTimer:
@@ -238,7 +239,7 @@ def _failed(reporter: Reporter, place: Place, jobs: list[Job], stage: str, error
         raise error
     reason = f"{stage}: {type(error).__name__}: {' '.join(str(error).split())}"
     for job, timer in zip(jobs, timers if timers else [None] * len(jobs)):
-        reporter.event(job, "failed", stage, error=reason,
+        reporter.event(job, EventKind.FAILED, stage, error=reason,
                        intervals=tuple(timer.intervals) if timer is not None else (),
                        record={"traceback": traceback.format_exception(error)[-3:],
                                "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()} if timer else {},

@@ -26,6 +26,7 @@ from ..errors import UserError
 from ..parallel.devices import node_gpus
 from ..parallel.launch import Failure, RankFailed, RankGroup, init_torchrun_rank
 from ..parallel.mesh import SINGLE, build_mesh
+from ..str_enum import StrEnum
 from .jobs import Event, Job, JobQueue
 from .rank import BroadcastChannel, LocalChannel, Pipelines, WorkerSpec, group_rank_main, load_rank_pipeline, \
     rank_device, serve_group
@@ -34,19 +35,32 @@ POLL_S = 0.2  # how often the launcher looks at a queue that may have new work, 
 RESTART_BACKOFF_S = (1.0, 5.0, 30.0)  # a group that keeps failing before it is ready waits longer each time
 
 
-HOW = ("process", "spawn", "torchrun")
+class LaunchKind(StrEnum):
+    """How a job loop's ranks start (module doc)."""
+
+    PROCESS = "process"  # one rank, in this process
+    SPAWN = "spawn"  # replica groups this process spawns (--gpus N, serve) and supervises (`Workers`)
+    TORCHRUN = "torchrun"  # this process is one of torchrun's ranks
+
+    @property
+    def spawns(self) -> bool:
+        """This process starts the ranks (and so picks their GPUs: launch_gpus)."""
+        return self is LaunchKind.SPAWN
 
 
-def serve_queue(spec: WorkerSpec, queue_of: Callable[[int, int], JobQueue], how: str,
+HOW = tuple(LaunchKind)
+
+
+def serve_queue(spec: WorkerSpec, queue_of: Callable[[int, int], JobQueue], how: LaunchKind,
                 gpus: list[str] | None = None) -> None:
     """Serve the work of `queue_of(group, groups)` (a front door's queue: the whole of it, or under torchrun each
     group's share) until it has no more: in this process, on spawned replica groups (`gpus`: the node's GPUs they
     take, None on the CPU), or as one of torchrun's ranks."""
-    if how == "process":
+    if how == LaunchKind.PROCESS:
         serve_in_process(spec, queue_of(0, 1))
-    elif how == "spawn":
+    elif how == LaunchKind.SPAWN:
         Workers(spec, queue_of(0, 1), gpus).run()
-    elif how == "torchrun":
+    elif how == LaunchKind.TORCHRUN:
         serve_torchrun(spec, queue_of)
     else:
         raise ValueError(f"how={how!r} must be one of {HOW}.")

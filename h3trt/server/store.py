@@ -30,9 +30,27 @@ from sqlalchemy.engine import Engine, Row
 from sqlalchemy.exc import DBAPIError, OperationalError
 
 from ..errors import UserError
+from ..str_enum import StrEnum
 
-STATUSES = ("queued", "in_progress", "completed", "failed", "cancelled")
-ENDED = ("completed", "failed", "cancelled")
+
+class JobStatus(StrEnum):
+    """A job's status, as OpenAI's Videos API names it (module doc: queued -> in_progress -> one of the ends); a
+    row's column holds the string."""
+
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+    @property
+    def ended(self) -> bool:
+        """The job will not run again: its files and row expire after the retention."""
+        return self in (JobStatus.COMPLETED, JobStatus.FAILED, JobStatus.CANCELLED)
+
+
+STATUSES = tuple(JobStatus)
+ENDED = tuple(status for status in JobStatus if status.ended)
 CONNECT_TIMEOUT_S = 5  # a PostgreSQL store that does not answer a connection within this is unreachable
 MAX_ATTEMPTS = 2  # a job that was running when its worker or server died runs once more, then fails
 
@@ -69,7 +87,7 @@ class JobRow:
 
     seq: int
     id: str
-    status: str
+    status: JobStatus | str  # a string only where a row holds none of the statuses (an older h3trt's, a hand edit)
     created_at: float
     started_at: float | None
     completed_at: float | None
@@ -97,6 +115,8 @@ class JobRow:
         data["request"] = _object(data["request"]) or {}
         data["record"] = _object(data["record"]) if data["record"] else None
         data["cancel_requested"], data["deleted"] = bool(data["cancel_requested"]), bool(data["deleted"])
+        if data["status"] in STATUSES:
+            data["status"] = JobStatus(data["status"])
         return cls(**data)
 
 
@@ -146,9 +166,10 @@ class JobStore:
 
     def create(self, job_id: str, request: dict, now: float | None = None) -> JobRow:
         with self.engine.begin() as c:
-            c.execute(jobs.insert().values(id=job_id, status="queued", created_at=now or time.time(), progress=0,
-                                           stage="queued", evaluations_done=0, evaluations_total=0, attempts=0,
-                                           cancel_requested=False, deleted=False, request=json.dumps(request)))
+            c.execute(jobs.insert().values(id=job_id, status=JobStatus.QUEUED, created_at=now or time.time(),
+                                           progress=0, stage="queued", evaluations_done=0, evaluations_total=0,
+                                           attempts=0, cancel_requested=False, deleted=False,
+                                           request=json.dumps(request)))
         return self.get(job_id)
 
     def claim(self, worker: str, now: float | None = None) -> JobRow | None:
