@@ -5,8 +5,8 @@
   - their events become the job's row: progress, stage, the end; a finished clip is published to storage
     (server/storage.py) before its row says completed
   - jobs whose worker is gone are dealt with once: a restart of one node (`recover`: every running job), or in a
-    fleet the jobs whose lease ran out (`reclaim`, from any live worker); a clip committed before its worker died is
-    completed, not run again
+    fleet the jobs whose lease ran out (`reclaim`, from any live worker: `keep_leases`); a clip committed before its
+    worker died is completed, not run again
 
 The API side (admission, reads, cancel requests, expiry) is server/service.py.
 """
@@ -278,6 +278,30 @@ class StoreQueue:
         if row is not None:
             self.metrics.ended(row)
             self.log("completed", job=job_id, seconds=round(row.completed_at - row.created_at, 3))
+
+
+def keep_leases(queue: StoreQueue, lease_s: float, stop, log: Callable[..., None], replica: str,
+                groups: int = 1) -> None:
+    """A fleet's worker replica, until `stop` (a threading.Event) is set: renew the leases of the jobs its `groups`
+    run every lease / HEARTBEAT_DIVISOR, and recover the jobs of replicas that stopped renewing theirs (fleet/deploy.py
+    runs it beside its replica group; scripts/sim_fleet.py beside its simulated ones)."""
+    period = lease_s / HEARTBEAT_DIVISOR
+    renewing_since = time.monotonic()  # since when this replica's renewals reach the store without a gap
+    while not stop.wait(period):
+        try:
+            queue.heartbeat(groups)
+        except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
+            renewing_since = time.monotonic()
+            log("lease_error", replica=replica, error=f"{type(e).__name__}: {e}")
+            continue
+        # After a store outage every replica's leases look stale: take no job from another replica until it has had
+        # a whole lease to renew its own (nothing that did not fail is run again).
+        if time.monotonic() - renewing_since < lease_s:
+            continue
+        try:
+            queue.reclaim(lease_s)
+        except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
+            log("lease_error", replica=replica, error=f"{type(e).__name__}: {e}")
 
 
 def _thumbnail(mp4, out, log) -> None:
