@@ -61,17 +61,23 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--replicas", type=int, default=50)
     p.add_argument("--jobs", type=int, default=10_000)
     p.add_argument("--clients", type=int, default=200)
-    p.add_argument("--window", type=int, default=2, help="jobs each client keeps in flight (default 2)")
-    p.add_argument("--poll-s", type=float, default=1.0, help="how often a client GETs a job in flight (default 1)")
+    p.add_argument("--window", type=int, default=1, help="jobs each client keeps in flight (default 1)")
+    p.add_argument("--poll-s", type=float, default=2.0, help="how often a client GETs a job in flight (default 2)")
     p.add_argument("--generate-ms", type=float, nargs=2, default=(50.0, 300.0), metavar=("MIN", "MAX"),
                    help="a simulated generation sleeps a duration drawn uniformly from [MIN, MAX] ms")
-    p.add_argument("--lease-s", type=float, default=3.0, help="the fleet's --lease (at least 2 s, as it allows)")
+    p.add_argument("--lease-s", type=float, default=10.0, help="the fleet's --lease (at least 2 s, as it allows; "
+                   "its default is 30)")
+    p.add_argument("--idle-poll-s", type=float, default=2.0, help="how long a replica that found no queued job waits "
+                   "before it claims again (runtime/workers.py polls every 0.2 s; 50 replicas doing so would take most "
+                   "of a 2-core machine from the API)")
     p.add_argument("--kill-fraction", type=float, default=0.1, help="share of replicas SIGKILLed mid-job")
     p.add_argument("--kills", type=int, help="replicas SIGKILLed mid-job (overrides --kill-fraction)")
     p.add_argument("--no-stall", action="store_true", help="leave out the stalled late reporter")
     p.add_argument("--no-restart", action="store_true", help="leave out the PostgreSQL restart")
     p.add_argument("--outage-s", type=float, default=3.0, help="how long PostgreSQL stays down")
-    p.add_argument("--time-limit", type=float, default=540.0, help="seconds the clients may take, in all")
+    p.add_argument("--time-limit", type=float, default=540.0, help="seconds the clients may submit jobs for")
+    p.add_argument("--drain-s", type=float, default=120.0, help="then, at most this long to wait for the jobs they "
+                   "were given ids for to end (a job that has not ended by then counts as lost)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", type=Path, help="write the result here (JSON)")
     p.add_argument("--keep", type=Path, help="keep the storage and logs in this folder (default: a temporary one)")
@@ -134,14 +140,13 @@ def api_main(entry, store_url: str, storage_dir: Path, folder: Path, listener: s
 
 
 def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder: Path, lease_s: float,
-                 generate_ms: tuple[float, float], seed: int) -> None:
+                 generate_ms: tuple[float, float], idle_poll_s: float, seed: int) -> None:
     """One simulated worker replica (module doc): SIGTERM stops it after its job; SIGUSR1 makes it stall once, after
     its next generation (SIGSTOP to itself before it commits the clip: every thread stops, its lease renewals
     too)."""
     from h3trt.engines.atomic import temp_path
     from h3trt.runtime.jobs import Event
     from h3trt.runtime.records import commit_clip
-    from h3trt.runtime.workers import POLL_S
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue, keep_leases
     from h3trt.server.storage import Storage
@@ -160,11 +165,10 @@ def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder
     while not stop.is_set():
         work = queue.take(0, 1)
         if not work:
-            stop.wait(POLL_S)  # as runtime/workers.py polls a queue that may have new work
+            stop.wait(idle_poll_s)  # runtime/workers.py polls a queue that may have new work every POLL_S
             continue
         job = work[0]
         claim = {"replica": replica, "attempt": job.attempt}
-        queue.report(Event(job.id, "started", "text_encode", group=0, attempt=job.attempt))
         seconds = rng.uniform(*generate_ms) / 1000
         time.sleep(seconds)
         if stall.is_set():  # a group that hangs mid-job, its process with it, and wakes up after its lease ran out
@@ -232,7 +236,8 @@ class Clients:
         rng = random.Random(self.args.seed * 7919 + index)
         inflight: list[str] = []
         made = 0
-        while (made < jobs or inflight) and time.monotonic() < self.deadline:
+        while (made < jobs and time.monotonic() < self.deadline) or (
+                inflight and time.monotonic() < self.deadline + self.args.drain_s):
             while made < jobs and len(inflight) < self.args.window and time.monotonic() < self.deadline:
                 answer = await self._request(http, "POST", "POST", "/v1/videos", json={
                     "prompt": f"client {index} clip {made}", "seed": rng.randrange(1 << 31), **REQUEST})
@@ -292,7 +297,7 @@ class Faults:
             except Exception as e:  # noqa: BLE001 -- the store is down while it restarts; else a bug to see
                 if not store_unreachable(e):
                     raise
-            done.wait(0.1)
+            done.wait(0.5)
         self.events.append({"fault": "not_done", "left": [w for _, w in plan]} if plan else {"fault": "all_done"})
 
     def _note(self, fault: str, **fields) -> None:
@@ -386,7 +391,7 @@ def audit(store, storage_dir: Path, folder: Path, clients: Clients) -> dict:
                      + [f"uploads/{n}" for n in (os.listdir(storage_dir / "uploads")
                                                  if (storage_dir / "uploads").is_dir() else []) if n not in running])
     return {
-        "acknowledged": len(clients.acked), "rows": len(rows), "unacknowledged_rows": len(set(rows) - set(clients.acked)),
+        "acknowledged": len(clients.acked), "not_submitted": clients.args.jobs - len(clients.acked), "rows": len(rows), "unacknowledged_rows": len(set(rows) - set(clients.acked)),
         "statuses": dict(Counter(r.status for r in rows.values())),
         "lost": len(lost), "lost_jobs": lost[:20],
         "completed_twice": len(twice), "completed_twice_jobs": sorted(twice)[:20],
@@ -446,7 +451,8 @@ def main(argv: list[str] | None = None) -> dict:
         listener.close()
         processes.append(api)
         replicas = [fork.Process(target=replica_main, args=(i, request_defaults(entry), url, storage_dir, folder,
-                                                            args.lease_s, tuple(args.generate_ms), args.seed),
+                                                            args.lease_s, tuple(args.generate_ms),
+                                                            args.idle_poll_s, args.seed),
                                  daemon=True) for i in range(args.replicas)]
         for proc in replicas:
             proc.start()
@@ -458,13 +464,13 @@ def main(argv: list[str] | None = None) -> dict:
         clients = Clients(f"http://127.0.0.1:{port}", args, deadline)
         faults = Faults(args, store, pg, replicas, names)
         done = threading.Event()
-        fault_thread = threading.Thread(target=faults.run, args=(done, deadline), daemon=True)
+        fault_thread = threading.Thread(target=faults.run, args=(done, deadline + args.drain_s), daemon=True)
         run_started = time.monotonic()
         fault_thread.start()
         clients.run()
         run_s = time.monotonic() - run_started
         done.set()
-        fault_thread.join(60 + args.outage_s)
+        fault_thread.join(4 * args.lease_s + 60 + args.outage_s)
         _stop(processes)
         counts = audit(store, storage_dir, folder, clients)
         store.close()
@@ -481,7 +487,7 @@ def main(argv: list[str] | None = None) -> dict:
               "requests": _latencies(clients.samples), **counts,
               "claims_per_s": round(counts["claims"] / run_s, 1),
               "completed_per_s": round(counts["statuses"].get("completed", 0) / run_s, 1),
-              "timed_out": time.monotonic() >= deadline, "folder": str(folder)}
+              "timed_out": counts["not_submitted"] > 0, "folder": str(folder)}
     print(table(result))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -548,7 +554,8 @@ def table(r: dict) -> str:
         f"refused or dropped: {get['refused'] or 0}) |",
         f"| claims per second | {r['claims_per_s']} ({r['claims']} claims in {r['run_s']} s; jobs completed per "
         f"second {r['completed_per_s']}) |",
-        f"| jobs lost | {r['lost']} (of {r['acknowledged']} acknowledged) |",
+        f"| jobs lost | {r['lost']} (of {r['acknowledged']} acknowledged; {r['not_submitted']} not submitted within "
+        f"the time limit) |",
         f"| jobs completed twice | {r['completed_twice']} ({r['accepted_completions']} completions accepted; "
         f"{r['generated_more_than_once']} jobs generated more than once) |",
         f"| rows without files | {r['rows_without_files']} |",

@@ -20,7 +20,7 @@ def test_a_small_fleet_loses_nothing_and_completes_nothing_twice_through_a_kill_
 
     started = time.monotonic()
     result = sim_fleet.main(["--replicas", "5", "--jobs", "200", "--clients", "20", "--kills", "1", "--lease-s", "2",
-                             "--outage-s", "2", "--time-limit", "90", "--keep", str(tmp_path / "run")])
+                             "--outage-s", "2", "--idle-poll-s", "0.2", "--poll-s", "0.5", "--time-limit", "90", "--keep", str(tmp_path / "run")])
     faults = {e["fault"]: e for e in result["faults"]}
     assert set(faults) >= {"kill", "stall", "stall_released", "postgres_down", "postgres_up", "all_done"}, faults
     # The stalled replica woke up while another replica re-ran its job: its late report had a re-run to overwrite.
