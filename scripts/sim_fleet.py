@@ -410,7 +410,8 @@ def machine() -> dict:
     memory = next((line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                    if line.startswith("MemTotal")), "0")
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "memory_gib": round(int(memory) / 2**20, 1),
-            "python": platform.python_version(), "platform": platform.platform()}
+            "python": platform.python_version(), "platform": platform.platform(),
+            "load_average_1_5_15_min_at_end": [round(x, 1) for x in os.getloadavg()]}
 
 
 def main(argv: list[str] | None = None) -> dict:
