@@ -115,6 +115,51 @@ def test_a_lease_that_runs_out_requeues_its_job_once_and_silences_its_old_worker
     assert store.get("video_a").error_code == "worker_lost"
 
 
+def test_a_report_of_an_earlier_claim_is_fenced_even_from_the_same_worker(store):
+    """The lease's fence is the claim (worker and attempt), not the worker's name alone: a worker whose lease ran out
+    before it recorded a job's end, and which then took the same job again (requeued, it is the oldest in the queue),
+    must not complete the new claim with the old claim's report."""
+    store.create("video_a", {"schema": {"prompt": "x"}})
+    assert store.claim("host:1/group0", now=1000.0).attempts == 1
+    assert store.recover(retention_s=60, now=1100.0, stale_before=1070.0) == (["video_a"], [])  # its lease ran out
+    assert store.claim("host:1/group0", now=1101.0).attempts == 2  # the same worker takes it again
+    store.progress("video_a", 90, "decode", (0, 0), worker="host:1/group0", attempt=1)
+    assert store.end("video_a", "completed", 60, record={"attempt": 1}, output="x", worker="host:1/group0",
+                     attempt=1) is None
+    assert store.requeue("video_a", worker="host:1/group0", attempt=1) is False
+    row = store.get("video_a")
+    assert (row.status, row.progress, row.attempts, row.record) == ("in_progress", 0, 2, None)
+    ended = store.end("video_a", "completed", 60, record={"attempt": 2}, output="x", worker="host:1/group0", attempt=2)
+    assert (ended.status, ended.record) == ("completed", {"attempt": 2})
+
+
+def test_a_workers_late_end_of_an_earlier_claim_does_not_complete_its_new_claim(store, tmp_path):
+    """The same through a worker's queue (server/queue.py), in the order runtime/workers.py reports: a group's job
+    ends, the group takes its next work, then the end is recorded. If its lease ran out in between (the process
+    stalled) and the next work is the same job again, the old end is the earlier claim's: ignored, and the job
+    completes with the new claim's clip."""
+    from h3trt.runtime.jobs import Event
+    from h3trt.runtime.requests import RequestDefaults
+    from h3trt.server.metrics import Metrics
+    from h3trt.server.queue import StoreQueue
+    from h3trt.server.storage import Storage
+
+    queue = StoreQueue(store, Storage(tmp_path / "storage"), 60, RequestDefaults(), Metrics(), lambda *a, **k: None,
+                       name=lambda g: f"host:1/group{g}")
+    store.create("video_a", {"schema": {"prompt": "x"}})
+    first = queue.job_of(store.claim(queue.name(0)))
+    assert first.attempt == 1
+    assert store.recover(retention_s=60, stale_before=time.time() + 1) == (["video_a"], [])
+    second = queue.job_of(store.claim(queue.name(0)))
+    assert second.attempt == 2
+    queue.report(Event("video_a", "done", "done", 100, record={"attempt": 1}, group=0, attempt=first.attempt))
+    assert (store.get("video_a").status, store.get("video_a").record) == ("in_progress", None)
+    queue.lost(0, [first], "killed", died=True)  # nor is the earlier claim's loss the new claim's
+    assert store.get("video_a").status == "in_progress"
+    queue.report(Event("video_a", "done", "done", 100, record={"attempt": 2}, group=0, attempt=second.attempt))
+    assert (store.get("video_a").status, store.get("video_a").record) == ("completed", {"attempt": 2})
+
+
 def test_pages_follow_creation_order_with_a_cursor(store):
     for i in range(7):
         store.create(f"video_{i}", {"schema": {"prompt": str(i)}})

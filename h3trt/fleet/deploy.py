@@ -34,7 +34,7 @@ from ..runtime.workers import Workers
 from ..server.app import create_app
 from ..server.metrics import Metrics
 from ..server.options import ServeOptions
-from ..server.queue import HEARTBEAT_DIVISOR, StoreQueue
+from ..server.queue import StoreQueue, keep_leases
 from ..server.service import VideoService, _log, request_defaults
 from ..server.storage import Storage
 from ..server.store import JobStore, store_unreachable
@@ -83,24 +83,7 @@ class WorkerReplica:
             _log("workers_stopped", replica=self.id, error=self.failure)
 
     def _leases(self) -> None:
-        """Renew this replica's lease every lease / 4; recover the jobs of replicas that stopped renewing theirs."""
-        period = self.fleet.lease_s / HEARTBEAT_DIVISOR
-        renewing_since = time.monotonic()  # since when this replica's renewals reach the store without a gap
-        while not self._stop.wait(period):
-            try:
-                self.queue.heartbeat(1)
-            except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
-                renewing_since = time.monotonic()
-                _log("lease_error", replica=self.id, error=f"{type(e).__name__}: {e}")
-                continue
-            # After a store outage every replica's leases look stale: take no job from another replica until it has
-            # had a whole lease to renew its own (nothing that did not fail is run again).
-            if time.monotonic() - renewing_since < self.fleet.lease_s:
-                continue
-            try:
-                self.queue.reclaim(self.fleet.lease_s)
-            except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
-                _log("lease_error", replica=self.id, error=f"{type(e).__name__}: {e}")
+        keep_leases(self.queue, self.fleet.lease_s, self._stop, _log, self.id)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (fleet/autoscale.py): the fleet's queue depth, from the store."""

@@ -65,6 +65,7 @@ class Job:
     profile_step: int | None = None  # --profile-step: the evaluation whose host overhead is measured
     record: dict = field(default_factory=dict)  # fields added to the clip's record (a requests file's id and line)
     key: tuple = ()  # jobs with equal non-empty keys may share a batched denoise (task, canvas, frames, schedule)
+    attempt: int = 0  # the claim it was taken under (a job store's attempt number; 0: no store): its events carry it
 
 
 @dataclass(frozen=True)
@@ -83,6 +84,7 @@ class Event:
     error: str | None = None  # failed: "<stage>: <ExceptionType>: <message>"; cancelled: why
     intervals: tuple = ()  # done/failed: (stage, unix start, unix end) of the job's work, for timelines
     group: int = 0  # the replica group that ran it
+    attempt: int = 0  # the job's claim it reports on (Job.attempt): a store ignores the events of an earlier claim
 
     def __post_init__(self):
         if self.kind not in EVENT_KINDS:

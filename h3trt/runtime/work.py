@@ -65,7 +65,8 @@ class Reporter:
             progress = max(progress, self.progress.get(job.id, 0))  # monotonic per job
             self.progress[job.id] = progress
         if self.place.writes:
-            self._send(Event(job.id, kind, stage, self.progress.get(job.id, 0), group=self.place.group, **fields))
+            self._send(Event(job.id, kind, stage, self.progress.get(job.id, 0), group=self.place.group,
+                             attempt=job.attempt, **fields))
 
     def step(self, jobs: list[Job], i: int, n: int) -> list[bool]:
         """After evaluation i of n: wait for the device (true progress), report, and agree on cancellations: the

@@ -5,8 +5,8 @@
   - their events become the job's row: progress, stage, the end; a finished clip is published to storage
     (server/storage.py) before its row says completed
   - jobs whose worker is gone are dealt with once: a restart of one node (`recover`: every running job), or in a
-    fleet the jobs whose lease ran out (`reclaim`, from any live worker); a clip committed before its worker died is
-    completed, not run again
+    fleet the jobs whose lease ran out (`reclaim`, from any live worker: `keep_leases`); a clip committed before its
+    worker died is completed, not run again
 
 The API side (admission, reads, cancel requests, expiry) is server/service.py.
 """
@@ -31,7 +31,8 @@ HEARTBEAT_DIVISOR = 4  # a worker renews its leases this many times per lease: a
 
 class StoreQueue:
     """A JobQueue over a job store and a storage (module doc). Group `g` claims jobs as `name(g)` (unique across a
-    fleet: host, process and group); its events apply only while it still holds the job."""
+    fleet: host, process and group); its events apply only while it still holds the job under the claim they report on
+    (Job.attempt, Event.attempt: the row's attempts when it was taken; server/store.py's fence)."""
 
     def __init__(self, store: JobStore, storage: Storage, retention_s: float, defaults: RequestDefaults,
                  metrics: Metrics, log: Callable[..., None], name: Callable[[int], str] = lambda g: f"group{g}"):
@@ -62,14 +63,14 @@ class StoreQueue:
         try:
             return [self.job_of(row)]
         except (UserError, OSError) as e:  # its uploads vanished since it was admitted
-            self.report(Event(row.id, "failed", "encode", error=f"encode: {e}", group=group))
+            self.report(Event(row.id, "failed", "encode", error=f"encode: {e}", group=group, attempt=row.attempts))
             return []
 
     def job_of(self, row: JobRow) -> Job:
         line = parse_object(row.request.get("schema"), 0, self.storage.fetch(uploads_key(row.id)), ("prompt",),
                             self.defaults)
         return Job(row.id, line.request, self.storage.work_path(clip_key(row.id)), overwrite=True,
-                   record={"job": row.id})
+                   record={"job": row.id}, attempt=row.attempts)
 
     def report(self, event: Event) -> None:
         """Record a job's event; while the store is unreachable, wait for it (the job keeps running, it is not
@@ -100,7 +101,7 @@ class StoreQueue:
                 self._full(e)
                 if event.kind == "done":  # its clip cannot be recorded: it fails, and its files free space
                     self._remove_files(event.job)
-                    self._unrecorded[0] = Event(event.job, "failed", "store", group=event.group,
+                    self._unrecorded[0] = Event(event.job, "failed", "store", group=event.group, attempt=event.attempt,
                                                 error=f"the server's data disk is full: {e.__class__.__name__}",
                                                 record={"error_type": "DiskFull"})
                 return False
@@ -134,15 +135,16 @@ class StoreQueue:
             time.sleep(STORE_RETRY_S)
 
     def _report(self, event: Event) -> None:
-        worker = self.name(event.group)
+        worker, attempt = self.name(event.group), event.attempt or None
         row = self.store.get(event.job)
-        if row is None or row.status != "in_progress" or row.worker != worker:
-            # It ended, or its lease went to another worker while this one stalled: not this worker's to record (nor
-            # its files to remove: only what this process wrote and did not publish goes).
+        if row is None or row.status != "in_progress" or not _holds(row, worker, attempt):
+            # It ended, or its lease went to another worker while this one stalled, or to this worker again under a
+            # later claim: not this claim's to record (nor its files to remove: only what this process wrote and did
+            # not publish goes). The store's UPDATEs check the same, for a lease lost after this read.
             self.storage.discard(*job_keys(event.job))
             return
         if event.kind in ("started", "progress"):
-            self.store.progress(event.job, event.progress, event.stage or row.stage, event.evaluations, worker)
+            self.store.progress(event.job, event.progress, event.stage or row.stage, event.evaluations, worker, attempt)
             return
         if row.deleted or (event.kind == "done" and row.cancel_requested):
             # DELETE or cancel while it ran: whatever it made goes.
@@ -151,14 +153,16 @@ class StoreQueue:
                 self.store.remove(event.job)
                 self.log("deleted", job=event.job)
                 return
-            event = Event(event.job, "cancelled", error="cancelled by request", group=event.group)
+            event = Event(event.job, "cancelled", error="cancelled by request", group=event.group,
+                          attempt=event.attempt)
         if event.kind == "done":
-            self._complete(event.job, event.record, worker)
+            self._complete(event.job, event.record, worker, attempt)
         elif event.kind == "failed":
             code = _error_code((event.record or {}).get("error_type", ""))
             if is_disk_full(Exception(event.error or "")):
                 code = "disk_full"
-            ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker)
+            ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker,
+                                   attempt=attempt)
             self._remove_files(event.job)
             if ended is not None:
                 self.metrics.ended(ended)
@@ -166,7 +170,8 @@ class StoreQueue:
         elif event.kind == "cancelled":
             self._remove_files(event.job)
             ended = self.store.end(event.job, "cancelled", self.retention_s,
-                                   error=("cancelled", event.error or "cancelled by request"), worker=worker)
+                                   error=("cancelled", event.error or "cancelled by request"), worker=worker,
+                                   attempt=attempt)
             if ended is not None:
                 self.metrics.ended(ended)
             self.log("cancelled", job=event.job, detail=event.error)
@@ -179,22 +184,24 @@ class StoreQueue:
                 raise
             self._full(e)
             self._unrecorded += [Event(job.id, "failed", "worker", error=f"worker: {reason}",
-                                       record={"error_type": "WorkerLost"}, group=group) for job in jobs]
+                                       record={"error_type": "WorkerLost"}, group=group, attempt=job.attempt)
+                                 for job in jobs]
 
     def _lost(self, group: int, jobs: list[Job], reason: str, died: bool) -> None:
         for job in jobs:
             row = self.store.get(job.id)
-            if row is None or row.worker != self.name(group):
+            if row is None or not _holds(row, self.name(group), job.attempt or None):
                 continue
             if row.deleted or row.cancel_requested:
-                self.report(Event(job.id, "cancelled", error="cancelled while its worker stopped", group=group))
+                self.report(Event(job.id, "cancelled", error="cancelled while its worker stopped", group=group,
+                                  attempt=job.attempt))
             elif died and row.attempts < MAX_ATTEMPTS:
-                self.store.requeue(job.id)
-                self.log("requeued", job=job.id, reason=reason, attempts=row.attempts)
+                if self.store.requeue(job.id, worker=self.name(group), attempt=job.attempt or None):
+                    self.log("requeued", job=job.id, reason=reason, attempts=row.attempts)
             else:  # a rank raised `reason` ("OutOfMemoryError: ..."), or the job already ran twice
                 kind = reason.split(":", 1)[0] if not died and ":" in reason else "WorkerLost"
                 self.report(Event(job.id, "failed", "worker", error=f"worker: {reason}", record={"error_type": kind},
-                                  group=group))
+                                  group=group, attempt=job.attempt))
 
     def cancels(self) -> list[str]:
         if self._unrecorded:  # every poll, draining too (a drain claims nothing but waits on these ends)
@@ -219,7 +226,8 @@ class StoreQueue:
         stale_before = None if lease_s is None else time.time() - lease_s
         for row in self.store.rows(status="in_progress", stale_before=stale_before):
             if self._committed(row.id):  # committed before its worker died: done, not run again
-                self._complete(row.id, json.loads(self.storage.read_text(record_key(row.id))), row.worker)
+                self._complete(row.id, json.loads(self.storage.read_text(record_key(row.id))), row.worker,
+                               row.attempts)
         requeued, failed = self.store.recover(self.retention_s, stale_before=stale_before)
         for job_id in requeued:
             self.log("requeued", job=job_id, reason="its worker stopped renewing its lease" if lease_s else
@@ -259,17 +267,41 @@ class StoreQueue:
         except (OSError, ValueError):
             return False
 
-    def _complete(self, job_id: str, record: dict, worker: str | None) -> None:
+    def _complete(self, job_id: str, record: dict, worker: str | None, attempt: int | None = None) -> None:
         mp4 = self.storage.work_path(clip_key(job_id))
         if mp4.is_file() and not self.storage.exists(thumbnail_key(job_id)):
             _thumbnail(mp4, self.storage.work_path(thumbnail_key(job_id)), self.log)
         self.storage.publish(clip_key(job_id), thumbnail_key(job_id), record_key(job_id))
         row = self.store.end(job_id, "completed", self.retention_s, record=record,
-                             output=self.storage.path(clip_key(job_id)), worker=worker)
+                             output=self.storage.path(clip_key(job_id)), worker=worker, attempt=attempt)
         self.storage.remove(uploads_key(job_id))
         if row is not None:
             self.metrics.ended(row)
             self.log("completed", job=job_id, seconds=round(row.completed_at - row.created_at, 3))
+
+
+def keep_leases(queue: StoreQueue, lease_s: float, stop, log: Callable[..., None], replica: str,
+                groups: int = 1) -> None:
+    """A fleet's worker replica, until `stop` (a threading.Event) is set: renew the leases of the jobs its `groups`
+    run every lease / HEARTBEAT_DIVISOR, and recover the jobs of replicas that stopped renewing theirs (fleet/deploy.py
+    runs it beside its replica group; scripts/sim_fleet.py beside its simulated ones)."""
+    period = lease_s / HEARTBEAT_DIVISOR
+    renewing_since = time.monotonic()  # since when this replica's renewals reach the store without a gap
+    while not stop.wait(period):
+        try:
+            queue.heartbeat(groups)
+        except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
+            renewing_since = time.monotonic()
+            log("lease_error", replica=replica, error=f"{type(e).__name__}: {e}")
+            continue
+        # After a store outage every replica's leases look stale: take no job from another replica until it has had
+        # a whole lease to renew its own (nothing that did not fail is run again).
+        if time.monotonic() - renewing_since < lease_s:
+            continue
+        try:
+            queue.reclaim(lease_s)
+        except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
+            log("lease_error", replica=replica, error=f"{type(e).__name__}: {e}")
 
 
 def _thumbnail(mp4, out, log) -> None:
@@ -285,6 +317,11 @@ def _thumbnail(mp4, out, log) -> None:
     except Exception as e:  # noqa: BLE001 -- a thumbnail is a convenience: the clip is what was asked for
         tmp.unlink(missing_ok=True)
         log("thumbnail_failed", job=job_of(mp4.name), error=str(e))
+
+
+def _holds(row: JobRow, worker: str, attempt: int | None) -> bool:
+    """Whether `worker` holds the job of `row` under the claim `attempt` (any claim when None)."""
+    return row.worker == worker and (attempt is None or row.attempts == attempt)
 
 
 def _short(e: BaseException) -> str:

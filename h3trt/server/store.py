@@ -12,7 +12,10 @@ the reason.
 Several processes on one store (a fleet): each running job holds a lease. Its worker renews it (`heartbeat`, every
 few seconds, `heartbeat_at`); a job whose lease ran out (`stale_before`) belongs to a worker that died, and any live
 process recovers it as a restart would. A worker whose lease was taken from it (it stalled) no longer owns the job:
-its late progress and end are ignored (`worker` guards them).
+its late progress and end are ignored. The fence is the claim itself: `worker` (who holds the job) and `attempt` (which
+claim of it, the row's `attempts` when it was taken) are compared in the UPDATE, so a report of an earlier claim is
+ignored even when the same worker has taken the job again since (its end was still to be recorded when its lease ran
+out, and the requeued job, oldest in the queue, came back to it).
 
 No SQL is written by hand: statements are SQLAlchemy Core expressions with bound parameters.
 """
@@ -191,22 +194,22 @@ class JobStore:
             # another worker took it between the select and the update: look again
 
     def progress(self, job_id: str, progress: int, stage: str, evaluations: tuple[int, int],
-                 worker: str | None = None) -> None:
+                 worker: str | None = None, attempt: int | None = None) -> None:
         """A running job's progress (never backwards); `evaluations` (done, total), (0, 0) when not a denoise step;
-        `worker`: only while that worker holds it."""
+        `worker` (and `attempt`): only while that worker holds it (under that claim)."""
         values = dict(progress=progress, stage=stage)
         if evaluations[1]:
             values.update(evaluations_done=evaluations[0], evaluations_total=evaluations[1])
         with self.engine.begin() as c:
             c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress",
-                                         jobs.c.progress <= progress, *_held_by(worker)).values(**values))
+                                         jobs.c.progress <= progress, *_held_by(worker, attempt)).values(**values))
 
     def end(self, job_id: str, status: str, retention_s: float, now: float | None = None, record: dict | None = None,
             output: str | None = None, error: tuple[str, str] | None = None,
-            worker: str | None = None) -> JobRow | None:
+            worker: str | None = None, attempt: int | None = None) -> JobRow | None:
         """A job's end: completed (its record and output), failed (error code and message) or cancelled; its files
         and row expire `retention_s` later. Only a job not already ended changes (an end is reported once), and with
-        `worker` only one that worker holds."""
+        `worker` only one that worker holds (with `attempt`, under that claim: module doc)."""
         if status not in ENDED:
             raise ValueError(f"end status {status!r} is not one of {ENDED}.")
         now = now or time.time()
@@ -218,15 +221,17 @@ class JobStore:
             values.update(error_code=error[0], error_message=error[1])
         with self.engine.begin() as c:
             changed = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status.notin_(ENDED),
-                                                   *_held_by(worker)).values(**values)).rowcount
+                                                   *_held_by(worker, attempt)).values(**values)).rowcount
         return self.get(job_id) if changed else None
 
-    def requeue(self, job_id: str, stale_before: float | None = None) -> bool:
+    def requeue(self, job_id: str, stale_before: float | None = None, worker: str | None = None,
+                attempt: int | None = None) -> bool:
         """Put an in_progress job back in the queue (its worker died; with `stale_before`, only if its lease ran out
-        before then); False when it was not in progress (or its lease is live)."""
+        before then; with `worker` and `attempt`, only under that claim); False when it was not in progress (or its
+        lease is live, or another claim holds it)."""
         with self.engine.begin() as c:
             return bool(c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress",
-                                                     *_stale(stale_before)).values(
+                                                     *_stale(stale_before), *_held_by(worker, attempt)).values(
                 status="queued", stage="queued", progress=0, evaluations_done=0, worker=None,
                 heartbeat_at=None)).rowcount)
 
@@ -338,9 +343,11 @@ def store_unreachable(e: BaseException) -> bool:
     return isinstance(e, OperationalError) or (isinstance(e, DBAPIError) and bool(e.connection_invalidated))
 
 
-def _held_by(worker: str | None) -> tuple:
-    """The condition that `worker` still holds a job (none when no worker is named)."""
-    return () if worker is None else (jobs.c.worker == worker,)
+def _held_by(worker: str | None, attempt: int | None = None) -> tuple:
+    """The condition that `worker` still holds a job (none when no worker is named), under the claim that made
+    `attempts` equal `attempt` (when given): the lease's fence (module doc)."""
+    held = () if worker is None else (jobs.c.worker == worker,)
+    return held if attempt is None else (*held, jobs.c.attempts == attempt)
 
 
 def _stale(before: float | None) -> tuple:
