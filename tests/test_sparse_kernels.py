@@ -281,3 +281,20 @@ def test_warm_refuses_block_sizes_the_kernel_does_not_take(monkeypatch):
         warm_sparse_kernel("flex", torch.device("cuda"), 2, 8, torch.bfloat16, 64)
     with pytest.raises(UserError, match=r"\(64, 128\)-row blocks"):
         warm_sparse_kernel("fa4", torch.device("cuda"), 2, 8, torch.bfloat16, 96)
+
+
+def test_warm_runs_the_kernel_under_no_grad_as_the_pipeline_serves(monkeypatch):
+    """Dynamo guards on the grad mode: a flex kernel warmed with grad enabled compiled again at the first request
+    (the pipeline denoises under no_grad), which a bundle's no-compile guard refused on the GPU."""
+    modes = []
+    real = sparse_kernels.sparse_attention
+
+    def recording(*args):
+        modes.append(torch.is_grad_enabled())
+        return real(*args)
+
+    monkeypatch.setattr(sparse_kernels, "sparse_attention", recording)
+    assert torch.is_grad_enabled()
+    warm_sparse_kernel("reference", CPU, 2, 8, torch.float32, 64)
+    assert modes and not any(modes), modes
+    assert torch.is_grad_enabled()

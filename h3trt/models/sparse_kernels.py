@@ -264,6 +264,16 @@ def warm_sparse_kernel(kernel: str, device, heads: int, head_dim: int, dtype: to
     if kernel == "fa4" and block not in FA4_BLOCKS:
         raise UserError(f"the fa4 sparse attention kernel takes {FA4_BLOCKS}-row blocks, got {block}.")
     generator = torch.Generator(device="cpu").manual_seed(0)
+    # Under no_grad, as the pipeline serves (its denoise is @torch.no_grad()): Dynamo guards on the grad mode, and a
+    # flex kernel warmed with grad enabled compiled again at the first request, which a bundle's no-compile guard
+    # refuses (the H100 smoke's sparse bundle row failed so: "Inductor compile_fx was invoked while serving").
+    with torch.no_grad():
+        _warm_calls(kernel, device, heads, head_dim, dtype, block, generator)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _warm_calls(kernel, device, heads, head_dim, dtype, block, generator) -> None:
     for batch in (1, 2):
         for rows in (4 * block, 4 * block + 1):
             G = -(-rows // block)
@@ -272,5 +282,3 @@ def warm_sparse_kernel(kernel: str, device, heads: int, head_dim: int, dtype: to
             index = torch.tensor([0, 2], dtype=torch.int32, device=device).expand(batch, heads, G, 2).contiguous()
             sparse_G = torch.arange(G, device=device) % 2 == 0
             sparse_attention(q, k, v, index, sparse_G, block, kernel)
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
