@@ -13,6 +13,7 @@ from h3trt.parallel.launch import init_rank, launch
 from h3trt.parallel.mesh import MeshConfig
 from h3trt.runtime.jobs import Event, EventKind, Job, Stage
 from h3trt.runtime.messages import Cancel, Idle, Ready, Report, Stop, Work
+from h3trt.runtime.records import ClipRecord
 from h3trt.runtime.rank import BroadcastChannel, PipeChannel, WorkerSpec
 from h3trt.runtime.request import Request
 from h3trt.runtime.workers import Workers
@@ -88,7 +89,7 @@ def test_the_launcher_dispatches_what_its_ranks_send_by_type():
     g.busy, g.holding = True, {job.id: job for job in JOBS}
     workers._handle(g, Report(EVENT))  # progress goes to the queue at once
     assert queue.reported == [EVENT]
-    done = Event("a", "done", "done", 100, record={"seed": 3})
+    done = Event("a", "done", "done", 100, record=ClipRecord(seed=3))
     workers._handle(g, Report(done))  # an end waits until the group has its next work
     assert list(g.holding) == ["b"] and workers._ended == [(g, done)] and queue.reported == [EVENT]
     workers._handle(g, Idle())

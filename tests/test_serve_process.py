@@ -206,6 +206,7 @@ def _node_parts(tmp_path):
 
 def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recovers(tmp_path, tiny_cache, monkeypatch):
     from h3trt.runtime.jobs import Event
+    from h3trt.runtime.records import ClipRecord
     from h3trt.server.storage import clip_key
 
     store, queue, service, logged = _node_parts(tmp_path)
@@ -217,7 +218,7 @@ def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recover
     disk.on = True
     queue.report(Event(first.id, "progress", "denoise", progress=40, group=0))  # dropped, not raised
     queue.storage.work_path(clip_key(first.id)).write_bytes(b"partial")
-    queue.report(Event(first.id, "done", group=0, record={"job": first.id}))  # its end cannot be recorded now
+    queue.report(Event(first.id, "done", group=0, record=ClipRecord(id=first.id)))  # its end cannot be recorded now
     assert queue.take(0, 1) == []  # the worker keeps polling; no new job is claimed while the disk is full
     assert any(e == "disk_full" for e, _ in logged)
     disk.on = False  # space is back: the next poll records what ended, then serves the queue again

@@ -160,7 +160,7 @@ class FileQueue:
             bar.update(done - bar.n)
         elif event.kind is EventKind.DONE:
             self.summary.done.append(event.job)
-            self._row(event, "done")
+            self._row(event, "done", event.record.batch["members"])
         elif event.kind is EventKind.FAILED:
             self._failed(event.job, event.stage, event.error, event)
         if self.on_event is not None:
@@ -182,10 +182,10 @@ class FileQueue:
 
     # --- records ----------------------------------------------------------------------------------------------------
 
-    def _row(self, event: Event, status: str) -> None:
+    def _row(self, event: Event, status: str, members: list[str] | None = None) -> None:
+        """A timeline row; `members`: the jobs of the batched denoise it was part of (None: itself alone)."""
         origin = self.started_unix
-        self.rows.append({"id": event.job, "status": status, "group": event.group,
-                          "batch": (event.record or {}).get("batch", {}).get("members", [event.job]),
+        self.rows.append({"id": event.job, "status": status, "group": event.group, "batch": members or [event.job],
                           "intervals": [(s, a - origin, b - origin) for s, a, b in event.intervals]})
         self._advance()
 

@@ -20,6 +20,7 @@ from typing import Callable
 from ..errors import UserError
 from ..runtime.files import remove_leftovers
 from ..runtime.jobs import Event, Job
+from ..runtime.records import ClipRecord
 from ..runtime.requests import RequestDefaults, parse_object
 from .metrics import Metrics
 from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
@@ -156,7 +157,7 @@ class StoreQueue:
             event = Event(event.job, "cancelled", error="cancelled by request", group=event.group,
                           attempt=event.attempt)
         if event.kind == "done":
-            self._complete(event.job, event.record, worker, attempt)
+            self._complete(event.job, event.record.to_json(), worker, attempt)
         elif event.kind == "failed":
             code = _error_code((event.record or {}).get("error_type", ""))
             if is_disk_full(Exception(event.error or "")):
@@ -263,11 +264,13 @@ class StoreQueue:
         if mp4 is None:
             return True
         try:
-            return json.loads(self.storage.read_text(record_key(job_id))).get("mp4_sha256") == sha256_file(mp4)
+            record = ClipRecord.from_json(json.loads(self.storage.read_text(record_key(job_id))))
+            return record.mp4_sha256 == sha256_file(mp4)
         except (OSError, ValueError):
             return False
 
     def _complete(self, job_id: str, record: dict, worker: str | None, attempt: int | None = None) -> None:
+        """The job's clip is committed: publish it and end its row with `record` (ClipRecord.to_json, as its file)."""
         mp4 = self.storage.work_path(clip_key(job_id))
         if mp4.is_file() and not self.storage.exists(thumbnail_key(job_id)):
             _thumbnail(mp4, self.storage.work_path(thumbnail_key(job_id)), self.log)
