@@ -2,8 +2,8 @@
 back byte for byte, the layers that fill it in turn write the same keys in the same order, and its readers take
 attributes.
 
-tests/data/records/ holds two records written by h3trt before the type (a bundle's clip with its load split, identity
-and mesh; a requests file's clip with its line and marker)."""
+tests/data/records/ holds records written by h3trt before the types: a bundle's clip with its load split, identity and
+mesh; a requests file's clip with its line and marker; a requests file's failure record (failure_batch.json)."""
 
 import json
 from dataclasses import replace
@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from h3trt.runtime.batch_outputs import clip_damage
-from h3trt.runtime.records import ClipRecord, StageTimer, clip_record, commit_clip, record_path
+from h3trt.runtime.records import ClipRecord, Failure, FailureRecord, StageTimer, clip_record, commit_clip, record_path
 from h3trt.runtime.request import Request
 from h3trt.runtime.run import report_record
 
@@ -88,3 +88,25 @@ def test_readers_take_the_records_attributes(tmp_path, capsys):
     mp4 = tmp_path / "a.mp4"
     mp4.write_bytes(b"x" * 7)
     assert clip_damage(mp4, record) == f"{mp4} is 7 bytes, its record says {record.mp4_bytes}"
+
+
+def test_a_failure_record_written_before_the_type_reads_and_writes_back_byte_for_byte():
+    text = (RECORDS / "failure_batch.json").read_text()
+    record = FailureRecord.from_json(json.loads(text))
+    assert json.dumps(record.to_json(), indent=1) == text
+    assert (record.id, record.line, record.stage) == ("c", 3, "encode") and record.extra == {}
+    with_bundle = {**json.loads(text), "bundle": {"backend": "inductor"}}  # a bundle's identity comes last
+    assert json.dumps(FailureRecord.from_json(with_bundle).to_json()) == json.dumps(with_bundle)
+    with pytest.raises(ValueError, match="status is 'failed', not 'done'"):
+        FailureRecord.from_json({**json.loads(text), "status": "done"})
+
+
+def test_a_failure_pickles_with_its_event_and_defaults_to_nothing_known():
+    import pickle
+
+    from h3trt.runtime.jobs import Event
+
+    event = Event("a", "failed", "encode", error="encode: OSError: x", record=Failure("OSError", False, ["tb"]))
+    again = pickle.loads(pickle.dumps(event))
+    assert again.record == Failure("OSError", False, ["tb"], {}) and not again.record.user_error
+    assert Failure() == Failure("", False, [], {})

@@ -206,7 +206,7 @@ def _node_parts(tmp_path):
 
 def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recovers(tmp_path, tiny_cache, monkeypatch):
     from h3trt.runtime.jobs import Event
-    from h3trt.runtime.records import ClipRecord
+    from h3trt.runtime.records import ClipRecord, Failure
     from h3trt.server.storage import clip_key
 
     store, queue, service, logged = _node_parts(tmp_path)
@@ -229,7 +229,7 @@ def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recover
     assert not (tmp_path / clip_key(first.id)).exists()  # the clip that could not be recorded is gone
     # A worker's own write that met ENOSPC (its MP4): that job fails as disk_full, the server goes on.
     queue.report(Event(second.id, "failed", "encode", group=0, error="encode: [Errno 28] No space left on device",
-                       record={"error_type": "OSError"}))
+                       record=Failure("OSError")))
     assert (store.get(second.id).status, store.get(second.id).error_code) == ("failed", "disk_full")
     assert store.counts()["in_progress"] == 0
     store.close()
@@ -261,6 +261,7 @@ def test_a_draining_worker_records_the_ends_a_full_disk_held_back(tmp_path, tiny
     """A drain claims nothing (no take), yet the drain waits for the running jobs' rows to end: the worker loop's
     every poll (cancels) records what the full disk held back, once space returns."""
     from h3trt.runtime.jobs import Event
+    from h3trt.runtime.records import Failure
 
     store, queue, service, _ = _node_parts(tmp_path)
     disk = _FullDisk(store, monkeypatch)
@@ -268,7 +269,7 @@ def test_a_draining_worker_records_the_ends_a_full_disk_held_back(tmp_path, tiny
     [job] = queue.take(0, 1)
     disk.on = True
     queue.report(Event(row.id, "failed", "encode", group=0, error="encode: [Errno 28] No space left on device",
-                       record={"error_type": "OSError"}))
+                       record=Failure("OSError")))
     queue.cancels()
     assert store.get(row.id).status == "in_progress"
     disk.on = False

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..str_enum import StrEnum
-from .records import ClipRecord
+from .records import ClipRecord, Failure
 from .request import Request
 
 
@@ -81,7 +81,8 @@ class Event:
     stage: Stage | str = ""
     progress: int = 0
     evaluations: tuple[int, int] = (0, 0)  # (finished on the device, total)
-    record: ClipRecord | dict | None = None  # done: the clip's record as committed beside the MP4; failed: details
+    record: ClipRecord | Failure | None = None  # done: the clip's record as committed beside the MP4; failed: what
+    # its front door records of the failure
     error: str | None = None  # failed: "<stage>: <ExceptionType>: <message>"; cancelled: why
     intervals: tuple = ()  # done/failed: (stage, unix start, unix end) of the job's work, for timelines
     group: int = 0  # the replica group that ran it

@@ -1,5 +1,6 @@
 """What a generation leaves beside its MP4: the stage timer, the provenance and timing record (`ClipRecord`), and the
-commit that puts the record and the clip in place together."""
+commit that puts the record and the clip in place together; what a failure leaves (`Failure`, a requests file's
+`FailureRecord`)."""
 
 from __future__ import annotations
 
@@ -149,6 +150,47 @@ class ClipRecord:
 
 
 _CLIP_FIELDS = tuple(f.name for f in dataclasses.fields(ClipRecord) if f.name != "extra")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failed job's event carries besides its stage and reason (Event.error), for its front door: a server's
+    error code, `h3trt run`'s exit status, a requests file's failure record."""
+
+    error_type: str = ""  # the exception's class name, or WorkerLost / DiskFull (the job store's own ends)
+    user_error: bool = False  # the request was at fault (a UserError): `h3trt run` exits 2
+    traceback: list[str] = field(default_factory=list)  # the last lines of traceback.format_exception
+    timings_s: dict[str, float] = field(default_factory=dict)  # seconds per stage it got through
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """A requests file's record of a request that failed, OUT/<id>.json where its clip's record would be (`h3trt run
+    --requests`: runtime/batch.py). Its JSON is "status": "failed", then the fields below in this order, then
+    `extra` (the serving side's: a bundle's identity)."""
+
+    id: str
+    line: int  # the request's line in the file
+    stage: str  # where it failed (a job stage, or prepare / encode / worker)
+    error: str  # "<stage>: <ExceptionType>: <message>"
+    traceback: list[str]
+    request: dict  # the request as its fields (requests.request_dict)
+    model: str  # what served it
+    timings_s: dict[str, float]
+    made_by: str  # batch_outputs.MADE_BY: what marks the file as the batch's own
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {"status": "failed", **fields, **self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict) -> FailureRecord:
+        if data.get("status") != "failed":
+            raise ValueError(f"a failure record's status is 'failed', not {data.get('status')!r}.")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in data.items() if k in names},
+                   extra={k: v for k, v in data.items() if k not in names and k != "status"})
 
 
 def commit_clip(record: ClipRecord, mp4_temp: Path, output: Path,

@@ -128,7 +128,7 @@ class ClipQueue:
             event = self.error
             if isinstance(event, str):
                 raise JobFailed(f"{event}. Every rank was stopped; no output was written.")
-            raise (UserError if (event.record or {}).get("user_error") else JobFailed)(event.error)
+            raise (UserError if event.record is not None and event.record.user_error else JobFailed)(event.error)
         if reports and self.record is not None:
             report_record(self.record, self.job.output)
         return 0

@@ -31,7 +31,7 @@ from .files import DEFAULT_CRF
 from .jobs import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 from .parallel_vae import _comm_device
 from .pipeline import H3Pipeline
-from .records import ClipRecord
+from .records import ClipRecord, Failure
 from .request import Encoded, prepare, request_dict
 from .timeline import TimelineTimer
 
@@ -243,10 +243,9 @@ def _failed(reporter: Reporter, place: Place, jobs: list[Job], stage: str, error
     for job, timer in zip(jobs, timers if timers else [None] * len(jobs)):
         reporter.event(job, EventKind.FAILED, stage, error=reason,
                        intervals=tuple(timer.intervals) if timer is not None else (),
-                       record={"traceback": traceback.format_exception(error)[-3:],
-                               "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()} if timer else {},
-                               "user_error": isinstance(error, UserError),
-                               "error_type": type(error).__name__})
+                       record=Failure(type(error).__name__, isinstance(error, UserError),
+                                      traceback.format_exception(error)[-3:],
+                                      {k: round(v, 4) for k, v in timer.seconds.items()} if timer else {}))
     free_memory(reporter.device)
     if place.raise_failures:
         raise error

@@ -20,7 +20,7 @@ from typing import Callable
 from ..errors import UserError
 from ..runtime.files import remove_leftovers
 from ..runtime.jobs import Event, Job
-from ..runtime.records import ClipRecord
+from ..runtime.records import ClipRecord, Failure
 from ..runtime.requests import RequestDefaults, parse_object
 from .metrics import Metrics
 from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
@@ -104,7 +104,7 @@ class StoreQueue:
                     self._remove_files(event.job)
                     self._unrecorded[0] = Event(event.job, "failed", "store", group=event.group, attempt=event.attempt,
                                                 error=f"the server's data disk is full: {e.__class__.__name__}",
-                                                record={"error_type": "DiskFull"})
+                                                record=Failure("DiskFull"))
                 return False
             self._unrecorded.pop(0)
         self._space_again()
@@ -159,7 +159,7 @@ class StoreQueue:
         if event.kind == "done":
             self._complete(event.job, event.record.to_json(), worker, attempt)
         elif event.kind == "failed":
-            code = _error_code((event.record or {}).get("error_type", ""))
+            code = _error_code(event.record.error_type if event.record is not None else "")
             if is_disk_full(Exception(event.error or "")):
                 code = "disk_full"
             ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker,
@@ -185,7 +185,7 @@ class StoreQueue:
                 raise
             self._full(e)
             self._unrecorded += [Event(job.id, "failed", "worker", error=f"worker: {reason}",
-                                       record={"error_type": "WorkerLost"}, group=group, attempt=job.attempt)
+                                       record=Failure("WorkerLost"), group=group, attempt=job.attempt)
                                  for job in jobs]
 
     def _lost(self, group: int, jobs: list[Job], reason: str, died: bool) -> None:
@@ -201,7 +201,7 @@ class StoreQueue:
                     self.log("requeued", job=job.id, reason=reason, attempts=row.attempts)
             else:  # a rank raised `reason` ("OutOfMemoryError: ..."), or the job already ran twice
                 kind = reason.split(":", 1)[0] if not died and ":" in reason else "WorkerLost"
-                self.report(Event(job.id, "failed", "worker", error=f"worker: {reason}", record={"error_type": kind},
+                self.report(Event(job.id, "failed", "worker", error=f"worker: {reason}", record=Failure(kind),
                                   group=group, attempt=job.attempt))
 
     def cancels(self) -> list[str]:
