@@ -146,7 +146,7 @@ def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder
     too)."""
     from h3trt.engines.atomic import temp_path
     from h3trt.runtime.jobs import Event
-    from h3trt.runtime.records import commit_clip
+    from h3trt.runtime.records import ClipRecord, commit_clip
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue, keep_leases
     from h3trt.server.storage import Storage
@@ -179,8 +179,9 @@ def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder
         mp4 = temp_path(job.output)
         mp4.write_bytes(json.dumps({"job": job.id, **claim}).encode())  # the "clip" names its claim
         log("generated", job=job.id, **claim)
-        record = commit_clip({"status": "done", "id": job.id, "simulated": claim, "timings_s": {"sleep": seconds},
-                              **job.record}, mp4, job.output, overwrite=job.overwrite)
+        record = commit_clip(ClipRecord(timings_s={"sleep": seconds}, status="done", id=job.id,
+                                        extra={"simulated": claim, **job.record}), mp4, job.output,
+                             overwrite=job.overwrite)
         queue.report(Event(job.id, "done", "done", 100, record=record, group=0, attempt=job.attempt))
     store.close()
 

@@ -14,6 +14,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(__file__))
 
 from h3trt.runtime.jobs import Event
+from h3trt.runtime.records import ClipRecord
 from h3trt.server.metrics import Metrics
 from h3trt.server.options import ServeOptions
 from h3trt.server.queue import StoreQueue
@@ -108,7 +109,7 @@ def test_a_worker_keeps_its_job_through_a_store_outage_and_it_completes_once(out
     reporter.join(30)
     assert reported.is_set() and "store_unreachable" in logged
     assert store.get("video_run").progress == 50
-    queue.report(Event("video_run", "done", "done", record={"seed": 1}, group=0))
+    queue.report(Event("video_run", "done", "done", record=ClipRecord(seed=1), group=0))
     row = store.get("video_run")
     assert (row.status, row.attempts, row.worker) == ("completed", 1, "host:1/group0")
     assert store.get("video_next").status == "queued"  # the claim during the outage took nothing

@@ -206,6 +206,7 @@ def _node_parts(tmp_path):
 
 def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recovers(tmp_path, tiny_cache, monkeypatch):
     from h3trt.runtime.jobs import Event
+    from h3trt.runtime.records import ClipRecord, Failure
     from h3trt.server.storage import clip_key
 
     store, queue, service, logged = _node_parts(tmp_path)
@@ -217,7 +218,7 @@ def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recover
     disk.on = True
     queue.report(Event(first.id, "progress", "denoise", progress=40, group=0))  # dropped, not raised
     queue.storage.work_path(clip_key(first.id)).write_bytes(b"partial")
-    queue.report(Event(first.id, "done", group=0, record={"job": first.id}))  # its end cannot be recorded now
+    queue.report(Event(first.id, "done", group=0, record=ClipRecord(id=first.id)))  # its end cannot be recorded now
     assert queue.take(0, 1) == []  # the worker keeps polling; no new job is claimed while the disk is full
     assert any(e == "disk_full" for e, _ in logged)
     disk.on = False  # space is back: the next poll records what ended, then serves the queue again
@@ -228,7 +229,7 @@ def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recover
     assert not (tmp_path / clip_key(first.id)).exists()  # the clip that could not be recorded is gone
     # A worker's own write that met ENOSPC (its MP4): that job fails as disk_full, the server goes on.
     queue.report(Event(second.id, "failed", "encode", group=0, error="encode: [Errno 28] No space left on device",
-                       record={"error_type": "OSError"}))
+                       record=Failure("OSError")))
     assert (store.get(second.id).status, store.get(second.id).error_code) == ("failed", "disk_full")
     assert store.counts()["in_progress"] == 0
     store.close()
@@ -260,6 +261,7 @@ def test_a_draining_worker_records_the_ends_a_full_disk_held_back(tmp_path, tiny
     """A drain claims nothing (no take), yet the drain waits for the running jobs' rows to end: the worker loop's
     every poll (cancels) records what the full disk held back, once space returns."""
     from h3trt.runtime.jobs import Event
+    from h3trt.runtime.records import Failure
 
     store, queue, service, _ = _node_parts(tmp_path)
     disk = _FullDisk(store, monkeypatch)
@@ -267,7 +269,7 @@ def test_a_draining_worker_records_the_ends_a_full_disk_held_back(tmp_path, tiny
     [job] = queue.take(0, 1)
     disk.on = True
     queue.report(Event(row.id, "failed", "encode", group=0, error="encode: [Errno 28] No space left on device",
-                       record={"error_type": "OSError"}))
+                       record=Failure("OSError")))
     queue.cancels()
     assert store.get(row.id).status == "in_progress"
     disk.on = False

@@ -139,6 +139,7 @@ def test_a_workers_late_end_of_an_earlier_claim_does_not_complete_its_new_claim(
     stalled) and the next work is the same job again, the old end is the earlier claim's: ignored, and the job
     completes with the new claim's clip."""
     from h3trt.runtime.jobs import Event
+    from h3trt.runtime.records import ClipRecord
     from h3trt.runtime.requests import RequestDefaults
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue
@@ -152,11 +153,13 @@ def test_a_workers_late_end_of_an_earlier_claim_does_not_complete_its_new_claim(
     assert store.recover(retention_s=60, stale_before=time.time() + 1) == (["video_a"], [])
     second = queue.job_of(store.claim(queue.name(0)))
     assert second.attempt == 2
-    queue.report(Event("video_a", "done", "done", 100, record={"attempt": 1}, group=0, attempt=first.attempt))
+    queue.report(Event("video_a", "done", "done", 100, record=ClipRecord(extra={"attempt": 1}), group=0,
+                       attempt=first.attempt))
     assert (store.get("video_a").status, store.get("video_a").record) == ("in_progress", None)
     queue.lost(0, [first], "killed", died=True)  # nor is the earlier claim's loss the new claim's
     assert store.get("video_a").status == "in_progress"
-    queue.report(Event("video_a", "done", "done", 100, record={"attempt": 2}, group=0, attempt=second.attempt))
+    queue.report(Event("video_a", "done", "done", 100, record=ClipRecord(extra={"attempt": 2}), group=0,
+                       attempt=second.attempt))
     assert (store.get("video_a").status, store.get("video_a").record) == ("completed", {"attempt": 2})
 
 

@@ -30,6 +30,7 @@ from .batch_file import BatchItem
 from .batch_outputs import MADE_BY, OutPlan, our_record, output_paths, plan_out_dir
 from .files import DEFAULT_CRF, OutputError, write_json_atomic
 from .jobs import Event, EventKind, Job
+from .records import Failure, FailureRecord
 from .request import request_dict
 from .timeline import write_timeline
 
@@ -160,7 +161,7 @@ class FileQueue:
             bar.update(done - bar.n)
         elif event.kind is EventKind.DONE:
             self.summary.done.append(event.job)
-            self._row(event, "done")
+            self._row(event, "done", event.record.batch["members"])
         elif event.kind is EventKind.FAILED:
             self._failed(event.job, event.stage, event.error, event)
         if self.on_event is not None:
@@ -182,24 +183,23 @@ class FileQueue:
 
     # --- records ----------------------------------------------------------------------------------------------------
 
-    def _row(self, event: Event, status: str) -> None:
+    def _row(self, event: Event, status: str, members: list[str] | None = None) -> None:
+        """A timeline row; `members`: the jobs of the batched denoise it was part of (None: itself alone)."""
         origin = self.started_unix
-        self.rows.append({"id": event.job, "status": status, "group": event.group,
-                          "batch": (event.record or {}).get("batch", {}).get("members", [event.job]),
+        self.rows.append({"id": event.job, "status": status, "group": event.group, "batch": members or [event.job],
                           "intervals": [(s, a - origin, b - origin) for s, a, b in event.intervals]})
         self._advance()
 
     def _failed(self, job_id: str, stage: str, error: str, event: Event | None) -> None:
         self.summary.failed.append(job_id)
         item = self.items[job_id]
-        details = (event.record or {}) if event is not None else {}
+        details = event.record if event is not None and event.record is not None else Failure()
         _, json_path = output_paths(self.out_dir, item)
+        record = FailureRecord(job_id, item.line, stage, error, details.traceback, request_dict(item.request),
+                               self.model, details.timings_s, MADE_BY, dict(self.extra))
         try:
-            write_json_atomic(json_path, {
-                "status": "failed", "id": job_id, "line": item.line, "stage": stage, "error": error,
-                "traceback": details.get("traceback", []), "request": request_dict(item.request),
-                "model": self.model, "timings_s": details.get("timings_s", {}), "made_by": MADE_BY, **self.extra},
-                overwrite=job_id in self.plan.replace or self._ours_now(job_id))
+            write_json_atomic(json_path, record.to_json(),
+                              overwrite=job_id in self.plan.replace or self._ours_now(job_id))
         except OutputError as e:  # a full disk, or a file that appeared: one line says so and the batch goes on
             self._log(f"{job_id}: its failure record could not be written either: {e}")
         if event is not None:

@@ -33,6 +33,7 @@ from pathlib import Path
 from ..engines.manifest import sha256_file
 from .batch_file import BatchItem
 from .files import OutputRefused
+from .records import ClipRecord
 from .request import request_dict
 
 MADE_BY = "h3trt run --requests"  # the marker in every record and timeline a batch writes: what marks a file ours
@@ -77,13 +78,13 @@ class ClipState:
     why: str = ""
 
 
-def clip_damage(mp4: Path, record: dict) -> str | None:
+def clip_damage(mp4: Path, record: ClipRecord) -> str | None:
     """How the clip at `mp4` differs from what its done record holds (size first: a truncation shows without
     reading the file), or None when it matches."""
-    size, recorded = mp4.stat().st_size, record.get("mp4_bytes")
+    size, recorded = mp4.stat().st_size, record.mp4_bytes
     if recorded is not None and size != recorded:
         return f"{mp4} is {size} bytes, its record says {recorded}"
-    if sha256_file(mp4) != record.get("mp4_sha256"):
+    if sha256_file(mp4) != record.mp4_sha256:
         return f"the sha256 of {mp4} is not the one its record holds"
     return None
 
@@ -100,10 +101,11 @@ def clip_state(out_dir: Path, item: BatchItem) -> ClipState:
         return ClipState("foreign", (mp4,)) if has_mp4 else ClipState("retry")  # a failure record marks no clip
     if not has_mp4:
         return ClipState("missing")  # nothing to keep; a SIGKILL between the record's and the clip's rename, too
-    damage = clip_damage(mp4, record)
+    clip = ClipRecord.from_json(record)
+    damage = clip_damage(mp4, clip)
     if damage is not None:
         return ClipState("damaged", why=damage)
-    if record.get("request") != request_dict(item.request):
+    if clip.request != request_dict(item.request):
         return ClipState("changed")  # a finished clip of what the line asked before
     return ClipState("finished")
 

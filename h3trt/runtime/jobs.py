@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..str_enum import StrEnum
+from .records import ClipRecord, Failure
 from .request import Request
 
 
@@ -80,7 +81,8 @@ class Event:
     stage: Stage | str = ""
     progress: int = 0
     evaluations: tuple[int, int] = (0, 0)  # (finished on the device, total)
-    record: dict | None = None  # done: the clip's record as committed beside the MP4
+    record: ClipRecord | Failure | None = None  # done: the clip's record as committed beside the MP4; failed: what
+    # its front door records of the failure
     error: str | None = None  # failed: "<stage>: <ExceptionType>: <message>"; cancelled: why
     intervals: tuple = ()  # done/failed: (stage, unix start, unix end) of the job's work, for timelines
     group: int = 0  # the replica group that ran it

@@ -12,6 +12,7 @@ Reads top to bottom as the stages a request goes through:
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -32,7 +33,7 @@ from .files import DEFAULT_CRF
 from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_vae import decode_and_write
-from .records import StageTimer, clip_record, commit_clip
+from .records import ClipRecord, StageTimer, clip_record, commit_clip
 from .request import CanvasDefaults, Encoded, Prepared, Request
 from .step_profile import StepProfiler
 
@@ -114,16 +115,17 @@ class H3Pipeline:
     @torch.no_grad()
     def generate(self, prepared: Prepared, output: Path, crf: int = DEFAULT_CRF,
                  on_step: Callable[[int, int], None] | None = None, write: bool = True,
-                 decode_group=None, finish: Callable[[dict], None] | None = None,
+                 decode_group=None, finish: Callable[[ClipRecord], ClipRecord] | None = None,
                  overwrite: bool = False, profile_step: int | None = None, timer: StageTimer | None = None,
-                 on_frames: Callable[[int], None] | None = None) -> dict | None:
+                 on_frames: Callable[[int], None] | None = None) -> ClipRecord | None:
         """Run stages 1-5 for a prepared request; returns the record written beside the MP4 (None on a rank that does
         not write). With `decode_group` (the ranks of one replica group, the writer first) every rank decodes its
         share of the video tiles and only the writer (write=True) writes; without it a rank with write=False stops
-        after denoising. `finish(record)` completes the record before it is written; the MP4 and the record are then
-        committed together, never replacing existing files unless `overwrite` (files.commit). `profile_step`: the
-        evaluation (from 1) whose host overhead is measured (step_profile.py). `timer` (a fresh StageTimer when None)
-        takes the stages' times; `on_frames(n)` is called on the writing rank as frames reach the encoder."""
+        after denoising. `finish(record)` returns the record completed (records.ClipRecord) before it is written; the
+        MP4 and the record are then committed together, never replacing existing files unless `overwrite`
+        (files.commit). `profile_step`: the evaluation (from 1) whose host overhead is measured (step_profile.py).
+        `timer` (a fresh StageTimer when None) takes the stages' times; `on_frames(n)` is called on the writing rank as
+        frames reach the encoder."""
         timer, start = timer or StageTimer(self.device), time.perf_counter()
         cache = new_step_cache(prepared.request, self.schedule(prepared.request))
         sparse = self.new_sparse_run(prepared.request)
@@ -137,11 +139,10 @@ class H3Pipeline:
                                                                        decode_group, on_frames)
         if not write:
             return None
-        record = self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer)
-        if cache is not None:
-            record["step_cache"] = cache.report()
-        record["sparse_attention"] = sparse.report() if sparse is not None else {"sparsity": 0.0}
-        record["wall_s"] = round(time.perf_counter() - start, 4)  # the stages overlap (decode, audio, encode)
+        record = replace(self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer),
+                         step_cache=cache.report() if cache is not None else None,
+                         sparse_attention=sparse.report() if sparse is not None else {"sparsity": 0.0},
+                         wall_s=round(time.perf_counter() - start, 4))  # the stages overlap (decode, audio, encode)
         return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
 
     @torch.no_grad()
@@ -240,8 +241,8 @@ class H3Pipeline:
     @torch.no_grad()
     def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = DEFAULT_CRF,
                        timer: StageTimer | None = None, group=None, write: bool = True,
-                       finish: Callable[[dict], None] | None = None, overwrite: bool = False,
-                       on_frames: Callable[[int], None] | None = None) -> dict | None:
+                       finish: Callable[[ClipRecord], ClipRecord] | None = None, overwrite: bool = False,
+                       on_frames: Callable[[int], None] | None = None) -> ClipRecord | None:
         """Stages 4-5 for one request of a batch; returns its record, committed with the MP4 as in `generate` (None
         on a rank of `group` that does not write: it decodes its share of the tiles)."""
         timer = timer or StageTimer(self.device)
@@ -255,7 +256,7 @@ class H3Pipeline:
         return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
 
     def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
-                audio_samples: int, timer: StageTimer) -> dict:
+                audio_samples: int, timer: StageTimer) -> ClipRecord:
         return clip_record(prepared, schedule, layout, output, frames_written, audio_samples, timer, self.device,
                            self.video_vae, self.load_report, self.loras)
 

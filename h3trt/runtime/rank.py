@@ -28,6 +28,7 @@ from ..parallel.launch import init_rank
 from ..parallel.mesh import SINGLE, MeshConfig, Parallel, build_mesh
 from .files import DEFAULT_CRF
 from .jobs import Event, Job, JobQueue
+from .messages import Cancel, FromRank, Idle, Ready, Report, Stop, Work
 from .pipeline import H3Pipeline
 from .request import CanvasDefaults
 from .work import Place, Reporter, free_memory, run_work
@@ -128,14 +129,14 @@ class LocalChannel:
 
 
 class PipeChannel:
-    """A spawned rank: the launcher sends ("work", jobs), ("cancel", id) and ("stop",) to every rank of the group;
-    the group's first rank sends back ("event", Event) and ("idle",) after each unit of work."""
+    """A spawned rank: the launcher sends Work, Cancel and Stop (runtime/messages.py) to every rank of the group; the
+    group's first rank sends back Report(event) and, after each unit of work, Idle()."""
 
     def __init__(self, conn: Connection, writes: bool):
         self.conn, self.writes = conn, writes
         self._cancelled: set[str] = set()
 
-    def send(self, *message) -> None:
+    def send(self, message: FromRank) -> None:
         self.conn.send(message)
 
     def next_work(self) -> list[Job] | None:
@@ -144,29 +145,32 @@ class PipeChannel:
                 message = self.conn.recv()
             except EOFError:  # the launcher is gone: nobody would take the results
                 return None
-            if message[0] == "work":
-                self._cancelled.clear()
-                return message[1]
-            if message[0] == "stop":
-                return None
-            # A cancel for a job that already ended here: nothing to do.
+            match message:
+                case Work(jobs=jobs):
+                    self._cancelled.clear()
+                    return list(jobs)
+                case Stop():
+                    return None
+                case Cancel():
+                    pass  # for a job that already ended here: nothing to do
+                case _:
+                    raise RuntimeError(f"the launcher sent {message!r}, which a rank does not take")
 
     def report(self, event: Event) -> None:
         if self.writes:
-            self.send("event", event)
+            self.send(Report(event))
 
     def cancelled(self, job_id: str) -> bool:
         while self.conn.poll():
             message = self.conn.recv()
-            if message[0] == "cancel":
-                self._cancelled.add(message[1])
-            else:
-                raise RuntimeError(f"the launcher sent {message[0]!r} while a job was running")
+            if not isinstance(message, Cancel):
+                raise RuntimeError(f"the launcher sent {type(message).__name__} while a job was running")
+            self._cancelled.add(message.job)
         return job_id in self._cancelled
 
     def idle(self) -> None:
         if self.writes:
-            self.send("idle")
+            self.send(Idle())
 
 
 class BroadcastChannel:
@@ -176,10 +180,19 @@ class BroadcastChannel:
         self.queue, self.limit, self.group, self.writes, self.first_rank = queue, limit, group, writes, first_rank
 
     def next_work(self) -> list[Job] | None:
-        box = [self.queue.take(0, self.limit) if self.writes else None]
+        box: list[Work | Stop | None] = [None]
+        if self.writes:
+            work = self.queue.take(0, self.limit)
+            box = [Stop() if work is None else Work(work)]
         if self.group is not None:
             dist.broadcast_object_list(box, src=self.first_rank, group=self.group)
-        return box[0]
+        match box[0]:
+            case Work(jobs=jobs):
+                return list(jobs)
+            case Stop():
+                return None
+            case other:
+                raise RuntimeError(f"the group's first rank broadcast {other!r}, which a rank does not take")
 
     def report(self, event: Event) -> None:
         if self.writes:
@@ -224,5 +237,5 @@ def group_rank_main(rank: int, world: int, store: str, conn: Connection, spec: W
     device = rank_device(spec.device_type)
     pipelines = Pipelines(lambda task: load_rank_pipeline(spec, par, device, task), spec.task, spec.engine)
     channel = PipeChannel(conn, par.writes)
-    conn.send(("ready", rank))
+    channel.send(Ready(rank))
     serve_group(spec, par, group_index, channel, device, pipelines)

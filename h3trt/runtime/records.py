@@ -1,12 +1,15 @@
-"""What a generation leaves beside its MP4: the stage timer, the provenance and timing record, and the commit that
-puts the record and the clip in place together."""
+"""What a generation leaves beside its MP4: the stage timer, the provenance and timing record (`ClipRecord`), and the
+commit that puts the record and the clip in place together; what a failure leaves (`Failure`, a requests file's
+`FailureRecord`)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import platform
 import time
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
@@ -76,15 +79,129 @@ class StageTimer:
         self.spans[stage] = [min(old[0], a), max(old[1], b)] if old else [a, b]
 
 
-def commit_clip(record: dict, mp4_temp: Path, output: Path, finish: Callable[[dict], None] | None = None,
-                overwrite: bool = False) -> dict:
+@dataclass(frozen=True)
+class ClipRecord:
+    """The clip's record, clip.json beside clip.mp4 (and a server's job row): what was asked, what was written, how long
+    each stage took and what served it. Its JSON is the fields below in this order, a field that is None left out,
+    then `extra`. Three layers fill it in turn (each a `dataclasses.replace` of the last): the pipeline (clip_record,
+    then generate's step cache, sparsity and wall time), the commit (the MP4's sha256 and size) and the job layer
+    (status .. peak_memory, and `extra`). A record written by an earlier version may lack fields added since: they
+    read as None, so a stored record reads and writes back unchanged."""
+
+    # The request and what was written (the pipeline)
+    output: str | None = None  # the MP4 as the worker named it (a server's is its work path)
+    task: str | None = None  # t2va, fl2va or ref2va
+    prompt: str | None = None
+    seed: int | None = None
+    steps: int | None = None
+    evaluations: int | None = None  # DiT evaluations of the schedule
+    shifts: dict | None = None  # {"video": shift, "audio": shift}
+    width: int | None = None
+    height: int | None = None
+    frames: int | None = None  # frames written
+    fps: int | None = None
+    audio_samples: int | None = None  # stereo samples written
+    audio_sample_rate: int | None = None
+    sequence_rows: int | None = None  # the packed sequence's rows
+    device: str | None = None
+    vae_precision: str | None = None
+    torch: str | None = None  # torch.__version__
+    python: str | None = None  # platform.python_version()
+    timings_s: dict[str, float] | None = None  # seconds per stage (stages overlap: their sum is not wall_s)
+    spans_unix: dict[str, list[float]] | None = None  # each stage's first start and last end, Unix seconds
+    step_marks_s: list[float] | None = None  # seconds since the denoise began, at each step's callback
+    video_decoder: str | None = None  # compiled or eager
+    step_profile: dict | None = None  # --profile-step's host-overhead report
+    load: dict | None = None  # a bundle's cold-start split
+    peak_memory_gib: dict | None = None  # CUDA: {"allocated": GiB, "reserved": GiB}
+    loras: list[dict] | None = None  # the LoRAs merged into the DiT (None: none)
+    step_cache: dict | None = None  # the step cache's report (None: no cache; a batched denoise has none)
+    sparse_attention: dict | None = None  # block-sparse attention's report ({"sparsity": 0.0}: dense)
+    wall_s: float | None = None  # one request's wall time (None in a batched denoise: its members share it)
+    # The commit
+    mp4_sha256: str | None = None
+    mp4_bytes: int | None = None
+    # The job layer
+    status: str | None = None  # "done"
+    id: str | None = None  # the job's id
+    request: dict | None = None  # the request as its fields (requests.request_dict)
+    model: str | None = None  # what served it: a checkpoint path, a bundle, embedded-tiny
+    batch: dict | None = None  # {"size", "index", "members"}: the batched denoise it was part of
+    peak_memory: dict | None = None  # {"bytes", "what"}
+    # The serving side's and the front door's own fields, written after the others in their order: a bundle's
+    # identity, the mesh, a server's job id, a requests file's line and its marker
+    extra: dict = field(default_factory=dict)
+
+    def __post_init__(self):
+        clash = sorted(set(self.extra) & set(_CLIP_FIELDS))
+        if clash:
+            raise ValueError(f"a clip record's extra fields {clash} would replace its own fields of those names.")
+
+    def to_json(self) -> dict:
+        """The record as written: the fields that are set in their order, then `extra`."""
+        fields = {name: getattr(self, name) for name in _CLIP_FIELDS}
+        return {**{name: value for name, value in fields.items() if value is not None}, **self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ClipRecord:
+        """A record as read back (a file or a row); keys it does not name go to `extra`, in their order."""
+        return cls(**{k: v for k, v in data.items() if k in _CLIP_FIELDS},
+                   extra={k: v for k, v in data.items() if k not in _CLIP_FIELDS})
+
+
+_CLIP_FIELDS = tuple(f.name for f in dataclasses.fields(ClipRecord) if f.name != "extra")
+
+
+@dataclass(frozen=True)
+class Failure:
+    """What a failed job's event carries besides its stage and reason (Event.error), for its front door: a server's
+    error code, `h3trt run`'s exit status, a requests file's failure record."""
+
+    error_type: str = ""  # the exception's class name, or WorkerLost / DiskFull (the job store's own ends)
+    user_error: bool = False  # the request was at fault (a UserError): `h3trt run` exits 2
+    traceback: list[str] = field(default_factory=list)  # the last lines of traceback.format_exception
+    timings_s: dict[str, float] = field(default_factory=dict)  # seconds per stage it got through
+
+
+@dataclass(frozen=True)
+class FailureRecord:
+    """A requests file's record of a request that failed, OUT/<id>.json where its clip's record would be (`h3trt run
+    --requests`: runtime/batch.py). Its JSON is "status": "failed", then the fields below in this order, then
+    `extra` (the serving side's: a bundle's identity)."""
+
+    id: str
+    line: int  # the request's line in the file
+    stage: str  # where it failed (a job stage, or prepare / encode / worker)
+    error: str  # "<stage>: <ExceptionType>: <message>"
+    traceback: list[str]
+    request: dict  # the request as its fields (requests.request_dict)
+    model: str  # what served it
+    timings_s: dict[str, float]
+    made_by: str  # batch_outputs.MADE_BY: what marks the file as the batch's own
+    extra: dict = field(default_factory=dict)
+
+    def to_json(self) -> dict:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "extra"}
+        return {"status": "failed", **fields, **self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict) -> FailureRecord:
+        if data.get("status") != "failed":
+            raise ValueError(f"a failure record's status is 'failed', not {data.get('status')!r}.")
+        names = {f.name for f in dataclasses.fields(cls)} - {"extra"}
+        return cls(**{k: v for k, v in data.items() if k in names},
+                   extra={k: v for k, v in data.items() if k not in names and k != "status"})
+
+
+def commit_clip(record: ClipRecord, mp4_temp: Path, output: Path,
+                finish: Callable[[ClipRecord], ClipRecord] | None = None, overwrite: bool = False) -> ClipRecord:
     """Stage 5's last step: the record (with the MP4's sha256 and size, completed by `finish`) and the finished MP4
     renamed into place together, or neither (files.commit: no-clobber unless `overwrite`)."""
     try:
-        record["mp4_sha256"], record["mp4_bytes"] = sha256_file(mp4_temp), os.path.getsize(mp4_temp)
+        record = dataclasses.replace(record, mp4_sha256=sha256_file(mp4_temp), mp4_bytes=os.path.getsize(mp4_temp))
         if finish is not None:
-            finish(record)
-        json_temp = write_json_file(record_path(output), record)
+            record = finish(record)
+        json_temp = write_json_file(record_path(output), record.to_json())
     except BaseException:
         discard(mp4_temp)
         raise
@@ -100,28 +217,28 @@ def record_path(output: Path) -> Path:
 
 def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
                 audio_samples: int, timer: StageTimer, device: torch.device, video_vae,
-                load_report: dict | None = None, loras: tuple[dict, ...] = ()) -> dict:
-    """The provenance and timing record written beside an MP4: the request, its schedule and layout, what was written,
-    and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged `loras`)."""
+                load_report: dict | None = None, loras: tuple[dict, ...] = ()) -> ClipRecord:
+    """The pipeline's part of the record written beside an MP4: the request, its schedule and layout, what was
+    written, and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged
+    `loras`)."""
     req, geo = prepared.request, prepared.geometry
-    return {
-        "output": str(output), "task": req.task, "prompt": req.prompt, "seed": req.seed,
-        "steps": req.steps, "evaluations": schedule.num_evaluations,
-        "shifts": {"video": schedule.video_shift, "audio": schedule.audio_shift},
-        "width": geo.width, "height": geo.height, "frames": frames_written, "fps": FPS,
-        "audio_samples": int(audio_samples), "audio_sample_rate": AUDIO_SAMPLE_RATE,
-        "sequence_rows": layout.seq_len, "device": str(device), "vae_precision": video_vae.precision,
-        "torch": torch.__version__, "python": platform.python_version(),
-        "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()},
-        "spans_unix": {k: [round(a, 4), round(b, 4)] for k, (a, b) in timer.spans.items()},
+    return ClipRecord(
+        output=str(output), task=req.task, prompt=req.prompt, seed=req.seed,
+        steps=req.steps, evaluations=schedule.num_evaluations,
+        shifts={"video": schedule.video_shift, "audio": schedule.audio_shift},
+        width=geo.width, height=geo.height, frames=frames_written, fps=FPS,
+        audio_samples=int(audio_samples), audio_sample_rate=AUDIO_SAMPLE_RATE,
+        sequence_rows=layout.seq_len, device=str(device), vae_precision=video_vae.precision,
+        torch=torch.__version__, python=platform.python_version(),
+        timings_s={k: round(v, 4) for k, v in timer.seconds.items()},
+        spans_unix={k: [round(a, 4), round(b, 4)] for k, (a, b) in timer.spans.items()},
         # Host-side marks: a step's kernels are queued ahead, and each step waits for the one before (the baked
         # AdaLN lookup syncs), so the differences are the steps' device times within one step's queueing.
-        "step_marks_s": [round(m, 4) for m in timer.step_marks],
-        "video_decoder": "compiled" if video_vae.tile_decoders else "eager",
-        **({"step_profile": timer.step_profile} if timer.step_profile is not None else {}),
-        **({"load": load_report} if load_report is not None else {}),
-        **({"peak_memory_gib": {"allocated": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
-                                "reserved": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}}
-           if device.type == "cuda" else {}),
-        **({"loras": list(loras)} if loras else {}),
-    }
+        step_marks_s=[round(m, 4) for m in timer.step_marks],
+        video_decoder="compiled" if video_vae.tile_decoders else "eager",
+        step_profile=timer.step_profile, load=load_report,
+        peak_memory_gib={"allocated": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
+                         "reserved": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
+        if device.type == "cuda" else None,
+        loras=list(loras) if loras else None,
+    )

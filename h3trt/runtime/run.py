@@ -25,7 +25,7 @@ from .entry import Entry
 from .files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
                     remove_leftovers, remove_own_temps)
 from .jobs import Event, EventKind, Job, JobFailed
-from .records import record_path
+from .records import ClipRecord, record_path
 from .request import Request, check_prompt_tokens, prepare
 from .requests import RequestsFileError
 from .workers import launch_gpus, serve_queue
@@ -81,7 +81,7 @@ class ClipQueue:
     def __init__(self, job: Job | None, quiet: bool):
         self.job, self.quiet = job, quiet
         self.pending = [job] if job is not None else []
-        self.record: dict | None = None
+        self.record: ClipRecord | None = None
         self.error: Event | str | None = None
         self.retried = False
         self.bar = None
@@ -128,7 +128,7 @@ class ClipQueue:
             event = self.error
             if isinstance(event, str):
                 raise JobFailed(f"{event}. Every rank was stopped; no output was written.")
-            raise (UserError if (event.record or {}).get("user_error") else JobFailed)(event.error)
+            raise (UserError if event.record is not None and event.record.user_error else JobFailed)(event.error)
         if reports and self.record is not None:
             report_record(self.record, self.job.output)
         return 0
@@ -143,15 +143,14 @@ def check_mp4_name(output: Path) -> None:
         raise UserError(f"--output must end in .mp4, got {str(output)!r}; e.g. {output.with_suffix('.mp4')}.")
 
 
-def report_record(record: dict, output: Path) -> None:
+def report_record(record: ClipRecord, output: Path) -> None:
     """Print the summary of a written clip."""
-    print(f"wrote {output}: {record['frames']} frames {record['width']}x{record['height']} @ {record['fps']} fps, "
-          f"{record['audio_samples'] / record['audio_sample_rate']:.3f} s stereo audio ({record['task']}, "
-          f"seed {record['seed']})")
-    for stage, seconds in record["timings_s"].items():
+    print(f"wrote {output}: {record.frames} frames {record.width}x{record.height} @ {record.fps} fps, "
+          f"{record.audio_samples / record.audio_sample_rate:.3f} s stereo audio ({record.task}, seed {record.seed})")
+    for stage, seconds in record.timings_s.items():
         print(f"  {stage:<17}{seconds:8.2f} s")
     # Stages overlap (video decode, audio decode and encoding run concurrently): the total is wall time, not a sum.
-    print(f"  {'wall':<17}{record['wall_s']:8.2f} s   (timings: {record_path(output)})")
+    print(f"  {'wall':<17}{record.wall_s:8.2f} s   (timings: {record_path(output)})")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -20,7 +20,7 @@ import hashlib
 import resource
 import time
 import traceback
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -31,6 +31,7 @@ from .files import DEFAULT_CRF
 from .jobs import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 from .parallel_vae import _comm_device
 from .pipeline import H3Pipeline
+from .records import ClipRecord, Failure
 from .request import Encoded, prepare, request_dict
 from .timeline import TimelineTimer
 
@@ -242,10 +243,9 @@ def _failed(reporter: Reporter, place: Place, jobs: list[Job], stage: str, error
     for job, timer in zip(jobs, timers if timers else [None] * len(jobs)):
         reporter.event(job, EventKind.FAILED, stage, error=reason,
                        intervals=tuple(timer.intervals) if timer is not None else (),
-                       record={"traceback": traceback.format_exception(error)[-3:],
-                               "timings_s": {k: round(v, 4) for k, v in timer.seconds.items()} if timer else {},
-                               "user_error": isinstance(error, UserError),
-                               "error_type": type(error).__name__})
+                       record=Failure(type(error).__name__, isinstance(error, UserError),
+                                      traceback.format_exception(error)[-3:],
+                                      {k: round(v, 4) for k, v in timer.seconds.items()} if timer else {}))
     free_memory(reporter.device)
     if place.raise_failures:
         raise error
@@ -258,11 +258,12 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _completer(job: Job, place: Place, pipeline: H3Pipeline, batch: dict) -> Callable[[dict], None]:
+def _completer(job: Job, place: Place, pipeline: H3Pipeline, batch: dict) -> Callable[[ClipRecord], ClipRecord]:
     """What a done record holds besides the pipeline's fields; filled in just before it is committed."""
-    def finish(record: dict) -> None:
-        record.update(status="done", id=job.id, request=request_dict(job.request), model=place.model, batch=batch,
-                      peak_memory=peak_memory(pipeline.device), **place.record_extra, **job.record)
+    def finish(record: ClipRecord) -> ClipRecord:
+        return replace(record, status="done", id=job.id, request=request_dict(job.request), model=place.model,
+                       batch=batch, peak_memory=peak_memory(pipeline.device),
+                       extra={**record.extra, **place.record_extra, **job.record})
 
     return finish
 

@@ -28,6 +28,7 @@ from ..parallel.launch import Failure, RankFailed, RankGroup, init_torchrun_rank
 from ..parallel.mesh import SINGLE, build_mesh
 from ..str_enum import StrEnum
 from .jobs import Event, Job, JobQueue
+from .messages import Cancel, FromRank, Idle, Ready, Report, Stop, ToRank, Work
 from .rank import BroadcastChannel, LocalChannel, Pipelines, WorkerSpec, group_rank_main, load_rank_pipeline, \
     rank_device, serve_group
 
@@ -108,8 +109,8 @@ class _Group:
     conns: list = field(default_factory=list)  # the launcher's end of each rank's pipe
     ready: int = 0  # ranks that loaded their pipeline
     holding: dict[str, Job] = field(default_factory=dict)  # the unit of work it runs, less the jobs that ended
-    busy: bool = False  # between handing it work and its ("idle",)
-    stopping: bool = False  # sent ("stop",): it has no more work
+    busy: bool = False  # between handing it Work and its Idle
+    stopping: bool = False  # sent Stop: it has no more work
     done: bool = False  # stopped cleanly
     restarts: int = 0
     failures_before_ready: int = 0
@@ -210,7 +211,7 @@ class Workers:
         with self.lock:
             g.ranks, g.conns = None, []
 
-    def _send(self, g: _Group, *message) -> None:
+    def _send(self, g: _Group, message: ToRank) -> None:
         for c in g.conns:
             try:
                 c.send(message)
@@ -221,7 +222,7 @@ class Workers:
         wanted = set(self.queue.cancels())
         for g in self.groups:
             for job_id in (wanted & set(g.holding)) - g.cancels_sent:
-                self._send(g, "cancel", job_id)
+                self._send(g, Cancel(job_id))
                 g.cancels_sent.add(job_id)
 
     def _hand_out_work(self) -> None:
@@ -232,18 +233,18 @@ class Workers:
             if work is None:
                 if self._draining.is_set() and any(other.busy for other in self.groups):
                     continue  # drain: stop together once the running work has ended
-                self._send(g, "stop")
+                self._send(g, Stop())
                 g.stopping = True
             elif work:
                 with self.lock:
                     g.holding, g.busy = {job.id: job for job in work}, True
-                self._send(g, "work", work)
+                self._send(g, Work(work))
 
     def _report_ended(self, flush: bool = False) -> None:
         """Record the jobs that ended, once their group has its next work (or none is coming): the loop calls this
         after handing work out, so what a job's end costs the queue (a server's thumbnail, publishing the clip, the
         store's row) overlaps the next job on the GPU instead of delaying it. A group whose work all ended but whose
-        "idle" has not arrived yet is in between: its ends wait for the next pass."""
+        Idle has not arrived yet is in between: its ends wait for the next pass."""
         waiting = []
         for g, event in self._ended:
             if not flush and g.busy and not g.holding:
@@ -271,26 +272,26 @@ class Workers:
                         break  # a rank is gone: _check_ranks
                     self._handle(g, message)
 
-    def _handle(self, g: _Group, message: tuple) -> None:
-        kind = message[0]
-        if kind == "ready":
-            with self.lock:
-                g.ready += 1
-            if g.up:
-                g.failures_before_ready = 0
-                if g.restarts:
-                    self.log(f"replica group {g.index} serves again (restart {g.restarts})")
-        elif kind == "event":
-            event = message[1]
-            if event.ends:
+    def _handle(self, g: _Group, message: FromRank) -> None:
+        match message:
+            case Ready():
+                with self.lock:
+                    g.ready += 1
+                if g.up:
+                    g.failures_before_ready = 0
+                    if g.restarts:
+                        self.log(f"replica group {g.index} serves again (restart {g.restarts})")
+            case Report(event=event) if event.ends:
                 with self.lock:
                     g.holding.pop(event.job, None)
                 self._ended.append((g, event))  # recorded once the group's next work is out (_report_ended)
-            else:
+            case Report(event=event):
                 self.queue.report(event)
-        elif kind == "idle":
-            with self.lock:
-                g.busy, g.holding = False, {}
+            case Idle():
+                with self.lock:
+                    g.busy, g.holding = False, {}
+            case _:
+                raise RuntimeError(f"replica group {g.index} sent {message!r}, which the launcher does not take")
 
     def _check_ranks(self) -> None:
         now = time.monotonic()

@@ -35,6 +35,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartParser
 
 from ..runtime.profiles import PROFILE_NAMES
+from ..runtime.records import ClipRecord
 from ..runtime.request import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, MAX_STEPS
 from .service import ApiError, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, is_disk_full, store_unreachable
@@ -424,7 +425,7 @@ def _number(value) -> bool:
 def _video_of(service: VideoService, row: JobRow) -> Video:
     schema, openai = row.request["schema"], row.request.get("openai", {})
     width, height = row.request.get("geometry", [0, 0])
-    record = row.record or {}
+    record = ClipRecord.from_json(row.record or {})
     duration = schema.get("duration", None)
     seconds = openai.get("seconds")  # text since issue 35; an older h3trt stored the number a client sent
     return Video(
@@ -435,12 +436,12 @@ def _video_of(service: VideoService, row: JobRow) -> Video:
         size=f"{width}x{height}",
         error=VideoError(code=row.error_code or "error", message=row.error_message or "")
         if row.status in ("failed", "cancelled") and row.error_message else None,
-        task=record.get("task") or schema.get("task") or _task_of(schema), seed=int(schema.get("seed", 42)),
+        task=record.task or schema.get("task") or _task_of(schema), seed=int(schema.get("seed", 42)),
         steps=int(schema.get("steps", service.entry.default_steps)), stage=row.stage,
         evaluations=Evaluations(done=row.evaluations_done, total=row.evaluations_total),
         started_at=_int(row.started_at), attempts=row.attempts, cancel_requested=row.cancel_requested,
-        timings=record.get("timings_s"), stage_spans=record.get("spans_unix"),
-        manifest_sha256=service.manifest_sha256, sparse_attention=record.get("sparse_attention"))
+        timings=record.timings_s, stage_spans=record.spans_unix,
+        manifest_sha256=service.manifest_sha256, sparse_attention=record.sparse_attention)
 
 
 def _task_of(schema: dict) -> str:

@@ -20,6 +20,8 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
+from ..runtime.records import ClipRecord
+
 LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1200, 1800, 3600, float("inf"))
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 4, 5, 7.5, 10, 20, float("inf"))
 
@@ -68,14 +70,14 @@ class Metrics:
             self.queue_time.observe(max(0.0, row.started_at - row.created_at))
         if row.completed_at is not None:
             self.latency.observe(max(0.0, row.completed_at - row.created_at))
-        record = row.record or {}
-        for stage, seconds in (record.get("timings_s") or {}).items():
+        record = ClipRecord.from_json(row.record or {})
+        for stage, seconds in (record.timings_s or {}).items():
             if not stage.endswith("_s"):
                 self.stage.labels(stage).observe(seconds)
-        marks = record.get("step_marks_s") or []
+        marks = record.step_marks_s or []
         for a, b in zip([0.0] + marks[:-1], marks):
             self.step.observe(max(0.0, b - a))
-        peak = record.get("peak_memory_gib", {}).get("allocated")
+        peak = (record.peak_memory_gib or {}).get("allocated")
         if peak is not None and row.worker:
             self.gpu_memory.labels(row.worker).set(peak * 2**30)
 

@@ -20,6 +20,7 @@ from typing import Callable
 from ..errors import UserError
 from ..runtime.files import remove_leftovers
 from ..runtime.jobs import Event, Job
+from ..runtime.records import ClipRecord, Failure
 from ..runtime.requests import RequestDefaults, parse_object
 from .metrics import Metrics
 from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
@@ -103,7 +104,7 @@ class StoreQueue:
                     self._remove_files(event.job)
                     self._unrecorded[0] = Event(event.job, "failed", "store", group=event.group, attempt=event.attempt,
                                                 error=f"the server's data disk is full: {e.__class__.__name__}",
-                                                record={"error_type": "DiskFull"})
+                                                record=Failure("DiskFull"))
                 return False
             self._unrecorded.pop(0)
         self._space_again()
@@ -156,9 +157,9 @@ class StoreQueue:
             event = Event(event.job, "cancelled", error="cancelled by request", group=event.group,
                           attempt=event.attempt)
         if event.kind == "done":
-            self._complete(event.job, event.record, worker, attempt)
+            self._complete(event.job, event.record.to_json(), worker, attempt)
         elif event.kind == "failed":
-            code = _error_code((event.record or {}).get("error_type", ""))
+            code = _error_code(event.record.error_type if event.record is not None else "")
             if is_disk_full(Exception(event.error or "")):
                 code = "disk_full"
             ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker,
@@ -184,7 +185,7 @@ class StoreQueue:
                 raise
             self._full(e)
             self._unrecorded += [Event(job.id, "failed", "worker", error=f"worker: {reason}",
-                                       record={"error_type": "WorkerLost"}, group=group, attempt=job.attempt)
+                                       record=Failure("WorkerLost"), group=group, attempt=job.attempt)
                                  for job in jobs]
 
     def _lost(self, group: int, jobs: list[Job], reason: str, died: bool) -> None:
@@ -200,7 +201,7 @@ class StoreQueue:
                     self.log("requeued", job=job.id, reason=reason, attempts=row.attempts)
             else:  # a rank raised `reason` ("OutOfMemoryError: ..."), or the job already ran twice
                 kind = reason.split(":", 1)[0] if not died and ":" in reason else "WorkerLost"
-                self.report(Event(job.id, "failed", "worker", error=f"worker: {reason}", record={"error_type": kind},
+                self.report(Event(job.id, "failed", "worker", error=f"worker: {reason}", record=Failure(kind),
                                   group=group, attempt=job.attempt))
 
     def cancels(self) -> list[str]:
@@ -263,11 +264,13 @@ class StoreQueue:
         if mp4 is None:
             return True
         try:
-            return json.loads(self.storage.read_text(record_key(job_id))).get("mp4_sha256") == sha256_file(mp4)
+            record = ClipRecord.from_json(json.loads(self.storage.read_text(record_key(job_id))))
+            return record.mp4_sha256 == sha256_file(mp4)
         except (OSError, ValueError):
             return False
 
     def _complete(self, job_id: str, record: dict, worker: str | None, attempt: int | None = None) -> None:
+        """The job's clip is committed: publish it and end its row with `record` (ClipRecord.to_json, as its file)."""
         mp4 = self.storage.work_path(clip_key(job_id))
         if mp4.is_file() and not self.storage.exists(thumbnail_key(job_id)):
             _thumbnail(mp4, self.storage.work_path(thumbnail_key(job_id)), self.log)
