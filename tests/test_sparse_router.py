@@ -6,7 +6,7 @@ a subprocess because the interpreter is chosen when the kernels are decorated, a
 kernels' own index arithmetic, masks and reductions (ragged tails, sub-cells past the end, every n, B = 2, unequal q
 and k lengths, the top-k's tie order); it does not run the GPU's dot or exp instructions, so the GPU's numbers are
 checked by `test_triton_router_matches_torch_on_cuda` (skipped without CUDA) and at H3's shape by
-.gpu_probe-style runs recorded in bench/results/router_h200.json.
+scripts/bench_router.py.
 """
 
 import json

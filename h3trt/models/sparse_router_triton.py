@@ -3,8 +3,9 @@
 The torch router materialises every sub-block pair score ([N, G * n_q, K * n_k] fp32, 1.2 GB at H3's 37,838 rows x 56
 heads with n = 4) in chunks and took 15.23 ms on the H200 for 64-row blocks, 63% of the sparse attention it routes
 (bench/README.md). Here three kernels do the same arithmetic without that buffer:
-  1. `_pool_kernel`: each sub-block's mean over its real rows, summed in fp32, divided by the real-row count (the same mean `pool_subblocks` takes; q pre-scaled by softmax_scale after, as `_pooled` does), zero
-     where the sub-block holds no real row. One program per (block, head, batch).
+  1. `_pool_kernel`: each sub-block's mean over its real rows, summed in fp32, divided by the real-row count (the
+     mean `pool_subblocks` takes; q then scaled by softmax_scale, as `_pooled` does), zero where the sub-block holds
+     no real row. One program per (block, head, batch).
   2. `_score_kernel`: score(i, j) = log sum over the valid (a, b) sub-block pairs of exp(qbar_ia . kbar_jb), fp32,
      one program per (BLOCK_G query blocks x BLOCK_K key blocks, head, batch): each pair (a, b) is one
      [BLOCK_G, D] x [D, BLOCK_K] fp32 dot folded into a running (max, sum) so no pair tile is kept. Pairs with a
@@ -14,13 +15,14 @@ heads with n = 4) in chunks and took 15.23 ms on the H200 for 64-row blocks, 63%
      preserving integer; the topk-th largest is found bit by bit (32 counting passes over the row, no sort), every
      score above it is kept and the lowest-numbered blocks equal to it fill the rest: exactly the set a stable
      descending sort keeps (the reference's `torch.sort(..., stable=True)`, `_topk_lowest_first`'s rule). The kept
-     columns are written in ascending order through a prefix sum. Rows of more than TOPK_MAX_BLOCKS key blocks (over 65,536 rows in 64-row
-     blocks) take `_topk_lowest_first` instead: torch, the same set, a few more launches.
+     columns are written in ascending order through a prefix sum. Rows of more than TOPK_MAX_BLOCKS key blocks
+     (over 65,536 rows in 64-row blocks) take `_topk_lowest_first` instead: torch, the same set, more launches.
 Precision: the dot runs in full fp32 ("ieee", CUDA-core FMAs) or "tf32x3" (three TF32 tensor-core products, the
 error of fp32 within a few ulp); either differs from cuBLAS's fp32 GEMM in the order of its additions only, so the
 scores agree to a few ulp and the kept set is the torch path's except where two key blocks' scores at the threshold
-lie within that rounding of each other (a near-tie fp32 cannot resolve either way; bench/results/router_h200.json
-counts them at H3's shape). Exact ties (equal blocks score bit-identically) go to the lower block, as in torch.
+lie within that rounding of each other (a near-tie fp32 cannot resolve either way; scripts/bench_router.py counts
+them at H3's shape, with the score gap of every swapped pair). Exact ties (equal blocks score bit-identically) go to
+the lower block, as in torch.
 
 Integer lengths are not specialised on (do_not_specialize): one compile per (dtype, head dim, block, n_q, n_k)
 serves every sequence length, so `warm_router` at load compiles all a request needs.
@@ -43,7 +45,9 @@ SCORE_TILE_G, SCORE_TILE_K, SCORE_WARPS = 64, 64, 4
 TOPK_MAX_BLOCKS = 1024  # the top-k kernel holds one row of this many slots in registers (65,536 rows of 64)
 TOPK_WARPS = 2  # one row per program: few warps keep its 32 counting passes' reductions cheap
 DOT_PRECISIONS = ("ieee", "tf32x3")
-DEFAULT_DOT_PRECISION = "tf32x3"  # chosen on the H200 (bench/results/router_h200.json): see the module docstring
+# tf32x3 for the tensor cores (the pair dots are ~80 GFLOP at H3's shape; ieee runs them on CUDA-core FMAs). Not yet
+# timed on a GPU: scripts/bench_router.py times both and counts where each differs from torch.
+DEFAULT_DOT_PRECISION = "tf32x3"
 
 
 @triton.jit(do_not_specialize=["S", "P"])
