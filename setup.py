@@ -62,6 +62,10 @@ setup(
             # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/test_lora.py). Bounded
             # above (tested on 0.21.2): a peft release that changes how diffusers 0.42.1 maps a LoRA changes the oracle.
             "peft<0.22",
+            # The fused SubBlock router's kernels (h3trt/models/sparse_router_triton.py) run on the CPU under Triton's
+            # interpreter in tests/test_sparse_router.py. The GPU image's release (3.6.0, with torch 2.11); no
+            # dependencies; a 188 MB wheel, about 20 s to install.
+            "triton==3.6.0",
         ],
         # `h3trt build --precision fp8|nvfp4`: calibration runs through NVIDIA ModelOpt, this release and no other
         # (h3trt/calibration/recipe.py MODELOPT_VERSION refuses another). Pure Python; its CUDA extensions are never

@@ -11,7 +11,10 @@ Shape: 37,838 rows (128 text + 2 x 207 audio + 37 x 24 x 42 video) x 56 heads x 
   fa4_dense             FlashAttention-4's dense forward (flash_attn.cute flash_attn_func)
   fa4_sparse_B_S        h3trt::sparse_attention kernel fa4, B-row blocks (64: SubBlock's; 128), sparsity S
   flex_sparse_128_0.75  kernel flex (FlexAttention under torch.compile, 128-row blocks)
-  router_B_S            subblock_route (the chunked path the DiT calls) at that shape, n_q = n_k = 4
+  router_B_S            subblock_route (the chunked torch router: the CPU's, and the reference) at that shape,
+                        n_q = n_k = 4
+  router_B_S_triton     the fused Triton router (the path the DiT calls on CUDA, models/sparse_router_triton.py);
+                        router_parity says in how many (head, query block) rows its blocks differ from torch's
 Every sparse row is checked against the masked reference on a few (head, query block) cells, and reports the share
 of the softmax mass its kept blocks hold (sampled query rows, exact softmax over every key), for two kinds of q/k:
   random      i.i.d. normal q/k: flat attention, every block holds about the same mass, so no router can do better
@@ -21,8 +24,8 @@ of the softmax mass its kept blocks hold (sampled query rows, exact softmax over
               video attention, still synthetic. Timings use these q/k.
 --block (GPU, if the FP8 path builds): one full-width FP8 DiT block (random weights, ModelOpt max calibration on
 its own input, bf16 attention) compiled as `h3trt build` compiles it, dense (block segment, fa3) against the split
-block (block_pre and block_post segments) around the router + fa4 sparse attention at 0.75 (video query blocks
-sparse, the rest dense, as the DiT gates them).
+block (block_pre and block_post segments) around the router the DiT runs there (Triton on CUDA) + fa4 sparse
+attention at 0.75 (video query blocks sparse, the rest dense, as the DiT gates them).
 first_call_at_new_length_s: each GPU sparse kernel's first call at a second sequence length (does it recompile?).
 With --tiny (CPU): the reference and flex (unfused) kernels only, perf_counter timings: it checks the script runs.
 """
@@ -48,6 +51,7 @@ from h3trt.models.attention import attention, kernel_problem  # noqa: E402
 from h3trt.models.sparse_attention import sparse_budget, subblock_route  # noqa: E402
 from h3trt.models.sparse_kernels import (fa4_modules, flex_sparse_attention, sparse_attention,  # noqa: E402
                                          sparse_kernel_problem)
+from h3trt.models.sparse_router import route_blocks, router_for  # noqa: E402
 
 H3_ROWS, H3_HEADS, H3_DIM = 128 + 2 * 207 + 37 * 24 * 42, 56, 128
 
@@ -194,6 +198,8 @@ def run(args) -> dict:
         print(f"routing {tag}: {topk}/{K} blocks kept, softmax mass kept {result['kept_mass'][tag]}", flush=True)
         if sparsity == 0.75:
             row(f"router_{tag}", lambda block=block: subblock_route(q, k, 0.75, D ** -0.5, block=block))
+            if device.type == "cuda":
+                _triton_router_row(result, row, skip, q, k, index, tag, block)
 
     all_sparse = {block: torch.ones(-(-S // block), dtype=torch.bool, device=device) for block in (64, 128)}
     kernels = [("fa4", block, sparsity) for block, sparsity in configs] + [("flex", 128, 0.75)]
@@ -247,10 +253,29 @@ def run(args) -> dict:
         sparse = f"fa4_sparse_{block}_0.75"
         if sparse in ms:
             result.setdefault("router_share_of_sparse_attention", {})[name] = ms[name] / (ms[name] + ms[sparse])
+        if "fp8_block_sparse_fa4_64_0.75" in ms and block == "64":  # the bar: <= 2% of a sparse block
+            result.setdefault("router_share_of_fp8_sparse_block", {})[name] = ms[name] / ms[
+                "fp8_block_sparse_fa4_64_0.75"]
     result["notes"].append("kept_mass 'random': i.i.d. q/k (flat attention: mass ~ kept fraction); 'structured': "
                            "smooth low-rank q = k plus noise (synthetic; not the real model's attention).")
     _write(args.json, result)
     return result
+
+
+def _triton_router_row(result, row, skip, q, k, torch_index, tag, block):
+    """The fused router's time at this shape, and the rows where its blocks differ from the torch router's (a
+    difference can only be a near-tie at the threshold: scores within a few fp32 ulp)."""
+    name = f"router_{tag}_triton"
+    try:
+        router_for(q.device)
+        index, _ = route_blocks(q, k, 0.75, q.shape[-1] ** -0.5, "triton", block=block)
+    except Exception as e:
+        skip(name, f"{type(e).__name__}: {e}"[:800])
+        return
+    differ = (index != torch_index).any(-1)
+    result.setdefault("router_parity", {})[name] = {"rows_differing_from_torch": int(differ.sum()),
+                                                   "rows": differ.numel()}
+    row(name, lambda: route_blocks(q, k, 0.75, q.shape[-1] ** -0.5, "triton", block=block))
 
 
 def _new_length_first_call(result, name, q, k, v, block, sparsity, kernel):
@@ -330,7 +355,7 @@ def _fp8_block_rows(result, ms_of, row):
             (qkv,) = pre(x, mod, idx, cos, sin, *w_pre)
             q, k, v = qkv[0, 0], qkv[0, 1], qkv[0, 2]
             if sparse:
-                index, _ = subblock_route(q, k, 0.75, scale)
+                index, _ = route_blocks(q, k, 0.75, scale, router_for(q.device))
                 out = sparse_attention(q, k, v, index, sparse_G, 64, "fa4")
             else:
                 out = attention(q, k, v, "fa3")
