@@ -43,13 +43,16 @@ def test_cpu_and_other_devices_route_with_torch():
         assert choose_router(device_type, "ImportError: no triton") == "torch"  # Triton is never needed off CUDA
 
 
-def test_cuda_routes_with_triton():
-    assert choose_router("cuda", None) == "triton"
+def test_cuda_routes_with_triton_once_it_is_switched_on():
+    assert choose_router("cuda", None, triton_on_cuda=True) == "triton"
+    # Until measured on a GPU (sparse_router.TRITON_ROUTER_ON_CUDA), CUDA routes with torch, Triton or not.
+    assert choose_router("cuda", None, triton_on_cuda=False) == "torch"
+    assert choose_router("cuda", "ImportError: no triton", triton_on_cuda=False) == "torch"
 
 
 def test_cuda_without_triton_is_refused_with_the_fix_not_routed_slowly():
     with pytest.raises(UserError, match=r"needs Triton on a CUDA GPU.*No module named 'triton'.*pip install triton"):
-        choose_router("cuda", "ModuleNotFoundError: No module named 'triton'")
+        choose_router("cuda", "ModuleNotFoundError: No module named 'triton'", triton_on_cuda=True)
 
 
 def test_route_blocks_refuses_an_unknown_router():

@@ -25,10 +25,20 @@ TRITON_FIX = ("install Triton (pip install triton; torch's CUDA wheels depend on
               "or run sparse requests on the CPU")
 
 
-def choose_router(device_type: str, triton_problem: str | None) -> str:
-    """'triton' on a CUDA device, 'torch' on any other. `triton_problem`: why the Triton router does not load here
-    (None: it loads); on CUDA that is a UserError naming the fix, not a fallback to the slow torch router."""
-    if device_type != "cuda":
+# The Triton router has been checked only under Triton's interpreter on the CPU (tests/test_sparse_router.py): no GPU
+# could be had in the session that wrote it, so its compile-once claim (a bundle's request may compile nothing) and its
+# blocks at H3's shape on real hardware are unmeasured. Until scripts/bench_router.py has checked both on a GPU, CUDA
+# routes with torch (each clip's record names its router); set this True with that result.
+TRITON_ROUTER_ON_CUDA = False
+
+
+def choose_router(device_type: str, triton_problem: str | None, triton_on_cuda: bool | None = None) -> str:
+    """'triton' on a CUDA device (once TRITON_ROUTER_ON_CUDA), 'torch' on any other. `triton_problem`: why the Triton
+    router does not load here (None: it loads); on CUDA that is a UserError naming the fix, not a fallback to the slow
+    torch router."""
+    if triton_on_cuda is None:
+        triton_on_cuda = TRITON_ROUTER_ON_CUDA
+    if device_type != "cuda" or not triton_on_cuda:
         return "torch"
     if triton_problem is not None:
         raise UserError(f"the fused SubBlock router needs Triton on a CUDA GPU, and it does not load here "
