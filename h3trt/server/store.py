@@ -81,6 +81,9 @@ jobs = Table(
     Column("output", Text),  # where the MP4 is (a path, or a URL of a fleet's storage)
     Column("worker", String(128)),  # which replica group ran it (a fleet: host:pid/group)
     Column("heartbeat_at", Float),  # its worker's last renewal of the lease (in_progress jobs; migration 0002)
+    # A completed job's clip is the files of this claim (storage.py clip_key(id, clip_attempt)); NULL on rows completed
+    # before each claim wrote files of its own names (migration 0003), whose clip is clip_key(id)
+    Column("clip_attempt", Integer),
 )
 
 
@@ -109,6 +112,7 @@ class JobRow:
     output: str | None
     worker: str | None
     heartbeat_at: float | None
+    clip_attempt: int | None
 
     @classmethod
     def of(cls, row: Row) -> "JobRow":
@@ -206,17 +210,18 @@ class JobStore:
 
     def end(self, job_id: str, status: str, retention_s: float, now: float | None = None, record: dict | None = None,
             output: str | None = None, error: tuple[str, str] | None = None,
-            worker: str | None = None, attempt: int | None = None) -> JobRow | None:
-        """A job's end: completed (its record and output), failed (error code and message) or cancelled; its files
-        and row expire `retention_s` later. Only a job not already ended changes (an end is reported once), and with
-        `worker` only one that worker holds (with `attempt`, under that claim: module doc)."""
+            worker: str | None = None, attempt: int | None = None, clip_attempt: int | None = None) -> JobRow | None:
+        """A job's end: completed (its record, output and the claim whose files are its clip, `clip_attempt`),
+        failed (error code and message) or cancelled; its files and row expire `retention_s` later. Only a job not
+        already ended changes (an end is reported once), and with `worker` only one that worker holds (with
+        `attempt`, under that claim: module doc)."""
         if status not in ENDED:
             raise ValueError(f"end status {status!r} is not one of {ENDED}.")
         now = now or time.time()
         values = dict(status=status, completed_at=now, expires_at=now + retention_s,
                       stage="done" if status == "completed" else status)
         if status == "completed":
-            values.update(progress=100, record=json.dumps(record), output=output)
+            values.update(progress=100, record=json.dumps(record), output=output, clip_attempt=clip_attempt)
         if error is not None:
             values.update(error_code=error[0], error_message=error[1])
         with self.engine.begin() as c:
