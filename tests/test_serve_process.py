@@ -154,7 +154,7 @@ def test_a_signal_to_the_whole_process_group_drains(tmp_path, tiny_cache, sig):
     with sqlite3.connect(data / "jobs.sqlite3") as db:
         status, attempts = db.execute("SELECT status, attempts FROM jobs WHERE id = ?", (running["id"],)).fetchone()
     assert (status, attempts) == ("completed", 1), srv.log()[-3000:]  # finished by the drain, not queued again
-    assert (data / "clips" / f"{running['id']}.mp4").stat().st_size > 0
+    assert (data / "clips" / f"{running['id']}.attempt1.mp4").stat().st_size > 0
 
 
 
