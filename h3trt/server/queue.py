@@ -255,7 +255,7 @@ class StoreQueue:
                    if job_of(name) not in known]
         self.storage.remove(*orphans)
         self.log("recovered", requeued=requeued, failed=failed, orphans_removed=len(orphans),
-                 queued=self.store.counts()["queued"])
+                 queued=self.store.queued())
 
     # --- files --------------------------------------------------------------------------------------------------------
 

@@ -120,7 +120,7 @@ class VideoService:
                 raise ApiError(400, "This server runs guidance branches on cfg=2 rank groups and needs guidance > 1 "
                                     "with a negative_prompt.", "guidance")
             with self._admit:
-                queued = self.store.counts()["queued"]
+                queued = self.store.queued()
                 if queued >= self.options.max_queue:
                     wait = self.metrics.retry_after(queued, self.groups.serving())
                     raise ApiError(429, f"The queue is full ({queued} jobs waiting, --max-queue "
