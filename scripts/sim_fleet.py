@@ -205,11 +205,17 @@ class Clients:
     async def _all(self) -> None:
         import httpx
 
-        limits = httpx.Limits(max_connections=self.args.clients, max_keepalive_connections=self.args.clients)
-        async with httpx.AsyncClient(base_url=self.url, timeout=30, limits=limits) as http:
-            share = [self.args.jobs // self.args.clients + (i < self.args.jobs % self.args.clients)
-                     for i in range(self.args.clients)]
-            await asyncio.gather(*(self._client(http, i, n) for i, n in enumerate(share)))
+        share = [self.args.jobs // self.args.clients + (i < self.args.jobs % self.args.clients)
+                 for i in range(self.args.clients)]
+        # One HTTP client (connection pool) per client, as separate users have: httpx looks over every connection
+        # of its pool for each request, and one pool of 200 took a third of a core in this process, from the API's
+        # share of the machine.
+        limits = httpx.Limits(max_connections=self.args.window, max_keepalive_connections=self.args.window)
+        https = [httpx.AsyncClient(base_url=self.url, timeout=30, limits=limits) for _ in share]
+        try:
+            await asyncio.gather(*(self._client(http, i, n) for i, (http, n) in enumerate(zip(https, share))))
+        finally:
+            await asyncio.gather(*(http.aclose() for http in https))
 
     async def _request(self, http, kind: str, method: str, path: str, **kwargs):
         """One request, timed; None when the connection failed or timed out (status 0)."""
