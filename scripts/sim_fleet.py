@@ -441,6 +441,55 @@ def audit(store, storage_dir: Path, folder: Path, clients: Clients) -> dict:
     }
 
 
+class CpuShare:
+    """How busy the machine was during the run, and how much of it this run's processes used (this process, its
+    children: the API and the replicas, reaped ones included, and its PostgreSQL), from /proc: on a shared machine
+    the rest is other users' work. Approximate: the PostgreSQL server stopped by the restart fault is not counted as
+    this run's."""
+
+    def __init__(self, pg_data: Path):
+        self.pg_data = str(pg_data)
+        self.started = (time.monotonic(), _busy_ticks(), self._own_ticks(), os.getloadavg()[0])
+
+    def _own_ticks(self) -> int:
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    text = Path(f"/proc/{entry}/stat").read_text()
+                    fields = text[text.rindex(")") + 2:].split()
+                    stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+                except (OSError, ValueError, IndexError):
+                    pass
+        roots = {os.getpid()}
+        for pid in stats:
+            try:
+                if self.pg_data in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    roots.add(pid)  # the postmaster (its backends are its children)
+            except OSError:
+                pass
+        own, grown = set(roots), True
+        while grown:
+            more = {pid for pid, (ppid, _) in stats.items() if ppid in own} - own
+            own |= more
+            grown = bool(more)
+        return sum(stats[pid][1] for pid in own if pid in stats)  # utime, stime and reaped children's
+
+    def result(self) -> dict:
+        t, busy, own, load = self.started
+        seconds, tick = time.monotonic() - t, os.sysconf("SC_CLK_TCK")
+        busy_cores, own_cores = (_busy_ticks() - busy) / tick / seconds, (self._own_ticks() - own) / tick / seconds
+        return {"cores_busy": round(busy_cores, 2), "cores_used_by_this_run": round(own_cores, 2),
+                "cores_used_by_others": round(max(0.0, busy_cores - own_cores), 2),
+                "load_average_1_min_at_start_and_end": [round(load, 1), round(os.getloadavg()[0], 1)]}
+
+
+def _busy_ticks() -> int:
+    """The machine's busy CPU ticks since boot (all cores): user, nice, system, irq, softirq, steal."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(fields) - fields[3] - fields[4]  # less idle and iowait
+
+
 def machine() -> dict:
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), platform.processor())
@@ -503,10 +552,10 @@ def main(argv: list[str] | None = None) -> dict:
         faults = Faults(args, store, pg, replicas, names, f"http://127.0.0.1:{port}", folder)
         done = threading.Event()
         fault_thread = threading.Thread(target=faults.run, args=(done, deadline + args.drain_s), daemon=True)
-        run_started = time.monotonic()
+        run_started, cpu = time.monotonic(), CpuShare(pg.data)
         fault_thread.start()
         clients.run()
-        run_s = time.monotonic() - run_started
+        run_s, cpu_share = time.monotonic() - run_started, cpu.result()
         done.set()
         fault_thread.join(4 * args.lease_s + 60 + args.outage_s)
         _stop(processes)
@@ -517,7 +566,7 @@ def main(argv: list[str] | None = None) -> dict:
             if proc.is_alive():
                 proc.kill()
         pg.stop()
-    result = {"machine": machine(), "parameters": {k: (str(v) if isinstance(v, Path) else v)
+    result = {"machine": {**machine(), "during_the_run": cpu_share}, "parameters": {k: (str(v) if isinstance(v, Path) else v)
                                                    for k, v in vars(args).items()},
               "what": "a CPU simulation of the fleet's control plane: the real API, PostgreSQL store and claim/lease/"
                       "report code; replicas sleep instead of generating (no GPU, no model)",
@@ -581,7 +630,9 @@ def table(r: dict) -> str:
     lines = [
         f"sim_fleet: {p['replicas']} simulated replicas, {p['jobs']} jobs from {p['clients']} clients; generate = sleep "
         f"U[{p['generate_ms'][0]:g}, {p['generate_ms'][1]:g}] ms; lease {p['lease_s']:g} s; "
-        f"{r['machine']['cores']} cores ({r['machine']['cpu']})",
+        f"{r['machine']['cores']} cores ({r['machine']['cpu']}); during the run the machine was busy "
+        f"{r['machine']['during_the_run']['cores_busy']} cores, {r['machine']['during_the_run']['cores_used_by_others']} "
+        "of them other users' work",
         "faults: " + "; ".join(f"{e['fault']} {e.get('replica', '')}{' ' + e['job'] if 'job' in e else ''}".strip()
                                for e in r["faults"]),
         "",
