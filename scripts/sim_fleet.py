@@ -16,9 +16,10 @@ Clients: --clients asyncio tasks over HTTP, each keeping --window jobs in flight
 the job ends), retrying a 429/503 or a dropped connection after a pause (bounded by --time-limit). Faults, at fixed
 shares of the jobs completed: --kill-fraction of the replicas SIGKILLed mid-job (each holding a job on its first
 attempt, so a kill never meets the store's second-attempt limit by design), one replica stalled mid-job (SIGSTOP
-after its sleep, before it commits the clip, held until its lease ran out and another replica re-claimed the job, then
-SIGCONT: it commits its clip and reports late, and that report must be fenced), and PostgreSQL stopped for
---outage-s and started again.
+after its sleep, before it commits the clip, held until its lease ran out, another replica re-claimed the job, re-ran
+it and committed its clip and the row says completed; then SIGCONT: it writes its clip and reports late; its report
+must be fenced and its bytes must not become the job's: the harness then fetches the job's content from the API and
+checks it against the row, `late_report` in the faults), and PostgreSQL stopped for --outage-s and started again.
 
 The audit, after every client has its answers and the replicas and the API have stopped:
   lost              jobs a client was given an id for that did not end completed
@@ -27,8 +28,9 @@ The audit, after every client has its answers and the replicas and the API have 
                     one its row reports (a late report that overwrote the re-run, or a re-run that overwrote a
                     completed job)
   rows without files / files without rows
-                    completed rows whose clip or record is missing; clips/ entries of no completed row (temporary
-                    files included) and uploads/ of jobs that ended or do not exist
+                    completed rows whose clip or record (the files of the claim the row names) is missing; clips/
+                    entries that are not a completed row's clip, record or thumbnail (a fenced-out claim's files and
+                    temporary files included) and uploads/ of jobs that ended or do not exist
 """
 
 from __future__ import annotations
@@ -204,11 +206,17 @@ class Clients:
     async def _all(self) -> None:
         import httpx
 
-        limits = httpx.Limits(max_connections=self.args.clients, max_keepalive_connections=self.args.clients)
-        async with httpx.AsyncClient(base_url=self.url, timeout=30, limits=limits) as http:
-            share = [self.args.jobs // self.args.clients + (i < self.args.jobs % self.args.clients)
-                     for i in range(self.args.clients)]
-            await asyncio.gather(*(self._client(http, i, n) for i, n in enumerate(share)))
+        share = [self.args.jobs // self.args.clients + (i < self.args.jobs % self.args.clients)
+                 for i in range(self.args.clients)]
+        # One HTTP client (connection pool) per client, as separate users have: httpx looks over every connection
+        # of its pool for each request, and one pool of 200 took a third of a core in this process, from the API's
+        # share of the machine.
+        limits = httpx.Limits(max_connections=self.args.window, max_keepalive_connections=self.args.window)
+        https = [httpx.AsyncClient(base_url=self.url, timeout=30, limits=limits) for _ in share]
+        try:
+            await asyncio.gather(*(self._client(http, i, n) for i, (http, n) in enumerate(zip(https, share))))
+        finally:
+            await asyncio.gather(*(http.aclose() for http in https))
 
     async def _request(self, http, kind: str, method: str, path: str, **kwargs):
         """One request, timed; None when the connection failed or timed out (status 0)."""
@@ -275,8 +283,9 @@ def _stopped(pid: int) -> bool:
 class Faults:
     """The faults, each at a share of the jobs completed (module doc); what happened, for the result."""
 
-    def __init__(self, args, store, pg, replicas: list, names: dict[int, str]):
+    def __init__(self, args, store, pg, replicas: list, names: dict[int, str], url: str, folder: Path):
         self.args, self.store, self.pg, self.replicas, self.names = args, store, pg, replicas, names
+        self.url, self.folder = url, folder
         self.stall_index = None if args.no_stall else len(replicas) - 1
         kills = [0.1 + 0.6 * i / max(args.kills, 1) for i in range(args.kills)]
         self.plan = sorted([(share, "kill") for share in kills] + ([] if args.no_stall else [(0.3, "stall")])
@@ -333,15 +342,42 @@ class Faults:
             return
         job, stalled_at = held[0], time.monotonic()
         self._note("stall", replica=name, job=job)
-        until = time.monotonic() + 4 * self.args.lease_s + 30
+        until = time.monotonic() + 4 * self.args.lease_s + 60
         while time.monotonic() < until:
             row = self.store.get(job)
-            if row.status in ENDED or (row.status == "in_progress" and row.worker != f"{name}/group0"):
-                break  # re-claimed under another replica's claim (or ended)
-            time.sleep(0.02)
+            if row.status in ENDED:
+                break  # re-claimed under another replica's claim, re-run, its clip committed and its row completed
+            time.sleep(0.05)
         os.kill(proc.pid, signal.SIGCONT)
         self._note("stall_released", replica=name, job=job, stalled_s=round(time.monotonic() - stalled_at, 2),
-                   then={"status": row.status, "worker": row.worker, "attempts": row.attempts})
+                   then={"status": row.status, "worker": row.worker, "attempts": row.attempts,
+                         "clip_attempt": row.clip_attempt})
+        self._late_report(index, job)
+
+    def _late_report(self, index: int, job: str) -> None:
+        """After the stalled replica woke up: wait for it to write its clip and report it (its log says the report
+        was ignored), then check that the clip the API serves is the one the row names: its bytes' sha256 is the
+        row's record's, and it was made by the claim the row's record names."""
+        import hashlib
+
+        import httpx
+
+        log, until, seen = self.folder / f"replica-{index:03d}.jsonl", time.monotonic() + 60, None
+        while seen is None and time.monotonic() < until:
+            for line in log.read_text().splitlines():
+                event = json.loads(line)
+                if event["event"] == "late_report_ignored" and event["job"] == job:
+                    seen = event
+            time.sleep(0.1)
+        row = self.store.get(job)
+        answer = httpx.get(f"{self.url}/v1/videos/{job}/content", timeout=30)
+        made_by = json.loads(answer.content) if answer.status_code == 200 else None
+        named = (row.record or {}).get("simulated", {})
+        self._note("late_report", replica=self.names[index], job=job, ignored=seen is not None,
+                   late_attempt=None if seen is None else seen.get("attempt"), row_clip_attempt=row.clip_attempt,
+                   content_status=answer.status_code,
+                   served_matches_row=answer.status_code == 200 and hashlib.sha256(answer.content).hexdigest()
+                   == (row.record or {}).get("mp4_sha256") and made_by == {"job": job, **named})
 
     def restart(self) -> None:
         """Stop PostgreSQL (its connections dropped, its data kept) for --outage-s, then start it again."""
@@ -362,7 +398,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def audit(store, storage_dir: Path, folder: Path, clients: Clients) -> dict:
     """The counts of the module doc, from the store, the storage folder and the replicas' logs."""
-    from h3trt.server.storage import job_of
+    from h3trt.server.storage import claim_keys, clip_key, job_of, record_key
 
     rows = {r.id: r for r in store.rows()}
     completed = {j for j, r in rows.items() if r.status == "completed"}
@@ -377,8 +413,8 @@ def audit(store, storage_dir: Path, folder: Path, clients: Clients) -> dict:
                 generated[event["job"]] += 1
     clips = storage_dir / "clips"
     twice, other_claim, no_files = set(j for j, n in accepted.items() if n > 1), [], []
-    for job in sorted(completed):
-        mp4, record = clips / f"{job}.mp4", clips / f"{job}.json"
+    for job in sorted(completed):  # the files the row names (a claim's own: storage.py)
+        mp4, record = storage_dir / clip_key(job, rows[job].clip_attempt), storage_dir / record_key(job, rows[job].clip_attempt)
         if not (mp4.is_file() and record.is_file()):
             no_files.append(job)
             continue
@@ -388,7 +424,8 @@ def audit(store, storage_dir: Path, folder: Path, clients: Clients) -> dict:
             other_claim.append(job)
     twice |= set(other_claim)
     running = {j for j, r in rows.items() if r.status in ("queued", "in_progress")}
-    orphans = sorted([f"clips/{n}" for n in (os.listdir(clips) if clips.is_dir() else []) if job_of(n) not in completed]
+    named = {key for j in completed for key in claim_keys(j, rows[j].clip_attempt)}
+    orphans = sorted([f"clips/{n}" for n in (os.listdir(clips) if clips.is_dir() else []) if f"clips/{n}" not in named]
                      + [f"uploads/{n}" for n in (os.listdir(storage_dir / "uploads")
                                                  if (storage_dir / "uploads").is_dir() else []) if n not in running])
     return {
@@ -403,6 +440,55 @@ def audit(store, storage_dir: Path, folder: Path, clients: Clients) -> dict:
         "rows_without_files": len(no_files), "rows_without_files_jobs": no_files[:20],
         "files_without_rows": len(orphans), "files_without_rows_names": orphans[:20],
     }
+
+
+class CpuShare:
+    """How busy the machine was during the run, and how much of it this run's processes used (this process, its
+    children: the API and the replicas, reaped ones included, and its PostgreSQL), from /proc: on a shared machine
+    the rest is other users' work. Approximate: the PostgreSQL server stopped by the restart fault is not counted as
+    this run's."""
+
+    def __init__(self, pg_data: Path):
+        self.pg_data = str(pg_data)
+        self.started = (time.monotonic(), _busy_ticks(), self._own_ticks(), os.getloadavg()[0])
+
+    def _own_ticks(self) -> int:
+        stats = {}
+        for entry in os.listdir("/proc"):
+            if entry.isdigit():
+                try:
+                    text = Path(f"/proc/{entry}/stat").read_text()
+                    fields = text[text.rindex(")") + 2:].split()
+                    stats[int(entry)] = (int(fields[1]), sum(int(x) for x in fields[11:15]))
+                except (OSError, ValueError, IndexError):
+                    pass
+        roots = {os.getpid()}
+        for pid in stats:
+            try:
+                if self.pg_data in Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace"):
+                    roots.add(pid)  # the postmaster (its backends are its children)
+            except OSError:
+                pass
+        own, grown = set(roots), True
+        while grown:
+            more = {pid for pid, (ppid, _) in stats.items() if ppid in own} - own
+            own |= more
+            grown = bool(more)
+        return sum(stats[pid][1] for pid in own if pid in stats)  # utime, stime and reaped children's
+
+    def result(self) -> dict:
+        t, busy, own, load = self.started
+        seconds, tick = time.monotonic() - t, os.sysconf("SC_CLK_TCK")
+        busy_cores, own_cores = (_busy_ticks() - busy) / tick / seconds, (self._own_ticks() - own) / tick / seconds
+        return {"cores_busy": round(busy_cores, 2), "cores_used_by_this_run": round(own_cores, 2),
+                "cores_used_by_others": round(max(0.0, busy_cores - own_cores), 2),
+                "load_average_1_min_at_start_and_end": [round(load, 1), round(os.getloadavg()[0], 1)]}
+
+
+def _busy_ticks() -> int:
+    """The machine's busy CPU ticks since boot (all cores): user, nice, system, irq, softirq, steal."""
+    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return sum(fields) - fields[3] - fields[4]  # less idle and iowait
 
 
 def machine() -> dict:
@@ -464,13 +550,13 @@ def main(argv: list[str] | None = None) -> dict:
         store = JobStore(url)
         deadline = time.monotonic() + args.time_limit
         clients = Clients(f"http://127.0.0.1:{port}", args, deadline)
-        faults = Faults(args, store, pg, replicas, names)
+        faults = Faults(args, store, pg, replicas, names, f"http://127.0.0.1:{port}", folder)
         done = threading.Event()
         fault_thread = threading.Thread(target=faults.run, args=(done, deadline + args.drain_s), daemon=True)
-        run_started = time.monotonic()
+        run_started, cpu = time.monotonic(), CpuShare(pg.data)
         fault_thread.start()
         clients.run()
-        run_s = time.monotonic() - run_started
+        run_s, cpu_share = time.monotonic() - run_started, cpu.result()
         done.set()
         fault_thread.join(4 * args.lease_s + 60 + args.outage_s)
         _stop(processes)
@@ -481,7 +567,7 @@ def main(argv: list[str] | None = None) -> dict:
             if proc.is_alive():
                 proc.kill()
         pg.stop()
-    result = {"machine": machine(), "parameters": {k: (str(v) if isinstance(v, Path) else v)
+    result = {"machine": {**machine(), "during_the_run": cpu_share}, "parameters": {k: (str(v) if isinstance(v, Path) else v)
                                                    for k, v in vars(args).items()},
               "what": "a CPU simulation of the fleet's control plane: the real API, PostgreSQL store and claim/lease/"
                       "report code; replicas sleep instead of generating (no GPU, no model)",
@@ -545,7 +631,9 @@ def table(r: dict) -> str:
     lines = [
         f"sim_fleet: {p['replicas']} simulated replicas, {p['jobs']} jobs from {p['clients']} clients; generate = sleep "
         f"U[{p['generate_ms'][0]:g}, {p['generate_ms'][1]:g}] ms; lease {p['lease_s']:g} s; "
-        f"{r['machine']['cores']} cores ({r['machine']['cpu']})",
+        f"{r['machine']['cores']} cores ({r['machine']['cpu']}); during the run the machine was busy "
+        f"{r['machine']['during_the_run']['cores_busy']} cores, {r['machine']['during_the_run']['cores_used_by_others']} "
+        "of them other users' work",
         "faults: " + "; ".join(f"{e['fault']} {e.get('replica', '')}{' ' + e['job'] if 'job' in e else ''}".strip()
                                for e in r["faults"]),
         "",
@@ -563,6 +651,11 @@ def table(r: dict) -> str:
         f"| rows without files | {r['rows_without_files']} |",
         f"| files without rows | {r['files_without_rows']} |",
     ]
+    late = next((e for e in r["faults"] if e["fault"] == "late_report"), None)
+    if late is not None:
+        lines.append(f"| stalled replica's late clip and report (after the re-run completed) | report ignored: "
+                     f"{'yes' if late['ignored'] else 'NO'}; the served clip is the row's: "
+                     f"{'yes' if late['served_matches_row'] else 'NO'} |")
     return "\n".join(lines)
 
 

@@ -220,3 +220,29 @@ def test_scheduler_shifts_of_a_diffusers_layout_are_honoured(tiny_checkpoints, t
     (root / "scheduler" / "scheduler_config.json").write_text(json.dumps({"shift": -1}))
     with pytest.raises(CheckpointError, match="shift must be a positive number"):
         locate_transformer(root, "t2va")
+
+
+def test_component_files_are_read_back_once_until_they_change(tmp_path, monkeypatch):
+    """A server checks the text encoder's files at every admission: a file that read back whole is not read again
+    while it is unchanged, and one cut short after that is named at the next check."""
+    from h3trt.models import checkpoint
+
+    folder = tmp_path / "text_encoder"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps({"hidden_size": 8, "pad": "x" * 1000}))
+    save_file({"w": torch.zeros(4, 4)}, str(folder / "model.safetensors"))
+    reads = []
+    read_json = checkpoint._read_json
+    monkeypatch.setattr(checkpoint, "_read_json", lambda path: reads.append(path.name) or read_json(path))
+    checkpoint.check_component_files(folder, weights=True)
+    checkpoint.check_component_files(folder, weights=True)
+    assert reads == ["config.json"]
+    config = folder / "config.json"
+    config.write_bytes(config.read_bytes()[:100])  # cut short after it was checked
+    with pytest.raises(CheckpointError, match=r"config.json is not valid JSON .*corrupted or truncated"):
+        checkpoint.check_component_files(folder, weights=True)
+    shard = folder / "model.safetensors"
+    config.write_text("{}")
+    shard.write_bytes(shard.read_bytes()[:-8])
+    with pytest.raises(CheckpointError, match=r"model.safetensors is not a readable safetensors file"):
+        checkpoint.check_component_files(folder, weights=True)

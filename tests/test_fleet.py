@@ -99,9 +99,9 @@ def test_openai_sdk_create_poll_download_delete_on_the_fleet(fleet, tmp_path):
     codecs = {s["codec_name"]: s for s in ffprobe(mp4)["streams"]}
     assert codecs["h264"]["width"] == 128 and codecs["aac"]["channels"] == 2
     assert client.videos.download_content(video.id, variant="thumbnail").read()[8:12] == b"WEBP"
-    assert {f"fleet/clips/{video.id}.{ext}" for ext in ("mp4", "json", "webp")} <= set(_objects(fleet))
+    assert {f"fleet/clips/{video.id}.attempt1.{ext}" for ext in ("mp4", "json", "webp")} <= set(_objects(fleet))
     row = _rows(fleet.store)[video.id]
-    assert row.output == f"s3://{fleet.bucket}/fleet/clips/{video.id}.mp4" and row.attempts == 1
+    assert row.output == f"s3://{fleet.bucket}/fleet/clips/{video.id}.attempt1.mp4" and row.attempts == 1
     assert client.videos.delete(video.id).deleted
     with _http(fleet) as c:
         assert c.get(f"/v1/videos/{video.id}").status_code == 404

@@ -46,7 +46,7 @@ def test_openai_sdk_create_poll_download_list_delete(server, tmp_path):
     codecs = {s["codec_name"]: s for s in probe["streams"]}
     assert codecs["h264"]["width"] == 128 and codecs["h264"]["height"] == 32
     assert codecs["aac"]["sample_rate"] == "32000" and codecs["aac"]["channels"] == 2
-    record = json.loads((server.data_dir / "clips" / f"{video.id}.json").read_text())
+    record = json.loads((server.data_dir / "clips" / f"{video.id}.attempt1.json").read_text())  # its first claim's
     assert record["mp4_sha256"] == hashlib.sha256(mp4.read_bytes()).hexdigest() and record["seed"] == 7
     thumb = client.videos.download_content(video.id, variant="thumbnail").read()
     assert thumb[:4] == b"RIFF" and thumb[8:12] == b"WEBP"
@@ -68,7 +68,7 @@ def test_a_sparse_job_runs_sparse_and_its_metadata_says_so(server):
     assert video.status == "completed", video
     sparse = video.model_extra["sparse_attention"]
     assert sparse["sparsity"] == 0.75 and sparse["sparse_evaluations"] == [1, 2] and 0 < sparse["kept_fraction"] < 1
-    record = json.loads((server.data_dir / "clips" / f"{video.id}.json").read_text())
+    record = json.loads((server.data_dir / "clips" / f"{video.id}.attempt1.json").read_text())  # its first claim's
     assert record["sparse_attention"] == sparse
 
 
@@ -81,7 +81,7 @@ def test_multipart_keyframes_make_an_fl2va_clip(server, tmp_path):
     assert r.status_code == 200, r.text
     job = server.wait_job(r.json()["id"])
     assert job["status"] == "completed" and job["task"] == "fl2va" and job["seed"] == 3, job
-    record = json.loads((server.data_dir / "clips" / f"{job['id']}.json").read_text())
+    record = json.loads((server.data_dir / "clips" / f"{job['id']}.attempt1.json").read_text())
     assert record["task"] == "fl2va" and record["request"]["image"].endswith("input_reference.png")
     assert not (server.data_dir / "uploads" / job["id"]).exists()  # inputs go when the job ends
 
@@ -219,7 +219,7 @@ def test_twenty_concurrent_clients_each_get_their_clip_once(server):
     assert len(set(ids)) == 20
     for video, data in results:
         assert video.status == "completed", video
-        record = json.loads((server.data_dir / "clips" / f"{video.id}.json").read_text())
+        record = json.loads((server.data_dir / "clips" / f"{video.id}.attempt1.json").read_text())  # its first claim's
         assert record["mp4_sha256"] == hashlib.sha256(data).hexdigest()  # the record matches the file served
         assert record["seed"] == video.model_extra["seed"] and record["status"] == "done"
         assert video.model_extra["attempts"] == 1  # ran exactly once

@@ -76,10 +76,12 @@ def test_kill_9_restart_ends_every_job_exactly_once_and_leaves_no_orphans(tmp_pa
     assert ended[running["id"]]["attempts"] == 2  # interrupted once, run again once
     assert [ended[q["id"]]["attempts"] for q in queued] == [1, 1]  # never started before: run once
     clips = sorted(p.name for p in (data / "clips").iterdir())
-    assert clips == sorted(f"{j}.{ext}" for j in ended for ext in ("json", "mp4", "webp")), clips  # no partial MP4
+    # The files of the claim that completed each job (the interrupted one's second), no partial MP4
+    assert clips == sorted(f"{j}.attempt{e['attempts']}.{ext}" for j, e in ended.items()
+                           for ext in ("json", "mp4", "webp")), clips
     assert list((data / "uploads").iterdir()) == []
-    for job_id in ended:
-        record = json.loads((data / "clips" / f"{job_id}.json").read_text())
+    for job_id, job in ended.items():
+        record = json.loads((data / "clips" / f"{job_id}.attempt{job['attempts']}.json").read_text())
         assert record["job"] == job_id and record["status"] == "done"
     assert srv.stop() == 0
 
@@ -142,7 +144,7 @@ def test_a_two_rank_gloo_group_serves_and_a_killed_rank_restarts_its_group(tmp_p
     assert len(group["pids"]) == 2
     first = srv.wait_job(srv.create(prompt="sharded over two ranks", seed=9)["id"])
     assert first["status"] == "completed", first
-    record = json.loads((data / "clips" / f"{first['id']}.json").read_text())
+    record = json.loads((data / "clips" / f"{first['id']}.attempt1.json").read_text())
     assert record["mesh"] == {"replica": 1, "cfg": 1, "sp": 2, "replica_index": 0}
 
     long = srv.create(prompt="its rank dies", size="160x96", steps=30)

@@ -154,7 +154,7 @@ def test_a_signal_to_the_whole_process_group_drains(tmp_path, tiny_cache, sig):
     with sqlite3.connect(data / "jobs.sqlite3") as db:
         status, attempts = db.execute("SELECT status, attempts FROM jobs WHERE id = ?", (running["id"],)).fetchone()
     assert (status, attempts) == ("completed", 1), srv.log()[-3000:]  # finished by the drain, not queued again
-    assert (data / "clips" / f"{running['id']}.mp4").stat().st_size > 0
+    assert (data / "clips" / f"{running['id']}.attempt1.mp4").stat().st_size > 0
 
 
 
@@ -217,7 +217,7 @@ def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recover
     assert job.id == first.id
     disk.on = True
     queue.report(Event(first.id, "progress", "denoise", progress=40, group=0))  # dropped, not raised
-    queue.storage.work_path(clip_key(first.id)).write_bytes(b"partial")
+    queue.storage.work_path(clip_key(first.id, job.attempt)).write_bytes(b"partial")
     queue.report(Event(first.id, "done", group=0, record=ClipRecord(id=first.id)))  # its end cannot be recorded now
     assert queue.take(0, 1) == []  # the worker keeps polling; no new job is claimed while the disk is full
     assert any(e == "disk_full" for e, _ in logged)
@@ -226,7 +226,7 @@ def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recover
     assert job.id == second.id
     row = store.get(first.id)
     assert (row.status, row.error_code) == ("failed", "disk_full"), row
-    assert not (tmp_path / clip_key(first.id)).exists()  # the clip that could not be recorded is gone
+    assert not (tmp_path / clip_key(first.id, 1)).exists()  # the clip that could not be recorded is gone
     # A worker's own write that met ENOSPC (its MP4): that job fails as disk_full, the server goes on.
     queue.report(Event(second.id, "failed", "encode", group=0, error="encode: [Errno 28] No space left on device",
                        record=Failure("OSError")))

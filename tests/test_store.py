@@ -163,6 +163,53 @@ def test_a_workers_late_end_of_an_earlier_claim_does_not_complete_its_new_claim(
     assert (store.get("video_a").status, store.get("video_a").record) == ("completed", {"attempt": 2})
 
 
+def test_admission_bounds_the_queue_by_the_waiting_jobs_alone_and_reads_no_other_rows(store, tmp_path):
+    """--max-queue counts the queued jobs, not the running or ended ones (a fleet's table holds every job of the
+    retention), and admitting a job reads only rows it finds through an index (the queued ones, its own): never
+    every row of the table, so a POST costs the same with 10 ended jobs as with 100,000."""
+    from sqlalchemy import event as sql_event
+
+    from h3trt.runtime.entry import Entry
+    from h3trt.server.metrics import Metrics
+    from h3trt.server.options import ServeOptions
+    from h3trt.server.service import ApiError, VideoService
+    from h3trt.server.storage import Storage
+
+    class OneGroup:
+        def status(self):
+            return [{"group": 0, "state": "serving", "restarts": 0, "jobs": [], "pids": []}]
+
+        def serving(self):
+            return 1
+
+    for i in range(6):  # ended and running jobs: none of them waits
+        store.create(f"video_old{i}", {"schema": {"prompt": "x"}})
+        store.claim("g0")
+        if i < 4:
+            store.end(f"video_old{i}", "completed", 60, record={}, output="x", worker="g0")
+    assert store.queued() == 0 and store.counts()["completed"] == 4
+    service = VideoService(Entry.resolve(device="cpu"), ServeOptions(tmp_path, max_queue=2), store,
+                           Storage(tmp_path / "storage"), OneGroup(), Metrics(), log=lambda *a, **k: None)
+    request = {"prompt": "a fox", "size": "128x32", "steps": 2}
+    statements = []
+    listener = lambda conn, cursor, statement, *rest: statements.append(" ".join(statement.split()))  # noqa: E731
+    sql_event.listen(store.engine, "before_cursor_execute", listener)
+    try:
+        first = service.create(dict(request), [], False)
+    finally:
+        sql_event.remove(store.engine, "before_cursor_execute", listener)
+    assert first.status == "queued" and store.queued() == 1
+    reads = [s for s in statements if s.upper().startswith("SELECT") and " FROM jobs" in s]
+    assert reads and all(" WHERE jobs.status = " in s or " WHERE jobs.id = " in s for s in reads), statements
+    assert not any("GROUP BY" in s for s in statements), statements
+    service.create(dict(request), [], False)
+    with pytest.raises(ApiError) as full:
+        service.create(dict(request), [], False)
+    assert full.value.status == 429 and "2 jobs waiting, --max-queue 2" in str(full.value)
+    store.claim("g1")  # one leaves the queue: there is room again
+    assert service.create(dict(request), [], False).status == "queued" and store.queued() == 2
+
+
 def test_pages_follow_creation_order_with_a_cursor(store):
     for i in range(7):
         store.create(f"video_{i}", {"schema": {"prompt": str(i)}})

@@ -17,6 +17,7 @@ key and shape mismatch is reported in one `CheckpointError`.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
@@ -327,12 +328,38 @@ def check_component_files(folder: Path, weights: bool) -> None:
     """Read back every JSON file of a component folder (and, with `weights`, every safetensors file its index names,
     or all of them): JSON must parse, and a safetensors header must parse and cover its file exactly, which a file
     cut short anywhere does not. The first bad file is named with the fix, before a loader that would fail on it
-    with a traceback (transformers) reads anything; the weights themselves are not read."""
+    with a traceback (transformers) reads anything; the weights themselves are not read. A file that read back whole
+    is not read again while its size and modification time are the same (a server checks the text encoder's files at
+    every admission: a full checkpoint's tokenizer.json alone is ~11 MB of JSON)."""
     for path in sorted(folder.glob("*.json")):
-        _read_json(path)
+        with _unless_seen_whole(path) as read:
+            if read:
+                _read_json(path)
     for path in _shard_files(folder) if weights else ():
-        with _safe_open(path):
-            pass
+        with _unless_seen_whole(path) as read:
+            if read:
+                with _safe_open(path):
+                    pass
+
+
+_WHOLE: dict[str, tuple[int, int, int]] = {}  # a file that read back whole -> its (inode, size, mtime_ns) then
+
+
+@contextlib.contextmanager
+def _unless_seen_whole(path: Path):
+    """Yields whether `path` must be read back (not seen whole as it is now); remembers it once the read passed. Its
+    stat is taken before the read: a file written meanwhile differs from it next time and is read again."""
+    try:
+        st = path.stat()
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+    except OSError:
+        key = None  # the read names what is wrong
+    if key is not None and _WHOLE.get(str(path)) == key:
+        yield False
+        return
+    yield True
+    if key is not None:
+        _WHOLE[str(path)] = key
 
 
 def _safetensors_keys(path: Path) -> list[str]:

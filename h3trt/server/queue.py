@@ -3,7 +3,10 @@
   - `StoreQueue` is the JobQueue (runtime/jobs.py) replica groups take work from (runtime/workers.py): the store's
     queued jobs, oldest first, each claimed by one worker (server/store.py `claim`)
   - their events become the job's row: progress, stage, the end; a finished clip is published to storage
-    (server/storage.py) before its row says completed
+    (server/storage.py) before its row says completed. Each claim writes files of its own names (clip_key(id,
+    attempt)) and the completed row names the claim whose files are the clip: a worker that stalled past its lease
+    and writes after another claim completed the job leaves only its own claim's files, which its fenced report
+    removes; it never replaces the clip the row serves
   - jobs whose worker is gone are dealt with once: a restart of one node (`recover`: every running job), or in a
     fleet the jobs whose lease ran out (`reclaim`, from any live worker: `keep_leases`); a clip committed before its
     worker died is completed, not run again
@@ -24,7 +27,7 @@ from ..runtime.records import ClipRecord, Failure
 from ..runtime.requests import RequestDefaults, parse_object
 from .metrics import Metrics
 from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
-from .storage import Storage, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
+from .storage import Storage, claim_keys, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
 
 STORE_RETRY_S = 1.0  # how often a worker tries again to record an event while the store is unreachable
 HEARTBEAT_DIVISOR = 4  # a worker renews its leases this many times per lease: a few missed renewals are survived
@@ -70,7 +73,8 @@ class StoreQueue:
     def job_of(self, row: JobRow) -> Job:
         line = parse_object(row.request.get("schema"), 0, self.storage.fetch(uploads_key(row.id)), ("prompt",),
                             self.defaults)
-        return Job(row.id, line.request, self.storage.work_path(clip_key(row.id)), overwrite=True,
+        # The claim's own names: another claim of the job (a re-run while this one stalls) never writes them.
+        return Job(row.id, line.request, self.storage.work_path(clip_key(row.id, row.attempts)), overwrite=True,
                    record={"job": row.id}, attempt=row.attempts)
 
     def report(self, event: Event) -> None:
@@ -101,7 +105,7 @@ class StoreQueue:
                     raise
                 self._full(e)
                 if event.kind == "done":  # its clip cannot be recorded: it fails, and its files free space
-                    self._remove_files(event.job)
+                    self._drop_claim(event.job, event.attempt or None, self.store.get(event.job))
                     self._unrecorded[0] = Event(event.job, "failed", "store", group=event.group, attempt=event.attempt,
                                                 error=f"the server's data disk is full: {e.__class__.__name__}",
                                                 record=Failure("DiskFull"))
@@ -140,16 +144,22 @@ class StoreQueue:
         row = self.store.get(event.job)
         if row is None or row.status != "in_progress" or not _holds(row, worker, attempt):
             # It ended, or its lease went to another worker while this one stalled, or to this worker again under a
-            # later claim: not this claim's to record (nor its files to remove: only what this process wrote and did
-            # not publish goes). The store's UPDATEs check the same, for a lease lost after this read.
-            self.storage.discard(*job_keys(event.job))
+            # later claim: not this claim's to record. What this claim wrote goes (its own names: another claim's
+            # files, the accepted clip among them, are left alone), unless the row completed with it (a lease
+            # recovery found it committed). The store's UPDATEs check the same, for a lease lost after this read.
+            self._drop_claim(event.job, attempt, row)
+            if row is None or row.worker != worker:  # this process fetched its uploads for that claim alone
+                self.storage.discard(uploads_key(event.job))
+            if event.ends:
+                self.log("late_report_ignored", job=event.job, kind=str(event.kind), worker=worker, attempt=attempt,
+                         holder=None if row is None else row.worker, status=None if row is None else str(row.status))
             return
         if event.kind in ("started", "progress"):
             self.store.progress(event.job, event.progress, event.stage or row.stage, event.evaluations, worker, attempt)
             return
         if row.deleted or (event.kind == "done" and row.cancel_requested):
             # DELETE or cancel while it ran: whatever it made goes.
-            self._remove_files(event.job)
+            self._remove_files(event.job, row.attempts)
             if row.deleted:
                 self.store.remove(event.job)
                 self.log("deleted", job=event.job)
@@ -157,19 +167,19 @@ class StoreQueue:
             event = Event(event.job, "cancelled", error="cancelled by request", group=event.group,
                           attempt=event.attempt)
         if event.kind == "done":
-            self._complete(event.job, event.record.to_json(), worker, attempt)
+            self._complete(event.job, event.record.to_json(), worker, row.attempts)
         elif event.kind == "failed":
             code = _error_code(event.record.error_type if event.record is not None else "")
             if is_disk_full(Exception(event.error or "")):
                 code = "disk_full"
             ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker,
                                    attempt=attempt)
-            self._remove_files(event.job)
+            self._remove_files(event.job, row.attempts)
             if ended is not None:
                 self.metrics.ended(ended)
             self.log("failed", job=event.job, code=code, error=event.error)
         elif event.kind == "cancelled":
-            self._remove_files(event.job)
+            self._remove_files(event.job, row.attempts)
             ended = self.store.end(event.job, "cancelled", self.retention_s,
                                    error=("cancelled", event.error or "cancelled by request"), worker=worker,
                                    attempt=attempt)
@@ -226,9 +236,9 @@ class StoreQueue:
         failed (store.recover). (queued again, failed)."""
         stale_before = None if lease_s is None else time.time() - lease_s
         for row in self.store.rows(status="in_progress", stale_before=stale_before):
-            if self._committed(row.id):  # committed before its worker died: done, not run again
-                self._complete(row.id, json.loads(self.storage.read_text(record_key(row.id))), row.worker,
-                               row.attempts)
+            if self._committed(row.id, row.attempts):  # committed before its worker died: done, not run again
+                self._complete(row.id, json.loads(self.storage.read_text(record_key(row.id, row.attempts))),
+                               row.worker, row.attempts)
         requeued, failed = self.store.recover(self.retention_s, stale_before=stale_before)
         for job_id in requeued:
             self.log("requeued", job=job_id, reason="its worker stopped renewing its lease" if lease_s else
@@ -246,41 +256,58 @@ class StoreQueue:
                    if job_of(name) not in known]
         self.storage.remove(*orphans)
         self.log("recovered", requeued=requeued, failed=failed, orphans_removed=len(orphans),
-                 queued=self.store.counts()["queued"])
+                 queued=self.store.queued())
 
     # --- files --------------------------------------------------------------------------------------------------------
 
-    def _remove_files(self, job_id: str) -> None:
-        self.storage.remove(*job_keys(job_id))
+    def _remove_files(self, job_id: str, attempts: int) -> None:
+        """Every file of a job that ends without a clip (or is deleted), after `attempts` claims."""
+        self.storage.remove(*job_keys(job_id, attempts))
 
-    def _committed(self, job_id: str) -> bool:
-        """Whether a job's MP4 and record are in storage and agree (a worker commits them together; on object
-        storage the record is published last)."""
+    def _drop_claim(self, job_id: str, attempt: int | None, row: JobRow | None) -> None:
+        """Remove what the claim `attempt` wrote of a job (its scratch copies too), unless `row` (the job as read
+        after the claim lost it; None: gone) completed the job with it. Another claim's files are never touched."""
+        if attempt is None:  # a report that names no claim: only its unpublished copies
+            self.storage.discard(*claim_keys(job_id, None))
+            return
+        if row is not None and row.status == "completed" and row.clip_attempt == attempt:
+            self.storage.discard(*claim_keys(job_id, attempt))
+            return
+        self.storage.remove(*claim_keys(job_id, attempt))
+
+    def _committed(self, job_id: str, attempt: int) -> bool:
+        """Whether the MP4 and record of a job's claim `attempt` are in storage and agree (a worker commits them
+        together; on object storage the record is published last)."""
         from ..engines.manifest import sha256_file
 
-        if not (self.storage.exists(clip_key(job_id)) and self.storage.exists(record_key(job_id))):
+        clip, record = clip_key(job_id, attempt), record_key(job_id, attempt)
+        if not (self.storage.exists(clip) and self.storage.exists(record)):
             return False
-        mp4 = self.storage.local_path(clip_key(job_id))
+        mp4 = self.storage.local_path(clip)
         if mp4 is None:
             return True
         try:
-            record = ClipRecord.from_json(json.loads(self.storage.read_text(record_key(job_id))))
-            return record.mp4_sha256 == sha256_file(mp4)
+            return ClipRecord.from_json(json.loads(self.storage.read_text(record))).mp4_sha256 == sha256_file(mp4)
         except (OSError, ValueError):
             return False
 
-    def _complete(self, job_id: str, record: dict, worker: str | None, attempt: int | None = None) -> None:
-        """The job's clip is committed: publish it and end its row with `record` (ClipRecord.to_json, as its file)."""
-        mp4 = self.storage.work_path(clip_key(job_id))
-        if mp4.is_file() and not self.storage.exists(thumbnail_key(job_id)):
-            _thumbnail(mp4, self.storage.work_path(thumbnail_key(job_id)), self.log)
-        self.storage.publish(clip_key(job_id), thumbnail_key(job_id), record_key(job_id))
-        row = self.store.end(job_id, "completed", self.retention_s, record=record,
-                             output=self.storage.path(clip_key(job_id)), worker=worker, attempt=attempt)
+    def _complete(self, job_id: str, record: dict, worker: str | None, attempt: int) -> None:
+        """Publish the files of the claim `attempt` and complete the job with them, if that claim still holds it;
+        if not (its lease ran out after the caller's read), they go: the row never names them."""
+        clip, thumbnail = clip_key(job_id, attempt), thumbnail_key(job_id, attempt)
+        mp4 = self.storage.work_path(clip)
+        if mp4.is_file() and not self.storage.exists(thumbnail):
+            _thumbnail(mp4, self.storage.work_path(thumbnail), self.log)
+        self.storage.publish(*claim_keys(job_id, attempt))  # the record last
+        row = self.store.end(job_id, "completed", self.retention_s, record=record, output=self.storage.path(clip),
+                             worker=worker, attempt=attempt, clip_attempt=attempt)
+        if row is None:
+            self._drop_claim(job_id, attempt, self.store.get(job_id))
+            self.log("late_report_ignored", job=job_id, kind="done", worker=worker, attempt=attempt)
+            return
         self.storage.remove(uploads_key(job_id))
-        if row is not None:
-            self.metrics.ended(row)
-            self.log("completed", job=job_id, seconds=round(row.completed_at - row.created_at, 3))
+        self.metrics.ended(row)
+        self.log("completed", job=job_id, seconds=round(row.completed_at - row.created_at, 3))
 
 
 def keep_leases(queue: StoreQueue, lease_s: float, stop, log: Callable[..., None], replica: str,

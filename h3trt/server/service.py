@@ -91,7 +91,7 @@ class VideoService:
         """Remove ended jobs past their expiry: files first, then the row."""
         gone = []
         for row in self.store.rows(expired_before=now or time.time()):
-            self.storage.remove(*job_keys(row.id))
+            self.storage.remove(*job_keys(row.id, row.attempts))
             self.store.remove(row.id)
             gone.append(row.id)
         if gone:
@@ -120,7 +120,7 @@ class VideoService:
                 raise ApiError(400, "This server runs guidance branches on cfg=2 rank groups and needs guidance > 1 "
                                     "with a negative_prompt.", "guidance")
             with self._admit:
-                queued = self.store.counts()["queued"]
+                queued = self.store.queued()
                 if queued >= self.options.max_queue:
                     wait = self.metrics.retry_after(queued, self.groups.serving())
                     raise ApiError(429, f"The queue is full ({queued} jobs waiting, --max-queue "
@@ -212,14 +212,15 @@ class VideoService:
         return row
 
     def content(self, job_id: str, variant: str) -> str:
-        """The storage key of a completed job's MP4 (video) or first frame (thumbnail)."""
+        """The storage key of a completed job's MP4 (video) or first frame (thumbnail): the files of the claim its
+        row names (storage.py: another claim's files, a late writer's, are never served)."""
         row = self.get(job_id)
         if variant not in ("video", "thumbnail"):
             raise ApiError(400, f"variant {variant!r} is not offered; use video or thumbnail.", "variant")
         if row.status != "completed":
             raise ApiError(409, f"Video job {job_id} is {row.status}; its content exists once it is completed "
                                 f"(poll GET /v1/videos/{job_id}).", "video_id", kind="invalid_request_error")
-        key = clip_key(job_id) if variant == "video" else thumbnail_key(job_id)
+        key = (clip_key if variant == "video" else thumbnail_key)(job_id, row.clip_attempt)
         if not self.storage.exists(key):
             raise ApiError(404, f"The {variant} of {job_id} is gone (expired or removed).", "video_id",
                            kind="not_found_error")
@@ -231,13 +232,13 @@ class VideoService:
         row = self.get(job_id)
         if row.status == "queued":
             self.store.end(job_id, "cancelled", self.options.retention_s, error=("cancelled", "cancelled by request"))
-            self.storage.remove(*job_keys(job_id))
+            self.storage.remove(*job_keys(job_id, row.attempts))
         elif row.status == "in_progress":
             self.store.request_cancel(job_id, delete_after=delete)
             self.log("cancel_requested", job=job_id)
             return self.store.get(job_id) if not delete else None
         if delete:
-            self.storage.remove(*job_keys(job_id))
+            self.storage.remove(*job_keys(job_id, row.attempts))
             self.store.remove(job_id)
             self.log("deleted", job=job_id)
             return None

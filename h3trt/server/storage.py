@@ -5,10 +5,11 @@
     s3://bucket/h3trt           object storage (s3fs; any fsspec protocol): each process writes in a scratch folder
                                 of its own and `publish` copies the finished files up, the record last
 
-Keys are relative names: `clips/<id>.mp4`, `clips/<id>.json` (the record), `clips/<id>.webp` (the thumbnail),
-`uploads/<id>/<file>` (a job's inputs, until it ends). Both kinds answer the same calls, so the API side (admission,
-content, cancel, expiry) and the worker side (inputs, outputs) are written once. Credentials and endpoints of object
-storage are the protocol's own (for S3, boto's environment: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...).
+Keys are relative names: `clips/<id>.attempt<n>.mp4`, `.json` (the record) and `.webp` (the thumbnail), the files of
+the job's n-th claim (a row from before per-claim names: `clips/<id>.mp4`, ...), and `uploads/<id>/<file>` (a job's
+inputs, until it ends). Both kinds answer the same calls, so the API side (admission, content, cancel, expiry) and
+the worker side (inputs, outputs) are written once. Credentials and endpoints of object storage are the protocol's own
+(for S3, boto's environment: AWS_ACCESS_KEY_ID, AWS_ENDPOINT_URL, ...).
 """
 
 from __future__ import annotations
@@ -155,27 +156,44 @@ def _remove_local(path: Path) -> None:
 
 
 # A job's keys (module doc). The record is published last: its presence means the clip is complete.
-def clip_key(job_id: str) -> str:
-    return f"clips/{job_id}.mp4"
+#
+# Each claim of a job (store.py: the row's `attempts` when a worker took it) writes files of its own names, so a
+# worker whose lease ran out and which writes late (it stalled, another worker ran the job again and committed) can
+# only ever leave files of its own claim beside the accepted ones, never replace them: the row names the claim whose
+# files are the job's (its `clip_attempt`). `attempt` None is the one name per job of rows from before that
+# (migration 0003): they still serve their clip.
+def clip_key(job_id: str, attempt: int | None = None) -> str:
+    return f"clips/{_stem(job_id, attempt)}.mp4"
 
 
-def record_key(job_id: str) -> str:
-    return f"clips/{job_id}.json"
+def record_key(job_id: str, attempt: int | None = None) -> str:
+    return f"clips/{_stem(job_id, attempt)}.json"
 
 
-def thumbnail_key(job_id: str) -> str:
-    return f"clips/{job_id}.webp"
+def thumbnail_key(job_id: str, attempt: int | None = None) -> str:
+    return f"clips/{_stem(job_id, attempt)}.webp"
+
+
+def claim_keys(job_id: str, attempt: int | None) -> tuple[str, ...]:
+    """The files one claim of a job writes (the clip, its thumbnail, its record)."""
+    return clip_key(job_id, attempt), thumbnail_key(job_id, attempt), record_key(job_id, attempt)
 
 
 def uploads_key(job_id: str) -> str:
     return f"uploads/{job_id}"
 
 
-def job_keys(job_id: str) -> tuple[str, ...]:
-    """Everything a job may have in storage."""
-    return clip_key(job_id), thumbnail_key(job_id), record_key(job_id), uploads_key(job_id)
+def job_keys(job_id: str, attempts: int = 0) -> tuple[str, ...]:
+    """Everything a job may have in storage after `attempts` claims: each claim's files, the one name of rows from
+    before per-claim names, its uploads."""
+    claims = (None, *range(1, attempts + 1))
+    return (*(key for attempt in claims for key in claim_keys(job_id, attempt)), uploads_key(job_id))
 
 
 def job_of(name: str) -> str:
     """The job a file or folder name under clips/ or uploads/ belongs to."""
     return name.split(".", 1)[0]
+
+
+def _stem(job_id: str, attempt: int | None) -> str:
+    return job_id if attempt is None else f"{job_id}.attempt{attempt}"

@@ -81,6 +81,9 @@ jobs = Table(
     Column("output", Text),  # where the MP4 is (a path, or a URL of a fleet's storage)
     Column("worker", String(128)),  # which replica group ran it (a fleet: host:pid/group)
     Column("heartbeat_at", Float),  # its worker's last renewal of the lease (in_progress jobs; migration 0002)
+    # A completed job's clip is the files of this claim (storage.py clip_key(id, clip_attempt)); NULL on rows completed
+    # before each claim wrote files of its own names (migration 0003), whose clip is clip_key(id)
+    Column("clip_attempt", Integer),
 )
 
 
@@ -109,6 +112,7 @@ class JobRow:
     output: str | None
     worker: str | None
     heartbeat_at: float | None
+    clip_attempt: int | None
 
     @classmethod
     def of(cls, row: Row) -> "JobRow":
@@ -149,6 +153,10 @@ class JobStore:
         self.engine: Engine = create_engine(url, future=True, **kwargs)
         if self.sqlite:
             event.listen(self.engine, "connect", _sqlite_pragmas)
+        # Reads are one statement each: without a transaction around it (no BEGIN and ROLLBACK round trips, two of
+        # the four a read made on PostgreSQL), they see what they saw before (PostgreSQL's READ COMMITTED gives each
+        # statement its own snapshot anyway). The same pool of connections.
+        self.reader: Engine = self.engine.execution_options(isolation_level="AUTOCOMMIT")
         migrate(self.engine)
 
     def close(self) -> None:
@@ -157,7 +165,7 @@ class JobStore:
     def reachable(self) -> bool:
         """Whether the database answers now (/ready)."""
         try:
-            with self.engine.connect() as c:
+            with self.reader.connect() as c:
                 c.execute(select(1))
             return True
         except Exception as e:  # noqa: BLE001 -- only an outage is an answer; anything else is a bug to see
@@ -169,11 +177,10 @@ class JobStore:
 
     def create(self, job_id: str, request: dict, now: float | None = None) -> JobRow:
         with self.engine.begin() as c:
-            c.execute(jobs.insert().values(id=job_id, status=JobStatus.QUEUED, created_at=now or time.time(),
-                                           progress=0, stage="queued", evaluations_done=0, evaluations_total=0,
-                                           attempts=0, cancel_requested=False, deleted=False,
-                                           request=json.dumps(request)))
-        return self.get(job_id)
+            return JobRow.of(c.execute(jobs.insert().values(
+                id=job_id, status=JobStatus.QUEUED, created_at=now or time.time(), progress=0, stage="queued",
+                evaluations_done=0, evaluations_total=0, attempts=0, cancel_requested=False, deleted=False,
+                request=json.dumps(request)).returning(*jobs.c)).one())
 
     def claim(self, worker: str, now: float | None = None) -> JobRow | None:
         """The oldest queued job, now in_progress for `worker` (attempts + 1); None when none is queued."""
@@ -188,9 +195,9 @@ class JobStore:
                 now = now or time.time()
                 taken = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "queued").values(
                     status="in_progress", started_at=now, heartbeat_at=now, worker=worker, stage="text_encode",
-                    attempts=jobs.c.attempts + 1)).rowcount
-            if taken:
-                return self.get(job_id)
+                    attempts=jobs.c.attempts + 1).returning(*jobs.c)).first()
+            if taken is not None:
+                return JobRow.of(taken)
             # another worker took it between the select and the update: look again
 
     def progress(self, job_id: str, progress: int, stage: str, evaluations: tuple[int, int],
@@ -206,17 +213,18 @@ class JobStore:
 
     def end(self, job_id: str, status: str, retention_s: float, now: float | None = None, record: dict | None = None,
             output: str | None = None, error: tuple[str, str] | None = None,
-            worker: str | None = None, attempt: int | None = None) -> JobRow | None:
-        """A job's end: completed (its record and output), failed (error code and message) or cancelled; its files
-        and row expire `retention_s` later. Only a job not already ended changes (an end is reported once), and with
-        `worker` only one that worker holds (with `attempt`, under that claim: module doc)."""
+            worker: str | None = None, attempt: int | None = None, clip_attempt: int | None = None) -> JobRow | None:
+        """A job's end: completed (its record, output and the claim whose files are its clip, `clip_attempt`),
+        failed (error code and message) or cancelled; its files and row expire `retention_s` later. Only a job not
+        already ended changes (an end is reported once), and with `worker` only one that worker holds (with
+        `attempt`, under that claim: module doc)."""
         if status not in ENDED:
             raise ValueError(f"end status {status!r} is not one of {ENDED}.")
         now = now or time.time()
         values = dict(status=status, completed_at=now, expires_at=now + retention_s,
                       stage="done" if status == "completed" else status)
         if status == "completed":
-            values.update(progress=100, record=json.dumps(record), output=output)
+            values.update(progress=100, record=json.dumps(record), output=output, clip_attempt=clip_attempt)
         if error is not None:
             values.update(error_code=error[0], error_message=error[1])
         with self.engine.begin() as c:
@@ -275,7 +283,7 @@ class JobStore:
     # --- reads ------------------------------------------------------------------------------------------------------
 
     def get(self, job_id: str) -> JobRow | None:
-        with self.engine.connect() as c:
+        with self.reader.connect() as c:
             row = c.execute(select(jobs).where(jobs.c.id == job_id)).first()
         return JobRow.of(row) if row is not None else None
 
@@ -286,7 +294,7 @@ class JobStore:
             query = query.where(jobs.c.status == status)
         if expired_before is not None:
             query = query.where(jobs.c.status.in_(ENDED), jobs.c.expires_at < expired_before)
-        with self.engine.connect() as c:
+        with self.reader.connect() as c:
             return [JobRow.of(r) for r in c.execute(query)]
 
     def page(self, after: str | None, limit: int, order: str) -> tuple[list[JobRow], bool]:
@@ -298,18 +306,25 @@ class JobStore:
                 raise KeyError(after)
             query = query.where(jobs.c.seq > cursor.seq if order == "asc" else jobs.c.seq < cursor.seq)
         query = query.order_by(jobs.c.seq.asc() if order == "asc" else jobs.c.seq.desc()).limit(limit + 1)
-        with self.engine.connect() as c:
+        with self.reader.connect() as c:
             rows = [JobRow.of(r) for r in c.execute(query)]
         return rows[:limit], len(rows) > limit
 
     def counts(self) -> dict[str, int]:
-        with self.engine.connect() as c:
+        """Jobs by status: reads every row (/metrics, a restart's log); admission reads `queued`."""
+        with self.reader.connect() as c:
             found = dict(c.execute(select(jobs.c.status, func.count()).group_by(jobs.c.status)).all())
         return {s: int(found.get(s, 0)) for s in STATUSES}
 
+    def queued(self) -> int:
+        """Jobs waiting (the queue's depth, admission's bound): read from the status index, so its cost is the
+        queue's length, not the table's (every job of the retention, ended ones included)."""
+        with self.reader.connect() as c:
+            return int(c.execute(select(func.count()).select_from(jobs).where(jobs.c.status == "queued")).scalar())
+
     def cancels(self) -> list[str]:
         """Running jobs whose cancellation was asked for."""
-        with self.engine.connect() as c:
+        with self.reader.connect() as c:
             return list(c.execute(select(jobs.c.id).where(jobs.c.status == "in_progress",
                                                           jobs.c.cancel_requested.is_(True))).scalars())
 
