@@ -47,7 +47,7 @@ import socket
 import sys
 import threading
 import time
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -398,7 +398,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def audit(store, storage_dir: Path, folder: Path, clients: Clients) -> dict:
     """The counts of the module doc, from the store, the storage folder and the replicas' logs."""
-    from h3trt.server.storage import claim_keys, clip_key, job_of, record_key
+    from h3trt.server.storage import claim_keys, clip_key, record_key
 
     rows = {r.id: r for r in store.rows()}
     completed = {j for j, r in rows.items() if r.status == "completed"}
@@ -414,7 +414,8 @@ def audit(store, storage_dir: Path, folder: Path, clients: Clients) -> dict:
     clips = storage_dir / "clips"
     twice, other_claim, no_files = set(j for j, n in accepted.items() if n > 1), [], []
     for job in sorted(completed):  # the files the row names (a claim's own: storage.py)
-        mp4, record = storage_dir / clip_key(job, rows[job].clip_attempt), storage_dir / record_key(job, rows[job].clip_attempt)
+        claim = rows[job].clip_attempt
+        mp4, record = storage_dir / clip_key(job, claim), storage_dir / record_key(job, claim)
         if not (mp4.is_file() and record.is_file()):
             no_files.append(job)
             continue
@@ -567,8 +568,8 @@ def main(argv: list[str] | None = None) -> dict:
             if proc.is_alive():
                 proc.kill()
         pg.stop()
-    result = {"machine": {**machine(), "during_the_run": cpu_share}, "parameters": {k: (str(v) if isinstance(v, Path) else v)
-                                                   for k, v in vars(args).items()},
+    result = {"machine": {**machine(), "during_the_run": cpu_share},
+              "parameters": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "what": "a CPU simulation of the fleet's control plane: the real API, PostgreSQL store and claim/lease/"
                       "report code; replicas sleep instead of generating (no GPU, no model)",
               "run_s": round(run_s, 2), "wall_s": round(time.time() - started, 2), "faults": faults.events,
@@ -628,12 +629,12 @@ def _ms(seconds: float | None) -> float | None:
 def table(r: dict) -> str:
     p = r["parameters"]
     post, get = r["requests"]["POST"], r["requests"]["GET"]
+    busy = r["machine"]["during_the_run"]
     lines = [
         f"sim_fleet: {p['replicas']} simulated replicas, {p['jobs']} jobs from {p['clients']} clients; generate = sleep "
         f"U[{p['generate_ms'][0]:g}, {p['generate_ms'][1]:g}] ms; lease {p['lease_s']:g} s; "
         f"{r['machine']['cores']} cores ({r['machine']['cpu']}); during the run the machine was busy "
-        f"{r['machine']['during_the_run']['cores_busy']} cores, {r['machine']['during_the_run']['cores_used_by_others']} "
-        "of them other users' work",
+        f"{busy['cores_busy']} cores, {busy['cores_used_by_others']} of them other users' work",
         "faults: " + "; ".join(f"{e['fault']} {e.get('replica', '')}{' ' + e['job'] if 'job' in e else ''}".strip()
                                for e in r["faults"]),
         "",

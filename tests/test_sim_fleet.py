@@ -1,8 +1,9 @@
 """The fleet's control plane under faults, small (issue 35 item 16): scripts/sim_fleet.py with 5 simulated replicas and
 200 jobs over the real API, a PostgreSQL store (tests/postgres.py) and the real claim/lease/report code: one replica
 killed mid-job, one stalled past its lease until another has re-run its job and committed the clip (its late clip
-and report must change nothing the API serves), PostgreSQL stopped and started again. Nothing may be lost, completed twice, or left as a row without files or files without a
-row. The full run (50 replicas, 10,000 jobs) is bench/README.md's "Control plane at scale, simulated"."""
+and report must change nothing the API serves), PostgreSQL stopped and started again. Nothing may be lost, completed
+twice, or left as a row without files or files without a row. The full run (50 replicas, 10,000 jobs) is
+bench/README.md's "Control plane at scale, simulated"."""
 
 import os
 import sys
