@@ -181,3 +181,18 @@ def s3():
             os.environ.pop(k, None)
         else:
             os.environ[k] = v
+
+
+@pytest.fixture
+def h3trt(capsys):
+    """cli.main as the `h3trt` script calls it: returns (exit status, stderr lines)."""
+    from h3trt import cli
+
+    def run(*argv: str) -> tuple[int, list[str]]:
+        try:
+            code = cli.main(list(argv))
+        except SystemExit as e:
+            code = e.code
+        return code, capsys.readouterr().err.strip().splitlines()
+
+    return run

@@ -15,18 +15,6 @@ from h3trt.runtime.args import OneLineParser, explain
 pytestmark = pytest.mark.unit
 
 
-@pytest.fixture
-def h3trt(capsys):
-    """cli.main as the `h3trt` script calls it: returns (exit status, stderr lines)."""
-
-    def run(*argv: str) -> tuple[int, list[str]]:
-        try:
-            code = cli.main(list(argv))
-        except SystemExit as e:
-            code = e.code
-        return code, capsys.readouterr().err.strip().splitlines()
-
-    return run
 
 
 @pytest.mark.parametrize("argv, line", [

@@ -16,10 +16,9 @@ import re
 import pytest
 import torch
 
-import h3trt.cli as cli
 from h3trt.errors import UserError
 from h3trt.models.step_cache import StepCache, StepCacheConfig
-from h3trt.runtime.profiles import PROFILES, profile_fields, request_profile_fields
+from h3trt.runtime.profiles import PROFILES, profile_fields
 
 pytestmark = pytest.mark.unit
 
@@ -168,16 +167,6 @@ def test_without_a_profile_the_flags_alone_decide():
     assert cache_of(profile_fields(None, "first-block")) == ("first-block", 0.05, 0, None)  # diffusers' defaults
 
 
-@pytest.fixture
-def h3trt(capsys):
-    def run(*argv: str) -> tuple[int, list[str]]:
-        try:
-            code = cli.main(list(argv))
-        except SystemExit as e:
-            code = e.code
-        return code, capsys.readouterr().err.strip().splitlines()
-
-    return run
 
 
 def test_run_builds_the_request_from_the_profile_and_the_flags(h3trt, monkeypatch, tmp_path):

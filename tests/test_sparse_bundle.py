@@ -182,16 +182,6 @@ def test_explicit_beats_the_bundle_default_beats_the_built_in_one():
     assert (fields["sparse_attention"], fields["sparse_dense_steps"]) == (0.75, 10)
 
 
-@pytest.fixture
-def h3trt(capsys):
-    def run(*argv: str):
-        try:
-            code = main(list(argv))
-        except SystemExit as e:
-            code = e.code
-        return code, capsys.readouterr().err.strip().splitlines()
-
-    return run
 
 
 @pytest.mark.parametrize("flags, line", [

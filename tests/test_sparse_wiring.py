@@ -54,16 +54,6 @@ def test_min_seq_above_the_sequence_keeps_it_dense(dense, tmp_path):
     assert record["sparse_attention"]["sparse_evaluations"] == []
 
 
-@pytest.fixture
-def h3trt(capsys):
-    def run(*argv: str):
-        try:
-            code = main(list(argv))
-        except SystemExit as e:
-            code = e.code
-        return code, capsys.readouterr().err.strip().splitlines()
-
-    return run
 
 
 @pytest.mark.parametrize("flags, line", [

@@ -145,6 +145,18 @@ def _topk_lowest_first(scores_RK: torch.Tensor, topk: int) -> torch.Tensor:
     return (K - picked_RT).to(torch.int32)
 
 
+def route_sizes(q_BSND: torch.Tensor, k_BSND: torch.Tensor, sparsity: float, block: int) -> tuple[int, ...]:
+    """(B, N, G query blocks, K key blocks, topk kept per row) of a routing."""
+    B, _, N, _ = q_BSND.shape
+    K = -(-k_BSND.shape[1] // block)
+    return B, N, -(-q_BSND.shape[1] // block), K, sparse_budget(K, sparsity)
+
+
+def every_key_block(B: int, N: int, G: int, K: int, device) -> torch.Tensor:
+    """The index when the budget keeps every key block (nothing to choose): [B, N, G, K] int32, in order."""
+    return torch.arange(K, device=device, dtype=torch.int32).expand(B, N, G, K).contiguous()
+
+
 def subblock_route(q_BSND: torch.Tensor, k_BSND: torch.Tensor, sparsity: float, softmax_scale: float, n_q: int = 4,
                    n_k: int = 4, block: int = SUBBLOCK_BLOCK,
                    chunk_bytes: int = ROUTER_CHUNK_BYTES) -> tuple[torch.Tensor, int]:
@@ -156,13 +168,10 @@ def subblock_route(q_BSND: torch.Tensor, k_BSND: torch.Tensor, sparsity: float, 
     _check_route_args(q_BSND, k_BSND, softmax_scale, n_q, n_k, block)
     if isinstance(chunk_bytes, bool) or not isinstance(chunk_bytes, int) or chunk_bytes < 1:
         raise ValueError(f"chunk_bytes must be a positive number of bytes, got {chunk_bytes!r}.")
-    B, _, N, _ = q_BSND.shape
-    G, K = -(-q_BSND.shape[1] // block), -(-k_BSND.shape[1] // block)
-    topk = sparse_budget(K, sparsity)
+    B, N, G, K, topk = route_sizes(q_BSND, k_BSND, sparsity, block)
     with torch.no_grad():
-        if topk == K:  # nothing to choose: every key block, in order
-            index = torch.arange(K, device=q_BSND.device, dtype=torch.int32)
-            return index.expand(B, N, G, K).contiguous(), topk
+        if topk == K:
+            return every_key_block(B, N, G, K, q_BSND.device), topk
         qbar_BNPD, q_valid, kbar_BNPD, k_valid = _pooled(q_BSND, k_BSND, softmax_scale, n_q, n_k, block)
         # One query block of one head holds n_q x (K * n_k) fp32 pair scores; take as many as the budget allows,
         # whole heads first (the matmul per head is then the reference's own), query blocks of one head past that.

@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparse_attention import _check_route_args, _topk_lowest_first, sparse_budget
+from .sparse_attention import _check_route_args, _topk_lowest_first, every_key_block, route_sizes
 
 # Query blocks x key blocks per score program (each cell an n_q x n_k set of pair dots), and its warps.
 SCORE_TILE_G, SCORE_TILE_K, SCORE_WARPS = 64, 64, 4
@@ -183,12 +183,9 @@ def subblock_route_triton(q_BSND: torch.Tensor, k_BSND: torch.Tensor, sparsity: 
     """(index [B, N, G, T] int32 ascending, T): `subblock_route`'s blocks, fused. Same arguments (no chunk_bytes:
     the only scratch is the pooled q/k and the [B, N, G, K] fp32 scores, 78 MB at H3's shape)."""
     _check_route_args(q_BSND, k_BSND, softmax_scale, n_q, n_k, block)
-    B, _, N, _ = q_BSND.shape
-    G, K = -(-q_BSND.shape[1] // block), -(-k_BSND.shape[1] // block)
-    topk = sparse_budget(K, sparsity)
+    B, N, G, K, topk = route_sizes(q_BSND, k_BSND, sparsity, block)
     with torch.no_grad():
-        if topk == K:  # nothing to choose: every key block, in order
-            index = torch.arange(K, device=q_BSND.device, dtype=torch.int32)
-            return index.expand(B, N, G, K).contiguous(), topk
+        if topk == K:
+            return every_key_block(B, N, G, K, q_BSND.device), topk
         scores_BNGK = subblock_scores_triton(q_BSND, k_BSND, softmax_scale, n_q, n_k, block, precision)
         return topk_lowest_first_triton(scores_BNGK.view(-1, K), topk).view(B, N, G, topk), topk
