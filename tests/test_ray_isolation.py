@@ -1,16 +1,18 @@
 """Ray isolation (issue 35 item 2), apart from tests/test_fleet.py: that module's cluster lives for the whole module
 (a module fixture) in the xdist worker that runs it, and a second `ray.init` in the same process is refused ("Maybe
 you called ray.init twice by accident?"), which failed CI when the token test ran after the fleet's tests in one
-module. Here every cluster is the test's own: in a child process, or in this process with no other initialised."""
+module; and Ray reads its token once per process, so a head started in-process after that module's cluster could not
+start either. Here every cluster is the test's own, in a child process."""
 
 import json
 import os
+import select
 import subprocess
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
-from ray_cluster import isolated_ray
 from serving import free_port
 
 
@@ -66,14 +68,51 @@ def _deploy(address: str, env: dict, tmp_path, store: str) -> subprocess.Complet
                           env=env, capture_output=True, text=True, timeout=120)
 
 
+# The token-authenticated head of the deploy test, in a process of its own: Ray reads its token once per process, so a
+# head started in an xdist worker that already ran another cluster (test_fleet.py's module fixture, in CI) failed to
+# start ("Failed to start GCS ... InvalidAuthToken"). It prints its address and folder, then holds until stdin closes.
+HEAD = """
+import json, sys
+sys.path.insert(0, sys.argv[1])
+from ray_cluster import isolated_ray
+
+with isolated_ray(num_cpus=1) as (context, ray_dir):
+    print(json.dumps({"gcs": context.address_info["gcs_address"], "ray_dir": ray_dir}), flush=True)
+    sys.stdin.readline()
+"""
+
+
+@contextmanager
+def _token_head():
+    """Yields (gcs address, the cluster's folder) of a token-authenticated head in a child process."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
+    head = subprocess.Popen([sys.executable, "-c", HEAD, str(Path(__file__).parent)], stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    try:
+        ready, _, _ = select.select([head.stdout], [], [], 180)
+        line = head.stdout.readline() if ready else ""
+        if not line:
+            head.kill()
+            raise AssertionError(f"the Ray head did not start within 180 s: {head.stderr.read()[-3000:]}")
+        started = json.loads(line)
+        yield started["gcs"], started["ray_dir"]
+    finally:
+        if head.poll() is None:
+            head.stdin.close()
+            try:
+                head.wait(timeout=60)
+            except subprocess.TimeoutExpired:
+                head.kill()
+                head.wait()
+
+
 def test_deploy_with_another_users_ray_token_is_one_line_or_works(tiny_cache, tmp_path, postgres):
     """The README's recipe on a token-authenticated cluster (what `ray start --head` makes when it finds a token):
     `h3trt serve --ray HEAD:PORT` from a HOME whose ~/.ray/auth_token is another user's is refused in one line naming
     the file and the fix, at once; with the cluster's token in that file the deploy's connect (deploy.connect, run
     alone so that no fleet is deployed) gets in. Before, Ray never sent the file's token on an explicit address: 20 s
     of retries, then its traceback."""
-    with isolated_ray(num_cpus=1) as (context, ray_dir):
-        address = context.address_info["gcs_address"]
+    with _token_head() as (address, ray_dir):
         env = _decoy_env(tmp_path)
         del env["RAY_ADDRESS"]
         token = Path(env["HOME"]) / ".ray" / "auth_token"
