@@ -20,8 +20,8 @@ from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
 from ..models.block_stack import run_block_stack
-from ..models.sparse_kernels import check_sparse_kernel, warm_sparse_kernel
-from ..models.sparse_run import load_sparse_kernel
+from ..models.sparse_kernels import check_sparse_kernel
+from ..models.sparse_run import load_sparse_kernel, warm_sparse
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
@@ -276,8 +276,8 @@ NO_SPARSE_HALVES = ("this bundle serves no block-sparse attention: it was built 
 
 def bundle_sparse_kernel(root: Path, manifest: Manifest, device: torch.device) -> tuple[str | None, str | None]:
     """(kernel, problem) of the block-sparse attention a bundle serves, compiled now so that no request compiles it:
-      - built with --sparse-attention: the kernel its manifest records (checked before anything loaded), warmed at
-        one rank's heads in the bundle's dtype; a kernel that does not compile here refuses the load, as a bundle
+      - built with --sparse-attention: the kernel its manifest records (checked before anything loaded), warmed with
+        its router (warm_sparse) at one rank's heads in the bundle's dtype; a kernel that does not compile here refuses the load, as a bundle
         whose attention kernel cannot run does (it was built to serve it, and its requests default to it);
       - sp > 1 without it: the device's default kernel, as the eager Ulysses runner picks it (a failure leaves the
         engine dense-only, with why);
@@ -289,8 +289,8 @@ def bundle_sparse_kernel(root: Path, manifest: Manifest, device: torch.device) -
             return load_sparse_kernel(device, cfg.num_heads // sp, cfg.head_dim, torch.bfloat16)
         return None, NO_SPARSE_HALVES
     try:
-        warm_sparse_kernel(record.kernel, device, cfg.num_heads // sp, cfg.head_dim,
-                           manifest.precision.spec.dtype, record.block)
+        warm_sparse(record.kernel, device, cfg.num_heads // sp, cfg.head_dim, manifest.precision.spec.dtype,
+                    record.block)
     except Exception as e:  # noqa: BLE001 - any failure of a kernel the bundle was built to serve refuses it
         first = str(e).splitlines()[0] if str(e) else ""
         raise BundleError(f"{root}: this bundle serves the {record.kernel} block-sparse attention kernel (h3trt build "

@@ -21,7 +21,7 @@ import torch
 
 from .packing import PackedLayout
 from .sparse_attention import SUBBLOCK_BLOCK
-from .sparse_kernels import kept_fraction, sparse_attention
+from .sparse_kernels import kept_fraction, sparse_attention, warm_sparse_kernel
 from .sparse_router import route_blocks, router_for, warm_router
 from .sparse_plan import SparseSettings, evaluation_is_sparse, sparse_query_blocks
 
@@ -73,31 +73,29 @@ class SparseRun:
                 "kept_fraction": round(self._kept / self._pairs, 6) if self._pairs else None}
 
 
+def warm_sparse(kernel: str, device, heads: int, head_dim: int, dtype: torch.dtype, block: int) -> None:
+    """Compile the sparse attention `kernel` and the device's SubBlock router (warm_router) now, at load, for `heads`
+    heads at `block`, so that no request compiles either: every loader of a sparse-serving DiT calls this."""
+    warm_sparse_kernel(kernel, device, heads, head_dim, dtype, block)
+    warm_router(device, heads, head_dim, dtype, block)
+
+
 def load_sparse_kernel(device, heads: int, head_dim: int, dtype: torch.dtype) -> tuple[str | None, str | None]:
     """(kernel, problem): the sparse attention kernel a loaded DiT serves, chosen once (default_sparse_kernel: fa4 on
-    sm_90 where it loads, flex on another CUDA GPU, reference on the CPU) and compiled now, at load, for `heads` heads
-    (this rank's, under Ulysses) at its block (sparse_block), with the router (warm_router: Triton on CUDA), so that
-    no request compiles either. A kernel or router that does not compile here leaves (None, why): the load goes on,
-    dense requests run, and a sparse request is refused with why; a note on stderr says so at load."""
-    from .sparse_kernels import default_sparse_kernel, sparse_block, warm_sparse_kernel
+    sm_90 where it loads, flex on another CUDA GPU, reference on the CPU) and compiled now with its router
+    (warm_sparse), for `heads` heads (this rank's, under Ulysses) at its block (sparse_block). A kernel or router that
+    does not compile here leaves (None, why): the load goes on, dense requests run, and a sparse request is refused
+    with why; a note on stderr says so at load."""
+    from .sparse_kernels import default_sparse_kernel, sparse_block
 
     kernel = default_sparse_kernel(device)
-    block = sparse_block(kernel, device)
     try:
-        warm_sparse_kernel(kernel, device, heads, head_dim, dtype, block)
+        warm_sparse(kernel, device, heads, head_dim, dtype, sparse_block(kernel, device))
     except Exception as e:  # noqa: BLE001 - an optional kernel never stops a dense load; the reason is kept
-        problem = (f"the {kernel} block-sparse attention kernel did not compile on {device} at load "
-                   f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so this engine serves dense "
-                   f"attention only. Run the request with --sparse-attention 0 (or a dense profile: lossless, "
+        problem = (f"the {kernel} block-sparse attention kernel did not compile on {device} at load, or its SubBlock "
+                   f"router ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}), so this engine serves "
+                   f"dense attention only. Run the request with --sparse-attention 0 (or a dense profile: lossless, "
                    f"quality), or install FlashAttention-4 (pip install flash-attn-4) on an sm_90 GPU.")
-        print(f"h3trt: note: {problem}", file=sys.stderr)
-        return None, problem
-    try:
-        warm_router(device, heads, head_dim, dtype, block)
-    except Exception as e:  # noqa: BLE001 - the same: the engine stays dense, and a sparse request is told why
-        problem = (f"the SubBlock router did not load on {device} at load ({type(e).__name__}: "
-                   f"{str(e).splitlines()[0] if str(e) else ''}), so this engine serves dense attention only. Run the "
-                   f"request with --sparse-attention 0 (or a dense profile: lossless, quality).")
         print(f"h3trt: note: {problem}", file=sys.stderr)
         return None, problem
     return kernel, None
