@@ -217,7 +217,10 @@ def flex_sparse_attention(q_BSND, k_BSND, v_BSND, index_BNGT, sparse_G, block, c
                          f"(Inductor refuses smaller ones at H3's shape), got {block}; route with block={FLEX_BLOCK}.")
     mask = flex_block_mask(index_BNGT, sparse_G, block, q_BSND.shape[1], k_BSND.shape[1])
     fn = _compiled_flex() if compiled else flex_attention
-    out_BNSD = fn(q_BSND.transpose(1, 2), k_BSND.transpose(1, 2), v_BSND.transpose(1, 2), block_mask=mask)
+    # Always without grad (the op is forward-only): Dynamo guards on the grad mode, so a caller in the other mode
+    # than the warm-up would compile the kernel again, which a bundle's no-compile guard refuses.
+    with torch.no_grad():
+        out_BNSD = fn(q_BSND.transpose(1, 2), k_BSND.transpose(1, 2), v_BSND.transpose(1, 2), block_mask=mask)
     return out_BNSD.transpose(1, 2).contiguous()
 
 
