@@ -142,10 +142,11 @@ def test_chunked_route_keeps_the_reference_blocks(n_q, n_k, chunk_bytes):
         assert torch.equal(got, want)
 
 
-def test_ties_go_to_the_lower_key_block_in_both_paths():
+def tie_case():
     """24 key blocks of constant rows (exact in binary, so equal blocks score bit-identically): 4 high-scoring ones,
-    6 copies of a middling one, the rest low. With 8 kept (sparsity 0.7), the copies straddle the threshold: both
-    paths keep the 4 high blocks and the 4 lowest-numbered copies, as a stable descending sort does."""
+    6 copies of a middling one, the rest low. With 8 kept (sparsity 0.7, scale 0.25), the copies straddle the
+    threshold: a router keeps the 4 high blocks and the 4 lowest-numbered copies, as a stable descending sort does.
+    Returns (q, k, the copies, the index every router must give); tests/test_sparse_router.py routes it too."""
     high, copies = [3, 10, 15, 20], [1, 5, 7, 8, 12, 22]
     k = -torch.ones(1, 64 * 24, 2, 16)
     for j in high:
@@ -153,9 +154,14 @@ def test_ties_go_to_the_lower_key_block_in_both_paths():
     for j in copies:
         k[:, 64 * j:64 * (j + 1)] = 1.0
     q = torch.ones(1, 64 * 3, 2, 16)
+    return q, k, copies, torch.tensor([1, 3, 5, 7, 8, 10, 15, 20], dtype=torch.int32).expand(1, 2, 3, 8)
+
+
+def test_ties_go_to_the_lower_key_block_in_both_paths():
+    """tie_case: both torch paths keep the 4 high blocks and the 4 lowest-numbered copies."""
+    q, k, copies, want = tie_case()
     scores = subblock_scores(q, k, 0.25)
     assert bool((scores[..., copies] == scores[..., copies[:1]]).all())
-    want = torch.tensor([1, 3, 5, 7, 8, 10, 15, 20], dtype=torch.int32).expand(1, 2, 3, 8)
     ref, topk = subblock_route_reference(q, k, 0.7, 0.25)
     assert topk == 8 and torch.equal(ref, want)
     for chunk_bytes in (1, 2**28):

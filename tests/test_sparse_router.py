@@ -103,18 +103,12 @@ def interpreted_checks() -> dict:
             want, topk = subblock_route_reference(q, k, sparsity, scale, n_q, n_k, block)
             got = topk_lowest_first_triton(scores.view(-1, scores.shape[-1]), topk).view(want.shape)
             out[f"route_{tag}_{sparsity}"] = torch.equal(got, want)
-    # Exact ties: equal key blocks score bit-identically; the 4 lowest-numbered copies fill the budget after the 4
-    # high blocks (tests/test_sparse_attention.py's case, through the Triton path).
-    high, copies = [3, 10, 15, 20], [1, 5, 7, 8, 12, 22]
-    k = -torch.ones(1, 64 * 24, 2, 16)
-    for j in high:
-        k[:, 64 * j:64 * (j + 1)] = 2.0
-    for j in copies:
-        k[:, 64 * j:64 * (j + 1)] = 1.0
-    q = torch.ones(1, 64 * 3, 2, 16)
+    # Exact ties (tests/test_sparse_attention.py's case, through the Triton path).
+    from test_sparse_attention import tie_case
+
+    q, k, _, want = tie_case()
     got, _ = subblock_route_triton(q, k, 0.7, 0.25)
-    out["ties_to_the_lower_block"] = torch.equal(got, torch.tensor([1, 3, 5, 7, 8, 10, 15, 20], dtype=torch.int32)
-                                                 .expand(1, 2, 3, 8))
+    out["ties_to_the_lower_block"] = torch.equal(got, want)
     # The top-k kernel alone on tie-heavy rows (few distinct values, -0.0 and +0.0 among them), every budget.
     scores = torch.randint(-3, 4, (6, 37)).float() * 0.5
     zero = scores == 0
