@@ -193,8 +193,8 @@ def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder
 class Clients:
     """--clients clients over HTTP (module doc); every request's (kind, status, seconds)."""
 
-    def __init__(self, url: str, args: argparse.Namespace, deadline: float):
-        self.url, self.args, self.deadline = url, args, deadline
+    def __init__(self, url: str, args: argparse.Namespace, deadline: float, folder: Path):
+        self.url, self.args, self.deadline, self.folder = url, args, deadline, folder
         self.samples: list[tuple[str, int, float]] = []
         self.acked: dict[str, int] = {}  # job id -> the client given it
         self.final: dict[str, str] = {}  # job id -> the status its client saw last
@@ -241,6 +241,15 @@ class Clients:
                 pass
         await asyncio.sleep(wait * rng.uniform(0.5, 1.0))
 
+    def _why(self) -> str:
+        """The API's logged internal errors (their tracebacks), for an answer the harness did not expect."""
+        try:
+            lines = (self.folder / "api.jsonl").read_text().splitlines()
+        except OSError as e:
+            return f"\n(no API log: {e})"
+        errors = [json.loads(line) for line in lines if '"internal_error"' in line]
+        return "".join(f"\nAPI {e['method']} {e['path']}: {e['error']}\n{e['trace']}" for e in errors[-3:])
+
     async def _client(self, http, index: int, jobs: int) -> None:
         rng = random.Random(self.args.seed * 7919 + index)
         inflight: list[str] = []
@@ -255,7 +264,7 @@ class Clients:
                     self.acked[job], made = index, made + 1
                     inflight.append(job)
                 elif answer is not None and answer.status_code not in (429, 503):
-                    raise AssertionError(f"POST answered {answer.status_code}: {answer.text[:500]}")
+                    raise AssertionError(f"POST answered {answer.status_code}: {answer.text[:500]}{self._why()}")
                 else:
                     await self._pause(answer, rng)
             await asyncio.sleep(self.args.poll_s * rng.uniform(0.75, 1.25))
@@ -267,7 +276,7 @@ class Clients:
                     if status in ENDED:
                         inflight.remove(job)
                 elif answer is not None and answer.status_code != 503:
-                    raise AssertionError(f"GET {job} answered {answer.status_code}: {answer.text[:500]}")
+                    raise AssertionError(f"GET {job} answered {answer.status_code}: {answer.text[:500]}{self._why()}")
 
 
 # --- the harness -------------------------------------------------------------------------------------------------------
@@ -550,7 +559,7 @@ def main(argv: list[str] | None = None) -> dict:
         _wait_ready(f"http://127.0.0.1:{port}", api, time.monotonic() + 120)
         store = JobStore(url)
         deadline = time.monotonic() + args.time_limit
-        clients = Clients(f"http://127.0.0.1:{port}", args, deadline)
+        clients = Clients(f"http://127.0.0.1:{port}", args, deadline, folder)
         faults = Faults(args, store, pg, replicas, names, f"http://127.0.0.1:{port}", folder)
         done = threading.Event()
         fault_thread = threading.Thread(target=faults.run, args=(done, deadline + args.drain_s), daemon=True)

@@ -256,3 +256,39 @@ def test_open_endpoints_are_a_flag(tmp_path, tiny_cache):
     assert anonymous.get("/metrics").status_code == 200
     assert anonymous.get("/openapi.json").status_code == 401
     service.store.close()
+
+
+# --- what no handler classifies: the envelope and a logged traceback; a pool timed out is an outage ------------------
+
+def test_an_unexpected_error_is_the_envelope_and_a_logged_traceback(tmp_path, tiny_cache, monkeypatch):
+    client, service = _client(tmp_path)
+    logged = []
+    service.log = lambda event, **fields: logged.append((event, fields))
+
+    def broken():
+        raise RuntimeError("a defect in the admission path")
+
+    monkeypatch.setattr(service.store, "queued", broken)
+    r = client.post("/v1/videos", json={"prompt": "a fox", **SMALL})
+    assert r.status_code == 500 and r.headers["content-type"].startswith("application/json"), r.text
+    error = r.json()["error"]
+    assert (error["type"], error["code"]) == ("server_error", "internal_error"), error
+    [(event, fields)] = [e for e in logged if e[0] == "internal_error"]
+    assert fields["path"] == "/v1/videos" and fields["method"] == "POST"
+    assert "RuntimeError: a defect in the admission path" in fields["error"] and "broken" in fields["trace"]
+    service.store.close()
+
+
+def test_a_connection_pool_that_timed_out_is_a_503_with_retry_after(tmp_path, tiny_cache, monkeypatch):
+    from sqlalchemy.exc import TimeoutError as PoolTimeout
+
+    client, service = _client(tmp_path)
+
+    def exhausted():
+        raise PoolTimeout("QueuePool limit of size 5 overflow 10 reached, connection timed out, timeout 30.00")
+
+    monkeypatch.setattr(service.store, "queued", exhausted)
+    r = client.post("/v1/videos", json={"prompt": "a fox", **SMALL})
+    assert r.status_code == 503 and r.headers["retry-after"], r.text
+    assert r.json()["error"]["code"] == "store_unreachable", r.text
+    service.store.close()

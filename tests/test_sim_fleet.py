@@ -16,7 +16,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
 pytestmark = pytest.mark.multiproc
 
 
-def test_a_small_fleet_loses_nothing_and_completes_nothing_twice_through_a_kill_a_stall_and_a_store_restart(tmp_path):
+def test_a_small_fleet_loses_nothing_and_completes_nothing_twice_through_a_kill_a_stall_and_a_store_restart(
+        tmp_path, tiny_cache):  # the tiny default in this session's cache, not one another worker may be writing
     import sim_fleet
 
     started = time.monotonic()

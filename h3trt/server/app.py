@@ -19,6 +19,7 @@ import json
 import re
 import secrets
 import time
+import traceback
 import urllib.parse
 from importlib import resources
 from typing import Literal
@@ -216,6 +217,16 @@ def create_app(service: VideoService) -> FastAPI:
         service.log("store_unreachable", path=request.url.path, error=" ".join(str(e).split())[:300])
         return envelope(503, "The job store is unreachable for the moment; retry in a few seconds.", "server_error",
                         code="store_unreachable", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, e: Exception):
+        # What no other handler answers (a defect, or a fault nothing classifies yet): the client gets the envelope
+        # and a code to quote, and the operator's log gets the request and the traceback that explain it.
+        service.log("internal_error", method=request.method, path=request.url.path,
+                    error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
+                    trace="".join(traceback.format_exception(e))[-4000:])
+        return envelope(500, "The server failed on this request (logged as internal_error with its traceback); "
+                             "retry, and report it if it persists.", "server_error", code="internal_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):

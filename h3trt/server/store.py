@@ -31,6 +31,7 @@ from sqlalchemy import (Boolean, Column, Float, Integer, MetaData, String, Table
                         select, update, delete)
 from sqlalchemy.engine import Engine, Row
 from sqlalchemy.exc import DBAPIError, OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ..errors import UserError
 from ..str_enum import StrEnum
@@ -352,10 +353,13 @@ def store_unreachable(e: BaseException) -> bool:
     """Whether `e` says the database could not be reached or dropped the connection (a restart, a network fault), as
     opposed to a wrong statement: the API answers 503 and workers wait for it rather than failing their jobs. A full
     disk is an OperationalError too, but it is not an outage: waiting would never end while nothing frees space, so
-    it is answered as a full disk (507, the job that met it fails) and never counted here."""
+    it is answered as a full disk (507, the job that met it fails) and never counted here. Every pooled connection
+    busy past the pool's timeout (connects hanging on a restarting server, a store too slow for the load) is the same
+    wait-and-retry case."""
     if is_disk_full(e):
         return False
-    return isinstance(e, OperationalError) or (isinstance(e, DBAPIError) and bool(e.connection_invalidated))
+    return isinstance(e, (OperationalError, PoolTimeout)) or (
+        isinstance(e, DBAPIError) and bool(e.connection_invalidated))
 
 
 def _held_by(worker: str | None, attempt: int | None = None) -> tuple:
