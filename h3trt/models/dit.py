@@ -15,7 +15,7 @@ M = 3 * T modulation rows, V/A/L video/audio/text rows, C row channels, E time_e
 from __future__ import annotations
 
 import math
-from typing import Callable
+from typing import Callable, Protocol
 
 import torch
 import torch.nn as nn
@@ -41,6 +41,27 @@ EMBED_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "condition_proj.", "
 ADALN_PREFIX = "adaln_proj."
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class BlockAdapters(Protocol):
+    """The low-rank side branches one evaluation adds to one main block's linears (models/lora_slots.py `BlockLora`).
+    A block given None runs exactly its base linears: no side branch is traced or run."""
+
+    def __call__(self, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`linear(x)` plus the adapters' terms on the block's linear `name` ("attn.qkv_proj", "mlp.fc1", ...)."""
+
+
+class DiTAdapters(Protocol):
+    """The adapters one evaluation of the DiT carries (models/lora_slots.py `LoraRun`): one view per main block."""
+
+    def block(self, i: int) -> BlockAdapters:
+        """The side branches of main block `i`."""
+
+
+def project(linear: nn.Module, x: torch.Tensor, name: str, lora: BlockAdapters | None) -> torch.Tensor:
+    """`linear(x)`, or with adapters `lora(name, linear, x)`; the branch is Python, decided before any compiled code
+    runs, so a block without adapters is the same ops as one that never heard of them."""
+    return linear(x) if lora is None else lora(name, linear, x)
 
 
 def sdpa_attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor) -> torch.Tensor:
@@ -93,11 +114,13 @@ class Attention(nn.Module):
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.inner_dim, cfg.hidden_size, bias=False)
 
-    def qkv(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None):
+    def qkv(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
+            lora: BlockAdapters | None = None):
         """x [B, S, H] -> q, k, v [B, S, N, D]: project, per-head QK RMSNorm, then RoPE with `rope` (cos, sin) [S, R]
-        (the norm comes first, as in the checkpoint's training code; None: no rotation, the refiner's)."""
+        (the norm comes first, as in the checkpoint's training code; None: no rotation, the refiner's). `lora`: the
+        owning block's adapters (its linears named from the block: "attn.qkv_proj")."""
         B, S, _ = x_BSH.shape
-        q, k, v = self.qkv_proj(x_BSH).view(B, S, 3, self.num_heads, self.head_dim).unbind(2)
+        q, k, v = project(self.qkv_proj, x_BSH, "attn.qkv_proj", lora).view(B, S, 3, self.num_heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -116,10 +139,10 @@ class SwiGLU(nn.Module):
         self.fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_dim, bias=False)  # rows [gate; value]
         self.fc2 = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x):
-        """x [..., H] -> [..., H]."""
-        gate, value = self.fc1(x).chunk(2, dim=-1)
-        return self.fc2(value * F.silu(gate))
+    def forward(self, x, lora: BlockAdapters | None = None):
+        """x [..., H] -> [..., H]; `lora`: the owning block's adapters (its linears "mlp.fc1", "mlp.fc2")."""
+        gate, value = project(self.fc1, x, "mlp.fc1", lora).chunk(2, dim=-1)
+        return project(self.fc2, value * F.silu(gate), "mlp.fc2", lora)
 
 
 class RefinerBlock(nn.Module):
@@ -169,11 +192,12 @@ class AdaLNProj(nn.Module):
         super().__init__()
         self.linear = nn.Linear(in_dim, out_dim)
 
-    def forward(self, temb_TE):
-        """temb [T, E] fp32 -> [T, out_dim] in the weights' dtype."""
+    def forward(self, temb_TE, lora: BlockAdapters | None = None):
+        """temb [T, E] fp32 -> [T, out_dim] in the weights' dtype; `lora`: the owning block's adapters (its linear
+        "adaln_proj.linear")."""
         # SiLU at temb's own precision (fp32), cast after: a rounding before the activation would bias every block
         # identically at every step.
-        return self.linear(F.silu(temb_TE).to(self.linear.weight.dtype))
+        return project(self.linear, F.silu(temb_TE).to(self.linear.weight.dtype), "adaln_proj.linear", lora)
 
 
 class Block(nn.Module):
@@ -188,9 +212,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.adaln_proj = AdaLNProj(cfg.time_embed_dim, cfg.modulation_dim)
 
-    def modulation(self, temb_TE: torch.Tensor) -> torch.Tensor:
+    def modulation(self, temb_TE: torch.Tensor, lora: BlockAdapters | None = None) -> torch.Tensor:
         """The block's modulation table [M, 6, H]: row m*3+tag holds shift/scale/gate (msa), shift/scale/gate (mlp)."""
-        return self.adaln_proj(temb_TE).view(-1, NUM_MODULATION_PARAMS, self.hidden_size)
+        return self.adaln_proj(temb_TE, lora).view(-1, NUM_MODULATION_PARAMS, self.hidden_size)
 
     def forward(
         self,
@@ -199,27 +223,30 @@ class Block(nn.Module):
         adaln_index_S: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         attn_fn: AttentionFn = sdpa_attention,
+        lora: BlockAdapters | None = None,
     ) -> torch.Tensor:
         """x [B, S, H] -> [B, S, H], with the block's modulation table [M, 6, H], each row's table row
-        adaln_index [S] and rope (cos, sin) [S, R]."""
-        q, k, v = self.pre_attention(x_BSH, mod_M6H, adaln_index_S, rope)
-        return self.post_attention(x_BSH, attn_fn(q, k, v), mod_M6H, adaln_index_S)
+        adaln_index [S] and rope (cos, sin) [S, R]; `lora`: this evaluation's adapters on the block's linears (the
+        modulation table is the caller's, made with the same adapters: `modulation(temb, lora)`)."""
+        q, k, v = self.pre_attention(x_BSH, mod_M6H, adaln_index_S, rope, lora)
+        return self.post_attention(x_BSH, attn_fn(q, k, v), mod_M6H, adaln_index_S, lora)
 
     # The two halves around attention: under sequence parallelism each is compiled alone and the attention between
     # them (two all-to-alls around SDPA) runs outside the compiled code.
-    def pre_attention(self, x_BSH, mod_M6H, adaln_index_S, rope):
+    def pre_attention(self, x_BSH, mod_M6H, adaln_index_S, rope, lora: BlockAdapters | None = None):
         """Modulated norm, QKV projection, QK norm and RoPE: q, k, v [B, S, N, D]."""
         h = self.norm1(x_BSH) * (1.0 + _mod_row(mod_M6H, 1, adaln_index_S)) + _mod_row(mod_M6H, 0, adaln_index_S)
-        return self.attn.qkv(h, rope)
+        return self.attn.qkv(h, rope, lora)
 
-    def post_attention(self, x_BSH, attn_BSND, mod_M6H, adaln_index_S):
+    def post_attention(self, x_BSH, attn_BSND, mod_M6H, adaln_index_S, lora: BlockAdapters | None = None):
         """Output projection, gated residual, and the modulated SwiGLU half: the block's output [B, S, H]."""
         def row(param: int) -> torch.Tensor:
             return _mod_row(mod_M6H, param, adaln_index_S)
 
-        x_BSH = x_BSH + row(2) * self.attn.out_proj(attn_BSND.flatten(2).to(x_BSH.dtype))
+        x_BSH = x_BSH + row(2) * project(self.attn.out_proj, attn_BSND.flatten(2).to(x_BSH.dtype), "attn.out_proj",
+                                         lora)
         h = self.norm2(x_BSH) * (1.0 + row(4)) + row(3)
-        return x_BSH + row(5) * self.mlp(h)
+        return x_BSH + row(5) * self.mlp(h, lora)
 
 
 def _mod_row(mod_M6H: torch.Tensor, param: int, adaln_index_S: torch.Tensor) -> torch.Tensor:
@@ -316,6 +343,7 @@ class H3DiT(nn.Module):
         attn_fn: AttentionFn = sdpa_attention,
         cache: CacheContext | None = None,
         shard: RowSharding | None = None,
+        lora: DiTAdapters | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One evaluation over a packed sequence: video_BVC [B, V, C] and audio_BAC [B, A, C_audio] rows (fp32,
         condition rows first), text_BLC [B, L, C_text], timesteps_T [T] distinct t in [0, 1]; the row vectors
@@ -325,7 +353,9 @@ class H3DiT(nn.Module):
 
         `cache`: a step cache's state for this denoiser call (models/step_cache.py), None: every block runs.
         `shard`: this rank's rows under sequence parallelism (parallel/ulysses.py RowShard), with `attn_fn` the
-        attention that exchanges them (RowShard.attention()); None: every row here."""
+        attention that exchanges them (RowShard.attention()); None: every row here.
+        `lora`: the adapters this evaluation carries on the main blocks' linears (models/lora_slots.py
+        `LoraSlots.select`), the same for every batch row; None: the base model, exactly."""
         seq_len = position_ids_S3.shape[0]
         if token_tags_S.shape != (seq_len,) or timestep_index_S.shape != (seq_len,):
             raise ValueError(
@@ -344,7 +374,9 @@ class H3DiT(nn.Module):
         rope = self.rope(position_ids_S3)
         # 3. The block stack, on this rank's rows under a shard (a step cache may skip all of it, or all but block 0).
         def block_fn(i: int, x: torch.Tensor, adaln_index: torch.Tensor, rope) -> torch.Tensor:
-            return self.blocks[i](x, self.blocks[i].modulation(temb_TE), adaln_index, rope, attn_fn)
+            adapters = None if lora is None else lora.block(i)
+            mod = self.blocks[i].modulation(temb_TE, adapters)
+            return self.blocks[i](x, mod, adaln_index, rope, attn_fn, adapters)
 
         x_BSH = run_block_stack(x_BSH, len(self.blocks), block_fn, adaln_index_S, rope, cache, shard)
         # 4. Output heads on the video and audio rows.
