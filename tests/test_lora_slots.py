@@ -207,3 +207,28 @@ def test_a_compiled_block_does_not_recompile_when_the_adapter_changes(state, tmp
         outputs.append(got)
     assert not torch.equal(outputs[0], outputs[1])  # the reload reached the compiled code
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_the_side_branch_runs_in_bf16_beside_an_fp8_base_it_leaves_untouched(tmp_path):
+    """The slots' default dtype is bf16; the base may be any module (here calibration's W8A8 FP8Linear): the branch
+    only calls it, and adds scale * (x @ A^T) @ B^T on top (peft's alpha / rank folded into B)."""
+    from h3trt.calibration.formats import FP8
+    from h3trt.calibration.modules import FP8Linear
+
+    s = LoraSlots(CFG, "t2va", 2, 8)
+    assert all(t.dtype == torch.bfloat16 for pair in s.banks.values() for t in pair)
+    factors = block_factors(1, "blocks.1.mlp.fc2")
+    s.load(1, write(tmp_path / "fc2.safetensors", fmt_original(factors, "diffusion_model.")))
+    down, up = factors["blocks.1.mlp.fc2"]
+    g = torch.Generator().manual_seed(0)
+    weight = torch.randn(CFG.hidden_size, CFG.ffn_dim, generator=g) / CFG.ffn_dim ** 0.5
+    base = FP8Linear(CFG.hidden_size, CFG.ffn_dim)
+    base.weight_scale.fill_(weight.abs().max() / 448)
+    base.weight.copy_((weight / base.weight_scale).to(FP8))
+    x = torch.randn(2, 5, CFG.ffn_dim, generator=g).bfloat16()
+    base.input_scale.fill_(x.float().abs().max() / 448)
+    held = [t.clone() for t in base.buffers()]
+    got = s.select([(1, 0.6)]).block(1)("mlp.fc2", base, x)
+    assert got.dtype == torch.bfloat16 and all(torch.equal(a, b) for a, b in zip(base.buffers(), held))
+    want = 0.6 * (x.float() @ down.T) @ up.T
+    torch.testing.assert_close((got - base(x)).float(), want, rtol=3e-2, atol=3e-2 * want.abs().max().item())
