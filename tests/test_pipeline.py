@@ -74,15 +74,17 @@ def test_run_work_commits_the_clip_and_then_reports_it_done(pipeline, tmp_path):
     assert json.loads(record_path(output).read_text()) == events[-1].record.to_json()
 
 
-@pytest.mark.parametrize("where", ["completing the record", "hashing the MP4"])
+@pytest.mark.parametrize("where", ["making the record", "completing the record", "hashing the MP4"])
 def test_a_failure_between_encode_and_commit_leaves_nothing_at_the_output_path(pipeline, tmp_path, monkeypatch,
                                                                              where):
-    """The MP4 is encoded; then the job layer's commit fails before the rename: the job fails, and neither the clip,
-    its record nor the temporary MP4 is left."""
+    """The MP4 is encoded; then the pipeline's record or the job layer's commit fails before the rename: the job
+    fails, and neither the clip, its record nor the temporary MP4 is left."""
     def boom(*args, **kwargs):
         raise RuntimeError("the commit's step broke")
 
-    if where == "completing the record":
+    if where == "making the record":
+        monkeypatch.setattr("h3trt.runtime.pipeline.clip_record", boom)
+    elif where == "completing the record":
         monkeypatch.setattr(work, "peak_memory", boom)
     else:
         monkeypatch.setattr("h3trt.runtime.records.sha256_file", boom)

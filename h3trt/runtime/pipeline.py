@@ -31,7 +31,7 @@ from ..models.sparse_kernels import sparse_block
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
-from .files import DEFAULT_CRF
+from .files import DEFAULT_CRF, discard
 from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_vae import DecodeResult, decode_and_write
@@ -74,7 +74,8 @@ class H3Pipeline:
         if self._deferred_vaes is not None:
             video_vae, audio_vae, seconds, verified = self._deferred_vaes.result()
             self._vaes, self._deferred_vaes = (video_vae, audio_vae), None
-            self.load_report = self.load_report.with_vaes(seconds, verified)
+            if self.load_report is not None:
+                self.load_report = self.load_report.with_vaes(seconds, verified)
         return self._vaes
 
     @property
@@ -150,11 +151,11 @@ class H3Pipeline:
         if not target.writes:
             return None
         # 6. The record.
-        record = replace(self._record(prepared, schedule, layout, target.output, decoded, timer),
-                         step_cache=cache.report() if cache is not None else None,
-                         sparse_attention=sparse.report() if sparse is not None else {"sparsity": 0.0},
-                         wall_s=round(time.perf_counter() - start, 4))  # the stages overlap (decode, audio, encode)
-        return Clip(decoded.mp4_temp, record)
+        return clip_of(decoded, lambda: replace(
+            self._record(prepared, schedule, layout, target.output, decoded, timer),
+            step_cache=cache.report() if cache is not None else None,
+            sparse_attention=sparse.report() if sparse is not None else {"sparsity": 0.0},
+            wall_s=round(time.perf_counter() - start, 4)))  # the stages overlap (decode, audio, encode)
 
     @torch.no_grad()
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
@@ -259,8 +260,8 @@ class H3Pipeline:
         decoded = self._decode_and_mux(encoded.prepared, encoded.layout, final, target, timer, on_frames)
         if not target.writes:
             return None
-        return Clip(decoded.mp4_temp, self._record(encoded.prepared, encoded.schedule, encoded.layout, target.output,
-                                                   decoded, timer))
+        return clip_of(decoded, lambda: self._record(encoded.prepared, encoded.schedule, encoded.layout, target.output,
+                                                     decoded, timer))
 
     def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path,
                 decoded: DecodeResult, timer: StageTimer) -> ClipRecord:
@@ -371,6 +372,16 @@ class H3Pipeline:
         if profiler is not None and timer is not None:
             timer.step_profile = profiler.report
         return final
+
+
+def clip_of(decoded: DecodeResult, record: Callable[[], ClipRecord]) -> Clip:
+    """The clip of a decode on the writing rank, its record made by `record()`: if that fails, the MP4 under its
+    temporary name goes too, and the error is raised."""
+    try:
+        return Clip(decoded.mp4_temp, record())
+    except BaseException:
+        discard(decoded.mp4_temp)
+        raise
 
 
 def counted(model, sparse: SparseRun):
