@@ -748,7 +748,7 @@ def load_only(bundle: str, report: str, device: str) -> None:
         pipeline = H3Pipeline.load_engine(Path(bundle), device)
         ready = time.time()  # what the first step waits for; the VAEs keep loading behind it
         pipeline.video_vae
-    Path(report).write_text(json.dumps({"ready_unix": ready, "load": pipeline.load_report}, default=float))
+    Path(report).write_text(json.dumps({"ready_unix": ready, "load": pipeline.load_report.to_json()}, default=float))
 
 
 # ----------------------------------------------------------------------------------------------------------------------

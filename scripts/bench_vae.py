@@ -201,10 +201,10 @@ def _phase(video, audio, z, rows, group, out_dir: Path, repeats: int, tag: str, 
         path = out_dir / f"{tag}_{i}.mp4"  # a new name each run: replacing a big file would time its unlink
         record = decode_and_write(video, audio, z, rows, path, group=group, output_config=output)
         total.append(time.perf_counter() - start)
-        if record["wrote"]:
-            tail.append(record["timings_s"]["decode_tail_s"])
-            mux.append(record["timings_s"]["mux"])
-            steps.append(record["tail_s"])
+        if record.wrote:
+            tail.append(record.timings_s["decode_tail_s"])
+            mux.append(record.timings_s["mux"])
+            steps.append(record.tail_s)
             sizes.append(path.stat().st_size / 1e6)
     med = statistics.median
     return {"decode_s": med(decode), "total_s": med(total), "tail_s": med(tail) if tail else None,
@@ -527,16 +527,16 @@ def precision_axis(args) -> dict:
         record = decode_and_write(bf16, audio, z, rows_audio, work / "clip.mp4")
         tail = {"decoder": "bf16 " + (("compiled + CUDA graph" if bf16_best["cuda_graph"] else "compiled")
                                       if bf16_best else "eager"),
-                "decode_tail_s": record["timings_s"]["decode_tail_s"], "steps_s": record["tail_s"],
-                "video_decode_s": record["timings_s"]["video_decode"],
-                "audio_decode_beside_video_s": record["timings_s"]["audio_decode"],
+                "decode_tail_s": record.timings_s["decode_tail_s"], "steps_s": record.tail_s,
+                "video_decode_s": record.timings_s["video_decode"],
+                "audio_decode_beside_video_s": record.timings_s["audio_decode"],
                 "mp4_mb": (work / "clip.mp4").stat().st_size / 1e6}
 
         # 9. Audio decoder alone (full size, fp32: the reference pins all of it to fp32).
         audio.decode_rows(rows_audio)
         runs = [_timed(device, lambda: audio.decode_rows(rows_audio))[1] for _ in range(3)]
         audio_s = statistics.median(runs)
-        fraction = audio_s / record["timings_s"]["video_decode"]
+        fraction = audio_s / record.timings_s["video_decode"]
         audio_record = {"eager_s": audio_s, "runs_s": runs, "fraction_of_video_decode": fraction,
                         "threshold": AUDIO_COMPILE_FRACTION, "precision": "fp32 (every tensor pinned by diffusers)"}
         if args.audio_compile == "always" or (args.audio_compile == "auto" and fraction > AUDIO_COMPILE_FRACTION):

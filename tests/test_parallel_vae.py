@@ -18,7 +18,7 @@ from h3trt.models.video_vae import VideoVAE
 from h3trt.parallel.launch import init_rank, launch
 from h3trt.runtime.media import read_video
 from h3trt.runtime.output import OutputConfig
-from h3trt.runtime.parallel_vae import TAIL_STEPS, deal_waves, decode_and_write, decode_frames
+from h3trt.runtime.parallel_vae import TAIL_STEPS, DecodeResult, deal_waves, decode_and_write, decode_frames
 
 LATENT_H, LATENT_W = TINY_HEIGHT // 16, TINY_WIDTH // 16  # 6 x 10 latents: 96 x 160 px
 TILE_PX, TILE_OVERLAP_PX = 64, 16
@@ -82,7 +82,7 @@ def _write_worker(rank, world, store, out_dir, latent_frames, audio_latents):
     except ValueError as e:
         (out_dir / f"world{world}_rank{rank}.refused").write_text(str(e))
     record = decode_and_write(video, audio, z, rows, out_dir / f"world{world}.mp4", group=dist.group.WORLD)
-    (out_dir / f"world{world}_rank{rank}.json").write_text(json.dumps(record))
+    (out_dir / f"world{world}_rank{rank}.json").write_text(json.dumps(record.to_json()))
 
 
 @pytest.mark.multiproc
@@ -93,7 +93,7 @@ def test_ranks_write_the_same_mp4_as_one_process(tmp_path, world):
     video, audio = _vaes()
     z, rows = _latents(latent_frames, audio_latents)
     one = _one_thread(lambda: decode_and_write(video, audio, z, rows, tmp_path / "world1.mp4"))
-    assert one["wrote"] and one["frames"] == 56 and one["timings_s"]["decode_tail_s"] >= 0
+    assert one.wrote and one.frames == 56 and one.timings_s["decode_tail_s"] >= 0
     launch(_write_worker, world, (tmp_path, latent_frames, audio_latents))
 
     video1, fps1, audio1 = read_video(tmp_path / "world1.mp4")
@@ -102,15 +102,16 @@ def test_ranks_write_the_same_mp4_as_one_process(tmp_path, world):
     video_n, _, audio_n = read_video(tmp_path / f"world{world}.mp4")
     assert np.array_equal(video_n, video1), f"world {world}: frames differ from one process's"
     assert np.array_equal(audio_n, audio1), f"world {world}: audio differs from one process's"
-    records = [json.loads((tmp_path / f"world{world}_rank{r}.json").read_text()) for r in range(world)]
-    assert [r["wrote"] for r in records] == [True] + [False] * (world - 1)
-    assert records[0]["frames"] == 56 and records[0]["audio_samples"] == audio_latents * 800
-    assert records[0]["timings_s"]["audio_decode"] > 0  # decoded on the last rank, broadcast with its time
+    records = [DecodeResult.from_json(json.loads((tmp_path / f"world{world}_rank{r}.json").read_text()))
+               for r in range(world)]
+    assert [r.wrote for r in records] == [True] + [False] * (world - 1)
+    assert records[0].frames == 56 and records[0].audio_samples == audio_latents * 800
+    assert records[0].timings_s["audio_decode"] > 0  # decoded on the last rank, broadcast with its time
     # The host tail splits into consecutive steps on the writing rank (rounded to 0.1 ms each).
-    tail = records[0]["tail_s"]
+    tail = records[0].tail_s
     assert list(tail) == [step for step, _ in TAIL_STEPS] and min(tail.values()) >= 0
-    assert sum(tail.values()) == pytest.approx(records[0]["timings_s"]["decode_tail_s"], abs=1e-3)
-    assert all(r["tail_s"] == {} for r in records[1:])
+    assert sum(tail.values()) == pytest.approx(records[0].timings_s["decode_tail_s"], abs=1e-3)
+    assert all(r.tail_s == {} for r in records[1:])
     refused = [(tmp_path / f"world{world}_rank{r}.refused").read_text() for r in range(world)]
     assert "missing does not exist" in refused[0]
     assert all("group rank(s) [0] refused the decode" in m for m in refused[1:])

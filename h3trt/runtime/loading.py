@@ -28,7 +28,7 @@ from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
 from ..models.sparse_run import load_sparse_kernel
 from ..parallel.ulysses import UlyssesDiT
-from .records import process_started_unix, torch_bytecode
+from .records import ColdStart, process_started_unix, torch_bytecode
 from .request import Prepared
 
 
@@ -45,8 +45,10 @@ class Components:
     shifts: tuple[float, float]  # (video, audio) sigma shifts a request without its own uses
     check_request: Callable[[Prepared, Schedule], None] | None = None  # a bundle's admission check: raises
     loras: tuple[dict, ...] = ()  # records of the LoRAs merged into the DiT
-    deferred_vaes: Deferred | None = None  # (video VAE, audio VAE) on a background thread, in place of the two
-    load_report: dict | None = None  # a bundle's cold-start split, for every record
+    # (video VAE, audio VAE, their load's seconds, the verification report) on a background thread, in place of the
+    # two VAEs; the last two complete the cold-start split (ColdStart.with_vaes)
+    deferred_vaes: Deferred | None = None
+    load_report: ColdStart | None = None  # a bundle's cold-start split, for every record
 
 
 class Deferred:
@@ -152,41 +154,16 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     the bundle's; `sp_group` this rank's sequence-parallel group. The video VAE runs at the bundle's
     --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one; `trust` a
     public key the bundle must be signed with (Engine.load)."""
-    device = torch.device(device)
+    device, bundle_root = torch.device(device), Path(bundle_root)
     start = time.perf_counter()
     started_unix, process_unix = time.time(), process_started_unix()
-    text_parts = ("text_encoder", "tokenizer", "processor")
     # Engine.load reads and checks the manifest (and its signature) again; this is only for the text dtype.
     dtype = read_manifest(bundle_root).precision.spec.dtype
-    pending: dict[str, Deferred] = {}
-    report_early: dict[str, float] = {}
 
-    def text_encoder_alongside(verification) -> None:
-        # The text encoder loads on its own thread while the DiT weights stream in: the first step needs it. Every
-        # module the loader threads (and Engine.load's compiled code, after this) import is imported here first, on
-        # this thread, before the text encoder's thread starts: two threads importing at once can see a
-        # half-initialised module (import_loader_modules). The load pool's threads, already reading the weights,
-        # import nothing; the imports (10 s on the H200 machine) still overlap the weights streaming in.
-        report_early["imports_s"] = import_loader_modules()
-
-        def load_text():
-            for part in text_parts:
-                verification.wait_prefix(f"{part}/")
-            t0 = time.perf_counter()
-            encoder = _text_encoder(Path(bundle_root), device, dtype)
-            load_s = time.perf_counter() - t0
-            # One throwaway encode while the weights still stream: the first call of every kernel (cuBLAS's handles,
-            # the lazily loaded CUDA modules) is paid here, not by the request's text encode on the critical path.
-            t0 = time.perf_counter()
-            encoder.encode_t2va("warm-up")
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            return encoder, load_s, time.perf_counter() - t0
-
-        pending["text"] = Deferred(load_text)
-
-    engine = Engine.load(bundle_root, device, mesh, sp_group, trust=trust, early=text_parts,
-                         alongside=text_encoder_alongside)
+    # 1. The engine: checks, code, DiT weights; the text encoder loads on its own thread as soon as its files are
+    #    verified, beside the weights streaming in.
+    text = _TextEncoderBeside(bundle_root, device, dtype)
+    engine = Engine.load(bundle_root, device, mesh, sp_group, trust=trust, early=_TEXT_PARTS, alongside=text.start)
     engine_s = time.perf_counter() - start
     m = engine.manifest
     if vae_precision is not None and vae_precision != m.vae_precision:
@@ -200,45 +177,89 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
         check_request(m, geo.width, geo.height, geo.num_frames, schedule.steps, schedule.video_shift,
                       schedule.audio_shift, prepared.request.task)
 
-    shifts = (m.schedule.video_shift, m.schedule.audio_shift)
-    # Process start to this load: interpreter, imports, CUDA's first call, the request's checks (tokenizer included).
-    before = round(started_unix - process_unix, 4) if process_unix is not None else None
-    report = {"process_to_load_s": before, "engine": engine.load_report, "engine_s": round(engine_s, 4),
-              "python_bytecode": torch_bytecode()}
-
-    def vaes() -> tuple[VideoVAE, AudioVAE]:
-        # Off the cold-start path: the first denoise step needs neither VAE (a keyframe's encode, or the decode,
-        # waits for them). Their files are verified first; then every bundle file has been checked.
-        for component in ("video_vae", "vae", "audio_vae"):
-            engine.component_ready(component)
-        t0 = time.perf_counter()
-        # On a side stream: the default stream is the denoise loop's, and 10 GB of copies queued there would
-        # hold up its steps.
-        stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-            video_vae, audio_vae = _vaes(Path(bundle_root), device, VAEPrecision(m.vae_precision))
-        if stream is not None:
-            stream.synchronize()
-        video_vae = video_vae.with_tile_decoders(engine.video_decoders(video_vae.vae))
-        report["vae_load_s"] = round(time.perf_counter() - t0, 4)
-        if engine.verification is not None:  # a tensorrt bundle verified every file before loading
-            report.update(engine.verification.wait_all())
-        return video_vae, audio_vae
-
+    # 2. The text encoder, once the DiT is ready.
     t0 = time.perf_counter()
-    if "text" in pending:
-        text_encoder, load_s, warmup_s = pending["text"].result()
-        report["text_encoder_load_s"] = round(load_s, 4)  # on its thread, overlapping the weights
-        report["text_encoder_warmup_s"] = round(warmup_s, 4)  # its throwaway first encode, on that thread
-    else:  # a tensorrt bundle: loaded and verified before this point
-        text_encoder = _text_encoder(Path(bundle_root), device, dtype)
-    report["text_encoder_wait_s"] = round(time.perf_counter() - t0, 4)  # after the DiT was ready
+    text_encoder, text_split = text.result()
+    text_split["text_encoder_wait_s"] = round(time.perf_counter() - t0, 4)  # after the DiT was ready
     # A tensorrt bundle's first thread: its imports first, on this thread (import_loader_modules; done already, and
     # a no-op, on the compiled path).
     imports_s = import_loader_modules()
-    # transformers, diffusers and Inductor, on the main thread before the loader threads started
-    report["loader_imports_s"] = round(report_early.get("imports_s", imports_s), 4)
-    deferred = Deferred(vaes)  # after the text encoder: one loader thread inside transformers/diffusers at a time
-    report["total_s"] = round(time.perf_counter() - start, 4)  # bundle on hand, ready to encode and denoise
-    return Components(engine.dit, text_encoder, None, None, shifts, admit, loras=m.loras,
-                      deferred_vaes=deferred, load_report=report)
+
+    # 3. The VAEs, off the cold-start path: the first denoise step needs neither (a keyframe's encode, or the decode,
+    #    waits for them). After the text encoder: one loader thread inside transformers/diffusers at a time.
+    deferred = Deferred(lambda: _bundle_vaes(engine, bundle_root, device, VAEPrecision(m.vae_precision)))
+    # Process start to this load: interpreter, imports, CUDA's first call, the request's checks (tokenizer included).
+    before = round(started_unix - process_unix, 4) if process_unix is not None else None
+    split = ColdStart(process_to_load_s=before, engine=engine.load_report, engine_s=round(engine_s, 4),
+                      python_bytecode=torch_bytecode(), **text_split,
+                      # transformers, diffusers and Inductor, on the main thread before the loader threads started
+                      loader_imports_s=round(text.imports_s if text.imports_s is not None else imports_s, 4),
+                      total_s=round(time.perf_counter() - start, 4),  # bundle on hand, ready to encode and denoise
+                      nulls=("process_to_load_s",) if before is None else ())
+    return Components(engine.dit, text_encoder, None, None, (m.schedule.video_shift, m.schedule.audio_shift), admit,
+                      loras=m.loras, deferred_vaes=deferred, load_report=split)
+
+
+_TEXT_PARTS = ("text_encoder", "tokenizer", "processor")  # the bundle's files the text encoder loads from
+
+
+class _TextEncoderBeside:
+    """The text encoder of a bundle, loaded on its own thread while the DiT weights stream in (the first step needs
+    it), and warmed there with one throwaway encode. `start` is Engine.load's `alongside` callback; a tensorrt bundle
+    never calls it (everything is verified before loading), and `result` loads it on the calling thread."""
+
+    def __init__(self, bundle_root: Path, device: torch.device, dtype: torch.dtype):
+        self.bundle_root, self.device, self.dtype = bundle_root, device, dtype
+        self.pending: Deferred | None = None
+        self.imports_s: float | None = None
+
+    def start(self, verification) -> None:
+        # Every module the loader threads (and Engine.load's compiled code, after this) import is imported here
+        # first, on this thread, before the text encoder's thread starts: two threads importing at once can see a
+        # half-initialised module (import_loader_modules). The load pool's threads, already reading the weights,
+        # import nothing; the imports (10 s on the H200 machine) still overlap the weights streaming in.
+        self.imports_s = import_loader_modules()
+        self.pending = Deferred(lambda: self._load(verification))
+
+    def _load(self, verification) -> tuple[H3TextEncoder, float, float]:
+        for part in _TEXT_PARTS:
+            verification.wait_prefix(f"{part}/")
+        t0 = time.perf_counter()
+        encoder = _text_encoder(self.bundle_root, self.device, self.dtype)
+        load_s = time.perf_counter() - t0
+        # One throwaway encode while the weights still stream: the first call of every kernel (cuBLAS's handles, the
+        # lazily loaded CUDA modules) is paid here, not by the request's text encode on the critical path.
+        t0 = time.perf_counter()
+        encoder.encode_t2va("warm-up")
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return encoder, load_s, time.perf_counter() - t0
+
+    def result(self) -> tuple[H3TextEncoder, dict]:
+        """The text encoder and its part of the cold-start split."""
+        if self.pending is None:  # a tensorrt bundle: loaded and verified before this point
+            return _text_encoder(self.bundle_root, self.device, self.dtype), {}
+        encoder, load_s, warmup_s = self.pending.result()
+        # on its thread, overlapping the weights; then its throwaway first encode, on that thread
+        return encoder, {"text_encoder_load_s": round(load_s, 4), "text_encoder_warmup_s": round(warmup_s, 4)}
+
+
+def _bundle_vaes(engine: Engine, bundle_root: Path, device: torch.device,
+                 precision: VAEPrecision) -> tuple[VideoVAE, AudioVAE, float, dict]:
+    """A bundle's VAEs (the video decoder's compiled tiles), their load's seconds and the bundle's verification report
+    (every file checked: BundleVerification.wait_all; {} for a tensorrt bundle, verified before loading). Their
+    files are verified first."""
+    for component in ("video_vae", "vae", "audio_vae"):
+        engine.component_ready(component)
+    t0 = time.perf_counter()
+    # On a side stream: the default stream is the denoise loop's, and 10 GB of copies queued there would hold up its
+    # steps.
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+    with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+        video_vae, audio_vae = _vaes(bundle_root, device, precision)
+    if stream is not None:
+        stream.synchronize()
+    video_vae = video_vae.with_tile_decoders(engine.video_decoders(video_vae.vae))
+    seconds = round(time.perf_counter() - t0, 4)
+    verified = engine.verification.wait_all() if engine.verification is not None else {}
+    return video_vae, audio_vae, seconds, verified

@@ -15,10 +15,12 @@ Shape legend: B batch (1), C channels, T latent frames, F pixel frames, H/W heig
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import threading
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
@@ -232,91 +234,140 @@ def tail_steps(marks: dict[str, float]) -> dict[str, float]:
     return steps
 
 
-@torch.no_grad()
-def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor, audio_rows: torch.Tensor,
-                     output: Path, group=None, fps: int = FPS, crf: int = DEFAULT_CRF,
-                     sample_rate: int = AUDIO_SAMPLE_RATE, output_config: OutputConfig = OutputConfig(), commit: bool = True,
-                     on_frames: Callable[[int], None] | None = None) -> dict:
-    """Stages 4-5: decode video (tile-parallel over `group`) and audio, and write the MP4 on group rank 0.
+@dataclass(frozen=True)
+class DecodeResult:
+    """What `decode_and_write` did on one rank of its group. Its JSON is the fields in this order (the dict the
+    function returned before it was a type; a rank's record file in tests/test_parallel_vae.py)."""
 
-    Every rank of `group` (None: this process alone) calls with the same normalised latents [1, C, T, H, W] and
-    audio rows [2A, C]. Returns on every rank {frames, audio_samples, wrote, timings_s}; timings_s has video_decode
-    (until the last frames were queued), audio_decode (on its rank), mux (encoder-thread time, overlapping the
-    decode) and decode_tail_s (last tile on hand -> MP4 renamed into place; on the writing rank). On the writing rank
-    tail_s splits decode_tail_s into consecutive steps (TAIL_STEPS); elsewhere it is {}. With `commit=False` the
-    finished MP4 stays under its temporary name, returned as mp4_temp on the writing rank, for the caller to commit
-    with its record (files.commit); on any failure or interrupt nothing is left behind and no thread is left running.
-    `on_frames(n)`: called on the writing rank with the number of frames handed to the encoder so far.
-    """
+    frames: int  # frames decoded (on the writing rank: handed to the encoder)
+    audio_samples: int  # stereo samples written (0 on a rank that does not write)
+    wrote: bool  # this rank wrote the MP4 (the group's first)
+    mp4_temp: Path | None  # commit=False, on the writing rank: the finished MP4 under its temporary name
+    # video_decode (until the last frames were queued), audio_decode (on its rank); on the writing rank also mux
+    # (encoder-thread time, overlapping the decode) and decode_tail_s (last tile on hand -> MP4 closed or renamed)
+    timings_s: dict[str, float]
+    tail_s: dict[str, float]  # decode_tail_s as consecutive TAIL_STEPS steps, on the writing rank; elsewhere {}
+
+    def to_json(self) -> dict:
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return {**fields, "mp4_temp": str(self.mp4_temp) if self.mp4_temp is not None else None}
+
+    @classmethod
+    def from_json(cls, data: dict) -> DecodeResult:
+        temp = data["mp4_temp"]
+        return cls(**{**data, "mp4_temp": Path(temp) if temp is not None else None})
+
+
+class _AudioToWriter:
+    """The audio's way to the writing rank. It decodes on the group's last rank (the one with the fewest tiles: jobs
+    are dealt from rank 0), on its own thread. One process hands the waveform from that thread straight to AAC; a
+    group broadcasts it once, at a fixed wave (the one that deals window 0's last tile) on every rank, with its
+    decode time, so AAC is encoded long before the video ends."""
+
+    def __init__(self, audio_vae, audio_rows: torch.Tensor, video_vae: VideoVAE, video_latents: torch.Tensor, group,
+                 writer: PipelinedWriter | None):
+        self.group, self.writer, self.device = group, writer, video_vae.device
+        self.rank, self.world = _group_rank_world(group)
+        self.audio_rank = self.world - 1
+        self.num_samples = audio_rows.shape[0] // 2 * audio_vae.hop_length
+        self.seconds = 0.0  # the audio decode's time: its own rank's, or the writer's copy from the broadcast
+        self.handoff_wave = (len(video_vae.plan(*video_latents.shape[2:]).tiles) - 1) // self.world
+        self.decode = None
+        if self.rank == self.audio_rank:
+            self.decode = _AudioDecode(audio_vae, audio_rows, self._put if self.world == 1 else None)
+
+    def _checked(self, waveform: torch.Tensor) -> torch.Tensor:
+        if tuple(waveform.shape) != (2, self.num_samples):
+            raise ValueError(f"audio decode gave {tuple(waveform.shape)}, expected (2, {self.num_samples}).")
+        return waveform
+
+    def _put(self, waveform: torch.Tensor) -> None:  # one process: on the audio thread
+        self.writer.put_audio(self._checked(waveform))
+
+    def between_waves(self, i: int) -> None:
+        if self.world == 1 or i != self.handoff_wave:
+            return
+        buf = torch.empty(2 * self.num_samples + 1, dtype=torch.float32, device=_comm_device(self.group, self.device))
+        if self.rank == self.audio_rank:
+            buf.copy_(torch.cat([self._checked(self.decode.result()).reshape(-1), torch.tensor([self.decode.seconds])]))
+        dist.broadcast(buf, src=dist.get_global_rank(self.group, self.audio_rank), group=self.group)
+        if self.rank == WRITER_RANK:
+            host = buf.cpu()
+            self.seconds = float(host[-1])
+            self.writer.put_audio(host[:-1].view(2, self.num_samples))
+
+    def finish(self) -> None:
+        """After the video: a single process's audio thread may still be running; its error surfaces here."""
+        if self.decode is not None:
+            self.decode.result()
+            self.seconds = self.decode.seconds
+
+    def join(self) -> None:
+        """On a failure: never leave the audio thread inside torch (exiting under it aborts the process, SIGABRT)."""
+        if self.decode is not None:
+            self.decode.join()
+
+
+def _open_writer(video_vae: VideoVAE, video_latents: torch.Tensor, audio_rows: torch.Tensor, output: Path, group,
+                 fps: int, crf: int, sample_rate: int, output_config: OutputConfig,
+                 commit: bool) -> PipelinedWriter | None:
+    """Everything that can refuse the call, before the first collective: the inputs on every rank, the output path,
+    size and encoder on the writing rank (its writer, None elsewhere); then the group agrees (`_agree`)."""
     rank, world = _group_rank_world(group)
     writer, error = None, None
-    try:  # everything that can refuse the call, before the first collective
+    try:
         _validate(video_vae, video_latents, audio_rows)
-        if rank == WRITER_RANK:  # the writer checks the output path, size and encoder now
+        if rank == WRITER_RANK:
             height, width = (s * video_vae.vae.spatial_compression_ratio for s in video_latents.shape[3:])
             writer = PipelinedWriter(output, width, height, fps, crf, sample_rate, video_vae.device, output_config,
                                      commit=commit)
     except ValueError as e:  # MediaError is a ValueError
         error = e
     _agree(group, rank, world, tuple(video_latents.shape) + tuple(audio_rows.shape), error)
+    return writer
+
+
+@torch.no_grad()
+def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor, audio_rows: torch.Tensor,
+                     output: Path, group=None, fps: int = FPS, crf: int = DEFAULT_CRF,
+                     sample_rate: int = AUDIO_SAMPLE_RATE, output_config: OutputConfig = OutputConfig(),
+                     commit: bool = True, on_frames: Callable[[int], None] | None = None) -> DecodeResult:
+    """Stages 4-5: decode video (tile-parallel over `group`) and audio, and write the MP4 on group rank 0.
+
+    Every rank of `group` (None: this process alone) calls with the same normalised latents [1, C, T, H, W] and
+    audio rows [2A, C], and gets its DecodeResult. With `commit=False` the finished MP4 stays under its temporary
+    name, returned as mp4_temp on the writing rank, for the caller to commit with its record (files.commit); on any
+    failure or interrupt nothing is left behind and no thread is left running. `on_frames(n)`: called on the writing
+    rank with the number of frames handed to the encoder so far.
+    """
+    # 1. Open: every rank checks, the writer opens its MP4; the group agrees before any other collective.
+    writer = _open_writer(video_vae, video_latents, audio_rows, output, group, fps, crf, sample_rate, output_config,
+                          commit)
     start = time.perf_counter()
-    audio_rank = world - 1  # the rank with the fewest tiles (jobs are dealt from rank 0)
-    num_samples = audio_rows.shape[0] // 2 * audio_vae.hop_length
-    audio_seconds = [0.0]
-
-    def hand_over(waveform: torch.Tensor) -> None:  # single process: straight from the audio thread to AAC
-        if tuple(waveform.shape) != (2, num_samples):
-            raise ValueError(f"audio decode gave {tuple(waveform.shape)}, expected (2, {num_samples}).")
-        writer.put_audio(waveform)
-
-    audio = None
-    if rank == audio_rank:
-        audio = _AudioDecode(audio_vae, audio_rows, hand_over if world == 1 else None)
-
-    handoff_wave = (len(video_vae.plan(*video_latents.shape[2:]).tiles) - 1) // world  # deals window 0's last tile
-
-    def between_waves(i: int) -> None:
-        if world == 1 or i != handoff_wave:
-            return
-        # One broadcast at a fixed wave (after the first window) on every rank: the waveform plus its decode time.
-        device = _comm_device(group, video_vae.device)
-        buf = torch.empty(2 * num_samples + 1, dtype=torch.float32, device=device)
-        if rank == audio_rank:
-            waveform = audio.result()
-            if tuple(waveform.shape) != (2, num_samples):
-                raise ValueError(f"audio decode gave {tuple(waveform.shape)}, expected (2, {num_samples}).")
-            buf.copy_(torch.cat([waveform.reshape(-1), torch.tensor([audio.seconds])]))
-        dist.broadcast(buf, src=dist.get_global_rank(group, audio_rank), group=group)
-        if rank == WRITER_RANK:
-            host = buf.cpu()
-            audio_seconds[0] = float(host[-1])
-            writer.put_audio(host[:-1].view(2, num_samples))
-
+    # 2. Audio beside the video, on its own rank and thread.
+    audio = _AudioToWriter(audio_vae, audio_rows, video_vae, video_latents, group, writer)
+    # 3. Video, a window at a time into the encoder; the writer closes (and renames, with commit) at the end.
     marks: dict[str, float] = {}
     frames = 0
     try:
         with writer if writer is not None else nullcontext():
-            for chunk in decode_frames(video_vae, video_latents, group, between_waves, marks):
+            for chunk in decode_frames(video_vae, video_latents, group, audio.between_waves, marks):
                 writer.put_frames(chunk)
                 frames += chunk.shape[0]
                 if on_frames is not None:
                     on_frames(frames)
-            if audio is not None:
-                audio.result()  # a single process's audio thread may still be running; its error surfaces here
-                audio_seconds[0] = audio.seconds
+            audio.finish()
             decoded = time.perf_counter()
     except BaseException:
-        if audio is not None:
-            audio.join()  # never leave the audio thread inside torch: exiting under it aborts the process (SIGABRT)
+        audio.join()
         raise
     end = time.perf_counter()
-    timings = {"video_decode": decoded - start, "audio_decode": audio_seconds[0]}
+    # 4. What this rank did.
+    timings = {"video_decode": decoded - start, "audio_decode": audio.seconds}
     tail = {}
     if writer is not None:
         timings.update(mux=writer.encode_s, decode_tail_s=end - marks["last_tile"])
         tail = tail_steps({**marks, **writer.marks, **writer.writer.marks, "end": end})
-    return {"frames": frames, "audio_samples": writer.audio_samples if writer else 0, "wrote": writer is not None,
-            "mp4_temp": writer.writer.partial_path if writer is not None and not commit else None,
-            "timings_s": {k: round(v, 4) for k, v in timings.items()},
-            "tail_s": {k: round(v, 4) for k, v in tail.items()}}
-
+    return DecodeResult(frames, writer.audio_samples if writer else 0, writer is not None,
+                        writer.writer.partial_path if writer is not None and not commit else None,
+                        {k: round(v, 4) for k, v in timings.items()}, {k: round(v, 4) for k, v in tail.items()})

@@ -6,13 +6,15 @@ Reads top to bottom as the stages a request goes through:
   2. condition encode: keyframes / reference images through the video VAE, reference audio through the audio VAE
   3. pack the sequence, draw the noise from the seed, denoise (one DiT evaluation per step)
   4. video decode (streamed a window at a time) and audio decode
-  5. mux: H.264 + AAC under a temporary name, renamed when complete
+  5. mux: H.264 + AAC under a temporary name
+  6. the record: a `Clip` (records.py), the MP4 under its temporary name and its record, which the job layer commits
+     (runtime/work.py): the pipeline puts nothing at the output path
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -29,13 +31,23 @@ from ..models.sparse_kernels import sparse_block
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
-from .files import DEFAULT_CRF
+from .files import DEFAULT_CRF, discard
 from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
-from .parallel_vae import decode_and_write
-from .records import ClipRecord, StageTimer, clip_record, commit_clip
+from .parallel_vae import DecodeResult, decode_and_write
+from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
 from .request import CanvasDefaults, Encoded, Prepared, Request
 from .step_profile import StepProfiler
+
+
+@dataclass(frozen=True)
+class Target:
+    """Where a clip is written, and by whom."""
+
+    output: Path  # the clip's path: its record names it, and the MP4 is written beside it under a temporary name
+    crf: int = DEFAULT_CRF  # H.264 constant rate factor
+    group: object = None  # the ranks that decode the clip together (None: this process alone), the writer first
+    writes: bool = True  # this rank writes the MP4 and gets the Clip (a group's first rank)
 
 
 class H3Pipeline:
@@ -45,10 +57,10 @@ class H3Pipeline:
     def __init__(self, dit, text_encoder, video_vae: VideoVAE | None, audio_vae: AudioVAE | None,
                  shifts: tuple[float, float], device: torch.device, canvas: CanvasDefaults = CanvasDefaults(),
                  check_request=None, cfg_group=None, loras: tuple[dict, ...] = (),
-                 deferred_vaes: Deferred | None = None, load_report: dict | None = None):
-        """`deferred_vaes`: (video VAE, audio VAE) still loading on a background thread, in place of the two
-        (a bundle's cold start: the first denoise step needs neither); the first use waits for them.
-        `load_report`: a bundle's cold-start split (Engine.load_report and the components), for every record."""
+                 deferred_vaes: Deferred | None = None, load_report: ColdStart | None = None):
+        """`deferred_vaes`: the VAEs still loading on a background thread (loading.Components), in place of the two
+        (a bundle's cold start: the first denoise step needs neither); the first use waits for them and completes
+        `load_report`, a bundle's cold-start split, for every record."""
         if (video_vae is None) != (deferred_vaes is not None) or (audio_vae is None) != (deferred_vaes is not None):
             raise ValueError("H3Pipeline takes either both VAEs or deferred_vaes, not a mix.")
         self.dit, self.text_encoder, self._vaes = dit, text_encoder, (video_vae, audio_vae)
@@ -60,7 +72,10 @@ class H3Pipeline:
 
     def _ready_vaes(self) -> tuple[VideoVAE, AudioVAE]:
         if self._deferred_vaes is not None:
-            self._vaes, self._deferred_vaes = self._deferred_vaes.result(), None
+            video_vae, audio_vae, seconds, verified = self._deferred_vaes.result()
+            self._vaes, self._deferred_vaes = (video_vae, audio_vae), None
+            if self.load_report is not None:
+                self.load_report = self.load_report.with_vaes(seconds, verified)
         return self._vaes
 
     @property
@@ -113,37 +128,34 @@ class H3Pipeline:
         return Schedule.resolve(request.steps, request.video_shift, request.audio_shift, self.shifts)
 
     @torch.no_grad()
-    def generate(self, prepared: Prepared, output: Path, crf: int = DEFAULT_CRF,
-                 on_step: Callable[[int, int], None] | None = None, write: bool = True,
-                 decode_group=None, finish: Callable[[ClipRecord], ClipRecord] | None = None,
-                 overwrite: bool = False, profile_step: int | None = None, timer: StageTimer | None = None,
-                 on_frames: Callable[[int], None] | None = None) -> ClipRecord | None:
-        """Run stages 1-5 for a prepared request; returns the record written beside the MP4 (None on a rank that does
-        not write). With `decode_group` (the ranks of one replica group, the writer first) every rank decodes its
-        share of the video tiles and only the writer (write=True) writes; without it a rank with write=False stops
-        after denoising. `finish(record)` returns the record completed (records.ClipRecord) before it is written; the
-        MP4 and the record are then committed together, never replacing existing files unless `overwrite`
-        (files.commit). `profile_step`: the evaluation (from 1) whose host overhead is measured (step_profile.py).
-        `timer` (a fresh StageTimer when None) takes the stages' times; `on_frames(n)` is called on the writing rank as
-        frames reach the encoder."""
+    def generate(self, prepared: Prepared, target: Target, timer: StageTimer | None = None,
+                 on_step: Callable[[int, int], None] | None = None, on_frames: Callable[[int], None] | None = None,
+                 profile_step: int | None = None) -> Clip | None:
+        """Stages 1-6 for a prepared request: the finished clip, not committed (None on a rank that does not write).
+        Every rank of `target.group` denoises and decodes its share of the video tiles; without a group a rank that
+        does not write stops after denoising. `timer` (a fresh StageTimer when None) takes the stages' times;
+        `on_step(i, n)` is called after each evaluation (it may raise to stop the job), `on_frames(n)` on the writing
+        rank as frames reach the encoder; `profile_step`: the evaluation (from 1) whose host overhead is measured
+        (step_profile.py)."""
         timer, start = timer or StageTimer(self.device), time.perf_counter()
-        cache = new_step_cache(prepared.request, self.schedule(prepared.request))
-        sparse = self.new_sparse_run(prepared.request)
+        # 1. Prepare: what the request asks of the denoise besides the model (a step cache, block-sparse attention).
+        req = prepared.request
+        cache, sparse = new_step_cache(req, self.schedule(req)), self.new_sparse_run(req)
+        # 2-3. Encode the text and the conditions, pack, denoise.
         schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache, profile_step, sparse)
         check_finite(final)
-        if not write and decode_group is None:
+        if not target.writes and target.group is None:
             return None
-
         # 4-5. Decode and mux, streamed: a window of frames is encoded while the next decodes.
-        frames_written, audio_samples, mp4_temp = self._decode_and_mux(prepared, layout, final, output, crf, timer,
-                                                                       decode_group, on_frames)
-        if not write:
+        decoded = self._decode_and_mux(prepared, layout, final, target, timer, on_frames)
+        if not target.writes:
             return None
-        record = replace(self._record(prepared, schedule, layout, output, frames_written, audio_samples, timer),
-                         step_cache=cache.report() if cache is not None else None,
-                         sparse_attention=sparse.report() if sparse is not None else {"sparsity": 0.0},
-                         wall_s=round(time.perf_counter() - start, 4))  # the stages overlap (decode, audio, encode)
-        return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
+        # 6. The record.
+        return clip_of(decoded, lambda: replace(
+            self._record(prepared, schedule, layout, target.output, decoded, timer),
+            step_cache=cache.report() if cache is not None else None,
+            sparse_attention=sparse.report() if sparse is not None else {"sparsity": 0.0},
+            wall_s=round(time.perf_counter() - start, 4)))  # the stages overlap (decode, audio, encode)
 
     @torch.no_grad()
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
@@ -239,26 +251,22 @@ class H3Pipeline:
         return denoise_batch(model, starts, first.layout, first.schedule, on_step)
 
     @torch.no_grad()
-    def decode_request(self, encoded: Encoded, final: Latents, output: Path, crf: int = DEFAULT_CRF,
-                       timer: StageTimer | None = None, group=None, write: bool = True,
-                       finish: Callable[[ClipRecord], ClipRecord] | None = None, overwrite: bool = False,
-                       on_frames: Callable[[int], None] | None = None) -> ClipRecord | None:
-        """Stages 4-5 for one request of a batch; returns its record, committed with the MP4 as in `generate` (None
-        on a rank of `group` that does not write: it decodes its share of the tiles)."""
+    def decode_request(self, encoded: Encoded, final: Latents, target: Target, timer: StageTimer | None = None,
+                       on_frames: Callable[[int], None] | None = None) -> Clip | None:
+        """Stages 4-6 for one request of a batch: its clip, not committed, as `generate`'s (None on a rank of
+        `target.group` that does not write: it decodes its share of the tiles)."""
         timer = timer or StageTimer(self.device)
         check_finite(final)
-        frames_written, audio_samples, mp4_temp = self._decode_and_mux(encoded.prepared, encoded.layout, final,
-                                                                       output, crf, timer, group, on_frames)
-        if not write:
+        decoded = self._decode_and_mux(encoded.prepared, encoded.layout, final, target, timer, on_frames)
+        if not target.writes:
             return None
-        record = self._record(encoded.prepared, encoded.schedule, encoded.layout, output, frames_written,
-                              audio_samples, timer)
-        return commit_clip(record, mp4_temp, Path(output), finish, overwrite)
+        return clip_of(decoded, lambda: self._record(encoded.prepared, encoded.schedule, encoded.layout, target.output,
+                                                     decoded, timer))
 
-    def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
-                audio_samples: int, timer: StageTimer) -> ClipRecord:
-        return clip_record(prepared, schedule, layout, output, frames_written, audio_samples, timer, self.device,
-                           self.video_vae, self.load_report, self.loras)
+    def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path,
+                decoded: DecodeResult, timer: StageTimer) -> ClipRecord:
+        return clip_record(prepared, schedule, layout, output, decoded.frames, decoded.audio_samples, timer,
+                           self.device, self.video_vae, self.load_report, self.loras)
 
     def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:
         """Stage 2: visual condition latents and reference audio rows in packed order, and the ref2va blocks."""
@@ -293,14 +301,13 @@ class H3Pipeline:
                                   tuple(visual), tuple(ref_audio))
         return layout, latents
 
-    def _decode_and_mux(self, prepared: Prepared, layout: PackedLayout, final: Latents, output: Path, crf: int,
-                        timer: StageTimer, group=None,
-                        on_frames: Callable[[int], None] | None = None) -> tuple[int, int, Path | None]:
-        """Stages 4-5 for one request's final rows [V, C] / [A, C]: returns (frames written, audio samples, the
-        finished MP4 under its temporary name on the writing rank, not committed yet).
+    def _decode_and_mux(self, prepared: Prepared, layout: PackedLayout, final: Latents, target: Target,
+                        timer: StageTimer, on_frames: Callable[[int], None] | None = None) -> DecodeResult:
+        """Stages 4-5 for one request's final rows [V, C] / [A, C]: what was decoded, and on the writing rank the
+        finished MP4 under its temporary name (mp4_temp), not committed.
 
-        Tile-parallel over `group` (None: this process alone; otherwise every rank of the group calls this with the
-        same rows and only group rank 0 writes); frames are encoded on a background thread while later windows
+        Tile-parallel over `target.group` (None: this process alone; otherwise every rank of the group calls this with
+        the same rows and only group rank 0 writes); frames are encoded on a background thread while later windows
         decode, AAC as soon as the audio is ready (h3trt/runtime/parallel_vae.py)."""
         geo, cfg = prepared.geometry, self.dit.cfg
         lf, lh, lw = geo.latent_frames, geo.latent_height, geo.latent_width
@@ -313,12 +320,13 @@ class H3Pipeline:
         video_latents = video_latents.reshape(1, cfg.in_channels, lf, lh, lw)
         start = time.perf_counter()
         result = decode_and_write(video_vae, audio_vae, video_latents,
-                                  final.audio[layout.num_condition_audio_rows:], output, group=group, fps=FPS,
-                                  crf=crf, sample_rate=AUDIO_SAMPLE_RATE, commit=False, on_frames=on_frames)
+                                  final.audio[layout.num_condition_audio_rows:], target.output, group=target.group,
+                                  fps=FPS, crf=target.crf, sample_rate=AUDIO_SAMPLE_RATE, commit=False,
+                                  on_frames=on_frames)
         timer.span("decode_and_mux", start, time.perf_counter())
-        for stage, seconds in result["timings_s"].items():  # video_decode, audio_decode, mux, decode_tail_s
+        for stage, seconds in result.timings_s.items():  # video_decode, audio_decode, mux, decode_tail_s
             timer.seconds[stage] = timer.seconds.get(stage, 0.0) + seconds
-        return result["frames"], result["audio_samples"], result["mp4_temp"]
+        return result
 
     def _encode_text(self, prepared: Prepared, prompt: str | None = None):
         """The request's prompt (or `prompt`: the negative branch's) with the task's visual context."""
@@ -364,6 +372,16 @@ class H3Pipeline:
         if profiler is not None and timer is not None:
             timer.step_profile = profiler.report
         return final
+
+
+def clip_of(decoded: DecodeResult, record: Callable[[], ClipRecord]) -> Clip:
+    """The clip of a decode on the writing rank, its record made by `record()`: if that fails, the MP4 under its
+    temporary name goes too, and the error is raised."""
+    try:
+        return Clip(decoded.mp4_temp, record())
+    except BaseException:
+        discard(decoded.mp4_temp)
+        raise
 
 
 def counted(model, sparse: SparseRun):

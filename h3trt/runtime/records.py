@@ -1,6 +1,7 @@
-"""What a generation leaves beside its MP4: the stage timer, the provenance and timing record (`ClipRecord`), and the
-commit that puts the record and the clip in place together; what a failure leaves (`Failure`, a requests file's
-`FailureRecord`)."""
+"""What a generation leaves beside its MP4: the stage timer, the provenance and timing record (`ClipRecord`, with a
+bundle's cold-start split, `ColdStart`), the finished clip not yet in place (`Clip`, what the pipeline returns) and the
+commit that puts the record and the clip in place together (the job layer's); what a failure leaves (`Failure`, a
+requests file's `FailureRecord`)."""
 
 from __future__ import annotations
 
@@ -11,8 +12,6 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
-
 import torch
 
 from ..engines.manifest import sha256_file
@@ -84,8 +83,8 @@ class ClipRecord:
     """The clip's record, clip.json beside clip.mp4 (and a server's job row): what was asked, what was written, how long
     each stage took and what served it. Its JSON is the fields below in this order, a field that is None left out,
     then `extra`. Three layers fill it in turn (each a `dataclasses.replace` of the last): the pipeline (clip_record,
-    then generate's step cache, sparsity and wall time), the commit (the MP4's sha256 and size) and the job layer
-    (status .. peak_memory, and `extra`). A record written by an earlier version may lack fields added since: they
+    then generate's step cache, sparsity and wall time), the job layer (status .. peak_memory, and `extra`) and its
+    commit (the MP4's sha256 and size). A record written by an earlier version may lack fields added since: they
     read as None, so a stored record reads and writes back unchanged."""
 
     # The request and what was written (the pipeline)
@@ -112,7 +111,7 @@ class ClipRecord:
     step_marks_s: list[float] | None = None  # seconds since the denoise began, at each step's callback
     video_decoder: str | None = None  # compiled or eager
     step_profile: dict | None = None  # --profile-step's host-overhead report
-    load: dict | None = None  # a bundle's cold-start split
+    load: ColdStart | None = None  # a bundle's cold-start split
     peak_memory_gib: dict | None = None  # CUDA: {"allocated": GiB, "reserved": GiB}
     loras: list[dict] | None = None  # the LoRAs merged into the DiT (None: none)
     step_cache: dict | None = None  # the step cache's report (None: no cache; a batched denoise has none)
@@ -140,16 +139,75 @@ class ClipRecord:
     def to_json(self) -> dict:
         """The record as written: the fields that are set in their order, then `extra`."""
         fields = {name: getattr(self, name) for name in _CLIP_FIELDS}
+        if self.load is not None:
+            fields["load"] = self.load.to_json()
         return {**{name: value for name, value in fields.items() if value is not None}, **self.extra}
 
     @classmethod
     def from_json(cls, data: dict) -> ClipRecord:
         """A record as read back (a file or a row); keys it does not name go to `extra`, in their order."""
-        return cls(**{k: v for k, v in data.items() if k in _CLIP_FIELDS},
-                   extra={k: v for k, v in data.items() if k not in _CLIP_FIELDS})
+        fields = {k: v for k, v in data.items() if k in _CLIP_FIELDS}
+        if fields.get("load") is not None:
+            fields["load"] = ColdStart.from_json(fields["load"])
+        return cls(**fields, extra={k: v for k, v in data.items() if k not in _CLIP_FIELDS})
 
 
 _CLIP_FIELDS = tuple(f.name for f in dataclasses.fields(ClipRecord) if f.name != "extra")
+
+
+@dataclass(frozen=True)
+class ColdStart:
+    """A bundle's cold-start split (runtime/loading.py `load_bundle`), the `load` of every record it serves: where
+    the seconds from the process's start to a pipeline ready to denoise went. Its JSON is the fields below that are
+    set, in this order (a field in `nulls` written as null), then `extra`; a split written by an earlier version may
+    lack fields added since, and reads and writes back unchanged."""
+
+    process_to_load_s: float | None = None  # process start -> this load: interpreter, imports, CUDA's first call
+    engine: dict | None = None  # the engine's own split (engines/bundle.py Engine.load_report)
+    engine_s: float | None = None  # Engine.load, as this loader timed it
+    python_bytecode: bool | None = None  # torch's compiled bytecode was found (torch_bytecode)
+    text_encoder_load_s: float | None = None  # on its thread, overlapping the weights (a tensorrt bundle: None)
+    text_encoder_warmup_s: float | None = None  # its throwaway first encode, on that thread
+    text_encoder_wait_s: float | None = None  # waited for it after the DiT was ready
+    loader_imports_s: float | None = None  # transformers, diffusers, Inductor, before the loader threads started
+    total_s: float | None = None  # bundle on hand, ready to encode and denoise
+    # The VAEs, off the cold-start path: filled in once they are ready (with_vaes), before the first clip's record
+    vae_load_s: float | None = None
+    all_files_checked_s: float | None = None  # every file of the bundle verified (BundleVerification.wait_all)
+    components_read: dict | None = None  # what reading the components took
+    nulls: tuple[str, ...] = ()  # fields measured as unknown, written as null (process_to_load_s off Linux)
+    extra: dict = field(default_factory=dict)  # keys this version does not name, in their order
+
+    def to_json(self) -> dict:
+        fields = {name: getattr(self, name) for name in _COLD_START_FIELDS}
+        return {**{k: v for k, v in fields.items() if v is not None or k in self.nulls}, **self.extra}
+
+    @classmethod
+    def from_json(cls, data: dict) -> ColdStart:
+        return cls(**{k: v for k, v in data.items() if k in _COLD_START_FIELDS},
+                   nulls=tuple(k for k, v in data.items() if k in _COLD_START_FIELDS and v is None),
+                   extra={k: v for k, v in data.items() if k not in _COLD_START_FIELDS})
+
+    def with_vaes(self, vae_load_s: float, verified: dict) -> ColdStart:
+        """The split once the VAEs are loaded: their seconds and the bundle's verification report (wait_all)."""
+        return ColdStart.from_json({**self.to_json(), "vae_load_s": vae_load_s, **verified})
+
+
+_COLD_START_FIELDS = tuple(f.name for f in dataclasses.fields(ColdStart) if f.name not in ("nulls", "extra"))
+
+
+@dataclass(frozen=True)
+class Clip:
+    """A generated clip, not in place yet: what the pipeline returns on the writing rank. The finished MP4 lies under
+    its temporary name beside the output (files.temp_path: hidden, never ending in .mp4, so a crash leaves nothing
+    that looks done); `record` is the pipeline's part of its record. The job layer completes the record and commits
+    the pair (commit_clip), or discards the MP4."""
+
+    mp4_temp: Path
+    record: ClipRecord
+
+    def discard(self) -> None:
+        discard(self.mp4_temp)
 
 
 @dataclass(frozen=True)
@@ -193,14 +251,12 @@ class FailureRecord:
                    extra={k: v for k, v in data.items() if k not in names and k != "status"})
 
 
-def commit_clip(record: ClipRecord, mp4_temp: Path, output: Path,
-                finish: Callable[[ClipRecord], ClipRecord] | None = None, overwrite: bool = False) -> ClipRecord:
-    """Stage 5's last step: the record (with the MP4's sha256 and size, completed by `finish`) and the finished MP4
-    renamed into place together, or neither (files.commit: no-clobber unless `overwrite`)."""
+def commit_clip(record: ClipRecord, mp4_temp: Path, output: Path, overwrite: bool = False) -> ClipRecord:
+    """A clip's last step, the job layer's: the record (with the MP4's sha256 and size) and the finished MP4 renamed
+    into place together, or neither (files.commit: no-clobber unless `overwrite`); on any failure the MP4 under its
+    temporary name is removed."""
     try:
         record = dataclasses.replace(record, mp4_sha256=sha256_file(mp4_temp), mp4_bytes=os.path.getsize(mp4_temp))
-        if finish is not None:
-            record = finish(record)
         json_temp = write_json_file(record_path(output), record.to_json())
     except BaseException:
         discard(mp4_temp)
@@ -217,7 +273,7 @@ def record_path(output: Path) -> Path:
 
 def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
                 audio_samples: int, timer: StageTimer, device: torch.device, video_vae,
-                load_report: dict | None = None, loras: tuple[dict, ...] = ()) -> ClipRecord:
+                load_report: ColdStart | None = None, loras: tuple[dict, ...] = ()) -> ClipRecord:
     """The pipeline's part of the record written beside an MP4: the request, its schedule and layout, what was
     written, and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged
     `loras`)."""

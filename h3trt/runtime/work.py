@@ -3,9 +3,10 @@
 Every rank of the group runs `run_work` on the same jobs, in step: every rank denoises, every rank decodes its share
 of the video tiles, only the group's first rank (`writes`) commits MP4s and records and reports events.
 
-  1. one job: the pipeline's `generate` (guidance, step caching and --profile-step included)
+  1. one job: the pipeline's `generate` (guidance, step caching and --profile-step included) returns its `Clip`, which
+     `commit_job_clip` completes and puts in place
   2. several (equal keys): each encoded alone, bucketed by packed layout (same text length, same condition rows), each
-     bucket denoised as ONE batch along the batch dimension, then each member decoded and committed
+     bucket denoised as ONE batch along the batch dimension, then each member decoded and committed the same way
   3. after every denoise evaluation: the device is synchronised (progress counts evaluations FINISHED, not queued),
      and the group agrees on cancellations (a cancelled job stops at this step, on every rank together)
   4. a job that fails fails alone on a one-rank group (the event names its stage and reason, the memory is freed,
@@ -30,8 +31,8 @@ from ..errors import UserError
 from .files import DEFAULT_CRF
 from .jobs import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 from .parallel_vae import _comm_device
-from .pipeline import H3Pipeline
-from .records import ClipRecord, Failure
+from .pipeline import H3Pipeline, Target
+from .records import Clip, ClipRecord, Failure, commit_clip
 from .request import Encoded, prepare, request_dict
 from .timeline import TimelineTimer
 
@@ -51,6 +52,10 @@ class Place:
     raise_failures: bool = False  # re-raise a failed job's error once reported (one clip in this process)
     model: str = ""  # what the record says served it (a checkpoint path, a bundle, embedded-tiny)
     record_extra: dict = field(default_factory=dict)  # added to every record (a bundle's identity, the mesh)
+
+    def target(self, job: Job) -> Target:
+        """Where `job`'s clip is written, and whether this rank writes it."""
+        return Target(job.output, self.crf, self.decode_group, self.writes)
 
 
 class Reporter:
@@ -115,11 +120,8 @@ def _run_one(pipeline: H3Pipeline, job: Job, place: Place, reporter: Reporter) -
     try:
         prepared = prepare(job.request, pipeline.canvas)
         frames, stage = prepared.geometry.num_frames, "generate"
-        record = pipeline.generate(prepared, job.output, place.crf, on_step, place.writes, place.decode_group,
-                                   finish=_completer(job, place, pipeline, {"size": 1, "index": 0,
-                                                                            "members": [job.id]}),
-                                   overwrite=job.overwrite, profile_step=job.profile_step, timer=timer,
-                                   on_frames=on_frames)
+        clip = pipeline.generate(prepared, place.target(job), timer, on_step, on_frames, job.profile_step)
+        record = commit_job_clip(clip, job, place, pipeline.device, {"size": 1, "index": 0, "members": [job.id]})
     except JobCancelled as e:
         reporter.event(job, EventKind.CANCELLED, error=str(e))
         return
@@ -198,12 +200,11 @@ class _Batch:
                 continue
             frames = p.encoded.prepared.geometry.num_frames
             try:
-                record = self.pipeline.decode_request(
-                    p.encoded, final, p.job.output, self.place.crf, p.timer, self.place.decode_group,
-                    self.place.writes, finish=_completer(p.job, self.place, self.pipeline, batch),
-                    overwrite=p.job.overwrite,
+                clip = self.pipeline.decode_request(
+                    p.encoded, final, self.place.target(p.job), p.timer,
                     on_frames=lambda count, job=p.job: reporter.event(job, EventKind.PROGRESS, Stage.DECODE,
                                                                       decode_progress(count, frames)))
+                record = commit_job_clip(clip, p.job, self.place, device, batch)
             except Exception as e:  # noqa: BLE001
                 _failed(reporter, self.place, [p.job], "decode", e, p.timer)
                 continue
@@ -258,14 +259,23 @@ def free_memory(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
-def _completer(job: Job, place: Place, pipeline: H3Pipeline, batch: dict) -> Callable[[ClipRecord], ClipRecord]:
-    """What a done record holds besides the pipeline's fields; filled in just before it is committed."""
-    def finish(record: ClipRecord) -> ClipRecord:
-        return replace(record, status="done", id=job.id, request=request_dict(job.request), model=place.model,
-                       batch=batch, peak_memory=peak_memory(pipeline.device),
-                       extra={**record.extra, **place.record_extra, **job.record})
-
-    return finish
+def commit_job_clip(clip: Clip | None, job: Job, place: Place, device: torch.device,
+                    batch: dict) -> ClipRecord | None:
+    """A job's clip put in place, on the writing rank (None elsewhere: there is no clip). Its record is completed with
+    what the job layer knows (status .. peak_memory, the serving side's and the job's extra fields), then the MP4 and
+    the record are committed together or neither, never replacing a file unless the job overwrites
+    (records.commit_clip). Whatever fails here, the MP4 under its temporary name goes too: nothing appears at the
+    output path but a whole clip with its record."""
+    if clip is None:
+        return None
+    try:
+        record = replace(clip.record, status="done", id=job.id, request=request_dict(job.request), model=place.model,
+                         batch=batch, peak_memory=peak_memory(device),
+                         extra={**clip.record.extra, **place.record_extra, **job.record})
+    except BaseException:
+        clip.discard()
+        raise
+    return commit_clip(record, clip.mp4_temp, job.output, job.overwrite)
 
 
 def layout_key(encoded: Encoded) -> bytes:
