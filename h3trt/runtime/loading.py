@@ -5,6 +5,7 @@ Each returns `Components`, the built parts H3Pipeline is constructed from."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -15,12 +16,11 @@ import torch
 
 from ..calibration.vae_fp8 import load_video_vae_at
 from ..engines.bundle import Engine
-from ..engines.manifest import BundleError, check_request, read_manifest
+from ..engines.manifest import BundleError, read_manifest
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
 from ..models.lora import LoraSpec, merge_loras
-from ..models.sampler import Schedule
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
 from ..models.precision import eager_dtype
@@ -29,7 +29,7 @@ from ..models.video_vae import VideoVAE
 from ..models.sparse_run import load_sparse_kernel
 from ..parallel.ulysses import UlyssesDiT
 from .records import process_started_unix, torch_bytecode
-from .request import Prepared
+from .request import Prepared, check_bundle_serves
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class Components:
     video_vae: VideoVAE | None
     audio_vae: AudioVAE | None
     shifts: tuple[float, float]  # (video, audio) sigma shifts a request without its own uses
-    check_request: Callable[[Prepared, Schedule], None] | None = None  # a bundle's admission check: raises
+    # A bundle's: refuses a request it was not built for, as admission did (request.check_bundle_serves)
+    check_request: Callable[[Prepared], None] | None = None
     loras: tuple[dict, ...] = ()  # records of the LoRAs merged into the DiT
     deferred_vaes: Deferred | None = None  # (video VAE, audio VAE) on a background thread, in place of the two
     load_report: dict | None = None  # a bundle's cold-start split, for every record
@@ -195,11 +196,6 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                           f"the run asks for {vae_precision}. Leave --vae-precision out to serve the bundle's, "
                           f"or rebuild with h3trt build --vae-precision {vae_precision}.")
 
-    def admit(prepared: Prepared, schedule: Schedule) -> None:
-        geo = prepared.geometry
-        check_request(m, geo.width, geo.height, geo.num_frames, schedule.steps, schedule.video_shift,
-                      schedule.audio_shift, prepared.request.task)
-
     shifts = (m.schedule.video_shift, m.schedule.audio_shift)
     # Process start to this load: interpreter, imports, CUDA's first call, the request's checks (tokenizer included).
     before = round(started_unix - process_unix, 4) if process_unix is not None else None
@@ -240,5 +236,5 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
     report["loader_imports_s"] = round(report_early.get("imports_s", imports_s), 4)
     deferred = Deferred(vaes)  # after the text encoder: one loader thread inside transformers/diffusers at a time
     report["total_s"] = round(time.perf_counter() - start, 4)  # bundle on hand, ready to encode and denoise
-    return Components(engine.dit, text_encoder, None, None, shifts, admit, loras=m.loras,
-                      deferred_vaes=deferred, load_report=report)
+    return Components(engine.dit, text_encoder, None, None, shifts, functools.partial(check_bundle_serves, m),
+                      loras=m.loras, deferred_vaes=deferred, load_report=report)
