@@ -7,6 +7,28 @@ The bottom layer: every other layer may import it (tests/test_layers.py), and it
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 
 class UserError(ValueError):
-    """A mistake the user can fix; the message names the problem and the fix, in one line."""
+    """A mistake the user can fix; the message names the problem and the fix, in one line. `field`: the request
+    field it is about, as the request schema's key (runtime/schema.py), or None; a front door names it in its own
+    words from there (the API's 400 `param`), never by reading the message."""
+
+    field: str | None = None  # the class's default: a subclass whose other base's __init__ runs first has it too
+
+    def __init__(self, message: str = "", field: str | None = None):
+        super().__init__(message)
+        self.field = field  # kept by pickling: an exception's __reduce__ carries its __dict__
+
+
+@contextmanager
+def about(field: str):
+    """A UserError raised inside is about `field` unless it already names its own (a reader of a file does not know
+    which request field named the file)."""
+    try:
+        yield
+    except UserError as e:
+        if e.field is None:
+            e.field = field
+        raise

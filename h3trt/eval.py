@@ -30,12 +30,13 @@ import torch.nn.functional as F
 from .engines.manifest import MANIFEST
 from .errors import UserError
 from .models.packing import unpatchify
+from .runtime.admission import admit
 from .runtime.entry import Entry
 from .runtime.output import rgb_to_yuv420
 from .runtime.pipeline import H3Pipeline, new_step_cache
 from .runtime.profiles import profile_fields
 from .runtime.records import StageTimer
-from .runtime.request import Prepared, Request, prepare
+from .runtime.request import Prepared, Request
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004
@@ -258,12 +259,12 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
                             "(profile, cache keys): drop those keys.")
         sides = {"engine": [replace(r, **profile_fields(profile)) for r in reqs],
                  "reference": [replace(r, **profile_fields("lossless")) for r in reqs]}
-    # The engine's canvas defaults (a bundle's requests already carry its profile's canvas).
-    prepared = {side: [prepare(r, engine.canvas) for r in rs] for side, rs in sides.items()}
-    for side, source in sources.items():
-        source.component_root(task)  # a checkpoint without the task's transformer fails here (CheckpointError)
-        for p in prepared[side]:
-            source.admit(p)
+    # Each side's requests admitted to that side's model (runtime/admission.py), on the engine's canvas defaults (a
+    # bundle's requests already carry its profile's canvas). The reference's side first: a reference that cannot
+    # serve them (another task's checkpoint, a bundle of another canvas) is named before the engine's files are read.
+    checked: set[Path] = set()
+    prepared = {side: [admit(sources[side], r, canvas=engine.canvas, checked=checked) for r in sides[side]]
+                for side in ("reference", "engine")}
     traces = _run_sides(sources, prepared, task, log)
     per_request = [{"prompt": r.prompt, "seed": r.seed, **compare(a, b)}
                    for r, a, b in zip(reqs, traces["engine"], traces["reference"])]

@@ -35,12 +35,12 @@ pytestmark = pytest.mark.unit
 def test_an_unexpected_error_in_run_propagates(tmp_path, capsys, monkeypatch, error):
     """The error classes cli.main used to catch wholesale (ValueError, FileNotFoundError, ImportError) now reach
     the user as what they are: main() re-raises them, and nothing prints them as the user's mistake."""
-    import h3trt.runtime.run as run
+    import h3trt.runtime.admission as admission  # run_clip reads its inputs first, through admission
 
     def broken(*args, **kwargs):
         raise error
 
-    monkeypatch.setattr(run, "prepare", broken)
+    monkeypatch.setattr(admission, "prepare", broken)
     with pytest.raises(type(error), match="boom") as raised:
         main(["run", "--prompt", "a fox", "--output", str(tmp_path / "clip.mp4")])
     assert not isinstance(raised.value, UserError)
@@ -52,7 +52,7 @@ def test_an_error_a_ctrl_c_caused_is_the_interrupt(tmp_path, capsys, monkeypatch
     """Ctrl-C inside torch's `with torch.device(...)` makes its exit raise RuntimeError("trying to pop from empty mode
     stack") over the KeyboardInterrupt (seen once in a killed-build test): still the user's interrupt, exit 130, one
     line; a RuntimeError with no interrupt behind it still propagates (the test above)."""
-    import h3trt.runtime.run as run
+    import h3trt.runtime.admission as admission  # run_clip reads its inputs first, through admission
 
     def interrupted_cleanup(*args, **kwargs):
         try:
@@ -60,7 +60,7 @@ def test_an_error_a_ctrl_c_caused_is_the_interrupt(tmp_path, capsys, monkeypatch
         except KeyboardInterrupt:
             raise RuntimeError("trying to pop from empty mode stack")
 
-    monkeypatch.setattr(run, "prepare", interrupted_cleanup)
+    monkeypatch.setattr(admission, "prepare", interrupted_cleanup)
     assert main(["run", "--prompt", "a fox", "--output", str(tmp_path / "clip.mp4")]) == 130
     assert capsys.readouterr().err.strip().splitlines() == [
         "h3trt: interrupted; no output was written (temporary files removed)."]
@@ -71,7 +71,7 @@ def test_an_error_after_a_ctrl_c_a_library_swallowed_is_the_interrupt(tmp_path, 
     """safetensors, interrupted inside `get_tensor`, swallows the KeyboardInterrupt and raises its own error, which the
     loader reports as a corrupted file (seen in CI's killed-build test): after the signal arrived, that is the user's
     interrupt, exit 130, not a bad checkpoint and exit 2."""
-    import h3trt.runtime.run as run
+    import h3trt.runtime.admission as admission  # run_clip reads its inputs first, through admission
     from h3trt.models.checkpoint import CheckpointError
 
     def swallowed(*args, **kwargs):
@@ -82,7 +82,7 @@ def test_an_error_after_a_ctrl_c_a_library_swallowed_is_the_interrupt(tmp_path, 
             pass  # what a library's native code does with it
         raise CheckpointError("model.safetensors: tensor 'x' cannot be read; the file is corrupted.")
 
-    monkeypatch.setattr(run, "prepare", swallowed)
+    monkeypatch.setattr(admission, "prepare", swallowed)
     assert main(["run", "--prompt", "a fox", "--output", str(tmp_path / "clip.mp4")]) == 130
     assert capsys.readouterr().err.strip().splitlines() == [
         "h3trt: interrupted; no output was written (temporary files removed)."]
@@ -90,7 +90,7 @@ def test_an_error_after_a_ctrl_c_a_library_swallowed_is_the_interrupt(tmp_path, 
     def corrupted(*args, **kwargs):  # the same error with no interrupt is the file's, exit 2
         raise CheckpointError("model.safetensors: tensor 'x' cannot be read; the file is corrupted.")
 
-    monkeypatch.setattr(run, "prepare", corrupted)
+    monkeypatch.setattr(admission, "prepare", corrupted)
     assert main(["run", "--prompt", "a fox", "--output", str(tmp_path / "clip.mp4")]) == 2
     assert "the file is corrupted" in capsys.readouterr().err
 
@@ -110,10 +110,10 @@ def test_an_unexpected_error_in_build_propagates(tmp_path, tiny_root, capsys, mo
 _BROKEN_RUN = """
 import sys
 import time
-import h3trt.runtime.run as run
+import h3trt.runtime.admission as admission
 def broken(*args, **kwargs):
     raise ValueError("boom: an internal invariant")
-run.prepare = broken
+admission.prepare = broken
 from h3trt.cli import main
 sys.exit(main(sys.argv[1:]))
 """

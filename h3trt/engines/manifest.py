@@ -445,16 +445,19 @@ def check_request(manifest: Manifest, width: int, height: int, num_frames: int, 
     """Refuse a request the bundle was not built to serve, naming what it serves."""
     if task not in manifest.tasks:
         raise BundleError(f"This bundle serves {list(manifest.tasks)}, not {task}; build one from the "
-                          f"{'Ref2VA' if task == 'ref2va' else 'FL2VA'} partition (h3trt build --task {task}).")
+                          f"{'Ref2VA' if task == 'ref2va' else 'FL2VA'} partition (h3trt build --task {task}).",
+                          field="task")
     profiles = manifest.profiles
     if not any(p.width == width and p.height == height and p.num_frames == num_frames for p in profiles):
         built = ", ".join(f"{p.width}x{p.height}x{p.seconds:g}s" for p in profiles)
         raise BundleError(f"This bundle was not built for {width}x{height}, {num_frames} frames; its profiles are "
-                          f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:.4g}.")
+                          f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:.4g}.",
+                          field="resolution")
     sched = manifest.schedule
     if manifest.adaln.baked and (steps, video_shift, audio_shift) != (
             sched.steps, sched.video_shift, sched.audio_shift):
         raise BundleError(f"This bundle's AdaLN tables are baked for steps={sched.steps}, video shift "
                           f"{sched.video_shift:g}, audio shift {sched.audio_shift:g}; the request asks for "
                           f"steps={steps}, shifts {video_shift:g}/{audio_shift:g}. Use the bundle's schedule, or "
-                          "rebuild with --steps/--video-shift/--audio-shift, or with --keep-adaln to serve any.")
+                          "rebuild with --steps/--video-shift/--audio-shift, or with --keep-adaln to serve any.",
+                          field="steps")

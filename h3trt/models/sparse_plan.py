@@ -52,7 +52,8 @@ class SparseSettings:
 def sparse_settings(sparsity: float | None = None, dense_steps: int | None = None,
                     min_seq: int | None = None, where: str = "--") -> SparseSettings:
     """Checked settings from stated values (None: the default). `where` spells the knobs in the message: "--" for the
-    flags (--sparse-attention), "" for request keys (sparse_attention). UserError names the knob and what it takes."""
+    flags (--sparse-attention), "" for request keys (sparse_attention). UserError names the knob and what it takes
+    (its `field`: the request key)."""
     def name(knob: str) -> str:
         return f"--{knob.replace('_', '-')}" if where == "--" else knob
 
@@ -61,10 +62,10 @@ def sparse_settings(sparsity: float | None = None, dense_steps: int | None = Non
     if isinstance(sparsity, bool) or not isinstance(sparsity, (int, float)) or not math.isfinite(sparsity) \
             or not 0.0 <= sparsity < 1.0:
         raise UserError(f"{name('sparse_attention')} takes a fraction of key blocks to skip, 0 <= s < 1 (0: dense; "
-                        f"0.75 keeps a quarter), got {sparsity!r}.")
+                        f"0.75 keeps a quarter), got {sparsity!r}.", field="sparse_attention")
     for knob, value, least in (("sparse_dense_steps", dense_steps, 0), ("sparse_min_seq", min_seq, 1)):
         if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < least):
-            raise UserError(f"{name(knob)} takes a whole number of at least {least}, got {value!r}.")
+            raise UserError(f"{name(knob)} takes a whole number of at least {least}, got {value!r}.", field=knob)
     return SparseSettings(float(sparsity), DEFAULT_DENSE_STEPS if dense_steps is None else dense_steps,
                           DEFAULT_MIN_SEQ if min_seq is None else min_seq)
 

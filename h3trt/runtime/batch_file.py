@@ -26,18 +26,17 @@ class BatchItem:
 
 
 def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFAULT_STEPS,
-                   admit: Callable[[Prepared], None] | None = None,
+                   admit: Callable[[Request], Prepared] | None = None,
                    default_sparse: SparseSettings | None = None) -> list[BatchItem]:
     """Every line of a JSONL requests file, validated; raises RequestsFileError listing every bad line. A line
     without "steps" takes `default_steps` (a bundle's baked schedule, else DEFAULT_STEPS), one that states no sparse
-    knob `default_sparse`'s (a bundle's --sparse-attention defaults); `admit` refuses what the model cannot serve (a
-    bundle's task, canvas and schedule: Entry.admit)."""
+    knob `default_sparse`'s (a bundle's --sparse-attention defaults); `admit` admits each line's request to the model
+    that will serve it (runtime/admission.py, in the file's keys); None: each is only prepared on `canvas`."""
 
     def check(line: RequestLine) -> BatchItem:
         request = line.request
-        prepared = prepare(request, canvas, KEYS)  # inputs readable, canvas and duration allowed; re-read at run time
-        if admit is not None:
-            admit(prepared)
+        # inputs readable, canvas and duration allowed (re-read at run time), and served by the model
+        prepared = admit(request) if admit is not None else prepare(request, canvas, KEYS)
         geo = prepared.geometry
         key = (request.task, geo.height, geo.width, geo.num_frames, request.steps, request.video_shift,
                request.audio_shift)

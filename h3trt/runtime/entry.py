@@ -12,12 +12,12 @@ from pathlib import Path
 
 import torch
 
-from ..engines.manifest import Manifest, bundle_identity, check_request, read_manifest
+from ..engines.manifest import Manifest, bundle_identity, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..errors import UserError
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
-from ..models.sampler import DEFAULT_STEPS, Schedule
+from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from ..models.vae_precision import VAEPrecision
@@ -28,7 +28,7 @@ from .loading import Components, load_bundle, load_checkpoint
 from .pipeline import H3Pipeline
 from .records import torch_bytecode
 from .rank import WorkerSpec
-from .request import CanvasDefaults, Prepared
+from .request import CanvasDefaults
 from .workers import LaunchKind
 
 
@@ -216,16 +216,6 @@ class Entry:
         if self.source.compiled and not torch_bytecode():
             note = NOTE_FIRST_BYTECODE.format(prefix=sys.pycache_prefix) if sys.pycache_prefix else NOTE_NO_BYTECODE
             print(f"h3trt: {note}", file=sys.stderr)
-
-    def admit(self, prepared: Prepared) -> None:
-        """A bundle refuses a request it was not built for (task, canvas, schedule) before anything loads; the
-        loaded pipeline checks each request again (the --requests path)."""
-        if self.manifest is None:
-            return
-        req, geo, sched = prepared.request, prepared.geometry, self.manifest.schedule
-        schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (sched.video_shift, sched.audio_shift))
-        check_request(self.manifest, geo.width, geo.height, geo.num_frames, req.steps, schedule.video_shift,
-                      schedule.audio_shift, req.task)
 
     def components(self, task: str) -> Components:
         """The built parts of a pipeline in this process (h3trt eval builds its own around them; the job loop's

@@ -5,6 +5,7 @@ Each returns `Components`, the built parts H3Pipeline is constructed from."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 import time
 from dataclasses import dataclass
@@ -15,12 +16,11 @@ import torch
 
 from ..calibration.vae_fp8 import load_video_vae_at
 from ..engines.bundle import Engine
-from ..engines.manifest import BundleError, check_request, read_manifest
+from ..engines.manifest import BundleError, read_manifest
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
 from ..models.lora import LoraSpec, merge_loras
-from ..models.sampler import Schedule
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
 from ..models.precision import eager_dtype
@@ -29,7 +29,7 @@ from ..models.video_vae import VideoVAE
 from ..models.sparse_run import load_sparse_kernel
 from ..parallel.ulysses import UlyssesDiT
 from .records import ColdStart, process_started_unix, torch_bytecode
-from .request import Prepared
+from .request import Prepared, check_bundle_serves
 
 
 @dataclass(frozen=True)
@@ -43,7 +43,8 @@ class Components:
     video_vae: VideoVAE | None
     audio_vae: AudioVAE | None
     shifts: tuple[float, float]  # (video, audio) sigma shifts a request without its own uses
-    check_request: Callable[[Prepared, Schedule], None] | None = None  # a bundle's admission check: raises
+    # A bundle's: refuses a request it was not built for, as admission did (request.check_bundle_serves)
+    check_request: Callable[[Prepared], None] | None = None
     loras: tuple[dict, ...] = ()  # records of the LoRAs merged into the DiT
     # (video VAE, audio VAE, their load's seconds, the verification report) on a background thread, in place of the
     # two VAEs; the last two complete the cold-start split (ColdStart.with_vaes)
@@ -172,11 +173,6 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                           f"the run asks for {vae_precision}. Leave --vae-precision out to serve the bundle's, "
                           f"or rebuild with h3trt build --vae-precision {vae_precision}.")
 
-    def admit(prepared: Prepared, schedule: Schedule) -> None:
-        geo = prepared.geometry
-        check_request(m, geo.width, geo.height, geo.num_frames, schedule.steps, schedule.video_shift,
-                      schedule.audio_shift, prepared.request.task)
-
     # 2. The text encoder, once the DiT is ready.
     t0 = time.perf_counter()
     text_encoder, text_split = text.result()
@@ -196,8 +192,9 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                       loader_imports_s=round(text.imports_s if text.imports_s is not None else imports_s, 4),
                       total_s=round(time.perf_counter() - start, 4),  # bundle on hand, ready to encode and denoise
                       nulls=("process_to_load_s",) if before is None else ())
-    return Components(engine.dit, text_encoder, None, None, (m.schedule.video_shift, m.schedule.audio_shift), admit,
-                      loras=m.loras, deferred_vaes=deferred, load_report=split)
+    return Components(engine.dit, text_encoder, None, None, (m.schedule.video_shift, m.schedule.audio_shift),
+                      functools.partial(check_bundle_serves, m), loras=m.loras,
+                      deferred_vaes=deferred, load_report=split)
 
 
 _TEXT_PARTS = ("text_encoder", "tokenizer", "processor")  # the bundle's files the text encoder loads from

@@ -66,7 +66,7 @@ class H3Pipeline:
         self.dit, self.text_encoder, self._vaes = dit, text_encoder, (video_vae, audio_vae)
         self._deferred_vaes, self.load_report = deferred_vaes, load_report
         self.shifts, self.device, self.canvas = shifts, torch.device(device), canvas
-        self.check_request = check_request  # a bundle's admission check: (prepared, schedule) -> None or raise
+        self.check_request = check_request  # a bundle's admission check: (prepared) -> None or raise
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
         self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (models/lora.py), for every clip record
 
@@ -169,8 +169,12 @@ class H3Pipeline:
         schedule = self.schedule(req)
         cache = cache or new_step_cache(req, schedule)
         sparse = sparse or self.new_sparse_run(req)
+        # Last-line guards: every front door admitted the request (runtime/admission.py), but against the model of
+        # the process that admitted it; the one loaded here need not be that one (a server's stored job outlives the
+        # process that admitted it: a restart with another --engine or --cfg takes it; a fleet's ingress and its
+        # worker replicas load their models apart).
         if self.check_request is not None:
-            self.check_request(prepared, schedule)
+            self.check_request(prepared)
         if self.cfg_group is not None and req.guidance == 1.0:
             raise ValueError("This job splits guidance branches over cfg=2 rank groups, but the request has no "
                              "guidance (--guidance 1, H3's default); launch with --cfg 1 or pass --guidance > 1.")
@@ -213,8 +217,10 @@ class H3Pipeline:
         """Stages 1-2 and the pack of a request that will be denoised in a batch (single-branch: no guidance)."""
         req, timer = prepared.request, timer or StageTimer(self.device)
         schedule = self.schedule(req)
-        if self.check_request is not None:
-            self.check_request(prepared, schedule)
+        if self.check_request is not None:  # the last-line guard of denoise_request
+            self.check_request(prepared)
+        # What a batch cannot share: a requests file batches only requests without them (runtime/batch.py batchable);
+        # admission does not know which requests will share a batch.
         if getattr(req, "guidance", 1.0) != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
         if request_sparse_settings(req).enabled:

@@ -78,7 +78,8 @@ def profile_fields(profile: str | None, cache: str | None = None, sparse_attenti
     base = None
     if profile is not None:
         if profile not in PROFILES:
-            raise UserError(f"profile {profile!r} is not one of {list(PROFILE_NAMES)} (README, 'Speed profiles').")
+            raise UserError(f"profile {profile!r} is not one of {list(PROFILE_NAMES)} (README, 'Speed profiles').",
+                            field="profile")
         base = PROFILES[profile]
     stated = {k: v for k, v in cache_knobs.items() if v is not None}
     unknown = set(stated) - set(CACHE_FLAGS)
@@ -90,7 +91,8 @@ def profile_fields(profile: str | None, cache: str | None = None, sparse_attenti
         if stated:
             flags = " ".join(CACHE_FLAGS[k] for k in CACHE_FLAGS if k in stated)
             none = f", and --profile {profile} has no step cache" if base is not None else ""
-            raise UserError(f"{flags} configure step caching{none}; add --cache first-block or --cache mag.")
+            raise UserError(f"{flags} configure step caching{none}; add --cache first-block or --cache mag.",
+                            field="cache")
     else:
         start = {}
         if base is not None and base.cache is not None and base.cache.kind == kind:
@@ -125,7 +127,7 @@ def request_profile_fields(data: dict) -> dict:
     the request fields (`profile_fields`); {} when it states none of them. UserError names the key at fault."""
     profile = data.get("profile")
     if profile is not None and not isinstance(profile, str):
-        raise UserError(f"profile must be one of {list(PROFILE_NAMES)}, got {profile!r}.")
+        raise UserError(f"profile must be one of {list(PROFILE_NAMES)}, got {profile!r}.", field="profile")
     knobs = {}
     for key, field in REQUEST_KEYS.items():
         value = data.get(key)
@@ -134,12 +136,12 @@ def request_profile_fields(data: dict) -> dict:
         if field == "kind":
             if value != "first-block":
                 raise UserError(f"cache must be 'first-block' in a request, got {value!r} (MagCache needs the "
-                                "model's ratios: h3trt run --cache mag --mag-ratios ...).")
+                                "model's ratios: h3trt run --cache mag --mag-ratios ...).", field=key)
         elif isinstance(value, bool) or not isinstance(value, (int, float) if field == "threshold" else int):
             what = "a number" if field == "threshold" else "a whole number"
-            raise UserError(f"{key} must be {what}, got {value!r}.")
+            raise UserError(f"{key} must be {what}, got {value!r}.", field=key)
         elif isinstance(value, float) and not math.isfinite(value):
-            raise UserError(f"{key} must be finite, got {value}.")
+            raise UserError(f"{key} must be finite, got {value}.", field=key)
         knobs[field] = float(value) if field == "threshold" else value
     sparse = {k: data[k] for k in SPARSE_KEYS if data.get(k) is not None}
     if profile is None and not knobs and not sparse:
@@ -150,5 +152,5 @@ def request_profile_fields(data: dict) -> dict:
         keys = ", ".join(k for k, f in REQUEST_KEYS.items() if f in knobs)
         none = f", and profile {profile!r} has no step cache" if profile is not None else ""
         raise UserError(f"{keys} configure step caching{none}; add \"cache\": \"first-block\" or a profile "
-                        "that caches (quality, balanced, fast).")
+                        "that caches (quality, balanced, fast).", field=keys.split(", ")[0])
     return profile_fields(profile, kind, **sparse, where="", **knobs)

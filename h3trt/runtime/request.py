@@ -3,6 +3,7 @@ model loads). `Encoded` is a request after stages 1-2 and the pack, the unit a b
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -11,7 +12,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..errors import UserError
+from ..engines.manifest import Manifest, check_request
+from ..errors import UserError, about
 from ..models.checkpoint import check_component_files
 from ..models.packing import (
     AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK,
@@ -64,14 +66,6 @@ class Names:
 FLAGS = Names()  # h3trt run's
 KEYS = Names("prompt", "negative_prompt", "seed", "steps", "duration", "width and height", "guidance", "video_shift",
              "audio_shift", "image", "last_image", "refs", "the line")  # a requests file's (runtime/requests.py)
-
-
-class FieldError(UserError):
-    """A UserError about one request field (`field`, the request schema's key: runtime/requests.py KEYS)."""
-
-    def __init__(self, field: str, message: str):
-        super().__init__(message)
-        self.field = field
 
 
 @dataclass(frozen=True)
@@ -160,92 +154,102 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults(), names: 
     n = names
     for key, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
         if text is not None:
-            check_utf8(text, getattr(n, key).lstrip("-").replace("-", " "), key)
+            check_utf8(text, _said(n, key), key)
             if len(text.encode("utf-8")) > MAX_PROMPT_BYTES:
-                raise FieldError(key, f"{getattr(n, key)} is {len(text.encode('utf-8')):,} bytes; h3trt takes prompts "
-                                      f"of at most {MAX_PROMPT_TOKENS} tokens and {MAX_PROMPT_BYTES:,} bytes. "
-                                      "Shorten it.")
+                raise UserError(f"{getattr(n, key)} is {len(text.encode('utf-8')):,} bytes; h3trt takes prompts "
+                                f"of at most {MAX_PROMPT_TOKENS} tokens and {MAX_PROMPT_BYTES:,} bytes. "
+                                "Shorten it.", field=key)
     if not request.prompt.strip():
-        raise FieldError("prompt", f"The prompt is empty; pass {n.prompt} \"...\".")
+        raise UserError(f"The prompt is empty; pass {n.prompt} \"...\".", field="prompt")
     if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not (
             SEED_RANGE[0] <= request.seed < SEED_RANGE[1]):
-        raise FieldError("seed", f"{n.seed} {request.seed} is outside [-2^63, 2^64), the range torch.Generator "
-                                 "takes; pass a seed in that range.")
+        raise UserError(f"{n.seed} {request.seed} is outside [-2^63, 2^64), the range torch.Generator "
+                        "takes; pass a seed in that range.", field="seed")
     if not 2 <= request.steps <= MAX_STEPS:
-        raise FieldError("steps", f"{n.steps} must be at least 2 (the grid includes the final sigma 0) and at most "
-                                  f"{MAX_STEPS} (H3's schedule is {DEFAULT_STEPS}), got {request.steps}.")
+        raise UserError(f"{n.steps} must be at least 2 (the grid includes the final sigma 0) and at most "
+                        f"{MAX_STEPS} (H3's schedule is {DEFAULT_STEPS}), got {request.steps}.", field="steps")
     if request.refs and (request.image or request.last_image):
-        raise FieldError("refs", f"{n.refs} (ref2va) cannot be combined with {n.image}/{n.last_image} (fl2va); pick "
-                                 "one task.")
+        raise UserError(f"{n.refs} (ref2va) cannot be combined with {n.image}/{n.last_image} (fl2va); pick "
+                        "one task.", field="refs")
     for key, shift, default in (("video_shift", request.video_shift, DEFAULT_VIDEO_SHIFT),
                                 ("audio_shift", request.audio_shift, DEFAULT_AUDIO_SHIFT)):
         if shift is not None and not (math.isfinite(shift) and shift > 0):
-            raise FieldError(key, f"{getattr(n, key)} must be a positive finite number (the checkpoint's is "
-                                  f"{default:g}), got {shift}.")
+            raise UserError(f"{getattr(n, key)} must be a positive finite number (the checkpoint's is "
+                            f"{default:g}), got {shift}.", field=key)
     Schedule(request.steps, *(DEFAULT_VIDEO_SHIFT if request.video_shift is None else request.video_shift,
                               DEFAULT_AUDIO_SHIFT if request.audio_shift is None else request.audio_shift))
     # NaN compares false with everything: unchecked, it would pass as "not > 1", run unguided and drop the negative
     # prompt.
     if not (math.isfinite(request.guidance) and request.guidance >= 1.0):
-        raise FieldError("guidance", f"{n.guidance} must be a finite number >= 1 (1 = off, the default: H3 is "
-                                     f"guidance-distilled), got {request.guidance}.")
+        raise UserError(f"{n.guidance} must be a finite number >= 1 (1 = off, the default: H3 is "
+                        f"guidance-distilled), got {request.guidance}.", field="guidance")
     if request.negative_prompt is not None and request.guidance == 1.0:
-        raise FieldError("negative_prompt", f"{n.negative_prompt} only acts with {n.guidance} > 1 (H3 is "
-                                            "guidance-distilled and runs one branch by default); pass "
-                                            f"{n.guidance} too, or drop {n.negative_prompt}.")
+        raise UserError(f"{n.negative_prompt} only acts with {n.guidance} > 1 (H3 is "
+                        "guidance-distilled and runs one branch by default); pass "
+                        f"{n.guidance} too, or drop {n.negative_prompt}.", field="negative_prompt")
     if request.guidance > 1.0 and not (request.negative_prompt or "").strip():
-        raise FieldError("guidance", f"{n.guidance} {request.guidance:g} needs {n.negative_prompt} \"...\": the "
-                                     "negative branch is the request with that prompt (H3's text encoder takes no "
-                                     "empty prompt).")
-    kinds = [_reference_kind(Path(path)) for path in request.refs]  # counted before any is read
+        raise UserError(f"{n.guidance} {request.guidance:g} needs {n.negative_prompt} \"...\": the "
+                        "negative branch is the request with that prompt (H3's text encoder takes no "
+                        "empty prompt).", field="guidance")
+    with about("refs"):
+        kinds = [_reference_kind(Path(path)) for path in request.refs]  # counted before any is read
     for kind in ("image", "video", "audio"):
         if kinds.count(kind) > MAX_REFERENCES[kind]:
-            raise FieldError("refs", f"{n.refs}: MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, "
-                                     f"got {kinds.count(kind)}.")
+            raise UserError(f"{n.refs}: MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, "
+                            f"got {kinds.count(kind)}.", field="refs")
     if len(kinds) > MAX_REFERENCES["total"]:
-        raise FieldError("refs", f"{n.refs}: MiniMax-H3 takes at most {MAX_REFERENCES['total']} references, got "
-                                 f"{len(kinds)}.")
+        raise UserError(f"{n.refs}: MiniMax-H3 takes at most {MAX_REFERENCES['total']} references, got "
+                        f"{len(kinds)}.", field="refs")
     if kinds and set(kinds) == {"audio"}:
-        raise FieldError("refs", f"{n.refs}: an audio reference must be paired with at least one image or video "
-                                 "reference.")
+        raise UserError(f"{n.refs}: an audio reference must be paired with at least one image or video "
+                        "reference.", field="refs")
     if not (math.isfinite(request.duration) and request.duration > 0):
-        raise FieldError("duration", f"{n.duration} must be a positive number of seconds, got {request.duration:g}.")
+        raise UserError(f"{n.duration} must be a positive number of seconds, got {request.duration:g}.",
+                        field="duration")
     try:
         num_frames = frames_for_duration(request.duration)
     except UserError as e:
-        raise FieldError("duration", f"{n.duration}: {e}") from None
+        raise UserError(f"{n.duration}: {e}", field="duration") from None
 
-    keyframes = [(anchor, read_image(path)) for anchor, path in (("first", request.image),
-                                                                  ("last", request.last_image)) if path]
+    keyframes = []
+    for anchor, key in (("first", "image"), ("last", "last_image")):
+        if getattr(request, key):
+            with about(key):
+                keyframes.append((anchor, key, read_image(getattr(request, key))))
     if (request.width is None) != (request.height is None):
-        raise FieldError("width", f"{n.size} go together: pass both, or neither for the model's canvas.")
+        raise UserError(f"{n.size} go together: pass both, or neither for the model's canvas.", field="width")
     if request.width is not None:
         height, width = request.height, request.width
     else:
-        aspect = keyframes[0][1].size if keyframes else (16, 9)
+        aspect = keyframes[0][2].size if keyframes else (16, 9)
         height, width = resolve_canvas(*aspect, short_edge=canvas.short_edge, max_pixels=canvas.max_pixels)
     try:
         validate_canvas(height, width)
     except UserError as e:
-        raise FieldError("resolution", str(e)) from None
-    keyframes = [(anchor, prepare_keyframe(img, height, width, stretch=i == 0)) for i, (anchor, img) in
-                 enumerate(keyframes)]
+        raise UserError(str(e), field="resolution") from None
+    placed = []
+    for i, (anchor, key, img) in enumerate(keyframes):
+        with about(key):
+            placed.append((anchor, prepare_keyframe(img, height, width, stretch=i == 0)))
+    with about("refs"):
+        references = [_reference(Path(path), kind, num_frames, canvas) for path, kind in zip(request.refs, kinds)]
+    return Prepared(request, Geometry(height, width, num_frames), placed, references)
 
-    references = []
-    for path, kind in zip(request.refs, kinds):
-        ref = Reference(kind, Path(path))
-        if kind == "image":
-            ref.image = _reference_image(read_image(path), canvas.reference_short_edge)
-        elif kind == "audio":
-            # Cut to the clip's length at the file's own rate, then resampled once, as the reference does.
-            ref.audio = torch.from_numpy(read_audio(path, AUDIO_SAMPLE_RATE, max_seconds=num_frames / FPS))
-        else:
-            frames, fps, audio = read_video(path, max_audio_seconds=num_frames / FPS)
-            ref.frames = _reference_frames(frames, fps, num_frames, canvas)
-            if audio is not None:
-                ref.audio = torch.from_numpy(audio)
-        references.append(ref)
-    return Prepared(request, Geometry(height, width, num_frames), keyframes, references)
+
+def _reference(path: Path, kind: str, num_frames: int, canvas: CanvasDefaults) -> Reference:
+    """One reference read for a clip of `num_frames` frames."""
+    ref = Reference(kind, path)
+    if kind == "image":
+        ref.image = _reference_image(read_image(path), canvas.reference_short_edge)
+    elif kind == "audio":
+        # Cut to the clip's length at the file's own rate, then resampled once, as the reference does.
+        ref.audio = torch.from_numpy(read_audio(path, AUDIO_SAMPLE_RATE, max_seconds=num_frames / FPS))
+    else:
+        frames, fps, audio = read_video(path, max_audio_seconds=num_frames / FPS)
+        ref.frames = _reference_frames(frames, fps, num_frames, canvas)
+        if audio is not None:
+            ref.audio = torch.from_numpy(audio)
+    return ref
 
 
 def check_utf8(text: str, what: str = "prompt", field: str = "prompt") -> None:
@@ -256,33 +260,55 @@ def check_utf8(text: str, what: str = "prompt", field: str = "prompt") -> None:
     except UnicodeEncodeError as e:
         char = text[e.start]
         byte = f"byte 0x{ord(char) - 0xDC00:02x}" if 0xDC80 <= ord(char) <= 0xDCFF else f"character {char!r}"
-        raise FieldError(field, f"The {what} is not valid UTF-8 ({byte} at position {e.start}); re-encode it as "
-                                "UTF-8.") from None
+        raise UserError(f"The {what} is not valid UTF-8 ({byte} at position {e.start}); re-encode it as "
+                        "UTF-8.", field=field) from None
 
 
-def check_prompt_tokens(component_root: Path, prompts: list[tuple[str, str]]) -> None:
-    """Refuse prompts over MAX_PROMPT_TOKENS, counted by the checkpoint's own tokenizer (loaded only for prompts
-    longer than the budget in bytes: a byte-level BPE token covers at least one byte). `prompts`: (where, prompt)
-    pairs; every one over the budget is listed in one error."""
-    long = [(where, p) for where, p in prompts if len(p.encode("utf-8")) > MAX_PROMPT_TOKENS]
+def _said(names: Names, key: str) -> str:
+    """A text field as a message says it: "prompt", "negative prompt" (a flag's words) or "negative_prompt" (a key)."""
+    return getattr(names, key).lstrip("-").replace("-", " ")
+
+
+def check_prompt_tokens(component_root: Path, request: Request, names: Names = FLAGS) -> None:
+    """Refuse a prompt (or negative prompt) over MAX_PROMPT_TOKENS, counted by the checkpoint's own tokenizer (loaded
+    only for a prompt longer than the budget in bytes: a byte-level BPE token covers at least one byte); both are
+    listed in one error, about the first."""
+    texts = {key: getattr(request, key) for key in ("prompt", "negative_prompt") if getattr(request, key)}
+    long = {key: text for key, text in texts.items() if len(text.encode("utf-8")) > MAX_PROMPT_TOKENS}
     if not long:
         return
+    tokenizer = _tokenizer(Path(component_root) / TOKENIZER_DIR)
+    over = {}
+    for key, text in long.items():
+        count = len(tokenizer(text, add_special_tokens=False)["input_ids"])
+        if count > MAX_PROMPT_TOKENS:
+            over[key] = f"the {_said(names, key)} has {count} tokens"
+    if over:
+        raise UserError(f"{'; '.join(over.values())}; h3trt takes prompts of at most {MAX_PROMPT_TOKENS} tokens. "
+                        "Shorten it.", field=next(iter(over)))
+
+
+@functools.lru_cache(maxsize=2)
+def _tokenizer(tokenizer_dir: Path):
+    """A checkpoint's tokenizer, loaded once per process (a requests file's long prompts, a server's requests, count
+    with one)."""
     # transformers takes 10 s to import on the H200 machine (its auto classes pull in sklearn, sympy and
     # torch.distributed.tensor): imported here, only for a long prompt, so a bundle's cold start imports it on the
     # text encoder's thread while the DiT weights stream in (runtime/loading.py).
     from transformers import AutoTokenizer
 
-    tokenizer_dir = Path(component_root) / TOKENIZER_DIR
     check_component_files(tokenizer_dir, weights=False)  # a truncated tokenizer.json: one line, not a traceback
-    tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
-    over = []
-    for where, p in long:
-        n = len(tokenizer(p, add_special_tokens=False)["input_ids"])
-        if n > MAX_PROMPT_TOKENS:
-            over.append((where, f"{where} has {n} tokens"))
-    if over:
-        raise FieldError(over[0][0], f"{'; '.join(text for _, text in over)}; h3trt takes prompts of at most "
-                                     f"{MAX_PROMPT_TOKENS} tokens. Shorten it.")
+    return AutoTokenizer.from_pretrained(tokenizer_dir, local_files_only=True)
+
+
+def check_bundle_serves(manifest: Manifest, prepared: Prepared) -> None:
+    """Refuse a request a bundle was not built for (task, canvas, schedule: engines/manifest.py check_request), its
+    schedule resolved with the bundle's shifts as the pipeline resolves it. Admission (runtime/admission.py) asks it
+    before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (runtime/loading.py)."""
+    req, geo, baked = prepared.request, prepared.geometry, manifest.schedule
+    schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (baked.video_shift, baked.audio_shift))
+    check_request(manifest, geo.width, geo.height, geo.num_frames, req.steps, schedule.video_shift,
+                  schedule.audio_shift, req.task)
 
 
 def _reference_image(image: Image.Image, short_edge: int) -> Image.Image:

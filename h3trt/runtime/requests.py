@@ -34,12 +34,9 @@ from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
-from .profiles import REQUEST_KEYS, SPARSE_KEYS, request_profile_fields, with_bundle_sparse
-from .request import KEYS as KEY_NAMES, FieldError, Names, Request
-
-KEYS = ("id", "task", "prompt", "image", "last_image", "refs", "seed", "steps", "resolution", "width", "height",
-        "duration", "video_shift", "audio_shift", "guidance", "negative_prompt", "profile", *REQUEST_KEYS,
-        *SPARSE_KEYS)
+from .profiles import request_profile_fields, with_bundle_sparse
+from .request import KEYS as KEY_NAMES, Names, Request
+from .schema import KEYS  # the schema's keys, from its one table of fields
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
@@ -176,26 +173,26 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
     if missing or unknown:
         raise UserError(" ".join(filter(None, [f"missing {missing}." if missing else "",
                                                f"unknown key(s) {unknown}; allowed: {list(KEYS)}."
-                                               if unknown else ""])))
+                                               if unknown else ""])), field=(missing or unknown)[0])
     rid = None
     if "id" in data:
         rid = _typed(data, "id", str)
         if not ID_PATTERN.fullmatch(rid) or rid.startswith("timeline"):
             raise UserError(f"id {rid!r} must be 1-128 of [A-Za-z0-9._-], start with a letter or digit (it names "
-                            "OUT/<id>.mp4) and not start with 'timeline' (the run's own files).")
+                            "OUT/<id>.mp4) and not start with 'timeline' (the run's own files).", field="id")
     image, last_image = (_path(data, k, base) for k in ("image", "last_image"))
     refs = data.get("refs", [])
     if not isinstance(refs, list) or not all(isinstance(r, str) for r in refs):
-        raise UserError("refs must be a list of file paths.")
+        raise UserError("refs must be a list of file paths.", field="refs")
     refs = tuple(_resolve(r, base) for r in refs)
     if "task" in data:
         task = _typed(data, "task", str)
         if task not in TASKS:
-            raise UserError(f"task {task!r} must be one of {list(TASKS)}.")
+            raise UserError(f"task {task!r} must be one of {list(TASKS)}.", field="task")
         implied = "ref2va" if refs else "fl2va" if (image or last_image) else "t2va"
         if implied != task:
-            raise FieldError("task", f"task {task!r} takes {task_inputs(task, n)}, but {n.request}'s inputs make it "
-                                     f"{implied}.")
+            raise UserError(f"task {task!r} takes {task_inputs(task, n)}, but {n.request}'s inputs make it "
+                            f"{implied}.", field="task")
     width, height = _canvas(data, defaults)
     request = Request(_typed(data, "prompt", str, name=n.prompt), image, last_image, refs,
                       _typed(data, "seed", int, DEFAULT_SEED, n.seed),
@@ -214,13 +211,16 @@ def _canvas(data: dict, defaults: RequestDefaults) -> tuple[int | None, int | No
     """(width, height) from "resolution": "WxH", or "width" and "height", else the defaults."""
     if "resolution" in data:
         if "width" in data or "height" in data:
-            raise UserError("give the canvas as resolution 'WIDTHxHEIGHT' or as width and height, not both.")
+            raise UserError("give the canvas as resolution 'WIDTHxHEIGHT' or as width and height, not both.",
+                            field="resolution")
         match = re.fullmatch(r"(\d+)x(\d+)", str(data["resolution"]))
         if not match:
-            raise UserError(f"resolution must be 'WIDTHxHEIGHT' such as '1344x768', got {data['resolution']!r}.")
+            raise UserError(f"resolution must be 'WIDTHxHEIGHT' such as '1344x768', got {data['resolution']!r}.",
+                            field="resolution")
         return int(match[1]), int(match[2])
     if ("width" in data) != ("height" in data):
-        raise UserError("width and height go together: give both, or resolution 'WIDTHxHEIGHT', or neither.")
+        raise UserError("width and height go together: give both, or resolution 'WIDTHxHEIGHT', or neither.",
+                        field="width")
     if "width" in data:
         return _typed(data, "width", int), _typed(data, "height", int)
     return defaults.width, defaults.height
@@ -231,9 +231,9 @@ def _typed(data: dict, key: str, kind, default=None, name: str | None = None):
     value = data.get(key, default)
     if isinstance(value, bool) or not isinstance(value, kind):
         what = {str: "a string", int: "an integer"}.get(kind, "a number")
-        raise FieldError(key, f"{name or key} must be {what}, got {json.dumps(value)}.")
+        raise UserError(f"{name or key} must be {what}, got {json.dumps(value)}.", field=key)
     if isinstance(value, float) and not math.isfinite(value):
-        raise FieldError(key, f"{name or key} must be finite, got {value}.")
+        raise UserError(f"{name or key} must be finite, got {value}.", field=key)
     return value
 
 

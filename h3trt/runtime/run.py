@@ -16,8 +16,7 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..models.packing import FPS
-from ..models.text_encoder import check_text_encoder_files
-from ..models.sampler import DEFAULT_GUIDANCE
+from .admission import admit
 from .batch import BatchConfig, FileQueue, summary_line
 from .batch_file import check_bundle_batch, parse_requests
 from .batch_outputs import finished, plan_out_dir
@@ -26,8 +25,7 @@ from .files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip
                     remove_leftovers, remove_own_temps)
 from .jobs import Event, EventKind, Job, JobFailed
 from .records import ClipRecord, record_path
-from .request import Request, check_prompt_tokens, prepare
-from .requests import RequestsFileError
+from .request import FLAGS, KEYS, Prepared, Request
 from .workers import launch_gpus, serve_queue
 
 
@@ -39,8 +37,6 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
              profile_step: int | None = None) -> int:
     """`h3trt run --prompt ... --output clip.mp4`: 0 when the clip and its record are written."""
     check_mp4_name(output)
-    prepared = prepare(request, entry.canvas)  # every input error surfaces here, before any model is loaded
-    entry.admit(prepared)
     steps = request.steps
     if profile_step is not None and not 1 <= profile_step < steps:
         raise UserError(f"--profile-step {profile_step}: a {steps}-step request runs {steps - 1} evaluations; "
@@ -49,18 +45,16 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
     if mesh.replica > 1:
         raise UserError(f"replicas={mesh.replica} serve different requests, but there is one; use --replicas 1 and "
                         "give the other ranks to --sp or --cfg.")
-    if mesh.cfg == 2 and request.guidance == DEFAULT_GUIDANCE:
-        raise UserError("--cfg 2 runs the two guidance branches side by side, but --guidance is 1 (off, H3's "
-                        "default); pass --guidance > 1 or use --cfg 1.")
+
+    def writable(prepared: Prepared) -> None:  # the output's folder (made), space and lock
+        geo = prepared.geometry
+        preflight_clip(output, record_path(output), overwrite,
+                       estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, crf))
+
+    # Every input error, the output's and what the model cannot serve surface here, before any model is loaded.
+    admit(entry, request, FLAGS, guidance_branches=mesh.cfg, own=writable)
     gpus = launch_gpus(entry.device_type, entry.world) if entry.spawns else None
-    geo = prepared.geometry
-    preflight_clip(output, record_path(output), overwrite,
-                   estimated_clip_bytes(geo.width, geo.height, geo.num_frames, FPS, crf))
     entry.note()  # the embedded tiny model: its clips are noise
-    check_text_encoder_files(entry.component_root(request.task))  # a truncated file: one line, before any load
-    check_prompt_tokens(entry.component_root(request.task),
-                        [(w, p) for w, p in (("the prompt", request.prompt),
-                                             ("the negative prompt", request.negative_prompt)) if p])
     queue = ClipQueue(Job(output.stem, request, output, overwrite, profile_step), quiet)
     spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not entry.on_mesh)
     try:
@@ -163,17 +157,10 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
     if entry.manifest is not None:
         check_bundle_batch(entry.manifest.segments, max_batch)
     config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet, overwrite=overwrite)
-    # Every line checked before any model loads, a bundle's admission included (task, canvas, schedule).
-    items = parse_requests(requests, entry.canvas, entry.default_steps, admit=entry.admit,
-                           default_sparse=entry.default_sparse)
-    try:
-        for task in sorted({i.request.task for i in items}):
-            check_text_encoder_files(entry.component_root(task))
-            check_prompt_tokens(entry.component_root(task),
-                                [(f"{requests}:{i.line}: the prompt", i.request.prompt) for i in items
-                                 if i.request.task == task])
-    except UserError as e:
-        raise RequestsFileError(f"{e} Nothing was run.") from None
+    # Every line admitted before any model loads, as one --prompt is (runtime/admission.py); every bad line listed.
+    checked: set[Path] = set()  # the model's files, checked once per component root
+    items = parse_requests(requests, entry.canvas, entry.default_steps,
+                           lambda request: admit(entry, request, KEYS, checked=checked), entry.default_sparse)
     mesh = entry.mesh(items[0].request.task)
     if mesh.cfg == 2:
         raise UserError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")

@@ -35,9 +35,8 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartParser
 
-from ..runtime.profiles import PROFILE_NAMES
 from ..runtime.records import ClipRecord
-from ..runtime.request import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, MAX_STEPS
+from ..runtime.schema import FILE, UPLOADS, openapi_fields
 from .service import ApiError, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, is_disk_full, store_unreachable
 
@@ -129,41 +128,16 @@ class Health(BaseModel):
     uptime_s: float
 
 
-CREATE_FIELDS = {
-    "prompt": {"type": "string", "description": f"what to generate (UTF-8, at most {MAX_PROMPT_TOKENS} tokens and "
-                                                f"{MAX_PROMPT_BYTES} bytes)"},
-    "model": {"type": "string", "description": "the served model id (optional)"},
-    "seconds": {"type": ["string", "number"], "description": "duration, 5 to 14.375, as a string (\"5\", OpenAI's "
-                                                            "type) or a number"},
-    "size": {"type": "string", "description": "WIDTHxHEIGHT, multiples of 32 within H3's canvas"},
-    "task": {"type": "string", "enum": ["t2va", "fl2va", "ref2va"]},
-    "seed": {"type": "integer"},
-    "steps": {"type": "integer", "minimum": 2, "maximum": MAX_STEPS},
-    "negative_prompt": {"type": "string"},
-    "guidance": {"type": "number", "minimum": 1},
-    "video_shift": {"type": "number", "exclusiveMinimum": 0},
-    "audio_shift": {"type": "number", "exclusiveMinimum": 0},
-    "profile": {"type": "string", "enum": list(PROFILE_NAMES),
-                "description": "speed profile: step reuse and sparse attention by name (README, 'Speed profiles')"},
-    "cache": {"type": "string", "enum": ["first-block"], "description": "step cache (overrides the profile's)"},
-    "cache_threshold": {"type": "number", "minimum": 0},
-    "cache_warmup": {"type": "integer", "minimum": 0},
-    "cache_max_skip": {"type": "integer", "minimum": 1},
-    "sparse_attention": {"type": "number", "minimum": 0, "exclusiveMaximum": 1,
-                         "description": "block-sparse attention: fraction of key blocks skipped (0: dense)"},
-    "sparse_dense_steps": {"type": "integer", "minimum": 0, "description": "leading steps kept dense (default 10)"},
-    "sparse_min_seq": {"type": "integer", "minimum": 1, "description": "shorter attentions stay dense (4096)"},
-}
-FILE = {"type": "string", "format": "binary"}
+# The create body's fields, from the request schema's one table (runtime/schema.py): its value fields as JSON; with
+# multipart, its file fields too.
+CREATE_FIELDS = openapi_fields(multipart=False)
 CREATE_BODY = {
     "required": True,
     "content": {
         "application/json": {"schema": {"type": "object", "required": ["prompt"], "properties": CREATE_FIELDS,
                                         "additionalProperties": False}},
         "multipart/form-data": {"schema": {"type": "object", "required": ["prompt"],
-                                           "properties": {**CREATE_FIELDS, "input_reference": FILE,
-                                                          "last_image": FILE,
-                                                          "refs": {"type": "array", "items": FILE}}}},
+                                           "properties": openapi_fields(multipart=True)}},
     },
 }
 ERRORS = {status: {"model": ErrorEnvelope, "description": text} for status, text in (
@@ -364,9 +338,10 @@ async def _read_create(request: Request) -> tuple[dict, list[Upload], bool]:
             for key, value in form.multi_items():
                 key = key[:-2] if key.endswith("[]") else key
                 if isinstance(value, UploadFile):
-                    if key not in ("input_reference", "last_image", "refs"):
-                        raise ApiError(400, f"{key} is not a file field; files go in input_reference, last_image or "
-                                            "refs.", key)
+                    if key not in UPLOADS:
+                        *others, last = UPLOADS
+                        raise ApiError(400, f"{key} is not a file field; files go in {', '.join(others)} or {last}.",
+                                       key)
                     uploads.append(Upload(key, value.filename or "", await value.read()))
                 else:
                     items.append((key, _utf8(key, value) if isinstance(value, bytes) else value))

@@ -24,8 +24,9 @@ from ..errors import UserError
 from ..runtime.files import remove_leftovers
 from ..runtime.jobs import Event, Job
 from ..runtime.records import ClipRecord, Failure
-from ..runtime.requests import RequestDefaults, parse_object
+from ..runtime.requests import RequestDefaults
 from .metrics import Metrics
+from .service import parse_stored
 from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
 from .storage import Storage, claim_keys, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
 
@@ -71,10 +72,11 @@ class StoreQueue:
             return []
 
     def job_of(self, row: JobRow) -> Job:
-        line = parse_object(row.request.get("schema"), 0, self.storage.fetch(uploads_key(row.id)), ("prompt",),
-                            self.defaults)
+        # The row, read again as the API side read it to admit the job (service.parse_stored): the row is the job's
+        # durable record, and this worker may be another process than the one that admitted it, or a later one.
+        request = parse_stored(row.request.get("schema"), self.storage.fetch(uploads_key(row.id)), self.defaults)
         # The claim's own names: another claim of the job (a re-run while this one stalls) never writes them.
-        return Job(row.id, line.request, self.storage.work_path(clip_key(row.id, row.attempts)), overwrite=True,
+        return Job(row.id, request, self.storage.work_path(clip_key(row.id, row.attempts)), overwrite=True,
                    record={"job": row.id}, attempt=row.attempts)
 
     def report(self, event: Event) -> None:

@@ -1,9 +1,10 @@
 """The API side of a server, behind its HTTP routes (server/app.py), none of it on the event loop; the same for
 `h3trt serve` on one node and a fleet's ingress (h3trt/fleet/):
 
-  - admit a job: its fields mapped onto the one request schema (runtime/requests.py, the one `run --requests`
-    reads), its uploads saved to storage, every input read and checked (runtime/request.py `prepare`) and what the
-    model can serve checked (Entry.admit), then stored queued (server/store.py); a bad request never reaches the queue
+  - admit a job: its fields mapped onto the one request schema (runtime/schema.py, the one `run --requests` reads),
+    its uploads saved to storage, the request admitted as every front door admits one (runtime/admission.py: every
+    input read and checked, what the model serves), then stored queued (server/store.py); a bad request never
+    reaches the queue, and its 400 names the field the error is about (UserError.field, in the API's name)
   - read jobs and their content, request cancels (a running job's worker sees them in the store)
   - keep storage true to the store: a finished job's MP4, record and thumbnail expire with its row (--retention)
 
@@ -13,8 +14,6 @@ The worker side (the store-fed JobQueue, events -> rows, recovery) is server/que
 from __future__ import annotations
 
 import json
-import math
-import re
 import sys
 import threading
 import time
@@ -24,30 +23,18 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..models.packing import DEFAULT_DURATION
-from ..models.text_encoder import check_text_encoder_files
+from ..runtime.admission import admit
 from ..runtime.entry import Entry
-from ..runtime.profiles import REQUEST_KEYS, SPARSE_KEYS
-from ..runtime.request import Names, check_prompt_tokens, prepare
-from ..runtime.requests import KEYS, RequestDefaults, parse_object
+from ..runtime.request import Request
+from ..runtime.requests import RequestDefaults, parse_object
+from ..runtime.schema import (API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value,
+                              schema_values)
 from .metrics import Groups, Metrics
 from .options import ServeOptions
 from .store import JobRow, JobStore, is_disk_full
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
 
 SERVED_MODEL = "minimax-h3"
-# multipart sends every field as text: these are parsed as JSON numbers
-FORM_NUMBERS = {"seed": int, "steps": int, "guidance": float, "video_shift": float, "audio_shift": float,
-                "duration": float, "cache_threshold": float, "cache_warmup": int, "cache_max_skip": int,
-                "sparse_attention": float, "sparse_dense_steps": int, "sparse_min_seq": int}
-FILE_FIELDS = {"input_reference": "image", "last_image": "last_image", "refs": "refs"}
-OPENAI_FIELDS = ("prompt", "model", "seconds", "size", "input_reference")
-API_NAMES = {"duration": "seconds", "resolution": "size", "width": "size", "height": "size", "image": "input_reference"}
-# The request's fields as a client sends them, for the errors of the one schema and `prepare` (not the CLI's flags)
-API_WORDS = Names("prompt", "negative_prompt", "seed", "steps", "seconds", "size", "guidance", "video_shift",
-                  "audio_shift", "input_reference", "last_image", "refs", "the request")
-H3_FIELDS = ("task", "seed", "steps", "negative_prompt", "guidance", "video_shift", "audio_shift", "last_image",
-             "refs", "profile", *REQUEST_KEYS,
-             *SPARSE_KEYS)  # profile and step-cache keys: runtime/profiles.py
 
 
 class ApiError(UserError):
@@ -109,16 +96,10 @@ class VideoService:
         sent: dict[Path, str] = {}  # a saved upload -> how its client knows it (its field and file name)
         try:
             schema, openai_fields = self._to_schema(fields, uploads, folder, multipart, sent)
-            line = parse_object(schema, 0, folder, ("prompt",), self.defaults(), API_WORDS)
-            prepared = prepare(line.request, self.entry.canvas, API_WORDS)  # every input read and checked, as `run`
-            self.entry.admit(prepared)  # what a bundle serves (task, canvas, schedule)
-            check_text_encoder_files(self.entry.component_root(line.request.task))
-            check_prompt_tokens(self.entry.component_root(line.request.task), [
-                (w, p) for w, p in (("prompt", line.request.prompt),
-                                    ("negative_prompt", line.request.negative_prompt)) if p])
-            if self.guidance_branches == 2 and line.request.guidance == 1.0:
-                raise ApiError(400, "This server runs guidance branches on cfg=2 rank groups and needs guidance > 1 "
-                                    "with a negative_prompt.", "guidance")
+            request = parse_stored(schema, folder, self.defaults())
+            # Admitted as every front door admits a request (runtime/admission.py), in the API's words; its inputs are
+            # read here and again by the worker that runs it (run_work: a rank rebuilds the decoded inputs it needs).
+            prepared = admit(self.entry, request, API_WORDS, guidance_branches=self.guidance_branches)
             with self._admit:
                 queued = self.store.queued()
                 if queued >= self.options.max_queue:
@@ -138,63 +119,37 @@ class VideoService:
                 raise disk_full_error() from None
             if not isinstance(e, (UserError, OSError)):
                 raise
-            # the one schema's and prepare's messages name the field and the fix
-            message, param = _as_sent(" ".join(str(e).split()), sent)
-            raise ApiError(400, message, param or _param_of(e)) from None
+            # the one schema's and admission's messages name the field and the fix; the error carries the field
+            field = getattr(e, "field", None)  # an OSError carries none
+            raise ApiError(400, _as_sent(" ".join(str(e).split()), sent), api_name(field) if field else None) from None
         self.metrics.created.inc()
-        self.log("queued", job=job_id, task=line.request.task, seed=line.request.seed)
+        self.log("queued", job=job_id, task=request.task, seed=request.seed)
         return row
 
     def _to_schema(self, fields: dict, uploads: list[Upload], folder: Path, multipart: bool,
                    sent: dict[Path, str]) -> tuple[dict, dict]:
-        """OpenAI's fields and H3's extras -> the one request schema (runtime/requests.py), uploads saved (`sent`:
-        each saved file's path -> its field and the client's file name)."""
-        known = set(OPENAI_FIELDS) | set(H3_FIELDS)
-        unknown = sorted(set(fields) - known)
+        """OpenAI's fields and H3's extras -> the one request schema (runtime/schema.py: its table says each field's
+        key, API name and type), uploads saved (`sent`: each saved file's path -> its field and the client's file
+        name); and OpenAI's fields as the job's GET echoes them."""
+        unknown = sorted(set(fields) - set(OPENAI_FIELDS) - set(H3_FIELDS))
         if unknown:
             raise ApiError(400, f"unknown field(s) {unknown}; OpenAI's are {list(OPENAI_FIELDS)} and H3's own (extra "
                                 f"fields) {list(H3_FIELDS)}.", unknown[0])
-        schema: dict = {}
         if multipart:
-            fields = {k: _form_value(k, v) for k, v in fields.items()}
-        for key in ("prompt", "task", "seed", "steps", "negative_prompt", "guidance", "video_shift", "audio_shift",
-                    "profile", *REQUEST_KEYS, *SPARSE_KEYS):
-            if key in fields:
-                schema[key] = fields[key]
+            fields = {k: form_value(k, v) for k, v in fields.items()}
         model = fields.get("model")
         if model is not None and model not in (self.model_id, SERVED_MODEL):
             raise ApiError(400, f"model {model!r} is not served here; this server serves {self.model_id!r} (or leave "
                                 "model out).", "model")
-        if fields.get("seconds") is not None:
-            schema["duration"] = _seconds(fields["seconds"])
-        if fields.get("size") is not None:
-            schema["resolution"] = fields["size"]
-        for name in ("input_reference", "last_image", "refs"):
-            if name in fields and fields[name] is not None:
-                value = fields[name]
-                if name == "input_reference" and isinstance(value, dict):
+        schema = schema_values(fields)
+        for name in UPLOADS:
+            if fields.get(name) is not None:
+                if name == "input_reference" and isinstance(fields[name], dict):
                     raise ApiError(400, "input_reference as a file_id or image_url is not supported: upload the image "
                                         "as a multipart file field input_reference.", name)
                 raise ApiError(400, f"{name} must be uploaded as a file (multipart/form-data), not sent as a value.",
                                name)
-        saved: dict[str, list[str]] = {}
-        for i, upload in enumerate(uploads):
-            suffix = Path(upload.filename or "").suffix.lower()
-            if not suffix or not suffix[1:].isalnum() or len(suffix) > 6:
-                raise ApiError(400, f"{upload.field}: the file name {upload.filename!r} has no extension; name it "
-                                    "with its type (.png, .jpg, .webp, .wav, .mp3, .mp4, ...).", upload.field)
-            folder.mkdir(parents=True, exist_ok=True)
-            path = folder / f"{i:02d}-{upload.field}{suffix}"
-            path.write_bytes(upload.data)
-            sent[path] = f"{upload.field} {upload.filename!r}"
-            saved.setdefault(upload.field, []).append(path.name)
-        for field, key in (("input_reference", "image"), ("last_image", "last_image")):
-            if field in saved:
-                if len(saved[field]) > 1:
-                    raise ApiError(400, f"{field} takes one file, got {len(saved[field])}.", field)
-                schema[key] = saved[field][0]
-        if "refs" in saved:
-            schema["refs"] = saved["refs"]
+        schema.update(_save_uploads(uploads, folder, sent))
         # As the job's GET echoes them: text (OpenAI's types), whatever JSON type they came as.
         openai_fields = {k: str(fields[k]) for k in ("model", "size") if fields.get(k) is not None}
         if "duration" in schema:
@@ -251,63 +206,50 @@ def disk_full_error() -> ApiError:
                          "itself once its operator frees space).", kind="server_error", headers={"Retry-After": "60"})
 
 
+def parse_stored(schema: dict, uploads: Path, defaults: RequestDefaults) -> Request:
+    """A job's stored request (its row's schema, runtime/schema.py) as the `Request` it states, its uploads in
+    `uploads`. The one reading of a row: the API side parses it to admit the job, and a worker parses it again when it
+    takes the job (server/queue.py StoreQueue.job_of), because the row is the job's durable record, not the parsed
+    request: the worker may be another process (a fleet's replica) or a later one (a restart recovers queued rows),
+    and the uploads are in another folder by then (storage's copy)."""
+    return parse_object(schema, 0, uploads, ("prompt",), defaults, API_WORDS).request
+
+
 def request_defaults(entry: Entry) -> RequestDefaults:
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
     worker side reads the stored request with them."""
     return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse)
 
 
-def _seconds(value) -> float:
-    """`seconds` as a duration: OpenAI's string ("5"), or a JSON number (5) as clients also send it; finite."""
-    duration = None
-    if isinstance(value, (int, float)) and not isinstance(value, bool):
-        duration = float(value)
-    elif isinstance(value, str):
-        try:
-            duration = float(value)
-        except ValueError:
-            pass
-    if duration is None or not math.isfinite(duration):
-        raise ApiError(400, f"seconds must be a finite number of seconds, as a string such as \"5\" (or a number), "
-                            f"got {json.dumps(value)}.", "seconds")
-    return duration
-
-
-def _as_sent(message: str, sent: dict[Path, str]) -> tuple[str, str | None]:
+def _as_sent(message: str, sent: dict[Path, str]) -> str:
     """An error about a saved upload in its client's words: its field and file name, not the server's path (absolute
-    or not); and that field."""
-    param = None
+    or not)."""
     for path, name in sent.items():
         for text in dict.fromkeys((str(path.resolve()), str(path))):
-            if text in message:
-                message, param = message.replace(text, name), param or name.split(" ", 1)[0]
-    return message, param
+            message = message.replace(text, name)
+    return message
 
 
-def _form_value(key: str, value):
-    """A multipart field's text as the schema's type: numbers for numeric fields (so the schema can say what is
-    wrong with "1.5" for seed), the text otherwise."""
-    if key in FORM_NUMBERS and isinstance(value, str):
-        try:
-            number = json.loads(value)
-        except ValueError:
-            return value
-        return number if isinstance(number, (int, float)) and not isinstance(number, bool) else value
-    return value
-
-
-def _param_of(error: Exception) -> str | None:
-    """The request field an error is about: its own `field` when it carries one, else the field its message names
-    first (the schema's and prepare's messages lead with the field they refuse), in the API's names."""
-    field = getattr(error, "field", None)
-    if field is None:
-        text, best = str(error), None
-        for key in (*KEYS, "duration", "resolution", "width", "height"):
-            match = re.search(rf"(?<![\w-])(--)?{re.escape(key).replace('_', '[-_]')}(?![\w-])", text)
-            if key != "id" and match and (best is None or match.start() < best[0]):
-                best = (match.start(), key)
-        field = best[1] if best else None
-    return API_NAMES.get(field, field)
+def _save_uploads(uploads: list[Upload], folder: Path, sent: dict[Path, str]) -> dict:
+    """The uploaded files saved in `folder`, as the schema's keys and file names (relative to `folder`)."""
+    saved: dict[str, list[str]] = {}
+    for i, upload in enumerate(uploads):
+        suffix = Path(upload.filename or "").suffix.lower()
+        if not suffix or not suffix[1:].isalnum() or len(suffix) > 6:
+            raise ApiError(400, f"{upload.field}: the file name {upload.filename!r} has no extension; name it "
+                                "with its type (.png, .jpg, .webp, .wav, .mp3, .mp4, ...).", upload.field)
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"{i:02d}-{upload.field}{suffix}"
+        path.write_bytes(upload.data)
+        sent[path] = f"{upload.field} {upload.filename!r}"
+        saved.setdefault(upload.field, []).append(path.name)
+    schema = {}
+    for name, field in UPLOADS.items():
+        if name in saved:
+            if not field.many and len(saved[name]) > 1:
+                raise ApiError(400, f"{name} takes one file, got {len(saved[name])}.", name)
+            schema[field.key] = saved[name] if field.many else saved[name][0]
+    return schema
 
 
 _LOG_LOCK = threading.Lock()  # one writer at a time: the HTTP threads, the workers' and the drain's share stderr

@@ -1,0 +1,61 @@
+"""Admission: whether the loaded model serves a request, asked once by every front door before anything is queued or
+loaded, so that each refuses the same request with the same words (its own names for the fields):
+
+  - `h3trt run --prompt` (runtime/run.py run_clip), in the CLI's flags
+  - each line of `h3trt run --requests` (run.py run_requests, through batch_file.parse_requests), in the file's keys
+  - `POST /v1/videos` (server/service.py VideoService.create), in the API's fields; a 400 names the field the error
+    carries (UserError.field, mapped to the API's name)
+  - `h3trt eval` (eval.py), each side's requests against the model of that side
+
+What is checked where it is cheapest lives where it belongs: a request's own inputs in runtime/request.py `prepare`,
+a bundle's task, canvas and schedule in `check_bundle_serves`, the text encoder's files in models/text_encoder.py,
+the prompt's tokens in `check_prompt_tokens`. This is the one place that asks all of them, in order. What only a
+front door knows stays there: an output's name, folder and space (run.py), the mesh's replicas (run_clip), a batch's
+--max-batch and cfg (run_requests), the queue's bound (the server).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+from ..errors import UserError
+from ..models.text_encoder import check_text_encoder_files
+from .entry import Entry
+from .request import FLAGS, CanvasDefaults, Names, Prepared, Request, check_bundle_serves, check_prompt_tokens, prepare
+
+
+def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_branches: int = 1,
+          canvas: CanvasDefaults | None = None, checked: set[Path] | None = None,
+          own: Callable[[Prepared], None] | None = None) -> Prepared:
+    """`request`, prepared, when `entry`'s model serves it; else the UserError that says why not, about one field
+    where it is about one, its words `names`:
+
+      1. every input read and checked, the geometry resolved (request.prepare, on `canvas`: None, the entry's)
+      2. a bundle serves the task, the canvas and the schedule (check_bundle_serves)
+      3. on cfg=2 rank groups (`guidance_branches` 2: the launched mesh's cfg degree) each group runs one of
+         guidance's two branches, so the request must be guided
+      4. `own`: the front door's own checks of the prepared request (run_clip's output: its name, folder and space)
+      5. the text encoder's files read back whole (a truncated file: one line, before any load), and the prompts
+         within the token budget, by the checkpoint's own tokenizer. Last: the model's files are the first thing
+         read of the model (the embedded tiny one is built then), so a bad request is refused without that wait
+
+    `checked`: the component roots whose files this run checked already (a requests file checks each once); None
+    checks them for every request (the server: a file cut short since the last request is seen)."""
+    prepared = prepare(request, entry.canvas if canvas is None else canvas, names)
+    if entry.manifest is not None:
+        check_bundle_serves(entry.manifest, prepared)
+    if guidance_branches == 2 and request.guidance == 1.0:
+        n = names
+        raise UserError(f"{n.guidance} is 1 (off, H3's default), but this model runs guidance's two branches side by "
+                        f"side on cfg=2 rank groups; pass {n.guidance} > 1 with {n.negative_prompt}, or run it with "
+                        "cfg 1.", field="guidance")
+    if own is not None:
+        own(prepared)
+    root = entry.component_root(request.task)  # a checkpoint without the task's transformer fails here
+    if checked is None or root not in checked:
+        check_text_encoder_files(root)
+        if checked is not None:
+            checked.add(root)
+    check_prompt_tokens(root, request, names)
+    return prepared

@@ -1,0 +1,200 @@
+"""One admission (runtime/admission.py) behind every front door, one request-field table (runtime/schema.py) behind
+every view of the schema, and the API's 400 naming the field the error carries (issue 37, steps 4 and 5)."""
+
+import json
+
+import pytest
+
+from h3trt.errors import UserError, about
+from h3trt.runtime.admission import admit
+from h3trt.runtime.entry import Entry
+from h3trt.runtime.request import FLAGS, KEYS as KEY_WORDS, Request
+from h3trt.runtime.requests import RequestDefaults, parse_object
+from h3trt.runtime import schema
+from h3trt.server.service import ApiError
+
+from test_errors import _fake_bundle
+from test_server_validation import NoGroups
+
+pytestmark = pytest.mark.unit
+
+# Requests the fake bundle (a tiny 160x96, 5 s, 8-step bundle with baked AdaLN tables) does not serve, in the schema's
+# keys; (the field at fault, the API's param).
+INADMISSIBLE = {
+    "canvas": ({"prompt": "a fox", "resolution": "128x32"}, "resolution", "size"),
+    "schedule": ({"prompt": "a fox", "resolution": "160x96", "steps": 4}, "steps", "steps"),
+    "guidance": ({"prompt": "a fox", "resolution": "160x96", "guidance": 2.0}, "guidance", "guidance"),
+}
+
+
+@pytest.fixture(scope="module")
+def bundle_entry(tmp_path_factory, tiny_root):
+    return Entry.resolve(engine=_fake_bundle(tmp_path_factory.mktemp("admission") / "bundle", tiny_root),
+                         device="cpu")
+
+
+def _service(tmp_path, entry, guidance_branches=1):
+    from h3trt.server.metrics import Metrics
+    from h3trt.server.options import ServeOptions
+    from h3trt.server.service import VideoService
+    from h3trt.server.storage import Storage
+    from h3trt.server.store import JobStore, sqlite_url
+
+    for folder in ("clips", "uploads"):
+        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
+    return VideoService(entry, ServeOptions(tmp_path), JobStore(sqlite_url(tmp_path)), Storage(tmp_path), NoGroups(),
+                        Metrics(), guidance_branches, log=lambda *a, **k: None)
+
+
+def _refusal(door: str, entry: Entry, data: dict, tmp_path) -> tuple[str, str | None]:
+    """(message, param) of `door`'s refusal of the request `data` (schema keys) to `entry`'s model."""
+    if door == "run_clip":
+        from h3trt.runtime.run import run_clip
+
+        request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=entry.default_steps)).request
+        with pytest.raises(UserError) as refused:
+            run_clip(entry, request, tmp_path / "clip.mp4", 18, quiet=True)
+        return str(refused.value), None
+    if door == "run_requests":
+        from h3trt.runtime.run import run_requests
+
+        path = tmp_path / "r.jsonl"
+        path.write_text(json.dumps({"id": "a", "task": "t2va", **data}) + "\n")
+        with pytest.raises(UserError) as refused:
+            run_requests(entry, path, tmp_path / "out", quiet=True)
+        return str(refused.value), None
+    service = _service(tmp_path, entry)
+    try:
+        with pytest.raises(ApiError) as refused:
+            service.create({schema.api_name(k): v for k, v in data.items()}, [], multipart=False)
+        assert refused.value.status == 400 and service.store.counts().get("queued", 0) == 0
+        return str(refused.value), refused.value.param
+    finally:
+        service.store.close()
+
+
+@pytest.mark.parametrize("door", ["run_clip", "run_requests", "api"])
+@pytest.mark.parametrize("case", INADMISSIBLE)
+def test_every_front_door_refuses_with_admissions_message(tmp_path, tiny_root, bundle_entry, no_model_load, door,
+                                                          case):
+    """The same request is refused by `h3trt run --prompt`, a line of `h3trt run --requests` and `POST /v1/videos`
+    with admission's own message in that door's words (the bundle's refusals are word for word the same), and the
+    API's param is the field the error carries."""
+    data, field, param = INADMISSIBLE[case]
+    words = {"run_clip": FLAGS, "run_requests": KEY_WORDS, "api": schema.API_WORDS}[door]
+    request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=bundle_entry.default_steps)).request
+    with pytest.raises(UserError) as expected:
+        admit(bundle_entry, request, words)
+    assert expected.value.field == field
+    message, sent_param = _refusal(door, bundle_entry, data, tmp_path)
+    assert str(expected.value) in message, (message, str(expected.value))
+    if door == "run_requests":
+        assert f"r.jsonl:1: {expected.value}" in message
+    if door == "api":
+        assert sent_param == param
+    if case != "guidance":  # what a bundle serves reads the same at every door
+        assert str(expected.value).startswith("This bundle")
+
+
+def test_cfg2_groups_need_guidance_at_every_door(tmp_path, tiny_root):
+    """The cfg=2 rule is admission's, with the launched cfg degree as its parameter; the server's 400 names guidance."""
+    entry = Entry.resolve(device="cpu")
+    request = Request("a fox", width=128, height=32, steps=2)
+    admit(entry, request, guidance_branches=1)
+    with pytest.raises(UserError, match="cfg=2 rank groups") as refused:
+        admit(entry, request, guidance_branches=2)
+    assert refused.value.field == "guidance" and "--guidance" in str(refused.value)
+    service = _service(tmp_path, entry, guidance_branches=2)
+    try:
+        with pytest.raises(ApiError, match="cfg=2 rank groups") as api:
+            service.create({"prompt": "a fox", "size": "128x32", "steps": 2}, [], multipart=False)
+        assert api.value.param == "guidance" and "--" not in str(api.value)
+    finally:
+        service.store.close()
+
+
+def test_the_param_is_the_errors_field_not_its_message(tmp_path, tiny_root, monkeypatch):
+    """The 400's param is the field the UserError carries, in the API's name; a message naming other fields (or a
+    path's words) does not change it, and an error about no field names none."""
+    import h3trt.server.service as service_module
+
+    service = _service(tmp_path, Entry.resolve(device="cpu"))
+    try:
+        for raised, param in ((UserError("steps and seed are wrong, says the message", field="duration"), "seconds"),
+                              (UserError("the prompt names a field, the error none"), None)):
+            def refuse(*args, **kwargs):
+                raise raised
+
+            monkeypatch.setattr(service_module, "admit", refuse)
+            with pytest.raises(ApiError) as api:
+                service.create({"prompt": "a fox", "size": "128x32", "steps": 2}, [], multipart=False)
+            assert (api.value.status, api.value.param) == (400, param)
+    finally:
+        service.store.close()
+
+
+def test_about_names_the_field_of_an_error_without_one():
+    with pytest.raises(UserError) as raised:
+        with about("refs"):
+            raise UserError("clip.xyz: cannot tell whether this reference is an image")
+    assert raised.value.field == "refs"
+    with pytest.raises(UserError) as kept:
+        with about("refs"):
+            raise UserError("its own", field="image")
+    assert kept.value.field == "image"
+
+
+# --- one table of request fields ------------------------------------------------------------------------------------
+
+def test_a_field_added_to_the_table_is_in_every_view():
+    colour = schema.RequestField("colour", {"type": "integer", "minimum": 0}, api="hue")
+    table = schema.FIELDS + (colour,)
+    assert "colour" in schema.keys(table) and "colour" not in schema.KEYS
+    assert schema.api_names(table)["colour"] == "hue"
+    assert schema.openapi_fields(False, table)["hue"] == colour.schema
+    assert schema.openapi_fields(True, table)["hue"] == colour.schema
+    assert "hue" in schema.form_numbers(table) and "hue" in schema.api_fields(table, openai=False)
+    assert schema.schema_values({"hue": 3, "prompt": "x"}, table) == {"colour": 3, "prompt": "x"}
+
+
+def test_every_view_is_the_tables():
+    """The requests file's keys, the API's JSON and multipart schema (served at /openapi.json), its file fields, its
+    OpenAI and H3 fields and its form coercion all come from runtime/schema.py's table."""
+    from h3trt.runtime import requests
+    from h3trt.server import app, service
+
+    assert requests.KEYS is schema.KEYS
+    assert app.CREATE_FIELDS == schema.openapi_fields(False)
+    multipart = app.CREATE_BODY["content"]["multipart/form-data"]["schema"]["properties"]
+    assert multipart == schema.openapi_fields(True)
+    assert set(multipart) - set(app.CREATE_FIELDS) == set(schema.UPLOADS) == {"input_reference", "last_image", "refs"}
+    assert set(schema.OPENAI_FIELDS) | set(schema.H3_FIELDS) == set(multipart)
+    assert service.H3_FIELDS is schema.H3_FIELDS and service.OPENAI_FIELDS is schema.OPENAI_FIELDS
+    for f in schema.FIELDS:  # every key parses (no "unknown key"), every API name maps back
+        if f.key is not None:
+            assert schema.api_name(f.key) == f.api_name
+    assert schema.form_value("steps", "4") == 4 and schema.form_value("seconds", "5.0") == "5.0"
+    assert schema.form_value("prompt", "4") == "4"
+
+
+def test_the_api_schema_maps_onto_the_files_keys():
+    """What a client sends under OpenAI's names is what a requests file states under the schema's keys."""
+    sent = {"prompt": "a fox", "size": "160x96", "seconds": "5", "seed": 3, "model": "minimax-h3"}
+    assert schema.schema_values(sent) == {"prompt": "a fox", "resolution": "160x96", "duration": 5.0, "seed": 3}
+    assert schema.schema_values({"prompt": "a fox", "seconds": None}) == {"prompt": "a fox"}
+    with pytest.raises(UserError) as bad:
+        schema.schema_values({"seconds": "five"})
+    assert bad.value.field == "duration" and schema.api_name(bad.value.field) == "seconds"
+
+
+def test_the_stored_row_is_read_by_one_function(tmp_path):
+    """The API side admits a job and a worker takes it through the same reading of the row (service.parse_stored)."""
+    import inspect
+
+    from h3trt.server import queue, service
+
+    assert "parse_stored(" in inspect.getsource(queue.StoreQueue.job_of)
+    assert "parse_stored(" in inspect.getsource(service.VideoService.create)
+    request = service.parse_stored({"prompt": "a fox", "resolution": "160x96", "duration": 5.0}, tmp_path,
+                                   RequestDefaults())
+    assert (request.width, request.height, request.duration) == (160, 96, 5.0)
