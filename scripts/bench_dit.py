@@ -59,7 +59,7 @@ def rel_err(a, b) -> float:
 
 def diffusers_block_to_native(block) -> dict[str, torch.Tensor]:
     """A diffusers MiniMaxH3TransformerBlock's weights under h3trt's native block names."""
-    from h3trt.models.checkpoint import native_name
+    from h3trt.models.checkpoint_names import native_name
 
     sd = block.state_dict()
     out = {}

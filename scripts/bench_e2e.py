@@ -186,7 +186,7 @@ def phase_checkpoint(ctx: Ctx) -> None:
         ctx.results["checkpoint"] = {**done, "reused": True}
         return
     from h3trt.engines.weights_io import write_safetensors
-    from h3trt.models.checkpoint import to_native_config
+    from h3trt.models.checkpoint_names import to_native_config
     from h3trt.models.checkpoint_writer import official_model_index
     from h3trt.models.dit import rope_inv_freq
 
