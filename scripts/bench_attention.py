@@ -28,7 +28,6 @@ head dim 128: ~1,060 FP8 / ~700 bf16 TFLOP/s) and the same rows with 64 kv heads
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -37,8 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_common import write_json  # noqa: E402  (first: it puts this checkout on sys.path)
 
 from h3trt.models.attention import attention, kernel_problem  # noqa: E402
 from h3trt.calibration.formats import FP8, fp8_scale, quantize_fp8  # noqa: E402
@@ -301,7 +299,7 @@ def main() -> int:
     with torch.no_grad():
         for h in heads:
             run_heads(h, rows, device, table)
-            _write(args.json, table)
+            write_json(args.json, table)
             if device.type == "cuda":
                 torch.cuda.empty_cache()
         table["accuracy_v_mean_3"] = accuracy_mean3(rows, device) if not args.cpu_check else accuracy_mean3_cpu()
@@ -309,7 +307,7 @@ def main() -> int:
                                                       for n, a in table["accuracy_v_mean_3"].items()), flush=True)
         if device.type == "cuda" and not args.no_published_config:
             table["published_config"] = published_config(device)
-    _write(args.json, table)
+    write_json(args.json, table)
     return 0
 
 
@@ -331,13 +329,6 @@ def accuracy_mean3_cpu() -> dict:
                                       "mean_ratio": (got.mean() / want.mean()).item()}}
     finally:
         REF_HEADS = saved
-
-
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(data, indent=1, default=float))
-    tmp.replace(path)
 
 
 if __name__ == "__main__":

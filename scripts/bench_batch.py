@@ -24,6 +24,8 @@ from pathlib import Path
 
 import torch
 
+import bench_common  # noqa: F401  (first: it puts this checkout on sys.path)
+
 from h3trt.models.config import H3Config
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint

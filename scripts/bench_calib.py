@@ -30,31 +30,18 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_common import ROOT, rel_err, write_json  # noqa: E402  (first: it puts this checkout on sys.path)
 sys.path.insert(0, str(ROOT / "scripts"))
 
 ALGOS = (("fp8", "max"), ("fp8", "percentile"), ("fp8", "smoothquant"), ("nvfp4", "max"), ("nvfp4", "awq_lite"))
 TIMESTEPS = ((0.95, 0.9), (0.7, 0.6), (0.45, 0.35), (0.2, 0.1))  # calibration inputs' (video t, audio t)
 HELD_OUT = (0.55, 0.5)
-
-
-def rel(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
 
 
 class Stack:
@@ -170,7 +157,7 @@ def run(out: Path, cpu_check: bool, n_blocks: int, calib_inputs: int) -> dict:
 
             backends = [SDPBackend.EFFICIENT_ATTENTION] if dev == "cuda" else [SDPBackend.MATH]
             with sdpa_kernel(backends):
-                floor = rel(reference - x, stack.forward(fp32, x.float(), temb, idx) - x)
+                floor = rel_err(reference - x, stack.forward(fp32, x.float(), temb, idx) - x)
         except RuntimeError as e:
             floor = f"not measured: {str(e)[:200]}"
         result["bf16_vs_fp32_stack_update_rel_err"] = floor
@@ -240,12 +227,12 @@ def run(out: Path, cpu_check: bool, n_blocks: int, calib_inputs: int) -> dict:
                                             t[f"{n}.weight_global_scale"], theirs.dtype)
                     diff += (mine != theirs).sum().item()
                     total += mine.numel()
-                    worst = max(worst, rel(mine, theirs))
+                    worst = max(worst, rel_err(mine, theirs))
             row["weights_vs_modelopt_fake_quant"] = {"elements_differing": diff, "elements": total,
                                                      "max_rel_err": worst}
         with torch.no_grad():
-            row["stack_update_rel_err_vs_bf16"] = rel(stack.forward(ours, x, temb, idx) - x, reference - x)
-            row["block0_update_rel_err_vs_bf16"] = rel(stack.forward(ours, x, temb, idx, upto=1) - x,
+            row["stack_update_rel_err_vs_bf16"] = rel_err(stack.forward(ours, x, temb, idx) - x, reference - x)
+            row["block0_update_rel_err_vs_bf16"] = rel_err(stack.forward(ours, x, temb, idx, upto=1) - x,
                                                        reference0 - x)
         result["algorithms"][key] = row
         quantized[(precision, algo)] = ours[0]
@@ -253,7 +240,7 @@ def run(out: Path, cpu_check: bool, n_blocks: int, calib_inputs: int) -> dict:
               f"vs bf16: stack {row['stack_update_rel_err_vs_bf16']:.3e}, block 0 "
               f"{row['block0_update_rel_err_vs_bf16']:.3e}", flush=True)
         kept[key] = (blocks, calibration, ours)
-        _write(out, result)
+        write_json(out, result)
 
     # The build path never touched ModelOpt's CUDA extensions (each getter caches its attempt on itself).
     result["modelopt_cuda_extensions_tried"] = {
@@ -271,14 +258,14 @@ def run(out: Path, cpu_check: bool, n_blocks: int, calib_inputs: int) -> dict:
             for i, b in enumerate(blocks):
                 h = b(h, b.modulation(temb).contiguous(), idx, stack.rope, calib.attention_core(calibration.tree, i))
             mine = stack.forward(ours, x, temb, idx)
-        result["algorithms"][key]["stack_update_rel_err_h3trt_vs_modelopt_fake_quant"] = rel(mine - x, h - x)
-        result["algorithms"][key]["stack_output_rel_err_h3trt_vs_modelopt_fake_quant"] = rel(mine, h)
+        result["algorithms"][key]["stack_update_rel_err_h3trt_vs_modelopt_fake_quant"] = rel_err(mine - x, h - x)
+        result["algorithms"][key]["stack_output_rel_err_h3trt_vs_modelopt_fake_quant"] = rel_err(mine, h)
         print(f"{key:18s} h3trt stack vs ModelOpt fake-quant stack: update rel err "
               f"{result['algorithms'][key]['stack_update_rel_err_h3trt_vs_modelopt_fake_quant']:.3e}", flush=True)
         del blocks, calibration, ours
         if dev == "cuda":
             torch.cuda.empty_cache()
-    _write(out, result)
+    write_json(out, result)
 
     # Timing: block 0 of each variant, compiled as the builder compiles it, at the full shape. One compiled segment
     # per module structure; its weights and scales are inputs, so FP8 with today's, ModelOpt-max and percentile scales
@@ -310,13 +297,13 @@ def run(out: Path, cpu_check: bool, n_blocks: int, calib_inputs: int) -> dict:
         del seg
         if dev == "cuda":
             torch.cuda.empty_cache()
-        _write(out, result)
+        write_json(out, result)
     ms = result["ms_per_block"]
     result["fp8_modelopt_max_vs_today"] = ms["fp8_today"] / ms["fp8_max"]
     if dev == "cuda":
         result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
     result["notes"].append("Random weights (std 0.02) and log-normal channel scales: errors are numeric only.")
-    _write(out, result)
+    write_json(out, result)
     print("\n| algorithm | calib s | stack update err vs bf16 | block 0 | h3trt vs ModelOpt | ms/block |")
     print("|---|---|---|---|---|---|")
     for key, row in result["algorithms"].items():

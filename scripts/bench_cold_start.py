@@ -29,8 +29,7 @@ import threading
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_common  # noqa: E402,F401  (first: it puts this checkout on sys.path)
 
 PROBES = ("imports", "segments:as_served", "segments:threads1", "segments:contend", "segments:contend_t1", "profile")
 

@@ -29,8 +29,7 @@ from unittest import mock
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_common import ROOT, rel_err, write_json  # noqa: E402  (first: it puts this checkout on sys.path)
 
 from h3trt.build.attention_choice import median_cuda_ms  # noqa: E402
 
@@ -53,13 +52,9 @@ def layout():
     return pack_t2va(text_tags_for(TEXT), LATENT_T, LATENT_H, LATENT_W, AUDIO)
 
 
-def rel_err(a, b) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
-
-
 def diffusers_block_to_native(block) -> dict[str, torch.Tensor]:
     """A diffusers MiniMaxH3TransformerBlock's weights under h3trt's native block names."""
-    from h3trt.models.checkpoint import native_name
+    from h3trt.models.checkpoint_names import native_name
 
     sd = block.state_dict()
     out = {}
@@ -161,7 +156,7 @@ def run_blocks(out_path: Path, variants: bool = False, kernels: tuple[str, ...] 
                   f"{result[f'block_compile_s_{kernel}']:.0f} s, rel err vs eager "
                   f"{result[f'h3trt_compiled_{kernel}_rel_err_vs_eager']:.1e}, "
                   f"{ms['diffusers_eager'] / ms[f'h3trt_compiled_{kernel}']:.3f}x vs Diffusers eager)", flush=True)
-            _write(out_path, result)
+            write_json(out_path, result)
 
         for variant, (static, patch) in VARIANTS.items() if variants else ():
             vspec = block_segment(cfg, torch.bfloat16, attention=kernels[0])
@@ -178,7 +173,7 @@ def run_blocks(out_path: Path, variants: bool = False, kernels: tuple[str, ...] 
             ms[f"h3trt_compiled_{variant}"] = bench(lambda: vseg(*example))
             print(f"h3trt block compiled [{variant}] {ms[f'h3trt_compiled_{variant}']:7.1f} ms "
                   f"(compile {time.perf_counter() - t0:.0f} s)", flush=True)
-            _write(out_path, result)
+            write_json(out_path, result)
 
         compiled_ref = torch.compile(ref)
         t0 = time.perf_counter()
@@ -190,7 +185,7 @@ def run_blocks(out_path: Path, variants: bool = False, kernels: tuple[str, ...] 
     result["notes"].append("h3trt blocks read a precomputed modulation table (AdaLN baked at build time); the "
                            "Diffusers block computes adaln_proj(temb) inside every call.")
     result["peak_memory_gib"] = torch.cuda.max_memory_allocated() / 2**30
-    _write(out_path, result)
+    write_json(out_path, result)
     return result
 
 
@@ -199,11 +194,6 @@ def _load_local(entry: dict, work: Path, dev: str):
 
     artifact = torch._inductor.CompiledArtifact.load(path=str(work / entry["artifact"]), format="binary")
     return LoadedSegment("block", artifact)
-
-
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=float))
 
 
 def run_stack(out_path: Path, layers: int) -> dict:
@@ -229,13 +219,13 @@ def run_stack(out_path: Path, layers: int) -> dict:
     result["adaln"] = manifest.raw["adaln"]
     result["build_timings_s"] = manifest.build_timings_s
     print(f"built the bundle in {result['build_s']:.0f} s, {result['bundle_bytes'] / 1e9:.2f} GB", flush=True)
-    _write(out_path, result)
+    write_json(out_path, result)
     proc = subprocess.run([sys.executable, __file__, "_stack_child", str(work)], capture_output=True, text=True,
                           timeout=500)
     print(proc.stdout[-3000:], proc.stderr[-3000:], flush=True)
     child = json.loads((work / "child.json").read_text())
     result.update(child)
-    _write(out_path, result)
+    write_json(out_path, result)
     return result
 
 

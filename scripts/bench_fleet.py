@@ -27,8 +27,9 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-import bench_e2e  # noqa: E402  (the checkpoint and build phases, the page-cache eviction)
+import bench_e2e  # noqa: E402  (the build phase, the page-cache eviction)
 import bench_serve  # noqa: E402  (the run phase, the prompts, the service time)
+from bench_common import ROOT  # noqa: E402
 from postgres import Postgres  # noqa: E402  (a throwaway PostgreSQL cluster, as the tests start it)
 
 ROW = bench_serve.ROW
@@ -46,7 +47,7 @@ def phase_fleet(ctx, bundle: Path, replicas: int, clips: int, pg_bin: Path | Non
     url = f"http://127.0.0.1:{port}"
     result: dict = {"replicas": replicas, "clips": clips}
     pg = Postgres(pg_bin)
-    env = {"PYTHONPATH": f"{bench_e2e.ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    env = {"PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "XDG_CACHE_HOME": str(ctx.state / "xdg-fleet")}
     try:
         # address "local": a new cluster of the bench's own, whatever RAY_ADDRESS or /tmp/ray's session file name

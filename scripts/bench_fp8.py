@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import sys
 import tempfile
 import time
@@ -37,8 +36,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_common import ROOT, write_json  # noqa: E402  (first: it puts this checkout on sys.path)
 sys.path.insert(0, str(ROOT / "scripts"))
 
 
@@ -83,7 +81,8 @@ def compiled(spec, example, dev):
 
 def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: bool = True,
         accums: tuple[str, ...] = ("exact", "fast")) -> dict:
-    from bench_dit import TEXT, AUDIO, LATENT_T, bench, block_pair, rel_err
+    from bench_common import rel_err
+    from bench_dit import TEXT, AUDIO, LATENT_T, bench, block_pair
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
 
     from h3trt.build.segments import block_segment
@@ -155,7 +154,7 @@ def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: boo
             del seg, example, block
             if dev == "cuda":
                 torch.cuda.empty_cache()
-            _write(out, result)
+            write_json(out, result)
     if "diffusers_eager" in ms:
         result["speedup_vs_diffusers_eager"] = {k: ms["diffusers_eager"] / v for k, v in ms.items()}
     if dev == "cuda":
@@ -169,7 +168,7 @@ def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: boo
               f"({b['total'] / 2**30:6.2f} GiB), blocks {b['blocks'] / 1e9:.2f} GB", flush=True)
     result["notes"].append("Row suffixes name the attention kernel (h3trt/models/attention.py); h3trt_nvfp4_wo runs "
                            "bf16 attention through cudnn (sdpa on the CPU).")
-    _write(out, result)
+    write_json(out, result)
     return result
 
 
@@ -216,15 +215,8 @@ def block_sensitivity(out: Path) -> dict:
         f = c["final_latent_rel_err"]
         print(f"{name:12s} blocks {quantized}: final latent rel err video {f['video']:.2e} audio {f['audio']:.2e}, "
               f"PSNR {c['psnr_db']:.2f} dB, audio LSD {c['audio_lsd_db']:.3f} dB", flush=True)
-    _write(out, result)
+    write_json(out, result)
     return result
-
-
-def _write(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    tmp.write_text(json.dumps(data, indent=1))
-    tmp.replace(path)
 
 
 def main() -> int:

@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_common  # noqa: E402,F401  (first: it puts this checkout on sys.path)
 
 from h3trt.engines.weights_io import HASH_CHUNK_BYTES, chunk_digests, read_safetensors, write_safetensors  # noqa: E402
 

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import statistics
-import sys
 import time
 import traceback
 from pathlib import Path
@@ -34,8 +33,7 @@ from pathlib import Path
 import torch
 import triton
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_common  # noqa: E402,F401  (first: it puts this checkout on sys.path)
 
 from h3trt.models import sparse_router_triton as fused  # noqa: E402
 from h3trt.models.sparse_attention import (_topk_lowest_first, subblock_route, subblock_route_reference,  # noqa: E402

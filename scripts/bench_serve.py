@@ -29,7 +29,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_e2e  # noqa: E402  (the checkpoint and build phases, the page-cache eviction)
+import bench_e2e  # noqa: E402  (the build phase, the page-cache eviction)
+import e2e_checkpoint  # noqa: E402  (the checkpoint phase)
+from bench_common import ROOT  # noqa: E402
 
 ROW = "fp8"
 CLIPS = 4
@@ -132,13 +134,13 @@ def phase_serve(ctx, bundle: Path) -> dict:
     url = f"http://127.0.0.1:{port}"
     cache = fresh_user_cache(ctx)
     evicted = bench_e2e.evict_page_cache(bundle)
-    env = {**os.environ, "PYTHONPATH": f"{bench_e2e.ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "XDG_CACHE_HOME": cache["XDG_CACHE_HOME"]}
     log = open(ctx.log_path, "a")
     launched = time.time()
     proc = subprocess.Popen([sys.executable, "-m", "h3trt.cli", "serve", "--engine", str(bundle), "--data-dir",
                              str(folder / "data"), "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
-                            env=env, cwd=bench_e2e.ROOT)
+                            env=env, cwd=ROOT)
     result: dict = {"page_cache": evicted, "bytecode_files_cached_before": cache["bytecode_files_cached"]}
     try:
         client = httpx.Client(base_url=url, timeout=30)
@@ -239,7 +241,7 @@ def bundle_and_run(ctx, phases: list[str]) -> Path:
     """The phases both benches start with: the checkpoint, the bundle, `h3trt run` over the requests; the bundle."""
     bundle = bench_e2e.bundle_path(ctx, ROW)
     if "checkpoint" in phases:
-        bench_e2e.phase_checkpoint(ctx)
+        e2e_checkpoint.phase_checkpoint(ctx)
         bench_e2e.release_gpu_memory()
     if "build" in phases:
         bench_e2e.phase_build(ctx, ROW)

@@ -33,9 +33,7 @@ With --tiny (CPU): the reference and flex (unfused) kernels only, perf_counter t
 from __future__ import annotations
 
 import argparse
-import json
 import math
-import statistics
 import sys
 import time
 import traceback
@@ -43,8 +41,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from bench_common import ROOT, median_ms, write_json  # noqa: E402  (first: it puts this checkout on sys.path)
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from h3trt.models.attention import attention, kernel_problem  # noqa: E402
@@ -57,31 +54,8 @@ H3_ROWS, H3_HEADS, H3_DIM = 128 + 2 * 207 + 37 * 24 * 42, 56, 128
 
 
 def timer(device, iters: int, warmup: int):
-    def cuda_ms(fn):
-        for _ in range(warmup):
-            fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(iters):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            times.append(a.elapsed_time(b))
-        return statistics.median(times)
-
-    def cpu_ms(fn):
-        for _ in range(warmup):
-            fn()
-        times = []
-        for _ in range(iters):
-            t0 = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t0) * 1e3)
-        return statistics.median(times)
-
-    return cuda_ms if device.type == "cuda" else cpu_ms
+    """Median milliseconds of a call on `device` (bench_common.median_ms)."""
+    return lambda fn: median_ms(fn, device, iters, warmup)
 
 
 def structured_qk(S, N, D, device, dtype, seed=0):
@@ -153,7 +127,7 @@ def run(args) -> dict:
             skipped[name] = f"{type(e).__name__}: {e}"[:800]
             print(f"{name:28s} failed: {skipped[name]}", flush=True)
             traceback.print_exc()
-        _write(args.json, result)
+        write_json(args.json, result)
 
     def skip(name, why):
         skipped[name] = why
@@ -258,7 +232,7 @@ def run(args) -> dict:
                 "fp8_block_sparse_fa4_64_0.75"]
     result["notes"].append("kept_mass 'random': i.i.d. q/k (flat attention: mass ~ kept fraction); 'structured': "
                            "smooth low-rank q = k plus noise (synthetic; not the real model's attention).")
-    _write(args.json, result)
+    write_json(args.json, result)
     return result
 
 
@@ -314,7 +288,8 @@ def _fp8_rows(q, k, v, device, row, skip, kernels=("fa3", "cudnn")):
 def _fp8_block_rows(result, ms_of, row):
     """One full-width FP8 block: the block segment with dense fa3 attention, against block_pre + router + fa4 sparse
     attention (video query blocks sparse) + block_post, all compiled as `h3trt build` compiles them."""
-    from bench_dit import block_pair, layout, rel_err
+    from bench_common import rel_err
+    from bench_dit import block_pair, layout
     from bench_fp8 import compiled, quantized_copy
 
     from h3trt.build.segments import block_post_segment, block_pre_segment, block_segment
@@ -366,13 +341,6 @@ def _fp8_block_rows(result, ms_of, row):
         row("fp8_block_sparse_fa4_64_0.75", lambda: split(True))
         result["fp8_block_sparse_update_rel_err_vs_dense"] = rel_err(split(True).float() - x.float(),
                                                                      want.float() - x.float())
-
-
-def _write(path, data) -> None:
-    if path is None:
-        return
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1, default=float))
 
 
 def main() -> int:

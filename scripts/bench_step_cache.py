@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from bench_common import rel_err, sync  # first: it puts this checkout on sys.path
+
 from h3trt.models.config import H3Config
 from h3trt.models.dit import EagerDiT, build_dit, rope_inv_freq
 from h3trt.models.packing import Geometry, frames_for_duration, pack_t2va, text_tags_for
@@ -58,11 +60,6 @@ def random_model(cfg: H3Config, dtype: torch.dtype, device: torch.device) -> tor
     return model.eval()
 
 
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def run(dit, latents: Latents, text, layout, schedule: Schedule, config: StepCacheConfig | None, device):
     """One denoise: (final latents, seconds, cache report or None)."""
     cache = StepCache(config, schedule.num_evaluations) if config is not None else None
@@ -77,10 +74,6 @@ def run(dit, latents: Latents, text, layout, schedule: Schedule, config: StepCac
         final = denoise(model, latents, layout, schedule)
     sync(device)
     return final, time.perf_counter() - start, (cache.report() if cache is not None else None)
-
-
-def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
 def main(argv=None) -> int:
@@ -142,8 +135,8 @@ def main(argv=None) -> int:
                      "skipped": skipped, "skipped_fraction": round(skipped / n, 4),
                      "skipped_steps": report["branches"]["cond"]["skipped_steps"],
                      "relative_change": report["branches"]["cond"].get("relative_change"),
-                     "video_rel_err": rel(final.video[cv:], base.video[cv:]),
-                     "audio_rel_err": rel(final.audio[ca:], base.audio[ca:]),
+                     "video_rel_err": rel_err(final.video[cv:], base.video[cv:]),
+                     "audio_rel_err": rel_err(final.audio[ca:], base.audio[ca:]),
                      "denoise_s": round(seconds, 4), "speedup": round(base_s / seconds, 3)})
 
     passing = [r for r in rows if r["skipped_fraction"] >= BAR_SKIPPED and r["speedup"] >= BAR_SPEEDUP]

@@ -26,8 +26,7 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import bench_common  # noqa: E402,F401  (first: it puts this checkout on sys.path)
 
 
 def run(layers: int, precisions: list[str], tiny: bool) -> dict:

@@ -31,7 +31,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_vae import _compile_decoders, _from_checkpoint, _serve, random_vaes  # noqa: E402
+from bench_vae_precision import _compile_decoders, _from_checkpoint, _serve, random_vaes  # noqa: E402
 from h3trt.models.vae_precision import VAEPrecision, place  # noqa: E402
 from h3trt.models.video_vae import VideoVAE  # noqa: E402
 from h3trt.calibration.vae_fp8 import quantize_video_decoder  # noqa: E402

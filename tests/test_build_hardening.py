@@ -19,7 +19,8 @@ from pathlib import Path
 import pytest
 
 from h3trt.cli import main
-from h3trt.engines.manifest import MANIFEST, content_sha256, hash_tree, read_manifest, verify_files
+from h3trt.engines.bundle_files import verify_files
+from h3trt.engines.manifest import MANIFEST, content_sha256, hash_tree, read_manifest
 
 from helpers import fill_disk, small_filesystem
 

@@ -24,7 +24,8 @@ from h3trt.models.weight_layout import interleave_qkv
 from h3trt.models.checkpoint_writer import random_state_dict
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
-from h3trt.models.lora import LoraError, LoraSpec, merge_loras
+from h3trt.models.lora import LoraSpec, merge_loras
+from h3trt.models.lora_file import LoraError
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 
 REL_TOL = 2e-5

@@ -169,7 +169,8 @@ def cmd_inspect(args) -> int:
 
 
 def cmd_verify(args) -> int:
-    from ..engines.manifest import read_manifest, verify_files
+    from ..engines.bundle_files import verify_files
+    from ..engines.manifest import read_manifest
     from ..engines.signing import key_fingerprint, load_public_key, read_signature, read_trusted_manifest
 
     manifest = read_trusted_manifest(args.bundle, args.trust) if args.trust else read_manifest(args.bundle)

@@ -28,9 +28,7 @@ def build_parser() -> OneLineParser:
 def _run_parser(sub) -> None:
     from ..models.packing import DEFAULT_DURATION
     from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
-    from ..models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
     from ..runtime.files import DEFAULT_CRF
-    from ..runtime.profiles import PROFILE_NAMES
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
@@ -84,6 +82,15 @@ def _run_parser(sub) -> None:
     p.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE,
                    help="classifier-free guidance scale (default 1 = off: H3 is guidance-distilled and needs none)")
     p.add_argument("--negative-prompt", help="the negative branch's prompt (required with --guidance > 1)")
+    _speed_arguments(p)
+    _mesh_arguments(p)
+
+
+def _speed_arguments(p) -> None:
+    """`h3trt run`'s speed flags: the profiles, block-sparse attention and step caching, in that order."""
+    from ..models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
+    from ..runtime.profiles import PROFILE_NAMES
+
     speed = p.add_argument_group("speed profiles (README, 'Speed profiles'): step reuse and sparse attention by name")
     speed.add_argument("--profile", choices=PROFILE_NAMES,
                        help="lossless (default: every block of every step), quality, balanced or fast; a step-cache "
@@ -119,7 +126,6 @@ def _run_parser(sub) -> None:
                                                                     "ratios in the clip's JSON")
     cache.add_argument("--cache-retention", type=float,
                        help=f"mag: leading fraction of the steps never skipped (default {DEFAULT_RETENTION_RATIO})")
-    _mesh_arguments(p)
 
 
 def _lora_argument(p, where: str) -> None:

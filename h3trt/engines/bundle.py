@@ -1,13 +1,12 @@
-"""Loading a bundle: checks, the shipped compiled code, weights, and the DiT runner built from the segments.
+"""Loading a bundle: checks, the shipped compiled code, weights, and the DiT runner built from the segments (every
+file checked against the manifest on the way, by bundle_files.py's BundleVerification).
 
 `EngineDiT` has the eager runner's signature, so the pipeline never knows which backend compiled what.
 """
 
 from __future__ import annotations
 
-import threading
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
 
@@ -25,12 +24,11 @@ from ..models.sparse_run import load_sparse_kernel, warm_sparse
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
-from .manifest import BundleError, Manifest, device_arch, hash_threads, read_manifest, structure_problems
+from .bundle_files import BundleVerification, mismatch, structure_problems
+from .manifest import BundleError, Manifest, device_arch, hash_threads, read_manifest
 from .signing import read_trusted_manifest
 from .tensorrt_runtime import load_trt_engine
-from .verified import VerifiedRecord, identity
 from .video_decoder import TileDecoder, parse_video_decoder_name
-from .weights_io import ReadStats, WeightsError, read_safetensors, verify_file
 
 # Files a load must have verified before it runs them: the compiled code (shared objects, Triton binaries).
 CODE_PREFIXES = ("segments/", "inductor_cache/")
@@ -195,76 +193,109 @@ class Engine:
         manifest = read_trusted_manifest(root, trust) if trust is not None else read_manifest(root)
         if manifest.backend == "tensorrt":  # plans: their own GPU check, runner and loader
             return load_trt_engine(cls, root, manifest, device, mesh)
-        check_environment(manifest, device, mesh)
-        quant = manifest.quant or {}
-        attention = manifest.attention  # absent: a bundle from before kernels were recorded (bf16 SDPA)
-        try:
-            if attention is not None:
-                check_attention_record(attention, device)
-            elif quant.get("fp8_attention"):
-                check_attention_kernel(quant["attention_kernel"], device)
-            if manifest.sparse is not None:
-                check_sparse_kernel(manifest.sparse.kernel, device)
-        except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
-            raise BundleError(f"{root}: {e}") from e
-        problems = structure_problems(root, manifest)
-        if problems:
-            raise _mismatch(root, problems)
-        cfg = manifest.model_config
+        check_load(root, manifest, device, mesh)
         verification = BundleVerification(root, manifest, threads or hash_threads(), use_record=trust is None)
-        adaln_file = "adaln_tables" if manifest.adaln.baked else "adaln_weights"
-        t_checks = time.perf_counter()
-        try:
-            # 2-4 are queued in this order on one pool: code first (small), then weights, then components.
-            code = verification.verify([rel for rel in manifest.files if rel.startswith(CODE_PREFIXES)])
-            first = tuple(f"{c.rstrip('/')}/" for c in early)
-            verification.verify([rel for rel in manifest.files if rel.startswith(first)])
-            weight_futures = {name: verification.read(f"weights/{name}.safetensors", device)
-                              for name in (*DIT_WEIGHT_FILES, adaln_file)}
-            # The components' files only once the weights are read: queued beside them they split the disk (a full
-            # fp8 bundle's 21 GB of weights and 11 GB of VAE files, read together, both finished at 22.3 s on the
-            # H200's disk), and nothing needs the VAEs before the first step.
-            verification.verify_after(list(weight_futures.values()),
-                                      [rel for rel in manifest.files if not rel.startswith((*CODE_PREFIXES, *first))
-                                       and not rel.startswith("weights/")])
-            verification.close_submissions()
-            if alongside is not None:
-                alongside(verification)
-            verification.wait(code)
-            t_code = time.perf_counter()
-            segments = load_segments(root, manifest.backend, manifest.segments, device)
-            t_segments = time.perf_counter()
-            weights = {name: verification.result(f) for name, f in weight_futures.items()}
-            # When the last weight file was on the device (each reader synchronised its own copies).
-            t_weights = max(verification.done_at[f"weights/{name}.safetensors"] for name in weight_futures)
-        except BaseException:
-            verification.abandon()
-            raise
-        adaln = adaln_runner(manifest, weights.pop(adaln_file), cfg, device)
-        sharded = manifest.mesh.sp > 1
-        t_sparse = time.perf_counter()
-        sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
-        sparse_s = time.perf_counter() - t_sparse
-        dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
-                        quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel)
-        dit.sparse_problem = sparse_problem
-        end = time.perf_counter()
-        stats = verification.weight_stats
-        report = {
-            "threads": verification.threads,
-            "checks_s": round(t_checks - t0, 4),  # manifest, environment, sizes, verified-once record
-            "code_verified_s": round(t_code - t_checks, 4),  # compiled code hashed (segments/, inductor_cache/)
-            "segments_s": round(t_segments - t_code, 4),  # compiled segments loaded (overlaps the weight read)
-            "weights_s": round(t_weights - t_checks, 4),  # DiT weights read, hashed and on the device
-            "weights_bytes": stats.bytes,
-            "weights_GBps": round(stats.bytes / 1e9 / max(t_weights - t_checks, 1e-9), 3),
-            "weights_read": stats.to_dict(),
-            "files_trusted": len(verification.trusted), "files_hashed": len(manifest.files) - len(verification.trusted),
-            "bundle_bytes": manifest.total_bytes,
-            "sparse_kernel_s": round(sparse_s, 4),  # the sparse kernel compiled and warmed (0 where none is served)
-            "total_s": round(end - t0, 4),
-        }
-        return cls(root, manifest, dit, segments, report, verification)
+        marks = {"t0": t0, "checks": time.perf_counter()}
+        segments, weights = _stream(root, manifest, device, verification, early, alongside, marks)
+        dit = _engine_dit(root, manifest, segments, weights, device, sp_group, marks)
+        return cls(root, manifest, dit, segments, _load_report(manifest, verification, marks), verification)
+
+
+def check_load(root: Path, manifest: Manifest, device: torch.device, mesh=None) -> None:
+    """Step 1 of a load, before any file is read: the environment (check_environment), the kernels the bundle
+    serves can run on `device`, and every file is there at its size."""
+    check_environment(manifest, device, mesh)
+    quant = manifest.quant or {}
+    attention = manifest.attention  # absent: a bundle from before kernels were recorded (bf16 SDPA)
+    try:
+        if attention is not None:
+            check_attention_record(attention, device)
+        elif quant.get("fp8_attention"):
+            check_attention_kernel(quant["attention_kernel"], device)
+        if manifest.sparse is not None:
+            check_sparse_kernel(manifest.sparse.kernel, device)
+    except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
+        raise BundleError(f"{root}: {e}") from e
+    problems = structure_problems(root, manifest)
+    if problems:
+        raise mismatch(root, problems)
+
+
+def _adaln_file(manifest: Manifest) -> str:
+    return "adaln_tables" if manifest.adaln.baked else "adaln_weights"
+
+
+def _stream(root: Path, manifest: Manifest, device: torch.device, verification: "BundleVerification",
+            early: tuple[str, ...], alongside, marks: dict) -> tuple[dict[str, LoadedSegment], dict]:
+    """Steps 2-4 of a load (Engine.load): the segments loaded and the DiT weight files read, {name: tensors}, while
+    the rest is verified in the background; `marks` gets when the code was verified, the segments loaded and the
+    last weight file was on the device."""
+    adaln_file = _adaln_file(manifest)
+    try:
+        # 2-4 are queued in this order on one pool: code first (small), then weights, then components.
+        code = verification.verify([rel for rel in manifest.files if rel.startswith(CODE_PREFIXES)])
+        first = tuple(f"{c.rstrip('/')}/" for c in early)
+        verification.verify([rel for rel in manifest.files if rel.startswith(first)])
+        weight_futures = {name: verification.read(f"weights/{name}.safetensors", device)
+                          for name in (*DIT_WEIGHT_FILES, adaln_file)}
+        # The components' files only once the weights are read: queued beside them they split the disk (a full
+        # fp8 bundle's 21 GB of weights and 11 GB of VAE files, read together, both finished at 22.3 s on the
+        # H200's disk), and nothing needs the VAEs before the first step.
+        verification.verify_after(list(weight_futures.values()),
+                                  [rel for rel in manifest.files if not rel.startswith((*CODE_PREFIXES, *first))
+                                   and not rel.startswith("weights/")])
+        verification.close_submissions()
+        if alongside is not None:
+            alongside(verification)
+        verification.wait(code)
+        marks["code"] = time.perf_counter()
+        segments = load_segments(root, manifest.backend, manifest.segments, device)
+        marks["segments"] = time.perf_counter()
+        weights = {name: verification.result(f) for name, f in weight_futures.items()}
+        # When the last weight file was on the device (each reader synchronised its own copies).
+        marks["weights"] = max(verification.done_at[f"weights/{name}.safetensors"] for name in weight_futures)
+    except BaseException:
+        verification.abandon()
+        raise
+    return segments, weights
+
+
+def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegment], weights: dict,
+                device: torch.device, sp_group, marks: dict) -> EngineDiT:
+    """The DiT runner over the loaded segments and weights, with its AdaLN runner and its block-sparse kernel
+    (compiled and warmed now: `marks` gets how long that took)."""
+    cfg, quant, attention = manifest.model_config, manifest.quant or {}, manifest.attention
+    adaln = adaln_runner(manifest, weights.pop(_adaln_file(manifest)), cfg, device)
+    sharded = manifest.mesh.sp > 1
+    t_sparse = time.perf_counter()
+    sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
+    marks["sparse_s"] = time.perf_counter() - t_sparse
+    dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
+                    quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel)
+    dit.sparse_problem = sparse_problem
+    return dit
+
+
+def _load_report(manifest: Manifest, verification: "BundleVerification", marks: dict) -> dict:
+    """The cold-start split of one load (Engine.load_report), from the phases' `marks`."""
+    end = time.perf_counter()
+    t0, t_checks, t_code, t_segments, t_weights = (marks[k] for k in ("t0", "checks", "code", "segments", "weights"))
+    stats = verification.weight_stats
+    return {
+        "threads": verification.threads,
+        "checks_s": round(t_checks - t0, 4),  # manifest, environment, sizes, verified-once record
+        "code_verified_s": round(t_code - t_checks, 4),  # compiled code hashed (segments/, inductor_cache/)
+        "segments_s": round(t_segments - t_code, 4),  # compiled segments loaded (overlaps the weight read)
+        "weights_s": round(t_weights - t_checks, 4),  # DiT weights read, hashed and on the device
+        "weights_bytes": stats.bytes,
+        "weights_GBps": round(stats.bytes / 1e9 / max(t_weights - t_checks, 1e-9), 3),
+        "weights_read": stats.to_dict(),
+        "files_trusted": len(verification.trusted), "files_hashed": len(manifest.files) - len(verification.trusted),
+        "bundle_bytes": manifest.total_bytes,
+        # the sparse kernel compiled and warmed (0 where none is served)
+        "sparse_kernel_s": round(marks["sparse_s"], 4),
+        "total_s": round(end - t0, 4),
+    }
 
 
 NO_SPARSE_HALVES = ("this bundle serves no block-sparse attention: it was built without --sparse-attention, and its "
@@ -334,165 +365,3 @@ def check_environment(manifest: Manifest, device: torch.device, mesh=None) -> No
                           f"replica({replica}) x cfg({cfg}) x sp({sp}). Launch a multiple of {group} ranks (h3trt "
                           f"run --gpus {group}, or torchrun) with --sp {want.sp} --cfg {want.cfg}, or rebuild "
                           f"with h3trt build --sp {sp} --cfg {cfg}.")
-
-
-def _settle(future: Future, error: BaseException | None) -> None:
-    """Complete `future` with `error` (None: success), unless it was cancelled meanwhile (an abandoned load)."""
-    if future.set_running_or_notify_cancel():
-        if error is None:
-            future.set_result(None)
-        else:
-            future.set_exception(error)
-
-
-def _mismatch(root: Path, problems: list[str]) -> BundleError:
-    listed = "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-    return BundleError(f"{root} does not match its manifest: {listed}. Re-copy the bundle or rebuild it.")
-
-
-class BundleVerification:
-    """Every file of one bundle load, checked against the manifest on one thread pool: hashed in chunks (read into the
-    device for weight files), or trusted by the verified-once record. Each file's identity is taken before it is read
-    and checked again after; when every file has matched, the record is updated so that the next load hashes
-    nothing that did not change."""
-
-    def __init__(self, root: Path, manifest: Manifest, threads: int, use_record: bool = True):
-        self.root, self.manifest, self.threads = Path(root), manifest, threads
-        self.chunk_bytes = manifest.hash_chunk_bytes
-        self.record = VerifiedRecord.open(root)
-        files = manifest.files
-        self.identity = {rel: identity(self.root / rel) for rel in files}
-        # Under --trust every byte is hashed: the record guards against accidents, a signature against intent.
-        self.trusted = {rel for rel in files if use_record and self.record.trusted(rel, self.identity[rel])}
-        self.pool = ThreadPoolExecutor(threads, thread_name_prefix="h3trt-load")
-        self.futures: dict[str, Future] = {}
-        self.done_at: dict[str, float] = {}  # perf_counter when each file was checked (and read)
-        self.weight_stats, self.other_stats = ReadStats(), ReadStats()
-        self.started = time.perf_counter()
-        self.finished_s: float | None = None  # seconds from the start until every file was checked
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._pending = 0
-        self._closed = False
-        self._all_done = threading.Event()
-
-    def _digests(self, rel: str) -> list[str] | None:
-        return None if rel in self.trusted else list(self.manifest.files[rel].sha256_chunks)
-
-    def read(self, rel: str, device: torch.device) -> Future:
-        return self._track(rel, read_safetensors(self.root / rel, device, self.pool, self._digests(rel),
-                                                 self.chunk_bytes, self.weight_stats, rel))
-
-    def verify(self, rels: list[str], track: bool = True) -> list[Future]:
-        out = []
-        for rel in rels:
-            digests = self._digests(rel)
-            if digests is None:
-                future: Future = Future()
-                future.set_result(None)
-            else:
-                future = verify_file(self.root / rel, self.pool, digests, self.chunk_bytes, self.other_stats, rel)
-            out.append(self._track(rel, future) if track else future)
-        return out
-
-    def verify_after(self, gate: list[Future], rels: list[str]) -> None:
-        """Verify `rels` once every future of `gate` is done (whatever its outcome). They are tracked from now on,
-        so `wait_prefix` and `wait_all` wait for them."""
-        placeholders = {rel: self._track(rel, Future()) for rel in rels}
-        remaining = [len(gate)]
-        lock = threading.Lock()
-
-        def release(_=None) -> None:
-            with lock:
-                remaining[0] -= 1
-                if remaining[0] > 0:
-                    return
-            for rel, outer in placeholders.items():
-                try:
-                    (inner,) = self.verify([rel], track=False)
-                except RuntimeError:  # the pool was shut down: the load was abandoned
-                    _settle(outer, WeightsError(f"{rel}: the load was abandoned"))
-                    continue
-                inner.add_done_callback(lambda f, outer=outer: _settle(outer, f.exception()))
-
-        if not gate:
-            remaining[0] = 1
-            release()
-        for future in gate:
-            future.add_done_callback(release)
-
-    def _track(self, rel: str, future: Future) -> Future:
-        with self._lock:
-            self._pending += 1
-        self.futures[rel] = future
-        future.add_done_callback(lambda f, rel=rel: self._done(rel, f))
-        return future
-
-    def _same_file(self, rel: str) -> bool:
-        try:
-            return identity(self.root / rel) == self.identity[rel]
-        except OSError:
-            return False
-
-    def _done(self, rel: str, future: Future) -> None:
-        self.done_at[rel] = time.perf_counter()
-        error = future.exception() if not future.cancelled() else WeightsError(f"{rel}: the load was abandoned")
-        if error is None and not self._same_file(rel):
-            error = WeightsError(f"{rel} changed while it was being loaded")
-        with self._lock:
-            if error is not None and self.error is None:
-                self.error = error
-            self._pending -= 1
-            last = self._closed and self._pending == 0
-        if last:
-            self._finish()
-
-    def close_submissions(self) -> None:
-        with self._lock:
-            self._closed = True
-            last = self._pending == 0
-        if last:
-            self._finish()
-
-    def _finish(self) -> None:
-        self.finished_s = time.perf_counter() - self.started
-        if self.error is None:
-            for rel in self.manifest.files:
-                self.record.add(rel, self.identity[rel])
-            self.record.save()
-        self.pool.shutdown(wait=False)
-        self._all_done.set()
-
-    def _raise(self, error: BaseException) -> None:
-        if isinstance(error, WeightsError):
-            raise _mismatch(self.root, [str(error)]) from None
-        raise error
-
-    def result(self, future: Future):
-        try:
-            value = future.result()
-        except BaseException as e:
-            self._raise(e)
-        rel = next(r for r, f in self.futures.items() if f is future)
-        if not self._same_file(rel):
-            self._raise(WeightsError(f"{rel} changed while it was being loaded"))
-        return value
-
-    def wait(self, futures: list[Future]) -> None:
-        for f in futures:
-            self.result(f)
-
-    def wait_prefix(self, prefix: str) -> None:
-        self.wait([f for rel, f in self.futures.items() if rel.startswith(prefix)])
-
-    def wait_all(self) -> dict:
-        """Block until every file was checked; raise if one did not match. Returns the background share's report."""
-        self._all_done.wait()
-        if self.error is not None:
-            self._raise(self.error)
-        return {"all_files_checked_s": round(self.finished_s, 4), "components_read": self.other_stats.to_dict()}
-
-    def abandon(self) -> None:
-        for f in self.futures.values():
-            f.cancel()
-        self.pool.shutdown(wait=False, cancel_futures=True)

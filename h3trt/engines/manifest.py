@@ -1,5 +1,5 @@
-"""The bundle manifest: what was built, for what, and the sha256 of every chunk of every file; and the checks of its
-files and of a request against it (the device and mesh checks of a load are bundle.py's).
+"""The bundle manifest: what was built, for what, and the sha256 of every chunk of every file; and the check of a
+request against it (the checks of its files are bundle_files.py's, the device and mesh checks of a load bundle.py's).
 
 Files are hashed in chunks of `hash_chunk_bytes` (64 MiB), each with its own sha256, so that a load verifies a file
 on as many cores as it reads it with, while it reads it (`weights_io.read_safetensors`), instead of one core
@@ -397,39 +397,6 @@ def parse_manifest(data: bytes, root: Path) -> "Manifest":
         raise BundleError(f"{path} lists {'no files' if not isinstance(files, dict) else malformed[0]} without the "
                           f"format {FORMAT_VERSION} fields (bytes, sha256_chunks); re-copy the bundle or rebuild it.")
     return Manifest.from_dict(manifest, path)
-
-
-def verify_files(root: Path, manifest: Manifest) -> list[str]:
-    """Problems with the bundle's files: missing, changed or unexpected. Empty when every hash matches. Hashes every
-    byte (chunks in parallel), whatever the verified-once record says."""
-    root = Path(root)
-    listed = manifest.files
-    problems = structure_problems(root, manifest)
-    present = [rel for rel in listed if (root / rel).is_file() and (root / rel).stat().st_size == listed[rel].bytes]
-    with ThreadPoolExecutor(hash_threads()) as pool:
-        digests = {rel: chunk_digests(root / rel, manifest.hash_chunk_bytes, pool) for rel in present}
-    problems += [f"{rel} changed (sha256 differs from the manifest)" for rel in present
-                 if tuple(digests[rel]) != listed[rel].sha256_chunks]
-    return problems
-
-
-def structure_problems(root: Path, manifest: Manifest) -> list[str]:
-    """What a load refuses before reading any content: files missing, of another size, or not part of the bundle."""
-    root = Path(root)
-    listed, problems = manifest.files, []
-    for rel, meta in listed.items():
-        path = root / rel
-        if not path.is_file():
-            problems.append(f"{rel} is missing")
-        elif path.stat().st_size != meta.bytes:
-            problems.append(f"{rel} changed (size {path.stat().st_size} bytes, the manifest says {meta.bytes})")
-    extra = sorted(set(hash_tree_names(root)) - set(listed))
-    return problems + [f"{rel} is not part of the bundle" for rel in extra]
-
-
-def hash_tree_names(root: Path) -> list[str]:
-    return [p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file()
-            and p.relative_to(root).as_posix() not in UNLISTED]
 
 
 def bundle_identity(manifest: Manifest) -> dict:

@@ -20,7 +20,8 @@ from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.block_stack import run_block_stack
 from .adaln import load_adaln
-from .manifest import BundleError, Manifest, verify_files
+from .bundle_files import verify_files
+from .manifest import BundleError, Manifest
 
 
 def plan_device_problem(trt_info: dict, gpu: str | None, capability: tuple[int, int] | None,

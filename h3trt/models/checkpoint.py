@@ -1,4 +1,5 @@
-"""Reading MiniMax-H3 transformer checkpoints (checkpoint_writer.py writes them, for tests and the tiny default).
+"""Reading MiniMax-H3 transformer checkpoints (checkpoint_writer.py writes them, for tests and the tiny default; their
+two naming schemes are checkpoint_names.py's).
 
 Layouts read (see h3_reference.md section 3 and the sglang/VideoX-Fun loaders):
 - official: `<root>/FL2VA/` (t2va, fl2va) and `<root>/Ref2VA/` (ref2va), each a partition with its own
@@ -28,6 +29,7 @@ import torch
 from safetensors import safe_open
 
 from ..errors import UserError
+from .checkpoint_names import COMFY_PREFIX, DIFFUSERS_CLASS, NATIVE_CLASS, NATIVE_CONFIG_FIELDS, native_name
 from .config import H3Config
 from .dit import H3DiT, build_dit, parameter_dtype, rope_inv_freq
 from .sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
@@ -36,55 +38,12 @@ from .weight_layout import deinterleave_qkv, swap_halves
 TASK_PARTITIONS = {"t2va": "FL2VA", "fl2va": "FL2VA", "ref2va": "Ref2VA"}
 TASKS = tuple(TASK_PARTITIONS)  # t2va (the default), fl2va, ref2va
 DIFFUSERS_COMPONENTS = {"t2va": "transformer", "fl2va": "transformer", "ref2va": "transformer_ref"}
-NATIVE_CLASS = "MiniMaxH3DiTModel"
 RELEASED_SHIFTS = (DEFAULT_VIDEO_SHIFT, DEFAULT_AUDIO_SHIFT)  # (video, audio) sigma shifts of the released checkpoints
 # diffusers' folders name their pipeline in one of these; the modular pipeline's save_pretrained writes the second.
 PIPELINE_INDEXES = ("model_index.json", "modular_model_index.json")
 # The diffusers layout's two MiniMaxH3Scheduler folders, (video, audio); each config's `shift` is that schedule's.
 SCHEDULER_FOLDERS = ("scheduler", "audio_scheduler")
-DIFFUSERS_CLASS = "MiniMaxH3Transformer3DModel"
-COMFY_PREFIX = "model.diffusion_model."
 INDEX_NAMES = ("model.safetensors.index.json", "diffusion_pytorch_model.safetensors.index.json")
-
-# config.json field names of the official (sglang-native) transformer config -> H3Config fields.
-NATIVE_CONFIG_FIELDS = {
-    "num_layers": "num_layers",
-    "token_refiner_num_layers": "num_refiner_layers",
-    "hidden_size": "hidden_size",
-    "num_attention_heads": "num_heads",
-    "attention_head_dim": "head_dim",
-    "ffn_hidden_size": "ffn_dim",
-    "latents_dim": "in_channels",
-    "audio_latents_dim": "audio_in_channels",
-    "patch_size": "patch_size",
-    "text_dim": "text_dim",
-    "timestep_input_dim": "freq_dim",
-    "time_embed_hidden_size": "time_embed_hidden_dim",
-    "time_embed_dim": "time_embed_dim",
-    "rope_inv_freq_len": "rope_freq_dim",
-    "rope_theta": "rope_theta",
-    "norm_eps": "norm_eps",
-}
-
-# diffusers name -> native name, applied in order to the whole key.
-_DIFFUSERS_TO_NATIVE = [
-    (r"^proj_in\.", "video_patch_proj."),
-    (r"^audio_proj_in\.", "audio_patch_proj."),
-    (r"^context_embedder\.", "condition_proj."),
-    (r"^time_embedder\.linear_1\.", "time_embedder.proj_in."),
-    (r"^time_embedder\.linear_2\.", "time_embedder.proj_out."),
-    (r"^transformer_blocks\.", "blocks."),
-    (r"^token_refiner\.refiner_blocks\.", "token_refiner.blocks."),
-    (r"\.attn\.norm_q\.", ".attn.q_norm."),
-    (r"\.attn\.norm_k\.", ".attn.k_norm."),
-    (r"\.attn\.to_out\.0\.", ".attn.out_proj."),
-    (r"\.ff\.net\.0\.proj\.", ".mlp.fc1."),
-    (r"\.ff\.net\.2\.", ".mlp.fc2."),
-    (r"^norm_out\.norm\.", "final_layer.norm."),
-    (r"^norm_out\.linear\.", "final_layer.adaln_proj.linear."),
-    (r"^proj_out\.", "final_layer.video_out."),
-    (r"^audio_proj_out\.", "final_layer.audio_out."),
-]
 
 
 class CheckpointError(UserError):
@@ -187,14 +146,6 @@ def native_config(data: dict) -> H3Config:
         if key in data and data[key] != expected:
             raise CheckpointError(f"config.json {key}={data[key]} does not match the H3 block shape ({expected}).")
     return cfg
-
-
-def to_native_config(cfg: H3Config) -> dict:
-    data = {theirs: getattr(cfg, ours) for theirs, ours in NATIVE_CONFIG_FIELDS.items()}
-    data["patch_size"] = list(cfg.patch_size)
-    data.update(qk_norm_eps=cfg.norm_eps, final_norm_eps=cfg.norm_eps, adaln_out_features=cfg.modulation_dim,
-                final_adaln_out_features=2 * cfg.hidden_size)
-    return {"_class_name": NATIVE_CLASS, **data}
 
 
 def _transformer_folder(folder: Path, component_root: Path, metadata: ReleaseMetadata | None) -> TransformerSource:
@@ -370,12 +321,6 @@ def _safetensors_keys(path: Path) -> list[str]:
 def _safetensors_shapes(path: Path) -> dict[str, tuple[int, ...]]:
     with _safe_open(path) as f:
         return {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-
-
-def native_name(diffusers_name: str) -> str:
-    for pattern, repl in _DIFFUSERS_TO_NATIVE:
-        diffusers_name = re.sub(pattern, repl, diffusers_name)
-    return diffusers_name
 
 
 def read_native_state_dict(source: TransformerSource) -> dict[str, torch.Tensor]:

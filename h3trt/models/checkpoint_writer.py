@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint import COMFY_PREFIX, DIFFUSERS_CLASS, to_native_config
+from .checkpoint_names import COMFY_PREFIX, DIFFUSERS_CLASS, to_native_config
 from .weight_layout import interleave_qkv
 from .config import H3Config
 from .dit import build_dit, parameter_dtype, rope_inv_freq

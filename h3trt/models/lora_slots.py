@@ -44,7 +44,8 @@ from pathlib import Path
 import torch
 
 from .config import H3Config
-from .lora import LoraError, LoraFile, LoraModule, _pruned_message, native_target, read_lora, route
+from .lora import native_target, route
+from .lora_file import LoraError, LoraFile, LoraModule, pruned_message, read_lora
 
 # The main block's linears a slot may adapt, named from the block (as `dit.project` names them).
 BLOCK_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")
@@ -214,7 +215,7 @@ class LoraSlots:
         part = 0 if rows is None else rows.start // (n_out // parts)
         if down.shape[1] != n_in:
             if m.group(2) == "adaln_proj.linear":
-                raise LoraError(_pruned_message(lora.path, f"its {bank} LoRA takes {down.shape[1]} inputs; the "
+                raise LoraError(pruned_message(lora.path, f"its {bank} LoRA takes {down.shape[1]} inputs; the "
                                                 f"unpruned adaln_proj takes {n_in}"))
             raise LoraError(f"{where} takes {down.shape[1]} inputs but the model's {bank} takes {n_in}; this LoRA is "
                             "for another model size.")
