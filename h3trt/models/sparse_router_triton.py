@@ -8,7 +8,7 @@ heads with n = 4) in chunks and took 15.23 ms on the H200 for 64-row blocks, 63%
      no real row. One program per (block, head, batch).
   2. `_score_kernel`: score(i, j) = log sum over the valid (a, b) sub-block pairs of exp(qbar_ia . kbar_jb), fp32,
      one program per (BLOCK_G query blocks x BLOCK_K key blocks, head, batch): each pair (a, b) is one
-     [BLOCK_G, D] x [D, BLOCK_K] fp32 dot folded into a running (max, sum) so no pair tile is kept. Pairs with a
+     [BLOCK_G, D] x [D, BLOCK_K] fp32 dot (summed over 32-wide slices of D, to fit shared memory) folded into a running (max, sum) so no pair tile is kept. Pairs with a
      sub-block past the last real row are -inf (dropped), as in the torch path; pair (0, 0) of an existing block
      always holds real rows, so a real score is finite.
   3. `_topk_kernel`: per (head, query block) row of K <= 1024 scores, each score's fp32 bits mapped to an order-
@@ -42,6 +42,7 @@ from .sparse_attention import _check_route_args, _topk_lowest_first, every_key_b
 
 # Query blocks x key blocks per score program (each cell an n_q x n_k set of pair dots), and its warps.
 SCORE_TILE_G, SCORE_TILE_K, SCORE_WARPS = 64, 64, 4
+SCORE_CHUNK_D = 32  # head-dim slice of each pair dot: its operands fit the shared memory (_score_kernel)
 TOPK_MAX_BLOCKS = 1024  # the top-k kernel holds one row of this many slots in registers (65,536 rows of 64)
 TOPK_WARPS = 2  # one row per program: few warps keep its 32 counting passes' reductions cheap
 DOT_PRECISIONS = ("ieee", "tf32x3")
@@ -74,13 +75,12 @@ def _pool_kernel(x_ptr, out_ptr, S, P, stride_b, stride_s, stride_n, scale,
 
 @triton.jit(do_not_specialize=["G", "K", "q_valid", "k_valid", "Pq", "Pk"])
 def _score_kernel(q_ptr, k_ptr, out_ptr, G, K, q_valid, k_valid, Pq, Pk,
-                  D: tl.constexpr, BLOCK_D: tl.constexpr, NQ: tl.constexpr, NK: tl.constexpr,
-                  BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+                  D: tl.constexpr, BLOCK_D: tl.constexpr, CHUNK_D: tl.constexpr, NQ: tl.constexpr,
+                  NK: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
     pid_k, pid_g, bn = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i = pid_g * BLOCK_G + tl.arange(0, BLOCK_G)  # query blocks
     j = pid_k * BLOCK_K + tl.arange(0, BLOCK_K)  # key blocks
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < D
+    dc = tl.arange(0, CHUNK_D)
     q_base = q_ptr + bn.to(tl.int64) * Pq * D
     k_base = k_ptr + bn.to(tl.int64) * Pk * D
     m = tl.full([BLOCK_G, BLOCK_K], -3.0e38, tl.float32)  # finite: no inf - inf in the padding past G or K
@@ -88,12 +88,20 @@ def _score_kernel(q_ptr, k_ptr, out_ptr, G, K, q_valid, k_valid, Pq, Pk,
     for a in tl.static_range(NQ):
         q_row = i * NQ + a
         q_ok = q_row < q_valid
-        q_a = tl.load(q_base + q_row[:, None] * D + d[None, :], mask=q_ok[:, None] & d_ok[None, :], other=0.0)
         for b in tl.static_range(NK):
             k_row = j * NK + b
             k_ok = k_row < k_valid
-            k_b = tl.load(k_base + k_row[:, None] * D + d[None, :], mask=k_ok[:, None] & d_ok[None, :], other=0.0)
-            x = tl.dot(q_a, tl.trans(k_b), input_precision=PRECISION)
+            # The head dim in CHUNK_D slices: whole [64, 128] fp32 operands (and tf32x3's split copies of them)
+            # need 288 KB of shared memory, over Hopper's 227 KB (bench_router.py on an H100 refused to launch).
+            x = tl.zeros([BLOCK_G, BLOCK_K], dtype=tl.float32)
+            for c in tl.static_range(BLOCK_D // CHUNK_D):
+                d = c * CHUNK_D + dc
+                d_ok = d < D
+                q_a = tl.load(q_base + q_row[:, None] * D + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
+                              other=0.0)
+                k_b = tl.load(k_base + k_row[:, None] * D + d[None, :], mask=k_ok[:, None] & d_ok[None, :],
+                              other=0.0)
+                x += tl.dot(q_a, tl.trans(k_b), input_precision=PRECISION)
             x = tl.where(q_ok[:, None] & k_ok[None, :], x, float("-inf"))
             m_new = tl.maximum(m, x)
             # Pair (0, 0) of a real (i, j) is real: m is its own value from the first pair on, and a dropped pair
@@ -158,7 +166,8 @@ def subblock_scores_triton(q_BSND, k_BSND, softmax_scale: float, n_q: int = 4, n
     scores_BNGK = torch.empty((B, N, G, K), device=q_BSND.device, dtype=torch.float32)
     grid = (triton.cdiv(K, SCORE_TILE_K), triton.cdiv(G, SCORE_TILE_G), B * N)
     _score_kernel[grid](qbar_BNPD, kbar_BNPD, scores_BNGK, G, K, q_valid, k_valid, G * n_q, K * n_k,
-                        D=D, BLOCK_D=triton.next_power_of_2(D), NQ=n_q, NK=n_k, BLOCK_G=SCORE_TILE_G,
+                        D=D, BLOCK_D=triton.next_power_of_2(D),
+                        CHUNK_D=min(SCORE_CHUNK_D, triton.next_power_of_2(D)), NQ=n_q, NK=n_k, BLOCK_G=SCORE_TILE_G,
                         BLOCK_K=SCORE_TILE_K, PRECISION=precision, num_warps=SCORE_WARPS)
     return scores_BNGK
 
