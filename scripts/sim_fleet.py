@@ -113,8 +113,10 @@ class Replicas:
     def __init__(self, n: int):
         self.n = n
 
-    def status(self) -> list[dict]:
-        return [{"group": i, "state": "serving", "restarts": 0, "jobs": [], "pids": []} for i in range(self.n)]
+    def status(self) -> list:
+        from h3trt.runtime.workers import GroupState, GroupStatus
+
+        return [GroupStatus(i, GroupState.SERVING) for i in range(self.n)]
 
     def serving(self) -> int:
         return self.n

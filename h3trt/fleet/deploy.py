@@ -19,6 +19,7 @@ worker_lost), so it finishes on another replica. Serve replaces the dead replica
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import socket
@@ -30,7 +31,7 @@ from ..errors import UserError
 from ..paths import use_bytecode_cache
 from ..runtime.entry import Entry
 from ..runtime.rank import WorkerSpec
-from ..runtime.workers import Workers
+from ..runtime.workers import GroupState, GroupStatus, Workers
 from ..server.app import create_app
 from ..server.metrics import Metrics
 from ..server.options import ServeOptions
@@ -73,7 +74,7 @@ class WorkerReplica:
             if self.failure is not None:
                 raise RuntimeError(f"worker replica {self.id} could not start its replica group: {self.failure}")
             time.sleep(0.1)
-        _log("replica_ready", replica=self.id, groups=self.workers.status())
+        _log("replica_ready", replica=self.id, groups=[g.to_json() for g in self.workers.status()])
 
     def _run(self) -> None:
         try:
@@ -94,8 +95,8 @@ class WorkerReplica:
         if self.failure is not None or not self._thread.is_alive():
             raise RuntimeError(f"worker replica {self.id}: its replica group stopped ({self.failure})")
 
-    def status(self) -> list[dict]:
-        return [{**g, "replica": self.id} for g in self.workers.status()]
+    def status(self) -> list[GroupStatus]:
+        return [dataclasses.replace(g, replica=self.id) for g in self.workers.status()]
 
     def __del__(self) -> None:
         """Serve stops this replica (scale down, redeploy): take no new job, let the running one finish within the
@@ -138,12 +139,12 @@ class FleetGroups:
     what it runs from the store: a running job's row names its replica (host:pid/group), so a replica that holds one
     is busy, with its jobs and its process id (its ranks are that process's children)."""
 
-    STATES = {"RUNNING": "serving", "STARTING": "loading", "PENDING_MIGRATION": "serving"}
+    STATES = {"RUNNING": GroupState.SERVING, "STARTING": GroupState.LOADING, "PENDING_MIGRATION": GroupState.SERVING}
 
     def __init__(self, app_name: str, store: JobStore):
         self.app_name, self.store = app_name, store
         self._lock = threading.Lock()
-        self._cached: tuple[float, list[dict]] = (0.0, [])
+        self._cached: tuple[float, list[GroupStatus]] = (0.0, [])
 
     def replica_states(self) -> dict[str, int]:
         """Serve's count of the worker deployment's replicas by state."""
@@ -156,7 +157,7 @@ class FleetGroups:
             return {}
         return {str(getattr(state, "value", state)): n for state, n in states.items()}
 
-    def status(self) -> list[dict]:
+    def status(self) -> list[GroupStatus]:
         with self._lock:
             at, groups = self._cached
             if time.monotonic() - at < STATUS_CACHE_S:
@@ -173,18 +174,18 @@ class FleetGroups:
             busy = iter(sorted(running.items()))
             groups = []
             for i, name in enumerate(names):
-                group = {"group": i, "state": self.STATES.get(name, "restarting"), "restarts": 0, "jobs": [],
-                         "pids": [], "replica_state": name}
-                if group["state"] == "serving" and (held := next(busy, None)) is not None:
+                group = GroupStatus(i, self.STATES.get(name, GroupState.RESTARTING), replica_state=name)
+                if group.state is GroupState.SERVING and (held := next(busy, None)) is not None:
                     replica, job_ids = held
                     pid = replica.rsplit(":", 1)[-1]
-                    group.update(state="busy", replica=replica, jobs=job_ids, pids=[int(pid)] if pid.isdigit() else [])
+                    group = dataclasses.replace(group, state=GroupState.BUSY, replica=replica, jobs=job_ids,
+                                                pids=[int(pid)] if pid.isdigit() else [])
                 groups.append(group)
             self._cached = (time.monotonic(), groups)
             return groups
 
     def serving(self) -> int:
-        return sum(1 for g in self.status() if g["state"] in ("serving", "busy"))
+        return sum(1 for g in self.status() if g.state.serves)
 
 
 class Ingress:
