@@ -93,7 +93,7 @@ class _SlowStream(io.TextIOBase):
 
 
 def test_concurrent_log_events_are_one_json_line_each(monkeypatch):
-    from h3trt.server.service import _log
+    from h3trt.server.log import SERVER_LOG as _log
 
     stream = _SlowStream()
     monkeypatch.setattr(sys, "stderr", stream)

@@ -314,8 +314,9 @@ def create_app(service: VideoService) -> FastAPI:
         serving = service.groups.serving()
         store = service.store.reachable()
         draining = service.draining.is_set()
+        groups = [g.to_json() for g in service.groups.status()]
         body = Ready(ready=serving > 0 and store and not draining, draining=draining, store_reachable=store,
-                     groups_serving=serving, groups=[g.to_json() for g in service.groups.status()], model=service.model_id)
+                     groups_serving=serving, groups=groups, model=service.model_id)
         return JSONResponse(body.model_dump(), 200 if body.ready else 503)
 
     @app.get("/metrics", response_class=Response, dependencies=keyed("metrics"),

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 import threading
 import time
 import uuid
@@ -29,6 +28,7 @@ from ..runtime.entry import Entry
 from ..runtime.profiles import REQUEST_KEYS, SPARSE_KEYS
 from ..runtime.request import Names, check_prompt_tokens, prepare
 from ..runtime.requests import KEYS, RequestDefaults, parse_object
+from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
 from .store import JobRow, JobStore, is_disk_full
@@ -77,7 +77,7 @@ class VideoService:
                  metrics: Metrics, guidance_branches: int = 1, log=None):
         self.entry, self.options, self.store, self.storage = entry, options, store, storage
         self.groups, self.metrics, self.guidance_branches = groups, metrics, guidance_branches
-        self.log = log or _log
+        self.log = log or SERVER_LOG
         self.model_id = SERVED_MODEL + ("-tiny" if entry.tiny else "")
         self.manifest_sha256 = entry.manifest.manifest_sha256 if entry.manifest is not None else None
         self.draining = threading.Event()
@@ -308,18 +308,3 @@ def _param_of(error: Exception) -> str | None:
                 best = (match.start(), key)
         field = best[1] if best else None
     return API_NAMES.get(field, field)
-
-
-_LOG_LOCK = threading.Lock()  # one writer at a time: the HTTP threads, the workers' and the drain's share stderr
-
-
-def _log(event: str, **fields) -> None:
-    """One JSON line per event on stderr (structured: a log shipper reads it as is). The line and its newline go out
-    in one write under a lock, then flushed: print() writes them in two calls, and two threads' events were glued
-    onto one line between them."""
-    line = json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, default=str) + "\n"
-    with _LOG_LOCK:
-        stream = sys.stderr
-        stream.write(line)
-        stream.flush()
-
