@@ -186,8 +186,10 @@ class Workers:
     `drain()` or `stop()` from another."""
 
     def __init__(self, spec: WorkerSpec, queue: JobQueue, gpus: list[str] | None, load_failures_fatal: bool = True,
-                 log: Callable[[str], None] = lambda m: print(f"h3trt: {m}", file=sys.stderr)):
+                 log: Callable[[str], None] = lambda m: print(f"h3trt: {m}", file=sys.stderr),
+                 rank_group: Callable[..., RankGroup] = RankGroup):
         self.spec, self.queue, self.gpus, self.fatal, self.log = spec, queue, gpus, load_failures_fatal, log
+        self.rank_group = rank_group  # starts a group's ranks (tests/test_workers.py passes one of threads)
         self.groups = [_Group(i) for i in range(spec.mesh.replica)]
         self._draining = threading.Event()
         self._stop = threading.Event()
@@ -245,9 +247,9 @@ class Workers:
         pipes = [ctx.Pipe() for _ in range(self.spec.group_size)]
         with self.lock:
             g.conns, g.ready, g.busy, g.holding, g.cancels_sent = [p[0] for p in pipes], 0, False, {}, set()
-            g.ranks = RankGroup(group_rank_main, self.spec.group_size,
-                                lambda r: (pipes[r][1], self.spec, g.index), self.gpus,
-                                first_gpu=g.index * self.spec.group_size)
+            g.ranks = self.rank_group(group_rank_main, self.spec.group_size,
+                                      lambda r: (pipes[r][1], self.spec, g.index), self.gpus,
+                                      first_gpu=g.index * self.spec.group_size)
         for _, child in pipes:
             child.close()  # the children hold their ends; the launcher sees EOF when a child is gone
 
