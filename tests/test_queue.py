@@ -8,6 +8,7 @@ from __future__ import annotations
 import time
 
 import pytest
+from helpers import Logged
 
 from h3trt.runtime.jobs import Event
 from h3trt.runtime.records import ClipRecord, Failure
@@ -18,17 +19,6 @@ from h3trt.server.storage import Storage, clip_key, record_key, uploads_key
 from h3trt.server.store import MAX_ATTEMPTS, JobStore, sqlite_url
 
 pytestmark = pytest.mark.unit
-
-
-class Logged:
-    def __init__(self):
-        self.lines = []
-
-    def __call__(self, event, **fields):
-        self.lines.append((event, fields))
-
-    def events(self, name):
-        return [fields for event, fields in self.lines if event == name]
 
 
 @pytest.fixture

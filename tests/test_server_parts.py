@@ -10,6 +10,7 @@ import time
 from types import SimpleNamespace
 
 import pytest
+from helpers import Logged
 
 from h3trt.runtime.workers import GroupState, GroupStatus
 from h3trt.server.log import SERVER_LOG, JsonLog
@@ -18,17 +19,6 @@ from h3trt.server.parts import Parts, start_expiry
 from h3trt.server.store import sqlite_url
 
 pytestmark = pytest.mark.unit
-
-
-class Logged:
-    def __init__(self):
-        self.lines = []
-
-    def __call__(self, event, **fields):
-        self.lines.append((event, fields))
-
-    def events(self, name):
-        return [fields for event, fields in self.lines if event == name]
 
 
 class TwoGroups:
