@@ -7,10 +7,11 @@ What is real: the API (server/app.py over server/service.py, admission of the em
 uvicorn on 127.0.0.1, the PostgreSQL store (tests/postgres.py: a throwaway cluster), the storage folder, and the worker
 side of every replica: `StoreQueue.take` (the claim), its `report` of a job's events (the lease's fence, the clip
 published before its row says completed) and `keep_leases` (renewal every lease / 4, reclaim of stale jobs), the same
-calls as a Serve worker replica's (fleet/deploy.py). What is simulated: a replica's replica group. Each replica is a
-process (forked from this one, so 50 of them share its imported modules) that claims a job, "generates" it by sleeping
-a drawn duration, and commits a small clip and its record with runtime/records.py's `commit_clip`, as a rank does;
-the clip's bytes and its record name the replica and the claim (attempt) that made them.
+calls as a Serve worker replica's (fleet/deploy.py), over parts wired as theirs are (server/parts.py). What is
+simulated: a replica's replica group. Each replica is a process (forked from this one, so 50 of them share its imported
+modules) that claims a job, "generates" it by sleeping a drawn duration, and commits a small clip and its record with
+runtime/records.py's `commit_clip`, as a rank does; the clip's bytes and its record name the replica and the claim
+(attempt) that made them.
 
 Clients: --clients asyncio tasks over HTTP, each keeping --window jobs in flight (POST, then GET every --poll-s until
 the job ends), retrying a 429/503 or a dropped connection after a pause (bounded by --time-limit). Faults, at fixed
@@ -94,26 +95,16 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
 
 # --- the processes: the API, and the simulated replicas ----------------------------------------------------------------
 
-class JsonLog:
-    """One JSON line per event, appended to a file (a process's log: what the audit reads)."""
-
-    def __init__(self, path: Path):
-        self.file, self.lock = open(path, "a", buffering=1), threading.Lock()
-
-    def __call__(self, event: str, **fields) -> None:
-        line = json.dumps({"ts": round(time.time(), 4), "event": event, **fields}, default=str)
-        with self.lock:
-            self.file.write(line + "\n")
-
-
 class Replicas:
     """The API's view of the worker replicas (/ready, a 429's Retry-After): all serving."""
 
     def __init__(self, n: int):
         self.n = n
 
-    def status(self) -> list[dict]:
-        return [{"group": i, "state": "serving", "restarts": 0, "jobs": [], "pids": []} for i in range(self.n)]
+    def status(self) -> list:
+        from h3trt.runtime.workers import GroupState, GroupStatus
+
+        return [GroupStatus(i, GroupState.SERVING) for i in range(self.n)]
 
     def serving(self) -> int:
         return self.n
@@ -125,22 +116,18 @@ def api_main(entry, store_url: str, storage_dir: Path, folder: Path, listener: s
     import uvicorn
 
     from h3trt.server.app import create_app
-    from h3trt.server.metrics import Metrics
+    from h3trt.server.log import JsonLog
     from h3trt.server.options import ServeOptions
-    from h3trt.server.service import VideoService
-    from h3trt.server.storage import Storage
-    from h3trt.server.store import JobStore
+    from h3trt.server.parts import Parts
 
-    store, groups, metrics = JobStore(store_url), Replicas(replicas), Metrics()
-    metrics.watch(store, groups)
-    service = VideoService(entry, ServeOptions(data_dir=folder / "api", max_queue=max_queue), store,
-                           Storage(storage_dir), groups, metrics, log=JsonLog(folder / "api.jsonl"))
+    parts = Parts.shared(store_url, storage_dir, log=JsonLog(folder / "api.jsonl"))
+    service = parts.service(entry, ServeOptions(data_dir=folder / "api", max_queue=max_queue), Replicas(replicas))
     config = uvicorn.Config(create_app(service), log_level="warning", access_log=False, lifespan="off",
                             timeout_graceful_shutdown=5)
     uvicorn.Server(config).run(sockets=[listener])
 
 
-def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder: Path, lease_s: float,
+def replica_main(index: int, entry, store_url: str, storage_dir: Path, folder: Path, lease_s: float,
                  generate_ms: tuple[float, float], idle_poll_s: float, seed: int) -> None:
     """One simulated worker replica (module doc): SIGTERM stops it after its job; SIGUSR1 makes it stall once, after
     its next generation (SIGSTOP to itself before it commits the clip: every thread stops, its lease renewals
@@ -148,10 +135,9 @@ def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder
     from h3trt.engines.atomic import temp_path
     from h3trt.runtime.jobs import Event
     from h3trt.runtime.records import ClipRecord, commit_clip
-    from h3trt.server.metrics import Metrics
-    from h3trt.server.queue import StoreQueue, keep_leases
-    from h3trt.server.storage import Storage
-    from h3trt.server.store import JobStore
+    from h3trt.server.log import JsonLog
+    from h3trt.server.parts import Parts
+    from h3trt.server.queue import keep_leases
 
     stop, stall = threading.Event(), threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
@@ -159,8 +145,8 @@ def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder
     signal.signal(signal.SIGUSR1, lambda *_: stall.set())
     replica = f"{socket.gethostname()}:{os.getpid()}"
     log, rng = JsonLog(folder / f"replica-{index:03d}.jsonl"), random.Random(seed * 1000 + index)
-    store, storage = JobStore(store_url), Storage(storage_dir)
-    queue = StoreQueue(store, storage, 86400.0, defaults, Metrics(), log, name=lambda g: f"{replica}/group{g}")
+    parts = Parts.shared(store_url, storage_dir, log=log)
+    queue = parts.queue(entry, 86400.0, name=lambda g: f"{replica}/group{g}")
     threading.Thread(target=keep_leases, args=(queue, lease_s, stop, log, replica), daemon=True).start()
     log("replica_ready", replica=replica, index=index)
     while not stop.is_set():
@@ -184,7 +170,7 @@ def replica_main(index: int, defaults, store_url: str, storage_dir: Path, folder
                                         extra={"simulated": claim, **job.record}), mp4, job.output,
                              overwrite=job.overwrite)
         queue.report(Event(job.id, "done", "done", 100, record=record, group=0, attempt=job.attempt))
-    store.close()
+    parts.close()
 
 
 # --- the clients -------------------------------------------------------------------------------------------------------
@@ -516,9 +502,9 @@ def main(argv: list[str] | None = None) -> dict:
     from postgres import Postgres
 
     from h3trt.runtime.entry import Entry
-    from h3trt.server.service import request_defaults
     from h3trt.server.store import JobStore
     import h3trt.server.app  # noqa: F401  -- imported once here: the forked processes share it
+    import h3trt.server.parts  # noqa: F401
     import h3trt.server.queue  # noqa: F401
     import h3trt.runtime.records  # noqa: F401
     import h3trt.runtime.workers  # noqa: F401
@@ -547,7 +533,7 @@ def main(argv: list[str] | None = None) -> dict:
         api.start()
         listener.close()
         processes.append(api)
-        replicas = [fork.Process(target=replica_main, args=(i, request_defaults(entry), url, storage_dir, folder,
+        replicas = [fork.Process(target=replica_main, args=(i, entry, url, storage_dir, folder,
                                                             args.lease_s, tuple(args.generate_ms),
                                                             args.idle_poll_s, args.seed),
                                  daemon=True) for i in range(args.replicas)]

@@ -87,3 +87,17 @@ def setup_requirements(distribution: str) -> list:
             if canonicalize_name(requirement.name) == canonicalize_name(distribution):
                 found.append(requirement)
     return found
+
+
+class Logged:
+    """A server's log (server/log.py) kept in memory: log(event, **fields) appends; `events(name)` the fields of each
+    event of that name."""
+
+    def __init__(self):
+        self.lines: list[tuple[str, dict]] = []
+
+    def __call__(self, event: str, **fields) -> None:
+        self.lines.append((event, fields))
+
+    def events(self, name: str) -> list[dict]:
+        return [fields for event, fields in self.lines if event == name]

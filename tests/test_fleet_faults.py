@@ -15,6 +15,7 @@ sys.path.insert(0, os.path.dirname(__file__))
 
 from h3trt.runtime.jobs import Event
 from h3trt.runtime.records import ClipRecord
+from h3trt.runtime.workers import GroupState, GroupStatus
 from h3trt.server.metrics import Metrics
 from h3trt.server.options import ServeOptions
 from h3trt.server.queue import StoreQueue
@@ -44,7 +45,7 @@ class OneGroup:
     """A fleet's worker replicas as /ready sees them: one serving."""
 
     def status(self):
-        return [{"group": 0, "state": "serving", "restarts": 0, "jobs": [], "pids": []}]
+        return [GroupStatus(0, GroupState.SERVING)]
 
     def serving(self):
         return 1
@@ -251,7 +252,7 @@ def test_the_fleets_ready_shows_the_jobs_and_process_of_each_busy_replica(tmp_pa
     store.claim("hostA:11/group0")
     groups = Serve("h3trt", store)
     status = groups.status()
-    assert [(g["state"], g["jobs"], g["pids"], g.get("replica")) for g in status] == [
+    assert [(g.state, list(g.jobs), list(g.pids), g.replica) for g in status] == [
         ("busy", ["video_b"], [11], "hostA:11"), ("busy", ["video_a"], [22], "hostB:22"), ("serving", [], [], None),
         ("loading", [], [], None)]
     assert groups.serving() == 3
@@ -263,7 +264,7 @@ def test_the_fleets_ready_shows_the_jobs_and_process_of_each_busy_replica(tmp_pa
             raise OperationalError("SELECT", {}, Exception("connection refused"))
 
     groups = Serve("h3trt", Down())  # a store that does not answer: Serve's view, what runs unknown
-    assert [(g["state"], g["jobs"]) for g in groups.status()] == [("serving", [])] * 3 + [("loading", [])]
+    assert [(g.state, g.jobs) for g in groups.status()] == [("serving", ())] * 3 + [("loading", ())]
 
 
 def test_after_a_store_outage_a_replica_waits_a_lease_before_it_takes_others_jobs():

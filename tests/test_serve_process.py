@@ -93,7 +93,7 @@ class _SlowStream(io.TextIOBase):
 
 
 def test_concurrent_log_events_are_one_json_line_each(monkeypatch):
-    from h3trt.server.service import _log
+    from h3trt.server.log import SERVER_LOG as _log
 
     stream = _SlowStream()
     monkeypatch.setattr(sys, "stderr", stream)
@@ -183,6 +183,7 @@ class _FullDisk:
 
 def _node_parts(tmp_path):
     from h3trt.runtime.entry import Entry
+    from h3trt.runtime.workers import GroupState, GroupStatus
     from h3trt.server.metrics import Metrics
     from h3trt.server.options import ServeOptions
     from h3trt.server.queue import StoreQueue
@@ -192,7 +193,7 @@ def _node_parts(tmp_path):
 
     class OneGroup:
         def status(self):
-            return [{"group": 0, "state": "serving"}]
+            return [GroupStatus(0, GroupState.SERVING)]
 
         def serving(self):
             return 1

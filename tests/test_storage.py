@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from h3trt.runtime.workers import GroupState, GroupStatus
 from h3trt.server.storage import Storage, clip_key, job_keys, record_key, thumbnail_key, uploads_key
 
 pytestmark = pytest.mark.unit
@@ -121,7 +122,7 @@ def test_a_late_writer_whose_lease_ran_out_never_replaces_the_clip_of_the_rerun(
 
     class OneGroup:
         def status(self):
-            return [{"group": 0, "state": "serving", "restarts": 0, "jobs": [], "pids": []}]
+            return [GroupStatus(0, GroupState.SERVING)]
 
         def serving(self):
             return 1

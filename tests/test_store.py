@@ -10,6 +10,7 @@ import time
 import pytest
 
 from h3trt.errors import UserError
+from h3trt.runtime.workers import GroupState, GroupStatus
 from h3trt.server.store import MAX_ATTEMPTS, JobStore, metadata, sqlite_url
 
 pytestmark = pytest.mark.unit
@@ -177,7 +178,7 @@ def test_admission_bounds_the_queue_by_the_waiting_jobs_alone_and_reads_no_other
 
     class OneGroup:
         def status(self):
-            return [{"group": 0, "state": "serving", "restarts": 0, "jobs": [], "pids": []}]
+            return [GroupStatus(0, GroupState.SERVING)]
 
         def serving(self):
             return 1

@@ -19,6 +19,7 @@ worker_lost), so it finishes on another replica. Serve replaces the dead replica
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import socket
@@ -30,13 +31,12 @@ from ..errors import UserError
 from ..paths import use_bytecode_cache
 from ..runtime.entry import Entry
 from ..runtime.rank import WorkerSpec
-from ..runtime.workers import Workers
+from ..runtime.workers import GroupState, GroupStatus
 from ..server.app import create_app
-from ..server.metrics import Metrics
+from ..server.log import SERVER_LOG
 from ..server.options import ServeOptions
-from ..server.queue import StoreQueue, keep_leases
-from ..server.service import VideoService, _log, request_defaults
-from ..server.storage import Storage
+from ..server.parts import Parts, start_expiry
+from ..server.queue import keep_leases
 from ..server.store import JobStore, store_unreachable
 from .autoscale import QUEUED, RUNNING, QueueDepthPolicy
 from .options import FleetOptions
@@ -45,7 +45,6 @@ from .preflight import preflight
 EXTRA_MODULES = ("ray", "psycopg", "fsspec")  # and [serve]'s (server/main.py EXTRA_MODULES)
 WORKER_DEPLOYMENT, INGRESS_DEPLOYMENT = "WorkerReplica", "Ingress"
 STATUS_CACHE_S = 2.0  # how long the ingress reuses Serve's view of the worker replicas (/ready, /metrics)
-EXPIRY_PERIOD_S = 30.0
 
 
 class WorkerReplica:
@@ -56,14 +55,14 @@ class WorkerReplica:
         use_bytecode_cache()  # a replica is an entry point: it and the ranks it spawns keep their bytecode
         self.fleet, self.options = fleet, options
         self.id = f"{socket.gethostname()}:{os.getpid()}"
-        self.store, self.storage = JobStore(fleet.store_url), Storage(fleet.storage_url)
+        self.parts = Parts.shared(fleet.store_url, fleet.storage_url)
+        self.store, self.storage = self.parts.store, self.parts.storage
         # What replicas killed on this host left (partial clips, scratch and rank-group folders), before this one
         # writes its own; a live process's are left alone.
-        _log("swept", replica=self.id, **self.storage.sweep())
-        self.queue = StoreQueue(self.store, self.storage, options.retention_s, request_defaults(entry), Metrics(), _log,
-                                name=lambda group: f"{self.id}/group{group}")
-        self.workers = Workers(spec, self.queue, bundle_gpus(spec), load_failures_fatal=True,
-                               log=lambda m: _log("worker", replica=self.id, message=m))
+        SERVER_LOG("swept", replica=self.id, **self.storage.sweep())
+        self.queue = self.parts.queue(entry, options.retention_s, name=lambda group: f"{self.id}/group{group}")
+        self.workers = self.parts.workers(spec, self.queue, bundle_gpus(spec), load_failures_fatal=True,
+                                          replica=self.id)
         self.failure: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="h3trt-workers", daemon=True)
@@ -73,17 +72,17 @@ class WorkerReplica:
             if self.failure is not None:
                 raise RuntimeError(f"worker replica {self.id} could not start its replica group: {self.failure}")
             time.sleep(0.1)
-        _log("replica_ready", replica=self.id, groups=self.workers.status())
+        SERVER_LOG("replica_ready", replica=self.id, groups=[g.to_json() for g in self.workers.status()])
 
     def _run(self) -> None:
         try:
             self.workers.run()
         except BaseException as e:  # noqa: BLE001 -- check_health reports it; Serve replaces this replica
             self.failure = f"{type(e).__name__}: {e}"
-            _log("workers_stopped", replica=self.id, error=self.failure)
+            SERVER_LOG("workers_stopped", replica=self.id, error=self.failure)
 
     def _leases(self) -> None:
-        keep_leases(self.queue, self.fleet.lease_s, self._stop, _log, self.id)
+        keep_leases(self.queue, self.fleet.lease_s, self._stop, SERVER_LOG, self.id)
 
     def record_autoscaling_stats(self) -> dict[str, float]:
         """Serve's custom autoscaling metrics (fleet/autoscale.py): the fleet's queue depth, from the store."""
@@ -94,8 +93,8 @@ class WorkerReplica:
         if self.failure is not None or not self._thread.is_alive():
             raise RuntimeError(f"worker replica {self.id}: its replica group stopped ({self.failure})")
 
-    def status(self) -> list[dict]:
-        return [{**g, "replica": self.id} for g in self.workers.status()]
+    def status(self) -> list[GroupStatus]:
+        return [dataclasses.replace(g, replica=self.id) for g in self.workers.status()]
 
     def __del__(self) -> None:
         """Serve stops this replica (scale down, redeploy): take no new job, let the running one finish within the
@@ -107,8 +106,7 @@ class WorkerReplica:
         self.workers.stop()
         self._thread.join(30)
         self._stop.set()
-        self.storage.close()
-        self.store.close()
+        self.parts.close()
 
 
 def bundle_gpus(spec: WorkerSpec) -> list[str] | None:
@@ -138,12 +136,12 @@ class FleetGroups:
     what it runs from the store: a running job's row names its replica (host:pid/group), so a replica that holds one
     is busy, with its jobs and its process id (its ranks are that process's children)."""
 
-    STATES = {"RUNNING": "serving", "STARTING": "loading", "PENDING_MIGRATION": "serving"}
+    STATES = {"RUNNING": GroupState.SERVING, "STARTING": GroupState.LOADING, "PENDING_MIGRATION": GroupState.SERVING}
 
     def __init__(self, app_name: str, store: JobStore):
         self.app_name, self.store = app_name, store
         self._lock = threading.Lock()
-        self._cached: tuple[float, list[dict]] = (0.0, [])
+        self._cached: tuple[float, list[GroupStatus]] = (0.0, [])
 
     def replica_states(self) -> dict[str, int]:
         """Serve's count of the worker deployment's replicas by state."""
@@ -156,7 +154,7 @@ class FleetGroups:
             return {}
         return {str(getattr(state, "value", state)): n for state, n in states.items()}
 
-    def status(self) -> list[dict]:
+    def status(self) -> list[GroupStatus]:
         with self._lock:
             at, groups = self._cached
             if time.monotonic() - at < STATUS_CACHE_S:
@@ -173,18 +171,18 @@ class FleetGroups:
             busy = iter(sorted(running.items()))
             groups = []
             for i, name in enumerate(names):
-                group = {"group": i, "state": self.STATES.get(name, "restarting"), "restarts": 0, "jobs": [],
-                         "pids": [], "replica_state": name}
-                if group["state"] == "serving" and (held := next(busy, None)) is not None:
+                group = GroupStatus(i, self.STATES.get(name, GroupState.RESTARTING), replica_state=name)
+                if group.state is GroupState.SERVING and (held := next(busy, None)) is not None:
                     replica, job_ids = held
                     pid = replica.rsplit(":", 1)[-1]
-                    group.update(state="busy", replica=replica, jobs=job_ids, pids=[int(pid)] if pid.isdigit() else [])
+                    group = dataclasses.replace(group, state=GroupState.BUSY, replica=replica, jobs=job_ids,
+                                                pids=[int(pid)] if pid.isdigit() else [])
                 groups.append(group)
             self._cached = (time.monotonic(), groups)
             return groups
 
     def serving(self) -> int:
-        return sum(1 for g in self.status() if g["state"] in ("serving", "busy"))
+        return sum(1 for g in self.status() if g.state.serves)
 
 
 class Ingress:
@@ -194,21 +192,9 @@ class Ingress:
     def __init__(self, workers, entry: Entry, options: ServeOptions, fleet: FleetOptions, guidance_branches: int):
         use_bytecode_cache()  # a replica is an entry point (paths.py)
         self.workers = workers  # the worker deployment's handle: it binds the two into one application
-        store, storage, metrics = JobStore(fleet.store_url), Storage(fleet.storage_url), Metrics()
-        groups = FleetGroups(fleet.app_name, store)
-        metrics.watch(store, groups)
-        self.service = VideoService(entry, options, store, storage, groups, metrics, guidance_branches)
-        self._stop = threading.Event()
-        threading.Thread(target=self._expire, name="h3trt-expiry", daemon=True).start()
-
-    def _expire(self) -> None:
-        """Expire finished jobs (files and rows together) at a tenth of the retention, at most every 30 s."""
-        period = min(EXPIRY_PERIOD_S, max(0.5, self.service.options.retention_s / 10))
-        while not self._stop.wait(period):
-            try:
-                self.service.expire()
-            except Exception as e:  # noqa: BLE001 -- the store may be unreachable for a moment; try again
-                _log("expiry_error", error=f"{type(e).__name__}: {e}")
+        parts = Parts.shared(fleet.store_url, fleet.storage_url)
+        self.service = parts.service(entry, options, FleetGroups(fleet.app_name, parts.store), guidance_branches)
+        self._stop = start_expiry(self.service)
 
     def __serve_build_asgi_app__(self):
         return create_app(self.service)
@@ -266,7 +252,7 @@ def deploy(entry: Entry, options: ServeOptions, fleet: FleetOptions) -> int:
     serve.start(http_options={"host": options.host, "port": options.port})
     serve.run(application(entry, options, fleet, spec), name=fleet.app_name, route_prefix="/")
     url = f"http://{options.host}:{options.port}"
-    _log("fleet_ready", url=url, seconds=round(time.time() - started, 3), replicas=fleet.min_replicas,
+    SERVER_LOG("fleet_ready", url=url, seconds=round(time.time() - started, 3), replicas=fleet.min_replicas,
          store=_redacted(fleet.store_url), storage=fleet.storage_url)
     print(f"h3trt serve: the fleet serves at {url} ({fleet.min_replicas}..{fleet.max_replicas} worker replicas of "
           f"{spec.group_size} rank(s); `serve status`, `serve shutdown` manage it)", file=sys.stderr, flush=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from multiprocessing import connection
 from typing import Callable
 
@@ -50,6 +50,54 @@ class LaunchKind(StrEnum):
 
 
 HOW = tuple(LaunchKind)
+
+
+class GroupState(StrEnum):
+    """Where a replica group is (a server's /ready and /metrics, by state)."""
+
+    LOADING = "loading"  # its ranks are loading the pipeline
+    SERVING = "serving"  # loaded, waiting for work
+    BUSY = "busy"  # loaded, running work
+    RESTARTING = "restarting"  # a rank died; the group starts again (after a back-off)
+    STOPPED = "stopped"  # it stopped cleanly: no more work
+
+    @property
+    def serves(self) -> bool:
+        """Loaded and serving, busy or free (what /ready counts)."""
+        return self in (GroupState.SERVING, GroupState.BUSY)
+
+
+@dataclass(frozen=True)
+class GroupStatus:
+    """One replica group as a server's /ready lists it and its /metrics counts it: this node's (`Workers.status`) or
+    a fleet's worker replica (fleet/deploy.py `FleetGroups`). Its JSON is the fields in order, the optional ones only
+    when set."""
+
+    group: int
+    state: GroupState  # a string is taken as its member
+    restarts: int = 0  # restarts after a rank died
+    jobs: tuple[str, ...] = ()  # the ids of the jobs it runs
+    pids: tuple[int, ...] = ()  # its ranks' processes (a fleet's: the replica's, whose children they are)
+    last_failure: str | None = None  # why it last failed, in its first failed rank's words
+    replica_state: str | None = None  # a fleet's: Serve's state of the worker replica (RUNNING, STARTING, ...)
+    replica: str | None = None  # a fleet's: the worker replica (host:pid) that runs it
+
+    def __post_init__(self):
+        object.__setattr__(self, "state", GroupState(self.state))
+        object.__setattr__(self, "jobs", tuple(self.jobs))
+        object.__setattr__(self, "pids", tuple(self.pids))
+
+    def to_json(self) -> dict:
+        return {"group": self.group, "state": self.state.value, "restarts": self.restarts, "jobs": list(self.jobs),
+                "pids": list(self.pids), **{name: getattr(self, name) for name in _OPTIONAL_STATUS
+                                            if getattr(self, name) is not None}}
+
+    @classmethod
+    def from_json(cls, data: dict) -> GroupStatus:
+        return cls(**{f.name: data[f.name] for f in fields(cls) if f.name in data})
+
+
+_OPTIONAL_STATUS = ("last_failure", "replica_state", "replica")
 
 
 def serve_queue(spec: WorkerSpec, queue_of: Callable[[int, int], JobQueue], how: LaunchKind,
@@ -119,12 +167,12 @@ class _Group:
     cancels_sent: set = field(default_factory=set)
 
     @property
-    def state(self) -> str:
+    def state(self) -> GroupState:
         if self.done:
-            return "stopped"
+            return GroupState.STOPPED
         if self.ranks is None:
-            return "restarting"
-        return "busy" if self.busy else ("serving" if self.up else "loading")
+            return GroupState.RESTARTING
+        return GroupState.BUSY if self.busy else (GroupState.SERVING if self.up else GroupState.LOADING)
 
     @property
     def up(self) -> bool:
@@ -138,8 +186,10 @@ class Workers:
     `drain()` or `stop()` from another."""
 
     def __init__(self, spec: WorkerSpec, queue: JobQueue, gpus: list[str] | None, load_failures_fatal: bool = True,
-                 log: Callable[[str], None] = lambda m: print(f"h3trt: {m}", file=sys.stderr)):
+                 log: Callable[[str], None] = lambda m: print(f"h3trt: {m}", file=sys.stderr),
+                 rank_group: Callable[..., RankGroup] = RankGroup):
         self.spec, self.queue, self.gpus, self.fatal, self.log = spec, queue, gpus, load_failures_fatal, log
+        self.rank_group = rank_group  # starts a group's ranks (tests/test_workers.py passes one of threads)
         self.groups = [_Group(i) for i in range(spec.mesh.replica)]
         self._draining = threading.Event()
         self._stop = threading.Event()
@@ -156,11 +206,11 @@ class Workers:
         """Stop every group now (what they hold goes back to the queue as lost, not to blame)."""
         self._stop.set()
 
-    def status(self) -> list[dict]:
+    def status(self) -> list[GroupStatus]:
         with self.lock:
-            return [{"group": g.index, "state": g.state, "restarts": g.restarts, "jobs": list(g.holding),
-                     "pids": [p.pid for p in g.ranks.procs] if g.ranks is not None else [],
-                     **({"last_failure": g.last_failure} if g.last_failure else {})} for g in self.groups]
+            return [GroupStatus(g.index, g.state, g.restarts, tuple(g.holding),
+                                tuple(p.pid for p in g.ranks.procs) if g.ranks is not None else (),
+                                g.last_failure or None) for g in self.groups]
 
     def serving(self) -> int:
         """Groups loaded and serving (busy or free)."""
@@ -197,9 +247,9 @@ class Workers:
         pipes = [ctx.Pipe() for _ in range(self.spec.group_size)]
         with self.lock:
             g.conns, g.ready, g.busy, g.holding, g.cancels_sent = [p[0] for p in pipes], 0, False, {}, set()
-            g.ranks = RankGroup(group_rank_main, self.spec.group_size,
-                                lambda r: (pipes[r][1], self.spec, g.index), self.gpus,
-                                first_gpu=g.index * self.spec.group_size)
+            g.ranks = self.rank_group(group_rank_main, self.spec.group_size,
+                                      lambda r: (pipes[r][1], self.spec, g.index), self.gpus,
+                                      first_gpu=g.index * self.spec.group_size)
         for _, child in pipes:
             child.close()  # the children hold their ends; the launcher sees EOF when a child is gone
 

@@ -10,7 +10,8 @@
 
 Every route that touches the store or the disk runs on a worker thread (sync handlers, FileResponse), so the event
 loop never waits on them, and nothing here touches the GPU (the job loop runs in other processes). Errors are
-OpenAI's envelope: {"error": {"message", "type", "param", "code"}}.
+OpenAI's envelope: {"error": {"message", "type", "param", "code"}}. The models of what goes over the wire, and the
+schema of what POST /v1/videos takes, are server/wire.py.
 """
 
 from __future__ import annotations
@@ -22,130 +23,27 @@ import time
 import traceback
 import urllib.parse
 from importlib import resources
-from typing import Literal
+from typing import Callable, Literal
 
 from fastapi import Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import FileResponse, HTMLResponse, JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel, Field
 from sqlalchemy.exc import SQLAlchemyError
 from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartParser
 
 from ..runtime.records import ClipRecord
-from ..runtime.schema import FILE, UPLOADS, openapi_fields
+from ..runtime.schema import FILE, UPLOADS
 from .service import ApiError, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, is_disk_full, store_unreachable
+from .wire import CREATE_BODY, ERRORS, Evaluations, Health, Ready, Video, VideoDeleted, VideoError, VideoList
 
 JOB_ID = re.compile(r"/v1/videos/(video_[0-9a-f]{32})")
 STORE_RETRY_AFTER_S = 5  # what a 503 for an unreachable job store tells clients to wait
 POLL_AFTER_MS = 500  # what GET tells the SDK's poll() to wait before asking again
-
-
-# --- the wire format (the OpenAPI schema clients and schemathesis read) ------------------------------------------------
-
-class VideoError(BaseModel):
-    code: str
-    message: str
-
-
-class Evaluations(BaseModel):
-    done: int = Field(description="denoise evaluations finished on the device")
-    total: int = Field(description="denoise evaluations of the job (0 until it starts)")
-
-
-class Video(BaseModel):
-    """OpenAI's video job object, with H3's own fields after `size`."""
-
-    id: str
-    object: Literal["video"] = "video"
-    model: str
-    status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
-    progress: int = Field(ge=0, le=100, description="percent: denoise evaluations finished on the device, then "
-                                                    "decode; monotonic")
-    created_at: int
-    completed_at: int | None = None
-    expires_at: int | None = None
-    prompt: str
-    seconds: str
-    size: str
-    error: VideoError | None = None
-    remixed_from_video_id: str | None = None
-    task: str
-    seed: int
-    steps: int
-    stage: str
-    evaluations: Evaluations
-    started_at: int | None = None
-    attempts: int
-    cancel_requested: bool
-    timings: dict[str, float] | None = Field(None, description="seconds per stage (the clip's record)")
-    stage_spans: dict[str, list[float]] | None = Field(None, description="each stage's [start, end], Unix seconds")
-    manifest_sha256: str | None = Field(None, description="the served bundle's manifest hash")
-    sparse_attention: dict | None = Field(None, description="block-sparse attention (the clip's record): sparsity "
-                                                            "asked, kept_fraction, sparse_evaluations")
-
-
-class VideoList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[Video]
-    first_id: str | None = None
-    last_id: str | None = None
-    has_more: bool
-
-
-class VideoDeleted(BaseModel):
-    id: str
-    object: Literal["video.deleted"] = "video.deleted"
-    deleted: bool
-
-
-class ErrorBody(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class ErrorEnvelope(BaseModel):
-    error: ErrorBody
-
-
-class Ready(BaseModel):
-    ready: bool
-    draining: bool
-    store_reachable: bool  # the job store answers (a fleet's PostgreSQL may be down for a while)
-    groups_serving: int
-    groups: list[dict]
-    model: str
-
-
-class Health(BaseModel):
-    status: Literal["ok"] = "ok"
-    uptime_s: float
-
-
-# The create body's fields, from the request schema's one table (runtime/schema.py): its value fields as JSON; with
-# multipart, its file fields too.
-CREATE_FIELDS = openapi_fields(multipart=False)
-CREATE_BODY = {
-    "required": True,
-    "content": {
-        "application/json": {"schema": {"type": "object", "required": ["prompt"], "properties": CREATE_FIELDS,
-                                        "additionalProperties": False}},
-        "multipart/form-data": {"schema": {"type": "object", "required": ["prompt"],
-                                           "properties": openapi_fields(multipart=True)}},
-    },
-}
-ERRORS = {status: {"model": ErrorEnvelope, "description": text} for status, text in (
-    (400, "a field is wrong (the message names it and the fix)"), (401, "missing or wrong API key"),
-    (404, "no such job"), (409, "the job has no content yet"), (413, "the body is over the limit"),
-    (429, "the queue is full (Retry-After)"),
-    (503, "the server is draining, or its job store is unreachable (Retry-After)"),
-    (507, "the server's data disk is full (Retry-After)"))}
 
 
 # --- the app -----------------------------------------------------------------------------------------------------------
@@ -153,16 +51,28 @@ ERRORS = {status: {"model": ErrorEnvelope, "description": text} for status, text
 def create_app(service: VideoService) -> FastAPI:
     app = FastAPI(title="h3trt serve", version="1", description="OpenAI-compatible video jobs over MiniMax-H3.",
                   docs_url=None, redoc_url=None, openapi_url=None)  # served below, behind the key unless --open docs
-    options = service.options
+    _error_handlers(app, service)
+    api, keyed = _authorization(service.options)
+    _doc_routes(app, keyed)
+    _video_routes(app, service, api)
+    _operation_routes(app, service, keyed)
+    app.add_middleware(AccessLog, service=service)
+    app.add_middleware(BodyLimit, limit=service.options.max_body_bytes)
+    return app
 
-    def envelope(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
-                 headers: dict | None = None) -> JSONResponse:
-        return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
-                            headers=headers)
+
+def _envelope(status: int, message: str, kind: str, param: str | None = None, code: str | None = None,
+              headers: dict | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status,
+                        headers=headers)
+
+
+def _error_handlers(app: FastAPI, service: VideoService) -> None:
+    """Every error in OpenAI's envelope, with its status and, where it has one, the field at fault."""
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
-        return envelope(e.status, str(e), e.kind, e.param, "disk_full" if e.status == 507 else None, e.headers)
+        return _envelope(e.status, str(e), e.kind, e.param, "disk_full" if e.status == 507 else None, e.headers)
 
     async def disk_full(request: Request, e: Exception):
         """Any route that met a full data disk (a cancel's write, a listing's read of a full WAL): 507 in the
@@ -170,7 +80,7 @@ def create_app(service: VideoService) -> FastAPI:
         if not is_disk_full(e):
             raise e
         full = disk_full_error()
-        return envelope(full.status, str(full), full.kind, None, "disk_full", full.headers)
+        return _envelope(full.status, str(full), full.kind, None, "disk_full", full.headers)
 
     app.add_exception_handler(OSError, disk_full)
 
@@ -178,7 +88,7 @@ def create_app(service: VideoService) -> FastAPI:
     async def validation_error(request: Request, e: RequestValidationError):
         first = e.errors()[0] if e.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return envelope(400, f"{where or 'request'}: {first.get('msg', 'invalid')}", "invalid_request_error", where)
+        return _envelope(400, f"{where or 'request'}: {first.get('msg', 'invalid')}", "invalid_request_error", where)
 
     @app.exception_handler(SQLAlchemyError)
     async def store_error(request: Request, e: SQLAlchemyError):
@@ -189,8 +99,8 @@ def create_app(service: VideoService) -> FastAPI:
         if not store_unreachable(e):
             raise e
         service.log("store_unreachable", path=request.url.path, error=" ".join(str(e).split())[:300])
-        return envelope(503, "The job store is unreachable for the moment; retry in a few seconds.", "server_error",
-                        code="store_unreachable", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
+        return _envelope(503, "The job store is unreachable for the moment; retry in a few seconds.", "server_error",
+                         code="store_unreachable", headers={"Retry-After": str(STORE_RETRY_AFTER_S)})
 
     @app.exception_handler(Exception)
     async def internal_error(request: Request, e: Exception):
@@ -199,13 +109,18 @@ def create_app(service: VideoService) -> FastAPI:
         service.log("internal_error", method=request.method, path=request.url.path,
                     error=f"{type(e).__name__}: {' '.join(str(e).split())[:300]}",
                     trace="".join(traceback.format_exception(e))[-4000:])
-        return envelope(500, "The server failed on this request (logged as internal_error with its traceback); "
-                             "retry, and report it if it persists.", "server_error", code="internal_error")
+        return _envelope(500, "The server failed on this request (logged as internal_error with its traceback); "
+                              "retry, and report it if it persists.", "server_error", code="internal_error")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, e: StarletteHTTPException):
-        return envelope(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else
-                        "server_error")
+        return _envelope(e.status_code, str(e.detail), "invalid_request_error" if e.status_code < 500 else
+                         "server_error")
+
+
+def _authorization(options) -> tuple[list, Callable[[str], list]]:
+    """The API key's dependency for the routes that need it (none without --api-key), and `keyed(endpoint)`: the
+    same, unless the operator opened `endpoint` (--open)."""
 
     def authorized(request: Request) -> None:
         if options.api_key is None:
@@ -219,9 +134,12 @@ def create_app(service: VideoService) -> FastAPI:
     api = [Depends(authorized)]
 
     def keyed(endpoint: str) -> list:
-        """The key's dependency, unless the operator opened `endpoint` (--open)."""
         return [] if endpoint in options.open_endpoints else api
 
+    return api, keyed
+
+
+def _doc_routes(app: FastAPI, keyed: Callable[[str], list]) -> None:
     @app.get("/openapi.json", include_in_schema=False, dependencies=keyed("docs"))
     def openapi_schema():
         return JSONResponse(app.openapi())
@@ -229,6 +147,10 @@ def create_app(service: VideoService) -> FastAPI:
     @app.get("/docs", include_in_schema=False, dependencies=keyed("docs"))
     def docs():
         return get_swagger_ui_html(openapi_url="/openapi.json", title="h3trt serve")
+
+
+def _video_routes(app: FastAPI, service: VideoService, api: list) -> None:
+    """OpenAI's Videos job API (module doc)."""
 
     @app.post("/v1/videos", response_model=Video, dependencies=api, responses=ERRORS,
               openapi_extra={"requestBody": CREATE_BODY})
@@ -279,6 +201,10 @@ def create_app(service: VideoService) -> FastAPI:
     def cancel_video(video_id: str) -> Video:
         return video_of(service, service.cancel(video_id))
 
+
+def _operation_routes(app: FastAPI, service: VideoService, keyed: Callable[[str], list]) -> None:
+    """/health, /ready, /metrics and the page."""
+
     @app.get("/health", response_model=Health)
     def health() -> Health:
         return Health(uptime_s=round(time.time() - service.started, 3))
@@ -288,8 +214,9 @@ def create_app(service: VideoService) -> FastAPI:
         serving = service.groups.serving()
         store = service.store.reachable()
         draining = service.draining.is_set()
+        groups = [g.to_json() for g in service.groups.status()]
         body = Ready(ready=serving > 0 and store and not draining, draining=draining, store_reachable=store,
-                     groups_serving=serving, groups=service.groups.status(), model=service.model_id)
+                     groups_serving=serving, groups=groups, model=service.model_id)
         return JSONResponse(body.model_dump(), 200 if body.ready else 503)
 
     @app.get("/metrics", response_class=Response, dependencies=keyed("metrics"),
@@ -300,10 +227,6 @@ def create_app(service: VideoService) -> FastAPI:
     @app.get("/", response_class=HTMLResponse, include_in_schema=False)
     def page():
         return HTMLResponse(resources.files("h3trt.server").joinpath("page.html").read_text(encoding="utf-8"))
-
-    app.add_middleware(AccessLog, service=service)
-    app.add_middleware(BodyLimit, limit=options.max_body_bytes)
-    return app
 
 
 async def _read_create(request: Request) -> tuple[dict, list[Upload], bool]:

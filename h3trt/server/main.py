@@ -4,7 +4,8 @@
      server per folder: a lock naming its holder)
   2. recover the store: jobs a stopped server was running are queued again (once), files without a job removed
   3. start the replica groups (runtime/workers.py, on a thread of this process; their ranks in processes of their
-     own, loading the model once each), the expiry sweep, and the HTTP server (uvicorn, this thread)
+     own, loading the model once each), the expiry loop, and the HTTP server (uvicorn, this thread); the parts are
+     wired in server/parts.py, as a fleet's are
   4. SIGTERM or Ctrl-C: drain (new jobs 503, running jobs finish within --drain-timeout, queued jobs stay in the
      store), then exit 0; a second signal stops at once (running jobs are queued again for the next start)
 """
@@ -14,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import signal
 import socket
-import sys
 import threading
 import time
 from pathlib import Path
@@ -24,6 +24,7 @@ from ..errors import UserError
 from ..runtime.entry import Entry
 from ..runtime.files import BATCH_LOCK
 from ..runtime.workers import launch_gpus
+from .log import SERVER_LOG
 from .options import LOOPBACK, ServeOptions
 
 EXTRA_MODULES = ("fastapi", "uvicorn", "prometheus_client", "sqlalchemy", "alembic", "multipart")
@@ -79,27 +80,16 @@ class Node:
     """One node's server: the API side and the worker side over one SQLite store and one data folder."""
 
     def __init__(self, entry: Entry, options: ServeOptions, spec, gpus):
-        from ..runtime.workers import Workers
-        from .metrics import Metrics
-        from .queue import StoreQueue
-        from .service import VideoService, _log, request_defaults
-        from .storage import Storage
-        from .store import JobStore, sqlite_url
+        from .parts import Parts
 
-        for folder in ("clips", "uploads"):  # the data folder's layout (README, "What survives a restart")
-            (options.data_dir / folder).mkdir(parents=True, exist_ok=True)
-        store, storage, metrics = JobStore(sqlite_url(options.data_dir)), Storage(options.data_dir.resolve()), Metrics()
-        self.queue = StoreQueue(store, storage, options.retention_s, request_defaults(entry), metrics, _log)
-        self.workers = Workers(spec, self.queue, gpus, load_failures_fatal=False,
-                               log=lambda m: _log("worker", message=m))
-        metrics.watch(store, self.workers)
-        self.service = VideoService(entry, options, store, storage, self.workers, metrics, spec.mesh.cfg)
+        self.parts = Parts.node(options.data_dir)
+        self.queue = self.parts.queue(entry, options.retention_s)
+        self.workers = self.parts.workers(spec, self.queue, gpus, load_failures_fatal=False)
+        self.service = self.parts.service(entry, options, self.workers, spec.mesh.cfg)
 
     def drain(self, timeout_s: float) -> bool:
         """SIGTERM: refuse new jobs, let the running ones finish (at most `timeout_s`); queued jobs stay queued.
         True when every running job ended within the bound."""
-        from .service import _log
-
         store = self.service.store
         self.service.draining.set()
         self.workers.drain()
@@ -108,8 +98,8 @@ class Node:
             time.sleep(0.2)
         clean = not store.counts()["in_progress"]
         if not clean:
-            _log("drain_timeout", message=f"running jobs did not finish within {timeout_s:g} s; they are queued again "
-                                          "for the next start")
+            SERVER_LOG("drain_timeout", message=f"running jobs did not finish within {timeout_s:g} s; they are queued "
+                                                "again for the next start")
         self.workers.stop()
         return clean
 
@@ -118,19 +108,17 @@ def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus, listener: soc
     import uvicorn
 
     from .app import create_app
-    from .service import _log
+    from .parts import start_expiry
 
     node = Node(entry, options, spec, gpus)
     service = node.service
     node.queue.recover()
     if options.api_key is None:
-        _log("no_auth", message=f"no --api-key: serving on {LOOPBACK} only, without authentication")
+        SERVER_LOG("no_auth", message=f"no --api-key: serving on {LOOPBACK} only, without authentication")
     entry.note()
     workers = threading.Thread(target=_run_workers, args=(node.workers,), name="h3trt-workers")
     workers.start()
-    stop_sweep = threading.Event()
-    sweep = threading.Thread(target=_sweep, args=(service, stop_sweep), name="h3trt-expiry", daemon=True)
-    sweep.start()
+    stop_expiry = start_expiry(service)
     server = _Server(uvicorn.Config(create_app(service), host=options.host, port=options.port, log_level="warning",
                                    access_log=False, lifespan="off", timeout_graceful_shutdown=5), node)
     try:
@@ -140,12 +128,12 @@ def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus, listener: soc
             service.draining.set()
         node.workers.stop()
         workers.join(timeout=60)
-        stop_sweep.set()
-        service.store.close()
+        stop_expiry.set()
+        node.parts.close()
     if server.bind_failed:
         raise UserError(f"could not listen on {options.host}:{options.port} (in use, or not an address of this "
                         "host); pass another --port.")
-    _log("stopped", message="queued jobs stay in the store for the next start")
+    SERVER_LOG("stopped", message="queued jobs stay in the store for the next start")
     return 0
 
 
@@ -168,17 +156,7 @@ def _run_workers(workers) -> None:
     try:
         workers.run()
     except BaseException as e:  # noqa: BLE001 -- the server stays up; /ready says no group serves
-        from .service import _log
-
-        _log("workers_stopped", error=f"{type(e).__name__}: {e}")
-
-
-def _sweep(service, stop: threading.Event) -> None:
-    """Expire finished jobs (files and rows together) at a tenth of the retention, at most every 30 s."""
-    period = min(30.0, max(0.5, service.options.retention_s / 10))
-    while not stop.wait(period):
-        with contextlib.suppress(Exception):
-            service.expire()
+        SERVER_LOG("workers_stopped", error=f"{type(e).__name__}: {e}")
 
 
 class _Server:
@@ -213,55 +191,40 @@ class _Server:
             self.bind_failed = True
 
     def _started(self, server) -> None:
-        from .service import _log
-
         sockets = [s for srv in server.servers for s in srv.sockets]
         host, port = sockets[0].getsockname()[:2] if sockets else (self.service.options.host, 0)
-        _log("listening", url=f"http://{host}:{port}")
-        _say(f"h3trt serve: listening on http://{host}:{port} (the model loads in the workers; GET /ready)")
+        SERVER_LOG("listening", url=f"http://{host}:{port}")
+        SERVER_LOG.say(f"h3trt serve: listening on http://{host}:{port} (the model loads in the workers; GET /ready)")
         threading.Thread(target=self._announce_ready, args=(f"http://{host}:{port}",), daemon=True).start()
 
     def _announce_ready(self, url: str) -> None:
-        from .service import _log
-
         while not self.service.draining.is_set():
             serving = self.node.workers.serving()
             if serving:
                 total = len(self.node.workers.groups)
-                _log("ready", url=url, groups_serving=serving, groups=total)
-                _say(f"h3trt serve: ready at {url}: {serving} of {total} replica group(s) serving "
-                     f"{self.service.model_id}")
+                SERVER_LOG("ready", url=url, groups_serving=serving, groups=total)
+                SERVER_LOG.say(f"h3trt serve: ready at {url}: {serving} of {total} replica group(s) serving "
+                               f"{self.service.model_id}")
                 return
             time.sleep(0.2)
 
     def _signal(self, signum, frame) -> None:
-        from .service import _log
-
         self._signals += 1
         if self._signals > 1:
-            _log("stopping", message="second signal: stopping now; running jobs are queued again")
+            SERVER_LOG("stopping", message="second signal: stopping now; running jobs are queued again")
             self.service.draining.set()
             self.node.workers.stop()
             self.server.should_exit = True
             return
-        _log("draining", signal=signal.Signals(signum).name, timeout_s=self.service.options.drain_timeout_s)
-        _say(f"h3trt serve: draining (new jobs get 503; running jobs may take {self.service.options.drain_timeout_s:g}"
-             " s; a second signal stops now)")
+        SERVER_LOG("draining", signal=signal.Signals(signum).name, timeout_s=self.service.options.drain_timeout_s)
+        SERVER_LOG.say("h3trt serve: draining (new jobs get 503; running jobs may take "
+                       f"{self.service.options.drain_timeout_s:g} s; a second signal stops now)")
 
         def drain():
             self.node.drain(self.service.options.drain_timeout_s)
             self.server.should_exit = True
 
         threading.Thread(target=drain, name="h3trt-drain", daemon=True).start()
-
-
-def _say(text: str) -> None:
-    """A line for the person at the terminal, written as the JSON events are (whole, under their lock)."""
-    from .service import _LOG_LOCK
-
-    with _LOG_LOCK:
-        sys.stderr.write(text + "\n")
-        sys.stderr.flush()
 
 
 def _importable(module: str) -> bool:

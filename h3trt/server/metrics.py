@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from ..runtime.records import ClipRecord
+from ..runtime.workers import GroupState, GroupStatus
 
 LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1200, 1800, 3600, float("inf"))
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 4, 5, 7.5, 10, 20, float("inf"))
@@ -30,8 +31,8 @@ class Groups(Protocol):
     """The replica groups a server's /ready and /metrics describe: its own (runtime/workers.py `Workers`), or a
     fleet's worker replicas (h3trt/fleet/)."""
 
-    def status(self) -> list[dict]:
-        """One dict a group: group, state (loading, serving, busy, restarting, stopped), restarts, jobs, pids."""
+    def status(self) -> list[GroupStatus]:
+        """Each group's state (loading, serving, busy, restarting, stopped), restarts, jobs and processes."""
 
     def serving(self) -> int:
         """Groups loaded and serving (busy or free)."""
@@ -106,12 +107,12 @@ class _StoreCollector:
         yield jobs
         groups = GaugeMetricFamily("h3trt_replica_groups", "Replica groups, by state.", labels=["state"])
         status = self.groups.status()
-        states = [g["state"] for g in status]
-        for state in ("loading", "serving", "busy", "restarting", "stopped"):
-            groups.add_metric([state], states.count(state))
+        states = [g.state for g in status]
+        for state in GroupState:
+            groups.add_metric([state.value], states.count(state))
         yield groups
         restarts = CounterMetricFamily("h3trt_replica_group_restarts", "Restarts of groups whose rank died.")
-        restarts.add_metric([], sum(g.get("restarts", 0) for g in status))
+        restarts.add_metric([], sum(g.restarts for g in status))
         yield restarts
 
 

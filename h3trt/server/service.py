@@ -13,8 +13,6 @@ The worker side (the store-fed JobQueue, events -> rows, recovery) is server/que
 
 from __future__ import annotations
 
-import json
-import sys
 import threading
 import time
 import uuid
@@ -29,6 +27,7 @@ from ..runtime.request import Request
 from ..runtime.requests import RequestDefaults, parse_object
 from ..runtime.schema import (API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value,
                               schema_values)
+from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
 from .store import JobRow, JobStore, is_disk_full
@@ -64,7 +63,7 @@ class VideoService:
                  metrics: Metrics, guidance_branches: int = 1, log=None):
         self.entry, self.options, self.store, self.storage = entry, options, store, storage
         self.groups, self.metrics, self.guidance_branches = groups, metrics, guidance_branches
-        self.log = log or _log
+        self.log = log or SERVER_LOG
         self.model_id = SERVED_MODEL + ("-tiny" if entry.tiny else "")
         self.manifest_sha256 = entry.manifest.manifest_sha256 if entry.manifest is not None else None
         self.draining = threading.Event()
@@ -250,18 +249,3 @@ def _save_uploads(uploads: list[Upload], folder: Path, sent: dict[Path, str]) ->
                 raise ApiError(400, f"{name} takes one file, got {len(saved[name])}.", name)
             schema[field.key] = saved[name] if field.many else saved[name][0]
     return schema
-
-
-_LOG_LOCK = threading.Lock()  # one writer at a time: the HTTP threads, the workers' and the drain's share stderr
-
-
-def _log(event: str, **fields) -> None:
-    """One JSON line per event on stderr (structured: a log shipper reads it as is). The line and its newline go out
-    in one write under a lock, then flushed: print() writes them in two calls, and two threads' events were glued
-    onto one line between them."""
-    line = json.dumps({"ts": round(time.time(), 3), "event": event, **fields}, default=str) + "\n"
-    with _LOG_LOCK:
-        stream = sys.stderr
-        stream.write(line)
-        stream.flush()
-

@@ -1,0 +1,113 @@
+"""The wire format of `h3trt serve`'s API (server/app.py): the pydantic models of its answers and the OpenAPI schema
+of what POST /v1/videos takes (CREATE_FIELDS, CREATE_BODY) and of its errors (ERRORS), which clients and
+schemathesis read. Errors are OpenAI's envelope: {"error": {"message", "type", "param", "code"}}.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, Field
+
+from ..runtime.schema import openapi_fields
+
+
+class VideoError(BaseModel):
+    code: str
+    message: str
+
+
+class Evaluations(BaseModel):
+    done: int = Field(description="denoise evaluations finished on the device")
+    total: int = Field(description="denoise evaluations of the job (0 until it starts)")
+
+
+class Video(BaseModel):
+    """OpenAI's video job object, with H3's own fields after `size`."""
+
+    id: str
+    object: Literal["video"] = "video"
+    model: str
+    status: Literal["queued", "in_progress", "completed", "failed", "cancelled"]
+    progress: int = Field(ge=0, le=100, description="percent: denoise evaluations finished on the device, then "
+                                                    "decode; monotonic")
+    created_at: int
+    completed_at: int | None = None
+    expires_at: int | None = None
+    prompt: str
+    seconds: str
+    size: str
+    error: VideoError | None = None
+    remixed_from_video_id: str | None = None
+    task: str
+    seed: int
+    steps: int
+    stage: str
+    evaluations: Evaluations
+    started_at: int | None = None
+    attempts: int
+    cancel_requested: bool
+    timings: dict[str, float] | None = Field(None, description="seconds per stage (the clip's record)")
+    stage_spans: dict[str, list[float]] | None = Field(None, description="each stage's [start, end], Unix seconds")
+    manifest_sha256: str | None = Field(None, description="the served bundle's manifest hash")
+    sparse_attention: dict | None = Field(None, description="block-sparse attention (the clip's record): sparsity "
+                                                            "asked, kept_fraction, sparse_evaluations")
+
+
+class VideoList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Video]
+    first_id: str | None = None
+    last_id: str | None = None
+    has_more: bool
+
+
+class VideoDeleted(BaseModel):
+    id: str
+    object: Literal["video.deleted"] = "video.deleted"
+    deleted: bool
+
+
+class ErrorBody(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class ErrorEnvelope(BaseModel):
+    error: ErrorBody
+
+
+class Ready(BaseModel):
+    ready: bool
+    draining: bool
+    store_reachable: bool  # the job store answers (a fleet's PostgreSQL may be down for a while)
+    groups_serving: int
+    groups: list[dict]
+    model: str
+
+
+class Health(BaseModel):
+    status: Literal["ok"] = "ok"
+    uptime_s: float
+
+
+# The create body's fields, from the request schema's one table (runtime/schema.py): its value fields as JSON; with
+# multipart, its file fields too.
+CREATE_FIELDS = openapi_fields(multipart=False)
+CREATE_BODY = {
+    "required": True,
+    "content": {
+        "application/json": {"schema": {"type": "object", "required": ["prompt"], "properties": CREATE_FIELDS,
+                                        "additionalProperties": False}},
+        "multipart/form-data": {"schema": {"type": "object", "required": ["prompt"],
+                                           "properties": openapi_fields(multipart=True)}},
+    },
+}
+ERRORS = {status: {"model": ErrorEnvelope, "description": text} for status, text in (
+    (400, "a field is wrong (the message names it and the fix)"), (401, "missing or wrong API key"),
+    (404, "no such job"), (409, "the job has no content yet"), (413, "the body is over the limit"),
+    (429, "the queue is full (Retry-After)"),
+    (503, "the server is draining, or its job store is unreachable (Retry-After)"),
+    (507, "the server's data disk is full (Retry-After)"))}

@@ -1,0 +1,135 @@
+"""The worker side of the job store (server/queue.py `StoreQueue`), in this process over SQLite in a temporary folder:
+what each call does to a job's row and files. take claims; report turns a claim's events into its row (progress, the
+end, the clip published before the row says completed); the lease fences a claim that lost its job; cancels and lost
+groups end jobs as the API and the supervisor ask."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from helpers import Logged
+
+from h3trt.runtime.jobs import Event
+from h3trt.runtime.records import ClipRecord, Failure
+from h3trt.runtime.requests import RequestDefaults
+from h3trt.server.metrics import Metrics
+from h3trt.server.queue import StoreQueue
+from h3trt.server.storage import Storage, clip_key, record_key, uploads_key
+from h3trt.server.store import MAX_ATTEMPTS, JobStore, sqlite_url
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.fixture
+def queue(tmp_path):
+    for folder in ("clips", "uploads"):
+        (tmp_path / folder).mkdir()
+    store = JobStore(sqlite_url(tmp_path))
+    q = StoreQueue(store, Storage(tmp_path), 60.0, RequestDefaults(steps=2), Metrics(), Logged(),
+                   name=lambda g: f"host:1/group{g}")
+    yield q
+    store.close()
+
+
+def queued(queue: StoreQueue, *names: str) -> list[str]:
+    ids = []
+    for name in names:
+        job = f"video_{name:0>32}"
+        queue.store.create(job, {"schema": {"prompt": f"clip {name}", "seed": 3}, "openai": {}, "geometry": [64, 32]})
+        (queue.storage.local / uploads_key(job)).mkdir()
+        ids.append(job)
+    return ids
+
+
+def committed(queue: StoreQueue, job) -> ClipRecord:
+    """What a rank leaves for a claim: its MP4 and record under the claim's names."""
+    queue.storage.work_path(clip_key(job.id, job.attempt)).write_bytes(b"mp4")
+    queue.storage.work_path(record_key(job.id, job.attempt)).write_text("{}")
+    return ClipRecord(status="done", id=job.id)
+
+
+def test_take_claims_the_oldest_queued_job_once_under_the_groups_name(queue):
+    assert queue.take(0, 1) == []  # none waiting now (a server's queue never says None)
+    first, second = queued(queue, "a", "b")
+    [job] = queue.take(1, 4)
+    assert (job.id, job.attempt, job.request.prompt, job.request.seed, job.request.steps) == (first, 1, "clip a", 3, 2)
+    assert job.output == queue.storage.work_path(clip_key(first, 1)) and job.overwrite
+    row = queue.store.get(first)
+    assert (row.status, row.worker, row.attempts) == ("in_progress", "host:1/group1", 1)
+    assert [j.id for j in queue.take(0, 1)] == [second] and queue.take(0, 1) == []
+
+
+def test_a_claims_progress_and_its_done_become_the_row_and_its_clip_is_published_first(queue):
+    [job_id] = queued(queue, "a")
+    [job] = queue.take(0, 1)
+    queue.report(Event(job_id, "progress", "denoise", 40, evaluations=(2, 5), attempt=job.attempt))
+    row = queue.store.get(job_id)
+    assert (row.progress, row.stage, row.evaluations_done, row.evaluations_total) == (40, "denoise", 2, 5)
+    queue.report(Event(job_id, "done", "done", 100, record=committed(queue, job), attempt=job.attempt))
+    row = queue.store.get(job_id)
+    assert (row.status, row.clip_attempt, row.record["id"], row.progress) == ("completed", 1, job_id, 100)
+    assert row.output == queue.storage.path(clip_key(job_id, 1)) and row.expires_at > time.time() + 50
+    assert not (queue.storage.local / uploads_key(job_id)).exists()  # its inputs go once it has its clip
+    assert [f["job"] for f in queue.log.events("completed")] == [job_id]
+
+
+def test_a_failed_claim_fails_its_job_with_the_code_of_its_error_and_leaves_no_files(queue):
+    [job_id] = queued(queue, "a")
+    [job] = queue.take(0, 1)
+    committed(queue, job)
+    queue.report(Event(job_id, "failed", "denoise", error="denoise: OutOfMemoryError: CUDA out of memory",
+                       record=Failure("OutOfMemoryError"), attempt=job.attempt))
+    row = queue.store.get(job_id)
+    assert (row.status, row.error_code, row.error_message) == ("failed", "out_of_memory",
+                                                               "denoise: OutOfMemoryError: CUDA out of memory")
+    assert list((queue.storage.local / "clips").iterdir()) == []
+
+
+def test_a_cancel_asked_for_reaches_the_worker_and_its_end_cancels_the_job(queue):
+    first, second = queued(queue, "a", "b")
+    [a] = queue.take(0, 1)
+    [b] = queue.take(1, 1)
+    assert queue.cancels() == []
+    queue.store.request_cancel(first)
+    queue.store.request_cancel(second)
+    assert sorted(queue.cancels()) == [first, second]
+    queue.report(Event(first, "cancelled", error="cancelled at step 2", attempt=a.attempt))
+    # a job that finished anyway after its cancel was asked for: cancelled, its clip gone
+    queue.report(Event(second, "done", record=committed(queue, b), attempt=b.attempt, group=1))
+    assert [(queue.store.get(j).status, queue.store.get(j).error_code) for j in (first, second)] == [
+        ("cancelled", "cancelled"), ("cancelled", "cancelled")]
+    assert list((queue.storage.local / "clips").iterdir()) == [] and queue.cancels() == []
+
+
+def test_a_claim_whose_lease_ran_out_is_fenced_and_the_job_runs_again_under_a_new_claim(queue):
+    [job_id] = queued(queue, "a")
+    [stalled] = queue.take(0, 1)
+    assert queue.heartbeat(1) == 1 and queue.reclaim(60.0) == ([], [])  # a renewed lease holds
+    time.sleep(0.01)
+    assert queue.reclaim(0.0) == ([job_id], [])  # the lease ran out: queued again
+    [rerun] = queue.take(0, 1)
+    assert (rerun.id, rerun.attempt) == (job_id, 2)
+    late = committed(queue, stalled)  # the stalled claim wakes up, writes its own files and reports them
+    queue.report(Event(job_id, "done", record=late, attempt=stalled.attempt))
+    row = queue.store.get(job_id)
+    assert (row.status, row.attempts) == ("in_progress", 2)
+    assert [f["attempt"] for f in queue.log.events("late_report_ignored")] == [1]
+    assert not queue.storage.work_path(clip_key(job_id, 1)).exists()  # only that claim's files went
+    queue.report(Event(job_id, "done", record=committed(queue, rerun), attempt=rerun.attempt))
+    assert (queue.store.get(job_id).status, queue.store.get(job_id).clip_attempt) == ("completed", 2)
+
+
+def test_a_groups_lost_jobs_run_again_once_if_it_died_and_fail_if_it_raised(queue):
+    killed, raised = queued(queue, "a", "b")
+    jobs = queue.take(0, 1) + queue.take(1, 1)
+    queue.lost(0, [jobs[0]], "it died (signal 9)", died=True)
+    queue.lost(1, [jobs[1]], "OutOfMemoryError: CUDA out of memory", died=False)
+    assert queue.store.get(killed).status == "queued" and queue.log.events("requeued")[0]["job"] == killed
+    assert (queue.store.get(raised).status, queue.store.get(raised).error_code) == ("failed", "out_of_memory")
+    for attempt in range(2, MAX_ATTEMPTS + 1):  # killed again each time: the last claim fails it
+        [job] = queue.take(0, 1)
+        assert job.attempt == attempt
+        queue.lost(0, [job], "it died (signal 9)", died=True)
+    row = queue.store.get(killed)
+    assert (row.status, row.error_code) == ("failed", "worker_lost")
