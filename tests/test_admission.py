@@ -161,13 +161,13 @@ def test_every_view_is_the_tables():
     """The requests file's keys, the API's JSON and multipart schema (served at /openapi.json), its file fields, its
     OpenAI and H3 fields and its form coercion all come from runtime/schema.py's table."""
     from h3trt.runtime import requests
-    from h3trt.server import app, service
+    from h3trt.server import service, wire
 
     assert requests.KEYS is schema.KEYS
-    assert app.CREATE_FIELDS == schema.openapi_fields(False)
-    multipart = app.CREATE_BODY["content"]["multipart/form-data"]["schema"]["properties"]
+    assert wire.CREATE_FIELDS == schema.openapi_fields(False)
+    multipart = wire.CREATE_BODY["content"]["multipart/form-data"]["schema"]["properties"]
     assert multipart == schema.openapi_fields(True)
-    assert set(multipart) - set(app.CREATE_FIELDS) == set(schema.UPLOADS) == {"input_reference", "last_image", "refs"}
+    assert set(multipart) - set(wire.CREATE_FIELDS) == set(schema.UPLOADS) == {"input_reference", "last_image", "refs"}
     assert set(schema.OPENAI_FIELDS) | set(schema.H3_FIELDS) == set(multipart)
     assert service.H3_FIELDS is schema.H3_FIELDS and service.OPENAI_FIELDS is schema.OPENAI_FIELDS
     for f in schema.FIELDS:  # every key parses (no "unknown key"), every API name maps back

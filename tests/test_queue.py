@@ -6,6 +6,7 @@ groups end jobs as the API and the supervisor ask."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import pytest
 from helpers import Logged
@@ -15,7 +16,7 @@ from h3trt.runtime.records import ClipRecord, Failure
 from h3trt.runtime.requests import RequestDefaults
 from h3trt.server.metrics import Metrics
 from h3trt.server.queue import StoreQueue
-from h3trt.server.storage import Storage, clip_key, record_key, uploads_key
+from h3trt.server.storage import Storage, claim_keys, clip_key, record_key, uploads_key
 from h3trt.server.store import MAX_ATTEMPTS, JobStore, sqlite_url
 
 pytestmark = pytest.mark.unit
@@ -118,6 +119,32 @@ def test_a_claim_whose_lease_ran_out_is_fenced_and_the_job_runs_again_under_a_ne
     assert not queue.storage.work_path(clip_key(job_id, 1)).exists()  # only that claim's files went
     queue.report(Event(job_id, "done", record=committed(queue, rerun), attempt=rerun.attempt))
     assert (queue.store.get(job_id).status, queue.store.get(job_id).clip_attempt) == ("completed", 2)
+
+
+def test_a_claim_killed_mid_commit_leaves_nothing_once_its_job_runs_again(queue):
+    """A worker SIGKILLed between its record's rename and its MP4's (scripts/sim_fleet.py met it under load): the
+    record sits under its final name, the MP4 under a dead process's temporary name. The lease's reclaim sweeps the
+    dead process's file, and the re-run's completion the lost claim's record: storage holds the row's clip only."""
+    import subprocess
+    import sys
+
+    [job_id] = queued(queue, "a")
+    [killed] = queue.take(0, 1)
+    mp4 = queue.storage.work_path(clip_key(job_id, killed.attempt))
+    queue.storage.work_path(record_key(job_id, killed.attempt)).write_text("{}")
+    subprocess.run([sys.executable, "-c", "import sys; from pathlib import Path; "
+                    "from h3trt.engines.atomic import temp_path; temp_path(Path(sys.argv[1])).write_bytes(b'mp4')",
+                    str(mp4)], check=True)  # a temporary MP4 whose process is gone
+    time.sleep(0.01)
+    assert queue.reclaim(0.0) == ([job_id], [])
+    [rerun] = queue.take(0, 1)
+    queue.report(Event(job_id, "done", record=committed(queue, rerun), attempt=rerun.attempt))
+    row = queue.store.get(job_id)
+    assert (row.status, row.clip_attempt) == ("completed", 2)
+    assert sorted(p.name for p in (queue.storage.local / "clips").iterdir()) == sorted(
+        Path(k).name for k in claim_keys(job_id, 2) if queue.storage.exists(k))
+    assert {Path(clip_key(job_id, 2)).name, Path(record_key(job_id, 2)).name} <= {
+        p.name for p in (queue.storage.local / "clips").iterdir()}
 
 
 def test_a_groups_lost_jobs_run_again_once_if_it_died_and_fail_if_it_raised(queue):

@@ -242,6 +242,10 @@ class StoreQueue:
                 self._complete(row.id, json.loads(self.storage.read_text(record_key(row.id, row.attempts))),
                                row.worker, row.attempts)
         requeued, failed = self.store.recover(self.retention_s, stale_before=stale_before)
+        if requeued and self.storage.local is not None:
+            # A worker that died mid-commit left its MP4 under a temporary name; its process is gone, so it goes now
+            # (the dead worker's own restart would sweep it too, but a replica that is never restarted would not).
+            remove_leftovers(self.storage.local / "clips")
         for job_id in requeued:
             self.log("requeued", job=job_id, reason="its worker stopped renewing its lease" if lease_s else
                      "the server stopped while it ran")
@@ -307,7 +311,10 @@ class StoreQueue:
             self._drop_claim(job_id, attempt, self.store.get(job_id))
             self.log("late_report_ignored", job=job_id, kind="done", worker=worker, attempt=attempt)
             return
-        self.storage.remove(uploads_key(job_id))
+        # The claims before this one lost the job (killed, or stalled past their lease): what they wrote (a record
+        # committed beside an MP4 that never was) is no clip of the job's; a late report's own files go with it.
+        self.storage.remove(uploads_key(job_id), *(key for earlier in range(1, attempt)
+                                                   for key in claim_keys(job_id, earlier)))
         self.metrics.ended(row)
         self.log("completed", job=job_id, seconds=round(row.completed_at - row.created_at, 3))
 
