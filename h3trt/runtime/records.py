@@ -298,3 +298,41 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
         if device.type == "cuda" else None,
         loras=list(loras) if loras else None,
     )
+
+
+# The stages of a batch's timeline (run/timeline.py), each with its colour in the PNG (the legend's order); a stage not listed here is refused rather than drawn grey.
+STAGE_COLOURS = {
+    "text_encode": "#4c72b0",
+    "condition_encode": "#64b5cd",
+    "wait_batch": "#dddddd",
+    "denoise": "#dd8452",
+    "wait_decode": "#bbbbbb",
+    "video_decode": "#55a868",
+    "audio_decode": "#8172b3",
+    "mux": "#c44e52",
+    "decode_mux": "#937860",  # decode and mux overlapped on threads/ranks: one bar for the whole call
+}
+
+
+class TimelineTimer(StageTimer):
+    """A StageTimer that also keeps every interval, in seconds since `origin` (a `time.perf_counter()` value)."""
+
+    def __init__(self, device: torch.device, origin: float):
+        super().__init__(device)
+        self.origin = origin
+        self.intervals: list[tuple[str, float, float]] = []
+
+    def mark(self, stage: str, start: float, end: float) -> None:
+        """An interval for the timeline only (its seconds are already charged elsewhere)."""
+        self.intervals.append((stage, start - self.origin, end - self.origin))
+
+    def add(self, stage: str, start: float, end: float) -> None:
+        if stage not in STAGE_COLOURS:
+            raise ValueError(f"Timeline stage {stage!r} is not one of {list(STAGE_COLOURS)}; add it to STAGE_COLOURS.")
+        super().add(stage, start, end)
+        start, end = start - self.origin, end - self.origin
+        last = self.intervals[-1] if self.intervals else None
+        if last is not None and last[0] == stage and start - last[2] < 1e-3:
+            self.intervals[-1] = (stage, last[1], end)  # one bar for back-to-back pieces of one stage
+        else:
+            self.intervals.append((stage, start, end))

@@ -10,50 +10,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import torch
-
 from ..engines.manifest import sha256_file
 from .batch_outputs import MADE_BY, our_timeline, timeline_paths
 from .files import commit, discard, temp_path, write_json_file
-from .records import StageTimer
-
-# Colour per stage (the PNG's legend order); a stage not listed here is refused rather than drawn grey.
-STAGE_COLOURS = {
-    "text_encode": "#4c72b0",
-    "condition_encode": "#64b5cd",
-    "wait_batch": "#dddddd",
-    "denoise": "#dd8452",
-    "wait_decode": "#bbbbbb",
-    "video_decode": "#55a868",
-    "audio_decode": "#8172b3",
-    "mux": "#c44e52",
-    "decode_mux": "#937860",  # decode and mux overlapped on threads/ranks: one bar for the whole call
-}
-
-
-class TimelineTimer(StageTimer):
-    """A StageTimer that also keeps every interval, in seconds since `origin` (a `time.perf_counter()` value)."""
-
-    def __init__(self, device: torch.device, origin: float):
-        super().__init__(device)
-        self.origin = origin
-        self.intervals: list[tuple[str, float, float]] = []
-
-    def mark(self, stage: str, start: float, end: float) -> None:
-        """An interval for the timeline only (its seconds are already charged elsewhere)."""
-        self.intervals.append((stage, start - self.origin, end - self.origin))
-
-    def add(self, stage: str, start: float, end: float) -> None:
-        if stage not in STAGE_COLOURS:
-            raise ValueError(f"Timeline stage {stage!r} is not one of {list(STAGE_COLOURS)}; add it to STAGE_COLOURS.")
-        super().add(stage, start, end)
-        start, end = start - self.origin, end - self.origin
-        last = self.intervals[-1] if self.intervals else None
-        if last is not None and last[0] == stage and start - last[2] < 1e-3:
-            self.intervals[-1] = (stage, last[1], end)  # one bar for back-to-back pieces of one stage
-        else:
-            self.intervals.append((stage, start, end))
-
+from .records import STAGE_COLOURS
 
 def write_timeline(out_dir: Path, stem: str, rows: list[dict], summary: dict, png: bool,
                    started_unix: float, replace: bool = True) -> list[Path]:

@@ -32,9 +32,8 @@ from .files import DEFAULT_CRF
 from .jobs import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 from .parallel_vae import _comm_device
 from .pipeline import H3Pipeline, Target
-from .records import Clip, ClipRecord, Failure, commit_clip
+from .records import Clip, ClipRecord, Failure, TimelineTimer, commit_clip
 from .request import Encoded, prepare, request_dict
-from .timeline import TimelineTimer
 
 
 class JobCancelled(Exception):
