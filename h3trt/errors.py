@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 class UserError(ValueError):
     """A mistake the user can fix; the message names the problem and the fix, in one line. `field`: the request
-    field it is about, as the request schema's key (runtime/schema.py), or None; a front door names it in its own
+    field it is about, as the request schema's key (pipeline/schema.py), or None; a front door names it in its own
     words from there (the API's 400 `param`), never by reading the message."""
 
     field: str | None = None  # the class's default: a subclass whose other base's __init__ runs first has it too

@@ -8,7 +8,7 @@
      (RGB luma), SSIM and PSNR over every frame in YUV420 as FFmpeg's ssim / psnr filters compute them (the peers'
      metric), audio log-spectral distance; the denoise time of each side
 
-`--profile NAME` (runtime/profiles.py) compares that profile's clip with the lossless clip of the same request: the
+`--profile NAME` (pipeline/profiles.py) compares that profile's clip with the lossless clip of the same request: the
 engine side runs each request with the profile, the reference side (the same engine unless --reference is given)
 without step cache or sparsity. Each side's step-cache record says what it computed and skipped.
 
@@ -30,13 +30,13 @@ import torch.nn.functional as F
 from .engines.manifest import MANIFEST
 from .errors import UserError
 from .models.packing import unpatchify
-from .runtime.admission import admit
-from .runtime.entry import Entry
-from .runtime.output import rgb_to_yuv420
-from .runtime.pipeline import H3Pipeline, new_step_cache
-from .runtime.profiles import profile_fields
-from .runtime.records import StageTimer
-from .runtime.request import Prepared, Request
+from .jobs.admission import admit
+from .jobs.model_source import Entry
+from .media.encoder import rgb_to_yuv420
+from .pipeline.h3_pipeline import H3Pipeline, new_step_cache
+from .pipeline.profiles import profile_fields
+from .pipeline.records import StageTimer
+from .pipeline.request import Prepared, Request
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004
@@ -89,7 +89,7 @@ def load_recording(source: Entry, task: str) -> H3Pipeline:
 
 @torch.no_grad()
 def trace(pipeline: H3Pipeline, prepared: Prepared) -> Trace:
-    """One prepared request (runtime/request.py `prepare`, default canvas) through a pipeline whose DiT is a
+    """One prepared request (pipeline/request.py `prepare`, default canvas) through a pipeline whose DiT is a
     StepRecorder (`load_recording`)."""
     recorder = pipeline.dit
     if not isinstance(recorder, StepRecorder):
@@ -143,7 +143,7 @@ def ssim(a_T3HW: torch.Tensor, b_T3HW: torch.Tensor) -> float:
 
 def yuv420_planes(frames_T3HW: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Frames in [0, 1] -> the uint8 Y [T, H, W], U and V [T, H/2, W/2] planes the clip's H.264 encoder receives:
-    rounded to uint8 as parallel_vae.to_uint8_frames rounds, then runtime/output.py's BT.709 limited-range 4:2:0
+    rounded to uint8 as parallel_vae.to_uint8_frames rounds, then media/encoder.py's BT.709 limited-range 4:2:0
     conversion (swscale's). So the metric scores the clip as encoded, without the codec's own loss."""
     t, _, h, w = frames_T3HW.shape
     rgb = (frames_T3HW.permute(0, 2, 3, 1).float() * 255.0).round().to(torch.uint8)
@@ -235,7 +235,7 @@ def reference_entry(reference: str, device: str) -> Entry:
 
 def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=print,
              profile: str | None = None) -> dict:
-    """`reqs` (h3trt/runtime/requests.py: read_eval_requests) through the engine and the reference, on the engine's
+    """`reqs` (h3trt/pipeline/parse.py: read_eval_requests) through the engine and the reference, on the engine's
     device, one model in memory at a time. Both sides are checked against every request first (a missing or wrong
     checkpoint, a bundle not built for a request's task, canvas or schedule), so neither fails after the other ran.
     `profile`: the engine side runs it, the reference side runs lossless; `reference` None: the engine itself (any
@@ -259,7 +259,7 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
                             "(profile, cache keys): drop those keys.")
         sides = {"engine": [replace(r, **profile_fields(profile)) for r in reqs],
                  "reference": [replace(r, **profile_fields("lossless")) for r in reqs]}
-    # Each side's requests admitted to that side's model (runtime/admission.py), on the engine's canvas defaults (a
+    # Each side's requests admitted to that side's model (jobs/admission.py), on the engine's canvas defaults (a
     # bundle's requests already carry its profile's canvas). The reference's side first: a reference that cannot
     # serve them (another task's checkpoint, a bundle of another canvas) is named before the engine's files are read.
     checked: set[Path] = set()

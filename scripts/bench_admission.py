@@ -43,7 +43,7 @@ def measure(rows: int, calls: int) -> dict:
     from postgres import Postgres
     from sqlalchemy import insert
 
-    from h3trt.runtime.entry import Entry
+    from h3trt.jobs.model_source import Entry
     from h3trt.server.app import video_of
     from h3trt.server.metrics import Metrics
     from h3trt.server.options import ServeOptions

@@ -29,11 +29,11 @@ import bench_common  # noqa: F401  (first: it puts this checkout on sys.path)
 from h3trt.models.config import H3Config
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
-from h3trt.runtime.batch import BatchConfig, run_batch, summary_line
-from h3trt.runtime.batch_file import BatchItem, parse_requests
-from h3trt.runtime.files import write_json_atomic
-from h3trt.runtime.pipeline import H3Pipeline
-from h3trt.runtime.request import CanvasDefaults
+from h3trt.run.batch import BatchConfig, run_batch, summary_line
+from h3trt.run.batch_file import BatchItem, parse_requests
+from h3trt.media.output_files import write_json_atomic
+from h3trt.pipeline.h3_pipeline import H3Pipeline
+from h3trt.pipeline.request import CanvasDefaults
 
 PROMPT = "a red fox runs through fresh snow, wind howling"
 

@@ -35,7 +35,7 @@ PROBES = ("imports", "segments:as_served", "segments:threads1", "segments:conten
 
 
 def _import_text_side() -> float:
-    """What the text encoder's thread imports during a bundle load (h3trt/runtime/loading.py)."""
+    """What the text encoder's thread imports during a bundle load (h3trt/pipeline/loading.py)."""
     t0 = time.perf_counter()
     import diffusers
 

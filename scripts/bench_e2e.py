@@ -317,7 +317,7 @@ def second_start(ctx: Ctx, bundle: Path, xdg: Path, evict: bool = True) -> dict:
 def load_only(bundle: str, report: str, device: str) -> None:
     """Child of second_start: load the pipeline from the bundle, wait for the VAEs, write the report."""
     from h3trt.engines.guard import no_compile
-    from h3trt.runtime.pipeline import H3Pipeline
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     with no_compile():
         pipeline = H3Pipeline.load_engine(Path(bundle), device)

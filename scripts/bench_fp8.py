@@ -181,9 +181,9 @@ def block_sensitivity(out: Path) -> dict:
     from h3trt.calibration.trajectories import trajectory_forward
     from h3trt.calibration.modules import load_quantized_block
     from h3trt.calibration.recipe import QuantRecipe
-    from h3trt.runtime.loading import eager_components
-    from h3trt.runtime.pipeline import H3Pipeline
-    from h3trt.runtime.request import Request, prepare
+    from h3trt.pipeline.loading import eager_components
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
+    from h3trt.pipeline.request import Request, prepare
 
     base, source = load_dit(ensure_tiny_checkpoint(), "t2va", torch.bfloat16)
     root = source.component_root

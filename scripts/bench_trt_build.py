@@ -91,7 +91,7 @@ def main() -> int:
     precisions = (args.precisions or ("bf16,fp8" if args.tiny else "bf16,fp8,nvfp4")).split(",")
     result = run(args.layers, precisions, args.tiny)
     print(table(result))
-    from h3trt.runtime.files import write_json_atomic
+    from h3trt.media.output_files import write_json_atomic
 
     write_json_atomic(args.json, result)
     return 0

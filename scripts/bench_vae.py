@@ -54,10 +54,10 @@ from h3trt.models.vae_precision import VAE_PRECISIONS, VAEPrecision, place  # no
 from h3trt.models.video_vae import VideoVAE  # noqa: E402
 from h3trt.calibration.vae_fp8 import quantize_video_decoder  # noqa: E402
 from h3trt.parallel.launch import init_rank, launch  # noqa: E402
-from h3trt.runtime.mp4 import X264_PRESETS  # noqa: E402
-from h3trt.runtime.output import OutputConfig, rgb_to_yuv420  # noqa: E402
-from h3trt.runtime.parallel_vae import TAIL_STEPS, decode_and_write, decode_frames  # noqa: E402
-from h3trt.runtime.files import write_json_atomic  # noqa: E402
+from h3trt.media.mp4 import X264_PRESETS  # noqa: E402
+from h3trt.media.encoder import OutputConfig, rgb_to_yuv420  # noqa: E402
+from h3trt.pipeline.parallel_decode import TAIL_STEPS, decode_and_write, decode_frames  # noqa: E402
+from h3trt.media.output_files import write_json_atomic  # noqa: E402
 
 WAIT_S = 1800  # side barrier while rank 0 runs the 1-GPU phase alone
 

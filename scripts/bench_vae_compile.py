@@ -35,7 +35,7 @@ from bench_vae_precision import _compile_decoders, _from_checkpoint, _serve, ran
 from h3trt.models.vae_precision import VAEPrecision, place  # noqa: E402
 from h3trt.models.video_vae import VideoVAE  # noqa: E402
 from h3trt.calibration.vae_fp8 import quantize_video_decoder  # noqa: E402
-from h3trt.runtime.files import write_json_atomic  # noqa: E402
+from h3trt.media.output_files import write_json_atomic  # noqa: E402
 
 OPTIONS = {"inductor": {}, "max-autotune": {"max_autotune": True, "max_autotune_gemm_backends": "ATEN,TRITON"}}
 SPEEDUP_TO_ADOPT = 1.03  # a compile option must beat the bundle's default by 3% to be worth its build time

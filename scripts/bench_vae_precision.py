@@ -20,7 +20,7 @@ from h3trt.models.audio_vae import AudioVAE
 from h3trt.models.vae_precision import VAEPrecision, place
 from h3trt.models.video_vae import VideoVAE
 from h3trt.calibration.vae_fp8 import quantize_video_decoder
-from h3trt.runtime.parallel_vae import decode_and_write, decode_frames
+from h3trt.pipeline.parallel_decode import decode_and_write, decode_frames
 
 FULL = dict(width=1344, height=768, latent_frames=37, audio_latents=207)  # 124 frames, 5 s
 TOY = dict(width=160, height=96, latent_frames=12, audio_latents=30)  # 39 frames

@@ -1,6 +1,6 @@
 """GPU smoke test: build tiny bundles and serve them in every mesh a 2-GPU node allows, each row's clip checked
 against the eager single-GPU tiny clip. The GPU test CI cannot run; run it before submitting anything that touches
-runtime/, engines/, build/ or parallel/.
+media/, pipeline/, jobs/, run/, engines/, build/ or parallel/.
 
     python scripts/gpu_smoke.py --json bench/results/gpu_smoke_h200x2.json
 

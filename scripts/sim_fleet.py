@@ -10,7 +10,7 @@ published before its row says completed) and `keep_leases` (renewal every lease 
 calls as a Serve worker replica's (fleet/deploy.py), over parts wired as theirs are (server/parts.py). What is
 simulated: a replica's replica group. Each replica is a process (forked from this one, so 50 of them share its imported
 modules) that claims a job, "generates" it by sleeping a drawn duration, and commits a small clip and its record with
-runtime/records.py's `commit_clip`, as a rank does; the clip's bytes and its record name the replica and the claim
+pipeline/records.py's `commit_clip`, as a rank does; the clip's bytes and its record name the replica and the claim
 (attempt) that made them.
 
 Clients: --clients asyncio tasks over HTTP, each keeping --window jobs in flight (POST, then GET every --poll-s until
@@ -70,7 +70,7 @@ def arguments(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--lease-s", type=float, default=10.0, help="the fleet's --lease (at least 2 s, as it allows; "
                    "its default is 30)")
     p.add_argument("--idle-poll-s", type=float, default=2.0, help="how long a replica that found no queued job waits "
-                   "before it claims again (runtime/workers.py polls every 0.2 s; 50 replicas doing so would take most "
+                   "before it claims again (jobs/supervisor.py polls every 0.2 s; 50 replicas doing so would take most "
                    "of a 2-core machine from the API)")
     p.add_argument("--kill-fraction", type=float, default=0.1, help="share of replicas SIGKILLed mid-job")
     p.add_argument("--kills", type=int, help="replicas SIGKILLed mid-job (overrides --kill-fraction)")
@@ -102,7 +102,7 @@ class Replicas:
         self.n = n
 
     def status(self) -> list:
-        from h3trt.runtime.workers import GroupState, GroupStatus
+        from h3trt.jobs.supervisor import GroupState, GroupStatus
 
         return [GroupStatus(i, GroupState.SERVING) for i in range(self.n)]
 
@@ -133,8 +133,8 @@ def replica_main(index: int, entry, store_url: str, storage_dir: Path, folder: P
     its next generation (SIGSTOP to itself before it commits the clip: every thread stops, its lease renewals
     too)."""
     from h3trt.engines.atomic import temp_path
-    from h3trt.runtime.jobs import Event
-    from h3trt.runtime.records import ClipRecord, commit_clip
+    from h3trt.jobs.job import Event
+    from h3trt.pipeline.records import ClipRecord, commit_clip
     from h3trt.server.log import JsonLog
     from h3trt.server.parts import Parts
     from h3trt.server.queue import keep_leases
@@ -152,7 +152,7 @@ def replica_main(index: int, entry, store_url: str, storage_dir: Path, folder: P
     while not stop.is_set():
         work = queue.take(0, 1)
         if not work:
-            stop.wait(idle_poll_s)  # runtime/workers.py polls a queue that may have new work every POLL_S
+            stop.wait(idle_poll_s)  # jobs/supervisor.py polls a queue that may have new work every POLL_S
             continue
         job = work[0]
         claim = {"replica": replica, "attempt": job.attempt}
@@ -501,13 +501,13 @@ def main(argv: list[str] | None = None) -> dict:
 
     from postgres import Postgres
 
-    from h3trt.runtime.entry import Entry
+    from h3trt.jobs.model_source import Entry
     from h3trt.server.store import JobStore
     import h3trt.server.app  # noqa: F401  -- imported once here: the forked processes share it
     import h3trt.server.parts  # noqa: F401
     import h3trt.server.queue  # noqa: F401
-    import h3trt.runtime.records  # noqa: F401
-    import h3trt.runtime.workers  # noqa: F401
+    import h3trt.pipeline.records  # noqa: F401
+    import h3trt.jobs.supervisor  # noqa: F401
     import av  # noqa: F401  -- the queue's thumbnail attempt imports it per job otherwise
     import uvicorn  # noqa: F401
 

@@ -104,7 +104,7 @@ def tiny_root(tiny_cache):
 @pytest.fixture
 def no_model_load(monkeypatch):
     """Fails the test if anything loads a model or a bundle: what a refusal "before any model loads" promises."""
-    from h3trt.runtime.pipeline import H3Pipeline
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     def refuse(*args, **kwargs):
         raise AssertionError("a model was loaded before the refusal")

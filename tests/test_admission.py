@@ -1,4 +1,4 @@
-"""One admission (runtime/admission.py) behind every front door, one request-field table (runtime/schema.py) behind
+"""One admission (jobs/admission.py) behind every front door, one request-field table (pipeline/schema.py) behind
 every view of the schema, and the API's 400 naming the field the error carries (issue 37, steps 4 and 5)."""
 
 import json
@@ -6,11 +6,11 @@ import json
 import pytest
 
 from h3trt.errors import UserError, about
-from h3trt.runtime.admission import admit
-from h3trt.runtime.entry import Entry
-from h3trt.runtime.request import FLAGS, KEYS as KEY_WORDS, Request
-from h3trt.runtime.requests import RequestDefaults, parse_object
-from h3trt.runtime import schema
+from h3trt.jobs.admission import admit
+from h3trt.jobs.model_source import Entry
+from h3trt.pipeline.request import FLAGS, KEYS as KEY_WORDS, Request
+from h3trt.pipeline.parse import RequestDefaults, parse_object
+from h3trt.pipeline import schema
 from h3trt.server.service import ApiError
 
 from test_errors import _fake_bundle
@@ -49,14 +49,14 @@ def _service(tmp_path, entry, guidance_branches=1):
 def _refusal(door: str, entry: Entry, data: dict, tmp_path) -> tuple[str, str | None]:
     """(message, param) of `door`'s refusal of the request `data` (schema keys) to `entry`'s model."""
     if door == "run_clip":
-        from h3trt.runtime.run import run_clip
+        from h3trt.run.commands import run_clip
 
         request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=entry.default_steps)).request
         with pytest.raises(UserError) as refused:
             run_clip(entry, request, tmp_path / "clip.mp4", 18, quiet=True)
         return str(refused.value), None
     if door == "run_requests":
-        from h3trt.runtime.run import run_requests
+        from h3trt.run.commands import run_requests
 
         path = tmp_path / "r.jsonl"
         path.write_text(json.dumps({"id": "a", "task": "t2va", **data}) + "\n")
@@ -159,8 +159,8 @@ def test_a_field_added_to_the_table_is_in_every_view():
 
 def test_every_view_is_the_tables():
     """The requests file's keys, the API's JSON and multipart schema (served at /openapi.json), its file fields, its
-    OpenAI and H3 fields and its form coercion all come from runtime/schema.py's table."""
-    from h3trt.runtime import requests
+    OpenAI and H3 fields and its form coercion all come from pipeline/schema.py's table."""
+    from h3trt.pipeline import parse as requests
     from h3trt.server import service, wire
 
     assert requests.KEYS is schema.KEYS

@@ -1,5 +1,5 @@
 """Usage mistakes on the command line: one line `h3trt: error: <message>` naming the flag and the fix, exit status 2,
-and no usage block (runtime/args.py OneLineParser). The real `h3trt` parser (cli/parser.py, built of OneLineParsers) is
+and no usage block (cli/args.py OneLineParser). The real `h3trt` parser (cli/parser.py, built of OneLineParsers) is
 fed the mistakes. --mag-ratios values that are not finite and positive are refused before any model loads."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 
 import h3trt.cli as cli
 from h3trt.models.step_cache import StepCacheConfig
-from h3trt.runtime.args import OneLineParser, explain
+from h3trt.cli.args import OneLineParser, explain
 
 pytestmark = pytest.mark.unit
 
@@ -53,7 +53,7 @@ def test_mag_ratios_must_be_finite_and_positive(h3trt, no_model_load, tmp_path, 
 
 
 def test_mag_ratios_from_a_json_file_are_checked_too(tmp_path):
-    from h3trt.runtime.args import parse_mag_ratios
+    from h3trt.cli.args import parse_mag_ratios
 
     path = tmp_path / "ratios.json"
     path.write_text('{"mag_ratios": [0.99, Infinity, -0.5]}')  # Python's json reads Infinity

@@ -11,14 +11,14 @@ from PIL import Image
 
 from h3trt.cli import main
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.runtime.batch import BatchConfig, run_batch
-from h3trt.runtime.batch_file import check_bundle_batch, parse_requests
-from h3trt.runtime.batch_outputs import finished
-from h3trt.runtime.media import probe
-from h3trt.runtime.pipeline import H3Pipeline
-from h3trt.runtime.request import CanvasDefaults, Request, prepare
-from h3trt.runtime.requests import RequestsFileError
-from h3trt.runtime.timeline import draw_timeline, legend_stages
+from h3trt.run.batch import BatchConfig, run_batch
+from h3trt.run.batch_file import check_bundle_batch, parse_requests
+from h3trt.run.batch_outputs import finished
+from h3trt.media.inputs import probe
+from h3trt.pipeline.h3_pipeline import H3Pipeline
+from h3trt.pipeline.request import CanvasDefaults, Request, prepare
+from h3trt.pipeline.parse import RequestsFileError
+from h3trt.run.timeline import draw_timeline, legend_stages
 
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE)

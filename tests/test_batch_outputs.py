@@ -121,15 +121,15 @@ def test_a_clip_that_no_longer_matches_its_record_is_kept(tmp_path, finished_out
     assert _contents(out) == before
 
 def _item(id_: str, line: int = 1):
-    from h3trt.runtime.batch_file import BatchItem
-    from h3trt.runtime.request import Request
+    from h3trt.run.batch_file import BatchItem
+    from h3trt.pipeline.request import Request
 
     return BatchItem(id_, line, Request("a red fox runs", seed=line, steps=2, width=128, height=32), ())
 
 
 def _failure_record(out: Path, id_: str) -> Path:
     """What a batch writes for a failed request (batch.FileQueue._failed), reduced to what marks it ours."""
-    from h3trt.runtime.batch_outputs import MADE_BY
+    from h3trt.run.batch_outputs import MADE_BY
 
     path = out / f"{id_}.json"
     path.write_text(json.dumps({"made_by": MADE_BY, "id": id_, "status": "failed", "error": "encode: gone"}))
@@ -139,8 +139,8 @@ def _failure_record(out: Path, id_: str) -> Path:
 def test_only_records_that_mark_a_file_ours_let_a_batch_replace_it(tmp_path):
     """The plan, file by file: our failure record is retried (and may be replaced); a clip beside a failure record,
     a record of another id, a record without the marker, a PNG beside no timeline of ours are not ours."""
-    from h3trt.runtime.batch_outputs import plan_out_dir
-    from h3trt.runtime.files import OutputRefused
+    from h3trt.run.batch_outputs import plan_out_dir
+    from h3trt.media.output_files import OutputRefused
 
     out = tmp_path / "out"
     out.mkdir()
@@ -169,8 +169,8 @@ def _done_record(out: Path, item, clip: bytes) -> None:
     """A clip and the done record a batch writes beside it, reduced to what the plan reads."""
     import hashlib
 
-    from h3trt.runtime.batch_outputs import MADE_BY
-    from h3trt.runtime.request import request_dict
+    from h3trt.run.batch_outputs import MADE_BY
+    from h3trt.pipeline.request import request_dict
 
     (out / f"{item.id}.mp4").write_bytes(clip)
     (out / f"{item.id}.json").write_text(json.dumps({
@@ -181,8 +181,8 @@ def _done_record(out: Path, item, clip: bytes) -> None:
 def test_a_missing_clip_is_made_again_with_a_word_and_an_edited_one_is_refused(tmp_path):
     """Our done record without its clip: made again, and the plan says so. A clip of the recorded size whose bytes
     changed (an edit in place): refused like a truncated one, naming the hash."""
-    from h3trt.runtime.batch_outputs import plan_out_dir
-    from h3trt.runtime.files import OutputRefused
+    from h3trt.run.batch_outputs import plan_out_dir
+    from h3trt.media.output_files import OutputRefused
 
     out = tmp_path / "out"
     out.mkdir()

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 
 from h3trt.cli import main
-from h3trt.runtime.media import probe
+from h3trt.media.inputs import probe
 
 README = Path(__file__).resolve().parents[1] / "README.md"
 AAC_FRAME_S = 1024 / 32000  # decoded AAC may run up to one frame past the generated samples
@@ -97,7 +97,7 @@ def test_ref2va_image_and_audio(tmp_path, tiny_cache):
 def test_readme_video_reference_runs_without_torchvision(tmp_path, tiny_cache, monkeypatch):
     """ref2va with an image and a video reference (a real MP4 with a soundtrack), from the README's install: no
     torchvision (transformers' Qwen3-VL video processor needs it; h3trt/models/qwen_video.py does not)."""
-    from h3trt.runtime.mp4 import write_mp4
+    from h3trt.media.mp4 import write_mp4
 
     monkeypatch.chdir(tmp_path)
     cmd = readme_video_reference_command()
@@ -149,7 +149,7 @@ def test_existing_output_is_not_overwritten(tmp_path, tiny_cache, capsys):
 def test_sequence_parallel_run_writes_the_same_clip(tmp_path, tiny_cache):
     """--gpus 2 spawns two ranks (gloo on the CPU) that share the sequence; rank 0 writes. Same frames as one process
     (mean within 1 uint8 level: the sharded attention reorders float sums)."""
-    from h3trt.runtime.media import read_video
+    from h3trt.media.inputs import read_video
 
     one, two = tmp_path / "one.mp4", tmp_path / "two.mp4"
     assert main(["run", "--prompt", "a fox", "--output", str(one), "--quiet", "--steps", "8", "--device", "cpu"]) == 0

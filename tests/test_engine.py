@@ -37,7 +37,7 @@ from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
-from h3trt.runtime.media import read_video
+from h3trt.media.inputs import read_video
 
 from conftest import BUNDLE_STEPS
 from helpers import dit_inputs
@@ -90,7 +90,7 @@ def test_a_one_process_bundle_without_halves_refuses_sparse_attention_in_one_lin
     """Built without --sparse-attention, its compiled block holds its attention: a sparse request (stated, or a
     profile's) is refused before denoising with both fixes, never run dense silently (tests/test_sparse_bundle.py
     serves one built with it)."""
-    from h3trt.runtime.pipeline import H3Pipeline
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     monkeypatch.setattr(H3Pipeline, "_encode_text", lambda *a, **k: pytest.fail("the request got past the check"))
     code = main(["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output",
@@ -131,7 +131,7 @@ def test_an_error_right_after_the_load_exits_with_its_code(bundles):
     """The pipeline returns while the VAEs still load in the background; a process that ends right then (any error
     after the load) must exit with its own code. A daemon loader thread still inside torch at interpreter exit made it
     abort instead ("terminate called without an active exception", exit 134)."""
-    code = ("import sys\nfrom h3trt.runtime.pipeline import H3Pipeline\n"
+    code = ("import sys\nfrom h3trt.pipeline.h3_pipeline import H3Pipeline\n"
             f"H3Pipeline.load_engine({str(bundles['inductor'])!r}, 'cpu')\nsys.exit(3)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert proc.returncode == 3 and "terminate called" not in proc.stderr, proc.stderr[-2000:]
@@ -176,7 +176,7 @@ def test_a_killed_engine_run_leaves_no_copy_of_the_compiled_code(bundles, tmp_pa
 def test_a_request_the_bundle_cannot_serve_is_refused_before_the_load(bundles, tmp_path, monkeypatch, capsys):
     """A schedule the AdaLN tables were not baked for, or a --profile-step past the last evaluation, is refused
     from the manifest alone: nothing loads."""
-    from h3trt.runtime.pipeline import H3Pipeline
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     monkeypatch.setattr(H3Pipeline, "load_engine", lambda *a, **k: pytest.fail("the bundle was loaded"))
     base = ["run", "--engine", str(bundles["inductor"]), "--prompt", "a fox", "--output", str(tmp_path / "a.mp4")]
@@ -190,8 +190,8 @@ def test_a_request_the_bundle_cannot_serve_is_refused_before_the_load(bundles, t
 def test_a_bundle_run_without_bytecode_says_how_to_fix_it(bundles, tmp_path, monkeypatch, capsys, bytecode):
     """No compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 images) costs every cold start seconds of compiling
     Python: h3trt run names it and the fix, and says nothing when the bytecode is there."""
-    from h3trt.runtime import entry as entry_module
-    from h3trt.runtime.pipeline import H3Pipeline
+    from h3trt.jobs import model_source as entry_module
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     monkeypatch.setattr(entry_module, "torch_bytecode", lambda: bytecode)
     # Stopped right after the note: a UserError is one line and exit 2 (any other error is a bug and propagates).
@@ -539,7 +539,7 @@ def test_record_does_not_hide_a_changed_file(bundle, private_cache, tmp_path, ch
 
 
 def test_a_tampered_component_is_refused_before_use(bundle, private_cache, tmp_path):
-    from h3trt.runtime.pipeline import H3Pipeline
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     copy = tmp_path / "bundle"
     shutil.copytree(bundle, copy)

@@ -18,7 +18,7 @@ import torch
 from h3trt.cli import main
 from h3trt.engines.manifest import device_arch
 from h3trt.errors import UserError
-from h3trt.runtime.files import OutputError, OutputRefused
+from h3trt.media.output_files import OutputError, OutputRefused
 
 from helpers import uninstalled
 from test_requests import _manifest_dict
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.unit
 def test_an_unexpected_error_in_run_propagates(tmp_path, capsys, monkeypatch, error):
     """The error classes cli.main used to catch wholesale (ValueError, FileNotFoundError, ImportError) now reach
     the user as what they are: main() re-raises them, and nothing prints them as the user's mistake."""
-    import h3trt.runtime.admission as admission  # run_clip reads its inputs first, through admission
+    import h3trt.jobs.admission as admission  # run_clip reads its inputs first, through admission
 
     def broken(*args, **kwargs):
         raise error
@@ -52,7 +52,7 @@ def test_an_error_a_ctrl_c_caused_is_the_interrupt(tmp_path, capsys, monkeypatch
     """Ctrl-C inside torch's `with torch.device(...)` makes its exit raise RuntimeError("trying to pop from empty mode
     stack") over the KeyboardInterrupt (seen once in a killed-build test): still the user's interrupt, exit 130, one
     line; a RuntimeError with no interrupt behind it still propagates (the test above)."""
-    import h3trt.runtime.admission as admission  # run_clip reads its inputs first, through admission
+    import h3trt.jobs.admission as admission  # run_clip reads its inputs first, through admission
 
     def interrupted_cleanup(*args, **kwargs):
         try:
@@ -71,7 +71,7 @@ def test_an_error_after_a_ctrl_c_a_library_swallowed_is_the_interrupt(tmp_path, 
     """safetensors, interrupted inside `get_tensor`, swallows the KeyboardInterrupt and raises its own error, which the
     loader reports as a corrupted file (seen in CI's killed-build test): after the signal arrived, that is the user's
     interrupt, exit 130, not a bad checkpoint and exit 2."""
-    import h3trt.runtime.admission as admission  # run_clip reads its inputs first, through admission
+    import h3trt.jobs.admission as admission  # run_clip reads its inputs first, through admission
     from h3trt.models.checkpoint import CheckpointError
 
     def swallowed(*args, **kwargs):
@@ -110,7 +110,7 @@ def test_an_unexpected_error_in_build_propagates(tmp_path, tiny_root, capsys, mo
 _BROKEN_RUN = """
 import sys
 import time
-import h3trt.runtime.admission as admission
+import h3trt.jobs.admission as admission
 def broken(*args, **kwargs):
     raise ValueError("boom: an internal invariant")
 admission.prepare = broken
@@ -159,7 +159,7 @@ CASES = {
                               None, "apply to --precision fp8/nvfp4, not bf16"),
     "fp8_without_prompts": (["build", "--model", "tiny", "--output", "{tmp}/bundle", "--precision", "fp8",
                              "--device", "cpu"], None, "needs --calib-prompts FILE"),
-    # runtime: the requests file (runtime/requests.py)
+    # runtime: the requests file (pipeline/parse.py)
     "missing_requests_file": (["run", "--requests", "{tmp}/missing.jsonl", "--out-dir", "{tmp}/out"],
                               None, "no such requests file"),
     # models: the canvas (models/packing.py)

@@ -18,9 +18,9 @@ from h3trt.cli import main
 from h3trt.errors import UserError
 from h3trt.eval import StepRecorder, compare, reference_entry, trace
 from h3trt.models.sampler import euler_step, initial_latents
-from h3trt.runtime.loading import load_checkpoint
-from h3trt.runtime.pipeline import H3Pipeline
-from h3trt.runtime.request import Request, prepare
+from h3trt.pipeline.loading import load_checkpoint
+from h3trt.pipeline.h3_pipeline import H3Pipeline
+from h3trt.pipeline.request import Request, prepare
 
 from test_requests import _manifest_dict
 

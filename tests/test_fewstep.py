@@ -33,9 +33,9 @@ from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.models.step_cache import StepCache, StepCacheConfig
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.runtime.media import read_video
-from h3trt.runtime.pipeline import H3Pipeline
-from h3trt.runtime.request import CanvasDefaults, Request, prepare
+from h3trt.media.inputs import read_video
+from h3trt.pipeline.h3_pipeline import H3Pipeline
+from h3trt.pipeline.request import CanvasDefaults, Request, prepare
 from test_lora import ReferencePipe
 
 STEPS, VIDEO_SHIFT, SCALE = 8, 5.0, 0.7

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from h3trt.runtime import files
-from h3trt.runtime.files import BatchLock, OutputBusy, OutputExists, commit, remove_leftovers, temp_path
+from h3trt.media import output_files as files
+from h3trt.media.output_files import BatchLock, OutputBusy, OutputExists, commit, remove_leftovers, temp_path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = dict(os.environ, PYTHONPATH=str(ROOT))
@@ -21,7 +21,7 @@ ENV = dict(os.environ, PYTHONPATH=str(ROOT))
 WRITER = textwrap.dedent("""
     import json, sys, time
     from pathlib import Path
-    from h3trt.runtime.files import OutputExists, commit, temp_path, write_json_file
+    from h3trt.media.output_files import OutputExists, commit, temp_path, write_json_file
     folder, me, writers, overwrite = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4] == "1"
     mp4, record = folder / "clip.mp4", folder / "clip.json"
     tmp = temp_path(mp4)
@@ -83,7 +83,7 @@ def test_a_commit_takes_back_its_record_when_the_mp4_appeared(tmp_path):
 def test_leftovers_of_killed_runs_are_removed_and_live_ones_kept(tmp_path):
     """A process that dies (SIGKILL) mid-write leaves its temporary file; the next run removes it, but never the file
     of a process that is still running."""
-    script = ("import sys, time; from pathlib import Path; from h3trt.runtime.files import temp_path; "
+    script = ("import sys, time; from pathlib import Path; from h3trt.media.output_files import temp_path; "
               "p = temp_path(Path(sys.argv[1]) / 'clip.mp4'); p.write_bytes(b'x'); print(p, flush=True); "
               "time.sleep(60)")
     live = subprocess.Popen([sys.executable, "-c", script, str(tmp_path)], env=ENV, stdout=subprocess.PIPE, text=True)
@@ -108,7 +108,7 @@ def test_a_second_batch_on_one_out_dir_is_refused_naming_the_first(tmp_path, cap
     from h3trt.cli import main
 
     out = tmp_path / "out"
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from h3trt.runtime.files import BatchLock\n"
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from h3trt.media.output_files import BatchLock\n"
                                "with BatchLock(sys.argv[1]):\n    print('held', flush=True); time.sleep(60)",
                                str(out)], env=ENV, stdout=subprocess.PIPE, text=True)
     out.mkdir()

@@ -13,9 +13,9 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from h3trt.runtime.jobs import Event
-from h3trt.runtime.records import ClipRecord
-from h3trt.runtime.workers import GroupState, GroupStatus
+from h3trt.jobs.job import Event
+from h3trt.pipeline.records import ClipRecord
+from h3trt.jobs.supervisor import GroupState, GroupStatus
 from h3trt.server.metrics import Metrics
 from h3trt.server.options import ServeOptions
 from h3trt.server.queue import StoreQueue

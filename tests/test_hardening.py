@@ -120,7 +120,7 @@ def test_a_disk_that_fills_while_writing_is_one_line(tmp_path, tiny_root, tiny_c
 def test_an_interrupted_batch_says_what_finished(tmp_path, tiny_root, capsys, monkeypatch):
     """Ctrl-C while the second of three requests decodes: exit 130, and the message names what is done; the first
     clip and its record are whole, the second left nothing."""
-    from h3trt.runtime.pipeline import H3Pipeline
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     calls = []
     decode = H3Pipeline._decode_and_mux  # what every clip's decode goes through, batched or not
@@ -157,8 +157,8 @@ def test_the_audio_vae_loads_without_torchs_weight_norm_warning(tiny_root):
 
 
 def test_one_denoise_bar_open_only_over_the_steps(capsys):
-    from h3trt.runtime.jobs import Event
-    from h3trt.runtime.run import ClipQueue
+    from h3trt.jobs.job import Event
+    from h3trt.run.commands import ClipQueue
 
     queue = ClipQueue(None, quiet=False)
     queue.report(Event("clip", "started", "text_encode"))

@@ -1,11 +1,12 @@
 """The package's layers import downward only (docs/architecture.md, "The layers"):
 
     errors, paths, str_enum <- models <- parallel <- calibration <- engines <- build
-                                                                    engines <- runtime <- server <- fleet <- cli
-                                                                               runtime <- eval <- cli
-                                                                                          server <- cli
+                                                     engines <- media <- pipeline <- jobs <- run
+                                                                                       jobs <- server <- fleet <- cli
+                                                                                       jobs <- eval <- cli
+                                                                                         build, run <- cli
 
-build and runtime never import each other; models imports none of the others but the base: errors (the one
+build and the four floors above engines (media, pipeline, jobs, run) never import each other; models imports none of the others but the base: errors (the one
 user-error class, which every layer may raise), paths (where h3trt keeps its caches) and str_enum (the vocabularies'
 base). Every import counts, the ones inside functions included, and no two h3trt modules may import each other,
 directly or around a cycle. The checker is pure `ast` over the source files (nothing is imported), so it runs in well
@@ -36,11 +37,15 @@ ALLOWED = {
     "calibration": BASE | {"models", "parallel"},
     "engines": BASE | {"models", "parallel", "calibration"},
     "build": BASE | {"models", "parallel", "calibration", "engines"},
-    "runtime": BASE | {"models", "parallel", "calibration", "engines"},
-    "server": BASE | {"models", "parallel", "calibration", "engines", "runtime"},
-    "fleet": BASE | {"models", "parallel", "calibration", "engines", "runtime", "server"},
-    "eval": BASE | {"models", "parallel", "calibration", "engines", "runtime"},
-    "cli": BASE | {"models", "parallel", "calibration", "engines", "build", "runtime", "server", "fleet", "eval"},
+    "media": BASE | {"models", "parallel", "calibration", "engines"},
+    "pipeline": BASE | {"models", "parallel", "calibration", "engines", "media"},
+    "jobs": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline"},
+    "run": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline", "jobs"},
+    "server": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline", "jobs"},
+    "fleet": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline", "jobs", "server"},
+    "eval": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline", "jobs"},
+    "cli": BASE | {"models", "parallel", "calibration", "engines", "build", "media", "pipeline", "jobs", "run",
+                   "server", "fleet", "eval"},
     "h3trt": set(),
 }
 
@@ -153,24 +158,25 @@ def test_no_import_cycles():
 
 
 def test_checker_catches_a_bad_import_and_a_cycle(tmp_path):
-    """The same checker over a synthetic package: a models -> runtime import, a runtime <-> build pair, a
+    """The same checker over a synthetic package: a models -> pipeline import, a pipeline <-> build pair, a
     function-level import and a cycle inside one layer are all reported."""
     pkg = tmp_path / "h3trt"
-    for sub in ("models", "runtime", "build", "engines"):
+    for sub in ("models", "pipeline", "build", "engines"):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
-    (pkg / "models" / "dit.py").write_text("from ..runtime.pipeline import H3Pipeline\n")
-    (pkg / "runtime" / "pipeline.py").write_text("from ..models import dit\nfrom ..engines.bundle import Engine\n")
-    (pkg / "build" / "builder.py").write_text("def f():\n    from h3trt.runtime import pipeline\n")
+    (pkg / "models" / "dit.py").write_text("from ..pipeline.h3_pipeline import H3Pipeline\n")
+    (pkg / "pipeline" / "h3_pipeline.py").write_text("from ..models import dit\nfrom ..engines.bundle import Engine\n")
+    (pkg / "build" / "builder.py").write_text("def f():\n    from h3trt.pipeline import h3_pipeline\n")
     (pkg / "engines" / "bundle.py").write_text("from . import loaders\n")
     (pkg / "engines" / "loaders.py").write_text("def g():\n    from .bundle import Engine\n")
     graph = import_graph(pkg)
-    assert graph["h3trt.runtime.pipeline"] == {"h3trt.models.dit": 1, "h3trt.engines.bundle": 2}
+    assert graph["h3trt.pipeline.h3_pipeline"] == {"h3trt.models.dit": 1, "h3trt.engines.bundle": 2}
     errors = direction_errors(graph)
-    assert any("h3trt.models.dit:1 imports h3trt.runtime.pipeline: models may not import runtime" in e for e in errors)
-    assert any("h3trt.build.builder:2 imports h3trt.runtime.pipeline: build may not import runtime" in e
+    assert any("h3trt.models.dit:1 imports h3trt.pipeline.h3_pipeline: models may not import pipeline" in e
+               for e in errors)
+    assert any("h3trt.build.builder:2 imports h3trt.pipeline.h3_pipeline: build may not import pipeline" in e
                for e in errors)
     assert len(errors) == 2
     assert sorted(cycles(graph)) == [["h3trt.engines.bundle", "h3trt.engines.loaders"],
-                                     ["h3trt.models.dit", "h3trt.runtime.pipeline"]]
+                                     ["h3trt.models.dit", "h3trt.pipeline.h3_pipeline"]]

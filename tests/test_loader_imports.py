@@ -1,5 +1,5 @@
 """The cold-start import race (issue 35 item 3): a bundle load runs the text encoder and the VAEs on their own threads
-(runtime/loading.py `Deferred`) while the main thread imports Inductor for the compiled code (engines/loaders.py
+(pipeline/loading.py `Deferred`) while the main thread imports Inductor for the compiled code (engines/loaders.py
 `activate_compiled_cache`). Two threads importing through torch._inductor, diffusers and transformers at once saw
 half-initialised modules on the H200 ("cannot import name 'IndentedBuffer' from partially initialized module
 'torch._inductor.utils'", one cold start in three). `import_loader_modules` imports them all on one thread before
@@ -41,7 +41,7 @@ SCRIPT = textwrap.dedent("""
     from h3trt.engines.loaders import activate_compiled_cache
     from h3trt.engines.weights_io import chunk_digests, read_safetensors, write_safetensors
     from h3trt.models.vae_precision import VAEPrecision
-    from h3trt.runtime.loading import Deferred, _text_encoder, _vaes, import_loader_modules
+    from h3trt.pipeline.loading import Deferred, _text_encoder, _vaes, import_loader_modules
 
     root, scratch = Path(sys.argv[1]), Path(sys.argv[2])
     weights = scratch / "w.safetensors"

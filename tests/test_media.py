@@ -1,4 +1,4 @@
-"""h3trt.runtime.mp4 and h3trt.runtime.media: MP4 output checked by decoding it back, and the input readers' errors.
+"""h3trt.media.mp4 and h3trt.media.inputs: MP4 output checked by decoding it back, and the input readers' errors.
 
 Tolerances (measured with PyAV 18.1's bundled FFmpeg / libx264, CRF 18):
 - Audio: AAC output is never shorter than the samples written and at most one AAC frame (1024 samples = 32 ms at
@@ -22,8 +22,8 @@ import pytest
 import torch
 from PIL import Image
 
-from h3trt.runtime.media import MediaError, probe, read_audio, read_image, read_video
-from h3trt.runtime.mp4 import Mp4Writer, write_mp4
+from h3trt.media.inputs import MediaError, probe, read_audio, read_image, read_video
+from h3trt.media.mp4 import Mp4Writer, write_mp4
 
 FPS, RATE = 24, 32000
 T, W, H = 22, 64, 96  # 64x96 is width x height
@@ -255,7 +255,7 @@ def test_resample_is_the_reference_resampler(orig):
     """Reference audio at other rates goes through the reference's resampler (torchaudio's windowed sinc), not
     swresample: measured before this change, swresample's output differed from it at 19.2 dB SNR (16 and 22.05 kHz
     chirps) to 37.1 dB (48 kHz); now h3trt reproduces torchaudio's numbers (bitwise on this CPU; 1e-6 here)."""
-    from h3trt.runtime.media import resample
+    from h3trt.media.inputs import resample
 
     x = (0.3 * np.random.default_rng(0).standard_normal((2, 4410))).astype(np.float32)
     shape, samples, rms = TORCHAUDIO_RESAMPLE[orig]
@@ -267,7 +267,7 @@ def test_resample_is_the_reference_resampler(orig):
 
 def test_reference_audio_is_cut_at_its_own_rate_then_resampled(tmp_path):
     """As the reference: decoded at the file's rate, truncated there to the clip's length, resampled once."""
-    from h3trt.runtime.media import resample
+    from h3trt.media.inputs import resample
 
     rate, seconds = 22050, 3.0
     t = np.arange(int(rate * seconds)) / rate

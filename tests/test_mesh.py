@@ -24,12 +24,12 @@ from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.runtime.guidance import branch_t_index
+from h3trt.pipeline.guidance import branch_t_index
 from h3trt.parallel.launch import RankFailed, init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
-from h3trt.runtime.pipeline import H3Pipeline
-from h3trt.runtime.request import CanvasDefaults, Request, prepare
-from h3trt.runtime.rank import WorkerSpec, load_rank_pipeline
+from h3trt.pipeline.h3_pipeline import H3Pipeline
+from h3trt.pipeline.request import CanvasDefaults, Request, prepare
+from h3trt.jobs.rank import WorkerSpec, load_rank_pipeline
 
 from helpers import dit_inputs
 
@@ -325,7 +325,7 @@ def test_sp2_bundle_refuses_one_process(sp2_bundle):
 @pytest.mark.multiproc
 def test_batch_file_on_replicas_x_sp2_writes_the_one_process_clips(tmp_path, tiny_cache, capsys):
     from h3trt.cli import main
-    from h3trt.runtime.media import read_video
+    from h3trt.media.inputs import read_video
 
     lines = [json.dumps({"id": rid, "task": "t2va", "prompt": "a red fox runs", "seed": seed, "resolution": "128x32",
                          "steps": 3}) for rid, seed in (("a", 1), ("b", 2), ("c", 3), ("d", 4))]

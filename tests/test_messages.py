@@ -1,4 +1,4 @@
-"""The messages between a replica group's ranks and their launcher (h3trt/runtime/messages.py): each pickles whole
+"""The messages between a replica group's ranks and their launcher (h3trt/jobs/messages.py): each pickles whole
 across a multiprocessing pipe and torch.distributed's broadcast_object_list, and each side dispatches on its type."""
 
 import pickle
@@ -11,12 +11,12 @@ import torch.distributed as dist
 
 from h3trt.parallel.launch import init_rank, launch
 from h3trt.parallel.mesh import MeshConfig
-from h3trt.runtime.jobs import Event, EventKind, Job, Stage
-from h3trt.runtime.messages import Cancel, Idle, Ready, Report, Stop, Work
-from h3trt.runtime.records import ClipRecord
-from h3trt.runtime.rank import BroadcastChannel, PipeChannel, WorkerSpec
-from h3trt.runtime.request import Request
-from h3trt.runtime.workers import Workers
+from h3trt.jobs.job import Event, EventKind, Job, Stage
+from h3trt.jobs.messages import Cancel, Idle, Ready, Report, Stop, Work
+from h3trt.pipeline.records import ClipRecord
+from h3trt.jobs.rank import BroadcastChannel, PipeChannel, WorkerSpec
+from h3trt.pipeline.request import Request
+from h3trt.jobs.supervisor import Workers
 
 JOBS = [Job("a", Request("a fox", refs=(Path("ref.png"),), seed=3), Path("out/a.mp4"), record={"line": 1},
             key=("t2va", 1)),

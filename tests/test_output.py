@@ -1,4 +1,4 @@
-"""The pipelined writer's RGB -> yuv420p conversion on the device (h3trt/runtime/output.py).
+"""The pipelined writer's RGB -> yuv420p conversion on the device (h3trt/media/encoder.py).
 
 `rgb_to_yuv420` replaces swscale's conversion on the encoder thread; it must write what swscale would (BT.709 limited
 range, the same chroma filter) up to rounding. Lossless H.264 (CRF 0) makes the comparison through a real MP4 exact:
@@ -11,8 +11,8 @@ import pytest
 import torch
 from av.video.reformatter import ColorRange, Colorspace, Interpolation
 
-from h3trt.runtime.mp4 import X264_PRESETS
-from h3trt.runtime.output import OutputConfig, PipelinedWriter, rgb_to_yuv420
+from h3trt.media.mp4 import X264_PRESETS
+from h3trt.media.encoder import OutputConfig, PipelinedWriter, rgb_to_yuv420
 
 H, W, T = 96, 160, 12
 

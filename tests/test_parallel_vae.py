@@ -16,9 +16,9 @@ from h3trt.models.audio_vae import AudioVAE
 from h3trt.models.tiny import TINY_HEIGHT, TINY_WIDTH, tiny_audio_vae, tiny_video_vae
 from h3trt.models.video_vae import VideoVAE
 from h3trt.parallel.launch import init_rank, launch
-from h3trt.runtime.media import read_video
-from h3trt.runtime.output import OutputConfig
-from h3trt.runtime.parallel_vae import TAIL_STEPS, DecodeResult, deal_waves, decode_and_write, decode_frames
+from h3trt.media.inputs import read_video
+from h3trt.media.encoder import OutputConfig
+from h3trt.pipeline.parallel_decode import TAIL_STEPS, DecodeResult, deal_waves, decode_and_write, decode_frames
 
 LATENT_H, LATENT_W = TINY_HEIGHT // 16, TINY_WIDTH // 16  # 6 x 10 latents: 96 x 160 px
 TILE_PX, TILE_OVERLAP_PX = 64, 16

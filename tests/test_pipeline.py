@@ -13,12 +13,12 @@ import pytest
 
 from h3trt.engines.manifest import sha256_file
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.runtime import work
-from h3trt.runtime.jobs import EventKind, Job
-from h3trt.runtime.pipeline import H3Pipeline, Target
-from h3trt.runtime.records import Clip, ClipRecord, record_path
-from h3trt.runtime.request import CanvasDefaults, Request, prepare
-from h3trt.runtime.work import Place, Reporter, commit_job_clip, run_work
+from h3trt.jobs import work
+from h3trt.jobs.job import EventKind, Job
+from h3trt.pipeline.h3_pipeline import H3Pipeline, Target
+from h3trt.pipeline.records import Clip, ClipRecord, record_path
+from h3trt.pipeline.request import CanvasDefaults, Request, prepare
+from h3trt.jobs.work import Place, Reporter, commit_job_clip, run_work
 
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
@@ -83,11 +83,11 @@ def test_a_failure_between_encode_and_commit_leaves_nothing_at_the_output_path(p
         raise RuntimeError("the commit's step broke")
 
     if where == "making the record":
-        monkeypatch.setattr("h3trt.runtime.pipeline.clip_record", boom)
+        monkeypatch.setattr("h3trt.pipeline.h3_pipeline.clip_record", boom)
     elif where == "completing the record":
         monkeypatch.setattr(work, "peak_memory", boom)
     else:
-        monkeypatch.setattr("h3trt.runtime.records.sha256_file", boom)
+        monkeypatch.setattr("h3trt.pipeline.records.sha256_file", boom)
     events = _run(pipeline, Job("j", REQUEST, tmp_path / "clip.mp4"))
     assert events[-1].kind == EventKind.FAILED and "the commit's step broke" in events[-1].error
     assert events[-1].stage == "decode"  # where a failed commit was reported before the commit moved

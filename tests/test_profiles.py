@@ -1,5 +1,5 @@
 """Step-cache warm-up and consecutive-skip limit (models/step_cache.py) against a hand-computed decision sequence,
-block calls counted, and the named speed profiles (runtime/profiles.py): what each resolves to, explicit knobs over
+block calls counted, and the named speed profiles (pipeline/profiles.py): what each resolves to, explicit knobs over
 the profile's, bad values refused in one line before any model loads.
 
 The synthetic block stack: block 0 adds c_k to every element at evaluation k, so its residual is c_k everywhere and
@@ -18,7 +18,7 @@ import torch
 
 from h3trt.errors import UserError
 from h3trt.models.step_cache import StepCache, StepCacheConfig
-from h3trt.runtime.profiles import PROFILES, profile_fields
+from h3trt.pipeline.profiles import PROFILES, profile_fields
 
 pytestmark = pytest.mark.unit
 
@@ -171,7 +171,7 @@ def test_without_a_profile_the_flags_alone_decide():
 
 def test_run_builds_the_request_from_the_profile_and_the_flags(h3trt, monkeypatch, tmp_path):
     seen = []
-    monkeypatch.setattr("h3trt.runtime.run.run_clip", lambda entry, request, *args: seen.append(request) or 0)
+    monkeypatch.setattr("h3trt.run.commands.run_clip", lambda entry, request, *args: seen.append(request) or 0)
     code, err = h3trt("run", "--prompt", "a fox", "--output", str(tmp_path / "c.mp4"), "--device", "cpu",
                       "--profile", "fast", "--cache-max-skip", "1")
     assert code == 0, err
@@ -236,7 +236,7 @@ def test_bad_request_keys_are_refused_by_name(line, message):
 def request_of(data: dict):
     from pathlib import Path
 
-    from h3trt.runtime.requests import parse_object
+    from h3trt.pipeline.parse import parse_object
 
     return parse_object(data, 1, Path("."), ("prompt",)).request
 

@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 from helpers import Logged
 
-from h3trt.runtime.jobs import Event
-from h3trt.runtime.records import ClipRecord, Failure
-from h3trt.runtime.requests import RequestDefaults
+from h3trt.jobs.job import Event
+from h3trt.pipeline.records import ClipRecord, Failure
+from h3trt.pipeline.parse import RequestDefaults
 from h3trt.server.metrics import Metrics
 from h3trt.server.queue import StoreQueue
 from h3trt.server.storage import Storage, claim_keys, clip_key, record_key, uploads_key

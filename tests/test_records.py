@@ -1,4 +1,4 @@
-"""The clip record as a type (h3trt/runtime/records.py `ClipRecord`): records written before it was one read and write
+"""The clip record as a type (h3trt/pipeline/records.py `ClipRecord`): records written before it was one read and write
 back byte for byte, the layers that fill it in turn write the same keys in the same order, and its readers take
 attributes.
 
@@ -13,10 +13,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from h3trt.runtime.batch_outputs import clip_damage
-from h3trt.runtime.records import ClipRecord, ColdStart, Failure, FailureRecord, StageTimer, clip_record, commit_clip, record_path
-from h3trt.runtime.request import Request
-from h3trt.runtime.run import report_record
+from h3trt.run.batch_outputs import clip_damage
+from h3trt.pipeline.records import ClipRecord, ColdStart, Failure, FailureRecord, StageTimer, clip_record, commit_clip, record_path
+from h3trt.pipeline.request import Request
+from h3trt.run.commands import report_record
 
 pytestmark = pytest.mark.unit
 
@@ -104,7 +104,7 @@ def test_a_failure_record_written_before_the_type_reads_and_writes_back_byte_for
 def test_a_failure_pickles_with_its_event_and_defaults_to_nothing_known():
     import pickle
 
-    from h3trt.runtime.jobs import Event
+    from h3trt.jobs.job import Event
 
     event = Event("a", "failed", "encode", error="encode: OSError: x", record=Failure("OSError", False, ["tb"]))
     again = pickle.loads(pickle.dumps(event))
@@ -117,7 +117,7 @@ def test_a_decode_result_written_before_the_type_reads_and_writes_back_byte_for_
     attributes."""
     from pathlib import Path
 
-    from h3trt.runtime.parallel_vae import DecodeResult
+    from h3trt.pipeline.parallel_decode import DecodeResult
 
     text = (RECORDS / "decode_result.json").read_text()
     result = DecodeResult.from_json(json.loads(text))

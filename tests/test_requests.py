@@ -16,9 +16,9 @@ from h3trt.engines.manifest import FORMAT_VERSION, BundleError, Manifest, bundle
 from h3trt.models.config import H3Config
 from h3trt.models.precision import Precision
 from h3trt.models.sampler import DEFAULT_SEED, DEFAULT_STEPS
-from h3trt.runtime.batch_file import parse_requests
-from h3trt.runtime.entry import TINY_CANVAS, Entry
-from h3trt.runtime.requests import (EVAL_REQUIRED, RUN_REQUIRED, RequestsFileError, read_eval_requests,
+from h3trt.run.batch_file import parse_requests
+from h3trt.jobs.model_source import TINY_CANVAS, Entry
+from h3trt.pipeline.parse import (EVAL_REQUIRED, RUN_REQUIRED, RequestsFileError, read_eval_requests,
                                    read_request_file)
 
 pytestmark = pytest.mark.unit

@@ -182,8 +182,8 @@ class _FullDisk:
 
 
 def _node_parts(tmp_path):
-    from h3trt.runtime.entry import Entry
-    from h3trt.runtime.workers import GroupState, GroupStatus
+    from h3trt.jobs.model_source import Entry
+    from h3trt.jobs.supervisor import GroupState, GroupStatus
     from h3trt.server.metrics import Metrics
     from h3trt.server.options import ServeOptions
     from h3trt.server.queue import StoreQueue
@@ -206,8 +206,8 @@ def _node_parts(tmp_path):
 
 
 def test_a_full_disk_fails_the_job_that_met_it_keeps_workers_serving_and_recovers(tmp_path, tiny_cache, monkeypatch):
-    from h3trt.runtime.jobs import Event
-    from h3trt.runtime.records import ClipRecord, Failure
+    from h3trt.jobs.job import Event
+    from h3trt.pipeline.records import ClipRecord, Failure
     from h3trt.server.storage import clip_key
 
     store, queue, service, logged = _node_parts(tmp_path)
@@ -261,8 +261,8 @@ def test_a_full_disk_answers_507_in_the_envelope_and_admits_again_when_space_ret
 def test_a_draining_worker_records_the_ends_a_full_disk_held_back(tmp_path, tiny_cache, monkeypatch):
     """A drain claims nothing (no take), yet the drain waits for the running jobs' rows to end: the worker loop's
     every poll (cancels) records what the full disk held back, once space returns."""
-    from h3trt.runtime.jobs import Event
-    from h3trt.runtime.records import Failure
+    from h3trt.jobs.job import Event
+    from h3trt.pipeline.records import Failure
 
     store, queue, service, _ = _node_parts(tmp_path)
     disk = _FullDisk(store, monkeypatch)

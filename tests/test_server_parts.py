@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 from helpers import Logged
 
-from h3trt.runtime.workers import GroupState, GroupStatus
+from h3trt.jobs.supervisor import GroupState, GroupStatus
 from h3trt.server.log import SERVER_LOG, JsonLog
 from h3trt.server.options import ServeOptions
 from h3trt.server.parts import Parts, start_expiry
@@ -31,7 +31,7 @@ class TwoGroups:
 
 @pytest.fixture
 def entry(tiny_cache):
-    from h3trt.runtime.entry import Entry
+    from h3trt.jobs.model_source import Entry
 
     return Entry.resolve(device="cpu")
 

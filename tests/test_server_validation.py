@@ -9,9 +9,9 @@ import time
 
 import pytest
 
-from h3trt.runtime.args import crf
-from h3trt.runtime.files import DEFAULT_CRF
-from h3trt.runtime.request import MAX_STEPS
+from h3trt.cli.args import crf
+from h3trt.media.output_files import DEFAULT_CRF
+from h3trt.pipeline.request import MAX_STEPS
 
 KEY = "test-key-validation"
 SMALL = {"size": "128x32", "steps": 2}
@@ -28,7 +28,7 @@ class NoGroups:
 def _client(tmp_path, **options):
     from fastapi.testclient import TestClient
 
-    from h3trt.runtime.entry import Entry
+    from h3trt.jobs.model_source import Entry
     from h3trt.server.app import create_app
     from h3trt.server.metrics import Metrics
     from h3trt.server.options import ServeOptions

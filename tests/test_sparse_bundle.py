@@ -27,7 +27,7 @@ from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.models.sparse_plan import SparseSettings, sparse_settings
 from h3trt.models.sparse_run import SparseRun
-from h3trt.runtime.media import read_video
+from h3trt.media.inputs import read_video
 
 from conftest import BUNDLE_STEPS
 from helpers import dit_inputs
@@ -148,8 +148,8 @@ def test_a_request_overrides_the_default_and_sparsity_0_is_the_dense_clip_bit_fo
 
 
 def test_request_lines_and_api_jobs_take_the_bundle_default_unless_they_state_one(sparse_bundle):
-    from h3trt.runtime.entry import Entry
-    from h3trt.runtime.requests import parse_object
+    from h3trt.jobs.model_source import Entry
+    from h3trt.pipeline.parse import parse_object
     from h3trt.server.service import request_defaults
 
     entry = Entry.resolve(engine=sparse_bundle, device="cpu")
@@ -170,7 +170,7 @@ def test_request_lines_and_api_jobs_take_the_bundle_default_unless_they_state_on
 
 
 def test_explicit_beats_the_bundle_default_beats_the_built_in_one():
-    from h3trt.runtime.profiles import profile_fields, with_bundle_sparse
+    from h3trt.pipeline.profiles import profile_fields, with_bundle_sparse
 
     bundle = SparseSettings(0.6, 3, 128)
     assert with_bundle_sparse(profile_fields(None), None) == profile_fields(None)  # no bundle default: dense

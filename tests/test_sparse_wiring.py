@@ -71,7 +71,7 @@ def test_bad_sparse_flags_are_one_line_and_exit_2(h3trt, no_model_load, tmp_path
 
 
 def test_profiles_set_the_sparsity_and_a_flag_overrides_it():
-    from h3trt.runtime.profiles import profile_fields
+    from h3trt.pipeline.profiles import profile_fields
 
     assert profile_fields("balanced")["sparse_attention"] == 0.75
     fields = profile_fields("fast", sparse_attention=0.5, sparse_min_seq=64)
@@ -81,7 +81,7 @@ def test_profiles_set_the_sparsity_and_a_flag_overrides_it():
 def request_of(data: dict):
     from pathlib import Path
 
-    from h3trt.runtime.requests import parse_object
+    from h3trt.pipeline.parse import parse_object
 
     return parse_object(data, 1, Path("."), ("prompt",)).request
 
@@ -113,7 +113,7 @@ def test_a_batch_takes_sparsity_from_its_lines_not_the_flags(h3trt, no_model_loa
 def test_a_sparse_request_is_not_batched():
     """A batch shares one evaluation per step; a sparse request counts its own evaluations (and encode_request
     refuses it), so the batcher runs it alone."""
-    from h3trt.runtime.batch import batchable
+    from h3trt.run.batch import batchable
 
     assert batchable(request_of({"prompt": "a fox"}))
     assert not batchable(request_of({"prompt": "a fox", "sparse_attention": 0.5}))

@@ -29,9 +29,9 @@ from h3trt.models.step_cache import StepCache, StepCacheConfig, nearest_interp
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.parallel.launch import init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
-from h3trt.runtime.pipeline import H3Pipeline
-from h3trt.runtime.request import CanvasDefaults, Request, prepare
-from h3trt.runtime.rank import WorkerSpec, load_rank_pipeline
+from h3trt.pipeline.h3_pipeline import H3Pipeline
+from h3trt.pipeline.request import CanvasDefaults, Request, prepare
+from h3trt.jobs.rank import WorkerSpec, load_rank_pipeline
 
 LATENT_TOL = 1e-4
 SCHEDULE = Schedule(20, 12.0, 3.0)  # 19 evaluations

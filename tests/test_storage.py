@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from h3trt.runtime.workers import GroupState, GroupStatus
+from h3trt.jobs.supervisor import GroupState, GroupStatus
 from h3trt.server.storage import Storage, clip_key, job_keys, record_key, thumbnail_key, uploads_key
 
 pytestmark = pytest.mark.unit
@@ -48,7 +48,7 @@ def test_written_published_fetched_listed_streamed_removed(storage, tmp_path):
 
 
 def test_retention_removes_files_and_record_together(storage, tmp_path):
-    from h3trt.runtime.entry import Entry
+    from h3trt.jobs.model_source import Entry
     from h3trt.server.metrics import Metrics
     from h3trt.server.options import ServeOptions
     from h3trt.server.service import VideoService
@@ -106,9 +106,9 @@ def test_a_late_writer_whose_lease_ran_out_never_replaces_the_clip_of_the_rerun(
 
     from h3trt.engines.atomic import temp_path
     from h3trt.engines.manifest import sha256_file
-    from h3trt.runtime.entry import Entry
-    from h3trt.runtime.jobs import Event
-    from h3trt.runtime.records import ClipRecord, commit_clip
+    from h3trt.jobs.model_source import Entry
+    from h3trt.jobs.job import Event
+    from h3trt.pipeline.records import ClipRecord, commit_clip
     from h3trt.server.app import create_app
     from h3trt.server.metrics import Metrics
     from h3trt.server.options import ServeOptions
@@ -184,9 +184,9 @@ def test_a_clip_committed_before_its_lease_ran_out_completes_the_job_and_stays(t
     files committed and completes the job with them (not run again). The worker's late report is ignored, and the
     files it would drop as a fenced-out claim's are the accepted clip: they stay."""
     from h3trt.engines.atomic import temp_path
-    from h3trt.runtime.jobs import Event
-    from h3trt.runtime.records import ClipRecord, commit_clip
-    from h3trt.runtime.requests import RequestDefaults
+    from h3trt.jobs.job import Event
+    from h3trt.pipeline.records import ClipRecord, commit_clip
+    from h3trt.pipeline.parse import RequestDefaults
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue
     from h3trt.server.store import JobStore, sqlite_url

@@ -10,7 +10,7 @@ import time
 import pytest
 
 from h3trt.errors import UserError
-from h3trt.runtime.workers import GroupState, GroupStatus
+from h3trt.jobs.supervisor import GroupState, GroupStatus
 from h3trt.server.store import MAX_ATTEMPTS, JobStore, metadata, sqlite_url
 
 pytestmark = pytest.mark.unit
@@ -135,13 +135,13 @@ def test_a_report_of_an_earlier_claim_is_fenced_even_from_the_same_worker(store)
 
 
 def test_a_workers_late_end_of_an_earlier_claim_does_not_complete_its_new_claim(store, tmp_path):
-    """The same through a worker's queue (server/queue.py), in the order runtime/workers.py reports: a group's job
+    """The same through a worker's queue (server/queue.py), in the order jobs/supervisor.py reports: a group's job
     ends, the group takes its next work, then the end is recorded. If its lease ran out in between (the process
     stalled) and the next work is the same job again, the old end is the earlier claim's: ignored, and the job
     completes with the new claim's clip."""
-    from h3trt.runtime.jobs import Event
-    from h3trt.runtime.records import ClipRecord
-    from h3trt.runtime.requests import RequestDefaults
+    from h3trt.jobs.job import Event
+    from h3trt.pipeline.records import ClipRecord
+    from h3trt.pipeline.parse import RequestDefaults
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue
     from h3trt.server.storage import Storage
@@ -170,7 +170,7 @@ def test_admission_bounds_the_queue_by_the_waiting_jobs_alone_and_reads_no_other
     every row of the table, so a POST costs the same with 10 ended jobs as with 100,000."""
     from sqlalchemy import event as sql_event
 
-    from h3trt.runtime.entry import Entry
+    from h3trt.jobs.model_source import Entry
     from h3trt.server.metrics import Metrics
     from h3trt.server.options import ServeOptions
     from h3trt.server.service import ApiError, VideoService

@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from h3trt.runtime.jobs import ENDS, EVENT_KINDS, STAGES, Event, EventKind, Stage
+from h3trt.jobs.job import ENDS, EVENT_KINDS, STAGES, Event, EventKind, Stage
 
 pytestmark = pytest.mark.unit
 
@@ -94,8 +94,8 @@ def test_a_row_reads_its_status_as_a_member_with_its_facts(tmp_path):
 def test_an_entry_holds_its_model_source_and_launch_kind_as_members():
     from pathlib import Path
 
-    from h3trt.runtime.entry import SOURCES, Entry, ModelSource
-    from h3trt.runtime.workers import HOW, LaunchKind
+    from h3trt.jobs.model_source import SOURCES, Entry, ModelSource
+    from h3trt.jobs.supervisor import HOW, LaunchKind
 
     assert SOURCES == ("bundle", "checkpoint", "tiny") and HOW == ("process", "spawn", "torchrun")
     tiny = Entry("tiny", None, None, "cpu")

@@ -1,5 +1,5 @@
-"""The supervisor of replica groups (runtime/workers.py `Workers`), in this process: a fake rank group whose ranks are
-threads at the other end of the launcher's pipes, speaking the pipe messages of runtime/messages.py, so the
+"""The supervisor of replica groups (jobs/supervisor.py `Workers`), in this process: a fake rank group whose ranks are
+threads at the other end of the launcher's pipes, speaking the pipe messages of jobs/messages.py, so the
 supervisor's state changes (hand out work, forward events and cancels, drain, restart a group whose rank died, give
 back what it held) are checked without spawning a process. The group's status record (`GroupStatus`) and its JSON
 are checked here too."""
@@ -18,10 +18,10 @@ from types import SimpleNamespace
 import pytest
 
 from h3trt.parallel.launch import Failure, RankFailed
-from h3trt.runtime.jobs import Event, Job
-from h3trt.runtime.messages import Cancel, Idle, Ready, Report, Stop, Work
-from h3trt.runtime.records import ClipRecord
-from h3trt.runtime.workers import GroupState, GroupStatus, Workers
+from h3trt.jobs.job import Event, Job
+from h3trt.jobs.messages import Cancel, Idle, Ready, Report, Stop, Work
+from h3trt.pipeline.records import ClipRecord
+from h3trt.jobs.supervisor import GroupState, GroupStatus, Workers
 
 pytestmark = pytest.mark.unit
 
@@ -67,7 +67,7 @@ class Script:
 class ThreadRanks:
     """A RankGroup of threads (Workers' `rank_group`): each rank's thread keeps a duplicate of its end of the pipe (the
     launcher closes its copy of the children's ends once they started, as after spawning), says Ready, and answers as
-    runtime/rank.py's loop does: the group's first rank reports each job started then done, then Idle; Stop ends it.
+    jobs/rank.py's loop does: the group's first rank reports each job started then done, then Idle; Stop ends it.
     The ranks meet at a barrier per job, as at a collective: a rank the script kills closes its pipe and counts as
     died (signal 9), as a killed process would, and its peers fail at the barrier (connection reset)."""
 

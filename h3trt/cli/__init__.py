@@ -7,7 +7,7 @@
     h3trt eval | inspect | verify | keygen
 
 The flags are in cli/parser.py, what each command calls in cli/commands.py (a few lines each: the work lives below,
-runtime/run.py for run, server/ for serve, build/ for build). Nothing heavy is imported at the top: torch and the model
+run/commands.py for run, server/ for serve, build/ for build). Nothing heavy is imported at the top: torch and the model
 code load inside `main`, where an interrupt (Ctrl-C, or SIGTERM, treated alike) during the first second's imports is
 one line too. Errors the user can fix are one line on stderr and exit status 2; a failed job, rank, output or bundle
 check is one line and exit 1; an interrupt exits 130. Anything else is a bug and keeps its traceback.
@@ -44,7 +44,7 @@ def main(argv=None) -> int:
     try:
         from .parser import build_parser
 
-        args = build_parser().parse_args(argv)  # a usage mistake is one line and exit 2 (runtime/args.py)
+        args = build_parser().parse_args(argv)  # a usage mistake is one line and exit 2 (cli/args.py)
         return _call(args)
     except Exception as e:
         interrupt = _interrupt_behind(e)
@@ -71,7 +71,7 @@ def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
 
 
 def _interrupted(e: KeyboardInterrupt) -> int:
-    from ..runtime.files import InterruptedAfterCommit, remove_own_temps
+    from ..media.output_files import InterruptedAfterCommit, remove_own_temps
 
     remove_own_temps()  # whatever an unwinding frame did not get to
     if isinstance(e, InterruptedAfterCommit):
@@ -87,8 +87,8 @@ def _call(args) -> int:
     ValueError or RuntimeError included) is a bug or a broken install and propagates with its traceback."""
     from ..build.check import BuildError
     from ..parallel.launch import RankFailed
-    from ..runtime.files import OutputError
-    from ..runtime.jobs import JobFailed
+    from ..media.output_files import OutputError
+    from ..jobs.job import JobFailed
     from . import commands
 
     try:

@@ -1,4 +1,4 @@
-"""What each `h3trt` command calls, given its parsed arguments: a few lines each, the work below (runtime/run.py,
+"""What each `h3trt` command calls, given its parsed arguments: a few lines each, the work below (run/commands.py,
 server/, fleet/, build/, eval.py, engines/). Imports stay inside the functions: a command loads only what it uses."""
 
 from __future__ import annotations
@@ -12,16 +12,16 @@ from ..errors import UserError
 
 def entry_from_args(args):
     """The one Entry of an `h3trt run` or `serve` (one clip, --requests or HTTP; one process or a mesh)."""
-    from ..runtime.entry import Entry
+    from ..jobs.model_source import Entry
 
     return Entry.resolve(args.engine, args.model, args.device, args.trust, args.vae_precision, tuple(args.lora),
                          args.gpus, args.cfg, args.sp, args.replicas)
 
 
 def cmd_run(args) -> int:
-    from ..runtime.args import profile_fields_from_args
-    from ..runtime.profiles import with_bundle_sparse
-    from ..runtime.run import run_clip, run_requests
+    from .args import profile_fields_from_args
+    from ..pipeline.profiles import with_bundle_sparse
+    from ..run.commands import run_clip, run_requests
 
     if args.requests is not None:
         if args.profile_step is not None:
@@ -32,7 +32,7 @@ def cmd_run(args) -> int:
                             args.crf, args.quiet, args.overwrite)
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
-    from ..runtime.request import Request
+    from ..pipeline.request import Request
 
     entry = entry_from_args(args)
     steps = args.steps if args.steps is not None else entry.default_steps
@@ -123,9 +123,9 @@ def cmd_build(args) -> int:
 
 def cmd_eval(args) -> int:
     from ..eval import evaluate, reference_entry, table
-    from ..runtime.entry import Entry
-    from ..runtime.files import write_json_atomic
-    from ..runtime.requests import read_eval_requests
+    from ..jobs.model_source import Entry
+    from ..media.output_files import write_json_atomic
+    from ..pipeline.parse import read_eval_requests
 
     if args.json is not None and args.json.exists():
         raise UserError(f"{args.json} already exists; choose another --json path.")

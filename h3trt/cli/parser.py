@@ -1,11 +1,11 @@
-"""The `h3trt` command line's arguments: one subparser per command, each flag checked as it is read (runtime/args.py's
+"""The `h3trt` command line's arguments: one subparser per command, each flag checked as it is read (cli/args.py's
 types), every usage mistake one line (OneLineParser). Model code loads only for the defaults it names."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from ..runtime.args import OneLineParser, crf, device, positive
+from .args import OneLineParser, crf, device, positive
 
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
@@ -28,7 +28,7 @@ def build_parser() -> OneLineParser:
 def _run_parser(sub) -> None:
     from ..models.packing import DEFAULT_DURATION
     from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
-    from ..runtime.files import DEFAULT_CRF
+    from ..media.output_files import DEFAULT_CRF
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
@@ -89,7 +89,7 @@ def _run_parser(sub) -> None:
 def _speed_arguments(p) -> None:
     """`h3trt run`'s speed flags: the profiles, block-sparse attention and step caching, in that order."""
     from ..models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
-    from ..runtime.profiles import PROFILE_NAMES
+    from ..pipeline.profiles import PROFILE_NAMES
 
     speed = p.add_argument_group("speed profiles (README, 'Speed profiles'): step reuse and sparse attention by name")
     speed.add_argument("--profile", choices=PROFILE_NAMES,
@@ -152,7 +152,7 @@ def _mesh_arguments(p) -> None:
 
 
 def _serve_parser(sub) -> None:
-    from ..runtime.files import DEFAULT_CRF
+    from ..media.output_files import DEFAULT_CRF
     from ..server.options import (DEFAULT_DRAIN_TIMEOUT_S, DEFAULT_MAX_QUEUE, DEFAULT_PORT, DEFAULT_RETENTION,
                                   DEFAULT_UPLOAD_MB, OPENABLE)
 
@@ -287,7 +287,7 @@ def _build_parser(sub) -> None:
 
 def _bundle_parsers(sub) -> None:
     """eval, inspect, verify, keygen: commands over bundles and keys."""
-    from ..runtime.profiles import PROFILE_NAMES
+    from ..pipeline.profiles import PROFILE_NAMES
 
     e = sub.add_parser("eval", help="compare an engine bundle with a reference, or a speed profile with the lossless "
                                     "run, on the same requests and seeds")

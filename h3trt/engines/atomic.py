@@ -1,5 +1,5 @@
 """Writing outputs that are never lost, mixed up or left half-written, whoever writes them: the primitives under a
-clip's commit (runtime/files.py) and a bundle's swap into place (build/output.py).
+clip's commit (media/output_files.py) and a bundle's swap into place (build/output.py).
 
   * Temporary names are unique per process and live in the target's own folder: `.<name>.<host>-<pid>-<token>.partial`
     (hidden, on the target's filesystem so the final step is a rename). Two writers of one target never share a

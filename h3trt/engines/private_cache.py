@@ -4,7 +4,7 @@
 Removed on a normal exit (atexit) and on SIGTERM (a launcher stopping its ranks, `kill`): SIGTERM's default action
 ends the process without running atexit, so while that default stands a handler removes the folder first and then
 dies of the same signal, exit status unchanged. SIGKILL (or a power loss) leaves it behind; the next load on this host
-removes every such folder whose owner is gone, as runtime/files.py `remove_leftovers` does for `.partial` files.
+removes every such folder whose owner is gone, as media/output_files.py `remove_leftovers` does for `.partial` files.
 
 An owner is gone when no process has its pid, or when the process that has it started at another time (the pid was
 reused): `<start>` is the owner's start time, field 22 of /proc/<pid>/stat (clock ticks since boot; 0 where /proc

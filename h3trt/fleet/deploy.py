@@ -4,7 +4,7 @@
                  admission, reads, content, cancels, expiry; one replica, a fraction of a CPU, no GPU
   WorkerReplica  one replica group of the mesh (cfg x sp ranks) per Serve replica: its GPUs reserved on one node by a
                  placement group (a bundle per rank, STRICT_PACK: Ray's recipe for tensor-parallel inference), its
-                 ranks spawned inside the replica by h3trt's own launcher (runtime/workers.py `Workers`, one group;
+                 ranks spawned inside the replica by h3trt's own launcher (jobs/supervisor.py `Workers`, one group;
                  Ray's placement context does not reach plain subprocesses, vllm-project/vllm #30016, so the replica
                  asks each bundle which GPU it holds and hands them to its ranks), running the same job loop as
                  `h3trt serve`; autoscaled on queue depth (fleet/autoscale.py)
@@ -29,9 +29,9 @@ import time
 
 from ..errors import UserError
 from ..paths import use_bytecode_cache
-from ..runtime.entry import Entry
-from ..runtime.rank import WorkerSpec
-from ..runtime.workers import GroupState, GroupStatus
+from ..jobs.model_source import Entry
+from ..jobs.rank import WorkerSpec
+from ..jobs.supervisor import GroupState, GroupStatus
 from ..server.app import create_app
 from ..server.log import SERVER_LOG
 from ..server.options import ServeOptions

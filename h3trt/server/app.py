@@ -35,8 +35,8 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartParser
 
-from ..runtime.records import ClipRecord
-from ..runtime.schema import FILE, UPLOADS
+from ..pipeline.records import ClipRecord
+from ..pipeline.schema import FILE, UPLOADS
 from .service import ApiError, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, is_disk_full, store_unreachable
 from .wire import CREATE_BODY, ERRORS, Evaluations, Health, Ready, Video, VideoDeleted, VideoError, VideoList

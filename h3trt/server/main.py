@@ -3,7 +3,7 @@
   1. check: the [serve] extra, the model (Entry, resolved by the CLI), the mesh, the options, the data folder (one
      server per folder: a lock naming its holder)
   2. recover the store: jobs a stopped server was running are queued again (once), files without a job removed
-  3. start the replica groups (runtime/workers.py, on a thread of this process; their ranks in processes of their
+  3. start the replica groups (jobs/supervisor.py, on a thread of this process; their ranks in processes of their
      own, loading the model once each), the expiry loop, and the HTTP server (uvicorn, this thread); the parts are
      wired in server/parts.py, as a fleet's are
   4. SIGTERM or Ctrl-C: drain (new jobs 503, running jobs finish within --drain-timeout, queued jobs stay in the
@@ -21,9 +21,9 @@ from pathlib import Path
 
 from ..engines.atomic import HolderLock, LockHeld
 from ..errors import UserError
-from ..runtime.entry import Entry
-from ..runtime.files import BATCH_LOCK
-from ..runtime.workers import launch_gpus
+from ..jobs.model_source import Entry
+from ..media.output_files import BATCH_LOCK
+from ..jobs.supervisor import launch_gpus
 from .log import SERVER_LOG
 from .options import LOOPBACK, ServeOptions
 

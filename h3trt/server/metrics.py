@@ -20,15 +20,15 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..runtime.records import ClipRecord
-from ..runtime.workers import GroupState, GroupStatus
+from ..pipeline.records import ClipRecord
+from ..jobs.supervisor import GroupState, GroupStatus
 
 LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1200, 1800, 3600, float("inf"))
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 4, 5, 7.5, 10, 20, float("inf"))
 
 
 class Groups(Protocol):
-    """The replica groups a server's /ready and /metrics describe: its own (runtime/workers.py `Workers`), or a
+    """The replica groups a server's /ready and /metrics describe: its own (jobs/supervisor.py `Workers`), or a
     fleet's worker replicas (h3trt/fleet/)."""
 
     def status(self) -> list[GroupStatus]:

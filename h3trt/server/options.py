@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..runtime.files import DEFAULT_CRF
+from ..media.output_files import DEFAULT_CRF
 
 DEFAULT_PORT = 8000
 DEFAULT_MAX_QUEUE = 64

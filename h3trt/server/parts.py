@@ -4,7 +4,7 @@ and worker replicas (fleet/deploy.py) and the fleet's CPU simulation (scripts/si
     Parts           the job store, the storage, the metrics and the log of one process
       .service      the API side over them (server/service.py), its /metrics watching the store and the groups
       .queue        the worker side over them (server/queue.py), claiming as `name(group)`
-      .workers      the replica groups that serve the queue (runtime/workers.py), logging through the same log
+      .workers      the replica groups that serve the queue (jobs/supervisor.py), logging through the same log
     start_expiry    the one expiry loop: ended jobs' files and rows removed together, in the background
 
 One node keeps its store (SQLite) and storage in its data folder; a fleet's processes share a store and a storage
@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
-from ..runtime.entry import Entry
-from ..runtime.rank import WorkerSpec
-from ..runtime.workers import Workers
+from ..jobs.model_source import Entry
+from ..jobs.rank import WorkerSpec
+from ..jobs.supervisor import Workers
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions

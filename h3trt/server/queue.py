@@ -1,6 +1,6 @@
 """The worker side of a job store, shared by `h3trt serve` (one node) and a fleet's worker replicas (h3trt/fleet/):
 
-  - `StoreQueue` is the JobQueue (runtime/jobs.py) replica groups take work from (runtime/workers.py): the store's
+  - `StoreQueue` is the JobQueue (jobs/job.py) replica groups take work from (jobs/supervisor.py): the store's
     queued jobs, oldest first, each claimed by one worker (server/store.py `claim`)
   - their events become the job's row: progress, stage, the end; a finished clip is published to storage
     (server/storage.py) before its row says completed. Each claim writes files of its own names (clip_key(id,
@@ -21,10 +21,10 @@ import time
 from typing import Callable
 
 from ..errors import UserError
-from ..runtime.files import remove_leftovers
-from ..runtime.jobs import Event, Job
-from ..runtime.records import ClipRecord, Failure
-from ..runtime.requests import RequestDefaults
+from ..media.output_files import remove_leftovers
+from ..jobs.job import Event, Job
+from ..pipeline.records import ClipRecord, Failure
+from ..pipeline.parse import RequestDefaults
 from .metrics import Metrics
 from .service import parse_stored
 from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable

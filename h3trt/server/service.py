@@ -1,8 +1,8 @@
 """The API side of a server, behind its HTTP routes (server/app.py), none of it on the event loop; the same for
 `h3trt serve` on one node and a fleet's ingress (h3trt/fleet/):
 
-  - admit a job: its fields mapped onto the one request schema (runtime/schema.py, the one `run --requests` reads),
-    its uploads saved to storage, the request admitted as every front door admits one (runtime/admission.py: every
+  - admit a job: its fields mapped onto the one request schema (pipeline/schema.py, the one `run --requests` reads),
+    its uploads saved to storage, the request admitted as every front door admits one (jobs/admission.py: every
     input read and checked, what the model serves), then stored queued (server/store.py); a bad request never
     reaches the queue, and its 400 names the field the error is about (UserError.field, in the API's name)
   - read jobs and their content, request cancels (a running job's worker sees them in the store)
@@ -21,11 +21,11 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..models.packing import DEFAULT_DURATION
-from ..runtime.admission import admit
-from ..runtime.entry import Entry
-from ..runtime.request import Request
-from ..runtime.requests import RequestDefaults, parse_object
-from ..runtime.schema import (API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value,
+from ..jobs.admission import admit
+from ..jobs.model_source import Entry
+from ..pipeline.request import Request
+from ..pipeline.parse import RequestDefaults, parse_object
+from ..pipeline.schema import (API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value,
                               schema_values)
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
@@ -96,7 +96,7 @@ class VideoService:
         try:
             schema, openai_fields = self._to_schema(fields, uploads, folder, multipart, sent)
             request = parse_stored(schema, folder, self.defaults())
-            # Admitted as every front door admits a request (runtime/admission.py), in the API's words; its inputs are
+            # Admitted as every front door admits a request (jobs/admission.py), in the API's words; its inputs are
             # read here and again by the worker that runs it (run_work: a rank rebuilds the decoded inputs it needs).
             prepared = admit(self.entry, request, API_WORDS, guidance_branches=self.guidance_branches)
             with self._admit:
@@ -127,7 +127,7 @@ class VideoService:
 
     def _to_schema(self, fields: dict, uploads: list[Upload], folder: Path, multipart: bool,
                    sent: dict[Path, str]) -> tuple[dict, dict]:
-        """OpenAI's fields and H3's extras -> the one request schema (runtime/schema.py: its table says each field's
+        """OpenAI's fields and H3's extras -> the one request schema (pipeline/schema.py: its table says each field's
         key, API name and type), uploads saved (`sent`: each saved file's path -> its field and the client's file
         name); and OpenAI's fields as the job's GET echoes them."""
         unknown = sorted(set(fields) - set(OPENAI_FIELDS) - set(H3_FIELDS))
@@ -206,7 +206,7 @@ def disk_full_error() -> ApiError:
 
 
 def parse_stored(schema: dict, uploads: Path, defaults: RequestDefaults) -> Request:
-    """A job's stored request (its row's schema, runtime/schema.py) as the `Request` it states, its uploads in
+    """A job's stored request (its row's schema, pipeline/schema.py) as the `Request` it states, its uploads in
     `uploads`. The one reading of a row: the API side parses it to admit the job, and a worker parses it again when it
     takes the job (server/queue.py StoreQueue.job_of), because the row is the job's durable record, not the parsed
     request: the worker may be another process (a fleet's replica) or a later one (a restart recovers queued rows),

@@ -1,7 +1,7 @@
 """Where a server's clips and uploads live: a folder, or any fsspec URL.
 
     /var/lib/h3trt              a folder (h3trt serve's data dir; a fleet's path that every node mounts): the ranks
-                                write each MP4 in place (runtime/files.py: temporary names, a no-clobber commit)
+                                write each MP4 in place (media/output_files.py: temporary names, a no-clobber commit)
     s3://bucket/h3trt           object storage (s3fs; any fsspec protocol): each process writes in a scratch folder
                                 of its own and `publish` copies the finished files up, the record last
 

@@ -68,7 +68,7 @@ jobs = Table(
     Column("started_at", Float),  # taken by a worker (the latest attempt)
     Column("completed_at", Float),  # ended, whichever way
     Column("expires_at", Float, index=True),  # its files and this row are removed then (ended jobs only)
-    Column("progress", Integer, nullable=False, default=0),  # 0-100, monotonic (runtime/jobs.py)
+    Column("progress", Integer, nullable=False, default=0),  # 0-100, monotonic (jobs/job.py)
     Column("stage", String(32), nullable=False, default="queued"),
     Column("evaluations_done", Integer, nullable=False, default=0),
     Column("evaluations_total", Integer, nullable=False, default=0),

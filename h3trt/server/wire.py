@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field
 
-from ..runtime.schema import openapi_fields
+from ..pipeline.schema import openapi_fields
 
 
 class VideoError(BaseModel):
@@ -93,7 +93,7 @@ class Health(BaseModel):
     uptime_s: float
 
 
-# The create body's fields, from the request schema's one table (runtime/schema.py): its value fields as JSON; with
+# The create body's fields, from the request schema's one table (pipeline/schema.py): its value fields as JSON; with
 # multipart, its file fields too.
 CREATE_FIELDS = openapi_fields(multipart=False)
 CREATE_BODY = {

@@ -7,7 +7,7 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
      "video_shift": 12, "audio_shift": 3, "guidance": 1, "negative_prompt": "...", "profile": "balanced",
      "cache": "first-block", "cache_threshold": 0.1, "cache_warmup": 4, "cache_max_skip": 3}
 
-`profile` (runtime/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
+`profile` (pipeline/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
 
 `run` needs id (it names OUT/<id>.mp4), task and prompt; `eval` needs prompt (it also takes id and task, so a run
 file evaluates as it is). `width` and `height` may stand in for `resolution`. A stated task must be the one its inputs

@@ -65,7 +65,7 @@ def positive(text: str) -> int:
 
 def crf(text: str) -> int:
     """--crf: H.264's constant rate factor, checked when the arguments are read (not after the generation)."""
-    from .files import DEFAULT_CRF
+    from ..media.output_files import DEFAULT_CRF
 
     try:
         value = int(text)
@@ -86,9 +86,9 @@ def device(text: str) -> str:
 
 
 def profile_fields_from_args(args) -> dict:
-    """The request fields `h3trt run`'s --profile, step-cache flags and sparse flags give (runtime/profiles.py): a
+    """The request fields `h3trt run`'s --profile, step-cache flags and sparse flags give (pipeline/profiles.py): a
     flag stated explicitly overrides the profile's value for its knob."""
-    from .profiles import profile_fields
+    from ..pipeline.profiles import profile_fields
 
     ratios = parse_mag_ratios(args.mag_ratios) if args.mag_ratios is not None else None
     return profile_fields(args.profile, args.cache, args.sparse_attention, args.sparse_dense_steps,

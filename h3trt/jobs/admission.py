@@ -1,13 +1,13 @@
 """Admission: whether the loaded model serves a request, asked once by every front door before anything is queued or
 loaded, so that each refuses the same request with the same words (its own names for the fields):
 
-  - `h3trt run --prompt` (runtime/run.py run_clip), in the CLI's flags
+  - `h3trt run --prompt` (run/commands.py run_clip), in the CLI's flags
   - each line of `h3trt run --requests` (run.py run_requests, through batch_file.parse_requests), in the file's keys
   - `POST /v1/videos` (server/service.py VideoService.create), in the API's fields; a 400 names the field the error
     carries (UserError.field, mapped to the API's name)
   - `h3trt eval` (eval.py), each side's requests against the model of that side
 
-What is checked where it is cheapest lives where it belongs: a request's own inputs in runtime/request.py `prepare`,
+What is checked where it is cheapest lives where it belongs: a request's own inputs in pipeline/request.py `prepare`,
 a bundle's task, canvas and schedule in `check_bundle_serves`, the text encoder's files in models/text_encoder.py,
 the prompt's tokens in `check_prompt_tokens`. This is the one place that asks all of them, in order. What only a
 front door knows stays there: an output's name, folder and space (run.py), the mesh's replicas (run_clip), a batch's
@@ -21,8 +21,8 @@ from typing import Callable
 
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
-from .entry import Entry
-from .request import FLAGS, CanvasDefaults, Names, Prepared, Request, check_bundle_serves, check_prompt_tokens, prepare
+from .model_source import Entry
+from ..pipeline.request import FLAGS, CanvasDefaults, Names, Prepared, Request, check_bundle_serves, check_prompt_tokens, prepare
 
 
 def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_branches: int = 1,

@@ -18,8 +18,8 @@ import numpy as np
 import torch
 from av.video.reformatter import ColorPrimaries, ColorRange, ColorTrc, Colorspace, Interpolation
 
-from .files import DEFAULT_CRF, commit, discard, temp_path
-from .media import DEFAULT_SAMPLE_RATE, MediaError
+from .output_files import DEFAULT_CRF, commit, discard, temp_path
+from .inputs import DEFAULT_SAMPLE_RATE, MediaError
 
 DEFAULT_FPS = 24
 # AAC-LC at 32 kHz stereo is transparent well below this; fixed so output size does not depend on FFmpeg defaults.

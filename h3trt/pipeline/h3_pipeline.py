@@ -8,7 +8,7 @@ Reads top to bottom as the stages a request goes through:
   4. video decode (streamed a window at a time) and audio decode
   5. mux: H.264 + AAC under a temporary name
   6. the record: a `Clip` (records.py), the MP4 under its temporary name and its record, which the job layer commits
-     (runtime/work.py): the pipeline puts nothing at the output path
+     (jobs/work.py): the pipeline puts nothing at the output path
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ from ..models.sparse_kernels import sparse_block
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
-from .files import DEFAULT_CRF, discard
+from ..media.output_files import DEFAULT_CRF, discard
 from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
-from .parallel_vae import DecodeResult, decode_and_write
+from .parallel_decode import DecodeResult, decode_and_write
 from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
 from .request import CanvasDefaults, Encoded, Prepared, Request
 from .step_profile import StepProfiler
@@ -169,7 +169,7 @@ class H3Pipeline:
         schedule = self.schedule(req)
         cache = cache or new_step_cache(req, schedule)
         sparse = sparse or self.new_sparse_run(req)
-        # Last-line guards: every front door admitted the request (runtime/admission.py), but against the model of
+        # Last-line guards: every front door admitted the request (jobs/admission.py), but against the model of
         # the process that admitted it; the one loaded here need not be that one (a server's stored job outlives the
         # process that admitted it: a restart with another --engine or --cfg takes it; a fleet's ingress and its
         # worker replicas load their models apart).
@@ -219,7 +219,7 @@ class H3Pipeline:
         schedule = self.schedule(req)
         if self.check_request is not None:  # the last-line guard of denoise_request
             self.check_request(prepared)
-        # What a batch cannot share: a requests file batches only requests without them (runtime/batch.py batchable);
+        # What a batch cannot share: a requests file batches only requests without them (run/batch.py batchable);
         # admission does not know which requests will share a batch.
         if getattr(req, "guidance", 1.0) != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
@@ -314,7 +314,7 @@ class H3Pipeline:
 
         Tile-parallel over `target.group` (None: this process alone; otherwise every rank of the group calls this with
         the same rows and only group rank 0 writes); frames are encoded on a background thread while later windows
-        decode, AAC as soon as the audio is ready (h3trt/runtime/parallel_vae.py)."""
+        decode, AAC as soon as the audio is ready (h3trt/pipeline/parallel_decode.py)."""
         geo, cfg = prepared.geometry, self.dit.cfg
         lf, lh, lw = geo.latent_frames, geo.latent_height, geo.latent_width
         start = time.perf_counter()

@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ..engines.manifest import sha256_file
 from .batch_outputs import MADE_BY, our_timeline, timeline_paths
-from .files import commit, discard, temp_path, write_json_file
-from .records import STAGE_COLOURS
+from ..media.output_files import commit, discard, temp_path, write_json_file
+from ..pipeline.records import STAGE_COLOURS
 
 def write_timeline(out_dir: Path, stem: str, rows: list[dict], summary: dict, png: bool,
                    started_unix: float, replace: bool = True) -> list[Path]:

@@ -26,8 +26,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .files import OutputError, discard, join_holding_interrupts
-from .media import MediaError
+from .output_files import OutputError, discard, join_holding_interrupts
+from .inputs import MediaError
 from .mp4 import X264_PRESETS, Mp4Writer
 
 PUT_POLL_S = 0.5  # how often a blocked producer re-checks that the encoder thread is still alive

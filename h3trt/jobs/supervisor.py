@@ -1,4 +1,4 @@
-"""The one place a job loop's ranks are launched (runtime/rank.py), for every front door:
+"""The one place a job loop's ranks are launched (jobs/rank.py), for every front door:
 
   - one rank, in this process (`run` on one device): the loop runs here, on the front door's queue
   - replica groups spawned by this process (`run --gpus N`, and `serve` always, one GPU included: its HTTP loop never
@@ -27,7 +27,7 @@ from ..parallel.devices import node_gpus
 from ..parallel.launch import Failure, RankFailed, RankGroup, init_torchrun_rank
 from ..parallel.mesh import SINGLE, build_mesh
 from ..str_enum import StrEnum
-from .jobs import Event, Job, JobQueue
+from .job import Event, Job, JobQueue
 from .messages import Cancel, FromRank, Idle, Ready, Report, Stop, ToRank, Work
 from .rank import BroadcastChannel, LocalChannel, Pipelines, WorkerSpec, group_rank_main, load_rank_pipeline, \
     rank_device, serve_group

@@ -5,7 +5,7 @@
      hash matches) are skipped; files in OUT that are not ours are refused (unless --overwrite); the rest become
      jobs, in file order, each keyed by (task, canvas, frames, schedule)
   3. serve: a replica group takes the next job and, with --max-batch N, up to N - 1 later jobs of the same key, which
-     it denoises as one batch where their packed layouts agree (runtime/work.py); groups take work as they become
+     it denoises as one batch where their packed layouts agree (jobs/work.py); groups take work as they become
      free, so a slow request does not hold up another group's share
   4. record: OUT/<id>.mp4 and OUT/<id>.json per done request (committed by the worker), OUT/<id>.json with status
      failed for a failed one (here), the timeline (timeline.py) and the summary. A failed request does not stop the
@@ -28,10 +28,10 @@ from ..errors import UserError
 from ..parallel.mesh import MeshConfig
 from .batch_file import BatchItem
 from .batch_outputs import MADE_BY, OutPlan, our_record, output_paths, plan_out_dir
-from .files import DEFAULT_CRF, OutputError, write_json_atomic
-from .jobs import Event, EventKind, Job
-from .records import Failure, FailureRecord
-from .request import request_dict
+from ..media.output_files import DEFAULT_CRF, OutputError, write_json_atomic
+from ..jobs.job import Event, EventKind, Job
+from ..pipeline.records import Failure, FailureRecord
+from ..pipeline.request import request_dict
 from .timeline import write_timeline
 
 
@@ -95,7 +95,7 @@ def summary_line(summary: BatchSummary) -> str:
 
 
 class FileQueue:
-    """Steps 2-4: the jobs of a requests file (the JobQueue of runtime/jobs.py), their records and the timeline.
+    """Steps 2-4: the jobs of a requests file (the JobQueue of jobs/job.py), their records and the timeline.
     `plan`: what OUT holds (batch_outputs.plan_out_dir, made by the caller over the whole file before any model
     loads; made here, and its notes said, when not given). `on_event(event)` sees every event after it was recorded
     (tests stop a run there)."""
@@ -246,9 +246,9 @@ class FileQueue:
 def run_batch(pipeline, items: list[BatchItem], config: BatchConfig, model: str = "",
               on_event: Callable[[Event], None] | None = None) -> BatchSummary:
     """A requests file's items on a pipeline already loaded in this process, through the one job loop (benchmarks
-    and tests; `h3trt run --requests` goes through runtime/run.py, which also loads the model and launches ranks)."""
-    from .rank import Pipelines, WorkerSpec
-    from .workers import serve_in_process
+    and tests; `h3trt run --requests` goes through run/commands.py, which also loads the model and launches ranks)."""
+    from ..jobs.rank import Pipelines, WorkerSpec
+    from ..jobs.supervisor import serve_in_process
 
     queue = FileQueue(items, config, model, on_event=on_event)
     spec = WorkerSpec("", False, "t2va", pipeline.device.type, MeshConfig(), pipeline.dit.cfg.num_heads,

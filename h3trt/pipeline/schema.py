@@ -1,6 +1,6 @@
 """The request schema: every field a request may state, in one table (`FIELDS`), and each front door's view of it.
 
-A field's schema key is its key in a requests file's line (`h3trt run --requests`, runtime/requests.py) and in the
+A field's schema key is its key in a requests file's line (`h3trt run --requests`, pipeline/parse.py) and in the
 request a server stores in its job row. The HTTP API (server/app.py, server/service.py) takes the same fields, under
 OpenAI's names where OpenAI has the field (seconds, size, input_reference), as JSON values, as multipart form text (a
 number field's text read as a JSON number) or as uploaded files. Derived from the table, so that a field added there
@@ -8,7 +8,7 @@ is in all of them: the requests file's `KEYS`; the API's value fields and their 
 its file fields (`UPLOADS`), its form coercion (`FORM_NUMBERS`), OpenAI's fields and H3's own extra fields
 (`OPENAI_FIELDS`, `H3_FIELDS`), the API's name for every key (`API_NAMES`, an error's `param`) and the words its
 errors use (`API_WORDS`); and the API's values as the schema's (`schema_values`). The CLI's flags are argparse's
-(cli/parser.py). One parser turns a schema object into a `Request` (runtime/requests.py `parse_object`).
+(cli/parser.py). One parser turns a schema object into a `Request` (pipeline/parse.py `parse_object`).
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ FIELDS = (
     RequestField("audio_shift", {"type": "number", "exclusiveMinimum": 0}),
     RequestField("guidance", {"type": "number", "minimum": 1}),
     RequestField("negative_prompt", {"type": "string"}),
-    # runtime/profiles.py: a profile, and the step-cache and sparse knobs that override its values
+    # pipeline/profiles.py: a profile, and the step-cache and sparse knobs that override its values
     RequestField("profile", {"type": "string", "enum": list(PROFILE_NAMES), "description": "speed profile: step "
                              "reuse and sparse attention by name (README, 'Speed profiles')"}),
     RequestField("cache", {"type": "string", "enum": ["first-block"], "description": "step cache (overrides the "

@@ -1,11 +1,11 @@
 """Jobs: what the one job loop serves, whichever front door feeds it.
 
-    run --prompt          a queue of one job                      (runtime/run.py)
-    run --requests FILE   a queue fed from the file               (runtime/batch.py)
+    run --prompt          a queue of one job                      (run/commands.py)
+    run --requests FILE   a queue fed from the file               (run/batch.py)
     serve                 a queue fed by HTTP, kept in a job store (h3trt/server/)
 
-A front door puts `Job`s in its `JobQueue`. A replica group's worker (runtime/rank.py) takes the next work from it (one
-job, or up to --max-batch jobs whose `key`s are equal and so may share a batched denoise), runs it (runtime/work.py)
+A front door puts `Job`s in its `JobQueue`. A replica group's worker (jobs/rank.py) takes the next work from it (one
+job, or up to --max-batch jobs whose `key`s are equal and so may share a batched denoise), runs it (jobs/work.py)
 and reports `Event`s back: started, progress, done (with the clip's record), failed (with the stage and the reason) or
 cancelled. The queue decides what a group takes, when the work ends, and what a group that died was holding becomes.
 """
@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Protocol
 
 from ..str_enum import StrEnum
-from .records import ClipRecord, Failure
-from .request import Request
+from ..pipeline.records import ClipRecord, Failure
+from ..pipeline.request import Request
 
 
 class Stage(StrEnum):
@@ -115,7 +115,7 @@ class JobFailed(RuntimeError):
 
 
 class JobQueue(Protocol):
-    """A front door's side of the job loop (runtime/workers.py drives it; all calls from one thread)."""
+    """A front door's side of the job loop (jobs/supervisor.py drives it; all calls from one thread)."""
 
     def take(self, group: int, limit: int) -> list[Job] | None:
         """The next work for replica group `group`: 1..limit jobs with equal keys, [] when none is waiting now (a

@@ -5,10 +5,10 @@ was started (this process, `--gpus N` / `serve` spawning it, or torchrun).
   2. load this rank's pipeline once: a bundle is checked against the launched mesh; the eager DiT gets the Ulysses
      runner of its sp group
   3. loop: take the next work from the channel (the same jobs on every rank of the group), run it
-     (runtime/work.py), report its events (the group's first rank only), until the channel says stop
+     (jobs/work.py), report its events (the group's first rank only), until the channel says stop
 
 The channel is where the work comes from: the front door's queue itself (`LocalChannel`, one process), the launcher
-over a pipe per rank (`PipeChannel`, spawned groups: runtime/workers.py), or the group's first rank broadcasting what
+over a pipe per rank (`PipeChannel`, spawned groups: jobs/supervisor.py), or the group's first rank broadcasting what
 it took from its own share of the queue (`BroadcastChannel`, torchrun).
 """
 
@@ -26,11 +26,11 @@ import torch.distributed as dist
 from ..engines.guard import no_compile
 from ..parallel.launch import init_rank
 from ..parallel.mesh import SINGLE, MeshConfig, Parallel, build_mesh
-from .files import DEFAULT_CRF
-from .jobs import Event, Job, JobQueue
+from ..media.output_files import DEFAULT_CRF
+from .job import Event, Job, JobQueue
 from .messages import Cancel, FromRank, Idle, Ready, Report, Stop, Work
-from .pipeline import H3Pipeline
-from .request import CanvasDefaults
+from ..pipeline.h3_pipeline import H3Pipeline
+from ..pipeline.request import CanvasDefaults
 from .work import Place, Reporter, free_memory, run_work
 
 
@@ -115,7 +115,7 @@ class LocalChannel:
         work = self.queue.take(0, self.limit)
         if work is not None and not work:
             raise RuntimeError("LocalChannel serves queues that never wait (a file or a prompt); a server's queue "
-                               "runs behind spawned workers (runtime/workers.py).")
+                               "runs behind spawned workers (jobs/supervisor.py).")
         return work
 
     def report(self, event: Event) -> None:
@@ -129,7 +129,7 @@ class LocalChannel:
 
 
 class PipeChannel:
-    """A spawned rank: the launcher sends Work, Cancel and Stop (runtime/messages.py) to every rank of the group; the
+    """A spawned rank: the launcher sends Work, Cancel and Stop (jobs/messages.py) to every rank of the group; the
     group's first rank sends back Report(event) and, after each unit of work, Idle()."""
 
     def __init__(self, conn: Connection, writes: bool):
@@ -225,7 +225,7 @@ def serve_group(spec: WorkerSpec, par: Parallel, group_index: int, channel, devi
 
 
 def group_rank_main(rank: int, world: int, store: str, conn: Connection, spec: WorkerSpec, group_index: int) -> None:
-    """Entry of a rank of a spawned replica group (runtime/workers.py): its own process group of cfg x sp ranks (a
+    """Entry of a rank of a spawned replica group (jobs/supervisor.py): its own process group of cfg x sp ranks (a
     group of one rank needs none)."""
     if world == 1:
         if spec.device_type == "cuda":

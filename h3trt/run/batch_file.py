@@ -1,5 +1,5 @@
 """The requests file of `h3trt run --requests`, as a batch plans it: every line parsed by the one schema
-(h3trt/runtime/requests.py: id, task and prompt required) and then `prepare`d (files readable, canvas and duration
+(h3trt/pipeline/parse.py: id, task and prompt required) and then `prepare`d (files readable, canvas and duration
 allowed) before any model loads; every error names its line, and all errors are reported at once."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from typing import Callable
 from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
-from .request import KEYS, CanvasDefaults, Prepared, Request, prepare
-from .requests import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
+from ..pipeline.request import KEYS, CanvasDefaults, Prepared, Request, prepare
+from ..pipeline.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
 
 
 @dataclass(frozen=True)
@@ -31,7 +31,7 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
     """Every line of a JSONL requests file, validated; raises RequestsFileError listing every bad line. A line
     without "steps" takes `default_steps` (a bundle's baked schedule, else DEFAULT_STEPS), one that states no sparse
     knob `default_sparse`'s (a bundle's --sparse-attention defaults); `admit` admits each line's request to the model
-    that will serve it (runtime/admission.py, in the file's keys); None: each is only prepared on `canvas`."""
+    that will serve it (jobs/admission.py, in the file's keys); None: each is only prepared on `canvas`."""
 
     def check(line: RequestLine) -> BatchItem:
         request = line.request

@@ -1,5 +1,5 @@
 """`h3trt run`: one clip (--prompt) or a requests file (--requests), each checked whole before any model loads, then
-served by the one job loop (runtime/rank.py) launched from its one place (runtime/workers.py): this process, spawned
+served by the one job loop (jobs/rank.py) launched from its one place (jobs/supervisor.py): this process, spawned
 replica groups (--gpus N), or torchrun.
 
   1. validate: inputs, canvas, schedule, what a bundle can serve, the mesh, the output's folder, space and lock
@@ -16,17 +16,17 @@ from pathlib import Path
 
 from ..errors import UserError
 from ..models.packing import FPS
-from .admission import admit
+from ..jobs.admission import admit
 from .batch import BatchConfig, FileQueue, summary_line
 from .batch_file import check_bundle_batch, parse_requests
 from .batch_outputs import finished, plan_out_dir
-from .entry import Entry
-from .files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
+from ..jobs.model_source import Entry
+from ..media.output_files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
                     remove_leftovers, remove_own_temps)
-from .jobs import Event, EventKind, Job, JobFailed
-from .records import ClipRecord, record_path
-from .request import FLAGS, KEYS, Prepared, Request
-from .workers import launch_gpus, serve_queue
+from ..jobs.job import Event, EventKind, Job, JobFailed
+from ..pipeline.records import ClipRecord, record_path
+from ..pipeline.request import FLAGS, KEYS, Prepared, Request
+from ..jobs.supervisor import launch_gpus, serve_queue
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -157,7 +157,7 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
     if entry.manifest is not None:
         check_bundle_batch(entry.manifest.segments, max_batch)
     config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet, overwrite=overwrite)
-    # Every line admitted before any model loads, as one --prompt is (runtime/admission.py); every bad line listed.
+    # Every line admitted before any model loads, as one --prompt is (jobs/admission.py); every bad line listed.
     checked: set[Path] = set()  # the model's files, checked once per component root
     items = parse_requests(requests, entry.canvas, entry.default_steps,
                            lambda request: admit(entry, request, KEYS, checked=checked), entry.default_sparse)

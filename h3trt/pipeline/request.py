@@ -24,7 +24,7 @@ from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEE
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
-from .media import MediaError, read_audio, read_image, read_video
+from ..media.inputs import MediaError, read_audio, read_image, read_video
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".m4a", ".aac", ".ogg", ".opus"}
@@ -65,7 +65,7 @@ class Names:
 
 FLAGS = Names()  # h3trt run's
 KEYS = Names("prompt", "negative_prompt", "seed", "steps", "duration", "width and height", "guidance", "video_shift",
-             "audio_shift", "image", "last_image", "refs", "the line")  # a requests file's (runtime/requests.py)
+             "audio_shift", "image", "last_image", "refs", "the line")  # a requests file's (pipeline/parse.py)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class Request:
     sparse_attention: float = 0.0
     sparse_dense_steps: int | None = None
     sparse_min_seq: int | None = None  # the shortest attention made sparse (None: its default, 4096 rows)
-    profile: str | None = None  # the named profile (runtime/profiles.py) the cache and sparsity came from, recorded
+    profile: str | None = None  # the named profile (pipeline/profiles.py) the cache and sparsity came from, recorded
 
     @property
     def task(self) -> str:
@@ -294,7 +294,7 @@ def _tokenizer(tokenizer_dir: Path):
     with one)."""
     # transformers takes 10 s to import on the H200 machine (its auto classes pull in sklearn, sympy and
     # torch.distributed.tensor): imported here, only for a long prompt, so a bundle's cold start imports it on the
-    # text encoder's thread while the DiT weights stream in (runtime/loading.py).
+    # text encoder's thread while the DiT weights stream in (pipeline/loading.py).
     from transformers import AutoTokenizer
 
     check_component_files(tokenizer_dir, weights=False)  # a truncated tokenizer.json: one line, not a traceback
@@ -303,8 +303,8 @@ def _tokenizer(tokenizer_dir: Path):
 
 def check_bundle_serves(manifest: Manifest, prepared: Prepared) -> None:
     """Refuse a request a bundle was not built for (task, canvas, schedule: engines/manifest.py check_request), its
-    schedule resolved with the bundle's shifts as the pipeline resolves it. Admission (runtime/admission.py) asks it
-    before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (runtime/loading.py)."""
+    schedule resolved with the bundle's shifts as the pipeline resolves it. Admission (jobs/admission.py) asks it
+    before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (pipeline/loading.py)."""
     req, geo, baked = prepared.request, prepared.geometry, manifest.schedule
     schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (baked.video_shift, baked.audio_shift))
     check_request(manifest, geo.width, geo.height, geo.num_frames, req.steps, schedule.video_shift,

@@ -1,4 +1,4 @@
-"""What a replica group's ranks and their launcher say to each other (runtime/workers.py, runtime/rank.py).
+"""What a replica group's ranks and their launcher say to each other (jobs/supervisor.py, jobs/rank.py).
 
     launcher -> every rank of a group      Work(jobs), Cancel(job), Stop()
     the group's first rank -> launcher     Ready(rank) (every rank, once), Report(event), Idle()
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .jobs import Event, Job
+from .job import Event, Job
 
 
 @dataclass(frozen=True)

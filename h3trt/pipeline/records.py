@@ -17,7 +17,7 @@ import torch
 from ..engines.manifest import sha256_file
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout
 from ..models.sampler import Schedule
-from .files import commit, discard, write_json_file
+from ..media.output_files import commit, discard, write_json_file
 from .request import Prepared
 
 
@@ -157,7 +157,7 @@ _CLIP_FIELDS = tuple(f.name for f in dataclasses.fields(ClipRecord) if f.name !=
 
 @dataclass(frozen=True)
 class ColdStart:
-    """A bundle's cold-start split (runtime/loading.py `load_bundle`), the `load` of every record it serves: where
+    """A bundle's cold-start split (pipeline/loading.py `load_bundle`), the `load` of every record it serves: where
     the seconds from the process's start to a pipeline ready to denoise went. Its JSON is the fields below that are
     set, in this order (a field in `nulls` written as null), then `extra`; a split written by an earlier version may
     lack fields added since, and reads and writes back unchanged."""
@@ -224,7 +224,7 @@ class Failure:
 @dataclass(frozen=True)
 class FailureRecord:
     """A requests file's record of a request that failed, OUT/<id>.json where its clip's record would be (`h3trt run
-    --requests`: runtime/batch.py). Its JSON is "status": "failed", then the fields below in this order, then
+    --requests`: run/batch.py). Its JSON is "status": "failed", then the fields below in this order, then
     `extra` (the serving side's: a bundle's identity)."""
 
     id: str

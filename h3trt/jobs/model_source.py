@@ -24,12 +24,12 @@ from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
 from ..str_enum import StrEnum
-from .loading import Components, load_bundle, load_checkpoint
-from .pipeline import H3Pipeline
-from .records import torch_bytecode
+from ..pipeline.loading import Components, load_bundle, load_checkpoint
+from ..pipeline.h3_pipeline import H3Pipeline
+from ..pipeline.records import torch_bytecode
 from .rank import WorkerSpec
-from .request import CanvasDefaults
-from .workers import LaunchKind
+from ..pipeline.request import CanvasDefaults
+from .supervisor import LaunchKind
 
 
 
@@ -166,7 +166,7 @@ class Entry:
 
     @property
     def how(self) -> LaunchKind:
-        """How the job loop's ranks start (runtime/workers.py): this process, spawned by it, or torchrun's."""
+        """How the job loop's ranks start (jobs/supervisor.py): this process, spawned by it, or torchrun's."""
         return (LaunchKind.TORCHRUN if self.torchrun is not None else LaunchKind.SPAWN if self.gpus > 1
                 else LaunchKind.PROCESS)
 

@@ -32,9 +32,9 @@ from pathlib import Path
 
 from ..engines.manifest import sha256_file
 from .batch_file import BatchItem
-from .files import OutputRefused
-from .records import ClipRecord
-from .request import request_dict
+from ..media.output_files import OutputRefused
+from ..pipeline.records import ClipRecord
+from ..pipeline.request import request_dict
 
 MADE_BY = "h3trt run --requests"  # the marker in every record and timeline a batch writes: what marks a file ours
 LISTED = 10  # names a message lists before "and N more"

@@ -1,4 +1,4 @@
-"""One unit of work on the ranks of a replica group: a job, or jobs that share a batched denoise (runtime/jobs.py).
+"""One unit of work on the ranks of a replica group: a job, or jobs that share a batched denoise (jobs/job.py).
 
 Every rank of the group runs `run_work` on the same jobs, in step: every rank denoises, every rank decodes its share
 of the video tiles, only the group's first rank (`writes`) commits MP4s and records and reports events.
@@ -11,7 +11,7 @@ of the video tiles, only the group's first rank (`writes`) commits MP4s and reco
      and the group agrees on cancellations (a cancelled job stops at this step, on every rank together)
   4. a job that fails fails alone on a one-rank group (the event names its stage and reason, the memory is freed,
      the next job runs); on a group of several ranks the error is re-raised once reported: the other ranks may be
-     inside a collective of that stage, so the group is restarted (runtime/workers.py)
+     inside a collective of that stage, so the group is restarted (jobs/supervisor.py)
 """
 
 from __future__ import annotations
@@ -28,12 +28,12 @@ import torch
 import torch.distributed as dist
 
 from ..errors import UserError
-from .files import DEFAULT_CRF
-from .jobs import Event, EventKind, Job, Stage, decode_progress, denoise_progress
-from .parallel_vae import _comm_device
-from .pipeline import H3Pipeline, Target
-from .records import Clip, ClipRecord, Failure, TimelineTimer, commit_clip
-from .request import Encoded, prepare, request_dict
+from ..media.output_files import DEFAULT_CRF
+from .job import Event, EventKind, Job, Stage, decode_progress, denoise_progress
+from ..pipeline.parallel_decode import _comm_device
+from ..pipeline.h3_pipeline import H3Pipeline, Target
+from ..pipeline.records import Clip, ClipRecord, Failure, TimelineTimer, commit_clip
+from ..pipeline.request import Encoded, prepare, request_dict
 
 
 class JobCancelled(Exception):
