@@ -25,8 +25,9 @@ import shutil
 import threading
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-# The primitives, shared with `h3trt build`; the runtime and the CLI import them from here.
+# The primitives, shared with `h3trt build`; the floors above engines and the CLI import them from here.
 from ..engines.atomic import (HolderLock, InterruptedAfterCommit, LockHeld, OutputError, OutputRefused, discard, forget,
                               interrupts_held, remove_leftovers, remove_own_temps, rename_noreplace, temp_path)
 
@@ -225,6 +226,19 @@ def preflight_out_dir(out_dir: Path, need_bytes: int) -> None:
 # The batch out-dir lock
 
 
+def hold_folder(folder: Path, busy: Callable[[str], Exception], refused: Callable[[OSError], Exception]) -> HolderLock:
+    """`folder`'s lock (BATCH_LOCK: its content names the holder), taken and held: one batch per out-dir, one server
+    per data folder. Raises `busy(holder)` when another process holds it, `refused(error)` when it cannot be taken."""
+    lock = HolderLock(Path(folder) / BATCH_LOCK)
+    try:
+        lock.__enter__()
+    except LockHeld as e:
+        raise busy(e.holder) from None
+    except OSError as e:
+        raise refused(e) from None
+    return lock
+
+
 class OutputBusy(OutputRefused):
     """Another run holds the out-dir."""
 
@@ -239,15 +253,11 @@ class BatchLock:
     _lock: HolderLock | None = None
 
     def __enter__(self) -> BatchLock:
-        lock = HolderLock(Path(self.out_dir) / BATCH_LOCK)
-        try:
-            lock.__enter__()
-        except LockHeld as e:
-            raise OutputBusy(f"--out-dir {self.out_dir} is in use by another h3trt batch ({e.holder}); wait for it to "
-                             "finish, or pass another --out-dir.") from None
-        except OSError as e:
-            raise OutputRefused(f"--out-dir {self.out_dir}: cannot lock it ({e.strerror}).") from None
-        self._lock = lock
+        self._lock = hold_folder(
+            self.out_dir,
+            busy=lambda holder: OutputBusy(f"--out-dir {self.out_dir} is in use by another h3trt batch ({holder}); "
+                                           "wait for it to finish, or pass another --out-dir."),
+            refused=lambda e: OutputRefused(f"--out-dir {self.out_dir}: cannot lock it ({e.strerror})."))
         return self
 
     def __exit__(self, *exc) -> None:

@@ -19,11 +19,10 @@ import threading
 import time
 from pathlib import Path
 
-from ..engines.atomic import HolderLock, LockHeld
 from ..errors import UserError
 from ..jobs.model_source import Entry
-from ..media.output_files import BATCH_LOCK
 from ..jobs.supervisor import launch_gpus
+from ..media.output_files import hold_folder
 from .log import SERVER_LOG
 from .options import LOOPBACK, ServeOptions
 
@@ -61,15 +60,12 @@ def _make_data_dir(data_dir: Path) -> None:
 @contextlib.contextmanager
 def _data_dir_lock(data_dir: Path):
     """One server per data folder: the lock file names its holder (pid, host, start time, command: its --port)."""
-    lock = HolderLock(Path(data_dir) / BATCH_LOCK)
-    try:
-        lock.__enter__()
-    except LockHeld as e:
-        raise UserError(f"--data-dir {data_dir} is in use by another h3trt process ({e.holder}); stop it, or pass "
-                        "another --data-dir.") from None
-    except OSError as e:
-        raise UserError(f"--data-dir {data_dir}: cannot lock it ({e.strerror or e}); pass a --data-dir on a writable "
-                        "filesystem.") from None
+    lock = hold_folder(
+        data_dir,
+        busy=lambda holder: UserError(f"--data-dir {data_dir} is in use by another h3trt process ({holder}); stop "
+                                      "it, or pass another --data-dir."),
+        refused=lambda e: UserError(f"--data-dir {data_dir}: cannot lock it ({e.strerror or e}); pass a --data-dir "
+                                    "on a writable filesystem."))
     try:
         yield
     finally:
