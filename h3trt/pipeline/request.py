@@ -152,6 +152,18 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults(), names: 
     """Stage 0: read every input and resolve the geometry, raising one clear error before any model work. Counts are
     bounded before anything is read or built (steps, prompt bytes, references); errors name fields as `names` does."""
     n = names
+    _check_prompts(request, n)
+    _check_fields(request, n)
+    kinds = _reference_kinds(request, n)  # counted before any is read
+    num_frames = _num_frames(request, n)
+    height, width, placed = _canvas_and_keyframes(request, canvas, n)
+    with about("refs"):
+        references = [_reference(Path(path), kind, num_frames, canvas) for path, kind in zip(request.refs, kinds)]
+    return Prepared(request, Geometry(height, width, num_frames), placed, references)
+
+
+def _check_prompts(request: Request, n: Names) -> None:
+    """The prompts: UTF-8, within the byte bound, and a prompt that says something."""
     for key, text in (("prompt", request.prompt), ("negative_prompt", request.negative_prompt)):
         if text is not None:
             check_utf8(text, _said(n, key), key)
@@ -161,6 +173,11 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults(), names: 
                                 "Shorten it.", field=key)
     if not request.prompt.strip():
         raise UserError(f"The prompt is empty; pass {n.prompt} \"...\".", field="prompt")
+
+
+def _check_fields(request: Request, n: Names) -> None:
+    """The numbers and the task's inputs that need no file read: seed, steps, shifts, guidance and its negative
+    prompt, references against keyframes."""
     if isinstance(request.seed, bool) or not isinstance(request.seed, int) or not (
             SEED_RANGE[0] <= request.seed < SEED_RANGE[1]):
         raise UserError(f"{n.seed} {request.seed} is outside [-2^63, 2^64), the range torch.Generator "
@@ -191,8 +208,12 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults(), names: 
         raise UserError(f"{n.guidance} {request.guidance:g} needs {n.negative_prompt} \"...\": the "
                         "negative branch is the request with that prompt (H3's text encoder takes no "
                         "empty prompt).", field="guidance")
+
+
+def _reference_kinds(request: Request, n: Names) -> list[str]:
+    """Each reference's kind, from its name, and the counts H3 takes checked, before any file is read."""
     with about("refs"):
-        kinds = [_reference_kind(Path(path)) for path in request.refs]  # counted before any is read
+        kinds = [_reference_kind(Path(path)) for path in request.refs]
     for kind in ("image", "video", "audio"):
         if kinds.count(kind) > MAX_REFERENCES[kind]:
             raise UserError(f"{n.refs}: MiniMax-H3 takes at most {MAX_REFERENCES[kind]} {kind} references, "
@@ -203,14 +224,23 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults(), names: 
     if kinds and set(kinds) == {"audio"}:
         raise UserError(f"{n.refs}: an audio reference must be paired with at least one image or video "
                         "reference.", field="refs")
+    return kinds
+
+
+def _num_frames(request: Request, n: Names) -> int:
+    """The clip's frames for its duration (H3's durations: models/packing.py frames_for_duration)."""
     if not (math.isfinite(request.duration) and request.duration > 0):
         raise UserError(f"{n.duration} must be a positive number of seconds, got {request.duration:g}.",
                         field="duration")
     try:
-        num_frames = frames_for_duration(request.duration)
+        return frames_for_duration(request.duration)
     except UserError as e:
         raise UserError(f"{n.duration}: {e}", field="duration") from None
 
+
+def _canvas_and_keyframes(request: Request, canvas: CanvasDefaults, n: Names) -> tuple[int, int, list]:
+    """(height, width, the keyframes placed on that canvas as (anchor, image)): the keyframes read first, since
+    without --width and --height the first one's aspect picks the canvas."""
     keyframes = []
     for anchor, key in (("first", "image"), ("last", "last_image")):
         if getattr(request, key):
@@ -231,9 +261,7 @@ def prepare(request: Request, canvas: CanvasDefaults = CanvasDefaults(), names: 
     for i, (anchor, key, img) in enumerate(keyframes):
         with about(key):
             placed.append((anchor, prepare_keyframe(img, height, width, stretch=i == 0)))
-    with about("refs"):
-        references = [_reference(Path(path), kind, num_frames, canvas) for path, kind in zip(request.refs, kinds)]
-    return Prepared(request, Geometry(height, width, num_frames), placed, references)
+    return height, width, placed
 
 
 def _reference(path: Path, kind: str, num_frames: int, canvas: CanvasDefaults) -> Reference:
