@@ -198,3 +198,19 @@ def test_the_stored_row_is_read_by_one_function(tmp_path):
     request = service.parse_stored({"prompt": "a fox", "resolution": "160x96", "duration": 5.0}, tmp_path,
                                    RequestDefaults())
     assert (request.width, request.height, request.duration) == (160, 96, 5.0)
+
+
+@pytest.mark.parametrize("inputs, task", [({}, "t2va"), ({"image": "a.png"}, "fl2va"),
+                                          ({"last_image": "b.png"}, "fl2va"), ({"refs": ["c.png"]}, "ref2va")])
+def test_the_task_is_derived_once_for_every_front_door(tmp_path, inputs, task):
+    """A request's task comes from its inputs through one function (request.task_of, which the API's job object also
+    reads a stored schema with): the Request's own task and the requests file's check of a stated task agree."""
+    from h3trt.pipeline.request import task_of
+
+    defaults = RequestDefaults(steps=2)
+    parsed = parse_object({"prompt": "a fox", "task": task, **inputs}, 0, tmp_path, (), defaults)
+    assert parsed.request.task == task == task_of(inputs.get("image"), inputs.get("last_image"), inputs.get("refs"))
+    other = next(t for t in ("t2va", "fl2va", "ref2va") if t != task)
+    with pytest.raises(UserError, match=f"inputs make it {task}") as e:
+        parse_object({"prompt": "a fox", "task": other, **inputs}, 0, tmp_path, (), defaults)
+    assert e.value.field == "task"

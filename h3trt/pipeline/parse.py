@@ -35,7 +35,7 @@ from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from .profiles import request_profile_fields, with_bundle_sparse
-from .request import KEYS as KEY_NAMES, Names, Request
+from .request import KEYS as KEY_NAMES, Names, Request, task_of
 from .schema import KEYS  # the schema's keys, from its one table of fields
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
@@ -189,7 +189,7 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
         task = _typed(data, "task", str)
         if task not in TASKS:
             raise UserError(f"task {task!r} must be one of {list(TASKS)}.", field="task")
-        implied = "ref2va" if refs else "fl2va" if (image or last_image) else "t2va"
+        implied = task_of(image, last_image, refs)
         if implied != task:
             raise UserError(f"task {task!r} takes {task_inputs(task, n)}, but {n.request}'s inputs make it "
                             f"{implied}.", field="task")

@@ -95,9 +95,15 @@ class Request:
 
     @property
     def task(self) -> str:
-        if self.refs:
-            return "ref2va"
-        return "fl2va" if (self.image or self.last_image) else "t2va"
+        return task_of(self.image, self.last_image, self.refs)
+
+
+def task_of(image, last_image, refs) -> str:
+    """The task a request's inputs make it: references are ref2va, a first or last keyframe fl2va, none t2va (every
+    front door derives it here: a stored request, a requests line, the API's job object)."""
+    if refs:
+        return "ref2va"
+    return "fl2va" if (image or last_image) else "t2va"
 
 
 @dataclass

@@ -36,6 +36,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartParser
 
 from ..pipeline.records import ClipRecord
+from ..pipeline.request import task_of
 from ..pipeline.schema import FILE, UPLOADS
 from .service import ApiError, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, is_disk_full, store_unreachable
@@ -345,16 +346,13 @@ def _video_of(service: VideoService, row: JobRow) -> Video:
         size=f"{width}x{height}",
         error=VideoError(code=row.error_code or "error", message=row.error_message or "")
         if row.status in ("failed", "cancelled") and row.error_message else None,
-        task=record.task or schema.get("task") or _task_of(schema), seed=int(schema.get("seed", 42)),
+        task=record.task or schema.get("task") or task_of(schema.get("image"), schema.get("last_image"),
+                                                          schema.get("refs")), seed=int(schema.get("seed", 42)),
         steps=int(schema.get("steps", service.entry.default_steps)), stage=row.stage,
         evaluations=Evaluations(done=row.evaluations_done, total=row.evaluations_total),
         started_at=_int(row.started_at), attempts=row.attempts, cancel_requested=row.cancel_requested,
         timings=record.timings_s, stage_spans=record.spans_unix,
         manifest_sha256=service.manifest_sha256, sparse_attention=record.sparse_attention)
-
-
-def _task_of(schema: dict) -> str:
-    return "ref2va" if schema.get("refs") else "fl2va" if (schema.get("image") or schema.get("last_image")) else "t2va"
 
 
 def _int(value: float | None) -> int | None:
