@@ -298,3 +298,28 @@ def test_warm_runs_the_kernel_under_no_grad_as_the_pipeline_serves(monkeypatch):
     warm_sparse_kernel("reference", CPU, 2, 8, torch.float32, 64)
     assert modes and not any(modes), modes
     assert torch.is_grad_enabled()
+
+
+def test_warm_runs_the_kernel_on_the_layout_the_exchange_serves(monkeypatch):
+    """Dynamo specialises a zero storage offset: a kernel warmed only on q, k, v of their own compiled again at a
+    bundle's first sparse request on the H200, whose q, k, v are slices of one exchange buffer (k and v past offset
+    0). The warm-up must call the kernel on that layout too: the layout one_rank_exchange hands over."""
+    from h3trt.engines.bundle import one_rank_exchange
+
+    def layout(q, k, v):
+        return tuple((t.stride(), t.storage_offset() == 0) for t in (q, k, v))
+
+    seen = set()
+    real = sparse_kernels.sparse_attention
+
+    def recording(q, k, v, *rest):
+        seen.add(layout(q, k, v))
+        return real(q, k, v, *rest)
+
+    monkeypatch.setattr(sparse_kernels, "sparse_attention", recording)
+    warm_sparse_kernel("reference", CPU, 2, 8, torch.float32, 64)
+    served = []
+    qkv_send = torch.randn(1, 3, 1, 4 * 64, 2, 8)  # [sp, 3, B, S, N, D], sp = 1
+    one_rank_exchange(qkv_send, lambda q, k, v: served.append(layout(q, k, v)) or q)
+    assert served[0] in seen, (served[0], seen)
+    assert any(not all(zero for _, zero in s) for s in seen)  # some warm call had k, v past offset 0

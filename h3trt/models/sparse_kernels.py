@@ -280,8 +280,18 @@ def _warm_calls(kernel, device, heads, head_dim, dtype, block, generator) -> Non
     for batch in (1, 2):
         for rows in (4 * block, 4 * block + 1):
             G = -(-rows // block)
-            q, k, v = (torch.randn(batch, rows, heads, head_dim, generator=generator).to(device, dtype)
-                       for _ in range(3))
             index = torch.tensor([0, 2], dtype=torch.int32, device=device).expand(batch, heads, G, 2).contiguous()
             sparse_G = torch.arange(G, device=device) % 2 == 0
-            sparse_attention(q, k, v, index, sparse_G, block, kernel)
+            for q, k, v in warm_layouts(batch, rows, heads, head_dim, dtype, device, generator):
+                sparse_attention(q, k, v, index, sparse_G, block, kernel)
+
+
+def warm_layouts(batch: int, rows: int, heads: int, head_dim: int, dtype, device, generator):
+    """The (q, k, v) [B, S, N, D] layouts a served attention gets: three tensors of their own, and the three slices of
+    one [3, B, S, N, D] buffer, as the Ulysses exchange hands them over (engines/bundle.py one_rank_exchange,
+    parallel/ulysses.py): k and v start past offset 0 there. Dynamo specialises a zero storage offset, so a kernel
+    warmed on the first layout alone compiled again at a bundle's first sparse request (H200 smoke, session 16),
+    which its no-compile guard refuses."""
+    own = tuple(torch.randn(batch, rows, heads, head_dim, generator=generator).to(device, dtype) for _ in range(3))
+    fused = torch.randn(3, batch, rows, heads, head_dim, generator=generator).to(device, dtype).unbind(0)
+    return own, fused
