@@ -85,16 +85,18 @@ def _score_kernel(q_ptr, k_ptr, out_ptr, G, K, q_valid, k_valid, Pq, Pk,
     k_base = k_ptr + bn.to(tl.int64) * Pk * D
     m = tl.full([BLOCK_G, BLOCK_K], -3.0e38, tl.float32)  # finite: no inf - inf in the padding past G or K
     s = tl.zeros([BLOCK_G, BLOCK_K], dtype=tl.float32)
-    for a in tl.static_range(NQ):
+    # Loops, not unrolled: unrolled, the 4 x 4 pairs' dots each kept their own shared-memory operands (270 KB, over
+    # Hopper's 227 KB, on the H200 even with the head dim in slices); looped, one set of buffers serves them all.
+    for a in range(NQ):
         q_row = i * NQ + a
         q_ok = q_row < q_valid
-        for b in tl.static_range(NK):
+        for b in range(NK):
             k_row = j * NK + b
             k_ok = k_row < k_valid
             # The head dim in CHUNK_D slices: whole [64, 128] fp32 operands (and tf32x3's split copies of them)
             # need 288 KB of shared memory, over Hopper's 227 KB (bench_router.py on an H100 refused to launch).
             x = tl.zeros([BLOCK_G, BLOCK_K], dtype=tl.float32)
-            for c in tl.static_range(BLOCK_D // CHUNK_D):
+            for c in range(BLOCK_D // CHUNK_D):
                 d = c * CHUNK_D + dc
                 d_ok = d < D
                 q_a = tl.load(q_base + q_row[:, None] * D + d[None, :], mask=q_ok[:, None] & d_ok[None, :],
@@ -168,7 +170,8 @@ def subblock_scores_triton(q_BSND, k_BSND, softmax_scale: float, n_q: int = 4, n
     _score_kernel[grid](qbar_BNPD, kbar_BNPD, scores_BNGK, G, K, q_valid, k_valid, G * n_q, K * n_k,
                         D=D, BLOCK_D=triton.next_power_of_2(D),
                         CHUNK_D=min(SCORE_CHUNK_D, triton.next_power_of_2(D)), NQ=n_q, NK=n_k, BLOCK_G=SCORE_TILE_G,
-                        BLOCK_K=SCORE_TILE_K, PRECISION=precision, num_warps=SCORE_WARPS)
+                        BLOCK_K=SCORE_TILE_K, PRECISION=precision, num_warps=SCORE_WARPS,
+                        num_stages=1)
     return scores_BNGK
 
 
