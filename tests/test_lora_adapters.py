@@ -90,7 +90,8 @@ def test_the_request_field_reads_checks_and_writes_back(tmp_path):
     assert request_dict(line.request)["lora"] == [{"name": "a", "scale": 0.5}, {"name": "b"}]
     assert "lora" not in request_dict(Request("p"))  # a request without adapters is written as before
     for bad, words in (("a", "list of"), ([{"name": 3}], "name a string"), ([{"name": "a", "scale": "1"}], "finite"),
-                       ([{"name": "a", "scale": float("nan")}], "finite"), ([{"name": "a", "x": 1}], "name a string"),
+                       ([{"name": "a", "scale": float("nan")}], "finite"),
+                       ([{"name": "a", "scale": 10 ** 400}], "finite"), ([{"name": "a", "x": 1}], "name a string"),
                        ([{"name": "a"}, {"name": "a"}], "each adapter once")):
         with pytest.raises(UserError, match=words) as e:
             parse_lora_field(bad)

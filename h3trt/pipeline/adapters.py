@@ -95,14 +95,22 @@ def parse_lora_field(value) -> tuple[AdapterUse, ...]:
             raise UserError(f"{shape} (name a string, scale optional), got {json.dumps(item)}.", field="lora")
         scale = item.get("scale")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(scale)):
+                                  or not math.isfinite(_as_float(scale))):
             raise UserError(f"lora {item['name']!r}: scale must be a finite number (1.0: as trained), got "
                             f"{json.dumps(scale)}.", field="lora")
-        uses.append(AdapterUse(item["name"], None if scale is None else float(scale)))
+        uses.append(AdapterUse(item["name"], None if scale is None else _as_float(scale)))
     names = [u.name for u in uses]
     if len(set(names)) != len(names):
         raise UserError(f"lora names {names}: each adapter once.", field="lora")
     return tuple(uses)
+
+
+def _as_float(number: int | float) -> float:
+    """A JSON number as a float; an integer beyond a float's range is infinite (float() would raise)."""
+    try:
+        return float(number)
+    except OverflowError:
+        return math.inf
 
 
 def lora_field(uses: tuple[AdapterUse, ...]) -> list[dict]:
