@@ -15,7 +15,7 @@ def entry_from_args(args):
     from ..jobs.model_source import Entry
 
     return Entry.resolve(args.engine, args.model, args.device, args.trust, args.vae_precision, tuple(args.lora),
-                         args.gpus, args.cfg, args.sp, args.replicas)
+                         args.gpus, args.cfg, args.sp, args.replicas, tuple(getattr(args, "adapter", ())))
 
 
 def cmd_run(args) -> int:

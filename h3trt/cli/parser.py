@@ -58,6 +58,7 @@ def _run_parser(sub) -> None:
                                                                  "matches it (checked before any of its code loads)")
     p.add_argument("--device", default=None, type=device, help="cpu or cuda[:N] (default: cuda if available)")
     _lora_argument(p, "eager --model runs; a bundle has its LoRAs merged at build time")
+    _adapter_argument(p, "a --requests line picks them with its \"lora\" key")
     p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",
                    help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
@@ -137,6 +138,16 @@ def _lora_argument(p, where: str) -> None:
                         "musubi-tuner, DiffSynth-Studio")
 
 
+def _adapter_argument(p, how: str) -> None:
+    from ..pipeline.adapters import AdapterSpec
+
+    p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[], metavar="NAME=FILE[:SCALE]",
+                   help=f"keep a LoRA resident beside the DiT under NAME, NOT merged: only the requests that name it "
+                        f"run with it, at their own strength (SCALE: its default, 1); repeatable ({how}). --lora "
+                        "merges into the weights for every request instead. Eager (--model or the tiny model) only: "
+                        "bundles do not serve per-request adapters yet")
+
+
 def _mesh_arguments(p) -> None:
     mesh = p.add_argument_group("parallel (mesh axes replica x cfg x sp = ranks)")
     mesh.add_argument("--gpus", type=positive, default=1,
@@ -169,6 +180,7 @@ def _serve_parser(sub) -> None:
                    help="cpu or cuda (default: a bundle's, else cuda if available)")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP)
     _lora_argument(p, "eager --model serving")
+    _adapter_argument(p, "a POST /v1/videos job picks them with its \"lora\" field; GET /v1/loras lists them")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
                                                 "key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free "

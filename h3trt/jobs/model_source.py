@@ -17,6 +17,7 @@ from ..engines.signing import key_fingerprint, load_public_key, read_trusted_man
 from ..errors import UserError
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
+from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterInfo, AdapterSpec, check_specs, describe
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
@@ -83,6 +84,7 @@ class Entry:
     cfg: int | None = None  # --cfg / --sp / --replicas as given (None: a bundle's, else resolve_mesh's choice)
     sp: int | None = None
     replicas: int | None = None
+    adapters: tuple[AdapterSpec, ...] = ()  # --adapter: resident LoRA adapters, picked per request (eager only)
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -95,7 +97,7 @@ class Entry:
     def resolve(cls, engine: Path | None = None, model: Path | None = None, device: str | None = None,
                 trust: Path | None = None, vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (),
                 gpus: int = 1, cfg: int | None = None, sp: int | None = None,
-                replicas: int | None = None) -> "Entry":
+                replicas: int | None = None, adapters: tuple[AdapterSpec, ...] = ()) -> "Entry":
         """--engine DIR (a bundle), --model PATH (a checkpoint), or neither (the embedded tiny model); every flag
         that does not fit the source is refused here, before any model loads."""
         if engine is not None and model is not None:
@@ -105,6 +107,9 @@ class Entry:
         if loras and engine is not None:
             raise UserError(f"--lora applies to --model runs; the bundle {engine} was compiled with the LoRAs its "
                             "manifest lists (h3trt inspect). Rebuild it with h3trt build --lora FILE[:SCALE].")
+        if adapters and engine is not None:
+            raise UserError(f"--adapter: {BUNDLE_REFUSAL}")
+        check_specs(tuple(adapters))
         if vae_precision is not None:
             VAEPrecision(vae_precision)  # a bad value fails before any model loads
         torchrun = torchrun_rank()
@@ -125,7 +130,7 @@ class Entry:
         elif str(device).startswith("cuda") and not torch.cuda.is_available():  # not torch's assert at the first load
             raise UserError(f"--device {device} was asked for but no CUDA device is visible; use --device cpu.")
         return cls(source, path, manifest, device, trust, vae_precision, tuple(loras), gpus, torchrun, cfg, sp,
-                   replicas)
+                   replicas, tuple(adapters))
 
     @property
     def root(self) -> Path:
@@ -222,7 +227,14 @@ class Entry:
         ranks load through `worker_spec` and rank.load_rank_pipeline)."""
         if self.manifest is not None:
             return load_bundle(self.root, self.device, vae_precision=self.vae_precision, trust=self.trust)
-        return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras)
+        return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras, adapters=self.adapters)
+
+    def adapter_infos(self, task: str = "t2va") -> list[AdapterInfo]:
+        """The resident adapters as `GET /v1/loras` lists them, read from their files against `task`'s partition."""
+        if not self.adapters:
+            return []
+        cfg = locate_transformer(self.root, task).config
+        return [describe(s, cfg, task) for s in self.adapters]
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
         """A pipeline in this process."""
@@ -235,4 +247,5 @@ class Entry:
         return WorkerSpec(str(self.root), self.manifest is not None, task, self.device_type, mesh,
                           self.num_heads(task), canvas=self.canvas, model_name=self.model_name,
                           record_extra=self.record_extra, vae_precision=self.vae_precision, loras=self.loras,
+                          adapters=self.adapters,
                           trust=str(self.trust) if self.trust is not None else None, **fields)

@@ -51,6 +51,7 @@ class WorkerSpec:
     record_extra: dict | None = None  # added to every record (e.g. the bundle's identity)
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else bf16 on CUDA / fp32 on the CPU)
     loras: tuple = ()  # LoraSpecs merged into an eager DiT on every rank (a bundle has its own)
+    adapters: tuple = ()  # AdapterSpecs: resident LoRA adapters every rank of a group loads once (eager only)
     trust: str | None = None  # --trust: the public key a bundle must be signed with
     raise_failures: bool = False  # one clip in this process: a failure propagates with its own type and traceback
 
@@ -78,7 +79,7 @@ def load_rank_pipeline(spec: WorkerSpec, par: Parallel, device: torch.device, ta
                                       sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=spec.vae_precision,
                                       trust=spec.trust)
     return H3Pipeline.load(Path(spec.model_root), task or spec.task, device, spec.canvas, spec.vae_precision,
-                           loras=spec.loras, sp_group=par.sp_group, cfg_group=par.cfg_group)
+                           loras=spec.loras, sp_group=par.sp_group, cfg_group=par.cfg_group, adapters=spec.adapters)
 
 
 class Pipelines:

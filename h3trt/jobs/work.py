@@ -30,6 +30,7 @@ import torch.distributed as dist
 from ..errors import UserError
 from ..media.output_files import DEFAULT_CRF
 from .job import Event, EventKind, Job, Stage, decode_progress, denoise_progress
+from ..pipeline.adapters import batch_key
 from ..pipeline.parallel_decode import _comm_device
 from ..pipeline.h3_pipeline import H3Pipeline, Target
 from ..pipeline.records import Clip, ClipRecord, Failure, TimelineTimer, commit_clip
@@ -278,11 +279,13 @@ def commit_job_clip(clip: Clip | None, job: Job, place: Place, device: torch.dev
 
 
 def layout_key(encoded: Encoded) -> bytes:
-    """Requests with equal keys pack into the same rows (task, canvas, frames, text length, conditions) and the same
-    schedule, so they can share one batched DiT evaluation."""
+    """Requests with equal keys pack into the same rows (task, canvas, frames, text length, conditions), have the same
+    schedule and the same LoRA adapters at the same strengths, so they can share one batched DiT evaluation."""
     lay, digest = encoded.layout, hashlib.sha256()
     digest.update(repr((encoded.schedule, lay.num_condition_video_rows, lay.num_condition_audio_rows,
                         tuple(encoded.text_embeds.shape))).encode())
+    if encoded.prepared.request.lora:  # a request without adapters keys as before they existed
+        digest.update(repr(batch_key(encoded.prepared.request.lora)).encode())
     for t in (lay.position_ids, lay.token_tags, lay.video_index, lay.audio_index, lay.text_index):
         digest.update(t.cpu().contiguous().numpy().tobytes())
     return digest.digest()

@@ -394,14 +394,15 @@ class EagerDiT:
     def __init__(self, model: H3DiT, sparse_kernel: str | None = None):
         self.model, self.cfg, self.sparse_kernel = model, model.cfg, sparse_kernel
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None, sparse=None):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None, sparse=None, lora=None):
         """video [B, V, C], audio [B, A, C_audio], text [B, L, C_text], unique_t [T], t_index [S] -> the velocities
         [B, V, C], [B, A, C_audio] fp32 (H3DiT.forward). `sparse`: the request's SparseRun (models/sparse_run.py),
-        whose attention replaces the dense one in a sparse evaluation."""
+        whose attention replaces the dense one in a sparse evaluation; `lora`: the request's adapters
+        (models/lora_slots.py LoraRun; None: the base model)."""
         attn = sparse.attention(layout) if sparse is not None else None
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
                           layout.video_index, layout.audio_index, layout.text_index,
-                          attn_fn=attn if attn is not None else sdpa_attention, cache=cache)
+                          attn_fn=attn if attn is not None else sdpa_attention, cache=cache, lora=lora)
 
 
 def build_dit(cfg: H3Config, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> H3DiT:

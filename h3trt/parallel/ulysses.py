@@ -133,7 +133,7 @@ class RowShard:
 
 @torch.no_grad()
 def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None,
-               sparse=None):
+               sparse=None, lora=None):
     """One DiT evaluation with the block stack sharded over `group`; every rank returns the full outputs. Embed and
     the heads run on every rank (cheap next to the blocks; the sampler then updates the same latents everywhere), the
     blocks on this rank's rows (models/block_stack.py). A step `cache` decides on values all ranks share
@@ -145,7 +145,8 @@ def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layou
     shard = RowShard(group, layout.seq_len)
     core = sparse.attention(layout) if sparse is not None else None
     return model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids, layout.video_index,
-                 layout.audio_index, layout.text_index, attn_fn=shard.attention(core), cache=cache, shard=shard)
+                 layout.audio_index, layout.text_index, attn_fn=shard.attention(core), cache=cache, shard=shard,
+                 lora=lora)
 
 
 class UlyssesDiT:
@@ -156,5 +157,6 @@ class UlyssesDiT:
     def __init__(self, model: H3DiT, group, sparse_kernel: str | None = None):
         self.model, self.cfg, self.group, self.sparse_kernel = model, model.cfg, group, sparse_kernel
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None):
-        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout, cache, sparse)
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None,
+                 lora=None):
+        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout, cache, sparse, lora)

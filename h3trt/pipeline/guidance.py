@@ -42,12 +42,13 @@ def combine(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
     return neg + scale * (pos - neg)
 
 
-def guided_denoiser(dit, positive: Branch, negative: Branch, scale: float, cfg_group=None, cache=None, sparse=None):
+def guided_denoiser(dit, positive: Branch, negative: Branch, scale: float, cfg_group=None, cache=None, sparse=None,
+                    lora=None):
     """The sampler's model function (video, audio, unique_t, t_index) -> (video v, audio v), guided. With `cfg_group`
     (2 ranks) group rank 0 evaluates the positive branch and rank 1 the negative; both get the combined result.
     A step `cache` (models/step_cache.py) keeps one state per branch, "cond" and "uncond", as the reference's cache
     contexts: each branch skips on its own residuals. `sparse` (models/sparse_run.py): both branches of a step are
-    one evaluation of it."""
+    one evaluation of it. `lora` (models/lora_slots.py LoraRun): the request's adapters, on both branches."""
     if cfg_group is not None and dist.get_world_size(cfg_group) != 2:
         raise ValueError(f"A cfg group has 2 ranks (one per branch), got {dist.get_world_size(cfg_group)}.")
 
@@ -57,6 +58,8 @@ def guided_denoiser(dit, positive: Branch, negative: Branch, scale: float, cfg_g
 
         def run(branch, t, name):
             kwargs = {"sparse": sparse} if sparse is not None else {}  # a dense request: the runner's own call
+            if lora is not None:  # a request without adapters: the runner's own call
+                kwargs["lora"] = lora
             return dit(video, audio, branch.text, unique_t, t, branch.layout,
                        cache=cache.context(name) if cache is not None else None, **kwargs)
 

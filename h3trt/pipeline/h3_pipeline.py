@@ -33,6 +33,7 @@ from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
 from ..media.output_files import DEFAULT_CRF, discard
 from .guidance import Branch, guided_denoiser
+from .adapters import AdapterSpec, ResidentAdapters, select_adapters
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
 from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
@@ -57,7 +58,8 @@ class H3Pipeline:
     def __init__(self, dit, text_encoder, video_vae: VideoVAE | None, audio_vae: AudioVAE | None,
                  shifts: tuple[float, float], device: torch.device, canvas: CanvasDefaults = CanvasDefaults(),
                  check_request=None, cfg_group=None, loras: tuple[dict, ...] = (),
-                 deferred_vaes: Deferred | None = None, load_report: ColdStart | None = None):
+                 deferred_vaes: Deferred | None = None, load_report: ColdStart | None = None,
+                 adapters: ResidentAdapters | None = None):
         """`deferred_vaes`: the VAEs still loading on a background thread (loading.Components), in place of the two
         (a bundle's cold start: the first denoise step needs neither); the first use waits for them and completes
         `load_report`, a bundle's cold-start split, for every record."""
@@ -69,6 +71,7 @@ class H3Pipeline:
         self.check_request = check_request  # a bundle's admission check: (prepared) -> None or raise
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
         self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (models/lora.py), for every clip record
+        self.adapters = adapters  # resident LoRA adapters a request picks (pipeline/adapters.py); None: none
 
     def _ready_vaes(self) -> tuple[VideoVAE, AudioVAE]:
         if self._deferred_vaes is not None:
@@ -90,14 +93,15 @@ class H3Pipeline:
     def from_components(cls, parts: Components, device, canvas: CanvasDefaults = CanvasDefaults(), cfg_group=None):
         return cls(parts.dit, parts.text_encoder, parts.video_vae, parts.audio_vae, parts.shifts, device, canvas,
                    parts.check_request, cfg_group, loras=parts.loras, deferred_vaes=parts.deferred_vaes,
-                   load_report=parts.load_report)
+                   load_report=parts.load_report, adapters=parts.adapters)
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
-             vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (), sp_group=None, cfg_group=None):
+             vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (), sp_group=None, cfg_group=None,
+             adapters: tuple[AdapterSpec, ...] = ()):
         """The eager pipeline for `task`'s partition (loading.load_checkpoint); on a mesh, this rank's Ulysses group
-        (`sp_group`) and guidance-branch group (`cfg_group`)."""
-        return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group),
+        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT."""
+        return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group, adapters),
                                    device, canvas, cfg_group)
 
     @classmethod
@@ -207,7 +211,7 @@ class H3Pipeline:
                     on_step(i, n)
 
             final = self._denoise(text.embeds, layout, latents, schedule, stepped, branches, req.guidance, cache,
-                                  profile_step, timer, sparse)
+                                  profile_step, timer, sparse, select_adapters(self.adapters, req.lora))
         if cache is not None and self.cfg_group is not None:  # every rank of the cfg group: a collective
             cache.gather(self.cfg_group)
         return schedule, layout, final
@@ -249,9 +253,14 @@ class H3Pipeline:
         device, dit = self.device, self.dit
         lay = first.layout.to(device)
         text_BLC = torch.cat([e.text_embeds for e in batch]).to(device)
+        uses = first.prepared.request.lora
+        if any(e.prepared.request.lora != uses for e in batch[1:]):
+            raise ValueError("denoise_batch runs one LoRA adapter set for the whole batch (one evaluation carries one "
+                             "set); batch requests with different adapters apart.")
+        kwargs = lora_kwargs(select_adapters(self.adapters, uses))
 
         def model(video_BVC, audio_BAC, unique_t, t_index):
-            return dit(video_BVC, audio_BAC, text_BLC, unique_t, t_index, lay)
+            return dit(video_BVC, audio_BAC, text_BLC, unique_t, t_index, lay, **kwargs)
 
         starts = [Latents(e.latents.video.to(device), e.latents.audio.to(device)) for e in batch]
         return denoise_batch(model, starts, first.layout, first.schedule, on_step)
@@ -272,7 +281,8 @@ class H3Pipeline:
     def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path,
                 decoded: DecodeResult, timer: StageTimer) -> ClipRecord:
         return clip_record(prepared, schedule, layout, output, decoded.frames, decoded.audio_samples, timer,
-                           self.device, self.video_vae, self.load_report, self.loras)
+                           self.device, self.video_vae, self.load_report, self.loras,
+                           self.adapters.record(prepared.request.lora) if prepared.request.lora else None)
 
     def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:
         """Stage 2: visual condition latents and reference audio rows in packed order, and the ref2va blocks."""
@@ -355,18 +365,19 @@ class H3Pipeline:
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
                  branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
                  cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None,
-                 sparse: SparseRun | None = None):
+                 sparse: SparseRun | None = None, lora=None):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
         cond = cache.context("cond") if cache is not None and branches is None else None  # the reference's name
         kwargs = {"sparse": sparse} if sparse is not None else {}  # a dense request: the runner's own call
+        kwargs.update(lora_kwargs(lora))  # a request without adapters: the call it made before they existed
 
         def unguided(video, audio, unique_t, t_index):
             return dit(video, audio, text, unique_t, t_index, lay, cache=cond, **kwargs)
 
         model = (unguided if branches is None
-                 else guided_denoiser(dit, *branches, guidance, self.cfg_group, cache, sparse))
+                 else guided_denoiser(dit, *branches, guidance, self.cfg_group, cache, sparse, lora))
         if sparse is not None:
             model = counted(model, sparse)
         profiler = None
@@ -378,6 +389,12 @@ class H3Pipeline:
         if profiler is not None and timer is not None:
             timer.step_profile = profiler.report
         return final
+
+
+def lora_kwargs(lora) -> dict:
+    """The runner's `lora` argument where a request has adapters; none at all otherwise (a bundle's runner takes
+    none, and a request without adapters calls the runner exactly as before they existed)."""
+    return {"lora": lora} if lora is not None else {}
 
 
 def clip_of(decoded: DecodeResult, record: Callable[[], ClipRecord]) -> Clip:

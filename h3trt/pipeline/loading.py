@@ -28,6 +28,7 @@ from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
 from ..models.sparse_run import load_sparse_kernel
 from ..parallel.ulysses import UlyssesDiT
+from .adapters import AdapterSpec, ResidentAdapters
 from .records import ColdStart, process_started_unix, torch_bytecode
 from .request import Prepared, check_bundle_serves
 
@@ -50,6 +51,7 @@ class Components:
     # two VAEs; the last two complete the cold-start split (ColdStart.with_vaes)
     deferred_vaes: Deferred | None = None
     load_report: ColdStart | None = None  # a bundle's cold-start split, for every record
+    adapters: ResidentAdapters | None = None  # resident LoRA adapters, picked per request (eager only)
 
 
 class Deferred:
@@ -131,10 +133,12 @@ def _vaes(root: Path, device: torch.device, vae_precision: VAEPrecision) -> tupl
 
 
 def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precision: str | None = None,
-                    loras: tuple[LoraSpec, ...] = (), sp_group=None) -> Components:
-    """The eager components for `task`'s partition, with `loras` merged into the DiT; `vae_precision` None: bf16 on
-    CUDA, fp32 on the CPU (VAEPrecision.default). With `sp_group` (this rank's Ulysses group) the DiT runner shards
-    its block stack over it."""
+                    loras: tuple[LoraSpec, ...] = (), sp_group=None,
+                    adapters: tuple[AdapterSpec, ...] = ()) -> Components:
+    """The eager components for `task`'s partition, with `loras` merged into the DiT and `adapters` resident beside
+    it (one slot each, in the DiT's dtype); `vae_precision` None: bf16 on CUDA, fp32 on the CPU
+    (VAEPrecision.default). With `sp_group` (this rank's Ulysses group) the DiT runner shards its block stack over
+    it."""
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
     dtype = eager_dtype(device)
@@ -145,8 +149,9 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     kernel, sparse_problem = load_sparse_kernel(device, model.cfg.num_heads // sp, model.cfg.head_dim, dtype)
     dit = UlyssesDiT(model, sp_group, kernel) if sp_group is not None else EagerDiT(model, kernel)
     dit.sparse_problem = sparse_problem
+    resident = ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device) if adapters else None
     return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
-                      loras=records)
+                      loras=records, adapters=resident)
 
 
 def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None, vae_precision: str | None = None,

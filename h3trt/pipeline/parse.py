@@ -5,9 +5,12 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
     {"id": "fox", "task": "t2va", "prompt": "a red fox runs", "seed": 42, "steps": 50, "resolution": "1344x768",
      "duration": 5, "image": "first.png", "last_image": "last.png", "refs": ["a.png", "b.wav"],
      "video_shift": 12, "audio_shift": 3, "guidance": 1, "negative_prompt": "...", "profile": "balanced",
-     "cache": "first-block", "cache_threshold": 0.1, "cache_warmup": 4, "cache_max_skip": 3}
+     "cache": "first-block", "cache_threshold": 0.1, "cache_warmup": 4, "cache_max_skip": 3,
+     "lora": [{"name": "style", "scale": 0.8}]}
 
 `profile` (pipeline/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
+`lora`: resident adapters by name (`--adapter NAME=FILE[:SCALE]`; scale left out: the adapter's default), pipeline/
+adapters.py.
 
 `run` needs id (it names OUT/<id>.mp4), task and prompt; `eval` needs prompt (it also takes id and task, so a run
 file evaluates as it is). `width` and `height` may stand in for `resolution`. A stated task must be the one its inputs
@@ -34,6 +37,7 @@ from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
+from .adapters import parse_lora_field
 from .profiles import request_profile_fields, with_bundle_sparse
 from .request import KEYS as KEY_NAMES, Names, Request, task_of
 from .schema import KEYS  # the schema's keys, from its one table of fields
@@ -203,7 +207,8 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
                       float(_typed(data, "guidance", (int, float), DEFAULT_GUIDANCE, n.guidance)),
                       None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str,
                                                                               name=n.negative_prompt),
-                      **with_bundle_sparse(request_profile_fields(data), defaults.sparse))
+                      **with_bundle_sparse(request_profile_fields(data), defaults.sparse),
+                      lora=parse_lora_field(data["lora"]) if data.get("lora") is not None else ())
     return RequestLine(number, rid, request)
 
 

@@ -25,6 +25,7 @@ from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
 from ..media.inputs import MediaError, read_audio, read_image, read_video
+from .adapters import AdapterUse, lora_field
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
 AUDIO_SUFFIXES = {".wav", ".mp3", ".flac", ".m4a", ".aac", ".ogg", ".opus"}
@@ -92,6 +93,7 @@ class Request:
     sparse_dense_steps: int | None = None
     sparse_min_seq: int | None = None  # the shortest attention made sparse (None: its default, 4096 rows)
     profile: str | None = None  # the named profile (pipeline/profiles.py) the cache and sparsity came from, recorded
+    lora: tuple[AdapterUse, ...] = ()  # resident LoRA adapters this request runs with (pipeline/adapters.py)
 
     @property
     def task(self) -> str:
@@ -382,4 +384,8 @@ def request_dict(request: Request) -> dict:
     data["refs"] = [str(p) for p in request.refs]
     if request.cache is not None:
         data["cache"] = request.cache.to_dict()
+    if request.lora:
+        data["lora"] = lora_field(request.lora)
+    else:
+        del data["lora"]  # a request without adapters is written as before they existed
     return data

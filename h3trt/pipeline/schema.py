@@ -43,6 +43,17 @@ def read_seconds(value) -> float:
     return duration
 
 
+def read_lora_text(value):
+    """The API's `lora`: JSON as sent, or its JSON text (a multipart form field); the parser checks its shape."""
+    if isinstance(value, str):
+        try:
+            return json.loads(value)
+        except ValueError:
+            raise UserError(f"lora must be a JSON list of {{\"name\": ..., \"scale\": ...}} objects, got "
+                            f"{json.dumps(value)}.", field="lora") from None
+    return value
+
+
 @dataclass(frozen=True)
 class RequestField:
     """One field of a request."""
@@ -101,6 +112,10 @@ FIELDS = (
                                                                                         "(default 10)"}),
     RequestField("sparse_min_seq", {"type": "integer", "minimum": 1, "description": "shorter attentions stay dense "
                                                                                     "(4096)"}),
+    RequestField("lora", {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
+        "name": {"type": "string"}, "scale": {"type": "number"}}, "additionalProperties": False},
+        "description": "resident LoRA adapters by name (GET /v1/loras), each with its strength (default: the "
+                       "adapter's); eager (checkpoint) serving only"}, read=read_lora_text),
 )
 
 Table = tuple[RequestField, ...]

@@ -11,6 +11,7 @@ from typing import Callable
 from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
+from ..pipeline.adapters import batch_key
 from ..pipeline.request import KEYS, CanvasDefaults, Prepared, Request, prepare
 from ..pipeline.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
 
@@ -22,7 +23,8 @@ class BatchItem:
     id: str
     line: int  # 1-based line number in the file
     request: Request
-    key: tuple  # (task, height, width, frames, steps, video_shift, audio_shift): requests that may share a batch
+    key: tuple  # (task, height, width, frames, steps, video_shift, audio_shift, adapters...): requests that may
+    # share a batch (the adapter set's (name, scale) pairs last: none for a request without adapters)
 
 
 def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFAULT_STEPS,
@@ -39,7 +41,7 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
         prepared = admit(request) if admit is not None else prepare(request, canvas, KEYS)
         geo = prepared.geometry
         key = (request.task, geo.height, geo.width, geo.num_frames, request.steps, request.video_shift,
-               request.audio_shift)
+               request.audio_shift, *batch_key(request.lora))
         return BatchItem(line.id, line.line, request, key)
 
     return read_request_file(path, RUN_REQUIRED, RequestDefaults(steps=default_steps, sparse=default_sparse),

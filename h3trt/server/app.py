@@ -40,7 +40,8 @@ from ..pipeline.request import task_of
 from ..pipeline.schema import FILE, UPLOADS
 from .service import ApiError, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, is_disk_full, store_unreachable
-from .wire import CREATE_BODY, ERRORS, Evaluations, Health, Ready, Video, VideoDeleted, VideoError, VideoList
+from .wire import (CREATE_BODY, ERRORS, Evaluations, Health, Lora, LoraList, Ready, Video, VideoDeleted, VideoError,
+                   VideoList)
 
 JOB_ID = re.compile(r"/v1/videos/(video_[0-9a-f]{32})")
 STORE_RETRY_AFTER_S = 5  # what a 503 for an unreachable job store tells clients to wait
@@ -192,6 +193,11 @@ def _video_routes(app: FastAPI, service: VideoService, api: list) -> None:
         # Object storage: streamed through this process (a sync iterator: Starlette reads it on a worker thread).
         return StreamingResponse(service.storage.chunks(key), media_type=media,
                                  headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+
+    @app.get("/v1/loras", response_model=LoraList, dependencies=api, responses=ERRORS)
+    def list_loras() -> LoraList:
+        """The resident LoRA adapters a job's `lora` field may name (h3trt serve --adapter)."""
+        return LoraList(data=[Lora(**info) for info in service.loras()])
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted, dependencies=api, responses=ERRORS)
     def delete_video(video_id: str) -> VideoDeleted:
@@ -352,7 +358,8 @@ def _video_of(service: VideoService, row: JobRow) -> Video:
         evaluations=Evaluations(done=row.evaluations_done, total=row.evaluations_total),
         started_at=_int(row.started_at), attempts=row.attempts, cancel_requested=row.cancel_requested,
         timings=record.timings_s, stage_spans=record.spans_unix,
-        manifest_sha256=service.manifest_sha256, sparse_attention=record.sparse_attention)
+        manifest_sha256=service.manifest_sha256, sparse_attention=record.sparse_attention,
+        lora=record.adapters or schema.get("lora") or None)
 
 
 def _int(value: float | None) -> int | None:

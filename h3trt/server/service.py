@@ -69,6 +69,13 @@ class VideoService:
         self.draining = threading.Event()
         self._admit = threading.Lock()  # the queue bound: count and insert as one step (per process)
         self.started = time.time()
+        self._loras: list[dict] | None = None
+
+    def loras(self) -> list[dict]:
+        """The resident adapters (GET /v1/loras), read from their files once."""
+        if self._loras is None:
+            self._loras = [info.to_json() for info in self.entry.adapter_infos()]
+        return self._loras
 
     def defaults(self) -> RequestDefaults:
         return request_defaults(self.entry)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, model_serializer
 
 from ..pipeline.schema import openapi_fields
 
@@ -52,6 +52,34 @@ class Video(BaseModel):
     manifest_sha256: str | None = Field(None, description="the served bundle's manifest hash")
     sparse_attention: dict | None = Field(None, description="block-sparse attention (the clip's record): sparsity "
                                                             "asked, kept_fraction, sparse_evaluations")
+    lora: list[dict] | None = Field(None, description="the resident LoRA adapters the job runs with: name and scale "
+                                                      "as asked, and once done each file's sha256 and the scale used "
+                                                      "(left out for a job without adapters)")
+
+    @model_serializer(mode="wrap")
+    def _without_absent_lora(self, handler):
+        """A job without adapters is written as before they existed: no `lora` key at all."""
+        data = handler(self)
+        if data.get("lora") is None:
+            data.pop("lora", None)
+        return data
+
+
+class Lora(BaseModel):
+    """A resident LoRA adapter (h3trt serve --adapter NAME=FILE[:SCALE]), as GET /v1/loras lists it."""
+
+    name: str
+    file: str
+    sha256: str
+    scale: float = Field(description="its default strength (a job's lora entry without scale gets it)")
+    rank: int
+    targets: list[str] = Field(description="the DiT linears it adapts")
+    size_bytes: int = Field(description="its low-rank factors, in the file's dtypes")
+
+
+class LoraList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[Lora]
 
 
 class VideoList(BaseModel):

@@ -1,0 +1,206 @@
+"""Resident LoRA adapters, chosen per request (issue 38, items 2 and 4, on the eager path: a checkpoint or the embedded
+tiny model).
+
+  - `AdapterSpec`: one `--adapter NAME=FILE[:SCALE]` of `h3trt serve` / `h3trt run` (SCALE: the adapter's default
+    strength). Unlike `--lora FILE[:SCALE]`, which merges a LoRA into the weights for every request, an adapter stays
+    beside the weights (models/lora_slots.py) and only the requests that name it get it.
+  - `AdapterUse`: one entry of a request's `lora` field, [{"name": ..., "scale": ...}] (scale left out: the adapter's
+    default), read by `parse_lora_field` and checked against the resident set by `check_adapters` (admission).
+  - `ResidentAdapters`: the LoraSlots of one pipeline, one slot per resident adapter, loaded once when the rank loads
+    its model (every rank of a replica group: sp and cfg ranks hold the same adapters); `select` is what a request's
+    DiT evaluations carry (None for a request without adapters: the base model, bit for bit).
+
+Batches: one evaluation carries one adapter set (lora_slots' module doc), so the adapter set is part of the key of
+requests that may share a batched denoise (`batch_key`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from ..errors import UserError
+from ..models.config import H3Config
+from ..models.lora import native_target, route
+from ..models.lora_file import LoraError, read_lora
+from ..models.lora_slots import LoraRun, LoraSlots, SlotRecord
+
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+BUNDLE_REFUSAL = ("this model is an engine bundle, and bundles do not serve per-request LoRA adapters yet; merge the "
+                  "LoRA at build (h3trt build --lora FILE[:SCALE]), or serve adapters from --model (eager).")
+
+
+class AdapterSpecError(LoraError, argparse.ArgumentTypeError):
+    """A malformed --adapter value (an ArgumentTypeError too: argparse shows its message as the flag's error)."""
+
+
+@dataclass(frozen=True)
+class AdapterSpec:
+    """One `--adapter NAME=FILE[:SCALE]`: a resident adapter's name, its file and its default strength."""
+
+    name: str
+    path: Path
+    scale: float = 1.0
+
+    @classmethod
+    def parse(cls, text: str) -> "AdapterSpec":
+        """NAME=FILE or NAME=FILE:SCALE (a file whose name holds ':' keeps it unless the last part is a number)."""
+        name, sep, rest = str(text).partition("=")
+        if not sep or not NAME_PATTERN.fullmatch(name) or not rest:
+            raise AdapterSpecError(f"--adapter {text!r}: expected NAME=FILE[:SCALE], NAME 1-64 of [A-Za-z0-9._-] "
+                                   "(requests pick it by that name), e.g. --adapter style=style.safetensors:0.8.")
+        head, colon, tail = rest.rpartition(":")
+        try:
+            scale = float(tail) if colon else None
+        except ValueError:
+            scale = None
+        if scale is not None and not math.isfinite(scale):
+            raise AdapterSpecError(f"--adapter {text!r}: the scale must be a finite number (1.0: as trained).")
+        return cls(name, Path(rest)) if scale is None else cls(name, Path(head), scale)
+
+
+def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
+    """Distinct names, files that exist: refused before any model loads."""
+    seen = set()
+    for s in specs:
+        if s.name in seen:
+            raise UserError(f"--adapter {s.name}: the name is given twice; each resident adapter needs its own name.")
+        seen.add(s.name)
+        if not s.path.is_file():
+            raise UserError(f"--adapter {s.name}={s.path}: no such file (a LoRA .safetensors).")
+
+
+@dataclass(frozen=True)
+class AdapterUse:
+    """One adapter a request asks for: its resident name and strength (None: the adapter's default)."""
+
+    name: str
+    scale: float | None = None
+
+
+def parse_lora_field(value) -> tuple[AdapterUse, ...]:
+    """A request's `lora`: a list of {"name": str, "scale": finite number (optional)}, each name once."""
+    shape = 'lora must be a list of {"name": ..., "scale": ...} objects'
+    if not isinstance(value, list):
+        raise UserError(f"{shape}, got {json.dumps(value)}.", field="lora")
+    uses = []
+    for item in value:
+        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or set(item) - {"name", "scale"}:
+            raise UserError(f"{shape} (name a string, scale optional), got {json.dumps(item)}.", field="lora")
+        scale = item.get("scale")
+        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
+                                  or not math.isfinite(_as_float(scale))):
+            raise UserError(f"lora {item['name']!r}: scale must be a finite number (1.0: as trained), got "
+                            f"{json.dumps(scale)}.", field="lora")
+        uses.append(AdapterUse(item["name"], None if scale is None else _as_float(scale)))
+    names = [u.name for u in uses]
+    if len(set(names)) != len(names):
+        raise UserError(f"lora names {names}: each adapter once.", field="lora")
+    return tuple(uses)
+
+
+def _as_float(number: int | float) -> float:
+    """A JSON number as a float; an integer beyond a float's range is infinite (float() would raise)."""
+    try:
+        return float(number)
+    except OverflowError:
+        return math.inf
+
+
+def lora_field(uses: tuple[AdapterUse, ...]) -> list[dict]:
+    """A request's adapters as its `lora` field (request_dict, a record's request)."""
+    return [{"name": u.name, **({"scale": u.scale} if u.scale is not None else {})} for u in uses]
+
+
+def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], bundle: bool) -> None:
+    """Admission's check of a request's `lora` against what the model holds resident; UserError naming `lora`."""
+    if not uses:
+        return
+    if bundle:
+        raise UserError(f"lora: {BUNDLE_REFUSAL}", field="lora")
+    resident = [s.name for s in specs]
+    if len(uses) > len(specs):
+        raise UserError(f"lora asks for {len(uses)} adapters, but this model holds {len(specs)} resident "
+                        f"({resident or 'none: start it with --adapter NAME=FILE[:SCALE]'}).", field="lora")
+    unknown = [u.name for u in uses if u.name not in resident]
+    if unknown:
+        raise UserError(f"lora names {unknown}, not resident here; the resident adapters are "
+                        f"{resident or 'none (start the model with --adapter NAME=FILE[:SCALE])'}.", field="lora")
+
+
+def batch_key(uses: tuple[AdapterUse, ...]) -> tuple:
+    """The part of a batch key an adapter set makes: requests with different adapters or strengths never share a
+    batched evaluation (one evaluation carries one adapter set)."""
+    return tuple((u.name, u.scale) for u in uses)
+
+
+@dataclass(frozen=True)
+class AdapterInfo:
+    """What `GET /v1/loras` lists of one resident adapter, read from its file (no model loaded)."""
+
+    name: str
+    file: str
+    sha256: str
+    scale: float
+    rank: int
+    targets: tuple[str, ...]  # the native linears it adapts ("blocks.0.attn.qkv_proj", ...)
+    size_bytes: int  # its factors, in the file's dtypes
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "file": self.file, "sha256": self.sha256, "scale": self.scale, "rank": self.rank,
+                "targets": list(self.targets), "size_bytes": self.size_bytes}
+
+
+def describe(spec: AdapterSpec, cfg: H3Config, task: str) -> AdapterInfo:
+    """One adapter's rank, targets and size, from its file routed to `task`'s partition."""
+    lora = read_lora(spec.path, cfg.head_dim)
+    _, modules = route(lora, task)
+    targets = sorted({native_target(m, cfg)[0].removesuffix(".weight") for m in modules})
+    return AdapterInfo(spec.name, spec.path.name, lora.sha256, spec.scale,
+                       max(f.down.shape[0] for f in modules.values()), tuple(targets),
+                       sum(f.down.nbytes + f.up.nbytes for f in modules.values()))
+
+
+class ResidentAdapters:
+    """One pipeline's adapters: a slot per spec, of the largest rank among them, loaded once."""
+
+    def __init__(self, specs: tuple[AdapterSpec, ...], cfg: H3Config, task: str, dtype: torch.dtype,
+                 device: torch.device):
+        self.specs = {s.name: s for s in specs}
+        rank = max(describe(s, cfg, task).rank for s in specs)
+        self.slots = LoraSlots(cfg, task, len(specs), rank, dtype, device)
+        self.records: dict[str, SlotRecord] = {s.name: self.slots.load(i, s.path) for i, s in enumerate(specs)}
+        self._slot = {s.name: i for i, s in enumerate(specs)}
+
+    def resolved(self, uses: tuple[AdapterUse, ...]) -> list[tuple[str, float]]:
+        """(name, scale) of each use, a left-out scale the adapter's default; refuses a name not resident (the
+        last-line guard: admission checked it against the model that admitted the request)."""
+        unknown = [u.name for u in uses if u.name not in self.specs]
+        if unknown:
+            raise ValueError(f"lora names {unknown}, not resident on this worker (it holds {list(self.specs)}).")
+        return [(u.name, self.specs[u.name].scale if u.scale is None else u.scale) for u in uses]
+
+    def select(self, uses: tuple[AdapterUse, ...]) -> LoraRun | None:
+        """What every DiT evaluation of a request with `uses` carries (None: none)."""
+        return self.slots.select([(self._slot[n], s) for n, s in self.resolved(uses)])
+
+    def record(self, uses: tuple[AdapterUse, ...]) -> list[dict] | None:
+        """A clip record's `adapters`: name, file, sha256 and the scale used, for each (None: none)."""
+        return [{"name": n, "file": self.records[n].file, "sha256": self.records[n].sha256, "scale": s}
+                for n, s in self.resolved(uses)] or None
+
+
+def select_adapters(adapters: ResidentAdapters | None, uses: tuple[AdapterUse, ...]) -> LoraRun | None:
+    """A request's adapters on a pipeline that may hold none (then a request naming one is refused)."""
+    if not uses:
+        return None
+    if adapters is None:
+        raise ValueError(f"the request asks for LoRA adapters {[u.name for u in uses]}, but this worker holds none "
+                         "(start it with --adapter NAME=FILE[:SCALE]).")
+    return adapters.select(uses)
