@@ -228,8 +228,20 @@ def main() -> int:
                           env, log)
             built[name] = (rc, text)
 
+        def save(rows: list[dict], finished: bool) -> dict:
+            """The table so far, written after every row: a run cut short (a device call's time limit) keeps the
+            rows it finished, marked incomplete."""
+            failed = [r for r in rows if r["status"] != "PASS"]
+            result = {"device": "cpu (dry run)" if args.cpu else torch.cuda.get_device_name(0), "gpus": gpus,
+                      "torch": torch.__version__, "steps": STEPS, "control_other_seed": control,
+                      "min_psnr_db": args.min_psnr, "margin_db": args.margin, "rows": rows,
+                      "passed": finished and not failed, "finished": finished}
+            args.json.write_text(json.dumps(result, indent=1))
+            return result
+
         guided_ref = sparse_ref = None
         for i, (name, bundle, needs, flags, env_over, argv) in enumerate(plan):
+            save(rows, False)
             row = {"row": name, "gpus": skipped.get(name, needs)}
             out = work / f"row{i}.mp4"
             if bundle is not None and built[bundle][0] not in (0, -1):  # -1: not built, no runnable row needs it
@@ -292,10 +304,7 @@ def main() -> int:
             rows.append(row)
 
     failed = [r for r in rows if r["status"] != "PASS"]
-    result = {"device": "cpu (dry run)" if args.cpu else torch.cuda.get_device_name(0), "gpus": gpus, "torch": torch.__version__, "steps": STEPS,
-              "control_other_seed": control, "min_psnr_db": args.min_psnr, "margin_db": args.margin, "rows": rows,
-              "passed": not failed}
-    args.json.write_text(json.dumps(result, indent=1))
+    result = save(rows, True)
     print(f"{'row':<52} {'GPUs':>4}  {'status':<8} {'PSNR dB':>8} {'audio SNR':>9}  note")
     for r in rows:
         print(f"{r['row']:<52} {r['gpus']:>4}  {r['status']:<8} {r.get('psnr_db', ''):>8} "
