@@ -28,10 +28,10 @@ import threading
 import time
 
 from ..errors import UserError
-from ..paths import use_bytecode_cache
 from ..jobs.model_source import Entry
 from ..jobs.rank import WorkerSpec
 from ..jobs.supervisor import GroupState, GroupStatus
+from ..paths import use_bytecode_cache
 from ..server.app import create_app
 from ..server.log import SERVER_LOG
 from ..server.options import ServeOptions

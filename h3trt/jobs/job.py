@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Protocol
 
-from ..str_enum import StrEnum
 from ..pipeline.records import ClipRecord, Failure
 from ..pipeline.request import Request
+from ..str_enum import StrEnum
 
 
 class Stage(StrEnum):

@@ -17,21 +17,20 @@ from ..engines.signing import key_fingerprint, load_public_key, read_trusted_man
 from ..errors import UserError
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
-from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterInfo, AdapterSpec, check_specs, describe
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
-from ..str_enum import StrEnum
-from ..pipeline.loading import Components, load_bundle, load_checkpoint
+from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterInfo, AdapterSpec, check_specs, describe
 from ..pipeline.h3_pipeline import H3Pipeline
+from ..pipeline.loading import Components, load_bundle, load_checkpoint
 from ..pipeline.records import torch_bytecode
-from .rank import WorkerSpec
 from ..pipeline.request import CanvasDefaults
+from ..str_enum import StrEnum
+from .rank import WorkerSpec
 from .supervisor import LaunchKind
-
 
 
 class ModelSource(StrEnum):

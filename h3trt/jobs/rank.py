@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from ..engines.guard import no_compile
+from ..media.output_files import DEFAULT_CRF
 from ..parallel.launch import init_rank
 from ..parallel.mesh import SINGLE, MeshConfig, Parallel, build_mesh
-from ..media.output_files import DEFAULT_CRF
-from .job import Event, Job, JobQueue
-from .messages import Cancel, FromRank, Idle, Ready, Report, Stop, Work
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.request import CanvasDefaults
+from .job import Event, Job, JobQueue
+from .messages import Cancel, FromRank, Idle, Ready, Report, Stop, Work
 from .work import Place, Reporter, free_memory, run_work
 
 

@@ -29,12 +29,12 @@ import torch.distributed as dist
 
 from ..errors import UserError
 from ..media.output_files import DEFAULT_CRF
-from .job import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 from ..pipeline.adapters import batch_key
-from ..pipeline.parallel_decode import _comm_device
 from ..pipeline.h3_pipeline import H3Pipeline, Target
+from ..pipeline.parallel_decode import _comm_device
 from ..pipeline.records import Clip, ClipRecord, Failure, TimelineTimer, commit_clip
 from ..pipeline.request import Encoded, prepare, request_dict
+from .job import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 
 
 class JobCancelled(Exception):

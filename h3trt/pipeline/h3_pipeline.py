@@ -21,19 +21,19 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
+from ..media.output_files import DEFAULT_CRF, discard
 from ..models.audio_vae import AudioVAE
 from ..models.lora import LoraSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
 from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
+from ..models.sparse_kernels import sparse_block
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.sparse_run import SparseRun
-from ..models.sparse_kernels import sparse_block
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
-from ..media.output_files import DEFAULT_CRF, discard
-from .guidance import Branch, guided_denoiser
 from .adapters import AdapterSpec, ResidentAdapters, select_adapters
+from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
 from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record

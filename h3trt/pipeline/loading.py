@@ -21,12 +21,12 @@ from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
 from ..models.dit import EagerDiT
 from ..models.lora import LoraSpec, merge_loras
+from ..models.precision import eager_dtype
+from ..models.sparse_run import load_sparse_kernel
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
-from ..models.precision import eager_dtype
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
-from ..models.sparse_run import load_sparse_kernel
 from ..parallel.ulysses import UlyssesDiT
 from .adapters import AdapterSpec, ResidentAdapters
 from .records import ColdStart, process_started_unix, torch_bytecode

@@ -27,10 +27,10 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from ..media.encoder import OutputConfig, PipelinedWriter
+from ..media.output_files import DEFAULT_CRF, join_holding_interrupts
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS
 from ..models.video_vae import DecodePlan, VideoVAE, WindowFrames, stitch
-from ..media.output_files import DEFAULT_CRF, join_holding_interrupts
-from ..media.encoder import OutputConfig, PipelinedWriter
 
 WRITER_RANK = 0  # group rank that stitches, converts and writes; it also decodes its share of tiles
 

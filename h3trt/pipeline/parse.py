@@ -31,8 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import UserError
 from ..engines.manifest import Manifest
+from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
@@ -41,6 +41,7 @@ from .adapters import parse_lora_field
 from .profiles import request_profile_fields, with_bundle_sparse
 from .request import KEYS as KEY_NAMES, Names, Request, task_of
 from .schema import KEYS  # the schema's keys, from its one table of fields
+
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
 ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")

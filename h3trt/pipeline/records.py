@@ -12,12 +12,13 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+
 import torch
 
 from ..engines.manifest import sha256_file
+from ..media.output_files import commit, discard, write_json_file
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout
 from ..models.sampler import Schedule
-from ..media.output_files import commit, discard, write_json_file
 from .request import Prepared
 
 
@@ -302,7 +303,8 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
     )
 
 
-# The stages of a batch's timeline (run/timeline.py), each with its colour in the PNG (the legend's order); a stage not listed here is refused rather than drawn grey.
+# The stages of a batch's timeline (run/timeline.py), each with its colour in the PNG (the legend's order); a stage
+# not listed here is refused rather than drawn grey.
 STAGE_COLOURS = {
     "text_encode": "#4c72b0",
     "condition_encode": "#64b5cd",

@@ -14,17 +14,16 @@ from PIL import Image
 
 from ..engines.manifest import Manifest, check_request
 from ..errors import UserError, about
+from ..media.inputs import MediaError, read_audio, read_image, read_video
 from ..models.checkpoint import check_component_files
-from ..models.packing import (
-    AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE, CANVAS_MAX_PIXELS, DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK,
-    LATENTS_PER_CHUNK, Geometry, PackedLayout, frames_for_duration, resolve_canvas, validate_canvas,
-)
-from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS,
-                              DEFAULT_VIDEO_SHIFT, Latents, Schedule)
+from ..models.packing import (AUDIO_SAMPLE_RATE, CANVAS_MAX_PIXELS, CANVAS_MULTIPLE, CANVAS_SHORT_EDGE,
+                              DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK, Geometry, PackedLayout,
+                              frames_for_duration, resolve_canvas, validate_canvas)
+from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, DEFAULT_VIDEO_SHIFT,
+                              Latents, Schedule)
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
-from ..media.inputs import MediaError, read_audio, read_image, read_video
 from .adapters import AdapterUse, lora_field
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}

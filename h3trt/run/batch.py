@@ -25,13 +25,13 @@ from typing import Callable
 from tqdm import tqdm
 
 from ..errors import UserError
-from ..parallel.mesh import MeshConfig
-from .batch_file import BatchItem
-from .batch_outputs import MADE_BY, OutPlan, our_record, output_paths, plan_out_dir
-from ..media.output_files import DEFAULT_CRF, OutputError, write_json_atomic
 from ..jobs.job import Event, EventKind, Job
+from ..media.output_files import DEFAULT_CRF, OutputError, write_json_atomic
+from ..parallel.mesh import MeshConfig
 from ..pipeline.records import Failure, FailureRecord
 from ..pipeline.request import request_dict
+from .batch_file import BatchItem
+from .batch_outputs import MADE_BY, OutPlan, our_record, output_paths, plan_out_dir
 from .timeline import write_timeline
 
 

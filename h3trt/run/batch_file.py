@@ -12,8 +12,8 @@ from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..pipeline.adapters import batch_key
-from ..pipeline.request import KEYS, CanvasDefaults, Prepared, Request, prepare
 from ..pipeline.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
+from ..pipeline.request import KEYS, CanvasDefaults, Prepared, Request, prepare
 
 
 @dataclass(frozen=True)

@@ -15,19 +15,18 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from ..errors import UserError
-from ..models.packing import FPS
 from ..jobs.admission import admit
+from ..jobs.job import Event, EventKind, Job, JobFailed
+from ..jobs.model_source import Entry
+from ..jobs.supervisor import launch_gpus, serve_queue
+from ..media.output_files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
+                                  remove_leftovers, remove_own_temps)
+from ..models.packing import FPS
+from ..pipeline.records import ClipRecord, record_path
+from ..pipeline.request import FLAGS, KEYS, Prepared, Request
 from .batch import BatchConfig, FileQueue, summary_line
 from .batch_file import check_bundle_batch, parse_requests
 from .batch_outputs import finished, plan_out_dir
-from ..jobs.model_source import Entry
-from ..media.output_files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
-                    remove_leftovers, remove_own_temps)
-from ..jobs.job import Event, EventKind, Job, JobFailed
-from ..pipeline.records import ClipRecord, record_path
-from ..pipeline.request import FLAGS, KEYS, Prepared, Request
-from ..jobs.supervisor import launch_gpus, serve_queue
-
 
 # ----------------------------------------------------------------------------------------------------------------------
 # One clip

@@ -20,8 +20,8 @@ from typing import Protocol
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from ..pipeline.records import ClipRecord
 from ..jobs.supervisor import GroupState, GroupStatus
+from ..pipeline.records import ClipRecord
 
 LATENCY_BUCKETS = (1, 2, 5, 10, 20, 30, 60, 90, 120, 180, 240, 300, 450, 600, 900, 1200, 1800, 3600, float("inf"))
 STEP_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1, 2, 3, 4, 5, 7.5, 10, 20, float("inf"))

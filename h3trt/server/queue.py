@@ -21,14 +21,14 @@ import time
 from typing import Callable
 
 from ..errors import UserError
-from ..media.output_files import remove_leftovers
 from ..jobs.job import Event, Job
-from ..pipeline.records import ClipRecord, Failure
+from ..media.output_files import remove_leftovers
 from ..pipeline.parse import RequestDefaults
+from ..pipeline.records import ClipRecord, Failure
 from .metrics import Metrics
 from .service import parse_stored
-from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
 from .storage import Storage, claim_keys, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
+from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
 
 STORE_RETRY_S = 1.0  # how often a worker tries again to record an event while the store is unreachable
 HEARTBEAT_DIVISOR = 4  # a worker renews its leases this many times per lease: a few missed renewals are survived

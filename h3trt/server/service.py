@@ -20,18 +20,17 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..models.packing import DEFAULT_DURATION
 from ..jobs.admission import admit
 from ..jobs.model_source import Entry
-from ..pipeline.request import Request
+from ..models.packing import DEFAULT_DURATION
 from ..pipeline.parse import RequestDefaults, parse_object
-from ..pipeline.schema import (API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value,
-                              schema_values)
+from ..pipeline.request import Request
+from ..pipeline.schema import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
-from .store import JobRow, JobStore, is_disk_full
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
+from .store import JobRow, JobStore, is_disk_full
 
 SERVED_MODEL = "minimax-h3"
 
