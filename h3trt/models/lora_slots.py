@@ -166,12 +166,13 @@ class LoraSlots:
             raise LoraError(f"LoRA slot {slot!r} does not exist: there are {self.num_slots} slot(s), 0 to "
                             f"{self.num_slots - 1}; pick one of those, or create the slots with more of them.")
 
-    def load(self, slot: int, path: str | Path) -> SlotRecord:
-        """Read the LoRA file at `path` (every layout `lora.read_lora` reads, its alpha rules and refusals) into
-        `slot`, replacing what it held. Everything is checked before the slot is written: a refused file leaves the
-        slot as it was."""
+    def load(self, slot: int, path: str | Path | LoraFile) -> SlotRecord:
+        """Read the LoRA file at `path` (every layout `lora.read_lora` reads, its alpha rules and refusals; or a file
+        read already) into `slot`, replacing what it held. Everything is checked before the slot is written: a
+        refused file leaves the slot as it was."""
         self._check_slot(slot)
-        lora = read_lora(path, self.cfg.head_dim)
+        lora = path if isinstance(path, LoraFile) else read_lora(path, self.cfg.head_dim)
+        path = lora.path
         prefix, modules = route(lora, self.task)
         writes = [self._plan(lora, prefix, module, factors) for module, factors in modules.items()]
         self._clear(slot)

@@ -27,8 +27,8 @@ import torch
 
 from ..errors import UserError
 from ..models.config import H3Config
-from ..models.lora import native_target, route
-from ..models.lora_file import LoraError, read_lora
+from ..models.lora import LoraScaleError, LoraSpec, native_target, route
+from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import LoraRun, LoraSlots, SlotRecord
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
@@ -55,14 +55,12 @@ class AdapterSpec:
         if not sep or not NAME_PATTERN.fullmatch(name) or not rest:
             raise AdapterSpecError(f"--adapter {text!r}: expected NAME=FILE[:SCALE], NAME 1-64 of [A-Za-z0-9._-] "
                                    "(requests pick it by that name), e.g. --adapter style=style.safetensors:0.8.")
-        head, colon, tail = rest.rpartition(":")
         try:
-            scale = float(tail) if colon else None
-        except ValueError:
-            scale = None
-        if scale is not None and not math.isfinite(scale):
-            raise AdapterSpecError(f"--adapter {text!r}: the scale must be a finite number (1.0: as trained).")
-        return cls(name, Path(rest)) if scale is None else cls(name, Path(head), scale)
+            file = LoraSpec.parse(rest)  # FILE[:SCALE] as --lora reads it
+        except LoraScaleError:
+            raise AdapterSpecError(f"--adapter {text!r}: the scale must be a finite number (1.0: as "
+                                   "trained).") from None
+        return cls(name, file.path, file.scale)
 
 
 def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
@@ -157,9 +155,10 @@ class AdapterInfo:
                 "targets": list(self.targets), "size_bytes": self.size_bytes}
 
 
-def describe(spec: AdapterSpec, cfg: H3Config, task: str) -> AdapterInfo:
-    """One adapter's rank, targets and size, from its file routed to `task`'s partition."""
-    lora = read_lora(spec.path, cfg.head_dim)
+def describe(spec: AdapterSpec, cfg: H3Config, task: str, lora: LoraFile | None = None) -> AdapterInfo:
+    """One adapter's rank, targets and size, from its file (or `lora`, that file read already) routed to `task`'s
+    partition."""
+    lora = lora if lora is not None else read_lora(spec.path, cfg.head_dim)
     _, modules = route(lora, task)
     targets = sorted({native_target(m, cfg)[0].removesuffix(".weight") for m in modules})
     return AdapterInfo(spec.name, spec.path.name, lora.sha256, spec.scale,
@@ -173,9 +172,11 @@ class ResidentAdapters:
     def __init__(self, specs: tuple[AdapterSpec, ...], cfg: H3Config, task: str, dtype: torch.dtype,
                  device: torch.device):
         self.specs = {s.name: s for s in specs}
-        rank = max(describe(s, cfg, task).rank for s in specs)
+        files = [read_lora(s.path, cfg.head_dim) for s in specs]  # each read (and hashed) once, on every rank
+        rank = max(describe(s, cfg, task, f).rank for s, f in zip(specs, files))
         self.slots = LoraSlots(cfg, task, len(specs), rank, dtype, device)
-        self.records: dict[str, SlotRecord] = {s.name: self.slots.load(i, s.path) for i, s in enumerate(specs)}
+        self.records: dict[str, SlotRecord] = {s.name: self.slots.load(i, f)
+                                               for i, (s, f) in enumerate(zip(specs, files))}
         self._slot = {s.name: i for i, s in enumerate(specs)}
 
     def resolved(self, uses: tuple[AdapterUse, ...]) -> list[tuple[str, float]]:
