@@ -149,12 +149,13 @@ class StoreQueue:
             # later claim: not this claim's to record. What this claim wrote goes (its own names: another claim's
             # files, the accepted clip among them, are left alone), unless the row completed with it (a lease
             # recovery found it committed). The store's UPDATEs check the same, for a lease lost after this read.
+            if not event.ends:  # a stalled claim's progress: its files go once, with its last report
+                return
             self._drop_claim(event.job, attempt, row)
             if row is None or row.worker != worker:  # this process fetched its uploads for that claim alone
                 self.storage.discard(uploads_key(event.job))
-            if event.ends:
-                self.log("late_report_ignored", job=event.job, kind=str(event.kind), worker=worker, attempt=attempt,
-                         holder=None if row is None else row.worker, status=None if row is None else str(row.status))
+            self.log("late_report_ignored", job=event.job, kind=str(event.kind), worker=worker, attempt=attempt,
+                     holder=None if row is None else row.worker, status=None if row is None else str(row.status))
             return
         if event.kind in ("started", "progress"):
             self.store.progress(event.job, event.progress, event.stage or row.stage, event.evaluations, worker, attempt)
@@ -242,10 +243,6 @@ class StoreQueue:
                 self._complete(row.id, json.loads(self.storage.read_text(record_key(row.id, row.attempts))),
                                row.worker, row.attempts)
         requeued, failed = self.store.recover(self.retention_s, stale_before=stale_before)
-        if requeued and self.storage.local is not None:
-            # A worker that died mid-commit left its MP4 under a temporary name; its process is gone, so it goes now
-            # (the dead worker's own restart would sweep it too, but a replica that is never restarted would not).
-            remove_leftovers(self.storage.local / "clips")
         for job_id in requeued:
             self.log("requeued", job=job_id, reason="its worker stopped renewing its lease" if lease_s else
                      "the server stopped while it ran")
@@ -312,9 +309,10 @@ class StoreQueue:
             self.log("late_report_ignored", job=job_id, kind="done", worker=worker, attempt=attempt)
             return
         # The claims before this one lost the job (killed, or stalled past their lease): what they wrote (a record
-        # committed beside an MP4 that never was) is no clip of the job's; a late report's own files go with it.
-        self.storage.remove(uploads_key(job_id), *(key for earlier in range(1, attempt)
-                                                   for key in claim_keys(job_id, earlier)))
+        # committed beside an MP4 that never was, an MP4 still under its temporary name, whichever host wrote it)
+        # is no clip of the job's.
+        earlier = [key for claim in range(1, attempt) for key in claim_keys(job_id, claim)]
+        self.storage.remove(uploads_key(job_id), *earlier, *self.storage.temporaries(*earlier))
         self.metrics.ended(row)
         self.log("completed", job=job_id, seconds=round(row.completed_at - row.created_at, 3))
 

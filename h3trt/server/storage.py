@@ -18,7 +18,7 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-from ..engines.atomic import remove_leftovers
+from ..engines.atomic import TEMP_SUFFIX, remove_leftovers
 from ..parallel.leftovers import LAUNCH_PREFIX, SCRATCH_PREFIX, owned_temp_dir, sweep_temp_dirs
 
 CHUNK = 1 << 20  # bytes a content response streams at a time from object storage
@@ -130,6 +130,14 @@ class Storage:
                 self.fs.rm(f"{self.root}/{key}", recursive=True)
             except FileNotFoundError:
                 pass
+
+    def temporaries(self, *keys: str) -> list[str]:
+        """The temporary names writers of `keys` left beside them (engines/atomic.py temp_path: `.NAME.<host>-<pid>-
+        <token>.partial`), whatever host wrote them: a folder storage's (object storage is written from scratch)."""
+        if self.local is None:
+            return []
+        return [str(Path(key).parent / p.name) for key in keys
+                for p in (self.local / key).parent.glob(f".{Path(key).name}.*{TEMP_SUFFIX}")]
 
     def sweep(self) -> dict[str, int]:
         """Remove what killed processes of this host left: the `.partial` files of clips/ (a folder storage), and
