@@ -8,8 +8,8 @@ uvicorn on 127.0.0.1, the PostgreSQL store (tests/postgres.py: a throwaway clust
 side of every replica: `StoreQueue.take` (the claim), its `report` of a job's events (the lease's fence, the clip
 published before its row says completed) and `keep_leases` (renewal every lease / 4, reclaim of stale jobs), the same
 calls as a Serve worker replica's (fleet/deploy.py), over parts wired as theirs are (server/parts.py). What is
-simulated: a replica's replica group. Each replica is a process (forked from this one, so 50 of them share its imported
-modules) that claims a job, "generates" it by sleeping a drawn duration, and commits a small clip and its record with
+simulated: a replica's replica group. Each replica is a process (spawned: a fork of a process whose torch has started
+its thread pool fails torch's parallel ops) that claims a job, "generates" it by sleeping a drawn duration, and commits a small clip and its record with
 pipeline/records.py's `commit_clip`, as a rank does; the clip's bytes and its record name the replica and the claim
 (attempt) that made them.
 
@@ -503,7 +503,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     from h3trt.jobs.model_source import Entry
     from h3trt.server.store import JobStore
-    import h3trt.server.app  # noqa: F401  -- imported once here: the forked processes share it
+    import h3trt.server.app  # noqa: F401  -- imported here first: a missing dependency fails before any process starts
     import h3trt.server.parts  # noqa: F401
     import h3trt.server.queue  # noqa: F401
     import h3trt.pipeline.records  # noqa: F401
@@ -522,18 +522,21 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         url = pg.database()
         JobStore(url).close()  # migrated once, before the replicas connect
-        # Every process is forked before this one starts a thread (the clients, the faults).
+        # Every process is started before this one starts a thread (the clients, the faults).
         listener = socket.socket()
         listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         listener.bind(("127.0.0.1", 0))
         port = listener.getsockname()[1]
-        fork = mp.get_context("fork")
-        api = fork.Process(target=api_main, args=(entry, url, storage_dir, folder, listener, args.replicas,
+        # Spawned, not forked: a child forked from a process whose torch had started its OpenMP pool (pytest's worker,
+        # after other tests) fails its first parallel torch op ("pool INTERNAL ASSERT FAILED ... Invalid thread
+        # pool!"): the API's admission computes a schedule, and CI's POSTs answered 500.
+        spawn = mp.get_context("spawn")
+        api = spawn.Process(target=api_main, args=(entry, url, storage_dir, folder, listener, args.replicas,
                                                   args.jobs + 100), daemon=True)
         api.start()
         listener.close()
         processes.append(api)
-        replicas = [fork.Process(target=replica_main, args=(i, entry, url, storage_dir, folder,
+        replicas = [spawn.Process(target=replica_main, args=(i, entry, url, storage_dir, folder,
                                                             args.lease_s, tuple(args.generate_ms),
                                                             args.idle_poll_s, args.seed),
                                  daemon=True) for i in range(args.replicas)]
