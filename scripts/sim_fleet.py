@@ -9,8 +9,8 @@ side of every replica: `StoreQueue.take` (the claim), its `report` of a job's ev
 published before its row says completed) and `keep_leases` (renewal every lease / 4, reclaim of stale jobs), the same
 calls as a Serve worker replica's (fleet/deploy.py), over parts wired as theirs are (server/parts.py). What is
 simulated: a replica's replica group. Each replica is a process (spawned: a fork of a process whose torch has started
-its thread pool fails torch's parallel ops) that claims a job, "generates" it by sleeping a drawn duration, and commits a small clip and its record with
-pipeline/records.py's `commit_clip`, as a rank does; the clip's bytes and its record name the replica and the claim
+its thread pool fails torch's parallel ops) that claims a job, "generates" it by sleeping a drawn duration, and
+commits a small clip and its record with pipeline/records.py's `commit_clip`, as a rank does; the clip's bytes and its record name the replica and the claim
 (attempt) that made them.
 
 Clients: --clients asyncio tasks over HTTP, each keeping --window jobs in flight (POST, then GET every --poll-s until
