@@ -164,3 +164,20 @@ def test_sequence_parallel_degree_must_divide_the_heads(tmp_path, tiny_cache, ca
     assert main(["run", "--prompt", "x", "--output", str(tmp_path / "x.mp4"), "--quiet", "--device", "cpu",
                  "--gpus", "3"]) == 2
     assert "sp=3 does not divide the 2 attention heads" in capsys.readouterr().err
+
+
+def test_an_interrupt_that_ended_a_string_exec_still_exits_130(tmp_path):
+    """CI saw an interrupted `python -m h3trt.cli build` print its line and die by SIGINT (-2) instead of exiting 130:
+    CPython marks an interrupt that ends a string exec (dataclasses, namedtuples, generated code) unhandled even when
+    it is caught, and `-m` then kills the process at exit. Here a command's string exec is interrupted."""
+    (tmp_path / "interrupted_cli.py").write_text(
+        "import sys\n"
+        "from h3trt.cli import commands, main\n"
+        "commands.cmd_inspect = lambda args: exec('raise KeyboardInterrupt', {})\n"
+        "sys.exit(main(['inspect', 'x']))\n")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), str(README.parent)]))
+    done = subprocess.run([sys.executable, "-m", "interrupted_cli"], env=env, capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 130, done.stderr
+    last = done.stderr.strip().splitlines()[-1]
+    assert last == "h3trt: interrupted; no output was written (temporary files removed).", done.stderr

@@ -53,6 +53,16 @@ def main(argv=None) -> int:
         return _interrupted(interrupt)
     except KeyboardInterrupt as e:
         return _interrupted(e)
+    finally:
+        _forget_caught_interrupts()
+
+
+def _forget_caught_interrupts() -> None:
+    """Keep the exit status this process returns. CPython marks an interrupt "unhandled" when it ends any string
+    `exec`/`eval` (a dataclass or namedtuple being defined, a library's generated code), even one a caller catches,
+    and under `python -m` (how torchrun starts ranks, how tests start the CLI) it then dies by SIGINT at exit (-2)
+    instead of returning 130 (or 0, or 1). Each string exec clears the mark as it starts: one empty one does."""
+    exec("", {})
 
 
 def _interrupt_behind(error: BaseException) -> KeyboardInterrupt | None:
