@@ -9,6 +9,35 @@ import sys
 # machine); set before torch loads, and inherited by every process the tests start.
 os.environ.setdefault("TORCHINDUCTOR_VEC_ISA_OK", "1")
 
+
+def _install_compile_cache() -> None:
+    """Run the session's C++ compiles through tests/cxx_cache.py, one cache for the session (xdist's workers and
+    every process they start inherit CXX and the folder from the controller, which loads this file first): the
+    suite's builds of the tiny model repeat the same kernels. Set before torch loads (Inductor reads CXX on import).
+    A session that brings its own CXX keeps it."""
+    import atexit
+    import shutil
+    import tempfile
+
+    if "H3TRT_TEST_CXX_CACHE" in os.environ or "CXX" in os.environ or sys.platform != "linux":
+        return
+    real = shutil.which("g++")
+    if real is None:
+        return
+    folder = tempfile.mkdtemp(prefix="h3trt-test-cxx-")
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
+    wrapper = os.path.join(folder, "g++")
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cxx_cache.py")
+    with open(wrapper, "w") as f:
+        f.write(f'#!/bin/sh\nexec "{sys.executable}" "{script}" "{real}" "{folder}/entries" "$@"\n')
+    os.chmod(wrapper, 0o755)
+    os.mkdir(os.path.join(folder, "entries"))
+    os.environ["H3TRT_TEST_CXX_CACHE"] = folder
+    os.environ["CXX"] = wrapper
+
+
+_install_compile_cache()
+
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
