@@ -111,15 +111,14 @@ def test_admission_refuses_unknown_names_too_many_and_bundles_naming_lora(files,
         admit(Entry.resolve(device="cpu"), Request(PROMPT, lora=(AdapterUse("a"),)), KEYS)
 
 
-def test_a_bundle_refuses_adapters_in_one_line(files, monkeypatch):
+def test_a_bundle_without_slots_refuses_adapters_in_one_line(files, monkeypatch):
+    """(A bundle with slots serves them: tests/test_bundle_lora.py, which also refuses them on a bundle without.)"""
     from h3trt.pipeline.adapters import BUNDLE_REFUSAL, check_adapters
 
-    with pytest.raises(UserError, match="bundles do not serve per-request LoRA adapters yet; merge the LoRA at build"
-                                        r" \(h3trt build --lora") as e:
-        check_adapters((AdapterUse("a"),), (AdapterSpec("a", files[0]),), bundle=True)
+    with pytest.raises(UserError, match="built without LoRA slots, so it serves no per-request adapters; rebuild it "
+                                        r"with h3trt build \.\.\. --lora-slots N --lora-max-rank R") as e:
+        check_adapters((AdapterUse("a"),), (AdapterSpec("a", files[0]),), BUNDLE_REFUSAL)
     assert e.value.field == "lora" and "\n" not in BUNDLE_REFUSAL
-    with pytest.raises(UserError, match="--adapter: this model is an engine bundle"):
-        Entry.resolve(engine=Path("some-bundle"), device="cpu", adapters=(AdapterSpec("a", files[0]),))
 
 
 def test_adapter_flag_parsing(tmp_path, capsys):

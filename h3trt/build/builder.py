@@ -198,12 +198,13 @@ def compile_segments(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calib
     (work / "segments").mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     sparse = config.sparse is not None  # at sp=1: the halves beside the fused block (segments.dit_segments)
-    examples = example_inputs(model, config.profiles[0].geometry, plan.device, config.sp, recipe, sparse)
+    slots = config.slots  # --lora-slots: block_lora beside block (segments.dit_segments)
+    examples = example_inputs(model, config.profiles[0].geometry, plan.device, config.sp, recipe, sparse, slots)
     if config.backend == "tensorrt":
         segments, record = build_tensorrt_segments(model, examples, config, work, log)
         return Compiled(segments, {}, {}, record, time.perf_counter() - t0)
     specs = {spec.name: spec for spec in dit_segments(model.cfg, plan.dtype, config.sp, recipe, plan.dense_kernel,
-                                                      sparse)}
+                                                      sparse, slots.targets if slots else None)}
     specs.update(profile_decoder_specs(dit.source.component_root, config.profiles, plan.device, config.vae, examples))
     cache = work / "inductor_cache" if config.backend == "inductor" else Path(tempfile.mkdtemp(prefix="h3trt-aoti-"))
     cache.mkdir(parents=True, exist_ok=True)
@@ -216,7 +217,8 @@ def compile_segments(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calib
                 options = VIDEO_DECODER_INDUCTOR_OPTIONS if parse_video_decoder_name(spec.name) else None
                 entry = compile_segment(config.backend, spec, examples[spec.name], work / "segments", options)
                 segments[spec.name] = {"name": spec.name, **entry, "inputs": spec.inputs, "weights": spec.weights,
-                                       "outputs": spec.outputs, "dynamic": spec.dynamic}
+                                       "outputs": spec.outputs, "dynamic": spec.dynamic,
+                                       **({"lora": spec.lora} if spec.lora else {})}
                 log(f"compiled {spec.name} ({config.backend}) in {time.perf_counter() - ts:.1f} s")
     finally:
         if config.backend != "inductor":
@@ -281,7 +283,7 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         attention={p: c.to_dict() for p, c in plan.attention.items()}, vae_precision=config.vae.name,
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
-        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan))
+        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots)
 
 
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:

@@ -8,10 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_exclusions
+from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
 from ..models.checkpoint import TASK_PARTITIONS
 from ..models.lora import LoraSpec
+from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS
@@ -81,6 +83,10 @@ class BuildConfig:
     sparse_attention: float | None = None
     sparse_dense_steps: int | None = None  # None: SubBlock's default (10)
     sparse_min_seq: int | None = None  # None: SubBlock's default (4096 rows)
+    # Per-request LoRA adapters (models/lora_slots.py): N slots of max rank R on every main block's linears; the
+    # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
+    lora_slots: int | None = None
+    lora_max_rank: int | None = None
 
     def __post_init__(self):
         if self.backend not in BACKENDS:
@@ -123,6 +129,32 @@ class BuildConfig:
         elif self.trt_targets is not None:
             raise UserError("--trt-targets applies to --backend tensorrt.")
         self._check_sparse()
+        self._check_lora_slots()
+
+    def _check_lora_slots(self) -> None:
+        """--lora-slots and --lora-max-rank: both or neither, positive, and what a bundle with slots cannot be."""
+        n, r = self.lora_slots, self.lora_max_rank
+        if n is None and r is None:
+            return
+        if n is None or r is None:
+            raise UserError("--lora-slots N and --lora-max-rank R go together (N adapters resident, each of rank "
+                            f"<= R); got --lora-slots {n} and --lora-max-rank {r}. Pass both, or neither.")
+        for flag, value in (("--lora-slots", n), ("--lora-max-rank", r)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise UserError(f"{flag} must be a whole number >= 1, got {value!r}.")
+        if self.backend == "tensorrt":
+            raise UserError("--lora-slots applies to the inductor and aoti backends: a TensorRT plan takes no slot "
+                            "banks. Build with --backend inductor, or merge the LoRA with --lora FILE[:SCALE].")
+        if self.sp != 1:
+            raise UserError(f"--lora-slots is built for --sp 1 only (got --sp {self.sp}): the sharded halves have no "
+                            "twin with adapters. Build --sp 1, or drop --lora-slots/--lora-max-rank.")
+
+    @property
+    def slots(self) -> LoraSlotsRecord | None:
+        """The manifest's record of the LoRA slots (engines/manifest.py), None without any."""
+        if self.lora_slots is None:
+            return None
+        return LoraSlotsRecord(self.lora_slots, self.lora_max_rank, BLOCK_TARGETS)
 
     def _check_sparse(self) -> None:
         """--sparse-attention and its knobs: their values (one line, the flags named), and what a bundle that serves

@@ -12,12 +12,14 @@ from ..calibration.build import first_layer
 from ..calibration.recipe import QuantRecipe
 from ..calibration.vae_fp8 import load_video_vae_at
 from ..models.config import NUM_MODALITIES, H3Config
+from ..engines.manifest import LoraSlotsRecord
 from ..models.dit import H3DiT
+from ..models.lora_slots import target_shape
 from ..models.packing import Geometry, PackedLayout, pack_t2va, row_timesteps, text_tags_for
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import decoder_prologue
 from ..parallel.ulysses import padded_length
-from .segments import dit_segments, video_decoder_segments
+from .segments import SegmentSpec, dit_segments, video_decoder_segments
 
 EXAMPLE_TEXT_ROWS = 37  # the text length the example inputs use; every dimension is dynamic anyway
 
@@ -30,11 +32,12 @@ def example_layout(cfg: H3Config, geometry: Geometry) -> PackedLayout:
 
 
 @torch.no_grad()
-def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
-                   recipe: QuantRecipe | None = None, sparse: bool = False) -> dict[str, list[torch.Tensor]]:
+def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1, recipe: QuantRecipe | None = None,
+                   sparse: bool = False, slots: LoraSlotsRecord | None = None) -> dict[str, list[torch.Tensor]]:
     """Inputs for every segment at one profile (fl2va with a first keyframe, so condition rows are present), from
     the eager model: the same tensors check the compiled segments. With sp > 1 the block halves get the first rank's
-    rows of the padded sequence; at sp=1 with `sparse` (the halves beside the fused block) every row."""
+    rows of the padded sequence; at sp=1 with `sparse` (the halves beside the fused block) every row. With `slots`
+    the block_lora twins get their block's inputs and random banks (lora_examples)."""
     cfg = model.cfg
     layout = example_layout(cfg, geometry).to(device)
     g = torch.Generator().manual_seed(0)
@@ -43,7 +46,8 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
     text = torch.randn(1, EXAMPLE_TEXT_ROWS, cfg.text_dim, generator=g).to(device, model.dtype)
     unique_t, t_index = (t.to(device) for t in row_timesteps(layout, 0.25, 0.5))
     sd = model.state_dict()
-    emb, *blocks, fin = dit_segments(cfg, model.dtype, sp, recipe, sparse=sparse)
+    emb, *blocks, fin = dit_segments(cfg, model.dtype, sp, recipe, sparse=sparse,
+                                     lora_targets=slots.targets if slots else None)
     x, temb = model.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
                           layout.seq_len)
     cos, sin = model.rope(layout.position_ids)
@@ -76,9 +80,34 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1,
     if "block_hp" in {spec.name for spec in blocks}:
         examples["block_hp"] = list(examples["block"])
     for spec in blocks:
+        if spec.lora:
+            continue
         i = first_layer(recipe, cfg.num_layers, spec.name) if spec.name in ("block", "block_hp") else 0
         examples[spec.name] += [sd[f"blocks.{i}.{n}"] for n in spec.weights]
+    for spec in blocks:
+        if spec.lora:
+            examples[spec.name] = lora_examples(examples[spec.name.removesuffix("_lora")], spec, cfg, slots, g)
     return examples
+
+
+def lora_examples(plain: list[torch.Tensor], spec: SegmentSpec, cfg: H3Config, slots: LoraSlotsRecord,
+                  g: torch.Generator) -> list[torch.Tensor]:
+    """A block_lora twin's inputs from its plain block's: the same activations and weights, every slot selected
+    (K = N) at distinct scales, and seeded banks whose side branch moves the output as much as a trained adapter
+    might, so that the fresh-process check really compares it."""
+    x = plain[0]
+    acts, weights = plain[: len(spec.inputs) - 2], plain[len(spec.inputs) - 2:]
+    n, rank = slots.slots, slots.max_rank
+    banks = []
+    for name in spec.lora:
+        local, part = name.rsplit(".", 1)
+        n_in, n_out, parts = target_shape(cfg, local)
+        shape = (n, parts, rank, n_in) if part == "lora_down" else (n, parts, n_out // parts, rank)
+        fan_in = n_in if part == "lora_down" else rank
+        banks.append((torch.randn(*shape, generator=g) / fan_in ** 0.5).to(x.device, x.dtype))
+    slot_ids = torch.arange(n, dtype=torch.int64, device=x.device)
+    scales = torch.linspace(0.5, 0.25, n, dtype=torch.float32).to(x.device)
+    return [*acts, slot_ids, scales, *weights, *banks]
 
 
 def profile_decoder_specs(component_root: Path, profiles, device, precision: VAEPrecision, examples: dict) -> dict:

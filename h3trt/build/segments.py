@@ -6,9 +6,16 @@ dimensions that vary between requests, so backends can compile it once for every
 
   embed(video, audio, text, timesteps, video_index, audio_index, text_index, token_tags, *W) -> (x, temb)
   block(x, mod, adaln_index, cos, sin, *W) -> x                      (mod: the block's [3T, 6, H] table)
+  block_lora(x, mod, adaln_index, cos, sin, lora_slots, lora_scales, *W, *LoRA) -> x
+                              (--lora-slots N: the block with adapters, beside the plain one; LoRA: its slot banks)
   final(x, mod, timestep_index, video_index, audio_index, *W) -> (video_v, audio_v)   (mod: [T, 2, H])
 
 Dimension names: S packed rows, V video rows, A audio rows, L text rows, T distinct timesteps, M = 3T.
+
+K, the adapters one evaluation carries, is a static shape of `block_lora`, and it is N, the slots: a request's K <= N
+adapters are padded with scale 0 (exact zeros added). One compiled shape serves any count from 1 to N with no
+segment per K, and a padded entry costs only the rank-R branch of one slot; K = 1 would refuse requests that stack
+adapters (a style with a Turbo LoRA), and a symbolic K would let Inductor specialize on the example's value.
 """
 
 from __future__ import annotations
@@ -21,6 +28,7 @@ import torch
 from ..errors import UserError
 from ..models.config import H3Config
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
+from ..models.lora_slots import BlockLora, segment_lora_names
 from ..models.video_vae import decoder_epilogue, decoder_prologue
 from ..calibration.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
 from ..calibration.recipe import QuantRecipe
@@ -39,10 +47,11 @@ class SegmentSpec:
     weights: list[str]  # weight inputs (names in the segment's weight file), after the activations
     dynamic: dict[str, dict[int, str]] = field(default_factory=dict)
     outputs: list[str] = field(default_factory=list)
+    lora: list[str] = field(default_factory=list)  # LoRA slot banks (block_lora), after the weights
 
     @property
     def all_inputs(self) -> list[str]:
-        return self.inputs + self.weights
+        return self.inputs + self.weights + self.lora
 
 
 def _template(cfg: H3Config, dtype: torch.dtype) -> H3DiT:
@@ -114,6 +123,28 @@ def block_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None 
         dynamic={"x": {1: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}, "cos": {0: "S"}, "sin": {0: "S"}},
         outputs=["x"],
     )
+
+
+def block_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None,
+                       attention: str, targets: tuple[str, ...]) -> SegmentSpec:
+    """`plain`'s twin with adapters (`<name>_lora`): the same block, weights and attention, plus the evaluation's
+    slots [K] (int64) and scales [K] (fp32) and the layer's slot banks as inputs, so that loading or switching an
+    adapter changes data, never code. The base linears run as in `plain` (bf16, or FP8 with its scales); the side
+    branch in the banks' dtype (models/lora_slots.py)."""
+    block = _block_template(cfg, dtype, recipe)
+    weights, lora = plain.weights, segment_lora_names(targets)
+    fp8 = recipe is not None and recipe.fp8_attention
+    kernel = recipe.attention_kernel if fp8 else attention
+
+    def run_block_lora(x, mod, adaln_index, cos, sin, lora_slots, lora_scales, *rest):
+        params = dict(zip(weights, rest[: len(weights)]))
+        adapters = BlockLora.from_inputs(dict(zip(lora, rest[len(weights):])), lora_slots, lora_scales)
+        scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if fp8 else None
+        return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin),
+                                                          attention_fn(scales, kernel), adapters), strict=False)
+
+    return SegmentSpec(f"{plain.name}_lora", run_block_lora, plain.inputs + ["lora_slots", "lora_scales"], weights,
+                       dynamic=plain.dynamic, outputs=plain.outputs, lora=lora)
 
 
 # Under sequence parallelism the block is two segments around the attention exchange (h3trt/parallel/ulysses.py):
@@ -210,7 +241,8 @@ def check_sharded_recipe(recipe: QuantRecipe, sp: int) -> None:
 
 
 def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRecipe | None = None,
-                 attention: str = "sdpa", sparse: bool = False) -> list[SegmentSpec]:
+                 attention: str = "sdpa", sparse: bool = False,
+                 lora_targets: tuple[str, ...] | None = None) -> list[SegmentSpec]:
     """The DiT's segments: one fused block when a rank holds the whole sequence, else the two halves. A quantization
     recipe that keeps whole blocks in the block dtype adds their segment, block_hp. `attention`: the kernel of every
     attention that is not FP8 (at sp > 1 it runs in the exchange, between the halves, not in a segment).
@@ -218,7 +250,11 @@ def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRe
     `sparse` (a bundle built with --sparse-attention) at sp=1: the halves too, beside the fused block, for the
     evaluations whose attention is block-sparse (dense ones keep the fused block). The halves read the block's own
     weights (their names are subsets of the block's), so the bundle stores no weight twice; only their compiled code is
-    added, which is why a bundle without --sparse-attention goes without them."""
+    added, which is why a bundle without --sparse-attention goes without them.
+
+    `lora_targets` (a bundle built with --lora-slots, sp=1 only): each fused block segment (block, block_hp) gets its
+    twin with adapters, block_lora / block_hp_lora. The halves get none: a sparse evaluation runs without adapters
+    (admission refuses a request with both)."""
     if sp != 1 and recipe is not None:
         check_sharded_recipe(recipe, sp)
     if sparse and recipe is not None and recipe.exclude_blocks:
@@ -231,6 +267,12 @@ def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRe
         blocks.append(sharded_attention_segment(cfg, recipe))
     if recipe is not None and recipe.exclude_blocks:
         blocks.append(block_segment(cfg, dtype, None, name="block_hp", attention=attention))
+    if lora_targets is not None:
+        if sp != 1:
+            raise UserError(f"--lora-slots is built for --sp 1 only (got --sp {sp}): the sharded halves have no "
+                            "twin with adapters. Build --sp 1, or drop --lora-slots/--lora-max-rank.")
+        blocks += [block_lora_segment(b, cfg, dtype, recipe if b.name == "block" else None, attention, lora_targets)
+                   for b in blocks if b.name in ("block", "block_hp")]
     return [embed_segment(cfg, dtype), *blocks, final_segment(cfg, dtype)]
 
 

@@ -57,7 +57,8 @@ def _run_parser(sub) -> None:
                                                                  "is signed by this Ed25519 public key and every file "
                                                                  "matches it (checked before any of its code loads)")
     p.add_argument("--device", default=None, type=device, help="cpu or cuda[:N] (default: cuda if available)")
-    _lora_argument(p, "eager --model runs; a bundle has its LoRAs merged at build time")
+    _lora_argument(p, "--engine: a bundle built with --lora-slots applies the file to every request as an adapter, "
+                      "unmerged (one of its slots); a bundle without slots refuses it")
     _adapter_argument(p, "a --requests line picks them with its \"lora\" key")
     p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",
                    help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
@@ -144,8 +145,8 @@ def _adapter_argument(p, how: str) -> None:
     p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[], metavar="NAME=FILE[:SCALE]",
                    help=f"keep a LoRA resident beside the DiT under NAME, NOT merged: only the requests that name it "
                         f"run with it, at their own strength (SCALE: its default, 1); repeatable ({how}). --lora "
-                        "merges into the weights for every request instead. Eager (--model or the tiny model) only: "
-                        "bundles do not serve per-request adapters yet")
+                        "merges into the weights for every request instead. --engine: a bundle built with "
+                        "--lora-slots N --lora-max-rank R (up to N adapters, each of rank <= R)")
 
 
 def _mesh_arguments(p) -> None:
@@ -179,7 +180,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--device", default=None, type=device,
                    help="cpu or cuda (default: a bundle's, else cuda if available)")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP)
-    _lora_argument(p, "eager --model serving")
+    _lora_argument(p, "--engine: as an adapter on every job, in a bundle built with --lora-slots")
     _adapter_argument(p, "a POST /v1/videos job picks them with its \"lora\" field; GET /v1/loras lists them")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
                                                 "key)")
@@ -276,6 +277,14 @@ def _build_parser(sub) -> None:
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + " (of --device). The video decoder is compiled at it "
                                            "and the bundle serves it")
     _lora_argument(p, "merged before calibration, AdaLN baking and compiling; the manifest records each file's sha256")
+    slots = p.add_argument_group("per-request LoRA adapters (README, 'Serving')")
+    slots.add_argument("--lora-slots", type=positive, metavar="N",
+                       help="with --lora-max-rank: compile the block with N adapter slots beside the plain block, so "
+                            "run/serve --engine take --adapter NAME=FILE[:SCALE] (up to N, rank <= R) and a request "
+                            "picks them by its \"lora\" field; no adapter in a request runs the plain block. sp=1, "
+                            "inductor or aoti")
+    slots.add_argument("--lora-max-rank", type=positive, metavar="R",
+                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear)")
     p.add_argument("--task", default=TASKS[0], choices=TASKS,
                    help="t2va/fl2va (FL2VA partition, default t2va) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=positive, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "

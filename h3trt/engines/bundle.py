@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Callable
 
 import torch
+import torch.nn.functional as F
 
 # Imported to register h3trt::attention and h3trt::fp8_sdpa, which compiled blocks call by name.
 from ..calibration.fp8_attention import check_attention_kernel
@@ -19,6 +20,7 @@ from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
 from ..models.block_stack import run_block_stack
+from ..models.lora_slots import ADALN_TARGET, LoraRun, LoraSlots, lora_delta
 from ..models.sparse_kernels import check_sparse_kernel
 from ..models.sparse_run import load_sparse_kernel, warm_sparse
 from ..parallel.ulysses import RowShard
@@ -45,9 +47,10 @@ class EngineDiT:
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
-                 sparse_kernel: str | None = None):
+                 sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None):
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
-        bundle that has them beside its fused block); None: none."""
+        bundle that has them beside its fused block); None: none. `lora_slots`: the banks of a bundle built with
+        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.halves = "block_pre" in entries and "block_post" in entries
         if sparse_kernel is not None and not self.halves:
@@ -63,6 +66,12 @@ class EngineDiT:
                                 for n in entries[serving.get(name, [name] * cfg.num_layers)[i]]["weights"]]
                                for i in range(cfg.num_layers)] for name in block_segments}
         self.final_w = [weights["final"][n] for n in entries["final"]["weights"]]
+        self.lora_slots = lora_slots
+        if lora_slots is not None:  # each layer's twin with adapters, and its banks in the twin's order
+            self.lora_segments = [f"{name}_lora" for name in self.layer_segments]
+            self.lora_w = [[weights["blocks"][f"blocks.{i}.{n}"] for n in entries[seg]["weights"]]
+                           + lora_slots.segment_inputs(i, entries[seg]["lora"])
+                           for i, seg in enumerate(self.lora_segments)]
         self.inv_freq = rope_inv_freq(cfg).to(device)
         # Sharded attention, between the halves (at sp=1 it is inside the compiled block): the bundle's kernel
         # (`attention_kernel`; None: a bundle from before kernels were recorded, bf16 SDPA), or FP8 attention as its
@@ -74,11 +83,15 @@ class EngineDiT:
                                                              for n in entries["attention"]["weights"]])
                                       for i in range(cfg.num_layers)]
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None):
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None,
+                 lora: LoraRun | None = None):
+        """`lora`: the evaluation's adapters (from this engine's `lora_slots`); None runs exactly the plain path."""
         core = sparse.attention(layout) if sparse is not None else None
         if core is not None and not self.halves:
             raise ValueError("this bundle's compiled block holds its attention and it has no halves; it serves no "
                              "sparse attention (sparse_kernel is None, which the pipeline checks before denoising).")
+        if lora is not None:
+            self._check_lora(lora, core)
         if unique_t.numel() == 1:
             # Compiled for T >= 2 distinct timesteps; a duplicate row is never indexed, so outputs are unchanged.
             unique_t = unique_t.repeat(2)
@@ -92,6 +105,8 @@ class EngineDiT:
             block_fn = self._sharded_block(rows, temb, shard.exchange(), core)
         elif core is not None:  # a sparse evaluation in one process: the halves around the sparse attention
             block_fn = self._sharded_block(rows, temb, one_rank_exchange, core)
+        elif lora is not None:  # dense with adapters: each layer's block_lora twin
+            block_fn = self._block_lora(rows, temb, lora)
         else:  # dense: the fused block, its attention (FP8 attention in an fp8 bundle) inside it
             block_fn = self._block(rows, temb)
         x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), cache, shard)
@@ -107,6 +122,38 @@ class EngineDiT:
         def block_fn(i, x, adaln_index, rope):
             mod = self.adaln.block(i, rows, temb).contiguous()
             return self.segments[self.layer_segments[i]](x, mod, adaln_index, *rope, *self.block_w["block"][i])[0]
+
+        return block_fn
+
+    def _check_lora(self, lora: LoraRun, core) -> None:
+        if self.lora_slots is None or lora.blocks is not self.lora_slots.by_block:
+            raise ValueError("this evaluation carries LoRA adapters, but not from this bundle's slots (a bundle "
+                             "built without --lora-slots has none): load them with ResidentAdapters(..., "
+                             "engine.dit.lora_slots).")
+        if core is not None:
+            raise ValueError("a sparse evaluation runs no adapters: the bundle's halves have no twin with them "
+                             "(admission refuses a request with both lora and sparse attention).")
+        if lora.slots_K.numel() > self.lora_slots.num_slots:
+            raise ValueError(f"{lora.slots_K.numel()} adapters in one evaluation; this bundle's block_lora takes at "
+                             f"most {self.lora_slots.num_slots} (--lora-slots).")
+
+    def _block_lora(self, rows, temb, lora: LoraRun):
+        """Layer i as its compiled twin with adapters: K = N (the slots), the request's own padded with scale 0, which
+        adds exact zeros. An AdaLN adapter is the runner's: its side branch on silu(temb) [T, E] (T rows, eager) added
+        to the table the bundle serves, as the eager AdaLNProj adds it to its projection."""
+        pad = self.lora_slots.num_slots - lora.slots_K.numel()
+        slots_K = torch.cat([lora.slots_K, lora.slots_K.new_zeros(pad)])
+        scales_K = torch.cat([lora.scales_K, lora.scales_K.new_zeros(pad)])
+        adaln = ADALN_TARGET in self.lora_slots.targets
+
+        def block_fn(i, x, adaln_index, rope):
+            mod = self.adaln.block(i, rows, temb)
+            if adaln:
+                down, up = self.lora_slots.by_block[i][ADALN_TARGET]
+                delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, lora.slots_K, lora.scales_K)
+                mod = mod + delta.to(mod.dtype).view(mod.shape)
+            return self.segments[self.lora_segments[i]](x, mod.contiguous(), adaln_index, *rope, slots_K, scales_K,
+                                                        *self.lora_w[i])[0]
 
         return block_fn
 
@@ -270,8 +317,12 @@ def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegmen
     t_sparse = time.perf_counter()
     sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
     marks["sparse_s"] = time.perf_counter() - t_sparse
+    slots = manifest.lora_slots  # --lora-slots: the banks are allocated here, zeros until an adapter loads
+    lora_slots = (LoraSlots(cfg, manifest.task, slots.slots, slots.max_rank, manifest.precision.spec.dtype, device,
+                            slots.targets) if slots is not None else None)
     dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
-                    quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel)
+                    quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel,
+                    lora_slots)
     dit.sparse_problem = sparse_problem
     return dit
 

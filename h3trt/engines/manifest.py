@@ -25,6 +25,7 @@ import torch
 from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.config import H3Config
+from ..models.lora_slots import BLOCK_TARGETS
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from ..models.sparse_kernels import SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings
@@ -115,6 +116,15 @@ class SparseRecord:
 
 
 @dataclass(frozen=True)
+class LoraSlotsRecord:
+    """--lora-slots N --lora-max-rank R: N slots of rank <= R on `targets` of every block; the banks are not stored."""
+
+    slots: int  # N; also K, the adapters one evaluation carries (fewer are padded with scale 0: build/segments.py)
+    max_rank: int  # R
+    targets: tuple[str, ...]  # the block linears adapted ("attn.qkv_proj", ..., "adaln_proj.linear")
+
+
+@dataclass(frozen=True)
 class FileRecord:
     """One bundle file: its size and the sha256 of each `hash_chunk_bytes` chunk (one digest up to one chunk)."""
 
@@ -153,6 +163,7 @@ class Manifest:
     loras: tuple[dict, ...]  # the LoRAs merged at build time
     tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
     sparse: SparseRecord | None = None  # --sparse-attention: the default settings and the kernel; None: not built so
+    lora_slots: LoraSlotsRecord | None = None  # --lora-slots: per-request adapters; None (older bundles too): none
     # Filled by write_manifest, from the files and the content:
     files: dict[str, FileRecord] = field(default_factory=dict)
     hash_chunk_bytes: int = HASH_CHUNK_BYTES
@@ -185,6 +196,8 @@ class Manifest:
             data["tensorrt"] = self.tensorrt
         if self.sparse is not None:
             data["sparse"] = asdict(self.sparse)
+        if self.lora_slots is not None:
+            data["lora_slots"] = asdict(self.lora_slots)
         return data
 
     @classmethod
@@ -222,6 +235,7 @@ class Manifest:
                 decoder.get("segments", str, optional=True) or VideoDecoderRecord.segments),
             loras=tuple(top.get("loras", list, optional=True) or ()),
             tensorrt=top.get("tensorrt", dict, optional=True), sparse=_sparse_record(top),
+            lora_slots=_lora_slots_record(top.sub("lora_slots")) if top.data.get("lora_slots") else None,
             files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
             hash_chunk_bytes=top.positive("hash_chunk_bytes"), manifest_sha256=top.get("manifest_sha256", str))
         if manifest.backend == "tensorrt" and manifest.tensorrt is None:
@@ -239,6 +253,10 @@ def _sparse_record(top: "_Fields") -> SparseRecord | None:
     if not 0.0 <= record.sparsity < 1.0 or record.dense_steps < 0:
         raise sparse.error("sparsity", "a fraction in [0, 1) with dense_steps >= 0")
     return record
+
+
+def _lora_slots_record(r: "_Fields") -> LoraSlotsRecord:
+    return LoraSlotsRecord(r.positive("slots"), r.positive("max_rank"), tuple(r.strings("targets", BLOCK_TARGETS)))
 
 
 # Manifest fields written to JSON as they are (the others: records, tuples and the model config, in to_dict).

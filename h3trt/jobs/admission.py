@@ -22,7 +22,7 @@ from typing import Callable
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
 from .model_source import Entry
-from ..pipeline.adapters import check_adapters
+from ..pipeline.adapters import check_adapters, check_bundle_dense
 from ..pipeline.request import FLAGS, CanvasDefaults, Names, Prepared, Request, check_bundle_serves, check_prompt_tokens, prepare
 
 
@@ -33,7 +33,8 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
     where it is about one, its words `names`:
 
       1. every input read and checked, the geometry resolved (request.prepare, on `canvas`: None, the entry's)
-      1b. the LoRA adapters it names are resident (pipeline/adapters.py check_adapters; a bundle serves none yet)
+      1b. the LoRA adapters it names are resident (pipeline/adapters.py check_adapters), and a bundle runs them
+          dense (check_bundle_dense: its sparse halves have no adapter slots)
       2. a bundle serves the task, the canvas and the schedule (check_bundle_serves)
       3. on cfg=2 rank groups (`guidance_branches` 2: the launched mesh's cfg degree) each group runs one of
          guidance's two branches, so the request must be guided
@@ -45,8 +46,9 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
     `checked`: the component roots whose files this run checked already (a requests file checks each once); None
     checks them for every request (the server: a file cut short since the last request is seen)."""
     prepared = prepare(request, entry.canvas if canvas is None else canvas, names)
-    check_adapters(request.lora, entry.adapters, entry.manifest is not None)
+    check_adapters(request.lora, entry.adapters, entry.adapter_refusal)
     if entry.manifest is not None:
+        check_bundle_dense(request.lora, request.sparse_attention)
         check_bundle_serves(entry.manifest, prepared)
     if guidance_branches == 2 and request.guidance == 1.0:
         n = names

@@ -23,7 +23,7 @@ from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, en
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
-from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterInfo, AdapterSpec, check_specs, describe
+from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterInfo, AdapterSpec, check_bundle_specs, check_specs, describe
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.loading import Components, load_bundle, load_checkpoint
 from ..pipeline.records import torch_bytecode
@@ -77,13 +77,13 @@ class Entry:
     device: str  # cpu or cuda (a --device cuda:N was already made the process's cuda:0: cli/commands.choose_gpu)
     trust: Path | None = None  # --trust: the public key a bundle must be signed with
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else VAEPrecision.default)
-    loras: tuple[LoraSpec, ...] = ()  # merged into an eager DiT (a bundle has its own)
+    loras: tuple[LoraSpec, ...] = ()  # merged into an eager DiT; a bundle's: an adapter on every request (its slots)
     gpus: int = 1  # --gpus: local ranks to spawn
     torchrun: tuple[int, int] | None = None  # (rank, world) when this process is a torchrun rank
     cfg: int | None = None  # --cfg / --sp / --replicas as given (None: a bundle's, else resolve_mesh's choice)
     sp: int | None = None
     replicas: int | None = None
-    adapters: tuple[AdapterSpec, ...] = ()  # --adapter: resident LoRA adapters, picked per request (eager only)
+    adapters: tuple[AdapterSpec, ...] = ()  # --adapter: resident LoRA adapters, picked per request
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -103,11 +103,6 @@ class Entry:
             raise UserError("--engine and --model name two models; pass one.")
         if trust is not None and engine is None:
             raise UserError("--trust checks a bundle's signature; pass it with --engine DIR.")
-        if loras and engine is not None:
-            raise UserError(f"--lora applies to --model runs; the bundle {engine} was compiled with the LoRAs its "
-                            "manifest lists (h3trt inspect). Rebuild it with h3trt build --lora FILE[:SCALE].")
-        if adapters and engine is not None:
-            raise UserError(f"--adapter: {BUNDLE_REFUSAL}")
         check_specs(tuple(adapters))
         if vae_precision is not None:
             VAEPrecision(vae_precision)  # a bad value fails before any model loads
@@ -120,6 +115,9 @@ class Entry:
             # the bundle loads, before any of its code runs).
             manifest = read_trusted_manifest(engine, trust) if trust is not None else read_manifest(engine)
             source, path = ModelSource.BUNDLE, Path(engine)
+            # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots
+            check_bundle_specs(tuple(adapters), tuple(loras), manifest.lora_slots, manifest.model_config,
+                               manifest.task)
         elif model is not None:
             source, path = ModelSource.CHECKPOINT, Path(model)
         else:
@@ -225,15 +223,23 @@ class Entry:
         """The built parts of a pipeline in this process (h3trt eval builds its own around them; the job loop's
         ranks load through `worker_spec` and rank.load_rank_pipeline)."""
         if self.manifest is not None:
-            return load_bundle(self.root, self.device, vae_precision=self.vae_precision, trust=self.trust)
+            return load_bundle(self.root, self.device, vae_precision=self.vae_precision, trust=self.trust,
+                               adapters=self.adapters, loras=self.loras)
         return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras, adapters=self.adapters)
 
     def adapter_infos(self, task: str = "t2va") -> list[AdapterInfo]:
         """The resident adapters as `GET /v1/loras` lists them, read from their files against `task`'s partition."""
         if not self.adapters:
             return []
+        if self.manifest is not None:  # the bundle's model and partition
+            return [describe(s, self.manifest.model_config, self.manifest.task) for s in self.adapters]
         cfg = locate_transformer(self.root, task).config
         return [describe(s, cfg, task) for s in self.adapters]
+
+    @property
+    def adapter_refusal(self) -> str | None:
+        """Why this model serves no per-request adapters at all (a bundle built without LoRA slots); None: it may."""
+        return BUNDLE_REFUSAL if self.manifest is not None and self.manifest.lora_slots is None else None
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
         """A pipeline in this process."""

@@ -50,8 +50,8 @@ class WorkerSpec:
     model_name: str = ""  # what the record says served it
     record_extra: dict | None = None  # added to every record (e.g. the bundle's identity)
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else bf16 on CUDA / fp32 on the CPU)
-    loras: tuple = ()  # LoraSpecs merged into an eager DiT on every rank (a bundle has its own)
-    adapters: tuple = ()  # AdapterSpecs: resident LoRA adapters every rank of a group loads once (eager only)
+    loras: tuple = ()  # LoraSpecs merged into an eager DiT on every rank (a bundle: an adapter on every request)
+    adapters: tuple = ()  # AdapterSpecs: resident LoRA adapters every rank of a group loads once
     trust: str | None = None  # --trust: the public key a bundle must be signed with
     raise_failures: bool = False  # one clip in this process: a failure propagates with its own type and traceback
 
@@ -77,7 +77,7 @@ def load_rank_pipeline(spec: WorkerSpec, par: Parallel, device: torch.device, ta
     if spec.engine:
         return H3Pipeline.load_engine(Path(spec.model_root), device, spec.canvas, mesh=par.config,
                                       sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=spec.vae_precision,
-                                      trust=spec.trust)
+                                      trust=spec.trust, adapters=spec.adapters, loras=spec.loras)
     return H3Pipeline.load(Path(spec.model_root), task or spec.task, device, spec.canvas, spec.vae_precision,
                            loras=spec.loras, sp_group=par.sp_group, cfg_group=par.cfg_group, adapters=spec.adapters)
 

@@ -49,6 +49,9 @@ from .lora_file import LoraError, LoraFile, LoraModule, pruned_message, read_lor
 
 # The main block's linears a slot may adapt, named from the block (as `dit.project` names them).
 BLOCK_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")
+# A bundle serves the AdaLN projection outside its compiled block (baked tables or the kept weights: engines/adaln.py),
+# so that target's side branch is added to the modulation table by the runner, and the block segment never takes it.
+ADALN_TARGET = "adaln_proj.linear"
 _BLOCK_WEIGHT = re.compile(r"blocks\.(\d+)\.(.+)\.weight")
 
 
@@ -253,6 +256,11 @@ class LoraSlots:
         scales = torch.tensor([float(s) for _, s in uses], dtype=torch.float32, device=device)
         return LoraRun(self.by_block, slots, scales)
 
+    def segment_inputs(self, i: int, names: list[str]) -> list[torch.Tensor]:
+        """Layer i's bank tensors in the order a compiled segment lists them (`segment_lora_names`)."""
+        inputs = self.block_inputs(i)
+        return [inputs[n] for n in names]
+
     def block_inputs(self, i: int) -> dict[str, torch.Tensor]:
         """Layer i's bank tensors under the names a compiled `block_lora` segment takes them by (BlockLora.from_inputs):
         "attn.qkv_proj.lora_down", "attn.qkv_proj.lora_up", ..."""
@@ -260,3 +268,8 @@ class LoraSlots:
         for local, (down, up) in self.by_block[i].items():
             out[f"{local}.lora_down"], out[f"{local}.lora_up"] = down, up
         return out
+
+
+def segment_lora_names(targets: tuple[str, ...]) -> list[str]:
+    """The bank inputs of a compiled block segment with adapters, in order: down and up of every target but AdaLN's."""
+    return [f"{local}.lora_{part}" for local in targets if local != ADALN_TARGET for part in ("down", "up")]

@@ -1,5 +1,5 @@
-"""Resident LoRA adapters, chosen per request (issue 38, items 2 and 4, on the eager path: a checkpoint or the embedded
-tiny model).
+"""Resident LoRA adapters, chosen per request (issue 38, items 2 and 4: a checkpoint, the embedded tiny model, or a
+bundle built with --lora-slots N --lora-max-rank R, whose slots are the bundle's own: `check_bundle_specs`).
 
   - `AdapterSpec`: one `--adapter NAME=FILE[:SCALE]` of `h3trt serve` / `h3trt run` (SCALE: the adapter's default
     strength). Unlike `--lora FILE[:SCALE]`, which merges a LoRA into the weights for every request, an adapter stays
@@ -32,8 +32,10 @@ from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import LoraRun, LoraSlots, SlotRecord
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
-BUNDLE_REFUSAL = ("this model is an engine bundle, and bundles do not serve per-request LoRA adapters yet; merge the "
-                  "LoRA at build (h3trt build --lora FILE[:SCALE]), or serve adapters from --model (eager).")
+BUNDLE_REFUSAL = ("this bundle was built without LoRA slots, so it serves no per-request adapters; rebuild it with "
+                  "h3trt build ... --lora-slots N --lora-max-rank R, or merge the LoRA at build (h3trt build --lora "
+                  "FILE[:SCALE]).")
+MERGED_NAME = "--lora"  # a bundle's --lora FILE: an adapter on every request, named so in records (never by requests)
 
 
 class AdapterSpecError(LoraError, argparse.ArgumentTypeError):
@@ -116,12 +118,13 @@ def lora_field(uses: tuple[AdapterUse, ...]) -> list[dict]:
     return [{"name": u.name, **({"scale": u.scale} if u.scale is not None else {})} for u in uses]
 
 
-def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], bundle: bool) -> None:
-    """Admission's check of a request's `lora` against what the model holds resident; UserError naming `lora`."""
+def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], refusal: str | None = None) -> None:
+    """Admission's check of a request's `lora` against what the model holds resident; UserError naming `lora`.
+    `refusal`: why this model serves no adapters at all (a bundle without slots), None where it may."""
     if not uses:
         return
-    if bundle:
-        raise UserError(f"lora: {BUNDLE_REFUSAL}", field="lora")
+    if refusal is not None:
+        raise UserError(f"lora: {refusal}", field="lora")
     resident = [s.name for s in specs]
     if len(uses) > len(specs):
         raise UserError(f"lora asks for {len(uses)} adapters, but this model holds {len(specs)} resident "
@@ -130,6 +133,43 @@ def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...],
     if unknown:
         raise UserError(f"lora names {unknown}, not resident here; the resident adapters are "
                         f"{resident or 'none (start the model with --adapter NAME=FILE[:SCALE])'}.", field="lora")
+
+
+def check_bundle_dense(uses: tuple[AdapterUse, ...], sparse_attention: float) -> None:
+    """A bundle runs adapters in its fused block's twin only (block_lora): its sparse halves have none, so a request
+    with both is refused (by admission, naming `lora`) rather than run without its adapters or dense unasked."""
+    if uses and sparse_attention > 0:
+        raise UserError(f"lora: a bundle runs LoRA adapters on dense attention only (its block-sparse halves have no "
+                        f"adapter slots), and this request's sparse attention is {sparse_attention:g} (its own, its "
+                        "profile's or the bundle's default); pass sparse_attention 0 (--sparse-attention 0, or a "
+                        "dense profile) with lora, or drop lora.", field="lora")
+
+
+def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, ...], slots, cfg: H3Config,
+                       task: str) -> None:
+    """`--adapter` (and `--lora`, an adapter on every request) against a bundle's LoRA slots (`slots`: its manifest's
+    LoraSlotsRecord, None without any), each file read and routed as the slots will load it; before any model
+    loads. One line naming the flag and the fix."""
+    flags = [(f"--adapter {s.name}={s.path}", s.path) for s in specs] + [(f"--lora {m.path}", m.path) for m in merged]
+    if not flags:
+        return
+    if slots is None:
+        raise UserError(f"{flags[0][0]}: {BUNDLE_REFUSAL}")
+    if len(flags) > slots.slots:
+        raise UserError(f"--adapter/--lora: {len(flags)} adapters, but this bundle has {slots.slots} LoRA slot(s); "
+                        f"pass at most {slots.slots}, or rebuild it with h3trt build ... --lora-slots {len(flags)}.")
+    covered = {f"blocks.{i}.{t}" for i in range(cfg.num_layers) for t in slots.targets}
+    for flag, path in flags:
+        if not Path(path).is_file():
+            raise UserError(f"{flag}: no such file (a LoRA .safetensors).")
+        info = describe(AdapterSpec("check", Path(path)), cfg, task)
+        if info.rank > slots.max_rank:
+            raise UserError(f"{flag}: rank {info.rank}, over this bundle's --lora-max-rank {slots.max_rank}; rebuild "
+                            f"it with h3trt build ... --lora-max-rank {info.rank}, or merge it (h3trt build --lora).")
+        outside = [t for t in info.targets if t not in covered]
+        if outside:
+            raise UserError(f"{flag} adapts {outside[0]}, which this bundle's slots do not hold (they adapt "
+                            f"{list(slots.targets)} of every block); merge it at build instead (h3trt build --lora).")
 
 
 def batch_key(uses: tuple[AdapterUse, ...]) -> tuple:
@@ -167,17 +207,23 @@ def describe(spec: AdapterSpec, cfg: H3Config, task: str, lora: LoraFile | None 
 
 
 class ResidentAdapters:
-    """One pipeline's adapters: a slot per spec, of the largest rank among them, loaded once."""
+    """One pipeline's adapters: a slot per spec, of the largest rank among them, loaded once. `slots`: a bundle's
+    (engines/bundle.py, allocated at its load), which the adapters are loaded into instead; `merged`: a bundle's
+    --lora files, each in a slot of its own after the specs', on every request (no request names them)."""
 
     def __init__(self, specs: tuple[AdapterSpec, ...], cfg: H3Config, task: str, dtype: torch.dtype,
-                 device: torch.device):
+                 device: torch.device, slots: LoraSlots | None = None, merged: tuple[LoraSpec, ...] = ()):
         self.specs = {s.name: s for s in specs}
-        files = [read_lora(s.path, cfg.head_dim) for s in specs]  # each read (and hashed) once, on every rank
-        rank = max(describe(s, cfg, task, f).rank for s, f in zip(specs, files))
-        self.slots = LoraSlots(cfg, task, len(specs), rank, dtype, device)
-        self.records: dict[str, SlotRecord] = {s.name: self.slots.load(i, f)
-                                               for i, (s, f) in enumerate(zip(specs, files))}
+        every = [*specs, *(AdapterSpec(MERGED_NAME, m.path, m.scale) for m in merged)]
+        files = [read_lora(s.path, cfg.head_dim) for s in every]  # each read (and hashed) once, on every rank
+        if slots is None:
+            slots = LoraSlots(cfg, task, len(every), max(describe(s, cfg, task, f).rank for s, f in zip(every, files)),
+                              dtype, device)
+        self.slots = slots
+        loaded = [self.slots.load(i, f) for i, f in enumerate(files)]  # over the slots' count: refused by `load`
+        self.records: dict[str, SlotRecord] = {s.name: r for s, r in zip(specs, loaded)}
         self._slot = {s.name: i for i, s in enumerate(specs)}
+        self.merged = [(len(specs) + i, m.scale, loaded[len(specs) + i]) for i, m in enumerate(merged)]
 
     def resolved(self, uses: tuple[AdapterUse, ...]) -> list[tuple[str, float]]:
         """(name, scale) of each use, a left-out scale the adapter's default; refuses a name not resident (the
@@ -188,17 +234,22 @@ class ResidentAdapters:
         return [(u.name, self.specs[u.name].scale if u.scale is None else u.scale) for u in uses]
 
     def select(self, uses: tuple[AdapterUse, ...]) -> LoraRun | None:
-        """What every DiT evaluation of a request with `uses` carries (None: none)."""
-        return self.slots.select([(self._slot[n], s) for n, s in self.resolved(uses)])
+        """What every DiT evaluation of a request with `uses` carries, a bundle's --lora files included (None:
+        none)."""
+        return self.slots.select([(self._slot[n], s) for n, s in self.resolved(uses)]
+                                 + [(slot, scale) for slot, scale, _ in self.merged])
 
     def record(self, uses: tuple[AdapterUse, ...]) -> list[dict] | None:
         """A clip record's `adapters`: name, file, sha256 and the scale used, for each (None: none)."""
-        return [{"name": n, "file": self.records[n].file, "sha256": self.records[n].sha256, "scale": s}
-                for n, s in self.resolved(uses)] or None
+        named = [(n, s, self.records[n]) for n, s in self.resolved(uses)]
+        return [{"name": n, "file": r.file, "sha256": r.sha256, "scale": s}
+                for n, s, r in named + [(MERGED_NAME, s, r) for _, s, r in self.merged]] or None
 
 
 def select_adapters(adapters: ResidentAdapters | None, uses: tuple[AdapterUse, ...]) -> LoraRun | None:
     """A request's adapters on a pipeline that may hold none (then a request naming one is refused)."""
+    if adapters is not None and adapters.merged:
+        return adapters.select(uses)
     if not uses:
         return None
     if adapters is None:

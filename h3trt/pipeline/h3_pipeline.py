@@ -107,10 +107,12 @@ class H3Pipeline:
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
                     mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None,
-                    trust: Path | None = None):
-        """A bundle's pipeline for one rank (loading.load_bundle); `cfg_group` this rank's guidance-branch group."""
-        return cls.from_components(load_bundle(bundle_root, device, mesh, sp_group, vae_precision, trust), device,
-                                   canvas, cfg_group)
+                    trust: Path | None = None, adapters: tuple[AdapterSpec, ...] = (),
+                    loras: tuple[LoraSpec, ...] = ()):
+        """A bundle's pipeline for one rank (loading.load_bundle); `cfg_group` this rank's guidance-branch group;
+        `adapters` and `loras` (an adapter on every request) in the bundle's LoRA slots."""
+        return cls.from_components(load_bundle(bundle_root, device, mesh, sp_group, vae_precision, trust, adapters,
+                                               loras), device, canvas, cfg_group)
 
     def new_sparse_run(self, request: Request) -> SparseRun | None:
         """A request's block-sparse attention over its evaluations, or None when it asks for none (dense)."""
@@ -282,7 +284,7 @@ class H3Pipeline:
                 decoded: DecodeResult, timer: StageTimer) -> ClipRecord:
         return clip_record(prepared, schedule, layout, output, decoded.frames, decoded.audio_samples, timer,
                            self.device, self.video_vae, self.load_report, self.loras,
-                           self.adapters.record(prepared.request.lora) if prepared.request.lora else None)
+                           self.adapters.record(prepared.request.lora) if self.adapters is not None else None)
 
     def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:
         """Stage 2: visual condition latents and reference audio rows in packed order, and the ref2va blocks."""

@@ -51,7 +51,7 @@ class Components:
     # two VAEs; the last two complete the cold-start split (ColdStart.with_vaes)
     deferred_vaes: Deferred | None = None
     load_report: ColdStart | None = None  # a bundle's cold-start split, for every record
-    adapters: ResidentAdapters | None = None  # resident LoRA adapters, picked per request (eager only)
+    adapters: ResidentAdapters | None = None  # resident LoRA adapters, picked per request
 
 
 class Deferred:
@@ -155,11 +155,13 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
 
 
 def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None, vae_precision: str | None = None,
-                trust: Path | None = None) -> Components:
+                trust: Path | None = None, adapters: tuple[AdapterSpec, ...] = (),
+                loras: tuple[LoraSpec, ...] = ()) -> Components:
     """A bundle's components for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
     the bundle's; `sp_group` this rank's sequence-parallel group. The video VAE runs at the bundle's
     --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one; `trust` a
-    public key the bundle must be signed with (Engine.load)."""
+    public key the bundle must be signed with (Engine.load). `adapters` (and `loras`, an adapter on every request)
+    are loaded into the bundle's LoRA slots (checked against them before: adapters.check_bundle_specs)."""
     device, bundle_root = torch.device(device), Path(bundle_root)
     start = time.perf_counter()
     started_unix, process_unix = time.time(), process_started_unix()
@@ -197,9 +199,11 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                       loader_imports_s=round(text.imports_s if text.imports_s is not None else imports_s, 4),
                       total_s=round(time.perf_counter() - start, 4),  # bundle on hand, ready to encode and denoise
                       nulls=("process_to_load_s",) if before is None else ())
+    resident = (ResidentAdapters(tuple(adapters), m.model_config, m.task, m.precision.spec.dtype, device,
+                                 engine.dit.lora_slots, tuple(loras)) if adapters or loras else None)
     return Components(engine.dit, text_encoder, None, None, (m.schedule.video_shift, m.schedule.audio_shift),
                       functools.partial(check_bundle_serves, m), loras=m.loras,
-                      deferred_vaes=deferred, load_report=split)
+                      deferred_vaes=deferred, load_report=split, adapters=resident)
 
 
 _TEXT_PARTS = ("text_encoder", "tokenizer", "processor")  # the bundle's files the text encoder loads from

@@ -115,7 +115,7 @@ FIELDS = (
     RequestField("lora", {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "scale": {"type": "number"}}, "additionalProperties": False},
         "description": "resident LoRA adapters by name (GET /v1/loras), each with its strength (default: the "
-                       "adapter's); eager (checkpoint) serving only"}, read=read_lora_text),
+                       "adapter's); a checkpoint, or a bundle built with --lora-slots"}, read=read_lora_text),
 )
 
 Table = tuple[RequestField, ...]
