@@ -32,7 +32,7 @@ from ..models.sparse_run import SparseRun
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
-from .adapters import AdapterSpec, ResidentAdapters, select_adapters
+from .adapters import AdapterSpec, ResidentAdapters, SlotShape, select_adapters
 from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
@@ -98,11 +98,11 @@ class H3Pipeline:
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
              vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (), sp_group=None, cfg_group=None,
-             adapters: tuple[AdapterSpec, ...] = ()):
+             adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None):
         """The eager pipeline for `task`'s partition (loading.load_checkpoint); on a mesh, this rank's Ulysses group
-        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT."""
-        return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group, adapters),
-                                   device, canvas, cfg_group)
+        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT, in `lora_slots`."""
+        return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group, adapters,
+                                                   lora_slots), device, canvas, cfg_group)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),

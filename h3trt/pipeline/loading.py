@@ -28,7 +28,7 @@ from ..models.vae_checkpoint import load_audio_vae
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
 from ..parallel.ulysses import UlyssesDiT
-from .adapters import AdapterSpec, ResidentAdapters
+from .adapters import AdapterSpec, ResidentAdapters, SlotShape
 from .records import ColdStart, process_started_unix, torch_bytecode
 from .request import Prepared, check_bundle_serves
 
@@ -134,11 +134,11 @@ def _vaes(root: Path, device: torch.device, vae_precision: VAEPrecision) -> tupl
 
 def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precision: str | None = None,
                     loras: tuple[LoraSpec, ...] = (), sp_group=None,
-                    adapters: tuple[AdapterSpec, ...] = ()) -> Components:
+                    adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None) -> Components:
     """The eager components for `task`'s partition, with `loras` merged into the DiT and `adapters` resident beside
-    it (one slot each, in the DiT's dtype); `vae_precision` None: bf16 on CUDA, fp32 on the CPU
-    (VAEPrecision.default). With `sp_group` (this rank's Ulysses group) the DiT runner shards its block stack over
-    it."""
+    it, in LoRA slots of `lora_slots` (None: one slot each, of their largest rank) in the DiT's dtype;
+    `vae_precision` None: bf16 on CUDA, fp32 on the CPU (VAEPrecision.default). With `sp_group` (this rank's Ulysses
+    group) the DiT runner shards its block stack over it."""
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
     dtype = eager_dtype(device)
@@ -149,7 +149,8 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     kernel, sparse_problem = load_sparse_kernel(device, model.cfg.num_heads // sp, model.cfg.head_dim, dtype)
     dit = UlyssesDiT(model, sp_group, kernel) if sp_group is not None else EagerDiT(model, kernel)
     dit.sparse_problem = sparse_problem
-    resident = ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device) if adapters else None
+    resident = (ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device, lora_slots)
+                if adapters or lora_slots is not None else None)
     return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
                       loras=records, adapters=resident)
 
