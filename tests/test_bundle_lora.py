@@ -114,7 +114,7 @@ def test_bundle_adapters_equal_the_eager_adapters_and_switching_them_compiles_no
     m = engine.manifest
     specs = (AdapterSpec("a", files["a"], 0.7), AdapterSpec("b", files["b"]))
     bundle_side = ResidentAdapters(specs, m.model_config, m.task, torch.float32, torch.device("cpu"),
-                                   engine.dit.lora_slots)
+                                   slots=engine.dit.lora_slots)
     eager = EagerDiT(load_dit(tiny_root, "t2va", torch.float32)[0])
     eager_side = ResidentAdapters(specs, m.model_config, m.task, torch.float32, torch.device("cpu"))
     schedule = _schedule(m)
@@ -151,7 +151,7 @@ def test_a_request_without_adapters_is_the_plain_runner_bit_for_bit(slot_bundle,
         want = without_slots(*args)
         empty = dit(*args)
         ResidentAdapters((AdapterSpec("a", files["a"]), AdapterSpec("b", files["b"])), m.model_config, m.task,
-                         torch.float32, torch.device("cpu"), dit.lora_slots)
+                         torch.float32, torch.device("cpu"), slots=dit.lora_slots)
         loaded = dit(*args)
         assert calls == {"block": 2 * m.model_config.num_layers, "block_lora": 0}
         dit(*args, lora=dit.lora_slots.select([(0, 1.0)]))
@@ -195,8 +195,9 @@ def test_adapters_a_bundle_cannot_hold_are_refused_before_any_model_loads(slot_b
     spec = {n: AdapterSpec(n, p) for n, p in files.items()}
     cases = [((spec["big"],), (), "--adapter big=.*: rank 8, over this bundle's --lora-max-rank 4; rebuild it with "
                                   r"h3trt build \.\.\. --lora-max-rank 8"),
-             ((spec["a"], spec["b"]), (LoraSpec(files["big"]),), r"3 adapters, but this bundle has 2 LoRA slot\(s\).* "
-                                                                 "--lora-slots 3"),
+             ((spec["a"],), (LoraSpec(files["a"]), LoraSpec(files["b"])),
+              r"--lora: 2 file\(s\) held on every request, but this bundle has 2 LoRA slot\(s\), and --adapter needs "
+              "one more.* --lora-slots 3"),
              ((spec["outside"],), (), "adapts condition_proj, which this bundle's slots do not hold"),
              ((), (LoraSpec(files["big"]),), "--lora .*big.safetensors: rank 8, over")]
     for adapters, loras, words in cases:

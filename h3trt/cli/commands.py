@@ -15,7 +15,9 @@ def entry_from_args(args):
     from ..jobs.model_source import Entry
 
     return Entry.resolve(args.engine, args.model, args.device, args.trust, args.vae_precision, tuple(args.lora),
-                         args.gpus, args.cfg, args.sp, args.replicas, tuple(getattr(args, "adapter", ())))
+                         args.gpus, args.cfg, args.sp, args.replicas, tuple(getattr(args, "adapter", ())),
+                         getattr(args, "lora_dir", None), getattr(args, "lora_slots", None),
+                         getattr(args, "lora_max_rank", None))
 
 
 def cmd_run(args) -> int:
@@ -53,6 +55,9 @@ def cmd_serve(args) -> int:
 
         if args.max_replicas is None:
             args.max_replicas = args.min_replicas
+        if args.lora_dir is not None:
+            raise UserError("--lora-dir loads adapters while one node serves (POST /v1/loras); a fleet (--ray) serves "
+                            "the adapters it was deployed with: pass them as --adapter NAME=FILE[:SCALE].")
         return deploy(entry_from_args(args), ServeOptions.from_args(args), FleetOptions.from_args(args))
     given = [flag for flag, value in (("--store", args.store), ("--storage", args.storage),
                                       ("--max-replicas", args.max_replicas)) if value is not None]

@@ -182,6 +182,19 @@ def _serve_parser(sub) -> None:
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP)
     _lora_argument(p, "--engine: as an adapter on every job, in a bundle built with --lora-slots")
     _adapter_argument(p, "a POST /v1/videos job picks them with its \"lora\" field; GET /v1/loras lists them")
+    from ..pipeline.adapters import SERVE_MAX_RANK, SERVE_SLOTS
+
+    p.add_argument("--lora-dir", type=Path, metavar="DIR",
+                   help="every DIR/*.safetensors is a resident adapter named by its file stem (scale 1), besides "
+                        "--adapter; while the server runs, POST /v1/loras loads another file of DIR and DELETE "
+                        "/v1/loras/NAME unloads one (behind the API key; kept across restarts in --data-dir)")
+    p.add_argument("--lora-slots", type=positive, metavar="N",
+                   help=f"adapters the eager DiT holds at once, the most one job may name (default with --lora-dir: "
+                        f"max({SERVE_SLOTS}, adapters at start); else the adapters at start); others load on demand "
+                        "into the least recently used slot")
+    p.add_argument("--lora-max-rank", type=positive, metavar="R",
+                   help=f"the slots' max LoRA rank (default with --lora-dir: max({SERVE_MAX_RANK}, the largest at "
+                        "start); else the largest at start); a larger adapter is refused")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
                                                 "key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free "

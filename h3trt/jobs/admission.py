@@ -16,8 +16,9 @@ front door knows stays there: an output's name, folder and space (run.py), the m
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
@@ -25,16 +26,21 @@ from .model_source import Entry
 from ..pipeline.adapters import check_adapters, check_bundle_dense
 from ..pipeline.request import FLAGS, CanvasDefaults, Names, Prepared, Request, check_bundle_serves, check_prompt_tokens, prepare
 
+if TYPE_CHECKING:
+    from ..pipeline.adapter_catalog import AdapterCatalog
+
 
 def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_branches: int = 1,
           canvas: CanvasDefaults | None = None, checked: set[Path] | None = None,
-          own: Callable[[Prepared], None] | None = None) -> Prepared:
+          own: Callable[[Prepared], None] | None = None, adapters: AdapterCatalog | None = None) -> Prepared:
     """`request`, prepared, when `entry`'s model serves it; else the UserError that says why not, about one field
     where it is about one, its words `names`:
 
       1. every input read and checked, the geometry resolved (request.prepare, on `canvas`: None, the entry's)
-      1b. the LoRA adapters it names are resident (pipeline/adapters.py check_adapters), and a bundle runs them
-          dense (check_bundle_dense: its sparse halves have no adapter slots)
+      1b. the LoRA adapters it names are resident (pipeline/adapters.py check_adapters; a bundle only if built with
+          LoRA slots): in the model's fixed set, or in a server's current set (`adapters`), which resolves them: the
+          prepared request names each adapter's file and sha256 as they are now (pipeline/adapter_catalog.py); and a
+          bundle runs them dense (check_bundle_dense: its sparse halves have no adapter slots)
       2. a bundle serves the task, the canvas and the schedule (check_bundle_serves)
       3. on cfg=2 rank groups (`guidance_branches` 2: the launched mesh's cfg degree) each group runs one of
          guidance's two branches, so the request must be guided
@@ -46,7 +52,10 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
     `checked`: the component roots whose files this run checked already (a requests file checks each once); None
     checks them for every request (the server: a file cut short since the last request is seen)."""
     prepared = prepare(request, entry.canvas if canvas is None else canvas, names)
-    check_adapters(request.lora, entry.adapters, entry.adapter_refusal)
+    if adapters is not None and entry.adapter_refusal is None:
+        prepared = replace(prepared, request=adapters.resolve(request))
+    else:
+        check_adapters(request.lora, entry.adapters, entry.adapter_refusal, entry.adapter_slots)
     if entry.manifest is not None:
         check_bundle_dense(request.lora, request.sparse_attention)
         check_bundle_serves(entry.manifest, prepared)

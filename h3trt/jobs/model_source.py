@@ -23,7 +23,8 @@ from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, en
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
-from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterInfo, AdapterSpec, check_bundle_specs, check_specs, describe
+from ..pipeline.adapter_catalog import AdapterCatalog
+from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterSpec, check_bundle_specs, check_specs, folder_specs
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.loading import Components, load_bundle, load_checkpoint
 from ..pipeline.records import torch_bytecode
@@ -83,7 +84,10 @@ class Entry:
     cfg: int | None = None  # --cfg / --sp / --replicas as given (None: a bundle's, else resolve_mesh's choice)
     sp: int | None = None
     replicas: int | None = None
-    adapters: tuple[AdapterSpec, ...] = ()  # --adapter: resident LoRA adapters, picked per request
+    adapters: tuple[AdapterSpec, ...] = ()  # --adapter, then --lora-dir's files: LoRA adapters at start
+    lora_dir: Path | None = None  # serve --lora-dir: where adapters load from while the server runs
+    lora_slots: int | None = None  # serve --lora-slots / --lora-max-rank (None: fitted, SlotShape.fitted)
+    lora_max_rank: int | None = None
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -96,13 +100,21 @@ class Entry:
     def resolve(cls, engine: Path | None = None, model: Path | None = None, device: str | None = None,
                 trust: Path | None = None, vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (),
                 gpus: int = 1, cfg: int | None = None, sp: int | None = None,
-                replicas: int | None = None, adapters: tuple[AdapterSpec, ...] = ()) -> "Entry":
+                replicas: int | None = None, adapters: tuple[AdapterSpec, ...] = (), lora_dir: Path | None = None,
+                lora_slots: int | None = None, lora_max_rank: int | None = None) -> "Entry":
         """--engine DIR (a bundle), --model PATH (a checkpoint), or neither (the embedded tiny model); every flag
         that does not fit the source is refused here, before any model loads."""
         if engine is not None and model is not None:
             raise UserError("--engine and --model name two models; pass one.")
         if trust is not None and engine is None:
             raise UserError("--trust checks a bundle's signature; pass it with --engine DIR.")
+        if (lora_slots is not None or lora_max_rank is not None) and engine is not None:
+            raise UserError("--lora-slots and --lora-max-rank size a checkpoint's adapter slots; a bundle's were fixed "
+                            "when it was built (h3trt inspect shows them): leave them out with --engine.")
+        if (lora_slots is not None or lora_max_rank is not None) and not adapters and lora_dir is None:
+            raise UserError("--lora-slots and --lora-max-rank size the slots of LoRA adapters; pass them with "
+                            "--adapter NAME=FILE or --lora-dir DIR.")
+        adapters = (*adapters, *(folder_specs(Path(lora_dir)) if lora_dir is not None else ()))
         check_specs(tuple(adapters))
         if vae_precision is not None:
             VAEPrecision(vae_precision)  # a bad value fails before any model loads
@@ -127,7 +139,8 @@ class Entry:
         elif str(device).startswith("cuda") and not torch.cuda.is_available():  # not torch's assert at the first load
             raise UserError(f"--device {device} was asked for but no CUDA device is visible; use --device cpu.")
         return cls(source, path, manifest, device, trust, vae_precision, tuple(loras), gpus, torchrun, cfg, sp,
-                   replicas, tuple(adapters))
+                   replicas, tuple(adapters), Path(lora_dir) if lora_dir is not None else None, lora_slots,
+                   lora_max_rank)
 
     @property
     def root(self) -> Path:
@@ -227,14 +240,29 @@ class Entry:
                                adapters=self.adapters, loras=self.loras)
         return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras, adapters=self.adapters)
 
-    def adapter_infos(self, task: str = "t2va") -> list[AdapterInfo]:
-        """The resident adapters as `GET /v1/loras` lists them, read from their files against `task`'s partition."""
-        if not self.adapters:
-            return []
-        if self.manifest is not None:  # the bundle's model and partition
-            return [describe(s, self.manifest.model_config, self.manifest.task) for s in self.adapters]
-        cfg = locate_transformer(self.root, task).config
-        return [describe(s, cfg, task) for s in self.adapters]
+    def adapter_catalog(self, state: Path | None = None, log=None, task: str = "t2va") -> AdapterCatalog | None:
+        """A server's set of adapters (GET /v1/loras, admission, the admin calls), its files read and checked against
+        `task`'s partition (a bundle's: its own, in its slots' shape less the --lora files pinned in them); `state`:
+        the file that keeps the admin calls' changes across restarts. None for a bundle without LoRA slots, and for a
+        model without adapters or --lora-dir (the set is empty for good)."""
+        if self.adapter_refusal is not None or (not self.adapters and self.lora_dir is None):
+            return None
+        if self.manifest is not None:
+            cfg, task, slots = self.manifest.model_config, self.manifest.task, self.manifest.lora_slots
+            shape = {"num_slots": slots.slots - len(self.loras), "max_rank": slots.max_rank, "targets": slots.targets}
+        else:
+            cfg = locate_transformer(self.root, task).config
+            shape = {"num_slots": self.lora_slots, "max_rank": self.lora_max_rank}
+        return AdapterCatalog.start(self.adapters, cfg, task, folder=self.lora_dir, state=state, **shape,
+                                    **({"log": log} if log is not None else {}))
+
+    @property
+    def adapter_slots(self) -> int | None:
+        """The most adapters one request may name (one evaluation's slots): a bundle's slots less its pinned --lora
+        files, or --lora-slots; None: bounded by the resident set alone."""
+        if self.manifest is not None and self.manifest.lora_slots is not None:
+            return self.manifest.lora_slots.slots - len(self.loras)
+        return self.lora_slots
 
     @property
     def adapter_refusal(self) -> str | None:
@@ -249,8 +277,8 @@ class Entry:
     def worker_spec(self, task: str, mesh: MeshConfig, **fields) -> WorkerSpec:
         """What every rank of every replica group needs (picklable); `fields`: the front door's own (crf,
         max_batch, raise_failures)."""
+        fields = {"adapters": self.adapters, **fields}  # a server's: its catalog's set at start, and its slots
         return WorkerSpec(str(self.root), self.manifest is not None, task, self.device_type, mesh,
                           self.num_heads(task), canvas=self.canvas, model_name=self.model_name,
                           record_extra=self.record_extra, vae_precision=self.vae_precision, loras=self.loras,
-                          adapters=self.adapters,
                           trust=str(self.trust) if self.trust is not None else None, **fields)

@@ -27,6 +27,7 @@ from ..engines.guard import no_compile
 from ..media.output_files import DEFAULT_CRF
 from ..parallel.launch import init_rank
 from ..parallel.mesh import SINGLE, MeshConfig, Parallel, build_mesh
+from ..pipeline.adapters import SlotShape
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.request import CanvasDefaults
 from .job import Event, Job, JobQueue
@@ -52,6 +53,8 @@ class WorkerSpec:
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else bf16 on CUDA / fp32 on the CPU)
     loras: tuple = ()  # LoraSpecs merged into an eager DiT on every rank (a bundle: an adapter on every request)
     adapters: tuple = ()  # AdapterSpecs: resident LoRA adapters every rank of a group loads once
+    lora_slots: SlotShape | None = None  # an eager DiT's adapter slots (None: one per adapter, of their largest rank;
+    # a bundle's are its own)
     trust: str | None = None  # --trust: the public key a bundle must be signed with
     raise_failures: bool = False  # one clip in this process: a failure propagates with its own type and traceback
 
@@ -77,9 +80,11 @@ def load_rank_pipeline(spec: WorkerSpec, par: Parallel, device: torch.device, ta
     if spec.engine:
         return H3Pipeline.load_engine(Path(spec.model_root), device, spec.canvas, mesh=par.config,
                                       sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=spec.vae_precision,
-                                      trust=spec.trust, adapters=spec.adapters, loras=spec.loras)
+                                      trust=spec.trust, adapters=spec.adapters, loras=spec.loras,
+                                      serve_adapters=spec.lora_slots is not None)
     return H3Pipeline.load(Path(spec.model_root), task or spec.task, device, spec.canvas, spec.vae_precision,
-                           loras=spec.loras, sp_group=par.sp_group, cfg_group=par.cfg_group, adapters=spec.adapters)
+                           loras=spec.loras, sp_group=par.sp_group, cfg_group=par.cfg_group, adapters=spec.adapters,
+                           lora_slots=spec.lora_slots)
 
 
 class Pipelines:

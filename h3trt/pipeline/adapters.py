@@ -5,10 +5,17 @@ bundle built with --lora-slots N --lora-max-rank R, whose slots are the bundle's
     strength). Unlike `--lora FILE[:SCALE]`, which merges a LoRA into the weights for every request, an adapter stays
     beside the weights (models/lora_slots.py) and only the requests that name it get it.
   - `AdapterUse`: one entry of a request's `lora` field, [{"name": ..., "scale": ...}] (scale left out: the adapter's
-    default), read by `parse_lora_field` and checked against the resident set by `check_adapters` (admission).
-  - `ResidentAdapters`: the LoraSlots of one pipeline, one slot per resident adapter, loaded once when the rank loads
-    its model (every rank of a replica group: sp and cfg ranks hold the same adapters); `select` is what a request's
-    DiT evaluations carry (None for a request without adapters: the base model, bit for bit).
+    default), read by `parse_lora_field` and checked against the resident set by `check_adapters` (admission). A
+    server's admission resolves it (pipeline/adapter_catalog.py): the file and its sha256 as they were when the job
+    was admitted, which the job runs with whatever the set becomes meanwhile.
+  - `SlotShape`: how many adapters the slots hold at once (one evaluation carries at most that many) and their max
+    rank: from the flags, else fitted to the adapters at start (`h3trt serve --lora-slots / --lora-max-rank`).
+  - `ResidentAdapters`: the LoraSlots of one pipeline, used as a cache of adapters keyed by their file's sha256:
+    filled with the adapters at start, an adapter a request names loaded on demand into a free slot, else into the
+    least recently used slot that the same evaluation does not use. Every rank of a replica group (sp and cfg ranks)
+    takes the same decisions: they are a function of the sequence of requests, which every rank of a group runs in
+    the same order. `select` is what a request's DiT evaluations carry (None for a request without adapters: the
+    base model, bit for bit).
 
 Batches: one evaluation carries one adapter set (lora_slots' module doc), so the adapter set is part of the key of
 requests that may share a batched denoise (`batch_key`).
@@ -20,7 +27,8 @@ import argparse
 import json
 import math
 import re
-from dataclasses import dataclass
+from collections import OrderedDict
+from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
@@ -29,9 +37,12 @@ from ..errors import UserError
 from ..models.config import H3Config
 from ..models.lora import LoraScaleError, LoraSpec, native_target, route
 from ..models.lora_file import LoraError, LoraFile, read_lora
-from ..models.lora_slots import LoraRun, LoraSlots, SlotRecord
+from ..models.lora_slots import BLOCK_TARGETS, LoraRun, LoraSlots, SlotRecord
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
+# `h3trt serve --lora-dir`'s slots when the flags leave them out: room to load adapters while it runs (the set may
+# change), at least as many and as large as the adapters it starts with.
+SERVE_SLOTS, SERVE_MAX_RANK = 4, 64
 BUNDLE_REFUSAL = ("this bundle was built without LoRA slots, so it serves no per-request adapters; rebuild it with "
                   "h3trt build ... --lora-slots N --lora-max-rank R, or merge the LoRA at build (h3trt build --lora "
                   "FILE[:SCALE]).")
@@ -65,12 +76,26 @@ class AdapterSpec:
         return cls(name, file.path, file.scale)
 
 
+def folder_specs(folder: Path) -> tuple[AdapterSpec, ...]:
+    """`--lora-dir DIR`: every *.safetensors in DIR, named by its file stem, at scale 1.0 (sorted by name)."""
+    if not folder.is_dir():
+        raise UserError(f"--lora-dir {folder}: not a folder; pass the folder that holds the LoRA .safetensors files.")
+    specs = []
+    for path in sorted(folder.glob("*.safetensors")):
+        if not NAME_PATTERN.fullmatch(path.stem):
+            raise UserError(f"--lora-dir {folder}: {path.name} cannot be an adapter's name (1-64 of [A-Za-z0-9._-], "
+                            "starting with a letter or digit); rename the file.")
+        specs.append(AdapterSpec(path.stem, path))
+    return tuple(specs)
+
+
 def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
     """Distinct names, files that exist: refused before any model loads."""
     seen = set()
     for s in specs:
         if s.name in seen:
-            raise UserError(f"--adapter {s.name}: the name is given twice; each resident adapter needs its own name.")
+            raise UserError(f"--adapter {s.name}: the name is given twice (by --adapter or a --lora-dir file's stem); "
+                            "each resident adapter needs its own name.")
         seen.add(s.name)
         if not s.path.is_file():
             raise UserError(f"--adapter {s.name}={s.path}: no such file (a LoRA .safetensors).")
@@ -78,10 +103,27 @@ def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
 
 @dataclass(frozen=True)
 class AdapterUse:
-    """One adapter a request asks for: its resident name and strength (None: the adapter's default)."""
+    """One adapter a request asks for: its resident name and strength (None: the adapter's default). Resolved (a
+    server's admission: AdapterCatalog.resolve), it also names the file and the sha256 it had then, and the scale
+    is filled in: the worker runs that file only while it still has that hash. Unresolved (run's front doors, whose
+    adapters are fixed for the process), the worker resolves the name against the adapters it started with."""
 
     name: str
     scale: float | None = None
+    file: str | None = None  # the adapter's file, as admission resolved it
+    sha256: str | None = None  # that file's sha256 then
+
+    def to_json(self) -> dict:
+        """A resolved use as a job's row keeps it (and `from_json` reads it back)."""
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict) -> "AdapterUse":
+        return cls(data["name"], data["scale"], data["file"], data["sha256"])
+
+    def shown(self) -> dict:
+        """A resolved use as a job object and a clip's record show it: the file's name, never the server's path."""
+        return {"name": self.name, "file": Path(self.file).name, "sha256": self.sha256, "scale": self.scale}
 
 
 def parse_lora_field(value) -> tuple[AdapterUse, ...]:
@@ -118,9 +160,11 @@ def lora_field(uses: tuple[AdapterUse, ...]) -> list[dict]:
     return [{"name": u.name, **({"scale": u.scale} if u.scale is not None else {})} for u in uses]
 
 
-def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], refusal: str | None = None) -> None:
-    """Admission's check of a request's `lora` against what the model holds resident; UserError naming `lora`.
-    `refusal`: why this model serves no adapters at all (a bundle without slots), None where it may."""
+def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], refusal: str | None = None,
+                   slots: int | None = None) -> None:
+    """Admission's check of a request's `lora` against what the model holds resident, and at most `slots` adapters
+    (one evaluation's); UserError naming `lora`. `refusal`: why this model serves no adapters at all (a bundle without
+    slots), None where it may."""
     if not uses:
         return
     if refusal is not None:
@@ -129,6 +173,9 @@ def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...],
     if len(uses) > len(specs):
         raise UserError(f"lora asks for {len(uses)} adapters, but this model holds {len(specs)} resident "
                         f"({resident or 'none: start it with --adapter NAME=FILE[:SCALE]'}).", field="lora")
+    if slots is not None and len(uses) > slots:
+        raise UserError(f"lora asks for {len(uses)} adapters, but one evaluation carries at most {slots} (the "
+                        "server's --lora-slots); ask for fewer.", field="lora")
     unknown = [u.name for u in uses if u.name not in resident]
     if unknown:
         raise UserError(f"lora names {unknown}, not resident here; the resident adapters are "
@@ -155,9 +202,11 @@ def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, .
         return
     if slots is None:
         raise UserError(f"{flags[0][0]}: {BUNDLE_REFUSAL}")
-    if len(flags) > slots.slots:
-        raise UserError(f"--adapter/--lora: {len(flags)} adapters, but this bundle has {slots.slots} LoRA slot(s); "
-                        f"pass at most {slots.slots}, or rebuild it with h3trt build ... --lora-slots {len(flags)}.")
+    # --lora files hold a slot each for good; the adapters share the rest, loaded on demand (ResidentAdapters)
+    if len(merged) + (1 if specs else 0) > slots.slots:
+        raise UserError(f"--lora: {len(merged)} file(s) held on every request, but this bundle has {slots.slots} LoRA "
+                        f"slot(s){', and --adapter needs one more' if specs else ''}; pass fewer, or rebuild it with "
+                        f"h3trt build ... --lora-slots {len(merged) + (1 if specs else 0)}.")
     covered = {f"blocks.{i}.{t}" for i in range(cfg.num_layers) for t in slots.targets}
     for flag, path in flags:
         if not Path(path).is_file():
@@ -174,8 +223,30 @@ def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, .
 
 def batch_key(uses: tuple[AdapterUse, ...]) -> tuple:
     """The part of a batch key an adapter set makes: requests with different adapters or strengths never share a
-    batched evaluation (one evaluation carries one adapter set)."""
-    return tuple((u.name, u.scale) for u in uses)
+    batched evaluation (one evaluation carries one adapter set); nor do two files under one name (a reload)."""
+    return tuple((u.name, u.scale) if u.sha256 is None else (u.name, u.scale, u.sha256) for u in uses)
+
+
+@dataclass(frozen=True)
+class SlotShape:
+    """LoRA slots: how many adapters they hold at once (one evaluation carries at most that many) and their max rank
+    (an adapter of a larger rank is refused)."""
+
+    num_slots: int
+    max_rank: int
+    targets: tuple[str, ...] = BLOCK_TARGETS  # the block linears they adapt (a bundle's: its manifest's)
+
+    def __post_init__(self):
+        if self.num_slots < 1 or self.max_rank < 1:
+            raise UserError(f"--lora-slots {self.num_slots} / --lora-max-rank {self.max_rank}: both must be >= 1.")
+
+    @classmethod
+    def fitted(cls, ranks: list[int], num_slots: int | None = None, max_rank: int | None = None,
+               room: bool = False, targets: tuple[str, ...] = BLOCK_TARGETS) -> "SlotShape":
+        """The flags' values, else slots for the adapters at start (their `ranks`): exactly them, or with `room`
+        (a set that may change while it serves) at least SERVE_SLOTS of rank SERVE_MAX_RANK."""
+        floor_slots, floor_rank = (SERVE_SLOTS, SERVE_MAX_RANK) if room else (1, 1)
+        return cls(num_slots or max(floor_slots, len(ranks)), max_rank or max([floor_rank, *ranks]), tuple(targets))
 
 
 @dataclass(frozen=True)
@@ -195,6 +266,17 @@ class AdapterInfo:
                 "targets": list(self.targets), "size_bytes": self.size_bytes}
 
 
+def adapter_rank(lora: LoraFile, task: str) -> int:
+    """The largest rank of a LoRA file's modules in `task`'s partition (what its slot must hold)."""
+    return max(f.down.shape[0] for f in route(lora, task)[1].values())
+
+
+def info_of(spec: AdapterSpec, record: SlotRecord) -> AdapterInfo:
+    """What GET /v1/loras lists of an adapter, from its slot record (LoraSlots.load: rank, targets and size as the
+    slots read them)."""
+    return AdapterInfo(spec.name, spec.path.name, record.sha256, spec.scale, record.rank, record.targets, record.nbytes)
+
+
 def describe(spec: AdapterSpec, cfg: H3Config, task: str, lora: LoraFile | None = None) -> AdapterInfo:
     """One adapter's rank, targets and size, from its file (or `lora`, that file read already) routed to `task`'s
     partition."""
@@ -207,43 +289,94 @@ def describe(spec: AdapterSpec, cfg: H3Config, task: str, lora: LoraFile | None 
 
 
 class ResidentAdapters:
-    """One pipeline's adapters: a slot per spec, of the largest rank among them, loaded once. `slots`: a bundle's
-    (engines/bundle.py, allocated at its load), which the adapters are loaded into instead; `merged`: a bundle's
-    --lora files, each in a slot of its own after the specs', on every request (no request names them)."""
+    """One pipeline's adapter slots, a cache keyed by sha256 (module doc): the adapters at start (`specs`) loaded
+    first, as many as fit; any other loaded on demand from the file a request's resolved use names.
+
+    `slots`: a bundle's (engines/bundle.py, allocated at its load), used instead of slots of `shape`; `merged`: a
+    bundle's --lora files, each pinned in a slot of its own (never evicted) and carried by every evaluation."""
 
     def __init__(self, specs: tuple[AdapterSpec, ...], cfg: H3Config, task: str, dtype: torch.dtype,
-                 device: torch.device, slots: LoraSlots | None = None, merged: tuple[LoraSpec, ...] = ()):
-        self.specs = {s.name: s for s in specs}
-        every = [*specs, *(AdapterSpec(MERGED_NAME, m.path, m.scale) for m in merged)]
-        files = [read_lora(s.path, cfg.head_dim) for s in every]  # each read (and hashed) once, on every rank
+                 device: torch.device, shape: SlotShape | None = None, slots: LoraSlots | None = None,
+                 merged: tuple[LoraSpec, ...] = ()):
+        files = [read_lora(s.path, cfg.head_dim) for s in specs]  # each read (and hashed) once, on every rank
+        self.cfg, self.task = cfg, task
+        self.specs = {s.name: AdapterUse(s.name, s.scale, str(s.path), f.sha256) for s, f in zip(specs, files)}
         if slots is None:
-            slots = LoraSlots(cfg, task, len(every), max(describe(s, cfg, task, f).rank for s, f in zip(every, files)),
-                              dtype, device)
+            merged_files = [read_lora(m.path, cfg.head_dim) for m in merged]
+            shape = shape or SlotShape.fitted([adapter_rank(f, task) for f in files + merged_files])
+            slots = LoraSlots(cfg, task, shape.num_slots + len(merged), shape.max_rank, dtype, device, shape.targets)
         self.slots = slots
-        loaded = [self.slots.load(i, f) for i, f in enumerate(files)]  # over the slots' count: refused by `load`
-        self.records: dict[str, SlotRecord] = {s.name: r for s, r in zip(specs, loaded)}
-        self._slot = {s.name: i for i, s in enumerate(specs)}
-        self.merged = [(len(specs) + i, m.scale, loaded[len(specs) + i]) for i, m in enumerate(merged)]
+        # slot, scale, record of each --lora file: the first slots, held for good
+        self.merged = [(i, m.scale, self.slots.load(i, str(m.path))) for i, m in enumerate(merged)]
+        self._held: OrderedDict[str, int] = OrderedDict()  # sha256 -> slot, the least recently used first
+        for f in files:
+            if len(self._held) < self.slots.num_slots - len(self.merged) and f.sha256 not in self._held:
+                self._put(f, busy=set())
 
-    def resolved(self, uses: tuple[AdapterUse, ...]) -> list[tuple[str, float]]:
-        """(name, scale) of each use, a left-out scale the adapter's default; refuses a name not resident (the
-        last-line guard: admission checked it against the model that admitted the request)."""
-        unknown = [u.name for u in uses if u.name not in self.specs]
+    def resolved(self, uses: tuple[AdapterUse, ...]) -> list[AdapterUse]:
+        """Each use with its file, sha256 and scale: as admission resolved it, or by name against the adapters at
+        start (a left-out scale the adapter's default); refuses a name it cannot resolve (the last-line guard:
+        admission checked it against the model that admitted the request)."""
+        unknown = [u.name for u in uses if u.sha256 is None and u.name not in self.specs]
         if unknown:
             raise ValueError(f"lora names {unknown}, not resident on this worker (it holds {list(self.specs)}).")
-        return [(u.name, self.specs[u.name].scale if u.scale is None else u.scale) for u in uses]
+        out = []
+        for u in uses:
+            known = u if u.sha256 is not None else self.specs[u.name]
+            out.append(AdapterUse(u.name, known.scale if u.scale is None else u.scale, known.file, known.sha256))
+        return out
 
     def select(self, uses: tuple[AdapterUse, ...]) -> LoraRun | None:
-        """What every DiT evaluation of a request with `uses` carries, a bundle's --lora files included (None:
-        none)."""
-        return self.slots.select([(self._slot[n], s) for n, s in self.resolved(uses)]
-                                 + [(slot, scale) for slot, scale, _ in self.merged])
+        """What every DiT evaluation of a request with `uses` carries, a bundle's --lora files included (None: none),
+        each adapter in a slot first."""
+        chosen, busy = [], set()
+        for use in self.resolved(uses):
+            slot = self._slot_of(use, busy)
+            busy.add(slot)
+            chosen.append((slot, use.scale))
+        return self.slots.select(chosen + [(slot, scale) for slot, scale, _ in self.merged])
+
+    def _slot_of(self, use: AdapterUse, busy: set[int]) -> int:
+        if use.sha256 in self._held:
+            self._held.move_to_end(use.sha256)
+            return self._held[use.sha256]
+        return self._put(read_resolved(use, self.cfg), busy)
+
+    def _put(self, lora: LoraFile, busy: set[int]) -> int:
+        """Load `lora` into a free slot, else into the least recently used one outside `busy` (this evaluation's)."""
+        held = set(self._held.values()) | {slot for slot, _, _ in self.merged}
+        free = [slot for slot in range(self.slots.num_slots) if slot not in held]
+        if not free:
+            victims = [sha for sha, slot in self._held.items() if slot not in busy]
+            if not victims:
+                raise ValueError(f"one evaluation asks for more adapters than the {self.slots.num_slots} slot(s) hold "
+                                 "(admission bounds it by --lora-slots).")
+            free = [self._held.pop(victims[0])]
+        self.slots.load(free[0], lora)  # checked whole before the slot is written
+        self._held[lora.sha256] = free[0]
+        return free[0]
 
     def record(self, uses: tuple[AdapterUse, ...]) -> list[dict] | None:
         """A clip record's `adapters`: name, file, sha256 and the scale used, for each (None: none)."""
-        named = [(n, s, self.records[n]) for n, s in self.resolved(uses)]
-        return [{"name": n, "file": r.file, "sha256": r.sha256, "scale": s}
-                for n, s, r in named + [(MERGED_NAME, s, r) for _, s, r in self.merged]] or None
+        return ([u.shown() for u in self.resolved(uses)]
+                + [{"name": MERGED_NAME, "file": r.file, "sha256": r.sha256, "scale": scale}
+                   for _, scale, r in self.merged]) or None
+
+
+def read_resolved(use: AdapterUse, cfg: H3Config) -> LoraFile:
+    """The file a resolved use names, only if it still has the sha256 it had when its job was admitted: a job never
+    runs another adapter than the one it was admitted with (the file was replaced or removed since: it fails,
+    naming it)."""
+    path = Path(use.file)
+    if not path.is_file():
+        raise LoraError(f"lora {use.name!r}: its file {path} is gone since the job was admitted, so the job cannot "
+                        "run with the adapter it asked for; put the file back, or load another and submit again.")
+    lora = read_lora(path, cfg.head_dim)
+    if lora.sha256 != use.sha256:
+        raise LoraError(f"lora {use.name!r}: its file {path} changed since the job was admitted (sha256 "
+                        f"{use.sha256[:12]}... then, {lora.sha256[:12]}... now); the job runs only the adapter it was "
+                        "admitted with: load the new file under a name and submit again.")
+    return lora
 
 
 def select_adapters(adapters: ResidentAdapters | None, uses: tuple[AdapterUse, ...]) -> LoraRun | None:
@@ -254,5 +387,5 @@ def select_adapters(adapters: ResidentAdapters | None, uses: tuple[AdapterUse, .
         return None
     if adapters is None:
         raise ValueError(f"the request asks for LoRA adapters {[u.name for u in uses]}, but this worker holds none "
-                         "(start it with --adapter NAME=FILE[:SCALE]).")
+                         "(start it with --adapter NAME=FILE[:SCALE] or --lora-dir DIR).")
     return adapters.select(uses)

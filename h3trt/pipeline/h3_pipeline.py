@@ -32,7 +32,7 @@ from ..models.sparse_run import SparseRun
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
-from .adapters import AdapterSpec, ResidentAdapters, select_adapters
+from .adapters import AdapterSpec, ResidentAdapters, SlotShape, select_adapters
 from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
@@ -98,21 +98,22 @@ class H3Pipeline:
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
              vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (), sp_group=None, cfg_group=None,
-             adapters: tuple[AdapterSpec, ...] = ()):
+             adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None):
         """The eager pipeline for `task`'s partition (loading.load_checkpoint); on a mesh, this rank's Ulysses group
-        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT."""
-        return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group, adapters),
-                                   device, canvas, cfg_group)
+        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT, in `lora_slots`."""
+        return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group, adapters,
+                                                   lora_slots), device, canvas, cfg_group)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
                     mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None,
                     trust: Path | None = None, adapters: tuple[AdapterSpec, ...] = (),
-                    loras: tuple[LoraSpec, ...] = ()):
+                    loras: tuple[LoraSpec, ...] = (), serve_adapters: bool = False):
         """A bundle's pipeline for one rank (loading.load_bundle); `cfg_group` this rank's guidance-branch group;
-        `adapters` and `loras` (an adapter on every request) in the bundle's LoRA slots."""
+        `adapters` and `loras` (an adapter on every request) in the bundle's LoRA slots; `serve_adapters`: requests
+        may name adapters that join later (a server's --lora-dir) even when none is given at start."""
         return cls.from_components(load_bundle(bundle_root, device, mesh, sp_group, vae_precision, trust, adapters,
-                                               loras), device, canvas, cfg_group)
+                                               loras, serve_adapters), device, canvas, cfg_group)
 
     def new_sparse_run(self, request: Request) -> SparseRun | None:
         """A request's block-sparse attention over its evaluations, or None when it asks for none (dense)."""

@@ -28,7 +28,7 @@ from ..models.vae_checkpoint import load_audio_vae
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
 from ..parallel.ulysses import UlyssesDiT
-from .adapters import AdapterSpec, ResidentAdapters
+from .adapters import AdapterSpec, ResidentAdapters, SlotShape
 from .records import ColdStart, process_started_unix, torch_bytecode
 from .request import Prepared, check_bundle_serves
 
@@ -134,11 +134,11 @@ def _vaes(root: Path, device: torch.device, vae_precision: VAEPrecision) -> tupl
 
 def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precision: str | None = None,
                     loras: tuple[LoraSpec, ...] = (), sp_group=None,
-                    adapters: tuple[AdapterSpec, ...] = ()) -> Components:
+                    adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None) -> Components:
     """The eager components for `task`'s partition, with `loras` merged into the DiT and `adapters` resident beside
-    it (one slot each, in the DiT's dtype); `vae_precision` None: bf16 on CUDA, fp32 on the CPU
-    (VAEPrecision.default). With `sp_group` (this rank's Ulysses group) the DiT runner shards its block stack over
-    it."""
+    it, in LoRA slots of `lora_slots` (None: one slot each, of their largest rank) in the DiT's dtype;
+    `vae_precision` None: bf16 on CUDA, fp32 on the CPU (VAEPrecision.default). With `sp_group` (this rank's Ulysses
+    group) the DiT runner shards its block stack over it."""
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
     dtype = eager_dtype(device)
@@ -149,19 +149,21 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     kernel, sparse_problem = load_sparse_kernel(device, model.cfg.num_heads // sp, model.cfg.head_dim, dtype)
     dit = UlyssesDiT(model, sp_group, kernel) if sp_group is not None else EagerDiT(model, kernel)
     dit.sparse_problem = sparse_problem
-    resident = ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device) if adapters else None
+    resident = (ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device, lora_slots)
+                if adapters or lora_slots is not None else None)
     return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
                       loras=records, adapters=resident)
 
 
 def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None, vae_precision: str | None = None,
                 trust: Path | None = None, adapters: tuple[AdapterSpec, ...] = (),
-                loras: tuple[LoraSpec, ...] = ()) -> Components:
+                loras: tuple[LoraSpec, ...] = (), serve_adapters: bool = False) -> Components:
     """A bundle's components for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
     the bundle's; `sp_group` this rank's sequence-parallel group. The video VAE runs at the bundle's
     --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one; `trust` a
     public key the bundle must be signed with (Engine.load). `adapters` (and `loras`, an adapter on every request)
-    are loaded into the bundle's LoRA slots (checked against them before: adapters.check_bundle_specs)."""
+    are loaded into the bundle's LoRA slots (checked against them before: adapters.check_bundle_specs);
+    `serve_adapters`: the slots serve adapters that join later (a server's --lora-dir), even with none at start."""
     device, bundle_root = torch.device(device), Path(bundle_root)
     start = time.perf_counter()
     started_unix, process_unix = time.time(), process_started_unix()
@@ -200,7 +202,8 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                       total_s=round(time.perf_counter() - start, 4),  # bundle on hand, ready to encode and denoise
                       nulls=("process_to_load_s",) if before is None else ())
     resident = (ResidentAdapters(tuple(adapters), m.model_config, m.task, m.precision.spec.dtype, device,
-                                 engine.dit.lora_slots, tuple(loras)) if adapters or loras else None)
+                                 slots=engine.dit.lora_slots, merged=tuple(loras))
+                if engine.dit.lora_slots is not None and (adapters or loras or serve_adapters) else None)
     return Components(engine.dit, text_encoder, None, None, (m.schedule.video_shift, m.schedule.audio_shift),
                       functools.partial(check_bundle_serves, m), loras=m.loras,
                       deferred_vaes=deferred, load_report=split, adapters=resident)

@@ -6,6 +6,8 @@
     GET    /v1/videos/{id}/content         the MP4 (variant=video) or its first frame (variant=thumbnail)
     DELETE /v1/videos/{id}                 cancel it if queued or running, then remove its files and record
     POST   /v1/videos/{id}/cancel          cancel it (a running job stops at its next denoise step)
+    GET    /v1/loras                       the LoRA adapters a job may name; POST loads one, DELETE .../{name}
+                                           unloads one (server/lora_routes.py)
     GET    /health  /ready  /metrics  /
 
 Every route that touches the store or the disk runs on a worker thread (sync handlers, FileResponse), so the event
@@ -35,13 +37,14 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartParser
 
+from ..pipeline.adapters import AdapterUse
 from ..pipeline.records import ClipRecord
 from ..pipeline.request import task_of
 from ..pipeline.schema import FILE, UPLOADS
 from .service import ApiError, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, is_disk_full, store_unreachable
-from .wire import (CREATE_BODY, ERRORS, Evaluations, Health, Lora, LoraList, Ready, Video, VideoDeleted, VideoError,
-                   VideoList)
+from .lora_routes import lora_routes
+from .wire import CREATE_BODY, ERRORS, Evaluations, Health, Ready, Video, VideoDeleted, VideoError, VideoList
 
 JOB_ID = re.compile(r"/v1/videos/(video_[0-9a-f]{32})")
 STORE_RETRY_AFTER_S = 5  # what a 503 for an unreachable job store tells clients to wait
@@ -57,6 +60,7 @@ def create_app(service: VideoService) -> FastAPI:
     api, keyed = _authorization(service.options)
     _doc_routes(app, keyed)
     _video_routes(app, service, api)
+    lora_routes(app, service, api)
     _operation_routes(app, service, keyed)
     app.add_middleware(AccessLog, service=service)
     app.add_middleware(BodyLimit, limit=service.options.max_body_bytes)
@@ -193,11 +197,6 @@ def _video_routes(app: FastAPI, service: VideoService, api: list) -> None:
         # Object storage: streamed through this process (a sync iterator: Starlette reads it on a worker thread).
         return StreamingResponse(service.storage.chunks(key), media_type=media,
                                  headers={"Content-Disposition": f'attachment; filename="{filename}"'})
-
-    @app.get("/v1/loras", response_model=LoraList, dependencies=api, responses=ERRORS)
-    def list_loras() -> LoraList:
-        """The resident LoRA adapters a job's `lora` field may name (h3trt serve --adapter)."""
-        return LoraList(data=[Lora(**info) for info in service.loras()])
 
     @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted, dependencies=api, responses=ERRORS)
     def delete_video(video_id: str) -> VideoDeleted:
@@ -359,7 +358,8 @@ def _video_of(service: VideoService, row: JobRow) -> Video:
         started_at=_int(row.started_at), attempts=row.attempts, cancel_requested=row.cancel_requested,
         timings=record.timings_s, stage_spans=record.spans_unix,
         manifest_sha256=service.manifest_sha256, sparse_attention=record.sparse_attention,
-        lora=record.adapters or schema.get("lora") or None)
+        lora=record.adapters or [AdapterUse.from_json(a).shown() for a in row.request.get("adapters", ())]
+        or schema.get("lora") or None)  # as run, else as admission resolved it (an older row: as asked)
 
 
 def _int(value: float | None) -> int | None:

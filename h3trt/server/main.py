@@ -17,6 +17,7 @@ import signal
 import socket
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 from ..errors import UserError
@@ -76,12 +77,19 @@ class Node:
     """One node's server: the API side and the worker side over one SQLite store and one data folder."""
 
     def __init__(self, entry: Entry, options: ServeOptions, spec, gpus):
+        from ..pipeline.adapter_catalog import STATE_FILE
         from .parts import Parts
 
+        # The adapters at start (--adapter, --lora-dir, and what the admin calls changed before the last stop: kept
+        # in the data folder), read and checked before anything else starts; the ranks start with that set, in
+        # slots of the catalog's shape.
+        adapters = entry.adapter_catalog(options.data_dir / STATE_FILE, SERVER_LOG)
+        if adapters is not None:
+            spec = replace(spec, adapters=adapters.specs(), lora_slots=adapters.shape)
         self.parts = Parts.node(options.data_dir)
         self.queue = self.parts.queue(entry, options.retention_s)
         self.workers = self.parts.workers(spec, self.queue, gpus, load_failures_fatal=False)
-        self.service = self.parts.service(entry, options, self.workers, spec.mesh.cfg)
+        self.service = self.parts.service(entry, options, self.workers, spec.mesh.cfg, adapters=adapters)
 
     def drain(self, timeout_s: float) -> bool:
         """SIGTERM: refuse new jobs, let the running ones finish (at most `timeout_s`); queued jobs stay queued.

@@ -21,6 +21,7 @@ from typing import Callable
 from ..jobs.model_source import Entry
 from ..jobs.rank import WorkerSpec
 from ..jobs.supervisor import Workers
+from ..pipeline.adapter_catalog import AdapterCatalog
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
@@ -54,11 +55,14 @@ class Parts:
         """A fleet process's: the store and the storage every process of the fleet shares."""
         return cls(JobStore(store_url), Storage(storage_url), log=log)
 
-    def service(self, entry: Entry, options: ServeOptions, groups: Groups, guidance_branches: int = 1) -> VideoService:
-        """The API side, describing `groups` (/ready; /metrics reads them and the store at every scrape)."""
+    def service(self, entry: Entry, options: ServeOptions, groups: Groups, guidance_branches: int = 1,
+                adapters: AdapterCatalog | None = None) -> VideoService:
+        """The API side, describing `groups` (/ready; /metrics reads them and the store at every scrape), over
+        `adapters` (None: the entry's, fixed: a fleet's ingress)."""
         self.metrics.watch(self.store, groups)
+        adapters = adapters if adapters is not None else entry.adapter_catalog(log=self.log)
         return VideoService(entry, options, self.store, self.storage, groups, self.metrics, guidance_branches,
-                            log=self.log)
+                            log=self.log, adapters=adapters)
 
     def queue(self, entry: Entry, retention_s: float, name: Callable[[int], str] = lambda g: f"group{g}"
               ) -> StoreQueue:

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import json
 import time
+from dataclasses import replace
 from typing import Callable
 
 from ..errors import UserError
 from ..jobs.job import Event, Job
 from ..media.output_files import remove_leftovers
+from ..pipeline.adapters import AdapterUse
 from ..pipeline.parse import RequestDefaults
 from ..pipeline.records import ClipRecord, Failure
 from .metrics import Metrics
@@ -75,6 +77,8 @@ class StoreQueue:
         # The row, read again as the API side read it to admit the job (service.parse_stored): the row is the job's
         # durable record, and this worker may be another process than the one that admitted it, or a later one.
         request = parse_stored(row.request.get("schema"), self.storage.fetch(uploads_key(row.id)), self.defaults)
+        if row.request.get("adapters"):  # as admission resolved them: the files and hashes of then, not the set now
+            request = replace(request, lora=tuple(AdapterUse.from_json(a) for a in row.request["adapters"]))
         # The claim's own names: another claim of the job (a re-run while this one stalls) never writes them.
         return Job(row.id, request, self.storage.work_path(clip_key(row.id, row.attempts)), overwrite=True,
                    record={"job": row.id}, attempt=row.attempts)

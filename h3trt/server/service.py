@@ -23,6 +23,8 @@ from ..errors import UserError
 from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
+from ..pipeline.adapter_catalog import AdapterCatalog
+from ..pipeline.adapters import BUNDLE_REFUSAL
 from ..pipeline.parse import RequestDefaults, parse_object
 from ..pipeline.request import Request
 from ..pipeline.schema import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
@@ -56,10 +58,10 @@ class Upload:
 class VideoService:
     """The API side of a server (module doc): what the HTTP routes call. Built from its parts: the model that admits
     jobs (`entry`), the store, the storage, the groups /ready describes (this node's `Workers`, or a fleet's worker
-    replicas) and the metrics."""
+    replicas), the metrics and the set of LoRA adapters jobs may name (`adapters`; None: none, for good)."""
 
     def __init__(self, entry: Entry, options: ServeOptions, store: JobStore, storage: Storage, groups: Groups,
-                 metrics: Metrics, guidance_branches: int = 1, log=None):
+                 metrics: Metrics, guidance_branches: int = 1, log=None, adapters: AdapterCatalog | None = None):
         self.entry, self.options, self.store, self.storage = entry, options, store, storage
         self.groups, self.metrics, self.guidance_branches = groups, metrics, guidance_branches
         self.log = log or SERVER_LOG
@@ -68,13 +70,7 @@ class VideoService:
         self.draining = threading.Event()
         self._admit = threading.Lock()  # the queue bound: count and insert as one step (per process)
         self.started = time.time()
-        self._loras: list[dict] | None = None
-
-    def loras(self) -> list[dict]:
-        """The resident adapters (GET /v1/loras), read from their files once."""
-        if self._loras is None:
-            self._loras = [info.to_json() for info in self.entry.adapter_infos()]
-        return self._loras
+        self.adapters = adapters
 
     def defaults(self) -> RequestDefaults:
         return request_defaults(self.entry)
@@ -104,7 +100,8 @@ class VideoService:
             request = parse_stored(schema, folder, self.defaults())
             # Admitted as every front door admits a request (jobs/admission.py), in the API's words; its inputs are
             # read here and again by the worker that runs it (run_work: a rank rebuilds the decoded inputs it needs).
-            prepared = admit(self.entry, request, API_WORDS, guidance_branches=self.guidance_branches)
+            prepared = admit(self.entry, request, API_WORDS, guidance_branches=self.guidance_branches,
+                             adapters=self.adapters)
             with self._admit:
                 queued = self.store.queued()
                 if queued >= self.options.max_queue:
@@ -113,7 +110,10 @@ class VideoService:
                                         f"{self.options.max_queue}); retry in about {wait} s.",
                                    kind="rate_limit_exceeded", headers={"Retry-After": str(wait)})
                 self.storage.publish(uploads_key(job_id))  # before its row: a worker may take it at once
-                row = self.store.create(job_id, {"schema": schema, "openai": openai_fields,
+                # The adapters as admission resolved them (file, sha256, scale): the job runs with those whatever
+                # the set becomes before a worker takes it (queue.py job_of).
+                resolved = {"adapters": [u.to_json() for u in prepared.request.lora]} if request.lora else {}
+                row = self.store.create(job_id, {"schema": schema, "openai": openai_fields, **resolved,
                                                  "geometry": [prepared.geometry.width, prepared.geometry.height]})
         except ApiError:
             self.storage.remove(uploads_key(job_id))
@@ -161,6 +161,46 @@ class VideoService:
             seconds = fields["seconds"]
             openai_fields["seconds"] = seconds.strip() if isinstance(seconds, str) else f"{schema['duration']:g}"
         return schema, openai_fields
+
+    # --- the adapters: GET /v1/loras and the admin calls (server/lora_routes.py) -------------------------------------
+
+    def loras(self) -> list[dict]:
+        """The current set of adapters, as GET /v1/loras lists them."""
+        return [info.to_json() for info in self.adapters.infos()] if self.adapters is not None else []
+
+    def load_lora(self, fields: dict) -> dict:
+        """POST /v1/loras {"name", "file", "scale"}: a file of --lora-dir joins the set once read and checked whole
+        (on this worker thread); a 400 names the field at fault."""
+        unknown = sorted(set(fields) - {"name", "file", "scale"})
+        if unknown:
+            raise ApiError(400, f"unknown field(s) {unknown}; POST /v1/loras takes name, file and scale.", unknown[0])
+        missing = [key for key in ("name", "file") if key not in fields]
+        if missing:
+            raise ApiError(400, f"{missing[0]} is required: POST /v1/loras takes {{\"name\": ..., \"file\": a "
+                                ".safetensors in the server's --lora-dir, \"scale\": its default strength}}.",
+                           missing[0])
+        if self.adapters is None:
+            reason = BUNDLE_REFUSAL if self.entry.manifest is not None else (
+                "this server loads adapters only from its --lora-dir, and it was started without one; start it with "
+                "--lora-dir DIR")
+            raise ApiError(400, f"file: {reason}", "file")
+        try:
+            info = self.adapters.load(fields["name"], fields["file"], fields.get("scale", 1.0))
+        except UserError as e:
+            raise ApiError(400, " ".join(str(e).split()), e.field) from None
+        self.log("lora_loaded", name=info.name, file=info.file, sha256=info.sha256, rank=info.rank)
+        return info.to_json()
+
+    def unload_lora(self, name: str) -> None:
+        """DELETE /v1/loras/{name}: the name leaves the set; jobs queued with it still run with it."""
+        try:
+            if self.adapters is None:
+                raise KeyError(name)
+            self.adapters.unload(name)
+        except KeyError:
+            raise ApiError(404, f"No adapter named {name!r} is loaded here (GET /v1/loras lists them).", "name",
+                           kind="not_found_error") from None
+        self.log("lora_unloaded", name=name)
 
     # --- what the API reads -----------------------------------------------------------------------------------------
 

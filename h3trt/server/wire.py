@@ -66,7 +66,8 @@ class Video(BaseModel):
 
 
 class Lora(BaseModel):
-    """A resident LoRA adapter (h3trt serve --adapter NAME=FILE[:SCALE]), as GET /v1/loras lists it."""
+    """A resident LoRA adapter (h3trt serve --adapter NAME=FILE[:SCALE], --lora-dir, POST /v1/loras), as GET
+    /v1/loras lists it and POST /v1/loras answers."""
 
     name: str
     file: str
@@ -80,6 +81,19 @@ class Lora(BaseModel):
 class LoraList(BaseModel):
     object: Literal["list"] = "list"
     data: list[Lora]
+
+
+class LoraDeleted(BaseModel):
+    name: str
+    object: Literal["lora"] = "lora"
+    deleted: bool = True
+
+
+LORA_BODY = {"required": True, "content": {"application/json": {"schema": {
+    "type": "object", "required": ["name", "file"], "additionalProperties": False, "properties": {
+        "name": {"type": "string", "description": "the name jobs pick it by (1-64 of [A-Za-z0-9._-])"},
+        "file": {"type": "string", "description": "a .safetensors file inside the server's --lora-dir, relative to it"},
+        "scale": {"type": "number", "description": "its default strength (default 1.0)"}}}}}}
 
 
 class VideoList(BaseModel):

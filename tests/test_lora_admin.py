@@ -1,0 +1,303 @@
+"""Adapters loaded and unloaded while a server runs (issue 38 item 2; pipeline/adapter_catalog.py, the rank's slot
+cache in pipeline/adapters.py ResidentAdapters, the admin calls in server/lora_routes.py), in this process:
+
+  - the ranks' slots are a cache keyed by sha256: more distinct adapters than slots across requests, each request's
+    denoise equals its one-adapter run bit for bit, and the slot evicted is the least recently used one that the
+    same evaluation does not use
+  - a job runs only the file it was admitted with: changed or gone, it fails naming it
+  - the set survives a restart (the state file in the data folder)
+  - every bad admin call is a 400 (404 for an unknown name) in OpenAI's envelope naming the field, and needs the key
+"""
+
+import hashlib
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from test_lora import fmt_original, write
+from test_lora_adapters import PROMPT, tiny_factors
+
+from h3trt.errors import UserError
+from h3trt.jobs.model_source import Entry
+from h3trt.models.config import H3Config
+from h3trt.models.lora_file import LoraError
+from h3trt.pipeline.adapter_catalog import STATE_FILE, AdapterCatalog
+from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape
+from h3trt.pipeline.request import Request, prepare
+
+KEY = "test-key-lora-admin"
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def rank8(seed: int) -> dict:
+    """Rank-8 factors on the first block's MLP (over a --lora-max-rank 4)."""
+    g = torch.Generator().manual_seed(seed)
+    return {"blocks.0.mlp.fc2": (torch.randn(8, 96, generator=g), torch.randn(64, 8, generator=g))}
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    """--lora-dir: a, b, c (rank 4 everywhere) and files the admin call must refuse."""
+    d = tmp_path_factory.mktemp("lora-dir")
+    for name, seed in (("a", 1), ("b", 2), ("c", 3)):
+        write(d / f"{name}.safetensors", fmt_original(tiny_factors(seed)))
+    return d
+
+
+def use(folder: Path, name: str, scale: float = 1.0) -> AdapterUse:
+    """`name` as a server's admission resolves it: its file and sha256 now."""
+    path = folder / f"{name}.safetensors"
+    return AdapterUse(name, scale, str(path), sha256(path))
+
+
+def final_of(pipe, uses: tuple[AdapterUse, ...]):
+    _, _, final = pipe.denoise_request(prepare(Request(PROMPT, steps=2, lora=uses), pipe.canvas))
+    return final
+
+
+def test_the_slots_are_a_cache_and_each_request_equals_its_one_adapter_run(folder, tiny_cache):
+    """One model loaded; each pipeline built from its parts with adapters of its own (constructors take built
+    parts): the cache's with 2 slots of rank 4 holding a at start, and one per adapter holding only it (fitted: one
+    slot of rank 4, the same banks' shapes, so the same clip bit for bit)."""
+    from h3trt.pipeline.adapters import ResidentAdapters
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
+    from h3trt.pipeline.loading import load_checkpoint
+
+    entry = Entry.resolve(device="cpu")
+    parts = load_checkpoint(entry.root, "t2va", "cpu")
+    cfg, cpu = H3Config.tiny(), torch.device("cpu")
+
+    def pipeline(*names: str, shape: SlotShape | None = None) -> H3Pipeline:
+        specs = tuple(AdapterSpec(n, folder / f"{n}.safetensors") for n in names)
+        adapters = ResidentAdapters(specs, cfg, "t2va", torch.float32, cpu, shape)
+        return H3Pipeline.from_components(replace(parts, adapters=adapters), cpu, entry.canvas)
+
+    pipe = pipeline("a", shape=SlotShape(2, 4))
+    alone = {name: final_of(pipeline(name), (AdapterUse(name, 1.0),)) for name in "abc"}
+
+    def held() -> dict[int, str]:
+        return {slot: record.file for slot, record in pipe.adapters.slots.records.items()}
+
+    assert held() == {0: "a.safetensors"}  # the adapter at start, loaded with the model
+    # b: a free slot. a: cached (now the most recent). c: no free slot, so the least recently used (b) goes.
+    for name, after in (("b", {0: "a.safetensors", 1: "b.safetensors"}),
+                        ("a", {0: "a.safetensors", 1: "b.safetensors"}),
+                        ("c", {0: "a.safetensors", 1: "c.safetensors"}),
+                        ("b", {0: "b.safetensors", 1: "c.safetensors"})):
+        got = final_of(pipe, (use(folder, name),))
+        assert torch.equal(got.video, alone[name].video) and torch.equal(got.audio, alone[name].audio), name
+        assert held() == after, (name, held())
+    # Two adapters in one evaluation, neither cached at the right moment: a evicts c (least recently used), then c
+    # evicts b, never a, which this evaluation uses.
+    want = final_of(pipeline("a", "c"), (AdapterUse("a", 0.5), AdapterUse("c", 1.0)))
+    got = final_of(pipe, (use(folder, "a", 0.5), use(folder, "c")))
+    assert held() == {0: "c.safetensors", 1: "a.safetensors"}
+    assert (got.video - want.video).abs().max().item() <= 1e-5
+
+
+def test_a_job_runs_only_the_file_it_was_admitted_with(folder, tmp_path):
+    from h3trt.pipeline.adapters import ResidentAdapters
+
+    cache = ResidentAdapters((), H3Config.tiny(), "t2va", torch.float32, torch.device("cpu"), SlotShape(1, 4))
+    moved = tmp_path / "x.safetensors"
+    moved.write_bytes((folder / "b.safetensors").read_bytes())
+    admitted = AdapterUse("x", 1.0, str(moved), sha256(moved))
+    moved.write_bytes((folder / "c.safetensors").read_bytes())  # replaced after the job was admitted
+    with pytest.raises(LoraError, match=rf"lora 'x': its file {moved} changed since the job was admitted"):
+        cache.select((admitted,))
+    moved.unlink()
+    with pytest.raises(LoraError, match=rf"lora 'x': its file {moved} is gone since the job was admitted"):
+        cache.select((admitted,))
+    assert cache.slots.records == {}  # nothing was loaded
+
+
+def test_the_set_survives_a_restart_and_a_lost_file_is_logged_not_fatal(folder, tmp_path):
+    state, cfg, logged = tmp_path / STATE_FILE, H3Config.tiny(), []
+    start = (AdapterSpec("a", folder / "a.safetensors"), AdapterSpec("b", folder / "b.safetensors"))
+    first = AdapterCatalog.start(start, cfg, "t2va", folder=folder, state=state)
+    assert first.shape == SlotShape(4, 64)  # --lora-dir: room to load more (max(4, 2), max(64, 4))
+    first.load("style", "c.safetensors", 0.5)
+    first.unload("a")
+    copy = folder / "copy.safetensors"
+    copy.write_bytes((folder / "a.safetensors").read_bytes())
+    first.load("gone", "copy.safetensors")
+    copy.unlink()
+    again = AdapterCatalog.start(start, cfg, "t2va", folder=folder, state=state,
+                                 log=lambda event, **fields: logged.append((event, fields["name"])))
+    assert again.names() == ["b", "style"] and again.specs()[1].scale == 0.5
+    assert logged == [("lora_skipped", "gone")]
+    assert json.loads(state.read_text()) == {"loaded": [{"name": "style", "file": "c.safetensors", "scale": 0.5}],
+                                             "unloaded": ["a"]}
+    # Resolution: the file and hash of now; a later reload of the name never changes what was resolved.
+    resolved = again.resolve(Request(PROMPT, lora=(AdapterUse("style"),))).lora
+    assert resolved == (AdapterUse("style", 0.5, str(folder / "c.safetensors"), sha256(folder / "c.safetensors")),)
+    again.unload("style")
+    again.load("style", "a.safetensors")
+    assert resolved[0].sha256 == sha256(folder / "c.safetensors")
+    # Without --lora-dir the set is fixed and fits the adapters exactly.
+    fixed = AdapterCatalog.start(start, cfg, "t2va")
+    assert fixed.shape == SlotShape(2, 4)
+    with pytest.raises(UserError, match="started without one; start it with --lora-dir DIR") as e:
+        fixed.load("c", "c.safetensors")
+    assert e.value.field == "file"
+
+
+# --- the admin calls over HTTP (the app in this process, no workers) -------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def admin(folder, tmp_path_factory, tiny_cache):
+    from fastapi.testclient import TestClient
+
+    from h3trt.server.app import create_app
+    from h3trt.server.metrics import Metrics
+    from h3trt.server.options import ServeOptions
+    from h3trt.server.service import VideoService
+    from h3trt.server.storage import Storage
+    from h3trt.server.store import JobStore, sqlite_url
+
+    from test_server_validation import NoGroups
+
+    data = tmp_path_factory.mktemp("admin")
+    for sub in ("clips", "uploads"):
+        (data / sub).mkdir()
+    lora_dir = tmp_path_factory.mktemp("admin-loras")
+    for name in ("a", "b"):
+        (lora_dir / f"{name}.safetensors").write_bytes((folder / f"{name}.safetensors").read_bytes())
+    entry = Entry.resolve(device="cpu", lora_dir=lora_dir, lora_slots=2, lora_max_rank=4)
+    adapters = entry.adapter_catalog(data / STATE_FILE)
+    # Files that arrive in the folder while the server runs, which the admin call must refuse.
+    write(lora_dir / "big.safetensors", fmt_original(rank8(4)))
+    write(lora_dir / "dora.safetensors", {**fmt_original(tiny_factors(5)),
+                                          "blocks.0.attn.out_proj.dora_scale": torch.ones(64)})
+    g = torch.Generator().manual_seed(6)
+    write(lora_dir / "head.safetensors", fmt_original({"final_layer.video_out": (torch.randn(4, 64, generator=g),
+                                                                                  torch.randn(96, 4, generator=g))}))
+    (lora_dir / "notes.txt").write_text("not a LoRA")
+    outside = data / "outside.safetensors"
+    outside.write_bytes((folder / "c.safetensors").read_bytes())
+    os.symlink(outside, lora_dir / "link.safetensors")
+    service = VideoService(entry, ServeOptions(data, api_key=KEY), JobStore(sqlite_url(data)), Storage(data),
+                           NoGroups(), Metrics(), log=lambda *a, **k: None, adapters=adapters)
+    client = TestClient(create_app(service), raise_server_exceptions=False)
+    client.headers["Authorization"] = f"Bearer {KEY}"
+    yield client, service, lora_dir
+    service.store.close()
+
+
+def _error(r, status: int, param: str | None, words: str) -> dict:
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and words in error["message"], error
+    assert set(error) == {"message", "type", "param", "code"}
+    return error
+
+
+def test_load_list_and_unload_while_serving(admin):
+    from h3trt.server.queue import StoreQueue
+    from h3trt.server.service import request_defaults
+
+    client, service, lora_dir = admin
+    assert [x["name"] for x in client.get("/v1/loras").json()["data"]] == ["a", "b"]  # --lora-dir's, by stem
+    r = client.post("/v1/loras", json={"name": "style", "file": "a.safetensors", "scale": 0.5})
+    assert r.status_code == 200, r.text
+    assert {k: r.json()[k] for k in ("name", "file", "scale", "rank")} == {"name": "style", "file": "a.safetensors",
+                                                                           "scale": 0.5, "rank": 4}
+    assert "style" in [x["name"] for x in client.get("/v1/loras").json()["data"]]
+    job = client.post("/v1/videos", json={"prompt": "x", "size": "128x32", "steps": 2, "lora": [{"name": "style"}]})
+    assert job.status_code == 200, job.text
+    resolved = {"name": "style", "file": "a.safetensors", "sha256": sha256(lora_dir / "a.safetensors"), "scale": 0.5}
+    assert job.json()["lora"] == [resolved]  # the job object names what admission resolved
+    assert client.delete("/v1/loras/style").json() == {"name": "style", "object": "lora", "deleted": True}
+    _error(client.post("/v1/videos", json={"prompt": "x", "lora": [{"name": "style"}]}), 400, "lora",
+           "not resident here")
+    # The name loaded again with another file: the queued job keeps what it was admitted with, shown and run.
+    assert client.post("/v1/loras", json={"name": "style", "file": "b.safetensors"}).status_code == 200
+    assert client.get(f"/v1/videos/{job.json()['id']}").json()["lora"] == [resolved]
+    queue = StoreQueue(service.store, service.storage, 60.0, request_defaults(service.entry), service.metrics,
+                       lambda *a, **k: None)
+    taken = queue.take(0, 1)
+    assert [j.id for j in taken] == [job.json()["id"]]
+    assert taken[0].request.lora == (AdapterUse("style", 0.5, str(lora_dir / "a.safetensors"),
+                                                sha256(lora_dir / "a.safetensors")),)
+    assert client.delete("/v1/loras/style").status_code == 200
+
+
+@pytest.mark.parametrize("body,param,words", [
+    ({"name": "x", "file": "a.safetensors", "rank": 4}, "rank", "unknown field(s) ['rank']"),
+    ({"file": "a.safetensors"}, "name", "name is required"),
+    ({"name": "x"}, "file", "file is required"),
+    ({"name": "../x", "file": "a.safetensors"}, "name", "an adapter's name is 1-64 of"),
+    ({"name": "a b", "file": "a.safetensors"}, "name", "an adapter's name is 1-64 of"),
+    ({"name": "a", "file": "b.safetensors"}, "name", "name 'a' is taken by a loaded adapter"),
+    ({"name": "x", "file": "a.safetensors", "scale": "strong"}, "scale", "must be a finite number"),
+    ({"name": "x", "file": "a.safetensors", "scale": True}, "scale", "must be a finite number"),
+    ({"name": "x", "file": "/etc/passwd.safetensors"}, "file", "a path outside the server's --lora-dir is refused"),
+    ({"name": "x", "file": "../outside.safetensors"}, "file", "a path outside the server's --lora-dir is refused"),
+    ({"name": "x", "file": "link.safetensors"}, "file", "it leads outside the server's --lora-dir"),
+    ({"name": "x", "file": "notes.txt"}, "file", "name a .safetensors file inside the server's --lora-dir"),
+    ({"name": "x", "file": 3}, "file", "name a .safetensors file"),
+    ({"name": "x", "file": "nope.safetensors"}, "file", "no such file in the server's --lora-dir"),
+    ({"name": "x", "file": "big.safetensors"}, "file", "has rank 8, over the slots' max rank 4"),
+    ({"name": "x", "file": "dora.safetensors"}, "file", "file 'dora.safetensors' is a DoRA adapter"),
+    ({"name": "x", "file": "head.safetensors"}, "file", "which is not a linear of the main blocks"),
+])
+def test_every_bad_admin_call_is_a_400_naming_its_field(admin, body, param, words):
+    client, service, lora_dir = admin
+    before = service.adapters.names()
+    error = _error(client.post("/v1/loras", json=body), 400, param, words)
+    assert str(lora_dir) not in error["message"]  # the client's words, never the server's path
+    assert service.adapters.names() == before
+
+
+def test_the_admin_calls_need_the_key_and_a_json_object(admin):
+    client, service, _ = admin
+    for r in (client.post("/v1/loras", json={"name": "x", "file": "a.safetensors"}, headers={"Authorization": ""}),
+              client.delete("/v1/loras/a", headers={"Authorization": "Bearer wrong"}),
+              client.get("/v1/loras", headers={"Authorization": ""})):
+        _error(r, 401, None, "Missing or wrong API key")
+    assert "a" in service.adapters.names()
+    _error(client.post("/v1/loras", content=b"{", headers={"content-type": "application/json"}), 400, None,
+           "not valid JSON")
+    _error(client.post("/v1/loras", json=["a"]), 400, None, "must be a JSON object")
+    _error(client.delete("/v1/loras/zebra"), 404, "name", "No adapter named 'zebra' is loaded here")
+
+
+def test_a_server_without_lora_dir_refuses_the_admin_call(tmp_path, tiny_cache):
+    from test_server_validation import _client
+
+    client, service = _client(tmp_path)
+    _error(client.post("/v1/loras", json={"name": "x", "file": "a.safetensors"}), 400, "file",
+           "started without one; start it with --lora-dir DIR")
+    service.store.close()
+
+
+def test_the_flags_are_checked_before_anything_loads(folder, tmp_path, capsys):
+    from h3trt.cli import main
+
+    entry = Entry.resolve(device="cpu", adapters=(AdapterSpec("x", folder / "a.safetensors"),), lora_dir=folder)
+    assert [s.name for s in entry.adapters] == ["x", "a", "b", "c"]  # --adapter, then DIR's files by stem
+    for kwargs, words in (({"lora_dir": tmp_path / "none"}, "--lora-dir .*none: not a folder"),
+                          ({"lora_slots": 2}, "--lora-slots and --lora-max-rank size the slots of LoRA adapters"),
+                          ({"lora_dir": folder, "adapters": (AdapterSpec("a", folder / "b.safetensors"),)},
+                           "--adapter a: the name is given twice")):
+        with pytest.raises(UserError, match=words):
+            Entry.resolve(device="cpu", **kwargs)
+    odd = tmp_path / "odd"
+    odd.mkdir()
+    (odd / "-x.safetensors").write_bytes((folder / "a.safetensors").read_bytes())
+    with pytest.raises(UserError, match="-x.safetensors cannot be an adapter's name"):
+        Entry.resolve(device="cpu", lora_dir=odd)
+    with pytest.raises(UserError, match=r"--adapter big: .* has rank 8, over the slots' max rank 4"):
+        write(tmp_path / "big.safetensors", fmt_original(rank8(4)))
+        AdapterCatalog.start((AdapterSpec("big", tmp_path / "big.safetensors"),), H3Config.tiny(), "t2va",
+                             max_rank=4, folder=folder)
+    assert main(["serve", "--ray", "auto", "--lora-dir", str(folder)]) == 2
+    assert "a fleet (--ray) serves the adapters it was deployed with" in capsys.readouterr().err

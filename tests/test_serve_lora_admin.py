@@ -1,0 +1,96 @@
+"""`h3trt serve --lora-dir DIR` with adapters loaded and unloaded while it runs (issue 38 item 2), against a real server
+process (the tiny model on the CPU) with ONE slot, so that every switch of adapter evicts the one before:
+
+  - an adapter loaded while the server runs serves the next job, whose clip equals its one-adapter `h3trt run`
+  - an unload while a job naming the adapter is queued: that job still completes with it, and a new request naming
+    it is a 400 with param lora; the name loaded again with another file never changes the queued job
+  - a file removed after its job was admitted: the job fails naming it, and never runs another adapter
+  - three adapters through one slot, each clip equal to its one-adapter run (the slots are a cache by sha256)
+"""
+
+import hashlib
+import json
+import shutil
+
+import pytest
+
+from serving import SMALL, Server
+from test_lora import fmt_original, write
+from test_lora_adapters import tiny_factors
+
+from h3trt.cli import main
+
+pytestmark = pytest.mark.serve
+
+KEY = "test-key-lora-admin-serve"
+JOB = {"prompt": "a fox in the snow", "seed": 5, **SMALL}
+
+
+def sha256(path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory):
+    made = tmp_path_factory.mktemp("loras")
+    return {name: write(made / f"{name}.safetensors", fmt_original(tiny_factors(seed)))
+            for name, seed in (("a", 1), ("b", 2), ("c", 3))}
+
+
+def one_adapter_clip(files, name, tmp_path) -> str:
+    """The clip of `h3trt run --requests` with `name` the only adapter it holds, picked by the line: its sha256."""
+    line = {"id": f"ref-{name}", "task": "t2va", "prompt": JOB["prompt"], "seed": JOB["seed"],
+            "resolution": JOB["size"], "steps": JOB["steps"], "lora": [{"name": name}]}
+    requests = tmp_path / f"ref-{name}.jsonl"
+    requests.write_text(json.dumps(line) + "\n")
+    out = tmp_path / f"ref-{name}"
+    assert main(["run", "--requests", str(requests), "--out-dir", str(out), "--device", "cpu", "--adapter",
+                 f"{name}={files[name]}", "--quiet"]) == 0
+    record = json.loads((out / f"ref-{name}.json").read_text())
+    assert record["adapters"][0]["sha256"] == sha256(files[name])
+    return record["mp4_sha256"]
+
+
+def test_adapters_load_and_unload_while_jobs_run(files, tmp_path, tiny_cache):
+    folder = tmp_path / "lora-dir"
+    folder.mkdir()
+    shutil.copy(files["a"], folder / "a.safetensors")  # the adapter at start; b and c arrive while it runs
+    # One slot of rank 4: the banks of each one-adapter `h3trt run` (a larger max rank adds exact zeros, but in
+    # another summation order: not the same clip bit for bit).
+    server = Server(tmp_path / "data", "--device", "cpu", "--lora-dir", str(folder), "--lora-slots", "1",
+                    "--lora-max-rank", "4", api_key=KEY)
+    try:
+        server.wait("/ready")
+        with server.http() as c:
+            blocker = server.create(prompt="hold the worker", steps=1000)  # keeps the next jobs queued
+            server.wait_job(blocker["id"], until=("in_progress",))
+            shutil.copy(files["b"], folder / "b.safetensors")
+            shutil.copy(files["c"], folder / "c.safetensors")
+            shutil.copy(files["a"], folder / "gone.safetensors")
+            assert c.post("/v1/loras", json={"name": "b", "file": "b.safetensors"}).status_code == 200
+            assert c.post("/v1/loras", json={"name": "gone", "file": "gone.safetensors"}).status_code == 200
+            queued_b = server.create(**JOB, lora=[{"name": "b"}])
+            gone = server.create(**JOB, lora=[{"name": "gone"}])
+            assert c.delete("/v1/loras/b").status_code == 200
+            refused = c.post("/v1/videos", json={**JOB, "lora": [{"name": "b"}]})
+            assert refused.status_code == 400 and refused.json()["error"]["param"] == "lora", refused.text
+            assert c.post("/v1/loras", json={"name": "b", "file": "c.safetensors"}).status_code == 200  # reloaded
+            reloaded_b = server.create(**JOB, lora=[{"name": "b"}])
+            then_a = server.create(**JOB, lora=[{"name": "a"}])
+            (folder / "gone.safetensors").unlink()
+            assert server.job(queued_b["id"])["status"] == "queued"  # all of it happened while it waited
+            assert c.post(f"/v1/videos/{blocker['id']}/cancel").status_code == 200
+        done = {key: server.wait_job(job["id"]) for key, job in
+                (("b", queued_b), ("c", reloaded_b), ("a", then_a), ("gone", gone))}
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+    assert done["gone"]["status"] == "failed", done["gone"]
+    assert "lora 'gone': its file" in done["gone"]["error"]["message"]
+    assert "is gone since the job was admitted" in done["gone"]["error"]["message"]
+    for key, file in (("b", "b"), ("c", "c"), ("a", "a")):
+        assert done[key]["status"] == "completed", done[key]
+        record = json.loads((server.data_dir / "clips" / f"{done[key]['id']}.attempt1.json").read_text())
+        name = "a" if key == "a" else "b"
+        assert record["adapters"] == [{"name": name, "file": f"{file}.safetensors", "sha256": sha256(files[file]),
+                                       "scale": 1.0}]
+        assert record["mp4_sha256"] == one_adapter_clip(files, file, tmp_path), key
