@@ -249,3 +249,40 @@ def test_run_serves_adapters_per_request_and_lora_on_every_request(slot_bundle, 
                                                     ("plain", tmp_path / "out" / "plain.mp4"))}
     assert (frames["a"] == frames["lora"]).all() and not (frames["a"] == frames["plain"]).all()
     shutil.rmtree(tmp_path / "out")
+
+
+def test_a_bundle_serves_the_servers_changing_set_through_its_slots(slot_bundle, files, tmp_path):
+    """`serve --engine B --lora-dir DIR`: the catalog has the bundle's slots (count, rank, targets from its manifest),
+    an adapter loaded while it serves is resolved at admission and loaded on demand into the bundle's banks, more
+    adapters than slots take turns (least recently used out), and a file the slots cannot hold is a 400 on `file`."""
+    from h3trt.pipeline.loading import load_bundle
+
+    folder = tmp_path / "loras"
+    folder.mkdir()
+    shutil.copy(files["a"], folder / "a.safetensors")
+    entry = Entry.resolve(engine=slot_bundle, device="cpu", lora_dir=folder)
+    catalog = entry.adapter_catalog()
+    assert (catalog.shape.num_slots, catalog.shape.max_rank) == (SLOTS, MAX_RANK)
+    assert catalog.shape.targets == read_manifest(slot_bundle).lora_slots.targets
+    for name in ("b", "big"):
+        shutil.copy(files[name], folder / f"{name}.safetensors")
+    catalog.load("b", "b.safetensors", 0.5)
+    write(folder / "c.safetensors", fmt_original(tiny_factors(5)))
+    catalog.load("c", "c.safetensors")  # a third file: more adapters than the bundle's two slots
+    with pytest.raises(UserError, match="rank 8, over the slots' max rank 4") as e:
+        catalog.load("big", "big.safetensors")
+    assert e.value.field == "file"
+    requests = [admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse(n),)), KEYS,
+                      adapters=catalog).request for n in ("a", "b", "c", "a")]
+    assert [(u.scale, Path(u.file).name) for r in requests for u in r.lora] == [
+        (1.0, "a.safetensors"), (0.5, "b.safetensors"), (1.0, "c.safetensors"), (1.0, "a.safetensors")]
+    assert load_bundle(slot_bundle, "cpu").adapters is None  # `run` without adapters: no slot cache at all
+    served = load_bundle(slot_bundle, "cpu", serve_adapters=True).adapters  # as a server's rank: none at start
+    assert served is not None and not served.slots.records
+    used = []
+    for request in requests:
+        (slot,) = served.select(request.lora).slots_K.tolist()
+        used.append(slot)
+        assert served.slots.records[slot].sha256 == request.lora[0].sha256
+        assert served.record(request.lora)[0]["sha256"] == request.lora[0].sha256
+    assert used == [0, 1, 0, 1]  # c takes a's slot (least recently used), then a takes b's
