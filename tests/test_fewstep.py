@@ -192,7 +192,7 @@ def test_lora_misuse_is_one_clear_line(lora_bundle, lora_file, tmp_path, tiny_ca
         (["run", "--prompt", "a fox", "--output", str(tmp_path / "a.mp4"), "--lora", str(ref_file)],
          "trained against the Ref2VA partition"),
         (["run", "--engine", str(lora_bundle), "--prompt", "a fox", "--output", str(tmp_path / "b.mp4"), "--lora",
-          str(lora_file)], "Rebuild it with h3trt build --lora"),
+          str(lora_file)], "this bundle was built without LoRA slots"),  # its LoRA is merged; no slots for another
         (["build", "--model", "tiny", "--output", str(tmp_path / "c"), "--device", "cpu", "--lora",
           str(tmp_path / "missing.safetensors")], "does not exist"),
     ]
