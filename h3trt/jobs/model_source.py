@@ -23,6 +23,7 @@ from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, en
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
+from ..pipeline.adapter_schedule import ScheduleValues, adapter_schedules
 from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterInfo, AdapterSpec, check_bundle_specs, check_specs, describe
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.loading import Components, load_bundle, load_checkpoint
@@ -235,6 +236,12 @@ class Entry:
             return [describe(s, self.manifest.model_config, self.manifest.task) for s in self.adapters]
         cfg = locate_transformer(self.root, task).config
         return [describe(s, cfg, task) for s in self.adapters]
+
+    @property
+    def adapter_schedules(self) -> dict[str, ScheduleValues]:
+        """The resident adapters' own schedules, by name (a request naming one leaves it the steps and shifts it does
+        not state: pipeline/adapter_schedule.py)."""
+        return adapter_schedules(self.adapters)
 
     @property
     def adapter_refusal(self) -> str | None:

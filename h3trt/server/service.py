@@ -114,7 +114,8 @@ class VideoService:
                                    kind="rate_limit_exceeded", headers={"Retry-After": str(wait)})
                 self.storage.publish(uploads_key(job_id))  # before its row: a worker may take it at once
                 row = self.store.create(job_id, {"schema": schema, "openai": openai_fields,
-                                                 "geometry": [prepared.geometry.width, prepared.geometry.height]})
+                                                 "geometry": [prepared.geometry.width, prepared.geometry.height],
+                                                 "steps": request.steps})  # resolved: an adapter's, say
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
@@ -223,7 +224,8 @@ def parse_stored(schema: dict, uploads: Path, defaults: RequestDefaults) -> Requ
 def request_defaults(entry: Entry) -> RequestDefaults:
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
     worker side reads the stored request with them."""
-    return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse)
+    return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse,
+                           adapter_schedules=entry.adapter_schedules)
 
 
 def _as_sent(message: str, sent: dict[Path, str]) -> str:
