@@ -42,7 +42,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
     p.add_argument("--steps", type=int, default=None,
-                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's baked schedule, else "
+                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's first baked schedule, else "
                         f"{DEFAULT_STEPS})")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
