@@ -230,6 +230,28 @@ def test_load_list_and_unload_while_serving(admin):
     assert client.delete("/v1/loras/style").status_code == 200
 
 
+def test_an_adapter_loaded_while_serving_brings_its_schedule_and_its_jobs_keep_it(admin):
+    """A Turbo-like file (its schedule in its metadata) loaded by the admin call: a job naming it and stating no steps
+    runs the adapter's steps, and keeps them when the adapter is unloaded before a worker takes the job (the row
+    holds the schedule admission resolved, as it holds the file and hash)."""
+    from h3trt.server.queue import StoreQueue
+    from h3trt.server.service import request_defaults
+
+    client, service, lora_dir = admin
+    write(lora_dir / "fast.safetensors", fmt_original(tiny_factors(7)), {"h3trt.steps": "4", "h3trt.video_shift": "5"})
+    r = client.post("/v1/loras", json={"name": "fast", "file": "fast.safetensors"})
+    assert r.status_code == 200 and r.json()["schedule"] == {"steps": 4, "video_shift": 5.0}, r.text
+    job = client.post("/v1/videos", json={"prompt": "x", "size": "128x32", "lora": [{"name": "fast"}]})
+    assert job.status_code == 200 and job.json()["steps"] == 4, job.text
+    assert client.delete("/v1/loras/fast").status_code == 200
+    queue = StoreQueue(service.store, service.storage, 60.0, request_defaults(service.entry), service.metrics,
+                       lambda *a, **k: None)
+    (taken,) = queue.take(0, 1)
+    assert taken.id == job.json()["id"]
+    assert (taken.request.steps, taken.request.video_shift) == (4, 5.0)
+    assert taken.request.schedule_from.to_json()["steps"] == "adapter fast"
+
+
 @pytest.mark.parametrize("body,param,words", [
     ({"name": "x", "file": "a.safetensors", "rank": 4}, "rank", "unknown field(s) ['rank']"),
     ({"file": "a.safetensors"}, "name", "name is required"),

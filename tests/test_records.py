@@ -26,7 +26,9 @@ WRITTEN = sorted(RECORDS.glob("clip_*.json"))
 # Every optional field set, in the dict form the pipeline, the commit and the job layer wrote before the type.
 FULL = {
     "output": "out/a.mp4", "task": "ref2va", "prompt": "a fox", "seed": 3, "steps": 6, "evaluations": 5,
-    "shifts": {"video": 12.0, "audio": 3.0}, "width": 160, "height": 96, "frames": 22, "fps": 24,
+    "shifts": {"video": 12.0, "audio": 3.0},
+    "schedule_from": {"steps": "adapter turbo", "video_shift": "request", "audio_shift": "default"},
+    "width": 160, "height": 96, "frames": 22, "fps": 24,
     "audio_samples": 29333, "audio_sample_rate": 32000, "sequence_rows": 971, "device": "cuda:0",
     "vae_precision": "bf16", "torch": "2.13.0", "python": "3.11.7", "timings_s": {"denoise": 0.5, "mux": 0.1},
     "spans_unix": {"denoise": [1.0, 1.5]}, "step_marks_s": [0.1, 0.2], "video_decoder": "compiled",

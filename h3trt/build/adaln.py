@@ -1,8 +1,8 @@
 """AdaLN baking: every block's modulation rows for every timestep a schedule can present, computed at build time.
 
 The modulation network (`adaln_proj`, 13B parameters, 24 GB in bf16 at full size) depends only on the timestep, so
-a bundle built for one schedule (steps, video shift, audio shift) stores the rows it will ever read and leaves those
-weights out. The timesteps a request can present at step i: the video t, the audio t, condition rows at
+a bundle built for its schedules (each: steps, video shift, audio shift) stores the rows it will ever read and leaves
+those weights out. The timesteps a request can present at step i: the video t, the audio t, condition rows at
 max(t_video, 0.999) and reference audio at 1.0.
 """
 
@@ -15,11 +15,13 @@ from ..models.packing import CONDITION_AUDIO_T, CONDITION_VIDEO_T
 from ..models.sampler import Schedule
 
 
-def schedule_timesteps(schedule: Schedule) -> torch.Tensor:
-    """Every timestep value (float32, sorted, distinct) a request on `schedule` evaluates the DiT at."""
+def schedule_timesteps(*schedules: Schedule) -> torch.Tensor:
+    """Every timestep value (float32, sorted, distinct) a request on any of `schedules` evaluates the DiT at: one
+    table serves them all (`h3trt build --steps 50,8`), a timestep two schedules share baked once."""
     values = {CONDITION_AUDIO_T}
-    for tv, ta in schedule.timesteps():
-        values |= {tv, ta, max(tv, CONDITION_VIDEO_T)}
+    for schedule in schedules:
+        for tv, ta in schedule.timesteps():
+            values |= {tv, ta, max(tv, CONDITION_VIDEO_T)}
     return torch.tensor(sorted(values), dtype=torch.float32).unique()
 
 

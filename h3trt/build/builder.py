@@ -59,11 +59,11 @@ VIDEO_DECODER_INDUCTOR_OPTIONS: dict = {}
 
 @dataclass(frozen=True)
 class LoadedDiT:
-    """Phase 1: the model (LoRAs merged), where it came from, and the schedule the bundle bakes."""
+    """Phase 1: the model (LoRAs merged), where it came from, and the schedules the bundle bakes."""
 
     model: H3DiT
     source: TransformerSource
-    schedule: Schedule  # --steps and the shifts (the checkpoint's unless given)
+    schedules: tuple[Schedule, ...]  # --steps and the shifts (the checkpoint's unless given); the first: the default
     loras: tuple[dict, ...]  # what merge_loras merged: the manifest's record
     seconds: float
 
@@ -121,7 +121,7 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     log(f"loading the {config.task} DiT from {config.model_root} onto {plan.device}")
     model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device)
     video_shift, audio_shift = source.shifts  # the checkpoint's: its release metadata, or diffusers' schedulers
-    schedule = Schedule.resolve(config.steps, config.video_shift, config.audio_shift, (video_shift, audio_shift))
+    schedules = config.schedules((video_shift, audio_shift))
     seconds = time.perf_counter() - t0
     log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
         f"{config.precision}) in {seconds:.1f} s")
@@ -129,7 +129,7 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     for r in loras:
         log(f"merged LoRA {r['file']} x {r['scale']:g} into {r['partition']} ({r['modules']} modules, "
             f"{r['layout']}, {r['alpha']})")
-    return LoadedDiT(model, source, schedule, tuple(loras), seconds)
+    return LoadedDiT(model, source, schedules, tuple(loras), seconds)
 
 
 def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Calibration:
@@ -142,7 +142,7 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
         return Calibration(None, None)
     trt = config.backend == "tensorrt"
     recipe, quant = calibrate_dit(dit.model, recipe, dit.source.component_root, config.calib_prompts,
-                                  config.profiles[0], (dit.schedule.video_shift, dit.schedule.audio_shift),
+                                  config.profiles[0], (dit.schedules[0].video_shift, dit.schedules[0].audio_shift),
                                   keep_modelopt_quantizers=trt, log=log)
     if trt:
         return Calibration(None, {**quant, "execution": config.precision.spec.trt_execution})
@@ -150,7 +150,7 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
 
 
 def bake(config: BuildConfig, dit: LoadedDiT, calibration: Calibration, work: Path, log) -> BakedWeights:
-    """3. The segments' weights, and the AdaLN tables for the schedule (or the adaln_proj weights, --keep-adaln)."""
+    """3. The segments' weights, and the AdaLN tables for the schedules (or the adaln_proj weights, --keep-adaln)."""
     model = dit.model
     weights = _weights(model, calibration.recipe)
     sizes = {name: write_safetensors(work / "weights" / f"{name}.safetensors", weights[name])
@@ -160,12 +160,12 @@ def bake(config: BuildConfig, dit: LoadedDiT, calibration: Calibration, work: Pa
         return BakedWeights(sizes, AdalnRecord(baked=False))
     adaln_bytes = sum(t.numel() * t.element_size() for t in weights["adaln"].values())
     del weights
-    values = schedule_timesteps(dit.schedule)
+    values = schedule_timesteps(*dit.schedules)
     tables = sizes["adaln_tables"] = write_safetensors(work / "weights" / "adaln_tables.safetensors",
                                                        bake_tables(model, values))
     saved = adaln_bytes - tables  # negative for a model this small: its tables outweigh its weights
-    log(f"baked AdaLN for {values.numel()} timesteps: {tables / 1e6:.1f} MB of tables replace "
-        f"{adaln_bytes / 1e6:.1f} MB of adaln_proj weights ("
+    log(f"baked AdaLN for {values.numel()} timesteps ({len(dit.schedules)} schedule(s)): {tables / 1e6:.1f} MB of "
+        f"tables replace {adaln_bytes / 1e6:.1f} MB of adaln_proj weights ("
         + (f"{saved / 1e6:.1f} MB saved)" if saved >= 0 else f"{-saved / 1e6:.1f} MB more: at this width the "
            "tables of every step are larger than the weights; --keep-adaln keeps the weights instead)"))
     return BakedWeights(sizes, AdalnRecord(True, values.numel(), adaln_bytes, tables, saved))
@@ -263,7 +263,7 @@ def check(config: BuildConfig, compiled: Compiled, work: Path, log) -> float:
 def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibration: Calibration,
                     weights: BakedWeights, compiled: Compiled, check_s: float, log) -> Manifest:
     """The typed manifest of this build, the one the loader reads (its files are hashed in by write_manifest)."""
-    model, source, schedule, trt = dit.model, dit.source, dit.schedule, compiled.tensorrt
+    model, source, trt = dit.model, dit.source, compiled.tensorrt
     meta = source.metadata
     timings = {"load_s": dit.seconds, "compile_s": compiled.seconds, "verify_s": check_s}
     return Manifest(
@@ -271,7 +271,8 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         tasks=tuple(meta.tasks) if meta else ((config.task,) if config.task == "ref2va" else ("t2va", "fl2va")),
         model_config=model.cfg,
         checkpoint={"path": str(config.model_root), "sha256": _checkpoint_sha(source.files, log)},
-        schedule=ScheduleRecord(schedule.steps, schedule.video_shift, schedule.audio_shift), adaln=weights.adaln,
+        schedules=tuple(ScheduleRecord(s.steps, s.video_shift, s.audio_shift) for s in dit.schedules),
+        adaln=weights.adaln,
         profiles=tuple(ProfileRecord(p.width, p.height, p.seconds, p.geometry.num_frames) for p in config.profiles),
         mesh=MeshRecord(config.cfg, config.sp, model.cfg.num_heads // config.sp),
         # Plans run on CUDA wherever they were built, on their targets: what Engine.load checks the GPU against.

@@ -16,7 +16,7 @@ from ..models.lora import LoraSpec
 from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
-from ..models.sampler import DEFAULT_STEPS
+from ..models.sampler import DEFAULT_STEPS, Schedule, shifted_sigmas
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
@@ -56,9 +56,12 @@ class BuildConfig:
     task: str = "t2va"
     precision: Precision = Precision.BF16  # --precision (a string is parsed)
     profiles: tuple[Profile, ...] = (Profile(1344, 768, 5.0),)
-    steps: int = DEFAULT_STEPS
-    video_shift: float | None = None  # None: the checkpoint's sigma_shift_scales
-    audio_shift: float | None = None
+    # The schedules the AdaLN tables are baked for (--steps 50,8): each one's sigma grid points, and its shifts, one
+    # per schedule or one for all (None: the checkpoint's sigma_shift_scales). An int or a single shift is taken as
+    # such a tuple; the first schedule is a request's default (`schedules`).
+    steps: tuple[int, ...] = (DEFAULT_STEPS,)
+    video_shift: tuple[float | None, ...] = (None,)
+    audio_shift: tuple[float | None, ...] = (None,)
     device: str = "cuda"
     backend: str = "inductor"
     keep_adaln: bool = False
@@ -89,6 +92,7 @@ class BuildConfig:
     lora_max_rank: int | None = None
 
     def __post_init__(self):
+        self._check_schedules()
         if self.backend not in BACKENDS:
             raise UserError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
         object.__setattr__(self, "precision", Precision.parse(self.precision))  # one of DIT_PRECISIONS
@@ -130,6 +134,37 @@ class BuildConfig:
             raise UserError("--trt-targets applies to --backend tensorrt.")
         self._check_sparse()
         self._check_lora_slots()
+
+    def _check_schedules(self) -> None:
+        """--steps, --video-shift and --audio-shift as tuples of one entry per schedule (a single shift: every
+        schedule's), each schedule valid."""
+        steps = self.steps if isinstance(self.steps, tuple) else (self.steps,)
+        if not steps:
+            raise UserError(f"--steps needs at least one schedule's grid points (default {DEFAULT_STEPS}).")
+        object.__setattr__(self, "steps", steps)
+        for flag, key in (("--video-shift", "video_shift"), ("--audio-shift", "audio_shift")):
+            shifts = getattr(self, key) if isinstance(getattr(self, key), tuple) else (getattr(self, key),)
+            if len(shifts) not in (1, len(steps)):
+                raise UserError(f"{flag} takes one shift for every schedule or one per --steps value ({len(steps)}: "
+                                f"{','.join(map(str, steps))}), got {len(shifts)}.")
+            object.__setattr__(self, key, shifts * len(steps) if len(shifts) == 1 else shifts)
+        for n, video, audio in zip(self.steps, self.video_shift, self.audio_shift):
+            shifted_sigmas(n, 1.0)  # UserError: steps >= 2
+            for shift in (video, audio):
+                if shift is not None:
+                    shifted_sigmas(2, shift)  # UserError: a positive finite shift
+
+    def schedules(self, shifts: tuple[float, float]) -> tuple[Schedule, ...]:
+        """The schedules the bundle bakes, in order (the first: the default), the checkpoint's `shifts` (video,
+        audio) where the flags give none; refused when two are one schedule."""
+        schedules = tuple(Schedule.resolve(n, v, a, shifts)
+                          for n, v, a in zip(self.steps, self.video_shift, self.audio_shift))
+        twice = [s for i, s in enumerate(schedules) if s in schedules[:i]]
+        if twice:
+            raise UserError(f"--steps/--video-shift/--audio-shift name the schedule steps={twice[0].steps}, shifts "
+                            f"{twice[0].video_shift:g}/{twice[0].audio_shift:g} twice (the checkpoint's shifts are "
+                            f"{shifts[0]:g}/{shifts[1]:g}); name each schedule once.")
+        return schedules
 
     def _check_lora_slots(self) -> None:
         """--lora-slots and --lora-max-rank: both or neither, positive, and what a bundle with slots cannot be."""
@@ -206,12 +241,12 @@ class BuildConfig:
 
     @property
     def calibration_steps(self) -> int:
-        """--calib-steps, else the bundle's own schedule when it has at most DEFAULT_CALIB_STEPS points (a few-step
-        bundle calibrates on exactly the timesteps it serves), else a DEFAULT_CALIB_STEPS-point grid with the
-        bundle's shifts (a cost cap: a 50-point trajectory costs 6x the calibration time for max scales)."""
+        """--calib-steps, else the bundle's default (first) schedule when it has at most DEFAULT_CALIB_STEPS points (a
+        few-step bundle calibrates on exactly the timesteps it serves), else a DEFAULT_CALIB_STEPS-point grid with the
+        default schedule's shifts (a cost cap: a 50-point trajectory costs 6x the calibration time for max scales)."""
         if self.calib_steps is not None:
             return self.calib_steps
-        return self.steps if self.steps <= DEFAULT_CALIB_STEPS else DEFAULT_CALIB_STEPS
+        return self.steps[0] if self.steps[0] <= DEFAULT_CALIB_STEPS else DEFAULT_CALIB_STEPS
 
     def attention_precisions(self) -> tuple[Precision, ...]:
         """Every precision the bundle's attention runs in: the block dtype's (always: the block_hp layers, or every

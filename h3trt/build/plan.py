@@ -14,7 +14,6 @@ from ..models.checkpoint import TransformerSource, locate_transformer
 from ..models.config import H3Config
 from ..models.dit import build_dit
 from ..models.precision import Precision
-from ..models.sampler import Schedule
 from ..parallel.mesh import MeshConfig
 from .adaln import schedule_timesteps
 from .attention_choice import AttentionChoice, AttentionShape, resolve_attention
@@ -145,8 +144,7 @@ def estimated_size(config: BuildConfig, source: TransformerSource, dtype: torch.
     tables = 0
     if not config.keep_adaln:
         video_shift, audio_shift = source.shifts
-        timesteps = schedule_timesteps(Schedule.resolve(config.steps, config.video_shift,
-                                                        config.audio_shift, (video_shift, audio_shift))).numel()
+        timesteps = schedule_timesteps(*config.schedules((video_shift, audio_shift))).numel()
         cfg = source.config
         tables = timesteps * (cfg.num_layers * 3 * 6 + 2) * cfg.hidden_size * dtype.itemsize  # adaln.bake_tables
     components = sum(f.stat().st_size for name in EAGER_COMPONENTS

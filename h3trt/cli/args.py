@@ -77,6 +77,24 @@ def crf(text: str) -> int:
     return value
 
 
+def steps_list(text: str) -> tuple[int, ...]:
+    """build --steps 50,8: the sigma grid points of each schedule a bundle bakes (checked again by BuildConfig)."""
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes whole numbers separated by commas (one schedule each, e.g. 50,8), "
+                                         f"got {text!r}") from None
+
+
+def shift_list(text: str) -> tuple[float, ...]:
+    """build --video-shift 12,5: one sigma shift for every schedule, or one per --steps value."""
+    try:
+        return tuple(float(part) for part in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes numbers separated by commas (one for every schedule, or one per "
+                                         f"--steps value, e.g. 12,5), got {text!r}") from None
+
+
 def device(text: str) -> str:
     """--device: checked when the arguments are read (torch.device takes mps, xla, ... and a run would fall back to
     the CPU for any of them)."""

@@ -34,14 +34,17 @@ def cmd_run(args) -> int:
                             args.crf, args.quiet, args.overwrite)
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
+    from ..pipeline.adapter_schedule import ScheduleValues, resolve
     from ..pipeline.request import Request
 
     entry = entry_from_args(args)
-    steps = args.steps if args.steps is not None else entry.default_steps
+    # One clip names no adapter (its --lora, if any, is on every request): its flags, else the model's defaults
+    schedule, schedule_from = resolve(ScheduleValues(args.steps, args.video_shift, args.audio_shift), (), {},
+                                      entry.default_steps)
     speed = with_bundle_sparse(profile_fields_from_args(args), entry.default_sparse)  # a flag > the bundle's default
-    request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, steps, args.width,
-                      args.height, args.duration, args.video_shift, args.audio_shift, args.guidance,
-                      args.negative_prompt, **speed)
+    request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, schedule.steps, args.width,
+                      args.height, args.duration, schedule.video_shift, schedule.audio_shift, args.guidance,
+                      args.negative_prompt, **speed, schedule_from=schedule_from)
     return run_clip(entry, request, args.output, args.crf, args.overwrite, args.quiet, args.profile_step)
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .args import OneLineParser, crf, device, positive
+from .args import OneLineParser, crf, device, positive, shift_list, steps_list
 
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
@@ -42,7 +42,7 @@ def _run_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
     p.add_argument("--steps", type=int, default=None,
-                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's baked schedule, else "
+                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's first baked schedule, else "
                         f"{DEFAULT_STEPS})")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
@@ -142,11 +142,14 @@ def _lora_argument(p, where: str) -> None:
 def _adapter_argument(p, how: str) -> None:
     from ..pipeline.adapters import AdapterSpec
 
-    p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[], metavar="NAME=FILE[:SCALE]",
+    p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[],
+                   metavar="NAME=FILE[:SCALE][@steps=N,video_shift=S,audio_shift=S]",
                    help=f"keep a LoRA resident beside the DiT under NAME, NOT merged: only the requests that name it "
                         f"run with it, at their own strength (SCALE: its default, 1); repeatable ({how}). --lora "
                         "merges into the weights for every request instead. --engine: a bundle built with "
-                        "--lora-slots N --lora-max-rank R (up to N adapters, each of rank <= R)")
+                        "--lora-slots N --lora-max-rank R (up to N adapters, each of rank <= R). @...: the adapter's "
+                        "own schedule (a Turbo LoRA's), over the file's __metadata__ h3trt.steps, h3trt.video_shift, "
+                        "h3trt.audio_shift: a request naming it that states no steps or shift runs these")
 
 
 def _mesh_arguments(p) -> None:
@@ -245,7 +248,6 @@ def _build_parser(sub) -> None:
     from ..engines.manifest import BACKENDS
     from ..models.checkpoint import TASKS
     from ..models.precision import DIT_PRECISIONS
-    from ..models.sampler import DEFAULT_STEPS
 
     p = sub.add_parser("build", help="compile an engine bundle ahead of time",
                        description="Compile the DiT segments of a checkpoint into an engine bundle.")
@@ -275,10 +277,7 @@ def _build_parser(sub) -> None:
                         "that cannot run it refuses the bundle")
     p.add_argument("--profile", action="append", default=None,
                    help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5)")
-    p.add_argument("--steps", type=int, default=DEFAULT_STEPS,
-                   help=f"the schedule the AdaLN tables are baked for (default {DEFAULT_STEPS})")
-    p.add_argument("--video-shift", type=float, help="video sigma shift to bake (default: the checkpoint's)")
-    p.add_argument("--audio-shift", type=float, help="audio sigma shift to bake (default: the checkpoint's)")
+    _schedule_arguments(p)
     p.add_argument("--device", default=None, type=device,
                    help="cuda or cpu (default: cuda if available); the bundle runs there")
     p.add_argument("--backend", default="inductor", choices=BACKENDS,
@@ -317,6 +316,22 @@ def _build_parser(sub) -> None:
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
     p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
                                                             "`h3trt keygen KEY` makes one), writing manifest.sig")
+
+
+def _schedule_arguments(p) -> None:
+    """build's schedules: the AdaLN tables are baked for each (README, 'Few-step LoRAs and step caching')."""
+    from ..models.sampler import DEFAULT_STEPS
+
+    schedules = p.add_argument_group("schedules (the AdaLN tables are baked for each; --keep-adaln serves any)")
+    schedules.add_argument("--steps", type=steps_list, default=(DEFAULT_STEPS,), metavar="N[,N...]",
+                           help=f"sigma grid points of each schedule (default {DEFAULT_STEPS}): a comma list bakes "
+                                "several (50,8: H3's and a Turbo LoRA's), any of them served, the first a request's "
+                                "default")
+    schedules.add_argument("--video-shift", type=shift_list, metavar="S[,S...]",
+                           help="video sigma shift: one for every schedule, or one per --steps value (default: the "
+                                "checkpoint's)")
+    schedules.add_argument("--audio-shift", type=shift_list, metavar="S[,S...]",
+                           help="audio sigma shift, as --video-shift (default: the checkpoint's)")
 
 
 def _bundle_parsers(sub) -> None:

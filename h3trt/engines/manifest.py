@@ -29,6 +29,7 @@ from ..models.lora_slots import BLOCK_TARGETS
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from ..models.sparse_kernels import SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings
+from .schedules import ScheduleRecord, schedule_refusal
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
 # 2: the video decoder as in/block/out segments at a recorded --vae-precision; 3: the manifest carries
@@ -43,15 +44,6 @@ BACKENDS = ("inductor", "aoti", "tensorrt")
 
 class BundleError(UserError):
     """A bundle that cannot serve here or cannot serve this request."""
-
-
-@dataclass(frozen=True)
-class ScheduleRecord:
-    """The schedule a bundle was built for: its AdaLN tables are baked for it, and it is a run's default."""
-
-    steps: int  # sigma grid points
-    video_shift: float
-    audio_shift: float
 
 
 @dataclass(frozen=True)
@@ -145,7 +137,7 @@ class Manifest:
     tasks: tuple[str, ...]  # the tasks it serves
     model_config: H3Config
     checkpoint: dict  # path and sha256 of the checkpoint it was built from
-    schedule: ScheduleRecord
+    schedules: tuple[ScheduleRecord, ...]  # what its AdaLN tables serve (schedules.py); the first: the default
     adaln: AdalnRecord
     profiles: tuple[ProfileRecord, ...]
     mesh: MeshRecord
@@ -169,6 +161,11 @@ class Manifest:
     hash_chunk_bytes: int = HASH_CHUNK_BYTES
     manifest_sha256: str = ""
     raw: dict = field(default_factory=dict, repr=False, compare=False)
+
+    @property
+    def schedule(self) -> ScheduleRecord:
+        """The default schedule: a request that states none runs it."""
+        return self.schedules[0]
 
     @property
     def device_type(self) -> str:
@@ -198,13 +195,18 @@ class Manifest:
             data["sparse"] = asdict(self.sparse)
         if self.lora_slots is not None:
             data["lora_slots"] = asdict(self.lora_slots)
+        if len(self.schedules) > 1:
+            data["schedules"] = [asdict(s) for s in self.schedules]
         return data
 
     @classmethod
     def from_dict(cls, data: dict, where: Path | str = MANIFEST) -> "Manifest":
         """The typed manifest, refusing a missing field or one of the wrong type with a message that names it."""
         top = _Fields(data, str(where))
-        schedule, adaln, mesh = top.sub("schedule"), top.sub("adaln"), top.sub("mesh")
+        adaln, mesh = top.sub("adaln"), top.sub("mesh")
+        # schedules.py: "schedules" where a bundle serves several, else its one "schedule"
+        schedules = ([top.item("schedules", i, s) for i, s in enumerate(top.get("schedules", list))]
+                     if data.get("schedules") else [top.sub("schedule")])
         decoder = top.sub("video_decoder")
         files = top.get("files", dict)
         profiles = top.get("profiles", list)
@@ -215,8 +217,8 @@ class Manifest:
             precision=Precision(top.choice("precision", DIT_PRECISIONS)),
             task=top.choice("task", TASKS), tasks=tuple(top.strings("tasks", TASKS)),
             model_config=top.model_config("model_config"), checkpoint=top.get("checkpoint", dict),
-            schedule=ScheduleRecord(schedule.get("steps", int), schedule.get("video_shift", float),
-                                    schedule.get("audio_shift", float)),
+            schedules=tuple(ScheduleRecord(s.get("steps", int), s.get("video_shift", float),
+                                           s.get("audio_shift", float)) for s in schedules),
             adaln=AdalnRecord(adaln.get("baked", bool), *(adaln.get(k, int, optional=True) for k in (
                 "timesteps", "adaln_weight_bytes", "table_bytes")), adaln.get("bytes_saved", int, optional=True) or 0),
             profiles=tuple(ProfileRecord(p.get("width", int), p.get("height", int), p.get("seconds", float),
@@ -426,8 +428,9 @@ def bundle_identity(manifest: Manifest) -> dict:
 
 
 def check_request(manifest: Manifest, width: int, height: int, num_frames: int, steps: int, video_shift: float,
-                  audio_shift: float, task: str) -> None:
-    """Refuse a request the bundle was not built to serve, naming what it serves."""
+                  audio_shift: float, task: str, schedule_field: str = "steps", schedule_note: str = "") -> None:
+    """Refuse a request the bundle was not built to serve, naming what it serves; a schedule it does not serve is
+    about `schedule_field`, the request's words on where it came from in `schedule_note`."""
     if task not in manifest.tasks:
         raise BundleError(f"This bundle serves {list(manifest.tasks)}, not {task}; build one from the "
                           f"{'Ref2VA' if task == 'ref2va' else 'FL2VA'} partition (h3trt build --task {task}).",
@@ -438,11 +441,6 @@ def check_request(manifest: Manifest, width: int, height: int, num_frames: int, 
         raise BundleError(f"This bundle was not built for {width}x{height}, {num_frames} frames; its profiles are "
                           f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:.4g}.",
                           field="resolution")
-    sched = manifest.schedule
-    if manifest.adaln.baked and (steps, video_shift, audio_shift) != (
-            sched.steps, sched.video_shift, sched.audio_shift):
-        raise BundleError(f"This bundle's AdaLN tables are baked for steps={sched.steps}, video shift "
-                          f"{sched.video_shift:g}, audio shift {sched.audio_shift:g}; the request asks for "
-                          f"steps={steps}, shifts {video_shift:g}/{audio_shift:g}. Use the bundle's schedule, or "
-                          "rebuild with --steps/--video-shift/--audio-shift, or with --keep-adaln to serve any.",
-                          field="steps")
+    refusal = schedule_refusal(manifest.schedules, steps, video_shift, audio_shift, schedule_note)
+    if manifest.adaln.baked and refusal:
+        raise BundleError(refusal, field=schedule_field)

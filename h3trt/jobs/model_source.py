@@ -24,6 +24,7 @@ from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
 from ..pipeline.adapter_catalog import AdapterCatalog
+from ..pipeline.adapter_schedule import ScheduleValues, adapter_schedules
 from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterSpec, check_bundle_specs, check_specs, folder_specs
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.loading import Components, load_bundle, load_checkpoint
@@ -263,6 +264,12 @@ class Entry:
         if self.manifest is not None and self.manifest.lora_slots is not None:
             return self.manifest.lora_slots.slots - len(self.loras)
         return self.lora_slots
+
+    @property
+    def adapter_schedules(self) -> dict[str, ScheduleValues]:
+        """The resident adapters' own schedules, by name (a request naming one leaves it the steps and shifts it does
+        not state: pipeline/adapter_schedule.py)."""
+        return adapter_schedules(self.adapters)
 
     @property
     def adapter_refusal(self) -> str | None:

@@ -24,6 +24,9 @@ DEFAULT_VIDEO_SHIFT = 12.0
 DEFAULT_AUDIO_SHIFT = 3.0
 DEFAULT_SEED = 42
 DEFAULT_GUIDANCE = 1.0  # classifier-free guidance off: H3 is guidance-distilled
+# Sigma grid points at most: H3's schedule is 50 (DEFAULT_STEPS), its scheduler's training grid 1000 timesteps; a finer
+# grid changes nothing a user can see and only multiplies the job's time (1e9 steps: a minute to build the grid).
+MAX_STEPS = 1000
 
 
 def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:

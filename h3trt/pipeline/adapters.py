@@ -3,7 +3,9 @@ bundle built with --lora-slots N --lora-max-rank R, whose slots are the bundle's
 
   - `AdapterSpec`: one `--adapter NAME=FILE[:SCALE]` of `h3trt serve` / `h3trt run` (SCALE: the adapter's default
     strength). Unlike `--lora FILE[:SCALE]`, which merges a LoRA into the weights for every request, an adapter stays
-    beside the weights (models/lora_slots.py) and only the requests that name it get it.
+    beside the weights (models/lora_slots.py) and only the requests that name it get it. It may bring its own
+    schedule (a Turbo LoRA's steps and shifts: `@steps=8,video_shift=5`, or its file's metadata), which a request
+    that names it and leaves those out runs (pipeline/adapter_schedule.py).
   - `AdapterUse`: one entry of a request's `lora` field, [{"name": ..., "scale": ...}] (scale left out: the adapter's
     default), read by `parse_lora_field` and checked against the resident set by `check_adapters` (admission). A
     server's admission resolves it (pipeline/adapter_catalog.py): the file and its sha256 as they were when the job
@@ -28,7 +30,7 @@ import json
 import math
 import re
 from collections import OrderedDict
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
@@ -38,6 +40,7 @@ from ..models.config import H3Config
 from ..models.lora import LoraScaleError, LoraSpec, native_target, route
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraRun, LoraSlots, SlotRecord
+from .adapter_schedule import ScheduleValues, file_schedule, split_spec
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # `h3trt serve --lora-dir`'s slots when the flags leave them out: room to load adapters while it runs (the set may
@@ -60,20 +63,26 @@ class AdapterSpec:
     name: str
     path: Path
     scale: float = 1.0
+    schedule: ScheduleValues = ScheduleValues()  # @steps=..: over its file's own (pipeline/adapter_schedule.py)
 
     @classmethod
     def parse(cls, text: str) -> "AdapterSpec":
-        """NAME=FILE or NAME=FILE:SCALE (a file whose name holds ':' keeps it unless the last part is a number)."""
+        """NAME=FILE[:SCALE][@KEY=VALUE,...] (a file whose name holds ':' keeps it unless the last part is a number;
+        the schedule's keys: adapter_schedule.SCHEDULE_KEYS)."""
         name, sep, rest = str(text).partition("=")
         if not sep or not NAME_PATTERN.fullmatch(name) or not rest:
-            raise AdapterSpecError(f"--adapter {text!r}: expected NAME=FILE[:SCALE], NAME 1-64 of [A-Za-z0-9._-] "
-                                   "(requests pick it by that name), e.g. --adapter style=style.safetensors:0.8.")
+            raise AdapterSpecError(f"--adapter {text!r}: expected NAME=FILE[:SCALE][@steps=N,video_shift=S], NAME 1-64 "
+                                   "of [A-Za-z0-9._-] (requests pick it by that name), e.g. --adapter "
+                                   "style=style.safetensors:0.8.")
         try:
+            rest, schedule = split_spec(rest, f"--adapter {text!r}")
             file = LoraSpec.parse(rest)  # FILE[:SCALE] as --lora reads it
         except LoraScaleError:
             raise AdapterSpecError(f"--adapter {text!r}: the scale must be a finite number (1.0: as "
                                    "trained).") from None
-        return cls(name, file.path, file.scale)
+        except UserError as e:  # argparse shows an ArgumentTypeError's own words
+            raise AdapterSpecError(str(e)) from None
+        return cls(name, file.path, file.scale, schedule)
 
 
 def folder_specs(folder: Path) -> tuple[AdapterSpec, ...]:
@@ -90,7 +99,7 @@ def folder_specs(folder: Path) -> tuple[AdapterSpec, ...]:
 
 
 def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
-    """Distinct names, files that exist: refused before any model loads."""
+    """Distinct names, files that exist, each file's own schedule valid: refused before any model loads."""
     seen = set()
     for s in specs:
         if s.name in seen:
@@ -99,6 +108,8 @@ def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
         seen.add(s.name)
         if not s.path.is_file():
             raise UserError(f"--adapter {s.name}={s.path}: no such file (a LoRA .safetensors).")
+    for s in specs:
+        file_schedule(s.path)  # its __metadata__ schedule, if any, valid
 
 
 @dataclass(frozen=True)
@@ -260,10 +271,11 @@ class AdapterInfo:
     rank: int
     targets: tuple[str, ...]  # the native linears it adapts ("blocks.0.attn.qkv_proj", ...)
     size_bytes: int  # its factors, in the file's dtypes
+    schedule: dict = field(default_factory=dict)  # the schedule it brings (adapter_schedule.py), by key; {}: none
 
     def to_json(self) -> dict:
         return {"name": self.name, "file": self.file, "sha256": self.sha256, "scale": self.scale, "rank": self.rank,
-                "targets": list(self.targets), "size_bytes": self.size_bytes}
+                "targets": list(self.targets), "size_bytes": self.size_bytes, "schedule": self.schedule}
 
 
 def adapter_rank(lora: LoraFile, task: str) -> int:
@@ -274,7 +286,8 @@ def adapter_rank(lora: LoraFile, task: str) -> int:
 def info_of(spec: AdapterSpec, record: SlotRecord) -> AdapterInfo:
     """What GET /v1/loras lists of an adapter, from its slot record (LoraSlots.load: rank, targets and size as the
     slots read them)."""
-    return AdapterInfo(spec.name, spec.path.name, record.sha256, spec.scale, record.rank, record.targets, record.nbytes)
+    return AdapterInfo(spec.name, spec.path.name, record.sha256, spec.scale, record.rank, record.targets, record.nbytes,
+                       spec.schedule.over(file_schedule(spec.path)).given())
 
 
 def describe(spec: AdapterSpec, cfg: H3Config, task: str, lora: LoraFile | None = None) -> AdapterInfo:
@@ -285,7 +298,8 @@ def describe(spec: AdapterSpec, cfg: H3Config, task: str, lora: LoraFile | None 
     targets = sorted({native_target(m, cfg)[0].removesuffix(".weight") for m in modules})
     return AdapterInfo(spec.name, spec.path.name, lora.sha256, spec.scale,
                        max(f.down.shape[0] for f in modules.values()), tuple(targets),
-                       sum(f.down.nbytes + f.up.nbytes for f in modules.values()))
+                       sum(f.down.nbytes + f.up.nbytes for f in modules.values()),
+                       spec.schedule.over(file_schedule(spec.path)).given())
 
 
 class ResidentAdapters:

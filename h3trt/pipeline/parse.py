@@ -10,7 +10,8 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
 
 `profile` (pipeline/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
 `lora`: resident adapters by name (`--adapter NAME=FILE[:SCALE]`; scale left out: the adapter's default), pipeline/
-adapters.py.
+adapters.py; an adapter with its own schedule gives a line that names it the steps and shifts it leaves out
+(pipeline/adapter_schedule.py).
 
 `run` needs id (it names OUT/<id>.mp4), task and prompt; `eval` needs prompt (it also takes id and task, so a run
 file evaluates as it is). `width` and `height` may stand in for `resolution`. A stated task must be the one its inputs
@@ -27,9 +28,9 @@ import json
 import math
 import re
 import stat
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..engines.manifest import Manifest
 from ..errors import UserError
@@ -37,6 +38,7 @@ from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
+from .adapter_schedule import ScheduleValues, resolve
 from .adapters import parse_lora_field
 from .profiles import request_profile_fields, with_bundle_sparse
 from .request import KEYS as KEY_NAMES, Names, Request, task_of
@@ -63,6 +65,9 @@ class RequestDefaults:
     height: int | None = None
     duration: float = DEFAULT_DURATION
     sparse: SparseSettings | None = None  # a bundle's --sparse-attention defaults (profiles.with_bundle_sparse)
+    # The resident adapters' own schedules, by name (adapter_schedule.adapter_schedules): a line naming one in its
+    # "lora" and leaving steps or a shift out takes the adapter's
+    adapter_schedules: Mapping[str, ScheduleValues] = field(default_factory=dict)
 
     @classmethod
     def of_bundle(cls, manifest: Manifest) -> "RequestDefaults":
@@ -199,17 +204,20 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
             raise UserError(f"task {task!r} takes {task_inputs(task, n)}, but {n.request}'s inputs make it "
                             f"{implied}.", field="task")
     width, height = _canvas(data, defaults)
-    request = Request(_typed(data, "prompt", str, name=n.prompt), image, last_image, refs,
-                      _typed(data, "seed", int, DEFAULT_SEED, n.seed),
-                      _typed(data, "steps", int, defaults.steps, n.steps), width, height,
+    prompt, seed = _typed(data, "prompt", str, name=n.prompt), _typed(data, "seed", int, DEFAULT_SEED, n.seed)
+    stated = ScheduleValues(_typed(data, "steps", int, name=n.steps) if "steps" in data else None,
+                            _optional_float(data, "video_shift", n.video_shift),
+                            _optional_float(data, "audio_shift", n.audio_shift))
+    lora = parse_lora_field(data["lora"]) if data.get("lora") is not None else ()
+    schedule, schedule_from = resolve(stated, tuple(u.name for u in lora), defaults.adapter_schedules, defaults.steps)
+    request = Request(prompt, image, last_image, refs, seed, schedule.steps, width, height,
                       float(_typed(data, "duration", (int, float), defaults.duration, n.duration)),
-                      _optional_float(data, "video_shift", n.video_shift),
-                      _optional_float(data, "audio_shift", n.audio_shift),
+                      schedule.video_shift, schedule.audio_shift,
                       float(_typed(data, "guidance", (int, float), DEFAULT_GUIDANCE, n.guidance)),
                       None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str,
                                                                               name=n.negative_prompt),
                       **with_bundle_sparse(request_profile_fields(data), defaults.sparse),
-                      lora=parse_lora_field(data["lora"]) if data.get("lora") is not None else ())
+                      lora=lora, schedule_from=schedule_from)
     return RequestLine(number, rid, request)
 
 

@@ -96,6 +96,8 @@ class ClipRecord:
     steps: int | None = None
     evaluations: int | None = None  # DiT evaluations of the schedule
     shifts: dict | None = None  # {"video": shift, "audio": shift}
+    # Where steps and each shift came from: "request", "adapter NAME" (its own schedule) or "default" (the model's)
+    schedule_from: dict | None = None
     width: int | None = None
     height: int | None = None
     frames: int | None = None  # frames written
@@ -285,6 +287,7 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
         output=str(output), task=req.task, prompt=req.prompt, seed=req.seed,
         steps=req.steps, evaluations=schedule.num_evaluations,
         shifts={"video": schedule.video_shift, "audio": schedule.audio_shift},
+        schedule_from=req.schedule_from.to_json() if req.schedule_from is not None else None,
         width=geo.width, height=geo.height, frames=frames_written, fps=FPS,
         audio_samples=int(audio_samples), audio_sample_rate=AUDIO_SAMPLE_RATE,
         sequence_rows=layout.seq_len, device=str(device), vae_precision=video_vae.precision,

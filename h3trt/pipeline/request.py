@@ -20,10 +20,11 @@ from ..models.packing import (AUDIO_SAMPLE_RATE, CANVAS_MAX_PIXELS, CANVAS_MULTI
                               DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK, Geometry, PackedLayout,
                               frames_for_duration, resolve_canvas, validate_canvas)
 from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, DEFAULT_VIDEO_SHIFT,
-                              Latents, Schedule)
+                              MAX_STEPS, Latents, Schedule)
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
+from .adapter_schedule import ScheduleFrom
 from .adapters import AdapterUse, lora_field
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
@@ -38,9 +39,6 @@ MAX_PROMPT_TOKENS = 1024
 # CJK about 3), so no prompt within the token budget is refused, and a longer one is refused without tokenizing it.
 MAX_PROMPT_BYTES = 16 * MAX_PROMPT_TOKENS
 MAX_REFERENCES = {"image": 9, "video": 3, "audio": 3, "total": 12}  # documented limits of the released model
-# Sigma grid points at most: H3's schedule is 50 (DEFAULT_STEPS), its scheduler's training grid 1000 timesteps; a finer
-# grid changes nothing a user can see and only multiplies the job's time (1e9 steps: a minute to build the grid).
-MAX_STEPS = 1000
 
 
 @dataclass(frozen=True)
@@ -93,6 +91,9 @@ class Request:
     sparse_min_seq: int | None = None  # the shortest attention made sparse (None: its default, 4096 rows)
     profile: str | None = None  # the named profile (pipeline/profiles.py) the cache and sparsity came from, recorded
     lora: tuple[AdapterUse, ...] = ()  # resident LoRA adapters this request runs with (pipeline/adapters.py)
+    # Where steps and the shifts came from (the request, an adapter it names, the model's default), as its front door
+    # resolved them (pipeline/adapter_schedule.py resolve); None: not said (a request made in code)
+    schedule_from: ScheduleFrom | None = None
 
     @property
     def task(self) -> str:
@@ -342,8 +343,12 @@ def check_bundle_serves(manifest: Manifest, prepared: Prepared) -> None:
     before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (pipeline/loading.py)."""
     req, geo, baked = prepared.request, prepared.geometry, manifest.schedule
     schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (baked.video_shift, baked.audio_shift))
+    # A schedule an adapter brought is the `lora` field's doing: the fix is there (or in stating the schedule).
+    adapters = req.schedule_from.adapters() if req.schedule_from is not None else {}
+    said = "; ".join(f"{key} from {source}" for key, source in adapters.items())
     check_request(manifest, geo.width, geo.height, geo.num_frames, req.steps, schedule.video_shift,
-                  schedule.audio_shift, req.task)
+                  schedule.audio_shift, req.task, schedule_field="lora" if adapters else "steps",
+                  schedule_note=f" ({said})" if said else "")
 
 
 def _reference_image(image: Image.Image, short_edge: int) -> Image.Image:
@@ -387,4 +392,5 @@ def request_dict(request: Request) -> dict:
         data["lora"] = lora_field(request.lora)
     else:
         del data["lora"]  # a request without adapters is written as before they existed
+    del data["schedule_from"]  # not a field a user states: the clip's record carries it (records.py)
     return data

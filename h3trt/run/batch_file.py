@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Mapping
 
 from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
+from ..pipeline.adapter_schedule import ScheduleValues
 from ..pipeline.adapters import batch_key
 from ..pipeline.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
 from ..pipeline.request import KEYS, CanvasDefaults, Prepared, Request, prepare
@@ -29,11 +30,13 @@ class BatchItem:
 
 def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFAULT_STEPS,
                    admit: Callable[[Request], Prepared] | None = None,
-                   default_sparse: SparseSettings | None = None) -> list[BatchItem]:
+                   default_sparse: SparseSettings | None = None,
+                   adapter_schedules: Mapping[str, ScheduleValues] | None = None) -> list[BatchItem]:
     """Every line of a JSONL requests file, validated; raises RequestsFileError listing every bad line. A line
-    without "steps" takes `default_steps` (a bundle's baked schedule, else DEFAULT_STEPS), one that states no sparse
-    knob `default_sparse`'s (a bundle's --sparse-attention defaults); `admit` admits each line's request to the model
-    that will serve it (jobs/admission.py, in the file's keys); None: each is only prepared on `canvas`."""
+    without "steps" takes the schedule of an adapter it names (`adapter_schedules`, by name), else `default_steps` (a
+    bundle's default schedule, else DEFAULT_STEPS), one that states no sparse knob `default_sparse`'s (a bundle's
+    --sparse-attention defaults); `admit` admits each line's request to the model that will serve it
+    (jobs/admission.py, in the file's keys); None: each is only prepared on `canvas`."""
 
     def check(line: RequestLine) -> BatchItem:
         request = line.request
@@ -44,8 +47,8 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
                request.audio_shift, *batch_key(request.lora))
         return BatchItem(line.id, line.line, request, key)
 
-    return read_request_file(path, RUN_REQUIRED, RequestDefaults(steps=default_steps, sparse=default_sparse),
-                             check)
+    defaults = RequestDefaults(steps=default_steps, sparse=default_sparse, adapter_schedules=adapter_schedules or {})
+    return read_request_file(path, RUN_REQUIRED, defaults, check)
 
 
 def check_bundle_batch(segments: dict, max_batch: int) -> None:

@@ -159,7 +159,8 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
     # Every line admitted before any model loads, as one --prompt is (jobs/admission.py); every bad line listed.
     checked: set[Path] = set()  # the model's files, checked once per component root
     items = parse_requests(requests, entry.canvas, entry.default_steps,
-                           lambda request: admit(entry, request, KEYS, checked=checked), entry.default_sparse)
+                           lambda request: admit(entry, request, KEYS, checked=checked), entry.default_sparse,
+                           entry.adapter_schedules)
     mesh = entry.mesh(items[0].request.task)
     if mesh.cfg == 2:
         raise UserError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")

@@ -24,6 +24,7 @@ from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
 from ..pipeline.adapter_catalog import AdapterCatalog
+from ..pipeline.adapter_schedule import adapter_schedules
 from ..pipeline.adapters import BUNDLE_REFUSAL
 from ..pipeline.parse import RequestDefaults, parse_object
 from ..pipeline.request import Request
@@ -73,7 +74,7 @@ class VideoService:
         self.adapters = adapters
 
     def defaults(self) -> RequestDefaults:
-        return request_defaults(self.entry)
+        return request_defaults(self.entry, self.adapters)
 
     def expire(self, now: float | None = None) -> list[str]:
         """Remove ended jobs past their expiry: files first, then the row."""
@@ -112,9 +113,12 @@ class VideoService:
                 self.storage.publish(uploads_key(job_id))  # before its row: a worker may take it at once
                 # The adapters as admission resolved them (file, sha256, scale): the job runs with those whatever
                 # the set becomes before a worker takes it (queue.py job_of).
-                resolved = {"adapters": [u.to_json() for u in prepared.request.lora]} if request.lora else {}
+                # And the schedule they gave it (an adapter's steps and shifts), which an unload cannot change either.
+                resolved = {"adapters": [u.to_json() for u in prepared.request.lora],
+                            "schedule": schedule_of(request)} if request.lora else {}
                 row = self.store.create(job_id, {"schema": schema, "openai": openai_fields, **resolved,
-                                                 "geometry": [prepared.geometry.width, prepared.geometry.height]})
+                                                 "geometry": [prepared.geometry.width, prepared.geometry.height],
+                                                 "steps": request.steps})  # resolved: an adapter's, say
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
@@ -260,10 +264,19 @@ def parse_stored(schema: dict, uploads: Path, defaults: RequestDefaults) -> Requ
     return parse_object(schema, 0, uploads, ("prompt",), defaults, API_WORDS).request
 
 
-def request_defaults(entry: Entry) -> RequestDefaults:
+def request_defaults(entry: Entry, adapters: AdapterCatalog | None = None) -> RequestDefaults:
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
-    worker side reads the stored request with them."""
-    return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse)
+    worker side reads the stored request with them. `adapters`: a server's current set, whose schedules a request
+    naming one of them takes (an adapter loaded while it serves included); None: the adapters it started with."""
+    schedules = adapter_schedules(adapters.specs()) if adapters is not None else entry.adapter_schedules
+    return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse,
+                           adapter_schedules=schedules)
+
+
+def schedule_of(request: Request) -> dict:
+    """A request's schedule as admission resolved it, for its job's row (queue.py job_of reads it back)."""
+    return {"steps": request.steps, "video_shift": request.video_shift, "audio_shift": request.audio_shift,
+            "from": request.schedule_from.to_json() if request.schedule_from is not None else None}
 
 
 def _as_sent(message: str, sent: dict[Path, str]) -> str:

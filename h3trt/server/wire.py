@@ -76,6 +76,9 @@ class Lora(BaseModel):
     rank: int
     targets: list[str] = Field(description="the DiT linears it adapts")
     size_bytes: int = Field(description="its low-rank factors, in the file's dtypes")
+    schedule: dict[str, int | float] = Field(default_factory=dict, description=(
+        "its own schedule, of steps, video_shift and audio_shift (a job naming it that states none of these runs "
+        "its values); {}: none"))
 
 
 class LoraList(BaseModel):

@@ -1,0 +1,149 @@
+"""An adapter's own schedule (issue 38, item 3: Turbo per request). A few-step LoRA is distilled for its own steps and
+sigma shifts (an 8-point grid at video shift 5, say), so one server serves H3's 50-step schedule and the Turbo one
+side by side: a request that names the adapter and leaves the schedule out runs the adapter's.
+
+An adapter's schedule, key by key, the later source winning:
+  1. its file's safetensors `__metadata__` (METADATA_KEYS: "h3trt.steps", "h3trt.video_shift", "h3trt.audio_shift",
+     each a number written as text, as safetensors metadata is), so a Turbo file carries what it was trained for;
+  2. its `--adapter NAME=FILE[:SCALE]@steps=8,video_shift=5` (after the last '@': KEY=VALUE pairs, comma-separated,
+     keys of SCHEDULE_KEYS).
+
+A request's schedule (`resolve`), key by key: the request's own value; else the value the adapters it names give (two
+of them giving different values: refused, naming `lora`); else the model's default (a bundle's first schedule, else
+H3's 50 steps and the checkpoint's shifts). `ScheduleFrom` records which, for the clip's record. The resolved values
+are the request's from then on: admission checks them against what a bundle serves, and a batch keys on them.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Iterable, Mapping
+
+from safetensors import SafetensorError, safe_open
+
+from ..errors import UserError
+from ..models.sampler import MAX_STEPS
+
+SCHEDULE_KEYS = ("steps", "video_shift", "audio_shift")
+METADATA_KEYS = {key: f"h3trt.{key}" for key in SCHEDULE_KEYS}  # an adapter file's __metadata__ keys
+REQUEST, DEFAULT = "request", "default"  # ScheduleFrom's words for a request's own value and the model's default
+
+
+@dataclass(frozen=True)
+class ScheduleValues:
+    """Some of a schedule's values, each None where not given: an adapter's defaults, or what a request states."""
+
+    steps: int | None = None  # sigma grid points (steps - 1 DiT evaluations)
+    video_shift: float | None = None
+    audio_shift: float | None = None
+
+    def given(self) -> dict[str, int | float]:
+        """The values given, by key (an adapter's `schedule` in GET /v1/loras)."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    def over(self, other: "ScheduleValues") -> "ScheduleValues":
+        """These values, and `other`'s where these give none."""
+        return ScheduleValues(**{**asdict(other), **self.given()})
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> "ScheduleValues":
+        """`steps=8,video_shift=5` (the part of an --adapter after its '@'); `where` names it in the errors."""
+        values = {}
+        for pair in text.split(","):
+            key, sep, value = pair.strip().partition("=")
+            if not sep or key not in SCHEDULE_KEYS or key in values:
+                raise UserError(f"{where}: expected KEY=VALUE pairs after '@' (each key once, of "
+                                f"{list(SCHEDULE_KEYS)}), e.g. @steps=8,video_shift=5; got {pair.strip()!r}.")
+            values[key] = checked_value(key, value.strip(), where)
+        return cls(**values)
+
+
+def checked_value(key: str, text: str, where: str) -> int | float:
+    """One schedule value from its text: steps an integer in [2, MAX_STEPS], a shift a positive finite number."""
+    try:
+        value = int(text) if key == "steps" else float(text)
+    except ValueError:
+        value = None
+    if key == "steps" and (value is None or not 2 <= value <= MAX_STEPS):
+        raise UserError(f"{where}: steps must be an integer from 2 to {MAX_STEPS} (sigma grid points), got {text!r}.")
+    if key != "steps" and (value is None or not (math.isfinite(value) and value > 0)):
+        raise UserError(f"{where}: {key} must be a positive finite number, got {text!r}.")
+    return value
+
+
+def split_spec(text: str, where: str) -> tuple[str, ScheduleValues]:
+    """An --adapter's FILE[:SCALE] and its schedule: the part after the last '@' when it holds a KEY=VALUE pair (a
+    file name with an '@' and no '=' after it is a file name)."""
+    head, at, tail = text.rpartition("@")
+    if not at or "=" not in tail:
+        return text, ScheduleValues()
+    return head, ScheduleValues.parse(tail, where)
+
+
+def file_schedule(path: Path) -> ScheduleValues:
+    """The schedule an adapter file's `__metadata__` gives (METADATA_KEYS; none: nothing given). Read once per file
+    version: admission asks for it on every request, and a header read is a file open."""
+    stat = Path(path).stat()
+    return _file_schedule(str(path), stat.st_size, stat.st_mtime_ns)
+
+
+@functools.lru_cache(maxsize=64)
+def _file_schedule(path: str, size: int, mtime_ns: int) -> ScheduleValues:
+    try:
+        with safe_open(path, "pt") as f:  # the header only: no tensor is read
+            meta = f.metadata() or {}
+    except (SafetensorError, OSError) as e:
+        raise UserError(f"{path}: not a readable safetensors file ({e}); an adapter is a LoRA .safetensors.") from None
+    where = f"{path}: __metadata__"
+    return ScheduleValues(**{key: checked_value(key, meta[name], f"{where} {name}")
+                             for key, name in METADATA_KEYS.items() if name in meta})
+
+
+def adapter_schedules(specs: Iterable) -> dict[str, ScheduleValues]:
+    """{name: its schedule} of resident adapters (pipeline/adapters.py AdapterSpec: name, path, schedule), the spec's
+    values over its file's; an adapter that gives none is left out."""
+    schedules = {s.name: s.schedule.over(file_schedule(s.path)) for s in specs}
+    return {name: values for name, values in schedules.items() if values.given()}
+
+
+@dataclass(frozen=True)
+class ScheduleFrom:
+    """Where each of a request's schedule values came from: "request" (its own), "adapter NAME" (one it names), or
+    "default" (the model's: a bundle's first schedule, else H3's 50 steps and the checkpoint's shifts)."""
+
+    steps: str = DEFAULT
+    video_shift: str = DEFAULT
+    audio_shift: str = DEFAULT
+
+    def to_json(self) -> dict[str, str]:
+        return asdict(self)
+
+    def adapters(self) -> dict[str, str]:
+        """The keys an adapter gave, and which ("adapter NAME")."""
+        return {key: source for key, source in asdict(self).items() if source not in (REQUEST, DEFAULT)}
+
+
+def resolve(stated: ScheduleValues, names: tuple[str, ...], schedules: Mapping[str, ScheduleValues],
+            default_steps: int) -> tuple[ScheduleValues, ScheduleFrom]:
+    """A request's schedule and where each value came from (module doc): `stated` its own values, `names` the
+    adapters its `lora` names (one not in `schedules` gives nothing: admission refuses one not resident),
+    `default_steps` the model's. A shift left to the default stays None: the pipeline takes the model's."""
+    values, sources = {}, {}
+    for f in fields(ScheduleValues):
+        key = f.name
+        offers = {name: getattr(schedules[name], key) for name in names
+                  if name in schedules and getattr(schedules[name], key) is not None}
+        if getattr(stated, key) is not None:
+            values[key], sources[key] = getattr(stated, key), REQUEST
+        elif len(set(offers.values())) > 1:
+            said = ", ".join(f"{name} {value:g}" for name, value in offers.items())
+            raise UserError(f"lora: the adapters this request names bring different {key} ({said}); state {key} "
+                            "in the request, or name one of them.", field="lora")
+        elif offers:
+            values[key], sources[key] = next(iter(offers.values())), "adapter " + ", ".join(offers)
+        else:
+            values[key], sources[key] = default_steps if key == "steps" else None, DEFAULT
+    return ScheduleValues(**values), ScheduleFrom(**sources)
