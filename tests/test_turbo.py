@@ -74,7 +74,7 @@ def test_an_adapters_schedule_is_its_files_metadata_under_its_flags_values(adapt
     plain = AdapterSpec.parse(f"plain={adapters['plain']}")
     assert adapter_schedules([spec, plain]) == {"turbo": ScheduleValues(4, 6.0, None)}  # the flag's shift wins
     assert AdapterSpec.parse("t=a@b.safetensors").path == Path("a@b.safetensors")  # an '@' in a file name stays
-    listed = [info.to_json() for info in Entry.resolve(device="cpu", adapters=(spec, plain)).adapter_infos()]
+    listed = [info.to_json() for info in Entry.resolve(device="cpu", adapters=(spec, plain)).adapter_catalog().infos()]
     assert [i["schedule"] for i in listed] == [{"steps": 4, "video_shift": 6.0}, {}]  # GET /v1/loras's
     bad = write(tmp_path / "bad.safetensors", fmt_original(tiny_factors(1)), {"h3trt.steps": "eight"})
     with pytest.raises(UserError, match=r"bad.safetensors: __metadata__ h3trt.steps: steps must be an integer"):
@@ -134,7 +134,7 @@ def test_a_conflict_is_a_400_naming_lora_and_the_job_says_the_adapters_steps(ada
     for folder in ("clips", "uploads"):
         (tmp_path / folder).mkdir()
     service = VideoService(entry, ServeOptions(tmp_path), JobStore(sqlite_url(tmp_path)), Storage(tmp_path),
-                           NoGroups(), Metrics(), log=lambda *a, **k: None)
+                           NoGroups(), Metrics(), log=lambda *a, **k: None, adapters=entry.adapter_catalog())
     client = TestClient(create_app(service), raise_server_exceptions=False)
     body = {"prompt": "a fox", "size": "128x32", "lora": [{"name": "turbo"}, {"name": "eight"}]}
     r = client.post("/v1/videos", json=body)

@@ -114,8 +114,10 @@ class VideoService:
                 # The adapters as admission resolved them (file, sha256, scale): the job runs with those whatever
                 # the set becomes before a worker takes it (queue.py job_of).
                 # And the schedule they gave it (an adapter's steps and shifts), which an unload cannot change either.
-                resolved = {"adapters": [u.to_json() for u in prepared.request.lora],
-                            "schedule": schedule_of(request)} if request.lora else {}
+                uses = prepared.request.lora
+                resolved = {"schedule": schedule_of(request)} if uses else {}
+                if uses and all(u.sha256 is not None for u in uses):  # resolved by a set (a server always has one)
+                    resolved["adapters"] = [u.to_json() for u in uses]
                 row = self.store.create(job_id, {"schema": schema, "openai": openai_fields, **resolved,
                                                  "geometry": [prepared.geometry.width, prepared.geometry.height],
                                                  "steps": request.steps})  # resolved: an adapter's, say
