@@ -1,0 +1,45 @@
+"""scripts/bench_lora.py's pieces that decide what its H200 rows mean, untimed: the adapter file it writes is read by
+the slots as a rank-R adapter on every attention and MLP linear of every block and nothing else (so its
+`slots_one_adapter` row measures what issue 38 names), and its summary sets each row against the runner without slots
+with the bars' direction right."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+
+import bench_lora  # noqa: E402
+
+from h3trt.models.config import H3Config  # noqa: E402
+from h3trt.models.lora_slots import LoraSlots  # noqa: E402
+
+
+def test_the_bench_adapter_loads_into_the_slots_on_every_attention_and_mlp_linear_only(tmp_path):
+    cfg = H3Config.tiny()
+    path = tmp_path / "adapter.safetensors"
+    assert bench_lora.write_adapter(path, cfg, 8, 0, torch.device("cpu")) == path.stat().st_size
+    slots = LoraSlots(cfg, "t2va", 2, 8)
+    record = slots.load(0, path)
+    assert record.rank == 8 and record.layout == "original names"
+    assert set(record.targets) == {f"blocks.{i}.{n}" for i in range(cfg.num_layers) for n in bench_lora.ADAPTED}
+    for i in range(cfg.num_layers):
+        for local in bench_lora.ADAPTED:
+            down, up = slots.banks[f"blocks.{i}.{local}"]
+            assert down[0].abs().amin(dim=-1).gt(0).all() and up[0].abs().amax() > 0  # all 8 rows filled
+            assert not down[1].any() and not up[1].any()
+        down, up = slots.banks[f"blocks.{i}.adaln_proj.linear"]
+        assert not down.any() and not up.any()  # the bundle's AdaLN slot stays zero: the row adapts what 38 names
+
+
+def test_the_summary_sets_each_row_against_no_slots_and_checks_the_bars():
+    rows = {"ms_per_block": {"no_slots": 100.0, "slots_no_adapter": 101.5, "slots_scale0": 110.0,
+                             "slots_one_adapter": 104.0}}
+    out = bench_lora.summarise(rows, 50, 120.0)
+    assert out["ratio_to_no_slots"]["slots_one_adapter"] == pytest.approx(1.04)
+    assert out["bars"]["slots_no_adapter"] == {"ratio": pytest.approx(1.015), "at_most": 1.01, "met": False}
+    assert out["bars"]["slots_one_adapter"]["met"] is True
+    assert out["ms_per_step_estimate"]["no_slots"] == pytest.approx(5000.0)
+    assert out["speedup_vs_reference"]["slots_scale0"] == pytest.approx(120.0 / 110.0)
