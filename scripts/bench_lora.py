@@ -20,7 +20,8 @@ compiled by build/backends.py compile_segment (torch.export, Inductor standalone
 the bundle's own runner, engines/bundle.py EngineDiT, over --layers layers, each with its own weights and slot banks.
 The runner's embed and final are stand-ins that hand back precomputed tensors (they cost the same with and without
 adapters), so a row is the runner's block stack: AdaLN tables, RoPE, dispatch, every layer. Rows, ms per block (the
-stack's median over --iters calls after --warmup, CUDA events; divided by --layers):
+stack's median over --iters rounds after --warmup, each round timing every row once in turn, CUDA events; divided by
+--layers):
   no_slots            EngineDiT without slots: the bundle built without --lora-slots
   slots_no_adapter    with N slots of max rank R, an evaluation without adapters: the runner runs `block`
                       (issue 38's bar: <= 1% slower than no_slots)
@@ -341,17 +342,49 @@ def load_adapters(cfg: H3Config, slots: LoraSlots, work: Path, rank: int, dev: t
     return out
 
 
-def switching(dit: EngineDiT, slots: LoraSlots, inp: Inputs, files: dict, dev: torch.device, timer) -> dict:
-    """Under no_compile: switch between resident slots, then load B where A was; the evaluations that follow."""
-    out = {"select_ms": timer(lambda: slots.select([(0, 1.0)]))}
+def interleaved_ms(calls: dict, dev: torch.device, iters: int, warmup: int) -> dict[str, float]:
+    """Median ms of each call over `iters` rounds, every round timing each call once in turn (CUDA events on a GPU,
+    the wall clock on the CPU), after `warmup` rounds: a drift of the machine (clocks, heat, another process) spreads
+    over every row instead of landing on whichever ran first, which a 1% bar cannot afford."""
+    for _ in range(warmup):
+        for call in calls.values():
+            call()
+    times = {row: [] for row in calls}
+    for _ in range(iters):
+        for row, call in calls.items():
+            if dev.type == "cuda":
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(dev)
+                start.record()
+                call()
+                end.record()
+                torch.cuda.synchronize(dev)
+                times[row].append(start.elapsed_time(end))
+            else:
+                times[row].append(timed_s(call, dev)[1] * 1e3)
+    return {row: statistics.median(t) for row, t in times.items()}
+
+
+def wall_ms(fn, dev: torch.device, iters: int) -> float:
+    """Median wall-clock ms of fn() with the device synchronised around each call: what a caller waits, the host's
+    part included (select is host work and a small copy; CUDA events would time only the device's share)."""
+    return statistics.median(timed_s(fn, dev)[1] for _ in range(iters)) * 1e3
+
+
+def switching(dit: EngineDiT, slots: LoraSlots, inp: Inputs, files: dict, dev: torch.device, iters: int) -> dict:
+    """Under no_compile: switch between resident slots, then load B where A was; the evaluations that follow, and
+    the steady evaluation, all by the wall clock."""
+    one = [(0, 1.0)]
+    out = {"timing": f"wall clock, device synchronised; steady and select: median of {iters}",
+           "select_ms": wall_ms(lambda: slots.select(one), dev, iters)}
     with no_compile():
-        out["steady_evaluation_ms"] = timer(lambda: evaluate(dit, inp, slots.select([(0, 1.0)])))
-        with_a = evaluate(dit, inp, slots.select([(0, 1.0)]))
+        out["steady_evaluation_ms"] = wall_ms(lambda: evaluate(dit, inp, slots.select(one)), dev, iters)
+        with_a = evaluate(dit, inp, slots.select(one))
         if slots.num_slots > 1:
             with_b, seconds = timed_s(lambda: evaluate(dit, inp, slots.select([(1, 1.0)])), dev)
             out["first_evaluation_after_switching_slots_ms"] = seconds * 1e3
-        slots.load(0, files["B"])
-        after, seconds = timed_s(lambda: evaluate(dit, inp, slots.select([(0, 1.0)])), dev)
+        out["load_b_into_slot_0_s"] = timed_s(lambda: slots.load(0, files["B"]), dev)[1]
+        after, seconds = timed_s(lambda: evaluate(dit, inp, slots.select(one)), dev)
         out["first_evaluation_after_loading_ms"] = seconds * 1e3
     out["no_compile"] = "every evaluation above ran under engines/guard.py no_compile: nothing compiled"
     out["reload_changed_the_output"] = not torch.equal(after, with_a)
@@ -360,8 +393,9 @@ def switching(dit: EngineDiT, slots: LoraSlots, inp: Inputs, files: dict, dev: t
     return out
 
 
-def precision_rows(precision: str, ctx: dict, timer) -> dict:
-    """One precision's compiled pair, its four runner rows and the runner's error against the eager layers."""
+def precision_rows(precision: str, ctx: dict, timer) -> tuple[dict, EngineDiT]:
+    """One precision's compiled pair, its four runner rows and the runner's error against the eager layers; and its
+    runner with slots."""
     args, cfg, inp, dev, slots, kernels = (ctx[k] for k in ("args", "cfg", "inp", "dev", "slots", "kernels"))
     recipe = recipe_for(precision, args, kernels)
     t0 = time.perf_counter()
@@ -377,11 +411,11 @@ def precision_rows(precision: str, ctx: dict, timer) -> dict:
     uses = {"slots_scale0": [(0, 0.0)], "slots_one_adapter": [(0, 1.0)]}
     calls = {"no_slots": lambda: evaluate(plain, inp), "slots_no_adapter": lambda: evaluate(slotted, inp),
              **{row: (lambda u=u: evaluate(slotted, inp, slots.select(u))) for row, u in uses.items()}}
-    ms = out["ms_per_block"] = {}
     with no_compile():
-        for row, call in calls.items():
-            ms[row] = timer(call) / len(layers)
-            print(f"  {precision} {row:18s} {ms[row]:9.3f} ms per block", flush=True)
+        ms = out["ms_per_block"] = {row: t / len(layers) for row, t in
+                                    interleaved_ms(calls, dev, args.iters, args.warmup).items()}
+        for row, t in ms.items():
+            print(f"  {precision} {row:18s} {t:9.3f} ms per block", flush=True)
         got = {row: evaluate(slotted, inp, slots.select(u)) for row, u in uses.items()}
         got["slots_no_adapter"] = evaluate(slotted, inp)
     want = {"slots_no_adapter": eager_stack(layers, recipe, kernels, inp, None),
@@ -394,10 +428,7 @@ def precision_rows(precision: str, ctx: dict, timer) -> dict:
     # rounding, not bit for bit; a request without adapters runs `block` itself, which is.
     out["scale0_rel_err_vs_no_adapter"] = rel_err(got["slots_scale0"], got["slots_no_adapter"])
     out["adapter_moves_the_update_rel"] = rel_err(update(got["slots_one_adapter"]), update(got["slots_no_adapter"]))
-    if "switching" not in ctx["result"]:  # once, on the first precision's engine
-        ctx["result"]["switching"] = {"precision": precision,
-                                      **switching(slotted, slots, inp, ctx["files"], dev, timer)}
-    return out
+    return out, slotted
 
 
 def summarise(rows: dict, layers_per_step: int, reference_ms: float) -> dict:
@@ -455,7 +486,8 @@ def run(args) -> dict:
     inp = make_inputs(cfg, layout, dev)
     result = {"env": {"device": device_name(dev), "torch": torch.__version__, "cuda": torch.version.cuda,
                       "cudnn": torch.backends.cudnn.version() if dev.type == "cuda" else None, **versions(),
-                      "timing": f"median of {args.iters} after {args.warmup} warm-up calls, " +
+                      "timing": f"median of {args.iters} rounds after {args.warmup} warm-up rounds, each "
+                                "round timing every row once in turn, " +
                                 ("CUDA events" if dev.type == "cuda" else "perf_counter (CPU)")},
               "shape": {"rows": layout.seq_len, "hidden": cfg.hidden_size, "heads": cfg.num_heads,
                         "head_dim": cfg.head_dim, "ffn": cfg.ffn_dim, "timesteps": inp.unique_t.numel(),
@@ -476,15 +508,17 @@ def run(args) -> dict:
                "blocks": blocks, "work": work, "result": result, "files": result["adapter_load"]["files"]}
         write_json(args.json, result)
         for precision in args.precision:
+            slotted = None  # the last precision's runner (its layers, its segments) goes before the next is built
             try:
-                rows = precision_rows(precision, ctx, timer)
+                rows, slotted = precision_rows(precision, ctx, timer)
+                rows.update(summarise(rows, cfg.num_layers, result["reference"]["ms"]))
+                result["precisions"][precision] = rows
+                if "switching" not in result:  # once, on the first precision that ran
+                    result["switching"] = {"precision": precision,
+                                           **switching(slotted, slots, inp, ctx["files"], dev, args.iters)}
             except Exception as e:  # one precision failing is a row of the report, never the end of the run
                 traceback.print_exc()
                 result["failed"] = {**result.get("failed", {}), precision: f"{type(e).__name__}: {e}"[:2000]}
-                write_json(args.json, result)
-                continue
-            rows.update(summarise(rows, cfg.num_layers, result["reference"]["ms"]))
-            result["precisions"][precision] = rows
             result["peak_memory_gib"] = peak_gib(dev)
             write_json(args.json, result)
     result["notes"].append("ms_per_step_estimate: ms per block x layers_per_step, the block stack of H3's one DiT "
