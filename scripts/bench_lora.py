@@ -6,7 +6,8 @@ and what switching adapters costs, in one run, against the Diffusers reference b
 
 On the GPU image, carry .whl/site.tar.xz (scripts/make_gpu_site.sh): ModelOpt for the FP8 scales, fa3-fwd and the
 cuDNN frontend for FP8 attention, diffusers for the reference (without it the h3trt eager block is the reference, and
-the JSON's `reference` says so). The full-width run takes about 3-4 minutes, most of it compiling 4 segments.
+the JSON's `reference` says so). The full-width run should take 3-5 minutes (an estimate from earlier runs' compile
+and block times; not yet run), most of it compiling 4 segments and writing and loading the adapters.
 
 Shape: MiniMax-H3 at full width (hidden 5376, 56 heads x 128, SwiGLU 14336), random bf16 weights (std 0.02), 37,838
 rows (128 text + 2 x 207 audio + 37 x 24 x 42 video); --tiny: H3Config.tiny() over a 114-row sequence.
