@@ -312,31 +312,50 @@ class ResidentAdapters:
     def __init__(self, specs: tuple[AdapterSpec, ...], cfg: H3Config, task: str, dtype: torch.dtype,
                  device: torch.device, shape: SlotShape | None = None, slots: LoraSlots | None = None,
                  merged: tuple[LoraSpec, ...] = ()):
-        files = [read_lora(s.path, cfg.head_dim) for s in specs]  # each read (and hashed) once, on every rank
         self.cfg, self.task = cfg, task
-        self.specs = {s.name: AdapterUse(s.name, s.scale, str(s.path), f.sha256) for s, f in zip(specs, files)}
+        self._start = {s.name: s for s in specs}
+        self.specs: dict[str, AdapterUse] = {}  # a start adapter's name -> its file and sha256, once read
+        self._read: dict[str, LoraFile] = {}  # files read to learn their sha256, until a slot takes them
+        merged_files = [read_lora(m.path, cfg.head_dim) for m in merged]
         if slots is None:
-            merged_files = [read_lora(m.path, cfg.head_dim) for m in merged]
-            shape = shape or SlotShape.fitted([adapter_rank(f, task) for f in files + merged_files])
+            if shape is None:  # fitted to the adapters at start: one slot each, so every one is read now anyway
+                shape = SlotShape.fitted([adapter_rank(self._file_of(s.name), task) for s in specs]
+                                         + [adapter_rank(f, task) for f in merged_files])
             slots = LoraSlots(cfg, task, shape.num_slots + len(merged), shape.max_rank, dtype, device, shape.targets)
         self.slots = slots
         # slot, scale, record of each --lora file: the first slots, held for good
-        self.merged = [(i, m.scale, self.slots.load(i, str(m.path))) for i, m in enumerate(merged)]
+        self.merged = [(i, m.scale, self.slots.load(i, f)) for i, (m, f) in enumerate(zip(merged, merged_files))]
         self._held: OrderedDict[str, int] = OrderedDict()  # sha256 -> slot, the least recently used first
-        for f in files:
-            if len(self._held) < self.slots.num_slots - len(self.merged) and f.sha256 not in self._held:
-                self._put(f, busy=set())
+        # The adapters at start fill the free slots; the others are read when a request first names one (a server's
+        # --lora-dir may hold many more than its slots, and every rank would read them all at start).
+        for spec in specs:
+            if len(self._held) >= self.slots.num_slots - len(self.merged):
+                break
+            self._slot_of(self._use_of(spec.name), busy=set())
+        self._read.clear()
+
+    def _file_of(self, name: str) -> LoraFile:
+        """A start adapter's file, read once to learn its sha256; kept for the slot that takes it."""
+        spec = self._start[name]
+        lora = self._read[name] = read_lora(spec.path, self.cfg.head_dim)
+        self.specs[name] = AdapterUse(name, spec.scale, str(spec.path), lora.sha256)
+        return lora
+
+    def _use_of(self, name: str) -> AdapterUse:
+        if name not in self.specs:
+            self._file_of(name)
+        return self.specs[name]
 
     def resolved(self, uses: tuple[AdapterUse, ...]) -> list[AdapterUse]:
         """Each use with its file, sha256 and scale: as admission resolved it, or by name against the adapters at
         start (a left-out scale the adapter's default); refuses a name it cannot resolve (the last-line guard:
         admission checked it against the model that admitted the request)."""
-        unknown = [u.name for u in uses if u.sha256 is None and u.name not in self.specs]
+        unknown = [u.name for u in uses if u.sha256 is None and u.name not in self._start]
         if unknown:
-            raise ValueError(f"lora names {unknown}, not resident on this worker (it holds {list(self.specs)}).")
+            raise ValueError(f"lora names {unknown}, not resident on this worker (it holds {list(self._start)}).")
         out = []
         for u in uses:
-            known = u if u.sha256 is not None else self.specs[u.name]
+            known = u if u.sha256 is not None else self._use_of(u.name)
             out.append(AdapterUse(u.name, known.scale if u.scale is None else u.scale, known.file, known.sha256))
         return out
 
@@ -351,10 +370,12 @@ class ResidentAdapters:
         return self.slots.select(chosen + [(slot, scale) for slot, scale, _ in self.merged])
 
     def _slot_of(self, use: AdapterUse, busy: set[int]) -> int:
+        read = self._read.pop(use.name, None)  # a start adapter read to learn its hash: not read again
         if use.sha256 in self._held:
             self._held.move_to_end(use.sha256)
             return self._held[use.sha256]
-        return self._put(read_resolved(use, self.cfg), busy)
+        return self._put(read if read is not None and read.sha256 == use.sha256 else read_resolved(use, self.cfg),
+                         busy)
 
     def _put(self, lora: LoraFile, busy: set[int]) -> int:
         """Load `lora` into a free slot, else into the least recently used one outside `busy` (this evaluation's)."""
