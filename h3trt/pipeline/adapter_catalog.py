@@ -32,6 +32,7 @@ from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraSlots
 from .adapters import (NAME_PATTERN, AdapterInfo, AdapterSpec, AdapterUse, SlotShape, adapter_rank, check_adapters,
                        info_of)
+from .adapter_schedule import ScheduleValues
 from .request import Request
 
 STATE_FILE = "loras.json"  # in a server's data folder: what the admin calls changed, kept across restarts
@@ -103,6 +104,11 @@ class AdapterCatalog:
         """The set now, as GET /v1/loras lists it, in the order it was made."""
         with self._lock:
             return [info for _, info in self._set.values()]
+
+    def schedules(self) -> dict[str, ScheduleValues]:
+        """The set's own schedules, by name (as read when each joined the set: no file is opened per request)."""
+        with self._lock:
+            return {name: ScheduleValues(**info.schedule) for name, (_, info) in self._set.items() if info.schedule}
 
     def resolve(self, request: Request) -> Request:
         """`request` with its adapters resolved (module doc); UserError naming `lora` for a name not in the set, or

@@ -24,7 +24,6 @@ from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
 from ..pipeline.adapter_catalog import AdapterCatalog
-from ..pipeline.adapter_schedule import adapter_schedules
 from ..pipeline.adapters import BUNDLE_REFUSAL
 from ..pipeline.parse import RequestDefaults, parse_object
 from ..pipeline.request import Request
@@ -113,14 +112,12 @@ class VideoService:
                 self.storage.publish(uploads_key(job_id))  # before its row: a worker may take it at once
                 # The adapters as admission resolved them (file, sha256, scale): the job runs with those whatever
                 # the set becomes before a worker takes it (queue.py job_of).
-                # And the schedule they gave it (an adapter's steps and shifts), which an unload cannot change either.
+                # And the schedule as it resolved it (an adapter's steps and shifts), which an unload cannot change.
                 uses = prepared.request.lora
-                resolved = {"schedule": schedule_of(request)} if uses else {}
-                if uses and all(u.sha256 is not None for u in uses):  # resolved by a set (a server always has one)
-                    resolved["adapters"] = [u.to_json() for u in uses]
+                resolved = {"adapters": [u.to_json() for u in uses]} if uses and all(u.sha256 for u in uses) else {}
                 row = self.store.create(job_id, {"schema": schema, "openai": openai_fields, **resolved,
-                                                 "geometry": [prepared.geometry.width, prepared.geometry.height],
-                                                 "steps": request.steps})  # resolved: an adapter's, say
+                                                 "schedule": schedule_of(request),
+                                                 "geometry": [prepared.geometry.width, prepared.geometry.height]})
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
@@ -270,7 +267,7 @@ def request_defaults(entry: Entry, adapters: AdapterCatalog | None = None) -> Re
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
     worker side reads the stored request with them. `adapters`: a server's current set, whose schedules a request
     naming one of them takes (an adapter loaded while it serves included); None: the adapters it started with."""
-    schedules = adapter_schedules(adapters.specs()) if adapters is not None else entry.adapter_schedules
+    schedules = adapters.schedules() if adapters is not None else entry.adapter_schedules
     return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse,
                            adapter_schedules=schedules)
 
