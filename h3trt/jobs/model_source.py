@@ -250,7 +250,7 @@ class Entry:
             return None
         if self.manifest is not None:
             cfg, task, slots = self.manifest.model_config, self.manifest.task, self.manifest.lora_slots
-            shape = {"num_slots": slots.slots - len(self.loras), "max_rank": slots.max_rank, "targets": slots.targets}
+            shape = {"num_slots": self.adapter_slots, "max_rank": slots.max_rank, "targets": slots.targets}
         else:
             cfg = locate_transformer(self.root, task).config
             shape = {"num_slots": self.lora_slots, "max_rank": self.lora_max_rank}
