@@ -31,7 +31,7 @@ from ..calibration.build import block_weight_sets, calibrate_dit
 from ..calibration.recipe import QuantRecipe
 from ..calibration.vae_fp8 import EXECUTION as VAE_FP8_EXECUTION
 from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord, ScheduleRecord, SparseRecord,
-                                VideoDecoderRecord, device_arch, hash_threads, runtime_versions, sha256_file,
+                                VideoDecoderRecord, VsaRecord, device_arch, hash_threads, runtime_versions, sha256_file,
                                 write_manifest)
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
@@ -284,7 +284,15 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         attention={p: c.to_dict() for p, c in plan.attention.items()}, vae_precision=config.vae.name,
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
-        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots)
+        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots,
+        vsa=_vsa_record(config, plan))
+
+
+def _vsa_record(config: BuildConfig, plan: BuildPlan) -> VsaRecord | None:
+    if plan.vsa_kernel is None:
+        return None
+    s = config.vsa(plan.model_cfg.num_layers)
+    return VsaRecord(s.sparsity, s.dense_first_steps, s.dense_layers, plan.vsa_kernel)
 
 
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:
