@@ -42,11 +42,8 @@ def vsa_topk(sparsity: float, num_video_tiles: int) -> int:
 
 def to_tiles(x_BSND: torch.Tensor, geometry: VsaGeometry) -> torch.Tensor:
     """Packed rows [B, S, N, D] -> the padded tile layout [B, P, N, D], pad rows zero."""
-    padded = geometry.padded_rows
-    out = x_BSND.new_zeros((x_BSND.shape[0], padded.shape[0], *x_BSND.shape[2:]))
-    real = padded >= 0
-    out[:, real] = x_BSND.index_select(1, padded[real])
-    return out
+    out = x_BSND.new_zeros((x_BSND.shape[0], geometry.padded_len, *x_BSND.shape[2:]))
+    return out.index_copy_(1, geometry.row_slot, x_BSND)  # a scatter by each row's slot: no host sync
 
 
 def from_tiles(x_BPND: torch.Tensor, geometry: VsaGeometry) -> torch.Tensor:
@@ -118,10 +115,11 @@ def vsa_attention(q_BSND, k_BSND, v_BSND, gate_BSND, geometry: VsaGeometry, spar
     over the padded tiles. The coarse branch runs in both."""
     q_t, k_t, v_t = (to_tiles(x, geometry) for x in (q_BSND, k_BSND, v_BSND))
     scores = tile_scores(pool_tiles(q_t, geometry), pool_tiles(k_t, geometry))
-    index, sparse_G = route_tiles(scores, geometry.num_prefix_tiles, sparsity) if sparsity > 0 else (None, None)
-    if index is None or not bool(sparse_G.any()):
+    Gv = geometry.num_video_tiles
+    if sparsity == 0 or vsa_topk(sparsity, Gv) == Gv:  # every tile kept: the dense attention, the same softmax
         out, kept = dense_fn(q_BSND, k_BSND, v_BSND), 1.0
     else:
+        index, sparse_G = route_tiles(scores, geometry.num_prefix_tiles, sparsity)
         out_t = block_fn(q_t, k_t, v_t, index, sparse_G, geometry.sizes.to(q_t.device))
         out, kept = from_tiles(out_t, geometry), kept_pairs(index.shape[-1], geometry)
     del q_t, k_t
