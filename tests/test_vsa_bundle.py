@@ -19,14 +19,14 @@ from h3trt.build.config import BuildConfig, Profile
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
-from h3trt.engines.manifest import VsaRecord, read_manifest
+from h3trt.engines.manifest import read_manifest
 from h3trt.errors import UserError
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import write_tiny_vsa_checkpoint
-from h3trt.models.vsa_plan import VsaRun, VsaSettings
+from h3trt.models.vsa_plan import VsaRun, VsaServing, VsaSettings
 
 from conftest import BUNDLE_STEPS
 from helpers import dit_inputs
@@ -35,7 +35,7 @@ pytestmark = pytest.mark.build
 
 REL_TOL = 1e-5
 VSA_FLAGS = ("--vsa-sparsity", "0.5", "--vsa-dense-first-steps", "1", "--vsa-dense-layers", "1")
-SETTINGS = VsaSettings(0.5, 1, (1,))
+SERVING = VsaServing(VsaSettings(0.5, 1, (1,)), "reference")
 CANVAS = ("--width", "160", "--height", "96")  # the bundle's one profile (built from a path: not the tiny default)
 
 
@@ -57,7 +57,7 @@ def vsa_bundle(vsa_root, tmp_path_factory):
 
 def test_manifest_records_vsa_and_the_halves_only(vsa_bundle):
     m = read_manifest(vsa_bundle)
-    assert m.model_config.vsa_gate and m.vsa == VsaRecord(0.5, 1, (1,), "reference")
+    assert m.model_config.vsa_gate and m.vsa == SERVING
     dit_segments = {n for n in m.segments if not n.startswith(("video_decoder", "audio_decoder"))}
     assert dit_segments == {"embed", "block_pre", "block_post", "final"}
     assert "attn.to_gate_compress.weight" in m.segments["block_pre"]["weights"]
@@ -66,13 +66,13 @@ def test_manifest_records_vsa_and_the_halves_only(vsa_bundle):
 
 def test_engine_matches_the_eager_vsa_dit(vsa_bundle, vsa_root):
     engine = Engine.load(vsa_bundle, "cpu")
-    assert engine.dit.vsa == SETTINGS and engine.dit.vsa_kernel == "reference"
-    eager = EagerDiT(load_dit(vsa_root, "t2va", torch.float32)[0], vsa=SETTINGS, vsa_kernel="reference")
+    assert engine.dit.vsa == SERVING
+    eager = EagerDiT(load_dit(vsa_root, "t2va", torch.float32)[0], vsa=SERVING)
     layout = pack_t2va(text_tags_for(13), 37, 6, 10, 207)  # another text length than the build's example
     tv, ta = Schedule(BUNDLE_STEPS).timesteps()[2]
     unique_t, t_index = row_timesteps(layout, tv, ta)
     args = (*dit_inputs(layout, eager.cfg), unique_t, t_index, layout)
-    runs = [VsaRun(SETTINGS, "reference") for _ in range(2)]
+    runs = [VsaRun(SERVING) for _ in range(2)]
     outputs = {0: [], 1: []}
     with torch.no_grad(), no_compile():
         for evaluation in range(2):  # the first dense (the coarse branch kept), the second sparse but block 1
@@ -100,7 +100,7 @@ def test_a_served_clip_runs_vsa_and_says_so(vsa_bundle, tmp_path, tiny_cache):
 def test_a_sparse_attention_request_is_refused(vsa_bundle, h3trt, tmp_path):
     code, err = h3trt("run", "--engine", str(vsa_bundle), "--prompt", "a fox", "--quiet", "--steps",
                       str(BUNDLE_STEPS), *CANVAS, "--sparse-attention", "0.5", "--output", str(tmp_path / "x.mp4"))
-    assert code == 2 and len(err) == 1 and "this bundle is FastH3-VSA" in err[0], err
+    assert code == 2 and len(err) == 1 and "this model is FastH3-VSA" in err[0], err
 
 
 def test_build_refusals(vsa_root, tiny_root, tmp_path):

@@ -24,7 +24,7 @@ from h3trt.models.config import NUM_MODALITIES, H3Config
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.vsa import vsa_reference
-from h3trt.models.vsa_plan import VsaRun, VsaSettings, vsa_settings
+from h3trt.models.vsa_plan import VsaRun, VsaServing, VsaSettings, vsa_settings
 from h3trt.models.vsa_tiles import layout_geometry
 from h3trt.parallel.ulysses import forward_sp
 
@@ -111,8 +111,8 @@ def test_eager_dit_matches_the_definition_per_evaluation_and_layer(keyframes):
     video, audio, text = dit_inputs(lay, CFG, seed=1)
     unique_t, t_index = row_timesteps(lay, 0.4, 0.7)
     settings = vsa_settings(0.6, 1, (2,), CFG.num_layers)
-    run = VsaRun(settings, "reference")
-    dit = EagerDiT(model, vsa=settings, vsa_kernel="reference")
+    run = VsaRun(VsaServing(settings, "reference"))
+    dit = EagerDiT(model, vsa=VsaServing(settings, "reference"))
     with torch.no_grad():
         outs = []
         for evaluation in range(2):
@@ -161,7 +161,7 @@ def _worker(rank, world, store, out_dir):
         unique_t, t_index = row_timesteps(lay, 0.4, 0.7)
         settings = vsa_settings(0.6, 0, (1,), CFG.num_layers)
         for runner in ("sp", "one"):
-            run = VsaRun(settings, "reference")
+            run = VsaRun(VsaServing(settings, "reference"))
             run.next_evaluation()
             with torch.no_grad():
                 if runner == "sp":
@@ -182,3 +182,29 @@ def test_sp2_matches_sp1(tmp_path):
     for rank in range(2):
         errors = json.loads((tmp_path / f"rank{rank}.json").read_text())
         assert max(errors) <= REL_TOL, f"rank {rank}: relative errors {errors}"
+
+
+# ---- calibration -----------------------------------------------------------------------------------------------------
+
+def test_calibration_trajectories_attend_with_vsa(tiny_root, tmp_path):
+    """An fp8 build calibrates a FastH3-VSA model on trajectories that attend as it serves: VSA at its settings, the
+    calibration's core as the dense attention (here: only the first, dense step calls it, once per block)."""
+    from h3trt.calibration.trajectories import trajectory_forward
+    from h3trt.models.dit import sdpa_attention
+    from h3trt.models.tiny import write_tiny_vsa_checkpoint
+
+    root = write_tiny_vsa_checkpoint(tiny_root, tmp_path / "vsa")
+    model, source = load_dit(root, "t2va", torch.float32)
+    dense_calls = []
+
+    def core(q, k, v):
+        dense_calls.append(q.shape[1])
+        return sdpa_attention(q, k, v)
+
+    forward = trajectory_forward(model, source.component_root, ["a fox"], 3, 160, 96, 5.0, (12.0, 3.0),
+                                 log=lambda m: None, vsa=VsaServing(VsaSettings(0.5, 1, ()), "reference"))
+    forward(core)  # 2 evaluations: the first dense, the second sparse
+    assert len(dense_calls) == model.cfg.num_layers
+    with pytest.raises(ValueError, match="VsaRun"):
+        trajectory_forward(model, source.component_root, ["a fox"], 3, 160, 96, 5.0, (12.0, 3.0),
+                           log=lambda m: None)(core)

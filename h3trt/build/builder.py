@@ -31,7 +31,7 @@ from ..calibration.build import block_weight_sets, calibrate_dit
 from ..calibration.recipe import QuantRecipe
 from ..calibration.vae_fp8 import EXECUTION as VAE_FP8_EXECUTION
 from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord, ScheduleRecord, SparseRecord,
-                                VideoDecoderRecord, VsaRecord, device_arch, hash_threads, runtime_versions, sha256_file,
+                                VideoDecoderRecord, device_arch, hash_threads, runtime_versions, sha256_file,
                                 write_manifest)
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
@@ -39,6 +39,7 @@ from ..models.checkpoint import TransformerSource, load_dit
 from ..models.dit import H3DiT
 from ..models.lora import merge_loras
 from ..models.sampler import Schedule
+from ..models.vsa_plan import VsaServing
 from .adaln import bake_tables, schedule_timesteps
 from .backends import compile_segment
 from .check import check_in_fresh_process
@@ -141,9 +142,10 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     if recipe is None:
         return Calibration(None, None)
     trt = config.backend == "tensorrt"
+    vsa = _vsa_record(config, plan)
     recipe, quant = calibrate_dit(dit.model, recipe, dit.source.component_root, config.calib_prompts,
                                   config.profiles[0], (dit.schedules[0].video_shift, dit.schedules[0].audio_shift),
-                                  keep_modelopt_quantizers=trt, log=log)
+                                  keep_modelopt_quantizers=trt, log=log, vsa=vsa)
     if trt:
         return Calibration(None, {**quant, "execution": config.precision.spec.trt_execution})
     return Calibration(recipe, quant)
@@ -288,11 +290,10 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         vsa=_vsa_record(config, plan))
 
 
-def _vsa_record(config: BuildConfig, plan: BuildPlan) -> VsaRecord | None:
+def _vsa_record(config: BuildConfig, plan: BuildPlan) -> VsaServing | None:
     if plan.vsa_kernel is None:
         return None
-    s = config.vsa(plan.model_cfg.num_layers)
-    return VsaRecord(s.sparsity, s.dense_first_steps, s.dense_layers, plan.vsa_kernel)
+    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel)
 
 
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:

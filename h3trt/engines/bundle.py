@@ -15,7 +15,6 @@ import torch.nn.functional as F
 
 # Imported to register h3trt::attention and h3trt::fp8_sdpa, which compiled blocks call by name.
 from ..calibration.fp8_attention import check_attention_kernel
-from ..errors import UserError
 from ..models.attention import bound_attention, check_attention_record, dense_kernel
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import layer_attention, rope_inv_freq, rope_tables, sdpa_attention
@@ -25,7 +24,7 @@ from ..models.lora_slots import ADALN_TARGET, LoraRun, LoraSlots, lora_delta
 from ..models.sparse_kernels import check_sparse_kernel
 from ..models.sparse_run import load_sparse_kernel, warm_sparse
 from ..models.vsa_kernels import vsa_kernel_problem
-from ..models.vsa_plan import VsaSettings, load_vsa_kernel, vsa_call
+from ..models.vsa_plan import VsaServing, load_vsa_kernel, vsa_call
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
@@ -52,13 +51,13 @@ class EngineDiT:
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
                  sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None,
-                 vsa: VsaSettings | None = None, vsa_kernel: str | None = None):
+                 vsa: VsaServing | None = None):
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
         bundle that has them beside its fused block); None: none. `lora_slots`: the banks of a bundle built with
-        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take. `vsa`
-        and `vsa_kernel`: a FastH3-VSA bundle's settings and kernel (its manifest's, warmed at load)."""
+        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take. `vsa`: a
+        FastH3-VSA bundle's settings and kernel (its manifest's, warmed at load)."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
-        self.vsa, self.vsa_kernel = vsa, vsa_kernel
+        self.vsa = vsa
         self.halves = "block_pre" in entries and "block_post" in entries
         if sparse_kernel is not None and not self.halves:
             raise ValueError("a bundle without the block halves serves no sparse attention (its compiled block "
@@ -272,8 +271,8 @@ def check_load(root: Path, manifest: Manifest, device: torch.device, mesh=None) 
         if manifest.sparse is not None:
             check_sparse_kernel(manifest.sparse.kernel, device)
         if manifest.vsa is not None and vsa_kernel_problem(manifest.vsa.kernel, device) is not None:
-            raise UserError(f"{vsa_kernel_problem(manifest.vsa.kernel, device)} (this FastH3-VSA bundle serves the "
-                            f"{manifest.vsa.kernel} VSA kernel: serve it where it was built, or rebuild it here)")
+            raise ValueError(f"{vsa_kernel_problem(manifest.vsa.kernel, device)} (this FastH3-VSA bundle serves the "
+                             f"{manifest.vsa.kernel} VSA kernel: serve it where it was built, or rebuild it here)")
     except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
         raise BundleError(f"{root}: {e}") from e
     problems = structure_problems(root, manifest)
@@ -328,12 +327,12 @@ def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegmen
     adaln = adaln_runner(manifest, weights.pop(_adaln_file(manifest)), cfg, device)
     sharded = manifest.mesh.sp > 1
     t_sparse = time.perf_counter()
-    vsa, vsa_kernel = manifest.vsa, None
+    vsa = manifest.vsa
     if vsa is None:
         sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
     else:  # a FastH3-VSA bundle: VSA's kernel, warmed now; no SubBlock sparse attention (pipeline refuses it)
-        vsa_kernel = load_vsa_kernel(device, cfg.num_heads // manifest.mesh.sp, cfg.head_dim,
-                                     manifest.precision.spec.dtype, vsa.kernel)
+        load_vsa_kernel(device, cfg.num_heads // manifest.mesh.sp, cfg.head_dim, manifest.precision.spec.dtype,
+                        vsa.kernel)
         sparse_kernel, sparse_problem = None, None
     marks["sparse_s"] = time.perf_counter() - t_sparse
     slots = manifest.lora_slots  # --lora-slots: the banks are allocated here, zeros until an adapter loads
@@ -341,7 +340,7 @@ def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegmen
                             slots.targets) if slots is not None else None)
     dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
                     quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel,
-                    lora_slots, vsa.settings() if vsa is not None else None, vsa_kernel)
+                    lora_slots, vsa)
     dit.sparse_problem = sparse_problem
     return dit
 

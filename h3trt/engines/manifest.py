@@ -29,9 +29,7 @@ from ..models.lora_slots import BLOCK_TARGETS
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from ..models.sparse_kernels import SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings
-from ..models.vsa_kernels import VSA_KERNELS
-from ..models.vsa_plan import VsaSettings
-from ..models.vsa_tiles import VSA_TILE_ROWS
+from ..models.vsa_plan import VsaServing
 from .schedules import ScheduleRecord, schedule_refusal
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
@@ -111,22 +109,6 @@ class SparseRecord:
 
 
 @dataclass(frozen=True)
-class VsaRecord:
-    """A FastH3-VSA bundle (its blocks carry attn.to_gate_compress): the VSA settings it serves (models/vsa_plan.py)
-    and the kernel, chosen and compiled on the build device and compiled again by every load."""
-
-    sparsity: float  # the share of video key tiles skipped per (head, video query tile)
-    dense_first_steps: int  # the leading denoise steps run dense (the coarse branch kept)
-    dense_layers: tuple[int, ...]  # main blocks run dense in every step
-    kernel: str  # one of models/vsa_kernels.py VSA_KERNELS
-    tile: int = VSA_TILE_ROWS  # rows of a tile: (4, 4, 4) video tiles, 64-row prefix chunks
-    segments: str = "block_pre (q, k, v and the gate) + block_post around VSA, in every evaluation"
-
-    def settings(self) -> VsaSettings:
-        return VsaSettings(self.sparsity, self.dense_first_steps, self.dense_layers)
-
-
-@dataclass(frozen=True)
 class LoraSlotsRecord:
     """--lora-slots N --lora-max-rank R: N slots of rank <= R on `targets` of every block; the banks are not stored."""
 
@@ -175,7 +157,7 @@ class Manifest:
     tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
     sparse: SparseRecord | None = None  # --sparse-attention: the default settings and the kernel; None: not built so
     lora_slots: LoraSlotsRecord | None = None  # --lora-slots: per-request adapters; None (older bundles too): none
-    vsa: VsaRecord | None = None  # a FastH3-VSA bundle: its VSA settings and kernel; None: no VSA model
+    vsa: VsaServing | None = None  # a FastH3-VSA bundle: its VSA settings and kernel; None: no VSA model
     # Filled by write_manifest, from the files and the content:
     files: dict[str, FileRecord] = field(default_factory=dict)
     hash_chunk_bytes: int = HASH_CHUNK_BYTES
@@ -216,7 +198,7 @@ class Manifest:
         if self.lora_slots is not None:
             data["lora_slots"] = asdict(self.lora_slots)
         if self.vsa is not None:
-            data["vsa"] = {**asdict(self.vsa), "dense_layers": list(self.vsa.dense_layers)}
+            data["vsa"] = self.vsa.to_dict()
         if len(self.schedules) > 1:
             data["schedules"] = [asdict(s) for s in self.schedules]
         return data
@@ -260,7 +242,7 @@ class Manifest:
             loras=tuple(top.get("loras", list, optional=True) or ()),
             tensorrt=top.get("tensorrt", dict, optional=True), sparse=_sparse_record(top),
             lora_slots=_lora_slots_record(top.sub("lora_slots")) if top.data.get("lora_slots") else None,
-            vsa=_vsa_record(top.sub("vsa")) if top.data.get("vsa") is not None else None,
+            vsa=_vsa_record(top) if top.data.get("vsa") is not None else None,
             files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
             hash_chunk_bytes=top.positive("hash_chunk_bytes"), manifest_sha256=top.get("manifest_sha256", str))
         if (manifest.vsa is not None) != manifest.model_config.vsa_gate:
@@ -282,17 +264,11 @@ def _sparse_record(top: "_Fields") -> SparseRecord | None:
     return record
 
 
-def _vsa_record(r: "_Fields") -> VsaRecord:
-    layers = r.get("dense_layers", list)
-    record = VsaRecord(r.get("sparsity", float), r.get("dense_first_steps", int),
-                       tuple(layers) if all(isinstance(x, int) and not isinstance(x, bool) for x in layers) else (),
-                       r.choice("kernel", VSA_KERNELS), r.positive("tile"),
-                       r.get("segments", str, optional=True) or VsaRecord.segments)
-    if not 0.0 <= record.sparsity < 1.0 or record.dense_first_steps < 0 or len(record.dense_layers) != len(layers) \
-            or record.tile != VSA_TILE_ROWS:
-        raise r.error("sparsity", f"a fraction in [0, 1) with dense_first_steps >= 0, whole dense_layers and tile "
-                                  f"{VSA_TILE_ROWS}")
-    return record
+def _vsa_record(top: "_Fields") -> VsaServing:
+    try:
+        return VsaServing.from_dict(top.get("vsa", dict))
+    except ValueError as e:
+        raise top.error("vsa", f"a FastH3-VSA bundle's settings and kernel ({e})") from None
 
 
 def _lora_slots_record(r: "_Fields") -> LoraSlotsRecord:

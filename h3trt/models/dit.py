@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from .config import NUM_MODALITIES, NUM_MODULATION_PARAMS, H3Config
 from .block_stack import RowSharding, run_block_stack
 from .step_cache import CacheContext
-from .vsa_plan import VsaSettings, vsa_call
+from .vsa_plan import VsaServing, vsa_call
 
 # Prefixes whose weights the released checkpoint stores in float32 (VideoX-Fun MINIMAX_H3_FP32_SOURCE_PREFIXES);
 # everything else is bfloat16, AdaLN included.
@@ -115,14 +115,13 @@ def timestep_sinusoid(timesteps_T: torch.Tensor, freq_dim: int) -> torch.Tensor:
 
 class Attention(nn.Module):
     def __init__(self, cfg: H3Config, gate: bool = False):
-        """`gate`: the FastH3-VSA main block's `to_gate_compress` (hidden -> N * D, no bias, no activation): VSA's
-        coarse-branch gate, computed from the same modulated input as q/k/v (Block.pre_attention)."""
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.inner_dim, bias=False)  # rows [q; k; v]
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.inner_dim, cfg.hidden_size, bias=False)
+        # `gate`: a FastH3-VSA main block's VSA coarse-branch gate (no bias, no activation; Block.pre_attention)
         self.to_gate_compress = nn.Linear(cfg.hidden_size, cfg.inner_dim, bias=False) if gate else None
 
     def qkv(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
@@ -410,11 +409,9 @@ class EagerDiT:
 
     sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
-    def __init__(self, model: H3DiT, sparse_kernel: str | None = None, vsa: VsaSettings | None = None,
-                 vsa_kernel: str | None = None):
-        """`vsa`, `vsa_kernel`: a FastH3-VSA model's settings and the VSA kernel it serves (models/vsa_plan.py)."""
-        self.model, self.cfg, self.sparse_kernel = model, model.cfg, sparse_kernel
-        self.vsa, self.vsa_kernel = vsa, vsa_kernel
+    def __init__(self, model: H3DiT, sparse_kernel: str | None = None, vsa: VsaServing | None = None):
+        """`vsa`: a FastH3-VSA model's settings and kernel (models/vsa_plan.py)."""
+        self.model, self.cfg, self.sparse_kernel, self.vsa = model, model.cfg, sparse_kernel, vsa
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None, sparse=None, lora=None):
         """video [B, V, C], audio [B, A, C_audio], text [B, L, C_text], unique_t [T], t_index [S] -> the velocities

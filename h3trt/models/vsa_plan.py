@@ -42,6 +42,26 @@ class VsaSettings:
                 "dense_layers": list(self.dense_layers)}
 
 
+@dataclass(frozen=True)
+class VsaServing:
+    """What a FastH3-VSA engine serves: its settings and the kernel chosen for its device, compiled at load (a
+    bundle's manifest records it as `vsa`)."""
+
+    settings: VsaSettings
+    kernel: str  # one of models/vsa_kernels.py VSA_KERNELS
+
+    def to_dict(self) -> dict:
+        return {**self.settings.to_dict(), "kernel": self.kernel}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "VsaServing":
+        """From `to_dict`'s object; ValueError (UserError) names what is wrong."""
+        if not isinstance(data, dict) or data.get("kernel") not in VSA_KERNELS:
+            raise ValueError(f"a VSA record has a kernel, one of {list(VSA_KERNELS)}; got {data!r}.")
+        return cls(vsa_settings(data.get("sparsity"), data.get("dense_first_steps"), data.get("dense_layers")),
+                   data["kernel"])
+
+
 def vsa_settings(sparsity: float | None = None, dense_first_steps: int | None = None,
                  dense_layers: tuple[int, ...] | list[int] | None = None, num_layers: int | None = None) -> VsaSettings:
     """Checked settings from stated values (None: the default); UserError names the flag and what it takes."""
@@ -93,8 +113,8 @@ class VsaRun:
     whose `layer(i)` is main block i's core over (q, k, v, gate) [B, S, N, D]. Under Ulysses it runs after the
     exchange on this rank's heads (every rank routes its own)."""
 
-    def __init__(self, settings: VsaSettings, kernel: str):
-        self.settings, self.kernel = settings, kernel
+    def __init__(self, serving: VsaServing):
+        self.settings, self.kernel = serving.settings, serving.kernel
         self.evaluation = -1
         self.sparse_evaluations: list[int] = []
         self._kept = self._calls = 0.0
@@ -146,6 +166,21 @@ class VsaCall:
             return out
 
         return attend
+
+
+def request_vsa_run(serving: VsaServing, subblock_asked: bool) -> VsaRun:
+    """A request's VsaRun on a FastH3-VSA model (refuse_subblock first)."""
+    refuse_subblock(serving, subblock_asked)
+    return VsaRun(serving)
+
+
+def refuse_subblock(serving: VsaServing, subblock_asked: bool) -> None:
+    """A request that asks a FastH3-VSA model for SubBlock's sparse attention: one line naming the fix."""
+    if subblock_asked:
+        raise UserError(f"this model is FastH3-VSA: its attention is VSA at its settings (sparsity "
+                        f"{serving.settings.sparsity:g}), and SubBlock's sparse_attention does not apply to it. "
+                        "Drop it (VSA's sparsity is set at build: h3trt build --vsa-sparsity).",
+                        field="sparse_attention")
 
 
 def vsa_call(run, layout: PackedLayout, dense_fn) -> VsaCall:

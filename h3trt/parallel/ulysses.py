@@ -18,7 +18,7 @@ import torch.nn.functional as F
 
 from ..models.dit import AttentionFn, H3DiT, layer_attention, sdpa_attention
 from ..models.packing import PackedLayout
-from ..models.vsa_plan import VsaSettings, vsa_call
+from ..models.vsa_plan import VsaServing, vsa_call
 
 
 def padded_length(seq_len: int, sp: int) -> int:
@@ -167,10 +167,9 @@ class UlyssesDiT:
 
     sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
-    def __init__(self, model: H3DiT, group, sparse_kernel: str | None = None, vsa: VsaSettings | None = None,
-                 vsa_kernel: str | None = None):
+    def __init__(self, model: H3DiT, group, sparse_kernel: str | None = None, vsa: VsaServing | None = None):
         self.model, self.cfg, self.group, self.sparse_kernel = model, model.cfg, group, sparse_kernel
-        self.vsa, self.vsa_kernel = vsa, vsa_kernel  # a FastH3-VSA model's (models/vsa_plan.py)
+        self.vsa = vsa  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py)
 
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None,
                  lora=None):

@@ -29,7 +29,7 @@ from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_
 from ..models.sparse_kernels import sparse_block
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.sparse_run import SparseRun
-from ..models.vsa_plan import VsaRun
+from ..models.vsa_plan import VsaRun, request_vsa_run
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
@@ -117,16 +117,10 @@ class H3Pipeline:
                                                loras, serve_adapters), device, canvas, cfg_group)
 
     def new_sparse_run(self, request: Request) -> SparseRun | VsaRun | None:
-        """A request's block-sparse attention over its evaluations, or None when it asks for none (dense). A
-        FastH3-VSA model runs VSA in every request (its VsaRun, at the model's settings)."""
+        """A request's block-sparse attention over its evaluations (a FastH3-VSA model's VSA: every request), or None."""
         settings = request_sparse_settings(request)
-        vsa = getattr(self.dit, "vsa", None)
-        if vsa is not None:
-            if settings.enabled:
-                raise UserError("this model is FastH3-VSA: its attention is VSA at the bundle's settings (sparsity "
-                                f"{vsa.sparsity:g}), and SubBlock's --sparse-attention does not apply to it. Drop "
-                                "--sparse-attention (set VSA's sparsity at build: h3trt build --vsa-sparsity).")
-            return VsaRun(vsa, self.dit.vsa_kernel)
+        if getattr(self.dit, "vsa", None) is not None:  # a FastH3-VSA model: VSA, never SubBlock
+            return request_vsa_run(self.dit.vsa, settings.enabled)
         if not settings.enabled:
             return None
         kernel = getattr(self.dit, "sparse_kernel", None)

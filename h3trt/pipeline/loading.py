@@ -27,7 +27,7 @@ from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
-from ..models.vsa_plan import VsaSettings, load_vsa_kernel
+from ..models.vsa_plan import VsaServing, VsaSettings, load_vsa_kernel
 from ..parallel.ulysses import UlyssesDiT
 from .adapters import AdapterSpec, ResidentAdapters, SlotShape
 from .records import ColdStart, process_started_unix, torch_bytecode
@@ -148,15 +148,12 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     shifts = source.shifts
     sp = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     heads = model.cfg.num_heads // sp
-    vsa = VsaSettings() if model.cfg.vsa_gate else None  # FastH3-VSA: VSA every evaluation, FastH3 v1's settings
-    if vsa is not None:  # its kernel warmed now; no SubBlock sparse attention beside it
+    if model.cfg.vsa_gate:  # FastH3-VSA: VSA every evaluation at FastH3 v1's settings, its kernel warmed now
         kernel, sparse_problem = None, None
-        vsa_kernel = load_vsa_kernel(device, heads, model.cfg.head_dim, dtype)
+        vsa = VsaServing(VsaSettings(), load_vsa_kernel(device, heads, model.cfg.head_dim, dtype))
     else:
-        kernel, sparse_problem = load_sparse_kernel(device, heads, model.cfg.head_dim, dtype)
-        vsa_kernel = None
-    dit = (UlyssesDiT(model, sp_group, kernel, vsa, vsa_kernel) if sp_group is not None
-           else EagerDiT(model, kernel, vsa, vsa_kernel))
+        (kernel, sparse_problem), vsa = load_sparse_kernel(device, heads, model.cfg.head_dim, dtype), None
+    dit = UlyssesDiT(model, sp_group, kernel, vsa) if sp_group is not None else EagerDiT(model, kernel, vsa)
     dit.sparse_problem = sparse_problem
     resident = (ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device, lora_slots)
                 if adapters or lora_slots is not None else None)
