@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from bench_common import ROOT, median_ms, rel_err, write_json  # noqa: E402  (first: puts this checkout on sys.path)
+from bench_common import ROOT, record_row, rel_err, write_json  # noqa: E402  (first: puts this checkout on sys.path)
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_sparse import _fp8_rows, structured_qk  # noqa: E402
@@ -71,14 +71,7 @@ def run(args) -> dict:
     t0 = time.perf_counter()
 
     def row(name, fn):
-        try:
-            ms[name] = median_ms(fn, device, args.iters, args.warmup)
-            print(f"[{time.perf_counter() - t0:6.1f} s] {name:30s} {ms[name]:9.3f} ms", flush=True)
-        except Exception as e:  # one kernel failing is a row of the report, never the end of the run
-            skipped[name] = f"{type(e).__name__}: {e}"[:800]
-            print(f"[{time.perf_counter() - t0:6.1f} s] {name:30s} failed: {skipped[name]}", flush=True)
-            traceback.print_exc()
-        write_json(args.json, result)
+        record_row(result, name, fn, device, args.iters, args.warmup, args.json, t0)
 
     def skip(name, why):
         skipped[name] = why
@@ -179,12 +172,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--json", type=Path, default=None, help="write the results here (rewritten after every row)")
     p.add_argument("--tiny", action="store_true", help="CPU, small shape, reference/flex only (checks the script)")
-    p.add_argument("--iters", type=int, default=None, help="timed calls per row (default 7; 2 with --tiny)")
-    p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2; 1 with --tiny)")
-    args = p.parse_args()
-    args.iters = args.iters or (2 if args.tiny else 7)
-    args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
-    run(args)
+    p.add_argument("--iters", type=int, default=7, help="timed calls per row, the median reported (default 7)")
+    p.add_argument("--warmup", type=int, default=2, help="untimed calls before them (default 2)")
+    run(p.parse_args())
     return 0
 
 
