@@ -11,6 +11,7 @@ DiT. The tiny canvas (160x96, 5 s) has 37 x 3 x 5 video rows: 20 video tiles, ra
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from h3trt.build.config import BuildConfig, Profile
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
-from h3trt.engines.manifest import read_manifest
+from h3trt.engines.manifest import BundleError, Manifest, read_manifest
 from h3trt.errors import UserError
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
@@ -62,6 +63,15 @@ def test_manifest_records_vsa_and_the_halves_only(vsa_bundle):
     assert dit_segments == {"embed", "block_pre", "block_post", "final"}
     assert "attn.to_gate_compress.weight" in m.segments["block_pre"]["weights"]
     assert "attn.to_gate_compress.weight" not in m.segments["block_post"]["weights"]
+
+
+def test_manifest_vsa_record_is_checked(vsa_bundle):
+    data = json.loads((vsa_bundle / "manifest.json").read_text())
+    assert Manifest.from_dict(data).vsa == SERVING
+    for bad in ({**data, "vsa": None}, {**data, "vsa": {**data["vsa"], "sparsity": 1.5}},
+                {**data, "vsa": {**data["vsa"], "kernel": "tk"}}, {**data, "vsa": {**data["vsa"], "dense_layers": [-1]}}):
+        with pytest.raises(BundleError, match="'vsa'"):
+            Manifest.from_dict(bad)
 
 
 def test_engine_matches_the_eager_vsa_dit(vsa_bundle, vsa_root):
@@ -113,3 +123,47 @@ def test_build_refusals(vsa_root, tiny_root, tmp_path):
         config(vsa_root, sparse_attention=0.5).check_vsa(True)
     with pytest.raises(UserError, match="--vsa-sparsity"):
         config(vsa_root, vsa_sparsity=1.5)
+
+
+@pytest.fixture(scope="module")
+def vsa_sp2_bundle(vsa_root, tmp_path_factory):
+    out = tmp_path_factory.mktemp("vsa_sp2") / "bundle"
+    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", str(vsa_root), "--output", str(out),
+                           "--precision", "fp32", "--device", "cpu", "--profile", "160x96x5", "--steps",
+                           str(BUNDLE_STEPS), "--sp", "2", *VSA_FLAGS], capture_output=True, text=True, timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+def _sp2_rank(rank, world, store, bundle, root, out):
+    from h3trt.parallel.launch import init_rank
+    from h3trt.parallel.mesh import MeshConfig, build_mesh
+
+    init_rank(rank, world, store, "cpu")
+    par = build_mesh(MeshConfig(sp=2), "cpu", world, 2)
+    engine = Engine.load(bundle, "cpu", par.config, par.sp_group)
+    eager = EagerDiT(load_dit(root, "t2va", torch.float32)[0], vsa=SERVING)
+    layout = pack_t2va(text_tags_for(8), 37, 6, 10, 23, keyframes=("first",))  # 8 + 15 + 46 + 555 rows: odd, padded
+    args = (*dit_inputs(layout, eager.cfg), *row_timesteps(layout, 0.6, 0.8), layout)
+    errors = []
+    runs = [VsaRun(SERVING) for _ in range(2)]
+    with torch.no_grad():
+        for _ in range(2):  # the first evaluation dense (the coarse branch kept), the second sparse but block 1
+            outputs = []
+            for dit, run in zip((engine.dit, eager), runs):
+                run.next_evaluation()
+                outputs.append(dit(*args, sparse=run))
+            errors += [((a - b).norm() / b.norm()).item() for a, b in zip(*outputs)]
+    (Path(out) / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "report": runs[0].report()}))
+
+
+def test_sp2_bundle_exchanges_the_gate_and_matches_eager(vsa_sp2_bundle, vsa_root, tmp_path):
+    """The sp=2 halves: block_pre's send buffer holds q, k, v and the gate ([2, 4, ...]); each rank routes its head."""
+    from h3trt.parallel.launch import launch
+
+    assert read_manifest(vsa_sp2_bundle).vsa == SERVING
+    launch(_sp2_rank, 2, (vsa_sp2_bundle, vsa_root, tmp_path))
+    for rank in range(2):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert max(result["errors"]) <= REL_TOL, f"rank {rank}: {result['errors']}"
+        assert result["report"]["sparse_evaluations"] == [1]

@@ -97,13 +97,12 @@ def plan_build(config: BuildConfig, log=print) -> BuildPlan:
 
 
 def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype, log) -> str:
-    """The VSA kernel of a FastH3-VSA bundle: the device's default (fa4 on sm_90 where it loads, flex on another
-    CUDA GPU, reference on the CPU), compiled once here at one rank's heads (a kernel that does not run here fails
-    the build, not the first request)."""
-    from ..models.vsa_plan import load_vsa_kernel
+    """The VSA kernel of a FastH3-VSA bundle: the first of fa4, flex, reference that compiles here at one rank's
+    heads (the ones left out logged with why); every load compiles it again."""
+    from ..models.vsa_plan import choose_vsa_kernel
 
     heads = model_cfg.num_heads // config.sp
-    kernel = load_vsa_kernel(device, heads, model_cfg.head_dim, dtype)
+    kernel = choose_vsa_kernel(device, heads, model_cfg.head_dim, dtype, log)
     s = config.vsa(model_cfg.num_layers)
     log(f"VSA (FastH3-VSA checkpoint): the {kernel} kernel, {heads} heads per rank, sparsity {s.sparsity:g}, first "
         f"{s.dense_first_steps} steps dense, dense blocks {list(s.dense_layers) or 'none'}")

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 from .sparse_kernels import FA4_FIX, FA4_MODULE, REFERENCE_MASK_BYTES, fa4_modules, kept_block_mask
 from .vsa_tiles import VSA_TILE_ROWS
 
-VSA_KERNELS = ("reference", "flex", "fa4")
+VSA_KERNELS = ("reference", "flex", "fa4")  # slowest first: the choice tries them from the end
 FA4_MASKS_MODULE = "flash_attn.cute.mask_definitions"  # FA4's FlexAttention-style masks (cute_document_mask)
 
 

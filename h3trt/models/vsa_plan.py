@@ -82,28 +82,31 @@ def vsa_settings(sparsity: float | None = None, dense_first_steps: int | None = 
     return VsaSettings(float(sparsity), first, tuple(sorted(layers)))
 
 
-def default_vsa_kernel(device) -> str:
-    """fa4 where it loads on an sm_90+ GPU, else flex on a CUDA GPU, else reference: chosen once, then recorded."""
-    for kernel in ("fa4", "flex"):
-        if vsa_kernel_problem(kernel, device) is None:
-            return kernel
-    return "reference"
+def choose_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, log=None) -> str:
+    """The first of fa4, flex, reference (in that order: fastest first) that loads and compiles on `device` for
+    `heads` heads (warm_vsa_kernel): chosen once, then recorded (a bundle's manifest) and never swapped. `log` gets
+    one line naming each kernel left out and why."""
+    for kernel in VSA_KERNELS[::-1]:
+        try:
+            return load_vsa_kernel(device, heads, head_dim, dtype, kernel)
+        except UserError as e:
+            if log is not None:
+                log(f"VSA kernel {kernel} left out: {e}")
+    raise AssertionError("the reference VSA kernel runs on every device")
 
 
-def load_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, kernel: str | None = None) -> str:
-    """The VSA kernel a loaded model serves (`kernel`, or the device's default), compiled now (warm_vsa_kernel) so
-    that no request compiles it. A FastH3-VSA model cannot run without one: a kernel that does not compile here is
-    a UserError naming it, not a substitute."""
-    kernel = kernel or default_vsa_kernel(device)
+def load_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, kernel: str) -> str:
+    """`kernel`, compiled now (warm_vsa_kernel) so that no request compiles it. A FastH3-VSA model cannot run
+    without its kernel: one that does not load or compile here is a UserError naming it and why, not a substitute."""
     if kernel not in VSA_KERNELS:
         raise UserError(f"VSA kernels are {VSA_KERNELS}, got {kernel!r}.")
     try:
         warm_vsa_kernel(kernel, device, heads, head_dim, dtype)
     except Exception as e:  # noqa: BLE001 - the model runs VSA in every evaluation: no kernel, no model
         first = str(e).splitlines()[0] if str(e) else ""
-        raise UserError(f"the {kernel} VSA kernel does not run on {device} ({type(e).__name__}: {first}); a "
-                        "FastH3-VSA model needs one. Install FlashAttention-4 (pip install 'h3trt[fa4]') on an "
-                        "sm_90 GPU, or serve it on the CPU (the reference kernel).") from e
+        raise UserError(f"the {kernel} VSA kernel does not run on {device} ({type(e).__name__}: {first}); "
+                        "FlashAttention-4 (pip install 'h3trt[fa4]') gives fa4 on sm_90+, FlexAttention flex on any "
+                        "CUDA GPU, reference runs anywhere.") from e
     return kernel
 
 
