@@ -18,8 +18,9 @@ is not installed, or fails, is a row of `skipped` with why):
   vsa_<kernel>_<s>_kernel_only  the block-sparse kernel alone, on pre-tiled q/k/v and a fixed routing
   vsa_routing_<s>               everything but the kernel (the routing's and the coarse branch's cost)
   vsa_dense_s0                  sparsity 0 (a dense-first step): the dense kernel + the coarse branch
-Checks: each VSA row's output on 2 heads against the same VSA with the reference kernel (masked SDPA over the
-padded tiles, fp32 softmax), relative error; `ratio_to_fp8_dense` = VSA ms / the faster FP8 dense ms.
+Checks: `ragged_check_rel_err`, each kernel's whole VSA on a small ragged geometry (bf16) against the definition in
+fp32 (models/vsa.py vsa_reference); each VSA row's output on 2 heads at H3's shape against the same VSA with the
+reference kernel (masked SDPA over the padded tiles); `ratio_to_fp8_dense` = VSA ms / the faster FP8 dense ms.
 first_call_at_new_length_s: the fa4 VSA kernel's first call at a second canvas (does it recompile per length?).
 With --tiny (CPU): reference and flex (unfused) kernels only, perf_counter timings: it checks the script runs.
 """
@@ -78,11 +79,12 @@ def run(args) -> dict:
         print(f"{name:30s} skipped: {why}", flush=True)
         write_json(args.json, result)
 
+    _ragged_check(result, kernels_of(args), N, D, device, args)
     q, k = structured_qk(S, N, D, device, dtype)
     g = torch.Generator().manual_seed(1)
     v, gate = (torch.randn(1, S, N, D, generator=g).to(device, dtype) for _ in range(2))
     dense = _dense_rows(q, k, v, device, row, skip)
-    kernels = ("reference", "flex") if args.tiny else ("fa4", "flex")
+    kernels = kernels_of(args)
     for sparsity in (0.9, 0.8):
         result["kept_video_tiles"][str(sparsity)] = vsa_topk(sparsity, geo.num_video_tiles)
         _vsa_rows(result, row, skip, q, k, v, gate, geo, sparsity, kernels, dense, device)
@@ -95,6 +97,34 @@ def run(args) -> dict:
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     write_json(args.json, result)
     return result
+
+
+def kernels_of(args) -> tuple[str, ...]:
+    return ("reference", "flex") if args.tiny else ("fa4", "flex")
+
+
+def _ragged_check(result, kernels, N, D, device, args):
+    """Each kernel on a small ragged geometry (partial text and audio chunks, tiles ragged on every video axis)
+    against the definition (models/vsa.py vsa_reference, fp32): the error of the whole VSA attention, before any
+    timing."""
+    from h3trt.models.vsa import vsa_reference
+    from h3trt.models.vsa_tiles import tile_geometry
+
+    geo = tile_geometry((70, 0, 20), (5, 3, 6)).to(device)
+    g = torch.Generator().manual_seed(2)
+    q, k, v, gate = (torch.randn(1, geo.seq_len, N, D, generator=g).to(device, torch.bfloat16) for _ in range(4))
+    want = vsa_reference(*(x.cpu() for x in (q, k, v, gate)), geo.to("cpu"), 0.6)
+    checks = result["ragged_check_rel_err"] = {}
+    for kernel in kernels:
+        try:
+            with torch.no_grad():
+                got, _ = vsa_attention(q, k, v, gate, geo, 0.6, lambda *a, kernel=kernel: vsa_block_attention(
+                    *a, kernel), lambda a, b, c: attention(a, b, c, "sdpa"))
+            checks[kernel] = round(rel_err(got.cpu(), want), 6)
+        except Exception as e:  # noqa: BLE001 - reported; the timed rows say the same kernel failed
+            checks[kernel] = f"{type(e).__name__}: {e}"[:800]
+        print(f"ragged check {kernel}: {checks[kernel]}", flush=True)
+    write_json(args.json, result)
 
 
 def _dense_rows(q, k, v, device, row, skip):

@@ -144,7 +144,7 @@ def _sp2_rank(rank, world, store, bundle, root, out):
     engine = Engine.load(bundle, "cpu", par.config, par.sp_group)
     eager = EagerDiT(load_dit(root, "t2va", torch.float32)[0], vsa=SERVING)
     layout = pack_t2va(text_tags_for(8), 37, 6, 10, 23, keyframes=("first",))  # 8 + 15 + 46 + 555 rows: odd, padded
-    args = (*dit_inputs(layout, eager.cfg), *row_timesteps(layout, 0.6, 0.8), layout)
+    args = (*dit_inputs(layout, eager.cfg), *row_timesteps(layout, *Schedule(BUNDLE_STEPS).timesteps()[1]), layout)
     errors = []
     runs = [VsaRun(SERVING) for _ in range(2)]
     with torch.no_grad():
