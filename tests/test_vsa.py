@@ -212,3 +212,52 @@ def test_kernel_table():
     assert VSA_KERNELS == ("reference", "flex", "fa4")
     assert vsa_kernel_problem("reference", "cpu") is None
     assert "CUDA" in vsa_kernel_problem("fa4", "cpu") and "CUDA" in vsa_kernel_problem("flex", "cpu")
+
+
+def test_fa4_plumbing_against_a_stand_in(monkeypatch):
+    """The fa4 kernel's call (FA4 itself needs an sm_90 GPU: scripts/bench_vsa.py checks it there): a stand-in
+    `_flash_attn_fwd` applies FA4's block-sparse contract in torch (full blocks as they are, mask blocks through the
+    mask_mod, each list ascending and disjoint) with the mask_mod's rule on the aux tensor (n >= threshold[n]); the
+    result must be the definition's."""
+    import sys
+    import types
+
+    from h3trt.models import vsa_kernels
+
+    calls = []
+
+    class BlockSparseTensorsTorch:
+        def __init__(self, mask_block_cnt, mask_block_idx, full_block_cnt, full_block_idx, block_size):
+            self.__dict__.update(locals())
+
+    def _flash_attn_fwd(q, k, v, tile_mn, block_sparse_tensors, mask_mod, aux_tensors):
+        t, (threshold,) = block_sparse_tensors, aux_tensors
+        assert tile_mn == t.block_size == (64, 64) and mask_mod == "real-keys"
+        B, P, N, _ = q.shape
+        allowed = torch.zeros(B, N, P // 64, P, dtype=torch.bool)
+        for b, n, g in torch.cartesian_prod(*(torch.arange(s) for s in t.full_block_cnt.shape)).tolist():
+            full = t.full_block_idx[b, n, g, :t.full_block_cnt[b, n, g]].long()
+            part = t.mask_block_idx[b, n, g, :t.mask_block_cnt[b, n, g]].long()
+            for blocks in (full, part):
+                assert bool((blocks[1:] > blocks[:-1]).all())
+            assert not set(full.tolist()) & set(part.tolist())
+            cols = torch.arange(P).view(-1, 64)
+            allowed[b, n, g, cols[full].reshape(-1)] = True
+            real = cols[part].reshape(-1)
+            allowed[b, n, g, real[real >= threshold[real].long()]] = True
+        calls.append(int(t.mask_block_cnt.sum()))
+        mask = allowed.repeat_interleave(64, 2)
+        out = torch.nn.functional.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2),
+                                                               v.transpose(1, 2), attn_mask=mask)
+        return out.transpose(1, 2), None
+
+    interface = types.SimpleNamespace(_flash_attn_fwd=_flash_attn_fwd)
+    sparsity = types.SimpleNamespace(BlockSparseTensorsTorch=BlockSparseTensorsTorch)
+    monkeypatch.setattr(vsa_kernels, "fa4_modules", lambda: (interface, BlockSparseTensorsTorch))
+    monkeypatch.setattr(vsa_kernels, "_fa4_real_keys", lambda: "real-keys")
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.block_sparsity", sparsity)
+    geo = tile_geometry((70, 0, 20), (5, 3, 6))
+    q, k, v, gate = qkvg(1, geo.seq_len, 2, 16, seed=4)
+    out, _ = vsa_attention(q, k, v, gate, geo, 0.6, lambda *a: vsa_block_attention(*a, "fa4"), sdpa_dense)
+    torch.testing.assert_close(out, vsa_reference(q, k, v, gate, geo, 0.6), rtol=1e-5, atol=1e-5)
+    assert calls and calls[0] > 0  # ragged tiles went as mask blocks

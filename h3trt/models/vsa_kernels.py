@@ -9,9 +9,9 @@ Kernels, chosen once per engine and recorded, never swapped behind the user's ba
              mask_mod that reads the real-row table (on the CPU flex's unfused implementation, in CI; on CUDA the
              Inductor kernel, compiled at load).
   fa4        FlashAttention-4's block-sparse forward at 64 x 64 (models/sparse_kernels.py's path): full tiles as
-             full blocks, ragged tiles as mask blocks under FA4's own document mask (flash_attn.cute.mask_definitions
-             `cute_document_mask`): a padded position's document is 1 where it is padding and 0 where it is a real
-             row, so a real query row (document 0) never attends a pad key. CUDA sm_90+, where FA4 loads.
+             full blocks, ragged tiles as mask blocks under a mask_mod (CuTe DSL, `_fa4_real_keys`) that keeps a key
+             position where it holds a real row (the form of FA4's own aux-tensor masks; its signature is
+             flash-attn-4 4.0.0b36's: batch, head, q, kv, seqlen_info, aux_tensors). CUDA sm_90+, where FA4 loads.
 A Triton path (the FP8 block-sparse kernel of issue 46, models/sparse_fp8_triton.py on its branch) needs a per-key-
 block row count to serve VSA; until it takes one, VSA on a GPU runs fa4 or flex.
 
@@ -30,7 +30,7 @@ from .sparse_kernels import FA4_FIX, FA4_MODULE, REFERENCE_MASK_BYTES, fa4_modul
 from .vsa_tiles import VSA_TILE_ROWS
 
 VSA_KERNELS = ("reference", "flex", "fa4")  # slowest first: the choice tries them from the end
-FA4_MASKS_MODULE = "flash_attn.cute.mask_definitions"  # FA4's FlexAttention-style masks (cute_document_mask)
+FA4_CUTE_MODULE = "cutlass.cute"  # the CuTe DSL FA4 compiles a mask_mod with (nvidia-cutlass-dsl, FA4's dependency)
 
 
 def vsa_kernel_problem(kernel: str, device) -> str | None:
@@ -46,7 +46,7 @@ def vsa_kernel_problem(kernel: str, device) -> str | None:
         major, minor = torch.cuda.get_device_capability(device)
         if major < 9:
             return f"the fa4 VSA kernel runs on sm_90 and newer; this GPU is sm_{major}{minor}."
-        for module in (FA4_MODULE, FA4_MASKS_MODULE):
+        for module in (FA4_MODULE, FA4_CUTE_MODULE):
             try:
                 importlib.import_module(module)
             except (ImportError, OSError) as e:
@@ -148,19 +148,35 @@ def flex_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G, co
     return out.transpose(1, 2).contiguous()
 
 
+@functools.cache
+def _fa4_real_keys():
+    """The fa4 kernel's mask_mod: key position n attends where n >= threshold[n], threshold (int32 [P], the one aux
+    tensor) being n at a real row and P at a pad row. Built at first use: the CuTe DSL imports with FA4 only."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils
+
+    @cute.jit
+    def real_keys(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        threshold = utils.scalar_to_ssa(aux_tensors[0][n_idx[0]], cutlass.Int32)
+        return n_idx >= threshold
+
+    return real_keys
+
+
 def fa4_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G) -> torch.Tensor:
-    """FA4's 64 x 64 block-sparse forward: full tiles as full blocks, ragged tiles as mask blocks under FA4's
-    document mask (module docstring)."""
+    """FA4's 64 x 64 block-sparse forward: full tiles as full blocks, ragged tiles as mask blocks under
+    `_fa4_real_keys` (module docstring)."""
     interface, BlockSparseTensorsTorch = fa4_modules()
-    masks = importlib.import_module(FA4_MASKS_MODULE)
-    B, P, N, _ = q_BPND.shape
+    P = q_BPND.shape[1]
     full_cnt, full_idx, part_cnt, part_idx = _block_tables(index_BNGT, sparse_G, sizes_G)
     tensors = BlockSparseTensorsTorch(mask_block_cnt=part_cnt, mask_block_idx=part_idx, full_block_cnt=full_cnt,
                                       full_block_idx=full_idx, block_size=(VSA_TILE_ROWS, VSA_TILE_ROWS))
-    document = (~key_valid(sizes_G)).to(torch.int32).view(1, 1, P).expand(B, N, P).contiguous()
+    positions = torch.arange(P, device=q_BPND.device, dtype=torch.int32)
+    threshold = torch.where(key_valid(sizes_G), positions, P).to(torch.int32).contiguous()
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BPND, k_BPND, v_BPND))
     out = interface._flash_attn_fwd(q, k, v, tile_mn=(VSA_TILE_ROWS, VSA_TILE_ROWS), block_sparse_tensors=tensors,
-                                    mask_mod=masks.cute_document_mask, aux_tensors=[document])
+                                    mask_mod=_fa4_real_keys(), aux_tensors=[threshold])
     out = out[0] if isinstance(out, tuple) else out
     return out.contiguous()
 
