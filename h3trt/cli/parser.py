@@ -313,6 +313,14 @@ def _build_parser(sub) -> None:
                         help="with --sparse-attention: the default of the first N denoise steps kept dense (10)")
     sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
                         help="with --sparse-attention: the default of the shortest attention made sparse (4096)")
+    vsa = p.add_argument_group("FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; README, 'VSA')")
+    vsa.add_argument("--vsa-sparsity", type=float, metavar="S",
+                     help="share of video key tiles each video query tile skips, 0 <= s < 1 (default 0.9, FastH3 "
+                          "v1's; 0: dense attention, the coarse branch kept). Recorded in the manifest")
+    vsa.add_argument("--vsa-dense-first-steps", type=int, metavar="N",
+                     help="the first N denoise steps run dense (default 0)")
+    vsa.add_argument("--vsa-dense-layers", type=int, nargs="+", metavar="I",
+                     help="main blocks that run dense in every step (default: none)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
     p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
                                                             "`h3trt keygen KEY` makes one), writing manifest.sig")

@@ -29,6 +29,7 @@ from ..models.lora_slots import BLOCK_TARGETS
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from ..models.sparse_kernels import SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings
+from ..models.vsa_plan import VsaServing
 from .schedules import ScheduleRecord, schedule_refusal
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
@@ -156,6 +157,7 @@ class Manifest:
     tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
     sparse: SparseRecord | None = None  # --sparse-attention: the default settings and the kernel; None: not built so
     lora_slots: LoraSlotsRecord | None = None  # --lora-slots: per-request adapters; None (older bundles too): none
+    vsa: VsaServing | None = None  # a FastH3-VSA bundle: its VSA settings and kernel; None: no VSA model
     # Filled by write_manifest, from the files and the content:
     files: dict[str, FileRecord] = field(default_factory=dict)
     hash_chunk_bytes: int = HASH_CHUNK_BYTES
@@ -195,6 +197,8 @@ class Manifest:
             data["sparse"] = asdict(self.sparse)
         if self.lora_slots is not None:
             data["lora_slots"] = asdict(self.lora_slots)
+        if self.vsa is not None:
+            data["vsa"] = self.vsa.to_dict()
         if len(self.schedules) > 1:
             data["schedules"] = [asdict(s) for s in self.schedules]
         return data
@@ -238,8 +242,11 @@ class Manifest:
             loras=tuple(top.get("loras", list, optional=True) or ()),
             tensorrt=top.get("tensorrt", dict, optional=True), sparse=_sparse_record(top),
             lora_slots=_lora_slots_record(top.sub("lora_slots")) if top.data.get("lora_slots") else None,
+            vsa=_vsa_record(top) if top.data.get("vsa") is not None else None,
             files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
             hash_chunk_bytes=top.positive("hash_chunk_bytes"), manifest_sha256=top.get("manifest_sha256", str))
+        if (manifest.vsa is not None) != manifest.model_config.vsa_gate:
+            raise top.error("vsa", "present exactly when model_config.vsa_gate is true (a FastH3-VSA bundle)")
         if manifest.backend == "tensorrt" and manifest.tensorrt is None:
             raise top.error("tensorrt", "an object (a tensorrt bundle records its plans' flavour and targets)")
         return manifest
@@ -255,6 +262,13 @@ def _sparse_record(top: "_Fields") -> SparseRecord | None:
     if not 0.0 <= record.sparsity < 1.0 or record.dense_steps < 0:
         raise sparse.error("sparsity", "a fraction in [0, 1) with dense_steps >= 0")
     return record
+
+
+def _vsa_record(top: "_Fields") -> VsaServing:
+    try:
+        return VsaServing.from_dict(top.get("vsa", dict))
+    except ValueError as e:
+        raise top.error("vsa", f"a FastH3-VSA bundle's settings and kernel ({e})") from None
 
 
 def _lora_slots_record(r: "_Fields") -> LoraSlotsRecord:
