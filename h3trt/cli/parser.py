@@ -303,6 +303,14 @@ def _build_parser(sub) -> None:
                                                      "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
     p.add_argument("--cfg", type=positive, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
+    _build_attention_arguments(p)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
+                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
+
+
+def _build_attention_arguments(p) -> None:
+    """build's sparse attention: SubBlock's block-sparse serving, or a FastH3-VSA checkpoint's VSA settings."""
     sparse = p.add_argument_group("block-sparse attention (README, 'Block-sparse attention')")
     sparse.add_argument("--sparse-attention", type=float, metavar="SPARSITY",
                         help="serve block-sparse attention: compile the block's two halves around it (sp=1) and the "
@@ -321,9 +329,6 @@ def _build_parser(sub) -> None:
                      help="the first N denoise steps run dense (default 0)")
     vsa.add_argument("--vsa-dense-layers", type=int, nargs="+", metavar="I",
                      help="main blocks that run dense in every step (default: none)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
-    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
-                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
 
 
 def _schedule_arguments(p) -> None:

@@ -1,5 +1,6 @@
-"""The bundle manifest: what was built, for what, and the sha256 of every chunk of every file; and the check of a
-request against it (the checks of its files are bundle_files.py's, the device and mesh checks of a load bundle.py's).
+"""The bundle manifest: what was built, for what, and the sha256 of every chunk of every file (the check of a request
+against it is request_check.py's, the checks of its files bundle_files.py's, the device and mesh checks of a load
+bundle.py's).
 
 Files are hashed in chunks of `hash_chunk_bytes` (64 MiB), each with its own sha256, so that a load verifies a file
 on as many cores as it reads it with, while it reads it (`weights_io.read_safetensors`), instead of one core
@@ -30,7 +31,7 @@ from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from ..models.sparse_kernels import SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings
 from ..models.vsa_plan import VsaServing
-from .schedules import ScheduleRecord, schedule_refusal
+from .schedules import ScheduleRecord
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
 # 2: the video decoder as in/block/out segments at a recorded --vae-precision; 3: the manifest carries
@@ -439,22 +440,3 @@ def bundle_identity(manifest: Manifest) -> dict:
     files = hashlib.sha256(json.dumps(manifest.raw["files"], sort_keys=True).encode()).hexdigest()
     return {"backend": manifest.backend, "precision": manifest.precision, "files_sha256": files,
             "manifest_sha256": manifest.manifest_sha256}
-
-
-def check_request(manifest: Manifest, width: int, height: int, num_frames: int, steps: int, video_shift: float,
-                  audio_shift: float, task: str, schedule_field: str = "steps", schedule_note: str = "") -> None:
-    """Refuse a request the bundle was not built to serve, naming what it serves; a schedule it does not serve is
-    about `schedule_field`, the request's words on where it came from in `schedule_note`."""
-    if task not in manifest.tasks:
-        raise BundleError(f"This bundle serves {list(manifest.tasks)}, not {task}; build one from the "
-                          f"{'Ref2VA' if task == 'ref2va' else 'FL2VA'} partition (h3trt build --task {task}).",
-                          field="task")
-    profiles = manifest.profiles
-    if not any(p.width == width and p.height == height and p.num_frames == num_frames for p in profiles):
-        built = ", ".join(f"{p.width}x{p.height}x{p.seconds:g}s" for p in profiles)
-        raise BundleError(f"This bundle was not built for {width}x{height}, {num_frames} frames; its profiles are "
-                          f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:.4g}.",
-                          field="resolution")
-    refusal = schedule_refusal(manifest.schedules, steps, video_shift, audio_shift, schedule_note)
-    if manifest.adaln.baked and refusal:
-        raise BundleError(refusal, field=schedule_field)

@@ -398,8 +398,7 @@ class H3Pipeline:
 
 
 def lora_kwargs(lora) -> dict:
-    """The runner's `lora` argument where a request has adapters; none at all otherwise (a bundle's runner takes
-    none, and a request without adapters calls the runner exactly as before they existed)."""
+    """The runner's `lora` argument where a request has adapters; none at all otherwise (the plain runner's call)."""
     return {"lora": lora} if lora is not None else {}
 
 

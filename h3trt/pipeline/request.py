@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..engines.manifest import Manifest, check_request
+from ..engines.manifest import Manifest
+from ..engines.request_check import check_request
 from ..errors import UserError, about
 from ..media.inputs import MediaError, read_audio, read_image, read_video
 from ..models.checkpoint import check_component_files
@@ -339,7 +340,7 @@ def _tokenizer(tokenizer_dir: Path):
 
 
 def check_bundle_serves(manifest: Manifest, prepared: Prepared) -> None:
-    """Refuse a request a bundle was not built for (task, canvas, schedule: engines/manifest.py check_request), its
+    """Refuse a request a bundle was not built for (task, canvas, schedule: engines/request_check.py), its
     schedule resolved with the bundle's shifts as the pipeline resolves it. Admission (jobs/admission.py) asks it
     before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (pipeline/loading.py)."""
     req, geo, baked = prepared.request, prepared.geometry, manifest.schedule
