@@ -74,7 +74,7 @@ def test_fasth3_every_key_kind_matches_the_hand_merge(base, tmp_path):
     assert {"diff", "diff_b", "weight"} <= kinds  # .diff, .diff_b and the lora_A/lora_B pairs all present
     assert any("ff.net.0.proj.lora_B" in k for k in tensors) and any("norm_out.norm.diff" == k for k in tensors)
     assert record["family"] == "fasth3" and record["low_rank_tensors"] == int(fasth3_header(tensors, 4)[
-        "low_rank_tensors"]) and distilled.tasks == ("t2va",)
+        "low_rank_tensors"]) and distilled.serving.tasks == ("t2va",)
     assert record["schedule"]["rungs"] == [0.999, 0.749, 0.5, 0.25]
 
 

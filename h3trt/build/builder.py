@@ -2,7 +2,7 @@
 
   0. plan: every check that needs no model (plan.py); then the output is claimed: locked, its leftovers removed, its
      free space checked against the bundle's estimated size (output.py)
-  1. load: the DiT of the task's partition, with the --lora files merged into it
+  1. load: the DiT of the task's partition, with the --lora files merged into it and the --distilled file fused
   2. calibrate: fp8 / nvfp4 through ModelOpt on real trajectories of this model, blocks quantized in place
   3. bake: the segment weights (safetensors) and the AdaLN tables (or adaln_proj kept with --keep-adaln)
   4. compile: embed / block / final once each (one block serves every layer: its weights are inputs) and the video
@@ -37,7 +37,10 @@ from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
 from ..models.checkpoint import TransformerSource, load_dit
 from ..models.dit import H3DiT
+from ..models.distilled import Distilled, load_distilled
+from ..models.distilled_merge import merge_distilled
 from ..models.lora import merge_loras
+from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX
 from ..models.sampler import Schedule
 from .adaln import bake_tables, schedule_timesteps
 from .backends import compile_segment
@@ -66,6 +69,7 @@ class LoadedDiT:
     schedules: tuple[Schedule, ...]  # --steps and the shifts (the checkpoint's unless given); the first: the default
     loras: tuple[dict, ...]  # what merge_loras merged: the manifest's record
     seconds: float
+    distilled: Distilled | None = None  # the --distilled file fused into the model (PDD: its heads per forward)
 
 
 @dataclass(frozen=True)
@@ -129,7 +133,12 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     for r in loras:
         log(f"merged LoRA {r['file']} x {r['scale']:g} into {r['partition']} ({r['modules']} modules, "
             f"{r['layout']}, {r['alpha']})")
-    return LoadedDiT(model, source, schedules, tuple(loras), seconds)
+    distilled = load_distilled(config.distilled, model.cfg, config.task) if config.distilled is not None else None
+    if distilled is not None:  # in fp32, one rounding per parameter, before calibration and baking
+        record = merge_distilled(model, distilled)
+        log(f"fused {record['family']} {record['file']} ({record['parameters']} parameters, {record['scale']}); "
+            f"schedule {record['schedule']}")
+    return LoadedDiT(model, source, schedules, tuple(loras), seconds, distilled)
 
 
 def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Calibration:
@@ -153,6 +162,8 @@ def bake(config: BuildConfig, dit: LoadedDiT, calibration: Calibration, work: Pa
     """3. The segments' weights, and the AdaLN tables for the schedules (or the adaln_proj weights, --keep-adaln)."""
     model = dit.model
     weights = _weights(model, calibration.recipe)
+    if dit.distilled is not None and dit.distilled.heads is not None:  # PDD: one fused head per forward
+        weights["final"].update({f"{PDD_PREFIX}{name}": dit.distilled.heads[name] for name in HEAD_WEIGHTS})
     sizes = {name: write_safetensors(work / "weights" / f"{name}.safetensors", weights[name])
              for name in ("embed", "blocks", "final")}
     if config.keep_adaln:
@@ -284,7 +295,8 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         attention={p: c.to_dict() for p, c in plan.attention.items()}, vae_precision=config.vae.name,
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
-        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots)
+        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots,
+        distilled=dit.distilled.record() if dit.distilled is not None else None)
 
 
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:

@@ -19,6 +19,8 @@ from ..models.attention import bound_attention, check_attention_record, dense_ke
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.packing import PackedLayout
+from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX, StepHeads
+from ..models.sampler import Schedule
 from ..models.block_stack import run_block_stack
 from ..models.lora_slots import ADALN_TARGET, LoraRun, LoraSlots, lora_delta
 from ..models.sparse_kernels import check_sparse_kernel
@@ -47,10 +49,13 @@ class EngineDiT:
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
-                 sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None):
+                 sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None,
+                 final_heads: StepHeads | None = None):
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
         bundle that has them beside its fused block); None: none. `lora_slots`: the banks of a bundle built with
-        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take."""
+        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take.
+        `final_heads`: a PDD bundle's fused head per forward (models/pdd.py), given to the final segment in place of
+        its own for the evaluation's forward."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.halves = "block_pre" in entries and "block_post" in entries
         if sparse_kernel is not None and not self.halves:
@@ -65,7 +70,9 @@ class EngineDiT:
         self.block_w = {name: [[weights["blocks"][f"blocks.{i}.{n}"]
                                 for n in entries[serving.get(name, [name] * cfg.num_layers)[i]]["weights"]]
                                for i in range(cfg.num_layers)] for name in block_segments}
-        self.final_w = [weights["final"][n] for n in entries["final"]["weights"]]
+        self.final_names = entries["final"]["weights"]
+        self.final_w = [weights["final"][n] for n in self.final_names]
+        self.final_heads = final_heads
         self.lora_slots = lora_slots
         if lora_slots is not None:  # each layer's twin with adapters, and its banks in the twin's order
             self.lora_segments = [f"{name}_lora" for name in self.layer_segments]
@@ -110,8 +117,12 @@ class EngineDiT:
         else:  # dense: the fused block, its attention (FP8 attention in an fp8 bundle) inside it
             block_fn = self._block(rows, temb)
         x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), cache, shard)
+        final_w = self.final_w
+        if self.final_heads is not None:  # PDD: this forward's fused head (chosen on the device: no sync)
+            chosen = self.final_heads.select(self.final_heads.index(unique_t, t_index, layout.video_index))
+            final_w = [chosen.get(n, w) for n, w in zip(self.final_names, self.final_w)]
         return self.segments["final"](x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
-                                      layout.audio_index, *self.final_w)
+                                      layout.audio_index, *final_w)
 
     def _bound_attention(self, scales: list[torch.Tensor]):
         segment = self.segments["attention"]
@@ -322,9 +333,19 @@ def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegmen
                             slots.targets) if slots is not None else None)
     dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
                     quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel,
-                    lora_slots)
+                    lora_slots, _final_heads(manifest, weights["final"], device))
     dit.sparse_problem = sparse_problem
     return dit
+
+
+def _final_heads(manifest: Manifest, final: dict[str, torch.Tensor], device) -> StepHeads | None:
+    """A PDD bundle's heads per forward, keyed by the video timestep of each forward of its one schedule."""
+    if not any(name.startswith(PDD_PREFIX) for name in final):
+        return None
+    s = manifest.schedule
+    video_t = torch.tensor([tv for tv, _ in Schedule(s.steps, s.video_shift, s.audio_shift, s.rungs).timesteps()],
+                           dtype=torch.float32)
+    return StepHeads(video_t, {n: final[PDD_PREFIX + n] for n in HEAD_WEIGHTS}).to(device)
 
 
 def _load_report(manifest: Manifest, verification: "BundleVerification", marks: dict) -> dict:

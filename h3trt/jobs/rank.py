@@ -56,6 +56,7 @@ class WorkerSpec:
     lora_slots: SlotShape | None = None  # an eager DiT's adapter slots (None: one per adapter, of their largest rank;
     # a bundle's are its own)
     trust: str | None = None  # --trust: the public key a bundle must be signed with
+    distilled: object = None  # a DistilledSpec fused into an eager DiT on every rank (a bundle carries its own)
     raise_failures: bool = False  # one clip in this process: a failure propagates with its own type and traceback
 
     @property
@@ -84,7 +85,7 @@ def load_rank_pipeline(spec: WorkerSpec, par: Parallel, device: torch.device, ta
                                       serve_adapters=spec.lora_slots is not None)
     return H3Pipeline.load(Path(spec.model_root), task or spec.task, device, spec.canvas, spec.vae_precision,
                            loras=spec.loras, sp_group=par.sp_group, cfg_group=par.cfg_group, adapters=spec.adapters,
-                           lora_slots=spec.lora_slots)
+                           lora_slots=spec.lora_slots, distilled=spec.distilled)
 
 
 class Pipelines:

@@ -113,23 +113,25 @@ def detect_family(path: Path, header: dict[str, str], keys: list[str]) -> str:
 
 @dataclass
 class Distilled:
-    """A distilled file read for one model and task: its family, fusion, schedule and the tasks it serves."""
+    """A distilled file read for one model and task: what it serves (`serving`: family, schedule, tasks), its fusion,
+    and PDD's fused heads."""
 
     spec: DistilledSpec
-    family: str
+    serving: "DistilledServing"
     fusion: Fusion
-    plan: FamilySchedule
-    tasks: tuple[str, ...]
-    heads: dict | None = None  # PDD: the fused heads per forward (pdd.fused_step_heads), for plan.schedule
+    heads: dict | None = None  # PDD: the fused heads per forward (pdd.fused_step_heads), for the served schedule
+
+    @property
+    def family(self) -> str:
+        return self.serving.family
+
+    @property
+    def plan(self) -> FamilySchedule:
+        return self.serving.plan
 
     def record(self) -> dict:
         """The manifest's and every clip record's `distilled` entry."""
-        return {"family": self.family, **self.fusion.record(), "spec": self.spec.to_json(),
-                "schedule": schedule_json(self.plan.schedule), "tasks": list(self.tasks),
-                "vsa": None}  # the VSA settings (issue 47 item 4) are recorded here once VSA serves them
-
-    def serving(self) -> "DistilledServing":
-        return DistilledServing(self.family, self.plan, self.tasks)
+        return {**self.serving.record(), **self.fusion.record(), "spec": self.spec.to_json()}
 
 
 def schedule_json(schedule: Schedule) -> dict:
@@ -137,22 +139,39 @@ def schedule_json(schedule: Schedule) -> dict:
             "rungs": list(schedule.rungs) if schedule.rungs is not None else None}
 
 
-def load_distilled(spec: DistilledSpec, cfg: H3Config, task: str) -> Distilled:
-    """Read `spec`'s file for a model of `cfg` serving `task`'s partition: the family detected (or named), the file
-    read into a Fusion, the schedule resolved, every mismatch refused in one line."""
+def plan_distilled(spec: DistilledSpec, task: str | None = None) -> "DistilledServing":
+    """What `spec`'s file serves, from its header (a Turbo file with no schedule of its own: its sha256 too), no
+    tensor read: the family detected (or named), its schedule, its tasks; `task` (None: not checked here) refused
+    when the file does not serve it."""
     header, keys = read_header(spec.path)
     family = spec.family or detect_family(spec.path, header, keys)
     _refuse_keys(spec, family)
     if family == "fasth3":
-        fusion = read_fasth3(spec.path, cfg, header)
-        distilled = Distilled(spec, family, fusion, fasth3_schedule(FASTH3_V1_RUNGS, grid=spec.grid or "rungs"),
-                              ("t2va",))
+        serving = DistilledServing("fasth3", fasth3_schedule(FASTH3_V1_RUNGS, grid=spec.grid or "rungs"), ("t2va",))
     elif family == "pdd":
-        distilled = _load_pdd(spec, cfg, header)
+        forwards = (spec.steps or 9) - 1
+        if forwards not in PDD_BLOCKS:
+            raise DistilledError(f"--distilled {spec.path}@steps={forwards + 1}: PDD runs 4, 6 or 8 forwards (steps 5, "
+                                 "7 or 9); other counts give noise.")
+        serving = DistilledServing("pdd", pdd_schedule(forwards), ("t2va", "fl2va", "ref2va"))
     else:
-        distilled = _load_turbo(spec, cfg, task, header)
-    check_task(distilled.family, distilled.tasks, task, spec.path)
-    return distilled
+        steps, shifts = _turbo_schedule(spec, header)
+        ref = any(k.startswith(f"{REF2VA_COMPONENT}.") for k in keys)
+        serving = DistilledServing("turbo", turbo_schedule(steps, shifts), ("ref2va",) if ref else tuple(TASK_COMPONENTS))
+    if task is not None:
+        check_task(serving.family, serving.tasks, task, spec.path)
+    return serving
+
+
+def load_distilled(spec: DistilledSpec, cfg: H3Config, task: str) -> Distilled:
+    """Read `spec`'s file for a model of `cfg` serving `task`'s partition (plan_distilled, then its tensors)."""
+    serving = plan_distilled(spec, task)
+    header, _ = read_header(spec.path)
+    if serving.family == "fasth3":
+        return Distilled(spec, serving, read_fasth3(spec.path, cfg, header))
+    if serving.family == "pdd":
+        return _load_pdd(spec, serving, cfg, header)
+    return Distilled(spec, serving, _turbo_fusion(spec, cfg, task))
 
 
 _FAMILY_KEYS = {"fasth3": ("family", "grid"), "pdd": ("family", "steps"),
@@ -171,10 +190,10 @@ def check_task(family: str, tasks: tuple[str, ...], task: str, path: Path | str)
     if task not in tasks:
         partition = "Ref2VA" if TASK_COMPONENTS[task] == REF2VA_COMPONENT else "FL2VA"
         raise DistilledError(f"--distilled {path}: this {family} file serves {list(tasks)} only, not {task} "
-                             f"({partition}); build or run it with --task {tasks[0]}.")
+                             f"({partition}); build or run it with --task {tasks[0]}.", field="task")
 
 
-def _load_pdd(spec: DistilledSpec, cfg: H3Config, header: dict[str, str]) -> Distilled:
+def _load_pdd(spec: DistilledSpec, serving: "DistilledServing", cfg: H3Config, header: dict[str, str]) -> Distilled:
     from .pdd import fused_step_heads
 
     fusion = read_pdd(spec.path, cfg, header)
@@ -182,51 +201,42 @@ def _load_pdd(spec: DistilledSpec, cfg: H3Config, header: dict[str, str]) -> Dis
         raise DistilledError(f"--distilled {spec.path}: pdd_num_steps {fusion.counts['intervals']} and "
                              f"pdd_block_size {fusion.counts['block_size']}; h3trt runs the released "
                              f"{PDD_INTERVALS}-interval, block-4 heads.")
-    forwards = (spec.steps or 9) - 1
-    if forwards not in PDD_BLOCKS:
-        raise DistilledError(f"--distilled {spec.path}@steps={forwards + 1}: PDD runs 4, 6 or 8 forwards (steps 5, 7 "
-                             "or 9); other counts give noise.")
-    plan = pdd_schedule(forwards)
     for head, (weight, bias) in fusion.heads.items():
         if weight.shape[0] != PDD_INTERVALS or bias.shape[0] != PDD_INTERVALS:
             raise DistilledError(f"--distilled {spec.path}: the {head} bank holds {weight.shape[0]} heads, the header "
                                  f"{PDD_INTERVALS} intervals.")
-    heads = fused_step_heads(fusion.heads, (plan.schedule.video_shift, plan.schedule.audio_shift),
-                             PDD_BLOCKS[forwards])
-    return Distilled(spec, "pdd", fusion, plan, ("t2va", "fl2va", "ref2va"), heads)
+    schedule = serving.plan.schedule
+    heads = fused_step_heads(fusion.heads, (schedule.video_shift, schedule.audio_shift),
+                             PDD_BLOCKS[schedule.steps - 1])
+    return Distilled(spec, serving, fusion, heads)
 
 
-def _load_turbo(spec: DistilledSpec, cfg: H3Config, task: str, header: dict[str, str]) -> Distilled:
+def _turbo_fusion(spec: DistilledSpec, cfg: H3Config, task: str) -> Fusion:
     lora = read_lora(spec.path, cfg.head_dim)
-    prefix, modules = route(lora, task)
-    sha = lora.sha256
-    release = TURBO_RELEASES.get(sha)
+    _, modules = route(lora, task)
     if lora.alpha_given and spec.alpha is not None:
         raise UserError(f"--distilled {spec.path}@alpha={spec.alpha:g}: the file states its own alpha "
                         f"({lora.alpha_rule}); drop alpha.")
     if lora.alpha_given:
-        rule, scale_of = lora.alpha_rule, None
-    else:
-        alpha = spec.alpha or TURBO_DEFAULT_ALPHA
-        why = "FILE@alpha" if spec.alpha else "LightX2V's reference default, its header has none"
-        rule, scale_of = f"alpha {alpha:g} ({why}) / rank", (lambda m, a=alpha: a / m.up.shape[1])
-    fusion = lora_fusion(lora, modules, cfg, rule, scale_of)
-    steps, shifts = _turbo_schedule(spec, header, release)
-    tasks = ("ref2va",) if prefix == REF2VA_COMPONENT else tuple(TASK_COMPONENTS)
-    return Distilled(spec, "turbo", fusion, turbo_schedule(steps, shifts), tasks)
+        return lora_fusion(lora, modules, cfg, lora.alpha_rule)
+    alpha = spec.alpha or TURBO_DEFAULT_ALPHA
+    why = "FILE@alpha" if spec.alpha else "LightX2V's reference default: its header has none"
+    return lora_fusion(lora, modules, cfg, f"alpha {alpha:g} ({why}) / rank",
+                       lambda m, a=alpha: a / m.up.shape[1])
 
 
-def _turbo_schedule(spec: DistilledSpec, header: dict[str, str],
-                    release) -> tuple[int, tuple[float, float]]:
-    """The spec's values, else the header's h3trt.* metadata, else a known release's; steps and the video shift
-    must come from somewhere (LightX2V's headers state neither; where its sources conflict, the user decides)."""
+def _turbo_schedule(spec: DistilledSpec, header: dict[str, str]) -> tuple[int, tuple[float, float]]:
+    """The spec's values, else the header's h3trt.* metadata, else a known release's (by sha256); steps and the video
+    shift must come from somewhere (LightX2V's headers state neither; where its sources conflict, the user decides)."""
     stated = {k: getattr(spec, k) for k in METADATA_KEYS}
     for key, name in METADATA_KEYS.items():
         if stated[key] is None and name in header:
             stated[key] = _value(key, header[name], f"{spec.path} __metadata__ {name}")
-    if release is not None:
-        defaults = dict(zip(METADATA_KEYS, (release[1], *release[2])))
-        stated = {k: defaults[k] if v is None else v for k, v in stated.items()}
+    if stated["steps"] is None or stated["video_shift"] is None:
+        release = TURBO_RELEASES.get(sha256_of(spec.path))
+        if release is not None:
+            defaults = dict(zip(METADATA_KEYS, (release[1], *release[2])))
+            stated = {k: defaults[k] if v is None else v for k, v in stated.items()}
     if stated["steps"] is None or stated["video_shift"] is None:
         raise DistilledError(f"--distilled {spec.path}: a Turbo file's header states no schedule; state the one it was "
                              f"trained for: --distilled FILE@steps=5,video_shift=6 ({TURBO_TABLE}).")
@@ -242,6 +252,21 @@ class DistilledServing:
     plan: FamilySchedule
     tasks: tuple[str, ...]
 
+    def record(self) -> dict:
+        return {"family": self.family, "schedule": schedule_json(self.plan.schedule), "tasks": list(self.tasks),
+                "other_steps": self.plan.other_steps, "shifts_fixed": self.plan.shifts_fixed,
+                "vsa": None}  # the VSA settings (issue 47 item 4) are recorded here once VSA serves them
+
+    @classmethod
+    def from_record(cls, record: dict) -> "DistilledServing":
+        """The inverse of `record` (a bundle's manifest)."""
+        s = record["schedule"]
+        schedule = Schedule(s["steps"], s["video_shift"], s["audio_shift"],
+                            tuple(s["rungs"]) if s.get("rungs") is not None else None)
+        fix = pdd_schedule(schedule.steps - 1).fix.replace("load the file", "rebuild") if record["family"] == "pdd" else ""
+        return cls(record["family"], FamilySchedule(schedule, record["other_steps"], record["shifts_fixed"], fix),
+                   tuple(record["tasks"]))
+
     @property
     def adapters_refusal(self) -> str | None:
         """Why this model takes no LoRA per request (fused FastH3; PDD, which stacks with no other distillation)."""
@@ -250,6 +275,14 @@ class DistilledServing:
         why = "is fused into the weights" if self.family == "fasth3" else "stacks with no other LoRA or distillation"
         return (f"this model runs a {self.family} distilled checkpoint, which {why}: a LoRA per request is not "
                 "served; drop the lora field (or use a base-model bundle).")
+
+    @property
+    def merged_lora_refusal(self) -> str | None:
+        """Why no other LoRA may be merged beside this file (--lora): FastH3 and PDD stack with none."""
+        if self.family == "turbo":
+            return None
+        return (f"--lora: a {self.family} distilled checkpoint stacks with no other LoRA (vLLM-Omni and alibaba-pai "
+                "refuse it too); drop --lora, or merge the LoRA into a base-model bundle.")
 
     def check(self, task: str, guidance: float, cache: object | None) -> None:
         """Refuse a request this family cannot run (its schedule is checked by `schedule`)."""

@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 
 HEAD_WEIGHTS = ("video_out.weight", "video_out.bias", "audio_out.weight", "audio_out.bias")  # FinalLayer's names
+# A PDD bundle keeps its fused heads [F, ...] in weights/final.safetensors under these names (engines/bundle.py)
+PDD_PREFIX = "pdd."
 
 
 def interval_grid(shift: float, intervals: int) -> torch.Tensor:

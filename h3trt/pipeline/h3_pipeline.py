@@ -23,6 +23,7 @@ import torch
 from ..errors import UserError
 from ..media.output_files import DEFAULT_CRF, discard
 from ..models.audio_vae import AudioVAE
+from ..models.distilled import DistilledServing, DistilledSpec
 from ..models.lora import LoraSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
 from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
@@ -59,7 +60,8 @@ class H3Pipeline:
                  shifts: tuple[float, float], device: torch.device, canvas: CanvasDefaults = CanvasDefaults(),
                  check_request=None, cfg_group=None, loras: tuple[dict, ...] = (),
                  deferred_vaes: Deferred | None = None, load_report: ColdStart | None = None,
-                 adapters: ResidentAdapters | None = None):
+                 adapters: ResidentAdapters | None = None, distilled: DistilledServing | None = None,
+                 distilled_record: dict | None = None):
         """`deferred_vaes`: the VAEs still loading on a background thread (loading.Components), in place of the two
         (a bundle's cold start: the first denoise step needs neither); the first use waits for them and completes
         `load_report`, a bundle's cold-start split, for every record."""
@@ -72,6 +74,8 @@ class H3Pipeline:
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
         self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (models/lora.py), for every clip record
         self.adapters = adapters  # resident LoRA adapters a request picks (pipeline/adapters.py); None: none
+        # a distilled checkpoint's schedule and refusals (models/distilled.py), and its record for every clip
+        self.distilled, self.distilled_record = distilled, distilled_record
 
     def _ready_vaes(self) -> tuple[VideoVAE, AudioVAE]:
         if self._deferred_vaes is not None:
@@ -93,16 +97,19 @@ class H3Pipeline:
     def from_components(cls, parts: Components, device, canvas: CanvasDefaults = CanvasDefaults(), cfg_group=None):
         return cls(parts.dit, parts.text_encoder, parts.video_vae, parts.audio_vae, parts.shifts, device, canvas,
                    parts.check_request, cfg_group, loras=parts.loras, deferred_vaes=parts.deferred_vaes,
-                   load_report=parts.load_report, adapters=parts.adapters)
+                   load_report=parts.load_report, adapters=parts.adapters, distilled=parts.distilled,
+                   distilled_record=parts.distilled_record)
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
              vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (), sp_group=None, cfg_group=None,
-             adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None):
+             adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None,
+             distilled: DistilledSpec | None = None):
         """The eager pipeline for `task`'s partition (loading.load_checkpoint); on a mesh, this rank's Ulysses group
-        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT, in `lora_slots`."""
+        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT, in `lora_slots`;
+        `distilled` fused into it."""
         return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group, adapters,
-                                                   lora_slots), device, canvas, cfg_group)
+                                                   lora_slots, distilled), device, canvas, cfg_group)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
@@ -132,6 +139,10 @@ class H3Pipeline:
         return SparseRun(settings, kernel, sparse_block(kernel, self.device))
 
     def schedule(self, request: Request) -> Schedule:
+        """A request's schedule: its steps and shifts (the model's where it states none); a distilled model's family
+        decides its rungs and refuses what it cannot run."""
+        if self.distilled is not None:
+            return self.distilled.schedule(request.steps, request.video_shift, request.audio_shift)
         return Schedule.resolve(request.steps, request.video_shift, request.audio_shift, self.shifts)
 
     @torch.no_grad()
@@ -180,8 +191,7 @@ class H3Pipeline:
         # the process that admitted it; the one loaded here need not be that one (a server's stored job outlives the
         # process that admitted it: a restart with another --engine or --cfg takes it; a fleet's ingress and its
         # worker replicas load their models apart).
-        if self.check_request is not None:
-            self.check_request(prepared)
+        self._guard(prepared)
         if self.cfg_group is not None and req.guidance == 1.0:
             raise ValueError("This job splits guidance branches over cfg=2 rank groups, but the request has no "
                              "guidance (--guidance 1, H3's default); launch with --cfg 1 or pass --guidance > 1.")
@@ -219,13 +229,21 @@ class H3Pipeline:
             cache.gather(self.cfg_group)
         return schedule, layout, final
 
+    def _guard(self, prepared: Prepared) -> None:
+        """What the model cannot serve, asked again on the rank that runs it: a bundle's task, canvas and schedule;
+        a distilled family's task, guidance and step cache."""
+        if self.check_request is not None:
+            self.check_request(prepared)
+        if self.distilled is not None:
+            req = prepared.request
+            self.distilled.check(req.task, req.guidance, getattr(req, "cache", None))
+
     @torch.no_grad()
     def encode_request(self, prepared: Prepared, timer: StageTimer | None = None) -> Encoded:
         """Stages 1-2 and the pack of a request that will be denoised in a batch (single-branch: no guidance)."""
         req, timer = prepared.request, timer or StageTimer(self.device)
         schedule = self.schedule(req)
-        if self.check_request is not None:  # the last-line guard of denoise_request
-            self.check_request(prepared)
+        self._guard(prepared)  # the last-line guard of denoise_request
         # What a batch cannot share: a requests file batches only requests without them (run/batch.py batchable);
         # admission does not know which requests will share a batch.
         if getattr(req, "guidance", 1.0) != 1.0:
@@ -285,7 +303,8 @@ class H3Pipeline:
                 decoded: DecodeResult, timer: StageTimer) -> ClipRecord:
         return clip_record(prepared, schedule, layout, output, decoded.frames, decoded.audio_samples, timer,
                            self.device, self.video_vae, self.load_report, self.loras,
-                           self.adapters.record(prepared.request.lora) if self.adapters is not None else None)
+                           self.adapters.record(prepared.request.lora) if self.adapters is not None else None,
+                           self.distilled_record)
 
     def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:
         """Stage 2: visual condition latents and reference audio rows in packed order, and the ref2va blocks."""

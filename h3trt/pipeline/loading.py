@@ -19,6 +19,8 @@ from ..engines.bundle import Engine
 from ..engines.manifest import BundleError, read_manifest
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
+from ..models.distilled import DistilledServing, DistilledSpec, load_distilled
+from ..models.distilled_merge import StepHeadRunner, merge_distilled, step_heads
 from ..models.dit import EagerDiT
 from ..models.lora import LoraSpec, merge_loras
 from ..models.precision import eager_dtype
@@ -52,6 +54,9 @@ class Components:
     deferred_vaes: Deferred | None = None
     load_report: ColdStart | None = None  # a bundle's cold-start split, for every record
     adapters: ResidentAdapters | None = None  # resident LoRA adapters, picked per request
+    # A distilled checkpoint's: what it serves (its schedule, tasks, refusals) and its record for every clip
+    distilled: DistilledServing | None = None
+    distilled_record: dict | None = None
 
 
 class Deferred:
@@ -134,25 +139,35 @@ def _vaes(root: Path, device: torch.device, vae_precision: VAEPrecision) -> tupl
 
 def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precision: str | None = None,
                     loras: tuple[LoraSpec, ...] = (), sp_group=None,
-                    adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None) -> Components:
+                    adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None,
+                    distilled: DistilledSpec | None = None) -> Components:
     """The eager components for `task`'s partition, with `loras` merged into the DiT and `adapters` resident beside
     it, in LoRA slots of `lora_slots` (None: one slot each, of their largest rank) in the DiT's dtype;
     `vae_precision` None: bf16 on CUDA, fp32 on the CPU (VAEPrecision.default). With `sp_group` (this rank's Ulysses
-    group) the DiT runner shards its block stack over it."""
+    group) the DiT runner shards its block stack over it. `distilled`: a distilled file fused into the DiT after the
+    LoRAs (models/distilled_merge.py); the model then runs its family's schedule (its shifts are the defaults)."""
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
     dtype = eager_dtype(device)
     model, source = load_dit(model_root, task, dtype=dtype, device=device)
     records = merge_loras(model, loras, task)
     shifts = source.shifts
+    fused = load_distilled(distilled, model.cfg, task) if distilled is not None else None
+    if fused is not None:
+        merge_distilled(model, fused)
+        shifts = (fused.plan.schedule.video_shift, fused.plan.schedule.audio_shift)
     sp = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     kernel, sparse_problem = load_sparse_kernel(device, model.cfg.num_heads // sp, model.cfg.head_dim, dtype)
     dit = UlyssesDiT(model, sp_group, kernel) if sp_group is not None else EagerDiT(model, kernel)
     dit.sparse_problem = sparse_problem
+    heads = step_heads(fused, device) if fused is not None else None
+    if heads is not None:  # PDD: each forward's fused head, chosen per evaluation
+        dit = StepHeadRunner(dit, heads)
     resident = (ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device, lora_slots)
                 if adapters or lora_slots is not None else None)
     return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
-                      loras=records, adapters=resident)
+                      loras=records, adapters=resident, distilled=fused.serving if fused is not None else None,
+                      distilled_record=fused.record() if fused is not None else None)
 
 
 def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None, vae_precision: str | None = None,
@@ -206,7 +221,9 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                 if engine.dit.lora_slots is not None and (adapters or loras or serve_adapters) else None)
     return Components(engine.dit, text_encoder, None, None, (m.schedule.video_shift, m.schedule.audio_shift),
                       functools.partial(check_bundle_serves, m), loras=m.loras,
-                      deferred_vaes=deferred, load_report=split, adapters=resident)
+                      deferred_vaes=deferred, load_report=split, adapters=resident,
+                      distilled=DistilledServing.from_record(m.distilled) if m.distilled is not None else None,
+                      distilled_record=m.distilled)
 
 
 _TEXT_PARTS = ("text_encoder", "tokenizer", "processor")  # the bundle's files the text encoder loads from

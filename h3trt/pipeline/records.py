@@ -118,6 +118,8 @@ class ClipRecord:
     peak_memory_gib: dict | None = None  # CUDA: {"allocated": GiB, "reserved": GiB}
     loras: list[dict] | None = None  # the LoRAs merged into the DiT (None: none)
     adapters: list[dict] | None = None  # the resident LoRA adapters the request ran with: name, file, sha256, scale
+    # the distilled checkpoint the DiT runs (models/distilled.py record: family, schedule, file, sha256; None: none)
+    distilled: dict | None = None
     step_cache: dict | None = None  # the step cache's report (None: no cache; a batched denoise has none)
     sparse_attention: dict | None = None  # block-sparse attention's report ({"sparsity": 0.0}: dense)
     wall_s: float | None = None  # one request's wall time (None in a batched denoise: its members share it)
@@ -278,7 +280,7 @@ def record_path(output: Path) -> Path:
 def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
                 audio_samples: int, timer: StageTimer, device: torch.device, video_vae,
                 load_report: ColdStart | None = None, loras: tuple[dict, ...] = (),
-                adapters: list[dict] | None = None) -> ClipRecord:
+                adapters: list[dict] | None = None, distilled: dict | None = None) -> ClipRecord:
     """The pipeline's part of the record written beside an MP4: the request, its schedule and layout, what was
     written, and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged
     `loras`)."""
@@ -302,7 +304,7 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
         peak_memory_gib={"allocated": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
                          "reserved": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
         if device.type == "cuda" else None,
-        loras=list(loras) if loras else None, adapters=adapters,
+        loras=list(loras) if loras else None, adapters=adapters, distilled=distilled,
     )
 
 
