@@ -279,10 +279,10 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
     timings = {"load_s": dit.seconds, "compile_s": compiled.seconds, "verify_s": check_s}
     return Manifest(
         backend=config.backend, precision=config.precision, task=config.task,
-        tasks=tuple(meta.tasks) if meta else ((config.task,) if config.task == "ref2va" else ("t2va", "fl2va")),
+        tasks=_served_tasks(config, meta),
         model_config=model.cfg,
         checkpoint={"path": str(config.model_root), "sha256": _checkpoint_sha(source.files, log)},
-        schedules=tuple(ScheduleRecord(s.steps, s.video_shift, s.audio_shift) for s in dit.schedules),
+        schedules=tuple(ScheduleRecord(s.steps, s.video_shift, s.audio_shift, s.rungs) for s in dit.schedules),
         adaln=weights.adaln,
         profiles=tuple(ProfileRecord(p.width, p.height, p.seconds, p.geometry.num_frames) for p in config.profiles),
         mesh=MeshRecord(config.cfg, config.sp, model.cfg.num_heads // config.sp),
@@ -297,6 +297,13 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
         loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots,
         distilled=dit.distilled.record() if dit.distilled is not None else None)
+
+
+def _served_tasks(config: BuildConfig, meta) -> tuple[str, ...]:
+    """The partition's tasks (its release metadata's), less those a --distilled file does not serve (FastH3: t2va)."""
+    tasks = tuple(meta.tasks) if meta else ((config.task,) if config.task == "ref2va" else ("t2va", "fl2va"))
+    serving = config.distilled_serving
+    return tuple(t for t in tasks if t in serving.tasks) if serving is not None else tasks
 
 
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:
