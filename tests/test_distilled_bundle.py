@@ -92,6 +92,8 @@ def test_run_serves_the_bundle_like_the_eager_distilled_run(pdd_bundle, pdd_file
         record = json.loads(out.with_suffix(".json").read_text())
         assert record["evaluations"] == 6 and record["distilled"]["family"] == "pdd"
         assert record["distilled"]["schedule"]["rungs"] == [1.0, 0.75, 0.5, 0.375, 0.25, 0.125]
+    # the bundle's text encoder encoded the clip's prompt while the DiT loaded (its warm-up): the same frames
+    assert json.loads(engine_out.with_suffix(".json").read_text())["load"]["text_prefetched"] == 1
 
 
 def test_misuse_is_one_line_before_anything_loads(pdd_bundle, pdd_file, tiny_cfg, tmp_path, tiny_cache, capsys):

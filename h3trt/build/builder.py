@@ -70,6 +70,7 @@ class LoadedDiT:
     loras: tuple[dict, ...]  # what merge_loras merged: the manifest's record
     seconds: float
     distilled: Distilled | None = None  # the --distilled file fused into the model (PDD: its heads per forward)
+    distilled_record: dict | None = None  # the manifest's: that file's, or a full FastH3 export's sidecar
 
 
 @dataclass(frozen=True)
@@ -138,7 +139,9 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
         record = merge_distilled(model, distilled)
         log(f"fused {record['family']} {record['file']} ({record['parameters']} parameters, {record['scale']}); "
             f"schedule {record['schedule']}")
-    return LoadedDiT(model, source, schedules, tuple(loras), seconds, distilled)
+    contract = config.contract
+    record = distilled.record() if distilled is not None else contract[1] if contract is not None else None
+    return LoadedDiT(model, source, schedules, tuple(loras), seconds, distilled, record)
 
 
 def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Calibration:
@@ -296,7 +299,7 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
         loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots,
-        distilled=dit.distilled.record() if dit.distilled is not None else None)
+        distilled=dit.distilled_record)
 
 
 def _served_tasks(config: BuildConfig, meta) -> tuple[str, ...]:

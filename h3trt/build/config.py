@@ -12,8 +12,9 @@ from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_
 from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
-from ..models.checkpoint import TASK_PARTITIONS
-from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
+from ..models.checkpoint import TASK_PARTITIONS, locate_transformer
+from ..models.distilled import DistilledServing, DistilledSpec, check_task, plan_distilled
+from ..models.distilled_contract import CONTRACT_FILE, checkpoint_contract
 from ..models.lora import LoraSpec
 from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
@@ -61,7 +62,7 @@ class BuildConfig:
     # The schedules the AdaLN tables are baked for (--steps 50,8): each one's sigma grid points, and its shifts, one
     # per schedule or one for all (None: the checkpoint's sigma_shift_scales). An int or a single shift is taken as
     # such a tuple; the first schedule is a request's default (`schedules`).
-    steps: tuple[int, ...] | None = (DEFAULT_STEPS,)  # None: not given (the default, or a --distilled family's)
+    steps: tuple[int, ...] | None = None  # None: not given (the default, or a --distilled family's)
     video_shift: tuple[float | None, ...] = (None,)
     audio_shift: tuple[float | None, ...] = (None,)
     device: str = "cuda"
@@ -143,7 +144,7 @@ class BuildConfig:
     def _check_schedules(self) -> None:
         """--steps, --video-shift and --audio-shift as tuples of one entry per schedule (a single shift: every
         schedule's), each schedule valid; a --distilled bundle's are its family's."""
-        if self.distilled is not None:
+        if self.distilled_serving is not None:
             self._check_distilled()
         steps = (DEFAULT_STEPS,) if self.steps is None else self.steps
         steps = steps if isinstance(steps, tuple) else (steps,)
@@ -164,8 +165,23 @@ class BuildConfig:
 
     @cached_property
     def distilled_serving(self) -> DistilledServing | None:
-        """What the --distilled file serves (its header read: family, schedule, tasks); None without one."""
-        return plan_distilled(self.distilled, self.task) if self.distilled is not None else None
+        """What the --distilled file serves (its header read: family, schedule, tasks), or a full FastH3 export's
+        sidecar (models/distilled_contract.py); None for a base checkpoint."""
+        if self.distilled is not None:
+            return plan_distilled(self.distilled, self.task)
+        contract = self.contract
+        return contract[0] if contract is not None else None
+
+    @cached_property
+    def contract(self) -> tuple[DistilledServing, dict] | None:
+        """A full FastH3 export's sidecar (its ladder and record); None: a base checkpoint, or a --distilled file."""
+        if self.distilled is not None or not Path(self.model_root).exists():  # a missing one fails at the load
+            return None
+        source = locate_transformer(self.model_root, self.task)
+        contract = checkpoint_contract(source.component_root, source.shifts)
+        if contract is not None:
+            check_task("fasth3", contract[0].tasks, self.task, source.component_root / CONTRACT_FILE)
+        return contract
 
     def _check_distilled(self) -> None:
         """--distilled: its family's schedule is the bundle's (the schedule flags are refused), and what it cannot go
@@ -173,7 +189,7 @@ class BuildConfig:
         given = [flag for flag, value in (("--steps", self.steps), ("--video-shift", self.video_shift),
                                           ("--audio-shift", self.audio_shift)) if value not in (None, (None,))]
         if given:
-            raise UserError(f"{' '.join(given)}: a --distilled bundle bakes the schedule its file was distilled for; "
+            raise UserError(f"{' '.join(given)}: a distilled bundle bakes the schedule its file was distilled for; "
                             "state a Turbo file's as --distilled FILE@steps=N,video_shift=S, PDD's forwards as "
                             "@steps=5|7|9, and drop the flags.")
         serving = self.distilled_serving

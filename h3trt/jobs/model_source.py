@@ -18,6 +18,7 @@ from ..engines.signing import key_fingerprint, load_public_key, read_trusted_man
 from ..errors import UserError
 from ..models.checkpoint import locate_transformer
 from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
+from ..models.distilled_contract import checkpoint_contract
 from ..models.lora import LoraSpec
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
@@ -181,7 +182,13 @@ class Entry:
         """What a distilled model serves: a bundle's manifest record, or --distilled's file read from its header."""
         if self.manifest is not None:
             return DistilledServing.from_record(self.manifest.distilled) if self.manifest.distilled else None
-        return plan_distilled(self.distilled) if self.distilled is not None else None
+        if self.distilled is not None:
+            return plan_distilled(self.distilled)
+        if self.source.embedded:
+            return None
+        source = locate_transformer(self.root, "t2va")  # a full FastH3 export serves its sidecar's ladder
+        contract = checkpoint_contract(source.component_root, source.shifts)
+        return contract[0] if contract is not None else None
 
     @property
     def default_sparse(self) -> SparseSettings | None:

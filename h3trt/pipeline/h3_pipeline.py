@@ -61,7 +61,7 @@ class H3Pipeline:
                  check_request=None, cfg_group=None, loras: tuple[dict, ...] = (),
                  deferred_vaes: Deferred | None = None, load_report: ColdStart | None = None,
                  adapters: ResidentAdapters | None = None, distilled: DistilledServing | None = None,
-                 distilled_record: dict | None = None):
+                 distilled_record: dict | None = None, text_prefetched: dict | None = None):
         """`deferred_vaes`: the VAEs still loading on a background thread (loading.Components), in place of the two
         (a bundle's cold start: the first denoise step needs neither); the first use waits for them and completes
         `load_report`, a bundle's cold-start split, for every record."""
@@ -76,6 +76,7 @@ class H3Pipeline:
         self.adapters = adapters  # resident LoRA adapters a request picks (pipeline/adapters.py); None: none
         # a distilled checkpoint's schedule and refusals (models/distilled.py), and its record for every clip
         self.distilled, self.distilled_record = distilled, distilled_record
+        self.text_prefetched = dict(text_prefetched or {})  # t2va prompt -> encoding made while loading (one use)
 
     def _ready_vaes(self) -> tuple[VideoVAE, AudioVAE]:
         if self._deferred_vaes is not None:
@@ -98,7 +99,7 @@ class H3Pipeline:
         return cls(parts.dit, parts.text_encoder, parts.video_vae, parts.audio_vae, parts.shifts, device, canvas,
                    parts.check_request, cfg_group, loras=parts.loras, deferred_vaes=parts.deferred_vaes,
                    load_report=parts.load_report, adapters=parts.adapters, distilled=parts.distilled,
-                   distilled_record=parts.distilled_record)
+                   distilled_record=parts.distilled_record, text_prefetched=parts.text_prefetched)
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
@@ -115,12 +116,13 @@ class H3Pipeline:
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
                     mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None,
                     trust: Path | None = None, adapters: tuple[AdapterSpec, ...] = (),
-                    loras: tuple[LoraSpec, ...] = (), serve_adapters: bool = False):
+                    loras: tuple[LoraSpec, ...] = (), serve_adapters: bool = False,
+                    prefetch_prompts: tuple[str, ...] = ()):
         """A bundle's pipeline for one rank (loading.load_bundle); `cfg_group` this rank's guidance-branch group;
         `adapters` and `loras` (an adapter on every request) in the bundle's LoRA slots; `serve_adapters`: requests
         may name adapters that join later (a server's --lora-dir) even when none is given at start."""
         return cls.from_components(load_bundle(bundle_root, device, mesh, sp_group, vae_precision, trust, adapters,
-                                               loras, serve_adapters), device, canvas, cfg_group)
+                                               loras, serve_adapters, prefetch_prompts), device, canvas, cfg_group)
 
     def new_sparse_run(self, request: Request) -> SparseRun | None:
         """A request's block-sparse attention over its evaluations, or None when it asks for none (dense)."""
@@ -370,6 +372,8 @@ class H3Pipeline:
         """The request's prompt (or `prompt`: the negative branch's) with the task's visual context."""
         req = prepared.request
         prompt = req.prompt if prompt is None else prompt
+        if req.task == "t2va" and prompt in self.text_prefetched:  # encoded while the bundle loaded
+            return self.text_prefetched.pop(prompt)
         if req.task == "t2va":
             return self.text_encoder.encode_t2va(prompt)
         if req.task == "fl2va":

@@ -175,6 +175,7 @@ class ColdStart:
     text_encoder_load_s: float | None = None  # on its thread, overlapping the weights (a tensorrt bundle: None)
     text_encoder_warmup_s: float | None = None  # its throwaway first encode, on that thread
     text_encoder_wait_s: float | None = None  # waited for it after the DiT was ready
+    text_prefetched: int | None = None  # prompts its first encode made for the run's requests (their text_encode)
     loader_imports_s: float | None = None  # transformers, diffusers, Inductor, before the loader threads started
     total_s: float | None = None  # bundle on hand, ready to encode and denoise
     # The VAEs, off the cold-start path: filled in once they are ready (with_vaes), before the first clip's record
