@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from .engines.manifest import MANIFEST
 from .errors import UserError
 from .models.distilled import DistilledSpec
-from .models.distilled_files import sha256_of
+from .models.lora_file import sha256_of
 from .models.packing import unpatchify
 from .jobs.admission import admit
 from .jobs.model_source import Entry

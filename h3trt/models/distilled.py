@@ -17,19 +17,18 @@ Every family runs CFG off (guidance 1): each is guidance-distilled and was train
 
 from __future__ import annotations
 
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ..errors import UserError
 from .config import H3Config
 from .distilled_files import (FASTH3_FORMAT, DistilledError, Fusion, lora_fusion, read_fasth3, read_header,
-                              read_pdd, sha256_of)
+                              read_pdd)
 from .distilled_schedule import (FASTH3_V1_RUNGS, PDD_BLOCKS, PDD_INTERVALS, FamilySchedule, fasth3_schedule,
                                  pdd_schedule, turbo_schedule)
 from .lora import TASK_COMPONENTS, route
-from .lora_file import REF2VA_COMPONENT, read_lora
-from .sampler import MAX_STEPS, Schedule
+from .lora_file import REF2VA_COMPONENT, read_lora, sha256_of
+from .sampler import Schedule, key_values, schedule_value
 
 FAMILIES = ("fasth3", "turbo", "pdd")
 TURBO_DEFAULT_ALPHA = 8.0  # ModelTC/Minimax-H3-Turbo inference_minimax_h3.py's default (vllm-omni #7062 review)
@@ -62,15 +61,8 @@ class DistilledSpec:
         head, at, tail = str(text).rpartition("@")
         if not at or "=" not in tail:
             return cls(Path(text))
-        values: dict = {}
-        kinds = {f.name: f.type for f in fields(cls) if f.name != "path"}
-        for pair in tail.split(","):
-            key, sep, value = pair.strip().partition("=")
-            if not sep or key not in kinds or key in values:
-                raise UserError(f"--distilled {text}: expected KEY=VALUE pairs after '@', each key once, of "
-                                f"{list(kinds)}; got {pair.strip()!r}.")
-            values[key] = _value(key, value.strip(), text)
-        return cls(Path(head), **values)
+        keys = tuple(f.name for f in fields(cls) if f.name != "path")
+        return cls(Path(head), **key_values(tail, keys, f"--distilled {text}", _value))
 
     def __post_init__(self):
         if self.family is not None and self.family not in FAMILIES:
@@ -81,17 +73,7 @@ class DistilledSpec:
 
 
 def _value(key: str, text: str, where: str):
-    if key in ("family", "grid"):
-        return text
-    try:
-        value = int(text) if key == "steps" else float(text)
-    except ValueError:
-        value = None
-    if key == "steps" and (value is None or not 2 <= value <= MAX_STEPS):
-        raise UserError(f"--distilled {where}: steps must be an integer from 2 to {MAX_STEPS}, got {text!r}.")
-    if key != "steps" and (value is None or not (math.isfinite(value) and value > 0)):
-        raise UserError(f"--distilled {where}: {key} must be a positive finite number, got {text!r}.")
-    return value
+    return text if key in ("family", "grid") else schedule_value(key, text, where)
 
 
 def detect_family(path: Path, header: dict[str, str], keys: list[str]) -> str:

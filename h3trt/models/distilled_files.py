@@ -21,7 +21,6 @@ diff's rows) is swapped; to_q / to_k / to_v land in their rows of the de-interle
 
 from __future__ import annotations
 
-import hashlib
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +31,7 @@ from ..errors import UserError
 from .checkpoint_names import native_name
 from .config import H3Config
 from .lora import native_target
+from .lora_file import sha256_of
 
 FASTH3_FORMAT = "fastvideo-lora-v2"
 FASTH3_BASE = "MiniMaxAI/MiniMax-H3"
@@ -76,14 +76,6 @@ class Fusion:
         """What a manifest or a clip record keeps about the file."""
         return {"file": self.path.name, "path": str(self.path), "sha256": self.sha256, "layout": self.layout,
                 "scale": self.scale_rule, "parameters": len(self.patches), **self.counts}
-
-
-def sha256_of(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(1 << 24):
-            h.update(block)
-    return h.hexdigest()
 
 
 def read_header(path: Path) -> tuple[dict[str, str], list[str]]:

@@ -93,7 +93,8 @@ class LoraFile:
     alpha_given: bool = True
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """A file's sha256, read 16 MiB at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
@@ -113,7 +114,7 @@ def read_lora(path: str | Path, head_dim: int = 128) -> LoraFile:
     out = {prefix: _scaled_modules(prefix, modules, adapter_meta, network_alpha, path)
            for prefix, modules in components.items()}
     given = adapter_meta is not None or network_alpha is not None or has_alpha_tensors
-    return LoraFile(path, _sha256(path), layout, alpha_rule, out, given)
+    return LoraFile(path, sha256_of(path), layout, alpha_rule, out, given)
 
 
 def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:

@@ -59,6 +59,33 @@ def check_rungs(steps: int, rungs: tuple[float, ...]) -> None:
                         f"terminal 0 is added), got {list(values)}.")
 
 
+def schedule_value(key: str, text: str, where: str) -> int | float:
+    """One schedule value from its text (a flag's, a file's metadata): `steps` an integer in [2, MAX_STEPS], a shift
+    a positive finite number; `where` names it in the error."""
+    try:
+        value = int(text) if key == "steps" else float(text)
+    except ValueError:
+        value = None
+    if key == "steps" and (value is None or not 2 <= value <= MAX_STEPS):
+        raise UserError(f"{where}: steps must be an integer from 2 to {MAX_STEPS} (sigma grid points), got {text!r}.")
+    if key != "steps" and (value is None or not (math.isfinite(value) and value > 0)):
+        raise UserError(f"{where}: {key} must be a positive finite number, got {text!r}.")
+    return value
+
+
+def key_values(text: str, keys: tuple[str, ...], where: str, value_of=schedule_value) -> dict:
+    """`steps=8,video_shift=5` (what follows an '@' in --adapter and --distilled) -> {key: value_of(key, text,
+    where)}, each key once and one of `keys`."""
+    values: dict = {}
+    for pair in text.split(","):
+        key, sep, value = pair.strip().partition("=")
+        if not sep or key not in keys or key in values:
+            raise UserError(f"{where}: expected KEY=VALUE pairs after '@' (each key once, of {list(keys)}), e.g. "
+                            f"@steps=8,video_shift=5; got {pair.strip()!r}.")
+        values[key] = value_of(key, value.strip(), where)
+    return values
+
+
 @dataclass(frozen=True)
 class Schedule:
     """The two sigma grids of one request."""

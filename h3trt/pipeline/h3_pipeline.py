@@ -366,6 +366,7 @@ class H3Pipeline:
         timer.span("decode_and_mux", start, time.perf_counter())
         for stage, seconds in result.timings_s.items():  # video_decode, audio_decode, mux, decode_tail_s
             timer.seconds[stage] = timer.seconds.get(stage, 0.0) + seconds
+        timer.decode_tail = result.tail_s or None
         return result
 
     def _encode_text(self, prepared: Prepared, prompt: str | None = None):

@@ -53,6 +53,7 @@ class StageTimer:
         self.spans: dict[str, list[float]] = {}
         self.step_marks: list[float] = []  # seconds since the denoise stage began, at each step's callback
         self.step_profile: dict | None = None  # --profile-step's host-overhead report
+        self.decode_tail: dict[str, float] | None = None  # decode_tail_s split into its steps (parallel_decode.py)
         self._unix_offset = time.time() - time.perf_counter()
 
     @contextmanager
@@ -120,6 +121,9 @@ class ClipRecord:
     adapters: list[dict] | None = None  # the resident LoRA adapters the request ran with: name, file, sha256, scale
     # the distilled checkpoint the DiT runs (models/distilled.py record: family, schedule, file, sha256; None: none)
     distilled: dict | None = None
+    # decode_tail_s as its consecutive steps (pipeline/parallel_decode.py TAIL_STEPS: the last window to the encoder,
+    # x264's last frames, the AAC and x264 flushes, the faststart index, the rename, the join)
+    decode_tail_steps_s: dict | None = None
     step_cache: dict | None = None  # the step cache's report (None: no cache; a batched denoise has none)
     sparse_attention: dict | None = None  # block-sparse attention's report ({"sparsity": 0.0}: dense)
     wall_s: float | None = None  # one request's wall time (None in a batched denoise: its members share it)
@@ -306,6 +310,7 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
                          "reserved": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
         if device.type == "cuda" else None,
         loras=list(loras) if loras else None, adapters=adapters, distilled=distilled,
+        decode_tail_steps_s=timer.decode_tail,
     )
 
 
