@@ -96,9 +96,29 @@ def test_run_serves_the_bundle_like_the_eager_distilled_run(pdd_bundle, pdd_file
     assert json.loads(engine_out.with_suffix(".json").read_text())["load"]["text_prefetched"] == 1
 
 
-def test_misuse_is_one_line_before_anything_loads(pdd_bundle, pdd_file, tiny_cfg, tmp_path, tiny_cache, capsys):
+def test_eager_fasth3_runs_its_rungs(tiny_cfg, tmp_path, tiny_cache):
+    fasth3 = write_fasth3(tmp_path / "fasth3.safetensors", tiny_cfg, seed=2)
+    out = tmp_path / "f.mp4"
+    assert main(["run", "--distilled", str(fasth3), "--prompt", "a fox", "--output", str(out), "--quiet"]) == 0
+    record = json.loads(out.with_suffix(".json").read_text())
+    assert (record["steps"], record["evaluations"], record["shifts"]) == (5, 4, {"video": 12.0, "audio": 3.0})
+    assert record["distilled"]["schedule"]["rungs"] == [0.999, 0.749, 0.5, 0.25]
+    assert record["distilled"]["sha256"] == hashlib.sha256(fasth3.read_bytes()).hexdigest()
+    assert set(record["decode_tail_steps_s"]) >= {"to_encoder", "encode", "rename"}
+
+
+def test_misuse_is_one_line_before_anything_loads(pdd_bundle, pdd_file, tiny_cfg, tmp_path, tiny_cache, capsys,
+                                                  no_model_load):
+    from PIL import Image
+    from safetensors.torch import save_file
+
     fasth3 = write_fasth3(tmp_path / "fasth3.safetensors", tiny_cfg, seed=1)
     turbo = write_turbo(tmp_path / "turbo.safetensors", tiny_cfg, rank=8)
+    ref_turbo = tmp_path / "ref.safetensors"  # a Ref2VA-only file: its layers are transformer_ref.
+    save_file({f"transformer_ref.{k.removeprefix('base_model.model.').replace('.default', '')}": v
+               for k, v in load_file(str(turbo)).items()}, str(ref_turbo))
+    image = tmp_path / "first.png"
+    Image.new("RGB", (160, 96), (200, 40, 40)).save(image)
     out = str(tmp_path / "x.mp4")
     cases = [
         (["run", "--engine", str(pdd_bundle), "--prompt", "a", "--output", out, "--steps", "9"],
@@ -110,10 +130,16 @@ def test_misuse_is_one_line_before_anything_loads(pdd_bundle, pdd_file, tiny_cfg
         (["run", "--distilled", str(fasth3), "--prompt", "a", "--output", out, "--guidance", "3",
           "--negative-prompt", "b"], "runs CFG off"),
         (["run", "--distilled", str(turbo), "--prompt", "a", "--output", out], "states no schedule"),
+        (["run", "--distilled", str(fasth3), "--prompt", "a", "--output", out, "--image", str(image)],
+         "serves \\['t2va'\\] only, not fl2va"),
+        (["run", "--distilled", str(fasth3), "--prompt", "a", "--output", out, "--adapter", f"t={turbo}"],
+         "fasth3 distilled checkpoint, which is fused into the weights: a LoRA per request is not served"),
+        (["build", "--model", "tiny", "--output", str(tmp_path / "b0"), "--device", "cpu", "--distilled",
+          f"{ref_turbo}@family=turbo,steps=5,video_shift=6"], "serves \\['ref2va'\\] only, not t2va"),
         (["build", "--model", "tiny", "--output", str(tmp_path / "b1"), "--device", "cpu", "--distilled",
           str(fasth3), "--task", "ref2va"], "serves \\['t2va'\\] only, not ref2va"),
         (["build", "--model", "tiny", "--output", str(tmp_path / "b2"), "--device", "cpu", "--distilled",
-          str(fasth3), "--steps", "9"], "--steps: a --distilled bundle bakes the schedule"),
+          str(fasth3), "--steps", "9"], "--steps: a distilled bundle bakes the schedule"),
         (["build", "--model", "tiny", "--output", str(tmp_path / "b3"), "--device", "cpu", "--distilled",
           str(pdd_file), "--lora-slots", "1", "--lora-max-rank", "4"], "--lora-slots: this model runs a pdd"),
         (["build", "--model", "tiny", "--output", str(tmp_path / "b4"), "--device", "cpu", "--distilled",
