@@ -17,7 +17,15 @@ def entry_from_args(args):
     return Entry.resolve(args.engine, args.model, args.device, args.trust, args.vae_precision, tuple(args.lora),
                          args.gpus, args.cfg, args.sp, args.replicas, tuple(getattr(args, "adapter", ())),
                          getattr(args, "lora_dir", None), getattr(args, "lora_slots", None),
-                         getattr(args, "lora_max_rank", None))
+                         getattr(args, "lora_max_rank", None), distilled_spec(args))
+
+
+def distilled_spec(args):
+    """--distilled FILE[@key=value,...], parsed (None: not given)."""
+    from ..models.distilled import DistilledSpec
+
+    text = getattr(args, "distilled", None)
+    return DistilledSpec.parse(text) if text is not None else None
 
 
 def cmd_run(args) -> int:
@@ -118,7 +126,8 @@ def cmd_build(args) -> int:
                          sparse_min_seq=args.sparse_min_seq, lora_slots=args.lora_slots,
                          lora_max_rank=args.lora_max_rank, vsa_sparsity=args.vsa_sparsity,
                          vsa_dense_first_steps=args.vsa_dense_first_steps,
-                         vsa_dense_layers=tuple(args.vsa_dense_layers) if args.vsa_dense_layers else None)
+                         vsa_dense_layers=tuple(args.vsa_dense_layers) if args.vsa_dense_layers else None,
+                         distilled=distilled_spec(args))
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)
@@ -152,7 +161,8 @@ def cmd_eval(args) -> int:
     else:
         engine = Entry.resolve(engine=args.engine, device=args.device)
     requests = read_eval_requests(args.requests, engine.manifest)  # every line checked before any model loads
-    reference = reference_entry(args.reference, engine.device) if args.reference is not None else None
+    reference = (reference_entry(args.reference, engine.device, distilled_spec(args)) if args.reference is not None
+                 else None)
     result = evaluate(engine, reference, requests, log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr),
                       profile=args.profile)
     print(table(result))

@@ -60,6 +60,8 @@ def _run_parser(sub) -> None:
     _lora_argument(p, "--engine: a bundle built with --lora-slots applies the file to every request as an adapter, "
                       "unmerged (one of its slots); a bundle without slots refuses it")
     _adapter_argument(p, "a --requests line picks them with its \"lora\" key")
+    _distilled_argument(p, "fused into the checkpoint (--model, or the tiny model), run eagerly; a bundle carries its "
+                           "own (h3trt build --distilled)")
     p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",
                    help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
@@ -139,6 +141,14 @@ def _lora_argument(p, where: str) -> None:
                         "musubi-tuner, DiffSynth-Studio")
 
 
+def _distilled_argument(p, where: str) -> None:
+    p.add_argument("--distilled", metavar="FILE[@key=value,...]",
+                   help=f"a distilled checkpoint (FastH3 fastvideo-lora-v2, LightX2V Turbo, alibaba-pai PDD; the "
+                        f"family from its header, or @family=): {where}. The model then runs its family's schedule "
+                        "(README, 'Distilled checkpoints'); keys: family, steps, video_shift, audio_shift (Turbo), "
+                        "alpha (Turbo without a header alpha), grid=rungs|uniform (FastH3 v1)")
+
+
 def _adapter_argument(p, how: str) -> None:
     from ..pipeline.adapters import AdapterSpec
 
@@ -185,6 +195,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP)
     _lora_argument(p, "--engine: as an adapter on every job, in a bundle built with --lora-slots")
     _adapter_argument(p, "a POST /v1/videos job picks them with its \"lora\" field; GET /v1/loras lists them")
+    _distilled_argument(p, "fused into the checkpoint on every rank, run eagerly; a bundle carries its own")
     from ..pipeline.adapters import SERVE_MAX_RANK, SERVE_SLOTS
 
     p.add_argument("--lora-dir", type=Path, metavar="DIR",
@@ -289,6 +300,9 @@ def _build_parser(sub) -> None:
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + " (of --device). The video decoder is compiled at it "
                                            "and the bundle serves it")
     _lora_argument(p, "merged before calibration, AdaLN baking and compiling; the manifest records each file's sha256")
+    _distilled_argument(p, "fused in fp32 before calibration, AdaLN baking and compiling; the bundle bakes its "
+                           "family's schedule and serves only that (its manifest records the family, the schedule and "
+                           "the file's sha256)")
     slots = p.add_argument_group("per-request LoRA adapters (README, 'Serving')")
     slots.add_argument("--lora-slots", type=positive, metavar="N",
                        help="with --lora-max-rank: compile the block with N adapter slots beside the plain block, so "
@@ -336,7 +350,7 @@ def _schedule_arguments(p) -> None:
     from ..models.sampler import DEFAULT_STEPS
 
     schedules = p.add_argument_group("schedules (the AdaLN tables are baked for each; --keep-adaln serves any)")
-    schedules.add_argument("--steps", type=steps_list, default=(DEFAULT_STEPS,), metavar="N[,N...]",
+    schedules.add_argument("--steps", type=steps_list, default=None, metavar="N[,N...]",
                            help=f"sigma grid points of each schedule (default {DEFAULT_STEPS}): a comma list bakes "
                                 "several (50,8: H3's and a Turbo LoRA's), any of them served, the first a request's "
                                 "default")
@@ -364,6 +378,10 @@ def _bundle_parsers(sub) -> None:
                    help="JSON lines, the schema of `run --requests` (id and task optional): {\"prompt\": ..., "
                         "\"seed\": ...} (resolution or width/height, duration, steps default to the engine's)")
     e.add_argument("--json", type=Path, help="write the per-request and mean metrics here")
+    e.add_argument("--distilled", metavar="FILE[@key=value,...]",
+                   help="with a distilled --engine and an eager --reference (a checkpoint or 'tiny'): the same file, "
+                        "fused into the reference (its sha256 must be the bundle's), so the eager merged model is "
+                        "compared with the bundle")
     e.add_argument("--device", default=None, type=device,
                    help="cpu or cuda (default: where the engine bundle was built)")
     sub.add_parser("inspect", help="print a bundle's manifest").add_argument("bundle", type=Path)

@@ -31,7 +31,7 @@ from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from ..models.sparse_kernels import SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings
 from ..models.vsa_plan import VsaServing
-from .schedules import ScheduleRecord
+from .schedules import ScheduleRecord, rungs_of, schedule_json
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
 # 2: the video decoder as in/block/out segments at a recorded --vae-precision; 3: the manifest carries
@@ -159,6 +159,8 @@ class Manifest:
     sparse: SparseRecord | None = None  # --sparse-attention: the default settings and the kernel; None: not built so
     lora_slots: LoraSlotsRecord | None = None  # --lora-slots: per-request adapters; None (older bundles too): none
     vsa: VsaServing | None = None  # a FastH3-VSA bundle: its VSA settings and kernel; None: no VSA model
+    # --distilled: the family, its schedule and tasks, the file and its sha256 (models/distilled.py Distilled.record)
+    distilled: dict | None = None
     # Filled by write_manifest, from the files and the content:
     files: dict[str, FileRecord] = field(default_factory=dict)
     hash_chunk_bytes: int = HASH_CHUNK_BYTES
@@ -187,7 +189,7 @@ class Manifest:
         absent tensorrt record are left out)."""
         data = {"format_version": FORMAT_VERSION, **{f: getattr(self, f) for f in _PLAIN_FIELDS}}
         data.update(
-            tasks=list(self.tasks), model_config=self.model_config.to_dict(), schedule=asdict(self.schedule),
+            tasks=list(self.tasks), model_config=self.model_config.to_dict(), schedule=schedule_json(self.schedule),
             adaln={k: v for k, v in asdict(self.adaln).items() if v is not None},
             profiles=[asdict(p) for p in self.profiles], mesh=asdict(self.mesh), loras=list(self.loras),
             video_decoder=asdict(self.video_decoder),
@@ -200,8 +202,10 @@ class Manifest:
             data["lora_slots"] = asdict(self.lora_slots)
         if self.vsa is not None:
             data["vsa"] = self.vsa.to_dict()
+        if self.distilled is not None:
+            data["distilled"] = self.distilled
         if len(self.schedules) > 1:
-            data["schedules"] = [asdict(s) for s in self.schedules]
+            data["schedules"] = [schedule_json(s) for s in self.schedules]
         return data
 
     @classmethod
@@ -223,7 +227,8 @@ class Manifest:
             task=top.choice("task", TASKS), tasks=tuple(top.strings("tasks", TASKS)),
             model_config=top.model_config("model_config"), checkpoint=top.get("checkpoint", dict),
             schedules=tuple(ScheduleRecord(s.get("steps", int), s.get("video_shift", float),
-                                           s.get("audio_shift", float)) for s in schedules),
+                                           s.get("audio_shift", float),
+                                           rungs_of(s.get("rungs", list, optional=True))) for s in schedules),
             adaln=AdalnRecord(adaln.get("baked", bool), *(adaln.get(k, int, optional=True) for k in (
                 "timesteps", "adaln_weight_bytes", "table_bytes")), adaln.get("bytes_saved", int, optional=True) or 0),
             profiles=tuple(ProfileRecord(p.get("width", int), p.get("height", int), p.get("seconds", float),
@@ -244,6 +249,7 @@ class Manifest:
             tensorrt=top.get("tensorrt", dict, optional=True), sparse=_sparse_record(top),
             lora_slots=_lora_slots_record(top.sub("lora_slots")) if top.data.get("lora_slots") else None,
             vsa=_vsa_record(top) if top.data.get("vsa") is not None else None,
+            distilled=top.get("distilled", dict, optional=True),
             files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
             hash_chunk_bytes=top.positive("hash_chunk_bytes"), manifest_sha256=top.get("manifest_sha256", str))
         if (manifest.vsa is not None) != manifest.model_config.vsa_gate:

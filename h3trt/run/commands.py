@@ -55,7 +55,9 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
     gpus = launch_gpus(entry.device_type, entry.world) if entry.spawns else None
     entry.note()  # the embedded tiny model: its clips are noise
     queue = ClipQueue(Job(output.stem, request, output, overwrite, profile_step), quiet)
-    spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not entry.on_mesh)
+    # The clip's prompt is known before the model loads: a bundle encodes it while its DiT loads (t2va's text only)
+    prefetch = (request.prompt,) if request.task == "t2va" else ()
+    spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not entry.on_mesh, prefetch_prompts=prefetch)
     try:
         serve_queue(spec, lambda group, groups: queue if group == 0 else ClipQueue(None, True), entry.how, gpus)
     except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
