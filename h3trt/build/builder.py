@@ -124,8 +124,12 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     """1. The DiT of the task's partition, and the LoRAs merged into its weights: everything after (calibration,
     AdaLN tables, segments) sees them."""
     t0 = time.perf_counter()
+    # The --distilled file is read first: a FastH3-VSA file's gates (.set_weight) are parameters a base checkpoint
+    # lacks, and the model is built with them (plan.model_cfg.vsa_gate)
+    distilled = load_distilled(config.distilled, plan.model_cfg, config.task) if config.distilled is not None else None
     log(f"loading the {config.task} DiT from {config.model_root} onto {plan.device}")
-    model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device)
+    model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device,
+                             supplied=distilled.fusion.assigned() if distilled is not None else None)
     video_shift, audio_shift = source.shifts  # the checkpoint's: its release metadata, or diffusers' schedulers
     schedules = config.schedules((video_shift, audio_shift))
     seconds = time.perf_counter() - t0
@@ -135,7 +139,6 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     for r in loras:
         log(f"merged LoRA {r['file']} x {r['scale']:g} into {r['partition']} ({r['modules']} modules, "
             f"{r['layout']}, {r['alpha']})")
-    distilled = load_distilled(config.distilled, model.cfg, config.task) if config.distilled is not None else None
     if distilled is not None:  # in fp32, one rounding per parameter, before calibration and baking
         record = merge_distilled(model, distilled)
         log(f"fused {record['family']} {record['file']} ({record['parameters']} parameters, {record['scale']}); "
@@ -156,7 +159,7 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     trt = config.backend == "tensorrt"
     vsa = _vsa_record(config, plan)
     recipe, quant = calibrate_dit(dit.model, recipe, dit.source.component_root, config.calib_prompts,
-                                  config.profiles[0], (dit.schedules[0].video_shift, dit.schedules[0].audio_shift),
+                                  config.profiles[0], config.calibration_schedule(dit.schedules[0]),
                                   keep_modelopt_quantizers=trt, log=log, vsa=vsa)
     if trt:
         return Calibration(None, {**quant, "execution": config.precision.spec.trt_execution})
@@ -307,7 +310,7 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
 def _vsa_record(config: BuildConfig, plan: BuildPlan) -> VsaServing | None:
     if plan.vsa_kernel is None:
         return None
-    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel)
+    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel, plan.vsa_left_out or {})
 
 
 def _served_tasks(config: BuildConfig, meta) -> tuple[str, ...]:

@@ -60,6 +60,7 @@ class BuildPlan:
     # A FastH3-VSA checkpoint: the VSA kernel the bundle serves, chosen on the build device and compiled there once;
     # None: the checkpoint is no VSA model.
     vsa_kernel: str | None = None
+    vsa_left_out: dict[str, str] | None = None  # the faster VSA kernels left out on the build device, with why
 
     @property
     def fp8_kernel(self) -> str:
@@ -90,23 +91,28 @@ def plan_build(config: BuildConfig, log=print) -> BuildPlan:
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
         raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
+    serving = config.distilled_serving
+    model_cfg = serving.with_gates(model_cfg) if serving is not None else model_cfg  # a FastH3-VSA file's gates
     config.check_vsa(model_cfg.vsa_gate)
     sparse = _sparse_kernel(config, model_cfg, device, dtype, log) if config.sparse is not None else None
-    vsa = _vsa_kernel(config, model_cfg, device, dtype, log) if model_cfg.vsa_gate else None
-    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse, vsa)
+    vsa, left_out = _vsa_kernel(config, model_cfg, device, dtype, log) if model_cfg.vsa_gate else (None, None)
+    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse, vsa,
+                     left_out)
 
 
-def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype, log) -> str:
+def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,
+                log) -> tuple[str, dict[str, str]]:
     """The VSA kernel of a FastH3-VSA bundle: the first of fa4, flex, reference that compiles here at one rank's
-    heads (the ones left out logged with why); every load compiles it again."""
+    heads and matches the fp32 definition (the ones left out logged with why, and recorded); every load compiles and
+    checks it again."""
     from ..models.vsa_plan import choose_vsa_kernel
 
     heads = model_cfg.num_heads // config.sp
-    kernel = choose_vsa_kernel(device, heads, model_cfg.head_dim, dtype, log)
+    kernel, left_out = choose_vsa_kernel(device, heads, model_cfg.head_dim, dtype, log)
     s = config.vsa(model_cfg.num_layers)
-    log(f"VSA (FastH3-VSA checkpoint): the {kernel} kernel, {heads} heads per rank, sparsity {s.sparsity:g}, first "
-        f"{s.dense_first_steps} steps dense, dense blocks {list(s.dense_layers) or 'none'}")
-    return kernel
+    log(f"VSA (FastH3-VSA model): the {kernel} kernel, {heads} heads per rank, sparsity {s.sparsity:g} "
+        f"({s.sparsity_from}), first {s.dense_first_steps} steps dense, dense blocks {list(s.dense_layers) or 'none'}")
+    return kernel, left_out
 
 
 def _sparse_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,

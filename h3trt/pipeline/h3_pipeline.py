@@ -129,8 +129,9 @@ class H3Pipeline:
     def new_sparse_run(self, request: Request) -> SparseRun | VsaRun | None:
         """A request's block-sparse attention over its evaluations (a FastH3-VSA model's VSA: every request), or None."""
         settings = request_sparse_settings(request)
-        if getattr(self.dit, "vsa", None) is not None:  # a FastH3-VSA model: VSA, never SubBlock
-            return request_vsa_run(self.dit.vsa, settings.enabled)
+        vsa = request_vsa_run(getattr(self.dit, "vsa", None), settings.enabled, getattr(request, "vsa_sparsity", None))
+        if vsa is not None:  # a FastH3-VSA model: VSA, never SubBlock
+            return vsa
         if not settings.enabled:
             return None
         kernel = getattr(self.dit, "sparse_kernel", None)
