@@ -28,7 +28,7 @@ from .distilled_files import (FASTH3_FORMAT, GATE_FILE_SUFFIX, DistilledError, F
 from .distilled_schedule import (FASTH3_V1_RUNGS, PDD_BLOCKS, PDD_INTERVALS, FamilySchedule, fasth3_schedule,
                                  pdd_schedule, turbo_schedule)
 from .lora import TASK_COMPONENTS, route
-from .lora_file import REF2VA_COMPONENT, read_lora, sha256_of
+from .lora_file import PEFT_DUMP_LAYOUT, REF2VA_COMPONENT, LoraFile, read_lora, sha256_of
 from .sampler import Schedule, key_values, schedule_value
 from .vsa_plan import DEFAULT_VSA_SPARSITY, trained_vsa
 
@@ -202,16 +202,29 @@ def _load_pdd(spec: DistilledSpec, serving: "DistilledServing", cfg: H3Config, h
 
 def _turbo_fusion(spec: DistilledSpec, cfg: H3Config, task: str) -> Fusion:
     lora = read_lora(spec.path, cfg.head_dim)
-    _, modules = route(lora, task)
     if lora.alpha_given and spec.alpha is not None:
         raise UserError(f"--distilled {spec.path}@alpha={spec.alpha:g}: the file states its own alpha "
                         f"({lora.alpha_rule}); drop alpha.")
-    if lora.alpha_given:
-        return lora_fusion(lora, modules, cfg, lora.alpha_rule)
-    alpha = spec.alpha or TURBO_DEFAULT_ALPHA
-    why = "FILE@alpha" if spec.alpha else "LightX2V's reference default: its header has none"
-    return lora_fusion(lora, modules, cfg, f"alpha {alpha:g} ({why}) / rank",
-                       lambda m, a=alpha: a / m.up.shape[1])
+    lora = turbo_alpha(lora, spec.alpha, "FILE@alpha" if spec.alpha else None, declared=True)
+    _, modules = route(lora, task)
+    return lora_fusion(lora, modules, cfg, lora.alpha_rule)
+
+
+def turbo_alpha(lora: LoraFile, alpha: float | None = None, why: str | None = None,
+                declared: bool = False) -> LoraFile:
+    """A LightX2V Turbo file whose header states no alpha at its family's scale: `alpha` (else LightX2V's reference
+    script's TURBO_DEFAULT_ALPHA) / rank per module, as every stack that runs Turbo applies it (SGLang, vLLM-Omni,
+    LightX2V), where diffusers' alpha-less rule (alpha == rank) would merge it 16x too strong. `declared`: the caller
+    knows it is Turbo (--distilled); else a Turbo file is a peft state-dict dump (`.default.` keys: LightX2V's layout).
+    Any other file, or one that states its alpha, is returned as it is. `--adapter` and `--distilled` apply it;
+    `--lora` merges as diffusers loads a file (the oracle)."""
+    if lora.alpha_given or not (declared or lora.layout == PEFT_DUMP_LAYOUT):
+        return lora
+    alpha = alpha or TURBO_DEFAULT_ALPHA
+    components = {prefix: {name: dataclasses.replace(m, scaling=alpha / m.up.shape[1]) for name, m in modules.items()}
+                  for prefix, modules in lora.components.items()}
+    why = why or "LightX2V's reference default: a Turbo file whose header has none"
+    return dataclasses.replace(lora, components=components, alpha_rule=f"alpha {alpha:g} ({why}) / rank")
 
 
 def _turbo_schedule(spec: DistilledSpec, header: dict[str, str]) -> tuple[int, tuple[float, float]]:

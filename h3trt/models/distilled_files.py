@@ -249,13 +249,12 @@ def read_pdd(path: Path, cfg: H3Config, header: dict[str, str]) -> Fusion:
     return fusion
 
 
-def lora_fusion(lora, modules: dict, cfg: H3Config, scale_rule: str, scale_of=None) -> Fusion:
-    """A LoraFile's routed modules (lora.route) as a Fusion; `scale_of(module)`: the scaling to use in place of the
-    file's own (a family default alpha), None: the file's."""
+def lora_fusion(lora, modules: dict, cfg: H3Config, scale_rule: str) -> Fusion:
+    """A LoraFile's routed modules (lora.route) as a Fusion, each at its scaling (a family's alpha already applied:
+    distilled.turbo_alpha)."""
     fusion = Fusion(Path(lora.path), lora.sha256, lora.layout, scale_rule, {})
     for module, factors in sorted(modules.items()):
         name, rows, swap = native_target(module, cfg)
-        scale = factors.scaling if scale_of is None else scale_of(factors)
-        _patch(fusion.patches, name).low_rank.append((factors.down, factors.up, scale, rows, swap))
+        _patch(fusion.patches, name).low_rank.append((factors.down, factors.up, factors.scaling, rows, swap))
     fusion.counts = {"modules": len(modules)}
     return fusion

@@ -138,8 +138,8 @@ def turbo_tensors(cfg: H3Config, seed: int = 0, rank: int = 8, root: bool = True
 
 def write_turbo(path: Path, cfg: H3Config, seed: int = 0, rank: int = 8, alpha: float | None = None,
                 root: bool = True, metadata: dict[str, str] | None = None,
-                dtype: torch.dtype = torch.float32) -> Path:
+                dtype: torch.dtype = torch.float32, refiner: bool = True) -> Path:
     header = dict(metadata or {})
     if alpha is not None:
         header["alpha"] = str(alpha)
-    return _save(path, turbo_tensors(cfg, seed, rank, root, dtype=dtype), header)
+    return _save(path, turbo_tensors(cfg, seed, rank, root, refiner, dtype), header)
