@@ -13,6 +13,8 @@ from h3trt.models.checkpoint_writer import random_state_dict, save_diffusers
 from h3trt.models.config import H3Config
 from h3trt.models.distilled_contract import checkpoint_contract
 from h3trt.models.distilled_files import DistilledError
+from h3trt.models.tiny import write_tiny_vsa_checkpoint
+from h3trt.pipeline.loading import load_checkpoint
 
 V2 = {"schema_version": "fasth3-inference-contract-v1", "dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250, 125],
       "num_inference_steps": 9, "transformer_forwards": 8, "video_scheduler_shift": 10.0,
@@ -89,3 +91,22 @@ def test_a_bad_sidecar_is_one_line(export, edit, match):
     with pytest.raises(Exception, match=match) as info:
         checkpoint_contract(export, (10.0, 3.0), vsa_gate=True)
     assert "\n" not in str(info.value)
+
+
+def test_a_vsa_export_loads_as_a_checkpoint_serving_its_sidecars_vsa(tiny_root, tmp_path):
+    """A full VSA-DataFree export (its gates checkpoint tensors, the sidecar beside them) is a FastH3-VSA checkpoint
+    serving its ladder and its sidecar's sparsity; build's record and the eager run's are the same."""
+    export = write_tiny_vsa_checkpoint(tiny_root, tmp_path / "export")
+    (export / "FL2VA" / "fastvideo_inference.json").write_text(json.dumps({
+        "schema_version": "fasth3-inference-contract-v1", "dmd_denoising_steps": [999, 749, 500, 250],
+        "num_inference_steps": 5, "transformer_forwards": 4, "attention_backend": "VIDEO_SPARSE_ATTN_H3",
+        "vsa_sparsity": 0.8, "vsa_tile_size": 64}))
+    parts = load_checkpoint(export, "t2va", "cpu")
+    settings = parts.dit.vsa.settings
+    assert parts.dit.cfg.vsa_gate and (settings.sparsity, settings.sparsity_from) == (
+        0.8, "fastvideo_inference.json vsa_sparsity")
+    assert parts.distilled.plan.schedule.rungs == (0.999, 0.749, 0.5, 0.25)
+    assert parts.distilled_record["vsa"]["trained_sparsity"] == 0.8 and parts.distilled.vsa == parts.distilled_record[
+        "vsa"]
+    config = BuildConfig(export, tmp_path / "b", profiles=(Profile(160, 96, 5.0),), device="cpu")
+    assert config.vsa(parts.dit.cfg.num_layers) == settings and config.contract[1]["vsa"] == parts.distilled.vsa

@@ -74,8 +74,11 @@ class BuildPlan:
 def plan_build(config: BuildConfig, log=print) -> BuildPlan:
     """Every check that needs no model, in the order of their cost; logs the attention kernels chosen."""
     source = locate_transformer(config.model_root, config.task)
-    model_cfg = source.config
+    serving = config.distilled_serving
+    # a FastH3-VSA file's gates make the model a FastH3-VSA one: what it cannot be is refused before anything is timed
+    model_cfg = serving.with_gates(source.config) if serving is not None else source.config
     MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp, model_cfg.num_heads)
+    config.check_vsa(model_cfg.vsa_gate)
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
@@ -91,9 +94,6 @@ def plan_build(config: BuildConfig, log=print) -> BuildPlan:
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
         raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
-    serving = config.distilled_serving
-    model_cfg = serving.with_gates(model_cfg) if serving is not None else model_cfg  # a FastH3-VSA file's gates
-    config.check_vsa(model_cfg.vsa_gate)
     sparse = _sparse_kernel(config, model_cfg, device, dtype, log) if config.sparse is not None else None
     vsa, left_out = _vsa_kernel(config, model_cfg, device, dtype, log) if model_cfg.vsa_gate else (None, None)
     return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse, vsa,

@@ -42,9 +42,12 @@ def cmd_run(args) -> int:
                             args.crf, args.quiet, args.overwrite)
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
+    from ..models.vsa_plan import vsa_settings
     from ..pipeline.adapter_schedule import ScheduleValues, resolve
     from ..pipeline.request import Request
 
+    if args.vsa_sparsity is not None:
+        vsa_settings(args.vsa_sparsity)  # its bounds, before anything loads
     entry = entry_from_args(args)
     # One clip names no adapter (its --lora, if any, is on every request): its flags, else the model's defaults
     schedule, schedule_from = resolve(ScheduleValues(args.steps, args.video_shift, args.audio_shift), (), {},
