@@ -15,6 +15,7 @@ On the CPU the file is read straight into the buffer, hashed chunk by chunk (no 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import struct
@@ -33,14 +34,17 @@ SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "
 
 
 class Staging:
-    """The pinned host buffers and the copy stream a file streams through to a CUDA `device` (none on the CPU): made
-    once per set of slots, since pinning memory costs milliseconds per buffer."""
+    """The host buffers a file streams through to `device`, and the side stream that copies them: pinned buffers
+    and a CUDA stream for a CUDA device, made once per set of slots (pinning costs milliseconds per buffer); none on
+    the CPU, where the file is read straight into its tensors (`staged` forces the buffers there: the tests' way
+    through the reader thread)."""
 
-    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES, count: int = STAGING_BUFFERS):
+    def __init__(self, device: torch.device, chunk_bytes: int = CHUNK_BYTES, count: int = STAGING_BUFFERS,
+                 staged: bool | None = None):
         self.device = torch.device(device)
         cuda = self.device.type == "cuda"
-        self.buffers = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(count)] if cuda \
-            else []
+        self.buffers = ([torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=cuda) for _ in range(count)]
+                        if (cuda if staged is None else staged) else [])
         self.stream = torch.cuda.Stream(self.device) if cuda else None
 
 
@@ -52,10 +56,10 @@ def read_lora_to(path: str | Path, device: torch.device, head_dim: int, staging:
     head, entries = _header(path)
     data = torch.empty(path.stat().st_size - len(head), dtype=torch.uint8, device=device)
     hasher = hashlib.sha256(head)
-    if staging.stream is None:
-        _read_into(path, len(head), data, hasher)
-    else:
+    if staging.buffers:
         _stream_into(path, len(head), data, hasher, staging)
+    else:
+        _read_into(path, len(head), data, hasher)
     state = {name: _tensor(data, entry, name, path) for name, entry in entries.items()}
     return lora_from_tensors(path, state, file_meta, hasher.hexdigest(), head_dim)
 
@@ -107,13 +111,15 @@ def _read_into(path: Path, start: int, data: torch.Tensor, hasher) -> None:
 
 
 def _stream_into(path: Path, start: int, data: torch.Tensor, hasher, staging: Staging) -> None:
-    """CUDA: a reader thread fills the staging buffers in turn; this thread hashes each filled one and copies it to
-    `data` on the side stream. A buffer is read into again only once the copy that last read it has finished."""
+    """A reader thread fills the staging buffers in turn; this thread hashes each filled one and copies it into
+    `data` (on CUDA: on the side stream, asynchronously). A buffer is read into again only once the copy that last
+    read it has finished."""
     buffers, stream = staging.buffers, staging.stream
     chunk = buffers[0].numel()
     count = -(-data.numel() // chunk)
     copied: list[torch.cuda.Event | None] = [None] * len(buffers)  # the copy that last read each buffer
-    stream.wait_stream(torch.cuda.current_stream(data.device))  # `data`'s memory may still be in use there
+    if stream is not None:
+        stream.wait_stream(torch.cuda.current_stream(data.device))  # `data`'s memory may still be in use there
     try:
         with open(path, "rb", buffering=0) as f, ThreadPoolExecutor(1, thread_name_prefix="h3trt-lora-read") as pool:
             f.seek(start)
@@ -131,9 +137,11 @@ def _stream_into(path: Path, start: int, data: torch.Tensor, hasher, staging: St
                 if i + 1 < count:
                     pending = pool.submit(read, i + 1)
                 hasher.update(memoryview(buffers[slot].numpy())[:n])
-                with torch.cuda.stream(stream):
-                    data[i * chunk:i * chunk + n].copy_(buffers[slot][:n], non_blocking=True)
-                    copied[slot] = torch.cuda.Event()
-                    copied[slot].record(stream)
+                with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                    data[i * chunk:i * chunk + n].copy_(buffers[slot][:n], non_blocking=stream is not None)
+                    if stream is not None:
+                        copied[slot] = torch.cuda.Event()
+                        copied[slot].record(stream)
     finally:
-        stream.synchronize()  # no copy outlives the call: the buffers are the next read's
+        if stream is not None:
+            stream.synchronize()  # no copy outlives the call: the buffers are the next read's
