@@ -4,8 +4,9 @@ adapter y = base(x) + sum_k scale_k (x A_k^T) B_k^T, computed here in float64:
   - FUSED on a plain linear (the weight merged for the call) and on NVFP4's dequantized weight: fp32 within 1e-5
     (relative norm); bf16 within 1e-2 (the merged weight is rounded to 8 bits once, as the output is; the bf16 side
     branch, DELTA, is held to the same bound);
-  - FUSED on FP8 (the rows inside the base's FP8 GEMM): the adapter's part within 10% of the exact one (e4m3 keeps 3
-    mantissa bits; the rows pass two FP8 GEMMs), smoothed inputs included;
+  - FUSED on FP8 (the rows inside the base's FP8 GEMM): the adapter's part, and the output, within 10% of the exact
+    ones (e4m3 keeps 3 mantissa bits; the rows pass two FP8 GEMMs; measured ~5%), smoothed inputs included, for an
+    adapter that moves the output by 30% and for one whose terms outgrow the base's (no saturation);
   - an adapter at scale 0 is not computed, and changes no bit; the rows depend on the adapters only, so slots of any
     count and max rank give the same bytes;
   - the compiled twin (build/segments.py block_lora, Inductor on the CPU) takes any number of rows without compiling
@@ -105,10 +106,11 @@ def test_nvfp4_merges_the_rows_into_the_weight_it_dequantizes(smoothed):
 
 
 @pytest.mark.parametrize("smoothed", [False, True])
-def test_fp8_takes_the_rows_into_its_gemm_within_the_stated_bound(smoothed):
+@pytest.mark.parametrize("weight_std", [0.1, 0.01])  # the adapter moves y by ~30%; by ~3x (its terms outgrow W's)
+def test_fp8_takes_the_rows_into_its_gemm_within_the_stated_bound(smoothed, weight_std):
     (down, up), rows, scales = banks(3)
     g = torch.Generator().manual_seed(1)
-    weight = torch.randn(3 * N_OUT, N_IN, generator=g) * 0.1  # the adapter moves y by ~30%: a strong one
+    weight = torch.randn(3 * N_OUT, N_IN, generator=g) * weight_std
     x = torch.randn(2, 37, N_IN, generator=g)
     linear = SmoothedFP8Linear(3 * N_OUT, N_IN, torch.float32) if smoothed else FP8Linear(3 * N_OUT, N_IN)
     pre = 0.5 + torch.rand(N_IN, generator=g) if smoothed else torch.ones(N_IN)
@@ -119,8 +121,9 @@ def test_fp8_takes_the_rows_into_its_gemm_within_the_stated_bound(smoothed):
     linear.input_scale.fill_((x * pre).abs().max().item() / 448)
     got = adapted_linear(linear, x, *(gather_rows(b, rows) for b in (down, up)), scales)
     delta = exact(x, torch.zeros_like(weight), down, up, USES)
+    exact_y = exact(x, weight, down, up, USES)
     err = rel(got.double() - linear(x).double(), delta)
-    assert err <= 0.10, f"the adapter's part is off the exact one by {err:.3f}"
+    assert err <= 0.10 and rel(got, exact_y) <= 0.10, f"the adapter's part is off the exact one by {err:.3f}"
     assert (delta.norm() / linear(x).norm()).item() > 0.1  # a real adapter, not one lost in the base's error
 
 

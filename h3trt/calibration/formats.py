@@ -61,10 +61,13 @@ def fp8_lora_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torc
         y = [x | h] @ [W | U]^T      U [N, P*E]: the rows' up factors times their strengths, block-diagonal over the
                                      P parts (part p's outputs see part p's h only)
     so the up-projection is P*E more terms of the base GEMM's reduction, and no [M, N] side tensor is written.
-    One GEMM has one pair of scales, the base's (s_x, s_w): h enters as h / a and U as U * a / (s_x s_w), exact in
-    the product for any a. a = sqrt(amax|h| s_x s_w / amax|U|) gives both the same largest magnitude,
-    sqrt(amax|h| amax|U| / (s_x s_w)), the choice that keeps both farthest from e4m3's ends (448 above, subnormals
-    below); where it passes 448, the adapter's largest terms outgrow the base's and both saturate there."""
+    One GEMM has one pair of scales, (s_a, s_w): rank row r's h enters as h / a_r and its U column as
+    U * a_r / (s_a s_w), exact in the product for any a_r. a_r = sqrt(amax|h_r| s_a s_w / amax|U_r|) gives both the
+    same largest magnitude, sqrt(amax|h_r| amax|U_r| / (s_a s_w)), the choice that keeps both farthest from e4m3's
+    ends (448 above, subnormals below). s_a is the base's s_x, unless a row's largest terms outgrow what s_x s_w
+    holds (an adapter that moves the output more than the base makes it): then s_a = c s_x, c the power of two that
+    makes room, and x's e4m3 values are divided by c, exactly but for those c times closer to the subnormals,
+    instead of the adapter's largest terms saturating."""
     parts, rows, n_in = down_PEK.shape
     x_MK = quantize_fp8(x.reshape(-1, n_in), input_scale)
     down_RK = down_PEK.reshape(parts * rows, n_in)
@@ -72,11 +75,14 @@ def fp8_lora_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torc
     h_MR = fp8_mm(x_MK, quantize_fp8(down_RK, down_scale), input_scale, down_scale, x.dtype, fast_accum)
     up_PEN = up_PEN.float() * scales_E[None, :, None]
     up_NR = torch.block_diag(*up_PEN.transpose(1, 2).unbind(0))
-    h_amax, up_amax = (t.abs().amax().float().clamp_min(MIN_AMAX) for t in (h_MR, up_NR))
-    a = (h_amax * input_scale * weight_scale / up_amax).sqrt()
-    a_MK = torch.cat([x_MK, quantize_fp8(h_MR, a)], dim=1)
-    b_NK = torch.cat([weight_NK, quantize_fp8(up_NR, input_scale * weight_scale / a)], dim=1)
-    y_MN = fp8_mm(a_MK, b_NK, input_scale, weight_scale, x.dtype, fast_accum)
+    h_amax_R, up_amax_R = (t.abs().amax(dim=0).float().clamp_min(MIN_AMAX) for t in (h_MR, up_NR))
+    over = (h_amax_R * up_amax_R / (FP8_MAX ** 2 * input_scale * weight_scale)).amax()
+    c = torch.exp2(torch.ceil(torch.log2(over.clamp_min(1.0))))  # 1 unless a row's terms outgrow the base's
+    scale_a = input_scale * c
+    a_R = (h_amax_R * scale_a * weight_scale / up_amax_R).sqrt()  # per rank row: each its own balance
+    a_MK = torch.cat([(x_MK.float() / c).to(FP8), quantize_fp8(h_MR, a_R)], dim=1)
+    b_NK = torch.cat([weight_NK, quantize_fp8(up_NR, scale_a * weight_scale / a_R)], dim=1)
+    y_MN = fp8_mm(a_MK, b_NK, scale_a, weight_scale, x.dtype, fast_accum)
     return y_MN.view(*x.shape[:-1], weight_NK.shape[0])
 
 
