@@ -2,7 +2,7 @@
 old arithmetic against the new, and what loading and switching adapters cost, in one run, against the Diffusers
 reference block of the same run.
 
-    python scripts/bench_lora.py --quick --json $OUT/lora_h100.json        # one H100: both precisions, ~2 min
+    python scripts/bench_lora.py --quick --json $OUT/lora_h100.json        # one H100: both precisions, ~2.5 min
     python scripts/bench_lora.py --json $OUT/lora_h100.json                # 4 layers, 7 rounds: ~3-4 min
     python scripts/bench_lora.py --tiny --device cpu --json /tmp/bench_lora_cpu.json   # checks the script (CPU)
 
@@ -55,7 +55,9 @@ precision's FUSED runner: `select`, the evaluation after switching between resid
 second adapter into the slot the first held (its output equal to the other slot's: the new data reached the compiled
 code, no compile).
 
---quick: --layers 2 --iters 3 --warmup 1 --load-repeats 1 (the same rows, fewer rounds; ~2 minutes on one H100).
+--quick: --layers 2 --iters 3 --warmup 1 --load-repeats 1 (the same rows, fewer rounds). Estimated on one H100: ~20 s
+of imports, ~15 s of set-up and adapter files, per precision ~40 s compiling three segments and ~20 s of
+calibration, timing and references: about 2.5 minutes; `--precision fp8` alone about 1.5.
 """
 
 from __future__ import annotations
@@ -78,8 +80,8 @@ from bench_common import ROOT, device_name, median_ms, peak_gib, rel_err, write_
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_lora_load import ADAPTED, load_adapters, switching, timed_s  # noqa: E402
-from bench_lora_setup import (Inputs, attention_kernels, block_tensors, layer_blocks, make_inputs, random_blocks,  # noqa: E402
-                              recipe_for, reference, shape_of, versions)
+from bench_lora_setup import (Inputs, attention_kernels, block_tensors, layer_blocks, make_inputs,  # noqa: E402
+                              random_blocks, recipe_for, reference, shape_of, versions)
 from h3trt.engines.bundle import EngineDiT  # noqa: E402
 from h3trt.engines.guard import no_compile  # noqa: E402
 from h3trt.models.config import NUM_MODALITIES, H3Config  # noqa: E402
@@ -426,7 +428,7 @@ def main() -> int:
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     p.add_argument("--tiny", action="store_true", help="H3Config.tiny() over a 114-row sequence (what a CPU checks)")
     p.add_argument("--quick", action="store_true", help="--layers 2 --iters 3 --warmup 1 --load-repeats 1 unless "
-                   "given: the same rows in about 2 minutes on one H100")
+                   "given: the same rows in about 2.5 minutes on one H100 (an estimate)")
     p.add_argument("--layers", type=int, default=None, help="layers the runner's stack times, each its own weights "
                    "(default 4, --quick 2; --tiny: the tiny model's 2)")
     p.add_argument("--rank", type=int, default=64, help="the adapters' rank and the slots' max rank (default 64)")

@@ -88,8 +88,8 @@ def nvfp4_linear(n_out: int, smoothed: bool, seed: int = 0):
 
 
 def dequantized(linear) -> torch.Tensor:
-    codes = torch.stack((linear.weight_packed & 15, linear.weight_packed >> 4), dim=-1).view(linear.weight_packed.shape[0],
-                                                                                             -1)
+    packed = linear.weight_packed
+    codes = torch.stack((packed & 15, packed >> 4), dim=-1).view(packed.shape[0], -1)
     weight = e2m1_values(codes).view(codes.shape[0], -1, 16) * linear.weight_block_scale.float()[..., None]
     weight = (weight * linear.weight_global_scale).view(codes.shape[0], -1)
     return weight * linear.pre_quant_scale if hasattr(linear, "pre_quant_scale") else weight  # as an unsmoothed W
@@ -157,19 +157,21 @@ def test_the_bytes_do_not_depend_on_the_slots_count_or_max_rank(state, tmp_path)
     the adapters where they fall: the same adapters at the same scales give the same bytes, in both layouts."""
     a, b = layout_file(tmp_path, "kohya_alpha_tensors", 1), layout_file(tmp_path, "diffusers_prefixed", 2)
     fitted, roomy = LoraSlots(CFG, "t2va", 2, 4, torch.float32), LoraSlots(CFG, "t2va", 4, 64, torch.float32)
-    fitted.load(0, a), fitted.load(1, b), roomy.load(3, a), roomy.load(1, b)
+    for slots, (slot_a, slot_b) in ((fitted, (0, 1)), (roomy, (3, 1))):
+        slots.load(slot_a, a)
+        slots.load(slot_b, b)
     base = model(state)
     want_run, got_run = fitted.select([(0, 0.8), (1, -0.4)]), roomy.select([(3, 0.8), (1, -0.4)])
     for got, want in zip(forward(base, got_run), forward(base, want_run)):
         assert torch.equal(got, want)
     for name, bank in fitted.banks.items():
         for mine, theirs in zip(bank, roomy.banks[name]):
-            assert torch.equal(gather_rows(mine, want_run.rows.reshape(-1)), gather_rows(theirs, got_run.rows.reshape(-1)))
+            assert torch.equal(gather_rows(mine, want_run.rows.reshape(-1)),
+                               gather_rows(theirs, got_run.rows.reshape(-1)))
     x = torch.randn(2, 5, CFG.hidden_size)
     linear = torch.nn.Linear(CFG.hidden_size, 3 * CFG.inner_dim, bias=False)
-    for layout in (DELTA,):
-        got = got_run.block(0, layout)("attn.qkv_proj", linear, x)
-        assert torch.equal(got, want_run.block(0, layout)("attn.qkv_proj", linear, x))
+    got = got_run.block(0, DELTA)("attn.qkv_proj", linear, x)
+    assert torch.equal(got, want_run.block(0, DELTA)("attn.qkv_proj", linear, x))
 
 
 def fp8_block(block, cfg):
@@ -232,7 +234,8 @@ def test_the_compiled_twin_takes_any_row_count_without_compiling_and_equals_eage
         segment = load_segment("inductor", {"name": twin.name, **entry}, tmp_path, torch.device("cpu"))
     inputs = slots.block_inputs(0)
     with torch.no_grad(), no_compile():
-        for uses, groups in (([(1, 0.9)], 2), ([(0, 0.5), (1, -1.1)], 3), ([(0, 0.5), (0, 0.25), (0, 0.1), (1, 0.6)], 6)):
+        for uses, groups in (([(1, 0.9)], 2), ([(0, 0.5), (1, -1.1)], 3),
+                             ([(0, 0.5), (0, 0.25), (0, 0.1), (1, 0.6)], 6)):
             run = slots.select(uses)
             assert run.rows.shape == (groups, ROW_GROUP)
             args = [x, mod, adaln_index, *rope, run.rows, run.row_scales, *weights,

@@ -177,9 +177,9 @@ def _check_lora_twins(entries: dict, names: set[str]) -> None:
     earlier h3trt took a slot list and is refused, naming the rebuild."""
     for name in sorted(names):
         if tuple(entries[name]["inputs"][-len(LORA_INPUTS):]) != LORA_INPUTS:
-            raise BundleError(f"this bundle's {name} segment takes {entries[name]['inputs'][-2:]}, the adapter inputs "
-                              f"of an earlier h3trt (this one passes {list(LORA_INPUTS)}); rebuild it with this h3trt's "
-                              "h3trt build ... --lora-slots N --lora-max-rank R.")
+            raise BundleError(f"this bundle's {name} segment takes {entries[name]['inputs'][-2:]}, the adapter "
+                              f"inputs of an earlier h3trt (this one passes {list(LORA_INPUTS)}); rebuild it with "
+                              "this h3trt's h3trt build ... --lora-slots N --lora-max-rank R.")
 
 
 def one_rank_exchange(qkv_send: torch.Tensor, attention) -> torch.Tensor:
