@@ -181,3 +181,24 @@ def test_an_interrupt_that_ended_a_string_exec_still_exits_130(tmp_path):
     assert done.returncode == 130, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last == "h3trt: interrupted; no output was written (temporary files removed).", done.stderr
+
+
+def test_main_gives_the_callers_signal_handlers_back(tmp_path, capsys):
+    """main handles SIGINT and SIGTERM while it runs; a program that calls it (a test worker) keeps its own handlers
+    afterwards: a later signal there raised KeyboardInterrupt inside a library's garbage-collection callback."""
+    import signal
+
+    def own(signum, frame):
+        pass
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, own)
+    try:
+        assert main(["inspect", str(tmp_path / "missing")]) == 2  # an error
+        assert main(["keygen", str(tmp_path / "key")]) == 0  # a command that returns
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)

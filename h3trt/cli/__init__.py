@@ -38,8 +38,11 @@ def main(argv=None) -> int:
     # SIGTERM ends a run as Ctrl-C does: temporaries removed, what was finished kept, one line (`serve` installs its
     # own: it drains). Installed before anything heavy is imported, so a signal in the first second is handled too.
     _signalled.clear()
+    # The caller's handlers come back when main returns: a test process (or any program) that calls main keeps its
+    # own, and a later signal there never raises KeyboardInterrupt from inside whatever code it happens to hit.
+    callers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, _interrupt)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the parent ignores Ctrl-C
+    if callers[signal.SIGINT] is signal.default_int_handler:  # not where the parent ignores Ctrl-C
         signal.signal(signal.SIGINT, _interrupt)
     try:
         from .parser import build_parser
@@ -55,6 +58,9 @@ def main(argv=None) -> int:
         return _interrupted(e)
     finally:
         _forget_caught_interrupts()
+        for signum, handler in callers.items():
+            if handler is not None:  # None: a handler installed outside Python, which Python cannot put back
+                signal.signal(signum, handler)
 
 
 def _forget_caught_interrupts() -> None:
