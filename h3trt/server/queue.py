@@ -23,7 +23,6 @@ from typing import Callable
 
 from ..errors import UserError
 from ..jobs.job import Event, Job
-from ..media.output_files import remove_leftovers
 from ..pipeline.adapter_schedule import ScheduleFrom
 from ..pipeline.adapters import AdapterUse
 from ..pipeline.parse import RequestDefaults
@@ -260,9 +259,9 @@ class StoreQueue:
 
     def recover(self) -> None:
         """One node, before its workers start (it alone uses its store and folder): every running job was
-        interrupted; partial files of killed ranks and files without a job go."""
-        if self.storage.local is not None:
-            remove_leftovers(self.storage.local / "clips")  # the partial MP4s of killed workers
+        interrupted; partial files of killed ranks, files without a job, and the rank-group and scratch folders that
+        killed processes of this host left in $TMPDIR (a SIGKILLed server's) go, as a fleet replica's start sweeps."""
+        self.log("swept", **self.storage.sweep())
         requeued, failed = self.reclaim()
         known = {row.id for row in self.store.rows()}
         orphans = [f"{folder}/{name}" for folder in ("clips", "uploads") for name in self.storage.names(folder)
