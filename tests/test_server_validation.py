@@ -11,7 +11,7 @@ import pytest
 
 from h3trt.cli.args import crf
 from h3trt.media.output_files import DEFAULT_CRF
-from h3trt.pipeline.request import MAX_STEPS
+from h3trt.models.sampler import MAX_STEPS
 
 KEY = "test-key-validation"
 SMALL = {"size": "128x32", "steps": 2}

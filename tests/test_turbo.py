@@ -79,7 +79,7 @@ def test_an_adapters_schedule_is_its_files_metadata_under_its_flags_values(adapt
     bad = write(tmp_path / "bad.safetensors", fmt_original(tiny_factors(1)), {"h3trt.steps": "eight"})
     with pytest.raises(UserError, match=r"bad.safetensors: __metadata__ h3trt.steps: steps must be an integer"):
         Entry.resolve(device="cpu", adapters=(AdapterSpec("bad", bad),))  # at start, before any model loads
-    for flag, words in (("@steps=1", "steps must be an integer from 2 to 1000"),
+    for flag, words in (("@steps=1", "steps must be at least 2 (the grid includes the final sigma 0) and at most 1000"),
                         ("@video_shift=-1", "video_shift must be a positive finite number"),
                         ("@turbo=1", "expected KEY=VALUE pairs after '@'")):
         capsys.readouterr()
@@ -175,7 +175,7 @@ def test_build_takes_one_shift_per_schedule_or_one_for_all(tiny_root, tmp_path, 
         BuildConfig(tiny_root, tmp_path / "b", steps=(6, 6), video_shift=(None, 12.0), device="cpu").schedules(
             (12.0, 3.0))
     for argv, words in ((["--steps", "6,x"], "takes whole numbers separated by commas"),
-                        (["--steps", "6,1"], "steps must be >= 2")):
+                        (["--steps", "6,1"], "--steps must be at least 2")):
         capsys.readouterr()
         try:
             code = main(["build", "--model", "tiny", "--output", str(tmp_path / "c"), "--device", "cpu", *argv])

@@ -16,7 +16,7 @@ from ..models.lora import LoraSpec
 from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
-from ..models.sampler import DEFAULT_STEPS, Schedule, shifted_sigmas
+from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
@@ -149,7 +149,7 @@ class BuildConfig:
                                 f"{','.join(map(str, steps))}), got {len(shifts)}.")
             object.__setattr__(self, key, shifts * len(steps) if len(shifts) == 1 else shifts)
         for n, video, audio in zip(self.steps, self.video_shift, self.audio_shift):
-            shifted_sigmas(n, 1.0)  # UserError: steps >= 2
+            check_steps(n, "--steps", field=None)
             for shift in (video, audio):
                 if shift is not None:
                     shifted_sigmas(2, shift)  # UserError: a positive finite shift

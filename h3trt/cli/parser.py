@@ -27,7 +27,7 @@ def build_parser() -> OneLineParser:
 
 def _run_parser(sub) -> None:
     from ..models.packing import DEFAULT_DURATION
-    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
     from ..media.output_files import DEFAULT_CRF
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
@@ -42,8 +42,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
     p.add_argument("--steps", type=int, default=None,
-                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's first baked schedule, else "
-                        f"{DEFAULT_STEPS})")
+                   help=f"sigma grid points, {MIN_STEPS} to {MAX_STEPS}; steps - 1 DiT evaluations (default: a "
+                        f"bundle's first baked schedule, else {DEFAULT_STEPS})")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
     p.add_argument("--duration", type=float, default=DEFAULT_DURATION,
@@ -320,11 +320,12 @@ def _build_parser(sub) -> None:
 
 def _schedule_arguments(p) -> None:
     """build's schedules: the AdaLN tables are baked for each (README, 'Few-step LoRAs and step caching')."""
-    from ..models.sampler import DEFAULT_STEPS
+    from ..models.sampler import DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
 
     schedules = p.add_argument_group("schedules (the AdaLN tables are baked for each; --keep-adaln serves any)")
     schedules.add_argument("--steps", type=steps_list, default=(DEFAULT_STEPS,), metavar="N[,N...]",
-                           help=f"sigma grid points of each schedule (default {DEFAULT_STEPS}): a comma list bakes "
+                           help=f"sigma grid points of each schedule, {MIN_STEPS} to {MAX_STEPS} (default "
+                                f"{DEFAULT_STEPS}): a comma list bakes "
                                 "several (50,8: H3's and a Turbo LoRA's), any of them served, the first a request's "
                                 "default")
     schedules.add_argument("--video-shift", type=shift_list, metavar="S[,S...]",

@@ -24,16 +24,24 @@ DEFAULT_VIDEO_SHIFT = 12.0
 DEFAULT_AUDIO_SHIFT = 3.0
 DEFAULT_SEED = 42
 DEFAULT_GUIDANCE = 1.0  # classifier-free guidance off: H3 is guidance-distilled
-# Sigma grid points at most: H3's schedule is 50 (DEFAULT_STEPS), its scheduler's training grid 1000 timesteps; a finer
-# grid changes nothing a user can see and only multiplies the job's time (1e9 steps: a minute to build the grid).
+# Sigma grid points at least (the grid includes the terminal sigma 0) and at most: H3's schedule is 50 (DEFAULT_STEPS),
+# its scheduler's training grid 1000 timesteps; a finer grid changes nothing a user can see and only multiplies the
+# job's time (1e9 steps: a minute to build the grid). One bound for every front door: a request's steps (run, a
+# requests file, the API, whose request field table states it), an adapter's schedule, build --steps.
+MIN_STEPS = 2
 MAX_STEPS = 1000
+
+
+def check_steps(steps: int, name: str = "steps", field: str | None = "steps") -> None:
+    """`steps` within [MIN_STEPS, MAX_STEPS], else one line naming `name` (the front door's word for it)."""
+    if not MIN_STEPS <= steps <= MAX_STEPS:
+        raise UserError(f"{name} must be at least {MIN_STEPS} (the grid includes the final sigma 0) and at most "
+                        f"{MAX_STEPS} (H3's schedule is {DEFAULT_STEPS}), got {steps}.", field=field)
 
 
 def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:
     """The sigma grid [K] (K <= steps: float32 collisions merge), terminal 0 included, float32 on the CPU."""
-    if steps < 2:
-        raise UserError(f"steps must be >= 2 (the grid includes the terminal sigma 0), got {steps}; pass --steps 2 or "
-                        "more.")
+    check_steps(steps)
     if not (math.isfinite(shift) and shift > 0):  # NaN or inf would run every step and fail at the end
         raise UserError(f"A sigma shift must be a positive finite number, got {shift}; pass a --video-shift or "
                         "--audio-shift above 0, or leave it out for the checkpoint's.")

@@ -25,7 +25,7 @@ from typing import Iterable, Mapping
 from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
-from ..models.sampler import MAX_STEPS
+from ..models.sampler import check_steps
 
 SCHEDULE_KEYS = ("steps", "video_shift", "audio_shift")
 METADATA_KEYS = {key: f"h3trt.{key}" for key in SCHEDULE_KEYS}  # an adapter file's __metadata__ keys
@@ -62,13 +62,16 @@ class ScheduleValues:
 
 
 def checked_value(key: str, text: str, where: str) -> int | float:
-    """One schedule value from its text: steps an integer in [2, MAX_STEPS], a shift a positive finite number."""
+    """One schedule value from its text: steps a whole number in every front door's bound (check_steps), a shift a
+    positive finite number."""
     try:
         value = int(text) if key == "steps" else float(text)
     except ValueError:
         value = None
-    if key == "steps" and (value is None or not 2 <= value <= MAX_STEPS):
-        raise UserError(f"{where}: steps must be an integer from 2 to {MAX_STEPS} (sigma grid points), got {text!r}.")
+    if key == "steps":
+        if value is None:
+            raise UserError(f"{where}: steps must be an integer (sigma grid points), got {text!r}.")
+        check_steps(value, f"{where}: steps", field=None)
     if key != "steps" and (value is None or not (math.isfinite(value) and value > 0)):
         raise UserError(f"{where}: {key} must be a positive finite number, got {text!r}.")
     return value

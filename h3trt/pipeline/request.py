@@ -20,7 +20,7 @@ from ..models.packing import (AUDIO_SAMPLE_RATE, CANVAS_MAX_PIXELS, CANVAS_MULTI
                               DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK, Geometry, PackedLayout,
                               frames_for_duration, resolve_canvas, validate_canvas)
 from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, DEFAULT_VIDEO_SHIFT,
-                              MAX_STEPS, Latents, Schedule)
+                              Latents, Schedule, check_steps)
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
@@ -190,9 +190,7 @@ def _check_fields(request: Request, n: Names) -> None:
             SEED_RANGE[0] <= request.seed < SEED_RANGE[1]):
         raise UserError(f"{n.seed} {request.seed} is outside [-2^63, 2^64), the range torch.Generator "
                         "takes; pass a seed in that range.", field="seed")
-    if not 2 <= request.steps <= MAX_STEPS:
-        raise UserError(f"{n.steps} must be at least 2 (the grid includes the final sigma 0) and at most "
-                        f"{MAX_STEPS} (H3's schedule is {DEFAULT_STEPS}), got {request.steps}.", field="steps")
+    check_steps(request.steps, n.steps)
     if request.refs and (request.image or request.last_image):
         raise UserError(f"{n.refs} (ref2va) cannot be combined with {n.image}/{n.last_image} (fl2va); pick "
                         "one task.", field="refs")
