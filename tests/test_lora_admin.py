@@ -26,7 +26,7 @@ from h3trt.jobs.model_source import Entry
 from h3trt.models.config import H3Config
 from h3trt.models.lora_file import LoraError
 from h3trt.pipeline.adapter_catalog import STATE_FILE, AdapterCatalog
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape
+from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape, parse_lora_field
 from h3trt.pipeline.request import Request, prepare
 
 KEY = "test-key-lora-admin"
@@ -218,6 +218,40 @@ def _error(r, status: int, param: str | None, words: str) -> dict:
     assert error["param"] == param and words in error["message"], error
     assert set(error) == {"message", "type", "param", "code"}
     return error
+
+
+def test_an_adapters_scale_is_bounded_where_it_is_stated_and_the_schema_says_so(admin, folder, capsys):
+    """A strength of 1e30 held a worker through its whole denoise to fail as numerical_error: a request's scale, an
+    admin call's default, --adapter's and --lora's are refused outside the one bound, which the API's schema states."""
+    from h3trt.cli import main
+    from h3trt.models.lora import MAX_LORA_SCALE
+
+    client, service, _ = admin
+    words = f"must be a finite number from {-MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}"
+    spec = client.get("/openapi.json").json()
+    body = spec["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    props = body["properties"] if "properties" in body else spec["components"]["schemas"][
+        body["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert props["lora"]["items"]["properties"]["scale"] == {"type": "number", "minimum": -MAX_LORA_SCALE,
+                                                             "maximum": MAX_LORA_SCALE}
+    admin_body = spec["paths"]["/v1/loras"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert (admin_body["properties"]["scale"]["minimum"], admin_body["properties"]["scale"]["maximum"]) == (
+        -MAX_LORA_SCALE, MAX_LORA_SCALE)
+    before = service.store.counts().get("queued", 0)
+    for scale in (1e30, -MAX_LORA_SCALE - 1, 10 ** 400):
+        _error(client.post("/v1/videos", json={"prompt": "x", "size": "128x32", "steps": 2,
+                                               "lora": [{"name": "a", "scale": scale}]}), 400, "lora", words)
+        _error(client.post("/v1/loras", json={"name": "huge", "file": "a.safetensors", "scale": scale}), 400,
+               "scale", words)
+    assert service.store.counts().get("queued", 0) == before and "huge" not in service.adapters.names()
+    a = folder / "a.safetensors"
+    for flag, value in (("--adapter", f"a={a}:1e30"), ("--lora", f"{a}:-101")):
+        with pytest.raises(SystemExit) as refused:
+            main(["run", "--prompt", "x", "--output", "x.mp4", flag, value])
+        assert refused.value.code == 2 and f"the scale {words}" in capsys.readouterr().err
+    for scale in (-MAX_LORA_SCALE, MAX_LORA_SCALE):  # the edges are taken
+        assert parse_lora_field([{"name": "a", "scale": scale}]) == (AdapterUse("a", scale),)
+        assert AdapterSpec.parse(f"a={a}:{scale}").scale == scale
 
 
 def test_load_list_and_unload_while_serving(admin):

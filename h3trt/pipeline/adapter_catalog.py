@@ -19,7 +19,6 @@ The checks run against LoraSlots on the meta device: the ranks' bank shapes, wit
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
 from dataclasses import replace
@@ -28,6 +27,7 @@ from typing import Callable
 
 from ..errors import UserError
 from ..models.config import H3Config
+from ..models.lora import SCALE_RANGE, scale_in_range
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraSlots
 from .adapters import (NAME_PATTERN, AdapterInfo, AdapterSpec, AdapterUse, SlotShape, adapter_rank, check_adapters,
@@ -135,9 +135,8 @@ class AdapterCatalog:
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise UserError(f"name {json.dumps(name)}: an adapter's name is 1-64 of [A-Za-z0-9._-], starting with a "
                             "letter or digit.", field="name")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise UserError(f"scale {json.dumps(scale)}: the default strength must be a finite number (1.0: as "
-                            "trained).", field="scale")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale_in_range(scale):
+            raise UserError(f"scale {json.dumps(scale)}: the default strength must be {SCALE_RANGE}.", field="scale")
         self._taken(name, self.names())
         spec = AdapterSpec(name, _inside(self.folder, file), float(scale))
         lora = _read(spec, self.cfg, f"file {file!r}", shown=file)

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 from collections import OrderedDict
 from dataclasses import asdict, dataclass, field
@@ -37,7 +36,7 @@ import torch
 
 from ..errors import UserError
 from ..models.config import H3Config
-from ..models.lora import LoraScaleError, LoraSpec, native_target, route
+from ..models.lora import SCALE_RANGE, LoraScaleError, LoraSpec, native_target, route, scale_in_range
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraRun, LoraSlots, SlotRecord
 from .adapter_schedule import ScheduleValues, file_schedule, split_spec
@@ -78,8 +77,7 @@ class AdapterSpec:
             rest, schedule = split_spec(rest, f"--adapter {text!r}")
             file = LoraSpec.parse(rest)  # FILE[:SCALE] as --lora reads it
         except LoraScaleError:
-            raise AdapterSpecError(f"--adapter {text!r}: the scale must be a finite number (1.0: as "
-                                   "trained).") from None
+            raise AdapterSpecError(f"--adapter {text!r}: the scale must be {SCALE_RANGE}.") from None
         except UserError as e:  # argparse shows an ArgumentTypeError's own words
             raise AdapterSpecError(str(e)) from None
         return cls(name, file.path, file.scale, schedule)
@@ -138,7 +136,7 @@ class AdapterUse:
 
 
 def parse_lora_field(value) -> tuple[AdapterUse, ...]:
-    """A request's `lora`: a list of {"name": str, "scale": finite number (optional)}, each name once."""
+    """A request's `lora`: a list of {"name": str, "scale": a number in range (optional)}, each name once."""
     shape = 'lora must be a list of {"name": ..., "scale": ...} objects'
     if not isinstance(value, list):
         raise UserError(f"{shape}, got {json.dumps(value)}.", field="lora")
@@ -148,22 +146,14 @@ def parse_lora_field(value) -> tuple[AdapterUse, ...]:
             raise UserError(f"{shape} (name a string, scale optional), got {json.dumps(item)}.", field="lora")
         scale = item.get("scale")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(_as_float(scale))):
-            raise UserError(f"lora {item['name']!r}: scale must be a finite number (1.0: as trained), got "
-                            f"{json.dumps(scale)}.", field="lora")
-        uses.append(AdapterUse(item["name"], None if scale is None else _as_float(scale)))
+                                  or not scale_in_range(scale)):
+            raise UserError(f"lora {item['name']!r}: scale must be {SCALE_RANGE}, got {json.dumps(scale)}.",
+                            field="lora")
+        uses.append(AdapterUse(item["name"], None if scale is None else float(scale)))
     names = [u.name for u in uses]
     if len(set(names)) != len(names):
         raise UserError(f"lora names {names}: each adapter once.", field="lora")
     return tuple(uses)
-
-
-def _as_float(number: int | float) -> float:
-    """A JSON number as a float; an integer beyond a float's range is infinite (float() would raise)."""
-    try:
-        return float(number)
-    except OverflowError:
-        return math.inf
 
 
 def lora_field(uses: tuple[AdapterUse, ...]) -> list[dict]:

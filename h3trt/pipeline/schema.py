@@ -21,6 +21,7 @@ from typing import Callable
 from ..errors import UserError
 from ..models.checkpoint import TASKS
 from .profiles import PROFILE_NAMES
+from ..models.lora import MAX_LORA_SCALE
 from ..models.sampler import MAX_STEPS, MIN_STEPS
 from .request import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, Names
 
@@ -114,7 +115,8 @@ FIELDS = (
     RequestField("sparse_min_seq", {"type": "integer", "minimum": 1, "description": "shorter attentions stay dense "
                                                                                     "(4096)"}),
     RequestField("lora", {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string"}, "scale": {"type": "number"}}, "additionalProperties": False},
+        "name": {"type": "string"}, "scale": {"type": "number", "minimum": -MAX_LORA_SCALE, "maximum": MAX_LORA_SCALE}},
+        "additionalProperties": False},
         "description": "resident LoRA adapters by name (GET /v1/loras), each with its strength (default: the "
                        "adapter's); a checkpoint, or a bundle built with --lora-slots"}, read=read_lora_text),
 )

@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
+from ..models.lora import MAX_LORA_SCALE
 from ..pipeline.schema import openapi_fields
 
 
@@ -96,7 +97,8 @@ LORA_BODY = {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["name", "file"], "additionalProperties": False, "properties": {
         "name": {"type": "string", "description": "the name jobs pick it by (1-64 of [A-Za-z0-9._-])"},
         "file": {"type": "string", "description": "a .safetensors file inside the server's --lora-dir, relative to it"},
-        "scale": {"type": "number", "description": "its default strength (default 1.0)"}}}}}}
+        "scale": {"type": "number", "minimum": -MAX_LORA_SCALE, "maximum": MAX_LORA_SCALE,
+                  "description": "its default strength (default 1.0)"}}}}}}
 
 
 class VideoList(BaseModel):
