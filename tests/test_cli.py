@@ -202,3 +202,25 @@ def test_main_gives_the_callers_signal_handlers_back(tmp_path, capsys):
     finally:
         for signum, handler in before.items():
             signal.signal(signum, handler)
+
+
+def test_sparse_attention_that_no_evaluation_can_run_is_said_on_stderr(tmp_path, tiny_cache, capsys):
+    """`run --sparse-attention 0.75` where every evaluation stays dense exited 0 silently: one line on stderr says
+    why (the dense steps, or the attention's length), and the record lists no sparse evaluation, as before. A run
+    with sparse evaluations says nothing."""
+    small = ["--width", "128", "--height", "32", "--steps", "3", "--quiet", "--sparse-attention", "0.75"]
+    cases = ((["--sparse-min-seq", "1"], "all 2 of its evaluations are among the first 10 kept dense "
+                                         "(--sparse-dense-steps)"),
+             (["--sparse-dense-steps", "0"], "its attentions are shorter than --sparse-min-seq 4096 rows"),
+             (["--sparse-dense-steps", "1", "--sparse-min-seq", "1"], None))
+    for i, (flags, why) in enumerate(cases):
+        out = tmp_path / f"{i}.mp4"
+        assert main(["run", "--prompt", "a fox", "--output", str(out), *small, *flags]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("h3trt: note: block-sparse")]
+        sparse = json.loads(out.with_suffix(".json").read_text())["sparse_attention"]
+        if why is None:
+            assert notes == [] and sparse["sparse_evaluations"] == [1]
+        else:
+            assert notes == [f"h3trt: note: block-sparse attention (sparsity 0.75) ran on no evaluation: {why}; the "
+                             "clip is dense, as its record's sparse_attention says."]
+            assert sparse["sparse_evaluations"] == []
