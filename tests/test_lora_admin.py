@@ -12,6 +12,7 @@ cache in pipeline/adapters.py ResidentAdapters, the admin calls in server/lora_r
 import hashlib
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -254,6 +255,43 @@ def test_an_adapters_scale_is_bounded_where_it_is_stated_and_the_schema_says_so(
         assert AdapterSpec.parse(f"a={a}:{scale}").scale == scale
 
 
+def test_admin_and_adapter_errors_name_the_fix_this_server_takes(admin, tmp_path, tiny_cache):
+    """An absolute path inside --lora-dir was refused as "outside"; a rank over a checkpoint server's slots pointed at
+    h3trt build; more adapters than the slots blamed "the server's --lora-slots" (a bundle's are its build's); a fleet,
+    which refuses --lora-dir, was told to start with it."""
+    from h3trt.server.metrics import Metrics
+    from h3trt.server.options import ServeOptions
+    from h3trt.server.service import ApiError, VideoService
+    from h3trt.server.storage import Storage
+    from h3trt.server.store import JobStore, sqlite_url
+
+    from test_server_validation import NoGroups
+
+    client, service, lora_dir = admin
+    error = _error(client.post("/v1/loras", json={"name": "x", "file": str(lora_dir / "a.safetensors")}), 400,
+                   "file", "an absolute path, '..', a backslash or a NUL is refused")
+    assert "outside" not in error["message"]
+    _error(client.post("/v1/loras", json={"name": "x", "file": "big.safetensors"}), 400, "file",
+           "create the slots with max rank >= 8 (a model's: h3trt serve --lora-max-rank;")
+    assert client.post("/v1/loras", json={"name": "third", "file": "a.safetensors"}).status_code == 200
+    try:
+        error = _error(client.post("/v1/videos", json={"prompt": "x", "size": "128x32", "steps": 2, "lora": [
+            {"name": "a"}, {"name": "b"}, {"name": "third"}]}), 400, "lora", "at most 2 (the model's LoRA slots)")
+        assert "--" not in error["message"]
+    finally:
+        client.delete("/v1/loras/third")
+    for fleet, words in ((True, "a fleet (h3trt serve --ray) loads no adapter while it serves"),
+                         (False, "started without one; start it with --lora-dir DIR")):
+        other = VideoService(Entry.resolve(device="cpu"), ServeOptions(tmp_path), JobStore(sqlite_url(tmp_path)),
+                             Storage(tmp_path), NoGroups(), Metrics(), log=lambda *a, **k: None, fleet=fleet)
+        try:
+            with pytest.raises(ApiError, match=re.escape(words)) as refused:
+                other.load_lora({"name": "x", "file": "a.safetensors"})
+            assert refused.value.param == "file" and ("--lora-dir" not in str(refused.value)) == fleet
+        finally:
+            other.store.close()
+
+
 def test_load_list_and_unload_while_serving(admin):
     from h3trt.server.queue import StoreQueue
     from h3trt.server.service import request_defaults
@@ -315,8 +353,8 @@ def test_an_adapter_loaded_while_serving_brings_its_schedule_and_its_jobs_keep_i
     ({"name": "a", "file": "b.safetensors"}, "name", "name 'a' is taken by a loaded adapter"),
     ({"name": "x", "file": "a.safetensors", "scale": "strong"}, "scale", "must be a finite number"),
     ({"name": "x", "file": "a.safetensors", "scale": True}, "scale", "must be a finite number"),
-    ({"name": "x", "file": "/etc/passwd.safetensors"}, "file", "a path outside the server's --lora-dir is refused"),
-    ({"name": "x", "file": "../outside.safetensors"}, "file", "a path outside the server's --lora-dir is refused"),
+    ({"name": "x", "file": "/etc/passwd.safetensors"}, "file", "an absolute path, '..', a backslash or a NUL is refused"),
+    ({"name": "x", "file": "../outside.safetensors"}, "file", "an absolute path, '..', a backslash or a NUL is refused"),
     ({"name": "x", "file": "link.safetensors"}, "file", "it leads outside the server's --lora-dir"),
     ({"name": "x", "file": "notes.txt"}, "file", "name a .safetensors file inside the server's --lora-dir"),
     ({"name": "x", "file": 3}, "file", "name a .safetensors file"),

@@ -194,8 +194,8 @@ def _inside(folder: Path, file) -> Path:
         raise UserError(f"file {json.dumps(file)}: name a .safetensors file inside the server's --lora-dir, relative "
                         "to it (e.g. style.safetensors).", field="file")
     if Path(file).is_absolute() or ".." in Path(file).parts or "\\" in file or "\0" in file:
-        raise UserError(f"file {file!r}: a path outside the server's --lora-dir is refused; name a file inside it, "
-                        "relative to it (e.g. style.safetensors).", field="file")
+        raise UserError(f"file {file!r}: an absolute path, '..', a backslash or a NUL is refused; name a file inside "
+                        "the server's --lora-dir, relative to it (e.g. style.safetensors).", field="file")
     root = folder.resolve()
     path = (root / file).resolve()
     if not path.is_relative_to(root):

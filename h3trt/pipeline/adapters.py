@@ -176,7 +176,7 @@ def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...],
                         f"({resident or 'none: start it with --adapter NAME=FILE[:SCALE]'}).", field="lora")
     if slots is not None and len(uses) > slots:
         raise UserError(f"lora asks for {len(uses)} adapters, but one evaluation carries at most {slots} (the "
-                        "server's --lora-slots); ask for fewer.", field="lora")
+                        "model's LoRA slots); ask for fewer.", field="lora")
     unknown = [u.name for u in uses if u.name not in resident]
     if unknown:
         raise UserError(f"lora names {unknown}, not resident here; the resident adapters are "

@@ -258,9 +258,10 @@ def _canvas_and_keyframes(request: Request, canvas: CanvasDefaults, n: Names) ->
         height, width = request.height, request.width
     else:
         aspect = keyframes[0][2].size if keyframes else (16, 9)
-        height, width = resolve_canvas(*aspect, short_edge=canvas.short_edge, max_pixels=canvas.max_pixels)
+        height, width = resolve_canvas(*aspect, short_edge=canvas.short_edge, max_pixels=canvas.max_pixels,
+                                       size=n.size)
     try:
-        validate_canvas(height, width)
+        validate_canvas(height, width, n.size)
     except UserError as e:
         raise UserError(str(e), field="resolution") from None
     placed = []
@@ -372,7 +373,7 @@ def _reference_frames(frames: np.ndarray, fps: float, num_frames: int, canvas: C
     if frames.shape[0] < usable:
         raise UserError(f"A reference video needs at least {usable} frames at {FPS} fps, got {frames.shape[0]}.")
     frames = frames[:usable]
-    height, width = resolve_canvas(frames.shape[2], frames.shape[1], canvas.short_edge, canvas.max_pixels)
+    height, width = resolve_canvas(frames.shape[2], frames.shape[1], canvas.short_edge, canvas.max_pixels, size=None)
     if frames.shape[1:3] != (height, width):
         frames = np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS))
                            for f in frames])

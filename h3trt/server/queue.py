@@ -36,6 +36,10 @@ STORE_RETRY_S = 1.0  # how often a worker tries again to record an event while t
 HEARTBEAT_DIVISOR = 4  # a worker renews its leases this many times per lease: a few missed renewals are survived
 
 
+DISK_FULL = ("the server's disk filled while this job ran, and what it had written was removed; send the job again "
+             "once the server has room (it takes new jobs again by itself).")
+
+
 class StoreQueue:
     """A JobQueue over a job store and a storage (module doc). Group `g` claims jobs as `name(g)` (unique across a
     fleet: host, process and group); its events apply only while it still holds the job under the claim they report on
@@ -184,7 +188,10 @@ class StoreQueue:
             code = _error_code(event.record.error_type if event.record is not None else "")
             if is_disk_full(Exception(event.error or "")):
                 code = "disk_full"
-            ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker,
+            # What the client reads: a full disk in the API's words (the rank's error names the server's files,
+            # which the log keeps for the operator)
+            shown = DISK_FULL if code == "disk_full" else event.error
+            ended = self.store.end(event.job, "failed", self.retention_s, error=(code, shown), worker=worker,
                                    attempt=attempt)
             self._remove_files(event.job, row.attempts)
             if ended is not None:
