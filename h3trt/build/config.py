@@ -11,8 +11,10 @@ from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_
 from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
-from ..models.checkpoint import TASK_PARTITIONS
+from ..models.checkpoint import TASK_PARTITIONS, locate_transformer
+from ..models.config import H3Config
 from ..models.lora import LoraSpec
+from ..models.lora_memory import check_slots_fit
 from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
@@ -183,6 +185,9 @@ class BuildConfig:
         if self.sp != 1:
             raise UserError(f"--lora-slots is built for --sp 1 only (got --sp {self.sp}): the sharded halves have no "
                             "twin with adapters. Build --sp 1, or drop --lora-slots/--lora-max-rank.")
+        # The banks are allocated to compile the block's twin and by every load of the bundle: they must fit.
+        cfg = H3Config.tiny() if self.tiny else locate_transformer(self.model_root, self.task).config
+        check_slots_fit(cfg, n, r, self.device, self.precision.spec.dtype)
 
     @property
     def slots(self) -> LoraSlotsRecord | None:

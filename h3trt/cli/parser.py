@@ -152,6 +152,15 @@ def _adapter_argument(p, how: str) -> None:
                         "h3trt.audio_shift: a request naming it that states no steps or shift runs these")
 
 
+def slots_bound() -> str:
+    """--lora-slots' upper bound, for --help: the slots' bytes against the memory that holds them."""
+    from ..models.config import H3Config
+    from ..models.lora_memory import unit_bytes
+
+    return (f"what the memory holds: N x R x {unit_bytes(H3Config()) / 1e6:.1f} MB (full-size H3, bf16) must fit in "
+            "the GPU's memory (the host's on the CPU); more is refused, naming the largest N and R that fit")
+
+
 def _mesh_arguments(p) -> None:
     mesh = p.add_argument_group("parallel (mesh axes replica x cfg x sp = ranks)")
     mesh.add_argument("--gpus", type=positive, default=1,
@@ -194,10 +203,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--lora-slots", type=positive, metavar="N",
                    help=f"adapters the eager DiT holds at once, the most one job may name (default with --lora-dir: "
                         f"max({SERVE_SLOTS}, adapters at start); else the adapters at start); others load on demand "
-                        "into the least recently used slot")
+                        f"into the least recently used slot. At most {slots_bound()}")
     p.add_argument("--lora-max-rank", type=positive, metavar="R",
                    help=f"the slots' max LoRA rank (default with --lora-dir: max({SERVE_MAX_RANK}, the largest at "
-                        "start); else the largest at start); a larger adapter is refused")
+                        "start); else the largest at start); a larger adapter is refused. Bounded with --lora-slots")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
                                                 "key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free "
@@ -294,9 +303,10 @@ def _build_parser(sub) -> None:
                        help="with --lora-max-rank: compile the block with N adapter slots beside the plain block, so "
                             "run/serve --engine take --adapter NAME=FILE[:SCALE] (up to N, rank <= R) and a request "
                             "picks them by its \"lora\" field; no adapter in a request runs the plain block. sp=1, "
-                            "inductor or aoti")
+                            f"inductor or aoti. At most {slots_bound()}")
     slots.add_argument("--lora-max-rank", type=positive, metavar="R",
-                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear)")
+                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear); "
+                            "bounded with --lora-slots")
     p.add_argument("--task", default=TASKS[0], choices=TASKS,
                    help="t2va/fl2va (FL2VA partition, default t2va) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=positive, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "

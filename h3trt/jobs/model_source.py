@@ -17,6 +17,8 @@ from ..engines.signing import key_fingerprint, load_public_key, read_trusted_man
 from ..errors import UserError
 from ..models.checkpoint import locate_transformer
 from ..models.lora import LoraSpec
+from ..models.lora_memory import check_slots_fit
+from ..models.precision import eager_dtype
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
@@ -254,8 +256,17 @@ class Entry:
         else:
             cfg = locate_transformer(self.root, task).config
             shape = {"num_slots": self.lora_slots, "max_rank": self.lora_max_rank}
-        return AdapterCatalog.start(self.adapters, cfg, task, folder=self.lora_dir, state=state, **shape,
-                                    **({"log": log} if log is not None else {}))
+        catalog = AdapterCatalog.start(self.adapters, cfg, task, folder=self.lora_dir, state=state, **shape,
+                                       **({"log": log} if log is not None else {}))
+        if self.manifest is None:  # a checkpoint's slots are the server's (a bundle's were checked by its build)
+            n, r = catalog.shape.num_slots, catalog.shape.max_rank
+            given = (f"--lora-slots {n}" if self.lora_slots else "") + (
+                f" --lora-max-rank {r}" if self.lora_max_rank else "")
+            check_slots_fit(cfg, n, r, self.device, eager_dtype(self.device), what=(
+                f"{given.strip()} (the slots: {n} of rank {r})" if given else
+                f"the slots fitted to the adapters at start ({n} of rank {r}; --lora-slots and --lora-max-rank set "
+                "them)"))
+        return catalog
 
     @property
     def adapter_slots(self) -> int | None:
