@@ -393,6 +393,77 @@ def test_a_server_without_lora_dir_refuses_the_admin_call(tmp_path, tiny_cache):
     service.store.close()
 
 
+def test_a_lora_dir_file_the_server_cannot_serve_is_skipped_listed_and_named_to_jobs(folder, tmp_path, tiny_cache,
+                                                                                     monkeypatch):
+    """A file in --lora-dir that POST /v1/loras refuses (garbage, truncated, a link out of the folder, a name that is
+    no adapter's or is taken, a rank over the slots) made the next `serve --lora-dir DIR` exit 2: the service stayed
+    down until someone cleaned the folder. It starts without them, logs each (lora_skipped), GET /v1/loras lists them
+    with why, and a job naming one is refused with that reason; so are the adapters loras.json names that fail now."""
+    from fastapi.testclient import TestClient
+
+    from h3trt.models import lora_memory
+    from h3trt.models.lora_memory import unit_bytes
+    from h3trt.server.app import create_app
+    from h3trt.server.metrics import Metrics
+    from h3trt.server.options import ServeOptions
+    from h3trt.server.service import VideoService
+    from h3trt.server.storage import Storage
+    from h3trt.server.store import JobStore, sqlite_url
+
+    from test_server_validation import NoGroups
+
+    good = (folder / "a.safetensors").read_bytes()
+    d, data = tmp_path / "loras", tmp_path / "data"
+    d.mkdir()
+    for sub in ("clips", "uploads"):
+        (data / sub).mkdir(parents=True)
+    for name, content in (("a", good), ("garbage", b"not a safetensors file"), ("truncated", good[:len(good) // 2]),
+                          ("-x", good), ("dup", good), ("later", good)):
+        (d / f"{name}.safetensors").write_bytes(content)
+    (tmp_path / "outside.safetensors").write_bytes(good)
+    os.symlink(tmp_path / "outside.safetensors", d / "link.safetensors")
+    write(d / "big.safetensors", fmt_original(rank8(4)))
+    flag = (AdapterSpec("dup", folder / "b.safetensors"),)
+    entry = Entry.resolve(device="cpu", adapters=flag, lora_dir=d, lora_slots=2, lora_max_rank=4)
+    entry.adapter_catalog(data / STATE_FILE).unload("later")  # kept in loras.json: started without, for good
+    catalog = entry.adapter_catalog(data / STATE_FILE)
+    catalog.load("again", "later.safetensors", 0.5)  # loras.json: loaded; its file goes bad before the restart
+    (d / "later.safetensors").write_bytes(b"broken since")
+    logged = []
+    catalog = entry.adapter_catalog(data / STATE_FILE, lambda event, **f: logged.append((event, f["name"])))
+    assert catalog.names() == ["dup", "a"]
+    why = {s.name: (s.file, s.source, s.reason) for s in catalog.skipped()}
+    assert sorted(why) == ["-x", "again", "big", "dup", "garbage", "link", "truncated"]
+    assert sorted(logged) == [("lora_skipped", name) for name in sorted(why)]
+    for name, words in (("-x", "its stem is not an adapter's name"), ("dup", "the name is taken"),
+                        ("garbage", "not a readable safetensors file"), ("truncated", "not a readable safetensors"),
+                        ("link", "it leads outside the server's --lora-dir (a link)"),
+                        ("big", "has rank 8, over the slots' max rank 4"), ("again", "not a readable safetensors")):
+        assert words in why[name][2] and str(tmp_path) not in why[name][2], (name, why[name])
+    assert why["again"][:2] == ("later.safetensors", STATE_FILE) and why["big"][:2] == ("big.safetensors", "--lora-dir")
+    service = VideoService(entry, ServeOptions(data), JobStore(sqlite_url(data)), Storage(data), NoGroups(), Metrics(),
+                           log=lambda *a, **k: None, adapters=catalog)
+    try:
+        client = TestClient(create_app(service), raise_server_exceptions=False)
+        listed = client.get("/v1/loras").json()
+        assert [x["name"] for x in listed["data"]] == ["dup", "a"]
+        assert {s["name"]: s["reason"] for s in listed["skipped"]} == {n: w[2] for n, w in why.items()}
+        error = _error(client.post("/v1/videos", json={"prompt": "x", "size": "128x32", "steps": 2,
+                                                       "lora": [{"name": "garbage"}]}), 400, "lora",
+                       "lora 'garbage': this server started without it (--lora-dir file 'garbage.safetensors': ")
+        assert why["garbage"][2] in error["message"] and service.store.counts().get("queued", 0) == 0
+    finally:
+        service.store.close()
+    # A rank the memory cannot hold for the slots fitted at start is skipped too (the set stays up).
+    write(d / "huge.safetensors", fmt_original({"blocks.0.mlp.fc2": (torch.randn(128, 96), torch.randn(64, 128))}))
+    unit = unit_bytes(H3Config.tiny(), dtype=torch.float32)
+    monkeypatch.setattr(lora_memory, "memory_of", lambda device: (4 * 100 * unit, "a small host"))
+    fitted = Entry.resolve(device="cpu", lora_dir=d).adapter_catalog()
+    assert fitted.shape == SlotShape(4, 64) and "huge" not in fitted.names()
+    assert "rank 128, over the largest rank these slots may have in memory (100)" in {
+        s.name: s.reason for s in fitted.skipped()}["huge"]
+
+
 def test_the_flags_are_checked_before_anything_loads(folder, tmp_path, capsys):
     from h3trt.cli import main
 
@@ -400,15 +471,11 @@ def test_the_flags_are_checked_before_anything_loads(folder, tmp_path, capsys):
     assert [s.name for s in entry.adapters] == ["x", "a", "b", "c"]  # --adapter, then DIR's files by stem
     for kwargs, words in (({"lora_dir": tmp_path / "none"}, "--lora-dir .*none: not a folder"),
                           ({"lora_slots": 2}, "--lora-slots and --lora-max-rank size the slots of LoRA adapters"),
-                          ({"lora_dir": folder, "adapters": (AdapterSpec("a", folder / "b.safetensors"),)},
+                          ({"adapters": (AdapterSpec("a", folder / "a.safetensors"),
+                                         AdapterSpec("a", folder / "b.safetensors"))},
                            "--adapter a: the name is given twice")):
         with pytest.raises(UserError, match=words):
             Entry.resolve(device="cpu", **kwargs)
-    odd = tmp_path / "odd"
-    odd.mkdir()
-    (odd / "-x.safetensors").write_bytes((folder / "a.safetensors").read_bytes())
-    with pytest.raises(UserError, match="-x.safetensors cannot be an adapter's name"):
-        Entry.resolve(device="cpu", lora_dir=odd)
     with pytest.raises(UserError, match=r"--adapter big: .* has rank 8, over the slots' max rank 4"):
         write(tmp_path / "big.safetensors", fmt_original(rank8(4)))
         AdapterCatalog.start((AdapterSpec("big", tmp_path / "big.safetensors"),), H3Config.tiny(), "t2va",

@@ -38,6 +38,12 @@ def memory_of(device: str | torch.device) -> tuple[int, str]:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"), "this host"
 
 
+def largest_rank(cfg: H3Config, num_slots: int, device: str | torch.device, dtype: torch.dtype = torch.bfloat16,
+                 targets: tuple[str, ...] = BLOCK_TARGETS) -> int:
+    """The largest max rank `num_slots` slots may have on `device` (0: not even rank 1)."""
+    return memory_of(device)[0] // (num_slots * unit_bytes(cfg, targets, dtype))
+
+
 def check_slots_fit(cfg: H3Config, num_slots: int, max_rank: int, device: str | torch.device,
                     dtype: torch.dtype = torch.bfloat16, targets: tuple[str, ...] = BLOCK_TARGETS,
                     what: str | None = None, memory: tuple[int, str] | None = None) -> None:

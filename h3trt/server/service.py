@@ -172,6 +172,10 @@ class VideoService:
         """The current set of adapters, as GET /v1/loras lists them."""
         return [info.to_json() for info in self.adapters.infos()] if self.adapters is not None else []
 
+    def skipped_loras(self) -> list[dict]:
+        """The adapters the server started without, and why (GET /v1/loras's `skipped`)."""
+        return [s.to_json() for s in self.adapters.skipped()] if self.adapters is not None else []
+
     def load_lora(self, fields: dict) -> dict:
         """POST /v1/loras {"name", "file", "scale"}: a file of --lora-dir joins the set once read and checked whole
         (on this worker thread); a 400 names the field at fault."""

@@ -82,9 +82,19 @@ class Lora(BaseModel):
         "its values); {}: none"))
 
 
+class LoraSkipped(BaseModel):
+    """A --lora-dir file (or an adapter kept in the data folder's loras.json) the server started without."""
+
+    name: str
+    file: str
+    reason: str = Field(description="why it cannot be served; a job naming it is refused with it")
+    source: str = Field(description="--lora-dir, or loras.json")
+
+
 class LoraList(BaseModel):
     object: Literal["list"] = "list"
     data: list[Lora]
+    skipped: list[LoraSkipped] = Field(default_factory=list, description="what the server started without, and why")
 
 
 class LoraDeleted(BaseModel):
