@@ -10,14 +10,13 @@ DiT, at every evaluation of each schedule.
 
 import json
 import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import SLOT_BUNDLE
 from helpers import dit_inputs
 from test_lora import fmt_original, write
 from test_lora_adapters import tiny_factors
@@ -55,15 +54,11 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def turbo_bundle(tmp_path_factory, tiny_cache):
-    out = tmp_path_factory.mktemp("schedules") / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                           "--precision", "fp32", "--device", "cpu", "--profile", "160x96x5", "--steps", "6,4",
-                           "--video-shift", "12,5", "--lora-slots", "1", "--lora-max-rank", "4"],
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "(2 schedule(s))" in proc.stderr, proc.stderr
-    return out
+def turbo_bundle(bundle_cache):
+    """`--steps 6,4 --video-shift 12,5` with LoRA slots: conftest's SLOT_BUNDLE (shared with test_bundle_lora.py)."""
+    built = bundle_cache.get(*SLOT_BUNDLE)
+    assert "(2 schedule(s))" in built.stderr, built.stderr
+    return built.path
 
 
 # --- an adapter's schedule, and a request's ---------------------------------------------------------------------------
