@@ -39,6 +39,7 @@ from ..models.checkpoint import TransformerSource, load_dit
 from ..models.dit import H3DiT
 from ..models.lora import merge_loras
 from ..models.sampler import Schedule
+from ..models.vsa_plan import VsaServing
 from .adaln import bake_tables, schedule_timesteps
 from .backends import compile_segment
 from .check import check_in_fresh_process
@@ -141,9 +142,10 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     if recipe is None:
         return Calibration(None, None)
     trt = config.backend == "tensorrt"
+    vsa = _vsa_record(config, plan)
     recipe, quant = calibrate_dit(dit.model, recipe, dit.source.component_root, config.calib_prompts,
                                   config.profiles[0], (dit.schedules[0].video_shift, dit.schedules[0].audio_shift),
-                                  keep_modelopt_quantizers=trt, log=log)
+                                  keep_modelopt_quantizers=trt, log=log, vsa=vsa)
     if trt:
         return Calibration(None, {**quant, "execution": config.precision.spec.trt_execution})
     return Calibration(recipe, quant)
@@ -284,7 +286,14 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         attention={p: c.to_dict() for p, c in plan.attention.items()}, vae_precision=config.vae.name,
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
-        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots)
+        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots,
+        vsa=_vsa_record(config, plan))
+
+
+def _vsa_record(config: BuildConfig, plan: BuildPlan) -> VsaServing | None:
+    if plan.vsa_kernel is None:
+        return None
+    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel)
 
 
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:

@@ -20,6 +20,7 @@ from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
 from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.vsa_plan import VsaSettings, vsa_settings
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
@@ -92,6 +93,12 @@ class BuildConfig:
     # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
     lora_max_rank: int | None = None
+    # FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; models/vsa_plan.py): the VSA settings the
+    # bundle serves, recorded in its manifest (None: FastH3 v1's, sparsity 0.9, no step or block dense). Refused for a
+    # checkpoint without the gate (build/plan.py, once the checkpoint is located).
+    vsa_sparsity: float | None = None
+    vsa_dense_first_steps: int | None = None
+    vsa_dense_layers: tuple[int, ...] | None = None
 
     def __post_init__(self):
         self._check_schedules()
@@ -136,6 +143,7 @@ class BuildConfig:
             raise UserError("--trt-targets applies to --backend tensorrt.")
         self._check_sparse()
         self._check_lora_slots()
+        vsa_settings(self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers)  # values, by flag
 
     def _check_schedules(self) -> None:
         """--steps, --video-shift and --audio-shift as tuples of one entry per schedule (a single shift: every
@@ -216,6 +224,36 @@ class BuildConfig:
                             "is not built: a bf16 block would need its own pair of halves around the sparse "
                             "attention. Exclude block linears instead (attn.qkv_proj, mlp.fc1, ...), or drop "
                             "--sparse-attention.")
+
+    @property
+    def vsa_flags(self) -> bool:
+        """Whether any --vsa-* flag was given."""
+        return (self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers) != (None, None, None)
+
+    def vsa(self, num_layers: int) -> VsaSettings:
+        """The VSA settings a FastH3-VSA bundle serves (the --vsa-* flags over FastH3 v1's defaults), its dense
+        layers checked against the model's `num_layers`."""
+        return vsa_settings(self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers, num_layers)
+
+    def check_vsa(self, vsa_model: bool) -> None:
+        """What a FastH3-VSA bundle cannot be, and --vsa-* flags on a model without the gate (build/plan.py calls it
+        once the checkpoint is located)."""
+        if not vsa_model:
+            if self.vsa_flags:
+                raise UserError("--vsa-sparsity, --vsa-dense-first-steps and --vsa-dense-layers set a FastH3-VSA "
+                                "model's sparse attention; this checkpoint's blocks carry no attn.to_gate_compress "
+                                "(not a VSA model). Drop them (block-sparse attention for any model: "
+                                "--sparse-attention).")
+            return
+        recipe = self.recipe_for("emulated")
+        conflicts = [flag for flag, on in (
+            ("--backend tensorrt", self.backend == "tensorrt"), ("--sparse-attention", self.sparse is not None),
+            ("--lora-slots", self.slots is not None), ("--fp8-attention", self.fp8_attention),
+            ("--quant-exclude blocks.N", recipe is not None and bool(recipe.exclude_blocks))) if on]
+        if conflicts:
+            raise UserError(f"this checkpoint is a FastH3-VSA model: its attention is VSA in every block (the block "
+                            f"halves around it), which {', '.join(conflicts)} cannot serve. Drop "
+                            f"{'it' if len(conflicts) == 1 else 'them'}; set its sparsity with --vsa-sparsity.")
 
     @property
     def sparse(self) -> SparseSettings | None:

@@ -313,6 +313,14 @@ def _build_parser(sub) -> None:
                                                      "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
     p.add_argument("--cfg", type=positive, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
+    _build_attention_arguments(p)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
+                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
+
+
+def _build_attention_arguments(p) -> None:
+    """build's sparse attention: SubBlock's block-sparse serving, or a FastH3-VSA checkpoint's VSA settings."""
     sparse = p.add_argument_group("block-sparse attention (README, 'Block-sparse attention')")
     sparse.add_argument("--sparse-attention", type=float, metavar="SPARSITY",
                         help="serve block-sparse attention: compile the block's two halves around it (sp=1) and the "
@@ -323,9 +331,14 @@ def _build_parser(sub) -> None:
                         help="with --sparse-attention: the default of the first N denoise steps kept dense (10)")
     sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
                         help="with --sparse-attention: the default of the shortest attention made sparse (4096)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
-    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
-                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
+    vsa = p.add_argument_group("FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; README, 'VSA')")
+    vsa.add_argument("--vsa-sparsity", type=float, metavar="S",
+                     help="share of video key tiles each video query tile skips, 0 <= s < 1 (default 0.9, FastH3 "
+                          "v1's; 0: dense attention, the coarse branch kept). Recorded in the manifest")
+    vsa.add_argument("--vsa-dense-first-steps", type=int, metavar="N",
+                     help="the first N denoise steps run dense (default 0)")
+    vsa.add_argument("--vsa-dense-layers", type=int, nargs="+", metavar="I",
+                     help="main blocks that run dense in every step (default: none)")
 
 
 def _schedule_arguments(p) -> None:

@@ -17,12 +17,14 @@ import torch.nn.functional as F
 from ..calibration.fp8_attention import check_attention_kernel
 from ..models.attention import bound_attention, check_attention_record, dense_kernel
 from ..models.config import NUM_MODALITIES, H3Config
-from ..models.dit import rope_inv_freq, rope_tables
+from ..models.dit import layer_attention, rope_inv_freq, rope_tables, sdpa_attention
 from ..models.packing import PackedLayout
 from ..models.block_stack import run_block_stack
 from ..models.lora_slots import ADALN_TARGET, LoraRun, LoraSlots, lora_delta
 from ..models.sparse_kernels import check_sparse_kernel
 from ..models.sparse_run import load_sparse_kernel, warm_sparse
+from ..models.vsa_kernels import vsa_kernel_problem
+from ..models.vsa_plan import VsaServing, load_vsa_kernel, vsa_call
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
@@ -41,17 +43,21 @@ class EngineDiT:
     """The DiT forward from compiled segments: embed, the block segment(s) once per layer (models/block_stack.py),
     final. With an sp group the block is the two halves around the Ulysses exchange, on this rank's rows. In one
     process the block is the fused segment; a bundle built with --sparse-attention also has the halves, which a
-    sparse evaluation runs around its block-sparse attention (the exchange of one rank is the identity)."""
+    sparse evaluation runs around its block-sparse attention (the exchange of one rank is the identity). A FastH3-VSA
+    bundle has the halves only: every evaluation runs VSA between them, its gate in the exchange's buffer."""
 
     sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
-                 sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None):
+                 sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None,
+                 vsa: VsaServing | None = None):
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
         bundle that has them beside its fused block); None: none. `lora_slots`: the banks of a bundle built with
-        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take."""
+        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take. `vsa`: a
+        FastH3-VSA bundle's settings and kernel (its manifest's, warmed at load)."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
+        self.vsa = vsa
         self.halves = "block_pre" in entries and "block_post" in entries
         if sparse_kernel is not None and not self.halves:
             raise ValueError("a bundle without the block halves serves no sparse attention (its compiled block "
@@ -85,8 +91,12 @@ class EngineDiT:
 
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None,
                  lora: LoraRun | None = None):
-        """`lora`: the evaluation's adapters (from this engine's `lora_slots`); None runs exactly the plain path."""
-        core = sparse.attention(layout) if sparse is not None else None
+        """`lora`: the evaluation's adapters (from this engine's `lora_slots`); None runs exactly the plain path.
+        A FastH3-VSA bundle takes its request's VsaRun as `sparse` (models/vsa_plan.py), in every evaluation."""
+        if self.cfg.vsa_gate:  # VSA between the halves: dense evaluations run the bundle's own dense kernel
+            core = vsa_call(sparse, layout, self.sharded_attention[0] or sdpa_attention)
+        else:
+            core = sparse.attention(layout) if sparse is not None else None
         if core is not None and not self.halves:
             raise ValueError("this bundle's compiled block holds its attention and it has no halves; it serves no "
                              "sparse attention (sparse_kernel is None, which the pipeline checks before denoising).")
@@ -166,7 +176,7 @@ class EngineDiT:
         def block_fn(i, x, adaln_index, rope):
             mod = self.adaln.block(i, rows, temb).contiguous()
             (qkv,) = pre(x, mod, adaln_index, *rope, *self.block_w["block_pre"][i])
-            attn = exchange(qkv, core if core is not None else self.sharded_attention[i])
+            attn = exchange(qkv, layer_attention(core, i) if core is not None else self.sharded_attention[i])
             return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
 
         return block_fn
@@ -175,9 +185,8 @@ class EngineDiT:
 def one_rank_exchange(qkv_send: torch.Tensor, attention) -> torch.Tensor:
     """The Ulysses exchange of a group of one (parallel/ulysses.py UlyssesExchange's contract at sp=1): the send buffer
     [1, 3, B, S, N, D] holds every row and head, so q/k/v go to `attention` as they are and its [B, S, N, D] output
-    comes back as the received buffer [1, B, S, N, D]."""
-    q, k, v = qkv_send[0].unbind(0)
-    return attention(q, k, v).unsqueeze(0)
+    comes back as the received buffer [1, B, S, N, D]. A FastH3-VSA block's buffer holds its gate too ([1, 4, ...])."""
+    return attention(*qkv_send[0].unbind(0)).unsqueeze(0)
 
 
 class Engine:
@@ -261,6 +270,9 @@ def check_load(root: Path, manifest: Manifest, device: torch.device, mesh=None) 
             check_attention_kernel(quant["attention_kernel"], device)
         if manifest.sparse is not None:
             check_sparse_kernel(manifest.sparse.kernel, device)
+        if manifest.vsa is not None and vsa_kernel_problem(manifest.vsa.kernel, device) is not None:
+            raise ValueError(f"{vsa_kernel_problem(manifest.vsa.kernel, device)} (this FastH3-VSA bundle serves the "
+                             f"{manifest.vsa.kernel} VSA kernel: serve it where it was built, or rebuild it here)")
     except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
         raise BundleError(f"{root}: {e}") from e
     problems = structure_problems(root, manifest)
@@ -310,19 +322,25 @@ def _stream(root: Path, manifest: Manifest, device: torch.device, verification: 
 def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegment], weights: dict,
                 device: torch.device, sp_group, marks: dict) -> EngineDiT:
     """The DiT runner over the loaded segments and weights, with its AdaLN runner and its block-sparse kernel
-    (compiled and warmed now: `marks` gets how long that took)."""
+    or VSA kernel (compiled and warmed now: `marks` gets how long that took)."""
     cfg, quant, attention = manifest.model_config, manifest.quant or {}, manifest.attention
     adaln = adaln_runner(manifest, weights.pop(_adaln_file(manifest)), cfg, device)
     sharded = manifest.mesh.sp > 1
     t_sparse = time.perf_counter()
-    sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
+    vsa = manifest.vsa
+    if vsa is None:
+        sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
+    else:  # a FastH3-VSA bundle: VSA's kernel, warmed now; no SubBlock sparse attention (pipeline refuses it)
+        load_vsa_kernel(device, cfg.num_heads // manifest.mesh.sp, cfg.head_dim, manifest.precision.spec.dtype,
+                        vsa.kernel)
+        sparse_kernel, sparse_problem = None, None
     marks["sparse_s"] = time.perf_counter() - t_sparse
     slots = manifest.lora_slots  # --lora-slots: the banks are allocated here, zeros until an adapter loads
     lora_slots = (LoraSlots(cfg, manifest.task, slots.slots, slots.max_rank, manifest.precision.spec.dtype, device,
                             slots.targets) if slots is not None else None)
     dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
                     quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel,
-                    lora_slots)
+                    lora_slots, vsa)
     dit.sparse_problem = sparse_problem
     return dit
 

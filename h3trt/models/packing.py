@@ -220,6 +220,7 @@ class PackedLayout:
     text_index: torch.Tensor  # [L] long
     num_condition_video_rows: int = 0  # leading video rows that are pinned conditions
     num_condition_audio_rows: int = 0  # leading audio rows that are pinned references
+    video_grid: tuple[int, int, int] | None = None  # (frames, rows, cols) of the target video rows' patch grid
 
     @property
     def seq_len(self) -> int:
@@ -229,7 +230,7 @@ class PackedLayout:
         moved = {k: getattr(self, k).to(device) for k in ("token_tags", "video_index", "audio_index", "text_index")}
         return PackedLayout(self.position_ids.to(device), **moved,
                             num_condition_video_rows=self.num_condition_video_rows,
-                            num_condition_audio_rows=self.num_condition_audio_rows)
+                            num_condition_audio_rows=self.num_condition_audio_rows, video_grid=self.video_grid)
 
 
 def spatial_grid(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
@@ -335,7 +336,8 @@ def pack_t2va(
     video_index = torch.cat([torch.arange(L, audio_start), torch.arange(video_start, S)])
     audio_index = torch.arange(audio_start, video_start)
     return PackedLayout(pos, _tags(S, text_tags, video_index, audio_index), video_index, audio_index,
-                        torch.arange(L), num_condition_video_rows=n_cond)
+                        torch.arange(L), num_condition_video_rows=n_cond,
+                        video_grid=(latent_frames_, latent_h // ph, latent_w // pw))
 
 
 @dataclass(frozen=True)
@@ -420,7 +422,8 @@ def pack_ref2va(
     video_index = torch.cat(video_parts + [torch.arange(video_start, S)])
     audio_index = torch.cat(audio_parts + [torch.arange(audio_start, video_start)])
     return PackedLayout(pos, _tags(S, text_tags, video_index, audio_index), video_index, audio_index,
-                        torch.arange(L), num_condition_video_rows=n_ref_video, num_condition_audio_rows=n_ref_audio)
+                        torch.arange(L), num_condition_video_rows=n_ref_video, num_condition_audio_rows=n_ref_audio,
+                        video_grid=(latent_frames_, latent_h // ph, latent_w // pw))
 
 
 def row_timesteps(layout: PackedLayout, video_t: float, audio_t: float) -> tuple[torch.Tensor, torch.Tensor]:

@@ -29,6 +29,7 @@ from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_
 from ..models.sparse_kernels import sparse_block
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.sparse_run import SparseRun
+from ..models.vsa_plan import VsaRun, request_vsa_run
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
@@ -115,9 +116,11 @@ class H3Pipeline:
         return cls.from_components(load_bundle(bundle_root, device, mesh, sp_group, vae_precision, trust, adapters,
                                                loras, serve_adapters), device, canvas, cfg_group)
 
-    def new_sparse_run(self, request: Request) -> SparseRun | None:
-        """A request's block-sparse attention over its evaluations, or None when it asks for none (dense)."""
+    def new_sparse_run(self, request: Request) -> SparseRun | VsaRun | None:
+        """A request's block-sparse attention over its evaluations (a FastH3-VSA model's VSA: every request), or None."""
         settings = request_sparse_settings(request)
+        if getattr(self.dit, "vsa", None) is not None:  # a FastH3-VSA model: VSA, never SubBlock
+            return request_vsa_run(self.dit.vsa, settings.enabled)
         if not settings.enabled:
             return None
         kernel = getattr(self.dit, "sparse_kernel", None)
@@ -168,7 +171,7 @@ class H3Pipeline:
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
                         timer: StageTimer | None = None, cache: StepCache | None = None,
                         profile_step: int | None = None,
-                        sparse: SparseRun | None = None) -> tuple[Schedule, PackedLayout, Latents]:
+                        sparse: SparseRun | VsaRun | None = None) -> tuple[Schedule, PackedLayout, Latents]:
         """Stages 1-3 for a prepared request: the schedule, the packed layout and the final latent rows. A request
         with a step cache fills `cache` (a new one when None) with what it skipped; one with sparsity fills `sparse`
         (a new one when None) with which evaluations ran sparse."""
@@ -230,9 +233,9 @@ class H3Pipeline:
         # admission does not know which requests will share a batch.
         if getattr(req, "guidance", 1.0) != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
-        if request_sparse_settings(req).enabled:
-            raise ValueError("Block-sparse attention counts one request's evaluations; run a sparse request alone "
-                             "(h3trt run --prompt ... --sparse-attention ...).")
+        if request_sparse_settings(req).enabled or getattr(self.dit, "vsa", None) is not None:
+            raise ValueError("Block-sparse attention (SubBlock, or a FastH3-VSA model's VSA) counts one request's "
+                             "evaluations; run such a request alone (h3trt run --prompt ...).")
         if getattr(req, "cache", None) is not None:
             raise ValueError("Step caching decides per request, and a batch shares one evaluation per step; run a "
                              "cached request alone (h3trt run --prompt ... --cache ...).")
@@ -368,7 +371,7 @@ class H3Pipeline:
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
                  branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
                  cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None,
-                 sparse: SparseRun | None = None, lora=None):
+                 sparse: SparseRun | VsaRun | None = None, lora=None):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
@@ -395,8 +398,7 @@ class H3Pipeline:
 
 
 def lora_kwargs(lora) -> dict:
-    """The runner's `lora` argument where a request has adapters; none at all otherwise (a bundle's runner takes
-    none, and a request without adapters calls the runner exactly as before they existed)."""
+    """The runner's `lora` argument where a request has adapters; none at all otherwise (the plain runner's call)."""
     return {"lora": lora} if lora is not None else {}
 
 
@@ -410,7 +412,7 @@ def clip_of(decoded: DecodeResult, record: Callable[[], ClipRecord]) -> Clip:
         raise
 
 
-def counted(model, sparse: SparseRun):
+def counted(model, sparse: SparseRun | VsaRun):
     """The sampler's model function, advancing `sparse` to the next evaluation before each step's DiT call(s)."""
     def step(video, audio, unique_t, t_index):
         sparse.next_evaluation()

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -27,6 +28,7 @@ from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
+from ..models.vsa_plan import VsaServing, VsaSettings, choose_vsa_kernel
 from ..parallel.ulysses import UlyssesDiT
 from .adapters import AdapterSpec, ResidentAdapters, SlotShape
 from .records import ColdStart, process_started_unix, torch_bytecode
@@ -146,13 +148,22 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     records = merge_loras(model, loras, task)
     shifts = source.shifts
     sp = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
-    kernel, sparse_problem = load_sparse_kernel(device, model.cfg.num_heads // sp, model.cfg.head_dim, dtype)
-    dit = UlyssesDiT(model, sp_group, kernel) if sp_group is not None else EagerDiT(model, kernel)
+    heads = model.cfg.num_heads // sp
+    if model.cfg.vsa_gate:  # FastH3-VSA: VSA every evaluation at FastH3 v1's settings, its kernel warmed now
+        kernel, sparse_problem = None, None
+        vsa = VsaServing(VsaSettings(), choose_vsa_kernel(device, heads, model.cfg.head_dim, dtype, _note))
+    else:
+        (kernel, sparse_problem), vsa = load_sparse_kernel(device, heads, model.cfg.head_dim, dtype), None
+    dit = UlyssesDiT(model, sp_group, kernel, vsa) if sp_group is not None else EagerDiT(model, kernel, vsa)
     dit.sparse_problem = sparse_problem
     resident = (ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device, lora_slots)
                 if adapters or lora_slots is not None else None)
     return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
                       loras=records, adapters=resident)
+
+
+def _note(line: str) -> None:
+    print(f"h3trt: note: {line}", file=sys.stderr)
 
 
 def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None, vae_precision: str | None = None,

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..engines.manifest import Manifest, check_request
+from ..engines.manifest import Manifest
+from ..engines.request_check import check_request
 from ..errors import UserError, about
 from ..media.inputs import MediaError, read_audio, read_image, read_video
 from ..models.checkpoint import check_component_files
@@ -24,6 +25,7 @@ from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEE
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
+from ..models.vsa_plan import refuse_subblock
 from .adapter_schedule import ScheduleFrom
 from .adapters import AdapterUse, lora_field
 
@@ -337,10 +339,12 @@ def _tokenizer(tokenizer_dir: Path):
 
 
 def check_bundle_serves(manifest: Manifest, prepared: Prepared) -> None:
-    """Refuse a request a bundle was not built for (task, canvas, schedule: engines/manifest.py check_request), its
+    """Refuse a request a bundle was not built for (task, canvas, schedule: engines/request_check.py), its
     schedule resolved with the bundle's shifts as the pipeline resolves it. Admission (jobs/admission.py) asks it
     before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (pipeline/loading.py)."""
     req, geo, baked = prepared.request, prepared.geometry, manifest.schedule
+    if manifest.vsa is not None:
+        refuse_subblock(manifest.vsa, bool(getattr(req, "sparse_attention", None)))
     schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (baked.video_shift, baked.audio_shift))
     # A schedule an adapter brought is the `lora` field's doing: the fix is there (or in stating the schedule).
     adapters = req.schedule_from.adapters() if req.schedule_from is not None else {}
