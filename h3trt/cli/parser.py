@@ -134,9 +134,9 @@ def _lora_argument(p, where: str) -> None:
     from ..models.lora import LoraSpec
 
     p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
-                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
-                        "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
-                        "musubi-tuner, DiffSynth-Studio")
+                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1, -100 to 100); repeatable "
+                        f"({where}). Every layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, "
+                        "ComfyUI, kohya, musubi-tuner, DiffSynth-Studio")
 
 
 def _adapter_argument(p, how: str) -> None:
@@ -145,8 +145,8 @@ def _adapter_argument(p, how: str) -> None:
     p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[],
                    metavar="NAME=FILE[:SCALE][@steps=N,video_shift=S,audio_shift=S]",
                    help=f"keep a LoRA resident beside the DiT under NAME, NOT merged: only the requests that name it "
-                        f"run with it, at their own strength (SCALE: its default, 1); repeatable ({how}). --lora "
-                        "merges into the weights for every request instead. --engine: a bundle built with "
+                        f"run with it, at their own strength (SCALE: its default, 1; -100 to 100); repeatable ({how}). "
+                        "--lora merges into the weights for every request instead. --engine: a bundle built with "
                         "--lora-slots N --lora-max-rank R (up to N adapters, each of rank <= R). @...: the adapter's "
                         "own schedule (a Turbo LoRA's), over the file's __metadata__ h3trt.steps, h3trt.video_shift, "
                         "h3trt.audio_shift: a request naming it that states no steps or shift runs these")
