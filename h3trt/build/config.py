@@ -13,13 +13,15 @@ from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
 from ..models.checkpoint import TASK_PARTITIONS, locate_transformer
+from ..models.config import H3Config
 from ..models.distilled import DistilledServing, DistilledSpec, check_task, plan_distilled
 from ..models.distilled_contract import CONTRACT_FILE, checkpoint_contract
 from ..models.lora import LoraSpec
+from ..models.lora_memory import check_slots_fit
 from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
-from ..models.sampler import DEFAULT_STEPS, Schedule, shifted_sigmas
+from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.vsa_plan import VsaSettings, vsa_settings
 from ..models.vae_precision import VAEPrecision
@@ -166,7 +168,7 @@ class BuildConfig:
                                 f"{','.join(map(str, steps))}), got {len(shifts)}.")
             object.__setattr__(self, key, shifts * len(steps) if len(shifts) == 1 else shifts)
         for n, video, audio in zip(self.steps, self.video_shift, self.audio_shift):
-            shifted_sigmas(n, 1.0)  # UserError: steps >= 2
+            check_steps(n, "--steps", field=None)
             for shift in (video, audio):
                 if shift is not None:
                     shifted_sigmas(2, shift)  # UserError: a positive finite shift
@@ -243,6 +245,9 @@ class BuildConfig:
         if self.sp != 1:
             raise UserError(f"--lora-slots is built for --sp 1 only (got --sp {self.sp}): the sharded halves have no "
                             "twin with adapters. Build --sp 1, or drop --lora-slots/--lora-max-rank.")
+        # The banks are allocated to compile the block's twin and by every load of the bundle: they must fit.
+        cfg = H3Config.tiny() if self.tiny else locate_transformer(self.model_root, self.task).config
+        check_slots_fit(cfg, n, r, self.device, self.precision.spec.dtype)
 
     @property
     def slots(self) -> LoraSlotsRecord | None:

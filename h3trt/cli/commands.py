@@ -45,7 +45,11 @@ def cmd_run(args) -> int:
     from ..pipeline.adapter_schedule import ScheduleValues, resolve
     from ..pipeline.request import Request
 
-    entry = entry_from_args(args)
+    entry = entry_from_args(args)  # the --adapter files checked first (a rank over a bundle's slots is that error)
+    if args.adapter:  # it ran a plain clip, the adapter loaded and unused
+        raise UserError(f"--adapter {args.adapter[0].name}=...: resident adapters run only for the requests that name "
+                        "them (the `lora` key of a --requests line, or of a job sent to h3trt serve), and one --prompt "
+                        "names none; pass --lora FILE[:SCALE] to apply a LoRA to this clip.")
     # One clip names no adapter (its --lora, if any, is on every request): its flags, else the model's defaults
     schedule, schedule_from = resolve(ScheduleValues(args.steps, args.video_shift, args.audio_shift), (), {},
                                       entry.default_steps)

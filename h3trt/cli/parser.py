@@ -27,7 +27,7 @@ def build_parser() -> OneLineParser:
 
 def _run_parser(sub) -> None:
     from ..models.packing import DEFAULT_DURATION
-    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
     from ..media.output_files import DEFAULT_CRF
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
@@ -42,8 +42,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
     p.add_argument("--steps", type=int, default=None,
-                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's first baked schedule, else "
-                        f"{DEFAULT_STEPS})")
+                   help=f"sigma grid points, {MIN_STEPS} to {MAX_STEPS}; steps - 1 DiT evaluations (default: a "
+                        f"bundle's first baked schedule, else {DEFAULT_STEPS})")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
     p.add_argument("--duration", type=float, default=DEFAULT_DURATION,
@@ -136,9 +136,9 @@ def _lora_argument(p, where: str) -> None:
     from ..models.lora import LoraSpec
 
     p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
-                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
-                        "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
-                        "musubi-tuner, DiffSynth-Studio")
+                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1, -100 to 100); repeatable "
+                        f"({where}). Every layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, "
+                        "ComfyUI, kohya, musubi-tuner, DiffSynth-Studio")
 
 
 def _distilled_argument(p, where: str) -> None:
@@ -155,11 +155,20 @@ def _adapter_argument(p, how: str) -> None:
     p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[],
                    metavar="NAME=FILE[:SCALE][@steps=N,video_shift=S,audio_shift=S]",
                    help=f"keep a LoRA resident beside the DiT under NAME, NOT merged: only the requests that name it "
-                        f"run with it, at their own strength (SCALE: its default, 1); repeatable ({how}). --lora "
-                        "merges into the weights for every request instead. --engine: a bundle built with "
+                        f"run with it, at their own strength (SCALE: its default, 1; -100 to 100); repeatable ({how}). "
+                        "--lora merges into the weights for every request instead. --engine: a bundle built with "
                         "--lora-slots N --lora-max-rank R (up to N adapters, each of rank <= R). @...: the adapter's "
                         "own schedule (a Turbo LoRA's), over the file's __metadata__ h3trt.steps, h3trt.video_shift, "
                         "h3trt.audio_shift: a request naming it that states no steps or shift runs these")
+
+
+def slots_bound() -> str:
+    """--lora-slots' upper bound, for --help: the slots' bytes against the memory that holds them."""
+    from ..models.config import H3Config
+    from ..models.lora_memory import unit_bytes
+
+    return (f"what the memory holds: N x R x {unit_bytes(H3Config()) / 1e6:.1f} MB (full-size H3, bf16) must fit in "
+            "the GPU's memory (the host's on the CPU); more is refused, naming the largest N and R that fit")
 
 
 def _mesh_arguments(p) -> None:
@@ -205,10 +214,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--lora-slots", type=positive, metavar="N",
                    help=f"adapters the eager DiT holds at once, the most one job may name (default with --lora-dir: "
                         f"max({SERVE_SLOTS}, adapters at start); else the adapters at start); others load on demand "
-                        "into the least recently used slot")
+                        f"into the least recently used slot. At most {slots_bound()}")
     p.add_argument("--lora-max-rank", type=positive, metavar="R",
                    help=f"the slots' max LoRA rank (default with --lora-dir: max({SERVE_MAX_RANK}, the largest at "
-                        "start); else the largest at start); a larger adapter is refused")
+                        "start); else the largest at start); a larger adapter is refused. Bounded with --lora-slots")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
                                                 "key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free "
@@ -308,9 +317,10 @@ def _build_parser(sub) -> None:
                        help="with --lora-max-rank: compile the block with N adapter slots beside the plain block, so "
                             "run/serve --engine take --adapter NAME=FILE[:SCALE] (up to N, rank <= R) and a request "
                             "picks them by its \"lora\" field; no adapter in a request runs the plain block. sp=1, "
-                            "inductor or aoti")
+                            f"inductor or aoti. At most {slots_bound()}")
     slots.add_argument("--lora-max-rank", type=positive, metavar="R",
-                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear)")
+                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear); "
+                            "bounded with --lora-slots")
     p.add_argument("--task", default=TASKS[0], choices=TASKS,
                    help="t2va/fl2va (FL2VA partition, default t2va) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=positive, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
@@ -347,11 +357,12 @@ def _build_attention_arguments(p) -> None:
 
 def _schedule_arguments(p) -> None:
     """build's schedules: the AdaLN tables are baked for each (README, 'Few-step LoRAs and step caching')."""
-    from ..models.sampler import DEFAULT_STEPS
+    from ..models.sampler import DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
 
     schedules = p.add_argument_group("schedules (the AdaLN tables are baked for each; --keep-adaln serves any)")
     schedules.add_argument("--steps", type=steps_list, default=None, metavar="N[,N...]",
-                           help=f"sigma grid points of each schedule (default {DEFAULT_STEPS}): a comma list bakes "
+                           help=f"sigma grid points of each schedule, {MIN_STEPS} to {MAX_STEPS} (default "
+                                f"{DEFAULT_STEPS}): a comma list bakes "
                                 "several (50,8: H3's and a Turbo LoRA's), any of them served, the first a request's "
                                 "default")
     schedules.add_argument("--video-shift", type=shift_list, metavar="S[,S...]",

@@ -165,8 +165,9 @@ def _diffusers_names(state: dict[str, torch.Tensor], head_dim: int, path: Path) 
         layout = "diffusers"
     bad = sorted(k for k in state if "lora" not in k)
     if bad:  # the reference's own format check
-        raise LoraError(f"--lora {path} is not a LoRA file: {bad[0]} (and {len(bad) - 1} more) carry no 'lora' in "
-                        "their names.")
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise LoraError(f"--lora {path} is not a LoRA file: {bad[0]}{more} carr{'y' if more else 'ies'} no 'lora' in "
+                        f"{'their names' if more else 'its name'}.")
     return layout, state
 
 
