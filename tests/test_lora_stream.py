@@ -50,8 +50,8 @@ def test_the_slots_load_a_path_in_one_pass_as_they_load_the_read_file(tmp_path, 
     via_read = LoraSlots(CFG, "t2va", 2, 8, torch.float32)
     via_read.load(1, read_lora(path, CFG.head_dim))
     passes = []
-    real = lora_file._sha256
-    monkeypatch.setattr(lora_file, "_sha256", lambda p: passes.append(p) or real(p))  # read_lora's second pass
+    real = lora_file.sha256_of
+    monkeypatch.setattr(lora_file, "sha256_of", lambda p: passes.append(p) or real(p))  # read_lora's second pass
     via_path = LoraSlots(CFG, "t2va", 2, 8, torch.float32)
     record = via_path.load(1, path)
     assert not passes and record == via_read.records[1]

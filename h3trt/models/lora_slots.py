@@ -325,7 +325,8 @@ class LoraSlots:
         rank = down.shape[0]
         if rank > self.max_rank:
             raise LoraError(f"{where} has rank {rank}, over the slots' max rank {self.max_rank}; create the slots with "
-                            f"max rank >= {rank} (h3trt build --lora-max-rank), or merge this LoRA.")
+                            f"max rank >= {rank} (a model's: h3trt serve --lora-max-rank; a bundle's: h3trt build "
+                            "--lora-max-rank), or merge this LoRA.")
         finite = torch.isfinite(down).all() & torch.isfinite(up).all()
         up = up.float() * factors.scaling
         if swap:  # diffusers [value; gate] -> native [gate; value]
