@@ -22,7 +22,7 @@ from ..models.packing import PackedLayout
 from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX, StepHeads
 from ..models.sampler import Schedule
 from ..models.block_stack import run_block_stack
-from ..models.lora_slots import ADALN_TARGET, LoraRun, LoraSlots, lora_delta
+from ..models.lora_slots import ADALN_TARGET, LORA_INPUTS, LoraRun, LoraSlots, gather_rows, lora_delta
 from ..models.sparse_run import load_sparse_kernel, warm_sparse
 from ..models.vsa_plan import VsaServing, load_vsa_kernel, vsa_call
 from ..parallel.ulysses import RowShard
@@ -79,6 +79,7 @@ class EngineDiT:
         self.lora_slots = lora_slots
         if lora_slots is not None:  # each layer's twin with adapters, and its banks in the twin's order
             self.lora_segments = [f"{name}_lora" for name in self.layer_segments]
+            _check_lora_twins(entries, set(self.lora_segments))
             self.lora_w = [[weights["blocks"][f"blocks.{i}.{n}"] for n in entries[seg]["weights"]]
                            + lora_slots.segment_inputs(i, entries[seg]["lora"])
                            for i, seg in enumerate(self.lora_segments)]
@@ -151,27 +152,26 @@ class EngineDiT:
         if core is not None:
             raise ValueError("a sparse evaluation runs no adapters: the bundle's halves have no twin with them "
                              "(admission refuses a request with both lora and sparse attention).")
-        if lora.slots_K.numel() > self.lora_slots.num_slots:
-            raise ValueError(f"{lora.slots_K.numel()} adapters in one evaluation; this bundle's block_lora takes at "
-                             f"most {self.lora_slots.num_slots} (--lora-slots).")
+        if len(lora.uses) > self.lora_slots.num_slots:
+            raise ValueError(f"{len(lora.uses)} adapters in one evaluation; this bundle holds at most "
+                             f"{self.lora_slots.num_slots} at once (--lora-slots).")
 
     def _block_lora(self, rows, temb, lora: LoraRun):
-        """Layer i as its compiled twin with adapters: K = N (the slots), the request's own padded with scale 0, which
-        adds exact zeros. An AdaLN adapter is the runner's: its side branch on silu(temb) [T, E] (T rows, eager) added
-        to the table the bundle serves, as the eager AdaLNProj adds it to its projection."""
-        pad = self.lora_slots.num_slots - lora.slots_K.numel()
-        slots_K = torch.cat([lora.slots_K, lora.slots_K.new_zeros(pad)])
-        scales_K = torch.cat([lora.scales_K, lora.scales_K.new_zeros(pad)])
+        """Layer i as its compiled twin with adapters, given the evaluation's rank rows (models/lora_slots.py: the
+        rows of each adapter's own rank, none of an adapter at scale 0). An AdaLN adapter is the runner's: its side
+        branch on silu(temb) [T, E] (T rows, eager) added to the table the bundle serves, as the eager AdaLNProj adds
+        it to its projection."""
         adaln = ADALN_TARGET in self.lora_slots.targets
+        rows_E, scales_E = lora.rows.reshape(-1), lora.row_scales.reshape(-1)
 
         def block_fn(i, x, adaln_index, rope):
             mod = self.adaln.block(i, rows, temb)
             if adaln:
-                down, up = self.lora_slots.by_block[i][ADALN_TARGET]
-                delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, lora.slots_K, lora.scales_K)
+                down, up = (gather_rows(bank, rows_E) for bank in self.lora_slots.by_block[i][ADALN_TARGET])
+                delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, scales_E)
                 mod = mod + delta.to(mod.dtype).view(mod.shape)
-            return self.segments[self.lora_segments[i]](x, mod.contiguous(), adaln_index, *rope, slots_K, scales_K,
-                                                        *self.lora_w[i])[0]
+            return self.segments[self.lora_segments[i]](x, mod.contiguous(), adaln_index, *rope, lora.rows,
+                                                        lora.row_scales, *self.lora_w[i])[0]
 
         return block_fn
 
@@ -188,6 +188,16 @@ class EngineDiT:
             return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
 
         return block_fn
+
+
+def _check_lora_twins(entries: dict, names: set[str]) -> None:
+    """A bundle's twins with adapters take the evaluation's rank rows (build/segments.py LORA_INPUTS); one built by an
+    earlier h3trt took a slot list and is refused, naming the rebuild."""
+    for name in sorted(names):
+        if tuple(entries[name]["inputs"][-len(LORA_INPUTS):]) != LORA_INPUTS:
+            raise BundleError(f"this bundle's {name} segment takes {entries[name]['inputs'][-2:]}, the adapter "
+                              f"inputs of an earlier h3trt (this one passes {list(LORA_INPUTS)}); rebuild it with "
+                              "this h3trt's h3trt build ... --lora-slots N --lora-max-rank R.")
 
 
 def one_rank_exchange(qkv_send: torch.Tensor, attention) -> torch.Tensor:
