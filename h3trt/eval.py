@@ -72,6 +72,7 @@ class StepRecorder:
         self.dit, self.cfg = dit, dit.cfg
         self.sparse_kernel = getattr(dit, "sparse_kernel", None)  # what it wraps serves (models/sparse_run.py)
         self.sparse_problem = getattr(dit, "sparse_problem", None)  # and why it serves none, with the fix
+        self.sparse_tile = getattr(dit, "sparse_tile", None)  # the fp8 sparse kernel's tile
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per evaluation: (video [V, C], audio [A, C]), fp32
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):

@@ -313,6 +313,11 @@ def _build_parser(sub) -> None:
                         help="with --sparse-attention: the default of the first N denoise steps kept dense (10)")
     sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
                         help="with --sparse-attention: the default of the shortest attention made sparse (4096)")
+    sparse.add_argument("--sparse-kernel", default="auto", choices=("auto", "fa4", "fp8", "reference", "fp8_emulated"),
+                        help="with --sparse-attention: the block-sparse kernel. auto (default): on a GPU the fastest "
+                             "measured at the bundle's shape of fa4 (FlashAttention-4, bf16) and, with "
+                             "--fp8-attention, fp8 (Triton, FP8 with the layers' scales; its tile timed too); on a "
+                             "CPU fp8_emulated with --fp8-attention, else reference")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
     p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
                                                             "`h3trt keygen KEY` makes one), writing manifest.sig")
