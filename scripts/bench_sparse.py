@@ -190,7 +190,7 @@ def run(args) -> dict:
             q, k, v, scales, plans[64, 0.75], all_sparse[64], 64, "fp8_emulated"))
     if args.block and device.type == "cuda":
         for fn, names in ((lambda: _fp8_block_rows(result, rows.ms_of, rows.row), ("fp8_block_dense_fa3",)),
-                          (lambda: fp8_block_rows(result, rows.row, best.get((64, 0.75))),
+                          (lambda: fp8_block_rows(result, rows.row, best.get((64, 0.75), args.fp8_tile)),
                            ("fp8_block_dense_fp8attn_fa3", "fp8_block_sparse_fp8_64_0.75"))):
             if any(rows.selected(n) for n in names):
                 try:
@@ -432,6 +432,9 @@ def main() -> int:
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2; 1 with --tiny)")
     p.add_argument("--no-block", dest="block", action="store_false", help="skip the FP8 DiT block rows")
     p.add_argument("--rows", default=None, metavar="REGEX", help="run only the rows whose names match (re.search)")
+    p.add_argument("--fp8-tile", default=None, metavar="TILE", help="the FP8 sparse kernel's tile in the block rows "
+                                                                   "when this run times no 64-row tile (default: the "
+                                                                   "first listed, or this run's fastest)")
     args = p.parse_args()
     args.iters = args.iters or (3 if args.tiny else 7)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)
