@@ -95,8 +95,8 @@ def test_a_named_kernel_is_checked_not_raced_and_fp8_still_times_its_tiles():
         choose("fa4", problem=lambda kernel, device: "needs FA4")
 
 
-def test_build_flags_are_checked_before_anything_loads(tmp_path):
-    base = dict(model_root=tmp_path, output=tmp_path / "out", device="cpu")
+def test_build_flags_are_checked_before_anything_loads(tmp_path, tiny_root):
+    base = dict(model_root=tiny_root, output=tmp_path / "out", device="cpu")
     with pytest.raises(UserError, match="--sparse-kernel must be one of"):
         BuildConfig(**base, sparse_attention=0.5, sparse_kernel="flex")
     with pytest.raises(UserError, match="add --sparse-attention"):
