@@ -92,9 +92,10 @@ def _configs(*names: str) -> dict[str, TileConfig]:
 
 
 # The configurations a build measures for its routing block, the first the default where nothing was measured (a
-# CPU build; the bench's `--tiles`). Not yet timed on a GPU (no device in the session that wrote them): the choices
-# follow FlashAttention-3's and Triton's FP8 attention tutorial (8 warps over 128-row tiles, 3-4 pipeline stages),
-# and scripts/bench_sparse.py times each at H3's shape.
+# CPU build; bench_sparse's block rows without --fp8-tile). Not yet timed on a GPU (no device in the session that
+# wrote them): the choices follow FlashAttention-3's and Triton's FP8 attention tutorial (8 warps over 128-row tiles,
+# 2-3 pipeline stages: Triton gives this loop two buffers at most, its loads hanging on the index loaded in it), and
+# scripts/bench_sparse.py times each at H3's shape.
 TILE_CONFIGS: dict[int, dict[str, TileConfig]] = {
     64: _configs("m64n128w4s3", "m64n128w8s3", "m64n64w4s3", "m64n64w4s3_tma", "m64n128w4s2"),
     128: _configs("m128n128w8s3", "m128n128w8s3_tma", "m128n64w8s3", "m64n128w4s3", "m128n128w8s2"),
