@@ -320,9 +320,9 @@ def _served_tasks(config: BuildConfig, meta) -> tuple[str, ...]:
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:
     if config.sparse is None:
         return None
-    kernel, block = plan.sparse_kernel
-    s = config.sparse
-    return SparseRecord(s.sparsity, s.dense_steps, s.min_seq, kernel, block)
+    choice, s = plan.sparse_kernel, config.sparse
+    return SparseRecord(s.sparsity, s.dense_steps, s.min_seq, choice.kernel, choice.block, tile=choice.tile,
+                        requested=choice.requested, measured_ms=choice.measured_ms, unavailable=choice.unavailable)
 
 
 def _checkpoint_sha(files, log) -> str:
