@@ -403,8 +403,9 @@ NO_SPARSE_HALVES = ("this bundle serves no block-sparse attention: it was built 
 def bundle_sparse_kernel(root: Path, manifest: Manifest, device: torch.device) -> tuple[str | None, str | None]:
     """(kernel, problem) of the block-sparse attention a bundle serves, compiled now so that no request compiles it:
       - built with --sparse-attention: the kernel its manifest records (checked before anything loaded), warmed with
-        its router (warm_sparse) at one rank's heads in the bundle's dtype; a kernel that does not compile here refuses the load, as a bundle
-        whose attention kernel cannot run does (it was built to serve it, and its requests default to it);
+        its router (warm_sparse) at one rank's heads in the bundle's dtype; a kernel that does not compile here
+        refuses the load, as a bundle whose attention kernel cannot run does (it was built to serve it, and its
+        requests default to it);
       - sp > 1 without it: fa4 where it loads (never flex, which a request may compile again), warmed as above (a
         failure, or no fa4, leaves the engine dense-only, with why);
       - sp=1 without it: none, and why (its compiled block holds its attention)."""

@@ -16,12 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-
-import torch
 
 from ..errors import UserError
 from ..models.checkpoint import TASKS
@@ -375,23 +372,6 @@ def hash_tree(root: Path, chunk_bytes: int = HASH_CHUNK_BYTES) -> dict[str, dict
             for p, d in zip(paths, digests)}
 
 
-def device_arch(device: torch.device) -> str:
-    """What compiled code is specific to: the CUDA compute capability, or the CPU architecture."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm_{major}{minor}"
-    return f"cpu-{platform.machine()}"
-
-
-def runtime_versions() -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-            "python": platform.python_version()}
 
 
 def content_sha256(data: dict) -> str:
