@@ -76,6 +76,7 @@ class StepRecorder:
         self.dit, self.cfg = dit, dit.cfg
         self.sparse_kernel = getattr(dit, "sparse_kernel", None)  # what it wraps serves (models/sparse_run.py)
         self.sparse_problem = getattr(dit, "sparse_problem", None)  # and why it serves none, with the fix
+        self.sparse_tile = getattr(dit, "sparse_tile", None)  # the fp8 sparse kernel's tile
         self.vsa = getattr(dit, "vsa", None)  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py)
         if self.vsa is not None and vsa_settings is not None:  # the other side's settings, its own kernel
             self.vsa = replace(self.vsa, settings=vsa_settings)

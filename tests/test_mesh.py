@@ -8,8 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -125,13 +123,9 @@ def test_guidance_needs_a_negative_prompt_and_a_scale():
 # --- an sp=2 bundle: the compiled block halves around the exchange -------------------------------------------------
 
 @pytest.fixture(scope="module")
-def sp2_bundle(tmp_path_factory, tiny_root):
+def sp2_bundle(bundle_cache):
     """Built by the CLI in its own process, as users build (a process that already loaded a bundle refuses)."""
-    out = tmp_path_factory.mktemp("sp2") / "bundle"
-    subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                    "--precision", "fp32", "--device", "cpu", "--sp", "2", "--keep-adaln", "--profile", "160x96x5"],
-                   check=True, capture_output=True, timeout=1200)
-    return out
+    return bundle_cache.get("--precision", "fp32", "--sp", "2", "--keep-adaln", "--profile", "160x96x5").path
 
 
 def _eager_like(bundle: Path, root: Path) -> EagerDiT:
@@ -204,6 +198,30 @@ def _engine_rank(rank, world, store, bundle, root, out):
     (Path(out) / f"rank{rank}_fp8_calls.json").write_text(json.dumps(fp8))
     if engine.manifest.precision == "fp32":  # step caching through the sharded compiled halves (padded layout)
         (Path(out) / f"rank{rank}_cache.json").write_text(json.dumps(_cached_decisions(engine.dit, eager, layout)))
+        (Path(out) / f"rank{rank}_sparse.json").write_text(json.dumps(_sparse_evaluation(engine.dit, eager)))
+
+
+def _sparse_evaluation(dit, eager) -> dict:
+    """One sparse evaluation through the sp=2 bundle (each rank routes its own head after the exchange) against the
+    one-process eager DiT with the same settings, and against the dense evaluation."""
+    from h3trt.models.sparse_plan import SparseSettings
+    from h3trt.models.sparse_run import SparseRun
+
+    layout = pack_t2va(text_tags_for(11), 37, 6, 10, 207)  # 2,645 rows: 42 routing blocks of 64
+    video, audio, text = dit_inputs(layout, eager.cfg, seed=2)
+    unique_t, t_index = row_timesteps(layout, *Schedule().timesteps()[20])
+    outs, reports = [], []
+    for runner in (dit, eager):
+        run = SparseRun(SparseSettings(0.5, dense_steps=0, min_seq=1), dit.sparse_kernel)
+        run.next_evaluation()
+        with torch.no_grad():
+            outs.append(runner(video, audio, text, unique_t, t_index, layout, sparse=run))
+        reports.append(run.report())
+    with torch.no_grad():
+        dense = eager(video, audio, text, unique_t, t_index, layout)
+    return {"kernel": dit.sparse_kernel, "kept": [r["kept_fraction"] for r in reports],
+            "sharded": [((a - b).norm() / b.norm()).item() for a, b in zip(*outs)],
+            "from_dense": [((a - b).norm() / b.norm()).item() for a, b in zip(outs[1], dense)]}
 
 
 @contextlib.contextmanager
@@ -259,21 +277,21 @@ def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_pa
         assert cached["engine"]["skipped"] == cached["eager"]["skipped"] and cached["eager"]["skipped"]
         got, want = torch.tensor(cached["engine"]["video"]), torch.tensor(cached["eager"]["video"])
         assert ((got - want).norm() / want.norm()).item() <= 1e-4
+        # Sparse attention through the sharded bundle: each rank routes its own head, and the result is the
+        # one-process sparse evaluation's (and not the dense one's).
+        sparse = json.loads((tmp_path / f"rank{rank}_sparse.json").read_text())
+        assert sparse["kernel"] == "reference" and sparse["kept"][0] == sparse["kept"][1] and 0 < sparse["kept"][0] < 1
+        assert max(sparse["sharded"]) <= REL_TOL and min(sparse["from_dense"]) > 1e-4, sparse
 
 
 @pytest.fixture(scope="module")
-def fp8_sp2_bundle(tmp_path_factory, tiny_root):
+def fp8_sp2_bundle(tmp_path_factory, bundle_cache):
     """`h3trt build --precision fp8 --fp8-attention --sp 2`, the users' command at tiny size (calibrated on two
     prompts, CPU: the emulated FP8 attention kernel)."""
     root = tmp_path_factory.mktemp("fp8sp2")
     (root / "prompts.txt").write_text("a red fox runs through fresh snow\nwaves break on a rocky shore\n")
-    out = root / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                           "--precision", "fp8", "--calib-prompts", str(root / "prompts.txt"), "--calib-steps", "3",
-                           "--device", "cpu", "--sp", "2", "--fp8-attention", "--keep-adaln", "--profile", "160x96x5"],
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return out
+    return bundle_cache.get("--precision", "fp8", "--calib-prompts", str(root / "prompts.txt"), "--calib-steps", "3",
+                            "--sp", "2", "--fp8-attention", "--keep-adaln", "--profile", "160x96x5").path
 
 
 @pytest.mark.build

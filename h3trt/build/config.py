@@ -13,20 +13,24 @@ from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
 from ..models.checkpoint import TASK_PARTITIONS, locate_transformer
+from ..models.config import H3Config
 from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
 from ..models.distilled_contract import checkpoint_contract, refuse_export_base
 from ..models.distilled_schedule import uniform_rungs
 from ..models.lora import LoraSpec
+from ..models.lora_memory import check_slots_fit
 from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
-from ..models.sampler import DEFAULT_STEPS, Schedule, shifted_sigmas
+from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
+from ..models.sparse_fp8 import FP8_SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.vsa_plan import VsaSettings, served_vsa_settings, vsa_settings
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
 from .segments import check_sharded_recipe
+from .sparse_choice import SPARSE_KERNEL_REQUESTS
 from .tensorrt import check_build_config
 
 DEFAULT_CALIB_STEPS = 8  # fp8: the longest calibration trajectory taken by default (grid points)
@@ -91,6 +95,9 @@ class BuildConfig:
     sparse_attention: float | None = None
     sparse_dense_steps: int | None = None  # None: SubBlock's default (10)
     sparse_min_seq: int | None = None  # None: SubBlock's default (4096 rows)
+    # The block-sparse kernel (build/sparse_choice.py): auto (the fastest measured at the bundle's shape on a GPU), or
+    # one named (fa4, fp8 with --fp8-attention, reference, fp8_emulated).
+    sparse_kernel: str = "auto"
     # Per-request LoRA adapters (models/lora_slots.py): N slots of max rank R on every main block's linears; the
     # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
@@ -167,7 +174,7 @@ class BuildConfig:
                                 f"{','.join(map(str, steps))}), got {len(shifts)}.")
             object.__setattr__(self, key, shifts * len(steps) if len(shifts) == 1 else shifts)
         for n, video, audio in zip(self.steps, self.video_shift, self.audio_shift):
-            shifted_sigmas(n, 1.0)  # UserError: steps >= 2
+            check_steps(n, "--steps", field=None)
             for shift in (video, audio):
                 if shift is not None:
                     shifted_sigmas(2, shift)  # UserError: a positive finite shift
@@ -247,6 +254,9 @@ class BuildConfig:
         if self.sp != 1:
             raise UserError(f"--lora-slots is built for --sp 1 only (got --sp {self.sp}): the sharded halves have no "
                             "twin with adapters. Build --sp 1, or drop --lora-slots/--lora-max-rank.")
+        # The banks are allocated to compile the block's twin and by every load of the bundle: they must fit.
+        cfg = H3Config.tiny() if self.tiny else locate_transformer(self.model_root, self.task).config
+        check_slots_fit(cfg, n, r, self.device, self.precision.spec.dtype)
 
     @property
     def slots(self) -> LoraSlotsRecord | None:
@@ -258,12 +268,17 @@ class BuildConfig:
     def _check_sparse(self) -> None:
         """--sparse-attention and its knobs: their values (one line, the flags named), and what a bundle that serves
         sparse attention cannot be."""
+        if self.sparse_kernel not in SPARSE_KERNEL_REQUESTS:
+            raise UserError(f"--sparse-kernel must be one of {SPARSE_KERNEL_REQUESTS}, got {self.sparse_kernel!r}.")
         if self.sparse_attention is None:
-            if self.sparse_dense_steps is not None or self.sparse_min_seq is not None:
-                raise UserError("--sparse-dense-steps and --sparse-min-seq set the defaults of a bundle that serves "
-                                "block-sparse attention; add --sparse-attention SPARSITY (0: dense unless a request "
-                                "asks).")
+            if self.sparse_dense_steps is not None or self.sparse_min_seq is not None or self.sparse_kernel != "auto":
+                raise UserError("--sparse-dense-steps, --sparse-min-seq and --sparse-kernel set up a bundle that "
+                                "serves block-sparse attention; add --sparse-attention SPARSITY (0: dense unless a "
+                                "request asks).")
             return
+        if self.sparse_kernel in FP8_SPARSE_KERNELS and not self.fp8_attention:
+            raise UserError(f"--sparse-kernel {self.sparse_kernel} runs FP8 attention with each layer's calibrated "
+                            "q/k/v scales: add --precision fp8 --fp8-attention, or pick fa4 or reference.")
         sparse_settings(self.sparse_attention, self.sparse_dense_steps, self.sparse_min_seq)  # UserError, by flag
         if self.backend == "tensorrt":
             raise UserError("--sparse-attention applies to the inductor and aoti backends: TensorRT fuses attention "

@@ -27,7 +27,7 @@ def build_parser() -> OneLineParser:
 
 def _run_parser(sub) -> None:
     from ..models.packing import DEFAULT_DURATION
-    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
     from ..media.output_files import DEFAULT_CRF
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
@@ -42,8 +42,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
     p.add_argument("--steps", type=int, default=None,
-                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's first baked schedule, else "
-                        f"{DEFAULT_STEPS})")
+                   help=f"sigma grid points, {MIN_STEPS} to {MAX_STEPS}; steps - 1 DiT evaluations (default: a "
+                        f"bundle's first baked schedule, else {DEFAULT_STEPS})")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
     p.add_argument("--duration", type=float, default=DEFAULT_DURATION,
@@ -139,9 +139,9 @@ def _lora_argument(p, where: str) -> None:
     from ..models.lora import LoraSpec
 
     p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
-                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
-                        "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
-                        "musubi-tuner, DiffSynth-Studio")
+                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1, -100 to 100); repeatable "
+                        f"({where}). Every layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, "
+                        "ComfyUI, kohya, musubi-tuner, DiffSynth-Studio")
 
 
 def _distilled_argument(p, where: str) -> None:
@@ -158,11 +158,20 @@ def _adapter_argument(p, how: str) -> None:
     p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[],
                    metavar="NAME=FILE[:SCALE][@steps=N,video_shift=S,audio_shift=S]",
                    help=f"keep a LoRA resident beside the DiT under NAME, NOT merged: only the requests that name it "
-                        f"run with it, at their own strength (SCALE: its default, 1); repeatable ({how}). --lora "
-                        "merges into the weights for every request instead. --engine: a bundle built with "
+                        f"run with it, at their own strength (SCALE: its default, 1; -100 to 100); repeatable ({how}). "
+                        "--lora merges into the weights for every request instead. --engine: a bundle built with "
                         "--lora-slots N --lora-max-rank R (up to N adapters, each of rank <= R). @...: the adapter's "
                         "own schedule (a Turbo LoRA's), over the file's __metadata__ h3trt.steps, h3trt.video_shift, "
                         "h3trt.audio_shift: a request naming it that states no steps or shift runs these")
+
+
+def slots_bound() -> str:
+    """--lora-slots' upper bound, for --help: the slots' bytes against the memory that holds them."""
+    from ..models.config import H3Config
+    from ..models.lora_memory import unit_bytes
+
+    return (f"what the memory holds: N x R x {unit_bytes(H3Config()) / 1e6:.1f} MB (full-size H3, bf16) must fit in "
+            "the GPU's memory (the host's on the CPU); more is refused, naming the largest N and R that fit")
 
 
 def _mesh_arguments(p) -> None:
@@ -208,10 +217,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--lora-slots", type=positive, metavar="N",
                    help=f"adapters the eager DiT holds at once, the most one job may name (default with --lora-dir: "
                         f"max({SERVE_SLOTS}, adapters at start); else the adapters at start); others load on demand "
-                        "into the least recently used slot")
+                        f"into the least recently used slot. At most {slots_bound()}")
     p.add_argument("--lora-max-rank", type=positive, metavar="R",
                    help=f"the slots' max LoRA rank (default with --lora-dir: max({SERVE_MAX_RANK}, the largest at "
-                        "start); else the largest at start); a larger adapter is refused")
+                        "start); else the largest at start); a larger adapter is refused. Bounded with --lora-slots")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
                                                 "key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free "
@@ -311,9 +320,10 @@ def _build_parser(sub) -> None:
                        help="with --lora-max-rank: compile the block with N adapter slots beside the plain block, so "
                             "run/serve --engine take --adapter NAME=FILE[:SCALE] (up to N, rank <= R) and a request "
                             "picks them by its \"lora\" field; no adapter in a request runs the plain block. sp=1, "
-                            "inductor or aoti")
+                            f"inductor or aoti. At most {slots_bound()}")
     slots.add_argument("--lora-max-rank", type=positive, metavar="R",
-                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear)")
+                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear); "
+                            "bounded with --lora-slots")
     p.add_argument("--task", default=TASKS[0], choices=TASKS,
                    help="t2va/fl2va (FL2VA partition, default t2va) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=positive, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
@@ -338,6 +348,11 @@ def _build_attention_arguments(p) -> None:
                         help="with --sparse-attention: the default of the first N denoise steps kept dense (10)")
     sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
                         help="with --sparse-attention: the default of the shortest attention made sparse (4096)")
+    sparse.add_argument("--sparse-kernel", default="auto", choices=("auto", "fa4", "fp8", "reference", "fp8_emulated"),
+                        help="with --sparse-attention: the block-sparse kernel. auto (default): on a GPU the fastest "
+                             "measured at the bundle's shape of fa4 (FlashAttention-4, bf16) and, with "
+                             "--fp8-attention, fp8 (Triton, FP8 with the layers' scales; its tile timed too); on a "
+                             "CPU fp8_emulated with --fp8-attention, else reference")
     vsa = p.add_argument_group("FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; README, 'VSA')")
     vsa.add_argument("--vsa-sparsity", type=float, metavar="S",
                      help="share of video key tiles each video query tile skips, 0 <= s < 1 (default: what the "
@@ -351,11 +366,12 @@ def _build_attention_arguments(p) -> None:
 
 def _schedule_arguments(p) -> None:
     """build's schedules: the AdaLN tables are baked for each (README, 'Few-step LoRAs and step caching')."""
-    from ..models.sampler import DEFAULT_STEPS
+    from ..models.sampler import DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
 
     schedules = p.add_argument_group("schedules (the AdaLN tables are baked for each; --keep-adaln serves any)")
     schedules.add_argument("--steps", type=steps_list, default=None, metavar="N[,N...]",
-                           help=f"sigma grid points of each schedule (default {DEFAULT_STEPS}): a comma list bakes "
+                           help=f"sigma grid points of each schedule, {MIN_STEPS} to {MAX_STEPS} (default "
+                                f"{DEFAULT_STEPS}): a comma list bakes "
                                 "several (50,8: H3's and a Turbo LoRA's), any of them served, the first a request's "
                                 "default")
     schedules.add_argument("--video-shift", type=shift_list, metavar="S[,S...]",

@@ -20,6 +20,8 @@ from ..models.checkpoint import locate_transformer
 from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
 from ..models.distilled_contract import checkpoint_contract
 from ..models.lora import LoraSpec
+from ..models.lora_memory import check_slots_fit, largest_rank
+from ..models.precision import eager_dtype
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
@@ -141,7 +143,7 @@ class Entry:
                     raise UserError(f"--adapter/--lora/--lora-dir: {refusal}")
             # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots
             check_bundle_specs(tuple(adapters), tuple(loras), manifest.lora_slots, manifest.model_config,
-                               manifest.task)
+                               manifest.task, Path(lora_dir) if lora_dir is not None else None)
         elif model is not None:
             source, path = ModelSource.CHECKPOINT, Path(model)
         else:
@@ -282,8 +284,19 @@ class Entry:
         else:
             cfg = locate_transformer(self.root, task).config
             shape = {"num_slots": self.lora_slots, "max_rank": self.lora_max_rank}
-        return AdapterCatalog.start(self.adapters, cfg, task, folder=self.lora_dir, state=state, **shape,
-                                    **({"log": log} if log is not None else {}))
+        dtype = eager_dtype(self.device)
+        limit = (lambda n: largest_rank(cfg, n, self.device, dtype)) if self.manifest is None else None
+        catalog = AdapterCatalog.start(self.adapters, cfg, task, folder=self.lora_dir, state=state, **shape,
+                                       **({"log": log} if log is not None else {}), rank_limit=limit)
+        if self.manifest is None:  # a checkpoint's slots are the server's (a bundle's were checked by its build)
+            n, r = catalog.shape.num_slots, catalog.shape.max_rank
+            given = (f"--lora-slots {n}" if self.lora_slots else "") + (
+                f" --lora-max-rank {r}" if self.lora_max_rank else "")
+            check_slots_fit(cfg, n, r, self.device, dtype, what=(
+                f"{given.strip()} (the slots: {n} of rank {r})" if given else
+                f"the slots fitted to the adapters at start ({n} of rank {r}; --lora-slots and --lora-max-rank set "
+                "them)"))
+        return catalog
 
     @property
     def adapter_slots(self) -> int | None:

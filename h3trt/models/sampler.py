@@ -27,18 +27,26 @@ DEFAULT_VIDEO_SHIFT = 12.0
 DEFAULT_AUDIO_SHIFT = 3.0
 DEFAULT_SEED = 42
 DEFAULT_GUIDANCE = 1.0  # classifier-free guidance off: H3 is guidance-distilled
-# Sigma grid points at most: H3's schedule is 50 (DEFAULT_STEPS), its scheduler's training grid 1000 timesteps; a finer
-# grid changes nothing a user can see and only multiplies the job's time (1e9 steps: a minute to build the grid).
+# Sigma grid points at least (the grid includes the terminal sigma 0) and at most: H3's schedule is 50 (DEFAULT_STEPS),
+# its scheduler's training grid 1000 timesteps; a finer grid changes nothing a user can see and only multiplies the
+# job's time (1e9 steps: a minute to build the grid). One bound for every front door: a request's steps (run, a
+# requests file, the API, whose request field table states it), an adapter's schedule, build --steps.
+MIN_STEPS = 2
 MAX_STEPS = 1000
+
+
+def check_steps(steps: int, name: str = "steps", field: str | None = "steps") -> None:
+    """`steps` within [MIN_STEPS, MAX_STEPS], else one line naming `name` (the front door's word for it)."""
+    if not MIN_STEPS <= steps <= MAX_STEPS:
+        raise UserError(f"{name} must be at least {MIN_STEPS} (the grid includes the final sigma 0) and at most "
+                        f"{MAX_STEPS} (H3's schedule is {DEFAULT_STEPS}), got {steps}.", field=field)
 
 
 def shifted_sigmas(steps: int, shift: float, rungs: tuple[float, ...] | None = None) -> torch.Tensor:
     """The sigma grid [K] (K <= steps: float32 collisions merge), terminal 0 included, float32 on the CPU. `rungs`:
     the grid positions before the shift, one per evaluation (steps - 1 of them, strictly decreasing in (0, 1]), in
     place of linspace(1, 0, steps)'s; the terminal 0 is added."""
-    if steps < 2:
-        raise UserError(f"steps must be >= 2 (the grid includes the terminal sigma 0), got {steps}; pass --steps 2 or "
-                        "more.")
+    check_steps(steps)
     if not (math.isfinite(shift) and shift > 0):  # NaN or inf would run every step and fail at the end
         raise UserError(f"A sigma shift must be a positive finite number, got {shift}; pass a --video-shift or "
                         "--audio-shift above 0, or leave it out for the checkpoint's.")
@@ -60,14 +68,16 @@ def check_rungs(steps: int, rungs: tuple[float, ...]) -> None:
 
 
 def schedule_value(key: str, text: str, where: str) -> int | float:
-    """One schedule value from its text (a flag's, a file's metadata): `steps` an integer in [2, MAX_STEPS], a shift
-    a positive finite number; `where` names it in the error."""
+    """One schedule value from its text (a flag's, a file's metadata): `steps` an integer in every front door's bound
+    (check_steps), a shift a positive finite number; `where` names it in the error."""
     try:
         value = int(text) if key == "steps" else float(text)
     except ValueError:
         value = None
-    if key == "steps" and (value is None or not 2 <= value <= MAX_STEPS):
-        raise UserError(f"{where}: steps must be an integer from 2 to {MAX_STEPS} (sigma grid points), got {text!r}.")
+    if key == "steps":
+        if value is None:
+            raise UserError(f"{where}: steps must be an integer (sigma grid points), got {text!r}.")
+        check_steps(value, f"{where}: steps", field=None)
     if key != "steps" and (value is None or not (math.isfinite(value) and value > 0)):
         raise UserError(f"{where}: {key} must be a positive finite number, got {text!r}.")
     return value

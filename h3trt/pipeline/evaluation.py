@@ -49,6 +49,7 @@ def sparse_run_for(dit, request: Request, device) -> SparseRun | VsaRun | None:
     if not settings.enabled:
         return None
     kernel, problem = getattr(dit, "sparse_kernel", None), getattr(dit, "sparse_problem", None)
+    tile = getattr(dit, "sparse_tile", None)
     if kernel is None and problem is not None:
         raise UserError(problem)
     if kernel is None:
@@ -56,7 +57,7 @@ def sparse_run_for(dit, request: Request, device) -> SparseRun | VsaRun | None:
                         "attention). Run the request with --sparse-attention 0 (or a dense profile: lossless, "
                         "quality), on the checkpoint (--model), or on an inductor/aoti bundle built with "
                         "--sparse-attention or --sp > 1.")
-    return SparseRun(settings, kernel, sparse_block(kernel, device))
+    return SparseRun(settings, kernel, sparse_block(kernel, device), tile)
 
 
 def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:

@@ -20,7 +20,6 @@ from ..engines.bundle import Engine
 from ..engines.manifest import BundleError, read_manifest
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit, locate_transformer
-from ..errors import UserError
 from ..models.distilled import DistilledServing, DistilledSpec, load_distilled
 from ..models.distilled_contract import checkpoint_contract, refuse_export_base
 from ..models.distilled_merge import StepHeadRunner, merge_distilled, step_heads
