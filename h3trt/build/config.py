@@ -12,7 +12,7 @@ from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_
 from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
-from ..models.checkpoint import TASK_PARTITIONS, locate_transformer
+from ..models.checkpoint import TASK_PARTITIONS, CheckpointError, locate_transformer
 from ..models.config import H3Config
 from ..models.distilled import DistilledServing, DistilledSpec, check_task, plan_distilled
 from ..models.distilled_contract import CONTRACT_FILE, checkpoint_contract
@@ -112,7 +112,7 @@ class BuildConfig:
     distilled: DistilledSpec | None = None
 
     def __post_init__(self):
-        self._check_schedules()
+        # the flags' own values first: the schedules may read a FastH3 export's sidecar from the checkpoint
         if self.backend not in BACKENDS:
             raise UserError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
         object.__setattr__(self, "precision", Precision.parse(self.precision))  # one of DIT_PRECISIONS
@@ -121,6 +121,10 @@ class BuildConfig:
         if self.backend == "tensorrt" and self.attention != "auto":
             raise UserError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
                             "in its own plans. Drop --attention with --backend tensorrt.")
+        if self.task not in TASK_PARTITIONS:
+            raise UserError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
+        self.vae  # validates --vae-precision
+        self._check_schedules()
         if self.precision.spec.quantized:
             # validates --calib-algo against the precision, exclusions, --fp8-attention and --calib-steps
             recipe = self.recipe_for("emulated")
@@ -139,9 +143,6 @@ class BuildConfig:
             raise UserError("--fp8-accum sets how the inductor and aoti backends' FP8 GEMMs accumulate: it applies to "
                             f"--precision fp8 (got {self.precision}) and not to --backend tensorrt, whose plans "
                             "choose their own kernels.")
-        if self.task not in TASK_PARTITIONS:
-            raise UserError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
-        self.vae  # validates --vae-precision
         MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
             raise UserError("At least one --profile is needed.")
@@ -190,9 +191,12 @@ class BuildConfig:
     @cached_property
     def contract(self) -> tuple[DistilledServing, dict] | None:
         """A full FastH3 export's sidecar (its ladder and record); None: a base checkpoint, or a --distilled file."""
-        if self.distilled is not None or not Path(self.model_root).exists():  # a missing one fails at the load
+        if self.distilled is not None:
             return None
-        source = locate_transformer(self.model_root, self.task)
+        try:
+            source = locate_transformer(self.model_root, self.task)
+        except CheckpointError:  # a missing or unreadable checkpoint fails at the load, with the same message
+            return None
         contract = checkpoint_contract(source.component_root, source.shifts)
         if contract is not None:
             check_task("fasth3", contract[0].tasks, self.task, source.component_root / CONTRACT_FILE)
