@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from h3trt.build.config import BuildConfig, Profile
+from h3trt.errors import UserError
 from h3trt.jobs.model_source import Entry
 from h3trt.models.checkpoint_writer import random_state_dict, save_diffusers
 from h3trt.models.config import H3Config
@@ -110,3 +111,18 @@ def test_a_vsa_export_loads_as_a_checkpoint_serving_its_sidecars_vsa(tiny_root, 
         "vsa"]
     config = BuildConfig(export, tmp_path / "b", profiles=(Profile(160, 96, 5.0),), device="cpu")
     assert config.vsa(parts.dit.cfg.num_layers) == settings and config.contract[1]["vsa"] == parts.distilled.vsa
+
+
+def test_a_folder_that_is_no_checkpoint_fails_at_the_load_after_the_flags(tmp_path):
+    """With --distilled FILE (its export check) or without (the sidecar's read), a --model folder that is no
+    checkpoint is not read by BuildConfig: a flag's own mistake is the one line, and the folder's fails at the load."""
+    from h3trt.models.distilled import DistilledSpec
+    from h3trt.models.distilled_writer import write_fasth3
+
+    fasth3 = write_fasth3(tmp_path / "f.safetensors", H3Config.tiny())
+    folder = tmp_path / "not-a-checkpoint"
+    folder.mkdir()
+    for kw in ({}, {"distilled": DistilledSpec(fasth3)}):
+        with pytest.raises(UserError, match="--fp8-accum sets how"):
+            BuildConfig(folder, tmp_path / "b", device="cpu", fp8_accum="fast", **kw)
+        assert BuildConfig(folder, tmp_path / "b", device="cpu", **kw).contract is None

@@ -12,7 +12,7 @@ from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_
 from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
-from ..models.checkpoint import TASK_PARTITIONS, locate_transformer
+from ..models.checkpoint import TASK_PARTITIONS, CheckpointError, locate_transformer
 from ..models.config import H3Config
 from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
 from ..models.distilled_contract import checkpoint_contract, refuse_export_base
@@ -113,7 +113,7 @@ class BuildConfig:
     distilled: DistilledSpec | None = None
 
     def __post_init__(self):
-        self._check_schedules()
+        # the flags' own values first: the schedules may read a FastH3 export's sidecar from the checkpoint
         if self.backend not in BACKENDS:
             raise UserError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
         object.__setattr__(self, "precision", Precision.parse(self.precision))  # one of DIT_PRECISIONS
@@ -122,6 +122,10 @@ class BuildConfig:
         if self.backend == "tensorrt" and self.attention != "auto":
             raise UserError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
                             "in its own plans. Drop --attention with --backend tensorrt.")
+        if self.task not in TASK_PARTITIONS:
+            raise UserError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
+        self.vae  # validates --vae-precision
+        self._check_schedules()
         if self.precision.spec.quantized:
             # validates --calib-algo against the precision, exclusions, --fp8-attention and --calib-steps
             recipe = self.recipe_for("emulated")
@@ -140,9 +144,6 @@ class BuildConfig:
             raise UserError("--fp8-accum sets how the inductor and aoti backends' FP8 GEMMs accumulate: it applies to "
                             f"--precision fp8 (got {self.precision}) and not to --backend tensorrt, whose plans "
                             "choose their own kernels.")
-        if self.task not in TASK_PARTITIONS:
-            raise UserError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
-        self.vae  # validates --vae-precision
         MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
             raise UserError("At least one --profile is needed.")
@@ -191,16 +192,24 @@ class BuildConfig:
     @cached_property
     def contract(self) -> tuple[DistilledServing, dict] | None:
         """A full FastH3 export's sidecar (its ladder and record); None: a base checkpoint, or a --distilled file."""
-        if self.distilled is not None or not Path(self.model_root).exists():  # a missing one fails at the load
+        if self.distilled is not None:
             return None
-        source = locate_transformer(self.model_root, self.task)
+        try:
+            source = locate_transformer(self.model_root, self.task)
+        except CheckpointError:  # a missing or unreadable checkpoint fails at the load, with the same message
+            return None
         return checkpoint_contract(source.component_root, source.shifts, source.config.vsa_gate, self.task)
 
     def _check_distilled(self) -> None:
         """--distilled: its family's schedule is the bundle's (the schedule flags are refused), and what it cannot go
         with: other LoRAs and LoRA slots beside a FastH3 or PDD file, a task it does not serve."""
-        if self.distilled is not None and Path(self.model_root).exists():
-            refuse_export_base(locate_transformer(self.model_root, self.task).component_root, self.distilled.path)
+        if self.distilled is not None:
+            try:
+                root = locate_transformer(self.model_root, self.task).component_root
+            except CheckpointError:  # a missing or unreadable checkpoint fails at the load, after the flags' checks
+                root = None
+            if root is not None:
+                refuse_export_base(root, self.distilled.path)
         given = [flag for flag, value in (("--steps", self.steps), ("--video-shift", self.video_shift),
                                           ("--audio-shift", self.audio_shift)) if value not in (None, (None,))]
         if given:
