@@ -154,8 +154,9 @@ def phase_run(ctx: Ctx, family: str) -> None:
         summary = summarise_run(record, launched, ended, nvml)
         for key in ("end_to_end_49_s", "energy_49_j", "extrapolated", "note"):  # a distilled clip runs its own count
             summary.pop(key, None)
-        run.update(summary, e2e_s=record["wall_s"], timings_s=record["timings_s"], tail_s=record.get("decode_tail_steps_s"),
-                   schedule=record["distilled"]["schedule"], family=record["distilled"]["family"])
+        run.update(summary, e2e_s=record["wall_s"], timings_s=record["timings_s"],
+                   tail_s=record.get("decode_tail_steps_s"), schedule=record["distilled"]["schedule"],
+                   family=record["distilled"]["family"])
         record_file.unlink()
         clip.unlink(missing_ok=True)
         ctx.log(f"run {family}: e2e {run['e2e_s']:.2f} s ({run['evaluations']} forwards x {run['step_s']:.3f} s, "

@@ -1,6 +1,7 @@
 """bench_distilled.py --plan moonshot: issue 47's distilled table from ONE ~9-minute call on one H100 80 GB.
 
-What is measured (one process per step, each bounded by a timeout, the JSON written after every phase):
+What is measured (one process per step, each killed before the call's --budget-s ends, the JSON written after every
+phase):
   1. checkpoint  bench_e2e's full-size random official layout in --state (/dev/shm), reused when present
   2. file        a random FastH3 fastvideo-lora-v2 file for it, rank 64, with the 50 VSA gates (.set_weight
                  [7168, 5376]: the VSA-DataFree variant), drawn on the GPU
@@ -19,22 +20,23 @@ plain block, which has no gate projection and no coarse branch, and PDD's per-fo
 head; so each computed e2e_s is an upper bound, and says so. The 50-step base clip is not in this plan (its own build).
 
 On random weights the clips are noise: the timings hold, the pictures mean nothing.
+
+On an H100 80 GB the build is the streamed one (build/stream.py, a block on the GPU at a time): a whole full-size fp8
+build runs out of memory in calibration there (the bf16 DiT, and here the 3.85 GB of gates, beside each FP8 copy).
 """
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
 
 import torch
 
-from bench_common import ROOT, NvmlSampler
+from bench_common import NvmlSampler
 from bench_e2e import release_gpu_memory
 from e2e_checkpoint import BASE_PROMPT, checkpoint_complete, phase_checkpoint
 
@@ -70,25 +72,6 @@ def estimates(ctx) -> dict:
     return est
 
 
-def run_bounded(ctx, cmd: list[str], what: str, limit: float, env_extra: dict | None = None) -> tuple[int, float]:
-    """`cmd` with its output appended to the log, killed at `limit` seconds or before the call's budget ends (15 s
-    kept to write the JSON); (exit code, seconds), -9 when killed."""
-    env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}", **(env_extra or {})}
-    timeout = max(5.0, min(limit, ctx.remaining() - 15.0))
-    ctx.log(f"{what}: {' '.join(cmd)}  (timeout {timeout:.0f} s)")
-    start = time.perf_counter()
-    with open(ctx.log_path, "a") as logf:
-        proc = subprocess.Popen(cmd, stdout=logf, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-            rc = -9
-            ctx.log(f"{what}: killed after {timeout:.0f} s")
-    return rc, time.perf_counter() - start
-
-
 def phase_file(ctx) -> Path:
     """The FastH3-VSA file for the checkpoint's config (reused when its marker is there)."""
     from h3trt.models.distilled_writer import write_fasth3
@@ -119,8 +102,8 @@ def phase_build(ctx, file: Path) -> Path | None:
            ctx.device.type, "--profile", f"{ctx.width}x{ctx.height}x5", "--distilled", str(file)]
     if not ctx.tiny:
         cmd += ["--precision", "fp8", "--calib-prompts", str(ctx.state / "calib.txt"), "--calib-steps", "2"]
-    rc, seconds = run_bounded(ctx, cmd, "build", 420.0, {"TMPDIR": str(ctx.state / "tmp"),
-                                                         "XDG_CACHE_HOME": str(ctx.state / "xdg-build")})
+    env = {"TMPDIR": str(ctx.state / "tmp"), "XDG_CACHE_HOME": str(ctx.state / "xdg-build")}
+    rc, seconds = ctx.subprocess(cmd, env, "build")
     build = {"rc": rc, "seconds": round(seconds, 2), "command": " ".join(cmd[2:])}
     ctx.results["moonshot"]["build"] = build
     if rc != 0:
@@ -164,7 +147,7 @@ def phase_clips(ctx, bundle: Path, est: dict) -> None:
            "--out-dir", str(out_dir), "--quiet"]
     nvml = NvmlSampler().start()
     launched = time.time()
-    rc, seconds = run_bounded(ctx, cmd, "clips", 300.0, {"XDG_CACHE_HOME": str(xdg)})
+    rc, seconds = ctx.subprocess(cmd, {"XDG_CACHE_HOME": str(xdg)}, "clips")
     nvml.stop()
     run = {"rc": rc, "process_s": round(seconds, 2), "page_cache": evicted, "command": " ".join(cmd[2:]),
            "peak_memory_nvml_gib": nvml.peak_memory_gib(), "python_bytecode": bytecode_note()}
@@ -194,7 +177,8 @@ def clip_row(record: dict, launched: float | None) -> dict:
            "eval_mean_s": round(t["denoise"] / record["evaluations"], 4),
            "pre_dit_s": round(spans["denoise"][0] - spans["text_encode"][0], 3),
            "post_dit_s": round(spans["decode_and_mux"][1] - spans["denoise"][1], 3),
-           "timings_s": t, "tail_s": record.get("decode_tail_steps_s"), "peak_memory_gib": record.get("peak_memory_gib"),
+           "timings_s": t, "tail_s": record.get("decode_tail_steps_s"),
+           "peak_memory_gib": record.get("peak_memory_gib"),
            "vsa": {k: attn.get(k) for k in ("mode", "sparsity", "sparsity_from", "kernel", "kept_fraction",
                                               "sparse_evaluations")},
            "schedule": (record.get("distilled") or {}).get("schedule")}
