@@ -90,6 +90,9 @@ class BuildConfig:
     # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
     lora_max_rank: int | None = None
+    # --memory-budget: the device memory (GiB) the build may hold at once, at most what the device has free (None:
+    # what it has free). A DiT that does not fit whole in it is built a block at a time (build/memory.py decides).
+    memory_budget: float | None = None
 
     def __post_init__(self):
         self._check_schedules()
@@ -134,6 +137,9 @@ class BuildConfig:
             raise UserError("--trt-targets applies to --backend tensorrt.")
         self._check_sparse()
         self._check_lora_slots()
+        if self.memory_budget is not None and not (isinstance(self.memory_budget, (int, float))
+                                                   and 0 < self.memory_budget < float("inf")):
+            raise UserError(f"--memory-budget must be a positive number of GiB, got {self.memory_budget!r}.")
 
     def _check_schedules(self) -> None:
         """--steps, --video-shift and --audio-shift as tuples of one entry per schedule (a single shift: every

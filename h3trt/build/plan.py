@@ -19,6 +19,7 @@ from .adaln import schedule_timesteps
 from .attention_choice import AttentionChoice, AttentionShape, resolve_attention
 from .config import BuildConfig
 from .examples import example_layout
+from .memory import MemoryPlan, device_memory, plan_memory
 
 EAGER_COMPONENTS = ("text_encoder", "tokenizer", "processor", "video_vae", "audio_vae", "vae")
 # Compiled code (Inductor's C++ / Triton binaries, AOTI packages, TensorRT's plans hold weights too) by device type:
@@ -57,6 +58,13 @@ class BuildPlan:
     # --sparse-attention: the block-sparse kernel the bundle serves and its routing block (rows), chosen on the build
     # device and compiled there once (a kernel this machine cannot run is refused here); None: no sparse attention.
     sparse_kernel: tuple[str, int] | None = None
+    # Whole or a block at a time, and the estimates that decided it (build/memory.py); None: a plan made without the
+    # fit check (tests of later phases).
+    memory: MemoryPlan | None = None
+
+    @property
+    def streamed(self) -> bool:
+        return self.memory is not None and self.memory.streamed
 
     @property
     def fp8_kernel(self) -> str:
@@ -67,8 +75,9 @@ class BuildPlan:
         return next((c.kernel for p, c in self.attention.items() if p != Precision.FP8), "sdpa")
 
 
-def plan_build(config: BuildConfig, log=print) -> BuildPlan:
-    """Every check that needs no model, in the order of their cost; logs the attention kernels chosen."""
+def plan_build(config: BuildConfig, log=print, free_memory=device_memory) -> BuildPlan:
+    """Every check that needs no model, in the order of their cost; logs the device memory plan and the attention
+    kernels chosen. `free_memory(device)`: what the device has free (build/memory.py; tests pass their own)."""
     source = locate_transformer(config.model_root, config.task)
     model_cfg = source.config
     MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp, model_cfg.num_heads)
@@ -81,6 +90,8 @@ def plan_build(config: BuildConfig, log=print) -> BuildPlan:
         raise UserError(f"Bundles are compiled on the process's cuda:0, not {device}; use h3trt build --device "
                         f"cuda:{device.index}, which makes that GPU the process's cuda:0.")
     dtype = config.precision.spec.dtype
+    memory = plan_memory(config, source, dtype, device, free_memory)  # before anything touches the device's memory
+    log(memory.describe())
     attention = {} if config.backend == "tensorrt" else _attention(config, model_cfg, device, log)
     if config.backend in ("inductor", "aoti") and bundle_activated():
         # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
@@ -88,7 +99,8 @@ def plan_build(config: BuildConfig, log=print) -> BuildPlan:
         raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
     sparse = _sparse_kernel(config, model_cfg, device, dtype, log) if config.sparse is not None else None
-    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse)
+    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse,
+                     memory)
 
 
 def _sparse_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,

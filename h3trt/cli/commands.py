@@ -116,7 +116,7 @@ def cmd_build(args) -> int:
                          loras=tuple(args.lora), calib_algo=args.calib_algo, fp8_accum=args.fp8_accum,
                          sparse_attention=args.sparse_attention, sparse_dense_steps=args.sparse_dense_steps,
                          sparse_min_seq=args.sparse_min_seq, lora_slots=args.lora_slots,
-                         lora_max_rank=args.lora_max_rank)
+                         lora_max_rank=args.lora_max_rank, memory_budget=args.memory_budget)
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)
