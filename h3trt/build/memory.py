@@ -16,6 +16,7 @@ The device's free memory comes from one function (`device_memory`), which the te
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -54,8 +55,6 @@ def device_memory(device: torch.device) -> DeviceMemory:
                 return DeviceMemory(int(line.split()[1]) * 1024, "cpu (host memory available)")
     except OSError:
         pass
-    import os
-
     return DeviceMemory(os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE"), "cpu (host memory free)")
 
 
@@ -97,7 +96,8 @@ class MemoryNeeds:
                  f"its quantized copy {_gib(self.quantized)} GiB" if self.quantized else None,
                  f"activations at {self.rows:,} rows {_gib(self.activations)} GiB",
                  f"resident embed/final {_gib(self.resident)} GiB",
-                 f"recorded calibration inputs {_gib(self.calibration_inputs)} GiB" if self.calibration_inputs else None,
+                 (f"recorded calibration inputs {_gib(self.calibration_inputs)} GiB" if self.calibration_inputs
+                  else None),
                  f"text encoder {_gib(self.text_encoder)} GiB (alone)" if self.text_encoder else None,
                  f"video decoder {_gib(self.video_decoder)} GiB (compile)"]
         return ", ".join(p for p in parts if p)
@@ -139,8 +139,8 @@ def memory_needs(config: BuildConfig, source: TransformerSource, dtype: torch.dt
     quantized = 0
     if recipe is not None:
         linears = tuple(f"{name}." for name in recipe.quantized_linears())
-        quantized = sum(t.itemsize * math.prod(shape) for n, (t, shape) in block_weight_specs(cfg, dtype, recipe).items()
-                        if n.startswith(linears))
+        specs = block_weight_specs(cfg, dtype, recipe)
+        quantized = sum(t.itemsize * math.prod(shape) for n, (t, shape) in specs.items() if n.startswith(linears))
     rows = max(example_layout(cfg, p.geometry).seq_len for p in config.profiles)
     data = recipe is not None and recipe.needs_calibration_data
     evaluations = (len(read_prompts(config.calib_prompts)) * (recipe.calib_steps - 1)) if data else 0

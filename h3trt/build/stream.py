@@ -195,8 +195,8 @@ def _block_pass(config: BuildConfig, dit: LoadedDiT, recipe: QuantRecipe | None,
         if i in keep:
             model.blocks[i] = block
         del block, state
-        log(f"block {i + 1}/{cfg.num_layers}: {'calibrated, quantized, ' if f'blocks.{i}' in amax else ''}baked and written in "
-            f"{time.perf_counter() - t0:.2f} s")
+        done = "calibrated, quantized, baked" if f"blocks.{i}" in amax else "baked"
+        log(f"block {i + 1}/{cfg.num_layers}: {done} and written in {time.perf_counter() - t0:.2f} s")
     return modelopt, amax
 
 
