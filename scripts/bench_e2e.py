@@ -2,10 +2,12 @@
 1344x768 clip in a fresh process (cold start split, per-step time, denoise, decode, mux, wall, gaps, peak memory,
 energy), against the Diffusers reference on the same weights in the same run.
 
-    python scripts/bench_e2e.py --out bench/results/e2e_h100.json        # one H100 80 GB, one device call (the default plan)
-    python scripts/bench_e2e.py --out bench/results/e2e_h100.json --rows fp8-50    # the same without sparse attention
+    python scripts/bench_e2e.py --out bench/results/e2e_h100.json    # one H100 80 GB, one call: the default plan
+    python scripts/bench_e2e.py --out bench/results/e2e_h100.json --rows fp8-50   # the same, no sparse attention
     python scripts/bench_e2e.py --out bench/results/e2e_h200.json --phase checkpoint,reference,build,run --rows fp8
     python scripts/bench_e2e.py --out bench/results/e2e_h200.json --phase checkpoint,build,run --rows bf16
+    python scripts/bench_e2e.py --out e2e_h200_stream.json --phase checkpoint,build --rows fp8 \
+        --build-flags "--memory-budget 40"       # an H200 building a block at a time, against its whole build
     python scripts/bench_e2e.py --tiny --out /tmp/e2e_tiny.json --rows fp8-sparse,bf16   # the flow on the CPU, tiny
 
 Phases (any subset, in this order; state between calls in --state, RAM-backed /dev/shm by default). Each runs in a
@@ -205,6 +207,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                                                      "verified-once record present (comma list, '' for none)")
     p.add_argument("--profile-step", type=int, default=4, help="the step whose host overhead the run profiles")
     p.add_argument("--keep-bundles", action="store_true", help="keep each bundle after its run")
+    p.add_argument("--build-flags", default="", help="more `h3trt build` flags for every row, e.g. '--memory-budget "
+                                                     "40' (a block at a time where the whole DiT fits: on an H200, "
+                                                     "to time the streamed build against the whole one)")
     p.add_argument("--timeout", action="append", default=[], metavar="PHASE=S",
                    help=f"a phase's limit in seconds (defaults {PHASE_TIMEOUTS}); repeatable")
     p.add_argument("--budget-s", type=float, default=None, help="stop phases in time to write the results (default "

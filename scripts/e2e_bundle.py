@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import shutil
 import sys
 import time
@@ -78,6 +79,7 @@ def phase_build(ctx: Ctx, row: str) -> None:
         cmd += ["--calib-prompts", str(ctx.state / "calib.txt"), "--calib-steps", "2"]
     if sp > 1:
         cmd += ["--sp", str(sp)]
+    cmd += shlex.split(getattr(ctx.args, "build_flags", "") or "")
     if ctx.tiny and "--sparse-attention" in extra:
         cmd += ["--sparse-min-seq", "64"]  # the tiny clip's 1,021 rows are under the default 4096: all dense
     result["build"] = {"started_unix": time.time(), "command": " ".join(cmd[2:]), "steps": list(steps)}
