@@ -248,9 +248,10 @@ def test_full_size_fp8_build_streams_on_an_h100_and_not_on_an_h200(tmp_path):
     (root / "transformer" / "config.json").write_text(json.dumps(to_native_config(H3Config())))
     save_file({"x": torch.zeros(1)}, str(root / "transformer" / "model.safetensors"))
     (root / "prompts.txt").write_text("a fox\n")
-    cfg = BuildConfig(root, tmp_path / "b", precision="fp8", fp8_attention=True, calib_prompts=root / "prompts.txt",
-                      calib_steps=2, profiles=(Profile(1344, 768, 5.0),), device="cpu")
-    needs = memory_needs(cfg, locate_transformer(root / "transformer"), torch.bfloat16)
+    cfg = BuildConfig(root / "transformer", tmp_path / "b", precision="fp8", fp8_attention=True,
+                      calib_prompts=root / "prompts.txt", calib_steps=2, profiles=(Profile(1344, 768, 5.0),),
+                      device="cpu")
+    needs = memory_needs(cfg, locate_transformer(cfg.model_root), torch.bfloat16)
     # The full-size video VAE (2.6B parameters, fp32 as released: its file's bytes), which this folder leaves out.
     needs = dataclasses.replace(needs, video_decoder=10_400_000_000)
     assert needs.rows == 38755 and 1.2 * GIB < needs.block < 1.3 * GIB

@@ -3,7 +3,7 @@
   0. plan: every check that needs no model (plan.py), the fit check among them: the whole DiT on the device where it
      fits, else a block at a time (memory.py), else a one-line refusal; then the output is claimed: locked, its
      leftovers removed, its free space checked against the bundle's estimated size (output.py)
-  1. load: the DiT of the task's partition, with the --lora files merged into it
+  1. load: the DiT of the task's partition, with the --lora files merged into it and the --distilled file fused
   2. calibrate: fp8 / nvfp4 through ModelOpt on real trajectories of this model, blocks quantized in place
   3. bake: the segment weights (safetensors) and the AdaLN tables (or adaln_proj kept with --keep-adaln)
      (a build that streams its blocks does 1-3 in stream.py: the same files, one block on the device at a time)
@@ -38,6 +38,7 @@ from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
 from ..models.checkpoint import load_dit
 from ..models.dit import H3DiT
+from ..models.distilled_merge import merge_distilled
 from ..models.lora import merge_loras
 from .adaln import bake_tables, schedule_timesteps
 from .backends import compile_segment
@@ -46,8 +47,8 @@ from .config import BuildConfig
 from .examples import example_inputs, profile_decoder_specs
 from .memory import device_memory
 from .output import BundleOutput, check_output
-from .phases import BakedWeights, Calibration, Compiled, LoadedDiT
-from .plan import EAGER_COMPONENTS, BuildPlan, plan_build
+from .phases import BakedWeights, Calibration, Compiled, LoadedDiT, read_distilled
+from .plan import EAGER_COMPONENTS, BuildPlan, plan_build, vsa_serving
 from .segments import block_weight_names, dit_segments, embed_segment, final_weight_names
 from .stream import adaln_summary, bake_streamed, load_streamed, release_kept
 from .tensorrt import build_tensorrt_segments
@@ -104,11 +105,14 @@ def peak_memory(plan: BuildPlan, check_peak: dict, log) -> dict:
 
 
 def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
-    """1. The DiT of the task's partition, and the LoRAs merged into its weights: everything after (calibration,
-    AdaLN tables, segments) sees them. A streamed build's blocks stay in the checkpoint until a phase asks for one."""
+    """1. The DiT of the task's partition, the LoRAs merged into its weights and the --distilled file fused after them:
+    everything after (calibration, AdaLN tables, segments) sees them. A streamed build's blocks stay in the checkpoint
+    until a phase asks for one (each fused as it arrives)."""
     if plan.streamed:
         dit = load_streamed(config, plan, log)
         log_loras(dit.loras, log)
+        if dit.distilled is not None:
+            log_distilled(dit.distilled.record(), log, ", each block's parameters as the block arrives")
         return dit
     t0 = time.perf_counter()
     log(f"loading the {config.task} DiT from {config.model_root} onto {plan.device}")
@@ -120,13 +124,21 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
         f"{config.precision}) in {seconds:.1f} s")
     loras = merge_loras(model, config.loras, config.task)
     log_loras(loras, log)
-    return LoadedDiT(model, source, schedules, tuple(loras), seconds)
+    distilled, record = read_distilled(config, model.cfg)
+    if distilled is not None:  # in fp32, one rounding per parameter, before calibration and baking
+        log_distilled(merge_distilled(model, distilled), log)
+    return LoadedDiT(model, source, schedules, tuple(loras), seconds, distilled, record)
 
 
 def log_loras(loras, log) -> None:
     for r in loras:
         log(f"merged LoRA {r['file']} x {r['scale']:g} into {r['partition']} ({r['modules']} modules, "
             f"{r['layout']}, {r['alpha']})")
+
+
+def log_distilled(record: dict, log, how: str = "") -> None:
+    log(f"fused {record['family']} {record['file']} ({record['parameters']} parameters, {record['scale']}){how}; "
+        f"schedule {record['schedule']}")
 
 
 def calibrate_and_bake(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, work: Path,
@@ -147,9 +159,10 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     if recipe is None:
         return Calibration(None, None)
     trt = config.backend == "tensorrt"
+    vsa = vsa_serving(config, plan)
     recipe, quant = calibrate_dit(dit.model, recipe, dit.source.component_root, config.calib_prompts,
                                   config.profiles[0], (dit.schedules[0].video_shift, dit.schedules[0].audio_shift),
-                                  keep_modelopt_quantizers=trt, log=log)
+                                  keep_modelopt_quantizers=trt, log=log, vsa=vsa)
     if trt:
         return Calibration(None, {**quant, "execution": config.precision.spec.trt_execution})
     return Calibration(recipe, quant)
@@ -159,6 +172,7 @@ def bake(config: BuildConfig, dit: LoadedDiT, calibration: Calibration, work: Pa
     """3. The segments' weights, and the AdaLN tables for the schedules (or the adaln_proj weights, --keep-adaln)."""
     model = dit.model
     weights = _weights(model, calibration.recipe)
+    weights["final"].update(dit.final_extra())  # PDD: one fused head per forward
     sizes = {name: write_safetensors(work / "weights" / f"{name}.safetensors", weights[name])
              for name in ("embed", "blocks", "final")}
     if config.keep_adaln:
@@ -272,10 +286,10 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
     timings = {"load_s": dit.seconds, "compile_s": compiled.seconds, **check}
     return Manifest(
         backend=config.backend, precision=config.precision, task=config.task,
-        tasks=tuple(meta.tasks) if meta else ((config.task,) if config.task == "ref2va" else ("t2va", "fl2va")),
+        tasks=_served_tasks(config, meta),
         model_config=model.cfg,
         checkpoint={"path": str(config.model_root), "sha256": _checkpoint_sha(source.files, log)},
-        schedules=tuple(ScheduleRecord(s.steps, s.video_shift, s.audio_shift) for s in dit.schedules),
+        schedules=tuple(ScheduleRecord(s.steps, s.video_shift, s.audio_shift, s.rungs) for s in dit.schedules),
         adaln=weights.adaln,
         profiles=tuple(ProfileRecord(p.width, p.height, p.seconds, p.geometry.num_frames) for p in config.profiles),
         mesh=MeshRecord(config.cfg, config.sp, model.cfg.num_heads // config.sp),
@@ -288,7 +302,15 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         attention={p: c.to_dict() for p, c in plan.attention.items()}, vae_precision=config.vae.name,
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
-        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots)
+        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots,
+        vsa=vsa_serving(config, plan), distilled=dit.distilled_record)
+
+
+def _served_tasks(config: BuildConfig, meta) -> tuple[str, ...]:
+    """The partition's tasks (its release metadata's), less those a --distilled file does not serve (FastH3: t2va)."""
+    tasks = tuple(meta.tasks) if meta else ((config.task,) if config.task == "ref2va" else ("t2va", "fl2va"))
+    serving = config.distilled_serving
+    return tuple(t for t in tasks if t in serving.tasks) if serving is not None else tasks
 
 
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:

@@ -63,7 +63,7 @@ def load_streamed(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     log(f"loaded the {config.task} DiT's resident parts ({resident / 1e9:.2f} GB; "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters in all, {config.precision}) in "
         f"{seconds:.1f} s; {model.cfg.num_layers} blocks of {loader.slot_bytes / 1e9:.2f} GB to stream")
-    return LoadedDiT(model, source, schedules, tuple(merge.records if merge else ()), seconds, loader)
+    return LoadedDiT(model, source, schedules, tuple(merge.records if merge else ()), seconds, blocks=loader)
 
 
 @torch.no_grad()

@@ -41,6 +41,7 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
           LoRA slots): in the model's fixed set, or in a server's current set (`adapters`), which resolves them: the
           prepared request names each adapter's file and sha256 as they are now (pipeline/adapter_catalog.py); and a
           bundle runs them dense (check_bundle_dense: its sparse halves have no adapter slots)
+      1c. a distilled model (models/distilled.py DistilledServing) serves its family's tasks and schedule, CFG off
       2. a bundle serves the task, the canvas and the schedule (check_bundle_serves)
       3. on cfg=2 rank groups (`guidance_branches` 2: the launched mesh's cfg degree) each group runs one of
          guidance's two branches, so the request must be guided
@@ -56,6 +57,10 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
         prepared = replace(prepared, request=adapters.resolve(request))
     else:
         check_adapters(request.lora, entry.adapters, entry.adapter_refusal, entry.adapter_slots)
+    if entry.distilled_serving is not None:  # a distilled family's task, guidance, cache and schedule
+        serving = entry.distilled_serving
+        serving.check(request.task, request.guidance, getattr(request, "cache", None))
+        serving.schedule(request.steps, request.video_shift, request.audio_shift)
     if entry.manifest is not None:
         check_bundle_dense(request.lora, request.sparse_attention)
         check_bundle_serves(entry.manifest, prepared)

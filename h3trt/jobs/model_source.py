@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -16,7 +17,11 @@ from ..engines.manifest import Manifest, bundle_identity, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..errors import UserError
 from ..models.checkpoint import locate_transformer
+from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
+from ..models.distilled_contract import checkpoint_contract
 from ..models.lora import LoraSpec
+from ..models.lora_memory import check_slots_fit, largest_rank
+from ..models.precision import eager_dtype
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
@@ -89,6 +94,7 @@ class Entry:
     lora_dir: Path | None = None  # serve --lora-dir: where adapters load from while the server runs
     lora_slots: int | None = None  # serve --lora-slots / --lora-max-rank (None: fitted, SlotShape.fitted)
     lora_max_rank: int | None = None
+    distilled: DistilledSpec | None = None  # --distilled: fused into an eager DiT (a bundle's manifest has its own)
 
     def __post_init__(self):
         if self.source not in SOURCES:
@@ -102,11 +108,14 @@ class Entry:
                 trust: Path | None = None, vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (),
                 gpus: int = 1, cfg: int | None = None, sp: int | None = None,
                 replicas: int | None = None, adapters: tuple[AdapterSpec, ...] = (), lora_dir: Path | None = None,
-                lora_slots: int | None = None, lora_max_rank: int | None = None) -> "Entry":
+                lora_slots: int | None = None, lora_max_rank: int | None = None,
+                distilled: DistilledSpec | None = None) -> "Entry":
         """--engine DIR (a bundle), --model PATH (a checkpoint), or neither (the embedded tiny model); every flag
         that does not fit the source is refused here, before any model loads."""
         if engine is not None and model is not None:
             raise UserError("--engine and --model name two models; pass one.")
+        if distilled is not None:
+            _check_distilled(distilled, engine, loras, adapters, lora_dir)
         if trust is not None and engine is None:
             raise UserError("--trust checks a bundle's signature; pass it with --engine DIR.")
         if (lora_slots is not None or lora_max_rank is not None) and engine is not None:
@@ -128,9 +137,13 @@ class Entry:
             # the bundle loads, before any of its code runs).
             manifest = read_trusted_manifest(engine, trust) if trust is not None else read_manifest(engine)
             source, path = ModelSource.BUNDLE, Path(engine)
+            if manifest.distilled is not None and (adapters or loras or lora_dir is not None):
+                refusal = DistilledServing.from_record(manifest.distilled).adapters_refusal
+                if refusal is not None:  # a fused FastH3 or PDD bundle: no slots will ever help
+                    raise UserError(f"--adapter/--lora/--lora-dir: {refusal}")
             # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots
             check_bundle_specs(tuple(adapters), tuple(loras), manifest.lora_slots, manifest.model_config,
-                               manifest.task)
+                               manifest.task, Path(lora_dir) if lora_dir is not None else None)
         elif model is not None:
             source, path = ModelSource.CHECKPOINT, Path(model)
         else:
@@ -141,7 +154,7 @@ class Entry:
             raise UserError(f"--device {device} was asked for but no CUDA device is visible; use --device cpu.")
         return cls(source, path, manifest, device, trust, vae_precision, tuple(loras), gpus, torchrun, cfg, sp,
                    replicas, tuple(adapters), Path(lora_dir) if lora_dir is not None else None, lora_slots,
-                   lora_max_rank)
+                   lora_max_rank, distilled)
 
     @property
     def root(self) -> Path:
@@ -160,8 +173,24 @@ class Entry:
 
     @property
     def default_steps(self) -> int:
-        """A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps."""
+        """A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps; a
+        distilled model's family schedule likewise."""
+        if self.distilled_serving is not None:
+            return self.distilled_serving.plan.schedule.steps
         return self.manifest.schedule.steps if self.manifest is not None else DEFAULT_STEPS
+
+    @cached_property
+    def distilled_serving(self) -> DistilledServing | None:
+        """What a distilled model serves: a bundle's manifest record, or --distilled's file read from its header."""
+        if self.manifest is not None:
+            return DistilledServing.from_record(self.manifest.distilled) if self.manifest.distilled else None
+        if self.distilled is not None:
+            return plan_distilled(self.distilled)
+        if self.source.embedded:
+            return None
+        source = locate_transformer(self.root, "t2va")  # a full FastH3 export serves its sidecar's ladder
+        contract = checkpoint_contract(source.component_root, source.shifts)
+        return contract[0] if contract is not None else None
 
     @property
     def default_sparse(self) -> SparseSettings | None:
@@ -239,7 +268,8 @@ class Entry:
         if self.manifest is not None:
             return load_bundle(self.root, self.device, vae_precision=self.vae_precision, trust=self.trust,
                                adapters=self.adapters, loras=self.loras)
-        return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras, adapters=self.adapters)
+        return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras, adapters=self.adapters,
+                               distilled=self.distilled)
 
     def adapter_catalog(self, state: Path | None = None, log=None, task: str = "t2va") -> AdapterCatalog | None:
         """A server's set of adapters (GET /v1/loras, admission, the admin calls), its files read and checked against
@@ -254,8 +284,19 @@ class Entry:
         else:
             cfg = locate_transformer(self.root, task).config
             shape = {"num_slots": self.lora_slots, "max_rank": self.lora_max_rank}
-        return AdapterCatalog.start(self.adapters, cfg, task, folder=self.lora_dir, state=state, **shape,
-                                    **({"log": log} if log is not None else {}))
+        dtype = eager_dtype(self.device)
+        limit = (lambda n: largest_rank(cfg, n, self.device, dtype)) if self.manifest is None else None
+        catalog = AdapterCatalog.start(self.adapters, cfg, task, folder=self.lora_dir, state=state, **shape,
+                                       **({"log": log} if log is not None else {}), rank_limit=limit)
+        if self.manifest is None:  # a checkpoint's slots are the server's (a bundle's were checked by its build)
+            n, r = catalog.shape.num_slots, catalog.shape.max_rank
+            given = (f"--lora-slots {n}" if self.lora_slots else "") + (
+                f" --lora-max-rank {r}" if self.lora_max_rank else "")
+            check_slots_fit(cfg, n, r, self.device, dtype, what=(
+                f"{given.strip()} (the slots: {n} of rank {r})" if given else
+                f"the slots fitted to the adapters at start ({n} of rank {r}; --lora-slots and --lora-max-rank set "
+                "them)"))
+        return catalog
 
     @property
     def adapter_slots(self) -> int | None:
@@ -273,7 +314,10 @@ class Entry:
 
     @property
     def adapter_refusal(self) -> str | None:
-        """Why this model serves no per-request adapters at all (a bundle built without LoRA slots); None: it may."""
+        """Why this model serves no per-request adapters at all (a fused FastH3 or PDD checkpoint; a bundle built
+        without LoRA slots); None: it may."""
+        if self.distilled_serving is not None and self.distilled_serving.adapters_refusal is not None:
+            return self.distilled_serving.adapters_refusal
         return BUNDLE_REFUSAL if self.manifest is not None and self.manifest.lora_slots is None else None
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
@@ -288,4 +332,20 @@ class Entry:
         return WorkerSpec(str(self.root), self.manifest is not None, task, self.device_type, mesh,
                           self.num_heads(task), canvas=self.canvas, model_name=self.model_name,
                           record_extra=self.record_extra, vae_precision=self.vae_precision, loras=self.loras,
-                          trust=str(self.trust) if self.trust is not None else None, **fields)
+                          trust=str(self.trust) if self.trust is not None else None, distilled=self.distilled,
+                          **fields)
+
+
+def _check_distilled(spec: DistilledSpec, engine: Path | None, loras: tuple, adapters: tuple,
+                     lora_dir: Path | None) -> None:
+    """--distilled with what it cannot go with, before any model loads: a bundle (its manifest carries the file it was
+    built with), and LoRAs beside a FastH3 or PDD file."""
+    if engine is not None:
+        raise UserError("--distilled fuses a file into a checkpoint run eagerly; a bundle was built with its own "
+                        "(h3trt inspect shows it): drop --distilled with --engine, or build with "
+                        "h3trt build --distilled FILE.")
+    serving = plan_distilled(spec)
+    if loras and serving.merged_lora_refusal is not None:
+        raise UserError(serving.merged_lora_refusal)
+    if (adapters or lora_dir is not None) and serving.adapters_refusal is not None:
+        raise UserError(serving.adapters_refusal)
