@@ -3,11 +3,14 @@ file; never more than one block's weights (beside the few kept for the compile) 
 that picks between them, and its one-line refusal.
 
 The CPU stands in for the GPU through the same code path: `--memory-budget` (or a fake `free_memory`) between the two
-needs forces the streamed build, as a GPU too small for the whole DiT does. One pair of full builds (the CLI, fresh
-processes: FP8 with SmoothQuant's folded weights, FP8 attention, a block kept in bf16, a merged LoRA, two schedules)
-is shared by the module; the other configurations compare their weight files and records after the bake (the phases
-that differ between the two ways), which takes seconds. The model is the tiny one at 4 layers, so that a phase that
-held every block would show in the accountant.
+needs forces the streamed build, as a GPU too small for the whole DiT does. Two pairs of full builds (the CLI, fresh
+processes: FP8 with SmoothQuant's folded weights, FP8 attention, a block kept in bf16, a merged LoRA, two schedules;
+and a FastH3 --distilled file in bf16, its served tasks and rungs in the manifest) compare every file; the other
+configurations compare their weight files and records after the bake (the phases that differ between the two ways),
+which takes seconds: among them a --distilled file fused block by block (FastH3 dense calibrated in FP8, PDD with its
+heads per forward) and a full FastH3-VSA export (the gate read per block, its calibration trajectories attending with
+VSA, its sidecar's rungs baked). The model is the tiny one at 4 layers, so
+that a phase that held every block would show in the accountant.
 """
 
 import dataclasses
@@ -21,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import save_file
+from safetensors.torch import load_file, save_file
 
 from h3trt.build import builder
 from h3trt.build.block_loader import BlockLoader
@@ -37,6 +40,8 @@ from h3trt.models.checkpoint_stream import CheckpointTensors
 from h3trt.models.checkpoint_writer import random_state_dict, save_official
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
+from h3trt.models.distilled import DistilledSpec
+from h3trt.models.distilled_writer import write_fasth3, write_pdd
 from h3trt.models.lora import LoraSpec
 
 LAYERS = 4
@@ -48,16 +53,22 @@ COMPILED_BINARY = (".so", ".bin", ".pt2")
 HASH_NAMED = ("inductor_cache/fxgraph/", "inductor_cache/aotautograd/")
 
 
+def _tiny_checkpoint(root: Path, tiny_root: Path, cfg: H3Config, seed: int) -> None:
+    """`cfg`'s random float32 weights at root/ckpt (official layout, 3 shards), the other components the tiny
+    default's."""
+    save_official(root / "ckpt", cfg, {"FL2VA": random_state_dict(cfg, seed)}, torch.float32, shards=3)
+    for name in os.listdir(tiny_root / "FL2VA"):
+        if name not in ("transformer", "model_index.json"):
+            os.symlink(tiny_root / "FL2VA" / name, root / "ckpt" / "FL2VA" / name)
+
+
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory, tiny_root):
     """The tiny model with 4 main blocks (random, float32, official layout in 3 shards), its other components the
     tiny default's; a calibration prompt file and a LoRA over every linear (AdaLN included)."""
     root = tmp_path_factory.mktemp("tiny4")
     cfg = H3Config.tiny(num_layers=LAYERS)
-    save_official(root / "ckpt", cfg, {"FL2VA": random_state_dict(cfg, 3)}, torch.float32, shards=3)
-    for name in os.listdir(tiny_root / "FL2VA"):
-        if name not in ("transformer", "model_index.json"):
-            os.symlink(tiny_root / "FL2VA" / name, root / "ckpt" / "FL2VA" / name)
+    _tiny_checkpoint(root, tiny_root, cfg, 3)
     (root / "prompts.txt").write_text("a red fox runs through fresh snow\nwaves break on a rocky shore\n")
     g = torch.Generator().manual_seed(7)
     lora = {}
@@ -85,6 +96,19 @@ FULL_FLAGS = ["--precision", "fp8", "--fp8-attention", "--calib-algo", "smoothqu
               "--quant-exclude", "blocks.1", "--steps", "6,4"]
 
 
+def build_pair(out: Path, root: Path, flags: list[str], budget: float) -> tuple[Path, Path, dict[str, str]]:
+    """`h3trt build` of root/ckpt with `flags`, whole and a block at a time (`budget` GiB), each in a fresh process:
+    (the whole bundle, the streamed one, each build's log)."""
+    logs = {}
+    for name, extra in (("whole", []), ("streamed", ["--memory-budget", f"{budget:.9f}"])):
+        proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", str(root / "ckpt"), "--output",
+                               str(out / name), "--device", "cpu", "--profile", "160x96x5", *flags, *extra],
+                              capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[name] = proc.stderr
+    return out / "whole", out / "streamed", logs
+
+
 @pytest.fixture(scope="module")
 def bundle_pair(tmp_path_factory, tiny4):
     """The same build whole and a block at a time, each `h3trt build` in a fresh process."""
@@ -94,14 +118,7 @@ def bundle_pair(tmp_path_factory, tiny4):
                                     calib_steps=3, quant_exclude=("blocks.1",), steps=(6, 4),
                                     calib_prompts=tiny4 / "prompts.txt",
                                     loras=(LoraSpec(tiny4 / "lora.safetensors", 0.7),)))
-    logs = {}
-    for name, extra in (("whole", []), ("streamed", ["--memory-budget", f"{budget:.9f}"])):
-        proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", str(tiny4 / "ckpt"), "--output",
-                               str(out / name), "--device", "cpu", "--profile", "160x96x5", *flags, *extra],
-                              capture_output=True, text=True, timeout=1800)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        logs[name] = proc.stderr
-    return out / "whole", out / "streamed", logs
+    return build_pair(out, tiny4, flags, budget)
 
 
 def _files(root: Path) -> dict[str, Path]:
@@ -114,17 +131,17 @@ def _manifest_without_build_facts(path: Path) -> dict:
     data = json.loads((path / "manifest.json").read_text())
     data.pop("build_timings_s")
     data.pop("manifest_sha256", None)
-    data["quant"].pop("calibration_s")
+    if data["quant"] is not None:
+        data["quant"].pop("calibration_s")
     data["files"] = {name: entry for name, entry in data["files"].items()
                      if not name.endswith(COMPILED_BINARY) and not name.startswith(HASH_NAMED)}
     return data
 
 
-@pytest.mark.build
-def test_streamed_bundle_equals_whole_bundle_file_by_file(bundle_pair):
-    whole, streamed, logs = bundle_pair
+def assert_same_bundle(whole: Path, streamed: Path, logs: dict[str, str]) -> dict:
+    """Every file of the two bundles equal but the compiled binaries, the manifests equal but the build's facts:
+    returns the whole build's manifest, less those."""
     assert "building whole" in logs["whole"] and "building a block at a time" in logs["streamed"]
-    assert "block 4/4: calibrated, quantized, baked and written" in logs["streamed"]
     a, b = _files(whole), _files(streamed)
     stable = {n for n in a if not n.startswith(HASH_NAMED)}
     assert stable == {n for n in b if not n.startswith(HASH_NAMED)}
@@ -135,11 +152,18 @@ def test_streamed_bundle_equals_whole_bundle_file_by_file(bundle_pair):
         assert f"weights/{weights}.safetensors" in stable
     mw, ms = _manifest_without_build_facts(whole), _manifest_without_build_facts(streamed)
     assert mw == ms
-    assert mw["quant"]["calib_algo"] == "smoothquant" and mw["quant"]["layer_segments"][1] == "block_hp"
     assert json.loads((streamed / "manifest.json").read_text())["build_timings_s"]["streamed"] == 1.0
+    return mw
 
 
-def weights_of(cfg: BuildConfig, work: Path, free: int, monkeypatch=None):
+@pytest.mark.build
+def test_streamed_bundle_equals_whole_bundle_file_by_file(bundle_pair):
+    manifest = assert_same_bundle(*bundle_pair)
+    assert "block 4/4: calibrated, quantized, baked and written" in bundle_pair[2]["streamed"]
+    assert manifest["quant"]["calib_algo"] == "smoothquant" and manifest["quant"]["layer_segments"][1] == "block_hp"
+
+
+def weights_of(cfg: BuildConfig, work: Path, free: int):
     """Phases 0-3 in this process (plan with `free` bytes of device memory, load, calibrate and bake), writing the
     weight files into `work`: (plan, the loaded DiT, Calibration, BakedWeights)."""
     shutil.rmtree(work, ignore_errors=True)
@@ -154,9 +178,10 @@ def compare_weights(tmp_path: Path, cfg_kw: dict, root: Path) -> tuple:
     """The weight files and records of the whole and the streamed bake of one configuration: equal."""
     cfg = config(root, tmp_path / "unused", **cfg_kw)
     needs = memory_needs(cfg, locate_transformer(cfg.model_root, cfg.task), cfg.precision.spec.dtype)
-    p1, _, c1, w1 = weights_of(cfg, tmp_path / "whole", 100 * GIB)
+    p1, d1, c1, w1 = weights_of(cfg, tmp_path / "whole", 100 * GIB)
     p2, dit, c2, w2 = weights_of(cfg, tmp_path / "streamed", needs.streamed())
     assert not p1.streamed and p2.streamed
+    assert (d1.schedules, d1.loras, d1.distilled_record) == (dit.schedules, dit.loras, dit.distilled_record)
     names = sorted(p.name for p in (tmp_path / "whole" / "weights").iterdir())
     assert names == sorted(p.name for p in (tmp_path / "streamed" / "weights").iterdir())
     for name in names:
@@ -185,6 +210,68 @@ def test_streamed_weights_equal_whole_weights(tmp_path, tiny4, cfg_kw, monkeypat
     examples = example_inputs(dit.model, PROFILE.geometry, torch.device("cpu"), cfg.sp, calibration.recipe,
                               cfg.sparse is not None, cfg.slots)
     assert examples and not [n for n, ts in examples.items() for t in ts if t.is_meta]
+
+
+@pytest.fixture(scope="module")
+def distilled4(tmp_path_factory, tiny_root):
+    """For the 4-layer model: a FastH3 dense file and a PDD file (models/distilled_writer.py: random, in their
+    published formats); and a full FastH3-VSA export of its own (the gate in every block, the V2 sidecar's 8 rungs)."""
+    root = tmp_path_factory.mktemp("distilled4")
+    cfg = H3Config.tiny(num_layers=LAYERS)
+    files = {"fasth3": write_fasth3(root / "fasth3.safetensors", cfg, seed=5),
+             "pdd": write_pdd(root / "pdd.safetensors", cfg, seed=6)}
+    _tiny_checkpoint(root / "vsa", tiny_root, H3Config.tiny(num_layers=LAYERS, vsa_gate=True), 4)
+    (root / "vsa" / "ckpt" / "FL2VA" / "fastvideo_inference.json").write_text(json.dumps({
+        "schema_version": "fasth3-inference-contract-v1", "dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250,
+                                                                                  125],
+        "num_inference_steps": 9, "transformer_forwards": 8, "guidance_scale": 1.0, "task": "t2av",
+        "attention_backend": "VIDEO_SPARSE_ATTN_H3", "vsa_tile_size": 64, "vsa_sparsity": 0.5}))
+    return root, files
+
+
+@pytest.mark.parametrize("case", ["fasth3-dense-fp8", "pdd-bf16-steps7", "vsa-export-fp8"])
+def test_streamed_distilled_and_vsa_weights_equal_whole_weights(tmp_path, tiny4, distilled4, case):
+    """A --distilled file fused block by block as each block arrives (its model-level patches where the resident
+    parts load), and a FastH3-VSA export (the gate read with each block; calibration attending with VSA, densely in
+    the first evaluation and block 1, at 0.5 after; the sidecar's rungs in the AdaLN tables), against the whole
+    build. Calibration runs on 2 evaluations per prompt, the second sparse."""
+    root, files = distilled4
+    calibrated = {"precision": "fp8", "calib_prompts": tiny4 / "prompts.txt", "calib_steps": 3}
+    model = tiny4
+    if case == "fasth3-dense-fp8":
+        cfg_kw = {**calibrated, "distilled": DistilledSpec(files["fasth3"])}
+    elif case == "pdd-bf16-steps7":
+        cfg_kw = {"precision": "bf16", "distilled": DistilledSpec.parse(f"{files['pdd']}@steps=7")}
+    else:
+        cfg_kw = {**calibrated, "vsa_sparsity": 0.5, "vsa_dense_first_steps": 1, "vsa_dense_layers": (1,)}
+        model = root / "vsa"
+    dit, calibration = compare_weights(tmp_path, cfg_kw, model)
+    record, schedule = dit.distilled_record, dit.schedules[0]
+    assert record["family"] == ("pdd" if case.startswith("pdd") else "fasth3") and schedule.rungs is not None
+    final = load_file(str(tmp_path / "streamed" / "weights" / "final.safetensors"))
+    blocks = load_file(str(tmp_path / "streamed" / "weights" / "blocks.safetensors"))
+    if case.startswith("pdd"):  # one fused head per forward beside the final layer
+        assert final["pdd.video_out.weight"].shape[0] == schedule.steps - 1 == 6
+    else:
+        assert not [n for n in final if n.startswith("pdd.")] and calibration.quant["calib_prompts"] == 2
+    gates = [n for n in blocks if n.endswith("attn.to_gate_compress.weight")]
+    assert len(gates) == (LAYERS if case.endswith("vsa-export-fp8") else 0)
+    if case.endswith("vsa-export-fp8"):
+        assert record["layout"].startswith("full export") and schedule.steps == 9 and dit.model.cfg.vsa_gate
+
+
+@pytest.mark.build
+def test_streamed_distilled_bundle_equals_whole_bundle_file_by_file(tmp_path_factory, tiny4, distilled4):
+    """A FastH3 file fused block by block (its model-level patches where the resident parts load) builds the whole
+    build's bundle: every weight, the distilled record, its served tasks (t2va alone) and its schedule's rungs."""
+    out = tmp_path_factory.mktemp("distilled-pair")
+    fasth3 = distilled4[1]["fasth3"]
+    budget = streamed_budget(config(tiny4, out / "x", precision="bf16", distilled=DistilledSpec(fasth3)))
+    whole, streamed, logs = build_pair(out, tiny4, ["--precision", "bf16", "--distilled", str(fasth3)], budget)
+    manifest = assert_same_bundle(whole, streamed, logs)
+    assert "each block's parameters as the block arrives" in logs["streamed"]
+    assert manifest["distilled"]["family"] == "fasth3" and manifest["tasks"] == ["t2va"]
+    assert manifest["schedule"]["rungs"]
 
 
 def test_streamed_phases_hold_one_block_at_a_time(tmp_path, tiny4, monkeypatch):

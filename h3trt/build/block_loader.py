@@ -3,9 +3,11 @@
 
 Each block is read from the checkpoint when it is asked for (models/checkpoint_stream.py: pread of its tensors'
 bytes, nothing else of the model), copied to the device, converted there to the native layout and the build dtype,
-its --lora files merged (models/lora.py LoraMerge: the same fp32 sums as merge_loras) and assigned into a fresh Block:
-the tensors `load_dit` and `merge_loras` would have given it. While the caller works on one block, a thread reads the
-next one's bytes into the other of two host slots, pinned on CUDA so that the copy to the GPU is a DMA at full speed.
+its --lora files merged (models/lora.py LoraMerge: the same fp32 sums as merge_loras) and assigned into a fresh Block,
+then the --distilled file's patches of that block fused into it (models/distilled_merge.py fuse_into, filtered to the
+block): the tensors `load_dit`, `merge_loras` and `merge_distilled` would have given it. While the caller works on
+one block, a thread reads the next one's bytes into the other of two host slots, pinned on CUDA so that the copy to
+the GPU is a DMA at full speed.
 The host footprint is those two slots (2 x 1.3 GB at full size), whatever the number of layers.
 
 The loader is also the accountant of what it materialized: a weak reference to every block it made, and the most
@@ -23,6 +25,8 @@ import torch
 from ..models.checkpoint_stream import CheckpointTensors, NativeTensor
 from ..models.config import H3Config
 from ..models.dit import Block, parameter_dtype
+from ..models.distilled_files import Fusion
+from ..models.distilled_merge import fuse_into
 from ..models.lora import LoraMerge
 
 READ_THREADS = 4  # preads of one block in flight (tmpfs and the page cache serve them in parallel)
@@ -30,11 +34,13 @@ SLOTS = 2  # host buffers: the block being copied to the device, and the next on
 
 
 class BlockLoader:
-    """Blocks of one checkpoint, materialized on `device` at `dtype` on demand; `close` when done."""
+    """Blocks of one checkpoint, materialized on `device` at `dtype` on demand; `close` when done. `fusion`: a
+    --distilled file's patches (checked against the model by the caller), each block's fused as it arrives."""
 
     def __init__(self, tensors: CheckpointTensors, cfg: H3Config, dtype: torch.dtype, device: torch.device,
-                 merge: LoraMerge | None):
+                 merge: LoraMerge | None, fusion: Fusion | None = None):
         self.tensors, self.cfg, self.dtype, self.device, self.merge = tensors, cfg, dtype, device, merge
+        self.fusion = fusion
         with torch.device("meta"):
             local = list(Block(cfg).state_dict())
         self.names = local
@@ -96,6 +102,10 @@ class BlockLoader:
             block = Block(self.cfg)
         block.load_state_dict(state, strict=True, assign=True)
         block.eval().requires_grad_(False)
+        if self.fusion is not None:  # after the LoRAs, in fp32, as merge_distilled fuses the whole model
+            prefix = f"blocks.{index}."
+            fuse_into(self.fusion, {prefix + n: p for n, p in block.named_parameters()},
+                      lambda name: name.startswith(prefix))
         self._account(block)
         return block
 
@@ -118,9 +128,10 @@ class BlockLoader:
 
 
 def load_resident(tensors: CheckpointTensors, model, dtype: torch.dtype, device: torch.device,
-                  merge: LoraMerge | None) -> None:
+                  merge: LoraMerge | None, fusion: Fusion | None = None) -> None:
     """Every tensor of `model` (an H3DiT on the meta device) outside its main blocks, read, converted and assigned on
-    `device` (LoRAs merged): what stays on the device for the whole build. The blocks stay on meta."""
+    `device` (LoRAs merged, then `fusion`'s patches of them fused): what stays on the device for the whole build.
+    The blocks stay on meta."""
     wanted = [tensors.tensors[n] for n in model.state_dict() if not n.startswith("blocks.")]
     buffer = torch.empty(tensors.nbytes(wanted), dtype=torch.uint8)
     with ThreadPoolExecutor(READ_THREADS) as pool:
@@ -131,3 +142,5 @@ def load_resident(tensors: CheckpointTensors, model, dtype: torch.dtype, device:
         value = tensors.convert(t, parts, parameter_dtype(t.name, dtype))
         state[t.name] = merge.merged(t.name, value) if merge is not None and t.name in merge.targets else value
     model.load_state_dict(state, strict=False, assign=True)
+    if fusion is not None:  # proj_in/out, the embedders, norm_out, the refiner: FastH3's, Turbo's model-level ones
+        fuse_into(fusion, dict(model.named_parameters()), lambda name: not name.startswith("blocks."))

@@ -72,21 +72,23 @@ class MemoryNeeds:
     text_encoder: int  # calibration on data: the prompts' encoder (a streamed build loads it before any block)
     video_decoder: int  # the video VAE, loaded to compile the decoder's tiles
     kept: int  # streamed: blocks held after their pass for the compile's example inputs (block 0, first layers)
+    fusion: int = 0  # --distilled: fusing its largest parameter (the fp32 sum and the fp32 weight beside it)
 
     def whole(self) -> int:
         """The DiT on the device whole: the largest of calibration (text encoder beside it), quantization (every
         block's copy made while ModelOpt still holds the bf16 linears, and a weight's fp32 transient) and compile
         (the video decoder)."""
         dit = self.resident + self.layers * self.block
-        return max(dit + self.text_encoder + self.activations,
+        return max(dit + self.fusion, dit + self.text_encoder + self.activations,
                    dit + self.layers * self.quantized + (self.block if self.quantized else 0),
                    dit + self.video_decoder + self.activations)
 
     def streamed(self, inputs_on_host: bool = False) -> int:
         """A block at a time: the prompts' encoding, then each block's pass (the one being worked on, those kept,
-        its quantized copy, the recorded calibration inputs unless they wait in host memory), then the compile."""
+        its quantized copy or, as it arrives, its --distilled fusion; the recorded calibration inputs unless they wait
+        in host memory), then the compile."""
         return max(self.resident + self.text_encoder,
-                   self.resident + (1 + self.kept) * self.block + self.quantized + self.activations
+                   self.resident + (1 + self.kept) * self.block + max(self.quantized + self.activations, self.fusion)
                    + (0 if inputs_on_host else self.calibration_inputs),
                    self.resident + self.kept * self.block + self.video_decoder + self.activations)
 
@@ -146,9 +148,10 @@ def memory_needs(config: BuildConfig, source: TransformerSource, dtype: torch.dt
     evaluations = (len(read_prompts(config.calib_prompts)) * (recipe.calib_steps - 1)) if data else 0
     root = source.component_root
     text_encoder = _folder_tensor_bytes(root / "text_encoder", dtype) if data else 0
+    fusion = 8 * max(p.numel() for p in model.parameters()) if config.distilled is not None else 0
     return MemoryNeeds(cfg.num_layers, rows, resident, block, quantized, activation_bytes(cfg, rows, dtype),
                        evaluations * rows * cfg.hidden_size * dtype.itemsize, text_encoder,
-                       _folder_tensor_bytes(root / "video_vae", None), len(kept_layers(recipe, cfg.num_layers)))
+                       _folder_tensor_bytes(root / "video_vae", None), len(kept_layers(recipe, cfg.num_layers)), fusion)
 
 
 def kept_layers(recipe: QuantRecipe | None, num_layers: int) -> set[int]:

@@ -5,9 +5,12 @@ the number of layers: at full size (50 blocks of 1.3 GB) an fp8 build fits in an
 
   load       the checkpoint's headers (models/checkpoint_stream.py); what lies outside the main blocks (embed and
              final, 1.7 GB at full size) onto the device, where it stays; the blocks stay on the meta device and a
-             BlockLoader (block_loader.py) brings each one in when a phase asks for it, LoRAs merged as it arrives.
+             BlockLoader (block_loader.py) brings each one in when a phase asks for it, LoRAs merged and the
+             --distilled file's patches of that block fused as it arrives (every patch checked against the model's
+             shapes first, as merge_distilled checks them, the resident ones fused at once).
   calibrate  (FP8, and NVFP4 on data) the prompts encoded, and their trajectories recorded as block 0's inputs
-             (calibration/layerwise.py: the blocks come in once per evaluation but the last of each trajectory).
+             (calibration/layerwise.py: the blocks come in once per evaluation but the last of each trajectory; a
+             FastH3-VSA model's blocks, their gates read with them, attend with VSA as the whole calibration's do).
   bake       one pass over the blocks, each brought in once: ModelOpt calibrates it on the recorded inputs, which
              become the next block's; h3trt's quantized modules take its linears' place; its AdaLN rows are baked
              (or its adaln_proj kept) and its tensors written at their places in the weight files (engines/weights_io.py
@@ -32,13 +35,14 @@ from ..engines.weights_io import SafetensorsWriter, write_safetensors
 from ..models.checkpoint import check_state_dict, locate_transformer
 from ..models.checkpoint_stream import CheckpointTensors
 from ..models.dit import ADALN_PREFIX, Block, build_dit, rope_inv_freq
+from ..models.distilled_merge import check_fusion
 from ..models.lora import LoraMerge
 from .adaln import block_table, final_table, schedule_timesteps, time_embedding
 from .block_loader import BlockLoader, load_resident
 from .config import BuildConfig
 from .memory import kept_layers
-from .phases import BakedWeights, Calibration, LoadedDiT
-from .plan import BuildPlan
+from .phases import BakedWeights, Calibration, LoadedDiT, read_distilled
+from .plan import BuildPlan, vsa_serving
 from .segments import block_weight_specs, embed_segment, final_weight_names
 
 
@@ -55,15 +59,20 @@ def load_streamed(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     schedules = config.schedules(source.shifts)
     merge = (LoraMerge(config.loras, config.task, model.cfg, {n: tuple(p.shape) for n, p in model.named_parameters()})
              if config.loras else None)
-    load_resident(tensors, model, plan.dtype, plan.device, merge)
+    distilled, record = read_distilled(config, model.cfg)
+    fusion = distilled.fusion if distilled is not None else None
+    if fusion is not None:  # every patch against the model's shapes (meta), before any is fused
+        check_fusion(fusion, dict(model.named_parameters()))
+    load_resident(tensors, model, plan.dtype, plan.device, merge, fusion)
     model.rope_inv_freq = rope_inv_freq(source.config).to(plan.device)
-    loader = BlockLoader(tensors, model.cfg, plan.dtype, plan.device, merge)
+    loader = BlockLoader(tensors, model.cfg, plan.dtype, plan.device, merge, fusion)
     seconds = time.perf_counter() - t0
     resident = sum(p.numel() * p.element_size() for p in model.parameters() if not p.is_meta)
     log(f"loaded the {config.task} DiT's resident parts ({resident / 1e9:.2f} GB; "
         f"{sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters in all, {config.precision}) in "
         f"{seconds:.1f} s; {model.cfg.num_layers} blocks of {loader.slot_bytes / 1e9:.2f} GB to stream")
-    return LoadedDiT(model, source, schedules, tuple(merge.records if merge else ()), seconds, blocks=loader)
+    return LoadedDiT(model, source, schedules, tuple(merge.records if merge else ()), seconds, distilled, record,
+                     loader)
 
 
 @torch.no_grad()
@@ -91,7 +100,8 @@ def bake_streamed(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, work: Pa
         modelopt, amax = _block_pass(config, dit, recipe, inputs, files, temb, log)
     sizes["blocks"] = files.blocks.data_bytes
     sizes["final"] = write_safetensors(work / "weights" / "final.safetensors",
-                                       {n: state[f"final_layer.{n}"] for n in final_weight_names(cfg, plan.dtype)})
+                                       {**{n: state[f"final_layer.{n}"] for n in final_weight_names(cfg, plan.dtype)},
+                                        **dit.final_extra()})
     adaln_bytes = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if ADALN_PREFIX in n)
     quant = None
     if recipe is not None:
@@ -128,7 +138,8 @@ def _calibration_inputs(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, re
     store = torch.device("cpu") if plan.memory.calibration_inputs_on_host else plan.device
     schedule = dit.schedules[0]
     inputs = record_block_inputs(dit.model, dit.blocks, texts, recipe, recipe.calib_steps,
-                                 config.profiles[0].geometry, (schedule.video_shift, schedule.audio_shift), store, log)
+                                 config.profiles[0].geometry, (schedule.video_shift, schedule.audio_shift), store, log,
+                                 vsa_serving(config, plan))
     log(f"recorded {len(inputs)} calibration evaluations' block inputs on {store} "
         f"({sum(x.x.numel() * x.x.element_size() for x in inputs) / 1e9:.2f} GB)")
     return recipe, inputs

@@ -7,7 +7,9 @@ with the scales of the whole-model calibration (calibration/build.py `calibrate_
      are brought in one at a time and each runs every prompt's rows. Each evaluation's input to block 0 (the residual
      stream, the time embedding, the rows' AdaLN index; RoPE per prompt) is recorded. A trajectory's last evaluation
      only moves its latents past the last grid point, which nothing reads, so its blocks are not run at all: a
-     2-point schedule (one evaluation per prompt) records the embeddings alone.
+     2-point schedule (one evaluation per prompt) records the embeddings alone. A FastH3-VSA model's blocks attend
+     with VSA at each evaluation's and block's sparsity (models/vsa_plan.py), the trajectory's evaluations counted
+     from 0 as trajectories.py's runner counts them, the calibration's core its dense attention, in steps 2 and 3.
   3. per block (`calibrate_layer`, called by the streamed build as it brings each block in): ModelOpt calibrates the
      block on the recorded inputs, in the whole-model forward's order (prompt by prompt, evaluation by evaluation), and
      the block's outputs replace them as the next block's inputs.
@@ -36,6 +38,8 @@ from ..models.dit import Block, H3DiT, sdpa_attention
 from ..models.packing import Geometry, pack_t2va, row_timesteps, validate_canvas
 from ..models.sampler import Schedule, euler_step, initial_latents
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
+from ..models.vsa_plan import VsaCall, VsaRun, VsaServing
+from ..models.vsa_tiles import VsaGeometry, layout_geometry
 from .fp8_attention import centered_attention
 from .recipe import QuantRecipe
 
@@ -49,6 +53,15 @@ class BlockInput:
     temb: torch.Tensor  # [T, E] fp32 time embedding
     adaln_index: torch.Tensor  # [S] each row's modulation row
     rope: tuple[torch.Tensor, torch.Tensor]  # cos, sin [S, R] fp32, shared by the prompt's evaluations
+    # A FastH3-VSA model: the trajectory's VSA at this evaluation (its index counted from 0 per prompt, as the whole
+    # calibration's runner counts it) and the layout's tiles; None: dense attention.
+    vsa: VsaRun | None = None
+    geometry: VsaGeometry | None = None
+
+    def attention(self, core: Callable, index: int) -> Callable:
+        """Block `index`'s attention at this evaluation: `core` itself, or (FastH3-VSA) VSA at its sparsity for the
+        block and evaluation with `core` its dense attention, as the whole model's forward attends."""
+        return core if self.vsa is None else VsaCall(self.vsa, self.geometry, core).layer(index)
 
 
 class Blocks(Protocol):
@@ -84,7 +97,8 @@ class _Trajectory:
     """One prompt's calibration trajectory, an evaluation at a time (models/sampler.py denoise_batch with a batch
     of one, H3DiT.forward split around its blocks)."""
 
-    def __init__(self, model: H3DiT, text, seed: int, geometry: Geometry, device: torch.device):
+    def __init__(self, model: H3DiT, text, seed: int, geometry: Geometry, device: torch.device,
+                 vsa: VsaServing | None):
         cfg, g = model.cfg, geometry
         self.model, self.device = model, device
         self.layout = pack_t2va(text.tags, g.latent_frames, g.latent_height, g.latent_width, g.audio_latents,
@@ -96,19 +110,27 @@ class _Trajectory:
         self.audio = torch.stack([start.audio.to(device)])
         self.text = text.embeds.to(device)
         self.rope = model.rope(self.lay.position_ids)
+        self.vsa = vsa
+        self.tiles = layout_geometry(self.lay).to(device) if vsa is not None else None
 
-    def embed(self, tv: float, ta: float, store: torch.device) -> BlockInput:
-        """This evaluation's embedding: the input the blocks start from, recorded (x on `store`)."""
+    def embed(self, k: int, tv: float, ta: float, store: torch.device) -> BlockInput:
+        """Evaluation k's embedding: the input the blocks start from, recorded (x on `store`)."""
         lay = self.lay
         unique_t, t_index = row_timesteps(self.layout, tv, ta)
         self.t_index = t_index.to(self.device)
         self.x, self.temb = self.model.embed(self.video, self.audio, self.text, unique_t.to(self.device),
                                              lay.video_index, lay.audio_index, lay.text_index, lay.seq_len)
         self.adaln_index = self.t_index * NUM_MODALITIES + lay.token_tags
-        return BlockInput(self.x.to(store), self.temb, self.adaln_index, self.rope)
+        run = None
+        if self.vsa is not None:  # the whole calibration's runner: a VsaRun per trajectory, one evaluation per call
+            run = VsaRun(self.vsa)
+            run.evaluation = k
+        self.input = BlockInput(self.x.to(store), self.temb, self.adaln_index, self.rope, run, self.tiles)
+        return self.input
 
-    def block(self, block: Block, attention: Callable) -> None:
-        self.x = block(self.x, block.modulation(self.temb), self.adaln_index, self.rope, attention)
+    def block(self, block: Block, index: int, core: Callable) -> None:
+        self.x = block(self.x, block.modulation(self.temb), self.adaln_index, self.rope,
+                       self.input.attention(core, index))
 
     def step(self, schedule: Schedule, k: int, tv: float, ta: float) -> None:
         """The final layer and the Euler step: the latents of evaluation k + 1."""
@@ -122,25 +144,26 @@ class _Trajectory:
 @torch.no_grad()
 def record_block_inputs(model: H3DiT, blocks: Blocks, texts: list, recipe: QuantRecipe, steps: int,
                         geometry: Geometry, shifts: tuple[float, float], store: torch.device,
-                        log=print) -> list[BlockInput]:
+                        log=print, vsa: VsaServing | None = None) -> list[BlockInput]:
     """Block 0's input at every evaluation of every prompt's trajectory (module docstring, step 2), in the order the
     whole-model calibration runs them: prompt by prompt, evaluation by evaluation. `model`: the DiT with its blocks
-    elsewhere (embed and final on the device); `blocks.load(i)` brings block i in (the caller's to free)."""
+    elsewhere (embed and final on the device); `blocks.load(i)` brings block i in (the caller's to free). `vsa`: a
+    FastH3-VSA model's settings and kernel, which its blocks attend with (calibration/trajectories.py)."""
     device = model.condition_proj.weight.device
     validate_canvas(geometry.height, geometry.width)
     schedule = Schedule(steps, *shifts)
-    runs = [_Trajectory(model, text, seed, geometry, device) for seed, text in enumerate(texts)]
+    runs = [_Trajectory(model, text, seed, geometry, device, vsa) for seed, text in enumerate(texts)]
     timesteps = schedule.timesteps()
     recorded: list[list[BlockInput]] = [[] for _ in runs]
     for k, (tv, ta) in enumerate(timesteps):
         for run, inputs in zip(runs, recorded):
-            inputs.append(run.embed(tv, ta, store))
+            inputs.append(run.embed(k, tv, ta, store))
         if k == len(timesteps) - 1:
             break  # the last evaluation's velocity moves the latents past the last grid point: unread
         for i in range(model.cfg.num_layers):
-            block, attention = blocks.load(i), trajectory_attention(recipe, i)
+            block, core = blocks.load(i), trajectory_attention(recipe, i)
             for run in runs:
-                run.block(block, attention)
+                run.block(block, i, core)
             del block
         for run in runs:
             run.step(schedule, k, tv, ta)
@@ -159,15 +182,16 @@ def calibrate_layer(block: Block, index: int, num_layers: int, recipe: QuantReci
     advance = index < num_layers - 1
     if index in recipe.exclude_blocks:
         if inputs is not None and advance:
-            _replay(block, inputs, trajectory_attention(recipe, index), True)
+            _replay(block, index, inputs, trajectory_attention(recipe, index), True)
         return None
-    replay = None if inputs is None else (lambda core, last: _replay(block, inputs, core, last and advance))
+    replay = None if inputs is None else (lambda core, last: _replay(block, index, inputs, core, last and advance))
     return calibrate_block(block, index, num_layers, recipe, replay, log)
 
 
-def _replay(block: Block, inputs: list[BlockInput], attention: Callable, advance: bool) -> None:
+def _replay(block: Block, index: int, inputs: list[BlockInput], core: Callable, advance: bool) -> None:
     device = block.norm1.weight.device
     for item in inputs:
-        x = block(item.x.to(device), block.modulation(item.temb), item.adaln_index, item.rope, attention)
+        x = block(item.x.to(device), block.modulation(item.temb), item.adaln_index, item.rope,
+                  item.attention(core, index))
         if advance:
             item.x = x.to(item.x.device)
