@@ -40,11 +40,12 @@ land in --out as they come, so a call cut short keeps what it measured:
               (disk: 64 GiB). Each run records whether Python found compiled bytecode (set PYTHONPYCACHEPREFIX and
               run compileall first to measure an install that has it: the H200 image has none).
 Rows: bf16 (sp=1), fp8 (fp8 GEMMs + --fp8-attention, sp=1), bf16-sp2 and fp8-sp2 (need 2 GPUs), and the rows that
-serve the 50-step clip: fp8-sparse (fp8 + FP8 attention + --sparse-attention 0.75: needs FlashAttention-4 on the
-H100, or the build refuses) and fp8-50 (the same without sparse attention). bf16 runs all 50 steps; other rows run
---short-steps (6: 5 evaluations) and are extrapolated to 49 evaluations (said in the output); fp8-sparse's timed run
-keeps its first 3 evaluations dense and runs 2 sparse, and is extrapolated to the bundle's 50-step clip (its first 10
-evaluations dense, 39 sparse) from each kind's step time.
+serve the 50-step clip: fp8-sparse (fp8 + FP8 attention + --sparse-attention 0.75: the build times FlashAttention-4's
+block-sparse kernel where it loads against the FP8 Triton one and records the faster, build/sparse_choice.py) and
+fp8-50 (the same without sparse attention). bf16 runs all 50 steps; other rows run --short-steps (6: 5 evaluations)
+and are extrapolated to 49 evaluations (said in the output); fp8-sparse's timed run keeps its first 3 evaluations
+dense and runs 2 sparse, and is extrapolated to the bundle's 50-step clip (its first 10 evaluations dense, 39 sparse)
+from each kind's step time.
 
 Device minutes. One H100 80 GB, the default plan (--rows fp8-sparse; estimates until a run records them, from the
 H200's runs below and bench/README): checkpoint ~40 s; reference ~75 s (eager and Diffusers ~7 s an evaluation,

@@ -96,7 +96,9 @@ def phase_build(ctx: Ctx, row: str) -> None:
                      peak_gpu_reserved_gib=timings.get("peak_gpu_reserved_gib"),
                      check_peak_gpu_gib=timings.get("check_peak_gpu_allocated_gib"),
                      sparse=None if m.sparse is None else {"kernel": m.sparse.kernel, "block": m.sparse.block,
-                                                           "dense_steps": m.sparse.dense_steps},
+                                                           "tile": m.sparse.tile, "dense_steps": m.sparse.dense_steps,
+                                                           "measured_ms": m.sparse.measured_ms,
+                                                           "unavailable": m.sparse.unavailable},
                      disk_free_gb=round(shutil.disk_usage(bundle).free / 1e9, 1))
         ctx.log(f"build {row}: {build['bundle_bytes'] / 1e9:.1f} GB in {seconds:.0f} s, "
                 f"{'a block at a time' if build['streamed'] else 'whole'}, peak GPU memory "

@@ -262,16 +262,19 @@ def test_streamed_distilled_and_vsa_weights_equal_whole_weights(tmp_path, tiny4,
 
 @pytest.mark.build
 def test_streamed_distilled_bundle_equals_whole_bundle_file_by_file(tmp_path_factory, tiny4, distilled4):
-    """A FastH3 file fused block by block (its model-level patches where the resident parts load) builds the whole
-    build's bundle: every weight, the distilled record, its served tasks (t2va alone) and its schedule's rungs."""
+    """A FastH3 file fused block by block (its model-level patches where the resident parts load) with sparse
+    attention builds the whole build's bundle: every weight and segment file, the distilled record, its served tasks
+    (t2va alone), its schedule's rungs and the sparse kernel chosen."""
     out = tmp_path_factory.mktemp("distilled-pair")
     fasth3 = distilled4[1]["fasth3"]
-    budget = streamed_budget(config(tiny4, out / "x", precision="bf16", distilled=DistilledSpec(fasth3)))
-    whole, streamed, logs = build_pair(out, tiny4, ["--precision", "bf16", "--distilled", str(fasth3)], budget)
+    budget = streamed_budget(config(tiny4, out / "x", precision="bf16", distilled=DistilledSpec(fasth3),
+                                    sparse_attention=0.5))
+    flags = ["--precision", "bf16", "--distilled", str(fasth3), "--sparse-attention", "0.5"]
+    whole, streamed, logs = build_pair(out, tiny4, flags, budget)
     manifest = assert_same_bundle(whole, streamed, logs)
     assert "each block's parameters as the block arrives" in logs["streamed"]
     assert manifest["distilled"]["family"] == "fasth3" and manifest["tasks"] == ["t2va"]
-    assert manifest["schedule"]["rungs"]
+    assert manifest["schedule"]["rungs"] and manifest["sparse"]["kernel"] == "reference"
 
 
 def test_streamed_phases_hold_one_block_at_a_time(tmp_path, tiny4, monkeypatch):
