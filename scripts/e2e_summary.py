@@ -142,6 +142,12 @@ def summarise(ctx: Ctx) -> None:
         if summary["fp8"]["weights_GBps"] is not None:
             bars["fp8_weights_>=3GBps"] = summary["fp8"]["weights_GBps"] >= 3.0
     res["summary"] = {"rows": summary, "builds": builds, "bars": bars}
+    for line in summary_lines(ctx, rows, ref, builds, summary, bars):
+        ctx.log(line)
+
+
+def summary_lines(ctx: Ctx, rows: list[tuple], ref: dict, builds: dict, summary: dict, bars: dict) -> list[str]:
+    """The summary's table and lines, as the log prints them."""
     head = (f"{'':34} {'s/step':>7} {'denoise49':>9} {'decode':>7} {'mux':>6} {'e2e s':>7} {'cold s':>7} "
             f"{'GB/s':>6} {'peakGiB':>7} {'J/clip':>8}")
     lines = [f"5 s {ctx.width}x{ctx.height} clip, 49 evaluations, {ctx.env().get('gpu', ctx.device)}", head]
@@ -172,5 +178,4 @@ def summarise(ctx: Ctx) -> None:
         lines.append("--tiny: the tiny config on the CPU proves the flow; its numbers and the bars mean nothing")
     else:
         lines += [f"bar {k}: {'met' if v else 'NOT met'}" for k, v in bars.items()]
-    for line in lines:
-        ctx.log(line)
+    return lines
