@@ -258,6 +258,7 @@ def main() -> int:
                                                 "env": ctx.env(), "budget_s": args.budget_s,
                                                 "timeouts_s": args.timeouts})
     ctx.results["env"] = ctx.env()
+    ctx.bundles.mkdir(parents=True, exist_ok=True)  # its disk's free space is logged now, before any build
     ctx.log(f"bench_e2e: phases {phases}, rows {rows}, state {ctx.state}, bundles {ctx.bundles}, "
             f"disk free {shutil.disk_usage(ctx.bundles.parent).free / 1e9:.0f} GB, {ctx.env().get('gpu', 'cpu')}")
     try:
