@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import shutil
 import sys
 import time
@@ -39,7 +40,8 @@ from pathlib import Path
 import torch
 
 from bench_e2e import Ctx, release_gpu_memory
-from distilled_moonshot import bytecode_note, evict_page_cache, moonshot
+from distilled_moonshot import moonshot
+from e2e_bundle import bytecode_note, evict_page_cache
 from e2e_checkpoint import BASE_PROMPT, checkpoint_complete, phase_checkpoint
 from e2e_summary import summarise_run
 from bench_common import NvmlSampler
@@ -107,8 +109,9 @@ def phase_build(ctx: Ctx, family: str, estimate: float) -> float | None:
     if not ctx.tiny:  # a FastH3-VSA model refuses FP8 attention (its attention is VSA)
         cmd += ["--precision", "fp8", *(["--fp8-attention"] if family != "fasth3" else []), "--calib-prompts",
                 str(ctx.state / "calib.txt"), "--calib-steps", "2"]
+    cmd += shlex.split(ctx.args.build_flags)
     rc, seconds = ctx.subprocess(cmd, {"TMPDIR": str(tmp), "XDG_CACHE_HOME": str(ctx.state / "xdg-build")},
-                                 f"build {family}")
+                                 f"build {family}", "build")
     build = {"rc": rc, "seconds": round(seconds, 2), "command": " ".join(cmd[2:])}
     if rc == 0:
         from h3trt.engines.manifest import read_manifest
@@ -141,7 +144,7 @@ def phase_run(ctx: Ctx, family: str) -> None:
            "--overwrite"]
     nvml = NvmlSampler().start()
     launched = time.time()
-    rc, seconds = ctx.subprocess(cmd, {"XDG_CACHE_HOME": str(xdg)}, f"run {family}")
+    rc, seconds = ctx.subprocess(cmd, {"XDG_CACHE_HOME": str(xdg)}, f"run {family}", phase="run")
     ended = time.time()
     nvml.stop()
     run = {"rc": rc, "process_s": round(seconds, 2), "page_cache": evicted, "python_bytecode": bytecode_note(),
@@ -180,6 +183,9 @@ def main() -> int:
     p.add_argument("--bundles", default=None, help="where bundles are built (default /tmp/h3trt-distilled-bundles)")
     p.add_argument("--keep-bundles", action="store_true", help="keep each bundle after its run")
     p.add_argument("--budget-s", type=float, default=None, help="the call's budget (default 560 s; --tiny 3600)")
+    p.add_argument("--build-flags", default="", help="more `h3trt build` flags for every build, e.g. '--memory-budget "
+                                                     "0.03' (--tiny) to build a block at a time where the whole would "
+                                                     "fit (an H100 streams the full size on its own)")
     args = p.parse_args()
     suffix = "-tiny" if args.tiny else ""
     args.state = args.state or f"/dev/shm/h3trt-e2e{suffix}"

@@ -28,6 +28,7 @@ build runs out of memory in calibration there (the bf16 DiT, and here the 3.85 G
 from __future__ import annotations
 
 import json
+import shlex
 import shutil
 import statistics
 import sys
@@ -38,12 +39,8 @@ import torch
 
 from bench_common import NvmlSampler
 from bench_e2e import release_gpu_memory
+from e2e_bundle import bytecode_note, evict_page_cache
 from e2e_checkpoint import BASE_PROMPT, checkpoint_complete, phase_checkpoint
-
-try:  # bench_e2e's bundle phases move to e2e_bundle.py with the streamed build (issue 44); drop this once merged
-    from e2e_bundle import bytecode_note, evict_page_cache
-except ImportError:
-    from bench_e2e import bytecode_note, evict_page_cache
 
 # H100 80 GB seconds per phase, estimated from the H200 measurements (bench/README): the checkpoint 40 s (GPU draws,
 # /dev/shm writes: the same on an H100); a full-size fp8 build 154 s at --steps 6 (x1.15 for the H100's compute, +30 s
@@ -102,8 +99,9 @@ def phase_build(ctx, file: Path) -> Path | None:
            ctx.device.type, "--profile", f"{ctx.width}x{ctx.height}x5", "--distilled", str(file)]
     if not ctx.tiny:
         cmd += ["--precision", "fp8", "--calib-prompts", str(ctx.state / "calib.txt"), "--calib-steps", "2"]
+    cmd += shlex.split(ctx.args.build_flags)
     env = {"TMPDIR": str(ctx.state / "tmp"), "XDG_CACHE_HOME": str(ctx.state / "xdg-build")}
-    rc, seconds = ctx.subprocess(cmd, env, "build")
+    rc, seconds = ctx.subprocess(cmd, env, "build", phase="build")
     build = {"rc": rc, "seconds": round(seconds, 2), "command": " ".join(cmd[2:])}
     ctx.results["moonshot"]["build"] = build
     if rc != 0:
@@ -114,8 +112,10 @@ def phase_build(ctx, file: Path) -> Path | None:
 
     m = read_manifest(bundle)
     build.update(bundle_bytes=m.total_bytes, build_timings_s=m.build_timings_s, vsa=m.vsa.to_dict(),
-                 distilled_vsa=m.distilled["vsa"], schedule=m.distilled["schedule"])
-    ctx.log(f"build: {seconds:.0f} s, {m.total_bytes / 1e9:.1f} GB; VSA kernel {m.vsa.kernel} (left out: "
+                 distilled_vsa=m.distilled["vsa"], schedule=m.distilled["schedule"],
+                 streamed=bool(m.build_timings_s.get("streamed")))
+    ctx.log(f"build: {seconds:.0f} s, {m.total_bytes / 1e9:.1f} GB, "
+            f"{'a block at a time' if build['streamed'] else 'whole'}; VSA kernel {m.vsa.kernel} (left out: "
             f"{m.vsa.left_out or 'none'}), sparsity {m.vsa.settings.sparsity:g} ({m.vsa.settings.sparsity_from})")
     return bundle
 
@@ -147,7 +147,7 @@ def phase_clips(ctx, bundle: Path, est: dict) -> None:
            "--out-dir", str(out_dir), "--quiet"]
     nvml = NvmlSampler().start()
     launched = time.time()
-    rc, seconds = ctx.subprocess(cmd, {"XDG_CACHE_HOME": str(xdg)}, "clips")
+    rc, seconds = ctx.subprocess(cmd, {"XDG_CACHE_HOME": str(xdg)}, "clips", phase="run")
     nvml.stop()
     run = {"rc": rc, "process_s": round(seconds, 2), "page_cache": evicted, "command": " ".join(cmd[2:]),
            "peak_memory_nvml_gib": nvml.peak_memory_gib(), "python_bytecode": bytecode_note()}

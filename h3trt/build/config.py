@@ -102,6 +102,9 @@ class BuildConfig:
     # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
     lora_max_rank: int | None = None
+    # --memory-budget: the device memory (GiB) the build may hold at once, at most what the device has free (None:
+    # what it has free). A DiT that does not fit whole in it is built a block at a time (build/memory.py decides).
+    memory_budget: float | None = None
     # FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; models/vsa_plan.py): the VSA settings the
     # bundle serves, recorded in its manifest (None: FastH3 v1's, sparsity 0.9, no step or block dense). Refused for a
     # checkpoint without the gate (build/plan.py, once the checkpoint is located).
@@ -156,6 +159,9 @@ class BuildConfig:
             raise UserError("--trt-targets applies to --backend tensorrt.")
         self._check_sparse()
         self._check_lora_slots()
+        if self.memory_budget is not None and not (isinstance(self.memory_budget, (int, float))
+                                                   and 0 < self.memory_budget < float("inf")):
+            raise UserError(f"--memory-budget must be a positive number of GiB, got {self.memory_budget!r}.")
         vsa_settings(self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers)  # values, by flag
 
     def _check_schedules(self) -> None:
@@ -188,6 +194,12 @@ class BuildConfig:
             return plan_distilled(self.distilled, self.task)
         contract = self.contract
         return contract[0] if contract is not None else None
+
+    def model_config(self, checkpoint: H3Config) -> H3Config:
+        """The model this build makes of the checkpoint's config: a FastH3-VSA file's gates (`.set_weight`) make it a
+        FastH3-VSA one (vsa_gate), which the plan, the fit check and the load (whole or streamed) all build."""
+        serving = self.distilled_serving
+        return serving.with_gates(checkpoint) if serving is not None else checkpoint
 
     @cached_property
     def contract(self) -> tuple[DistilledServing, dict] | None:

@@ -135,7 +135,7 @@ def cmd_build(args) -> int:
                          lora_slots=args.lora_slots, lora_max_rank=args.lora_max_rank,
                          vsa_sparsity=args.vsa_sparsity, vsa_dense_first_steps=args.vsa_dense_first_steps,
                          vsa_dense_layers=tuple(args.vsa_dense_layers) if args.vsa_dense_layers else None,
-                         distilled=distilled_spec(args))
+                         distilled=distilled_spec(args), memory_budget=args.memory_budget)
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .args import OneLineParser, crf, device, positive, shift_list, steps_list
+from .args import OneLineParser, crf, device, positive, positive_float, shift_list, steps_list
 
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
@@ -331,6 +331,11 @@ def _build_parser(sub) -> None:
     p.add_argument("--cfg", type=positive, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
     _build_attention_arguments(p)
+    p.add_argument("--memory-budget", type=positive_float, metavar="GIB",
+                   help="device memory the build may hold at once, at most what the device has free (default: what "
+                        "it has free). The DiT goes onto the device whole where it fits in this, else a block at a "
+                        "time (the same bundle, bit for bit); a build that fits neither way is refused before "
+                        "anything loads, naming what it needs")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
     p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
                                                             "`h3trt keygen KEY` makes one), writing manifest.sig")
