@@ -183,9 +183,9 @@ def main() -> int:
     p.add_argument("--bundles", default=None, help="where bundles are built (default /tmp/h3trt-distilled-bundles)")
     p.add_argument("--keep-bundles", action="store_true", help="keep each bundle after its run")
     p.add_argument("--budget-s", type=float, default=None, help="the call's budget (default 560 s; --tiny 3600)")
-    p.add_argument("--build-flags", default="", help="more `h3trt build` flags for every build, e.g. '--memory-budget "
-                                                     "0.0082' (--tiny) to build a block at a time where the whole would "
-                                                     "fit (an H100 streams the full size on its own)")
+    p.add_argument("--build-flags", default="",
+                   help="more `h3trt build` flags for every build, e.g. '--memory-budget 0.0082' (--tiny) to build a "
+                        "block at a time where the whole would fit (an H100 streams the full size on its own)")
     args = p.parse_args()
     suffix = "-tiny" if args.tiny else ""
     args.state = args.state or f"/dev/shm/h3trt-e2e{suffix}"

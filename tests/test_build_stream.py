@@ -214,8 +214,9 @@ def test_streamed_weights_equal_whole_weights(tmp_path, tiny4, cfg_kw, monkeypat
 
 @pytest.fixture(scope="module")
 def distilled4(tmp_path_factory, tiny_root):
-    """For the 4-layer model: a FastH3 dense file, a FastH3-VSA file (its gates `.set_weight`) and a PDD file (models/distilled_writer.py: random, in their
-    published formats); and a full FastH3-VSA export of its own (the gate in every block, the V2 sidecar's 8 rungs)."""
+    """For the 4-layer model: a FastH3 dense file, a FastH3-VSA file (its gates `.set_weight`) and a PDD file
+    (models/distilled_writer.py: random, in their published formats); and a full FastH3-VSA export of its own (the
+    gate in every block, the V2 sidecar's 8 rungs)."""
     root = tmp_path_factory.mktemp("distilled4")
     cfg = H3Config.tiny(num_layers=LAYERS)
     files = {"fasth3": write_fasth3(root / "fasth3.safetensors", cfg, seed=5),

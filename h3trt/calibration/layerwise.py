@@ -3,9 +3,10 @@ with the scales of the whole-model calibration (calibration/build.py `calibrate_
 
   1. encode: every --calib-prompts prompt through the text encoder, which is then freed (before any block loads).
   2. record: the prompts' trajectories, as trajectories.py runs them (a seeded t2va request each, the bundle's first
-     profile, BuildConfig.calibration_schedule: a distilled bundle's rungs), but in lockstep: at each evaluation every prompt is embedded, then the blocks
-     are brought in one at a time and each runs every prompt's rows. Each evaluation's input to block 0 (the residual
-     stream, the time embedding, the rows' AdaLN index; RoPE per prompt) is recorded. A trajectory's last evaluation
+     profile, BuildConfig.calibration_schedule: a distilled bundle's rungs), but in lockstep: at each evaluation every
+     prompt is embedded, then the blocks are brought in one at a time and each runs every prompt's rows. Each
+     evaluation's input to block 0 (the residual stream, the time embedding, the rows' AdaLN index; RoPE per prompt)
+     is recorded. A trajectory's last evaluation
      only moves its latents past the last grid point, which nothing reads, so its blocks are not run at all: a
      2-point schedule (one evaluation per prompt) records the embeddings alone. A FastH3-VSA model's blocks attend
      with VSA at each evaluation's and block's sparsity (models/vsa_plan.py), the trajectory's evaluations counted
