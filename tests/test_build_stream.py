@@ -214,11 +214,13 @@ def test_streamed_weights_equal_whole_weights(tmp_path, tiny4, cfg_kw, monkeypat
 
 @pytest.fixture(scope="module")
 def distilled4(tmp_path_factory, tiny_root):
-    """For the 4-layer model: a FastH3 dense file and a PDD file (models/distilled_writer.py: random, in their
-    published formats); and a full FastH3-VSA export of its own (the gate in every block, the V2 sidecar's 8 rungs)."""
+    """For the 4-layer model: a FastH3 dense file, a FastH3-VSA file (its gates `.set_weight`) and a PDD file
+    (models/distilled_writer.py: random, in their published formats); and a full FastH3-VSA export of its own (the
+    gate in every block, the V2 sidecar's 8 rungs)."""
     root = tmp_path_factory.mktemp("distilled4")
     cfg = H3Config.tiny(num_layers=LAYERS)
     files = {"fasth3": write_fasth3(root / "fasth3.safetensors", cfg, seed=5),
+             "fasth3-vsa": write_fasth3(root / "fasth3-vsa.safetensors", cfg, seed=8, gates=True),
              "pdd": write_pdd(root / "pdd.safetensors", cfg, seed=6)}
     _tiny_checkpoint(root / "vsa", tiny_root, H3Config.tiny(num_layers=LAYERS, vsa_gate=True), 4)
     (root / "vsa" / "ckpt" / "FL2VA" / "fastvideo_inference.json").write_text(json.dumps({
@@ -229,21 +231,26 @@ def distilled4(tmp_path_factory, tiny_root):
     return root, files
 
 
-@pytest.mark.parametrize("case", ["fasth3-dense-fp8", "pdd-bf16-steps7", "vsa-export-fp8"])
+@pytest.mark.parametrize("case", ["fasth3-dense-fp8", "fasth3-vsa-file-fp8", "pdd-bf16-steps7", "vsa-export-fp8"])
 def test_streamed_distilled_and_vsa_weights_equal_whole_weights(tmp_path, tiny4, distilled4, case):
     """A --distilled file fused block by block as each block arrives (its model-level patches where the resident
     parts load), and a FastH3-VSA export (the gate read with each block; calibration attending with VSA, densely in
     the first evaluation and block 1, at 0.5 after; the sidecar's rungs in the AdaLN tables), against the whole
-    build. Calibration runs on 2 evaluations per prompt, the second sparse."""
+    build. A FastH3-VSA file on the base checkpoint: the model built with the file's gates, which the checkpoint lacks
+    (each block's made by the fusion's assign as the block arrives), calibrated attending with VSA on the family's
+    first 2 rungs. Calibration runs on 2 evaluations per prompt, the second sparse."""
     root, files = distilled4
     calibrated = {"precision": "fp8", "calib_prompts": tiny4 / "prompts.txt", "calib_steps": 3}
     model = tiny4
+    vsa = {"vsa_sparsity": 0.5, "vsa_dense_first_steps": 1, "vsa_dense_layers": (1,)}
     if case == "fasth3-dense-fp8":
         cfg_kw = {**calibrated, "distilled": DistilledSpec(files["fasth3"])}
+    elif case == "fasth3-vsa-file-fp8":
+        cfg_kw = {**calibrated, **vsa, "distilled": DistilledSpec(files["fasth3-vsa"])}
     elif case == "pdd-bf16-steps7":
         cfg_kw = {"precision": "bf16", "distilled": DistilledSpec.parse(f"{files['pdd']}@steps=7")}
     else:
-        cfg_kw = {**calibrated, "vsa_sparsity": 0.5, "vsa_dense_first_steps": 1, "vsa_dense_layers": (1,)}
+        cfg_kw = {**calibrated, **vsa}
         model = root / "vsa"
     dit, calibration = compare_weights(tmp_path, cfg_kw, model)
     record, schedule = dit.distilled_record, dit.schedules[0]
@@ -255,9 +262,15 @@ def test_streamed_distilled_and_vsa_weights_equal_whole_weights(tmp_path, tiny4,
     else:
         assert not [n for n in final if n.startswith("pdd.")] and calibration.quant["calib_prompts"] == 2
     gates = [n for n in blocks if n.endswith("attn.to_gate_compress.weight")]
-    assert len(gates) == (LAYERS if case.endswith("vsa-export-fp8") else 0)
+    assert len(gates) == (LAYERS if "vsa" in case else 0) and dit.model.cfg.vsa_gate == ("vsa" in case)
     if case.endswith("vsa-export-fp8"):
-        assert record["layout"].startswith("full export") and schedule.steps == 9 and dit.model.cfg.vsa_gate
+        assert record["layout"].startswith("full export") and schedule.steps == 9
+    if case == "fasth3-vsa-file-fp8":  # the file's gates, not the checkpoint's (it has none), in every block
+        gate = load_file(str(files["fasth3-vsa"]))
+        assert record["layout"] == "fastvideo-lora-v2" and schedule.steps == 5, record
+        for i in range(LAYERS):
+            got = blocks[f"blocks.{i}.attn.to_gate_compress.weight"]
+            assert torch.equal(got, gate[f"transformer_blocks.{i}.attn.to_gate_compress.set_weight"].to(got.dtype)), i
 
 
 @pytest.mark.build

@@ -5,9 +5,10 @@ Each block is read from the checkpoint when it is asked for (models/checkpoint_s
 bytes, nothing else of the model), copied to the device, converted there to the native layout and the build dtype,
 its --lora files merged (models/lora.py LoraMerge: the same fp32 sums as merge_loras) and assigned into a fresh Block,
 then the --distilled file's patches of that block fused into it (models/distilled_merge.py fuse_into, filtered to the
-block): the tensors `load_dit`, `merge_loras` and `merge_distilled` would have given it. While the caller works on
-one block, a thread reads the next one's bytes into the other of two host slots, pinned on CUDA so that the copy to
-the GPU is a DMA at full speed.
+block; a parameter the checkpoint lacks and the file assigns whole, a FastH3-VSA file's `attn.to_gate_compress`, is
+made there by the fusion's assign): the tensors `load_dit`, `merge_loras` and `merge_distilled` would have given it.
+While the caller works on one block, a thread reads the next one's bytes into the other of two host slots, pinned on
+CUDA so that the copy to the GPU is a DMA at full speed.
 The host footprint is those two slots (2 x 1.3 GB at full size), whatever the number of layers.
 
 The loader is also the accountant of what it materialized: a weak reference to every block it made, and the most
@@ -42,9 +43,10 @@ class BlockLoader:
         self.tensors, self.cfg, self.dtype, self.device, self.merge = tensors, cfg, dtype, device, merge
         self.fusion = fusion
         with torch.device("meta"):
-            local = list(Block(cfg).state_dict())
-        self.names = local
-        self.parts: list[list[NativeTensor]] = [[tensors.tensors[f"blocks.{i}.{n}"] for n in local]
+            self.shapes = {n: p.shape for n, p in Block(cfg).state_dict().items()}
+        # What the checkpoint holds of each block; the rest (a FastH3-VSA file's gates) the fusion assigns
+        self.parts: list[list[NativeTensor]] = [[tensors.tensors[f"blocks.{i}.{n}"] for n in self.shapes
+                                                 if f"blocks.{i}.{n}" in tensors.tensors]
                                                 for i in range(cfg.num_layers)]
         self.slot_bytes = max(tensors.nbytes(p) for p in self.parts)
         self._slots: list[torch.Tensor | None] = [None] * SLOTS
@@ -82,9 +84,11 @@ class BlockLoader:
         self.prefetch(index)
         slot, views = self._pending.pop(index).result()
         cuda = self.device.type == "cuda"
+        prefix = f"blocks.{index}."
         state = {}
         try:
-            for name, t in zip(self.names, self.parts[index]):
+            for t in self.parts[index]:
+                name = t.name.removeprefix(prefix)
                 parts = [torch.empty(v.numel(), dtype=torch.uint8, device=self.device).copy_(v, non_blocking=cuda)
                          for v in views[t.name]]
                 value = self.tensors.convert(t, parts, parameter_dtype(t.name, self.dtype))
@@ -98,12 +102,12 @@ class BlockLoader:
                 event.record()
             self._free.put((slot, event))
         self.prefetch(index + 1)
+        state.update(assigned_places(self.shapes, state, prefix, self.fusion, self.dtype, self.device))
         with torch.device("meta"):
             block = Block(self.cfg)
         block.load_state_dict(state, strict=True, assign=True)
         block.eval().requires_grad_(False)
         if self.fusion is not None:  # after the LoRAs, in fp32, as merge_distilled fuses the whole model
-            prefix = f"blocks.{index}."
             fuse_into(self.fusion, {prefix + n: p for n, p in block.named_parameters()},
                       lambda name: name.startswith(prefix))
         self._account(block)
@@ -132,7 +136,8 @@ def load_resident(tensors: CheckpointTensors, model, dtype: torch.dtype, device:
     """Every tensor of `model` (an H3DiT on the meta device) outside its main blocks, read, converted and assigned on
     `device` (LoRAs merged, then `fusion`'s patches of them fused): what stays on the device for the whole build.
     The blocks stay on meta."""
-    wanted = [tensors.tensors[n] for n in model.state_dict() if not n.startswith("blocks.")]
+    shapes = {n: p.shape for n, p in model.state_dict().items() if not n.startswith("blocks.")}
+    wanted = [tensors.tensors[n] for n in shapes if n in tensors.tensors]
     buffer = torch.empty(tensors.nbytes(wanted), dtype=torch.uint8)
     with ThreadPoolExecutor(READ_THREADS) as pool:
         views = tensors.read(wanted, buffer, pool)
@@ -141,6 +146,22 @@ def load_resident(tensors: CheckpointTensors, model, dtype: torch.dtype, device:
         parts = [torch.empty(v.numel(), dtype=torch.uint8, device=device).copy_(v) for v in views[t.name]]
         value = tensors.convert(t, parts, parameter_dtype(t.name, dtype))
         state[t.name] = merge.merged(t.name, value) if merge is not None and t.name in merge.targets else value
+    state.update(assigned_places(shapes, state, "", fusion, dtype, device))
     model.load_state_dict(state, strict=False, assign=True)
     if fusion is not None:  # proj_in/out, the embedders, norm_out, the refiner: FastH3's, Turbo's model-level ones
         fuse_into(fusion, dict(model.named_parameters()), lambda name: not name.startswith("blocks."))
+
+
+def assigned_places(shapes: dict[str, torch.Size], state: dict[str, torch.Tensor], prefix: str, fusion: Fusion | None,
+                    dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
+    """The parameters of `shapes` (names under `prefix`) the checkpoint lacks, which `fusion` assigns whole (a
+    FastH3-VSA file's gates, `.set_weight`): each an empty tensor at its place, whose values fuse_into's assign then
+    writes, as checkpoint.load_dit takes them from the file (the caller checked that the fusion assigns every one)."""
+    assigned = fusion.assigned() if fusion is not None else {}
+    places = {}
+    for name, shape in shapes.items():
+        if name not in state:
+            if prefix + name not in assigned:
+                raise ValueError(f"{prefix}{name} is neither in the checkpoint nor assigned by the --distilled file")
+            places[name] = torch.empty(shape, dtype=parameter_dtype(prefix + name, dtype), device=device)
+    return places

@@ -115,8 +115,12 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
             log_distilled(dit.distilled.record(), log, ", each block's parameters as the block arrives")
         return dit
     t0 = time.perf_counter()
+    # The --distilled file is read first: a FastH3-VSA file's gates (.set_weight) are parameters a base checkpoint
+    # lacks, and the model is built with them (plan.model_cfg.vsa_gate)
+    distilled, record = read_distilled(config, plan.model_cfg)
     log(f"loading the {config.task} DiT from {config.model_root} onto {plan.device}")
-    model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device)
+    model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device,
+                             supplied=distilled.fusion.assigned() if distilled is not None else None)
     video_shift, audio_shift = source.shifts  # the checkpoint's: its release metadata, or diffusers' schedulers
     schedules = config.schedules((video_shift, audio_shift))
     seconds = time.perf_counter() - t0
@@ -124,7 +128,6 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
         f"{config.precision}) in {seconds:.1f} s")
     loras = merge_loras(model, config.loras, config.task)
     log_loras(loras, log)
-    distilled, record = read_distilled(config, model.cfg)
     if distilled is not None:  # in fp32, one rounding per parameter, before calibration and baking
         log_distilled(merge_distilled(model, distilled), log)
     return LoadedDiT(model, source, schedules, tuple(loras), seconds, distilled, record)
@@ -161,7 +164,7 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     trt = config.backend == "tensorrt"
     vsa = vsa_serving(config, plan)
     recipe, quant = calibrate_dit(dit.model, recipe, dit.source.component_root, config.calib_prompts,
-                                  config.profiles[0], (dit.schedules[0].video_shift, dit.schedules[0].audio_shift),
+                                  config.profiles[0], config.calibration_schedule(dit.schedules[0]),
                                   keep_modelopt_quantizers=trt, log=log, vsa=vsa)
     if trt:
         return Calibration(None, {**quant, "execution": config.precision.spec.trt_execution})

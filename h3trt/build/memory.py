@@ -133,7 +133,7 @@ def _gib(n: int) -> str:
 
 def memory_needs(config: BuildConfig, source: TransformerSource, dtype: torch.dtype) -> MemoryNeeds:
     """The parts of `config`'s build of `source`, from the model's shapes (meta tensors) and its component files."""
-    cfg = source.config
+    cfg = config.model_config(source.config)  # a FastH3-VSA file's gates included
     model = build_dit(cfg, dtype, device="meta")
     block = _bytes(model.blocks[0].parameters())
     resident = _bytes(p for n, p in model.named_parameters() if not n.startswith("blocks."))

@@ -22,6 +22,7 @@ compile and the check that follow are builder.py's: one block's weights are all 
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from pathlib import Path
 
@@ -53,14 +54,18 @@ def load_streamed(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     log(f"loading the {config.task} DiT from {config.model_root} a block at a time onto {plan.device} (embed and "
         "final stay there; each block is read from the checkpoint when a phase needs it)")
     tensors = CheckpointTensors(source)
+    # As builder.load: the --distilled file first, the model built as the plan made it (a FastH3-VSA file's gates,
+    # which the checkpoint lacks and the file's .set_weight assigns, are the model's parameters)
+    distilled, record = read_distilled(config, plan.model_cfg)
+    fusion = distilled.fusion if distilled is not None else None
+    supplied = fusion.assigned() if fusion is not None else {}
+    source = dataclasses.replace(source, config=plan.model_cfg)
     model = build_dit(source.config, plan.dtype, device="meta")
-    check_state_dict(model, {n: torch.empty(t.shape, device="meta") for n, t in tensors.tensors.items()},
-                     str(source.files[0].parent if len(source.files) > 1 else source.files[0]))
+    shapes = {n: torch.empty(t.shape, device="meta") for n, t in {**supplied, **tensors.tensors}.items()}
+    check_state_dict(model, shapes, str(source.files[0].parent if len(source.files) > 1 else source.files[0]))
     schedules = config.schedules(source.shifts)
     merge = (LoraMerge(config.loras, config.task, model.cfg, {n: tuple(p.shape) for n, p in model.named_parameters()})
              if config.loras else None)
-    distilled, record = read_distilled(config, model.cfg)
-    fusion = distilled.fusion if distilled is not None else None
     if fusion is not None:  # every patch against the model's shapes (meta), before any is fused
         check_fusion(fusion, dict(model.named_parameters()))
     load_resident(tensors, model, plan.dtype, plan.device, merge, fusion)
@@ -136,10 +141,8 @@ def _calibration_inputs(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, re
 
     texts = encode_prompts(dit.source.component_root, prompts, plan.device, plan.dtype)
     store = torch.device("cpu") if plan.memory.calibration_inputs_on_host else plan.device
-    schedule = dit.schedules[0]
-    inputs = record_block_inputs(dit.model, dit.blocks, texts, recipe, recipe.calib_steps,
-                                 config.profiles[0].geometry, (schedule.video_shift, schedule.audio_shift), store, log,
-                                 vsa_serving(config, plan))
+    inputs = record_block_inputs(dit.model, dit.blocks, texts, recipe, config.calibration_schedule(dit.schedules[0]),
+                                 config.profiles[0].geometry, store, log, vsa_serving(config, plan))
     log(f"recorded {len(inputs)} calibration evaluations' block inputs on {store} "
         f"({sum(x.x.numel() * x.x.element_size() for x in inputs) / 1e9:.2f} GB)")
     return recipe, inputs

@@ -3,9 +3,10 @@ with the scales of the whole-model calibration (calibration/build.py `calibrate_
 
   1. encode: every --calib-prompts prompt through the text encoder, which is then freed (before any block loads).
   2. record: the prompts' trajectories, as trajectories.py runs them (a seeded t2va request each, the bundle's first
-     profile, a --calib-steps schedule), but in lockstep: at each evaluation every prompt is embedded, then the blocks
-     are brought in one at a time and each runs every prompt's rows. Each evaluation's input to block 0 (the residual
-     stream, the time embedding, the rows' AdaLN index; RoPE per prompt) is recorded. A trajectory's last evaluation
+     profile, BuildConfig.calibration_schedule: a distilled bundle's rungs), but in lockstep: at each evaluation every
+     prompt is embedded, then the blocks are brought in one at a time and each runs every prompt's rows. Each
+     evaluation's input to block 0 (the residual stream, the time embedding, the rows' AdaLN index; RoPE per prompt)
+     is recorded. A trajectory's last evaluation
      only moves its latents past the last grid point, which nothing reads, so its blocks are not run at all: a
      2-point schedule (one evaluation per prompt) records the embeddings alone. A FastH3-VSA model's blocks attend
      with VSA at each evaluation's and block's sparsity (models/vsa_plan.py), the trajectory's evaluations counted
@@ -142,16 +143,16 @@ class _Trajectory:
 
 
 @torch.no_grad()
-def record_block_inputs(model: H3DiT, blocks: Blocks, texts: list, recipe: QuantRecipe, steps: int,
-                        geometry: Geometry, shifts: tuple[float, float], store: torch.device,
-                        log=print, vsa: VsaServing | None = None) -> list[BlockInput]:
+def record_block_inputs(model: H3DiT, blocks: Blocks, texts: list, recipe: QuantRecipe, schedule: Schedule,
+                        geometry: Geometry, store: torch.device, log=print,
+                        vsa: VsaServing | None = None) -> list[BlockInput]:
     """Block 0's input at every evaluation of every prompt's trajectory (module docstring, step 2), in the order the
     whole-model calibration runs them: prompt by prompt, evaluation by evaluation. `model`: the DiT with its blocks
-    elsewhere (embed and final on the device); `blocks.load(i)` brings block i in (the caller's to free). `vsa`: a
-    FastH3-VSA model's settings and kernel, which its blocks attend with (calibration/trajectories.py)."""
+    elsewhere (embed and final on the device); `blocks.load(i)` brings block i in (the caller's to free). `schedule`:
+    each trajectory's, as the whole calibration's (BuildConfig.calibration_schedule: a distilled bundle's rungs).
+    `vsa`: a FastH3-VSA model's settings and kernel, which its blocks attend with (calibration/trajectories.py)."""
     device = model.condition_proj.weight.device
     validate_canvas(geometry.height, geometry.width)
-    schedule = Schedule(steps, *shifts)
     runs = [_Trajectory(model, text, seed, geometry, device, vsa) for seed, text in enumerate(texts)]
     timesteps = schedule.timesteps()
     recorded: list[list[BlockInput]] = [[] for _ in runs]

@@ -42,9 +42,12 @@ def cmd_run(args) -> int:
                             args.crf, args.quiet, args.overwrite)
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
+    from ..models.vsa_plan import vsa_settings
     from ..pipeline.adapter_schedule import ScheduleValues, resolve
     from ..pipeline.request import Request
 
+    if args.vsa_sparsity is not None:
+        vsa_settings(args.vsa_sparsity)  # its bounds, before anything loads
     entry = entry_from_args(args)  # the --adapter files checked first (a rank over a bundle's slots is that error)
     if args.adapter:  # it ran a plain clip, the adapter loaded and unused
         raise UserError(f"--adapter {args.adapter[0].name}=...: resident adapters run only for the requests that name "
@@ -56,7 +59,7 @@ def cmd_run(args) -> int:
     speed = with_bundle_sparse(profile_fields_from_args(args), entry.default_sparse)  # a flag > the bundle's default
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, schedule.steps, args.width,
                       args.height, args.duration, schedule.video_shift, schedule.audio_shift, args.guidance,
-                      args.negative_prompt, **speed, schedule_from=schedule_from)
+                      args.negative_prompt, **speed, vsa_sparsity=args.vsa_sparsity, schedule_from=schedule_from)
     return run_clip(entry, request, args.output, args.crf, args.overwrite, args.quiet, args.profile_step)
 
 
@@ -98,7 +101,8 @@ def check_batch_args(args) -> None:
                                             ("--mag-ratios", args.mag_ratios), ("--mag-calibrate", args.mag_calibrate),
                                             ("--sparse-attention", args.sparse_attention),
                                             ("--sparse-dense-steps", args.sparse_dense_steps),
-                                            ("--sparse-min-seq", args.sparse_min_seq))
+                                            ("--sparse-min-seq", args.sparse_min_seq),
+                                            ("--vsa-sparsity", args.vsa_sparsity))
                    if value is not None and value is not False]  # --cache-warmup 0 is stated too
     if per_request:
         raise UserError(f"{' '.join(per_request)} set one clip's speed profile; in a --requests file each line states "

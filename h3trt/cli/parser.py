@@ -109,6 +109,9 @@ def _speed_arguments(p) -> None:
                              "are one)")
     sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
                         help="attentions over fewer rows stay dense (default 4096)")
+    sparse.add_argument("--vsa-sparsity", type=float, metavar="S",
+                        help="a FastH3-VSA model's VSA sparsity for this clip, 0 <= s < 1 (0: dense attention, the "
+                             "coarse branch kept; default: the model's; README, 'VSA')")
     cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
     cache.add_argument("--cache", choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
                                                                        "predicts (default: off, or the profile's)")
@@ -357,8 +360,9 @@ def _build_attention_arguments(p) -> None:
                              "CPU fp8_emulated with --fp8-attention, else reference")
     vsa = p.add_argument_group("FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; README, 'VSA')")
     vsa.add_argument("--vsa-sparsity", type=float, metavar="S",
-                     help="share of video key tiles each video query tile skips, 0 <= s < 1 (default 0.9, FastH3 "
-                          "v1's; 0: dense attention, the coarse branch kept). Recorded in the manifest")
+                     help="share of video key tiles each video query tile skips, 0 <= s < 1 (default: what the "
+                          "checkpoint or --distilled file was distilled at, else 0.9, FastH3 v1's; 0: dense attention, "
+                          "the coarse branch kept). Recorded in the manifest; a request may state its own")
     vsa.add_argument("--vsa-dense-first-steps", type=int, metavar="N",
                      help="the first N denoise steps run dense (default 0)")
     vsa.add_argument("--vsa-dense-layers", type=int, nargs="+", metavar="I",

@@ -25,7 +25,7 @@ from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEE
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
-from ..models.vsa_plan import refuse_subblock
+from ..models.vsa_plan import check_vsa_request
 from .adapter_schedule import ScheduleFrom
 from .adapters import AdapterUse, lora_field
 
@@ -91,6 +91,7 @@ class Request:
     sparse_attention: float = 0.0
     sparse_dense_steps: int | None = None
     sparse_min_seq: int | None = None  # the shortest attention made sparse (None: its default, 4096 rows)
+    vsa_sparsity: float | None = None  # a FastH3-VSA model's VSA sparsity for this request (None: the model's)
     profile: str | None = None  # the named profile (pipeline/profiles.py) the cache and sparsity came from, recorded
     lora: tuple[AdapterUse, ...] = ()  # resident LoRA adapters this request runs with (pipeline/adapters.py)
     # Where steps and the shifts came from (the request, an adapter it names, the model's default), as its front door
@@ -343,8 +344,7 @@ def check_bundle_serves(manifest: Manifest, prepared: Prepared) -> None:
     schedule resolved with the bundle's shifts as the pipeline resolves it. Admission (jobs/admission.py) asks it
     before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (pipeline/loading.py)."""
     req, geo, baked = prepared.request, prepared.geometry, manifest.schedule
-    if manifest.vsa is not None:
-        refuse_subblock(manifest.vsa, bool(getattr(req, "sparse_attention", None)))
+    check_vsa_request(manifest.vsa, bool(getattr(req, "sparse_attention", None)), getattr(req, "vsa_sparsity", None))
     schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (baked.video_shift, baked.audio_shift))
     # A schedule an adapter brought is the `lora` field's doing: the fix is there (or in stating the schedule).
     adapters = req.schedule_from.adapters() if req.schedule_from is not None else {}
@@ -395,5 +395,7 @@ def request_dict(request: Request) -> dict:
         data["lora"] = lora_field(request.lora)
     else:
         del data["lora"]  # a request without adapters is written as before they existed
+    if request.vsa_sparsity is None:
+        del data["vsa_sparsity"]  # likewise a request that states no VSA sparsity
     del data["schedule_from"]  # not a field a user states: the clip's record carries it (records.py)
     return data
