@@ -31,7 +31,7 @@ from .engines.manifest import MANIFEST
 from .errors import UserError
 from .models.packing import unpatchify
 from .jobs.admission import admit
-from .jobs.model_source import Entry
+from .jobs.model_source import Entry, ModelSource
 from .media.encoder import rgb_to_yuv420
 from .pipeline.h3_pipeline import H3Pipeline, new_step_cache
 from .pipeline.profiles import profile_fields
@@ -84,7 +84,7 @@ def load_recording(source: Entry, task: str) -> H3Pipeline:
     """`source`'s pipeline for `task` with a StepRecorder as its DiT, passed in when the pipeline is built. The
     default canvas: the requests carry theirs (given, or the engine bundle's profile's)."""
     parts = source.components(task)
-    return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit)), source.device)
+    return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit)), source.launch.device)
 
 
 @torch.no_grad()
@@ -223,14 +223,14 @@ def reference_entry(reference: str, device: str) -> Entry:
     a manifest, which is read and checked here), or a checkpoint (its layout is checked against the requests' task
     by `evaluate`, before either side loads)."""
     if reference == "tiny":
-        return Entry.resolve(device=device)
+        return Entry.local(device=device)
     path = Path(reference)
     if not path.exists():
         raise UserError(f"--reference {reference} does not exist; pass an engine bundle (h3trt build), a MiniMax-H3 "
                         "checkpoint folder, or 'tiny'.")
     if (path / MANIFEST).exists():
-        return Entry.resolve(engine=path, device=device)
-    return Entry.resolve(model=path, device=device)
+        return Entry.local(ModelSource.resolve(engine=path), device)
+    return Entry.local(ModelSource.resolve(model=path), device)
 
 
 def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=print,
@@ -244,8 +244,8 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
     if reference is None and profile is None:
         raise UserError("h3trt eval needs --reference (a bundle, a checkpoint or 'tiny') or --profile NAME (the "
                         "engine's clip with that profile against its own lossless clip).")
-    if profile is None and engine.manifest is None:
-        raise UserError(f"--engine {engine.root} must be a bundle (h3trt build); the reference may be any model.")
+    if profile is None and engine.model.manifest is None:
+        raise UserError(f"--engine {engine.model.root} must be a bundle (h3trt build); the reference may be any model.")
     if len({r.task == "ref2va" for r in reqs}) > 1:
         raise UserError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
                         "them in separate runs.")
@@ -263,16 +263,16 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
     # bundle's requests already carry its profile's canvas). The reference's side first: a reference that cannot
     # serve them (another task's checkpoint, a bundle of another canvas) is named before the engine's files are read.
     checked: set[Path] = set()
-    prepared = {side: [admit(sources[side], r, canvas=engine.canvas, checked=checked) for r in sides[side]]
+    prepared = {side: [admit(sources[side], r, canvas=engine.model.canvas, checked=checked) for r in sides[side]]
                 for side in ("reference", "engine")}
     traces = _run_sides(sources, prepared, task, log)
     per_request = [{"prompt": r.prompt, "seed": r.seed, **compare(a, b)}
                    for r, a, b in zip(reqs, traces["engine"], traces["reference"])]
-    manifest = engine.manifest
+    manifest = engine.model.manifest
     return {"engine": _name(engine), "engine_precision": manifest.precision if manifest else None,
             "engine_quant": _quant_summary(manifest) if manifest else None, "profile": profile,
             "reference": _name(reference) if reference is not None else f"{_name(engine)}, lossless",
-            "device": engine.device, "random_weights": engine.tiny or sources["reference"].tiny,
+            "device": engine.launch.device, "random_weights": engine.model.tiny or sources["reference"].model.tiny,
             "note": RANDOM_WEIGHTS_NOTE, "requests": per_request, "mean": _means(per_request)}
 
 
@@ -308,7 +308,7 @@ def _means(per_request: list[dict]) -> dict:
 
 
 def _name(source: Entry) -> str:
-    return "tiny" if source.source.embedded else str(source.root)
+    return "tiny" if source.model.kind.embedded else str(source.model.root)
 
 
 def _quant_summary(manifest) -> dict | None:

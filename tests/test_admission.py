@@ -7,7 +7,7 @@ import pytest
 
 from h3trt.errors import UserError, about
 from h3trt.jobs.admission import admit
-from h3trt.jobs.model_source import Entry
+from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.pipeline.request import FLAGS, KEYS as KEY_WORDS, Request
 from h3trt.pipeline.parse import RequestDefaults, parse_object
 from h3trt.pipeline import schema
@@ -29,8 +29,8 @@ INADMISSIBLE = {
 
 @pytest.fixture(scope="module")
 def bundle_entry(tmp_path_factory, tiny_root):
-    return Entry.resolve(engine=_fake_bundle(tmp_path_factory.mktemp("admission") / "bundle", tiny_root),
-                         device="cpu")
+    return Entry.local(ModelSource.resolve(engine=_fake_bundle(tmp_path_factory.mktemp("admission") / "bundle",
+                                                                tiny_root)), "cpu")
 
 
 def _service(tmp_path, entry, guidance_branches=1):
@@ -51,7 +51,7 @@ def _refusal(door: str, entry: Entry, data: dict, tmp_path) -> tuple[str, str | 
     if door == "run_clip":
         from h3trt.run.commands import run_clip
 
-        request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=entry.default_steps)).request
+        request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=entry.model.default_steps)).request
         with pytest.raises(UserError) as refused:
             run_clip(entry, request, tmp_path / "clip.mp4", 18, quiet=True)
         return str(refused.value), None
@@ -82,7 +82,7 @@ def test_every_front_door_refuses_with_admissions_message(tmp_path, tiny_root, b
     API's param is the field the error carries."""
     data, field, param = INADMISSIBLE[case]
     words = {"run_clip": FLAGS, "run_requests": KEY_WORDS, "api": schema.API_WORDS}[door]
-    request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=bundle_entry.default_steps)).request
+    request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=bundle_entry.model.default_steps)).request
     with pytest.raises(UserError) as expected:
         admit(bundle_entry, request, words)
     assert expected.value.field == field
@@ -98,7 +98,7 @@ def test_every_front_door_refuses_with_admissions_message(tmp_path, tiny_root, b
 
 def test_cfg2_groups_need_guidance_at_every_door(tmp_path, tiny_root):
     """The cfg=2 rule is admission's, with the launched cfg degree as its parameter; the server's 400 names guidance."""
-    entry = Entry.resolve(device="cpu")
+    entry = Entry.local(device="cpu")
     request = Request("a fox", width=128, height=32, steps=2)
     admit(entry, request, guidance_branches=1)
     with pytest.raises(UserError, match="cfg=2 rank groups") as refused:
@@ -118,7 +118,7 @@ def test_the_param_is_the_errors_field_not_its_message(tmp_path, tiny_root, monk
     path's words) does not change it, and an error about no field names none."""
     import h3trt.server.service as service_module
 
-    service = _service(tmp_path, Entry.resolve(device="cpu"))
+    service = _service(tmp_path, Entry.local(device="cpu"))
     try:
         for raised, param in ((UserError("steps and seed are wrong, says the message", field="duration"), "seconds"),
                               (UserError("the prompt names a field, the error none"), None)):

@@ -147,8 +147,8 @@ def test_reference_entry_names_the_flag_and_what_it_takes(tmp_path):
     with pytest.raises(UserError, match=r"--reference .*missing does not exist; pass an engine bundle \(h3trt "
                                         r"build\), a MiniMax-H3 checkpoint folder, or 'tiny'"):
         reference_entry(str(tmp_path / "missing"), "cpu")
-    assert reference_entry(str(_bundle(tmp_path / "b")), "cpu").source == "bundle"
-    assert reference_entry("tiny", "cpu").source == "tiny"
+    assert reference_entry(str(_bundle(tmp_path / "b")), "cpu").model.kind == "bundle"
+    assert reference_entry("tiny", "cpu").model.kind == "tiny"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -70,14 +70,14 @@ def test_the_slots_are_a_cache_and_each_request_equals_its_one_adapter_run(folde
     from h3trt.pipeline.h3_pipeline import H3Pipeline
     from h3trt.pipeline.loading import load_checkpoint
 
-    entry = Entry.resolve(device="cpu")
-    parts = load_checkpoint(entry.root, "t2va", "cpu")
+    entry = Entry.local(device="cpu")
+    parts = load_checkpoint(entry.model.root, "t2va", "cpu")
     cfg, cpu = H3Config.tiny(), torch.device("cpu")
 
     def pipeline(*names: str, shape: SlotShape | None = None) -> H3Pipeline:
         specs = tuple(AdapterSpec(n, folder / f"{n}.safetensors") for n in names)
         adapters = ResidentAdapters(specs, cfg, "t2va", torch.float32, cpu, shape)
-        return H3Pipeline.from_components(replace(parts, adapters=adapters), cpu, entry.canvas)
+        return H3Pipeline.from_components(replace(parts, adapters=adapters), cpu, entry.model.canvas)
 
     pipe = pipeline("a", shape=SlotShape(2, 4))
     alone = {name: final_of(pipeline(name), (AdapterUse(name, 1.0),)) for name in "abc"}
@@ -191,8 +191,8 @@ def admin(folder, tmp_path_factory, tiny_cache):
     lora_dir = tmp_path_factory.mktemp("admin-loras")
     for name in ("a", "b"):
         (lora_dir / f"{name}.safetensors").write_bytes((folder / f"{name}.safetensors").read_bytes())
-    entry = Entry.resolve(device="cpu", lora_dir=lora_dir, lora_slots=2, lora_max_rank=4)
-    adapters = entry.adapter_catalog(data / STATE_FILE)
+    entry = Entry.local(device="cpu", folder=lora_dir, num_slots=2, max_rank=4)
+    adapters = entry.adapters.catalog(entry.model, data / STATE_FILE)
     # Files that arrive in the folder while the server runs, which the admin call must refuse.
     write(lora_dir / "big.safetensors", fmt_original(rank8(4)))
     write(lora_dir / "dora.safetensors", {**fmt_original(tiny_factors(5)),
@@ -324,19 +324,19 @@ def test_a_server_without_lora_dir_refuses_the_admin_call(tmp_path, tiny_cache):
 def test_the_flags_are_checked_before_anything_loads(folder, tmp_path, capsys):
     from h3trt.cli import main
 
-    entry = Entry.resolve(device="cpu", adapters=(AdapterSpec("x", folder / "a.safetensors"),), lora_dir=folder)
-    assert [s.name for s in entry.adapters] == ["x", "a", "b", "c"]  # --adapter, then DIR's files by stem
-    for kwargs, words in (({"lora_dir": tmp_path / "none"}, "--lora-dir .*none: not a folder"),
-                          ({"lora_slots": 2}, "--lora-slots and --lora-max-rank size the slots of LoRA adapters"),
-                          ({"lora_dir": folder, "adapters": (AdapterSpec("a", folder / "b.safetensors"),)},
+    entry = Entry.local(device="cpu", adapters=(AdapterSpec("x", folder / "a.safetensors"),), folder=folder)
+    assert [s.name for s in entry.adapters.specs] == ["x", "a", "b", "c"]  # --adapter, then DIR's files by stem
+    for kwargs, words in (({"folder": tmp_path / "none"}, "--lora-dir .*none: not a folder"),
+                          ({"num_slots": 2}, "--lora-slots and --lora-max-rank size the slots of LoRA adapters"),
+                          ({"folder": folder, "adapters": (AdapterSpec("a", folder / "b.safetensors"),)},
                            "--adapter a: the name is given twice")):
         with pytest.raises(UserError, match=words):
-            Entry.resolve(device="cpu", **kwargs)
+            Entry.local(device="cpu", **kwargs)
     odd = tmp_path / "odd"
     odd.mkdir()
     (odd / "-x.safetensors").write_bytes((folder / "a.safetensors").read_bytes())
     with pytest.raises(UserError, match="-x.safetensors cannot be an adapter's name"):
-        Entry.resolve(device="cpu", lora_dir=odd)
+        Entry.local(device="cpu", folder=odd)
     with pytest.raises(UserError, match=r"--adapter big: .* has rank 8, over the slots' max rank 4"):
         write(tmp_path / "big.safetensors", fmt_original(rank8(4)))
         AdapterCatalog.start((AdapterSpec("big", tmp_path / "big.safetensors"),), H3Config.tiny(), "t2va",

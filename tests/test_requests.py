@@ -17,7 +17,7 @@ from h3trt.models.config import H3Config
 from h3trt.models.precision import Precision
 from h3trt.models.sampler import DEFAULT_SEED, DEFAULT_STEPS
 from h3trt.run.batch_file import parse_requests
-from h3trt.jobs.model_source import TINY_CANVAS, Entry
+from h3trt.jobs.model_source import TINY_CANVAS, Entry, ModelSource
 from h3trt.pipeline.parse import (EVAL_REQUIRED, RUN_REQUIRED, RequestsFileError, read_eval_requests,
                                    read_request_file)
 
@@ -196,19 +196,41 @@ def test_manifest_refuses_a_missing_field():
 
 
 def test_entry_resolves_the_tiny_model_without_building_it():
-    entry = Entry.resolve(device="cpu")
-    assert entry.source == "tiny" and entry.path is None and entry.tiny and entry.canvas == TINY_CANVAS
-    assert entry.default_steps == DEFAULT_STEPS and entry.model_name == "embedded-tiny" and entry.record_extra == {}
-    assert not entry.on_mesh and entry.world == 1 and entry.device_type == "cpu"
+    entry = Entry.local(device="cpu")
+    model, launch = entry.model, entry.launch
+    assert model.kind == "tiny" and model.path is None and model.tiny and model.canvas == TINY_CANVAS
+    assert model.default_steps == DEFAULT_STEPS and model.model_name == "embedded-tiny" and model.record_extra == {}
+    assert not launch.on_mesh and launch.world == 1 and launch.device_type == "cpu" and launch.first
+
+
+def test_a_checkpoint_is_located_once_per_task(tiny_checkpoints, monkeypatch):
+    """Admission asks for the component root on every request, the mesh and the worker spec for the heads: one
+    model source reads the checkpoint's folders and configs once per task (an Entry used to locate it on each call)."""
+    import h3trt.jobs.model_source as model_source
+
+    calls, root = [], tiny_checkpoints["official"]
+
+    def counted(path, task):
+        calls.append(task)
+        return locate(path, task)
+
+    locate = model_source.locate_transformer
+    monkeypatch.setattr(model_source, "locate_transformer", counted)
+    entry = Entry.local(ModelSource.resolve(model=root), "cpu")
+    for _ in range(3):
+        assert entry.model.component_root("t2va") == locate(root, "t2va").component_root
+        assert entry.model.config("t2va").num_heads == entry.worker_spec("t2va", entry.mesh("t2va")).num_heads
+    entry.model.component_root("ref2va")
+    assert calls == ["t2va", "ref2va"]
 
 
 def test_entry_refuses_flags_that_do_not_fit_the_source(tmp_path):
     with pytest.raises(ValueError, match="--trust checks a bundle's signature; pass it with --engine"):
-        Entry.resolve(model=tmp_path, trust=tmp_path / "k.pub")
+        ModelSource.resolve(model=tmp_path, trust=tmp_path / "k.pub")
     with pytest.raises(ValueError, match="--vae-precision must be one of"):
-        Entry.resolve(vae_precision="fp16")
+        ModelSource.resolve(vae_precision="fp16")
     with pytest.raises(BundleError, match="is not an h3trt bundle"):
-        Entry.resolve(engine=tmp_path)
+        ModelSource.resolve(engine=tmp_path)
 
 
 @pytest.mark.parametrize("flag, value", [("--precision", "bogus"), ("--backend", "onnx"), ("--task", "t2v")])

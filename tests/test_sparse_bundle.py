@@ -148,13 +148,13 @@ def test_a_request_overrides_the_default_and_sparsity_0_is_the_dense_clip_bit_fo
 
 
 def test_request_lines_and_api_jobs_take_the_bundle_default_unless_they_state_one(sparse_bundle):
-    from h3trt.jobs.model_source import Entry
+    from h3trt.jobs.model_source import Entry, ModelSource
     from h3trt.pipeline.parse import parse_object
     from h3trt.server.service import request_defaults
 
-    entry = Entry.resolve(engine=sparse_bundle, device="cpu")
+    entry = Entry.local(ModelSource.resolve(engine=sparse_bundle), "cpu")
     defaults = request_defaults(entry)
-    assert entry.default_sparse == defaults.sparse == SparseSettings(0.75, 2, 1)
+    assert entry.model.default_sparse == defaults.sparse == SparseSettings(0.75, 2, 1)
 
     def request(**data):
         return parse_object({"prompt": "a fox", **data}, 1, Path("."), ("prompt",), defaults).request

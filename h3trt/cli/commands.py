@@ -11,13 +11,14 @@ from ..errors import UserError
 
 
 def entry_from_args(args):
-    """The one Entry of an `h3trt run` or `serve` (one clip, --requests or HTTP; one process or a mesh)."""
-    from ..jobs.model_source import Entry
+    """The one Entry of an `h3trt run` or `serve` (one clip, --requests or HTTP; one process or a mesh): its three
+    parts, each from its own flags."""
+    from ..jobs.model_source import AdapterConfig, Entry, Launch, ModelSource
 
-    return Entry.resolve(args.engine, args.model, args.device, args.trust, args.vae_precision, tuple(args.lora),
-                         args.gpus, args.cfg, args.sp, args.replicas, tuple(getattr(args, "adapter", ())),
-                         getattr(args, "lora_dir", None), getattr(args, "lora_slots", None),
-                         getattr(args, "lora_max_rank", None))
+    model = ModelSource.resolve(args.engine, args.model, args.trust, args.vae_precision, tuple(args.lora))
+    adapters = AdapterConfig.resolve(model, tuple(getattr(args, "adapter", ())), getattr(args, "lora_dir", None),
+                                     getattr(args, "lora_slots", None), getattr(args, "lora_max_rank", None))
+    return Entry(model, Launch.resolve(model, args.device, args.gpus, args.cfg, args.sp, args.replicas), adapters)
 
 
 def cmd_run(args) -> int:
@@ -40,8 +41,9 @@ def cmd_run(args) -> int:
     entry = entry_from_args(args)
     # One clip names no adapter (its --lora, if any, is on every request): its flags, else the model's defaults
     schedule, schedule_from = resolve(ScheduleValues(args.steps, args.video_shift, args.audio_shift), (), {},
-                                      entry.default_steps)
-    speed = with_bundle_sparse(profile_fields_from_args(args), entry.default_sparse)  # a flag > the bundle's default
+                                      entry.model.default_steps)
+    # a flag > the bundle's default
+    speed = with_bundle_sparse(profile_fields_from_args(args), entry.model.default_sparse)
     request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, schedule.steps, args.width,
                       args.height, args.duration, schedule.video_shift, schedule.audio_shift, args.guidance,
                       args.negative_prompt, **speed, schedule_from=schedule_from)
@@ -134,7 +136,7 @@ def cmd_build(args) -> int:
 
 def cmd_eval(args) -> int:
     from ..eval import evaluate, reference_entry, table
-    from ..jobs.model_source import Entry
+    from ..jobs.model_source import Entry, ModelSource
     from ..media.output_files import write_json_atomic
     from ..pipeline.parse import read_eval_requests
 
@@ -148,9 +150,9 @@ def cmd_eval(args) -> int:
     if args.reference is None:
         engine = reference_entry(str(args.engine), args.device)
     else:
-        engine = Entry.resolve(engine=args.engine, device=args.device)
-    requests = read_eval_requests(args.requests, engine.manifest)  # every line checked before any model loads
-    reference = reference_entry(args.reference, engine.device) if args.reference is not None else None
+        engine = Entry.local(ModelSource.resolve(engine=args.engine), args.device)
+    requests = read_eval_requests(args.requests, engine.model.manifest)  # every line checked before any model loads
+    reference = reference_entry(args.reference, engine.launch.device) if args.reference is not None else None
     result = evaluate(engine, reference, requests, log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr),
                       profile=args.profile)
     print(table(result))

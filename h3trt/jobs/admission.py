@@ -51,14 +51,15 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
 
     `checked`: the component roots whose files this run checked already (a requests file checks each once); None
     checks them for every request (the server: a file cut short since the last request is seen)."""
-    prepared = prepare(request, entry.canvas if canvas is None else canvas, names)
-    if adapters is not None and entry.adapter_refusal is None:
+    model, resident = entry.model, entry.adapters
+    prepared = prepare(request, model.canvas if canvas is None else canvas, names)
+    if adapters is not None and resident.refusal is None:
         prepared = replace(prepared, request=adapters.resolve(request))
     else:
-        check_adapters(request.lora, entry.adapters, entry.adapter_refusal, entry.adapter_slots)
-    if entry.manifest is not None:
+        check_adapters(request.lora, resident.specs, resident.refusal, resident.per_request)
+    if model.manifest is not None:
         check_bundle_dense(request.lora, request.sparse_attention)
-        check_bundle_serves(entry.manifest, prepared)
+        check_bundle_serves(model.manifest, prepared)
     if guidance_branches == 2 and request.guidance == 1.0:
         n = names
         raise UserError(f"{n.guidance} is 1 (off, H3's default), but this model runs guidance's two branches side by "
@@ -66,7 +67,7 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
                         "cfg 1.", field="guidance")
     if own is not None:
         own(prepared)
-    root = entry.component_root(request.task)  # a checkpoint without the task's transformer fails here
+    root = model.component_root(request.task)  # a checkpoint without the task's transformer fails here
     if checked is None or root not in checked:
         check_text_encoder_files(root)
         if checked is not None:

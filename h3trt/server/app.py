@@ -353,7 +353,7 @@ def _video_of(service: VideoService, row: JobRow) -> Video:
         if row.status in ("failed", "cancelled") and row.error_message else None,
         task=record.task or schema.get("task") or task_of(schema.get("image"), schema.get("last_image"),
                                                           schema.get("refs")), seed=int(schema.get("seed", 42)),
-        steps=int(row.request.get("schedule", {}).get("steps", schema.get("steps", service.entry.default_steps))),
+        steps=int(row.request.get("schedule", {}).get("steps", schema.get("steps", service.entry.model.default_steps))),
         stage=row.stage,
         evaluations=Evaluations(done=row.evaluations_done, total=row.evaluations_total),
         started_at=_int(row.started_at), attempts=row.attempts, cancel_requested=row.cancel_requested,

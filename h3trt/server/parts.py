@@ -60,7 +60,7 @@ class Parts:
         """The API side, describing `groups` (/ready; /metrics reads them and the store at every scrape), over
         `adapters` (None: the entry's, fixed: a fleet's ingress)."""
         self.metrics.watch(self.store, groups)
-        adapters = adapters if adapters is not None else entry.adapter_catalog(log=self.log)
+        adapters = adapters if adapters is not None else entry.adapters.catalog(entry.model, log=self.log)
         return VideoService(entry, options, self.store, self.storage, groups, self.metrics, guidance_branches,
                             log=self.log, adapters=adapters)
 

@@ -65,8 +65,8 @@ class VideoService:
         self.entry, self.options, self.store, self.storage = entry, options, store, storage
         self.groups, self.metrics, self.guidance_branches = groups, metrics, guidance_branches
         self.log = log or SERVER_LOG
-        self.model_id = SERVED_MODEL + ("-tiny" if entry.tiny else "")
-        self.manifest_sha256 = entry.manifest.manifest_sha256 if entry.manifest is not None else None
+        self.model_id = SERVED_MODEL + ("-tiny" if entry.model.tiny else "")
+        self.manifest_sha256 = entry.model.manifest.manifest_sha256 if entry.model.manifest is not None else None
         self.draining = threading.Event()
         self._admit = threading.Lock()  # the queue bound: count and insert as one step (per process)
         self.started = time.time()
@@ -183,7 +183,7 @@ class VideoService:
                                 ".safetensors in the server's --lora-dir, \"scale\": its default strength}}.",
                            missing[0])
         if self.adapters is None:
-            reason = BUNDLE_REFUSAL if self.entry.manifest is not None else (
+            reason = BUNDLE_REFUSAL if self.entry.model.manifest is not None else (
                 "this server loads adapters only from its --lora-dir, and it was started without one; start it with "
                 "--lora-dir DIR")
             raise ApiError(400, f"file: {reason}", "file")
@@ -267,8 +267,9 @@ def request_defaults(entry: Entry, adapters: AdapterCatalog | None = None) -> Re
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
     worker side reads the stored request with them. `adapters`: a server's current set, whose schedules a request
     naming one of them takes (an adapter loaded while it serves included); None: the adapters it started with."""
-    schedules = adapters.schedules() if adapters is not None else entry.adapter_schedules
-    return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse,
+    schedules = adapters.schedules() if adapters is not None else entry.adapters.schedules
+    model = entry.model
+    return RequestDefaults(steps=model.default_steps, duration=DEFAULT_DURATION, sparse=model.default_sparse,
                            adapter_schedules=schedules)
 
 
