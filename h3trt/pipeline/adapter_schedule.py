@@ -26,10 +26,10 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
 from ..models.sampler import MAX_STEPS
+from ..request.parts import DEFAULT, REQUEST, ScheduleFrom  # ScheduleFrom's home since issue 48
 
 SCHEDULE_KEYS = ("steps", "video_shift", "audio_shift")
 METADATA_KEYS = {key: f"h3trt.{key}" for key in SCHEDULE_KEYS}  # an adapter file's __metadata__ keys
-REQUEST, DEFAULT = "request", "default"  # ScheduleFrom's words for a request's own value and the model's default
 
 
 @dataclass(frozen=True)
@@ -107,23 +107,6 @@ def adapter_schedules(specs: Iterable) -> dict[str, ScheduleValues]:
     values over its file's; an adapter that gives none is left out."""
     schedules = {s.name: s.schedule.over(file_schedule(s.path)) for s in specs}
     return {name: values for name, values in schedules.items() if values.given()}
-
-
-@dataclass(frozen=True)
-class ScheduleFrom:
-    """Where each of a request's schedule values came from: "request" (its own), "adapter NAME" (one it names), or
-    "default" (the model's: a bundle's first schedule, else H3's 50 steps and the checkpoint's shifts)."""
-
-    steps: str = DEFAULT
-    video_shift: str = DEFAULT
-    audio_shift: str = DEFAULT
-
-    def to_json(self) -> dict[str, str]:
-        return asdict(self)
-
-    def adapters(self) -> dict[str, str]:
-        """The keys an adapter gave, and which ("adapter NAME")."""
-        return {key: source for key, source in asdict(self).items() if source not in (REQUEST, DEFAULT)}
 
 
 def resolve(stated: ScheduleValues, names: tuple[str, ...], schedules: Mapping[str, ScheduleValues],

@@ -6,10 +6,10 @@ bundle built with --lora-slots N --lora-max-rank R, whose slots are the bundle's
     beside the weights (models/lora_slots.py) and only the requests that name it get it. It may bring its own
     schedule (a Turbo LoRA's steps and shifts: `@steps=8,video_shift=5`, or its file's metadata), which a request
     that names it and leaves those out runs (pipeline/adapter_schedule.py).
-  - `AdapterUse`: one entry of a request's `lora` field, [{"name": ..., "scale": ...}] (scale left out: the adapter's
-    default), read by `parse_lora_field` and checked against the resident set by `check_adapters` (admission). A
-    server's admission resolves it (pipeline/adapter_catalog.py): the file and its sha256 as they were when the job
-    was admitted, which the job runs with whatever the set becomes meanwhile.
+  - `AdapterUse` (h3trt/adapters/use.py): one entry of a request's `lora` field, [{"name": ..., "scale": ...}]
+    (scale left out: the adapter's default), read by `parse_lora_field` and checked against the resident set by
+    `check_adapters` (admission). A server's admission resolves it (pipeline/adapter_catalog.py): the file and its
+    sha256 as they were when the job was admitted, which the job runs with whatever the set becomes meanwhile.
   - `SlotShape`: how many adapters the slots hold at once (one evaluation carries at most that many) and their max
     rank: from the flags, else fitted to the adapters at start (`h3trt serve --lora-slots / --lora-max-rank`).
   - `ResidentAdapters`: the LoraSlots of one pipeline, used as a cache of adapters keyed by their file's sha256:
@@ -30,11 +30,12 @@ import json
 import math
 import re
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..adapters.use import AdapterUse  # its home since issue 48; importers here move in its phase 2
 from ..errors import UserError
 from ..models.config import H3Config
 from ..models.lora import LoraScaleError, LoraSpec, native_target, route
@@ -110,31 +111,6 @@ def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
             raise UserError(f"--adapter {s.name}={s.path}: no such file (a LoRA .safetensors).")
     for s in specs:
         file_schedule(s.path)  # its __metadata__ schedule, if any, valid
-
-
-@dataclass(frozen=True)
-class AdapterUse:
-    """One adapter a request asks for: its resident name and strength (None: the adapter's default). Resolved (a
-    server's admission: AdapterCatalog.resolve), it also names the file and the sha256 it had then, and the scale
-    is filled in: the worker runs that file only while it still has that hash. Unresolved (run's front doors, whose
-    adapters are fixed for the process), the worker resolves the name against the adapters it started with."""
-
-    name: str
-    scale: float | None = None
-    file: str | None = None  # the adapter's file, as admission resolved it
-    sha256: str | None = None  # that file's sha256 then
-
-    def to_json(self) -> dict:
-        """A resolved use as a job's row keeps it (and `from_json` reads it back)."""
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "AdapterUse":
-        return cls(data["name"], data["scale"], data["file"], data["sha256"])
-
-    def shown(self) -> dict:
-        """A resolved use as a job object and a clip's record show it: the file's name, never the server's path."""
-        return {"name": self.name, "file": Path(self.file).name, "sha256": self.sha256, "scale": self.scale}
 
 
 def parse_lora_field(value) -> tuple[AdapterUse, ...]:
@@ -233,9 +209,8 @@ def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, .
 
 
 def batch_key(uses: tuple[AdapterUse, ...]) -> tuple:
-    """The part of a batch key an adapter set makes: requests with different adapters or strengths never share a
-    batched evaluation (one evaluation carries one adapter set); nor do two files under one name (a reload)."""
-    return tuple((u.name, u.scale) if u.sha256 is None else (u.name, u.scale, u.sha256) for u in uses)
+    """The part of a batch key an adapter set makes (AdapterUse.batch_part, each use's)."""
+    return tuple(u.batch_part for u in uses)
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEE
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
-from .adapter_schedule import ScheduleFrom
+from ..request.parts import ScheduleFrom, task_of  # their home since issue 48
 from .adapters import AdapterUse, lora_field
 
 IMAGE_SUFFIXES = {".png", ".jpg", ".jpeg", ".webp"}
@@ -98,14 +98,6 @@ class Request:
     @property
     def task(self) -> str:
         return task_of(self.image, self.last_image, self.refs)
-
-
-def task_of(image, last_image, refs) -> str:
-    """The task a request's inputs make it: references are ref2va, a first or last keyframe fl2va, none t2va (every
-    front door derives it here: a stored request, a requests line, the API's job object)."""
-    if refs:
-        return "ref2va"
-    return "fl2va" if (image or last_image) else "t2va"
 
 
 @dataclass
