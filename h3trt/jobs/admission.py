@@ -2,7 +2,8 @@
 loaded, so that each refuses the same request with the same words (its own names for the fields):
 
   - `h3trt run --prompt` (run/commands.py run_clip), in the CLI's flags
-  - each line of `h3trt run --requests` (run.py run_requests, through batch_file.parse_requests), in the file's keys
+  - each line of `h3trt run --requests` (run/commands.py run_requests, through batch_file.parse_requests), in the
+    file's keys
   - `POST /v1/videos` (server/service.py VideoService.create), in the API's fields; a 400 names the field the error
     carries (UserError.field, mapped to the API's name)
   - `h3trt eval` (eval.py), each side's requests against the model of that side
@@ -10,8 +11,8 @@ loaded, so that each refuses the same request with the same words (its own names
 What is checked where it is cheapest lives where it belongs: a request's own inputs in pipeline/request.py `prepare`,
 a bundle's task, canvas and schedule in `check_bundle_serves`, the text encoder's files in models/text_encoder.py,
 the prompt's tokens in `check_prompt_tokens`. This is the one place that asks all of them, in order. What only a
-front door knows stays there: an output's name, folder and space (run.py), the mesh's replicas (run_clip), a batch's
---max-batch and cfg (run_requests), the queue's bound (the server).
+front door knows stays there: an output's name, folder and space (run/commands.py), the mesh's replicas (run_clip), a
+batch's --max-batch and cfg (run_requests), the queue's bound (the server).
 """
 
 from __future__ import annotations

@@ -127,7 +127,7 @@ class ClipRecord:
     # The job layer
     status: str | None = None  # "done"
     id: str | None = None  # the job's id
-    request: dict | None = None  # the request as its fields (requests.request_dict)
+    request: dict | None = None  # the request as its fields (request.request_dict)
     model: str | None = None  # what served it: a checkpoint path, a bundle, embedded-tiny
     batch: dict | None = None  # {"size", "index", "members"}: the batched denoise it was part of
     peak_memory: dict | None = None  # {"bytes", "what"}
@@ -203,7 +203,7 @@ _COLD_START_FIELDS = tuple(f.name for f in dataclasses.fields(ColdStart) if f.na
 @dataclass(frozen=True)
 class Clip:
     """A generated clip, not in place yet: what the pipeline returns on the writing rank. The finished MP4 lies under
-    its temporary name beside the output (files.temp_path: hidden, never ending in .mp4, so a crash leaves nothing
+    its temporary name beside the output (atomic.temp_path: hidden, never ending in .mp4, so a crash leaves nothing
     that looks done); `record` is the pipeline's part of its record. The job layer completes the record and commits
     the pair (commit_clip), or discards the MP4."""
 
@@ -236,7 +236,7 @@ class FailureRecord:
     stage: str  # where it failed (a job stage, or prepare / encode / worker)
     error: str  # "<stage>: <ExceptionType>: <message>"
     traceback: list[str]
-    request: dict  # the request as its fields (requests.request_dict)
+    request: dict  # the request as its fields (request.request_dict)
     model: str  # what served it
     timings_s: dict[str, float]
     made_by: str  # batch_outputs.MADE_BY: what marks the file as the batch's own
@@ -257,8 +257,8 @@ class FailureRecord:
 
 def commit_clip(record: ClipRecord, mp4_temp: Path, output: Path, overwrite: bool = False) -> ClipRecord:
     """A clip's last step, the job layer's: the record (with the MP4's sha256 and size) and the finished MP4 renamed
-    into place together, or neither (files.commit: no-clobber unless `overwrite`); on any failure the MP4 under its
-    temporary name is removed."""
+    into place together, or neither (output_files.commit: no-clobber unless `overwrite`); on any failure the MP4
+    under its temporary name is removed."""
     try:
         record = dataclasses.replace(record, mp4_sha256=sha256_file(mp4_temp), mp4_bytes=os.path.getsize(mp4_temp))
         json_temp = write_json_file(record_path(output), record.to_json())
