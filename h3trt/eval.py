@@ -31,7 +31,7 @@ from .engines.manifest import MANIFEST
 from .errors import UserError
 from .models.packing import unpatchify
 from .jobs.admission import admit
-from .jobs.model_source import Entry, ModelSource
+from .jobs.model_source import Entry, ModelSource, SourceKind
 from .media.encoder import rgb_to_yuv420
 from .pipeline.h3_pipeline import H3Pipeline, new_step_cache
 from .pipeline.profiles import profile_fields
@@ -222,7 +222,7 @@ def reference_entry(reference: str, device: str) -> Entry:
     """`eval --reference`, resolved before anything runs: 'tiny' (the embedded model, eager), a bundle (a folder with
     a manifest, which is read and checked here), or a checkpoint (its layout is checked against the requests' task
     by `evaluate`, before either side loads)."""
-    if reference == "tiny":
+    if reference == SourceKind.TINY:
         return Entry.local(device=device)
     path = Path(reference)
     if not path.exists():

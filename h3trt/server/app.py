@@ -42,7 +42,7 @@ from ..pipeline.records import ClipRecord
 from ..pipeline.request import task_of
 from ..pipeline.schema import FILE, UPLOADS
 from .service import ApiError, Upload, VideoService, disk_full_error
-from .store import STATUSES, JobRow, is_disk_full, store_unreachable
+from .store import STATUSES, JobRow, JobStatus, is_disk_full, store_unreachable
 from .lora_routes import lora_routes
 from .wire import CREATE_BODY, ERRORS, Evaluations, Health, Ready, Video, VideoDeleted, VideoError, VideoList
 
@@ -180,7 +180,7 @@ def _video_routes(app: FastAPI, service: VideoService, api: list) -> None:
     @app.get("/v1/videos/{video_id}", response_model=Video, dependencies=api, responses=ERRORS)
     def retrieve_video(video_id: str, response: Response) -> Video:
         row = service.get(video_id)
-        if row.status in ("queued", "in_progress"):
+        if row.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
             response.headers["openai-poll-after-ms"] = str(POLL_AFTER_MS)
         return video_of(service, row)
 
@@ -350,7 +350,7 @@ def _video_of(service: VideoService, row: JobRow) -> Video:
         seconds=(f"{seconds:g}" if _number(seconds) else seconds) or f"{duration if duration is not None else 5:g}",
         size=f"{width}x{height}",
         error=VideoError(code=row.error_code or "error", message=row.error_message or "")
-        if row.status in ("failed", "cancelled") and row.error_message else None,
+        if row.status in (JobStatus.FAILED, JobStatus.CANCELLED) and row.error_message else None,
         task=record.task or schema.get("task") or task_of(schema.get("image"), schema.get("last_image"),
                                                           schema.get("refs")), seed=int(schema.get("seed", 42)),
         steps=int(row.request.get("schedule", {}).get("steps", schema.get("steps", service.entry.model.default_steps))),

@@ -32,7 +32,7 @@ from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
-from .store import JobRow, JobStore, is_disk_full
+from .store import JobRow, JobStatus, JobStore, is_disk_full
 
 SERVED_MODEL = "minimax-h3"
 
@@ -220,7 +220,7 @@ class VideoService:
         row = self.get(job_id)
         if variant not in ("video", "thumbnail"):
             raise ApiError(400, f"variant {variant!r} is not offered; use video or thumbnail.", "variant")
-        if row.status != "completed":
+        if row.status != JobStatus.COMPLETED:
             raise ApiError(409, f"Video job {job_id} is {row.status}; its content exists once it is completed "
                                 f"(poll GET /v1/videos/{job_id}).", "video_id", kind="invalid_request_error")
         key = (clip_key if variant == "video" else thumbnail_key)(job_id, row.clip_attempt)
@@ -233,10 +233,10 @@ class VideoService:
         """POST /cancel and DELETE: a queued job ends now; a running one stops at its next denoise step (its files
         and, for DELETE, its row go when its worker confirms); an ended job is only deleted."""
         row = self.get(job_id)
-        if row.status == "queued":
+        if row.status == JobStatus.QUEUED:
             self.store.end(job_id, "cancelled", self.options.retention_s, error=("cancelled", "cancelled by request"))
             self.storage.remove(*job_keys(job_id, row.attempts))
-        elif row.status == "in_progress":
+        elif row.status == JobStatus.IN_PROGRESS:
             self.store.request_cancel(job_id, delete_after=delete)
             self.log("cancel_requested", job=job_id)
             return self.store.get(job_id) if not delete else None
