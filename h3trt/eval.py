@@ -29,11 +29,14 @@ import torch.nn.functional as F
 
 from .engines.manifest import MANIFEST
 from .errors import UserError
+from .models.distilled import DistilledSpec
+from .models.lora_file import sha256_of
 from .models.packing import unpatchify
 from .jobs.admission import admit
 from .jobs.model_source import Entry, ModelSource, SourceKind
 from .media.encoder import rgb_to_yuv420
-from .pipeline.h3_pipeline import H3Pipeline, new_step_cache
+from .pipeline.evaluation import new_step_cache
+from .pipeline.h3_pipeline import H3Pipeline
 from .pipeline.profiles import profile_fields
 from .pipeline.records import StageTimer
 from .pipeline.request import Prepared, Request
@@ -72,6 +75,7 @@ class StepRecorder:
         self.dit, self.cfg = dit, dit.cfg
         self.sparse_kernel = getattr(dit, "sparse_kernel", None)  # what it wraps serves (models/sparse_run.py)
         self.sparse_problem = getattr(dit, "sparse_problem", None)  # and why it serves none, with the fix
+        self.vsa = getattr(dit, "vsa", None)  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py)
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per evaluation: (video [V, C], audio [A, C]), fp32
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):
@@ -218,19 +222,40 @@ def compare(a: Trace, b: Trace) -> dict:
                            for side, t in (("engine", a), ("reference", b))}}
 
 
-def reference_entry(reference: str, device: str) -> Entry:
+def reference_entry(reference: str, device: str, distilled: DistilledSpec | None = None) -> Entry:
     """`eval --reference`, resolved before anything runs: 'tiny' (the embedded model, eager), a bundle (a folder with
     a manifest, which is read and checked here), or a checkpoint (its layout is checked against the requests' task
-    by `evaluate`, before either side loads)."""
+    by `evaluate`, before either side loads); `distilled`: fused into an eager reference (a distilled engine's
+    file: the eager merged model)."""
     if reference == SourceKind.TINY:
-        return Entry.local(device=device)
+        return Entry.local(ModelSource.resolve(distilled=distilled), device)
     path = Path(reference)
     if not path.exists():
         raise UserError(f"--reference {reference} does not exist; pass an engine bundle (h3trt build), a MiniMax-H3 "
                         "checkpoint folder, or 'tiny'.")
     if (path / MANIFEST).exists():
-        return Entry.local(ModelSource.resolve(engine=path), device)
-    return Entry.local(ModelSource.resolve(model=path), device)
+        return Entry.local(ModelSource.resolve(engine=path, distilled=distilled), device)
+    return Entry.local(ModelSource.resolve(model=path, distilled=distilled), device)
+
+
+def check_distilled_sides(engine: Entry, reference: Entry) -> None:
+    """A distilled engine is compared with the same distilled file on the other side (the eager merged model, or a
+    bundle built from it): the same sha256, or one line saying what to pass."""
+    def sha(entry: Entry) -> str | None:
+        m = entry.model
+        if m.manifest is not None:
+            return m.manifest.distilled["sha256"] if m.manifest.distilled else None
+        return sha256_of(m.distilled.path) if m.distilled is not None else None
+
+    ours, theirs = sha(engine), sha(reference)
+    if ours == theirs:
+        return
+    if ours is not None and theirs is None:
+        m = engine.model
+        raise UserError(f"--engine {m.root} runs a distilled file ({m.manifest.distilled['file']}, sha256 "
+                        f"{ours[:12]}); pass --distilled with that file so the eager reference fuses it too.")
+    raise UserError(f"the engine's distilled file (sha256 {str(ours)[:12]}) and the reference's ({str(theirs)[:12]}) "
+                    "differ: compare the same distilled checkpoint on both sides.")
 
 
 def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=print,
@@ -249,6 +274,8 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
     if len({r.task == "ref2va" for r in reqs}) > 1:
         raise UserError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
                         "them in separate runs.")
+    if reference is not None:
+        check_distilled_sides(engine, reference)
     task, sources = reqs[0].task, {"engine": engine, "reference": reference or engine}
     sides = {"engine": reqs, "reference": reqs}
     if profile is not None:

@@ -14,6 +14,7 @@ import statistics
 import sys
 import threading
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -78,6 +79,21 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 def peak_gib(device: torch.device) -> float | None:
     """The CUDA caching allocator's peak since its last reset, GiB (None on the CPU)."""
     return round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+
+
+def record_row(result: dict, name: str, fn, device: torch.device, iters: int, warmup: int, path: Path | None,
+               started: float) -> None:
+    """One timed row of a bench: result["ms"][name] = median_ms(fn), or result["skipped"][name] = why it failed (a
+    failing kernel is a row of the report, never the end of the run); printed with the seconds since `started`, and
+    the results written at once (a run cut short keeps every finished row)."""
+    try:
+        result["ms"][name] = median_ms(fn, device, iters, warmup)
+        said = f"{result['ms'][name]:9.3f} ms"
+    except Exception as e:  # noqa: BLE001
+        result["skipped"][name] = said = f"failed: {type(e).__name__}: {e}"[:800]
+        traceback.print_exc()
+    print(f"[{time.perf_counter() - started:7.1f} s] {name:30s} {said}", flush=True)
+    write_json(path, result)
 
 
 def write_json(path: Path | None, data: dict) -> None:

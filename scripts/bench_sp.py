@@ -57,7 +57,7 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
             kernels: list[str]) -> None:
     from h3trt.models.config import H3Config
     from h3trt.models.dit import Block, rope_inv_freq, rope_tables
-    from h3trt.parallel.ulysses import UlyssesAttention, padded_length
+    from h3trt.parallel.ulysses import UlyssesAttention, UlyssesExchange, padded_length
 
     device = torch.device("cpu") if cpu else torch.device("cuda", rank)
     if not cpu:
@@ -95,7 +95,7 @@ def _worker(rank: int, world: int, store: str, out: str, cpu: bool, precision: s
         idxp = torch.nn.functional.pad(idx, (0, pad))[rows]
         cosp = torch.nn.functional.pad(cos, (0, 0, 0, pad))[rows]
         sinp = torch.nn.functional.pad(sin, (0, 0, 0, pad))[rows]
-        attn = UlyssesAttention(dist.group.WORLD, tokens, padded)
+        attn = UlyssesAttention(UlyssesExchange(dist.group.WORLD, tokens, padded))
 
         def step_sp():
             h = xp

@@ -1,7 +1,12 @@
+import hashlib
 import os
+import shlex
+import shutil
 import signal
 import subprocess
 import sys
+from pathlib import Path
+from typing import NamedTuple
 
 # Inductor probes the CPU's vector ISAs once per process by compiling and loading a test library for each (about 10 s
 # on two cores), into the Inductor cache, which a build points at a fresh folder inside its bundle: every `h3trt build`
@@ -49,17 +54,19 @@ TIERS = ("unit", "multiproc", "build", "serve", "fleet")
 BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
 
 
-BUNDLE_FIXTURES = {"bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle", "lora_bundle",
-                   "sparse_bundle", "slot_bundle", "turbo_bundle"}
+BUNDLE_FIXTURES = {"bundle_cache", "bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle",
+                   "lora_bundle", "sparse_bundle", "slot_bundle", "turbo_bundle", "vsa_bundle"}
 
 
 # The files whose bundle builds and spawned ranks take minutes, longest first (measured on two cores): under
 # pytest-xdist (README: `-n 2 --dist loadfile`, one file per worker at a time) they go out first, so that no long file
-# starts last while the other worker sits idle. xdist's own order (files with the most tests first) is turned off.
-SLOW_FILES = ("test_mesh.py", "test_fleet.py", "test_engine.py", "test_quant.py", "test_build_hardening.py",
-              "test_vae_precision.py", "test_fewstep.py", "test_serve_api.py", "test_serve_ops.py",
-              "test_parallel_vae.py", "test_hardening.py", "test_cli.py", "test_step_cache.py",
-              "test_sparse_bundle.py", "test_bundle_lora.py", "test_turbo.py")
+# starts last while the other worker sits idle. xdist's own order (files with the most tests first) is turned off. A
+# shared bundle (BundleCache) is built by the first file that asks: the files that take it built go well after it
+# (test_engine.py builds the plain one test_build_hardening.py takes; test_bundle_lora.py the one test_turbo.py takes).
+SLOW_FILES = ("test_mesh.py", "test_fleet.py", "test_engine.py", "test_quant.py", "test_bundle_lora.py",
+              "test_vae_precision.py", "test_fewstep.py", "test_serve_api.py", "test_build_hardening.py",
+              "test_serve_ops.py", "test_parallel_vae.py", "test_hardening.py", "test_cli.py", "test_step_cache.py",
+              "test_sparse_bundle.py", "test_turbo.py", "test_vsa_bundle.py")
 
 
 def pytest_configure(config):
@@ -151,23 +158,75 @@ def signing_keys(tmp_path_factory):
     return {name: generate_key(root / name) for name in ("builder", "other")}
 
 
+class Built(NamedTuple):
+    path: Path  # the bundle: shared by every test that built the same flags, so never changed (copy it to edit it)
+    stdout: str  # what its `h3trt build` printed
+    stderr: str
+
+
+class BundleCache:
+    """Tiny bundles by their `h3trt build` flags, each built once per test run: every module that builds the same
+    flags shares it, across both xdist workers (the first to ask builds under a file lock; the other waits, then reads
+    it, or its failure). Each is built by the CLI in a fresh process, as users build (a process that already serves a
+    bundle refuses to build, and any earlier test may have loaded one). The folder is the run's (see shared_root)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+
+    def get(self, *flags: str, timeout: float = 1800) -> Built:
+        """`h3trt build --model tiny --device cpu FLAGS`'s bundle."""
+        from filelock import FileLock
+
+        flags = ("--model", "tiny", "--device", "cpu", *flags)
+        folder = self.root / hashlib.sha256("\0".join(flags).encode()).hexdigest()[:16]
+        self.root.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(folder) + ".lock"):
+            if not (folder / "returncode").exists():
+                shutil.rmtree(folder, ignore_errors=True)
+                folder.mkdir()
+                proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", *flags, "--output",
+                                       str(folder / "bundle")], capture_output=True, text=True, timeout=timeout)
+                (folder / "flags").write_text(shlex.join(flags))
+                (folder / "stdout").write_text(proc.stdout)
+                (folder / "stderr").write_text(proc.stderr)
+                (folder / "returncode").write_text(str(proc.returncode))  # last: the others read a whole build
+        built = Built(folder / "bundle", (folder / "stdout").read_text(), (folder / "stderr").read_text())
+        assert (folder / "returncode").read_text() == "0", f"h3trt build {shlex.join(flags)}:\n{built.stderr[-3000:]}"
+        return built
+
+
+def shared_root(tmp_path_factory) -> Path:
+    """A folder of this test run that both xdist workers see: the parent of a worker's base folder (pytest-N/, which
+    holds popen-gw0/ and popen-gw1/), else the base folder itself."""
+    base = tmp_path_factory.getbasetemp()
+    return (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "shared"
+
+
 @pytest.fixture(scope="session")
-def bundles(tmp_path_factory, tiny_cache, signing_keys):
-    """fp32 CPU bundles of the tiny model at its 160x96x5 profile, for BUNDLE_STEPS steps: inductor (AdaLN baked,
-    signed with `--sign` by signing_keys["builder"]) and aoti (--keep-adaln, unsigned). Built once per session by
-    `h3trt build` in its own process (a process that already serves a bundle refuses to build, and any earlier test
-    may have loaded one)."""
+def bundle_cache(tmp_path_factory, tiny_cache) -> BundleCache:
+    return BundleCache(shared_root(tmp_path_factory) / "bundles")
+
+
+# The flags of the shared bundles (BundleCache): the tiny model's fp32 CPU bundle at its 160x96x5 profile for
+# BUNDLE_STEPS steps, plain (test_engine.py's, signed there; test_build_hardening.py's old bundle), and with two LoRA
+# slots of rank 4 and a second, few-step schedule (test_bundle_lora.py's and test_turbo.py's).
+PLAIN_BUNDLE = ("--precision", "fp32", "--profile", "160x96x5", "--steps", str(BUNDLE_STEPS))
+SLOT_BUNDLE = ("--precision", "fp32", "--profile", "160x96x5", "--steps", f"{BUNDLE_STEPS},4", "--video-shift", "12,5",
+               "--lora-slots", "2", "--lora-max-rank", "4")
+
+
+@pytest.fixture(scope="session")
+def bundles(tmp_path_factory, bundle_cache, signing_keys):
+    """fp32 CPU bundles of the tiny model at its 160x96x5 profile, for BUNDLE_STEPS steps: inductor (AdaLN baked; a
+    copy of the shared plain bundle, signed by signing_keys["builder"] as `--sign` signs) and aoti (--keep-adaln,
+    unsigned)."""
+    from h3trt.engines.signing import load_private_key, sign_bundle
+
     root = tmp_path_factory.mktemp("bundles")
-    out = {}
-    sign = ("--sign", str(signing_keys["builder"][0]))
-    for backend, keep in (("inductor", sign), ("aoti", ("--keep-adaln",))):
-        out[backend] = root / backend
-        proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output",
-                               str(out[backend]), "--precision", "fp32", "--device", "cpu", "--backend", backend,
-                               "--profile", "160x96x5", "--steps", str(BUNDLE_STEPS), *keep],
-                              capture_output=True, text=True, timeout=1800)
-        assert proc.returncode == 0, proc.stderr[-2000:]
-    return out
+    shutil.copytree(bundle_cache.get(*PLAIN_BUNDLE).path, root / "inductor")
+    sign_bundle(root / "inductor", load_private_key(signing_keys["builder"][0]))
+    return {"inductor": root / "inductor",
+            "aoti": bundle_cache.get(*PLAIN_BUNDLE, "--backend", "aoti", "--keep-adaln").path}
 
 
 @pytest.fixture(scope="session")

@@ -2,6 +2,7 @@
 every view of the schema, and the API's 400 naming the field the error carries (issue 37, steps 4 and 5)."""
 
 import json
+import re
 
 import pytest
 
@@ -214,3 +215,33 @@ def test_the_task_is_derived_once_for_every_front_door(tmp_path, inputs, task):
     with pytest.raises(UserError, match=f"inputs make it {task}") as e:
         parse_object({"prompt": "a fox", "task": other, **inputs}, 0, tmp_path, (), defaults)
     assert e.value.field == "task"
+
+
+def test_the_steps_bound_is_the_tables_at_every_front_door(tmp_path, tiny_root, h3trt, monkeypatch):
+    """The request field table's bound on steps (the API's schema states it) is what every door refuses outside and
+    takes at its edges: a request (run, a requests line, the API: one admission), an adapter's schedule, and
+    `h3trt build --steps` (which started baking 100000 steps)."""
+    import h3trt.build.builder as builder
+    from h3trt.build.config import BuildConfig
+    from h3trt.pipeline.adapter_schedule import ScheduleValues
+
+    low, high = schema.VALUES["steps"].schema["minimum"], schema.VALUES["steps"].schema["maximum"]
+    entry = Entry.local(device="cpu")
+    monkeypatch.setattr(builder, "build", lambda *a, **k: pytest.fail("the build started"))
+    for steps in (low - 1, high + 1, 100000):
+        bound = f"must be at least {low} (the grid includes the final sigma 0) and at most {high}"
+        code, err = h3trt("build", "--model", "tiny", "--output", str(tmp_path / "b"), "--device", "cpu",
+                          "--steps", f"8,{steps}")
+        assert code == 2 and err == [f"h3trt: error: --steps {bound} (H3's schedule is 50), got {steps}."], err
+        with pytest.raises(UserError, match=re.escape(f"--adapter t: steps {bound}")):
+            ScheduleValues.parse(f"steps={steps}", "--adapter t")
+        for words in (FLAGS, KEY_WORDS, schema.API_WORDS):
+            with pytest.raises(UserError, match=re.escape(f"{words.steps} {bound}")) as refused:
+                admit(entry, Request("a fox", width=128, height=32, steps=steps), words)
+            assert refused.value.field == "steps"
+    assert not (tmp_path / "b").exists()
+    for steps in (low, high):  # the edges are served
+        assert ScheduleValues.parse(f"steps={steps}", "--adapter t").steps == steps
+        admit(entry, Request("a fox", width=128, height=32, steps=steps))
+        model = entry.model.path or tmp_path / "no-model"  # a folder that is no checkpoint is refused at the config
+        assert BuildConfig(model, tmp_path / "b", steps=(steps,), device="cpu").steps == (steps,)

@@ -22,10 +22,13 @@ from h3trt.cli import main
 from h3trt.engines.bundle_files import verify_files
 from h3trt.engines.manifest import MANIFEST, content_sha256, hash_tree, read_manifest
 
+from conftest import PLAIN_BUNDLE
 from helpers import fill_disk, small_filesystem
 
 ROOT = Path(__file__).resolve().parents[1]
-BUILD = ["--model", "tiny", "--device", "cpu", "--steps", "6"]  # the tiny default, a short schedule: ~1 min
+# The tiny default, a short schedule (~1 min): the shared plain bundle's flags, so that its kernels are the ones the
+# session's C++ compile cache holds already (conftest.py)
+BUILD = ["--model", "tiny", "--device", "cpu", *PLAIN_BUNDLE]
 PAD_FILES = 20_000  # an old bundle this many files larger takes a moment to delete: long enough to interrupt
 
 
@@ -61,13 +64,10 @@ def _intact(out: Path) -> str:
 
 
 @pytest.fixture(scope="module")
-def built(tmp_path_factory, tiny_root):
-    """A tiny bundle and its build's stderr, built once by `h3trt build` in its own process."""
-    out = tmp_path_factory.mktemp("built") / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", *BUILD, "--output", str(out)],
-                          env=dict(os.environ, PYTHONPATH=str(ROOT)), capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return out, proc.stderr
+def built(bundle_cache):
+    """A tiny bundle and its build's stderr (`h3trt build` in its own process): conftest's shared plain bundle."""
+    bundle = bundle_cache.get(*PLAIN_BUNDLE)
+    return bundle.path, bundle.stderr
 
 
 def _old_bundle(built: Path, out: Path, pad_files: int = 0) -> str:
@@ -193,7 +193,7 @@ def test_a_disk_that_fills_during_the_build_is_one_line(tmp_path, tiny_root):
 
 def test_a_kernel_this_device_cannot_run_is_one_line(tmp_path, tiny_root, capsys):
     """A user's mistake (a GPU kernel on the CPU): one line naming the fix, exit 2, nothing written."""
-    assert main(["build", *BUILD, "--output", str(tmp_path / "b"), "--attention", "fa3"]) == 2
+    assert main(["build", *BUILD, "--output", str(tmp_path / "b"), "--precision", "bf16", "--attention", "fa3"]) == 2
     line = _error_line(capsys.readouterr().err)
     assert line.startswith("h3trt: error: --attention fa3: the fa3 bf16 attention kernel needs a CUDA GPU"), line
     assert os.listdir(tmp_path) == []

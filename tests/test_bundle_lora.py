@@ -23,7 +23,7 @@ from safetensors import safe_open
 from test_lora import fmt_original, write
 from test_lora_adapters import tiny_factors
 
-from conftest import BUNDLE_STEPS
+from conftest import BUNDLE_STEPS, SLOT_BUNDLE
 from helpers import dit_inputs
 from h3trt.build.config import BuildConfig
 from h3trt.build.segments import dit_segments
@@ -51,19 +51,12 @@ PROMPT = "a red fox runs through snow"
 
 
 @pytest.fixture(scope="module")
-def slot_bundle(tmp_path_factory, tiny_cache):
-    """The fp32 CPU inductor bundle of conftest's `bundles` (160x96x5, BUNDLE_STEPS), with 2 slots of rank <= 4."""
-    import subprocess
-    import sys
-
-    out = tmp_path_factory.mktemp("slots") / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                           "--precision", "fp32", "--device", "cpu", "--profile", "160x96x5", "--steps",
-                           str(BUNDLE_STEPS), "--lora-slots", str(SLOTS), "--lora-max-rank", str(MAX_RANK)],
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert f"{SLOTS} LoRA slot(s) of rank <= {MAX_RANK}" in proc.stdout, proc.stdout
-    return out
+def slot_bundle(bundle_cache):
+    """The fp32 CPU inductor bundle of conftest's `bundles` (160x96x5, BUNDLE_STEPS) with 2 slots of rank <= 4, and
+    a second schedule baked (conftest's SLOT_BUNDLE, shared with test_turbo.py; BUNDLE_STEPS is its default)."""
+    built = bundle_cache.get(*SLOT_BUNDLE)
+    assert f"{SLOTS} LoRA slot(s) of rank <= {MAX_RANK}" in built.stdout, built.stdout
+    return built.path
 
 
 @pytest.fixture(scope="module")
@@ -261,7 +254,7 @@ def test_a_bundle_serves_the_servers_changing_set_through_its_slots(slot_bundle,
     folder.mkdir()
     shutil.copy(files["a"], folder / "a.safetensors")
     entry = Entry.local(ModelSource.resolve(engine=slot_bundle), "cpu", folder=folder)
-    catalog = entry.adapters.catalog(entry.model)
+    catalog = entry.adapter_catalog()
     assert (catalog.shape.num_slots, catalog.shape.max_rank) == (SLOTS, MAX_RANK)
     assert catalog.shape.targets == read_manifest(slot_bundle).lora_slots.targets
     for name in ("b", "big"):

@@ -181,3 +181,46 @@ def test_an_interrupt_that_ended_a_string_exec_still_exits_130(tmp_path):
     assert done.returncode == 130, done.stderr
     last = done.stderr.strip().splitlines()[-1]
     assert last == "h3trt: interrupted; no output was written (temporary files removed).", done.stderr
+
+
+def test_main_gives_the_callers_signal_handlers_back(tmp_path, capsys):
+    """main handles SIGINT and SIGTERM while it runs; a program that calls it (a test worker) keeps its own handlers
+    afterwards: a later signal there raised KeyboardInterrupt inside a library's garbage-collection callback."""
+    import signal
+
+    def own(signum, frame):
+        pass
+
+    before = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.signal(signal.SIGTERM, own)
+    try:
+        assert main(["inspect", str(tmp_path / "missing")]) == 2  # an error
+        assert main(["keygen", str(tmp_path / "key")]) == 0  # a command that returns
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        assert signal.getsignal(signal.SIGTERM) is own
+    finally:
+        for signum, handler in before.items():
+            signal.signal(signum, handler)
+
+
+def test_sparse_attention_that_no_evaluation_can_run_is_said_on_stderr(tmp_path, tiny_cache, capsys):
+    """`run --sparse-attention 0.75` where every evaluation stays dense exited 0 silently: one line on stderr says
+    why (the dense steps, or the attention's length), and the record lists no sparse evaluation, as before. A run
+    with sparse evaluations says nothing."""
+    small = ["--width", "128", "--height", "32", "--steps", "3", "--quiet", "--sparse-attention", "0.75"]
+    cases = ((["--sparse-min-seq", "1"], "all 2 of its evaluations are among the first 10 kept dense "
+                                         "(--sparse-dense-steps)"),
+             (["--sparse-dense-steps", "0"], "its attentions are shorter than --sparse-min-seq 4096 rows"),
+             (["--sparse-dense-steps", "1", "--sparse-min-seq", "1"], None))
+    for i, (flags, why) in enumerate(cases):
+        out = tmp_path / f"{i}.mp4"
+        assert main(["run", "--prompt", "a fox", "--output", str(out), *small, *flags]) == 0
+        notes = [line for line in capsys.readouterr().err.splitlines() if line.startswith("h3trt: note: block-sparse")]
+        sparse = json.loads(out.with_suffix(".json").read_text())["sparse_attention"]
+        if why is None:
+            assert notes == [] and sparse["sparse_evaluations"] == [1]
+        else:
+            assert notes == [f"h3trt: note: block-sparse attention (sparsity 0.75) ran on no evaluation: {why}; the "
+                             "clip is dense, as its record's sparse_attention says."]
+            assert sparse["sparse_evaluations"] == []

@@ -149,7 +149,7 @@ def test_one_gpu_named_on_a_mesh_is_refused(tmp_path, tiny_cache):
 def test_a_bundle_refuses_a_device_other_than_cuda0():
     import torch
 
-    from h3trt.engines.bundle import check_process_gpu
+    from h3trt.engines.load_checks import check_process_gpu
     from h3trt.engines.manifest import BundleError
 
     check_process_gpu(torch.device("cpu"))

@@ -99,3 +99,33 @@ def test_only_copies_of_gone_owners_on_this_host_are_removed(tmp_path):
     assert sorted(p.name for p in removed) == sorted([names["dead"], names["reused"]])
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted(n for k, n in names.items()
                                                                if k not in ("dead", "reused"))
+
+
+# A process whose SIGTERM raises KeyboardInterrupt (as the CLI's does), sent SIGTERM the moment its folder exists:
+# between the folder's creation and its registration for removal.
+SIGNALLED_AT_CREATION = (
+    "import os, signal, sys, tempfile\n"
+    "from h3trt.engines import private_cache\n"
+    "def interrupt(signum, frame):\n"
+    "    raise KeyboardInterrupt\n"
+    "signal.signal(signal.SIGTERM, interrupt)\n"
+    "made = tempfile.mkdtemp\n"
+    "def mkdtemp(*args, **kwargs):\n"
+    "    path = made(*args, **kwargs)\n"
+    "    os.kill(os.getpid(), signal.SIGTERM)\n"
+    "    return path\n"
+    "tempfile.mkdtemp = mkdtemp\n"
+    "try:\n"
+    "    private_cache.make_private_cache()\n"
+    "except KeyboardInterrupt:\n"
+    "    sys.exit(130)\n")
+
+
+@pytest.mark.multiproc
+def test_a_signal_the_moment_the_folder_exists_still_removes_it(tmpdir_env):
+    """test_engine.py's killed run sends SIGTERM the moment the copy's folder appears: once (under xdist) that was
+    before the folder was registered for removal, and the empty folder stayed."""
+    done = subprocess.run([sys.executable, "-c", SIGNALLED_AT_CREATION], env=tmpdir_env[1], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 130, done.stderr
+    assert _copies(tmpdir_env[0]) == []

@@ -10,8 +10,6 @@ level (mean) of the eager clip.
 
 import hashlib
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -63,17 +61,13 @@ def lora_file(tmp_path_factory, tiny_cfg):
 
 
 @pytest.fixture(scope="module")
-def lora_bundle(tmp_path_factory, tiny_root, lora_file):
-    out = tmp_path_factory.mktemp("fewstep") / "bundle"
-    # A fresh process, as `h3trt build` runs: a build inside the test process could find kernels earlier tests
-    # compiled in memory, which would then never land in the bundle's cache.
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                           "--device", "cpu", "--precision", "fp32", "--steps", str(STEPS), "--video-shift",
-                           str(VIDEO_SHIFT), "--lora", f"{lora_file}:{SCALE}"], capture_output=True, text=True,
-                          timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "merged LoRA turbo.safetensors x 0.7 into FL2VA" in proc.stderr
-    return out
+def lora_bundle(bundle_cache, lora_file):
+    # A fresh process, as `h3trt build` runs (conftest's BundleCache): a build inside the test process could find
+    # kernels earlier tests compiled in memory, which would then never land in the bundle's cache.
+    built = bundle_cache.get("--precision", "fp32", "--steps", str(STEPS), "--video-shift", str(VIDEO_SHIFT),
+                             "--lora", f"{lora_file}:{SCALE}", timeout=1200)
+    assert "merged LoRA turbo.safetensors x 0.7 into FL2VA" in built.stderr
+    return built.path
 
 
 @pytest.fixture(scope="module")

@@ -99,7 +99,7 @@ def test_unwritable_and_full_folders_are_refused_before_any_load(tmp_path, tiny_
         assert len(err) == 3, err
         assert f"the folder {ro} is not writable" in err[0]
         assert "MB free, and the clip may need up to" in err[1] and "MB free, and the clip may need" in err[2]
-        assert os.listdir(small) == ["out"] and os.listdir(small / "out") == []
+        assert os.listdir(small) == []  # the --out-dir the refused batch created is gone again
 
 
 @pytest.mark.multiproc
@@ -142,6 +142,23 @@ def test_an_interrupted_batch_says_what_finished(tmp_path, tiny_root, capsys, mo
     names = sorted(os.listdir(out))
     assert names == [".h3trt-batch.lock", "a.json", "a.mp4", "timeline.json", "timeline.png"], names
     assert json.loads((out / "a.json").read_text())["status"] == "done"
+
+
+def test_an_interrupted_run_removes_the_folders_it_created_for_nothing(tmp_path, tiny_root, capsys, monkeypatch):
+    """Ctrl-C before the clip is written: the output folders the run created (nested here) are removed again; a
+    folder that existed stays (a refused run's: test_unwritable_and_full_folders_are_refused_before_any_load)."""
+    from h3trt.pipeline.h3_pipeline import H3Pipeline
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(H3Pipeline, "_decode_and_mux", interrupted)
+    assert main(["run", "--prompt", "x", "--output", str(tmp_path / "new" / "deeper" / "c.mp4"), *SMALL]) == 130
+    assert os.listdir(tmp_path) == []
+    (tmp_path / "kept").mkdir()
+    assert main(["run", "--prompt", "x", "--output", str(tmp_path / "kept" / "c.mp4"), *SMALL]) == 130
+    assert os.listdir(tmp_path) == ["kept"]
+    assert capsys.readouterr().err.count("h3trt: interrupted; no output was written") == 2
 
 
 def test_the_audio_vae_loads_without_torchs_weight_norm_warning(tiny_root):

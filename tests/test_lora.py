@@ -25,7 +25,7 @@ from h3trt.models.checkpoint_writer import random_state_dict
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.lora import LoraSpec, merge_loras
-from h3trt.models.lora_file import LoraError
+from h3trt.models.lora_file import LoraError, read_lora
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 
 REL_TOL = 2e-5
@@ -270,3 +270,14 @@ def test_a_scale_that_is_not_finite_says_so(scale, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "the scale must be a finite number" in err and "does not exist" not in err
+
+
+def test_a_file_without_lora_names_is_refused_counting_them_right(tmp_path):
+    """One key without 'lora' was "(and 0 more) carry"; one is named alone, more are counted."""
+    for keys, words in ((["transformer.a.weight"], "transformer.a.weight carries no 'lora' in its name."),
+                        (["transformer.a.weight", "transformer.b.weight"],
+                         "transformer.a.weight (and 1 more) carry no 'lora' in their names.")):
+        path = write(tmp_path / f"{len(keys)}.safetensors", {k: torch.zeros(2, 2) for k in keys})
+        with pytest.raises(LoraError) as refused:
+            read_lora(path, CFG.head_dim)
+        assert str(refused.value) == f"--lora {path} is not a LoRA file: {words}"

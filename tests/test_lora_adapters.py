@@ -182,3 +182,13 @@ def test_run_requests_picks_adapters_per_line_and_records_them(files, tmp_path, 
     err = capsys.readouterr().err
     assert ":1: lora names ['zebra'], not resident here" in err and ":2: lora must be a list" in err
     assert len(err.strip().splitlines()) == 1
+
+
+def test_one_prompt_with_an_adapter_says_how_to_apply_it(files, tmp_path, h3trt, no_model_load):
+    """`run --prompt --adapter a=FILE` exited 0 with a plain clip (one prompt names no adapter): one line saying how,
+    before any model loads."""
+    code, err = h3trt("run", "--prompt", "p", "--output", str(tmp_path / "x.mp4"), "--adapter", f"a={files[0]}")
+    assert code == 2 and len(err) == 1, err
+    assert err[0].startswith("h3trt: error: --adapter a=...: resident adapters run only for the requests that name")
+    assert "pass --lora FILE[:SCALE] to apply a LoRA to this clip" in err[0]
+    assert not (tmp_path / "x.mp4").exists()

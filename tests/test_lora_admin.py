@@ -12,6 +12,7 @@ cache in pipeline/adapters.py ResidentAdapters, the admin calls in server/lora_r
 import hashlib
 import json
 import os
+import re
 from dataclasses import replace
 from pathlib import Path
 
@@ -26,7 +27,7 @@ from h3trt.jobs.model_source import Entry
 from h3trt.models.config import H3Config
 from h3trt.models.lora_file import LoraError
 from h3trt.pipeline.adapter_catalog import STATE_FILE, AdapterCatalog
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape
+from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape, parse_lora_field
 from h3trt.pipeline.request import Request, prepare
 
 KEY = "test-key-lora-admin"
@@ -192,7 +193,7 @@ def admin(folder, tmp_path_factory, tiny_cache):
     for name in ("a", "b"):
         (lora_dir / f"{name}.safetensors").write_bytes((folder / f"{name}.safetensors").read_bytes())
     entry = Entry.local(device="cpu", folder=lora_dir, num_slots=2, max_rank=4)
-    adapters = entry.adapters.catalog(entry.model, data / STATE_FILE)
+    adapters = entry.adapter_catalog(data / STATE_FILE)
     # Files that arrive in the folder while the server runs, which the admin call must refuse.
     write(lora_dir / "big.safetensors", fmt_original(rank8(4)))
     write(lora_dir / "dora.safetensors", {**fmt_original(tiny_factors(5)),
@@ -218,6 +219,77 @@ def _error(r, status: int, param: str | None, words: str) -> dict:
     assert error["param"] == param and words in error["message"], error
     assert set(error) == {"message", "type", "param", "code"}
     return error
+
+
+def test_an_adapters_scale_is_bounded_where_it_is_stated_and_the_schema_says_so(admin, folder, capsys):
+    """A strength of 1e30 held a worker through its whole denoise to fail as numerical_error: a request's scale, an
+    admin call's default, --adapter's and --lora's are refused outside the one bound, which the API's schema states."""
+    from h3trt.cli import main
+    from h3trt.models.lora import MAX_LORA_SCALE
+
+    client, service, _ = admin
+    words = f"must be a finite number from {-MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}"
+    spec = client.get("/openapi.json").json()
+    body = spec["paths"]["/v1/videos"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    props = body["properties"] if "properties" in body else spec["components"]["schemas"][
+        body["$ref"].rsplit("/", 1)[1]]["properties"]
+    assert props["lora"]["items"]["properties"]["scale"] == {"type": "number", "minimum": -MAX_LORA_SCALE,
+                                                             "maximum": MAX_LORA_SCALE}
+    admin_body = spec["paths"]["/v1/loras"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert (admin_body["properties"]["scale"]["minimum"], admin_body["properties"]["scale"]["maximum"]) == (
+        -MAX_LORA_SCALE, MAX_LORA_SCALE)
+    before = service.store.counts().get("queued", 0)
+    for scale in (1e30, -MAX_LORA_SCALE - 1, 10 ** 400):
+        _error(client.post("/v1/videos", json={"prompt": "x", "size": "128x32", "steps": 2,
+                                               "lora": [{"name": "a", "scale": scale}]}), 400, "lora", words)
+        _error(client.post("/v1/loras", json={"name": "huge", "file": "a.safetensors", "scale": scale}), 400,
+               "scale", words)
+    assert service.store.counts().get("queued", 0) == before and "huge" not in service.adapters.names()
+    a = folder / "a.safetensors"
+    for flag, value in (("--adapter", f"a={a}:1e30"), ("--lora", f"{a}:-101")):
+        with pytest.raises(SystemExit) as refused:
+            main(["run", "--prompt", "x", "--output", "x.mp4", flag, value])
+        assert refused.value.code == 2 and f"the scale {words}" in capsys.readouterr().err
+    for scale in (-MAX_LORA_SCALE, MAX_LORA_SCALE):  # the edges are taken
+        assert parse_lora_field([{"name": "a", "scale": scale}]) == (AdapterUse("a", scale),)
+        assert AdapterSpec.parse(f"a={a}:{scale}").scale == scale
+
+
+def test_admin_and_adapter_errors_name_the_fix_this_server_takes(admin, tmp_path, tiny_cache):
+    """An absolute path inside --lora-dir was refused as "outside"; a rank over a checkpoint server's slots pointed at
+    h3trt build; more adapters than the slots blamed "the server's --lora-slots" (a bundle's are its build's); a fleet,
+    which refuses --lora-dir, was told to start with it."""
+    from h3trt.server.metrics import Metrics
+    from h3trt.server.options import ServeOptions
+    from h3trt.server.service import ApiError, VideoService
+    from h3trt.server.storage import Storage
+    from h3trt.server.store import JobStore, sqlite_url
+
+    from test_server_validation import NoGroups
+
+    client, service, lora_dir = admin
+    error = _error(client.post("/v1/loras", json={"name": "x", "file": str(lora_dir / "a.safetensors")}), 400,
+                   "file", "an absolute path, '..', a backslash or a NUL is refused")
+    assert "outside" not in error["message"]
+    _error(client.post("/v1/loras", json={"name": "x", "file": "big.safetensors"}), 400, "file",
+           "create the slots with max rank >= 8 (a model's: h3trt serve --lora-max-rank;")
+    assert client.post("/v1/loras", json={"name": "third", "file": "a.safetensors"}).status_code == 200
+    try:
+        error = _error(client.post("/v1/videos", json={"prompt": "x", "size": "128x32", "steps": 2, "lora": [
+            {"name": "a"}, {"name": "b"}, {"name": "third"}]}), 400, "lora", "at most 2 (the model's LoRA slots)")
+        assert "--" not in error["message"]
+    finally:
+        client.delete("/v1/loras/third")
+    for fleet, words in ((True, "a fleet (h3trt serve --ray) loads no adapter while it serves"),
+                         (False, "started without one; start it with --lora-dir DIR")):
+        other = VideoService(Entry.local(device="cpu"), ServeOptions(tmp_path), JobStore(sqlite_url(tmp_path)),
+                             Storage(tmp_path), NoGroups(), Metrics(), log=lambda *a, **k: None, fleet=fleet)
+        try:
+            with pytest.raises(ApiError, match=re.escape(words)) as refused:
+                other.load_lora({"name": "x", "file": "a.safetensors"})
+            assert refused.value.param == "file" and ("--lora-dir" not in str(refused.value)) == fleet
+        finally:
+            other.store.close()
 
 
 def test_load_list_and_unload_while_serving(admin):
@@ -281,8 +353,8 @@ def test_an_adapter_loaded_while_serving_brings_its_schedule_and_its_jobs_keep_i
     ({"name": "a", "file": "b.safetensors"}, "name", "name 'a' is taken by a loaded adapter"),
     ({"name": "x", "file": "a.safetensors", "scale": "strong"}, "scale", "must be a finite number"),
     ({"name": "x", "file": "a.safetensors", "scale": True}, "scale", "must be a finite number"),
-    ({"name": "x", "file": "/etc/passwd.safetensors"}, "file", "a path outside the server's --lora-dir is refused"),
-    ({"name": "x", "file": "../outside.safetensors"}, "file", "a path outside the server's --lora-dir is refused"),
+    ({"name": "x", "file": "/etc/passwd.safetensors"}, "file", "an absolute path, '..', a backslash or a NUL is refused"),
+    ({"name": "x", "file": "../outside.safetensors"}, "file", "an absolute path, '..', a backslash or a NUL is refused"),
     ({"name": "x", "file": "link.safetensors"}, "file", "it leads outside the server's --lora-dir"),
     ({"name": "x", "file": "notes.txt"}, "file", "name a .safetensors file inside the server's --lora-dir"),
     ({"name": "x", "file": 3}, "file", "name a .safetensors file"),
@@ -321,6 +393,77 @@ def test_a_server_without_lora_dir_refuses_the_admin_call(tmp_path, tiny_cache):
     service.store.close()
 
 
+def test_a_lora_dir_file_the_server_cannot_serve_is_skipped_listed_and_named_to_jobs(folder, tmp_path, tiny_cache,
+                                                                                     monkeypatch):
+    """A file in --lora-dir that POST /v1/loras refuses (garbage, truncated, a link out of the folder, a name that is
+    no adapter's or is taken, a rank over the slots) made the next `serve --lora-dir DIR` exit 2: the service stayed
+    down until someone cleaned the folder. It starts without them, logs each (lora_skipped), GET /v1/loras lists them
+    with why, and a job naming one is refused with that reason; so are the adapters loras.json names that fail now."""
+    from fastapi.testclient import TestClient
+
+    from h3trt.models import lora_memory
+    from h3trt.models.lora_memory import unit_bytes
+    from h3trt.server.app import create_app
+    from h3trt.server.metrics import Metrics
+    from h3trt.server.options import ServeOptions
+    from h3trt.server.service import VideoService
+    from h3trt.server.storage import Storage
+    from h3trt.server.store import JobStore, sqlite_url
+
+    from test_server_validation import NoGroups
+
+    good = (folder / "a.safetensors").read_bytes()
+    d, data = tmp_path / "loras", tmp_path / "data"
+    d.mkdir()
+    for sub in ("clips", "uploads"):
+        (data / sub).mkdir(parents=True)
+    for name, content in (("a", good), ("garbage", b"not a safetensors file"), ("truncated", good[:len(good) // 2]),
+                          ("-x", good), ("dup", good), ("later", good)):
+        (d / f"{name}.safetensors").write_bytes(content)
+    (tmp_path / "outside.safetensors").write_bytes(good)
+    os.symlink(tmp_path / "outside.safetensors", d / "link.safetensors")
+    write(d / "big.safetensors", fmt_original(rank8(4)))
+    flag = (AdapterSpec("dup", folder / "b.safetensors"),)
+    entry = Entry.local(device="cpu", adapters=flag, folder=d, num_slots=2, max_rank=4)
+    entry.adapter_catalog(data / STATE_FILE).unload("later")  # kept in loras.json: started without, for good
+    catalog = entry.adapter_catalog(data / STATE_FILE)
+    catalog.load("again", "later.safetensors", 0.5)  # loras.json: loaded; its file goes bad before the restart
+    (d / "later.safetensors").write_bytes(b"broken since")
+    logged = []
+    catalog = entry.adapter_catalog(data / STATE_FILE, lambda event, **f: logged.append((event, f["name"])))
+    assert catalog.names() == ["dup", "a"]
+    why = {s.name: (s.file, s.source, s.reason) for s in catalog.skipped()}
+    assert sorted(why) == ["-x", "again", "big", "dup", "garbage", "link", "truncated"]
+    assert sorted(logged) == [("lora_skipped", name) for name in sorted(why)]
+    for name, words in (("-x", "its stem is not an adapter's name"), ("dup", "the name is taken"),
+                        ("garbage", "not a readable safetensors file"), ("truncated", "not a readable safetensors"),
+                        ("link", "it leads outside the server's --lora-dir (a link)"),
+                        ("big", "has rank 8, over the slots' max rank 4"), ("again", "not a readable safetensors")):
+        assert words in why[name][2] and str(tmp_path) not in why[name][2], (name, why[name])
+    assert why["again"][:2] == ("later.safetensors", STATE_FILE) and why["big"][:2] == ("big.safetensors", "--lora-dir")
+    service = VideoService(entry, ServeOptions(data), JobStore(sqlite_url(data)), Storage(data), NoGroups(), Metrics(),
+                           log=lambda *a, **k: None, adapters=catalog)
+    try:
+        client = TestClient(create_app(service), raise_server_exceptions=False)
+        listed = client.get("/v1/loras").json()
+        assert [x["name"] for x in listed["data"]] == ["dup", "a"]
+        assert {s["name"]: s["reason"] for s in listed["skipped"]} == {n: w[2] for n, w in why.items()}
+        error = _error(client.post("/v1/videos", json={"prompt": "x", "size": "128x32", "steps": 2,
+                                                       "lora": [{"name": "garbage"}]}), 400, "lora",
+                       "lora 'garbage': this server started without it (--lora-dir file 'garbage.safetensors': ")
+        assert why["garbage"][2] in error["message"] and service.store.counts().get("queued", 0) == 0
+    finally:
+        service.store.close()
+    # A rank the memory cannot hold for the slots fitted at start is skipped too (the set stays up).
+    write(d / "huge.safetensors", fmt_original({"blocks.0.mlp.fc2": (torch.randn(128, 96), torch.randn(64, 128))}))
+    unit = unit_bytes(H3Config.tiny(), dtype=torch.float32)
+    monkeypatch.setattr(lora_memory, "memory_of", lambda device: (4 * 100 * unit, "a small host"))
+    fitted = Entry.local(device="cpu", folder=d).adapter_catalog()
+    assert fitted.shape == SlotShape(4, 64) and "huge" not in fitted.names()
+    assert "rank 128, over the largest rank these slots may have in memory (100)" in {
+        s.name: s.reason for s in fitted.skipped()}["huge"]
+
+
 def test_the_flags_are_checked_before_anything_loads(folder, tmp_path, capsys):
     from h3trt.cli import main
 
@@ -328,15 +471,11 @@ def test_the_flags_are_checked_before_anything_loads(folder, tmp_path, capsys):
     assert [s.name for s in entry.adapters.specs] == ["x", "a", "b", "c"]  # --adapter, then DIR's files by stem
     for kwargs, words in (({"folder": tmp_path / "none"}, "--lora-dir .*none: not a folder"),
                           ({"num_slots": 2}, "--lora-slots and --lora-max-rank size the slots of LoRA adapters"),
-                          ({"folder": folder, "adapters": (AdapterSpec("a", folder / "b.safetensors"),)},
+                          ({"adapters": (AdapterSpec("a", folder / "a.safetensors"),
+                                         AdapterSpec("a", folder / "b.safetensors"))},
                            "--adapter a: the name is given twice")):
         with pytest.raises(UserError, match=words):
             Entry.local(device="cpu", **kwargs)
-    odd = tmp_path / "odd"
-    odd.mkdir()
-    (odd / "-x.safetensors").write_bytes((folder / "a.safetensors").read_bytes())
-    with pytest.raises(UserError, match="-x.safetensors cannot be an adapter's name"):
-        Entry.local(device="cpu", folder=odd)
     with pytest.raises(UserError, match=r"--adapter big: .* has rank 8, over the slots' max rank 4"):
         write(tmp_path / "big.safetensors", fmt_original(rank8(4)))
         AdapterCatalog.start((AdapterSpec("big", tmp_path / "big.safetensors"),), H3Config.tiny(), "t2va",

@@ -8,8 +8,6 @@ import contextlib
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -125,13 +123,9 @@ def test_guidance_needs_a_negative_prompt_and_a_scale():
 # --- an sp=2 bundle: the compiled block halves around the exchange -------------------------------------------------
 
 @pytest.fixture(scope="module")
-def sp2_bundle(tmp_path_factory, tiny_root):
+def sp2_bundle(bundle_cache):
     """Built by the CLI in its own process, as users build (a process that already loaded a bundle refuses)."""
-    out = tmp_path_factory.mktemp("sp2") / "bundle"
-    subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                    "--precision", "fp32", "--device", "cpu", "--sp", "2", "--keep-adaln", "--profile", "160x96x5"],
-                   check=True, capture_output=True, timeout=1200)
-    return out
+    return bundle_cache.get("--precision", "fp32", "--sp", "2", "--keep-adaln", "--profile", "160x96x5").path
 
 
 def _eager_like(bundle: Path, root: Path) -> EagerDiT:
@@ -262,18 +256,13 @@ def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_pa
 
 
 @pytest.fixture(scope="module")
-def fp8_sp2_bundle(tmp_path_factory, tiny_root):
+def fp8_sp2_bundle(tmp_path_factory, bundle_cache):
     """`h3trt build --precision fp8 --fp8-attention --sp 2`, the users' command at tiny size (calibrated on two
     prompts, CPU: the emulated FP8 attention kernel)."""
     root = tmp_path_factory.mktemp("fp8sp2")
     (root / "prompts.txt").write_text("a red fox runs through fresh snow\nwaves break on a rocky shore\n")
-    out = root / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                           "--precision", "fp8", "--calib-prompts", str(root / "prompts.txt"), "--calib-steps", "3",
-                           "--device", "cpu", "--sp", "2", "--fp8-attention", "--keep-adaln", "--profile", "160x96x5"],
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return out
+    return bundle_cache.get("--precision", "fp8", "--calib-prompts", str(root / "prompts.txt"), "--calib-steps", "3",
+                            "--sp", "2", "--fp8-attention", "--keep-adaln", "--profile", "160x96x5").path
 
 
 @pytest.mark.build

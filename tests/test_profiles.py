@@ -224,7 +224,7 @@ def test_request_lines_take_a_profile_and_cache_keys(line, check):
     ({"cache": "mag"}, "cache must be 'first-block' in a request"),
     ({"profile": "fast", "cache_threshold": "0.1"}, "cache_threshold must be a number"),
     ({"profile": "fast", "cache_warmup": 1.5}, "cache_warmup must be a whole number"),
-    ({"profile": "fast", "cache_max_skip": 0}, "--cache-max-skip must be a whole number >= 1"),
+    ({"profile": "fast", "cache_max_skip": 0}, "cache_max_skip must be a whole number >= 1"),
     ({"cache_warmup": 2}, 'cache_warmup configure step caching; add "cache": "first-block"'),
     ({"profile": "lossless", "cache_threshold": 0.1}, "and profile 'lossless' has no step cache"),
 ])

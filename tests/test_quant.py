@@ -9,8 +9,6 @@ unquantized DiT (quantization happened) by less than 10%.
 
 import json
 import math
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -39,22 +37,16 @@ def rel(a, b):
 
 
 @pytest.fixture(scope="module")
-def fp8_bundle(tmp_path_factory, tiny_root):
+def fp8_bundle(tmp_path_factory, bundle_cache):
     """FP8 tiny bundle: calibrated through ModelOpt's SmoothQuant on two prompts, block 1 kept in bf16, FP8 attention
-    on; AdaLN for 6 steps."""
-    root = tmp_path_factory.mktemp("fp8")
-    prompts = root / "prompts.txt"
+    on; AdaLN for 6 steps. `h3trt build` in a fresh process (the CLI flags end to end; conftest's BundleCache): a build
+    inside the test process can find kernels that earlier tests compiled in memory, which then never land in the
+    bundle's cache."""
+    prompts = tmp_path_factory.mktemp("fp8") / "prompts.txt"
     prompts.write_text("# calibration prompts\na red fox runs through fresh snow\nwaves break on a rocky shore\n")
-    out = root / "bundle"
-    # `h3trt build` in a fresh process (the CLI flags end to end): a build inside the test process can find kernels
-    # that earlier tests compiled in memory, which then never land in the bundle's cache.
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                           "--device", "cpu", "--precision", "fp8", "--calib-prompts", str(prompts), "--calib-steps",
-                           "3", "--calib-algo", "smoothquant", "--quant-exclude", "blocks.1", "--fp8-attention",
-                           "--steps", str(STEPS)],
-                          capture_output=True, text=True, timeout=1200)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return out
+    return bundle_cache.get("--precision", "fp8", "--calib-prompts", str(prompts), "--calib-steps", "3",
+                            "--calib-algo", "smoothquant", "--quant-exclude", "blocks.1", "--fp8-attention", "--steps",
+                            str(STEPS), timeout=1200).path
 
 
 def test_fp8_bundle_records_the_recipe_and_serves(fp8_bundle, tiny_root):

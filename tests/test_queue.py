@@ -160,3 +160,25 @@ def test_a_groups_lost_jobs_run_again_once_if_it_died_and_fail_if_it_raised(queu
         queue.lost(0, [job], "it died (signal 9)", died=True)
     row = queue.store.get(killed)
     assert (row.status, row.error_code) == ("failed", "worker_lost")
+
+
+def test_a_one_node_start_sweeps_the_folders_a_killed_server_left(queue, tmp_path, monkeypatch):
+    """`kill -9` of a one-node `h3trt serve` left its ranks' rendezvous folder in $TMPDIR: the next start (recover,
+    before its workers start) removes it, as a fleet replica's start does; a live process's folder stays."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from h3trt.parallel.leftovers import HOST, owned_temp_dir
+
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp))
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    dead = tmp / f"h3trt-launch-{HOST}-{child.pid}-k9l0"
+    (dead / "store").mkdir(parents=True)
+    live = owned_temp_dir("h3trt-launch-")
+    queue.recover()
+    assert not dead.exists() and live.exists()
+    assert queue.log.events("swept") == [{"partial_files": 0, "scratch_folders": 0, "launch_folders": 1}]

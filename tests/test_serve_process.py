@@ -278,3 +278,24 @@ def test_a_draining_worker_records_the_ends_a_full_disk_held_back(tmp_path, tiny
     assert (store.get(row.id).status, store.get(row.id).error_code) == ("failed", "disk_full")
     assert store.counts()["in_progress"] == 0
     store.close()
+
+
+def test_a_disk_full_jobs_message_keeps_the_servers_paths_to_the_log(tmp_path, tiny_cache):
+    """The rank's error names the clip's temporary file on the server's disk: the job's message (what API clients
+    read) says what happened in the API's words, and the log keeps the rank's error for the operator."""
+    from h3trt.jobs.job import Event
+    from h3trt.pipeline.records import Failure
+    from h3trt.server.queue import DISK_FULL
+
+    store, queue, service, logged = _node_parts(tmp_path)
+    job = service.create({"prompt": "meets a full disk", **serving.SMALL}, [], False)
+    [taken] = queue.take(0, 1)
+    error = (f"encode: {tmp_path}/clips/.{job.id}.mp4.host-1-ab12.partial: writing the clip failed (No space left "
+             "on device); its temporary file was removed")
+    queue.report(Event(job.id, "failed", "encode", group=0, error=error, record=Failure("OutputError"),
+                       attempt=taken.attempt))
+    row = store.get(job.id)
+    assert (row.status, row.error_code, row.error_message) == ("failed", "disk_full", DISK_FULL)
+    assert str(tmp_path) not in row.error_message
+    assert [fields["error"] for event, fields in logged if event == "failed"] == [error]
+    store.close()

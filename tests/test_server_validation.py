@@ -11,7 +11,7 @@ import pytest
 
 from h3trt.cli.args import crf
 from h3trt.media.output_files import DEFAULT_CRF
-from h3trt.pipeline.request import MAX_STEPS
+from h3trt.models.sampler import MAX_STEPS
 
 KEY = "test-key-validation"
 SMALL = {"size": "128x32", "steps": 2}
@@ -192,6 +192,7 @@ def test_an_upload_error_names_the_users_file_not_the_servers_path(api, tmp_path
     message = error["message"]
     assert "holiday.png" in message and "input_reference" in message, message
     assert "uploads" not in message and str(tmp_path.parent) not in message and "/" not in message, message
+    assert message.count("holiday.png") == 1, message  # PIL's own words repeated the path, quoted in quotes
 
 
 API_WORDS = [  # (body, param, words the message must hold)
@@ -207,6 +208,11 @@ API_WORDS = [  # (body, param, words the message must hold)
     ({"prompt": "x", "video_shift": -1}, "video_shift", "video_shift must be"),
     ({"prompt": "x", "audio_shift": 0}, "audio_shift", "audio_shift must be"),
     ({"prompt": "x", "seed": 2 ** 70}, "seed", "seed"),
+    ({"prompt": "x", "size": "2048x256"}, "size", "Crop the input or pick size within that range"),
+    ({"prompt": "x", "cache": "first-block", "cache_threshold": -1}, "cache_threshold", "cache_threshold must be >= 0"),
+    ({"prompt": "x", "profile": "fast", "cache_max_skip": 0}, "cache_max_skip", "cache_max_skip must be a whole"),
+    ({"prompt": "x", "cache": "first-block", "cache_warmup": -1}, "cache_warmup", "cache_warmup must be a whole"),
+    ({"prompt": "x", "cache": "none"}, "cache", "leave cache out, with no profile or profile 'lossless'"),
 ]
 
 

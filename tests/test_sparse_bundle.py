@@ -8,8 +8,6 @@ blocks of 64: sparsity 0.75 keeps 8 of them (the budget rounds up to 8), so a sp
 """
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -29,7 +27,7 @@ from h3trt.models.sparse_plan import SparseSettings, sparse_settings
 from h3trt.models.sparse_run import SparseRun
 from h3trt.media.inputs import read_video
 
-from conftest import BUNDLE_STEPS
+from conftest import BUNDLE_STEPS, PLAIN_BUNDLE
 from helpers import dit_inputs
 
 REL_TOL = 1e-5  # test_engine.py's compiled-vs-eager bound for fp32 bundles
@@ -39,16 +37,12 @@ RUN = ("--prompt", "a fox", "--quiet", "--steps", str(BUNDLE_STEPS))  # BUNDLE_S
 
 
 @pytest.fixture(scope="module")
-def sparse_bundle(tmp_path_factory, tiny_root):
+def sparse_bundle(bundle_cache):
     """fp32 CPU inductor bundle of the tiny model built with --sparse-attention 0.75 (first 2 evaluations dense, any
-    length sparse), in its own `h3trt build` process."""
-    out = tmp_path_factory.mktemp("sparse") / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                           "--precision", "fp32", "--device", "cpu", "--profile", "160x96x5", "--steps",
-                           str(BUNDLE_STEPS), *SPARSE_FLAGS], capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "sparse attention reference (default sparsity 0.75)" in proc.stdout, proc.stdout
-    return out
+    length sparse), in its own `h3trt build` process (conftest's BundleCache)."""
+    built = bundle_cache.get(*PLAIN_BUNDLE, *SPARSE_FLAGS)
+    assert "sparse attention reference (default sparsity 0.75)" in built.stdout, built.stdout
+    return built.path
 
 
 def clip(tmp_path: Path, name: str, *flags: str) -> tuple[Path, dict]:

@@ -10,14 +10,13 @@ DiT, at every evaluation of each schedule.
 
 import json
 import re
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
 import torch
 
+from conftest import SLOT_BUNDLE
 from helpers import dit_inputs
 from test_lora import fmt_original, write
 from test_lora_adapters import tiny_factors
@@ -55,15 +54,11 @@ def adapters(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def turbo_bundle(tmp_path_factory, tiny_cache):
-    out = tmp_path_factory.mktemp("schedules") / "bundle"
-    proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", "tiny", "--output", str(out),
-                           "--precision", "fp32", "--device", "cpu", "--profile", "160x96x5", "--steps", "6,4",
-                           "--video-shift", "12,5", "--lora-slots", "1", "--lora-max-rank", "4"],
-                          capture_output=True, text=True, timeout=1800)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    assert "(2 schedule(s))" in proc.stderr, proc.stderr
-    return out
+def turbo_bundle(bundle_cache):
+    """`--steps 6,4 --video-shift 12,5` with LoRA slots: conftest's SLOT_BUNDLE (shared with test_bundle_lora.py)."""
+    built = bundle_cache.get(*SLOT_BUNDLE)
+    assert "(2 schedule(s))" in built.stderr, built.stderr
+    return built.path
 
 
 # --- an adapter's schedule, and a request's ---------------------------------------------------------------------------
@@ -75,12 +70,12 @@ def test_an_adapters_schedule_is_its_files_metadata_under_its_flags_values(adapt
     assert adapter_schedules([spec, plain]) == {"turbo": ScheduleValues(4, 6.0, None)}  # the flag's shift wins
     assert AdapterSpec.parse("t=a@b.safetensors").path == Path("a@b.safetensors")  # an '@' in a file name stays
     entry = Entry.local(device="cpu", adapters=(spec, plain))
-    listed = [info.to_json() for info in entry.adapters.catalog(entry.model).infos()]
+    listed = [info.to_json() for info in entry.adapter_catalog().infos()]
     assert [i["schedule"] for i in listed] == [{"steps": 4, "video_shift": 6.0}, {}]  # GET /v1/loras's
     bad = write(tmp_path / "bad.safetensors", fmt_original(tiny_factors(1)), {"h3trt.steps": "eight"})
     with pytest.raises(UserError, match=r"bad.safetensors: __metadata__ h3trt.steps: steps must be an integer"):
         Entry.local(device="cpu", adapters=(AdapterSpec("bad", bad),))  # at start, before any model loads
-    for flag, words in (("@steps=1", "steps must be an integer from 2 to 1000"),
+    for flag, words in (("@steps=1", "steps must be at least 2 (the grid includes the final sigma 0) and at most 1000"),
                         ("@video_shift=-1", "video_shift must be a positive finite number"),
                         ("@turbo=1", "expected KEY=VALUE pairs after '@'")):
         capsys.readouterr()
@@ -136,7 +131,7 @@ def test_a_conflict_is_a_400_naming_lora_and_the_job_says_the_adapters_steps(ada
         (tmp_path / folder).mkdir()
     service = VideoService(entry, ServeOptions(tmp_path), JobStore(sqlite_url(tmp_path)), Storage(tmp_path),
                            NoGroups(), Metrics(), log=lambda *a, **k: None,
-                           adapters=entry.adapters.catalog(entry.model))
+                           adapters=entry.adapter_catalog())
     client = TestClient(create_app(service), raise_server_exceptions=False)
     body = {"prompt": "a fox", "size": "128x32", "lora": [{"name": "turbo"}, {"name": "eight"}]}
     r = client.post("/v1/videos", json=body)
@@ -177,7 +172,7 @@ def test_build_takes_one_shift_per_schedule_or_one_for_all(tiny_root, tmp_path, 
         BuildConfig(tiny_root, tmp_path / "b", steps=(6, 6), video_shift=(None, 12.0), device="cpu").schedules(
             (12.0, 3.0))
     for argv, words in ((["--steps", "6,x"], "takes whole numbers separated by commas"),
-                        (["--steps", "6,1"], "steps must be >= 2")):
+                        (["--steps", "6,1"], "--steps must be at least 2")):
         capsys.readouterr()
         try:
             code = main(["build", "--model", "tiny", "--output", str(tmp_path / "c"), "--device", "cpu", *argv])

@@ -2,7 +2,7 @@
 
   0. plan: every check that needs no model (plan.py); then the output is claimed: locked, its leftovers removed, its
      free space checked against the bundle's estimated size (output.py)
-  1. load: the DiT of the task's partition, with the --lora files merged into it
+  1. load: the DiT of the task's partition, with the --lora files merged into it and the --distilled file fused
   2. calibrate: fp8 / nvfp4 through ModelOpt on real trajectories of this model, blocks quantized in place
   3. bake: the segment weights (safetensors) and the AdaLN tables (or adaln_proj kept with --keep-adaln)
   4. compile: embed / block / final once each (one block serves every layer: its weights are inputs) and the video
@@ -37,8 +37,12 @@ from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
 from ..models.checkpoint import TransformerSource, load_dit
 from ..models.dit import H3DiT
+from ..models.distilled import Distilled, load_distilled
+from ..models.distilled_merge import merge_distilled
 from ..models.lora import merge_loras
+from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX
 from ..models.sampler import Schedule
+from ..models.vsa_plan import VsaServing
 from .adaln import bake_tables, schedule_timesteps
 from .backends import compile_segment
 from .check import check_in_fresh_process
@@ -66,6 +70,8 @@ class LoadedDiT:
     schedules: tuple[Schedule, ...]  # --steps and the shifts (the checkpoint's unless given); the first: the default
     loras: tuple[dict, ...]  # what merge_loras merged: the manifest's record
     seconds: float
+    distilled: Distilled | None = None  # the --distilled file fused into the model (PDD: its heads per forward)
+    distilled_record: dict | None = None  # the manifest's: that file's, or a full FastH3 export's sidecar
 
 
 @dataclass(frozen=True)
@@ -129,7 +135,14 @@ def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
     for r in loras:
         log(f"merged LoRA {r['file']} x {r['scale']:g} into {r['partition']} ({r['modules']} modules, "
             f"{r['layout']}, {r['alpha']})")
-    return LoadedDiT(model, source, schedules, tuple(loras), seconds)
+    distilled = load_distilled(config.distilled, model.cfg, config.task) if config.distilled is not None else None
+    if distilled is not None:  # in fp32, one rounding per parameter, before calibration and baking
+        record = merge_distilled(model, distilled)
+        log(f"fused {record['family']} {record['file']} ({record['parameters']} parameters, {record['scale']}); "
+            f"schedule {record['schedule']}")
+    contract = config.contract
+    record = distilled.record() if distilled is not None else contract[1] if contract is not None else None
+    return LoadedDiT(model, source, schedules, tuple(loras), seconds, distilled, record)
 
 
 def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Calibration:
@@ -141,9 +154,10 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     if recipe is None:
         return Calibration(None, None)
     trt = config.backend == "tensorrt"
+    vsa = _vsa_record(config, plan)
     recipe, quant = calibrate_dit(dit.model, recipe, dit.source.component_root, config.calib_prompts,
                                   config.profiles[0], (dit.schedules[0].video_shift, dit.schedules[0].audio_shift),
-                                  keep_modelopt_quantizers=trt, log=log)
+                                  keep_modelopt_quantizers=trt, log=log, vsa=vsa)
     if trt:
         return Calibration(None, {**quant, "execution": config.precision.spec.trt_execution})
     return Calibration(recipe, quant)
@@ -153,6 +167,8 @@ def bake(config: BuildConfig, dit: LoadedDiT, calibration: Calibration, work: Pa
     """3. The segments' weights, and the AdaLN tables for the schedules (or the adaln_proj weights, --keep-adaln)."""
     model = dit.model
     weights = _weights(model, calibration.recipe)
+    if dit.distilled is not None and dit.distilled.heads is not None:  # PDD: one fused head per forward
+        weights["final"].update({f"{PDD_PREFIX}{name}": dit.distilled.heads[name] for name in HEAD_WEIGHTS})
     sizes = {name: write_safetensors(work / "weights" / f"{name}.safetensors", weights[name])
              for name in ("embed", "blocks", "final")}
     if config.keep_adaln:
@@ -268,10 +284,10 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
     timings = {"load_s": dit.seconds, "compile_s": compiled.seconds, "verify_s": check_s}
     return Manifest(
         backend=config.backend, precision=config.precision, task=config.task,
-        tasks=tuple(meta.tasks) if meta else ((config.task,) if config.task == "ref2va" else ("t2va", "fl2va")),
+        tasks=_served_tasks(config, meta),
         model_config=model.cfg,
         checkpoint={"path": str(config.model_root), "sha256": _checkpoint_sha(source.files, log)},
-        schedules=tuple(ScheduleRecord(s.steps, s.video_shift, s.audio_shift) for s in dit.schedules),
+        schedules=tuple(ScheduleRecord(s.steps, s.video_shift, s.audio_shift, s.rungs) for s in dit.schedules),
         adaln=weights.adaln,
         profiles=tuple(ProfileRecord(p.width, p.height, p.seconds, p.geometry.num_frames) for p in config.profiles),
         mesh=MeshRecord(config.cfg, config.sp, model.cfg.num_heads // config.sp),
@@ -284,7 +300,21 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         attention={p: c.to_dict() for p, c in plan.attention.items()}, vae_precision=config.vae.name,
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
-        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots)
+        loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots,
+        vsa=_vsa_record(config, plan), distilled=dit.distilled_record)
+
+
+def _vsa_record(config: BuildConfig, plan: BuildPlan) -> VsaServing | None:
+    if plan.vsa_kernel is None:
+        return None
+    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel)
+
+
+def _served_tasks(config: BuildConfig, meta) -> tuple[str, ...]:
+    """The partition's tasks (its release metadata's), less those a --distilled file does not serve (FastH3: t2va)."""
+    tasks = tuple(meta.tasks) if meta else ((config.task,) if config.task == "ref2va" else ("t2va", "fl2va"))
+    serving = config.distilled_serving
+    return tuple(t for t in tasks if t in serving.tasks) if serving is not None else tasks
 
 
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:

@@ -5,19 +5,25 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_exclusions
 from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
-from ..models.checkpoint import TASK_PARTITIONS
+from ..models.checkpoint import TASK_PARTITIONS, locate_transformer
+from ..models.config import H3Config
+from ..models.distilled import DistilledServing, DistilledSpec, check_task, plan_distilled
+from ..models.distilled_contract import CONTRACT_FILE, checkpoint_contract
 from ..models.lora import LoraSpec
+from ..models.lora_memory import check_slots_fit
 from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
-from ..models.sampler import DEFAULT_STEPS, Schedule, shifted_sigmas
+from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
 from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.vsa_plan import VsaSettings, vsa_settings
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
@@ -59,7 +65,7 @@ class BuildConfig:
     # The schedules the AdaLN tables are baked for (--steps 50,8): each one's sigma grid points, and its shifts, one
     # per schedule or one for all (None: the checkpoint's sigma_shift_scales). An int or a single shift is taken as
     # such a tuple; the first schedule is a request's default (`schedules`).
-    steps: tuple[int, ...] = (DEFAULT_STEPS,)
+    steps: tuple[int, ...] | None = None  # None: not given (the default, or a --distilled family's)
     video_shift: tuple[float | None, ...] = (None,)
     audio_shift: tuple[float | None, ...] = (None,)
     device: str = "cuda"
@@ -90,6 +96,15 @@ class BuildConfig:
     # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
     lora_max_rank: int | None = None
+    # FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; models/vsa_plan.py): the VSA settings the
+    # bundle serves, recorded in its manifest (None: FastH3 v1's, sparsity 0.9, no step or block dense). Refused for a
+    # checkpoint without the gate (build/plan.py, once the checkpoint is located).
+    vsa_sparsity: float | None = None
+    vsa_dense_first_steps: int | None = None
+    vsa_dense_layers: tuple[int, ...] | None = None
+    # A distilled checkpoint (models/distilled.py) fused in fp32 after the LoRAs, before calibration; the bundle bakes
+    # its family's schedule, and only that one
+    distilled: DistilledSpec | None = None
 
     def __post_init__(self):
         self._check_schedules()
@@ -134,11 +149,15 @@ class BuildConfig:
             raise UserError("--trt-targets applies to --backend tensorrt.")
         self._check_sparse()
         self._check_lora_slots()
+        vsa_settings(self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers)  # values, by flag
 
     def _check_schedules(self) -> None:
         """--steps, --video-shift and --audio-shift as tuples of one entry per schedule (a single shift: every
-        schedule's), each schedule valid."""
-        steps = self.steps if isinstance(self.steps, tuple) else (self.steps,)
+        schedule's), each schedule valid; a --distilled bundle's are its family's."""
+        if self.distilled_serving is not None:
+            self._check_distilled()
+        steps = (DEFAULT_STEPS,) if self.steps is None else self.steps
+        steps = steps if isinstance(steps, tuple) else (steps,)
         if not steps:
             raise UserError(f"--steps needs at least one schedule's grid points (default {DEFAULT_STEPS}).")
         object.__setattr__(self, "steps", steps)
@@ -149,14 +168,57 @@ class BuildConfig:
                                 f"{','.join(map(str, steps))}), got {len(shifts)}.")
             object.__setattr__(self, key, shifts * len(steps) if len(shifts) == 1 else shifts)
         for n, video, audio in zip(self.steps, self.video_shift, self.audio_shift):
-            shifted_sigmas(n, 1.0)  # UserError: steps >= 2
+            check_steps(n, "--steps", field=None)
             for shift in (video, audio):
                 if shift is not None:
                     shifted_sigmas(2, shift)  # UserError: a positive finite shift
 
+    @cached_property
+    def distilled_serving(self) -> DistilledServing | None:
+        """What the --distilled file serves (its header read: family, schedule, tasks), or a full FastH3 export's
+        sidecar (models/distilled_contract.py); None for a base checkpoint."""
+        if self.distilled is not None:
+            return plan_distilled(self.distilled, self.task)
+        contract = self.contract
+        return contract[0] if contract is not None else None
+
+    @cached_property
+    def contract(self) -> tuple[DistilledServing, dict] | None:
+        """A full FastH3 export's sidecar (its ladder and record); None: a base checkpoint, or a --distilled file."""
+        if self.distilled is not None or not Path(self.model_root).exists():  # a missing one fails at the load
+            return None
+        source = locate_transformer(self.model_root, self.task)
+        contract = checkpoint_contract(source.component_root, source.shifts)
+        if contract is not None:
+            check_task("fasth3", contract[0].tasks, self.task, source.component_root / CONTRACT_FILE)
+        return contract
+
+    def _check_distilled(self) -> None:
+        """--distilled: its family's schedule is the bundle's (the schedule flags are refused), and what it cannot go
+        with: other LoRAs and LoRA slots beside a FastH3 or PDD file, a task it does not serve."""
+        given = [flag for flag, value in (("--steps", self.steps), ("--video-shift", self.video_shift),
+                                          ("--audio-shift", self.audio_shift)) if value not in (None, (None,))]
+        if given:
+            raise UserError(f"{' '.join(given)}: a distilled bundle bakes the schedule its file was distilled for; "
+                            "state a Turbo file's as --distilled FILE@steps=N,video_shift=S, PDD's forwards as "
+                            "@steps=5|7|9, and drop the flags.")
+        serving = self.distilled_serving
+        if self.loras and serving.merged_lora_refusal is not None:
+            raise UserError(serving.merged_lora_refusal)
+        if self.lora_slots is not None and serving.adapters_refusal is not None:
+            raise UserError(f"--lora-slots: {serving.adapters_refusal}")
+        if serving.family == "pdd" and self.backend == "tensorrt":
+            raise UserError("--backend tensorrt bakes the final heads into its plans; a PDD bundle picks one head per "
+                            "forward at run time: build it with --backend inductor.")
+        s = serving.plan.schedule
+        for key, value in (("steps", s.steps), ("video_shift", s.video_shift), ("audio_shift", s.audio_shift)):
+            object.__setattr__(self, key, (value,))
+
     def schedules(self, shifts: tuple[float, float]) -> tuple[Schedule, ...]:
         """The schedules the bundle bakes, in order (the first: the default), the checkpoint's `shifts` (video,
-        audio) where the flags give none; refused when two are one schedule."""
+        audio) where the flags give none; refused when two are one schedule. A --distilled bundle's: its family's."""
+        if self.distilled_serving is not None:
+            return (self.distilled_serving.plan.schedule,)
         schedules = tuple(Schedule.resolve(n, v, a, shifts)
                           for n, v, a in zip(self.steps, self.video_shift, self.audio_shift))
         twice = [s for i, s in enumerate(schedules) if s in schedules[:i]]
@@ -183,6 +245,9 @@ class BuildConfig:
         if self.sp != 1:
             raise UserError(f"--lora-slots is built for --sp 1 only (got --sp {self.sp}): the sharded halves have no "
                             "twin with adapters. Build --sp 1, or drop --lora-slots/--lora-max-rank.")
+        # The banks are allocated to compile the block's twin and by every load of the bundle: they must fit.
+        cfg = H3Config.tiny() if self.tiny else locate_transformer(self.model_root, self.task).config
+        check_slots_fit(cfg, n, r, self.device, self.precision.spec.dtype)
 
     @property
     def slots(self) -> LoraSlotsRecord | None:
@@ -211,6 +276,36 @@ class BuildConfig:
                             "is not built: a bf16 block would need its own pair of halves around the sparse "
                             "attention. Exclude block linears instead (attn.qkv_proj, mlp.fc1, ...), or drop "
                             "--sparse-attention.")
+
+    @property
+    def vsa_flags(self) -> bool:
+        """Whether any --vsa-* flag was given."""
+        return (self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers) != (None, None, None)
+
+    def vsa(self, num_layers: int) -> VsaSettings:
+        """The VSA settings a FastH3-VSA bundle serves (the --vsa-* flags over FastH3 v1's defaults), its dense
+        layers checked against the model's `num_layers`."""
+        return vsa_settings(self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers, num_layers)
+
+    def check_vsa(self, vsa_model: bool) -> None:
+        """What a FastH3-VSA bundle cannot be, and --vsa-* flags on a model without the gate (build/plan.py calls it
+        once the checkpoint is located)."""
+        if not vsa_model:
+            if self.vsa_flags:
+                raise UserError("--vsa-sparsity, --vsa-dense-first-steps and --vsa-dense-layers set a FastH3-VSA "
+                                "model's sparse attention; this checkpoint's blocks carry no attn.to_gate_compress "
+                                "(not a VSA model). Drop them (block-sparse attention for any model: "
+                                "--sparse-attention).")
+            return
+        recipe = self.recipe_for("emulated")
+        conflicts = [flag for flag, on in (
+            ("--backend tensorrt", self.backend == "tensorrt"), ("--sparse-attention", self.sparse is not None),
+            ("--lora-slots", self.slots is not None), ("--fp8-attention", self.fp8_attention),
+            ("--quant-exclude blocks.N", recipe is not None and bool(recipe.exclude_blocks))) if on]
+        if conflicts:
+            raise UserError(f"this checkpoint is a FastH3-VSA model: its attention is VSA in every block (the block "
+                            f"halves around it), which {', '.join(conflicts)} cannot serve. Drop "
+                            f"{'it' if len(conflicts) == 1 else 'them'}; set its sparsity with --vsa-sparsity.")
 
     @property
     def sparse(self) -> SparseSettings | None:

@@ -60,8 +60,9 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1, recipe
                  + [sd[f"final_layer.{n}"] for n in fin.weights],
     }
     if sp == 1:
-        examples["block"] = [x, mod, adaln_index, cos, sin]
-        if sparse:  # the halves around a sparse attention: the "exchange" of one rank is the identity
+        if not cfg.vsa_gate:  # a FastH3-VSA model has no fused block (build/segments.py dit_segments)
+            examples["block"] = [x, mod, adaln_index, cos, sin]
+        if sparse or cfg.vsa_gate:  # the halves around a sparse attention: the "exchange" of one rank is the identity
             attn = torch.randn(1, 1, layout.seq_len, cfg.num_heads, cfg.head_dim, generator=g).to(device, model.dtype)
             examples["block_pre"] = [x, mod, adaln_index, cos, sin]
             examples["block_post"] = [x, attn, mod, adaln_index]

@@ -57,6 +57,9 @@ class BuildPlan:
     # --sparse-attention: the block-sparse kernel the bundle serves and its routing block (rows), chosen on the build
     # device and compiled there once (a kernel this machine cannot run is refused here); None: no sparse attention.
     sparse_kernel: tuple[str, int] | None = None
+    # A FastH3-VSA checkpoint: the VSA kernel the bundle serves, chosen on the build device and compiled there once;
+    # None: the checkpoint is no VSA model.
+    vsa_kernel: str | None = None
 
     @property
     def fp8_kernel(self) -> str:
@@ -87,8 +90,23 @@ def plan_build(config: BuildConfig, log=print) -> BuildPlan:
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
         raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
+    config.check_vsa(model_cfg.vsa_gate)
     sparse = _sparse_kernel(config, model_cfg, device, dtype, log) if config.sparse is not None else None
-    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse)
+    vsa = _vsa_kernel(config, model_cfg, device, dtype, log) if model_cfg.vsa_gate else None
+    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse, vsa)
+
+
+def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype, log) -> str:
+    """The VSA kernel of a FastH3-VSA bundle: the first of fa4, flex, reference that compiles here at one rank's
+    heads (the ones left out logged with why); every load compiles it again."""
+    from ..models.vsa_plan import choose_vsa_kernel
+
+    heads = model_cfg.num_heads // config.sp
+    kernel = choose_vsa_kernel(device, heads, model_cfg.head_dim, dtype, log)
+    s = config.vsa(model_cfg.num_layers)
+    log(f"VSA (FastH3-VSA checkpoint): the {kernel} kernel, {heads} heads per rank, sparsity {s.sparsity:g}, first "
+        f"{s.dense_first_steps} steps dense, dense blocks {list(s.dense_layers) or 'none'}")
+    return kernel
 
 
 def _sparse_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,

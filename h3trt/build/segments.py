@@ -151,7 +151,7 @@ def block_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, re
 #   block_pre(x, mod, adaln_index, cos, sin, *W) -> qkv send buffer [sp, 3, B, Sl, N / sp, D]
 #   block_post(x, attn, mod, adaln_index, *W) -> x                    (attn: the received [sp, B, Sl, N / sp, D])
 # sp is baked into both (the head grouping of the buffers); Sl, the rows per rank, stays symbolic.
-PRE_ATTENTION_PREFIXES = ("norm1.", "attn.qkv_proj.", "attn.q_norm.", "attn.k_norm.")
+PRE_ATTENTION_PREFIXES = ("norm1.", "attn.qkv_proj.", "attn.q_norm.", "attn.k_norm.", "attn.to_gate_compress.")
 
 
 class _PreAttention(torch.nn.Module):
@@ -160,7 +160,7 @@ class _PreAttention(torch.nn.Module):
         self.block, self.sp = block, sp
 
     def forward(self, x, mod, adaln_index, cos, sin):
-        return to_head_groups(*self.block.pre_attention(x, mod, adaln_index, (cos, sin)), self.sp)
+        return to_head_groups(*self.block.pre_attention(x, mod, adaln_index, (cos, sin)), sp=self.sp)
 
 
 class _PostAttention(torch.nn.Module):
@@ -254,13 +254,19 @@ def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRe
 
     `lora_targets` (a bundle built with --lora-slots, sp=1 only): each fused block segment (block, block_hp) gets its
     twin with adapters, block_lora / block_hp_lora. The halves get none: a sparse evaluation runs without adapters
-    (admission refuses a request with both)."""
+    (admission refuses a request with both).
+
+    A FastH3-VSA model (cfg.vsa_gate) has the halves only, at every sp: its attention is VSA in every evaluation
+    (engines/bundle.py runs it between them), and block_pre's buffer carries the gate ([sp, 4, ...])."""
     if sp != 1 and recipe is not None:
         check_sharded_recipe(recipe, sp)
     if sparse and recipe is not None and recipe.exclude_blocks:
         raise UserError(f"a bundle that serves sparse attention has no halves for bf16 blocks "
                         f"{list(recipe.exclude_blocks)} (--quant-exclude blocks.N); exclude block linears instead.")
     halves = [block_pre_segment(cfg, dtype, sp, recipe), block_post_segment(cfg, dtype, recipe)]
+    if cfg.vsa_gate:  # FastH3-VSA: VSA runs between the halves in every evaluation (its gate in their buffer)
+        check_vsa_segments(sp, recipe, sparse, lora_targets)
+        return [embed_segment(cfg, dtype), *halves, final_segment(cfg, dtype)]
     blocks = ([block_segment(cfg, dtype, recipe, attention=attention)] + (halves if sparse else []) if sp == 1
               else halves)
     if sp != 1 and recipe is not None and recipe.fp8_attention:
@@ -274,6 +280,14 @@ def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRe
         blocks += [block_lora_segment(b, cfg, dtype, recipe if b.name == "block" else None, attention, lora_targets)
                    for b in blocks if b.name in ("block", "block_hp")]
     return [embed_segment(cfg, dtype), *blocks, final_segment(cfg, dtype)]
+
+
+def check_vsa_segments(sp: int, recipe: QuantRecipe | None, sparse: bool, lora_targets) -> None:
+    """A FastH3-VSA model's segments are the halves and nothing else: what would need another block segment or
+    another attention is refused (BuildConfig.check_vsa says it in the flags' words first)."""
+    if sparse or lora_targets is not None or (recipe is not None and (recipe.exclude_blocks or recipe.fp8_attention)):
+        raise UserError("a FastH3-VSA model's block is its two halves around VSA: no SubBlock sparse attention, LoRA "
+                        "slots, bf16 whole blocks or FP8 attention beside them.")
 
 
 class _Decode(torch.nn.Module):

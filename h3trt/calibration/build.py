@@ -13,6 +13,7 @@ import torch
 from ..errors import UserError
 from ..models.config import NUM_MODALITIES, NUM_MODULATION_PARAMS
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
+from ..models.vsa_plan import VsaServing
 from .modules import quantized_template
 from .recipe import QuantRecipe, layer_segments
 from .trajectories import trajectory_forward
@@ -20,10 +21,11 @@ from .trajectories import trajectory_forward
 
 def calibrate_dit(model: H3DiT, recipe: QuantRecipe, component_root: Path, calib_prompts: Path | None, profile,
                   shifts: tuple[float, float], keep_modelopt_quantizers: bool = False,
-                  log=print) -> tuple[QuantRecipe, dict]:
+                  log=print, vsa: VsaServing | None = None) -> tuple[QuantRecipe, dict]:
     """Calibrate every non-excluded block of `model` through ModelOpt and quantize it in place: h3trt's FP8/NVFP4
     modules, or (`keep_modelopt_quantizers`, the TensorRT backend) ModelOpt's own, which the ONNX export writes as
-    Q/DQ. Returns the recipe with the calibration's size filled in, and the manifest's `quant` record."""
+    Q/DQ. Returns the recipe with the calibration's size filled in, and the manifest's `quant` record. `vsa`: a
+    FastH3-VSA model's settings and kernel, which its trajectories attend with (the served attention)."""
     # Imported here, not at the top: it imports ModelOpt (seconds, and an optional dependency a bf16 build never needs).
     from .calibrate import calibrate, quantize_blocks, read_prompts
 
@@ -32,7 +34,7 @@ def calibrate_dit(model: H3DiT, recipe: QuantRecipe, component_root: Path, calib
     if recipe.needs_calibration_data:
         prompts = read_prompts(calib_prompts)
         forward = trajectory_forward(model, component_root, prompts, recipe.calib_steps, profile.width,
-                                     profile.height, profile.seconds, shifts, log)
+                                     profile.height, profile.seconds, shifts, log, vsa)
         recipe = dataclasses.replace(recipe, calib_prompts=len(prompts))
     elif calib_prompts is not None:
         raise UserError(f"--precision {recipe.precision} --calib-algo {recipe.calib_algo} calibrates the weights "

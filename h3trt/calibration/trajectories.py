@@ -16,14 +16,17 @@ from ..models.dit import H3DiT, sdpa_attention
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, validate_canvas
 from ..models.sampler import Latents, Schedule, denoise, initial_latents
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
+from ..models.vsa_plan import VsaRun, VsaServing, vsa_call
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def trajectory_forward(model: H3DiT, component_root: Path, prompts: list[str], steps: int, width: int, height: int,
-                       seconds: float, shifts: tuple[float, float], log=print) -> Callable[[AttentionFn], None]:
+                       seconds: float, shifts: tuple[float, float], log=print,
+                       vsa: VsaServing | None = None) -> Callable[[AttentionFn], None]:
     """The forward loop over real trajectories: each prompt denoised as a seeded t2va request from the model pieces
-    alone (text encoder, packing, noise, sampler; no VAE), the DiT attending through the calibration's cores."""
+    alone (text encoder, packing, noise, sampler; no VAE), the DiT attending through the calibration's cores. A
+    FastH3-VSA model (`vsa`: its settings and kernel) attends with VSA, as it serves, the cores its dense attention."""
     device = model.condition_proj.weight.device
     geometry = Geometry(height, width, frames_for_duration(seconds))
     validate_canvas(height, width)
@@ -35,6 +38,7 @@ def trajectory_forward(model: H3DiT, component_root: Path, prompts: list[str], s
     def forward(attention: AttentionFn) -> None:
         runner.attention = attention
         for seed, prompt in enumerate(prompts):
+            runner.vsa = VsaRun(vsa) if vsa is not None else None  # each trajectory's evaluations from 0
             t2va_trajectory(runner, text_encoder, prompt, seed, geometry, schedule, device)
             log(f"  trajectory {seed + 1}/{len(prompts)}: {steps - 1} evaluations")
 
@@ -65,9 +69,15 @@ class _Runner:
 
     def __init__(self, model: H3DiT):
         self.model, self.cfg, self.attention = model, model.cfg, sdpa_attention
+        self.vsa: VsaRun | None = None  # a FastH3-VSA model's run over the trajectory (one call per step)
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
         if cache is not None:  # calibration must see every block at every step
             raise ValueError("Calibration runs every evaluation; it takes no step cache.")
+        attn = self.attention
+        if self.cfg.vsa_gate:  # VSA as served, the calibration's core its dense attention
+            if self.vsa is not None:
+                self.vsa.next_evaluation()
+            attn = vsa_call(self.vsa, layout, self.attention)  # None: refused, with what to pass
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
-                          layout.video_index, layout.audio_index, layout.text_index, attn_fn=self.attention)
+                          layout.video_index, layout.audio_index, layout.text_index, attn_fn=attn)

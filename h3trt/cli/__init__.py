@@ -38,23 +38,39 @@ def main(argv=None) -> int:
     # SIGTERM ends a run as Ctrl-C does: temporaries removed, what was finished kept, one line (`serve` installs its
     # own: it drains). Installed before anything heavy is imported, so a signal in the first second is handled too.
     _signalled.clear()
+    # The caller's handlers come back when main returns: a test process (or any program) that calls main keeps its
+    # own, and a later signal there never raises KeyboardInterrupt from inside whatever code it happens to hit.
+    callers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
     signal.signal(signal.SIGTERM, _interrupt)
-    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not where the parent ignores Ctrl-C
+    if callers[signal.SIGINT] is signal.default_int_handler:  # not where the parent ignores Ctrl-C
         signal.signal(signal.SIGINT, _interrupt)
+    status = None  # stays None when an exception leaves main (a bug, a usage mistake's SystemExit)
     try:
         from .parser import build_parser
 
         args = build_parser().parse_args(argv)  # a usage mistake is one line and exit 2 (cli/args.py)
-        return _call(args)
+        status = _call(args)
     except Exception as e:
         interrupt = _interrupt_behind(e)
         if interrupt is None:
             raise
-        return _interrupted(interrupt)
+        status = _interrupted(interrupt)
     except KeyboardInterrupt as e:
-        return _interrupted(e)
+        status = _interrupted(e)
     finally:
         _forget_caught_interrupts()
+        _forget_created_folders(remove_empty=status != 0)
+        for signum, handler in callers.items():
+            if handler is not None:  # None: a handler installed outside Python, which Python cannot put back
+                signal.signal(signum, handler)
+    return status
+
+
+def _forget_created_folders(remove_empty: bool) -> None:
+    """A run that ends without its output (interrupted, refused, failed) leaves no folder it created for it empty."""
+    output_files = sys.modules.get("h3trt.media.output_files")  # not imported: nothing was created
+    if output_files is not None:
+        output_files.remove_created_folders_left_empty(remove=remove_empty)
 
 
 def _forget_caught_interrupts() -> None:

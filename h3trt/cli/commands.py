@@ -15,10 +15,19 @@ def entry_from_args(args):
     parts, each from its own flags."""
     from ..jobs.model_source import AdapterConfig, Entry, Launch, ModelSource
 
-    model = ModelSource.resolve(args.engine, args.model, args.trust, args.vae_precision, tuple(args.lora))
+    model = ModelSource.resolve(args.engine, args.model, args.trust, args.vae_precision, tuple(args.lora),
+                                distilled_spec(args))
     adapters = AdapterConfig.resolve(model, tuple(getattr(args, "adapter", ())), getattr(args, "lora_dir", None),
                                      getattr(args, "lora_slots", None), getattr(args, "lora_max_rank", None))
     return Entry(model, Launch.resolve(model, args.device, args.gpus, args.cfg, args.sp, args.replicas), adapters)
+
+
+def distilled_spec(args):
+    """--distilled FILE[@key=value,...], parsed (None: not given)."""
+    from ..models.distilled import DistilledSpec
+
+    text = getattr(args, "distilled", None)
+    return DistilledSpec.parse(text) if text is not None else None
 
 
 def cmd_run(args) -> int:
@@ -38,7 +47,11 @@ def cmd_run(args) -> int:
     from ..pipeline.adapter_schedule import ScheduleValues, resolve
     from ..pipeline.request import Request
 
-    entry = entry_from_args(args)
+    entry = entry_from_args(args)  # the --adapter files checked first (a rank over a bundle's slots is that error)
+    if args.adapter:  # it ran a plain clip, the adapter loaded and unused
+        raise UserError(f"--adapter {args.adapter[0].name}=...: resident adapters run only for the requests that name "
+                        "them (the `lora` key of a --requests line, or of a job sent to h3trt serve), and one --prompt "
+                        "names none; pass --lora FILE[:SCALE] to apply a LoRA to this clip.")
     # One clip names no adapter (its --lora, if any, is on every request): its flags, else the model's defaults
     schedule, schedule_from = resolve(ScheduleValues(args.steps, args.video_shift, args.audio_shift), (), {},
                                       entry.model.default_steps)
@@ -118,7 +131,10 @@ def cmd_build(args) -> int:
                          loras=tuple(args.lora), calib_algo=args.calib_algo, fp8_accum=args.fp8_accum,
                          sparse_attention=args.sparse_attention, sparse_dense_steps=args.sparse_dense_steps,
                          sparse_min_seq=args.sparse_min_seq, lora_slots=args.lora_slots,
-                         lora_max_rank=args.lora_max_rank)
+                         lora_max_rank=args.lora_max_rank, vsa_sparsity=args.vsa_sparsity,
+                         vsa_dense_first_steps=args.vsa_dense_first_steps,
+                         vsa_dense_layers=tuple(args.vsa_dense_layers) if args.vsa_dense_layers else None,
+                         distilled=distilled_spec(args))
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)
@@ -152,7 +168,8 @@ def cmd_eval(args) -> int:
     else:
         engine = Entry.local(ModelSource.resolve(engine=args.engine), args.device)
     requests = read_eval_requests(args.requests, engine.model.manifest)  # every line checked before any model loads
-    reference = reference_entry(args.reference, engine.launch.device) if args.reference is not None else None
+    reference = (reference_entry(args.reference, engine.launch.device, distilled_spec(args))
+                 if args.reference is not None else None)
     result = evaluate(engine, reference, requests, log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr),
                       profile=args.profile)
     print(table(result))

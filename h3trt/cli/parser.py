@@ -27,7 +27,7 @@ def build_parser() -> OneLineParser:
 
 def _run_parser(sub) -> None:
     from ..models.packing import DEFAULT_DURATION
-    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+    from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
     from ..media.output_files import DEFAULT_CRF
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
@@ -42,8 +42,8 @@ def _run_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=DEFAULT_SEED,
                    help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
     p.add_argument("--steps", type=int, default=None,
-                   help="sigma grid points; steps - 1 DiT evaluations (default: a bundle's first baked schedule, else "
-                        f"{DEFAULT_STEPS})")
+                   help=f"sigma grid points, {MIN_STEPS} to {MAX_STEPS}; steps - 1 DiT evaluations (default: a "
+                        f"bundle's first baked schedule, else {DEFAULT_STEPS})")
     p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
     p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
     p.add_argument("--duration", type=float, default=DEFAULT_DURATION,
@@ -60,6 +60,8 @@ def _run_parser(sub) -> None:
     _lora_argument(p, "--engine: a bundle built with --lora-slots applies the file to every request as an adapter, "
                       "unmerged (one of its slots); a bundle without slots refuses it")
     _adapter_argument(p, "a --requests line picks them with its \"lora\" key")
+    _distilled_argument(p, "fused into the checkpoint (--model, or the tiny model), run eagerly; a bundle carries its "
+                           "own (h3trt build --distilled)")
     p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",
                    help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
@@ -134,9 +136,17 @@ def _lora_argument(p, where: str) -> None:
     from ..models.lora import LoraSpec
 
     p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
-                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1); repeatable ({where}). Every "
-                        "layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, ComfyUI, kohya, "
-                        "musubi-tuner, DiffSynth-Studio")
+                   help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1, -100 to 100); repeatable "
+                        f"({where}). Every layout diffusers' MiniMax-H3 loader reads: diffusers/peft, ai-toolkit, "
+                        "ComfyUI, kohya, musubi-tuner, DiffSynth-Studio")
+
+
+def _distilled_argument(p, where: str) -> None:
+    p.add_argument("--distilled", metavar="FILE[@key=value,...]",
+                   help=f"a distilled checkpoint (FastH3 fastvideo-lora-v2, LightX2V Turbo, alibaba-pai PDD; the "
+                        f"family from its header, or @family=): {where}. The model then runs its family's schedule "
+                        "(README, 'Distilled checkpoints'); keys: family, steps, video_shift, audio_shift (Turbo), "
+                        "alpha (Turbo without a header alpha), grid=rungs|uniform (FastH3 v1)")
 
 
 def _adapter_argument(p, how: str) -> None:
@@ -145,11 +155,20 @@ def _adapter_argument(p, how: str) -> None:
     p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[],
                    metavar="NAME=FILE[:SCALE][@steps=N,video_shift=S,audio_shift=S]",
                    help=f"keep a LoRA resident beside the DiT under NAME, NOT merged: only the requests that name it "
-                        f"run with it, at their own strength (SCALE: its default, 1); repeatable ({how}). --lora "
-                        "merges into the weights for every request instead. --engine: a bundle built with "
+                        f"run with it, at their own strength (SCALE: its default, 1; -100 to 100); repeatable ({how}). "
+                        "--lora merges into the weights for every request instead. --engine: a bundle built with "
                         "--lora-slots N --lora-max-rank R (up to N adapters, each of rank <= R). @...: the adapter's "
                         "own schedule (a Turbo LoRA's), over the file's __metadata__ h3trt.steps, h3trt.video_shift, "
                         "h3trt.audio_shift: a request naming it that states no steps or shift runs these")
+
+
+def slots_bound() -> str:
+    """--lora-slots' upper bound, for --help: the slots' bytes against the memory that holds them."""
+    from ..models.config import H3Config
+    from ..models.lora_memory import unit_bytes
+
+    return (f"what the memory holds: N x R x {unit_bytes(H3Config()) / 1e6:.1f} MB (full-size H3, bf16) must fit in "
+            "the GPU's memory (the host's on the CPU); more is refused, naming the largest N and R that fit")
 
 
 def _mesh_arguments(p) -> None:
@@ -185,6 +204,7 @@ def _serve_parser(sub) -> None:
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP)
     _lora_argument(p, "--engine: as an adapter on every job, in a bundle built with --lora-slots")
     _adapter_argument(p, "a POST /v1/videos job picks them with its \"lora\" field; GET /v1/loras lists them")
+    _distilled_argument(p, "fused into the checkpoint on every rank, run eagerly; a bundle carries its own")
     from ..pipeline.adapters import SERVE_MAX_RANK, SERVE_SLOTS
 
     p.add_argument("--lora-dir", type=Path, metavar="DIR",
@@ -194,10 +214,10 @@ def _serve_parser(sub) -> None:
     p.add_argument("--lora-slots", type=positive, metavar="N",
                    help=f"adapters the eager DiT holds at once, the most one job may name (default with --lora-dir: "
                         f"max({SERVE_SLOTS}, adapters at start); else the adapters at start); others load on demand "
-                        "into the least recently used slot")
+                        f"into the least recently used slot. At most {slots_bound()}")
     p.add_argument("--lora-max-rank", type=positive, metavar="R",
                    help=f"the slots' max LoRA rank (default with --lora-dir: max({SERVE_MAX_RANK}, the largest at "
-                        "start); else the largest at start); a larger adapter is refused")
+                        "start); else the largest at start); a larger adapter is refused. Bounded with --lora-slots")
     p.add_argument("--host", default=None, help="address to bind (default 127.0.0.1; another address needs an API "
                                                 "key)")
     p.add_argument("--port", type=int, default=DEFAULT_PORT, help=f"TCP port (default {DEFAULT_PORT}; 0: any free "
@@ -289,20 +309,32 @@ def _build_parser(sub) -> None:
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + " (of --device). The video decoder is compiled at it "
                                            "and the bundle serves it")
     _lora_argument(p, "merged before calibration, AdaLN baking and compiling; the manifest records each file's sha256")
+    _distilled_argument(p, "fused in fp32 before calibration, AdaLN baking and compiling; the bundle bakes its "
+                           "family's schedule and serves only that (its manifest records the family, the schedule and "
+                           "the file's sha256)")
     slots = p.add_argument_group("per-request LoRA adapters (README, 'Serving')")
     slots.add_argument("--lora-slots", type=positive, metavar="N",
                        help="with --lora-max-rank: compile the block with N adapter slots beside the plain block, so "
                             "run/serve --engine take --adapter NAME=FILE[:SCALE] (up to N, rank <= R) and a request "
                             "picks them by its \"lora\" field; no adapter in a request runs the plain block. sp=1, "
-                            "inductor or aoti")
+                            f"inductor or aoti. At most {slots_bound()}")
     slots.add_argument("--lora-max-rank", type=positive, metavar="R",
-                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear)")
+                       help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear); "
+                            "bounded with --lora-slots")
     p.add_argument("--task", default=TASKS[0], choices=TASKS,
                    help="t2va/fl2va (FL2VA partition, default t2va) or ref2va (Ref2VA)")
     p.add_argument("--sp", type=positive, default=1, help="Ulysses sequence-parallel degree the bundle serves (must divide "
                                                      "the attention heads: 1, 2, 4, 7, 8, 14, 28 or 56 for H3)")
     p.add_argument("--cfg", type=positive, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
+    _build_attention_arguments(p)
+    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
+    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
+                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
+
+
+def _build_attention_arguments(p) -> None:
+    """build's sparse attention: SubBlock's block-sparse serving, or a FastH3-VSA checkpoint's VSA settings."""
     sparse = p.add_argument_group("block-sparse attention (README, 'Block-sparse attention')")
     sparse.add_argument("--sparse-attention", type=float, metavar="SPARSITY",
                         help="serve block-sparse attention: compile the block's two halves around it (sp=1) and the "
@@ -313,18 +345,24 @@ def _build_parser(sub) -> None:
                         help="with --sparse-attention: the default of the first N denoise steps kept dense (10)")
     sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
                         help="with --sparse-attention: the default of the shortest attention made sparse (4096)")
-    p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
-    p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
-                                                            "`h3trt keygen KEY` makes one), writing manifest.sig")
+    vsa = p.add_argument_group("FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; README, 'VSA')")
+    vsa.add_argument("--vsa-sparsity", type=float, metavar="S",
+                     help="share of video key tiles each video query tile skips, 0 <= s < 1 (default 0.9, FastH3 "
+                          "v1's; 0: dense attention, the coarse branch kept). Recorded in the manifest")
+    vsa.add_argument("--vsa-dense-first-steps", type=int, metavar="N",
+                     help="the first N denoise steps run dense (default 0)")
+    vsa.add_argument("--vsa-dense-layers", type=int, nargs="+", metavar="I",
+                     help="main blocks that run dense in every step (default: none)")
 
 
 def _schedule_arguments(p) -> None:
     """build's schedules: the AdaLN tables are baked for each (README, 'Few-step LoRAs and step caching')."""
-    from ..models.sampler import DEFAULT_STEPS
+    from ..models.sampler import DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
 
     schedules = p.add_argument_group("schedules (the AdaLN tables are baked for each; --keep-adaln serves any)")
-    schedules.add_argument("--steps", type=steps_list, default=(DEFAULT_STEPS,), metavar="N[,N...]",
-                           help=f"sigma grid points of each schedule (default {DEFAULT_STEPS}): a comma list bakes "
+    schedules.add_argument("--steps", type=steps_list, default=None, metavar="N[,N...]",
+                           help=f"sigma grid points of each schedule, {MIN_STEPS} to {MAX_STEPS} (default "
+                                f"{DEFAULT_STEPS}): a comma list bakes "
                                 "several (50,8: H3's and a Turbo LoRA's), any of them served, the first a request's "
                                 "default")
     schedules.add_argument("--video-shift", type=shift_list, metavar="S[,S...]",
@@ -351,6 +389,10 @@ def _bundle_parsers(sub) -> None:
                    help="JSON lines, the schema of `run --requests` (id and task optional): {\"prompt\": ..., "
                         "\"seed\": ...} (resolution or width/height, duration, steps default to the engine's)")
     e.add_argument("--json", type=Path, help="write the per-request and mean metrics here")
+    e.add_argument("--distilled", metavar="FILE[@key=value,...]",
+                   help="with a distilled --engine and an eager --reference (a checkpoint or 'tiny'): the same file, "
+                        "fused into the reference (its sha256 must be the bundle's), so the eager merged model is "
+                        "compared with the bundle")
     e.add_argument("--device", default=None, type=device,
                    help="cpu or cuda (default: where the engine bundle was built)")
     sub.add_parser("inspect", help="print a bundle's manifest").add_argument("bundle", type=Path)

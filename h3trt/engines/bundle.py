@@ -14,20 +14,23 @@ import torch
 import torch.nn.functional as F
 
 # Imported to register h3trt::attention and h3trt::fp8_sdpa, which compiled blocks call by name.
-from ..calibration.fp8_attention import check_attention_kernel
-from ..models.attention import bound_attention, check_attention_record, dense_kernel
+from ..calibration import fp8_attention  # noqa: F401
+from ..models.attention import bound_attention, dense_kernel
 from ..models.config import NUM_MODALITIES, H3Config
-from ..models.dit import rope_inv_freq, rope_tables
+from ..models.dit import layer_attention, rope_inv_freq, rope_tables, sdpa_attention
 from ..models.packing import PackedLayout
+from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX, StepHeads
+from ..models.sampler import Schedule
 from ..models.block_stack import run_block_stack
 from ..models.lora_slots import ADALN_TARGET, LoraRun, LoraSlots, lora_delta
-from ..models.sparse_kernels import check_sparse_kernel
 from ..models.sparse_run import load_sparse_kernel, warm_sparse
+from ..models.vsa_plan import VsaServing, load_vsa_kernel, vsa_call
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .loaders import LoadedSegment, load_segments
-from .bundle_files import BundleVerification, mismatch, structure_problems
-from .manifest import BundleError, Manifest, device_arch, hash_threads, read_manifest
+from .bundle_files import BundleVerification
+from .load_checks import check_load
+from .manifest import BundleError, Manifest, hash_threads, read_manifest
 from .signing import read_trusted_manifest
 from .tensorrt_runtime import load_trt_engine
 from .video_decoder import TileDecoder, parse_video_decoder_name
@@ -41,17 +44,22 @@ class EngineDiT:
     """The DiT forward from compiled segments: embed, the block segment(s) once per layer (models/block_stack.py),
     final. With an sp group the block is the two halves around the Ulysses exchange, on this rank's rows. In one
     process the block is the fused segment; a bundle built with --sparse-attention also has the halves, which a
-    sparse evaluation runs around its block-sparse attention (the exchange of one rank is the identity)."""
+    sparse evaluation runs around its block-sparse attention (the exchange of one rank is the identity). A FastH3-VSA
+    bundle has the halves only: every evaluation runs VSA between them, its gate in the exchange's buffer."""
 
     sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
-                 sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None):
+                 sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None,
+                 vsa: VsaServing | None = None, final_heads: StepHeads | None = None):
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
         bundle that has them beside its fused block); None: none. `lora_slots`: the banks of a bundle built with
-        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take."""
+        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take. `vsa`: a
+        FastH3-VSA bundle's settings and kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused
+        head per forward (models/pdd.py), given to the final segment in place of its own for the evaluation's forward."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
+        self.vsa = vsa
         self.halves = "block_pre" in entries and "block_post" in entries
         if sparse_kernel is not None and not self.halves:
             raise ValueError("a bundle without the block halves serves no sparse attention (its compiled block "
@@ -65,7 +73,9 @@ class EngineDiT:
         self.block_w = {name: [[weights["blocks"][f"blocks.{i}.{n}"]
                                 for n in entries[serving.get(name, [name] * cfg.num_layers)[i]]["weights"]]
                                for i in range(cfg.num_layers)] for name in block_segments}
-        self.final_w = [weights["final"][n] for n in entries["final"]["weights"]]
+        self.final_names = entries["final"]["weights"]
+        self.final_w = [weights["final"][n] for n in self.final_names]
+        self.final_heads = final_heads
         self.lora_slots = lora_slots
         if lora_slots is not None:  # each layer's twin with adapters, and its banks in the twin's order
             self.lora_segments = [f"{name}_lora" for name in self.layer_segments]
@@ -85,8 +95,12 @@ class EngineDiT:
 
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None,
                  lora: LoraRun | None = None):
-        """`lora`: the evaluation's adapters (from this engine's `lora_slots`); None runs exactly the plain path."""
-        core = sparse.attention(layout) if sparse is not None else None
+        """`lora`: the evaluation's adapters (from this engine's `lora_slots`); None runs exactly the plain path.
+        A FastH3-VSA bundle takes its request's VsaRun as `sparse` (models/vsa_plan.py), in every evaluation."""
+        if self.cfg.vsa_gate:  # VSA between the halves: dense evaluations run the bundle's own dense kernel
+            core = vsa_call(sparse, layout, self.sharded_attention[0] or sdpa_attention)
+        else:
+            core = sparse.attention(layout) if sparse is not None else None
         if core is not None and not self.halves:
             raise ValueError("this bundle's compiled block holds its attention and it has no halves; it serves no "
                              "sparse attention (sparse_kernel is None, which the pipeline checks before denoising).")
@@ -110,8 +124,12 @@ class EngineDiT:
         else:  # dense: the fused block, its attention (FP8 attention in an fp8 bundle) inside it
             block_fn = self._block(rows, temb)
         x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), cache, shard)
+        final_w = self.final_w
+        if self.final_heads is not None:  # PDD: this forward's fused head (chosen on the device: no sync)
+            chosen = self.final_heads.select(self.final_heads.index(unique_t, t_index, layout.video_index))
+            final_w = [chosen.get(n, w) for n, w in zip(self.final_names, self.final_w)]
         return self.segments["final"](x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
-                                      layout.audio_index, *self.final_w)
+                                      layout.audio_index, *final_w)
 
     def _bound_attention(self, scales: list[torch.Tensor]):
         segment = self.segments["attention"]
@@ -166,7 +184,7 @@ class EngineDiT:
         def block_fn(i, x, adaln_index, rope):
             mod = self.adaln.block(i, rows, temb).contiguous()
             (qkv,) = pre(x, mod, adaln_index, *rope, *self.block_w["block_pre"][i])
-            attn = exchange(qkv, core if core is not None else self.sharded_attention[i])
+            attn = exchange(qkv, layer_attention(core, i) if core is not None else self.sharded_attention[i])
             return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
 
         return block_fn
@@ -175,9 +193,8 @@ class EngineDiT:
 def one_rank_exchange(qkv_send: torch.Tensor, attention) -> torch.Tensor:
     """The Ulysses exchange of a group of one (parallel/ulysses.py UlyssesExchange's contract at sp=1): the send buffer
     [1, 3, B, S, N, D] holds every row and head, so q/k/v go to `attention` as they are and its [B, S, N, D] output
-    comes back as the received buffer [1, B, S, N, D]."""
-    q, k, v = qkv_send[0].unbind(0)
-    return attention(q, k, v).unsqueeze(0)
+    comes back as the received buffer [1, B, S, N, D]. A FastH3-VSA block's buffer holds its gate too ([1, 4, ...])."""
+    return attention(*qkv_send[0].unbind(0)).unsqueeze(0)
 
 
 class Engine:
@@ -248,25 +265,6 @@ class Engine:
         return cls(root, manifest, dit, segments, _load_report(manifest, verification, marks), verification)
 
 
-def check_load(root: Path, manifest: Manifest, device: torch.device, mesh=None) -> None:
-    """Step 1 of a load, before any file is read: the environment (check_environment), the kernels the bundle
-    serves can run on `device`, and every file is there at its size."""
-    check_environment(manifest, device, mesh)
-    quant = manifest.quant or {}
-    attention = manifest.attention  # absent: a bundle from before kernels were recorded (bf16 SDPA)
-    try:
-        if attention is not None:
-            check_attention_record(attention, device)
-        elif quant.get("fp8_attention"):
-            check_attention_kernel(quant["attention_kernel"], device)
-        if manifest.sparse is not None:
-            check_sparse_kernel(manifest.sparse.kernel, device)
-    except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
-        raise BundleError(f"{root}: {e}") from e
-    problems = structure_problems(root, manifest)
-    if problems:
-        raise mismatch(root, problems)
-
 
 def _adaln_file(manifest: Manifest) -> str:
     return "adaln_tables" if manifest.adaln.baked else "adaln_weights"
@@ -310,21 +308,37 @@ def _stream(root: Path, manifest: Manifest, device: torch.device, verification: 
 def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegment], weights: dict,
                 device: torch.device, sp_group, marks: dict) -> EngineDiT:
     """The DiT runner over the loaded segments and weights, with its AdaLN runner and its block-sparse kernel
-    (compiled and warmed now: `marks` gets how long that took)."""
+    or VSA kernel (compiled and warmed now: `marks` gets how long that took)."""
     cfg, quant, attention = manifest.model_config, manifest.quant or {}, manifest.attention
     adaln = adaln_runner(manifest, weights.pop(_adaln_file(manifest)), cfg, device)
     sharded = manifest.mesh.sp > 1
     t_sparse = time.perf_counter()
-    sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
+    vsa = manifest.vsa
+    if vsa is None:
+        sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
+    else:  # a FastH3-VSA bundle: VSA's kernel, warmed now; no SubBlock sparse attention (pipeline refuses it)
+        load_vsa_kernel(device, cfg.num_heads // manifest.mesh.sp, cfg.head_dim, manifest.precision.spec.dtype,
+                        vsa.kernel)
+        sparse_kernel, sparse_problem = None, None
     marks["sparse_s"] = time.perf_counter() - t_sparse
     slots = manifest.lora_slots  # --lora-slots: the banks are allocated here, zeros until an adapter loads
     lora_slots = (LoraSlots(cfg, manifest.task, slots.slots, slots.max_rank, manifest.precision.spec.dtype, device,
                             slots.targets) if slots is not None else None)
     dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
                     quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel,
-                    lora_slots)
+                    lora_slots, vsa, _final_heads(manifest, weights["final"], device))
     dit.sparse_problem = sparse_problem
     return dit
+
+
+def _final_heads(manifest: Manifest, final: dict[str, torch.Tensor], device) -> StepHeads | None:
+    """A PDD bundle's heads per forward, keyed by the video timestep of each forward of its one schedule."""
+    if not any(name.startswith(PDD_PREFIX) for name in final):
+        return None
+    s = manifest.schedule
+    video_t = torch.tensor([tv for tv, _ in Schedule(s.steps, s.video_shift, s.audio_shift, s.rungs).timesteps()],
+                           dtype=torch.float32)
+    return StepHeads(video_t, {n: final[PDD_PREFIX + n] for n in HEAD_WEIGHTS}).to(device)
 
 
 def _load_report(manifest: Manifest, verification: "BundleVerification", marks: dict) -> dict:
@@ -379,40 +393,3 @@ def bundle_sparse_kernel(root: Path, manifest: Manifest, device: torch.device) -
                           f"--sparse-attention), which did not compile on {device} ({type(e).__name__}: {first}). "
                           "Serve it where it was built, or rebuild it here.") from e
     return record.kernel, None
-
-
-def check_process_gpu(device: torch.device) -> None:
-    """Compiled code runs on the process's cuda:0 only: Inductor's saved wrapper names the device it was compiled on,
-    and h3trt always compiles and serves on cuda:0, making each rank's own GPU its cuda:0 (h3trt/parallel/devices.py).
-    Refuse any other device index rather than launch kernels on the wrong GPU."""
-    if device.type != "cuda":
-        return
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index != 0:
-        raise BundleError(f"A bundle serves on its process's cuda:0, not cuda:{index}: its compiled code launches on "
-                          "device 0. Use `h3trt run --device cuda:N` or --gpus/torchrun (they make the chosen GPU the "
-                          "process's cuda:0), or start the process with CUDA_VISIBLE_DEVICES listing that GPU first.")
-
-
-def check_environment(manifest: Manifest, device: torch.device, mesh=None) -> None:
-    """Refuse a bundle built for another GPU, torch version or mesh (`mesh`: the launched MeshConfig; None: one
-    process)."""
-    built = manifest.versions.get("torch")
-    if built != torch.__version__:
-        raise BundleError(f"This bundle was built with torch {built}; this process runs torch {torch.__version__}. "
-                          "Compiled code is specific to the torch version: rebuild the bundle on this image "
-                          "(h3trt build ...).")
-    check_process_gpu(device)
-    arch = device_arch(device)
-    if manifest.arch != arch:
-        raise BundleError(f"This bundle was built for {manifest.arch}; this device is {arch} ({device}). Rebuild "
-                          f"it on a {arch} machine, or run it on {manifest.arch}.")
-    want = manifest.mesh
-    replica, cfg, sp = (mesh.replica, mesh.cfg, mesh.sp) if mesh is not None else (1, 1, 1)
-    if (want.sp, want.cfg) != (sp, cfg):
-        group = want.sp * want.cfg
-        raise BundleError(f"This bundle was built for sp={want.sp} x cfg={want.cfg} ({group} rank(s) per "
-                          f"replica, {want.heads_per_rank} heads per rank); the job was launched as "
-                          f"replica({replica}) x cfg({cfg}) x sp({sp}). Launch a multiple of {group} ranks (h3trt "
-                          f"run --gpus {group}, or torchrun) with --sp {want.sp} --cfg {want.cfg}, or rebuild "
-                          f"with h3trt build --sp {sp} --cfg {cfg}.")

@@ -1,5 +1,6 @@
-"""The bundle manifest: what was built, for what, and the sha256 of every chunk of every file; and the check of a
-request against it (the checks of its files are bundle_files.py's, the device and mesh checks of a load bundle.py's).
+"""The bundle manifest: what was built, for what, and the sha256 of every chunk of every file (the check of a request
+against it is request_check.py's, the checks of its files bundle_files.py's, the device and mesh checks of a load
+bundle.py's).
 
 Files are hashed in chunks of `hash_chunk_bytes` (64 MiB), each with its own sha256, so that a load verifies a file
 on as many cores as it reads it with, while it reads it (`weights_io.read_safetensors`), instead of one core
@@ -29,7 +30,8 @@ from ..models.lora_slots import BLOCK_TARGETS
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from ..models.sparse_kernels import SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings
-from .schedules import ScheduleRecord, schedule_refusal
+from ..models.vsa_plan import VsaServing
+from .schedules import ScheduleRecord, rungs_of, schedule_json
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
 # 2: the video decoder as in/block/out segments at a recorded --vae-precision; 3: the manifest carries
@@ -156,6 +158,9 @@ class Manifest:
     tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
     sparse: SparseRecord | None = None  # --sparse-attention: the default settings and the kernel; None: not built so
     lora_slots: LoraSlotsRecord | None = None  # --lora-slots: per-request adapters; None (older bundles too): none
+    vsa: VsaServing | None = None  # a FastH3-VSA bundle: its VSA settings and kernel; None: no VSA model
+    # --distilled: the family, its schedule and tasks, the file and its sha256 (models/distilled.py Distilled.record)
+    distilled: dict | None = None
     # Filled by write_manifest, from the files and the content:
     files: dict[str, FileRecord] = field(default_factory=dict)
     hash_chunk_bytes: int = HASH_CHUNK_BYTES
@@ -184,7 +189,7 @@ class Manifest:
         absent tensorrt record are left out)."""
         data = {"format_version": FORMAT_VERSION, **{f: getattr(self, f) for f in _PLAIN_FIELDS}}
         data.update(
-            tasks=list(self.tasks), model_config=self.model_config.to_dict(), schedule=asdict(self.schedule),
+            tasks=list(self.tasks), model_config=self.model_config.to_dict(), schedule=schedule_json(self.schedule),
             adaln={k: v for k, v in asdict(self.adaln).items() if v is not None},
             profiles=[asdict(p) for p in self.profiles], mesh=asdict(self.mesh), loras=list(self.loras),
             video_decoder=asdict(self.video_decoder),
@@ -195,8 +200,12 @@ class Manifest:
             data["sparse"] = asdict(self.sparse)
         if self.lora_slots is not None:
             data["lora_slots"] = asdict(self.lora_slots)
+        if self.vsa is not None:
+            data["vsa"] = self.vsa.to_dict()
+        if self.distilled is not None:
+            data["distilled"] = self.distilled
         if len(self.schedules) > 1:
-            data["schedules"] = [asdict(s) for s in self.schedules]
+            data["schedules"] = [schedule_json(s) for s in self.schedules]
         return data
 
     @classmethod
@@ -218,7 +227,8 @@ class Manifest:
             task=top.choice("task", TASKS), tasks=tuple(top.strings("tasks", TASKS)),
             model_config=top.model_config("model_config"), checkpoint=top.get("checkpoint", dict),
             schedules=tuple(ScheduleRecord(s.get("steps", int), s.get("video_shift", float),
-                                           s.get("audio_shift", float)) for s in schedules),
+                                           s.get("audio_shift", float),
+                                           rungs_of(s.get("rungs", list, optional=True))) for s in schedules),
             adaln=AdalnRecord(adaln.get("baked", bool), *(adaln.get(k, int, optional=True) for k in (
                 "timesteps", "adaln_weight_bytes", "table_bytes")), adaln.get("bytes_saved", int, optional=True) or 0),
             profiles=tuple(ProfileRecord(p.get("width", int), p.get("height", int), p.get("seconds", float),
@@ -238,8 +248,12 @@ class Manifest:
             loras=tuple(top.get("loras", list, optional=True) or ()),
             tensorrt=top.get("tensorrt", dict, optional=True), sparse=_sparse_record(top),
             lora_slots=_lora_slots_record(top.sub("lora_slots")) if top.data.get("lora_slots") else None,
+            vsa=_vsa_record(top) if top.data.get("vsa") is not None else None,
+            distilled=top.get("distilled", dict, optional=True),
             files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
             hash_chunk_bytes=top.positive("hash_chunk_bytes"), manifest_sha256=top.get("manifest_sha256", str))
+        if (manifest.vsa is not None) != manifest.model_config.vsa_gate:
+            raise top.error("vsa", "present exactly when model_config.vsa_gate is true (a FastH3-VSA bundle)")
         if manifest.backend == "tensorrt" and manifest.tensorrt is None:
             raise top.error("tensorrt", "an object (a tensorrt bundle records its plans' flavour and targets)")
         return manifest
@@ -255,6 +269,13 @@ def _sparse_record(top: "_Fields") -> SparseRecord | None:
     if not 0.0 <= record.sparsity < 1.0 or record.dense_steps < 0:
         raise sparse.error("sparsity", "a fraction in [0, 1) with dense_steps >= 0")
     return record
+
+
+def _vsa_record(top: "_Fields") -> VsaServing:
+    try:
+        return VsaServing.from_dict(top.get("vsa", dict))
+    except ValueError as e:
+        raise top.error("vsa", f"a FastH3-VSA bundle's settings and kernel ({e})") from None
 
 
 def _lora_slots_record(r: "_Fields") -> LoraSlotsRecord:
@@ -425,22 +446,3 @@ def bundle_identity(manifest: Manifest) -> dict:
     files = hashlib.sha256(json.dumps(manifest.raw["files"], sort_keys=True).encode()).hexdigest()
     return {"backend": manifest.backend, "precision": manifest.precision, "files_sha256": files,
             "manifest_sha256": manifest.manifest_sha256}
-
-
-def check_request(manifest: Manifest, width: int, height: int, num_frames: int, steps: int, video_shift: float,
-                  audio_shift: float, task: str, schedule_field: str = "steps", schedule_note: str = "") -> None:
-    """Refuse a request the bundle was not built to serve, naming what it serves; a schedule it does not serve is
-    about `schedule_field`, the request's words on where it came from in `schedule_note`."""
-    if task not in manifest.tasks:
-        raise BundleError(f"This bundle serves {list(manifest.tasks)}, not {task}; build one from the "
-                          f"{'Ref2VA' if task == 'ref2va' else 'FL2VA'} partition (h3trt build --task {task}).",
-                          field="task")
-    profiles = manifest.profiles
-    if not any(p.width == width and p.height == height and p.num_frames == num_frames for p in profiles):
-        built = ", ".join(f"{p.width}x{p.height}x{p.seconds:g}s" for p in profiles)
-        raise BundleError(f"This bundle was not built for {width}x{height}, {num_frames} frames; its profiles are "
-                          f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:.4g}.",
-                          field="resolution")
-    refusal = schedule_refusal(manifest.schedules, steps, video_shift, audio_shift, schedule_note)
-    if manifest.adaln.baked and refusal:
-        raise BundleError(refusal, field=schedule_field)

@@ -24,6 +24,8 @@ import tempfile
 import threading
 from pathlib import Path
 
+from .atomic import interrupts_held
+
 PREFIX = "h3trt-engine-cache-"
 HOST = re.sub(r"[^A-Za-z0-9_]", "_", socket.gethostname())[:64] or "host"
 # h3trt-engine-cache-<host>-<pid>-<start>-<mkdtemp's random part: letters, digits, underscores>
@@ -64,14 +66,19 @@ def owner_gone(pid: int, start: int) -> bool:
 
 
 def make_private_cache() -> Path:
-    """A new folder in $TMPDIR owned by this process, removed when it exits or is sent SIGTERM."""
+    """A new folder in $TMPDIR owned by this process, removed when it exits or is sent SIGTERM. Made and registered
+    for removal with Ctrl-C and SIGTERM held back: one arriving in between (the CLI raises KeyboardInterrupt for
+    both) left the folder, empty, until the next load; it acts once the folder is registered."""
     pid = os.getpid()
-    path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{HOST}-{pid}-{process_start(pid)}-"))
-    _OWN.append((pid, path))
-    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    with interrupts_held((signal.SIGINT, signal.SIGTERM)) as pending:
+        path = Path(tempfile.mkdtemp(prefix=f"{PREFIX}{HOST}-{pid}-{process_start(pid)}-"))
+        _OWN.append((pid, path))
+        atexit.register(shutil.rmtree, path, ignore_errors=True)
     # Signal handlers belong to the main thread; elsewhere a SIGTERM leaves the folder to the next load.
     if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _remove_then_die)
+    for signum in pending:
+        signal.raise_signal(signum)
     return path
 
 

@@ -42,6 +42,7 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
           LoRA slots): in the model's fixed set, or in a server's current set (`adapters`), which resolves them: the
           prepared request names each adapter's file and sha256 as they are now (pipeline/adapter_catalog.py); and a
           bundle runs them dense (check_bundle_dense: its sparse halves have no adapter slots)
+      1c. a distilled model (models/distilled.py DistilledServing) serves its family's tasks and schedule, CFG off
       2. a bundle serves the task, the canvas and the schedule (check_bundle_serves)
       3. on cfg=2 rank groups (`guidance_branches` 2: the launched mesh's cfg degree) each group runs one of
          guidance's two branches, so the request must be guided
@@ -54,10 +55,14 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
     checks them for every request (the server: a file cut short since the last request is seen)."""
     model, resident = entry.model, entry.adapters
     prepared = prepare(request, model.canvas if canvas is None else canvas, names)
-    if adapters is not None and resident.refusal is None:
+    if adapters is not None and model.adapters_refusal is None:
         prepared = replace(prepared, request=adapters.resolve(request))
     else:
-        check_adapters(request.lora, resident.specs, resident.refusal, resident.per_request)
+        check_adapters(request.lora, resident.specs, model.adapters_refusal, resident.per_request)
+    if model.distilled_serving is not None:  # a distilled family's task, guidance, cache and schedule
+        serving = model.distilled_serving
+        serving.check(request.task, request.guidance, getattr(request, "cache", None))
+        serving.schedule(request.steps, request.video_shift, request.audio_shift)
     if model.manifest is not None:
         check_bundle_dense(request.lora, request.sparse_attention)
         check_bundle_serves(model.manifest, prepared)

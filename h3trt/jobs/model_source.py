@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
 
 import torch
@@ -26,7 +27,11 @@ from ..engines.signing import key_fingerprint, load_public_key, read_trusted_man
 from ..errors import UserError
 from ..models.checkpoint import TransformerSource, locate_transformer
 from ..models.config import H3Config
+from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
+from ..models.distilled_contract import checkpoint_contract
 from ..models.lora import LoraSpec
+from ..models.lora_memory import check_slots_fit, largest_rank
+from ..models.precision import eager_dtype
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
@@ -89,6 +94,7 @@ class ModelSource:
     trust: Path | None = None  # --trust: the public key a bundle must be signed with
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else VAEPrecision.default)
     loras: tuple[LoraSpec, ...] = ()  # --lora: merged into an eager DiT; a bundle's: held in its slots, every request
+    distilled: DistilledSpec | None = None  # --distilled: fused into an eager DiT (a bundle's manifest has its own)
     # task -> where its transformer is: located once (a checkpoint's folders and configs are read at the first ask)
     _located: dict[str, TransformerSource] = field(default_factory=dict, compare=False, repr=False)
 
@@ -101,11 +107,15 @@ class ModelSource:
 
     @classmethod
     def resolve(cls, engine: Path | None = None, model: Path | None = None, trust: Path | None = None,
-                vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = ()) -> ModelSource:
+                vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (),
+                distilled: DistilledSpec | None = None) -> ModelSource:
         """--engine DIR (a bundle), --model PATH (a checkpoint), or neither (the embedded tiny model); a flag that
-        does not fit the source is refused here, before any model loads."""
+        does not fit the source is refused here, before any model loads (--distilled's with adapters:
+        AdapterConfig.resolve)."""
         if engine is not None and model is not None:
             raise UserError("--engine and --model name two models; pass one.")
+        if distilled is not None:
+            _check_distilled(distilled, engine, loras)
         if trust is not None and engine is None:
             raise UserError("--trust checks a bundle's signature; pass it with --engine DIR.")
         if vae_precision is not None:
@@ -116,8 +126,8 @@ class ModelSource:
             manifest = read_trusted_manifest(engine, trust) if trust is not None else read_manifest(engine)
             return cls(SourceKind.BUNDLE, Path(engine), manifest, trust, vae_precision, tuple(loras))
         if model is not None:
-            return cls(SourceKind.CHECKPOINT, Path(model), None, None, vae_precision, tuple(loras))
-        return cls(SourceKind.TINY, None, None, None, vae_precision, tuple(loras))
+            return cls(SourceKind.CHECKPOINT, Path(model), None, None, vae_precision, tuple(loras), distilled)
+        return cls(SourceKind.TINY, None, None, None, vae_precision, tuple(loras), distilled)
 
     @property
     def root(self) -> Path:
@@ -141,8 +151,24 @@ class ModelSource:
 
     @property
     def default_steps(self) -> int:
-        """A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps."""
+        """A bundle's baked schedule is its default (its shifts already are): a few-step bundle needs no --steps; a
+        distilled model's family schedule likewise."""
+        if self.distilled_serving is not None:
+            return self.distilled_serving.plan.schedule.steps
         return self.manifest.schedule.steps if self.manifest is not None else DEFAULT_STEPS
+
+    @cached_property
+    def distilled_serving(self) -> DistilledServing | None:
+        """What a distilled model serves: a bundle's manifest record, or --distilled's file read from its header."""
+        if self.manifest is not None:
+            return DistilledServing.from_record(self.manifest.distilled) if self.manifest.distilled else None
+        if self.distilled is not None:
+            return plan_distilled(self.distilled)
+        if self.kind.embedded:
+            return None
+        source = self.located("t2va")  # a full FastH3 export serves its sidecar's ladder
+        contract = checkpoint_contract(source.component_root, source.shifts)
+        return contract[0] if contract is not None else None
 
     @property
     def default_sparse(self) -> SparseSettings | None:
@@ -151,6 +177,14 @@ class ModelSource:
         if self.manifest is None or self.manifest.sparse is None:
             return None
         return self.manifest.sparse.settings()
+
+    @property
+    def adapters_refusal(self) -> str | None:
+        """Why this model serves no per-request adapters at all (a fused FastH3 or PDD checkpoint; a bundle built
+        without LoRA slots); None: it may (AdapterConfig: which it holds)."""
+        if self.distilled_serving is not None and self.distilled_serving.adapters_refusal is not None:
+            return self.distilled_serving.adapters_refusal
+        return BUNDLE_REFUSAL if self.manifest is not None and self.manifest.lora_slots is None else None
 
     @property
     def model_name(self) -> str:
@@ -257,7 +291,6 @@ class AdapterConfig:
     folder: Path | None = None  # serve --lora-dir: where adapters load from while the server runs
     num_slots: int | None = None  # serve --lora-slots / --lora-max-rank (None: fitted, SlotShape.fitted)
     max_rank: int | None = None
-    refusal: str | None = None  # why this model serves no per-request adapters at all (a bundle without LoRA slots)
     # The most adapters one request may name (one evaluation's slots): a bundle's slots less its pinned --lora files,
     # or --lora-slots; None: bounded by the resident set alone
     per_request: int | None = None
@@ -274,17 +307,23 @@ class AdapterConfig:
         if (num_slots is not None or max_rank is not None) and not specs and folder is None:
             raise UserError("--lora-slots and --lora-max-rank size the slots of LoRA adapters; pass them with "
                             "--adapter NAME=FILE or --lora-dir DIR.")
-        specs = (*specs, *(folder_specs(Path(folder)) if folder is not None else ()))
+        if source.distilled is not None and (specs or folder is not None):  # a --distilled FastH3 or PDD file
+            refusal = source.distilled_serving.adapters_refusal
+            if refusal is not None:
+                raise UserError(refusal)
+        folder = Path(folder) if folder is not None else None
+        specs = (*specs, *(folder_specs(folder) if folder is not None else ()))
         check_specs(specs)
         m = source.manifest
         if m is None:
-            return cls(specs, Path(folder) if folder is not None else None, num_slots, max_rank, None, num_slots)
+            return cls(specs, folder, num_slots, max_rank, num_slots)
+        if m.distilled is not None and (specs or source.loras or folder is not None):
+            refusal = DistilledServing.from_record(m.distilled).adapters_refusal
+            if refusal is not None:  # a fused FastH3 or PDD bundle: no slots will ever help
+                raise UserError(f"--adapter/--lora/--lora-dir: {refusal}")
         # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots
-        check_bundle_specs(specs, source.loras, m.lora_slots, m.model_config, m.task)
-        if m.lora_slots is None:
-            return cls(specs, Path(folder) if folder is not None else None, refusal=BUNDLE_REFUSAL)
-        return cls(specs, Path(folder) if folder is not None else None,
-                   per_request=m.lora_slots.slots - len(source.loras))
+        check_bundle_specs(specs, source.loras, m.lora_slots, m.model_config, m.task, folder)
+        return cls(specs, folder, per_request=m.lora_slots.slots - len(source.loras) if m.lora_slots else None)
 
     @property
     def schedules(self) -> dict[str, ScheduleValues]:
@@ -292,21 +331,30 @@ class AdapterConfig:
         not state: pipeline/adapter_schedule.py)."""
         return adapter_schedules(self.specs)
 
-    def catalog(self, source: ModelSource, state: Path | None = None, log=None,
+    def catalog(self, source: ModelSource, device: str, state: Path | None = None, log=None,
                 task: str = "t2va") -> AdapterCatalog | None:
         """A server's set of adapters (GET /v1/loras, admission, the admin calls), its files read and checked against
-        `task`'s partition (a bundle's: its own, in its slots' shape less the --lora files pinned in them); `state`:
-        the file that keeps the admin calls' changes across restarts. None for a bundle without LoRA slots, and for a
-        model without adapters or --lora-dir (the set is empty for good)."""
-        if self.refusal is not None or (not self.specs and self.folder is None):
+        `task`'s partition (a bundle's: its own, in its slots' shape less the --lora files pinned in them; a
+        checkpoint's: slots that fit `device`'s memory); `state`: the file that keeps the admin calls' changes across
+        restarts. None for a model that serves no adapters (ModelSource.adapters_refusal), and for a model without
+        adapters or --lora-dir (the set is empty for good)."""
+        if source.adapters_refusal is not None or (not self.specs and self.folder is None):
             return None
-        if source.manifest is not None:
+        cfg, log = source.config(task), ({"log": log} if log is not None else {})
+        if source.manifest is not None:  # a bundle's slots were checked by its build
             task, slots = source.manifest.task, source.manifest.lora_slots
-            shape = {"num_slots": self.per_request, "max_rank": slots.max_rank, "targets": slots.targets}
-        else:
-            shape = {"num_slots": self.num_slots, "max_rank": self.max_rank}
-        return AdapterCatalog.start(self.specs, source.config(task), task, folder=self.folder, state=state, **shape,
-                                    **({"log": log} if log is not None else {}))
+            return AdapterCatalog.start(self.specs, cfg, task, folder=self.folder, state=state, **log,
+                                        num_slots=self.per_request, max_rank=slots.max_rank, targets=slots.targets)
+        dtype = eager_dtype(device)  # a checkpoint's slots are the server's: they must fit its memory
+        catalog = AdapterCatalog.start(self.specs, cfg, task, folder=self.folder, state=state, **log,
+                                       num_slots=self.num_slots, max_rank=self.max_rank,
+                                       rank_limit=lambda n: largest_rank(cfg, n, device, dtype))
+        n, r = catalog.shape.num_slots, catalog.shape.max_rank
+        given = (f"--lora-slots {n}" if self.num_slots else "") + (f" --lora-max-rank {r}" if self.max_rank else "")
+        check_slots_fit(cfg, n, r, device, dtype, what=(
+            f"{given.strip()} (the slots: {n} of rank {r})" if given else
+            f"the slots fitted to the adapters at start ({n} of rank {r}; --lora-slots and --lora-max-rank set them)"))
+        return catalog
 
 
 @dataclass(frozen=True)
@@ -329,6 +377,10 @@ class Entry:
     def mesh(self, task: str) -> MeshConfig:
         return self.launch.mesh(self.model, task)
 
+    def adapter_catalog(self, state: Path | None = None, log=None, task: str = "t2va") -> AdapterCatalog | None:
+        """A server's set of adapters (AdapterConfig.catalog), its slots fitted to this launch's device."""
+        return self.adapters.catalog(self.model, self.launch.device, state, log, task)
+
     def components(self, task: str) -> Components:
         """The built parts of a pipeline in this process (h3trt eval builds its own around them; the job loop's
         ranks load through `worker_spec` and rank.load_rank_pipeline)."""
@@ -337,7 +389,7 @@ class Entry:
             return load_bundle(m.root, self.launch.device, vae_precision=m.vae_precision, trust=m.trust,
                                adapters=self.adapters.specs, loras=m.loras)
         return load_checkpoint(m.root, task, self.launch.device, m.vae_precision, m.loras,
-                               adapters=self.adapters.specs)
+                               adapters=self.adapters.specs, distilled=m.distilled)
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
         """A pipeline in this process."""
@@ -352,4 +404,16 @@ class Entry:
         return WorkerSpec(str(m.root), m.manifest is not None, task, self.launch.device_type, mesh,
                           m.config(task).num_heads, canvas=m.canvas, model_name=m.model_name,
                           record_extra=m.record_extra, vae_precision=m.vae_precision, loras=m.loras,
-                          trust=str(m.trust) if m.trust is not None else None, **fields)
+                          trust=str(m.trust) if m.trust is not None else None, distilled=m.distilled, **fields)
+
+
+def _check_distilled(spec: DistilledSpec, engine: Path | None, loras: tuple) -> None:
+    """--distilled with what it cannot go with, before any model loads: a bundle (its manifest carries the file it was
+    built with), and merged LoRAs beside a FastH3 or PDD file (adapters beside one: AdapterConfig.resolve)."""
+    if engine is not None:
+        raise UserError("--distilled fuses a file into a checkpoint run eagerly; a bundle was built with its own "
+                        "(h3trt inspect shows it): drop --distilled with --engine, or build with "
+                        "h3trt build --distilled FILE.")
+    serving = plan_distilled(spec)
+    if loras and serving.merged_lora_refusal is not None:
+        raise UserError(serving.merged_lora_refusal)

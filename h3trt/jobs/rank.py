@@ -56,6 +56,8 @@ class WorkerSpec:
     lora_slots: SlotShape | None = None  # an eager DiT's adapter slots (None: one per adapter, of their largest rank;
     # a bundle's are its own)
     trust: str | None = None  # --trust: the public key a bundle must be signed with
+    distilled: object = None  # a DistilledSpec fused into an eager DiT on every rank (a bundle carries its own)
+    prefetch_prompts: tuple[str, ...] = ()  # t2va prompts a bundle's text encoder encodes while the DiT loads
     raise_failures: bool = False  # one clip in this process: a failure propagates with its own type and traceback
 
     @property
@@ -81,10 +83,11 @@ def load_rank_pipeline(spec: WorkerSpec, par: Parallel, device: torch.device, ta
         return H3Pipeline.load_engine(Path(spec.model_root), device, spec.canvas, mesh=par.config,
                                       sp_group=par.sp_group, cfg_group=par.cfg_group, vae_precision=spec.vae_precision,
                                       trust=spec.trust, adapters=spec.adapters, loras=spec.loras,
-                                      serve_adapters=spec.lora_slots is not None)
+                                      serve_adapters=spec.lora_slots is not None,
+                                      prefetch_prompts=spec.prefetch_prompts)
     return H3Pipeline.load(Path(spec.model_root), task or spec.task, device, spec.canvas, spec.vae_precision,
                            loras=spec.loras, sp_group=par.sp_group, cfg_group=par.cfg_group, adapters=spec.adapters,
-                           lora_slots=spec.lora_slots)
+                           lora_slots=spec.lora_slots, distilled=spec.distilled)
 
 
 class Pipelines:

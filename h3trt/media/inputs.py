@@ -71,7 +71,10 @@ def read_image(path: str | os.PathLike) -> Image.Image:
     except Image.DecompressionBombError:  # PIL's own guard, past twice its limit: refused from the header alone
         raise MediaError(f"{path} is over h3trt's input limit of {MAX_INPUT_PIXELS:,} pixels (8192 x 8192) by "
                          "far; downscale it first") from None
-    except (UnidentifiedImageError, OSError, SyntaxError) as err:
+    except UnidentifiedImageError:  # its message repeats the path, quoted: said once, by us
+        raise MediaError(f"{path} is not a readable image (no image format was recognised); re-save it as PNG or "
+                         "JPEG") from None
+    except (OSError, SyntaxError) as err:
         # PIL raises OSError/SyntaxError for truncated or corrupt files after the header parsed.
         raise MediaError(f"{path} is not a readable image ({err}); re-save it as PNG or JPEG") from None
 

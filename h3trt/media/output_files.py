@@ -159,18 +159,38 @@ def estimated_clip_bytes(width: int, height: int, num_frames: int, fps: int, crf
     return int(video + AAC_BYTES_PER_SECOND * num_frames / fps + CONTAINER_SLACK_BYTES)
 
 
+_CREATED: list[Path] = []  # the folders this process created for its outputs, outermost first
+
+
 def _make_folder(folder: Path, what: str) -> None:
-    """Create `folder` (and its parents) unless it exists; refuse a file on the way, one line."""
+    """Create `folder` (and its parents) unless it exists; refuse a file on the way, one line. What it creates is
+    remembered: a run that ends without its output removes it again (remove_created_folders_left_empty)."""
+    missing = []
     for parent in (folder, *folder.parents):
         if parent.exists():
             if not parent.is_dir():
                 raise OutputRefused(f"{what}: {parent} is a file, not a folder; choose another location.")
             break
+        missing.append(parent)
     try:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise OutputRefused(f"{what}: cannot create the folder {folder} ({e.strerror}); create it or choose another "
                           "location.") from None
+    _CREATED.extend(reversed(missing))
+
+
+def remove_created_folders_left_empty(remove: bool = True) -> list[Path]:
+    """Forget the folders this process created for its outputs; with `remove` (a run that ended without its output:
+    interrupted, refused, failed) first remove those that hold nothing, innermost first: any file (a clip, a record, a
+    batch's lock or timeline, another process's file) keeps its folder."""
+    created, removed = list(_CREATED), []
+    _CREATED.clear()
+    for folder in reversed(created) if remove else ():
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # an empty folder only: OSError otherwise
+            removed.append(folder)
+    return removed
 
 
 def _check_writable(folder: Path, what: str) -> None:

@@ -159,7 +159,9 @@ def _transformer_folder(folder: Path, component_root: Path, metadata: ReleaseMet
                 raise
             raise CheckpointError(f"{folder / 'config.json'} is not an H3 transformer config ({e}); use the "
                                   "checkpoint's own config.json.") from None
-        return TransformerSource(_shard_files(folder), "native" if cls == NATIVE_CLASS else "diffusers",
+        files = _shard_files(folder)
+        cfg = with_vsa_gate(cfg, [k for f in files for k in _safetensors_keys(f)])
+        return TransformerSource(files, "native" if cls == NATIVE_CLASS else "diffusers",
                                  cls == NATIVE_CLASS, "", cfg, component_root, metadata)
     raise CheckpointError(
         f"{folder / 'config.json'}: _class_name {cls!r} is not a MiniMax-H3 transformer "
@@ -231,9 +233,18 @@ def _single_file(path: Path) -> TransformerSource:
     names = [k[len(prefix):] for k in keys]
     naming = "diffusers" if any(n.startswith("transformer_blocks.") for n in names) else "native"
     shapes = _safetensors_shapes(path)
-    cfg = infer_config({n: shapes[prefix + n] for n in names}, naming)
+    cfg = with_vsa_gate(infer_config({n: shapes[prefix + n] for n in names}, naming), names)
     # Published single files (Comfy, GGUF) store [q; k; v]; only the official shards interleave.
     return TransformerSource((path,), naming, False, prefix, cfg, path.parent, None)
+
+
+VSA_GATE_KEY = ".attn.to_gate_compress.weight"  # FastH3-VSA's gate, in native and diffusers names alike
+
+
+def with_vsa_gate(cfg: H3Config, keys) -> H3Config:
+    """`cfg` with vsa_gate set where the checkpoint's tensors hold `attn.to_gate_compress` (FastH3-VSA): no config
+    field of the releases says so, the tensors do (a block without one is then a missing key of the strict load)."""
+    return dataclasses.replace(cfg, vsa_gate=True) if any(k.endswith(VSA_GATE_KEY) for k in keys) else cfg
 
 
 def infer_config(shapes: dict[str, tuple[int, ...]], naming: str) -> H3Config:

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from .config import NUM_MODALITIES, NUM_MODULATION_PARAMS, H3Config
 from .block_stack import RowSharding, run_block_stack
 from .step_cache import CacheContext
+from .vsa_plan import VsaServing, vsa_call
 
 # Prefixes whose weights the released checkpoint stores in float32 (VideoX-Fun MINIMAX_H3_FP32_SOURCE_PREFIXES);
 # everything else is bfloat16, AdaLN included.
@@ -70,6 +71,13 @@ def sdpa_attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Ten
     return out_BNSD.transpose(1, 2)
 
 
+def layer_attention(attn_fn, i: int):
+    """Main block i's attention core: `attn_fn.layer(i)` where the attention differs by block (VSA: its dense
+    layers, models/vsa_plan.py), else `attn_fn` itself."""
+    layer = getattr(attn_fn, "layer", None)
+    return layer(i) if layer is not None else attn_fn
+
+
 def apply_rope(x_BSND: torch.Tensor, cos_SR: torch.Tensor, sin_SR: torch.Tensor) -> torch.Tensor:
     """NeoX (rotate-half) rotation of the leading R head dims of x [B, S, N, D] by cos/sin [S, R] (fp32, cast to x's
     dtype); the rest pass through. Returns [B, S, N, D]."""
@@ -106,13 +114,15 @@ def timestep_sinusoid(timesteps_T: torch.Tensor, freq_dim: int) -> torch.Tensor:
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: H3Config):
+    def __init__(self, cfg: H3Config, gate: bool = False):
         super().__init__()
         self.num_heads, self.head_dim = cfg.num_heads, cfg.head_dim
         self.qkv_proj = nn.Linear(cfg.hidden_size, 3 * cfg.inner_dim, bias=False)  # rows [q; k; v]
         self.q_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.k_norm = nn.RMSNorm(cfg.head_dim, eps=cfg.norm_eps)
         self.out_proj = nn.Linear(cfg.inner_dim, cfg.hidden_size, bias=False)
+        # `gate`: a FastH3-VSA main block's VSA coarse-branch gate (no bias, no activation; Block.pre_attention)
+        self.to_gate_compress = nn.Linear(cfg.hidden_size, cfg.inner_dim, bias=False) if gate else None
 
     def qkv(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
             lora: BlockAdapters | None = None):
@@ -207,7 +217,7 @@ class Block(nn.Module):
         super().__init__()
         self.hidden_size = cfg.hidden_size
         self.norm1 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
-        self.attn = Attention(cfg)
+        self.attn = Attention(cfg, gate=cfg.vsa_gate)
         self.norm2 = nn.RMSNorm(cfg.hidden_size, eps=cfg.norm_eps)
         self.mlp = SwiGLU(cfg)
         self.adaln_proj = AdaLNProj(cfg.time_embed_dim, cfg.modulation_dim)
@@ -227,16 +237,21 @@ class Block(nn.Module):
     ) -> torch.Tensor:
         """x [B, S, H] -> [B, S, H], with the block's modulation table [M, 6, H], each row's table row
         adaln_index [S] and rope (cos, sin) [S, R]; `lora`: this evaluation's adapters on the block's linears (the
-        modulation table is the caller's, made with the same adapters: `modulation(temb, lora)`)."""
-        q, k, v = self.pre_attention(x_BSH, mod_M6H, adaln_index_S, rope, lora)
-        return self.post_attention(x_BSH, attn_fn(q, k, v), mod_M6H, adaln_index_S, lora)
+        modulation table is the caller's, made with the same adapters: `modulation(temb, lora)`). A FastH3-VSA block
+        hands `attn_fn` its gate too: (q, k, v, gate)."""
+        return self.post_attention(x_BSH, attn_fn(*self.pre_attention(x_BSH, mod_M6H, adaln_index_S, rope, lora)),
+                                   mod_M6H, adaln_index_S, lora)
 
     # The two halves around attention: under sequence parallelism each is compiled alone and the attention between
     # them (two all-to-alls around SDPA) runs outside the compiled code.
     def pre_attention(self, x_BSH, mod_M6H, adaln_index_S, rope, lora: BlockAdapters | None = None):
-        """Modulated norm, QKV projection, QK norm and RoPE: q, k, v [B, S, N, D]."""
+        """Modulated norm, QKV projection, QK norm and RoPE: q, k, v [B, S, N, D]; a FastH3-VSA block adds its gate
+        [B, S, N, D], projected from the same modulated input (no norm, no rotation, no activation)."""
         h = self.norm1(x_BSH) * (1.0 + _mod_row(mod_M6H, 1, adaln_index_S)) + _mod_row(mod_M6H, 0, adaln_index_S)
-        return self.attn.qkv(h, rope, lora)
+        q, k, v = self.attn.qkv(h, rope, lora)
+        if self.attn.to_gate_compress is None:
+            return q, k, v
+        return q, k, v, project(self.attn.to_gate_compress, h, "attn.to_gate_compress", lora).view(q.shape)
 
     def post_attention(self, x_BSH, attn_BSND, mod_M6H, adaln_index_S, lora: BlockAdapters | None = None):
         """Output projection, gated residual, and the modulated SwiGLU half: the block's output [B, S, H]."""
@@ -362,6 +377,9 @@ class H3DiT(nn.Module):
                 f"token_tags {tuple(token_tags_S.shape)} and timestep_index {tuple(timestep_index_S.shape)} must both "
                 f"be ({seq_len},), one entry per packed row."
             )
+        if self.cfg.vsa_gate and getattr(attn_fn, "layer", None) is None:
+            raise ValueError("A FastH3-VSA DiT runs VSA's attention, with its gate, in every main block: pass the "
+                             "evaluation's VSA attention (models/vsa_plan.py VsaRun.attention) as attn_fn.")
         if shard is not None and attn_fn is sdpa_attention:
             raise ValueError("A row shard needs the attention that exchanges rows between ranks: pass "
                              "attn_fn=shard.attention() (plain SDPA would attend over this rank's rows only).")
@@ -376,7 +394,7 @@ class H3DiT(nn.Module):
         def block_fn(i: int, x: torch.Tensor, adaln_index: torch.Tensor, rope) -> torch.Tensor:
             adapters = None if lora is None else lora.block(i)
             mod = self.blocks[i].modulation(temb_TE, adapters)
-            return self.blocks[i](x, mod, adaln_index, rope, attn_fn, adapters)
+            return self.blocks[i](x, mod, adaln_index, rope, layer_attention(attn_fn, i), adapters)
 
         x_BSH = run_block_stack(x_BSH, len(self.blocks), block_fn, adaln_index_S, rope, cache, shard)
         # 4. Output heads on the video and audio rows.
@@ -391,15 +409,19 @@ class EagerDiT:
 
     sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
-    def __init__(self, model: H3DiT, sparse_kernel: str | None = None):
-        self.model, self.cfg, self.sparse_kernel = model, model.cfg, sparse_kernel
+    def __init__(self, model: H3DiT, sparse_kernel: str | None = None, vsa: VsaServing | None = None):
+        """`vsa`: a FastH3-VSA model's settings and kernel (models/vsa_plan.py)."""
+        self.model, self.cfg, self.sparse_kernel, self.vsa = model, model.cfg, sparse_kernel, vsa
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None, sparse=None, lora=None):
         """video [B, V, C], audio [B, A, C_audio], text [B, L, C_text], unique_t [T], t_index [S] -> the velocities
         [B, V, C], [B, A, C_audio] fp32 (H3DiT.forward). `sparse`: the request's SparseRun (models/sparse_run.py),
         whose attention replaces the dense one in a sparse evaluation; `lora`: the request's adapters
         (models/lora_slots.py LoraRun; None: the base model)."""
-        attn = sparse.attention(layout) if sparse is not None else None
+        if self.cfg.vsa_gate:  # a FastH3-VSA model: its request's VsaRun, every evaluation (models/vsa_plan.py)
+            attn = vsa_call(sparse, layout, sdpa_attention)
+        else:
+            attn = sparse.attention(layout) if sparse is not None else None
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
                           layout.video_index, layout.audio_index, layout.text_index,
                           attn_fn=attn if attn is not None else sdpa_attention, cache=cache, lora=lora)

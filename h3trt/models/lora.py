@@ -27,8 +27,24 @@ from .lora_file import FL2VA_COMPONENT, REF2VA_COMPONENT, LoraError, LoraFile, L
 TASK_COMPONENTS = {"t2va": FL2VA_COMPONENT, "fl2va": FL2VA_COMPONENT, "ref2va": REF2VA_COMPONENT}
 
 
+# A LoRA's strength (its scale) is a finite number at most this far from 0, either sign: well past any strength in use
+# (ComfyUI's LoRA loaders offer -20..20 to -100..100), and an adapter at 1e30 held a worker through a whole denoise to
+# fail as numerical_error. One bound for --lora, --adapter, a request's `lora` and POST /v1/loras.
+MAX_LORA_SCALE = 100.0
+SCALE_RANGE = f"a finite number from {-MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g} (1.0: as trained)"
+
+
+def scale_in_range(scale: int | float) -> bool:
+    """Whether `scale` (a number; an integer past a float's range is not in it) lies in the bound."""
+    try:
+        value = float(scale)
+    except OverflowError:
+        return False
+    return math.isfinite(value) and abs(value) <= MAX_LORA_SCALE
+
+
 class LoraScaleError(LoraError, argparse.ArgumentTypeError):
-    """A scale that is not finite. An ArgumentTypeError too: `LoraSpec.parse` is argparse's type for --lora, and
+    """A scale that is not finite or out of range. An ArgumentTypeError too: `LoraSpec.parse` is argparse's type for --lora, and
     argparse shows only that class's message (a ValueError becomes "invalid parse value")."""
 
 
@@ -51,9 +67,9 @@ class LoraSpec:
         return cls(Path(text)) if scale is None else cls(Path(head), scale)
 
     def __post_init__(self):
-        if not math.isfinite(self.scale):
-            raise LoraScaleError(f"--lora {self.path}:{self.scale}: the scale must be a finite number (1.0: as "
-                                 f"trained), got {self.scale}; pass {self.path}:SCALE, or {self.path} alone for 1.0.")
+        if not scale_in_range(self.scale):
+            raise LoraScaleError(f"--lora {self.path}:{self.scale}: the scale must be {SCALE_RANGE}, got "
+                                 f"{self.scale}; pass {self.path}:SCALE, or {self.path} alone for 1.0.")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

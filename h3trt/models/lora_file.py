@@ -7,7 +7,8 @@ module names with peft's per-module scaling (lora.py routes and merges it):
        the reference trainer and ComfyUI, musubi-tuner's flattened `lora_unet_`, kohya `lora_down`/`lora_up` with
        `.alpha`, DiffSynth-Studio's peft `.default.` infix over per-head interleaved QKV) converted as
        `_convert_non_diffusers_minimax_h3_lora_to_diffusers` does
-     - peft dumps (diffusers names with `.default.`, no component prefix) -> `transformer.`
+     - peft dumps (diffusers names with `.default.`, no component prefix; peft's own `base_model.model.` root, as
+       LightX2V's Turbo files carry it, dropped) -> `transformer.`
      - diffusers files (`transformer.` / `transformer_ref.` prefixed) as they are
   3. the per-module scaling peft would build: alpha == rank (1.0) for alpha-less files, `alpha / rank` for a
      `__metadata__` network alpha (one that is not a number: ignored with a warning, alpha == rank, as diffusers
@@ -37,6 +38,7 @@ ORIGINAL_PREFIXES = ("diffusion_model.", "blocks.", "token_refiner.blocks.", "fi
 # Tensors only a pruned checkpoint has (its time MLP replaced by an interpolated table; h3_reference.md 3.3).
 PRUNED_MARKERS = ("adaln_t_table", "adaln_basis", "adaln_mean", "time_embedder.table")
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' own LoraConfig record in a file it wrote
+PEFT_ROOT = "base_model.model."  # peft's PeftModel root, which a dump of its state dict keeps (LightX2V's Turbo)
 
 # musubi-tuner's flattened module names -> dotted original names (the reference's vocabulary, in its order).
 _FLATTENED = [
@@ -86,9 +88,13 @@ class LoraFile:
     layout: str  # which producer's layout it was read as
     alpha_rule: str  # how its scaling was decided
     components: dict[str, dict[str, LoraModule]] = field(default_factory=dict)
+    # whether the file says its alpha (a __metadata__ alpha, .alpha tensors, diffusers' LoraConfig); without it the
+    # modules are scaled 1.0 (alpha == rank), as diffusers loads them, unless a family knows the file's default
+    alpha_given: bool = True
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
+    """A file's sha256, read 16 MiB at a time."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 24):
@@ -107,7 +113,8 @@ def read_lora(path: str | Path, head_dim: int = 128) -> LoraFile:
     network_alpha, alpha_rule = _alpha_rule(file_meta, adapter_meta, has_alpha_tensors, path)
     out = {prefix: _scaled_modules(prefix, modules, adapter_meta, network_alpha, path)
            for prefix, modules in components.items()}
-    return LoraFile(path, _sha256(path), layout, alpha_rule, out)
+    given = adapter_meta is not None or network_alpha is not None or has_alpha_tensors
+    return LoraFile(path, sha256_of(path), layout, alpha_rule, out, given)
 
 
 def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
@@ -152,13 +159,15 @@ def _diffusers_names(state: dict[str, torch.Tensor], head_dim: int, path: Path) 
         layout, state = convert_original(state, head_dim, path)
     elif is_peft_dump:
         layout = "peft (diffusers names, no component prefix)"
-        state = {f"{FL2VA_COMPONENT}.{k.replace('.default.', '.')}": v for k, v in state.items()}
+        state = {f"{FL2VA_COMPONENT}.{k.removeprefix(PEFT_ROOT).replace('.default.', '.')}": v
+                 for k, v in state.items()}
     else:
         layout = "diffusers"
     bad = sorted(k for k in state if "lora" not in k)
     if bad:  # the reference's own format check
-        raise LoraError(f"--lora {path} is not a LoRA file: {bad[0]} (and {len(bad) - 1} more) carry no 'lora' in "
-                        "their names.")
+        more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+        raise LoraError(f"--lora {path} is not a LoRA file: {bad[0]}{more} carr{'y' if more else 'ies'} no 'lora' in "
+                        f"{'their names' if more else 'its name'}.")
     return layout, state
 
 

@@ -229,7 +229,8 @@ class LoraSlots:
         rank = down.shape[0]
         if rank > self.max_rank:
             raise LoraError(f"{where} has rank {rank}, over the slots' max rank {self.max_rank}; create the slots with "
-                            f"max rank >= {rank} (h3trt build --lora-max-rank), or merge this LoRA.")
+                            f"max rank >= {rank} (a model's: h3trt serve --lora-max-rank; a bundle's: h3trt build "
+                            "--lora-max-rank), or merge this LoRA.")
         if not (torch.isfinite(down).all() and torch.isfinite(up).all()):
             raise LoraError(f"{where} holds non-finite values (NaN or inf); the file is damaged: retrain or re-export "
                             "it.")

@@ -53,15 +53,18 @@ ROPE_SPATIAL_SCALE = 32
 
 
 def _canvas_before_rounding(aspect_width: float, aspect_height: float, short_edge: int = CANVAS_SHORT_EDGE,
-                            max_pixels: int = CANVAS_MAX_PIXELS) -> tuple[float, float]:
-    """(height, width) of the canvas for an aspect ratio before rounding: short edge 768, area capped at 768x1344."""
+                            max_pixels: int = CANVAS_MAX_PIXELS, size: str | None = "--width/--height"
+                            ) -> tuple[float, float]:
+    """(height, width) of the canvas for an aspect ratio before rounding: short edge 768, area capped at 768x1344.
+    `size`: what the caller's user sets the canvas with (a flag, a request key), for the message; None: nothing
+    sets it (a reference video keeps its own aspect)."""
     if aspect_width <= 0 or aspect_height <= 0:
         raise UserError(f"The aspect ratio must be positive, got {aspect_width}:{aspect_height}.")
     ratio = aspect_width / aspect_height
     if not MIN_ASPECT <= ratio <= MAX_ASPECT:
         raise UserError(
             f"MiniMax-H3 supports aspect ratios from 1:4 to 4:1, got {aspect_width}:{aspect_height} ({ratio:.3g}). "
-            "Crop the input or pick --width/--height within that range."
+            f"Crop the input{f' or pick {size}' if size else ''} within that range."
         )
     if ratio >= 1.0:
         width, height = short_edge * ratio, float(short_edge)
@@ -75,16 +78,16 @@ def _canvas_before_rounding(aspect_width: float, aspect_height: float, short_edg
 
 
 def resolve_canvas(aspect_width: float, aspect_height: float, short_edge: int = CANVAS_SHORT_EDGE,
-                   max_pixels: int = CANVAS_MAX_PIXELS) -> tuple[int, int]:
+                   max_pixels: int = CANVAS_MAX_PIXELS, size: str | None = "--width/--height") -> tuple[int, int]:
     """(height, width) of the model's canvas for an aspect ratio: short edge 768, area cap 768x1344, each edge
     rounded to the nearest multiple of 32 (so the area may end slightly above the cap, as in the reference).
     A smaller short edge and cap give the tiny default's canvases."""
-    height, width = _canvas_before_rounding(aspect_width, aspect_height, short_edge, max_pixels)
+    height, width = _canvas_before_rounding(aspect_width, aspect_height, short_edge, max_pixels, size)
     m = CANVAS_MULTIPLE
     return max(m, round(height / m) * m), max(m, round(width / m) * m)
 
 
-def validate_canvas(height: int, width: int) -> None:
+def validate_canvas(height: int, width: int, size: str = "--width/--height") -> None:
     """Raise unless (height, width) is a canvas H3 generates: multiples of 32, aspect 1:4..4:1, short edge at most
     768, and an area no larger than the model's canvas for that aspect ratio allows once each edge is rounded to 32
     (every canvas `resolve_canvas` returns passes)."""
@@ -94,7 +97,7 @@ def validate_canvas(height: int, width: int) -> None:
             f"Unsupported resolution {width}x{height}: width and height must be positive multiples of {m} "
             f"(for example {max(m, round(width / m) * m)}x{max(m, round(height / m) * m)})."
         )
-    height_f, width_f = _canvas_before_rounding(width, height)  # also checks the aspect ratio
+    height_f, width_f = _canvas_before_rounding(width, height, size=size)  # also checks the aspect ratio
     max_area = (height_f + m / 2) * (width_f + m / 2)  # rounding to the nearest 32 moves each edge by <= 16
     if min(height, width) > CANVAS_SHORT_EDGE or height * width > max_area:
         fit_h, fit_w = resolve_canvas(width, height)
@@ -217,6 +220,7 @@ class PackedLayout:
     text_index: torch.Tensor  # [L] long
     num_condition_video_rows: int = 0  # leading video rows that are pinned conditions
     num_condition_audio_rows: int = 0  # leading audio rows that are pinned references
+    video_grid: tuple[int, int, int] | None = None  # (frames, rows, cols) of the target video rows' patch grid
 
     @property
     def seq_len(self) -> int:
@@ -226,7 +230,7 @@ class PackedLayout:
         moved = {k: getattr(self, k).to(device) for k in ("token_tags", "video_index", "audio_index", "text_index")}
         return PackedLayout(self.position_ids.to(device), **moved,
                             num_condition_video_rows=self.num_condition_video_rows,
-                            num_condition_audio_rows=self.num_condition_audio_rows)
+                            num_condition_audio_rows=self.num_condition_audio_rows, video_grid=self.video_grid)
 
 
 def spatial_grid(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:
@@ -332,7 +336,8 @@ def pack_t2va(
     video_index = torch.cat([torch.arange(L, audio_start), torch.arange(video_start, S)])
     audio_index = torch.arange(audio_start, video_start)
     return PackedLayout(pos, _tags(S, text_tags, video_index, audio_index), video_index, audio_index,
-                        torch.arange(L), num_condition_video_rows=n_cond)
+                        torch.arange(L), num_condition_video_rows=n_cond,
+                        video_grid=(latent_frames_, latent_h // ph, latent_w // pw))
 
 
 @dataclass(frozen=True)
@@ -417,7 +422,8 @@ def pack_ref2va(
     video_index = torch.cat(video_parts + [torch.arange(video_start, S)])
     audio_index = torch.cat(audio_parts + [torch.arange(audio_start, video_start)])
     return PackedLayout(pos, _tags(S, text_tags, video_index, audio_index), video_index, audio_index,
-                        torch.arange(L), num_condition_video_rows=n_ref_video, num_condition_audio_rows=n_ref_audio)
+                        torch.arange(L), num_condition_video_rows=n_ref_video, num_condition_audio_rows=n_ref_audio,
+                        video_grid=(latent_frames_, latent_h // ph, latent_w // pw))
 
 
 def row_timesteps(layout: PackedLayout, video_t: float, audio_t: float) -> tuple[torch.Tensor, torch.Tensor]:

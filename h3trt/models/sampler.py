@@ -3,6 +3,9 @@
 Source: diffusers 0.42.1 `MiniMaxH3Scheduler` and the modular pipeline's prepare/denoise steps (h3_reference.md 4).
 - sigmas = unique_consecutive(s * b / (1 + (s - 1) * b)) for b = linspace(1, 0, steps) in float32; video s = 12,
   audio s = 3. `steps` grid points give steps - 1 model evaluations (50 -> 49); the model sees t = 1 - sigma.
+- A distilled model may run explicit rungs instead of the uniform grid (models/distilled_schedule.py): b = its rungs
+  and a terminal 0, shifted the same way per modality (FastH3's dmd_denoising_steps [999, 749, 500, 250] / 1000;
+  FastVideo's MiniMaxH3Scheduler.set_timesteps(sigmas=...) takes such a grid and steps it exactly as below).
 - x0 = x + (1 - t) * v (v points towards data); x_next = r * x + (1 - r) * x0 with r = sigma_next / sigma, in fp32.
 - Noise: one CPU generator seeded with the request seed draws, in order, one tensor per visual condition (its latent
   shape), the video noise [1, 24, T, H, W], then the audio noise directly as rows [2A, 32].
@@ -24,21 +27,73 @@ DEFAULT_VIDEO_SHIFT = 12.0
 DEFAULT_AUDIO_SHIFT = 3.0
 DEFAULT_SEED = 42
 DEFAULT_GUIDANCE = 1.0  # classifier-free guidance off: H3 is guidance-distilled
-# Sigma grid points at most: H3's schedule is 50 (DEFAULT_STEPS), its scheduler's training grid 1000 timesteps; a finer
-# grid changes nothing a user can see and only multiplies the job's time (1e9 steps: a minute to build the grid).
+# Sigma grid points at least (the grid includes the terminal sigma 0) and at most: H3's schedule is 50 (DEFAULT_STEPS),
+# its scheduler's training grid 1000 timesteps; a finer grid changes nothing a user can see and only multiplies the
+# job's time (1e9 steps: a minute to build the grid). One bound for every front door: a request's steps (run, a
+# requests file, the API, whose request field table states it), an adapter's schedule, build --steps.
+MIN_STEPS = 2
 MAX_STEPS = 1000
 
 
-def shifted_sigmas(steps: int, shift: float) -> torch.Tensor:
-    """The sigma grid [K] (K <= steps: float32 collisions merge), terminal 0 included, float32 on the CPU."""
-    if steps < 2:
-        raise UserError(f"steps must be >= 2 (the grid includes the terminal sigma 0), got {steps}; pass --steps 2 or "
-                        "more.")
+def check_steps(steps: int, name: str = "steps", field: str | None = "steps") -> None:
+    """`steps` within [MIN_STEPS, MAX_STEPS], else one line naming `name` (the front door's word for it)."""
+    if not MIN_STEPS <= steps <= MAX_STEPS:
+        raise UserError(f"{name} must be at least {MIN_STEPS} (the grid includes the final sigma 0) and at most "
+                        f"{MAX_STEPS} (H3's schedule is {DEFAULT_STEPS}), got {steps}.", field=field)
+
+
+def shifted_sigmas(steps: int, shift: float, rungs: tuple[float, ...] | None = None) -> torch.Tensor:
+    """The sigma grid [K] (K <= steps: float32 collisions merge), terminal 0 included, float32 on the CPU. `rungs`:
+    the grid positions before the shift, one per evaluation (steps - 1 of them, strictly decreasing in (0, 1]), in
+    place of linspace(1, 0, steps)'s; the terminal 0 is added."""
+    check_steps(steps)
     if not (math.isfinite(shift) and shift > 0):  # NaN or inf would run every step and fail at the end
         raise UserError(f"A sigma shift must be a positive finite number, got {shift}; pass a --video-shift or "
                         "--audio-shift above 0, or leave it out for the checkpoint's.")
-    base = torch.linspace(1.0, 0.0, int(steps), dtype=torch.float32)
+    if rungs is None:
+        base = torch.linspace(1.0, 0.0, int(steps), dtype=torch.float32)
+    else:
+        check_rungs(steps, rungs)
+        base = torch.tensor((*rungs, 0.0), dtype=torch.float32)
     return torch.unique_consecutive(shift * base / (1 + (shift - 1) * base))
+
+
+def check_rungs(steps: int, rungs: tuple[float, ...]) -> None:
+    """Explicit rungs: one per evaluation of a `steps`-point grid, strictly decreasing within (0, 1]."""
+    values = tuple(float(r) for r in rungs)
+    if len(values) != steps - 1 or not all(0.0 < r <= 1.0 and math.isfinite(r) for r in values) or any(
+            a <= b for a, b in zip(values, values[1:])):
+        raise UserError(f"A {steps}-point schedule takes {steps - 1} rungs, strictly decreasing within (0, 1] (the "
+                        f"terminal 0 is added), got {list(values)}.")
+
+
+def schedule_value(key: str, text: str, where: str) -> int | float:
+    """One schedule value from its text (a flag's, a file's metadata): `steps` an integer in every front door's bound
+    (check_steps), a shift a positive finite number; `where` names it in the error."""
+    try:
+        value = int(text) if key == "steps" else float(text)
+    except ValueError:
+        value = None
+    if key == "steps":
+        if value is None:
+            raise UserError(f"{where}: steps must be an integer (sigma grid points), got {text!r}.")
+        check_steps(value, f"{where}: steps", field=None)
+    if key != "steps" and (value is None or not (math.isfinite(value) and value > 0)):
+        raise UserError(f"{where}: {key} must be a positive finite number, got {text!r}.")
+    return value
+
+
+def key_values(text: str, keys: tuple[str, ...], where: str, value_of=schedule_value) -> dict:
+    """`steps=8,video_shift=5` (what follows an '@' in --adapter and --distilled) -> {key: value_of(key, text,
+    where)}, each key once and one of `keys`."""
+    values: dict = {}
+    for pair in text.split(","):
+        key, sep, value = pair.strip().partition("=")
+        if not sep or key not in keys or key in values:
+            raise UserError(f"{where}: expected KEY=VALUE pairs after '@' (each key once, of {list(keys)}), e.g. "
+                            f"@steps=8,video_shift=5; got {pair.strip()!r}.")
+        values[key] = value_of(key, value.strip(), where)
+    return values
 
 
 @dataclass(frozen=True)
@@ -48,26 +103,31 @@ class Schedule:
     steps: int = DEFAULT_STEPS  # grid points; steps - 1 model evaluations
     video_shift: float = DEFAULT_VIDEO_SHIFT
     audio_shift: float = DEFAULT_AUDIO_SHIFT
+    # A distilled model's grid positions before the shift, one per evaluation (None: linspace(1, 0, steps)); the same
+    # rungs for both modalities, each shifted by its own shift
+    rungs: tuple[float, ...] | None = None
 
     @classmethod
     def resolve(cls, steps: int, video_shift: float | None, audio_shift: float | None,
-                defaults: tuple[float, float]) -> "Schedule":
+                defaults: tuple[float, float], rungs: tuple[float, ...] | None = None) -> "Schedule":
         """A request's schedule: its own shifts where it gives them (None: not given; 0 is refused, not replaced),
-        else `defaults` (video, audio)."""
+        else `defaults` (video, audio); `rungs`: the model's, for this step count (None: the uniform grid)."""
         return cls(steps, defaults[0] if video_shift is None else video_shift,
-                   defaults[1] if audio_shift is None else audio_shift)
+                   defaults[1] if audio_shift is None else audio_shift, rungs)
 
     def __post_init__(self):
-        shifted_sigmas(self.steps, self.video_shift)  # validates
-        shifted_sigmas(self.steps, self.audio_shift)
+        if self.rungs is not None:
+            object.__setattr__(self, "rungs", tuple(float(r) for r in self.rungs))
+        shifted_sigmas(self.steps, self.video_shift, self.rungs)  # validates
+        shifted_sigmas(self.steps, self.audio_shift, self.rungs)
 
     @property
     def video_sigmas(self) -> torch.Tensor:
-        return shifted_sigmas(self.steps, self.video_shift)
+        return shifted_sigmas(self.steps, self.video_shift, self.rungs)
 
     @property
     def audio_sigmas(self) -> torch.Tensor:
-        return shifted_sigmas(self.steps, self.audio_shift)
+        return shifted_sigmas(self.steps, self.audio_shift, self.rungs)
 
     @property
     def num_evaluations(self) -> int:

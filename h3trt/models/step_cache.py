@@ -48,6 +48,24 @@ DEFAULT_RETENTION_RATIO = 0.2
 
 LayerFn = Callable[[int, torch.Tensor], torch.Tensor]  # (layer index, x [B, S, H]) -> x
 
+# The knobs a request may state too: each one's flag, request key and what it takes (its bound, the schema's too).
+KNOBS = {"threshold": ("--cache-threshold", "cache_threshold", ">= 0 (0: skip only what is exactly "
+                       "predicted; inf: every skip the warm-up and the max skip allow)"),
+         "max_skip_steps": ("--cache-max-skip", "cache_max_skip", "a whole number >= 1 (consecutive skipped "
+                            "evaluations at most; leave it out for no limit)"),
+         "warmup": ("--cache-warmup", "cache_warmup", "a whole number >= 0 (leading evaluations that run every "
+                    "block)")}
+
+
+def check_knob(knob: str, value, flags: bool = True) -> None:
+    """`value` for the step-cache knob `knob` (a StepCacheConfig field of KNOBS) within its bound, else one line
+    naming its flag (`flags`) or its request key, about that key (the API's param)."""
+    flag, key, takes = KNOBS[knob]
+    least = 0 if knob != "max_skip_steps" else 1
+    ok = value >= 0 if knob == "threshold" else not _not_int(value) and value >= least  # NaN fails `>= 0`
+    if not ok:
+        raise UserError(f"{flag if flags else key} must be {takes}, got {value!r}.", field=key)
+
 
 @dataclass(frozen=True)
 class StepCacheConfig:
@@ -65,15 +83,9 @@ class StepCacheConfig:
     def __post_init__(self):
         if self.kind not in CACHE_KINDS:
             raise UserError(f"--cache must be one of {CACHE_KINDS}, got {self.kind!r}.")
-        if not self.threshold >= 0:
-            raise UserError(f"--cache-threshold must be >= 0 (0: skip only what is exactly predicted; inf: every "
-                            f"skip the warm-up and --cache-max-skip allow), got {self.threshold}.")
-        if self.max_skip_steps is not None and (_not_int(self.max_skip_steps) or self.max_skip_steps < 1):
-            raise UserError(f"--cache-max-skip must be a whole number >= 1 (consecutive skipped evaluations at most; "
-                            f"leave it out for no limit), got {self.max_skip_steps!r}.")
-        if _not_int(self.warmup) or self.warmup < 0:
-            raise UserError(f"--cache-warmup must be a whole number >= 0 (leading evaluations that run every block), "
-                            f"got {self.warmup!r}.")
+        for knob in KNOBS:
+            if getattr(self, knob) is not None:
+                check_knob(knob, getattr(self, knob))
         if self.kind == "first-block":
             if self.mag_ratios is not None or self.calibrate:
                 raise UserError("--mag-ratios and --mag-calibrate apply to --cache mag, not first-block.")

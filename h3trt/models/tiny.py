@@ -126,3 +126,14 @@ def ensure_tiny_checkpoint(cache_dir: Path | None = None) -> Path:
                              "XDG_CACHE_HOME to a writable folder (h3trt caches under $XDG_CACHE_HOME/h3trt, "
                              "default ~/.cache/h3trt), or pass --model PATH.") from None
     return target
+
+
+def write_tiny_vsa_checkpoint(tiny_root: Path, dest: Path, seed: int = TINY_SEED + 40) -> Path:
+    """A tiny FastH3-VSA checkpoint at `dest`: the tiny model's FL2VA partition (its text encoder, VAEs and tokenizer
+    copied from `tiny_root`) with a transformer whose main blocks carry `attn.to_gate_compress` (H3Config.vsa_gate),
+    random weights from `seed`. What tests and benches build VSA bundles from; t2va and fl2va only, as FastH3."""
+    dest = Path(dest)
+    shutil.copytree(Path(tiny_root) / "FL2VA", dest / "FL2VA", ignore=shutil.ignore_patterns("transformer"))
+    cfg = H3Config.tiny(vsa_gate=True)
+    save_official(dest, cfg, {"FL2VA": random_state_dict(cfg, seed)}, torch.bfloat16, shards=2)
+    return dest

@@ -16,18 +16,20 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from ..models.dit import AttentionFn, H3DiT
+from ..models.dit import AttentionFn, H3DiT, layer_attention, sdpa_attention
 from ..models.packing import PackedLayout
+from ..models.vsa_plan import VsaServing, vsa_call
 
 
 def padded_length(seq_len: int, sp: int) -> int:
     return -(-seq_len // sp) * sp
 
 
-def to_head_groups(q_BSND, k_BSND, v_BSND, sp: int) -> torch.Tensor:
-    """The q/k/v send buffer [P, 3, B, Sl, Nl, D]: head group j goes to rank j (piece [j, x, b] is contiguous)."""
-    B, Sl, N, D = q_BSND.shape
-    qkv = torch.stack([q_BSND, k_BSND, v_BSND])  # [3, B, Sl, N, D]
+def to_head_groups(*tensors_BSND: torch.Tensor, sp: int) -> torch.Tensor:
+    """The send buffer [P, C, B, Sl, Nl, D] of q, k, v (C = 3), or q, k, v and a FastH3-VSA block's gate (C = 4,
+    which travels with them): head group j goes to rank j (piece [j, x, b] is contiguous)."""
+    B, Sl, N, D = tensors_BSND[0].shape
+    qkv = torch.stack(tensors_BSND)  # [C, B, Sl, N, D]
     return qkv.unflatten(3, (sp, N // sp)).permute(3, 0, 1, 2, 4, 5).contiguous()
 
 
@@ -64,12 +66,14 @@ class UlyssesExchange:
             work.wait()
 
     def __call__(self, qkv_send: torch.Tensor, attention: AttentionFn | None = None) -> torch.Tensor:
-        """`attention`: the attention core over [B, S, Nl, D] q/k/v of the real rows (e.g. FP8 attention bound to a
-        layer's scales); None: bf16 SDPA."""
-        P, _, B, Sl, Nl, D = qkv_send.shape
-        qkv = qkv_send.new_empty((3, B, P * Sl, Nl, D))
+        """`attention`: the attention core over [B, S, Nl, D] q/k/v (and a VSA block's gate: the buffer's C = 4) of
+        the real rows (e.g. FP8 attention bound to a layer's scales); None: bf16 SDPA."""
+        P, C, B, Sl, Nl, D = qkv_send.shape
+        if attention is None and C != 3:
+            raise ValueError(f"the exchange's SDPA takes q, k, v; a send buffer of {C} tensors needs its attention.")
+        qkv = qkv_send.new_empty((C, B, P * Sl, Nl, D))
         self._all_to_all([(qkv_send[p, i, b], qkv[i, b, p * Sl:(p + 1) * Sl], p)
-                          for p in range(P) for i in range(3) for b in range(B)])
+                          for p in range(P) for i in range(C) for b in range(B)])
         if attention is None:
             q, k, v = qkv.transpose(2, 3).unbind(0)  # [B, Nl, Sp, D] views over [B, Sp, Nl, D]
             # Padding rows (sp not dividing the sequence) must get no weight as keys. Leaving them out of k/v is that
@@ -80,8 +84,8 @@ class UlyssesExchange:
         else:
             # The real rows only (an FP8 attention kernel takes q and k/v of one length); padding rows' outputs are
             # zeros, dropped after the last block.
-            q, k, v = (t[:, :self.seq_len].contiguous() for t in qkv.unbind(0))  # no copy at B = 1
-            out_BSND = F.pad(attention(q, k, v), (0, 0, 0, 0, 0, P * Sl - self.seq_len))
+            real = (t[:, :self.seq_len].contiguous() for t in qkv.unbind(0))  # no copy at B = 1
+            out_BSND = F.pad(attention(*real), (0, 0, 0, 0, 0, P * Sl - self.seq_len))
         out = qkv_send.new_empty((P, B, Sl, Nl, D))
         self._all_to_all([(out_BSND[b, p * Sl:(p + 1) * Sl], out[p, b], p) for p in range(P) for b in range(B)])
         return out
@@ -90,12 +94,18 @@ class UlyssesExchange:
 class UlyssesAttention:
     """The eager block's `attn_fn` under sequence parallelism: [B, Sl, N, D] q/k/v in, [B, Sl, N, D] out."""
 
-    def __init__(self, group, seq_len: int, padded: int, core: AttentionFn | None = None):
-        """`core`: the attention over every real row of this rank's heads, after the exchange (None: SDPA)."""
-        self.exchange, self.core = UlyssesExchange(group, seq_len, padded), core
+    def __init__(self, exchange: UlyssesExchange, core: AttentionFn | None = None):
+        """`core`: the attention over every real row of this rank's heads, after the exchange (None: SDPA); one
+        whose `layer(i)` differs by block (VSA) makes this attention's `layer(i)` do too."""
+        self.exchange, self.core = exchange, core
 
-    def __call__(self, q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor) -> torch.Tensor:
-        return from_head_groups(self.exchange(to_head_groups(q_BSND, k_BSND, v_BSND, self.exchange.sp), self.core))
+    def __call__(self, *tensors_BSND: torch.Tensor) -> torch.Tensor:
+        """q, k, v [B, Sl, N, D] (and a VSA block's gate) -> [B, Sl, N, D]."""
+        return from_head_groups(self.exchange(to_head_groups(*tensors_BSND, sp=self.exchange.sp), self.core))
+
+    def layer(self, i: int) -> "UlyssesAttention":
+        """Main block i's attention: the exchange around the core's `layer(i)` (models/dit.py layer_attention)."""
+        return UlyssesAttention(self.exchange, layer_attention(self.core, i))
 
 
 class RowShard:
@@ -124,7 +134,7 @@ class RowShard:
     def attention(self, core: AttentionFn | None = None) -> UlyssesAttention:
         """The eager block's `attn_fn` over these rows: to_head_groups, the exchange (`core` after it: each rank's
         heads over every row; None: SDPA), from_head_groups."""
-        return UlyssesAttention(self.group, self.seq_len, self.padded, core)
+        return UlyssesAttention(self.exchange(), core)
 
     def exchange(self) -> UlyssesExchange:
         """The exchange alone, for compiled halves that bake to_head_groups / from_head_groups in."""
@@ -143,7 +153,10 @@ def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layou
     if model.cfg.num_heads % sp:
         raise ValueError(f"sp={sp} does not divide the {model.cfg.num_heads} heads.")
     shard = RowShard(group, layout.seq_len)
-    core = sparse.attention(layout) if sparse is not None else None
+    if model.cfg.vsa_gate:  # a FastH3-VSA model: its request's VSA on each rank's heads, every evaluation
+        core = vsa_call(sparse, layout, sdpa_attention)
+    else:
+        core = sparse.attention(layout) if sparse is not None else None
     return model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids, layout.video_index,
                  layout.audio_index, layout.text_index, attn_fn=shard.attention(core), cache=cache, shard=shard,
                  lora=lora)
@@ -154,8 +167,9 @@ class UlyssesDiT:
 
     sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
 
-    def __init__(self, model: H3DiT, group, sparse_kernel: str | None = None):
+    def __init__(self, model: H3DiT, group, sparse_kernel: str | None = None, vsa: VsaServing | None = None):
         self.model, self.cfg, self.group, self.sparse_kernel = model, model.cfg, group, sparse_kernel
+        self.vsa = vsa  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py)
 
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None,
                  lora=None):

@@ -19,23 +19,36 @@ The checks run against LoraSlots on the meta device: the ranks' bank shapes, wit
 from __future__ import annotations
 
 import json
-import math
 import os
 import threading
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
 from ..errors import UserError
 from ..models.config import H3Config
+from ..models.lora import SCALE_RANGE, scale_in_range
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraSlots
-from .adapters import (NAME_PATTERN, AdapterInfo, AdapterSpec, AdapterUse, SlotShape, adapter_rank, check_adapters,
-                       info_of)
+from .adapters import (NAME_PATTERN, SERVE_SLOTS, AdapterInfo, AdapterSpec, AdapterUse, SlotShape, adapter_rank,
+                       check_adapters, info_of)
 from .adapter_schedule import ScheduleValues
 from .request import Request
 
 STATE_FILE = "loras.json"  # in a server's data folder: what the admin calls changed, kept across restarts
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """An adapter the server started without: a --lora-dir file, or one the state file names, that it cannot serve."""
+
+    name: str
+    file: str  # its file's name (in --lora-dir): the server's paths stay its own
+    reason: str
+    source: str  # "--lora-dir" or STATE_FILE
+
+    def to_json(self) -> dict:
+        return {"name": self.name, "file": self.file, "reason": self.reason, "source": self.source}
 
 
 class AdapterCatalog:
@@ -52,44 +65,62 @@ class AdapterCatalog:
         self._started: set[str] = set()  # the names the command line gave
         self._loaded: dict[str, dict] = {}  # name -> {"file", "scale"}: loaded by the admin call (the state file)
         self._unloaded: set[str] = set()  # start names the admin call unloaded (the state file)
+        self._skipped: dict[str, Skipped] = {}  # what the start left out, by name, until that name is loaded again
 
     @classmethod
     def start(cls, specs: tuple[AdapterSpec, ...], cfg: H3Config, task: str, num_slots: int | None = None,
               max_rank: int | None = None, folder: Path | None = None, state: Path | None = None,
-              log: Callable[..., None] = lambda event, **fields: None,
-              targets: tuple[str, ...] = BLOCK_TARGETS) -> "AdapterCatalog":
-        """The set a server starts with (module doc). A start adapter the slots refuse is one line (UserError);
-        one the state file names whose file is gone or refused now is left out, and logged (`lora_skipped`)."""
+              log: Callable[..., None] = lambda event, **fields: None, targets: tuple[str, ...] = BLOCK_TARGETS,
+              rank_limit: Callable[[int], int] | None = None) -> "AdapterCatalog":
+        """The set a server starts with (module doc). A refused --adapter is one line (UserError). A --lora-dir file,
+        or an adapter the state file names, that cannot be served (unreadable, not a LoRA this model takes, a link out
+        of the folder, a name taken or not a name, over the slots' rank or over the rank `rank_limit(N)` says N slots
+        may have in memory) is left out: logged (`lora_skipped`), listed with why (`skipped`: GET /v1/loras), and a
+        job naming it is refused with that reason."""
         kept = _read_state(state) if state is not None and folder is not None else {"loaded": [], "unloaded": []}
         unloaded = set(kept["unloaded"])
-        wanted = [s for s in specs if s.name not in unloaded]
-        files: dict[str, LoraFile] = {}
-        for spec in wanted:
-            files[spec.name] = _read(spec, cfg, f"--adapter {spec.name}")
-        later = []
-        for entry in kept["loaded"]:
+        flags = [s for s in specs if s.name not in unloaded and not s.from_folder]
+        files = {s.name: _read(s, cfg, f"--adapter {s.name}") for s in flags}
+        ranks = {s.name: adapter_rank(files[s.name], task) for s in flags}
+        skipped: dict[str, Skipped] = {}
+
+        def skip(spec: AdapterSpec, source: str, why: str) -> None:
+            skipped[spec.name] = Skipped(spec.name, spec.path.name, " ".join(why.split())[:300], source)
+            log("lora_skipped", name=spec.name, file=spec.path.name, source=source, reason=skipped[spec.name].reason)
+
+        later = []  # (spec, the state file's name for its file or None, where it came from): skipped if refused
+        optional = [(s, None, "--lora-dir") for s in specs if s.from_folder and s.name not in unloaded] + [
+            (AdapterSpec(e["name"], Path(e["file"]), e["scale"]), e["file"], STATE_FILE) for e in kept["loaded"]]
+        for spec, file, source in optional:
             try:
-                spec = AdapterSpec(entry["name"], _inside(folder, entry["file"]), entry["scale"])
+                spec = _optional_spec(spec, file, folder, ranks)
                 files[spec.name] = _read(spec, cfg, f"adapter {spec.name}")
-                later.append((spec, entry["file"]))
-            except UserError as e:
-                log("lora_skipped", name=entry["name"], reason=" ".join(str(e).split())[:300], state=str(state))
-        room = folder is not None  # the set may grow while it serves
-        shape = SlotShape.fitted([adapter_rank(files[s.name], task) for s in wanted + [s for s, _ in later]],
-                                 num_slots, max_rank, room, targets)
+                ranks[spec.name] = adapter_rank(files[spec.name], task)
+                later.append((spec, file, source))
+            except UserError as e:  # LoraError too
+                skip(spec, source, str(e))
+        if rank_limit is not None and max_rank is None:  # the memory's bound on slots fitted to the largest
+            most = rank_limit(num_slots or max(SERVE_SLOTS if folder is not None else 1, len(ranks)))
+            for spec, file, source in [x for x in later if ranks[x[0].name] > most]:
+                skip(spec, source, f"adapter {spec.name}: rank {ranks.pop(spec.name)}, over the largest rank these "
+                     f"slots may have in memory ({most})")
+                later.remove((spec, file, source))
+        shape = SlotShape.fitted(list(ranks.values()), num_slots, max_rank, folder is not None, targets)
         catalog = cls(cfg, task, shape, folder, state)
         catalog._started = {s.name for s in specs}
         catalog._unloaded = unloaded & catalog._started
-        for spec in wanted:
+        catalog._skipped = skipped
+        for spec in flags:
             catalog._set[spec.name] = (spec, catalog._check(spec, files[spec.name], f"--adapter {spec.name}"))
-        for spec, file in later:
+        for spec, file, source in later:
             try:
                 info = catalog._check(spec, files[spec.name], f"adapter {spec.name}")
             except UserError as e:
-                log("lora_skipped", name=spec.name, reason=" ".join(str(e).split())[:300], state=str(state))
+                skip(spec, source, str(e))
                 continue
             catalog._set[spec.name] = (spec, info)
-            catalog._loaded[spec.name] = {"file": file, "scale": spec.scale}
+            if file is not None:
+                catalog._loaded[spec.name] = {"file": file, "scale": spec.scale}
         catalog._save()
         return catalog
 
@@ -110,14 +141,24 @@ class AdapterCatalog:
         with self._lock:
             return {name: ScheduleValues(**info.schedule) for name, (_, info) in self._set.items() if info.schedule}
 
+    def skipped(self) -> list[Skipped]:
+        """What the start left out, and why (GET /v1/loras lists it)."""
+        with self._lock:
+            return list(self._skipped.values())
+
     def resolve(self, request: Request) -> Request:
-        """`request` with its adapters resolved (module doc); UserError naming `lora` for a name not in the set, or
-        more adapters than one evaluation carries."""
+        """`request` with its adapters resolved (module doc); UserError naming `lora` for a name not in the set (one
+        the start skipped: with its reason), or more adapters than one evaluation carries."""
         if not request.lora:
             return request
         with self._lock:
             specs = {name: spec for name, (spec, _) in self._set.items()}
             infos = {name: info for name, (_, info) in self._set.items()}
+            skipped = [self._skipped[u.name] for u in request.lora if u.name not in specs and u.name in self._skipped]
+        if skipped:
+            s = skipped[0]
+            raise UserError(f"lora {s.name!r}: this server started without it ({s.source} file {s.file!r}: "
+                            f"{s.reason}); fix the file and load it (POST /v1/loras), or name another.", field="lora")
         check_adapters(request.lora, tuple(specs.values()), None, self.shape.num_slots)
         return replace(request, lora=tuple(
             AdapterUse(u.name, specs[u.name].scale if u.scale is None else u.scale, str(specs[u.name].path),
@@ -135,9 +176,8 @@ class AdapterCatalog:
         if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
             raise UserError(f"name {json.dumps(name)}: an adapter's name is 1-64 of [A-Za-z0-9._-], starting with a "
                             "letter or digit.", field="name")
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
-            raise UserError(f"scale {json.dumps(scale)}: the default strength must be a finite number (1.0: as "
-                            "trained).", field="scale")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not scale_in_range(scale):
+            raise UserError(f"scale {json.dumps(scale)}: the default strength must be {SCALE_RANGE}.", field="scale")
         self._taken(name, self.names())
         spec = AdapterSpec(name, _inside(self.folder, file), float(scale))
         lora = _read(spec, self.cfg, f"file {file!r}", shown=file)
@@ -145,6 +185,7 @@ class AdapterCatalog:
         with self._lock:
             self._taken(name, self._set)  # a concurrent load of the same name may have won meanwhile
             self._set[name] = (spec, info)
+            self._skipped.pop(name, None)  # the name serves again
             self._loaded[name] = {"file": file, "scale": spec.scale}
             self._save()
         return info
@@ -195,8 +236,8 @@ def _inside(folder: Path, file) -> Path:
         raise UserError(f"file {json.dumps(file)}: name a .safetensors file inside the server's --lora-dir, relative "
                         "to it (e.g. style.safetensors).", field="file")
     if Path(file).is_absolute() or ".." in Path(file).parts or "\\" in file or "\0" in file:
-        raise UserError(f"file {file!r}: a path outside the server's --lora-dir is refused; name a file inside it, "
-                        "relative to it (e.g. style.safetensors).", field="file")
+        raise UserError(f"file {file!r}: an absolute path, '..', a backslash or a NUL is refused; name a file inside "
+                        "the server's --lora-dir, relative to it (e.g. style.safetensors).", field="file")
     root = folder.resolve()
     path = (root / file).resolve()
     if not path.is_relative_to(root):
@@ -205,6 +246,19 @@ def _inside(folder: Path, file) -> Path:
     if not path.is_file():
         raise UserError(f"file {file!r}: no such file in the server's --lora-dir; copy it there first.", field="file")
     return path
+
+
+def _optional_spec(spec: AdapterSpec, file: str | None, folder: Path, taken) -> AdapterSpec:
+    """A --lora-dir file's spec (`file` None), or the state file's adapter with its `file`, as the set will hold it
+    (its path inside --lora-dir, checked: a link out of the folder is refused); UserError when its name is not an
+    adapter's name or is `taken`."""
+    if not NAME_PATTERN.fullmatch(spec.name):
+        raise UserError(f"{spec.path.name}: its stem is not an adapter's name (1-64 of [A-Za-z0-9._-], starting "
+                        "with a letter or digit); rename the file.")
+    if spec.name in taken:
+        raise UserError(f"adapter {spec.name}: the name is taken by another adapter at start (an --adapter, or a "
+                        "--lora-dir file); rename the file.")
+    return replace(spec, path=_inside(folder, file if file is not None else spec.path.name))
 
 
 def _read(spec: AdapterSpec, cfg: H3Config, where: str, shown: str | None = None) -> LoraFile:

@@ -17,7 +17,6 @@ are the request's from then on: admission checks them against what a bundle serv
 from __future__ import annotations
 
 import functools
-import math
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Iterable, Mapping
@@ -25,7 +24,7 @@ from typing import Iterable, Mapping
 from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
-from ..models.sampler import MAX_STEPS
+from ..models.sampler import key_values, schedule_value
 from ..request.parts import DEFAULT, REQUEST, ScheduleFrom  # ScheduleFrom's home since issue 48
 
 SCHEDULE_KEYS = ("steps", "video_shift", "audio_shift")
@@ -51,27 +50,7 @@ class ScheduleValues:
     @classmethod
     def parse(cls, text: str, where: str) -> "ScheduleValues":
         """`steps=8,video_shift=5` (the part of an --adapter after its '@'); `where` names it in the errors."""
-        values = {}
-        for pair in text.split(","):
-            key, sep, value = pair.strip().partition("=")
-            if not sep or key not in SCHEDULE_KEYS or key in values:
-                raise UserError(f"{where}: expected KEY=VALUE pairs after '@' (each key once, of "
-                                f"{list(SCHEDULE_KEYS)}), e.g. @steps=8,video_shift=5; got {pair.strip()!r}.")
-            values[key] = checked_value(key, value.strip(), where)
-        return cls(**values)
-
-
-def checked_value(key: str, text: str, where: str) -> int | float:
-    """One schedule value from its text: steps an integer in [2, MAX_STEPS], a shift a positive finite number."""
-    try:
-        value = int(text) if key == "steps" else float(text)
-    except ValueError:
-        value = None
-    if key == "steps" and (value is None or not 2 <= value <= MAX_STEPS):
-        raise UserError(f"{where}: steps must be an integer from 2 to {MAX_STEPS} (sigma grid points), got {text!r}.")
-    if key != "steps" and (value is None or not (math.isfinite(value) and value > 0)):
-        raise UserError(f"{where}: {key} must be a positive finite number, got {text!r}.")
-    return value
+        return cls(**key_values(text, SCHEDULE_KEYS, where))
 
 
 def split_spec(text: str, where: str) -> tuple[str, ScheduleValues]:
@@ -98,7 +77,7 @@ def _file_schedule(path: str, size: int, mtime_ns: int) -> ScheduleValues:
     except (SafetensorError, OSError) as e:
         raise UserError(f"{path}: not a readable safetensors file ({e}); an adapter is a LoRA .safetensors.") from None
     where = f"{path}: __metadata__"
-    return ScheduleValues(**{key: checked_value(key, meta[name], f"{where} {name}")
+    return ScheduleValues(**{key: schedule_value(key, meta[name], f"{where} {name}")
                              for key, name in METADATA_KEYS.items() if name in meta})
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -38,7 +37,7 @@ import torch
 from ..adapters.use import AdapterUse  # its home since issue 48; importers here move in its phase 2
 from ..errors import UserError
 from ..models.config import H3Config
-from ..models.lora import LoraScaleError, LoraSpec, native_target, route
+from ..models.lora import SCALE_RANGE, LoraScaleError, LoraSpec, native_target, route, scale_in_range
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraRun, LoraSlots, SlotRecord
 from .adapter_schedule import ScheduleValues, file_schedule, split_spec
@@ -65,6 +64,9 @@ class AdapterSpec:
     path: Path
     scale: float = 1.0
     schedule: ScheduleValues = ScheduleValues()  # @steps=..: over its file's own (pipeline/adapter_schedule.py)
+    # A --lora-dir file: a server that cannot use it starts without it (skipped, and says why); an --adapter's
+    # refusal stops the start instead (the operator named that file)
+    from_folder: bool = False
 
     @classmethod
     def parse(cls, text: str) -> "AdapterSpec":
@@ -79,42 +81,38 @@ class AdapterSpec:
             rest, schedule = split_spec(rest, f"--adapter {text!r}")
             file = LoraSpec.parse(rest)  # FILE[:SCALE] as --lora reads it
         except LoraScaleError:
-            raise AdapterSpecError(f"--adapter {text!r}: the scale must be a finite number (1.0: as "
-                                   "trained).") from None
+            raise AdapterSpecError(f"--adapter {text!r}: the scale must be {SCALE_RANGE}.") from None
         except UserError as e:  # argparse shows an ArgumentTypeError's own words
             raise AdapterSpecError(str(e)) from None
         return cls(name, file.path, file.scale, schedule)
 
 
 def folder_specs(folder: Path) -> tuple[AdapterSpec, ...]:
-    """`--lora-dir DIR`: every *.safetensors in DIR, named by its file stem, at scale 1.0 (sorted by name)."""
+    """`--lora-dir DIR`: every *.safetensors in DIR, named by its file stem, at scale 1.0 (sorted by name). Nothing
+    is read here: the server's catalog checks each file at start and skips those it cannot use
+    (pipeline/adapter_catalog.py)."""
     if not folder.is_dir():
         raise UserError(f"--lora-dir {folder}: not a folder; pass the folder that holds the LoRA .safetensors files.")
-    specs = []
-    for path in sorted(folder.glob("*.safetensors")):
-        if not NAME_PATTERN.fullmatch(path.stem):
-            raise UserError(f"--lora-dir {folder}: {path.name} cannot be an adapter's name (1-64 of [A-Za-z0-9._-], "
-                            "starting with a letter or digit); rename the file.")
-        specs.append(AdapterSpec(path.stem, path))
-    return tuple(specs)
+    return tuple(AdapterSpec(path.stem, path, from_folder=True) for path in sorted(folder.glob("*.safetensors")))
 
 
 def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
-    """Distinct names, files that exist, each file's own schedule valid: refused before any model loads."""
+    """The --adapter flags (not --lora-dir's files, which the server checks and may skip): distinct names, files
+    that exist, each file's own schedule valid; refused before any model loads."""
+    flags = [s for s in specs if not s.from_folder]
     seen = set()
-    for s in specs:
+    for s in flags:
         if s.name in seen:
-            raise UserError(f"--adapter {s.name}: the name is given twice (by --adapter or a --lora-dir file's stem); "
-                            "each resident adapter needs its own name.")
+            raise UserError(f"--adapter {s.name}: the name is given twice; each resident adapter needs its own name.")
         seen.add(s.name)
         if not s.path.is_file():
             raise UserError(f"--adapter {s.name}={s.path}: no such file (a LoRA .safetensors).")
-    for s in specs:
+    for s in flags:
         file_schedule(s.path)  # its __metadata__ schedule, if any, valid
 
 
 def parse_lora_field(value) -> tuple[AdapterUse, ...]:
-    """A request's `lora`: a list of {"name": str, "scale": finite number (optional)}, each name once."""
+    """A request's `lora`: a list of {"name": str, "scale": a number in range (optional)}, each name once."""
     shape = 'lora must be a list of {"name": ..., "scale": ...} objects'
     if not isinstance(value, list):
         raise UserError(f"{shape}, got {json.dumps(value)}.", field="lora")
@@ -124,22 +122,14 @@ def parse_lora_field(value) -> tuple[AdapterUse, ...]:
             raise UserError(f"{shape} (name a string, scale optional), got {json.dumps(item)}.", field="lora")
         scale = item.get("scale")
         if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not math.isfinite(_as_float(scale))):
-            raise UserError(f"lora {item['name']!r}: scale must be a finite number (1.0: as trained), got "
-                            f"{json.dumps(scale)}.", field="lora")
-        uses.append(AdapterUse(item["name"], None if scale is None else _as_float(scale)))
+                                  or not scale_in_range(scale)):
+            raise UserError(f"lora {item['name']!r}: scale must be {SCALE_RANGE}, got {json.dumps(scale)}.",
+                            field="lora")
+        uses.append(AdapterUse(item["name"], None if scale is None else float(scale)))
     names = [u.name for u in uses]
     if len(set(names)) != len(names):
         raise UserError(f"lora names {names}: each adapter once.", field="lora")
     return tuple(uses)
-
-
-def _as_float(number: int | float) -> float:
-    """A JSON number as a float; an integer beyond a float's range is infinite (float() would raise)."""
-    try:
-        return float(number)
-    except OverflowError:
-        return math.inf
 
 
 def lora_field(uses: tuple[AdapterUse, ...]) -> list[dict]:
@@ -162,7 +152,7 @@ def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...],
                         f"({resident or 'none: start it with --adapter NAME=FILE[:SCALE]'}).", field="lora")
     if slots is not None and len(uses) > slots:
         raise UserError(f"lora asks for {len(uses)} adapters, but one evaluation carries at most {slots} (the "
-                        "server's --lora-slots); ask for fewer.", field="lora")
+                        "model's LoRA slots); ask for fewer.", field="lora")
     unknown = [u.name for u in uses if u.name not in resident]
     if unknown:
         raise UserError(f"lora names {unknown}, not resident here; the resident adapters are "
@@ -180,20 +170,25 @@ def check_bundle_dense(uses: tuple[AdapterUse, ...], sparse_attention: float) ->
 
 
 def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, ...], slots, cfg: H3Config,
-                       task: str) -> None:
+                       task: str, folder: Path | None = None) -> None:
     """`--adapter` (and `--lora`, an adapter on every request) against a bundle's LoRA slots (`slots`: its manifest's
     LoraSlotsRecord, None without any), each file read and routed as the slots will load it; before any model
-    loads. One line naming the flag and the fix."""
-    flags = [(f"--adapter {s.name}={s.path}", s.path) for s in specs] + [(f"--lora {m.path}", m.path) for m in merged]
-    if not flags:
+    loads. One line naming the flag and the fix. `folder`: --lora-dir, whose files the server's catalog checks (and
+    skips), but which needs the slots too."""
+    adapter_flags = [(f"--adapter {s.name}={s.path}", s.path) for s in specs if not s.from_folder]
+    flags = adapter_flags + [(f"--lora {m.path}", m.path) for m in merged]
+    wanted = [f for f, _ in flags] + ([f"--lora-dir {folder}"] if folder is not None else [])
+    if not wanted:
         return
     if slots is None:
-        raise UserError(f"{flags[0][0]}: {BUNDLE_REFUSAL}")
+        raise UserError(f"{wanted[0]}: {BUNDLE_REFUSAL}")
     # --lora files hold a slot each for good; the adapters share the rest, loaded on demand (ResidentAdapters)
-    if len(merged) + (1 if specs else 0) > slots.slots:
+    adapters = len(wanted) > len(merged)
+    if len(merged) + adapters > slots.slots:
+        needs = f", and {'--adapter' if adapter_flags else '--lora-dir'} needs one more" if adapters else ""
         raise UserError(f"--lora: {len(merged)} file(s) held on every request, but this bundle has {slots.slots} LoRA "
-                        f"slot(s){', and --adapter needs one more' if specs else ''}; pass fewer, or rebuild it with "
-                        f"h3trt build ... --lora-slots {len(merged) + (1 if specs else 0)}.")
+                        f"slot(s){needs}; pass fewer, or rebuild it with h3trt build ... --lora-slots "
+                        f"{len(merged) + adapters}.")
     covered = {f"blocks.{i}.{t}" for i in range(cfg.num_layers) for t in slots.targets}
     for flag, path in flags:
         if not Path(path).is_file():

@@ -23,12 +23,13 @@ import torch
 from ..errors import UserError
 from ..media.output_files import DEFAULT_CRF, discard
 from ..models.audio_vae import AudioVAE
+from ..models.distilled import DistilledServing, DistilledSpec
 from ..models.lora import LoraSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
 from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
 from ..models.sparse_kernels import sparse_block
-from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.sparse_run import SparseRun
+from ..models.vsa_plan import VsaRun, request_vsa_run
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
@@ -39,6 +40,8 @@ from .parallel_decode import DecodeResult, decode_and_write
 from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
 from .request import CanvasDefaults, Encoded, Prepared, Request
 from .step_profile import StepProfiler
+from .evaluation import (check_finite, counted, lora_kwargs, new_step_cache, request_sparse_settings,
+                         same_layout)
 
 
 @dataclass(frozen=True)
@@ -59,7 +62,8 @@ class H3Pipeline:
                  shifts: tuple[float, float], device: torch.device, canvas: CanvasDefaults = CanvasDefaults(),
                  check_request=None, cfg_group=None, loras: tuple[dict, ...] = (),
                  deferred_vaes: Deferred | None = None, load_report: ColdStart | None = None,
-                 adapters: ResidentAdapters | None = None):
+                 adapters: ResidentAdapters | None = None, distilled: DistilledServing | None = None,
+                 distilled_record: dict | None = None, text_prefetched: dict | None = None):
         """`deferred_vaes`: the VAEs still loading on a background thread (loading.Components), in place of the two
         (a bundle's cold start: the first denoise step needs neither); the first use waits for them and completes
         `load_report`, a bundle's cold-start split, for every record."""
@@ -72,6 +76,9 @@ class H3Pipeline:
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
         self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (models/lora.py), for every clip record
         self.adapters = adapters  # resident LoRA adapters a request picks (pipeline/adapters.py); None: none
+        # a distilled checkpoint's schedule and refusals (models/distilled.py), and its record for every clip
+        self.distilled, self.distilled_record = distilled, distilled_record
+        self.text_prefetched = dict(text_prefetched or {})  # t2va prompt -> encoding made while loading (one use)
 
     def _ready_vaes(self) -> tuple[VideoVAE, AudioVAE]:
         if self._deferred_vaes is not None:
@@ -93,31 +100,37 @@ class H3Pipeline:
     def from_components(cls, parts: Components, device, canvas: CanvasDefaults = CanvasDefaults(), cfg_group=None):
         return cls(parts.dit, parts.text_encoder, parts.video_vae, parts.audio_vae, parts.shifts, device, canvas,
                    parts.check_request, cfg_group, loras=parts.loras, deferred_vaes=parts.deferred_vaes,
-                   load_report=parts.load_report, adapters=parts.adapters)
+                   load_report=parts.load_report, adapters=parts.adapters, distilled=parts.distilled,
+                   distilled_record=parts.distilled_record, text_prefetched=parts.text_prefetched)
 
     @classmethod
     def load(cls, model_root: Path, task: str, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
              vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (), sp_group=None, cfg_group=None,
-             adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None):
+             adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None,
+             distilled: DistilledSpec | None = None):
         """The eager pipeline for `task`'s partition (loading.load_checkpoint); on a mesh, this rank's Ulysses group
-        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT, in `lora_slots`."""
+        (`sp_group`) and guidance-branch group (`cfg_group`); `adapters` resident beside the DiT, in `lora_slots`;
+        `distilled` fused into it."""
         return cls.from_components(load_checkpoint(model_root, task, device, vae_precision, loras, sp_group, adapters,
-                                                   lora_slots), device, canvas, cfg_group)
+                                                   lora_slots, distilled), device, canvas, cfg_group)
 
     @classmethod
     def load_engine(cls, bundle_root: Path, device: str = "cpu", canvas: CanvasDefaults = CanvasDefaults(),
                     mesh=None, sp_group=None, cfg_group=None, vae_precision: str | None = None,
                     trust: Path | None = None, adapters: tuple[AdapterSpec, ...] = (),
-                    loras: tuple[LoraSpec, ...] = (), serve_adapters: bool = False):
+                    loras: tuple[LoraSpec, ...] = (), serve_adapters: bool = False,
+                    prefetch_prompts: tuple[str, ...] = ()):
         """A bundle's pipeline for one rank (loading.load_bundle); `cfg_group` this rank's guidance-branch group;
         `adapters` and `loras` (an adapter on every request) in the bundle's LoRA slots; `serve_adapters`: requests
         may name adapters that join later (a server's --lora-dir) even when none is given at start."""
         return cls.from_components(load_bundle(bundle_root, device, mesh, sp_group, vae_precision, trust, adapters,
-                                               loras, serve_adapters), device, canvas, cfg_group)
+                                               loras, serve_adapters, prefetch_prompts), device, canvas, cfg_group)
 
-    def new_sparse_run(self, request: Request) -> SparseRun | None:
-        """A request's block-sparse attention over its evaluations, or None when it asks for none (dense)."""
+    def new_sparse_run(self, request: Request) -> SparseRun | VsaRun | None:
+        """A request's block-sparse attention over its evaluations (a FastH3-VSA model's VSA: every request), or None."""
         settings = request_sparse_settings(request)
+        if getattr(self.dit, "vsa", None) is not None:  # a FastH3-VSA model: VSA, never SubBlock
+            return request_vsa_run(self.dit.vsa, settings.enabled)
         if not settings.enabled:
             return None
         kernel = getattr(self.dit, "sparse_kernel", None)
@@ -132,6 +145,10 @@ class H3Pipeline:
         return SparseRun(settings, kernel, sparse_block(kernel, self.device))
 
     def schedule(self, request: Request) -> Schedule:
+        """A request's schedule: its steps and shifts (the model's where it states none); a distilled model's family
+        decides its rungs and refuses what it cannot run."""
+        if self.distilled is not None:
+            return self.distilled.schedule(request.steps, request.video_shift, request.audio_shift)
         return Schedule.resolve(request.steps, request.video_shift, request.audio_shift, self.shifts)
 
     @torch.no_grad()
@@ -168,7 +185,7 @@ class H3Pipeline:
     def denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None = None,
                         timer: StageTimer | None = None, cache: StepCache | None = None,
                         profile_step: int | None = None,
-                        sparse: SparseRun | None = None) -> tuple[Schedule, PackedLayout, Latents]:
+                        sparse: SparseRun | VsaRun | None = None) -> tuple[Schedule, PackedLayout, Latents]:
         """Stages 1-3 for a prepared request: the schedule, the packed layout and the final latent rows. A request
         with a step cache fills `cache` (a new one when None) with what it skipped; one with sparsity fills `sparse`
         (a new one when None) with which evaluations ran sparse."""
@@ -180,8 +197,7 @@ class H3Pipeline:
         # the process that admitted it; the one loaded here need not be that one (a server's stored job outlives the
         # process that admitted it: a restart with another --engine or --cfg takes it; a fleet's ingress and its
         # worker replicas load their models apart).
-        if self.check_request is not None:
-            self.check_request(prepared)
+        self._guard(prepared)
         if self.cfg_group is not None and req.guidance == 1.0:
             raise ValueError("This job splits guidance branches over cfg=2 rank groups, but the request has no "
                              "guidance (--guidance 1, H3's default); launch with --cfg 1 or pass --guidance > 1.")
@@ -219,20 +235,28 @@ class H3Pipeline:
             cache.gather(self.cfg_group)
         return schedule, layout, final
 
+    def _guard(self, prepared: Prepared) -> None:
+        """What the model cannot serve, asked again on the rank that runs it: a bundle's task, canvas and schedule;
+        a distilled family's task, guidance and step cache."""
+        if self.check_request is not None:
+            self.check_request(prepared)
+        if self.distilled is not None:
+            req = prepared.request
+            self.distilled.check(req.task, req.guidance, getattr(req, "cache", None))
+
     @torch.no_grad()
     def encode_request(self, prepared: Prepared, timer: StageTimer | None = None) -> Encoded:
         """Stages 1-2 and the pack of a request that will be denoised in a batch (single-branch: no guidance)."""
         req, timer = prepared.request, timer or StageTimer(self.device)
         schedule = self.schedule(req)
-        if self.check_request is not None:  # the last-line guard of denoise_request
-            self.check_request(prepared)
+        self._guard(prepared)  # the last-line guard of denoise_request
         # What a batch cannot share: a requests file batches only requests without them (run/batch.py batchable);
         # admission does not know which requests will share a batch.
         if getattr(req, "guidance", 1.0) != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
-        if request_sparse_settings(req).enabled:
-            raise ValueError("Block-sparse attention counts one request's evaluations; run a sparse request alone "
-                             "(h3trt run --prompt ... --sparse-attention ...).")
+        if request_sparse_settings(req).enabled or getattr(self.dit, "vsa", None) is not None:
+            raise ValueError("Block-sparse attention (SubBlock, or a FastH3-VSA model's VSA) counts one request's "
+                             "evaluations; run such a request alone (h3trt run --prompt ...).")
         if getattr(req, "cache", None) is not None:
             raise ValueError("Step caching decides per request, and a batch shares one evaluation per step; run a "
                              "cached request alone (h3trt run --prompt ... --cache ...).")
@@ -285,7 +309,8 @@ class H3Pipeline:
                 decoded: DecodeResult, timer: StageTimer) -> ClipRecord:
         return clip_record(prepared, schedule, layout, output, decoded.frames, decoded.audio_samples, timer,
                            self.device, self.video_vae, self.load_report, self.loras,
-                           self.adapters.record(prepared.request.lora) if self.adapters is not None else None)
+                           self.adapters.record(prepared.request.lora) if self.adapters is not None else None,
+                           self.distilled_record)
 
     def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:
         """Stage 2: visual condition latents and reference audio rows in packed order, and the ref2va blocks."""
@@ -345,12 +370,15 @@ class H3Pipeline:
         timer.span("decode_and_mux", start, time.perf_counter())
         for stage, seconds in result.timings_s.items():  # video_decode, audio_decode, mux, decode_tail_s
             timer.seconds[stage] = timer.seconds.get(stage, 0.0) + seconds
+        timer.decode_tail = result.tail_s or None
         return result
 
     def _encode_text(self, prepared: Prepared, prompt: str | None = None):
         """The request's prompt (or `prompt`: the negative branch's) with the task's visual context."""
         req = prepared.request
         prompt = req.prompt if prompt is None else prompt
+        if req.task == "t2va" and prompt in self.text_prefetched:  # encoded while the bundle loaded
+            return self.text_prefetched.pop(prompt)
         if req.task == "t2va":
             return self.text_encoder.encode_t2va(prompt)
         if req.task == "fl2va":
@@ -368,7 +396,7 @@ class H3Pipeline:
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
                  branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
                  cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None,
-                 sparse: SparseRun | None = None, lora=None):
+                 sparse: SparseRun | VsaRun | None = None, lora=None):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
@@ -394,11 +422,6 @@ class H3Pipeline:
         return final
 
 
-def lora_kwargs(lora) -> dict:
-    """The runner's `lora` argument where a request has adapters; none at all otherwise (a bundle's runner takes
-    none, and a request without adapters calls the runner exactly as before they existed)."""
-    return {"lora": lora} if lora is not None else {}
-
 
 def clip_of(decoded: DecodeResult, record: Callable[[], ClipRecord]) -> Clip:
     """The clip of a decode on the writing rank, its record made by `record()`: if that fails, the MP4 under its
@@ -408,41 +431,3 @@ def clip_of(decoded: DecodeResult, record: Callable[[], ClipRecord]) -> Clip:
     except BaseException:
         discard(decoded.mp4_temp)
         raise
-
-
-def counted(model, sparse: SparseRun):
-    """The sampler's model function, advancing `sparse` to the next evaluation before each step's DiT call(s)."""
-    def step(video, audio, unique_t, t_index):
-        sparse.next_evaluation()
-        return model(video, audio, unique_t, t_index)
-
-    return step
-
-
-def request_sparse_settings(request: Request) -> SparseSettings:
-    """A request's checked sparse settings (sparse_plan.sparse_settings; the request keys' names in messages)."""
-    return sparse_settings(getattr(request, "sparse_attention", 0.0) or 0.0,
-                           getattr(request, "sparse_dense_steps", None), getattr(request, "sparse_min_seq", None),
-                           where="")
-
-
-def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:
-    """A generation's step cache, or None when the request asks for none."""
-    config = getattr(request, "cache", None)
-    return StepCache(config, schedule.num_evaluations) if config is not None else None
-
-
-def check_finite(final: Latents) -> None:
-    """Refuse to decode latents holding NaN or inf (a numerical failure: a clip of them is garbage, not a result)."""
-    bad = [name for name, rows in (("video", final.video), ("audio", final.audio)) if not torch.isfinite(rows).all()]
-    if bad:
-        raise FloatingPointError(f"the denoised {' and '.join(bad)} latents hold NaN or inf; the clip was not "
-                                 "decoded.")
-
-
-def same_layout(a: PackedLayout, b: PackedLayout) -> bool:
-    """Whether two requests pack into the same rows (so they can share one batched DiT evaluation)."""
-    return (a.num_condition_video_rows == b.num_condition_video_rows
-            and a.num_condition_audio_rows == b.num_condition_audio_rows
-            and all(torch.equal(getattr(a, k), getattr(b, k))
-                    for k in ("position_ids", "token_tags", "video_index", "audio_index", "text_index")))

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -19,6 +20,10 @@ from ..engines.bundle import Engine
 from ..engines.manifest import BundleError, read_manifest
 from ..models.audio_vae import AudioVAE
 from ..models.checkpoint import load_dit
+from ..errors import UserError
+from ..models.distilled import DistilledServing, DistilledSpec, load_distilled
+from ..models.distilled_contract import checkpoint_contract
+from ..models.distilled_merge import StepHeadRunner, merge_distilled, step_heads
 from ..models.dit import EagerDiT
 from ..models.lora import LoraSpec, merge_loras
 from ..models.precision import eager_dtype
@@ -27,6 +32,7 @@ from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
+from ..models.vsa_plan import VsaServing, VsaSettings, choose_vsa_kernel
 from ..parallel.ulysses import UlyssesDiT
 from .adapters import AdapterSpec, ResidentAdapters, SlotShape
 from .records import ColdStart, process_started_unix, torch_bytecode
@@ -52,6 +58,10 @@ class Components:
     deferred_vaes: Deferred | None = None
     load_report: ColdStart | None = None  # a bundle's cold-start split, for every record
     adapters: ResidentAdapters | None = None  # resident LoRA adapters, picked per request
+    # A distilled checkpoint's: what it serves (its schedule, tasks, refusals) and its record for every clip
+    distilled: DistilledServing | None = None
+    distilled_record: dict | None = None
+    text_prefetched: dict | None = None  # t2va prompt -> its encoding, made while a bundle loaded (one use each)
 
 
 class Deferred:
@@ -134,36 +144,63 @@ def _vaes(root: Path, device: torch.device, vae_precision: VAEPrecision) -> tupl
 
 def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precision: str | None = None,
                     loras: tuple[LoraSpec, ...] = (), sp_group=None,
-                    adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None) -> Components:
+                    adapters: tuple[AdapterSpec, ...] = (), lora_slots: SlotShape | None = None,
+                    distilled: DistilledSpec | None = None) -> Components:
     """The eager components for `task`'s partition, with `loras` merged into the DiT and `adapters` resident beside
     it, in LoRA slots of `lora_slots` (None: one slot each, of their largest rank) in the DiT's dtype;
     `vae_precision` None: bf16 on CUDA, fp32 on the CPU (VAEPrecision.default). With `sp_group` (this rank's Ulysses
-    group) the DiT runner shards its block stack over it."""
+    group) the DiT runner shards its block stack over it. `distilled`: a distilled file fused into the DiT after the
+    LoRAs (models/distilled_merge.py); the model then runs its family's schedule (its shifts are the defaults)."""
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
     dtype = eager_dtype(device)
     model, source = load_dit(model_root, task, dtype=dtype, device=device)
     records = merge_loras(model, loras, task)
     shifts = source.shifts
+    fused = load_distilled(distilled, model.cfg, task) if distilled is not None else None
+    serving, record = (fused.serving, merge_distilled(model, fused)) if fused is not None else (None, None)
+    contract = checkpoint_contract(source.component_root, shifts)  # a full FastH3 export: its own ladder
+    if contract is not None:
+        if fused is not None:
+            raise UserError(f"--distilled {distilled.path}: {model_root} is a distilled export already "
+                            "(fastvideo_inference.json); fuse files into a base checkpoint only.")
+        serving, record = contract
+    if serving is not None:
+        shifts = (serving.plan.schedule.video_shift, serving.plan.schedule.audio_shift)
     sp = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
-    kernel, sparse_problem = load_sparse_kernel(device, model.cfg.num_heads // sp, model.cfg.head_dim, dtype)
-    dit = UlyssesDiT(model, sp_group, kernel) if sp_group is not None else EagerDiT(model, kernel)
+    heads = model.cfg.num_heads // sp
+    if model.cfg.vsa_gate:  # FastH3-VSA: VSA every evaluation at FastH3 v1's settings, its kernel warmed now
+        kernel, sparse_problem = None, None
+        vsa = VsaServing(VsaSettings(), choose_vsa_kernel(device, heads, model.cfg.head_dim, dtype, _note))
+    else:
+        (kernel, sparse_problem), vsa = load_sparse_kernel(device, heads, model.cfg.head_dim, dtype), None
+    dit = UlyssesDiT(model, sp_group, kernel, vsa) if sp_group is not None else EagerDiT(model, kernel, vsa)
     dit.sparse_problem = sparse_problem
+    heads = step_heads(fused, device) if fused is not None else None
+    if heads is not None:  # PDD: each forward's fused head, chosen per evaluation
+        dit = StepHeadRunner(dit, heads)
     resident = (ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device, lora_slots)
                 if adapters or lora_slots is not None else None)
     return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
-                      loras=records, adapters=resident)
+                      loras=records, adapters=resident, distilled=serving, distilled_record=record)
+
+
+def _note(line: str) -> None:
+    print(f"h3trt: note: {line}", file=sys.stderr)
 
 
 def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None, vae_precision: str | None = None,
                 trust: Path | None = None, adapters: tuple[AdapterSpec, ...] = (),
-                loras: tuple[LoraSpec, ...] = (), serve_adapters: bool = False) -> Components:
+                loras: tuple[LoraSpec, ...] = (), serve_adapters: bool = False,
+                prefetch_prompts: tuple[str, ...] = ()) -> Components:
     """A bundle's components for one rank: `mesh` is the launched MeshConfig (None: one process), checked against
     the bundle's; `sp_group` this rank's sequence-parallel group. The video VAE runs at the bundle's
     --vae-precision (its decoder was compiled for it); `vae_precision`, when given, must be that one; `trust` a
     public key the bundle must be signed with (Engine.load). `adapters` (and `loras`, an adapter on every request)
     are loaded into the bundle's LoRA slots (checked against them before: adapters.check_bundle_specs);
-    `serve_adapters`: the slots serve adapters that join later (a server's --lora-dir), even with none at start."""
+    `serve_adapters`: the slots serve adapters that join later (a server's --lora-dir), even with none at start.
+    `prefetch_prompts`: t2va prompts the run already knows (one clip's), encoded on the text encoder's thread while
+    the DiT loads (its warm-up), so that request's text encode is off the critical path."""
     device, bundle_root = torch.device(device), Path(bundle_root)
     start = time.perf_counter()
     started_unix, process_unix = time.time(), process_started_unix()
@@ -172,7 +209,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
 
     # 1. The engine: checks, code, DiT weights; the text encoder loads on its own thread as soon as its files are
     #    verified, beside the weights streaming in.
-    text = _TextEncoderBeside(bundle_root, device, dtype)
+    text = _TextEncoderBeside(bundle_root, device, dtype, prefetch_prompts)
     engine = Engine.load(bundle_root, device, mesh, sp_group, trust=trust, early=_TEXT_PARTS, alongside=text.start)
     engine_s = time.perf_counter() - start
     m = engine.manifest
@@ -184,7 +221,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
 
     # 2. The text encoder, once the DiT is ready.
     t0 = time.perf_counter()
-    text_encoder, text_split = text.result()
+    text_encoder, text_split, prefetched = text.result()
     text_split["text_encoder_wait_s"] = round(time.perf_counter() - t0, 4)  # after the DiT was ready
     # A tensorrt bundle's first thread: its imports first, on this thread (import_loader_modules; done already, and
     # a no-op, on the compiled path).
@@ -206,7 +243,9 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                 if engine.dit.lora_slots is not None and (adapters or loras or serve_adapters) else None)
     return Components(engine.dit, text_encoder, None, None, (m.schedule.video_shift, m.schedule.audio_shift),
                       functools.partial(check_bundle_serves, m), loras=m.loras,
-                      deferred_vaes=deferred, load_report=split, adapters=resident)
+                      deferred_vaes=deferred, load_report=split, adapters=resident,
+                      distilled=DistilledServing.from_record(m.distilled) if m.distilled is not None else None,
+                      distilled_record=m.distilled, text_prefetched=prefetched)
 
 
 _TEXT_PARTS = ("text_encoder", "tokenizer", "processor")  # the bundle's files the text encoder loads from
@@ -214,11 +253,13 @@ _TEXT_PARTS = ("text_encoder", "tokenizer", "processor")  # the bundle's files t
 
 class _TextEncoderBeside:
     """The text encoder of a bundle, loaded on its own thread while the DiT weights stream in (the first step needs
-    it), and warmed there with one throwaway encode. `start` is Engine.load's `alongside` callback; a tensorrt bundle
-    never calls it (everything is verified before loading), and `result` loads it on the calling thread."""
+    it), and warmed there with one first encode: of the prompts the run already knows (`prompts`: a single clip's,
+    t2va), so the request's text encode is done before its load ends, else a throwaway one. `start` is Engine.load's
+    `alongside` callback; a tensorrt bundle never calls it (everything is verified before loading), and `result` loads
+    it on the calling thread."""
 
-    def __init__(self, bundle_root: Path, device: torch.device, dtype: torch.dtype):
-        self.bundle_root, self.device, self.dtype = bundle_root, device, dtype
+    def __init__(self, bundle_root: Path, device: torch.device, dtype: torch.dtype, prompts: tuple[str, ...] = ()):
+        self.bundle_root, self.device, self.dtype, self.prompts = bundle_root, device, dtype, tuple(prompts)
         self.pending: Deferred | None = None
         self.imports_s: float | None = None
 
@@ -230,27 +271,30 @@ class _TextEncoderBeside:
         self.imports_s = import_loader_modules()
         self.pending = Deferred(lambda: self._load(verification))
 
-    def _load(self, verification) -> tuple[H3TextEncoder, float, float]:
+    def _load(self, verification) -> tuple[H3TextEncoder, float, float, dict]:
         for part in _TEXT_PARTS:
             verification.wait_prefix(f"{part}/")
         t0 = time.perf_counter()
         encoder = _text_encoder(self.bundle_root, self.device, self.dtype)
         load_s = time.perf_counter() - t0
-        # One throwaway encode while the weights still stream: the first call of every kernel (cuBLAS's handles, the
+        # The first encode while the weights still stream: the first call of every kernel (cuBLAS's handles, the
         # lazily loaded CUDA modules) is paid here, not by the request's text encode on the critical path.
         t0 = time.perf_counter()
-        encoder.encode_t2va("warm-up")
+        encoded = {prompt: encoder.encode_t2va(prompt) for prompt in self.prompts}
+        if not encoded:
+            encoder.encode_t2va("warm-up")
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        return encoder, load_s, time.perf_counter() - t0
+        return encoder, load_s, time.perf_counter() - t0, encoded
 
-    def result(self) -> tuple[H3TextEncoder, dict]:
-        """The text encoder and its part of the cold-start split."""
+    def result(self) -> tuple[H3TextEncoder, dict, dict]:
+        """The text encoder, its part of the cold-start split and the prompts it encoded ({prompt: encoding})."""
         if self.pending is None:  # a tensorrt bundle: loaded and verified before this point
-            return _text_encoder(self.bundle_root, self.device, self.dtype), {}
-        encoder, load_s, warmup_s = self.pending.result()
-        # on its thread, overlapping the weights; then its throwaway first encode, on that thread
-        return encoder, {"text_encoder_load_s": round(load_s, 4), "text_encoder_warmup_s": round(warmup_s, 4)}
+            return _text_encoder(self.bundle_root, self.device, self.dtype), {}, {}
+        encoder, load_s, warmup_s, encoded = self.pending.result()
+        # on its thread, overlapping the weights; then its first encode(s), on that thread
+        split = {"text_encoder_load_s": round(load_s, 4), "text_encoder_warmup_s": round(warmup_s, 4)}
+        return encoder, {**split, **({"text_prefetched": len(encoded)} if encoded else {})}, encoded
 
 
 def _bundle_vaes(engine: Engine, bundle_root: Path, device: torch.device,

@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass
 
 from ..errors import UserError
 from ..models.sparse_plan import SparseSettings, sparse_settings
-from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig
+from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig, check_knob
 
 DBCACHE_WARMUP = 4  # SGLang's max_warmup_steps for H3's profiles
 SPARSE_DENSE_STEPS = 10  # SubBlock's default: the first evaluations stay dense
@@ -134,6 +134,9 @@ def request_profile_fields(data: dict) -> dict:
         if value is None:
             continue
         if field == "kind":
+            if value in ("none", "off", "", False):
+                raise UserError(f"cache {value!r} is not a step cache: a request runs none unless it or its profile "
+                                "asks for one; leave cache out, with no profile or profile 'lossless'.", field=key)
             if value != "first-block":
                 raise UserError(f"cache must be 'first-block' in a request, got {value!r} (MagCache needs the "
                                 "model's ratios: h3trt run --cache mag --mag-ratios ...).", field=key)
@@ -142,6 +145,8 @@ def request_profile_fields(data: dict) -> dict:
             raise UserError(f"{key} must be {what}, got {value!r}.", field=key)
         elif isinstance(value, float) and not math.isfinite(value):
             raise UserError(f"{key} must be finite, got {value}.", field=key)
+        else:
+            check_knob(field, value, flags=False)
         knobs[field] = float(value) if field == "threshold" else value
     sparse = {k: data[k] for k in SPARSE_KEYS if data.get(k) is not None}
     if profile is None and not knobs and not sparse:

@@ -53,6 +53,7 @@ class StageTimer:
         self.spans: dict[str, list[float]] = {}
         self.step_marks: list[float] = []  # seconds since the denoise stage began, at each step's callback
         self.step_profile: dict | None = None  # --profile-step's host-overhead report
+        self.decode_tail: dict[str, float] | None = None  # decode_tail_s split into its steps (parallel_decode.py)
         self._unix_offset = time.time() - time.perf_counter()
 
     @contextmanager
@@ -118,6 +119,11 @@ class ClipRecord:
     peak_memory_gib: dict | None = None  # CUDA: {"allocated": GiB, "reserved": GiB}
     loras: list[dict] | None = None  # the LoRAs merged into the DiT (None: none)
     adapters: list[dict] | None = None  # the resident LoRA adapters the request ran with: name, file, sha256, scale
+    # the distilled checkpoint the DiT runs (models/distilled.py record: family, schedule, file, sha256; None: none)
+    distilled: dict | None = None
+    # decode_tail_s as its consecutive steps (pipeline/parallel_decode.py TAIL_STEPS: the last window to the encoder,
+    # x264's last frames, the AAC and x264 flushes, the faststart index, the rename, the join)
+    decode_tail_steps_s: dict | None = None
     step_cache: dict | None = None  # the step cache's report (None: no cache; a batched denoise has none)
     sparse_attention: dict | None = None  # block-sparse attention's report ({"sparsity": 0.0}: dense)
     wall_s: float | None = None  # one request's wall time (None in a batched denoise: its members share it)
@@ -173,6 +179,7 @@ class ColdStart:
     text_encoder_load_s: float | None = None  # on its thread, overlapping the weights (a tensorrt bundle: None)
     text_encoder_warmup_s: float | None = None  # its throwaway first encode, on that thread
     text_encoder_wait_s: float | None = None  # waited for it after the DiT was ready
+    text_prefetched: int | None = None  # prompts its first encode made for the run's requests (their text_encode)
     loader_imports_s: float | None = None  # transformers, diffusers, Inductor, before the loader threads started
     total_s: float | None = None  # bundle on hand, ready to encode and denoise
     # The VAEs, off the cold-start path: filled in once they are ready (with_vaes), before the first clip's record
@@ -278,7 +285,7 @@ def record_path(output: Path) -> Path:
 def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
                 audio_samples: int, timer: StageTimer, device: torch.device, video_vae,
                 load_report: ColdStart | None = None, loras: tuple[dict, ...] = (),
-                adapters: list[dict] | None = None) -> ClipRecord:
+                adapters: list[dict] | None = None, distilled: dict | None = None) -> ClipRecord:
     """The pipeline's part of the record written beside an MP4: the request, its schedule and layout, what was
     written, and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged
     `loras`)."""
@@ -302,7 +309,8 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
         peak_memory_gib={"allocated": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
                          "reserved": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
         if device.type == "cuda" else None,
-        loras=list(loras) if loras else None, adapters=adapters,
+        loras=list(loras) if loras else None, adapters=adapters, distilled=distilled,
+        decode_tail_steps_s=timer.decode_tail,
     )
 
 

@@ -12,7 +12,8 @@ import numpy as np
 import torch
 from PIL import Image
 
-from ..engines.manifest import Manifest, check_request
+from ..engines.manifest import Manifest
+from ..engines.request_check import check_request
 from ..errors import UserError, about
 from ..media.inputs import MediaError, read_audio, read_image, read_video
 from ..models.checkpoint import check_component_files
@@ -20,10 +21,11 @@ from ..models.packing import (AUDIO_SAMPLE_RATE, CANVAS_MAX_PIXELS, CANVAS_MULTI
                               DEFAULT_DURATION, FPS, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK, Geometry, PackedLayout,
                               frames_for_duration, resolve_canvas, validate_canvas)
 from ..models.sampler import (DEFAULT_AUDIO_SHIFT, DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, DEFAULT_VIDEO_SHIFT,
-                              MAX_STEPS, Latents, Schedule)
+                              Latents, Schedule, check_steps)
 from ..models.step_cache import StepCacheConfig
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
+from ..models.vsa_plan import refuse_subblock
 from ..request.parts import ScheduleFrom, task_of  # their home since issue 48
 from .adapters import AdapterUse, lora_field
 
@@ -182,9 +184,7 @@ def _check_fields(request: Request, n: Names) -> None:
             SEED_RANGE[0] <= request.seed < SEED_RANGE[1]):
         raise UserError(f"{n.seed} {request.seed} is outside [-2^63, 2^64), the range torch.Generator "
                         "takes; pass a seed in that range.", field="seed")
-    if not 2 <= request.steps <= MAX_STEPS:
-        raise UserError(f"{n.steps} must be at least 2 (the grid includes the final sigma 0) and at most "
-                        f"{MAX_STEPS} (H3's schedule is {DEFAULT_STEPS}), got {request.steps}.", field="steps")
+    check_steps(request.steps, n.steps)
     if request.refs and (request.image or request.last_image):
         raise UserError(f"{n.refs} (ref2va) cannot be combined with {n.image}/{n.last_image} (fl2va); pick "
                         "one task.", field="refs")
@@ -252,9 +252,10 @@ def _canvas_and_keyframes(request: Request, canvas: CanvasDefaults, n: Names) ->
         height, width = request.height, request.width
     else:
         aspect = keyframes[0][2].size if keyframes else (16, 9)
-        height, width = resolve_canvas(*aspect, short_edge=canvas.short_edge, max_pixels=canvas.max_pixels)
+        height, width = resolve_canvas(*aspect, short_edge=canvas.short_edge, max_pixels=canvas.max_pixels,
+                                       size=n.size)
     try:
-        validate_canvas(height, width)
+        validate_canvas(height, width, n.size)
     except UserError as e:
         raise UserError(str(e), field="resolution") from None
     placed = []
@@ -330,10 +331,12 @@ def _tokenizer(tokenizer_dir: Path):
 
 
 def check_bundle_serves(manifest: Manifest, prepared: Prepared) -> None:
-    """Refuse a request a bundle was not built for (task, canvas, schedule: engines/manifest.py check_request), its
+    """Refuse a request a bundle was not built for (task, canvas, schedule: engines/request_check.py), its
     schedule resolved with the bundle's shifts as the pipeline resolves it. Admission (jobs/admission.py) asks it
     before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (pipeline/loading.py)."""
     req, geo, baked = prepared.request, prepared.geometry, manifest.schedule
+    if manifest.vsa is not None:
+        refuse_subblock(manifest.vsa, bool(getattr(req, "sparse_attention", None)))
     schedule = Schedule.resolve(req.steps, req.video_shift, req.audio_shift, (baked.video_shift, baked.audio_shift))
     # A schedule an adapter brought is the `lora` field's doing: the fix is there (or in stating the schedule).
     adapters = req.schedule_from.adapters() if req.schedule_from is not None else {}
@@ -366,7 +369,7 @@ def _reference_frames(frames: np.ndarray, fps: float, num_frames: int, canvas: C
     if frames.shape[0] < usable:
         raise UserError(f"A reference video needs at least {usable} frames at {FPS} fps, got {frames.shape[0]}.")
     frames = frames[:usable]
-    height, width = resolve_canvas(frames.shape[2], frames.shape[1], canvas.short_edge, canvas.max_pixels)
+    height, width = resolve_canvas(frames.shape[2], frames.shape[1], canvas.short_edge, canvas.max_pixels, size=None)
     if frames.shape[1:3] != (height, width):
         frames = np.stack([np.asarray(Image.fromarray(f).resize((width, height), Image.Resampling.LANCZOS))
                            for f in frames])

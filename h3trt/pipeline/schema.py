@@ -21,7 +21,9 @@ from typing import Callable
 from ..errors import UserError
 from ..models.checkpoint import TASKS
 from .profiles import PROFILE_NAMES
-from .request import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, MAX_STEPS, Names
+from ..models.lora import MAX_LORA_SCALE
+from ..models.sampler import MAX_STEPS, MIN_STEPS
+from .request import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, Names
 
 FILE = {"type": "string", "format": "binary"}  # an uploaded file, in OpenAPI's words
 
@@ -86,7 +88,7 @@ FIELDS = (
     RequestField("last_image", upload=FILE),
     RequestField("refs", upload={"type": "array", "items": FILE}),
     RequestField("seed", {"type": "integer"}),
-    RequestField("steps", {"type": "integer", "minimum": 2, "maximum": MAX_STEPS}),
+    RequestField("steps", {"type": "integer", "minimum": MIN_STEPS, "maximum": MAX_STEPS}),  # every door's bound
     RequestField("resolution", {"type": "string", "description": "WIDTHxHEIGHT, multiples of 32 within H3's canvas"},
                  api="size", openai=True),
     RequestField("width", api="size"),  # a requests file's other way to state the canvas
@@ -113,7 +115,8 @@ FIELDS = (
     RequestField("sparse_min_seq", {"type": "integer", "minimum": 1, "description": "shorter attentions stay dense "
                                                                                     "(4096)"}),
     RequestField("lora", {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
-        "name": {"type": "string"}, "scale": {"type": "number"}}, "additionalProperties": False},
+        "name": {"type": "string"}, "scale": {"type": "number", "minimum": -MAX_LORA_SCALE, "maximum": MAX_LORA_SCALE}},
+        "additionalProperties": False},
         "description": "resident LoRA adapters by name (GET /v1/loras), each with its strength (default: the "
                        "adapter's); a checkpoint, or a bundle built with --lora-slots"}, read=read_lora_text),
 )

@@ -56,7 +56,9 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
     gpus = launch_gpus(launch.device_type, launch.world) if launch.how.spawns else None
     entry.model.note()  # the embedded tiny model: its clips are noise
     queue = ClipQueue(Job(output.stem, request, output, overwrite, profile_step), quiet)
-    spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not launch.on_mesh)
+    # The clip's prompt is known before the model loads: a bundle encodes it while its DiT loads (t2va's text only)
+    prefetch = (request.prompt,) if request.task == "t2va" else ()
+    spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not launch.on_mesh, prefetch_prompts=prefetch)
     try:
         serve_queue(spec, lambda group, groups: queue if group == 0 else ClipQueue(None, True), launch.how, gpus)
     except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
@@ -125,7 +127,25 @@ class ClipQueue:
             raise (UserError if event.record is not None and event.record.user_error else JobFailed)(event.error)
         if reports and self.record is not None:
             report_record(self.record, self.job.output)
+            note = no_sparse_evaluation(self.record)
+            if note is not None:
+                print(f"h3trt: note: {note}", file=sys.stderr)
         return 0
+
+
+def no_sparse_evaluation(record: ClipRecord) -> str | None:
+    """Why a request that asked for block-sparse attention ran none (its record's sparse_attention lists no sparse
+    evaluation), or None: it ran some, or asked for none. Said on stderr: the clip is dense, which the run's exit
+    status does not tell."""
+    report = record.sparse_attention or {}
+    if not report.get("sparsity") or report.get("sparse_evaluations") or "evaluations" not in report:
+        return None
+    evaluations, dense_steps = report["evaluations"], report["dense_steps"]
+    why = (f"all {evaluations} of its evaluations are among the first {dense_steps} kept dense (--sparse-dense-steps)"
+           if evaluations <= dense_steps else
+           f"its attentions are shorter than --sparse-min-seq {report['min_seq']} rows")
+    return (f"block-sparse attention (sparsity {report['sparsity']:g}) ran on no evaluation: {why}; the clip is "
+            "dense, as its record's sparse_attention says.")
 
 
 def check_mp4_name(output: Path) -> None:

@@ -16,14 +16,15 @@ from fastapi import FastAPI, Request
 from fastapi.concurrency import run_in_threadpool
 
 from .service import ApiError, VideoService
-from .wire import ERRORS, LORA_BODY, Lora, LoraDeleted, LoraList
+from .wire import ERRORS, LORA_BODY, Lora, LoraDeleted, LoraList, LoraSkipped
 
 
 def lora_routes(app: FastAPI, service: VideoService, api: list) -> None:
     @app.get("/v1/loras", response_model=LoraList, dependencies=api, responses=ERRORS)
     def list_loras() -> LoraList:
         """The LoRA adapters a job's `lora` field may name (h3trt serve --adapter, --lora-dir, POST /v1/loras)."""
-        return LoraList(data=[Lora(**info) for info in service.loras()])
+        return LoraList(data=[Lora(**info) for info in service.loras()],
+                        skipped=[LoraSkipped(**s) for s in service.skipped_loras()])
 
     @app.post("/v1/loras", response_model=Lora, dependencies=api, responses=ERRORS,
               openapi_extra={"requestBody": LORA_BODY})

@@ -82,7 +82,7 @@ class Node:
         # The adapters at start (--adapter, --lora-dir, and what the admin calls changed before the last stop: kept
         # in the data folder), read and checked before anything else starts; the ranks start with that set, in
         # slots of the catalog's shape.
-        adapters = entry.adapters.catalog(entry.model, options.data_dir / STATE_FILE, SERVER_LOG)
+        adapters = entry.adapter_catalog(options.data_dir / STATE_FILE, SERVER_LOG)
         if adapters is not None:
             spec = replace(spec, adapters=adapters.specs(), lora_slots=adapters.shape)
         self.parts = Parts.node(options.data_dir)

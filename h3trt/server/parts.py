@@ -42,6 +42,7 @@ class Parts:
     storage: Storage
     metrics: Metrics = field(default_factory=Metrics)
     log: Callable[..., None] = SERVER_LOG  # log(event, **fields): one JSON line (server/log.py)
+    fleet: bool = False  # a fleet's process (shared store and storage), else one node's
 
     @classmethod
     def node(cls, data_dir: Path, log: Callable[..., None] = SERVER_LOG) -> Parts:
@@ -53,16 +54,16 @@ class Parts:
     @classmethod
     def shared(cls, store_url: str, storage_url: str | Path, log: Callable[..., None] = SERVER_LOG) -> Parts:
         """A fleet process's: the store and the storage every process of the fleet shares."""
-        return cls(JobStore(store_url), Storage(storage_url), log=log)
+        return cls(JobStore(store_url), Storage(storage_url), log=log, fleet=True)
 
     def service(self, entry: Entry, options: ServeOptions, groups: Groups, guidance_branches: int = 1,
                 adapters: AdapterCatalog | None = None) -> VideoService:
         """The API side, describing `groups` (/ready; /metrics reads them and the store at every scrape), over
         `adapters` (None: the entry's, fixed: a fleet's ingress)."""
         self.metrics.watch(self.store, groups)
-        adapters = adapters if adapters is not None else entry.adapters.catalog(entry.model, log=self.log)
+        adapters = adapters if adapters is not None else entry.adapter_catalog(log=self.log)
         return VideoService(entry, options, self.store, self.storage, groups, self.metrics, guidance_branches,
-                            log=self.log, adapters=adapters)
+                            log=self.log, adapters=adapters, fleet=self.fleet)
 
     def queue(self, entry: Entry, retention_s: float, name: Callable[[int], str] = lambda g: f"group{g}"
               ) -> StoreQueue:

@@ -23,7 +23,6 @@ from typing import Callable
 
 from ..errors import UserError
 from ..jobs.job import Event, EventKind, Job
-from ..media.output_files import remove_leftovers
 from ..pipeline.adapter_schedule import ScheduleFrom
 from ..pipeline.adapters import AdapterUse
 from ..pipeline.parse import RequestDefaults
@@ -35,6 +34,10 @@ from .store import MAX_ATTEMPTS, JobRow, JobStatus, JobStore, is_disk_full, stor
 
 STORE_RETRY_S = 1.0  # how often a worker tries again to record an event while the store is unreachable
 HEARTBEAT_DIVISOR = 4  # a worker renews its leases this many times per lease: a few missed renewals are survived
+
+
+DISK_FULL = ("the server's disk filled while this job ran, and what it had written was removed; send the job again "
+             "once the server has room (it takes new jobs again by itself).")
 
 
 class StoreQueue:
@@ -185,7 +188,10 @@ class StoreQueue:
             code = _error_code(event.record.error_type if event.record is not None else "")
             if is_disk_full(Exception(event.error or "")):
                 code = "disk_full"
-            ended = self.store.end(event.job, "failed", self.retention_s, error=(code, event.error), worker=worker,
+            # What the client reads: a full disk in the API's words (the rank's error names the server's files,
+            # which the log keeps for the operator)
+            shown = DISK_FULL if code == "disk_full" else event.error
+            ended = self.store.end(event.job, "failed", self.retention_s, error=(code, shown), worker=worker,
                                    attempt=attempt)
             self._remove_files(event.job, row.attempts)
             if ended is not None:
@@ -260,9 +266,9 @@ class StoreQueue:
 
     def recover(self) -> None:
         """One node, before its workers start (it alone uses its store and folder): every running job was
-        interrupted; partial files of killed ranks and files without a job go."""
-        if self.storage.local is not None:
-            remove_leftovers(self.storage.local / "clips")  # the partial MP4s of killed workers
+        interrupted; partial files of killed ranks, files without a job, and the rank-group and scratch folders that
+        killed processes of this host left in $TMPDIR (a SIGKILLed server's) go, as a fleet replica's start sweeps."""
+        self.log("swept", **self.storage.sweep())
         requeued, failed = self.reclaim()
         known = {row.id for row in self.store.rows()}
         orphans = [f"{folder}/{name}" for folder in ("clips", "uploads") for name in self.storage.names(folder)

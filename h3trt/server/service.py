@@ -24,7 +24,6 @@ from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
 from ..pipeline.adapter_catalog import AdapterCatalog
-from ..pipeline.adapters import BUNDLE_REFUSAL
 from ..pipeline.parse import RequestDefaults, parse_object
 from ..pipeline.request import Request
 from ..pipeline.schema import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
@@ -58,10 +57,12 @@ class Upload:
 class VideoService:
     """The API side of a server (module doc): what the HTTP routes call. Built from its parts: the model that admits
     jobs (`entry`), the store, the storage, the groups /ready describes (this node's `Workers`, or a fleet's worker
-    replicas), the metrics and the set of LoRA adapters jobs may name (`adapters`; None: none, for good)."""
+    replicas), the metrics and the set of LoRA adapters jobs may name (`adapters`; None: none, for good); `fleet`: a
+    fleet's ingress (which serves the adapters it was deployed with), else one node's API."""
 
     def __init__(self, entry: Entry, options: ServeOptions, store: JobStore, storage: Storage, groups: Groups,
-                 metrics: Metrics, guidance_branches: int = 1, log=None, adapters: AdapterCatalog | None = None):
+                 metrics: Metrics, guidance_branches: int = 1, log=None, adapters: AdapterCatalog | None = None,
+                 fleet: bool = False):
         self.entry, self.options, self.store, self.storage = entry, options, store, storage
         self.groups, self.metrics, self.guidance_branches = groups, metrics, guidance_branches
         self.log = log or SERVER_LOG
@@ -70,7 +71,7 @@ class VideoService:
         self.draining = threading.Event()
         self._admit = threading.Lock()  # the queue bound: count and insert as one step (per process)
         self.started = time.time()
-        self.adapters = adapters
+        self.adapters, self.fleet = adapters, fleet
 
     def defaults(self) -> RequestDefaults:
         return request_defaults(self.entry, self.adapters)
@@ -171,6 +172,10 @@ class VideoService:
         """The current set of adapters, as GET /v1/loras lists them."""
         return [info.to_json() for info in self.adapters.infos()] if self.adapters is not None else []
 
+    def skipped_loras(self) -> list[dict]:
+        """The adapters the server started without, and why (GET /v1/loras's `skipped`)."""
+        return [s.to_json() for s in self.adapters.skipped()] if self.adapters is not None else []
+
     def load_lora(self, fields: dict) -> dict:
         """POST /v1/loras {"name", "file", "scale"}: a file of --lora-dir joins the set once read and checked whole
         (on this worker thread); a 400 names the field at fault."""
@@ -182,10 +187,13 @@ class VideoService:
             raise ApiError(400, f"{missing[0]} is required: POST /v1/loras takes {{\"name\": ..., \"file\": a "
                                 ".safetensors in the server's --lora-dir, \"scale\": its default strength}}.",
                            missing[0])
-        if self.adapters is None:
-            reason = BUNDLE_REFUSAL if self.entry.model.manifest is not None else (
-                "this server loads adapters only from its --lora-dir, and it was started without one; start it with "
-                "--lora-dir DIR")
+        if self.entry.model.adapters_refusal is not None:
+            raise ApiError(400, f"file: {self.entry.model.adapters_refusal}", "file")
+        if self.adapters is None or self.adapters.folder is None:
+            reason = ("a fleet (h3trt serve --ray) loads no adapter while it serves: it serves those it was deployed "
+                      "with; deploy it again with --adapter NAME=FILE[:SCALE] to add one" if self.fleet else
+                      "this server loads adapters only from its --lora-dir, and it was started without one; start "
+                      "it with --lora-dir DIR")
             raise ApiError(400, f"file: {reason}", "file")
         try:
             info = self.adapters.load(fields["name"], fields["file"], fields.get("scale", 1.0))

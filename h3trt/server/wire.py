@@ -9,6 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
+from ..models.lora import MAX_LORA_SCALE
 from ..pipeline.schema import openapi_fields
 
 
@@ -81,9 +82,19 @@ class Lora(BaseModel):
         "its values); {}: none"))
 
 
+class LoraSkipped(BaseModel):
+    """A --lora-dir file (or an adapter kept in the data folder's loras.json) the server started without."""
+
+    name: str
+    file: str
+    reason: str = Field(description="why it cannot be served; a job naming it is refused with it")
+    source: str = Field(description="--lora-dir, or loras.json")
+
+
 class LoraList(BaseModel):
     object: Literal["list"] = "list"
     data: list[Lora]
+    skipped: list[LoraSkipped] = Field(default_factory=list, description="what the server started without, and why")
 
 
 class LoraDeleted(BaseModel):
@@ -96,7 +107,8 @@ LORA_BODY = {"required": True, "content": {"application/json": {"schema": {
     "type": "object", "required": ["name", "file"], "additionalProperties": False, "properties": {
         "name": {"type": "string", "description": "the name jobs pick it by (1-64 of [A-Za-z0-9._-])"},
         "file": {"type": "string", "description": "a .safetensors file inside the server's --lora-dir, relative to it"},
-        "scale": {"type": "number", "description": "its default strength (default 1.0)"}}}}}}
+        "scale": {"type": "number", "minimum": -MAX_LORA_SCALE, "maximum": MAX_LORA_SCALE,
+                  "description": "its default strength (default 1.0)"}}}}}}
 
 
 class VideoList(BaseModel):

@@ -1,0 +1,203 @@
+"""The block-sparse attention of VSA over the padded tile layout (models/vsa_tiles.py): 64-row query tiles, each
+attending the key tiles its routing keeps (models/vsa.py route_tiles), where a key tile may be ragged: only its first
+sizes[j] rows are keys, the rest are padding that no query attends. Pad query rows compute garbage that is dropped.
+
+Kernels, chosen once per engine and recorded, never swapped behind the user's back:
+  reference  masked SDPA: the kept tiles and the real key rows as one boolean row mask, a few query tiles at a time;
+             any device. The oracle the others are tested against.
+  flex       torch FlexAttention: full tiles as a BlockMask's full blocks, ragged ones as its partial blocks with a
+             mask_mod that reads the real-row table (on the CPU flex's unfused implementation, in CI; on CUDA the
+             Inductor kernel, compiled at load).
+  fa4        FlashAttention-4's block-sparse forward at 64 x 64 (models/sparse_kernels.py's path): full tiles as
+             full blocks, ragged tiles as mask blocks under a mask_mod (CuTe DSL, `_fa4_real_keys`) that keeps a key
+             position where it holds a real row (the form of FA4's own aux-tensor masks; its signature is
+             flash-attn-4 4.0.0b36's: batch, head, q, kv, seqlen_info, aux_tensors). CUDA sm_90+, where FA4 loads.
+A Triton path (the FP8 block-sparse kernel of issue 46, models/sparse_fp8_triton.py on its branch) needs a per-key-
+block row count to serve VSA; until it takes one, VSA on a GPU runs fa4 or flex.
+
+Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kept tiles per query tile.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+import torch.nn.functional as F
+
+from .sparse_kernels import FA4_FIX, FA4_MODULE, REFERENCE_MASK_BYTES, fa4_modules, kept_block_mask
+from .vsa_tiles import VSA_TILE_ROWS
+
+VSA_KERNELS = ("reference", "flex", "fa4")  # slowest first: the choice tries them from the end
+FA4_CUTE_MODULE = "cutlass.cute"  # the CuTe DSL FA4 compiles a mask_mod with (nvidia-cutlass-dsl, FA4's dependency)
+
+
+def vsa_kernel_problem(kernel: str, device) -> str | None:
+    """Why `device` cannot run VSA `kernel`, with the fix; None when it can (imports FA4 for fa4)."""
+    device = torch.device(device)
+    if kernel not in VSA_KERNELS:
+        raise ValueError(f"VSA kernels are {VSA_KERNELS}, got {kernel!r}.")
+    if kernel == "reference":
+        return None
+    if device.type != "cuda":
+        return f"the {kernel} VSA kernel needs a CUDA GPU; this device is {device}: use 'reference' here."
+    if kernel == "fa4":
+        major, minor = torch.cuda.get_device_capability(device)
+        if major < 9:
+            return f"the fa4 VSA kernel runs on sm_90 and newer; this GPU is sm_{major}{minor}."
+        for module in (FA4_MODULE, FA4_CUTE_MODULE):
+            try:
+                importlib.import_module(module)
+            except (ImportError, OSError) as e:
+                return (f"the fa4 VSA kernel needs {module!r}, which does not load here ({type(e).__name__}: {e}): "
+                        f"{FA4_FIX}.")
+    return None
+
+
+def key_valid(sizes_G: torch.Tensor) -> torch.Tensor:
+    """[P] bool: True at the real rows of each tile (its first sizes[g] positions)."""
+    offsets = torch.arange(VSA_TILE_ROWS, device=sizes_G.device)
+    return (offsets.view(1, -1) < sizes_G.view(-1, 1)).reshape(-1)
+
+
+def _check(q, k, v, index, sparse_G, sizes) -> None:
+    B, P, N, _ = q.shape
+    G = P // VSA_TILE_ROWS
+    if P % VSA_TILE_ROWS or k.shape != q.shape or v.shape != q.shape:
+        raise ValueError(f"VSA attention takes q, k, v of one padded tile shape [B, 64 G, N, D]; got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}.")
+    if index.dtype != torch.int32 or tuple(index.shape[:3]) != (B, N, G) or sparse_G.shape != (G,) \
+            or sizes.shape != (G,):
+        raise ValueError(f"VSA routing: index int32 [B, N, G, T] = [{B}, {N}, {G}, T], sparse_G [{G}] and sizes "
+                         f"[{G}]; got {index.dtype} {tuple(index.shape)}, {tuple(sparse_G.shape)}, "
+                         f"{tuple(sizes.shape)}.")
+
+
+def vsa_block_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G, kernel: str) -> torch.Tensor:
+    """Attention over the kept tiles' real key rows, scale D^-1/2, with `kernel`: [B, P, N, D] in q's dtype."""
+    _check(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G)
+    if kernel == "reference":
+        return reference_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G)
+    if kernel == "flex":
+        return flex_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G, compiled=q_BPND.is_cuda)
+    if kernel == "fa4":
+        return fa4_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G)
+    raise ValueError(f"VSA kernels are {VSA_KERNELS}, got {kernel!r}.")
+
+
+def reference_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G) -> torch.Tensor:
+    """Masked SDPA, REFERENCE_MASK_BYTES of mask at a time (query rows attend independently, so chunks change
+    nothing)."""
+    B, P, N, D = q_BPND.shape
+    G = P // VSA_TILE_ROWS
+    kept_BNGG = kept_block_mask(index_BNGT, sparse_G, G)
+    valid_P = key_valid(sizes_G)
+    q, k, v = (t.transpose(1, 2) for t in (q_BPND, k_BPND, v_BPND))
+    out = torch.empty((B, N, P, D), dtype=q.dtype, device=q.device)
+    step = max(1, REFERENCE_MASK_BYTES // max(1, B * N * VSA_TILE_ROWS * P))
+    for g in range(0, G, step):
+        g_end = min(G, g + step)
+        rows = slice(g * VSA_TILE_ROWS, g_end * VSA_TILE_ROWS)
+        mask = kept_BNGG[:, :, g:g_end].repeat_interleave(VSA_TILE_ROWS, 2).repeat_interleave(VSA_TILE_ROWS, 3)
+        out[:, :, rows] = F.scaled_dot_product_attention(q[:, :, rows], k, v, attn_mask=mask & valid_P)
+    return out.transpose(1, 2).contiguous()
+
+
+def _block_tables(index_BNGT, sparse_G, sizes_G):
+    """(full count, full blocks, partial count, partial blocks) [B, N, G] / [B, N, G, G] int32: each query tile's
+    kept key tiles split into full and ragged ones, each list ascending and padded past its count."""
+    B, N, G, _ = index_BNGT.shape
+    kept = kept_block_mask(index_BNGT, sparse_G, G)  # [B, N, G, G]
+    ragged = (sizes_G < VSA_TILE_ROWS).view(1, 1, 1, G)
+
+    def table(mask):
+        count = mask.sum(-1, dtype=torch.int32)
+        # Ascending kept tiles first: sort by (not kept, tile), stably.
+        order = torch.sort((~mask).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return count.contiguous(), order.contiguous()
+
+    return (*table(kept & ~ragged), *table(kept & ragged))
+
+
+@functools.cache
+def _compiled_flex():
+    from torch.nn.attention.flex_attention import flex_attention
+
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def flex_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G, compiled: bool) -> torch.Tensor:
+    """FlexAttention with full tiles as full blocks and ragged ones as partial blocks (mask_mod: kept and real);
+    `compiled` False runs flex's unfused implementation (the CPU), True the Inductor kernel (CUDA)."""
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    P = q_BPND.shape[1]
+    full_cnt, full_idx, part_cnt, part_idx = _block_tables(index_BNGT, sparse_G, sizes_G)
+    kept = kept_block_mask(index_BNGT, sparse_G, P // VSA_TILE_ROWS)
+    valid = key_valid(sizes_G)
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        return kept[b, h, q_idx // VSA_TILE_ROWS, kv_idx // VSA_TILE_ROWS] & valid[kv_idx]
+
+    mask = BlockMask.from_kv_blocks(part_cnt, part_idx, full_cnt, full_idx, BLOCK_SIZE=(VSA_TILE_ROWS, VSA_TILE_ROWS),
+                                    mask_mod=mask_mod, seq_lengths=(P, P))
+    fn = _compiled_flex() if compiled else flex_attention
+    with torch.no_grad():  # forward-only; Dynamo guards on the grad mode (sparse_kernels.flex_sparse_attention)
+        out = fn(q_BPND.transpose(1, 2), k_BPND.transpose(1, 2), v_BPND.transpose(1, 2), block_mask=mask)
+    return out.transpose(1, 2).contiguous()
+
+
+@functools.cache
+def _fa4_real_keys():
+    """The fa4 kernel's mask_mod: key position n attends where n >= threshold[n], threshold (int32 [P], the one aux
+    tensor) being n at a real row and P at a pad row. Built at first use: the CuTe DSL imports with FA4 only."""
+    import cutlass
+    import cutlass.cute as cute
+    from flash_attn.cute import utils
+
+    @cute.jit
+    def real_keys(batch, head, m_idx, n_idx, seqlen_info, aux_tensors):
+        threshold = utils.scalar_to_ssa(aux_tensors[0][n_idx[0]], cutlass.Int32)
+        return n_idx >= threshold
+
+    return real_keys
+
+
+def fa4_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G) -> torch.Tensor:
+    """FA4's 64 x 64 block-sparse forward: full tiles as full blocks, ragged tiles as mask blocks under
+    `_fa4_real_keys` (module docstring)."""
+    interface, BlockSparseTensorsTorch = fa4_modules()
+    P = q_BPND.shape[1]
+    full_cnt, full_idx, part_cnt, part_idx = _block_tables(index_BNGT, sparse_G, sizes_G)
+    tensors = BlockSparseTensorsTorch(mask_block_cnt=part_cnt, mask_block_idx=part_idx, full_block_cnt=full_cnt,
+                                      full_block_idx=full_idx, block_size=(VSA_TILE_ROWS, VSA_TILE_ROWS))
+    positions = torch.arange(P, device=q_BPND.device, dtype=torch.int32)
+    threshold = torch.where(key_valid(sizes_G), positions, P).to(torch.int32).contiguous()
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q_BPND, k_BPND, v_BPND))
+    out = interface._flash_attn_fwd(q, k, v, tile_mn=(VSA_TILE_ROWS, VSA_TILE_ROWS), block_sparse_tensors=tensors,
+                                    mask_mod=_fa4_real_keys(), aux_tensors=[threshold])
+    out = out[0] if isinstance(out, tuple) else out
+    return out.contiguous()
+
+
+def warm_vsa_kernel(kernel: str, device, heads: int, head_dim: int, dtype: torch.dtype) -> None:
+    """Run `kernel` once on a ragged geometry with sparse and dense query tiles (batch 1 and 2), so that its JIT
+    (CuTe, Inductor) compiles at load, never at a request; raises where the device cannot run it."""
+    from .vsa import route_tiles
+
+    problem = vsa_kernel_problem(kernel, device)
+    if problem is not None:
+        raise ValueError(problem)
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    sizes = torch.tensor([64, 30, 64, 64, 16, 64, 32, 8], device=device)
+    G = sizes.shape[0]
+    with torch.no_grad():
+        for batch in (1, 2):
+            scores = torch.randn(batch, heads, G, G, generator=generator).to(device)
+            index, sparse_G = route_tiles(scores, 2, 0.5)
+            q, k, v = (torch.randn(batch, G * VSA_TILE_ROWS, heads, head_dim, generator=generator).to(device, dtype)
+                       for _ in range(3))
+            vsa_block_attention(q, k, v, index, sparse_G, sizes, kernel)
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,58 @@
+"""What one request's denoise carries from evaluation to evaluation, beside the pipeline's stages (h3_pipeline.py):
+its sparse settings and step cache, the runner's adapter argument, the evaluation count a sparse run advances on, the
+finite check of its latents, and whether two requests pack into the same rows."""
+
+from __future__ import annotations
+
+import torch
+
+from ..models.packing import PackedLayout
+from ..models.sampler import Latents, Schedule
+from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.sparse_run import SparseRun
+from ..models.step_cache import StepCache
+from ..models.vsa_plan import VsaRun
+from .request import Request
+
+
+def lora_kwargs(lora) -> dict:
+    """The runner's `lora` argument where a request has adapters; none at all otherwise (the plain runner's call)."""
+    return {"lora": lora} if lora is not None else {}
+
+
+def counted(model, sparse: SparseRun | VsaRun):
+    """The sampler's model function, advancing `sparse` to the next evaluation before each step's DiT call(s)."""
+    def step(video, audio, unique_t, t_index):
+        sparse.next_evaluation()
+        return model(video, audio, unique_t, t_index)
+
+    return step
+
+
+def request_sparse_settings(request: Request) -> SparseSettings:
+    """A request's checked sparse settings (sparse_plan.sparse_settings; the request keys' names in messages)."""
+    return sparse_settings(getattr(request, "sparse_attention", 0.0) or 0.0,
+                           getattr(request, "sparse_dense_steps", None), getattr(request, "sparse_min_seq", None),
+                           where="")
+
+
+def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:
+    """A generation's step cache, or None when the request asks for none."""
+    config = getattr(request, "cache", None)
+    return StepCache(config, schedule.num_evaluations) if config is not None else None
+
+
+def check_finite(final: Latents) -> None:
+    """Refuse to decode latents holding NaN or inf (a numerical failure: a clip of them is garbage, not a result)."""
+    bad = [name for name, rows in (("video", final.video), ("audio", final.audio)) if not torch.isfinite(rows).all()]
+    if bad:
+        raise FloatingPointError(f"the denoised {' and '.join(bad)} latents hold NaN or inf; the clip was not "
+                                 "decoded.")
+
+
+def same_layout(a: PackedLayout, b: PackedLayout) -> bool:
+    """Whether two requests pack into the same rows (so they can share one batched DiT evaluation)."""
+    return (a.num_condition_video_rows == b.num_condition_video_rows
+            and a.num_condition_audio_rows == b.num_condition_audio_rows
+            and all(torch.equal(getattr(a, k), getattr(b, k))
+                    for k in ("position_ids", "token_tags", "video_index", "audio_index", "text_index")))
