@@ -8,7 +8,7 @@
      (RGB luma), SSIM and PSNR over every frame in YUV420 as FFmpeg's ssim / psnr filters compute them (the peers'
      metric), audio log-spectral distance; the denoise time of each side
 
-`--profile NAME` (pipeline/profiles.py) compares that profile's clip with the lossless clip of the same request: the
+`--profile NAME` (request/profiles.py) compares that profile's clip with the lossless clip of the same request: the
 engine side runs each request with the profile, the reference side (the same engine unless --reference is given)
 without step cache or sparsity. Each side's step-cache record says what it computed and skipped.
 
@@ -37,9 +37,10 @@ from .jobs.model_source import Entry, ModelSource, SourceKind
 from .media.encoder import rgb_to_yuv420
 from .pipeline.evaluation import new_step_cache
 from .pipeline.h3_pipeline import H3Pipeline
-from .pipeline.profiles import profile_fields
 from .pipeline.records import StageTimer
-from .pipeline.request import Prepared, Request
+from .pipeline.prepare import Prepared
+from .request.profiles import profile_fields
+from .request.request import Request
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004
@@ -93,7 +94,7 @@ def load_recording(source: Entry, task: str) -> H3Pipeline:
 
 @torch.no_grad()
 def trace(pipeline: H3Pipeline, prepared: Prepared) -> Trace:
-    """One prepared request (pipeline/request.py `prepare`, default canvas) through a pipeline whose DiT is a
+    """One prepared request (pipeline/prepare.py `prepare`, default canvas) through a pipeline whose DiT is a
     StepRecorder (`load_recording`)."""
     recorder = pipeline.dit
     if not isinstance(recorder, StepRecorder):
@@ -260,7 +261,7 @@ def check_distilled_sides(engine: Entry, reference: Entry) -> None:
 
 def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=print,
              profile: str | None = None) -> dict:
-    """`reqs` (h3trt/pipeline/parse.py: read_eval_requests) through the engine and the reference, on the engine's
+    """`reqs` (h3trt/request/parse.py: read_eval_requests) through the engine and the reference, on the engine's
     device, one model in memory at a time. Both sides are checked against every request first (a missing or wrong
     checkpoint, a bundle not built for a request's task, canvas or schedule), so neither fails after the other ran.
     `profile`: the engine side runs it, the reference side runs lossless; `reference` None: the engine itself (any
@@ -279,13 +280,14 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
     task, sources = reqs[0].task, {"engine": engine, "reference": reference or engine}
     sides = {"engine": reqs, "reference": reqs}
     if profile is not None:
-        stated = [str(i + 1) for i, r in enumerate(reqs) if r.profile or r.cache or r.sparse_attention]
+        stated = [str(i + 1) for i, r in enumerate(reqs)
+                  if r.speed.profile or r.speed.cache or r.speed.sparse_attention]
         if stated:
             raise UserError(f"--profile {profile} sets the engine side's step cache and sparsity, and the reference "
                             f"side runs lossless; request(s) {', '.join(stated)} of --requests state their own "
                             "(profile, cache keys): drop those keys.")
-        sides = {"engine": [replace(r, **profile_fields(profile)) for r in reqs],
-                 "reference": [replace(r, **profile_fields("lossless")) for r in reqs]}
+        sides = {"engine": [r.replaced(**profile_fields(profile)) for r in reqs],
+                 "reference": [r.replaced(**profile_fields("lossless")) for r in reqs]}
     # Each side's requests admitted to that side's model (jobs/admission.py), on the engine's canvas defaults (a
     # bundle's requests already carry its profile's canvas). The reference's side first: a reference that cannot
     # serve them (another task's checkpoint, a bundle of another canvas) is named before the engine's files are read.
@@ -293,7 +295,7 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
     prepared = {side: [admit(sources[side], r, canvas=engine.model.canvas, checked=checked) for r in sides[side]]
                 for side in ("reference", "engine")}
     traces = _run_sides(sources, prepared, task, log)
-    per_request = [{"prompt": r.prompt, "seed": r.seed, **compare(a, b)}
+    per_request = [{"prompt": r.inputs.prompt, "seed": r.inputs.seed, **compare(a, b)}
                    for r, a, b in zip(reqs, traces["engine"], traces["reference"])]
     manifest = engine.model.manifest
     return {"engine": _name(engine), "engine_precision": manifest.precision if manifest else None,

@@ -9,9 +9,10 @@ import pytest
 from h3trt.errors import UserError, about
 from h3trt.jobs.admission import admit
 from h3trt.jobs.model_source import Entry, ModelSource
-from h3trt.pipeline.request import FLAGS, KEYS as KEY_WORDS, Request
-from h3trt.pipeline.parse import RequestDefaults, parse_object
-from h3trt.pipeline import schema
+from h3trt.request.fields import FLAGS, KEY_WORDS
+from h3trt.request.request import Request
+from h3trt.request.parse import RequestDefaults, parse_object
+from h3trt.request import fields as schema
 from h3trt.server.service import ApiError
 
 from test_errors import _fake_bundle
@@ -100,7 +101,7 @@ def test_every_front_door_refuses_with_admissions_message(tmp_path, tiny_root, b
 def test_cfg2_groups_need_guidance_at_every_door(tmp_path, tiny_root):
     """The cfg=2 rule is admission's, with the launched cfg degree as its parameter; the server's 400 names guidance."""
     entry = Entry.local(device="cpu")
-    request = Request("a fox", width=128, height=32, steps=2)
+    request = Request.of("a fox", width=128, height=32, steps=2)
     admit(entry, request, guidance_branches=1)
     with pytest.raises(UserError, match="cfg=2 rank groups") as refused:
         admit(entry, request, guidance_branches=2)
@@ -161,7 +162,7 @@ def test_a_field_added_to_the_table_is_in_every_view():
 def test_every_view_is_the_tables():
     """The requests file's keys, the API's JSON and multipart schema (served at /openapi.json), its file fields, its
     OpenAI and H3 fields and its form coercion all come from pipeline/schema.py's table."""
-    from h3trt.pipeline import parse as requests
+    from h3trt.request import parse as requests
     from h3trt.server import service, wire
 
     assert requests.KEYS is schema.KEYS
@@ -198,7 +199,7 @@ def test_the_stored_row_is_read_by_one_function(tmp_path):
     assert "parse_stored(" in inspect.getsource(service.VideoService.create)
     request = service.parse_stored({"prompt": "a fox", "resolution": "160x96", "duration": 5.0}, tmp_path,
                                    RequestDefaults())
-    assert (request.width, request.height, request.duration) == (160, 96, 5.0)
+    assert (request.canvas.width, request.canvas.height, request.canvas.duration) == (160, 96, 5.0)
 
 
 @pytest.mark.parametrize("inputs, task", [({}, "t2va"), ({"image": "a.png"}, "fl2va"),
@@ -206,7 +207,7 @@ def test_the_stored_row_is_read_by_one_function(tmp_path):
 def test_the_task_is_derived_once_for_every_front_door(tmp_path, inputs, task):
     """A request's task comes from its inputs through one function (request.task_of, which the API's job object also
     reads a stored schema with): the Request's own task and the requests file's check of a stated task agree."""
-    from h3trt.pipeline.request import task_of
+    from h3trt.request.parts import task_of
 
     defaults = RequestDefaults(steps=2)
     parsed = parse_object({"prompt": "a fox", "task": task, **inputs}, 0, tmp_path, (), defaults)
@@ -223,7 +224,7 @@ def test_the_steps_bound_is_the_tables_at_every_front_door(tmp_path, tiny_root, 
     `h3trt build --steps` (which started baking 100000 steps)."""
     import h3trt.build.builder as builder
     from h3trt.build.config import BuildConfig
-    from h3trt.pipeline.adapter_schedule import ScheduleValues
+    from h3trt.request.parts import ScheduleValues
 
     low, high = schema.VALUES["steps"].schema["minimum"], schema.VALUES["steps"].schema["maximum"]
     entry = Entry.local(device="cpu")
@@ -237,11 +238,11 @@ def test_the_steps_bound_is_the_tables_at_every_front_door(tmp_path, tiny_root, 
             ScheduleValues.parse(f"steps={steps}", "--adapter t")
         for words in (FLAGS, KEY_WORDS, schema.API_WORDS):
             with pytest.raises(UserError, match=re.escape(f"{words.steps} {bound}")) as refused:
-                admit(entry, Request("a fox", width=128, height=32, steps=steps), words)
+                admit(entry, Request.of("a fox", width=128, height=32, steps=steps), words)
             assert refused.value.field == "steps"
     assert not (tmp_path / "b").exists()
     for steps in (low, high):  # the edges are served
         assert ScheduleValues.parse(f"steps={steps}", "--adapter t").steps == steps
-        admit(entry, Request("a fox", width=128, height=32, steps=steps))
+        admit(entry, Request.of("a fox", width=128, height=32, steps=steps))
         model = entry.model.path or tmp_path / "no-model"  # a folder that is no checkpoint is refused at the config
         assert BuildConfig(model, tmp_path / "b", steps=(steps,), device="cpu").steps == (steps,)

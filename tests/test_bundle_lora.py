@@ -43,7 +43,8 @@ from h3trt.models.lora_slots import BLOCK_TARGETS, segment_lora_names
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, ResidentAdapters
-from h3trt.pipeline.request import KEYS, Request
+from h3trt.request.fields import KEY_WORDS as KEYS
+from h3trt.request.request import Request
 
 REL_TOL = 1e-5  # test_engine.py's compiled-vs-eager bound for fp32 bundles
 SLOTS, MAX_RANK = 2, 4
@@ -202,7 +203,7 @@ def test_adapters_a_bundle_cannot_hold_are_refused_before_any_model_loads(slot_b
         with pytest.raises(UserError, match="built without LoRA slots.*--lora-slots N --lora-max-rank R"):
             Entry.local(ModelSource.resolve(engine=plain, loras=loras), "cpu", adapters)
     with pytest.raises(UserError, match="lora: this bundle was built without LoRA slots") as e:
-        admit(Entry.local(ModelSource.resolve(engine=plain), "cpu"), Request(PROMPT, lora=(AdapterUse("a"),)), KEYS)
+        admit(Entry.local(ModelSource.resolve(engine=plain), "cpu"), Request.of(PROMPT, lora=(AdapterUse("a"),)), KEYS)
     assert e.value.field == "lora"
     # The CLI: exit 2, one line, nothing loaded (no_model_load).
     out = tmp_path / "clip.mp4"
@@ -214,10 +215,10 @@ def test_adapters_a_bundle_cannot_hold_are_refused_before_any_model_loads(slot_b
 
 def test_admission_refuses_adapters_with_sparse_attention_on_a_bundle(slot_bundle, files):
     entry = Entry.local(ModelSource.resolve(engine=slot_bundle), "cpu", (AdapterSpec("a", files["a"]),))
-    admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse("a"),)), KEYS)  # dense: admitted
-    admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)  # sparse without adapters: too
+    admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse("a"),)), KEYS)  # dense: admitted
+    admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)  # sparse without adapters: too
     with pytest.raises(UserError, match="runs LoRA adapters on dense attention only.*sparse_attention 0") as e:
-        admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5, lora=(AdapterUse("a"),)), KEYS)
+        admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5, lora=(AdapterUse("a"),)), KEYS)
     assert e.value.field == "lora"
 
 
@@ -265,17 +266,17 @@ def test_a_bundle_serves_the_servers_changing_set_through_its_slots(slot_bundle,
     with pytest.raises(UserError, match="rank 8, over the slots' max rank 4") as e:
         catalog.load("big", "big.safetensors")
     assert e.value.field == "file"
-    requests = [admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse(n),)), KEYS,
+    requests = [admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse(n),)), KEYS,
                       adapters=catalog).request for n in ("a", "b", "c", "a")]
-    assert [(u.scale, Path(u.file).name) for r in requests for u in r.lora] == [
+    assert [(u.scale, Path(u.file).name) for r in requests for u in r.adapters] == [
         (1.0, "a.safetensors"), (0.5, "b.safetensors"), (1.0, "c.safetensors"), (1.0, "a.safetensors")]
     assert load_bundle(slot_bundle, "cpu").adapters is None  # `run` without adapters: no slot cache at all
     served = load_bundle(slot_bundle, "cpu", serve_adapters=True).adapters  # as a server's rank: none at start
     assert served is not None and not served.slots.records
     used = []
     for request in requests:
-        (slot,) = served.select(request.lora).slots_K.tolist()
+        (slot,) = served.select(request.adapters).slots_K.tolist()
         used.append(slot)
-        assert served.slots.records[slot].sha256 == request.lora[0].sha256
-        assert served.record(request.lora)[0]["sha256"] == request.lora[0].sha256
+        assert served.slots.records[slot].sha256 == request.adapters[0].sha256
+        assert served.record(request.adapters)[0]["sha256"] == request.adapters[0].sha256
     assert used == [0, 1, 0, 1]  # c takes a's slot (least recently used), then a takes b's

@@ -28,7 +28,8 @@ from h3trt.models.config import H3Config
 from h3trt.models.lora_file import LoraError
 from h3trt.pipeline.adapter_catalog import STATE_FILE, AdapterCatalog
 from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape, parse_lora_field
-from h3trt.pipeline.request import Request, prepare
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
 
 KEY = "test-key-lora-admin"
 
@@ -59,7 +60,7 @@ def use(folder: Path, name: str, scale: float = 1.0) -> AdapterUse:
 
 
 def final_of(pipe, uses: tuple[AdapterUse, ...]):
-    _, _, final = pipe.denoise_request(prepare(Request(PROMPT, steps=2, lora=uses), pipe.canvas))
+    _, _, final = pipe.denoise_request(prepare(Request.of(PROMPT, steps=2, lora=uses), pipe.canvas))
     return final
 
 
@@ -157,7 +158,7 @@ def test_the_set_survives_a_restart_and_a_lost_file_is_logged_not_fatal(folder, 
     assert json.loads(state.read_text()) == {"loaded": [{"name": "style", "file": "c.safetensors", "scale": 0.5}],
                                              "unloaded": ["a"]}
     # Resolution: the file and hash of now; a later reload of the name never changes what was resolved.
-    resolved = again.resolve(Request(PROMPT, lora=(AdapterUse("style"),))).lora
+    resolved = again.resolve(Request.of(PROMPT, lora=(AdapterUse("style"),))).lora
     assert resolved == (AdapterUse("style", 0.5, str(folder / "c.safetensors"), sha256(folder / "c.safetensors")),)
     again.unload("style")
     again.load("style", "a.safetensors")
@@ -317,7 +318,7 @@ def test_load_list_and_unload_while_serving(admin):
                        lambda *a, **k: None)
     taken = queue.take(0, 1)
     assert [j.id for j in taken] == [job.json()["id"]]
-    assert taken[0].request.lora == (AdapterUse("style", 0.5, str(lora_dir / "a.safetensors"),
+    assert taken[0].request.adapters == (AdapterUse("style", 0.5, str(lora_dir / "a.safetensors"),
                                                 sha256(lora_dir / "a.safetensors")),)
     assert client.delete("/v1/loras/style").status_code == 200
 
@@ -340,8 +341,8 @@ def test_an_adapter_loaded_while_serving_brings_its_schedule_and_its_jobs_keep_i
                        lambda *a, **k: None)
     (taken,) = queue.take(0, 1)
     assert taken.id == job.json()["id"]
-    assert (taken.request.steps, taken.request.video_shift) == (4, 5.0)
-    assert taken.request.schedule_from.to_json()["steps"] == "adapter fast"
+    assert (taken.request.schedule.steps, taken.request.schedule.video_shift) == (4, 5.0)
+    assert taken.request.schedule.origin.to_json()["steps"] == "adapter fast"
 
 
 @pytest.mark.parametrize("body,param,words", [

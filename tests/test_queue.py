@@ -13,7 +13,7 @@ from helpers import Logged
 
 from h3trt.jobs.job import Event
 from h3trt.pipeline.records import ClipRecord, Failure
-from h3trt.pipeline.parse import RequestDefaults
+from h3trt.request.parse import RequestDefaults
 from h3trt.server.metrics import Metrics
 from h3trt.server.queue import StoreQueue
 from h3trt.server.storage import Storage, claim_keys, clip_key, record_key, uploads_key
@@ -54,7 +54,7 @@ def test_take_claims_the_oldest_queued_job_once_under_the_groups_name(queue):
     assert queue.take(0, 1) == []  # none waiting now (a server's queue never says None)
     first, second = queued(queue, "a", "b")
     [job] = queue.take(1, 4)
-    assert (job.id, job.attempt, job.request.prompt, job.request.seed, job.request.steps) == (first, 1, "clip a", 3, 2)
+    assert (job.id, job.attempt, job.request.inputs.prompt, job.request.inputs.seed, job.request.schedule.steps) == (first, 1, "clip a", 3, 2)
     assert job.output == queue.storage.work_path(clip_key(first, 1)) and job.overwrite
     row = queue.store.get(first)
     assert (row.status, row.worker, row.attempts) == ("in_progress", "host:1/group1", 1)

@@ -1,6 +1,6 @@
-"""The typed request (h3trt/request/): its parts and their versioned JSON, its reading of the flat request of before
-(pipeline/request.py Request, a record's `request`), the admitted request and the one batch rule. Pure: no model, no
-file read (milliseconds each)."""
+"""The typed request (h3trt/request/): its parts and their versioned JSON, its flat JSON (a record's `request`, and a
+job row's request of before) read back, the admitted request and the one batch rule. Pure: no model, no file read
+(milliseconds each)."""
 
 from __future__ import annotations
 
@@ -15,12 +15,9 @@ from h3trt.adapters.use import AdapterUse
 from h3trt.models.packing import Geometry
 from h3trt.models.sparse_plan import SparseSettings
 from h3trt.models.step_cache import StepCacheConfig
-from h3trt.pipeline.adapter_schedule import ScheduleValues
-from h3trt.pipeline.parse import RequestDefaults, parse_object
-from h3trt.pipeline.request import Request as FlatRequest, request_dict
-from h3trt.request.admitted import Admitted, BatchKey
-from h3trt.request.parts import Canvas, Guidance, Inputs, ScheduleChoice, ScheduleFrom, Speed
-from h3trt.request.request import VERSION, Request
+from h3trt.request.parse import RequestDefaults, parse_object
+from h3trt.request.parts import Canvas, Guidance, Inputs, ScheduleChoice, ScheduleFrom, ScheduleValues, Speed
+from h3trt.request.request import VERSION, Admitted, BatchKey, Request
 
 pytestmark = pytest.mark.unit
 
@@ -28,15 +25,9 @@ TURBO = AdapterUse("turbo", 0.8, "/loras/turbo.safetensors", "ab" * 32)
 FULL = Request(Inputs("a fox", Path("first.png"), Path("last.png"), (), 7), Canvas(160, 96, 6.0),
                ScheduleChoice(8, 5.0, None, ScheduleFrom("adapter turbo", "adapter turbo", "default")),
                Guidance(1.0, None),
-               Speed("balanced", StepCacheConfig("first-block", math.inf, max_skip_steps=3, warmup=4),
-                     SparseSettings(0.75, 10, 4096)),
+               Speed("balanced", StepCacheConfig("first-block", math.inf, max_skip_steps=3, warmup=4), 0.75, 10, 4096),
                (TURBO, AdapterUse("style")))
 GEOMETRY = Geometry(96, 160, 141)
-
-
-def _flat(request: FlatRequest) -> dict:
-    """Today's request as its fields, each value the object (what `from_flat` wraps)."""
-    return {f.name: getattr(request, f.name) for f in dataclasses.fields(request)}
 
 
 def test_a_request_and_an_admitted_request_survive_their_json():
@@ -55,31 +46,30 @@ def test_another_version_is_refused_by_name():
         Admitted.from_json({"request": FULL.to_json(), "geometry": {}})
 
 
-def test_the_flat_request_of_before_is_read_whole(tmp_path):
-    """A request as a front door parses it today (its schedule from the adapter it names, its speed from a profile)
-    becomes the typed request part by part, and its flat JSON is the record's `request` of today."""
+def test_a_parsed_request_and_its_flat_json(tmp_path):
+    """A request as a front door parses it (its schedule from the adapter it names, its speed from a profile) is the
+    typed request part by part, and its flat JSON (a record's `request`) reads back to it."""
     line = {"prompt": "a fox", "image": "first.png", "seed": 7, "resolution": "160x96", "duration": 6,
             "profile": "balanced", "sparse_dense_steps": 12, "sparse_min_seq": 64,
             "lora": [{"name": "turbo", "scale": 0.8}]}
     defaults = RequestDefaults(steps=50, adapter_schedules={"turbo": ScheduleValues(8, 5.0)})
-    flat = parse_object(line, 1, tmp_path, ("prompt",), defaults).request
-    typed = Request.from_flat(_flat(flat))
-    assert typed.inputs == Inputs("a fox", tmp_path / "first.png", None, (), 7) and typed.task == flat.task == "fl2va"
+    typed = parse_object(line, 1, tmp_path, ("prompt",), defaults).request
+    assert typed.inputs == Inputs("a fox", tmp_path / "first.png", None, (), 7) and typed.task == "fl2va"
     assert typed.canvas == Canvas(160, 96, 6.0)
     assert typed.schedule == ScheduleChoice(8, 5.0, None, ScheduleFrom("adapter turbo", "adapter turbo", "default"))
-    assert typed.speed.profile == "balanced" and typed.speed.cache == flat.cache
+    assert typed.speed.profile == "balanced" and typed.speed.cache.kind == "first-block"
     assert typed.speed.sparse == SparseSettings(0.75, 12, 64) and typed.adapters == (AdapterUse("turbo", 0.8),)
-    assert typed.flat() == request_dict(flat)  # every knob stated or set by the profile: the same record
-    record = json.loads(json.dumps(request_dict(flat)))  # a record's `request`, and its schedule's sources
-    assert Request.from_flat({**record, "schedule_from": flat.schedule_from.to_json()}) == typed
+    record = json.loads(json.dumps(typed.flat()))  # a record's `request`, and its schedule's sources
+    assert "schedule_from" not in record and record["lora"] == [{"name": "turbo", "scale": 0.8}]
+    assert Request.from_flat({**record, "schedule_from": typed.schedule.origin.to_json()}) == typed
 
 
-def test_the_flat_request_takes_the_defaults_it_left_unstated():
-    """A sparse knob left None is its default once typed (parsed once: the rank reads no None), and the flat JSON
-    says the value that ran."""
-    typed = Request.from_flat(_flat(FlatRequest("a fox", steps=4, sparse_attention=0.5)))
-    assert typed.speed.sparse == SparseSettings(0.5, 10, 4096) and typed.schedule.origin == ScheduleFrom()
-    assert typed.flat()["sparse_dense_steps"] == 10 and "lora" not in typed.flat()
+def test_the_flat_json_keeps_what_was_left_unstated():
+    """A sparse knob left None runs its default (Speed.sparse) and stays None in the flat JSON, as the records written
+    before the typed request have it (a batch compares a finished clip's record with its line's request)."""
+    typed = Request.from_flat({"prompt": "a fox", "steps": 4, "sparse_attention": 0.5})
+    assert typed.speed.sparse == SparseSettings(0.5, 10, 4096) and typed.schedule.origin is None
+    assert typed.flat()["sparse_dense_steps"] is None and "lora" not in typed.flat()
     resolved = Request.from_flat({"prompt": "x", "steps": 4, "lora": [TURBO.to_json()]})
     assert resolved.adapters == (TURBO,)  # a job row's resolved adapters keep their file and hash
 
@@ -100,5 +90,5 @@ def test_equal_keys_for_requests_that_may_share_a_batched_denoise():
     assert key(dataclasses.replace(plain, adapters=(TURBO,))) != key(plain)  # another adapter set
     # What shares no evaluation is denoised alone: guidance's two branches, a step cache, sparse attention.
     assert key(dataclasses.replace(plain, guidance=Guidance(3.0, "blurry"))) is None
-    assert key(FULL) is None and key(dataclasses.replace(plain, speed=Speed(sparse=SparseSettings(0.5)))) is None
+    assert key(FULL) is None and key(dataclasses.replace(plain, speed=Speed(sparse_attention=0.5))) is None
     assert key(dataclasses.replace(plain, speed=Speed(cache=StepCacheConfig("first-block", 0.1)))) is None

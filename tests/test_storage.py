@@ -186,7 +186,7 @@ def test_a_clip_committed_before_its_lease_ran_out_completes_the_job_and_stays(t
     from h3trt.engines.atomic import temp_path
     from h3trt.jobs.job import Event
     from h3trt.pipeline.records import ClipRecord, commit_clip
-    from h3trt.pipeline.parse import RequestDefaults
+    from h3trt.request.parse import RequestDefaults
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue
     from h3trt.server.store import JobStore, sqlite_url

@@ -141,7 +141,7 @@ def test_a_workers_late_end_of_an_earlier_claim_does_not_complete_its_new_claim(
     completes with the new claim's clip."""
     from h3trt.jobs.job import Event
     from h3trt.pipeline.records import ClipRecord
-    from h3trt.pipeline.parse import RequestDefaults
+    from h3trt.request.parse import RequestDefaults
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue
     from h3trt.server.storage import Storage

@@ -32,7 +32,7 @@ def distilled_spec(args):
 
 def cmd_run(args) -> int:
     from .args import profile_fields_from_args
-    from ..pipeline.profiles import with_bundle_sparse
+    from ..request.profiles import with_bundle_sparse
     from ..run.commands import run_clip, run_requests
 
     if args.requests is not None:
@@ -44,22 +44,25 @@ def cmd_run(args) -> int:
                             args.crf, args.quiet, args.overwrite)
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
-    from ..pipeline.adapter_schedule import ScheduleValues, resolve
-    from ..pipeline.request import Request
+    from ..request.fields import flag_values
+    from ..request.parts import ScheduleChoice, ScheduleValues
+    from ..request.request import Request
 
     entry = entry_from_args(args)  # the --adapter files checked first (a rank over a bundle's slots is that error)
     if args.adapter:  # it ran a plain clip, the adapter loaded and unused
         raise UserError(f"--adapter {args.adapter[0].name}=...: resident adapters run only for the requests that name "
                         "them (the `lora` key of a --requests line, or of a job sent to h3trt serve), and one --prompt "
                         "names none; pass --lora FILE[:SCALE] to apply a LoRA to this clip.")
+    given = flag_values(args)  # the request's fields as its flags state them (the field table's flag column)
     # One clip names no adapter (its --lora, if any, is on every request): its flags, else the model's defaults
-    schedule, schedule_from = resolve(ScheduleValues(args.steps, args.video_shift, args.audio_shift), (), {},
-                                      entry.model.default_steps)
+    schedule = ScheduleChoice.resolve(ScheduleValues(given["steps"], given["video_shift"], given["audio_shift"]), (),
+                                      {}, entry.model.default_steps)
     # a flag > the bundle's default
     speed = with_bundle_sparse(profile_fields_from_args(args), entry.model.default_sparse)
-    request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, schedule.steps, args.width,
-                      args.height, args.duration, schedule.video_shift, schedule.audio_shift, args.guidance,
-                      args.negative_prompt, **speed, schedule_from=schedule_from)
+    request = Request.of(given["prompt"], given["image"], given["last_image"], tuple(given["refs"]), given["seed"],
+                         schedule.steps, given["width"], given["height"], given["duration"], schedule.video_shift,
+                         schedule.audio_shift, given["guidance"], given["negative_prompt"], **speed,
+                         schedule_from=schedule.origin)
     return run_clip(entry, request, args.output, args.crf, args.overwrite, args.quiet, args.profile_step)
 
 
@@ -154,7 +157,7 @@ def cmd_eval(args) -> int:
     from ..eval import evaluate, reference_entry, table
     from ..jobs.model_source import Entry, ModelSource
     from ..media.output_files import write_json_atomic
-    from ..pipeline.parse import read_eval_requests
+    from ..request.parse import read_eval_requests
 
     if args.json is not None and args.json.exists():
         raise UserError(f"{args.json} already exists; choose another --json path.")

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..pipeline.records import ClipRecord, Failure
-from ..pipeline.request import Request
+from ..request.request import Request
 from ..str_enum import StrEnum
 
 

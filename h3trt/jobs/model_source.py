@@ -39,12 +39,12 @@ from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
 from ..pipeline.adapter_catalog import AdapterCatalog
-from ..pipeline.adapter_schedule import ScheduleValues, adapter_schedules
+from ..pipeline.adapter_schedule import adapter_schedules
 from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterSpec, check_bundle_specs, check_specs, folder_specs
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.loading import Components, load_bundle, load_checkpoint
 from ..pipeline.records import torch_bytecode
-from ..pipeline.request import CanvasDefaults
+from ..request.parts import CanvasDefaults, ScheduleValues
 from ..str_enum import StrEnum
 from .rank import WorkerSpec
 from .supervisor import LaunchKind

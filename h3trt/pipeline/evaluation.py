@@ -8,11 +8,11 @@ import torch
 
 from ..models.packing import PackedLayout
 from ..models.sampler import Latents, Schedule
-from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.sparse_plan import SparseSettings
 from ..models.sparse_run import SparseRun
 from ..models.step_cache import StepCache
 from ..models.vsa_plan import VsaRun
-from .request import Request
+from ..request.request import Request
 
 
 def lora_kwargs(lora) -> dict:
@@ -30,15 +30,13 @@ def counted(model, sparse: SparseRun | VsaRun):
 
 
 def request_sparse_settings(request: Request) -> SparseSettings:
-    """A request's checked sparse settings (sparse_plan.sparse_settings; the request keys' names in messages)."""
-    return sparse_settings(getattr(request, "sparse_attention", 0.0) or 0.0,
-                           getattr(request, "sparse_dense_steps", None), getattr(request, "sparse_min_seq", None),
-                           where="")
+    """A request's checked sparse settings (request/parts.py Speed.sparse: the request keys' names in messages)."""
+    return request.speed.sparse
 
 
 def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:
     """A generation's step cache, or None when the request asks for none."""
-    config = getattr(request, "cache", None)
+    config = request.speed.cache
     return StepCache(config, schedule.num_evaluations) if config is not None else None
 
 

@@ -19,7 +19,7 @@ from ..engines.manifest import sha256_file
 from ..media.output_files import commit, discard, write_json_file
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout
 from ..models.sampler import Schedule
-from .request import Prepared
+from .prepare import Prepared
 
 
 def process_started_unix() -> float | None:
@@ -133,7 +133,7 @@ class ClipRecord:
     # The job layer
     status: str | None = None  # "done"
     id: str | None = None  # the job's id
-    request: dict | None = None  # the request as its fields (request.request_dict)
+    request: dict | None = None  # the request as its fields (request/request.py Request.flat)
     model: str | None = None  # what served it: a checkpoint path, a bundle, embedded-tiny
     batch: dict | None = None  # {"size", "index", "members"}: the batched denoise it was part of
     peak_memory: dict | None = None  # {"bytes", "what"}
@@ -243,7 +243,7 @@ class FailureRecord:
     stage: str  # where it failed (a job stage, or prepare / encode / worker)
     error: str  # "<stage>: <ExceptionType>: <message>"
     traceback: list[str]
-    request: dict  # the request as its fields (request.request_dict)
+    request: dict  # the request as its fields (request/request.py Request.flat)
     model: str  # what served it
     timings_s: dict[str, float]
     made_by: str  # batch_outputs.MADE_BY: what marks the file as the batch's own
@@ -290,11 +290,12 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
     written, and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged
     `loras`)."""
     req, geo = prepared.request, prepared.geometry
+    origin = req.schedule.origin
     return ClipRecord(
-        output=str(output), task=req.task, prompt=req.prompt, seed=req.seed,
-        steps=req.steps, evaluations=schedule.num_evaluations,
+        output=str(output), task=req.task, prompt=req.inputs.prompt, seed=req.inputs.seed,
+        steps=req.schedule.steps, evaluations=schedule.num_evaluations,
         shifts={"video": schedule.video_shift, "audio": schedule.audio_shift},
-        schedule_from=req.schedule_from.to_json() if req.schedule_from is not None else None,
+        schedule_from=origin.to_json() if origin is not None else None,
         width=geo.width, height=geo.height, frames=frames_written, fps=FPS,
         audio_samples=int(audio_samples), audio_sample_rate=AUDIO_SAMPLE_RATE,
         sequence_rows=layout.seq_len, device=str(device), vae_precision=video_vae.precision,

@@ -23,7 +23,9 @@ from ..media.output_files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, 
                                   remove_leftovers, remove_own_temps)
 from ..models.packing import FPS
 from ..pipeline.records import ClipRecord, record_path
-from ..pipeline.request import FLAGS, KEYS, Prepared, Request
+from ..pipeline.prepare import Prepared
+from ..request.fields import FLAGS, KEY_WORDS
+from ..request.request import Request
 from .batch import BatchConfig, FileQueue, summary_line
 from .batch_file import check_bundle_batch, parse_requests
 from .batch_outputs import finished, plan_out_dir
@@ -36,7 +38,7 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
              profile_step: int | None = None) -> int:
     """`h3trt run --prompt ... --output clip.mp4`: 0 when the clip and its record are written."""
     check_mp4_name(output)
-    steps = request.steps
+    steps = request.schedule.steps
     if profile_step is not None and not 1 <= profile_step < steps:
         raise UserError(f"--profile-step {profile_step}: a {steps}-step request runs {steps - 1} evaluations; "
                         f"pick one of 1..{steps - 1}.")
@@ -57,7 +59,7 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
     entry.model.note()  # the embedded tiny model: its clips are noise
     queue = ClipQueue(Job(output.stem, request, output, overwrite, profile_step), quiet)
     # The clip's prompt is known before the model loads: a bundle encodes it while its DiT loads (t2va's text only)
-    prefetch = (request.prompt,) if request.task == "t2va" else ()
+    prefetch = (request.inputs.prompt,) if request.task == "t2va" else ()
     spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not launch.on_mesh, prefetch_prompts=prefetch)
     try:
         serve_queue(spec, lambda group, groups: queue if group == 0 else ClipQueue(None, True), launch.how, gpus)
@@ -181,7 +183,7 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
     # Every line admitted before any model loads, as one --prompt is (jobs/admission.py); every bad line listed.
     checked: set[Path] = set()  # the model's files, checked once per component root
     items = parse_requests(requests, model.canvas, model.default_steps,
-                           lambda request: admit(entry, request, KEYS, checked=checked), model.default_sparse,
+                           lambda request: admit(entry, request, KEY_WORDS, checked=checked), model.default_sparse,
                            entry.adapters.schedules)
     mesh = entry.mesh(items[0].request.task)
     if mesh.cfg == 2:

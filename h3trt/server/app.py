@@ -39,8 +39,8 @@ from starlette.formparsers import MultiPartParser
 
 from ..pipeline.adapters import AdapterUse
 from ..pipeline.records import ClipRecord
-from ..pipeline.request import task_of
-from ..pipeline.schema import FILE, UPLOADS
+from ..request.fields import FILE, UPLOADS
+from ..request.parts import task_of
 from .service import ApiError, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, JobStatus, is_disk_full, store_unreachable
 from .lora_routes import lora_routes

@@ -23,9 +23,9 @@ from typing import Callable
 
 from ..errors import UserError
 from ..jobs.job import Event, EventKind, Job
-from ..pipeline.adapter_schedule import ScheduleFrom
+from ..request.parts import ScheduleChoice
 from ..pipeline.adapters import AdapterUse
-from ..pipeline.parse import RequestDefaults
+from ..request.parse import RequestDefaults
 from ..pipeline.records import ClipRecord, Failure
 from .metrics import Metrics
 from .service import parse_stored
@@ -82,12 +82,9 @@ class StoreQueue:
         # durable record, and this worker may be another process than the one that admitted it, or a later one.
         request = parse_stored(row.request.get("schema"), self.storage.fetch(uploads_key(row.id)), self.defaults)
         if row.request.get("adapters"):  # as admission resolved them: the files and hashes of then, not the set now
-            request = replace(request, lora=tuple(AdapterUse.from_json(a) for a in row.request["adapters"]))
+            request = replace(request, adapters=tuple(AdapterUse.from_json(a) for a in row.request["adapters"]))
         if row.request.get("schedule"):  # and the schedule they gave it then (service.schedule_of)
-            stored = row.request["schedule"]
-            request = replace(request, steps=stored["steps"], video_shift=stored["video_shift"],
-                              audio_shift=stored["audio_shift"],
-                              schedule_from=ScheduleFrom(**stored["from"]) if stored["from"] else None)
+            request = replace(request, schedule=ScheduleChoice.from_json(row.request["schedule"]))
         # The claim's own names: another claim of the job (a re-run while this one stalls) never writes them.
         return Job(row.id, request, self.storage.work_path(clip_key(row.id, row.attempts)), overwrite=True,
                    record={"job": row.id}, attempt=row.attempts)

@@ -1,7 +1,7 @@
 """The API side of a server, behind its HTTP routes (server/app.py), none of it on the event loop; the same for
 `h3trt serve` on one node and a fleet's ingress (h3trt/fleet/):
 
-  - admit a job: its fields mapped onto the one request schema (pipeline/schema.py, the one `run --requests` reads),
+  - admit a job: its fields mapped onto the one request schema (request/fields.py, the one `run --requests` reads),
     its uploads saved to storage, the request admitted as every front door admits one (jobs/admission.py: every
     input read and checked, what the model serves), then stored queued (server/store.py); a bad request never
     reaches the queue, and its 400 names the field the error is about (UserError.field, in the API's name)
@@ -24,9 +24,9 @@ from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
 from ..pipeline.adapter_catalog import AdapterCatalog
-from ..pipeline.parse import RequestDefaults, parse_object
-from ..pipeline.request import Request
-from ..pipeline.schema import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
+from ..request.fields import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
+from ..request.parse import RequestDefaults, parse_object
+from ..request.request import Request
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
@@ -114,7 +114,7 @@ class VideoService:
                 # The adapters as admission resolved them (file, sha256, scale): the job runs with those whatever
                 # the set becomes before a worker takes it (queue.py job_of).
                 # And the schedule as it resolved it (an adapter's steps and shifts), which an unload cannot change.
-                uses = prepared.request.lora
+                uses = prepared.request.adapters
                 resolved = {"adapters": [u.to_json() for u in uses]} if uses and all(u.sha256 for u in uses) else {}
                 row = self.store.create(job_id, {"schema": schema, "openai": openai_fields, **resolved,
                                                  "schedule": schedule_of(request),
@@ -132,12 +132,12 @@ class VideoService:
             field = getattr(e, "field", None)  # an OSError carries none
             raise ApiError(400, _as_sent(" ".join(str(e).split()), sent), api_name(field) if field else None) from None
         self.metrics.created.inc()
-        self.log("queued", job=job_id, task=request.task, seed=request.seed)
+        self.log("queued", job=job_id, task=request.task, seed=request.inputs.seed)
         return row
 
     def _to_schema(self, fields: dict, uploads: list[Upload], folder: Path, multipart: bool,
                    sent: dict[Path, str]) -> tuple[dict, dict]:
-        """OpenAI's fields and H3's extras -> the one request schema (pipeline/schema.py: its table says each field's
+        """OpenAI's fields and H3's extras -> the one request schema (request/fields.py: its table says each field's
         key, API name and type), uploads saved (`sent`: each saved file's path -> its field and the client's file
         name); and OpenAI's fields as the job's GET echoes them."""
         unknown = sorted(set(fields) - set(OPENAI_FIELDS) - set(H3_FIELDS))
@@ -263,7 +263,7 @@ def disk_full_error() -> ApiError:
 
 
 def parse_stored(schema: dict, uploads: Path, defaults: RequestDefaults) -> Request:
-    """A job's stored request (its row's schema, pipeline/schema.py) as the `Request` it states, its uploads in
+    """A job's stored request (its row's schema, request/fields.py) as the `Request` it states, its uploads in
     `uploads`. The one reading of a row: the API side parses it to admit the job, and a worker parses it again when it
     takes the job (server/queue.py StoreQueue.job_of), because the row is the job's durable record, not the parsed
     request: the worker may be another process (a fleet's replica) or a later one (a restart recovers queued rows),
@@ -283,8 +283,7 @@ def request_defaults(entry: Entry, adapters: AdapterCatalog | None = None) -> Re
 
 def schedule_of(request: Request) -> dict:
     """A request's schedule as admission resolved it, for its job's row (queue.py job_of reads it back)."""
-    return {"steps": request.steps, "video_shift": request.video_shift, "audio_shift": request.audio_shift,
-            "from": request.schedule_from.to_json() if request.schedule_from is not None else None}
+    return request.schedule.to_json()
 
 
 def _as_sent(message: str, sent: dict[Path, str]) -> str:
