@@ -189,16 +189,19 @@ def test_the_api_schema_maps_onto_the_files_keys():
     assert bad.value.field == "duration" and schema.api_name(bad.value.field) == "seconds"
 
 
-def test_the_stored_row_is_read_by_one_function(tmp_path):
-    """The API side admits a job and a worker takes it through the same reading of the row (service.parse_stored)."""
+def test_a_job_is_parsed_once_where_it_is_admitted(tmp_path):
+    """The API side parses a job's fields once to admit it (service.parse_sent) and stores the admitted request; a
+    worker reads that (server/rows.py stored_request), parsing nothing but a row written before it was stored."""
     import inspect
 
-    from h3trt.server import queue, service
+    from h3trt.server import queue, rows, service
 
-    assert "parse_stored(" in inspect.getsource(queue.StoreQueue.job_of)
-    assert "parse_stored(" in inspect.getsource(service.VideoService.create)
-    request = service.parse_stored({"prompt": "a fox", "resolution": "160x96", "duration": 5.0}, tmp_path,
-                                   RequestDefaults())
+    assert "stored_request(" in inspect.getsource(queue.StoreQueue.job_of)
+    assert "parse_sent(" in inspect.getsource(service.VideoService.create)
+    assert "row_request(" in inspect.getsource(service.VideoService.create)
+    assert inspect.getsource(rows.stored_request).count("parse_object(") == 1  # the row of before's reader only
+    request = service.parse_sent({"prompt": "a fox", "resolution": "160x96", "duration": 5.0}, tmp_path,
+                                 RequestDefaults())
     assert (request.canvas.width, request.canvas.height, request.canvas.duration) == (160, 96, 5.0)
 
 

@@ -27,7 +27,8 @@ from h3trt.jobs.model_source import Entry
 from h3trt.models.config import H3Config
 from h3trt.models.lora_file import LoraError
 from h3trt.pipeline.adapter_catalog import STATE_FILE, AdapterCatalog
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape, parse_lora_field
+from h3trt.adapters.use import parse_lora_field
+from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape
 from h3trt.request.request import Request
 from h3trt.pipeline.prepare import prepare
 
@@ -158,7 +159,7 @@ def test_the_set_survives_a_restart_and_a_lost_file_is_logged_not_fatal(folder, 
     assert json.loads(state.read_text()) == {"loaded": [{"name": "style", "file": "c.safetensors", "scale": 0.5}],
                                              "unloaded": ["a"]}
     # Resolution: the file and hash of now; a later reload of the name never changes what was resolved.
-    resolved = again.resolve(Request.of(PROMPT, lora=(AdapterUse("style"),))).lora
+    resolved = again.resolve(Request.of(PROMPT, lora=(AdapterUse("style"),))).adapters
     assert resolved == (AdapterUse("style", 0.5, str(folder / "c.safetensors"), sha256(folder / "c.safetensors")),)
     again.unload("style")
     again.load("style", "a.safetensors")

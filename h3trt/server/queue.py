@@ -18,17 +18,14 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from typing import Callable
 
 from ..errors import UserError
 from ..jobs.job import Event, EventKind, Job
-from ..request.parts import ScheduleChoice
-from ..pipeline.adapters import AdapterUse
 from ..request.parse import RequestDefaults
 from ..pipeline.records import ClipRecord, Failure
 from .metrics import Metrics
-from .service import parse_stored
+from .rows import stored_request
 from .storage import Storage, claim_keys, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
 from .store import MAX_ATTEMPTS, JobRow, JobStatus, JobStore, is_disk_full, store_unreachable
 
@@ -78,13 +75,9 @@ class StoreQueue:
             return []
 
     def job_of(self, row: JobRow) -> Job:
-        # The row, read again as the API side read it to admit the job (service.parse_stored): the row is the job's
-        # durable record, and this worker may be another process than the one that admitted it, or a later one.
-        request = parse_stored(row.request.get("schema"), self.storage.fetch(uploads_key(row.id)), self.defaults)
-        if row.request.get("adapters"):  # as admission resolved them: the files and hashes of then, not the set now
-            request = replace(request, adapters=tuple(AdapterUse.from_json(a) for a in row.request["adapters"]))
-        if row.request.get("schedule"):  # and the schedule they gave it then (service.schedule_of)
-            request = replace(request, schedule=ScheduleChoice.from_json(row.request["schedule"]))
+        # The request as the API side admitted it (server/rows.py): this worker may be another process than the one
+        # that admitted it, or a later one, and its uploads are fetched into another folder.
+        request = stored_request(row.request, self.storage.fetch(uploads_key(row.id)), self.defaults)
         # The claim's own names: another claim of the job (a re-run while this one stalls) never writes them.
         return Job(row.id, request, self.storage.work_path(clip_key(row.id, row.attempts)), overwrite=True,
                    record={"job": row.id}, attempt=row.attempts)

@@ -26,10 +26,11 @@ from ..models.packing import DEFAULT_DURATION
 from ..pipeline.adapter_catalog import AdapterCatalog
 from ..request.fields import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
 from ..request.parse import RequestDefaults, parse_object
-from ..request.request import Request
+from ..request.request import Admitted, Request
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
+from .rows import row_request
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
 from .store import JobRow, JobStatus, JobStore, is_disk_full
 
@@ -98,7 +99,7 @@ class VideoService:
         sent: dict[Path, str] = {}  # a saved upload -> how its client knows it (its field and file name)
         try:
             schema, openai_fields = self._to_schema(fields, uploads, folder, multipart, sent)
-            request = parse_stored(schema, folder, self.defaults())
+            request = parse_sent(schema, folder, self.defaults())
             # Admitted as every front door admits a request (jobs/admission.py), in the API's words; its inputs are
             # read here and again by the worker that runs it (run_work: a rank rebuilds the decoded inputs it needs).
             prepared = admit(self.entry, request, API_WORDS, guidance_branches=self.guidance_branches,
@@ -111,14 +112,10 @@ class VideoService:
                                         f"{self.options.max_queue}); retry in about {wait} s.",
                                    kind="rate_limit_exceeded", headers={"Retry-After": str(wait)})
                 self.storage.publish(uploads_key(job_id))  # before its row: a worker may take it at once
-                # The adapters as admission resolved them (file, sha256, scale): the job runs with those whatever
-                # the set becomes before a worker takes it (queue.py job_of).
-                # And the schedule as it resolved it (an adapter's steps and shifts), which an unload cannot change.
-                uses = prepared.request.adapters
-                resolved = {"adapters": [u.to_json() for u in uses]} if uses and all(u.sha256 for u in uses) else {}
-                row = self.store.create(job_id, {"schema": schema, "openai": openai_fields, **resolved,
-                                                 "schedule": schedule_of(request),
-                                                 "geometry": [prepared.geometry.width, prepared.geometry.height]})
+                # The request as admission resolved it (its adapters' files and hashes, its schedule): the job runs
+                # with those whatever the set becomes before a worker takes it (server/rows.py).
+                admitted = Admitted(prepared.request, prepared.geometry)
+                row = self.store.create(job_id, row_request(admitted, schema, openai_fields, folder))
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
@@ -262,12 +259,9 @@ def disk_full_error() -> ApiError:
                          "itself once its operator frees space).", kind="server_error", headers={"Retry-After": "60"})
 
 
-def parse_stored(schema: dict, uploads: Path, defaults: RequestDefaults) -> Request:
-    """A job's stored request (its row's schema, request/fields.py) as the `Request` it states, its uploads in
-    `uploads`. The one reading of a row: the API side parses it to admit the job, and a worker parses it again when it
-    takes the job (server/queue.py StoreQueue.job_of), because the row is the job's durable record, not the parsed
-    request: the worker may be another process (a fleet's replica) or a later one (a restart recovers queued rows),
-    and the uploads are in another folder by then (storage's copy)."""
+def parse_sent(schema: dict, uploads: Path, defaults: RequestDefaults) -> Request:
+    """A job's fields as sent (the one table's keys, request/fields.py) parsed into the `Request` they state, its
+    uploads in `uploads`: once, where the job is admitted (a worker reads the admitted request its row stores)."""
     return parse_object(schema, 0, uploads, ("prompt",), defaults, API_WORDS).request
 
 
@@ -279,11 +273,6 @@ def request_defaults(entry: Entry, adapters: AdapterCatalog | None = None) -> Re
     model = entry.model
     return RequestDefaults(steps=model.default_steps, duration=DEFAULT_DURATION, sparse=model.default_sparse,
                            adapter_schedules=schedules)
-
-
-def schedule_of(request: Request) -> dict:
-    """A request's schedule as admission resolved it, for its job's row (queue.py job_of reads it back)."""
-    return request.schedule.to_json()
 
 
 def _as_sent(message: str, sent: dict[Path, str]) -> str:
