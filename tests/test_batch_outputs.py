@@ -121,10 +121,12 @@ def test_a_clip_that_no_longer_matches_its_record_is_kept(tmp_path, finished_out
     assert _contents(out) == before
 
 def _item(id_: str, line: int = 1):
+    from h3trt.models.packing import Geometry
+    from h3trt.request.request import Admitted, Request
     from h3trt.run.batch_file import BatchItem
-    from h3trt.request.request import Request
 
-    return BatchItem(id_, line, Request.of("a red fox runs", seed=line, steps=2, width=128, height=32), ())
+    request = Request.of("a red fox runs", seed=line, steps=2, width=128, height=32)
+    return BatchItem(id_, line, Admitted(request, Geometry(32, 128, 124)))
 
 
 def _failure_record(out: Path, id_: str) -> Path:

@@ -113,10 +113,14 @@ def test_a_batch_takes_sparsity_from_its_lines_not_the_flags(h3trt, no_model_loa
 def test_a_sparse_request_is_not_batched():
     """A batch shares one evaluation per step; a sparse request counts its own evaluations (and encode_request
     refuses it), so the batcher runs it alone."""
-    from h3trt.run.batch import batchable
+    from h3trt.models.packing import Geometry
+    from h3trt.request.request import Admitted
 
-    assert batchable(request_of({"prompt": "a fox"}))
-    assert not batchable(request_of({"prompt": "a fox", "sparse_attention": 0.5}))
+    def key(request):
+        return Admitted(request, Geometry(96, 160, 124)).batch_key
+
+    assert key(request_of({"prompt": "a fox"})) == key(request_of({"prompt": "a cat"})) is not None
+    assert key(request_of({"prompt": "a fox", "sparse_attention": 0.5})) is None
 
 
 def test_guidance_and_the_step_cache_compose_with_it(tmp_path):

@@ -254,7 +254,7 @@ class H3Pipeline:
         req, timer = prepared.request, timer or StageTimer(self.device)
         schedule = self.schedule(req)
         self._guard(prepared)  # the last-line guard of denoise_request
-        # What a batch cannot share: a requests file batches only requests without them (run/batch.py batchable);
+        # What a batch cannot share: only requests with a batch key are batched (request/request.py BatchKey.of);
         # admission does not know which requests will share a batch.
         if req.guidance.scale != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")

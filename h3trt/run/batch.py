@@ -63,13 +63,6 @@ class BatchConfig:
         return "timeline" if groups == 1 else f"timeline-group{group}"
 
 
-def batchable(request) -> bool:
-    """Whether a request may share a batched denoise: one branch (no guidance), no step cache (a cache decides
-    per request which evaluations to skip) and dense attention (block-sparse attention counts one request's
-    evaluations)."""
-    return request.guidance.scale == 1.0 and request.speed.shares_evaluations
-
-
 @dataclass
 class BatchSummary:
     done: list[str] = field(default_factory=list)
@@ -123,7 +116,7 @@ class FileQueue:
                 # committed without replacing, so a file that appears meanwhile is kept and the job fails naming it.
                 jobs.append(Job(item.id, item.request, mp4, overwrite=item.id in plan.replace,
                                 record={"line": item.line, "made_by": MADE_BY},
-                                key=item.key if batchable(item.request) else ()))
+                                key=item.admitted.batch_key))
         self.pending: deque[Job] = deque(jobs)
         self.retried: set[str] = set()
         self.stopped: str | None = None  # why no more work is handed out (--fail-fast)

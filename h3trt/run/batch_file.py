@@ -11,12 +11,11 @@ from typing import Callable, Mapping
 from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
-from ..pipeline.adapters import batch_key
 from ..pipeline.prepare import Prepared, prepare
 from ..request.fields import KEY_WORDS
 from ..request.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
 from ..request.parts import CanvasDefaults, ScheduleValues
-from ..request.request import Request
+from ..request.request import Admitted, Request
 
 
 @dataclass(frozen=True)
@@ -25,9 +24,11 @@ class BatchItem:
 
     id: str
     line: int  # 1-based line number in the file
-    request: Request
-    key: tuple  # (task, height, width, frames, steps, video_shift, audio_shift, adapters...): requests that may
-    # share a batch (the adapter set's (name, scale) pairs last: none for a request without adapters)
+    admitted: Admitted  # its request and geometry; its batch key says which lines may share a batched denoise
+
+    @property
+    def request(self) -> Request:
+        return self.admitted.request
 
 
 def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFAULT_STEPS,
@@ -44,11 +45,7 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
         request = line.request
         # inputs readable, canvas and duration allowed (re-read at run time), and served by the model
         prepared = admit(request) if admit is not None else prepare(request, canvas, KEY_WORDS)
-        geo = prepared.geometry
-        s = request.schedule
-        key = (request.task, geo.height, geo.width, geo.num_frames, s.steps, s.video_shift, s.audio_shift,
-               *batch_key(request.adapters))
-        return BatchItem(line.id, line.line, request, key)
+        return BatchItem(line.id, line.line, Admitted(prepared.request, prepared.geometry))
 
     defaults = RequestDefaults(steps=default_steps, sparse=default_sparse, adapter_schedules=adapter_schedules or {})
     return read_request_file(path, RUN_REQUIRED, defaults, check)

@@ -191,8 +191,8 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
     gpus = launch_gpus(launch.device_type, launch.world) if launch.how.spawns else None
     # Before any model loads: the out-dir is a writable folder with room for its largest clip, and no other batch
     # writes it (under torchrun, rank 0 holds the lock for the job).
-    preflight_out_dir(out_dir, max(estimated_clip_bytes(i.key[2], i.key[1], i.key[3], FPS, config.crf)
-                                   for i in items))
+    shapes = [i.admitted.geometry for i in items]
+    preflight_out_dir(out_dir, max(estimated_clip_bytes(g.width, g.height, g.num_frames, FPS, config.crf) for g in shapes))
     first = launch.first
     lock = BatchLock(out_dir) if first else nullcontext()
     groups = mesh.replica if launch.torchrun is not None else 1  # torchrun: each group writes its own timeline
