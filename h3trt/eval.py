@@ -76,6 +76,7 @@ class StepRecorder:
         self.dit, self.cfg = dit, dit.cfg
         self.sparse_kernel = getattr(dit, "sparse_kernel", None)  # what it wraps serves (models/sparse_run.py)
         self.sparse_problem = getattr(dit, "sparse_problem", None)  # and why it serves none, with the fix
+        self.sparse_tile = getattr(dit, "sparse_tile", None)  # the fp8 sparse kernel's tile
         self.vsa = getattr(dit, "vsa", None)  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py)
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per evaluation: (video [V, C], audio [A, C]), fp32
 

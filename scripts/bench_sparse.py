@@ -1,6 +1,7 @@
-"""Block-sparse attention on one H200 at MiniMax-H3's shape, in one run (issue 36, part 7).
+"""Block-sparse attention on one H100 or H200 at MiniMax-H3's shape, in one run (issues 36 and 46).
 
-    python scripts/bench_sparse.py --json bench/results/sparse_h200.json      # one H200
+    python scripts/bench_sparse.py --no-block              # kernels: bench/results/sparse_<card>.json (h100, h200)
+    python scripts/bench_sparse.py --rows 'fp8_block|fp8_fa3' --json bench/results/sparse_block_h100.json
     python scripts/bench_sparse.py --tiny --json /tmp/sparse_tiny.json        # CPU, small shape: proves it runs
 
 Shape: 37,838 rows (128 text + 2 x 207 audio + 37 x 24 x 42 video) x 56 heads x 128, bf16, batch 1; CUDA events,
@@ -15,6 +16,9 @@ Shape: 37,838 rows (128 text + 2 x 207 audio + 37 x 24 x 42 video) x 56 heads x 
                         n_q = n_k = 4
   router_B_S_triton     the fused Triton router (the path the DiT calls on CUDA, models/sparse_router_triton.py);
                         router_parity says in how many (head, query block) rows its blocks differ from torch's
+  fp8_sparse_B_S[_tile] the Triton FP8 block-sparse kernel, every tile configuration, and the best served one
+                        (scripts/bench_sparse_fp8.py says what each row times); `bars` holds issue 46's ratios
+  fp8_block_*           the FP8 block with FP8 attention, dense and around the FP8 sparse kernel (--block)
 Every sparse row is checked against the masked reference on a few (head, query block) cells, and reports the share
 of the softmax mass its kept blocks hold (sampled query rows, exact softmax over every key), for two kinds of q/k:
   random      i.i.d. normal q/k: flat attention, every block holds about the same mass, so no router can do better
@@ -27,13 +31,16 @@ its own input, bf16 attention) compiled as `h3trt build` compiles it, dense (blo
 block (block_pre and block_post segments) around the router the DiT runs there (Triton on CUDA) + fa4 sparse
 attention at 0.75 (video query blocks sparse, the rest dense, as the DiT gates them).
 first_call_at_new_length_s: each GPU sparse kernel's first call at a second sequence length (does it recompile?).
-With --tiny (CPU): the reference and flex (unfused) kernels only, perf_counter timings: it checks the script runs.
+With --tiny (CPU): the reference, flex (unfused) and fp8_emulated kernels only, perf_counter timings: it checks the
+script runs. --rows REGEX runs only the rows whose names match (re.search); every line printed carries the seconds
+since the start, and the JSON is rewritten after every row.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
+import re
 import sys
 import time
 import traceback
@@ -49,8 +56,23 @@ from h3trt.models.sparse_attention import sparse_budget, subblock_route  # noqa:
 from h3trt.models.sparse_kernels import (fa4_modules, flex_sparse_attention, sparse_attention,  # noqa: E402
                                          sparse_kernel_problem)
 from h3trt.models.sparse_router import route_blocks, router_for  # noqa: E402
+from h3trt.models.sparse_fp8 import fp8_sparse_attention  # noqa: E402
+from bench_sparse_fp8 import fp8_block_rows, fp8_scales, fp8_sparse_rows  # noqa: E402
 
 H3_ROWS, H3_HEADS, H3_DIM = 128 + 2 * 207 + 37 * 24 * 42, 56, 128
+T0 = time.perf_counter()
+
+
+def stamp() -> str:
+    return f"[{time.perf_counter() - T0:7.1f} s]"
+
+
+def card_name(device_name: str) -> str:
+    """h100 / h200 / the name's last word, lower case: the result file's suffix."""
+    for card in ("h100", "h200", "b200"):
+        if card in device_name.lower():
+            return card
+    return device_name.lower().split()[-1] if device_name else "cpu"
 
 
 def timer(device, iters: int, warmup: int):
@@ -106,81 +128,137 @@ def check_cells(out, q, k, v, index, block, heads=2):
     return max(errs)
 
 
+class Rows:
+    """The run's result and how a row gets into it: timed (`row`), skipped with why (`skip`), or not selected."""
+
+    def __init__(self, args, result: dict, ms_of):
+        self.args, self.result, self.ms_of = args, result, ms_of
+        self.ms, self.skipped = result["ms"], result["skipped"]
+
+    def selected(self, name: str) -> bool:
+        return self.args.rows is None or re.search(self.args.rows, name) is not None
+
+    def row(self, name, fn):
+        if not self.selected(name):
+            return
+        try:
+            self.ms[name] = self.ms_of(fn)
+            print(f"{stamp()} {name:36s} {self.ms[name]:9.3f} ms", flush=True)
+        except Exception as e:  # one kernel failing is a row of the report, never the end of the run
+            self.fail(name, e)
+        write_json(self.args.json, self.result)
+
+    def skip(self, name, why):
+        self.skipped[name] = why
+        print(f"{stamp()} {name:36s} skipped: {why}", flush=True)
+
+    def fail(self, name, e):
+        self.skipped[name] = f"{type(e).__name__}: {e}"[:800]
+        print(f"{stamp()} {name:36s} failed: {self.skipped[name]}", flush=True)
+        traceback.print_exc()
+
+
 def run(args) -> dict:
     device = torch.device("cpu" if args.tiny else "cuda")
     S, N, D = (64 * 40 + 13, 4, 32) if args.tiny else (H3_ROWS, H3_HEADS, H3_DIM)
     dtype = torch.bfloat16
-    ms_of = timer(device, args.iters, args.warmup)
-    result = {"env": {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-                      "torch": torch.__version__, "cuda": torch.version.cuda, "shape": {"rows": S, "heads": N,
-                      "head_dim": D, "batch": 1}, "dtype": str(dtype), "iters": args.iters, "warmup": args.warmup,
+    name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
+    if args.json is None:
+        args.json = ROOT / "bench" / "results" / f"sparse_{card_name(name)}.json"
+    result = {"env": {"device": name, "card": card_name(name), "torch": torch.__version__, "cuda": torch.version.cuda,
+                      "shape": {"rows": S, "heads": N, "head_dim": D, "batch": 1}, "dtype": str(dtype),
+                      "iters": args.iters, "warmup": args.warmup, "rows": args.rows,
                       "timing": "CUDA events, median" if device.type == "cuda" else "perf_counter, median (CPU)"},
               "ms": {}, "skipped": {}, "rel_err_vs_masked_reference": {}, "kept_mass": {}, "kept_blocks": {},
-              "notes": []}
-    ms, skipped = result["ms"], result["skipped"]
-
-    def row(name, fn):
-        try:
-            ms[name] = ms_of(fn)
-            print(f"{name:28s} {ms[name]:9.3f} ms", flush=True)
-        except Exception as e:  # one kernel failing is a row of the report, never the end of the run
-            skipped[name] = f"{type(e).__name__}: {e}"[:800]
-            print(f"{name:28s} failed: {skipped[name]}", flush=True)
-            traceback.print_exc()
-        write_json(args.json, result)
-
-    def skip(name, why):
-        skipped[name] = why
-        print(f"{name:28s} skipped: {why}", flush=True)
-
+              "notes": [], "finished": False}
+    rows = Rows(args, result, timer(device, args.iters, args.warmup))
+    print(f"{stamp()} {name}: {S} rows x {N} heads x {D}, writing {args.json}", flush=True)
     q, k = structured_qk(S, N, D, device, dtype)
     v = torch.randn(1, S, N, D, device=device, dtype=dtype)
-    q_rand, k_rand = torch.randn_like(q), torch.randn_like(k)
-
-    # 1. dense kernels
+    _dense_rows(rows, q, k, v, device)
+    configs = [(64, 0.75), (64, 0.80), (128, 0.75), (128, 0.80)]
+    plans = _routing(rows, q, k, configs, device)
+    all_sparse = {block: torch.ones(-(-S // block), dtype=torch.bool, device=device) for block in (64, 128)}
+    _sparse_kernel_rows(rows, q, k, v, configs, plans, all_sparse, device)
+    best = {}
     if device.type == "cuda":
-        for kernel in ("cudnn", "fa3"):
-            problem = kernel_problem(kernel, "bf16", device)
-            name = "cudnn_dense" if kernel == "cudnn" else "fa3_bf16_dense"
-            if problem:
-                skip(name, problem)
-            else:
-                row(name, lambda kernel=kernel: attention(q, k, v, kernel))
-        _fp8_rows(q, k, v, device, row, skip)
+        best = fp8_sparse_rows(result, rows.row, rows.skip, rows.selected, q, k, v, plans, all_sparse, check_cells,
+                               configs)
+    else:  # the CPU's FP8 sparse kernel: the emulation (scripts/bench_sparse_fp8.py's scales)
+        scales = fp8_scales(q, k, v)
+        rows.row("fp8_emulated_sparse_64_0.75", lambda: fp8_sparse_attention(
+            q, k, v, scales, plans[64, 0.75], all_sparse[64], 64, "fp8_emulated"))
+    if args.block and device.type == "cuda":
+        for fn, names in ((lambda: _fp8_block_rows(result, rows.ms_of, rows.row), ("fp8_block_dense_fa3",)),
+                          (lambda: fp8_block_rows(result, rows.row, best.get((64, 0.75), args.fp8_tile)),
+                           ("fp8_block_dense_fp8attn_fa3", "fp8_block_sparse_fp8_64_0.75"))):
+            if any(rows.selected(n) for n in names):
+                try:
+                    fn()
+                except Exception as e:
+                    rows.fail(names[0], e)
+    _summary(result)
+    result["finished"] = True
+    write_json(args.json, result)
+    print(f"{stamp()} done: {args.json}", flush=True)
+    return result
+
+
+def _dense_rows(rows, q, k, v, device):
+    """1. dense kernels: the anchors every ratio is against."""
+    if device.type != "cuda":
+        rows.row("sdpa_dense", lambda: attention(q, k, v, "sdpa"))
+        _fp8_rows(q, k, v, device, rows.row, rows.skip, kernels=("fa3", "emulated"))  # the CPU's: emulated
+        return
+    for kernel in ("cudnn", "fa3"):
+        problem = kernel_problem(kernel, "bf16", device)
+        name = "cudnn_dense" if kernel == "cudnn" else "fa3_bf16_dense"
+        if problem:
+            rows.skip(name, problem)
+        else:
+            rows.row(name, lambda kernel=kernel: attention(q, k, v, kernel))
+    _fp8_rows(q, k, v, device, rows.row, rows.skip)
+    if rows.selected("fa4_dense"):
         try:
             interface, _ = fa4_modules()
-            row("fa4_dense", lambda: interface.flash_attn_func(q, k, v))
+            rows.row("fa4_dense", lambda: interface.flash_attn_func(q, k, v))
         except Exception as e:
-            skip("fa4_dense", f"{type(e).__name__}: {e}")
-    else:
-        row("sdpa_dense", lambda: attention(q, k, v, "sdpa"))
-        _fp8_rows(q, k, v, device, row, skip, kernels=("fa3", "emulated"))  # the CPU runs FP8's emulated kernel
+            rows.skip("fa4_dense", f"{type(e).__name__}: {e}")
 
-    # 2. routing, its cost, its kept mass; 3. the sparse kernels over its index
-    configs = [(64, 0.75), (64, 0.80), (128, 0.75), (128, 0.80)]
+
+def _routing(rows, q, k, configs, device) -> dict:
+    """2. routing, its cost and its kept mass: the index every sparse row runs over, by (block, sparsity)."""
+    result, D = rows.result, q.shape[-1]
+    q_rand, k_rand = torch.randn_like(q), torch.randn_like(k)
     plans = {}
     for block, sparsity in configs:
         tag = f"{block}_{sparsity:.2f}"
         index, topk = subblock_route(q, k, sparsity, D ** -0.5, block=block)
         rand_index, _ = subblock_route(q_rand, k_rand, sparsity, D ** -0.5, block=block)
         plans[block, sparsity] = index
-        K = -(-S // block)
+        K = -(-q.shape[1] // block)
         result["kept_blocks"][tag] = {"topk": topk, "of": K, "kept_fraction": topk / K,
                                       "budget": sparse_budget(K, sparsity)}
         result["kept_mass"][tag] = {"structured": kept_mass(q, k, index, block),
                                     "random": kept_mass(q_rand, k_rand, rand_index, block)}
-        print(f"routing {tag}: {topk}/{K} blocks kept, softmax mass kept {result['kept_mass'][tag]}", flush=True)
+        print(f"{stamp()} routing {tag}: {topk}/{K} blocks kept, softmax mass kept {result['kept_mass'][tag]}",
+              flush=True)
         if sparsity == 0.75:
-            row(f"router_{tag}", lambda block=block: subblock_route(q, k, 0.75, D ** -0.5, block=block))
-            if device.type == "cuda":
-                _triton_router_row(result, row, skip, q, k, index, tag, block)
+            rows.row(f"router_{tag}", lambda block=block: subblock_route(q, k, 0.75, D ** -0.5, block=block))
+            if device.type == "cuda" and rows.selected(f"router_{tag}_triton"):
+                _triton_router_row(result, rows.row, rows.skip, q, k, index, tag, block)
+    return plans
 
-    all_sparse = {block: torch.ones(-(-S // block), dtype=torch.bool, device=device) for block in (64, 128)}
+
+def _sparse_kernel_rows(rows, q, k, v, configs, plans, all_sparse, device):
+    """3. the bf16 sparse kernels over the router's index (fa4, flex; the reference and flex unfused on the CPU)."""
     kernels = [("fa4", block, sparsity) for block, sparsity in configs] + [("flex", 128, 0.75)]
     if device.type != "cuda":
         kernels = [("reference", 64, 0.75), ("reference", 128, 0.75), ("flex_unfused", 128, 0.75)]
     for kernel, block, sparsity in kernels:
         name = f"{kernel}_sparse_{block}_{sparsity:.2f}"
+        if not rows.selected(name):
+            continue
         index, sparse_G = plans[block, sparsity], all_sparse[block]
         if kernel == "flex_unfused":  # CPU only: flex's eager implementation (the fused kernel needs CUDA)
             def call(index=index, sparse_G=sparse_G, block=block):
@@ -188,7 +266,7 @@ def run(args) -> dict:
         else:
             problem = sparse_kernel_problem(kernel, device)
             if problem:
-                skip(name, problem)
+                rows.skip(name, problem)
                 continue
 
             def call(index=index, sparse_G=sparse_G, block=block, kernel=kernel):
@@ -198,25 +276,25 @@ def run(args) -> dict:
             out = call()  # the first call compiles (CuTe JIT, Inductor): timed apart
             if device.type == "cuda":
                 torch.cuda.synchronize()
-            result.setdefault("first_call_s", {})[name] = time.perf_counter() - t0
-            result["rel_err_vs_masked_reference"][name] = check_cells(out, q, k, v, index, block)
+            rows.result.setdefault("first_call_s", {})[name] = time.perf_counter() - t0
+            rows.result["rel_err_vs_masked_reference"][name] = check_cells(out, q, k, v, index, block)
             del out
         except Exception as e:
-            skipped[name] = f"{type(e).__name__}: {e}"[:800]
-            print(f"{name:28s} failed: {skipped[name]}", flush=True)
-            traceback.print_exc()
+            rows.fail(name, e)
             continue
-        row(name, call)
-        if device.type == "cuda" and name in ms:
-            _new_length_first_call(result, name, q, k, v, block, sparsity, kernel)
+        rows.row(name, call)
+        if device.type == "cuda" and name in rows.ms:
+            _new_length_first_call(rows.result, name, q, k, v, block, sparsity, kernel)
 
-    if args.block and device.type == "cuda":
-        try:
-            _fp8_block_rows(result, ms_of, row)
-        except Exception as e:
-            skipped["fp8_block"] = f"{type(e).__name__}: {e}"[:800]
-            traceback.print_exc()
 
+# Issue 46's bars: (row, anchor row, the most the ratio row / anchor may be).
+BARS = (("fp8_sparse_64_0.75", "fp8_fa3_dense", 0.33), ("fp8_sparse_128_0.75", "fp8_fa3_dense", 0.25),
+        ("fp8_block_sparse_fp8_64_0.75", "fp8_block_dense_fp8attn_fa3", 1 / 1.5))
+
+
+def _summary(result) -> None:
+    """Ratios against the anchors, the router's share, and issue 46's bars (met or not, with the numbers)."""
+    ms = result["ms"]
     anchor = "fa3_bf16_dense" if "fa3_bf16_dense" in ms else next(iter(ms), None)
     result["ratio_anchor"] = anchor
     if anchor:
@@ -227,13 +305,15 @@ def run(args) -> dict:
         sparse = f"fa4_sparse_{block}_0.75"
         if sparse in ms:
             result.setdefault("router_share_of_sparse_attention", {})[name] = ms[name] / (ms[name] + ms[sparse])
-        if "fp8_block_sparse_fa4_64_0.75" in ms and block == "64":  # the bar: <= 2% of a sparse block
-            result.setdefault("router_share_of_fp8_sparse_block", {})[name] = ms[name] / ms[
-                "fp8_block_sparse_fa4_64_0.75"]
+        for blk in ("fp8_block_sparse_fa4_64_0.75", "fp8_block_sparse_fp8_64_0.75"):
+            if blk in ms and block == "64":  # the bar: <= 2% of a sparse block
+                result.setdefault("router_share_of_fp8_sparse_block", {})[f"{name}/{blk}"] = ms[name] / ms[blk]
+    for name, base, most in BARS:
+        if name in ms and base in ms:
+            result.setdefault("bars", {})[name] = {"ratio": ms[name] / ms[base], "vs": base, "bar": most,
+                                                   "met": ms[name] / ms[base] <= most}
     result["notes"].append("kept_mass 'random': i.i.d. q/k (flat attention: mass ~ kept fraction); 'structured': "
                            "smooth low-rank q = k plus noise (synthetic; not the real model's attention).")
-    write_json(args.json, result)
-    return result
 
 
 def _triton_router_row(result, row, skip, q, k, torch_index, tag, block):
@@ -345,11 +425,16 @@ def _fp8_block_rows(result, ms_of, row):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--json", type=Path, default=None, help="write the results here")
+    p.add_argument("--json", type=Path, default=None,
+                   help="write the results here (default: bench/results/sparse_<card>.json)")
     p.add_argument("--tiny", action="store_true", help="CPU, small shape, reference/flex only (checks the script)")
     p.add_argument("--iters", type=int, default=None, help="timed calls per row (default 7; 3 with --tiny)")
     p.add_argument("--warmup", type=int, default=None, help="untimed calls first (default 2; 1 with --tiny)")
     p.add_argument("--no-block", dest="block", action="store_false", help="skip the FP8 DiT block rows")
+    p.add_argument("--rows", default=None, metavar="REGEX", help="run only the rows whose names match (re.search)")
+    p.add_argument("--fp8-tile", default=None, metavar="TILE", help="the FP8 sparse kernel's tile in the block rows "
+                                                                   "when this run times no 64-row tile (default: the "
+                                                                   "first listed, or this run's fastest)")
     args = p.parse_args()
     args.iters = args.iters or (3 if args.tiny else 7)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.tiny else 2)

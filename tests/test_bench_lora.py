@@ -1,7 +1,8 @@
-"""scripts/bench_lora.py's pieces that decide what its H200 rows mean, untimed: the adapter file it writes is read by
+"""scripts/bench_lora.py's pieces that decide what its GPU rows mean, untimed: the adapter file it writes is read by
 the slots as a rank-R adapter on every attention and MLP linear of every block and nothing else (so its
-`slots_one_adapter` row measures what issue 38 names), and its summary sets each row against the runner without slots
-with the bars' direction right."""
+`slots_one_adapter` row measures what issue 38 names), its `old_*` rows carry every row of every slot as the
+arithmetic before issue 44 did, and its summary sets each row against the runner without slots with the bars'
+direction right."""
 
 import os
 import sys
@@ -12,6 +13,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
 
 import bench_lora  # noqa: E402
+import bench_lora_load  # noqa: E402
 
 from h3trt.models.config import H3Config  # noqa: E402
 from h3trt.models.lora_slots import LoraSlots  # noqa: E402
@@ -20,7 +22,7 @@ from h3trt.models.lora_slots import LoraSlots  # noqa: E402
 def test_the_bench_adapter_loads_into_the_slots_on_every_attention_and_mlp_linear_only(tmp_path):
     cfg = H3Config.tiny()
     path = tmp_path / "adapter.safetensors"
-    assert bench_lora.write_adapter(path, cfg, 8, 0, torch.device("cpu")) == path.stat().st_size
+    assert bench_lora_load.write_adapter(path, cfg, 8, 0, torch.device("cpu")) == path.stat().st_size
     slots = LoraSlots(cfg, "t2va", 2, 8)
     record = slots.load(0, path)
     assert record.rank == 8 and record.layout == "original names"
@@ -43,3 +45,23 @@ def test_the_summary_sets_each_row_against_no_slots_and_checks_the_bars():
     assert out["bars"]["slots_one_adapter"]["met"] is True
     assert out["ms_per_step_estimate"]["no_slots"] == pytest.approx(5000.0)
     assert out["speedup_vs_reference"]["slots_scale0"] == pytest.approx(120.0 / 110.0)
+
+
+def test_the_old_rows_carry_every_row_of_every_slot_and_the_new_ones_the_adapters_own(tmp_path):
+    cfg = H3Config.tiny()
+    slots = LoraSlots(cfg, "t2va", 2, 24, torch.float32)
+    for slot, rank in ((0, 20), (1, 24)):
+        path = tmp_path / f"rank{rank}.safetensors"
+        bench_lora_load.write_adapter(path, cfg, rank, slot, torch.device("cpu"))
+        slots.load(slot, path)
+    rows = bench_lora.timed_rows(slots)
+    assert rows["no_slots"] == (None, None) and rows["slots_no_adapter"] == ("block_lora", None)
+    assert rows["slots_scale0"] == ("block_lora", None)  # not computed: the runner runs the plain block
+    twin, one = rows["slots_one_adapter"]
+    assert twin == "block_lora" and one.rows.numel() == 32 and one.row_scales.sum().item() == 20  # rank 20, padded
+    assert rows["slots_two_adapters"][1].row_scales.sum().item() == 44
+    for row, scale in (("old_one_adapter", 1.0), ("old_scale0", 0.0)):
+        twin, old = rows[row]
+        assert twin == "block_lora_delta" and sorted(set(old.rows.flatten().tolist())) == list(range(48))
+        assert old.row_scales.flatten()[:24].tolist() == [scale] * 24 and not old.row_scales.flatten()[24:].any()
+    assert rows["delta_one_adapter"][0] == "block_lora_delta"

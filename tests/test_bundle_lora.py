@@ -6,10 +6,10 @@ and every bad combination is one line naming the flag (or the field) and the fix
 Tolerance: test_engine.py's for fp32 bundles, the compiled DiT within a relative error (norm) of 1e-5 of the eager DiT
 (here the eager DiT with the same adapters in its own slots), while the adapters move the output by > 100 x that.
 
-"Bit-identical to a bundle built without slots": a request without adapters runs the same `block` segment (compiled
-from the same spec and example inputs as a bundle without slots compiles it: test_the_manifest_records...) through
-the runner a bundle without slots builds, and test_a_request_without_adapters_... shows that runner's output equal bit
-for bit, with adapters loaded in the slots or not, and block_lora never called.
+"Bit-identical to a bundle built without slots": a request without adapters (or with every adapter at scale 0) runs
+the same `block` segment (compiled from the same spec and example inputs as a bundle without slots compiles it:
+test_the_manifest_records...) through the runner a bundle without slots builds, and test_a_request_without_adapters_...
+shows that runner's output equal bit for bit, with adapters loaded in the slots or not, and block_lora never called.
 """
 
 import json
@@ -88,7 +88,8 @@ def test_the_manifest_records_the_slots_and_the_block_lora_twin(slot_bundle):
     m = read_manifest(slot_bundle)
     assert m.lora_slots == LoraSlotsRecord(SLOTS, MAX_RANK, BLOCK_TARGETS)
     twin, block = m.segments["block_lora"], m.segments["block"]
-    assert twin["inputs"] == block["inputs"] + ["lora_slots", "lora_scales"] and twin["weights"] == block["weights"]
+    assert twin["inputs"] == block["inputs"] + ["lora_rows", "lora_row_scales"] and twin["weights"] == block["weights"]
+    assert twin["dynamic"]["lora_rows"] == {"0": "G"}  # any adapter set, one compiled twin
     assert twin["lora"] == segment_lora_names(BLOCK_TARGETS) and "adaln_proj.linear.lora_down" not in twin["lora"]
     # Every other segment is recorded as a bundle without slots records it (same spec: the same inputs and weights).
     plain = {s.name: s for s in dit_segments(m.model_config, torch.float32)}
@@ -147,11 +148,13 @@ def test_a_request_without_adapters_is_the_plain_runner_bit_for_bit(slot_bundle,
         ResidentAdapters((AdapterSpec("a", files["a"]), AdapterSpec("b", files["b"])), m.model_config, m.task,
                          torch.float32, torch.device("cpu"), slots=dit.lora_slots)
         loaded = dit(*args)
-        assert calls == {"block": 2 * m.model_config.num_layers, "block_lora": 0}
+        # Adapters named at scale 0 add nothing: not computed at all, the plain block runs (issue 44).
+        zero = dit(*args, lora=dit.lora_slots.select([(0, 0.0), (1, 0.0)]))
+        assert calls == {"block": 3 * m.model_config.num_layers, "block_lora": 0}
         dit(*args, lora=dit.lora_slots.select([(0, 1.0)]))
         assert calls["block_lora"] == m.model_config.num_layers  # the twin runs only for an evaluation with adapters
-    for w, e, lo in zip(want, empty, loaded):
-        assert torch.equal(e, w) and torch.equal(lo, w)
+    for w, e, lo, z in zip(want, empty, loaded, zero):
+        assert torch.equal(e, w) and torch.equal(lo, w) and torch.equal(z, w)
 
 
 def test_build_flags_are_refused_in_one_line():
@@ -275,7 +278,7 @@ def test_a_bundle_serves_the_servers_changing_set_through_its_slots(slot_bundle,
     assert served is not None and not served.slots.records
     used = []
     for request in requests:
-        (slot,) = served.select(request.adapters).slots_K.tolist()
+        ((slot, _),) = served.select(request.adapters).uses
         used.append(slot)
         assert served.slots.records[slot].sha256 == request.adapters[0].sha256
         assert served.record(request.adapters)[0]["sha256"] == request.adapters[0].sha256

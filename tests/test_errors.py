@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from h3trt.cli import main
-from h3trt.engines.manifest import device_arch
+from h3trt.engines.environment import device_arch
 from h3trt.errors import UserError
 from h3trt.media.output_files import OutputError, OutputRefused
 

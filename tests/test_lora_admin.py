@@ -109,17 +109,17 @@ def test_adapters_at_start_beyond_the_free_slots_are_read_when_first_named(folde
     """A --lora-dir may hold many more adapters than the slots: each rank reads at start only those that fill the
     free slots (a full-size adapter is hundreds of MB); one named later by a request is read then, once."""
     import h3trt.pipeline.adapters as adapters
+    from h3trt.models.lora_slots import LoraSlots
 
     read = []
-    real = adapters.read_lora
-    monkeypatch.setattr(adapters, "read_lora", lambda path, head_dim: read.append(Path(path).name) or real(path,
-                                                                                                           head_dim))
+    real = LoraSlots.read
+    monkeypatch.setattr(LoraSlots, "read", lambda self, path: read.append(Path(path).name) or real(self, path))
     specs = tuple(AdapterSpec(n, folder / f"{n}.safetensors") for n in "abc")
     resident = adapters.ResidentAdapters(specs, H3Config.tiny(), "t2va", torch.float32, torch.device("cpu"),
                                          SlotShape(1, 4))
     assert read == ["a.safetensors"]
     run = resident.select((AdapterUse("c", 0.5),))
-    assert read == ["a.safetensors", "c.safetensors"] and run.slots_K.tolist() == [0]
+    assert read == ["a.safetensors", "c.safetensors"] and run.uses == ((0, 0.5),)
     assert resident.slots.records[0].sha256 == sha256(folder / "c.safetensors")
     assert resident.record((AdapterUse("c", 0.5),))[0]["sha256"] == sha256(folder / "c.safetensors")
     assert len(read) == 2  # the record named it without reading it again

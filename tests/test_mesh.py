@@ -200,6 +200,30 @@ def _engine_rank(rank, world, store, bundle, root, out):
     (Path(out) / f"rank{rank}_fp8_calls.json").write_text(json.dumps(fp8))
     if engine.manifest.precision == "fp32":  # step caching through the sharded compiled halves (padded layout)
         (Path(out) / f"rank{rank}_cache.json").write_text(json.dumps(_cached_decisions(engine.dit, eager, layout)))
+        (Path(out) / f"rank{rank}_sparse.json").write_text(json.dumps(_sparse_evaluation(engine.dit, eager)))
+
+
+def _sparse_evaluation(dit, eager) -> dict:
+    """One sparse evaluation through the sp=2 bundle (each rank routes its own head after the exchange) against the
+    one-process eager DiT with the same settings, and against the dense evaluation."""
+    from h3trt.models.sparse_plan import SparseSettings
+    from h3trt.models.sparse_run import SparseRun
+
+    layout = pack_t2va(text_tags_for(11), 37, 6, 10, 207)  # 2,645 rows: 42 routing blocks of 64
+    video, audio, text = dit_inputs(layout, eager.cfg, seed=2)
+    unique_t, t_index = row_timesteps(layout, *Schedule().timesteps()[20])
+    outs, reports = [], []
+    for runner in (dit, eager):
+        run = SparseRun(SparseSettings(0.5, dense_steps=0, min_seq=1), dit.sparse_kernel)
+        run.next_evaluation()
+        with torch.no_grad():
+            outs.append(runner(video, audio, text, unique_t, t_index, layout, sparse=run))
+        reports.append(run.report())
+    with torch.no_grad():
+        dense = eager(video, audio, text, unique_t, t_index, layout)
+    return {"kernel": dit.sparse_kernel, "kept": [r["kept_fraction"] for r in reports],
+            "sharded": [((a - b).norm() / b.norm()).item() for a, b in zip(*outs)],
+            "from_dense": [((a - b).norm() / b.norm()).item() for a, b in zip(outs[1], dense)]}
 
 
 @contextlib.contextmanager
@@ -255,6 +279,11 @@ def test_sp2_bundle_runs_sharded_and_matches_eager(sp2_bundle, tiny_root, tmp_pa
         assert cached["engine"]["skipped"] == cached["eager"]["skipped"] and cached["eager"]["skipped"]
         got, want = torch.tensor(cached["engine"]["video"]), torch.tensor(cached["eager"]["video"])
         assert ((got - want).norm() / want.norm()).item() <= 1e-4
+        # Sparse attention through the sharded bundle: each rank routes its own head, and the result is the
+        # one-process sparse evaluation's (and not the dense one's).
+        sparse = json.loads((tmp_path / f"rank{rank}_sparse.json").read_text())
+        assert sparse["kernel"] == "reference" and sparse["kept"][0] == sparse["kept"][1] and 0 < sparse["kept"][0] < 1
+        assert max(sparse["sharded"]) <= REL_TOL and min(sparse["from_dense"]) > 1e-4, sparse
 
 
 @pytest.fixture(scope="module")

@@ -1,11 +1,16 @@
 """`h3trt serve --lora-dir DIR` with adapters loaded and unloaded while it runs (issue 38 item 2), against a real server
-process (the tiny model on the CPU) with ONE slot, so that every switch of adapter evicts the one before:
+process (the tiny model on the CPU) with ONE slot (of the default max rank, 64), so that every switch of adapter evicts
+the one before:
 
   - an adapter loaded while the server runs serves the next job, whose clip equals its one-adapter `h3trt run`
   - an unload while a job naming the adapter is queued: that job still completes with it, and a new request naming
     it is a 400 with param lora; the name loaded again with another file never changes the queued job
   - a file removed after its job was admitted: the job fails naming it, and never runs another adapter
   - three adapters through one slot, each clip equal to its one-adapter run (the slots are a cache by sha256)
+
+and, at every default flag (issue 45 item 8), a served clip is its `h3trt run --adapter` clip byte for byte: the
+server's slots (4 of rank 64) and run's (fitted to the file: one of rank 4) compute the adapter's own rank rows, never
+a slot's padding (models/lora_slots.py).
 """
 
 import hashlib
@@ -38,6 +43,19 @@ def files(tmp_path_factory):
             for name, seed in (("a", 1), ("b", 2), ("c", 3))}
 
 
+@pytest.fixture(scope="module")
+def run_clip(files, tmp_path_factory):
+    """name -> the mp4 sha256 of `one_adapter_clip`, made once per module."""
+    made = {}
+
+    def clip(name: str) -> str:
+        if name not in made:
+            made[name] = one_adapter_clip(files, name, tmp_path_factory.mktemp(f"run-{name}"))
+        return made[name]
+
+    return clip
+
+
 def one_adapter_clip(files, name, tmp_path) -> str:
     """The clip of `h3trt run --requests` with `name` the only adapter it holds, picked by the line: its sha256. Run
     in a process of its own, as the server's rank is: a pytest-xdist worker runs torch on one thread
@@ -56,14 +74,33 @@ def one_adapter_clip(files, name, tmp_path) -> str:
     return record["mp4_sha256"]
 
 
-def test_adapters_load_and_unload_while_jobs_run(files, tmp_path, tiny_cache):
+def test_a_served_clip_at_the_default_flags_is_the_run_clip_byte_for_byte(files, tmp_path, tiny_cache, run_clip):
+    folder = tmp_path / "lora-dir"
+    folder.mkdir()
+    for name in ("a", "b"):  # both resident in the server's 4 slots of rank 64; the run fits its one slot to a
+        shutil.copy(files[name], folder / f"{name}.safetensors")
+    server = Server(tmp_path / "data", "--device", "cpu", "--lora-dir", str(folder), api_key=KEY)
+    try:
+        server.wait("/ready")
+        with server.http() as c:
+            listed = {a["name"]: a for a in c.get("/v1/loras").json()["data"]}
+        assert listed["a"]["rank"] == 4
+        done = server.wait_job(server.create(**JOB, lora=[{"name": "a"}])["id"])
+    finally:
+        assert server.stop() == 0, server.log()[-3000:]
+    assert done["status"] == "completed", done
+    record = json.loads((server.data_dir / "clips" / f"{done['id']}.attempt1.json").read_text())
+    assert record["adapters"] == [{"name": "a", "file": "a.safetensors", "sha256": sha256(files["a"]), "scale": 1.0}]
+    assert record["mp4_sha256"] == run_clip("a")
+
+
+def test_adapters_load_and_unload_while_jobs_run(files, tmp_path, tiny_cache, run_clip):
     folder = tmp_path / "lora-dir"
     folder.mkdir()
     shutil.copy(files["a"], folder / "a.safetensors")  # the adapter at start; b and c arrive while it runs
-    # One slot of rank 4: the banks of each one-adapter `h3trt run` (a larger max rank adds exact zeros, but in
-    # another summation order: not the same clip bit for bit).
+    # One slot, of the default max rank 64: each one-adapter `h3trt run` fits its only slot to the file (rank 4).
     server = Server(tmp_path / "data", "--device", "cpu", "--lora-dir", str(folder), "--lora-slots", "1",
-                    "--lora-max-rank", "4", api_key=KEY)
+                    api_key=KEY)
     try:
         server.wait("/ready")
         with server.http() as c:
@@ -98,4 +135,4 @@ def test_adapters_load_and_unload_while_jobs_run(files, tmp_path, tiny_cache):
         name = "a" if key == "a" else "b"
         assert record["adapters"] == [{"name": name, "file": f"{file}.safetensors", "sha256": sha256(files[file]),
                                        "scale": 1.0}]
-        assert record["mp4_sha256"] == one_adapter_clip(files, file, tmp_path), key
+        assert record["mp4_sha256"] == run_clip(file), key

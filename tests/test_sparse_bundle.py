@@ -183,7 +183,9 @@ def test_explicit_beats_the_bundle_default_beats_the_built_in_one():
     (["--sparse-attention", "nan"], "--sparse-attention takes a fraction"),
     (["--sparse-attention", "half"], "--sparse-attention takes a number, got 'half'"),
     (["--sparse-attention", "0.5", "--sparse-min-seq", "0"], "--sparse-min-seq takes a whole number of at least 1"),
-    (["--sparse-dense-steps", "3"], "--sparse-dense-steps and --sparse-min-seq set the defaults of a bundle"),
+    (["--sparse-dense-steps", "3"], "--sparse-dense-steps, --sparse-min-seq and --sparse-kernel set up a bundle"),
+    (["--sparse-kernel", "fa4"], "--sparse-dense-steps, --sparse-min-seq and --sparse-kernel set up a bundle"),
+    (["--sparse-attention", "0.5", "--sparse-kernel", "fp8"], "--sparse-kernel fp8 runs FP8 attention with each"),
     (["--sparse-attention", "0.5", "--backend", "tensorrt"], "--sparse-attention applies to the inductor and aoti"),
 ])
 def test_bad_sparse_build_flags_are_one_line_before_anything_builds(h3trt, monkeypatch, tmp_path, flags, line):

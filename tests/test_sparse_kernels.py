@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from h3trt.errors import UserError
-from h3trt.models import sparse_kernels
+from h3trt.models import sparse_kernels, sparse_reference
 from h3trt.models.sparse_attention import subblock_route
 from h3trt.models.sparse_kernels import (SPARSE_KERNELS, check_sparse_kernel, default_sparse_kernel,
                                          flex_sparse_attention, kept_fraction, sparse_attention,
@@ -81,7 +81,7 @@ def test_dense_query_blocks_equal_dense_sdpa():
 def test_reference_chunks_its_mask_without_changing_the_output(monkeypatch):
     q, k, v, index, sparse_G = problem(1, 64 * 7 + 3, 2, 8, 64, 3, seed=5)
     whole = sparse_attention(q, k, v, index, sparse_G, 64, "reference")
-    monkeypatch.setattr(sparse_kernels, "REFERENCE_MASK_BYTES", 1)  # one query block at a time
+    monkeypatch.setattr(sparse_reference, "REFERENCE_MASK_BYTES", 1)  # one query block at a time
     torch.testing.assert_close(sparse_attention(q, k, v, index, sparse_G, 64, "reference"), whole, rtol=0, atol=1e-6)
 
 

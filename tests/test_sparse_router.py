@@ -20,6 +20,7 @@ import torch
 
 from h3trt.errors import UserError
 from h3trt.models.sparse_attention import _topk_lowest_first, subblock_route, subblock_route_reference, subblock_scores
+from h3trt.models import sparse_router
 from h3trt.models.sparse_router import choose_router, route_blocks, warm_router
 from h3trt.models.sparse_run import SparseRun, load_sparse_kernel
 from h3trt.models.sparse_plan import SparseSettings
@@ -43,16 +44,18 @@ def test_cpu_and_other_devices_route_with_torch():
         assert choose_router(device_type, "ImportError: no triton") == "torch"  # Triton is never needed off CUDA
 
 
-def test_cuda_routes_with_triton_once_it_is_switched_on():
-    assert choose_router("cuda", None, triton_on_cuda=True) == "triton"
-    # Until measured on a GPU (sparse_router.TRITON_ROUTER_ON_CUDA), CUDA routes with torch, Triton or not.
+def test_cuda_routes_with_triton_by_default():
+    # Measured on an H100 (sparse_router.TRITON_ROUTER_ON_CUDA's comment): the fused router is CUDA's default.
+    assert sparse_router.TRITON_ROUTER_ON_CUDA is True
+    assert choose_router("cuda", None) == "triton"
+    # The switch still turns it off (a GPU where it misbehaves): then CUDA routes with torch, Triton or not.
     assert choose_router("cuda", None, triton_on_cuda=False) == "torch"
     assert choose_router("cuda", "ImportError: no triton", triton_on_cuda=False) == "torch"
 
 
 def test_cuda_without_triton_is_refused_with_the_fix_not_routed_slowly():
     with pytest.raises(UserError, match=r"needs Triton on a CUDA GPU.*No module named 'triton'.*pip install triton"):
-        choose_router("cuda", "ModuleNotFoundError: No module named 'triton'", triton_on_cuda=True)
+        choose_router("cuda", "ModuleNotFoundError: No module named 'triton'")
 
 
 def test_route_blocks_refuses_an_unknown_router():

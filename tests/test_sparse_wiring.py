@@ -149,7 +149,7 @@ def test_a_sparse_kernel_that_fails_at_load_stops_no_dense_run_and_a_sparse_one_
     session 13). Here flex, which needs CUDA, is made the default on the CPU so that its warm-up fails."""
     import h3trt.models.sparse_kernels as sparse_kernels
 
-    monkeypatch.setattr(sparse_kernels, "default_sparse_kernel", lambda device: "flex")
+    monkeypatch.setattr(sparse_kernels, "default_sparse_kernel", lambda device, kernels: "flex")
     out = tmp_path / "dense.mp4"
     code, err = h3trt("run", "--prompt", "a fox", "--output", str(out), *STEPS)
     assert code == 0 and out.read_bytes() == dense[0]

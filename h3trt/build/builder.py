@@ -30,9 +30,9 @@ import torch
 from ..calibration.build import block_weight_sets, calibrate_dit
 from ..calibration.recipe import QuantRecipe
 from ..calibration.vae_fp8 import EXECUTION as VAE_FP8_EXECUTION
+from ..engines.environment import device_arch, runtime_versions
 from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord, ScheduleRecord, SparseRecord,
-                                VideoDecoderRecord, device_arch, hash_threads, runtime_versions, sha256_file,
-                                write_manifest)
+                                VideoDecoderRecord, hash_threads, sha256_file, write_manifest)
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
 from ..models.checkpoint import TransformerSource, load_dit
@@ -320,9 +320,9 @@ def _served_tasks(config: BuildConfig, meta) -> tuple[str, ...]:
 def _sparse_record(config: BuildConfig, plan: BuildPlan) -> SparseRecord | None:
     if config.sparse is None:
         return None
-    kernel, block = plan.sparse_kernel
-    s = config.sparse
-    return SparseRecord(s.sparsity, s.dense_steps, s.min_seq, kernel, block)
+    choice, s = plan.sparse_kernel, config.sparse
+    return SparseRecord(s.sparsity, s.dense_steps, s.min_seq, choice.kernel, choice.block, tile=choice.tile,
+                        requested=choice.requested, measured_ms=choice.measured_ms, unavailable=choice.unavailable)
 
 
 def _checkpoint_sha(files, log) -> str:

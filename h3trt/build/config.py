@@ -12,7 +12,7 @@ from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_
 from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
-from ..models.checkpoint import TASK_PARTITIONS, locate_transformer
+from ..models.checkpoint import TASK_PARTITIONS, CheckpointError, locate_transformer
 from ..models.config import H3Config
 from ..models.distilled import DistilledServing, DistilledSpec, check_task, plan_distilled
 from ..models.distilled_contract import CONTRACT_FILE, checkpoint_contract
@@ -22,12 +22,14 @@ from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
+from ..models.sparse_fp8 import FP8_SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.vsa_plan import VsaSettings, vsa_settings
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
 from .segments import check_sharded_recipe
+from .sparse_choice import SPARSE_KERNEL_REQUESTS
 from .tensorrt import check_build_config
 
 DEFAULT_CALIB_STEPS = 8  # fp8: the longest calibration trajectory taken by default (grid points)
@@ -92,6 +94,9 @@ class BuildConfig:
     sparse_attention: float | None = None
     sparse_dense_steps: int | None = None  # None: SubBlock's default (10)
     sparse_min_seq: int | None = None  # None: SubBlock's default (4096 rows)
+    # The block-sparse kernel (build/sparse_choice.py): auto (the fastest measured at the bundle's shape on a GPU), or
+    # one named (fa4, fp8 with --fp8-attention, reference, fp8_emulated).
+    sparse_kernel: str = "auto"
     # Per-request LoRA adapters (models/lora_slots.py): N slots of max rank R on every main block's linears; the
     # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
@@ -107,7 +112,7 @@ class BuildConfig:
     distilled: DistilledSpec | None = None
 
     def __post_init__(self):
-        self._check_schedules()
+        # the flags' own values first: the schedules may read a FastH3 export's sidecar from the checkpoint
         if self.backend not in BACKENDS:
             raise UserError(f"--backend must be one of {BACKENDS}, got {self.backend!r}.")
         object.__setattr__(self, "precision", Precision.parse(self.precision))  # one of DIT_PRECISIONS
@@ -116,6 +121,10 @@ class BuildConfig:
         if self.backend == "tensorrt" and self.attention != "auto":
             raise UserError("--attention picks the kernel of the inductor and aoti backends; TensorRT fuses attention "
                             "in its own plans. Drop --attention with --backend tensorrt.")
+        if self.task not in TASK_PARTITIONS:
+            raise UserError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
+        self.vae  # validates --vae-precision
+        self._check_schedules()
         if self.precision.spec.quantized:
             # validates --calib-algo against the precision, exclusions, --fp8-attention and --calib-steps
             recipe = self.recipe_for("emulated")
@@ -134,9 +143,6 @@ class BuildConfig:
             raise UserError("--fp8-accum sets how the inductor and aoti backends' FP8 GEMMs accumulate: it applies to "
                             f"--precision fp8 (got {self.precision}) and not to --backend tensorrt, whose plans "
                             "choose their own kernels.")
-        if self.task not in TASK_PARTITIONS:
-            raise UserError(f"--task must be one of {sorted(TASK_PARTITIONS)}, got {self.task!r}.")
-        self.vae  # validates --vae-precision
         MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
             raise UserError("At least one --profile is needed.")
@@ -185,9 +191,12 @@ class BuildConfig:
     @cached_property
     def contract(self) -> tuple[DistilledServing, dict] | None:
         """A full FastH3 export's sidecar (its ladder and record); None: a base checkpoint, or a --distilled file."""
-        if self.distilled is not None or not Path(self.model_root).exists():  # a missing one fails at the load
+        if self.distilled is not None:
             return None
-        source = locate_transformer(self.model_root, self.task)
+        try:
+            source = locate_transformer(self.model_root, self.task)
+        except CheckpointError:  # a missing or unreadable checkpoint fails at the load, with the same message
+            return None
         contract = checkpoint_contract(source.component_root, source.shifts)
         if contract is not None:
             check_task("fasth3", contract[0].tasks, self.task, source.component_root / CONTRACT_FILE)
@@ -259,12 +268,17 @@ class BuildConfig:
     def _check_sparse(self) -> None:
         """--sparse-attention and its knobs: their values (one line, the flags named), and what a bundle that serves
         sparse attention cannot be."""
+        if self.sparse_kernel not in SPARSE_KERNEL_REQUESTS:
+            raise UserError(f"--sparse-kernel must be one of {SPARSE_KERNEL_REQUESTS}, got {self.sparse_kernel!r}.")
         if self.sparse_attention is None:
-            if self.sparse_dense_steps is not None or self.sparse_min_seq is not None:
-                raise UserError("--sparse-dense-steps and --sparse-min-seq set the defaults of a bundle that serves "
-                                "block-sparse attention; add --sparse-attention SPARSITY (0: dense unless a request "
-                                "asks).")
+            if self.sparse_dense_steps is not None or self.sparse_min_seq is not None or self.sparse_kernel != "auto":
+                raise UserError("--sparse-dense-steps, --sparse-min-seq and --sparse-kernel set up a bundle that "
+                                "serves block-sparse attention; add --sparse-attention SPARSITY (0: dense unless a "
+                                "request asks).")
             return
+        if self.sparse_kernel in FP8_SPARSE_KERNELS and not self.fp8_attention:
+            raise UserError(f"--sparse-kernel {self.sparse_kernel} runs FP8 attention with each layer's calibrated "
+                            "q/k/v scales: add --precision fp8 --fp8-attention, or pick fa4 or reference.")
         sparse_settings(self.sparse_attention, self.sparse_dense_steps, self.sparse_min_seq)  # UserError, by flag
         if self.backend == "tensorrt":
             raise UserError("--sparse-attention applies to the inductor and aoti backends: TensorRT fuses attention "

@@ -14,7 +14,7 @@ from ..calibration.vae_fp8 import load_video_vae_at
 from ..models.config import NUM_MODALITIES, H3Config
 from ..engines.manifest import LoraSlotsRecord
 from ..models.dit import H3DiT
-from ..models.lora_slots import target_shape
+from ..models.lora_slots import MIN_ROW_GROUPS, ROW_GROUP, row_groups, target_shape
 from ..models.packing import Geometry, PackedLayout, pack_t2va, row_timesteps, text_tags_for
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import decoder_prologue
@@ -93,9 +93,14 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1, recipe
 
 def lora_examples(plain: list[torch.Tensor], spec: SegmentSpec, cfg: H3Config, slots: LoraSlotsRecord,
                   g: torch.Generator) -> list[torch.Tensor]:
-    """A block_lora twin's inputs from its plain block's: the same activations and weights, every slot selected
-    (K = N) at distinct scales, and seeded banks whose side branch moves the output as much as a trained adapter
-    might, so that the fresh-process check really compares it."""
+    """A block_lora twin's inputs from its plain block's: the same activations and weights, every row of every slot
+    selected (padded to whole groups as `LoraSlots.select` pads) at distinct scales per slot, and seeded banks whose
+    side branch moves the output as much as a trained adapter might, so that the fresh-process check really compares
+    it.
+
+    The row groups G are as many as no other input has along any dimension: Inductor's standalone compile derives
+    the graph's dimensions again from the example's values, one symbol per distinct value (build/backends.py), and
+    a G equal to, say, the three parts of the fused QKV would be compiled as that constant."""
     x = plain[0]
     acts, weights = plain[: len(spec.inputs) - 2], plain[len(spec.inputs) - 2:]
     n, rank = slots.slots, slots.max_rank
@@ -103,12 +108,15 @@ def lora_examples(plain: list[torch.Tensor], spec: SegmentSpec, cfg: H3Config, s
     for name in spec.lora:
         local, part = name.rsplit(".", 1)
         n_in, n_out, parts = target_shape(cfg, local)
-        shape = (n, parts, rank, n_in) if part == "lora_down" else (n, parts, n_out // parts, rank)
+        shape = (n, parts, rank, n_in if part == "lora_down" else n_out // parts)
         fan_in = n_in if part == "lora_down" else rank
         banks.append((torch.randn(*shape, generator=g) / fan_in ** 0.5).to(x.device, x.dtype))
-    slot_ids = torch.arange(n, dtype=torch.int64, device=x.device)
-    scales = torch.linspace(0.5, 0.25, n, dtype=torch.float32).to(x.device)
-    return [*acts, slot_ids, scales, *weights, *banks]
+    taken = {size for t in (*plain, *banks) for size in t.shape}
+    groups = max(MIN_ROW_GROUPS, -(-n * rank // ROW_GROUP))
+    while groups in taken:
+        groups += 1
+    scales = torch.linspace(0.5, 0.25, n).repeat_interleave(rank).tolist()
+    return [*acts, *row_groups(list(range(n * rank)), scales, x.device, groups), *weights, *banks]
 
 
 def profile_decoder_specs(component_root: Path, profiles, device, precision: VAEPrecision, examples: dict) -> dict:

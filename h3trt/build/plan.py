@@ -17,6 +17,7 @@ from ..models.precision import Precision
 from ..parallel.mesh import MeshConfig
 from .adaln import schedule_timesteps
 from .attention_choice import AttentionChoice, AttentionShape, resolve_attention
+from .sparse_choice import SparseChoice, resolve_sparse_kernel
 from .config import BuildConfig
 from .examples import example_layout
 
@@ -54,9 +55,10 @@ class BuildPlan:
     model_cfg: H3Config
     attention: dict[Precision, AttentionChoice]  # the kernel baked in per precision (tensorrt: none, it fuses its own)
     size: BundleSize
-    # --sparse-attention: the block-sparse kernel the bundle serves and its routing block (rows), chosen on the build
-    # device and compiled there once (a kernel this machine cannot run is refused here); None: no sparse attention.
-    sparse_kernel: tuple[str, int] | None = None
+    # --sparse-attention: the block-sparse kernel the bundle serves, its routing block and tile, chosen on the build
+    # device (timed there: build/sparse_choice.py) and compiled there once (a kernel this machine cannot run is
+    # refused here); None: no sparse attention.
+    sparse_kernel: SparseChoice | None = None
     # A FastH3-VSA checkpoint: the VSA kernel the bundle serves, chosen on the build device and compiled there once;
     # None: the checkpoint is no VSA model.
     vsa_kernel: str | None = None
@@ -110,28 +112,35 @@ def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, 
 
 
 def _sparse_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,
-                   log) -> tuple[str, int]:
-    """The block-sparse kernel of a bundle built with --sparse-attention: the device's default (fa4 on sm_90 where it
-    loads, flex on another CUDA GPU, reference on the CPU), compiled once here at one rank's heads, so that a kernel
-    the build machine cannot run fails the build, not the first sparse request."""
-    from ..models.sparse_kernels import default_sparse_kernel, sparse_block, warm_sparse_kernel
+                   log) -> SparseChoice:
+    """The block-sparse kernel of a bundle built with --sparse-attention (build/sparse_choice.py: timed at the
+    bundle's own attention shape on a GPU), compiled once here at one rank's heads, so that a kernel the build machine
+    cannot run fails the build, not the first sparse request."""
+    from ..models.sparse_kernels import warm_sparse_kernel
 
-    kernel = default_sparse_kernel(device)
-    block = sparse_block(kernel, device)
     heads = model_cfg.num_heads // config.sp
+    shape = AttentionShape(max(example_layout(model_cfg, p.geometry).seq_len for p in config.profiles), heads,
+                           model_cfg.head_dim)
+    choice = resolve_sparse_kernel(config.sparse_kernel, device, config.fp8_attention, shape,
+                                   config.sparse.sparsity)
     try:
-        warm_sparse_kernel(kernel, device, heads, model_cfg.head_dim, dtype, block)
+        warm_sparse_kernel(choice.kernel, device, heads, model_cfg.head_dim, dtype, choice.block, choice.tile)
     except UserError:
         raise
     except Exception as e:  # a kernel that imports but does not compile here: the build's user can act on it
         first = str(e).splitlines()[0] if str(e) else ""
-        raise UserError(f"--sparse-attention: the {kernel} block-sparse attention kernel did not compile on {device} "
-                        f"({type(e).__name__}: {first}); fix its install (FlashAttention-4 on sm_90: pip install "
-                        f"'h3trt[fa4]'), or build without --sparse-attention.") from e
-    log(f"sparse attention: the {kernel} kernel, {block}-row blocks, {heads} heads per rank (default sparsity "
-        f"{config.sparse.sparsity:g}, first {config.sparse.dense_steps} evaluations dense, attentions under "
-        f"{config.sparse.min_seq} rows dense)")
-    return kernel, block
+        raise UserError(f"--sparse-attention: the {choice.kernel} block-sparse attention kernel did not compile on "
+                        f"{device} ({type(e).__name__}: {first}); fix its install (FlashAttention-4 on sm_90: pip "
+                        f"install 'h3trt[fa4]'), pick another with --sparse-kernel, or build without "
+                        f"--sparse-attention.") from e
+    timed = ", ".join(f"{k} {ms:.2f} ms" for k, ms in choice.measured_ms.items())
+    left_out = "; ".join(f"{k} left out: {r}" for k, r in choice.unavailable.items())
+    log(f"sparse attention: the {choice.kernel} kernel{f' (tile {choice.tile})' if choice.tile else ''}, "
+        f"{choice.block}-row blocks, {heads} heads per rank (--sparse-kernel {choice.requested}"
+        f"{', measured ' + timed + f' at {shape.rows} rows' if timed else ''}){'; ' + left_out if left_out else ''}; "
+        f"default sparsity {config.sparse.sparsity:g}, first {config.sparse.dense_steps} evaluations dense, "
+        f"attentions under {config.sparse.min_seq} rows dense")
+    return choice
 
 
 def _attention(config: BuildConfig, model_cfg: H3Config, device: torch.device,

@@ -6,16 +6,18 @@ dimensions that vary between requests, so backends can compile it once for every
 
   embed(video, audio, text, timesteps, video_index, audio_index, text_index, token_tags, *W) -> (x, temb)
   block(x, mod, adaln_index, cos, sin, *W) -> x                      (mod: the block's [3T, 6, H] table)
-  block_lora(x, mod, adaln_index, cos, sin, lora_slots, lora_scales, *W, *LoRA) -> x
+  block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *W, *LoRA) -> x
                               (--lora-slots N: the block with adapters, beside the plain one; LoRA: its slot banks)
   final(x, mod, timestep_index, video_index, audio_index, *W) -> (video_v, audio_v)   (mod: [T, 2, H])
 
-Dimension names: S packed rows, V video rows, A audio rows, L text rows, T distinct timesteps, M = 3T.
+Dimension names: S packed rows, V video rows, A audio rows, L text rows, T distinct timesteps, M = 3T, G groups of
+16 LoRA rank rows.
 
-K, the adapters one evaluation carries, is a static shape of `block_lora`, and it is N, the slots: a request's K <= N
-adapters are padded with scale 0 (exact zeros added). One compiled shape serves any count from 1 to N with no
-segment per K, and a padded entry costs only the rank-R branch of one slot; K = 1 would refuse requests that stack
-adapters (a style with a Turbo LoRA), and a symbolic K would let Inductor specialize on the example's value.
+`block_lora` takes an evaluation's adapters as rank rows (models/lora_slots.py): lora_rows / lora_row_scales
+[G, 16], G dynamic, so one compiled segment serves any adapter set of any ranks (one adapter, a style with a Turbo
+LoRA, ...) computing only the rows of the adapters at a nonzero scale: nothing of a slot's padding, nothing of an
+unused slot. The rows come in whole groups of 16 so that the FP8 layout's GEMM reduction stays a multiple of 16 for
+every G, which Inductor then knows without a guard.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ import torch
 from ..errors import UserError
 from ..models.config import H3Config
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
-from ..models.lora_slots import BlockLora, segment_lora_names
+from ..models.lora_slots import FUSED, LORA_INPUTS, BlockLora, segment_lora_names
 from ..models.video_vae import decoder_epilogue, decoder_prologue
 from ..calibration.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
 from ..calibration.recipe import QuantRecipe
@@ -126,25 +128,27 @@ def block_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None 
 
 
 def block_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None,
-                       attention: str, targets: tuple[str, ...]) -> SegmentSpec:
+                       attention: str, targets: tuple[str, ...], layout: str = FUSED) -> SegmentSpec:
     """`plain`'s twin with adapters (`<name>_lora`): the same block, weights and attention, plus the evaluation's
-    slots [K] (int64) and scales [K] (fp32) and the layer's slot banks as inputs, so that loading or switching an
-    adapter changes data, never code. The base linears run as in `plain` (bf16, or FP8 with its scales); the side
-    branch in the banks' dtype (models/lora_slots.py)."""
+    rank rows [G, 16] (int64) and their scales [G, 16] (fp32) and the layer's slot banks as inputs, so that loading
+    or switching an adapter changes data, never code. The base linears keep their weights and precision (bf16, or
+    FP8 / NVFP4 with their scales); `layout` is how the rows join them (models/lora_slots.py LAYOUTS: FUSED, the
+    build's; DELTA, the side branch beside them, for scripts/bench_lora.py's comparison)."""
     block = _block_template(cfg, dtype, recipe)
     weights, lora = plain.weights, segment_lora_names(targets)
     fp8 = recipe is not None and recipe.fp8_attention
     kernel = recipe.attention_kernel if fp8 else attention
 
-    def run_block_lora(x, mod, adaln_index, cos, sin, lora_slots, lora_scales, *rest):
+    def run_block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *rest):
         params = dict(zip(weights, rest[: len(weights)]))
-        adapters = BlockLora.from_inputs(dict(zip(lora, rest[len(weights):])), lora_slots, lora_scales)
+        adapters = BlockLora.from_inputs(dict(zip(lora, rest[len(weights):])), lora_rows, lora_row_scales, layout)
         scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if fp8 else None
         return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin),
                                                           attention_fn(scales, kernel), adapters), strict=False)
 
-    return SegmentSpec(f"{plain.name}_lora", run_block_lora, plain.inputs + ["lora_slots", "lora_scales"], weights,
-                       dynamic=plain.dynamic, outputs=plain.outputs, lora=lora)
+    rows = {name: {0: "G"} for name in LORA_INPUTS}
+    return SegmentSpec(f"{plain.name}_lora", run_block_lora, plain.inputs + list(LORA_INPUTS), weights,
+                       dynamic={**plain.dynamic, **rows}, outputs=plain.outputs, lora=lora)
 
 
 # Under sequence parallelism the block is two segments around the attention exchange (h3trt/parallel/ulysses.py):

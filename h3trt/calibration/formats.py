@@ -36,15 +36,53 @@ def fp8_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torch.Ten
     every few k-blocks (faster, a little less exact: QuantRecipe.fp8_accum; no effect on the CPU). On the CPU the
     scales go to the rowwise kernel (below)."""
     x_MK = quantize_fp8(x.reshape(-1, x.shape[-1]), input_scale)
-    scale_a, scale_b = input_scale, weight_scale
-    if x.device.type == "cpu":
+    y_MN = fp8_mm(x_MK, weight_NK, input_scale, weight_scale, x.dtype, fast_accum)
+    return y_MN.view(*x.shape[:-1], weight_NK.shape[0])
+
+
+def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, scale_a: torch.Tensor, scale_b: torch.Tensor,
+           out_dtype: torch.dtype, fast_accum: bool) -> torch.Tensor:
+    """a @ b^T * scale_a * scale_b over e4m3 operands with per-tensor scales ([1] each), out in `out_dtype`."""
+    if a_MK.device.type == "cpu":
         # The CPU's per-tensor _scaled_mm is 100-200x slower than its rowwise kernel (torch 2.13: 3.6 s against 28 ms
         # at 2304x64x256): the same two scales, broadcast to every row and column, take the rowwise one. The result
         # equals the per-tensor kernel's to within the output's rounding (the scales are applied in another order).
-        scale_a = input_scale.reshape(1, 1).expand(x_MK.shape[0], 1).contiguous()
-        scale_b = weight_scale.reshape(1, 1).expand(1, weight_NK.shape[0]).contiguous()
-    y_MN = torch._scaled_mm(x_MK, weight_NK.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=x.dtype,
+        scale_a = scale_a.reshape(1, 1).expand(a_MK.shape[0], 1).contiguous()
+        scale_b = scale_b.reshape(1, 1).expand(1, b_NK.shape[0]).contiguous()
+    return torch._scaled_mm(a_MK, b_NK.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
                             use_fast_accum=fast_accum)
+
+
+def fp8_lora_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
+                    fast_accum: bool, down_PEK: torch.Tensor, up_PEN: torch.Tensor,
+                    scales_E: torch.Tensor) -> torch.Tensor:
+    """fp8_linear plus LoRA rank rows (models/lora_slots.py, FUSED) inside its one FP8 GEMM:
+        h = x A^T                    a small FP8 GEMM of the base's own e4m3 input against A (e4m3, its own scale)
+        y = [x | h] @ [W | U]^T      U [N, P*E]: the rows' up factors times their strengths, block-diagonal over the
+                                     P parts (part p's outputs see part p's h only)
+    so the up-projection is P*E more terms of the base GEMM's reduction, and no [M, N] side tensor is written.
+    One GEMM has one pair of scales, (s_a, s_w): rank row r's h enters as h / a_r and its U column as
+    U * a_r / (s_a s_w), exact in the product for any a_r. a_r = sqrt(amax|h_r| s_a s_w / amax|U_r|) gives both the
+    same largest magnitude, sqrt(amax|h_r| amax|U_r| / (s_a s_w)), the choice that keeps both farthest from e4m3's
+    ends (448 above, subnormals below). s_a is the base's s_x, unless a row's largest terms outgrow what s_x s_w
+    holds (an adapter that moves the output more than the base makes it): then s_a = c s_x, c the power of two that
+    makes room, and x's e4m3 values are divided by c, exactly but for those c times closer to the subnormals,
+    instead of the adapter's largest terms saturating."""
+    parts, rows, n_in = down_PEK.shape
+    x_MK = quantize_fp8(x.reshape(-1, n_in), input_scale)
+    down_RK = down_PEK.reshape(parts * rows, n_in)
+    down_scale = fp8_scale(down_RK.abs().amax())
+    h_MR = fp8_mm(x_MK, quantize_fp8(down_RK, down_scale), input_scale, down_scale, x.dtype, fast_accum)
+    up_PEN = up_PEN.float() * scales_E[None, :, None]
+    up_NR = torch.block_diag(*up_PEN.transpose(1, 2).unbind(0))
+    h_amax_R, up_amax_R = (t.abs().amax(dim=0).float().clamp_min(MIN_AMAX) for t in (h_MR, up_NR))
+    over = (h_amax_R * up_amax_R / (FP8_MAX ** 2 * input_scale * weight_scale)).amax()
+    c = torch.exp2(torch.ceil(torch.log2(over.clamp_min(1.0))))  # 1 unless a row's terms outgrow the base's
+    scale_a = input_scale * c
+    a_R = (h_amax_R * scale_a * weight_scale / up_amax_R).sqrt()  # per rank row: each its own balance
+    a_MK = torch.cat([(x_MK.float() / c).to(FP8), quantize_fp8(h_MR, a_R)], dim=1)
+    b_NK = torch.cat([weight_NK, quantize_fp8(up_NR, scale_a * weight_scale / a_R)], dim=1)
+    y_MN = fp8_mm(a_MK, b_NK, scale_a, weight_scale, x.dtype, fast_accum)
     return y_MN.view(*x.shape[:-1], weight_NK.shape[0])
 
 

@@ -133,9 +133,9 @@ def cmd_build(args) -> int:
                          fp8_attention=args.fp8_attention, attention=args.attention, vae_precision=args.vae_precision,
                          loras=tuple(args.lora), calib_algo=args.calib_algo, fp8_accum=args.fp8_accum,
                          sparse_attention=args.sparse_attention, sparse_dense_steps=args.sparse_dense_steps,
-                         sparse_min_seq=args.sparse_min_seq, lora_slots=args.lora_slots,
-                         lora_max_rank=args.lora_max_rank, vsa_sparsity=args.vsa_sparsity,
-                         vsa_dense_first_steps=args.vsa_dense_first_steps,
+                         sparse_min_seq=args.sparse_min_seq, sparse_kernel=args.sparse_kernel,
+                         lora_slots=args.lora_slots, lora_max_rank=args.lora_max_rank,
+                         vsa_sparsity=args.vsa_sparsity, vsa_dense_first_steps=args.vsa_dense_first_steps,
                          vsa_dense_layers=tuple(args.vsa_dense_layers) if args.vsa_dense_layers else None,
                          distilled=distilled_spec(args))
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
@@ -145,7 +145,9 @@ def cmd_build(args) -> int:
     print(f"wrote {args.output}: {manifest.backend} {manifest.precision} bundle for {manifest.arch}, "
           f"{len(manifest.files)} files, {manifest.total_bytes / 1e6:.1f} MB; AdaLN "
           f"{'baked' if manifest.adaln.baked else 'kept'}; video decoder {manifest.vae_precision}; "
-          + (f"sparse attention {manifest.sparse.kernel} (default sparsity {manifest.sparse.sparsity:g}); "
+          + (f"sparse attention {manifest.sparse.kernel}"
+             + (f" tile {manifest.sparse.tile}" if manifest.sparse.tile else "")
+             + f" (default sparsity {manifest.sparse.sparsity:g}); "
              if manifest.sparse is not None else "")
           + (f"{manifest.lora_slots.slots} LoRA slot(s) of rank <= {manifest.lora_slots.max_rank}; "
              if manifest.lora_slots is not None else "")

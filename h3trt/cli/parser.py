@@ -347,6 +347,11 @@ def _build_attention_arguments(p) -> None:
                         help="with --sparse-attention: the default of the first N denoise steps kept dense (10)")
     sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
                         help="with --sparse-attention: the default of the shortest attention made sparse (4096)")
+    sparse.add_argument("--sparse-kernel", default="auto", choices=("auto", "fa4", "fp8", "reference", "fp8_emulated"),
+                        help="with --sparse-attention: the block-sparse kernel. auto (default): on a GPU the fastest "
+                             "measured at the bundle's shape of fa4 (FlashAttention-4, bf16) and, with "
+                             "--fp8-attention, fp8 (Triton, FP8 with the layers' scales; its tile timed too); on a "
+                             "CPU fp8_emulated with --fp8-attention, else reference")
     vsa = p.add_argument_group("FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; README, 'VSA')")
     vsa.add_argument("--vsa-sparsity", type=float, metavar="S",
                      help="share of video key tiles each video query tile skips, 0 <= s < 1 (default 0.9, FastH3 "

@@ -6,6 +6,7 @@ file checked against the manifest on the way, by bundle_files.py's BundleVerific
 
 from __future__ import annotations
 
+import functools
 import time
 from pathlib import Path
 from typing import Callable
@@ -15,6 +16,7 @@ import torch.nn.functional as F
 
 # Imported to register h3trt::attention and h3trt::fp8_sdpa, which compiled blocks call by name.
 from ..calibration import fp8_attention  # noqa: F401
+from ..calibration.modules import ATTENTION_SCALES
 from ..models.attention import bound_attention, dense_kernel
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import layer_attention, rope_inv_freq, rope_tables, sdpa_attention
@@ -22,7 +24,8 @@ from ..models.packing import PackedLayout
 from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX, StepHeads
 from ..models.sampler import Schedule
 from ..models.block_stack import run_block_stack
-from ..models.lora_slots import ADALN_TARGET, LoraRun, LoraSlots, lora_delta
+from ..models.lora_slots import ADALN_TARGET, LORA_INPUTS, LoraRun, LoraSlots, gather_rows, lora_delta
+from ..models.sparse_fp8 import FP8_SPARSE_KERNELS
 from ..models.sparse_run import load_sparse_kernel, warm_sparse
 from ..models.vsa_plan import VsaServing, load_vsa_kernel, vsa_call
 from ..parallel.ulysses import RowShard
@@ -48,16 +51,18 @@ class EngineDiT:
     bundle has the halves only: every evaluation runs VSA between them, its gate in the exchange's buffer."""
 
     sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
+    sparse_tile: str | None = None  # the fp8 sparse kernel's tile configuration (the manifest's; None: its default)
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
                  sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None,
                  vsa: VsaServing | None = None, final_heads: StepHeads | None = None):
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
-        bundle that has them beside its fused block); None: none. `lora_slots`: the banks of a bundle built with
-        --lora-slots (allocated at load; adapters are loaded into them), which its block_lora segments take. `vsa`: a
-        FastH3-VSA bundle's settings and kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused
-        head per forward (models/pdd.py), given to the final segment in place of its own for the evaluation's forward."""
+        bundle that has them beside its fused block); None: none. An FP8 one (models/sparse_fp8.py) gets each layer's
+        calibrated q/k/v scales. `lora_slots`: the banks of a bundle built with --lora-slots (allocated at load;
+        adapters are loaded into them), which its block_lora segments take. `vsa`: a FastH3-VSA bundle's settings and
+        kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused head per forward (models/pdd.py),
+        given to the final segment in place of its own for the evaluation's forward."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.vsa = vsa
         self.halves = "block_pre" in entries and "block_post" in entries
@@ -65,6 +70,13 @@ class EngineDiT:
             raise ValueError("a bundle without the block halves serves no sparse attention (its compiled block "
                              "holds its attention): pass sparse_kernel None.")
         self.sparse_kernel = sparse_kernel
+        self.sparse_scales = None  # per layer: (q, k, v) scales, for an FP8 sparse kernel
+        if sparse_kernel in FP8_SPARSE_KERNELS:
+            names = [[f"blocks.{i}.attn.{n}" for n in ATTENTION_SCALES] for i in range(cfg.num_layers)]
+            if any(n not in weights["blocks"] for layer in names for n in layer):
+                raise ValueError(f"the {sparse_kernel} sparse kernel needs every layer's FP8 attention scales "
+                                 "(attn.q_scale, ...): a bundle built with --fp8-attention has them.")
+            self.sparse_scales = [tuple(weights["blocks"][n] for n in layer) for layer in names]
         self.embed_w = [weights["embed"][n] for n in entries["embed"]["weights"]]
         block_segments = tuple(n for n in ("block", "block_pre", "block_post") if n in entries)
         # A quantized bundle may keep some layers in bf16: those run the "block_hp" segment with its own weight names.
@@ -79,6 +91,7 @@ class EngineDiT:
         self.lora_slots = lora_slots
         if lora_slots is not None:  # each layer's twin with adapters, and its banks in the twin's order
             self.lora_segments = [f"{name}_lora" for name in self.layer_segments]
+            _check_lora_twins(entries, set(self.lora_segments))
             self.lora_w = [[weights["blocks"][f"blocks.{i}.{n}"] for n in entries[seg]["weights"]]
                            + lora_slots.segment_inputs(i, entries[seg]["lora"])
                            for i, seg in enumerate(self.lora_segments)]
@@ -151,43 +164,59 @@ class EngineDiT:
         if core is not None:
             raise ValueError("a sparse evaluation runs no adapters: the bundle's halves have no twin with them "
                              "(admission refuses a request with both lora and sparse attention).")
-        if lora.slots_K.numel() > self.lora_slots.num_slots:
-            raise ValueError(f"{lora.slots_K.numel()} adapters in one evaluation; this bundle's block_lora takes at "
-                             f"most {self.lora_slots.num_slots} (--lora-slots).")
+        if len(lora.uses) > self.lora_slots.num_slots:
+            raise ValueError(f"{len(lora.uses)} adapters in one evaluation; this bundle holds at most "
+                             f"{self.lora_slots.num_slots} at once (--lora-slots).")
 
     def _block_lora(self, rows, temb, lora: LoraRun):
-        """Layer i as its compiled twin with adapters: K = N (the slots), the request's own padded with scale 0, which
-        adds exact zeros. An AdaLN adapter is the runner's: its side branch on silu(temb) [T, E] (T rows, eager) added
-        to the table the bundle serves, as the eager AdaLNProj adds it to its projection."""
-        pad = self.lora_slots.num_slots - lora.slots_K.numel()
-        slots_K = torch.cat([lora.slots_K, lora.slots_K.new_zeros(pad)])
-        scales_K = torch.cat([lora.scales_K, lora.scales_K.new_zeros(pad)])
+        """Layer i as its compiled twin with adapters, given the evaluation's rank rows (models/lora_slots.py: the
+        rows of each adapter's own rank, none of an adapter at scale 0). An AdaLN adapter is the runner's: its side
+        branch on silu(temb) [T, E] (T rows, eager) added to the table the bundle serves, as the eager AdaLNProj adds
+        it to its projection."""
         adaln = ADALN_TARGET in self.lora_slots.targets
+        rows_E, scales_E = lora.rows.reshape(-1), lora.row_scales.reshape(-1)
 
         def block_fn(i, x, adaln_index, rope):
             mod = self.adaln.block(i, rows, temb)
             if adaln:
-                down, up = self.lora_slots.by_block[i][ADALN_TARGET]
-                delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, lora.slots_K, lora.scales_K)
+                down, up = (gather_rows(bank, rows_E) for bank in self.lora_slots.by_block[i][ADALN_TARGET])
+                delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, scales_E)
                 mod = mod + delta.to(mod.dtype).view(mod.shape)
-            return self.segments[self.lora_segments[i]](x, mod.contiguous(), adaln_index, *rope, slots_K, scales_K,
-                                                        *self.lora_w[i])[0]
+            return self.segments[self.lora_segments[i]](x, mod.contiguous(), adaln_index, *rope, lora.rows,
+                                                        lora.row_scales, *self.lora_w[i])[0]
 
         return block_fn
 
     def _sharded_block(self, rows, temb, exchange, core=None):
         """Layer i on this rank's rows: pre half (compiled), exchange + attention (eager), post half (compiled).
-        `core`: a sparse evaluation's attention (bf16 block-sparse, in place of the bundle's, FP8 included); in one
-        process `exchange` is `one_rank_exchange` and `core` is always given."""
+        `core`: a sparse evaluation's attention (block-sparse in place of the bundle's: bf16, or FP8 with the
+        layer's scales where the kernel is FP8); in one process `exchange` is `one_rank_exchange` and `core` is always
+        given."""
         pre, post = self.segments["block_pre"], self.segments["block_post"]
 
         def block_fn(i, x, adaln_index, rope):
             mod = self.adaln.block(i, rows, temb).contiguous()
             (qkv,) = pre(x, mod, adaln_index, *rope, *self.block_w["block_pre"][i])
-            attn = exchange(qkv, layer_attention(core, i) if core is not None else self.sharded_attention[i])
+            if core is None:
+                attention = self.sharded_attention[i]
+            elif self.sparse_scales is not None:  # FP8 block-sparse: this layer's calibrated scales
+                attention = functools.partial(layer_attention(core, i), scales=self.sparse_scales[i])
+            else:
+                attention = layer_attention(core, i)
+            attn = exchange(qkv, attention)
             return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
 
         return block_fn
+
+
+def _check_lora_twins(entries: dict, names: set[str]) -> None:
+    """A bundle's twins with adapters take the evaluation's rank rows (build/segments.py LORA_INPUTS); one built by an
+    earlier h3trt took a slot list and is refused, naming the rebuild."""
+    for name in sorted(names):
+        if tuple(entries[name]["inputs"][-len(LORA_INPUTS):]) != LORA_INPUTS:
+            raise BundleError(f"this bundle's {name} segment takes {entries[name]['inputs'][-2:]}, the adapter "
+                              f"inputs of an earlier h3trt (this one passes {list(LORA_INPUTS)}); rebuild it with "
+                              "this h3trt's h3trt build ... --lora-slots N --lora-max-rank R.")
 
 
 def one_rank_exchange(qkv_send: torch.Tensor, attention) -> torch.Tensor:
@@ -328,6 +357,7 @@ def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegmen
                     quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel,
                     lora_slots, vsa, _final_heads(manifest, weights["final"], device))
     dit.sparse_problem = sparse_problem
+    dit.sparse_tile = manifest.sparse.tile if manifest.sparse is not None else None
     return dit
 
 
@@ -373,20 +403,21 @@ NO_SPARSE_HALVES = ("this bundle serves no block-sparse attention: it was built 
 def bundle_sparse_kernel(root: Path, manifest: Manifest, device: torch.device) -> tuple[str | None, str | None]:
     """(kernel, problem) of the block-sparse attention a bundle serves, compiled now so that no request compiles it:
       - built with --sparse-attention: the kernel its manifest records (checked before anything loaded), warmed with
-        its router (warm_sparse) at one rank's heads in the bundle's dtype; a kernel that does not compile here refuses the load, as a bundle
-        whose attention kernel cannot run does (it was built to serve it, and its requests default to it);
-      - sp > 1 without it: the device's default kernel, as the eager Ulysses runner picks it (a failure leaves the
-        engine dense-only, with why);
+        its router (warm_sparse) at one rank's heads in the bundle's dtype; a kernel that does not compile here
+        refuses the load, as a bundle whose attention kernel cannot run does (it was built to serve it, and its
+        requests default to it);
+      - sp > 1 without it: fa4 where it loads (never flex, which a request may compile again), warmed as above (a
+        failure, or no fa4, leaves the engine dense-only, with why);
       - sp=1 without it: none, and why (its compiled block holds its attention)."""
     cfg, sp = manifest.model_config, manifest.mesh.sp
     record = manifest.sparse
     if record is None:
         if sp > 1:
-            return load_sparse_kernel(device, cfg.num_heads // sp, cfg.head_dim, torch.bfloat16)
+            return load_sparse_kernel(device, cfg.num_heads // sp, cfg.head_dim, torch.bfloat16, kernels=("fa4",))
         return None, NO_SPARSE_HALVES
     try:
         warm_sparse(record.kernel, device, cfg.num_heads // sp, cfg.head_dim, manifest.precision.spec.dtype,
-                    record.block)
+                    record.block, record.tile)
     except Exception as e:  # noqa: BLE001 - any failure of a kernel the bundle was built to serve refuses it
         first = str(e).splitlines()[0] if str(e) else ""
         raise BundleError(f"{root}: this bundle serves the {record.kernel} block-sparse attention kernel (h3trt build "

@@ -12,7 +12,8 @@ from ..models.attention import check_attention_record
 from ..models.sparse_kernels import check_sparse_kernel
 from ..models.vsa_kernels import vsa_kernel_problem
 from .bundle_files import mismatch, structure_problems
-from .manifest import BundleError, Manifest, device_arch
+from .environment import device_arch
+from .manifest import BundleError, Manifest
 
 
 def check_load(root: Path, manifest: Manifest, device: torch.device, mesh=None) -> None:

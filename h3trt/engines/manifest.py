@@ -16,12 +16,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import platform
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-
-import torch
 
 from ..errors import UserError
 from ..models.checkpoint import TASKS
@@ -94,8 +91,8 @@ class VideoDecoderRecord:
 @dataclass(frozen=True)
 class SparseRecord:
     """A bundle built with --sparse-attention: its requests' default block-sparse settings (models/sparse_plan.py; a
-    request's own value wins, sparsity 0 is dense) and the kernel it serves, chosen and compiled on the build device
-    and compiled again by every load, never by a request."""
+    request's own value wins, sparsity 0 is dense) and the kernel it serves, chosen (build/sparse_choice.py: what
+    --sparse-kernel asked, each candidate's ms, those left out and why) and compiled at build and by every load."""
 
     sparsity: float  # the default fraction of key blocks skipped (0: dense unless a request asks)
     dense_steps: int  # the default leading evaluations kept dense
@@ -104,6 +101,10 @@ class SparseRecord:
     block: int  # the routing block's rows the kernel runs at
     segments: str = ("block_pre + block_post around the sparse attention (sp=1: beside the fused block, which dense "
                      "evaluations keep), reading the block's weights")
+    tile: str | None = None  # the fp8 kernel's tile configuration (models/sparse_fp8_triton.py); else None
+    requested: str = "auto"
+    measured_ms: dict = field(default_factory=dict)
+    unavailable: dict = field(default_factory=dict)
 
     def settings(self) -> SparseSettings:
         return SparseSettings(self.sparsity, self.dense_steps, self.min_seq)
@@ -265,7 +266,9 @@ def _sparse_record(top: "_Fields") -> SparseRecord | None:
     sparse = top.sub("sparse")
     record = SparseRecord(sparse.get("sparsity", float), sparse.get("dense_steps", int), sparse.positive("min_seq"),
                           sparse.choice("kernel", SPARSE_KERNELS), sparse.positive("block"),
-                          sparse.get("segments", str, optional=True) or SparseRecord.segments)
+                          sparse.get("segments", str, optional=True) or SparseRecord.segments,
+                          sparse.get("tile", str, optional=True), sparse.get("requested", str, optional=True) or "auto",
+                          *(sparse.get(k, dict, optional=True) or {} for k in ("measured_ms", "unavailable")))
     if not 0.0 <= record.sparsity < 1.0 or record.dense_steps < 0:
         raise sparse.error("sparsity", "a fraction in [0, 1) with dense_steps >= 0")
     return record
@@ -369,23 +372,6 @@ def hash_tree(root: Path, chunk_bytes: int = HASH_CHUNK_BYTES) -> dict[str, dict
             for p, d in zip(paths, digests)}
 
 
-def device_arch(device: torch.device) -> str:
-    """What compiled code is specific to: the CUDA compute capability, or the CPU architecture."""
-    if device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return f"sm_{major}{minor}"
-    return f"cpu-{platform.machine()}"
-
-
-def runtime_versions() -> dict:
-    try:
-        import triton
-
-        triton_version = triton.__version__
-    except ImportError:
-        triton_version = None
-    return {"torch": torch.__version__, "cuda": torch.version.cuda, "triton": triton_version,
-            "python": platform.python_version()}
 
 
 def content_sha256(data: dict) -> str:

@@ -24,6 +24,7 @@ import json
 import math
 import re
 import sys
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +107,13 @@ def read_lora(path: str | Path, head_dim: int = 128) -> LoraFile:
     """Read and normalise one LoRA file. `head_dim` de-interleaves DiffSynth QKV (every released partition: 128)."""
     path = Path(path)
     state, file_meta = _read_tensors(path)
+    return lora_from_tensors(path, state, file_meta, sha256_of(path), head_dim)
+
+
+def lora_from_tensors(path: Path, state: dict[str, torch.Tensor], file_meta: dict[str, str], sha256: str,
+                      head_dim: int = 128) -> LoraFile:
+    """Steps 2-4 of `read_lora` over a file's tensors (on any device) and `__metadata__` read already, with its
+    sha256 (models/lora_stream.py reads, hashes and copies a file in one pass)."""
     adapter_meta = _refuse_unmergeable(state, file_meta, path)
     has_alpha_tensors = any(k.endswith(".alpha") for k in state)  # read before the fold drops them
     layout, state = _diffusers_names(state, head_dim, path)
@@ -114,26 +122,42 @@ def read_lora(path: str | Path, head_dim: int = 128) -> LoraFile:
     out = {prefix: _scaled_modules(prefix, modules, adapter_meta, network_alpha, path)
            for prefix, modules in components.items()}
     given = adapter_meta is not None or network_alpha is not None or has_alpha_tensors
-    return LoraFile(path, sha256_of(path), layout, alpha_rule, out, given)
+    return LoraFile(path, sha256, layout, alpha_rule, out, given)
 
 
 def _read_tensors(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Step 1: the file's tensors and its `__metadata__` (less safetensors' own `format` entry)."""
+    with opened_safetensors(path) as f:
+        state = {k: f.get_tensor(k) for k in f.keys()}
+        file_meta = file_metadata(f, path)
+    return state, file_meta
+
+
+@contextmanager
+def opened_safetensors(path: Path):
+    """safetensors' `safe_open` of a LoRA file (its header checked against the file's size), every failure one
+    LoraError."""
     from safetensors import safe_open
 
     if not path.is_file():
         raise LoraError(f"--lora {path} does not exist; pass a LoRA .safetensors file.")
     try:
         with safe_open(str(path), framework="pt", device="cpu") as f:
-            state = {k: f.get_tensor(k) for k in f.keys()}
-            file_meta = dict(f.metadata() or {})
+            yield f
+    except LoraError:
+        raise
     except Exception as e:  # safetensors raises its own error types for bad headers
         raise LoraError(f"--lora {path} is not a readable safetensors file ({e}). h3trt reads LoRAs from "
                         ".safetensors only (no pickle).") from None
-    file_meta.pop("format", None)
-    if not state:
+
+
+def file_metadata(f, path: Path) -> dict[str, str]:
+    """An opened file's `__metadata__` (less safetensors' own `format` entry); refuses a file without tensors."""
+    if not list(f.keys()):
         raise LoraError(f"--lora {path} holds no tensors.")
-    return state, file_meta
+    file_meta = dict(f.metadata() or {})
+    file_meta.pop("format", None)
+    return file_meta
 
 
 def _refuse_unmergeable(state: dict[str, torch.Tensor], file_meta: dict[str, str], path: Path) -> dict | None:

@@ -3,7 +3,7 @@
 are checked here before anything loads, in one line naming the largest value that fits. Without it, 100000 x 100000
 slots were a 7.68 TB allocation: a build's traceback, a server's group failing and restarting for good.
 
-Every adapted linear of every block holds N x parts x R x in values (the down factors) and N x out x R (the up
+Every adapted linear of every block holds N x parts x R x in values (the down factors) and N x R x out (the up
 factors): the bytes grow as N x R. The slots alone must fit in the memory of the device that holds them (a GPU's, or
 the host's on the CPU); the model's weights need room too, which this bound does not promise.
 """

@@ -6,27 +6,43 @@ Each targeted linear of the block stack computes
                                                               adapters, each in its slot)
 
 when the evaluation carries adapters, and exactly `base(x)` (the same ops, no side branch traced or run) when it
-carries none: `H3DiT.forward(..., lora=None)`. The base weights are untouched (bf16, or FP8 / NVFP4 with their scales:
-the side branch only calls the base module); the side branch runs in the slots' dtype (bf16 on the GPU, fp32 in the
-CPU tests).
+carries none: `H3DiT.forward(..., lora=None)`. The base weights are untouched (bf16, or FP8 / NVFP4 with their scales);
+the factors are held in the slots' dtype (bf16 on the GPU, fp32 in the CPU tests).
 
 The factors are DATA, never code. Every targeted linear owns a bank of fixed shape, N slots of max rank R:
-    down [N, P, R, in], up [N, P, O, R]   (P parts of O rows each: the fused QKV is P = 3, one part per q / k / v
+    down [N, P, R, in], up [N, P, R, O]   (P parts of O rows each: the fused QKV is P = 3, one part per q / k / v
                                            LoRA module, as `lora.native_target` slices its rows; every other P = 1)
-An adapter of rank r <= R fills rows [:r] of its slot and leaves the rest zero, which adds exact zeros; peft's
-per-module scaling (alpha / rank, `lora.read_lora`) is folded into up at load, and fc1's [value; gate] halves are
-swapped to the native [gate; value] there. Loading is copying into those tensors; the evaluation's choice is two
-small tensors, slots [K] (int64) and scales [K] (fp32), so neither loading nor switching adapters recompiles.
+An adapter of rank r <= R fills rank rows [:r] of its slot; peft's per-module scaling (alpha / rank, `lora.read_lora`)
+is folded into up at load, and fc1's [value; gate] halves are swapped to the native [gate; value] there. Loading is
+copying into those tensors (`LoraSlots.read` streams a file onto the banks' device: models/lora_stream.py).
+
+An evaluation's choice is its RANK ROWS, two small tensors: rows [G, 16] (int64, e = slot * R + j: row j of a slot)
+and their scales [G, 16] (fp32, the row's adapter strength). `select` lists, for each adapter at a nonzero scale, the
+rows of its own rank (`SlotRecord.rank`) and nothing of the slot's padding; an adapter at scale 0 is left out (it adds
+nothing), and an evaluation whose every adapter is at scale 0 carries none (`select` gives None: the base, bit for
+bit). The list is padded to whole groups of ROW_GROUP rows, at least MIN_ROW_GROUPS of them, with its first row at
+scale 0 (an exact zero, and the FP8 layout's ranges unchanged): the arithmetic depends on the adapters alone, never
+on how many slots there are or their max rank, so every front door (`run --adapter`'s slots fitted to its files,
+`serve --lora-dir`'s of rank 64) computes the same bytes. G varies with the adapter set; it is a dynamic dimension of
+the compiled segment, so neither loading nor switching adapters recompiles.
+
+How a linear adds its rows (`LAYOUTS`; `FUSED` is the default, `DELTA` the reference and the old arithmetic):
+  - FUSED, a bf16 (or fp32) linear and NVFP4's dequantized weight: the rows merged into the weight for this call,
+    W + sum_e s_e * B_e^T A_e (one batched GEMM over the weight, whose cost does not grow with the rows of x), then
+    one GEMM; no [rows, out] side tensor is written and read back.
+  - FUSED, an FP8 linear (calibration/formats.py fp8_lora_linear): A's rows computed from the base's own e4m3
+    input, then ONE FP8 GEMM over [x | h] and [W | B^T]: the up-projection rides in the base GEMM's reduction.
+  - DELTA: base(x) + (x A^T * s) B^T, two GEMMs beside the base and an [rows, out] tensor added to its output.
+The AdaLN projection's rows run as DELTA always: it sees T rows (distinct timesteps), not the sequence.
 
 Compiled segments: a bundle's block with adapters is a second segment beside the plain one,
-    block_lora(x, mod, adaln_index, cos, sin, lora_slots, lora_scales, *W, *LoRA) -> x
-whose function builds `BlockLora.from_inputs(LoRA names -> tensors, lora_slots, lora_scales)` and calls the block with
-it; `LoraSlots.block_inputs(i)` names layer i's bank tensors. The runner picks in Python, before the compiled call:
-the plain `block` segment for an evaluation without adapters (bit for bit the bundle built without slots), `block_lora`
-otherwise. K, the number of adapters per evaluation, is a shape of that segment (compile it for K = 1, or pad with
-scale 0). tests/test_lora_slots.py::test_a_compiled_block_does_not_recompile_when_the_adapter_changes shows it.
+    block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *W, *LoRA) -> x
+whose function builds `BlockLora.from_inputs(LoRA names -> tensors, lora_rows, lora_row_scales)` and calls the block
+with it; `LoraSlots.block_inputs(i)` names layer i's bank tensors. The runner picks in Python, before the compiled
+call: the plain `block` segment for an evaluation without adapters (bit for bit the bundle built without slots),
+`block_lora` otherwise.
 
-Mixed batches: NOT carried. One evaluation holds one adapter set for all its batch rows (slots and scales have no
+Mixed batches: NOT carried. One evaluation holds one adapter set for all its batch rows (rows and scales have no
 batch dimension, and neither has the modulation table that adaln_proj's adapters change); the caller splits batches by
 adapter set (and strength).
 
@@ -42,10 +58,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from .config import H3Config
 from .lora import native_target, route
-from .lora_file import LoraError, LoraFile, LoraModule, pruned_message, read_lora
+from .lora_file import LoraError, LoraFile, LoraModule, pruned_message
 
 # The main block's linears a slot may adapt, named from the block (as `dit.project` names them).
 BLOCK_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")
@@ -69,38 +86,95 @@ def target_shape(cfg: H3Config, local: str) -> tuple[int, int, int]:
     return shapes[local]
 
 
-def lora_delta(x: torch.Tensor, down_NPRI: torch.Tensor, up_NPOR: torch.Tensor, slots_K: torch.Tensor,
-               scales_K: torch.Tensor) -> torch.Tensor:
-    """The side branch sum_k scale_k * (x @ A_k^T) @ B_k^T for x [..., I] over the K selected slots: [..., P * O]
-    in the banks' dtype. Every factor is a tensor input: its values change, its code does not."""
-    down_KPRI = down_NPRI.index_select(0, slots_K)
-    up_KPOR = up_NPOR.index_select(0, slots_K)
-    h = torch.einsum("...i,kpri->...kpr", x.to(down_KPRI.dtype), down_KPRI)
-    h = h * scales_K.to(h.dtype)[:, None, None]  # the strength on the rank-r activations, the smallest tensor
-    return torch.einsum("...kpr,kpor->...po", h, up_KPOR).flatten(-2)
+ROW_GROUP = 16  # rank rows go in groups of 16: an FP8 GEMM's reduction (in + rows) must stay a multiple of 16
+MIN_ROW_GROUPS = 2  # a compiled segment's dynamic dimensions start at 2 (build/backends.py export_segment)
+FUSED, DELTA = "fused", "delta"
+LAYOUTS = (FUSED, DELTA)
+
+
+def row_groups(rows: list[int], scales: list[float], device: torch.device,
+               groups: int = MIN_ROW_GROUPS) -> tuple[torch.Tensor, torch.Tensor]:
+    """An evaluation's rank rows and their scales as [G, ROW_GROUP] tensors on `device`: padded to whole groups, at
+    least `groups`, with the first row at scale 0 (an exact zero, on a row already listed)."""
+    pad = max(groups * ROW_GROUP, -(-len(rows) // ROW_GROUP) * ROW_GROUP) - len(rows)
+    rows_GR = torch.tensor(rows + rows[:1] * pad, dtype=torch.int64).view(-1, ROW_GROUP)
+    scales_GR = torch.tensor(scales + [0.0] * pad, dtype=torch.float32).view(-1, ROW_GROUP)
+    return rows_GR.to(device), scales_GR.to(device)
+
+
+def gather_rows(bank_NPRC: torch.Tensor, rows_E: torch.Tensor) -> torch.Tensor:
+    """The evaluation's rank rows of one bank (down [N, P, R, in] or up [N, P, R, out]): [P, E, C], row e of part p
+    being bank[e // R, p, e % R]."""
+    slots, parts, rank, width = bank_NPRC.shape
+    part_P1 = torch.arange(parts, device=rows_E.device)[:, None]
+    index_PE = ((rows_E // rank)[None, :] * parts + part_P1) * rank + (rows_E % rank)[None, :]
+    return bank_NPRC.reshape(slots * parts * rank, width).index_select(0, index_PE.reshape(-1)).view(parts, -1, width)
+
+
+def lora_delta(x: torch.Tensor, down_PEI: torch.Tensor, up_PEO: torch.Tensor, scales_E: torch.Tensor) -> torch.Tensor:
+    """The side branch sum_e scale_e * (x @ A_e^T) B_e for x [..., I] over the rank rows: [..., P * O] in the
+    factors' dtype (the DELTA layout, and the reference every layout is checked against)."""
+    h = torch.einsum("...i,pei->...pe", x.to(down_PEI.dtype), down_PEI)
+    h = h * scales_E.to(h.dtype)  # the strength on the rank-r activations, the smallest tensor
+    return torch.einsum("...pe,peo->...po", h, up_PEO).flatten(-2)
+
+
+def merged_weight(weight_OI: torch.Tensor, down_PEI: torch.Tensor, up_PEO: torch.Tensor,
+                  scales_E: torch.Tensor) -> torch.Tensor:
+    """W + sum_e scale_e * B_e^T A_e per part, in W's dtype, rounded once (the GEMM adds W in fp32): the weight a
+    FUSED linear computes with for this call (the rows' strengths go on up, in fp32, before it is rounded)."""
+    parts, _, n_in = down_PEI.shape
+    up_PEO = (up_PEO.float() * scales_E[None, :, None]).to(weight_OI.dtype)
+    merged = torch.baddbmm(weight_OI.reshape(parts, -1, n_in), up_PEO.transpose(1, 2), down_PEI.to(weight_OI.dtype))
+    return merged.reshape(weight_OI.shape)
+
+
+def adapted_linear(linear: torch.nn.Module, x: torch.Tensor, down_PEI: torch.Tensor, up_PEO: torch.Tensor,
+                   scales_E: torch.Tensor) -> torch.Tensor:
+    """`linear(x)` with the rank rows, FUSED: a plain nn.Linear computes with the merged weight; a quantized linear
+    (calibration/modules.py) brings its own `with_lora` (FP8: the rows in its GEMM; NVFP4: merged into its
+    dequantized weight)."""
+    if type(linear) is torch.nn.Linear:
+        return F.linear(x, merged_weight(linear.weight, down_PEI, up_PEO, scales_E), linear.bias)
+    with_lora = getattr(linear, "with_lora", None)
+    if with_lora is None:
+        raise TypeError(f"{type(linear).__name__} has no fused LoRA arithmetic (with_lora); adapt an nn.Linear or "
+                        "one of calibration/modules.py's quantized linears.")
+    return with_lora(x, down_PEI, up_PEO, scales_E)
 
 
 @dataclass
 class BlockLora:
-    """One main block's side branches in one evaluation (dit.BlockAdapters): its banks by local linear name, and the
-    evaluation's slots [K] and scales [K]. A plain container of tensors, so a compiled segment builds it from inputs."""
+    """One main block's side branches in one evaluation (dit.BlockAdapters): its banks by local linear name, the
+    evaluation's rank rows [E] and their scales [E], and the layout that adds them. A plain container of tensors, so
+    a compiled segment builds it from inputs."""
 
-    banks: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "attn.qkv_proj" -> (down [N, P, R, I], up [N, P, O, R])
-    slots_K: torch.Tensor
-    scales_K: torch.Tensor
+    banks: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "attn.qkv_proj" -> (down [N, P, R, I], up [N, P, R, O])
+    rows_E: torch.Tensor
+    scales_E: torch.Tensor
+    layout: str = FUSED
+
+    def __post_init__(self):
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"LoRA layout {self.layout!r}: pick one of {LAYOUTS}.")
 
     @classmethod
-    def from_inputs(cls, inputs: dict[str, torch.Tensor], slots_K: torch.Tensor, scales_K: torch.Tensor) -> "BlockLora":
-        """From `LoraSlots.block_inputs` names ("attn.qkv_proj.lora_down", "...lora_up") -> tensors."""
+    def from_inputs(cls, inputs: dict[str, torch.Tensor], rows: torch.Tensor, scales: torch.Tensor,
+                    layout: str = FUSED) -> "BlockLora":
+        """From `LoraSlots.block_inputs` names ("attn.qkv_proj.lora_down", "...lora_up") -> tensors, and a segment's
+        lora_rows / lora_row_scales [G, ROW_GROUP]."""
         locals_ = sorted({n.rsplit(".", 1)[0] for n in inputs})
-        return cls({n: (inputs[f"{n}.lora_down"], inputs[f"{n}.lora_up"]) for n in locals_}, slots_K, scales_K)
+        return cls({n: (inputs[f"{n}.lora_down"], inputs[f"{n}.lora_up"]) for n in locals_}, rows.reshape(-1),
+                   scales.reshape(-1), layout)
 
     def __call__(self, name: str, linear: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-        y = linear(x)
         if name not in self.banks:
-            return y
-        down, up = self.banks[name]
-        return y + lora_delta(x, down, up, self.slots_K, self.scales_K).to(y.dtype)
+            return linear(x)
+        down_PEI, up_PEO = (gather_rows(bank, self.rows_E) for bank in self.banks[name])
+        if self.layout == DELTA or name == ADALN_TARGET:
+            y = linear(x)
+            return y + lora_delta(x, down_PEI, up_PEO, self.scales_E).to(y.dtype)
+        return adapted_linear(linear, x, down_PEI, up_PEO, self.scales_E)
 
 
 @dataclass
@@ -108,11 +182,12 @@ class LoraRun:
     """The adapters one DiT evaluation carries (dit.DiTAdapters), from `LoraSlots.select`."""
 
     blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: "mlp.fc1" -> (down, up)
-    slots_K: torch.Tensor
-    scales_K: torch.Tensor
+    rows: torch.Tensor  # [G, ROW_GROUP] int64: the rank rows (module doc)
+    row_scales: torch.Tensor  # [G, ROW_GROUP] fp32
+    uses: tuple[tuple[int, float], ...]  # every (slot, scale) asked, those at scale 0 (not in the rows) included
 
-    def block(self, i: int) -> BlockLora:
-        return BlockLora(self.blocks[i], self.slots_K, self.scales_K)
+    def block(self, i: int, layout: str = FUSED) -> BlockLora:
+        return BlockLora(self.blocks[i], self.rows.reshape(-1), self.row_scales.reshape(-1), layout)
 
 
 @dataclass(frozen=True)
@@ -138,6 +213,8 @@ class _Write:
     part: int
     down: torch.Tensor
     up: torch.Tensor
+    where: str  # the module, as a refusal names it
+    finite: torch.Tensor  # 0-d bool on the factors' device: checked for every module at once (one device sync)
 
 
 class LoraSlots:
@@ -145,6 +222,8 @@ class LoraSlots:
     routed as `lora.route` routes a merge). Base weights are not held here: the DiT runs with `lora=slots.select(..)`.
 
     Memory: every bank holds N x R x (in + out) values per targeted linear of every block."""
+
+    _staging = None  # lora_stream.Staging: the pinned buffers a file is streamed through (made at the first read)
 
     def __init__(self, cfg: H3Config, task: str, num_slots: int, max_rank: int, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device = "cpu", targets: tuple[str, ...] = BLOCK_TARGETS):
@@ -159,7 +238,7 @@ class LoraSlots:
                 n_in, n_out, parts = target_shape(cfg, local)
                 self.banks[f"blocks.{i}.{local}"] = (
                     torch.zeros(num_slots, parts, max_rank, n_in, dtype=dtype, device=device),
-                    torch.zeros(num_slots, parts, n_out // parts, max_rank, dtype=dtype, device=device))
+                    torch.zeros(num_slots, parts, max_rank, n_out // parts, dtype=dtype, device=device))
         self.by_block = [{local: self.banks[f"blocks.{i}.{local}"] for local in self.targets}
                          for i in range(cfg.num_layers)]
         self.records: dict[int, SlotRecord] = {}  # slot -> what it holds; a slot not here is empty (all zeros)
@@ -169,21 +248,38 @@ class LoraSlots:
             raise LoraError(f"LoRA slot {slot!r} does not exist: there are {self.num_slots} slot(s), 0 to "
                             f"{self.num_slots - 1}; pick one of those, or create the slots with more of them.")
 
+    @property
+    def device(self) -> torch.device:
+        return next(iter(self.banks.values()))[0].device
+
+    def read(self, path: str | Path) -> LoraFile:
+        """The LoRA file at `path` read once, hashed as it is read, onto the banks' device (models/lora_stream.py):
+        every layout, alpha rule and refusal of `lora_file.read_lora`, without its second pass over the file."""
+        from .lora_stream import Staging, read_lora_to
+
+        if self._staging is None:
+            self._staging = Staging(self.device)
+        return read_lora_to(path, self.device, self.cfg.head_dim, self._staging)
+
     def load(self, slot: int, path: str | Path | LoraFile) -> SlotRecord:
-        """Read the LoRA file at `path` (every layout `lora.read_lora` reads, its alpha rules and refusals; or a file
-        read already) into `slot`, replacing what it held. Everything is checked before the slot is written: a
-        refused file leaves the slot as it was."""
+        """Read the LoRA file at `path` (`read`; or a file read already) into `slot`, replacing what it held.
+        Everything is checked before the slot is written (finiteness on the factors' device, for every module at
+        once): a refused file leaves the slot as it was."""
         self._check_slot(slot)
-        lora = path if isinstance(path, LoraFile) else read_lora(path, self.cfg.head_dim)
+        lora = path if isinstance(path, LoraFile) else self.read(path)
         path = lora.path
         prefix, modules = route(lora, self.task)
         writes = [self._plan(lora, prefix, module, factors) for module, factors in modules.items()]
+        finite = torch.stack([w.finite for w in writes]).tolist()  # on the factors' device: one sync
+        if not all(finite):
+            raise LoraError(f"{writes[finite.index(False)].where} holds non-finite values (NaN or inf); the file is "
+                            "damaged: retrain or re-export it.")
         self._clear(slot)
         for w in writes:
             down, up = self.banks[w.bank]
             r = w.down.shape[0]
-            down[slot, w.part, :r] = w.down.to(down.dtype)
-            up[slot, w.part, :, :r] = w.up.to(up.dtype)
+            down[slot, w.part, :r] = w.down
+            up[slot, w.part, :r] = w.up.t()
         record = SlotRecord(Path(path).name, str(path), lora.sha256, lora.layout, lora.alpha_rule, prefix,
                             max(w.down.shape[0] for w in writes), tuple(sorted({w.bank for w in writes})),
                             sum(f.down.nbytes + f.up.nbytes for f in modules.values()))
@@ -231,17 +327,16 @@ class LoraSlots:
             raise LoraError(f"{where} has rank {rank}, over the slots' max rank {self.max_rank}; create the slots with "
                             f"max rank >= {rank} (a model's: h3trt serve --lora-max-rank; a bundle's: h3trt build "
                             "--lora-max-rank), or merge this LoRA.")
-        if not (torch.isfinite(down).all() and torch.isfinite(up).all()):
-            raise LoraError(f"{where} holds non-finite values (NaN or inf); the file is damaged: retrain or re-export "
-                            "it.")
+        finite = torch.isfinite(down).all() & torch.isfinite(up).all()
         up = up.float() * factors.scaling
         if swap:  # diffusers [value; gate] -> native [gate; value]
             up = torch.cat(up.chunk(2, dim=0)[::-1])
-        return _Write(bank, part, down.float(), up)
+        return _Write(bank, part, down, up, where, finite)
 
     def select(self, uses: list[tuple[int, float]] | tuple[tuple[int, float], ...]) -> LoraRun | None:
-        """The adapters of one evaluation, (slot, scale) each, the same for every batch row; None for none, which
-        runs the base model exactly (`H3DiT.forward(..., lora=None)`)."""
+        """The adapters of one evaluation, (slot, scale) each, the same for every batch row, as rank rows (module
+        doc); None for none, or for adapters all at scale 0, which runs the base model exactly
+        (`H3DiT.forward(..., lora=None)`)."""
         if not uses:
             return None
         for slot, scale in uses:
@@ -252,10 +347,16 @@ class LoraSlots:
             if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale):
                 raise LoraError(f"LoRA scale {scale!r} for slot {slot} is not a finite number; pass one (1.0: as "
                                 "trained, 0: off).")
-        device = next(iter(self.banks.values()))[0].device
-        slots = torch.tensor([s for s, _ in uses], dtype=torch.int64, device=device)
-        scales = torch.tensor([float(s) for _, s in uses], dtype=torch.float32, device=device)
-        return LoraRun(self.by_block, slots, scales)
+        rows, scales = [], []
+        for slot, scale in uses:
+            if scale != 0:  # an adapter at scale 0 adds nothing: its rows are not computed
+                rank = self.records[slot].rank
+                rows += range(slot * self.max_rank, slot * self.max_rank + rank)
+                scales += [float(scale)] * rank
+        if not rows:
+            return None
+        return LoraRun(self.by_block, *row_groups(rows, scales, self.device),
+                       tuple((slot, float(scale)) for slot, scale in uses))
 
     def segment_inputs(self, i: int, names: list[str]) -> list[torch.Tensor]:
         """Layer i's bank tensors in the order a compiled segment lists them (`segment_lora_names`)."""
@@ -269,6 +370,10 @@ class LoraSlots:
         for local, (down, up) in self.by_block[i].items():
             out[f"{local}.lora_down"], out[f"{local}.lora_up"] = down, up
         return out
+
+
+# A compiled block_lora's inputs after its plain block's: the evaluation's rank rows and their scales [G, ROW_GROUP].
+LORA_INPUTS = ("lora_rows", "lora_row_scales")
 
 
 def segment_lora_names(targets: tuple[str, ...]) -> list[str]:

@@ -12,7 +12,11 @@ by name. Kernels, chosen once and recorded, never swapped behind the user's back
              blocks as BlockSparseTensorsTorch *full* blocks (mask_block_cnt zero: with only the mask_block pair it
              fails in sparse_physical_n_block_forward), indices ascending. 128-row blocks through the public
              flash_attn_func (the SM90 tile); 64-row blocks through the private _flash_attn_fwd(tile_mn=(64, 64)).
-Every kernel compiles (CuTe JIT, Inductor) in `warm_sparse_kernel`, at load, never at a request.
+  fp8, fp8_emulated  FP8 block-sparse attention with a layer's calibrated q/k/v scales (models/sparse_fp8.py): not
+             this op's (it takes no scales); a bundle built with --fp8-attention serves them between its halves.
+Every kernel compiles (CuTe JIT, Inductor, Triton) in `warm_sparse_kernel`, at load, never at a request. A bundle
+never serves flex (build/sparse_choice.py): its Inductor kernel compiled again at a request on the H100 although the
+load had warmed it, which a bundle's no-compile guard refuses.
 
 Shape legend: B batch, S rows, N heads, D head dim, G query blocks, K key blocks, T kept key blocks per query block.
 """
@@ -23,24 +27,29 @@ import functools
 import importlib
 
 import torch
-import torch.nn.functional as F
 
 from ..errors import UserError
 from .attention import KernelNeeds
 from .sparse_attention import SUBBLOCK_BLOCK
+from .sparse_fp8 import FP8_SPARSE_KERNELS, fp8_sparse_attention, unit_scales
+from .sparse_reference import kept_block_mask, reference_sparse_attention
 
 FA4_MODULE = "flash_attn.cute.interface"  # flash-attn-4's CuTe DSL interface (flash_attn_func, _flash_attn_fwd)
 FA4_FIX = ("pip install 'h3trt[fa4]' (flash-attn-4 4.0.0b36 with nvidia-cutlass-dsl 4.8.1: FlashAttention-4's "
            "block-sparse forward)")
-SPARSE_KERNELS = ("reference", "flex", "fa4")
+TRITON_FIX = "pip install triton (torch's CUDA wheels depend on it; the GPU image carries 3.6)"
+SPARSE_KERNELS = ("reference", "flex", "fa4", *FP8_SPARSE_KERNELS)
 SPARSE_KERNEL_NEEDS: dict[str, KernelNeeds] = {
     "reference": KernelNeeds(cuda=False),
     "flex": KernelNeeds(cuda=True, min_sm=80),
     "fa4": KernelNeeds(cuda=True, min_sm=90, module=FA4_MODULE, fix=FA4_FIX),
+    # FP8 wgmma (Hopper); Triton's FP8 dot also runs on newer GPUs
+    "fp8": KernelNeeds(cuda=True, min_sm=90, module="triton", fix=TRITON_FIX),
+    "fp8_emulated": KernelNeeds(cuda=False),
 }
+BF16_SPARSE_KERNELS = tuple(k for k in SPARSE_KERNELS if k not in FP8_SPARSE_KERNELS)  # this op's
 FLEX_BLOCK = 128  # flex's block must be a multiple of this on CUDA
 FA4_BLOCKS = (64, 128)  # the tiles FA4's SM90 block-sparse forward runs (tile_mn)
-REFERENCE_MASK_BYTES = 256 * 2**20  # the reference's row mask, built this many bytes of query rows at a time
 
 
 def sparse_kernel_problem(kernel: str, device) -> str | None:
@@ -76,9 +85,10 @@ def check_sparse_kernel(kernel: str, device) -> None:
         raise UserError(problem)
 
 
-def default_sparse_kernel(device) -> str:
-    """fa4 where it loads on an sm_90+ GPU, else flex on a CUDA GPU, else reference: chosen once, then recorded."""
-    for kernel in ("fa4", "flex"):
+def default_sparse_kernel(device, kernels: tuple[str, ...] = ("fa4", "flex")) -> str:
+    """The first of `kernels` that runs on `device` (fa4 where it loads on an sm_90+ GPU, else flex on a CUDA GPU:
+    the eager runner's order), else reference: chosen once, then recorded."""
+    for kernel in kernels:
         if sparse_kernel_problem(kernel, device) is None:
             return kernel
     return "reference"
@@ -102,8 +112,9 @@ def kept_fraction(index_BNGT: torch.Tensor, sparse_G: torch.Tensor, num_key_bloc
 
 
 def _check_op_args(q, k, v, index, sparse_G, block, kernel) -> None:
-    if kernel not in SPARSE_KERNELS:
-        raise ValueError(f"h3trt::sparse_attention kernels are {SPARSE_KERNELS}, got {kernel!r}.")
+    if kernel not in SPARSE_KERNELS or kernel in FP8_SPARSE_KERNELS:
+        raise ValueError(f"h3trt::sparse_attention kernels are {BF16_SPARSE_KERNELS}, got {kernel!r} (the FP8 "
+                         "kernels take a layer's scales: models/sparse_fp8.py fp8_sparse_attention).")
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or (q.shape[0], q.shape[2], q.shape[3]) != (
             k.shape[0], k.shape[2], k.shape[3]):
         raise ValueError(f"sparse_attention takes q [B, S, N, D] and k, v of one shape sharing B, N, D; got "
@@ -131,14 +142,6 @@ def full_block_table(index_BNGT: torch.Tensor, sparse_G: torch.Tensor, num_key_b
     return count_BNG, blocks_BNGK.contiguous()
 
 
-def kept_block_mask(index_BNGT: torch.Tensor, sparse_G: torch.Tensor, num_key_blocks: int) -> torch.Tensor:
-    """[B, N, G, K] bool: True where query block g computes key block j."""
-    B, N, G, _ = index_BNGT.shape
-    kept = torch.zeros((B, N, G, num_key_blocks), dtype=torch.bool, device=index_BNGT.device)
-    kept.scatter_(-1, index_BNGT.long(), True)
-    return kept | ~sparse_G.view(1, 1, G, 1)
-
-
 @torch.library.custom_op("h3trt::sparse_attention", mutates_args=())
 def sparse_attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor, index_BNGT: torch.Tensor,
                      sparse_G: torch.Tensor, block: int, kernel: str) -> torch.Tensor:
@@ -159,26 +162,6 @@ def sparse_attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.T
 @sparse_attention.register_fake
 def _(q_BSND, k_BSND, v_BSND, index_BNGT, sparse_G, block, kernel):
     return torch.empty_like(q_BSND, memory_format=torch.contiguous_format)
-
-
-def reference_sparse_attention(q_BSND, k_BSND, v_BSND, index_BNGT, sparse_G, block) -> torch.Tensor:
-    """Masked SDPA: the kept blocks expanded to a [B, N, rows, Sk] boolean mask, a few query blocks at a time so the
-    mask stays within REFERENCE_MASK_BYTES. Rows attend independently, so the chunks change nothing."""
-    B, S, N, D = q_BSND.shape
-    Sk = k_BSND.shape[1]
-    K = -(-Sk // block)
-    kept_BNGK = kept_block_mask(index_BNGT, sparse_G, K)
-    q_BNSD, k_BNSD, v_BNSD = (t.transpose(1, 2) for t in (q_BSND, k_BSND, v_BSND))
-    out_BNSD = torch.empty((B, N, S, D), dtype=q_BSND.dtype, device=q_BSND.device)
-    step = max(1, REFERENCE_MASK_BYTES // max(1, B * N * block * Sk))  # query blocks per chunk
-    G = kept_BNGK.shape[2]
-    for g in range(0, G, step):
-        g_end = min(G, g + step)
-        rows = slice(g * block, min(S, g_end * block))
-        mask = kept_BNGK[:, :, g:g_end].repeat_interleave(block, dim=2).repeat_interleave(block, dim=3)
-        mask = mask[:, :, :rows.stop - rows.start, :Sk]
-        out_BNSD[:, :, rows] = F.scaled_dot_product_attention(q_BNSD[:, :, rows], k_BNSD, v_BNSD, attn_mask=mask)
-    return out_BNSD.transpose(1, 2).contiguous()
 
 
 # ---- FlexAttention -------------------------------------------------------------------------------------------------
@@ -255,10 +238,11 @@ def fa4_sparse_attention(q_BSND, k_BSND, v_BSND, index_BNGT, sparse_G, block) ->
     return out.contiguous()
 
 
-def warm_sparse_kernel(kernel: str, device, heads: int, head_dim: int, dtype: torch.dtype, block: int) -> None:
+def warm_sparse_kernel(kernel: str, device, heads: int, head_dim: int, dtype: torch.dtype, block: int,
+                       tile: str | None = None) -> None:
     """Compile `kernel` for (heads, head_dim, dtype, block) now, at load, so no request compiles it: one call per
-    batch of 1 and 2, with an aligned and a ragged sequence, each with sparse and dense query blocks. Refuses, with the
-    fix, what the device cannot run."""
+    batch of 1 and 2, with an aligned and a ragged sequence, each with sparse and dense query blocks (the fp8 kernel
+    with its `tile` configuration). Refuses, with the fix, what the device cannot run."""
     device = torch.device(device)
     check_sparse_kernel(kernel, device)
     if kernel == "flex" and block % FLEX_BLOCK:
@@ -271,19 +255,23 @@ def warm_sparse_kernel(kernel: str, device, heads: int, head_dim: int, dtype: to
     # flex kernel warmed with grad enabled compiled again at the first request, which a bundle's no-compile guard
     # refuses (the H100 smoke's sparse bundle row failed so: "Inductor compile_fx was invoked while serving").
     with torch.no_grad():
-        _warm_calls(kernel, device, heads, head_dim, dtype, block, generator)
+        _warm_calls(kernel, device, heads, head_dim, dtype, block, generator, tile)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _warm_calls(kernel, device, heads, head_dim, dtype, block, generator) -> None:
+def _warm_calls(kernel, device, heads, head_dim, dtype, block, generator, tile) -> None:
+    scales = unit_scales(device)
     for batch in (1, 2):
         for rows in (4 * block, 4 * block + 1):
             G = -(-rows // block)
             index = torch.tensor([0, 2], dtype=torch.int32, device=device).expand(batch, heads, G, 2).contiguous()
             sparse_G = torch.arange(G, device=device) % 2 == 0
             for q, k, v in warm_layouts(batch, rows, heads, head_dim, dtype, device, generator):
-                sparse_attention(q, k, v, index, sparse_G, block, kernel)
+                if kernel in FP8_SPARSE_KERNELS:
+                    fp8_sparse_attention(q, k, v, scales, index, sparse_G, block, kernel, tile)
+                else:
+                    sparse_attention(q, k, v, index, sparse_G, block, kernel)
 
 
 def warm_layouts(batch: int, rows: int, heads: int, head_dim: int, dtype, device, generator):

@@ -26,7 +26,8 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from .sparse_kernels import FA4_FIX, FA4_MODULE, REFERENCE_MASK_BYTES, fa4_modules, kept_block_mask
+from .sparse_kernels import FA4_FIX, FA4_MODULE, fa4_modules
+from .sparse_reference import REFERENCE_MASK_BYTES, kept_block_mask
 from .vsa_tiles import VSA_TILE_ROWS
 
 VSA_KERNELS = ("reference", "flex", "fa4")  # slowest first: the choice tries them from the end

@@ -261,13 +261,14 @@ class ResidentAdapters:
         self._start = {s.name: s for s in specs}
         self.specs: dict[str, AdapterUse] = {}  # a start adapter's name -> its file and sha256, once read
         self._read: dict[str, LoraFile] = {}  # files read to learn their sha256, until a slot takes them
-        merged_files = [read_lora(m.path, cfg.head_dim) for m in merged]
-        if slots is None:
+        self.slots = slots  # None until made below: files are read on the host until then
+        merged_files = [self._read_file(m.path) for m in merged]
+        if self.slots is None:
             if shape is None:  # fitted to the adapters at start: one slot each, so every one is read now anyway
                 shape = SlotShape.fitted([adapter_rank(self._file_of(s.name), task) for s in specs]
                                          + [adapter_rank(f, task) for f in merged_files])
-            slots = LoraSlots(cfg, task, shape.num_slots + len(merged), shape.max_rank, dtype, device, shape.targets)
-        self.slots = slots
+            self.slots = LoraSlots(cfg, task, shape.num_slots + len(merged), shape.max_rank, dtype, device,
+                                   shape.targets)
         # slot, scale, record of each --lora file: the first slots, held for good
         self.merged = [(i, m.scale, self.slots.load(i, f)) for i, (m, f) in enumerate(zip(merged, merged_files))]
         self._held: OrderedDict[str, int] = OrderedDict()  # sha256 -> slot, the least recently used first
@@ -279,10 +280,14 @@ class ResidentAdapters:
             self._slot_of(self._use_of(spec.name), busy=set())
         self._read.clear()
 
+    def _read_file(self, path: Path) -> LoraFile:
+        """A LoRA file read once: onto the slots' device, hashed as it is read (LoraSlots.read), once they exist."""
+        return self.slots.read(path) if self.slots is not None else read_lora(path, self.cfg.head_dim)
+
     def _file_of(self, name: str) -> LoraFile:
         """A start adapter's file, read once to learn its sha256; kept for the slot that takes it."""
         spec = self._start[name]
-        lora = self._read[name] = read_lora(spec.path, self.cfg.head_dim)
+        lora = self._read[name] = self._read_file(spec.path)
         self.specs[name] = AdapterUse(name, spec.scale, str(spec.path), lora.sha256)
         return lora
 
@@ -319,8 +324,9 @@ class ResidentAdapters:
         if use.sha256 in self._held:
             self._held.move_to_end(use.sha256)
             return self._held[use.sha256]
-        return self._put(read if read is not None and read.sha256 == use.sha256 else read_resolved(use, self.cfg),
-                         busy)
+        if read is None or read.sha256 != use.sha256:
+            read = read_resolved(use, self.slots.read)
+        return self._put(read, busy)
 
     def _put(self, lora: LoraFile, busy: set[int]) -> int:
         """Load `lora` into a free slot, else into the least recently used one outside `busy` (this evaluation's)."""
@@ -343,15 +349,15 @@ class ResidentAdapters:
                    for _, scale, r in self.merged]) or None
 
 
-def read_resolved(use: AdapterUse, cfg: H3Config) -> LoraFile:
-    """The file a resolved use names, only if it still has the sha256 it had when its job was admitted: a job never
-    runs another adapter than the one it was admitted with (the file was replaced or removed since: it fails,
-    naming it)."""
+def read_resolved(use: AdapterUse, read) -> LoraFile:
+    """The file a resolved use names (read by `read`: LoraSlots.read), only if it still has the sha256 it had when its
+    job was admitted: a job never runs another adapter than the one it was admitted with (the file was replaced or
+    removed since: it fails, naming it)."""
     path = Path(use.file)
     if not path.is_file():
         raise LoraError(f"lora {use.name!r}: its file {path} is gone since the job was admitted, so the job cannot "
                         "run with the adapter it asked for; put the file back, or load another and submit again.")
-    lora = read_lora(path, cfg.head_dim)
+    lora = read(path)
     if lora.sha256 != use.sha256:
         raise LoraError(f"lora {use.name!r}: its file {path} changed since the job was admitted (sha256 "
                         f"{use.sha256[:12]}... then, {lora.sha256[:12]}... now); the job runs only the adapter it was "

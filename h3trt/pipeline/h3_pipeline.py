@@ -144,7 +144,7 @@ class H3Pipeline:
                             "attention). Run the request with --sparse-attention 0 (or a dense profile: lossless, "
                             "quality), on the checkpoint (--model), or on an inductor/aoti bundle built with "
                             "--sparse-attention or --sp > 1.")
-        return SparseRun(settings, kernel, sparse_block(kernel, self.device))
+        return SparseRun(settings, kernel, sparse_block(kernel, self.device), getattr(self.dit, "sparse_tile", None))
 
     def schedule(self, request: Request) -> Schedule:
         """A request's schedule: its steps and shifts (the model's where it states none); a distilled model's family
