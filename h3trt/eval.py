@@ -32,6 +32,7 @@ from .errors import UserError
 from .models.distilled import DistilledSpec
 from .models.lora_file import sha256_of
 from .models.packing import unpatchify
+from .models.vsa_plan import VsaSettings
 from .jobs.admission import admit
 from .jobs.model_source import Entry, ModelSource, SourceKind
 from .media.encoder import rgb_to_yuv420
@@ -72,12 +73,14 @@ class StepRecorder:
     A copy, not the rows themselves: the sampler steps its latents in place (models/sampler.py `denoise_batch`), and
     on the CPU `.float().cpu()` of fp32 rows returns the same storage, so every step would read as the last one."""
 
-    def __init__(self, dit):
+    def __init__(self, dit, vsa_settings: VsaSettings | None = None):
         self.dit, self.cfg = dit, dit.cfg
         self.sparse_kernel = getattr(dit, "sparse_kernel", None)  # what it wraps serves (models/sparse_run.py)
         self.sparse_problem = getattr(dit, "sparse_problem", None)  # and why it serves none, with the fix
         self.sparse_tile = getattr(dit, "sparse_tile", None)  # the fp8 sparse kernel's tile
         self.vsa = getattr(dit, "vsa", None)  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py)
+        if self.vsa is not None and vsa_settings is not None:  # the other side's settings, its own kernel
+            self.vsa = replace(self.vsa, settings=vsa_settings)
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per evaluation: (video [V, C], audio [A, C]), fp32
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):
@@ -86,11 +89,12 @@ class StepRecorder:
         return self.dit(video, audio, text, unique_t, t_index, layout, **kwargs)  # kwargs: step cache, sparse
 
 
-def load_recording(source: Entry, task: str) -> H3Pipeline:
+def load_recording(source: Entry, task: str, vsa_settings: VsaSettings | None = None) -> H3Pipeline:
     """`source`'s pipeline for `task` with a StepRecorder as its DiT, passed in when the pipeline is built. The
-    default canvas: the requests carry theirs (given, or the engine bundle's profile's)."""
+    default canvas: the requests carry theirs (given, or the engine bundle's profile's). `vsa_settings`: a FastH3-VSA
+    model runs these (the engine bundle's, on the reference side) in place of its own."""
     parts = source.components(task)
-    return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit)), source.launch.device)
+    return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit, vsa_settings)), source.launch.device)
 
 
 @torch.no_grad()
@@ -316,7 +320,11 @@ def _run_sides(sources: dict, prepared: dict, task: str, log) -> dict[str, list[
             gc.collect()
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
-            pipeline, loaded = load_recording(source, task), source
+            # A FastH3-VSA reference runs the engine bundle's VSA settings (its --vsa-* flags), its own kernel
+            engine = sources["engine"].model.manifest
+            engine_vsa = engine.vsa if engine is not None else None
+            pipeline = load_recording(source, task, engine_vsa.settings if engine_vsa is not None else None)
+            loaded = source
         traces[side] = []
         for i, p in enumerate(prepared[side]):
             traces[side].append(trace(pipeline, p))

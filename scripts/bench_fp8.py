@@ -179,6 +179,7 @@ def block_sensitivity(out: Path) -> dict:
     from h3trt.models.tiny import ensure_tiny_checkpoint
     from h3trt.calibration.calibrate import calibrate
     from h3trt.calibration.trajectories import trajectory_forward
+    from h3trt.models.sampler import Schedule
     from h3trt.calibration.modules import load_quantized_block
     from h3trt.calibration.recipe import QuantRecipe
     from h3trt.pipeline.loading import eager_components
@@ -192,7 +193,7 @@ def block_sensitivity(out: Path) -> dict:
     recipe = QuantRecipe("fp8", calib_steps=4)
     calibrated = copy.deepcopy(base)
     forward = trajectory_forward(calibrated, root, ["a red fox runs through fresh snow", "waves break on a rocky shore"],
-                                 4, 160, 96, 5.0, (12.0, 3.0), log=lambda m: None)
+                                 Schedule(4, 12.0, 3.0), 160, 96, 5.0, log=lambda m: None)
     calibration = calibrate(calibrated.blocks, recipe, forward, log=lambda m: None)
     tensors = [calibration.export_block(i) for i in range(n)]
     components = eager_components(root, torch.device("cpu"), torch.bfloat16)

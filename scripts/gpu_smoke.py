@@ -9,9 +9,12 @@ Rows (each a real `h3trt` process, as a user runs it):
   eager cfg=2 with guidance | torchrun --nproc-per-node 2 serving the sp=2 bundle | the sp=1 bundle on the second
   GPU alone (--device cuda:1, and CUDA_VISIBLE_DEVICES=1) | `h3trt serve` with 2 replica groups, and with one sp=2
   group (two jobs through the API, downloaded)
-plus the 1-GPU rows they rest on (sp=1 bundle on GPU 0, torchrun with one rank, `h3trt serve` of the sp=1 bundle), and
-an sp=1 bundle built with --sparse-attention serving its default (checked against the eager clip with the same sparse
-flags) and a request's --sparse-attention 0 (checked against the dense eager clip).
+plus the 1-GPU rows they rest on (sp=1 bundle on GPU 0, torchrun with one rank, `h3trt serve` of the sp=1 bundle), an
+sp=1 bundle built with --sparse-attention serving its default (checked against the eager clip with the same sparse
+flags) and a request's --sparse-attention 0 (checked against the dense eager clip), a bundle built with --lora-slots
+serving a batch whose one request names an adapter (`--adapter style=FILE`; checked against the eager clip with the
+same adapter, and far from the clip without it) and whose other names none (checked against the plain eager clip),
+and a bundle baked for two schedules (--steps 6,4) serving both (each against the eager clip of its schedule).
 
 The check: decoded frames (PSNR) and audio (SNR) of each row's MP4 against the eager clip of the same request. The
 tiny model has random weights, so the clip is noise and x264 re-encodes it lossily; a row passes when it is close
@@ -39,6 +42,10 @@ STEPS = 6
 SPARSE = ["--sparse-attention", "0.75", "--sparse-dense-steps", "2", "--sparse-min-seq", "1"]
 PROMPT = "a red fox runs through fresh snow, wind howling"
 SEED, OTHER_SEED = 5, 6
+SHORT_STEPS = 4  # the two-schedule bundle's second schedule (--steps 6,4)
+# The adapter row's --adapter style=FILE:SCALE: strong enough to move the tiny clip far (20.6 dB from the plain one
+# on the CPU; at 0.7 it was 29.3 dB, too close to tell from x264's own noise).
+ADAPTER_SCALE = 3.0
 
 
 def sh(cmd: list[str], env: dict, log, timeout: int = 600) -> tuple[int, str]:
@@ -122,6 +129,29 @@ def serve_clips(h3: list[str], bundle: Path, flags: list[str], out: Path, env: d
         log.flush()
 
 
+def write_adapter(path: Path) -> Path:
+    """A random LoRA over every main-block linear of the tiny model (rank 4, 2 on AdaLN), sized to move each output
+    as much as its base weight does, so that a clip served without it is far from one served with it."""
+    import torch
+    from safetensors.torch import save_file
+
+    from h3trt.models.config import H3Config
+    from h3trt.models.dit import build_dit
+    from h3trt.models.lora_slots import BLOCK_TARGETS
+
+    cfg = H3Config.tiny()
+    shapes = {k.removesuffix(".weight"): v.shape for k, v in build_dit(cfg, torch.float32, "meta").state_dict().items()}
+    g, tensors = torch.Generator().manual_seed(11), {}
+    for i in range(cfg.num_layers):
+        for local in BLOCK_TARGETS:
+            name, r = f"blocks.{i}.{local}", 2 if local.startswith("adaln") else 4
+            rows, cols = shapes[name]
+            tensors[f"{name}.lora_A.weight"] = torch.randn(r, cols, generator=g) / cols ** 0.5
+            tensors[f"{name}.lora_B.weight"] = torch.randn(rows, r, generator=g) / r ** 0.5
+    save_file(tensors, str(path))
+    return path
+
+
 def compare(got: Path, want: Path) -> dict:
     gv, ga = decode(got)
     wv, wa = decode(want)
@@ -133,6 +163,53 @@ def compare(got: Path, want: Path) -> dict:
     noise = float(np.sum((ga[:n] - wa[:n]) ** 2))
     snr = float("inf") if noise == 0 else 10 * np.log10(float(np.sum(wa[:n] ** 2)) / noise)
     return {"psnr_db": round(psnr, 2), "audio_snr_db": round(snr, 2)}
+
+
+def judge(want: list[tuple[Path, Path]], control: dict, args, bundle: str | None, flags: list[str], out: Path,
+          row_dir: Path, styled_ref: Path, ref: Path) -> dict:
+    """A finished row's verdict: every clip close to its eager reference (PSNR >= --min-psnr and --margin above the
+    control), and what its records must say on top of that."""
+    checks = [compare(got, ref_clip) for got, ref_clip in want]
+    worst = min(c["psnr_db"] for c in checks)
+    ok = worst >= args.min_psnr and worst >= control["psnr_db"] + args.margin
+    row = {"status": "PASS" if ok else "FAIL", "psnr_db": worst, "audio_snr_db": min(c["audio_snr_db"] for c in checks)}
+    if not ok:
+        row["why"] = f"PSNR {worst} dB vs eager (need >= {args.min_psnr} and control + {args.margin})"
+    if bundle == "l1":
+        row.update(adapter_checks(row_dir, styled_ref, ref, args.margin))
+    if bundle == "t1":
+        steps = json.loads(out.with_suffix(".json").read_text()).get("steps")
+        expected = SHORT_STEPS if "--steps" in flags else STEPS
+        if steps != expected:
+            row.update(status="FAIL", why=f"the clip ran {steps} steps, expected {expected}")
+    if bundle == "s1":
+        # The tiny model's sparse and dense clips are close (CPU dry run: 34.5 dB apart, above --min-psnr), so PSNR
+        # alone cannot tell a sparse row that silently ran dense: its record must say which evaluations ran sparse
+        # (none for the 0 request).
+        sparse = json.loads(out.with_suffix(".json").read_text()).get("sparse_attention", {})
+        ran = sparse.get("sparse_evaluations", [])
+        expected = [] if "--sparse-attention" in flags else list(range(2, STEPS - 1))
+        row.update(sparse_kernel=sparse.get("kernel"), kept_fraction=sparse.get("kept_fraction"))
+        if ran != expected:
+            row.update(status="FAIL", why=f"sparse evaluations {ran}, expected {expected}")
+    return row
+
+
+def adapter_checks(out: Path, styled_ref: Path, plain_ref: Path, margin: float) -> dict:
+    """What PSNR against the eager clips cannot tell alone: the records name the adapter on the styled request only,
+    and the styled clip is far closer to the eager styled clip than the plain clip is (the adapter changed it)."""
+    records = {i: json.loads((out / f"{i}.json").read_text()) for i in ("styled", "plain")}
+    named = [(a["name"], a["scale"]) for a in records["styled"].get("adapters") or []]
+    control = compare(plain_ref, styled_ref / "styled.mp4")["psnr_db"]
+    served = compare(out / "styled.mp4", styled_ref / "styled.mp4")["psnr_db"]
+    result = {"adapters": named, "plain_vs_eager_styled_db": control}
+    if named != [("style", ADAPTER_SCALE)] or records["plain"].get("adapters"):
+        result.update(status="FAIL", why=f"adapters in the records: styled {named}, plain "
+                                         f"{records['plain'].get('adapters')}")
+    elif served < control + margin:
+        result.update(status="FAIL", why=f"the styled clip is {served} dB from the eager styled clip, the plain clip "
+                                         f"{control} dB: the adapter did not change it as the eager one")
+    return result
 
 
 def main() -> int:
@@ -203,6 +280,10 @@ def main() -> int:
             ("sp=1 bundle on the 2nd GPU (--device cuda:1)", "b1", 2, ["--device", "cuda:1"], None, None),
             ("sp=1 bundle on the 2nd GPU (CUDA_VISIBLE_DEVICES=1)", "b1", 2, ["--device", "cuda"],
              {"CUDA_VISIBLE_DEVICES": "1"}, None),
+            ("--lora-slots bundle, an adapter named per request", "l1", 1, ["--device", "cuda"], None, None),
+            ("--steps 6,4 bundle serving its default, 6 steps", "t1", 1, ["--device", "cuda"], None, None),
+            (f"--steps 6,4 bundle serving {SHORT_STEPS} steps", "t1", 1,
+             ["--device", "cuda", "--steps", str(SHORT_STEPS)], None, None),
             ("serve: sp=1 bundle behind the API", "b1", 1, ["serve"], None, None),
             ("serve: 2 replica groups of the sp=1 bundle", "b1", 2, ["serve", "--gpus", "2", "--replicas", "2"], None,
              None),
@@ -213,7 +294,15 @@ def main() -> int:
             skipped = {p[0]: p[2] for p in plan if args.only not in p[0]}
             plan = [p if p[0] not in skipped else (p[0], p[1], 99, *p[3:]) for p in plan]  # 99 GPUs: never run
         bundles = {"b1": ["--steps", str(STEPS)], "b2": ["--steps", str(STEPS), "--sp", "2"],
-                   "s1": ["--steps", str(STEPS), *SPARSE]}
+                   "s1": ["--steps", str(STEPS), *SPARSE], "l1": ["--steps", str(STEPS), "--lora-slots", "1",
+                                                                  "--lora-max-rank", "4"],
+                   "t1": ["--steps", f"{STEPS},{SHORT_STEPS}"]}
+        adapter = write_adapter(work / "style.safetensors")
+        styled = work / "styled.jsonl"  # the adapter row's batch: the same request with the adapter, and without
+        styled.write_text("".join(json.dumps({"id": i, "task": "t2va", "prompt": PROMPT, "seed": SEED, "steps": STEPS,
+                                              **extra}) + "\n"
+                                  for i, extra in (("styled", {"lora": [{"name": "style"}]}), ("plain", {}))))
+        adapter_flags = ["--adapter", f"style={adapter}:{ADAPTER_SCALE}"]
         calib = work / "calib.txt"
         calib.write_text(f"{PROMPT}\nwaves on a rocky shore, gulls calling\n")
         bundles["f2"] = ["--steps", str(STEPS), "--sp", "2", "--precision", "fp8", "--fp8-attention",
@@ -239,7 +328,8 @@ def main() -> int:
             args.json.write_text(json.dumps(result, indent=1))
             return result
 
-        guided_ref = sparse_ref = None
+        guided_ref = sparse_ref = short_ref = None
+        styled_ref = work / "eager_styled"  # the eager clips of the adapter row's batch, made when it first runs
         for i, (name, bundle, needs, flags, env_over, argv) in enumerate(plan):
             save(rows, False)
             row = {"row": name, "gpus": skipped.get(name, needs)}
@@ -276,6 +366,23 @@ def main() -> int:
                              "--device", dev, *SPARSE, "--output", str(sparse_ref)], env, log)
                 rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
                 want = [(out, sparse_ref)]
+            elif bundle == "l1":
+                # The reference: the eager model with the same adapter named by the same request (--adapter).
+                if not styled_ref.exists() and gpus >= needs:
+                    sh(h3 + ["run", "--requests", str(styled), "--out-dir", str(styled_ref), "--quiet", "--device",
+                             dev] + adapter_flags, env, log)
+                rc, text = (sh(h3 + ["run", "--engine", str(work / bundle), "--requests", str(styled), "--out-dir",
+                                     str(work / f"row{i}"), "--quiet", "--device", dev] + adapter_flags, env, log)
+                            if gpus >= needs else (-1, f"needs {needs} GPUs, {gpus} visible"))
+                want = [(work / f"row{i}" / "styled.mp4", styled_ref / "styled.mp4"),
+                        (work / f"row{i}" / "plain.mp4", ref)]
+            elif bundle == "t1" and "--steps" in flags:
+                if short_ref is None and gpus >= needs:  # the eager clip of the short schedule
+                    short_ref = work / "eager_short.mp4"
+                    sh(h3 + ["run", "--prompt", PROMPT, "--seed", str(SEED), "--steps", str(SHORT_STEPS), "--quiet",
+                             "--device", dev, "--output", str(short_ref)], env, log)
+                rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
+                want = [(out, short_ref)]
             else:
                 rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
             if rc == -1:
@@ -284,23 +391,7 @@ def main() -> int:
                 tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
                 row.update(status="FAIL", why=f"exit {rc}: {tail[0][:200]}")
             else:
-                checks = [compare(got, ref_clip) for got, ref_clip in want]
-                worst = min(c["psnr_db"] for c in checks)
-                ok = worst >= args.min_psnr and worst >= control["psnr_db"] + args.margin
-                row.update(status="PASS" if ok else "FAIL", psnr_db=worst,
-                           audio_snr_db=min(c["audio_snr_db"] for c in checks))
-                if not ok:
-                    row["why"] = f"PSNR {worst} dB vs eager (need >= {args.min_psnr} and control + {args.margin})"
-                # The tiny model's sparse and dense clips are close (CPU dry run: 34.5 dB apart, above --min-psnr), so
-                # PSNR alone cannot tell a sparse row that silently ran dense: its record must say which evaluations
-                # ran sparse (none for the 0 request).
-                if bundle == "s1":
-                    sparse = json.loads(out.with_suffix(".json").read_text()).get("sparse_attention", {})
-                    ran = sparse.get("sparse_evaluations", [])
-                    expected = [] if "--sparse-attention" in flags else list(range(2, STEPS - 1))
-                    row.update(sparse_kernel=sparse.get("kernel"), kept_fraction=sparse.get("kept_fraction"))
-                    if ran != expected:
-                        row.update(status="FAIL", why=f"sparse evaluations {ran}, expected {expected}")
+                row.update(judge(want, control, args, bundle, flags, out, work / f"row{i}", styled_ref, ref))
             rows.append(row)
 
     failed = [r for r in rows if r["status"] != "PASS"]

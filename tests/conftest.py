@@ -66,7 +66,8 @@ BUNDLE_FIXTURES = {"bundle_cache", "bundles", "bundle_copy", "sp2_bundle", "fp8_
 SLOW_FILES = ("test_mesh.py", "test_fleet.py", "test_engine.py", "test_quant.py", "test_bundle_lora.py",
               "test_vae_precision.py", "test_fewstep.py", "test_serve_api.py", "test_build_hardening.py",
               "test_serve_ops.py", "test_parallel_vae.py", "test_hardening.py", "test_cli.py", "test_step_cache.py",
-              "test_sparse_bundle.py", "test_sparse_fp8_bundle.py", "test_turbo.py", "test_vsa_bundle.py")
+              "test_sparse_bundle.py", "test_sparse_fp8_bundle.py", "test_turbo.py", "test_vsa_bundle.py",
+              "test_build_stream.py")
 
 
 def pytest_configure(config):

@@ -12,9 +12,10 @@ from safetensors.torch import load_file, save_file
 from h3trt.errors import UserError
 from h3trt.models.checkpoint_writer import random_state_dict
 from h3trt.models.config import H3Config
-from h3trt.models.distilled import DistilledSpec, load_distilled
+from h3trt.models.checkpoint import load_dit
+from h3trt.models.distilled import FASTH3_LORA_VSA, DistilledSpec, load_distilled
 from h3trt.models.distilled_files import DistilledError
-from h3trt.models.distilled_merge import fuse_into, merge_distilled
+from h3trt.models.distilled_merge import merge_distilled
 from h3trt.models.distilled_writer import fasth3_header, write_fasth3, write_pdd, write_turbo
 from h3trt.models.dit import build_dit
 
@@ -94,21 +95,45 @@ def test_fasth3_fc1_half_order_is_swapped_into_native(base, tmp_path):
     assert delta[: CFG.ffn_dim].abs().max() == 0
 
 
-def test_fasth3_set_weight_assigns_and_a_model_without_the_gate_refuses(base, tmp_path):
+def test_fasth3_vsa_file_makes_a_fasth3_vsa_model_of_a_base_checkpoint(tiny_root, tmp_path):
+    """A fastvideo-lora-v2 file with `.set_weight` gates fused into a base checkpoint (no gates of its own): the model
+    is built with the gate (vsa_gate), every block's gate is the file's tensor, the rest fused as for the dense file,
+    and what it was distilled at (0.9, 64-token tiles) is the distilled record's `vsa`."""
     path = write_fasth3(tmp_path / "vsa.safetensors", CFG, seed=4, gates=True)
     distilled = load_distilled(DistilledSpec(path), CFG, "t2va")
-    gate = "blocks.1.attn.to_gate_compress.weight"
-    assert distilled.fusion.patches[gate].assign is not None and distilled.fusion.counts["set_weight_tensors"] == 2
-    model = build_dit(CFG, torch.float32)
-    model.load_state_dict(base)
-    with pytest.raises(DistilledError, match="no VSA gate parameter .attn.to_gate_compress"):
-        merge_distilled(model, distilled)
-    assert torch.equal(model.blocks[0].mlp.fc1.weight, base["blocks.0.mlp.fc1.weight"])  # nothing changed first
-    # Where the parameter exists (issue 47 item 4's), .set_weight replaces it whole.
-    params = {gate: torch.nn.Parameter(torch.zeros(CFG.inner_dim, CFG.hidden_size, dtype=torch.bfloat16))}
-    fuse_into(distilled.fusion, params, only=lambda name: name == gate)
-    want = load_file(str(path))["transformer_blocks.1.attn.to_gate_compress.set_weight"]
-    assert torch.equal(params[gate].data, want.to(torch.bfloat16))
+    assert distilled.fusion.counts["set_weight_tensors"] == CFG.num_layers
+    assert sorted(distilled.fusion.assigned()) == [f"blocks.{i}.attn.to_gate_compress.weight"
+                                                   for i in range(CFG.num_layers)]
+    assert distilled.serving.vsa == {"trained_sparsity": 0.9, "tile_size": 64, "from": FASTH3_LORA_VSA}
+    assert distilled.serving.with_gates(CFG).vsa_gate and distilled.record()["vsa"]["trained_sparsity"] == 0.9
+    base, _ = load_dit(tiny_root, "t2va", torch.float32)
+    assert not base.cfg.vsa_gate  # the tiny base checkpoint has no gate
+    model, source = load_dit(tiny_root, "t2va", torch.float32, supplied=distilled.fusion.assigned())
+    assert model.cfg.vsa_gate and source.config.vsa_gate
+    merge_distilled(model, distilled)
+    want = load_file(str(path))
+    for i in range(CFG.num_layers):
+        assert torch.equal(model.blocks[i].attn.to_gate_compress.weight,
+                           want[f"transformer_blocks.{i}.attn.to_gate_compress.set_weight"])
+    assert not torch.equal(model.blocks[0].mlp.fc1.weight, base.blocks[0].mlp.fc1.weight)  # the rest fused too
+    # A model built without the gate (not through load_dit's `supplied`) refuses before anything changes.
+    plain = build_dit(CFG, torch.float32)
+    plain.load_state_dict(base.state_dict())
+    with pytest.raises(DistilledError, match="a VSA gate, but this model has none"):
+        merge_distilled(plain, distilled)
+    assert torch.equal(plain.blocks[0].mlp.fc1.weight, base.blocks[0].mlp.fc1.weight)
+
+
+def test_fasth3_file_with_some_blocks_gates_is_refused(tmp_path):
+    from h3trt.models.distilled_writer import fasth3_tensors
+
+    tensors = fasth3_tensors(CFG, 1, gates=True)
+    del tensors["transformer_blocks.1.attn.to_gate_compress.set_weight"]
+    path = tmp_path / "partial.safetensors"
+    save_file(tensors, str(path), fasth3_header(tensors, 4))  # its counts consistent: only the gates are short
+    with pytest.raises(DistilledError, match="sets the VSA gate .* of 1 of the 2 main blocks") as info:
+        load_distilled(DistilledSpec(path), CFG, "t2va")
+    assert "\n" not in str(info.value)
 
 
 def test_pdd_trunk_matches_the_hand_merge_with_alpha_over_rank(base, tmp_path):

@@ -52,7 +52,7 @@ def vsa_bundle(vsa_root, tmp_path_factory):
                            "--precision", "fp32", "--device", "cpu", "--profile", "160x96x5", "--steps",
                            str(BUNDLE_STEPS), *VSA_FLAGS], capture_output=True, text=True, timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "VSA (FastH3-VSA checkpoint): the reference kernel" in proc.stderr, proc.stderr[-3000:]
+    assert "VSA (FastH3-VSA model): the reference kernel" in proc.stderr, proc.stderr[-3000:]
     return out
 
 

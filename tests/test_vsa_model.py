@@ -23,6 +23,7 @@ from h3trt.models.checkpoint_writer import diffusers_state_dict, random_state_di
 from h3trt.models.config import NUM_MODALITIES, H3Config
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.sampler import Schedule
 from h3trt.models.vsa import vsa_reference
 from h3trt.models.vsa_plan import VsaRun, VsaServing, VsaSettings, vsa_settings
 from h3trt.models.vsa_tiles import layout_geometry
@@ -201,10 +202,10 @@ def test_calibration_trajectories_attend_with_vsa(tiny_root, tmp_path):
         dense_calls.append(q.shape[1])
         return sdpa_attention(q, k, v)
 
-    forward = trajectory_forward(model, source.component_root, ["a fox"], 3, 160, 96, 5.0, (12.0, 3.0),
+    forward = trajectory_forward(model, source.component_root, ["a fox"], Schedule(3, 12.0, 3.0), 160, 96, 5.0,
                                  log=lambda m: None, vsa=VsaServing(VsaSettings(0.5, 1, ()), "reference"))
     forward(core)  # 2 evaluations: the first dense, the second sparse
     assert len(dense_calls) == model.cfg.num_layers
     with pytest.raises(ValueError, match="VsaRun"):
-        trajectory_forward(model, source.component_root, ["a fox"], 3, 160, 96, 5.0, (12.0, 3.0),
+        trajectory_forward(model, source.component_root, ["a fox"], Schedule(3, 12.0, 3.0), 160, 96, 5.0,
                            log=lambda m: None)(core)

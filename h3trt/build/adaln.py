@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..models.dit import H3DiT
+from ..models.dit import Block, H3DiT
 from ..models.packing import CONDITION_AUDIO_T, CONDITION_VIDEO_T
 from ..models.sampler import Schedule
 
@@ -28,11 +28,23 @@ def schedule_timesteps(*schedules: Schedule) -> torch.Tensor:
 @torch.no_grad()
 def bake_tables(model: H3DiT, values: torch.Tensor) -> dict[str, torch.Tensor]:
     """{"timesteps": [U], "blocks.i": [U, 3, 6, H], "final": [U, 2, H]} in the block dtype."""
-    device = model.condition_proj.weight.device
-    temb = model.time_embedder(values.to(device))
-    U, H = values.numel(), model.cfg.hidden_size
+    temb = time_embedding(model, values)
     tables = {"timesteps": values.clone()}
     for i, block in enumerate(model.blocks):
-        tables[f"blocks.{i}"] = block.modulation(temb).reshape(U, 3, 6, H).contiguous().cpu()
-    tables["final"] = model.final_layer.modulation(temb).reshape(U, 2, H).contiguous().cpu()
+        tables[f"blocks.{i}"] = block_table(block, temb)
+    tables["final"] = final_table(model, temb)
     return tables
+
+
+def time_embedding(model: H3DiT, values: torch.Tensor) -> torch.Tensor:
+    """temb [U, E] fp32 of the baked timesteps, on the model's device."""
+    return model.time_embedder(values.to(model.condition_proj.weight.device))
+
+
+def block_table(block: Block, temb_UE: torch.Tensor) -> torch.Tensor:
+    """One block's baked rows [U, 3, 6, H] on the host (a streamed build bakes each block as it passes)."""
+    return block.modulation(temb_UE).reshape(temb_UE.shape[0], 3, 6, block.hidden_size).contiguous().cpu()
+
+
+def final_table(model: H3DiT, temb_UE: torch.Tensor) -> torch.Tensor:
+    return model.final_layer.modulation(temb_UE).reshape(temb_UE.shape[0], 2, model.cfg.hidden_size).contiguous().cpu()

@@ -1,16 +1,18 @@
-"""`h3trt build`: checkpoint -> engine bundle, one function per phase, each returning a typed record.
+"""`h3trt build`: checkpoint -> engine bundle, one function per phase, each returning a typed record (phases.py).
 
-  0. plan: every check that needs no model (plan.py); then the output is claimed: locked, its leftovers removed, its
-     free space checked against the bundle's estimated size (output.py)
+  0. plan: every check that needs no model (plan.py), the fit check among them: the whole DiT on the device where it
+     fits, else a block at a time (memory.py), else a one-line refusal; then the output is claimed: locked, its
+     leftovers removed, its free space checked against the bundle's estimated size (output.py)
   1. load: the DiT of the task's partition, with the --lora files merged into it and the --distilled file fused
   2. calibrate: fp8 / nvfp4 through ModelOpt on real trajectories of this model, blocks quantized in place
   3. bake: the segment weights (safetensors) and the AdaLN tables (or adaln_proj kept with --keep-adaln)
+     (a build that streams its blocks does 1-3 in stream.py: the same files, one block on the device at a time)
   4. compile: embed / block / final once each (one block serves every layer: its weights are inputs) and the video
      decoder's in / block / out per tile shape, or TensorRT plans
   5. copy the eager components (text encoder, tokenizer, processor, VAEs)
   6. check: every artifact loads in a fresh process, under the no-compile guard, and matches the eager segment
-  7. write: the typed Manifest the loader reads, every file hashed into it (--sign adds manifest.sig); then the
-     finished bundle is swapped into place
+  7. write: the typed Manifest the loader reads, every file hashed into it (--sign adds manifest.sig), the build's
+     timings and peak GPU memory in it; then the finished bundle is swapped into place
 The bundle is assembled in a temporary folder beside the output: a failed or interrupted build leaves the old bundle
 (or nothing), never a half-written one.
 """
@@ -22,7 +24,6 @@ import shutil
 import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -35,22 +36,21 @@ from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord
                                 VideoDecoderRecord, hash_threads, sha256_file, write_manifest)
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
-from ..models.checkpoint import TransformerSource, load_dit
+from ..models.checkpoint import load_dit
 from ..models.dit import H3DiT
-from ..models.distilled import Distilled, load_distilled
 from ..models.distilled_merge import merge_distilled
 from ..models.lora import merge_loras
-from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX
-from ..models.sampler import Schedule
-from ..models.vsa_plan import VsaServing
 from .adaln import bake_tables, schedule_timesteps
 from .backends import compile_segment
 from .check import check_in_fresh_process
 from .config import BuildConfig
 from .examples import example_inputs, profile_decoder_specs
+from .memory import device_memory
 from .output import BundleOutput, check_output
-from .plan import EAGER_COMPONENTS, BuildPlan, plan_build
+from .phases import BakedWeights, Calibration, Compiled, LoadedDiT, read_distilled
+from .plan import EAGER_COMPONENTS, BuildPlan, plan_build, vsa_serving
 from .segments import block_weight_names, dit_segments, embed_segment, final_weight_names
+from .stream import adaln_summary, bake_streamed, load_streamed, release_kept
 from .tensorrt import build_tensorrt_segments
 
 # Serve each compiled tile decoder as one CUDA graph replay (h3trt/engines/video_decoder.py says why); recorded in the
@@ -61,88 +61,96 @@ VIDEO_DECODER_CUDA_GRAPH = True
 VIDEO_DECODER_INDUCTOR_OPTIONS: dict = {}
 
 
-@dataclass(frozen=True)
-class LoadedDiT:
-    """Phase 1: the model (LoRAs merged), where it came from, and the schedules the bundle bakes."""
-
-    model: H3DiT
-    source: TransformerSource
-    schedules: tuple[Schedule, ...]  # --steps and the shifts (the checkpoint's unless given); the first: the default
-    loras: tuple[dict, ...]  # what merge_loras merged: the manifest's record
-    seconds: float
-    distilled: Distilled | None = None  # the --distilled file fused into the model (PDD: its heads per forward)
-    distilled_record: dict | None = None  # the manifest's: that file's, or a full FastH3 export's sidecar
-
-
-@dataclass(frozen=True)
-class Calibration:
-    """Phase 2: the recipe the compiled blocks quantize with (None: dense, or tensorrt, whose Q/DQ nodes carry the
-    scales), and the manifest's quant record (None: not quantized)."""
-
-    recipe: QuantRecipe | None
-    quant: dict | None
-
-
-@dataclass(frozen=True)
-class BakedWeights:
-    """Phase 3: the bytes of each weights file, and how AdaLN is served."""
-
-    weight_bytes: dict[str, int]
-    adaln: AdalnRecord
-
-
-@dataclass(frozen=True)
-class Compiled:
-    """Phase 4: each segment's manifest entry; the specs and example inputs the check runs (none for tensorrt)."""
-
-    segments: dict[str, dict]
-    specs: dict
-    examples: dict[str, list[torch.Tensor]]
-    tensorrt: dict | None  # tensorrt: the plans' flavour, version and targets
-    seconds: float
-
-
-def build(config: BuildConfig, log=print, sign=None) -> Manifest:
-    """Build the bundle `config` asks for at config.output; `sign(root)` writes manifest.sig (engines/signing.py)."""
+def build(config: BuildConfig, log=print, sign=None, free_memory=device_memory) -> Manifest:
+    """Build the bundle `config` asks for at config.output; `sign(root)` writes manifest.sig (engines/signing.py).
+    `free_memory(device)`: the device's free memory for the fit check (memory.py; tests pass their own)."""
     out = Path(config.output)
     check_output(out, config.overwrite)  # before anything slow; again under the output's lock
-    plan = plan_build(config, log)
+    if torch.device(config.device).type == "cuda" and torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()  # the build's peak (peak_memory), the plan's kernel timings included
+    plan = plan_build(config, log, free_memory)
     with BundleOutput(out, config.overwrite, plan.size, log) as output:
         dit = load(config, plan, log)
-        calibration = calibrate(config, plan, dit, log)
-        weights = bake(config, dit, calibration, output.work, log)
-        compiled = compile_segments(config, plan, dit, calibration, output.work, log)
+        try:
+            calibration, weights = calibrate_and_bake(config, plan, dit, output.work, log)
+            compiled = compile_segments(config, plan, dit, calibration, output.work, log)
+        finally:
+            if dit.blocks is not None:
+                dit.blocks.close()
+                release_kept(dit)
         copy_components(dit.source.component_root, output.work)
-        check_s = check(config, compiled, output.work, log)
-        manifest = write(output.work, bundle_manifest(config, plan, dit, calibration, weights, compiled, check_s, log),
-                         sign, log)
+        check_s, check_peak = check(config, compiled, output.work, log)
+        memory = peak_memory(plan, check_peak, log)
+        manifest = write(output.work, bundle_manifest(config, plan, dit, calibration, weights, compiled,
+                                                      {"verify_s": check_s, **memory}, log), sign, log)
         output.commit()
     return manifest
 
 
+def peak_memory(plan: BuildPlan, check_peak: dict, log) -> dict:
+    """The build's peak GPU memory (this process, and the fresh-process check's), for the log and the manifest."""
+    if plan.device.type != "cuda":
+        return {"streamed": float(plan.streamed)}
+    gib = 1 << 30
+    out = {"streamed": float(plan.streamed),
+           "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated(plan.device) / gib,
+           "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(plan.device) / gib,
+           **{f"check_{k}": v for k, v in check_peak.items()}}
+    log(f"peak GPU memory: {out['peak_gpu_allocated_gib']:.2f} GiB allocated, {out['peak_gpu_reserved_gib']:.2f} GiB "
+        f"reserved (torch.cuda.max_memory_allocated / max_memory_reserved, built "
+        f"{'a block at a time' if plan.streamed else 'whole'}); the fresh-process check: "
+        + (f"{check_peak['peak_gpu_allocated_gib']:.2f} GiB allocated, {check_peak['peak_gpu_reserved_gib']:.2f} GiB "
+           "reserved" if check_peak else "not measured"))
+    return out
+
+
 def load(config: BuildConfig, plan: BuildPlan, log) -> LoadedDiT:
-    """1. The DiT of the task's partition, and the LoRAs merged into its weights: everything after (calibration,
-    AdaLN tables, segments) sees them."""
+    """1. The DiT of the task's partition, the LoRAs merged into its weights and the --distilled file fused after them:
+    everything after (calibration, AdaLN tables, segments) sees them. A streamed build's blocks stay in the checkpoint
+    until a phase asks for one (each fused as it arrives)."""
+    if plan.streamed:
+        dit = load_streamed(config, plan, log)
+        log_loras(dit.loras, log)
+        if dit.distilled is not None:
+            log_distilled(dit.distilled.record(), log, ", each block's parameters as the block arrives")
+        return dit
     t0 = time.perf_counter()
+    # The --distilled file is read first: a FastH3-VSA file's gates (.set_weight) are parameters a base checkpoint
+    # lacks, and the model is built with them (plan.model_cfg.vsa_gate)
+    distilled, record = read_distilled(config, plan.model_cfg)
     log(f"loading the {config.task} DiT from {config.model_root} onto {plan.device}")
-    model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device)
+    model, source = load_dit(config.model_root, config.task, dtype=plan.dtype, device=plan.device,
+                             supplied=distilled.fusion.assigned() if distilled is not None else None)
     video_shift, audio_shift = source.shifts  # the checkpoint's: its release metadata, or diffusers' schedulers
     schedules = config.schedules((video_shift, audio_shift))
     seconds = time.perf_counter() - t0
     log(f"loaded {config.task} DiT ({sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters, "
         f"{config.precision}) in {seconds:.1f} s")
     loras = merge_loras(model, config.loras, config.task)
+    log_loras(loras, log)
+    if distilled is not None:  # in fp32, one rounding per parameter, before calibration and baking
+        log_distilled(merge_distilled(model, distilled), log)
+    return LoadedDiT(model, source, schedules, tuple(loras), seconds, distilled, record)
+
+
+def log_loras(loras, log) -> None:
     for r in loras:
         log(f"merged LoRA {r['file']} x {r['scale']:g} into {r['partition']} ({r['modules']} modules, "
             f"{r['layout']}, {r['alpha']})")
-    distilled = load_distilled(config.distilled, model.cfg, config.task) if config.distilled is not None else None
-    if distilled is not None:  # in fp32, one rounding per parameter, before calibration and baking
-        record = merge_distilled(model, distilled)
-        log(f"fused {record['family']} {record['file']} ({record['parameters']} parameters, {record['scale']}); "
-            f"schedule {record['schedule']}")
-    contract = config.contract
-    record = distilled.record() if distilled is not None else contract[1] if contract is not None else None
-    return LoadedDiT(model, source, schedules, tuple(loras), seconds, distilled, record)
+
+
+def log_distilled(record: dict, log, how: str = "") -> None:
+    log(f"fused {record['family']} {record['file']} ({record['parameters']} parameters, {record['scale']}){how}; "
+        f"schedule {record['schedule']}")
+
+
+def calibrate_and_bake(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, work: Path,
+                       log) -> tuple[Calibration, BakedWeights]:
+    """2 and 3: on the whole DiT, or (a streamed build) in one pass over its blocks (stream.py): the same files."""
+    if dit.blocks is not None:
+        return bake_streamed(config, plan, dit, work, log)
+    calibration = calibrate(config, plan, dit, log)
+    return calibration, bake(config, dit, calibration, work, log)
 
 
 def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Calibration:
@@ -154,9 +162,9 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     if recipe is None:
         return Calibration(None, None)
     trt = config.backend == "tensorrt"
-    vsa = _vsa_record(config, plan)
+    vsa = vsa_serving(config, plan)
     recipe, quant = calibrate_dit(dit.model, recipe, dit.source.component_root, config.calib_prompts,
-                                  config.profiles[0], (dit.schedules[0].video_shift, dit.schedules[0].audio_shift),
+                                  config.profiles[0], config.calibration_schedule(dit.schedules[0]),
                                   keep_modelopt_quantizers=trt, log=log, vsa=vsa)
     if trt:
         return Calibration(None, {**quant, "execution": config.precision.spec.trt_execution})
@@ -167,8 +175,7 @@ def bake(config: BuildConfig, dit: LoadedDiT, calibration: Calibration, work: Pa
     """3. The segments' weights, and the AdaLN tables for the schedules (or the adaln_proj weights, --keep-adaln)."""
     model = dit.model
     weights = _weights(model, calibration.recipe)
-    if dit.distilled is not None and dit.distilled.heads is not None:  # PDD: one fused head per forward
-        weights["final"].update({f"{PDD_PREFIX}{name}": dit.distilled.heads[name] for name in HEAD_WEIGHTS})
+    weights["final"].update(dit.final_extra())  # PDD: one fused head per forward
     sizes = {name: write_safetensors(work / "weights" / f"{name}.safetensors", weights[name])
              for name in ("embed", "blocks", "final")}
     if config.keep_adaln:
@@ -179,12 +186,8 @@ def bake(config: BuildConfig, dit: LoadedDiT, calibration: Calibration, work: Pa
     values = schedule_timesteps(*dit.schedules)
     tables = sizes["adaln_tables"] = write_safetensors(work / "weights" / "adaln_tables.safetensors",
                                                        bake_tables(model, values))
-    saved = adaln_bytes - tables  # negative for a model this small: its tables outweigh its weights
-    log(f"baked AdaLN for {values.numel()} timesteps ({len(dit.schedules)} schedule(s)): {tables / 1e6:.1f} MB of "
-        f"tables replace {adaln_bytes / 1e6:.1f} MB of adaln_proj weights ("
-        + (f"{saved / 1e6:.1f} MB saved)" if saved >= 0 else f"{-saved / 1e6:.1f} MB more: at this width the "
-           "tables of every step are larger than the weights; --keep-adaln keeps the weights instead)"))
-    return BakedWeights(sizes, AdalnRecord(True, values.numel(), adaln_bytes, tables, saved))
+    log(adaln_summary(values, len(dit.schedules), tables, adaln_bytes))
+    return BakedWeights(sizes, AdalnRecord(True, values.numel(), adaln_bytes, tables, adaln_bytes - tables))
 
 
 def _weights(model: H3DiT, recipe: QuantRecipe | None = None) -> dict[str, dict[str, torch.Tensor]]:
@@ -262,26 +265,28 @@ def copy_components(component_root: Path, work: Path) -> None:
             shutil.copytree(src, work / name)
 
 
-def check(config: BuildConfig, compiled: Compiled, work: Path, log) -> float:
-    """6. Every artifact loads and matches in a fresh process (AOTI on the H200 image segfaults at load); seconds."""
+def check(config: BuildConfig, compiled: Compiled, work: Path, log) -> tuple[float, dict]:
+    """6. Every artifact loads and matches in a fresh process (AOTI on the H200 image segfaults at load); seconds, and
+    the check's peak GPU memory (empty on the CPU)."""
     if not compiled.examples:  # tensorrt
-        return 0.0
+        return 0.0, {}
     t0 = time.perf_counter()
     count = len(compiled.examples)
     log(f"checking {count} segments in a fresh process (each loaded under the no-compile guard and run against its "
         "eager segment)")
-    check_in_fresh_process(work, config, compiled.segments, compiled.examples, compiled.specs)
+    peak = check_in_fresh_process(work, config, compiled.segments, compiled.examples, compiled.specs)
     seconds = time.perf_counter() - t0
     log(f"checked {count} segments in a fresh process in {seconds:.1f} s")
-    return seconds
+    return seconds, peak
 
 
 def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibration: Calibration,
-                    weights: BakedWeights, compiled: Compiled, check_s: float, log) -> Manifest:
-    """The typed manifest of this build, the one the loader reads (its files are hashed in by write_manifest)."""
+                    weights: BakedWeights, compiled: Compiled, check: dict, log) -> Manifest:
+    """The typed manifest of this build, the one the loader reads (its files are hashed in by write_manifest).
+    `check`: the fresh-process check's seconds (verify_s) and the build's memory record (peak_memory)."""
     model, source, trt = dit.model, dit.source, compiled.tensorrt
     meta = source.metadata
-    timings = {"load_s": dit.seconds, "compile_s": compiled.seconds, "verify_s": check_s}
+    timings = {"load_s": dit.seconds, "compile_s": compiled.seconds, **check}
     return Manifest(
         backend=config.backend, precision=config.precision, task=config.task,
         tasks=_served_tasks(config, meta),
@@ -301,13 +306,7 @@ def bundle_manifest(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, calibr
         video_decoder=VideoDecoderRecord(VIDEO_DECODER_CUDA_GRAPH, VIDEO_DECODER_INDUCTOR_OPTIONS,
                                          VAE_FP8_EXECUTION if config.vae.quantized else None),
         loras=dit.loras, tensorrt=trt, sparse=_sparse_record(config, plan), lora_slots=config.slots,
-        vsa=_vsa_record(config, plan), distilled=dit.distilled_record)
-
-
-def _vsa_record(config: BuildConfig, plan: BuildPlan) -> VsaServing | None:
-    if plan.vsa_kernel is None:
-        return None
-    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel)
+        vsa=vsa_serving(config, plan), distilled=dit.distilled_record)
 
 
 def _served_tasks(config: BuildConfig, meta) -> tuple[str, ...]:

@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 
 from ..engines.video_decoder import parse_video_decoder_name
 from .config import BuildConfig
+from .verify import PEAK_FILE
 
 VERIFY_TIMEOUT_S = 900
 # The relative error each segment may show is the precision table's (models/precision.py: verify_rel_tol).
@@ -25,9 +26,10 @@ class BuildError(RuntimeError):
     did not finish. The message gives the reason (the check's last lines). A user's mistake is a UserError."""
 
 
-def check_in_fresh_process(work: Path, config: BuildConfig, segments: dict, examples: dict, specs: dict) -> None:
+def check_in_fresh_process(work: Path, config: BuildConfig, segments: dict, examples: dict, specs: dict) -> dict:
     """Load `segments` (their manifest entries) from `work` in a fresh process and run them on `examples`, comparing
-    with `specs`' eager functions; BuildError when one fails to load or match."""
+    with `specs`' eager functions; BuildError when one fails to load or match. Returns the process's peak GPU memory
+    ({peak_gpu_allocated_gib, peak_gpu_reserved_gib}; empty on the CPU)."""
     with tempfile.TemporaryDirectory(prefix="h3trt-verify-") as tmp:
         tensors, plan = {}, {}
         for name, inputs in examples.items():
@@ -44,6 +46,8 @@ def check_in_fresh_process(work: Path, config: BuildConfig, segments: dict, exam
             plan[name] = {"entry": segments[name], "inputs": len(inputs), "outputs": len(want), "rel_tol": rel_tol}
         save_file(tensors, f"{tmp}/examples.safetensors")
         del tensors, want  # host copies (at full size ~13 GB, the video decoder's fp32 weights): free for the child
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()  # what this process no longer uses, for the child's
         Path(tmp, "plan.json").write_text(json.dumps({
             "backend": config.backend, "device": config.device, "plan": plan}))
         try:
@@ -52,8 +56,11 @@ def check_in_fresh_process(work: Path, config: BuildConfig, segments: dict, exam
         except subprocess.TimeoutExpired:
             raise BuildError(f"Loading the compiled segments in a fresh process did not finish in {VERIFY_TIMEOUT_S} "
                              "s; the bundle was not written.") from None
+        peak_file = Path(tmp, PEAK_FILE)
+        peak = json.loads(peak_file.read_text()) if proc.returncode == 0 and peak_file.exists() else {}
     if proc.returncode != 0:
         tail = "\n".join((proc.stdout + proc.stderr).strip().splitlines()[-8:])
         how = " (the process crashed: signal %d)" % -proc.returncode if proc.returncode < 0 else ""
         raise BuildError(f"The {config.backend} segments failed to load or match in a fresh process{how}; the bundle "
                          f"was not written. Try another --backend. Last output:\n{tail}")
+    return peak

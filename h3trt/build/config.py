@@ -14,8 +14,9 @@ from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
 from ..models.checkpoint import TASK_PARTITIONS, CheckpointError, locate_transformer
 from ..models.config import H3Config
-from ..models.distilled import DistilledServing, DistilledSpec, check_task, plan_distilled
-from ..models.distilled_contract import CONTRACT_FILE, checkpoint_contract
+from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
+from ..models.distilled_contract import checkpoint_contract, refuse_export_base
+from ..models.distilled_schedule import uniform_rungs
 from ..models.lora import LoraSpec
 from ..models.lora_memory import check_slots_fit
 from ..models.lora_slots import BLOCK_TARGETS
@@ -24,7 +25,7 @@ from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
 from ..models.sparse_fp8 import FP8_SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings, sparse_settings
-from ..models.vsa_plan import VsaSettings, vsa_settings
+from ..models.vsa_plan import VsaSettings, served_vsa_settings, vsa_settings
 from ..models.vae_precision import VAEPrecision
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
@@ -101,6 +102,9 @@ class BuildConfig:
     # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
     lora_max_rank: int | None = None
+    # --memory-budget: the device memory (GiB) the build may hold at once, at most what the device has free (None:
+    # what it has free). A DiT that does not fit whole in it is built a block at a time (build/memory.py decides).
+    memory_budget: float | None = None
     # FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; models/vsa_plan.py): the VSA settings the
     # bundle serves, recorded in its manifest (None: FastH3 v1's, sparsity 0.9, no step or block dense). Refused for a
     # checkpoint without the gate (build/plan.py, once the checkpoint is located).
@@ -155,6 +159,9 @@ class BuildConfig:
             raise UserError("--trt-targets applies to --backend tensorrt.")
         self._check_sparse()
         self._check_lora_slots()
+        if self.memory_budget is not None and not (isinstance(self.memory_budget, (int, float))
+                                                   and 0 < self.memory_budget < float("inf")):
+            raise UserError(f"--memory-budget must be a positive number of GiB, got {self.memory_budget!r}.")
         vsa_settings(self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers)  # values, by flag
 
     def _check_schedules(self) -> None:
@@ -188,6 +195,12 @@ class BuildConfig:
         contract = self.contract
         return contract[0] if contract is not None else None
 
+    def model_config(self, checkpoint: H3Config) -> H3Config:
+        """The model this build makes of the checkpoint's config: a FastH3-VSA file's gates (`.set_weight`) make it a
+        FastH3-VSA one (vsa_gate), which the plan, the fit check and the load (whole or streamed) all build."""
+        serving = self.distilled_serving
+        return serving.with_gates(checkpoint) if serving is not None else checkpoint
+
     @cached_property
     def contract(self) -> tuple[DistilledServing, dict] | None:
         """A full FastH3 export's sidecar (its ladder and record); None: a base checkpoint, or a --distilled file."""
@@ -197,14 +210,18 @@ class BuildConfig:
             source = locate_transformer(self.model_root, self.task)
         except CheckpointError:  # a missing or unreadable checkpoint fails at the load, with the same message
             return None
-        contract = checkpoint_contract(source.component_root, source.shifts)
-        if contract is not None:
-            check_task("fasth3", contract[0].tasks, self.task, source.component_root / CONTRACT_FILE)
-        return contract
+        return checkpoint_contract(source.component_root, source.shifts, source.config.vsa_gate, self.task)
 
     def _check_distilled(self) -> None:
         """--distilled: its family's schedule is the bundle's (the schedule flags are refused), and what it cannot go
         with: other LoRAs and LoRA slots beside a FastH3 or PDD file, a task it does not serve."""
+        if self.distilled is not None:
+            try:
+                root = locate_transformer(self.model_root, self.task).component_root
+            except CheckpointError:  # a missing or unreadable checkpoint fails at the load, after the flags' checks
+                root = None
+            if root is not None:
+                refuse_export_base(root, self.distilled.path)
         given = [flag for flag, value in (("--steps", self.steps), ("--video-shift", self.video_shift),
                                           ("--audio-shift", self.audio_shift)) if value not in (None, (None,))]
         if given:
@@ -220,6 +237,10 @@ class BuildConfig:
             raise UserError("--backend tensorrt bakes the final heads into its plans; a PDD bundle picks one head per "
                             "forward at run time: build it with --backend inductor.")
         s = serving.plan.schedule
+        if self.calib_steps is not None and self.calib_steps > s.steps:
+            raise UserError(f"--calib-steps {self.calib_steps}: a distilled bundle calibrates on its family's schedule "
+                            f"of {s.steps} grid points ({s.steps - 1} forwards); give at most {s.steps} (N: its first "
+                            "N - 1 forwards), or leave it out.")
         for key, value in (("steps", s.steps), ("video_shift", s.video_shift), ("audio_shift", s.audio_shift)):
             object.__setattr__(self, key, (value,))
 
@@ -297,9 +318,12 @@ class BuildConfig:
         return (self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers) != (None, None, None)
 
     def vsa(self, num_layers: int) -> VsaSettings:
-        """The VSA settings a FastH3-VSA bundle serves (the --vsa-* flags over FastH3 v1's defaults), its dense
-        layers checked against the model's `num_layers`."""
-        return vsa_settings(self.vsa_sparsity, self.vsa_dense_first_steps, self.vsa_dense_layers, num_layers)
+        """The VSA settings a FastH3-VSA bundle serves (the --vsa-* flags over the sparsity its distilled file or
+        export was distilled at, else FastH3 v1's defaults; vsa_plan.served_vsa_settings), its dense layers checked
+        against the model's `num_layers`."""
+        serving = self.distilled_serving
+        return served_vsa_settings(serving.vsa if serving is not None else None, self.vsa_sparsity,
+                                   self.vsa_dense_first_steps, self.vsa_dense_layers, num_layers)
 
     def check_vsa(self, vsa_model: bool) -> None:
         """What a FastH3-VSA bundle cannot be, and --vsa-* flags on a model without the gate (build/plan.py calls it
@@ -350,12 +374,28 @@ class BuildConfig:
 
     @property
     def calibration_steps(self) -> int:
-        """--calib-steps, else the bundle's default (first) schedule when it has at most DEFAULT_CALIB_STEPS points (a
-        few-step bundle calibrates on exactly the timesteps it serves), else a DEFAULT_CALIB_STEPS-point grid with the
-        default schedule's shifts (a cost cap: a 50-point trajectory costs 6x the calibration time for max scales)."""
+        """--calib-steps, else the bundle's default (first) schedule when it has at most DEFAULT_CALIB_STEPS points or
+        is a distilled family's (a few-step bundle calibrates on exactly the timesteps it serves), else a
+        DEFAULT_CALIB_STEPS-point grid with the default schedule's shifts (a cost cap: a 50-point trajectory costs 6x
+        the calibration time for max scales)."""
         if self.calib_steps is not None:
             return self.calib_steps
-        return self.steps[0] if self.steps[0] <= DEFAULT_CALIB_STEPS else DEFAULT_CALIB_STEPS
+        if self.steps[0] <= DEFAULT_CALIB_STEPS or self.distilled_serving is not None:
+            return self.steps[0]
+        return DEFAULT_CALIB_STEPS
+
+    def calibration_schedule(self, served: Schedule) -> Schedule:
+        """What each calibration trajectory runs (calibration_steps points), `served` the bundle's default schedule.
+        A distilled bundle calibrates on its family's own schedule, rungs and all; with --calib-steps N below its
+        grid points, on its first N - 1 forwards exactly (each evaluation sees the timestep and latents it serves;
+        the trajectory stops there). Any other bundle: an N-point uniform grid at the served shifts."""
+        n = self.calibration_steps
+        if self.distilled_serving is None:
+            return Schedule(n, served.video_shift, served.audio_shift)
+        if n == served.steps:
+            return served
+        positions = served.rungs if served.rungs is not None else uniform_rungs(served.steps - 1)
+        return Schedule(n, served.video_shift, served.audio_shift, positions[: n - 1])
 
     def attention_precisions(self) -> tuple[Precision, ...]:
         """Every precision the bundle's attention runs in: the block dtype's (always: the block_hp layers, or every

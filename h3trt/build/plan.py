@@ -14,12 +14,14 @@ from ..models.checkpoint import TransformerSource, locate_transformer
 from ..models.config import H3Config
 from ..models.dit import build_dit
 from ..models.precision import Precision
+from ..models.vsa_plan import VsaServing
 from ..parallel.mesh import MeshConfig
 from .adaln import schedule_timesteps
 from .attention_choice import AttentionChoice, AttentionShape, resolve_attention
 from .sparse_choice import SparseChoice, resolve_sparse_kernel
 from .config import BuildConfig
 from .examples import example_layout
+from .memory import MemoryPlan, device_memory, plan_memory
 
 EAGER_COMPONENTS = ("text_encoder", "tokenizer", "processor", "video_vae", "audio_vae", "vae")
 # Compiled code (Inductor's C++ / Triton binaries, AOTI packages, TensorRT's plans hold weights too) by device type:
@@ -62,6 +64,14 @@ class BuildPlan:
     # A FastH3-VSA checkpoint: the VSA kernel the bundle serves, chosen on the build device and compiled there once;
     # None: the checkpoint is no VSA model.
     vsa_kernel: str | None = None
+    vsa_left_out: dict[str, str] | None = None  # the faster VSA kernels left out on the build device, with why
+    # Whole or a block at a time, and the estimates that decided it (build/memory.py); None: a plan made without the
+    # fit check (tests of later phases).
+    memory: MemoryPlan | None = None
+
+    @property
+    def streamed(self) -> bool:
+        return self.memory is not None and self.memory.streamed
 
     @property
     def fp8_kernel(self) -> str:
@@ -72,11 +82,14 @@ class BuildPlan:
         return next((c.kernel for p, c in self.attention.items() if p != Precision.FP8), "sdpa")
 
 
-def plan_build(config: BuildConfig, log=print) -> BuildPlan:
-    """Every check that needs no model, in the order of their cost; logs the attention kernels chosen."""
+def plan_build(config: BuildConfig, log=print, free_memory=device_memory) -> BuildPlan:
+    """Every check that needs no model, in the order of their cost; logs the device memory plan and the attention
+    kernels chosen. `free_memory(device)`: what the device has free (build/memory.py; tests pass their own)."""
     source = locate_transformer(config.model_root, config.task)
-    model_cfg = source.config
+    # a FastH3-VSA file's gates make the model a FastH3-VSA one: what it cannot be is refused before anything is timed
+    model_cfg = config.model_config(source.config)
     MeshConfig(cfg=config.cfg, sp=config.sp).validate(config.cfg * config.sp, model_cfg.num_heads)
+    config.check_vsa(model_cfg.vsa_gate)
     device = torch.device(config.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda was asked for but no CUDA device is visible; use --device cpu.")
@@ -86,29 +99,41 @@ def plan_build(config: BuildConfig, log=print) -> BuildPlan:
         raise UserError(f"Bundles are compiled on the process's cuda:0, not {device}; use h3trt build --device "
                         f"cuda:{device.index}, which makes that GPU the process's cuda:0.")
     dtype = config.precision.spec.dtype
+    memory = plan_memory(config, source, dtype, device, free_memory)  # before anything touches the device's memory
+    log(memory.describe())
     attention = {} if config.backend == "tensorrt" else _attention(config, model_cfg, device, log)
     if config.backend in ("inductor", "aoti") and bundle_activated():
         # Measured: after a bundle's cache is activated, a build in the same process leaves some C++ kernels out of
         # the new bundle's cache, and its fresh-process check then finds the compiler invoked.
         raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
-    config.check_vsa(model_cfg.vsa_gate)
     sparse = _sparse_kernel(config, model_cfg, device, dtype, log) if config.sparse is not None else None
-    vsa = _vsa_kernel(config, model_cfg, device, dtype, log) if model_cfg.vsa_gate else None
-    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse, vsa)
+    vsa, left_out = _vsa_kernel(config, model_cfg, device, dtype, log) if model_cfg.vsa_gate else (None, None)
+    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse, vsa,
+                     left_out, memory)
 
 
-def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype, log) -> str:
+def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,
+                log) -> tuple[str, dict[str, str]]:
     """The VSA kernel of a FastH3-VSA bundle: the first of fa4, flex, reference that compiles here at one rank's
-    heads (the ones left out logged with why); every load compiles it again."""
+    heads and matches the fp32 definition (the ones left out logged with why, and recorded); every load compiles and
+    checks it again."""
     from ..models.vsa_plan import choose_vsa_kernel
 
     heads = model_cfg.num_heads // config.sp
-    kernel = choose_vsa_kernel(device, heads, model_cfg.head_dim, dtype, log)
+    kernel, left_out = choose_vsa_kernel(device, heads, model_cfg.head_dim, dtype, log)
     s = config.vsa(model_cfg.num_layers)
-    log(f"VSA (FastH3-VSA checkpoint): the {kernel} kernel, {heads} heads per rank, sparsity {s.sparsity:g}, first "
-        f"{s.dense_first_steps} steps dense, dense blocks {list(s.dense_layers) or 'none'}")
-    return kernel
+    log(f"VSA (FastH3-VSA model): the {kernel} kernel, {heads} heads per rank, sparsity {s.sparsity:g} "
+        f"({s.sparsity_from}), first {s.dense_first_steps} steps dense, dense blocks {list(s.dense_layers) or 'none'}")
+    return kernel, left_out
+
+
+def vsa_serving(config: BuildConfig, plan: BuildPlan) -> VsaServing | None:
+    """A FastH3-VSA bundle's VSA: the settings of its --vsa-* flags and the kernel chosen (None: no VSA model), which
+    calibration attends with and the manifest records."""
+    if plan.vsa_kernel is None:
+        return None
+    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel, plan.vsa_left_out or {})
 
 
 def _sparse_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,
@@ -165,7 +190,7 @@ def estimated_size(config: BuildConfig, source: TransformerSource, dtype: torch.
                    device: torch.device) -> BundleSize:
     """The bundle's bytes by part, from the model's shapes (on the meta device: nothing loads) and the sizes of the
     component files it copies."""
-    model = build_dit(source.config, dtype, device="meta")
+    model = build_dit(config.model_config(source.config), dtype, device="meta")
     adaln = sum(p.numel() for n, p in model.named_parameters() if "adaln_proj" in n)
     params = sum(p.numel() for p in model.parameters()) - (0 if config.keep_adaln else adaln)
     tables = 0

@@ -100,9 +100,15 @@ def _block_template(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | Non
 def block_weight_names(cfg: H3Config, dtype: torch.dtype = torch.bfloat16,
                        recipe: QuantRecipe | None = None) -> list[str]:
     """Parameters and buffers (a quantized linear keeps its e4m3 weight and scales as buffers), AdaLN left out."""
+    return list(block_weight_specs(cfg, dtype, recipe))
+
+
+def block_weight_specs(cfg: H3Config, dtype: torch.dtype = torch.bfloat16,
+                       recipe: QuantRecipe | None = None) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """{name: (dtype, shape)} of `block_weight_names`, in that order."""
     block = _block_template(cfg, dtype, recipe)
     tensors = list(block.named_parameters()) + list(block.named_buffers())
-    return [n for n, _ in tensors if not n.startswith(ADALN_PREFIX)]
+    return {n: (t.dtype, tuple(t.shape)) for n, t in tensors if not n.startswith(ADALN_PREFIX)}
 
 
 def block_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None = None,

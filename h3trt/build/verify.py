@@ -18,6 +18,8 @@ from safetensors.torch import load_file
 from ..engines.guard import no_compile
 from ..engines.loaders import load_segments
 
+PEAK_FILE = "peak.json"  # the process's peak GPU memory, beside the examples (build/check.py reads it)
+
 
 def main(argv: list[str]) -> int:
     work, examples_dir = Path(argv[0]), Path(argv[1])
@@ -41,6 +43,11 @@ def main(argv: list[str]) -> int:
                 failed |= not ok
                 print(f"{name} output {i}: relative error {err:.2e} ({'ok' if ok else 'TOO LARGE'}, "
                       f"tolerance {item['rel_tol']:.0e})")
+    if device.type == "cuda":
+        gib = 1 << 30
+        (examples_dir / PEAK_FILE).write_text(json.dumps({
+            "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated(device) / gib,
+            "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(device) / gib}))
     return 1 if failed else 0
 
 

@@ -13,6 +13,7 @@ import torch
 from ..errors import UserError
 from ..models.config import NUM_MODALITIES, NUM_MODULATION_PARAMS
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
+from ..models.sampler import Schedule
 from ..models.vsa_plan import VsaServing
 from .modules import quantized_template
 from .recipe import QuantRecipe, layer_segments
@@ -20,37 +21,58 @@ from .trajectories import trajectory_forward
 
 
 def calibrate_dit(model: H3DiT, recipe: QuantRecipe, component_root: Path, calib_prompts: Path | None, profile,
-                  shifts: tuple[float, float], keep_modelopt_quantizers: bool = False,
+                  schedule: Schedule, keep_modelopt_quantizers: bool = False,
                   log=print, vsa: VsaServing | None = None) -> tuple[QuantRecipe, dict]:
     """Calibrate every non-excluded block of `model` through ModelOpt and quantize it in place: h3trt's FP8/NVFP4
     modules, or (`keep_modelopt_quantizers`, the TensorRT backend) ModelOpt's own, which the ONNX export writes as
-    Q/DQ. Returns the recipe with the calibration's size filled in, and the manifest's `quant` record. `vsa`: a
-    FastH3-VSA model's settings and kernel, which its trajectories attend with (the served attention)."""
+    Q/DQ. Returns the recipe with the calibration's size filled in, and the manifest's `quant` record. `schedule`:
+    each trajectory's (BuildConfig.calibration_schedule). `vsa`: a FastH3-VSA model's settings and kernel, which its
+    trajectories attend with (the served attention)."""
     # Imported here, not at the top: it imports ModelOpt (seconds, and an optional dependency a bf16 build never needs).
-    from .calibrate import calibrate, quantize_blocks, read_prompts
+    from .calibrate import calibrate, quantize_blocks
 
-    recipe.check_layers(model.cfg.num_layers)
+    recipe, prompts = calibration_prompts(recipe, calib_prompts, model.cfg.num_layers)
     forward = None
+    if prompts is not None:
+        forward = trajectory_forward(model, component_root, prompts, schedule, profile.width, profile.height,
+                                     profile.seconds, log, vsa)
+    t0 = time.perf_counter()
+    calibration = calibrate(model.blocks, recipe, forward, log)
+    amax = {f"blocks.{i}": calibration.amax(i) for i in range(model.cfg.num_layers) if i not in recipe.exclude_blocks}
+    if not keep_modelopt_quantizers:
+        quantize_blocks(model, calibration)
+    log(calibration_summary(recipe, calibration.record, model.cfg.num_layers))
+    return recipe, quant_record(recipe, model.cfg.num_layers, time.perf_counter() - t0, calibration.record, amax)
+
+
+def calibration_prompts(recipe: QuantRecipe, calib_prompts: Path | None,
+                        num_layers: int) -> tuple[QuantRecipe, list[str] | None]:
+    """The recipe checked against the model's layers, with the number of prompts filled in, and the prompts (None:
+    a weight-only calibration, which refuses prompts)."""
+    from .recipe import read_prompts
+
+    recipe.check_layers(num_layers)
     if recipe.needs_calibration_data:
         prompts = read_prompts(calib_prompts)
-        forward = trajectory_forward(model, component_root, prompts, recipe.calib_steps, profile.width,
-                                     profile.height, profile.seconds, shifts, log, vsa)
-        recipe = dataclasses.replace(recipe, calib_prompts=len(prompts))
-    elif calib_prompts is not None:
+        return dataclasses.replace(recipe, calib_prompts=len(prompts)), prompts
+    if calib_prompts is not None:
         raise UserError(f"--precision {recipe.precision} --calib-algo {recipe.calib_algo} calibrates the weights "
                         "only (weight-only NVFP4): it runs no trajectories. Drop --calib-prompts, or use --calib-algo "
                         "awq_lite.")
-    t0 = time.perf_counter()
-    calibration = calibrate(model.blocks, recipe, forward, log)
-    record = {"calibration_s": round(time.perf_counter() - t0, 2), "modelopt": calibration.record,
-              "amax": {f"blocks.{i}": calibration.amax(i) for i in range(model.cfg.num_layers)
-                       if i not in recipe.exclude_blocks}}
-    if not keep_modelopt_quantizers:
-        quantize_blocks(model, calibration)
-    log(f"calibrated ({recipe.calib_algo}, ModelOpt {calibration.record['version']}) and quantized "
-        f"{model.cfg.num_layers - len(recipe.exclude_blocks)} of {model.cfg.num_layers} blocks to {recipe.precision} "
-        f"({', '.join(recipe.quantized_linears())}{', FP8 attention' if recipe.fp8_attention else ''})")
-    return recipe, {**recipe.to_dict(), "layer_segments": layer_segments(recipe, model.cfg.num_layers), **record}
+    return recipe, None
+
+
+def quant_record(recipe: QuantRecipe, num_layers: int, seconds: float, modelopt: dict, amax: dict) -> dict:
+    """The manifest's `quant` record of a calibration: the recipe, which block serves each layer, how ModelOpt ran and
+    every calibrated block's maxima."""
+    return {**recipe.to_dict(), "layer_segments": layer_segments(recipe, num_layers),
+            "calibration_s": round(seconds, 2), "modelopt": modelopt, "amax": amax}
+
+
+def calibration_summary(recipe: QuantRecipe, modelopt: dict, num_layers: int) -> str:
+    return (f"calibrated ({recipe.calib_algo}, ModelOpt {modelopt['version']}) and quantized "
+            f"{num_layers - len(recipe.exclude_blocks)} of {num_layers} blocks to {recipe.precision} "
+            f"({', '.join(recipe.quantized_linears())}{', FP8 attention' if recipe.fp8_attention else ''})")
 
 
 def block_weight_sets(model: H3DiT, recipe: QuantRecipe | None, names_of: dict[str, list[str]],

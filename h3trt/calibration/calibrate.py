@@ -41,18 +41,16 @@ import copy
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 import torch.nn as nn
 
-from ..errors import UserError
 from ..models.dit import Block, H3DiT, sdpa_attention
 from ..models.precision import Precision
 from .formats import FP4_MAX, FP8_MAX, NVFP4_GROUP, fp8_scale, quantize_fp8
-from .fp8_attention import center_rows
+from .fp8_attention import centered_attention
 from .modules import load_quantized_block
-from .recipe import QuantRecipe, check_modelopt
+from .recipe import QuantRecipe, check_modelopt, read_prompts  # noqa: F401 (read_prompts: this module's API)
 
 check_modelopt()  # importing this module means calibrating: refuse a missing or other ModelOpt with the fix
 
@@ -66,7 +64,6 @@ from modelopt.torch.quantization.nn import TensorQuantizer  # noqa: E402
 from modelopt.torch.quantization.nn.modules.tensor_quantizer import register_quant_backend  # noqa: E402
 from modelopt.torch.quantization.qtensor.nvfp4_tensor import NVFP4QTensor  # noqa: E402
 
-MAX_CALIB_PROMPTS = 64  # a calibration file is a handful of prompts; more is a wrong file, not more accuracy
 PERCENTILE = 99.99  # ModelOpt's HistogramCalibrator default
 # ModelOpt algorithm config per --calib-algo (method and its parameters, ModelOpt's defaults), recorded in the manifest.
 ALGORITHMS = {
@@ -79,25 +76,6 @@ CPU_NVFP4_BACKEND = "h3trt_nvfp4_export_math"
 # ONNX Q/DQ scales in bf16, so no Cast sits between a DQ and its MatMul (a Cast blocks TensorRT's fusion). Inductor
 # never reads it.
 TRT_HIGH_PRECISION = "BFloat16"
-
-
-def read_prompts(path: Path) -> list[str]:
-    """One prompt per line; blank lines and lines starting with '#' are skipped."""
-    path = Path(path)
-    if not path.is_file():
-        raise UserError(f"--calib-prompts {path} does not exist; give a text file with one prompt per line.")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as e:
-        raise UserError(f"--calib-prompts {path} cannot be read as UTF-8 text ({e}); pass a readable UTF-8 file with "
-                        "one prompt per line.") from None
-    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
-    if not prompts:
-        raise UserError(f"--calib-prompts {path} has no prompts (one per line; '#' starts a comment).")
-    if len(prompts) > MAX_CALIB_PROMPTS:
-        raise UserError(f"--calib-prompts {path} has {len(prompts)} prompts; at most {MAX_CALIB_PROMPTS} are used "
-                        "for calibration. Trim the file.")
-    return prompts
 
 
 # ---- What ModelOpt sees ------------------------------------------------------------------------------------------
@@ -117,10 +95,8 @@ class QuantAttentionCore(AttentionCore):
         self.q_bmm_quantizer, self.k_bmm_quantizer, self.v_bmm_quantizer = (TensorQuantizer() for _ in range(3))
 
     def forward(self, q_BSND, k_BSND, v_BSND):
-        v_centered, mu_B1ND = center_rows(v_BSND)
-        out = sdpa_attention(self.q_bmm_quantizer(q_BSND), self.k_bmm_quantizer(k_BSND),
-                             self.v_bmm_quantizer(v_centered))
-        return (out.float() + mu_B1ND).to(q_BSND.dtype)
+        return centered_attention(q_BSND, k_BSND, v_BSND, self.q_bmm_quantizer, self.k_bmm_quantizer,
+                                  self.v_bmm_quantizer)
 
 
 mtq.register(original_cls=AttentionCore, quantized_cls=QuantAttentionCore)
@@ -153,14 +129,15 @@ class _Node(nn.Module):
     """A container of the calibration tree: it holds the DiT's own modules, by reference."""
 
 
-def calibration_tree(blocks: Sequence[Block], recipe: QuantRecipe) -> nn.Module:
+def calibration_tree(blocks: Sequence[Block | None], recipe: QuantRecipe) -> nn.Module:
     """`blocks.{i}.{linear}` for the recipe's linears of every quantized block, `blocks.{i}.attn.core` with FP8
-    attention; excluded blocks are empty nodes (their index keeps its place)."""
+    attention; excluded blocks, and the None entries of a one-block tree (calibrate_block), are empty nodes (their
+    index keeps its place)."""
     root = _Node()
     root.blocks = nn.ModuleList()
     for i, block in enumerate(blocks):
         node = _Node()
-        if i not in recipe.exclude_blocks:
+        if block is not None and i not in recipe.exclude_blocks:
             for name in recipe.quantized_linears():
                 parent, leaf = name.split(".")
                 if not hasattr(node, parent):
@@ -292,12 +269,8 @@ def calibrate(blocks: Sequence[Block], recipe: QuantRecipe, forward: Forward | N
     """Quantize the recipe's modules of `blocks` with ModelOpt and calibrate them by `forward` (None: weights only,
     for NVFP4 with max). The blocks keep ModelOpt's quantizers in place afterwards: `Calibration.export_block` reads
     them for h3trt's modules, and the ONNX export writes them as Q/DQ."""
-    if (forward is None) == recipe.needs_calibration_data:
-        raise ValueError(f"--precision {recipe.precision} --calib-algo {recipe.calib_algo} "
-                         f"{'calibrates on data: give it a forward' if forward is None else 'needs no data'}.")
-    device = next(iter(blocks)).norm1.weight.device
+    _check_forward(recipe, forward is not None)
     tree = calibration_tree(blocks, recipe)
-    config = modelopt_config(recipe, device)
     router = _AttentionRouter(blocks, tree)
     passes = []
 
@@ -307,9 +280,57 @@ def calibrate(blocks: Sequence[Block], recipe: QuantRecipe, forward: Forward | N
         forward(router)
 
     try:
-        mtq.quantize(tree, config, forward_loop if forward is not None else None)
+        return _run_modelopt(tree, recipe, next(iter(blocks)).norm1.weight.device,
+                             forward_loop if forward is not None else None, passes)
     finally:
         router.close()
+
+
+# The forward passes each --calib-algo makes over the calibration data (ModelOpt 0.47: awq_lite caches statistics,
+# then searches); every pass sees the same, unquantized activations.
+FORWARD_PASSES = {"max": 1, "percentile": 1, "smoothquant": 1, "awq_lite": 2}
+# Replays block `index`'s recorded inputs through it, attending through the given core; `last`: the algorithm's
+# last pass, whose outputs become the next block's inputs (h3trt/calibration/layerwise.py).
+Replay = Callable[[AttentionFn, bool], None]
+
+
+@torch.no_grad()
+def calibrate_block(block: Block, index: int, num_layers: int, recipe: QuantRecipe, replay: Replay | None,
+                    log=print) -> Calibration:
+    """`calibrate` for block `index` of `num_layers` alone, its data replayed by `replay` (None: weights only): a
+    ModelOpt quantizer's statistics depend only on the inputs it sees, in the order it sees them, so a block replayed
+    on the inputs the whole model's forward would feed it, in that order, calibrates to the same scales
+    (h3trt/calibration/layerwise.py). The record is `calibrate`'s: its passes count the algorithm's passes over the
+    data."""
+    _check_forward(recipe, replay is not None)
+    blocks: list[Block | None] = [None] * num_layers
+    blocks[index] = block
+    tree = calibration_tree(blocks, recipe)
+    core, passes = attention_core(tree, index), []
+
+    def forward_loop(_tree):
+        passes.append(len(passes) + 1)
+        replay(core, len(passes) == FORWARD_PASSES[recipe.calib_algo])
+
+    calibration = _run_modelopt(tree, recipe, block.norm1.weight.device, forward_loop if replay else None, passes)
+    if replay is not None and len(passes) != FORWARD_PASSES[recipe.calib_algo]:
+        raise RuntimeError(f"ModelOpt's {recipe.calib_algo} made {len(passes)} passes over block {index}'s data, not "
+                           f"the {FORWARD_PASSES[recipe.calib_algo]} FORWARD_PASSES says: the next block's inputs "
+                           "would be wrong (another ModelOpt release?).")
+    return calibration
+
+
+def _check_forward(recipe: QuantRecipe, given: bool) -> None:
+    if given != recipe.needs_calibration_data:
+        raise ValueError(f"--precision {recipe.precision} --calib-algo {recipe.calib_algo} "
+                         f"{'needs no data' if given else 'calibrates on data: give it a forward'}.")
+
+
+def _run_modelopt(tree: nn.Module, recipe: QuantRecipe, device: torch.device, forward_loop, passes: list) \
+        -> Calibration:
+    """`mtq.quantize` over `tree` with the recipe's config, then the checks, and the record of how it ran."""
+    config = modelopt_config(recipe, device)
+    mtq.quantize(tree, config, forward_loop)
     if recipe.calib_algo == "smoothquant":
         for m in tree.modules():
             if isinstance(m, TensorQuantizer) and m.num_bits == 8:

@@ -54,6 +54,22 @@ def center_rows(v_BSND: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return (v_BSND.float() - mu_B1ND).to(v_BSND.dtype), mu_B1ND
 
 
+def _same(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def centered_attention(q_BSND, k_BSND, v_BSND, q_in=_same, k_in=_same, v_in=_same) -> torch.Tensor:
+    """softmax(q k^T / sqrt(D)) v as FP8 attention's calibration runs it: v centered, SDPA over q_in(q), k_in(k),
+    v_in(v - mu), mu added back in fp32. The `*_in` are ModelOpt's quantizers (h3trt/calibration/calibrate.py), which
+    pass their input through while they calibrate; left out, this is the attention of the calibration's
+    trajectories. Returns [B, S, N, D] in q's dtype."""
+    from ..models.dit import sdpa_attention
+
+    v_centered, mu_B1ND = center_rows(v_BSND)
+    out = sdpa_attention(q_in(q_BSND), k_in(k_BSND), v_in(v_centered))
+    return (out.float() + mu_B1ND).to(q_BSND.dtype)
+
+
 def attention_calibration_tensors(q_BSND, k_BSND, v_BSND) -> dict[str, torch.Tensor]:
     """The tensors FP8 attention quantizes, by amax key (`attn.q`, `attn.k`, `attn.v`): v centered, as the block runs."""
     return {"q": q_BSND, "k": k_BSND, "v": center_rows(v_BSND)[0]}

@@ -9,6 +9,7 @@ can exclude more: whole blocks (served by a second, high-precision block segment
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 from ..errors import UserError
 from ..models.attention import kernels_for
@@ -42,6 +43,28 @@ ATTENTION_KERNELS = kernels_for(Precision.FP8)
 MODELOPT_VERSION = "0.47.0"
 MODELOPT_FIX = (f"pip install 'h3trt[calibration]' (nvidia-modelopt=={MODELOPT_VERSION}, pure Python on the CPU; "
                 "h3trt calibrates every FP8/NVFP4 bundle through it)")
+
+MAX_CALIB_PROMPTS = 64  # a calibration file is a handful of prompts; more is a wrong file, not more accuracy
+
+
+def read_prompts(path: Path) -> list[str]:
+    """One prompt per line; blank lines and lines starting with '#' are skipped."""
+    path = Path(path)
+    if not path.is_file():
+        raise UserError(f"--calib-prompts {path} does not exist; give a text file with one prompt per line.")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise UserError(f"--calib-prompts {path} cannot be read as UTF-8 text ({e}); pass a readable UTF-8 file with "
+                        "one prompt per line.") from None
+    prompts = [line.strip() for line in text.splitlines() if line.strip() and not line.startswith("#")]
+    if not prompts:
+        raise UserError(f"--calib-prompts {path} has no prompts (one per line; '#' starts a comment).")
+    if len(prompts) > MAX_CALIB_PROMPTS:
+        raise UserError(f"--calib-prompts {path} has {len(prompts)} prompts; at most {MAX_CALIB_PROMPTS} are used "
+                        "for calibration. Trim the file.")
+    return prompts
+
 
 def check_modelopt() -> str:
     """ModelOpt's version, or the error that names the fix; reads package metadata only (importing ModelOpt takes

@@ -1,6 +1,7 @@
 """The calibration's forward loop over real denoising trajectories of the model being built: each `--calib-prompts`
 prompt denoised as a seeded t2va request from the model pieces alone (text encoder, packing, noise, the sampler; no
-VAE, nothing written), a `--calib-steps`-point schedule with the bundle's shifts, at the bundle's first profile. The
+VAE, nothing written), a `--calib-steps`-point schedule (a distilled bundle: its family's rungs), at the bundle's first
+profile. The
 DiT attends through whatever attention the calibration hands the loop (h3trt/calibration/calibrate.py's cores).
 Apart from the ModelOpt driver so that it alone needs the text encoder's dependencies (transformers, Pillow)."""
 
@@ -21,16 +22,16 @@ from ..models.vsa_plan import VsaRun, VsaServing, vsa_call
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def trajectory_forward(model: H3DiT, component_root: Path, prompts: list[str], steps: int, width: int, height: int,
-                       seconds: float, shifts: tuple[float, float], log=print,
+def trajectory_forward(model: H3DiT, component_root: Path, prompts: list[str], schedule: Schedule, width: int,
+                       height: int, seconds: float, log=print,
                        vsa: VsaServing | None = None) -> Callable[[AttentionFn], None]:
-    """The forward loop over real trajectories: each prompt denoised as a seeded t2va request from the model pieces
-    alone (text encoder, packing, noise, sampler; no VAE), the DiT attending through the calibration's cores. A
-    FastH3-VSA model (`vsa`: its settings and kernel) attends with VSA, as it serves, the cores its dense attention."""
+    """The forward loop over real trajectories: each prompt denoised as a seeded t2va request on `schedule` (the
+    build's BuildConfig.calibration_schedule: a distilled bundle's own rungs) from the model pieces alone (text
+    encoder, packing, noise, sampler; no VAE), the DiT attending through the calibration's cores. A FastH3-VSA model
+    (`vsa`: its settings and kernel) attends with VSA, as it serves, the cores its dense attention."""
     device = model.condition_proj.weight.device
     geometry = Geometry(height, width, frames_for_duration(seconds))
     validate_canvas(height, width)
-    schedule = Schedule(steps, *shifts)
     quiet_transformers()
     text_encoder = H3TextEncoder.from_pretrained(component_root, device=device, dtype=model.dtype)
     runner = _Runner(model)
@@ -40,7 +41,7 @@ def trajectory_forward(model: H3DiT, component_root: Path, prompts: list[str], s
         for seed, prompt in enumerate(prompts):
             runner.vsa = VsaRun(vsa) if vsa is not None else None  # each trajectory's evaluations from 0
             t2va_trajectory(runner, text_encoder, prompt, seed, geometry, schedule, device)
-            log(f"  trajectory {seed + 1}/{len(prompts)}: {steps - 1} evaluations")
+            log(f"  trajectory {seed + 1}/{len(prompts)}: {schedule.num_evaluations} evaluations")
 
     return forward
 

@@ -52,6 +52,17 @@ def explain(message: str, prog: str) -> str:
 
 # Flag types: a value is checked when the arguments are read, before anything loads.
 
+def positive_float(text: str) -> float:
+    """An amount (GiB of memory): a finite number above 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = 0.0
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"takes a number above 0, got {text!r}")
+    return value
+
+
 def positive(text: str) -> int:
     """A count of ranks, groups or jobs: a whole number of at least 1."""
     try:

@@ -44,10 +44,13 @@ def cmd_run(args) -> int:
                             args.crf, args.quiet, args.overwrite)
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
+    from ..models.vsa_plan import vsa_settings
     from ..request.fields import flag_values
     from ..request.parts import ScheduleChoice, ScheduleValues
     from ..request.request import Request
 
+    if args.vsa_sparsity is not None:
+        vsa_settings(args.vsa_sparsity)  # its bounds, before anything loads
     entry = entry_from_args(args)  # the --adapter files checked first (a rank over a bundle's slots is that error)
     if args.adapter:  # it ran a plain clip, the adapter loaded and unused
         raise UserError(f"--adapter {args.adapter[0].name}=...: resident adapters run only for the requests that name "
@@ -62,7 +65,7 @@ def cmd_run(args) -> int:
     request = Request.of(given["prompt"], given["image"], given["last_image"], tuple(given["refs"]), given["seed"],
                          schedule.steps, given["width"], given["height"], given["duration"], schedule.video_shift,
                          schedule.audio_shift, given["guidance"], given["negative_prompt"], **speed,
-                         schedule_from=schedule.origin)
+                         vsa_sparsity=given["vsa_sparsity"], schedule_from=schedule.origin)
     return run_clip(entry, request, args.output, args.crf, args.overwrite, args.quiet, args.profile_step)
 
 
@@ -104,7 +107,8 @@ def check_batch_args(args) -> None:
                                             ("--mag-ratios", args.mag_ratios), ("--mag-calibrate", args.mag_calibrate),
                                             ("--sparse-attention", args.sparse_attention),
                                             ("--sparse-dense-steps", args.sparse_dense_steps),
-                                            ("--sparse-min-seq", args.sparse_min_seq))
+                                            ("--sparse-min-seq", args.sparse_min_seq),
+                                            ("--vsa-sparsity", args.vsa_sparsity))
                    if value is not None and value is not False]  # --cache-warmup 0 is stated too
     if per_request:
         raise UserError(f"{' '.join(per_request)} set one clip's speed profile; in a --requests file each line states "
@@ -137,7 +141,7 @@ def cmd_build(args) -> int:
                          lora_slots=args.lora_slots, lora_max_rank=args.lora_max_rank,
                          vsa_sparsity=args.vsa_sparsity, vsa_dense_first_steps=args.vsa_dense_first_steps,
                          vsa_dense_layers=tuple(args.vsa_dense_layers) if args.vsa_dense_layers else None,
-                         distilled=distilled_spec(args))
+                         distilled=distilled_spec(args), memory_budget=args.memory_budget)
     key = load_private_key(args.sign) if args.sign is not None else None  # a bad key fails before the build
     manifest = build(config, log=lambda m: print(f"h3trt build: {m}", file=sys.stderr),
                      sign=(lambda root: sign_bundle(root, key)) if key is not None else None)

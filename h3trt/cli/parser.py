@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .args import OneLineParser, crf, device, positive, shift_list, steps_list
+from .args import OneLineParser, crf, device, positive, positive_float, shift_list, steps_list
 
 VAE_PRECISION_HELP = ("video VAE precision: fp32 (the checkpoint's), bf16 (as the reference pipeline loads it, "
                       "load_components(dtype=torch.bfloat16): decoder blocks bf16, diffusers' _keep_in_fp32_modules - "
@@ -111,6 +111,9 @@ def _speed_arguments(p) -> None:
                              "are one)")
     sparse.add_argument(flag["sparse_min_seq"], type=int, metavar="ROWS",
                         help="attentions over fewer rows stay dense (default 4096)")
+    sparse.add_argument(flag["vsa_sparsity"], type=float, metavar="S",
+                        help="a FastH3-VSA model's VSA sparsity for this clip, 0 <= s < 1 (0: dense attention, the "
+                             "coarse branch kept; default: the model's; README, 'VSA')")
     cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
     cache.add_argument(flag["cache"], choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
                                                                        "predicts (default: off, or the profile's)")
@@ -330,6 +333,11 @@ def _build_parser(sub) -> None:
     p.add_argument("--cfg", type=positive, default=1, help="guidance-branch parallel degree the bundle is launched with: 1 "
                                                       "(default; H3 is guidance-distilled) or 2")
     _build_attention_arguments(p)
+    p.add_argument("--memory-budget", type=positive_float, metavar="GIB",
+                   help="device memory the build may hold at once, at most what the device has free (default: what "
+                        "it has free). The DiT goes onto the device whole where it fits in this, else a block at a "
+                        "time (the same bundle, bit for bit); a build that fits neither way is refused before "
+                        "anything loads, naming what it needs")
     p.add_argument("--overwrite", action="store_true", help="replace an existing bundle")
     p.add_argument("--sign", type=Path, metavar="KEY", help="sign the manifest with this Ed25519 private key (PEM; "
                                                             "`h3trt keygen KEY` makes one), writing manifest.sig")
@@ -354,8 +362,9 @@ def _build_attention_arguments(p) -> None:
                              "CPU fp8_emulated with --fp8-attention, else reference")
     vsa = p.add_argument_group("FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; README, 'VSA')")
     vsa.add_argument("--vsa-sparsity", type=float, metavar="S",
-                     help="share of video key tiles each video query tile skips, 0 <= s < 1 (default 0.9, FastH3 "
-                          "v1's; 0: dense attention, the coarse branch kept). Recorded in the manifest")
+                     help="share of video key tiles each video query tile skips, 0 <= s < 1 (default: what the "
+                          "checkpoint or --distilled file was distilled at, else 0.9, FastH3 v1's; 0: dense attention, "
+                          "the coarse branch kept). Recorded in the manifest; a request may state its own")
     vsa.add_argument("--vsa-dense-first-steps", type=int, metavar="N",
                      help="the first N denoise steps run dense (default 0)")
     vsa.add_argument("--vsa-dense-layers", type=int, nargs="+", metavar="I",

@@ -253,7 +253,8 @@ class Manifest:
             distilled=top.get("distilled", dict, optional=True),
             files={rel: FileRecord(meta["bytes"], tuple(meta["sha256_chunks"])) for rel, meta in files.items()},
             hash_chunk_bytes=top.positive("hash_chunk_bytes"), manifest_sha256=top.get("manifest_sha256", str))
-        if (manifest.vsa is not None) != manifest.model_config.vsa_gate:
+        gate = manifest.model_config.vsa_gate  # a distilled record's vsa (the file's gates) needs the gate too
+        if (manifest.vsa is not None) != gate or (not gate and (manifest.distilled or {}).get("vsa") is not None):
             raise top.error("vsa", "present exactly when model_config.vsa_gate is true (a FastH3-VSA bundle)")
         if manifest.backend == "tensorrt" and manifest.tensorrt is None:
             raise top.error("tensorrt", "an object (a tensorrt bundle records its plans' flavour and targets)")

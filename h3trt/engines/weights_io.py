@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import struct
 import threading
@@ -32,16 +33,12 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from ..models.checkpoint_stream import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
 
 HASH_CHUNK_BYTES = 64 << 20  # chunk of a bundle file hashed (and read) as one unit; recorded in the manifest
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 STAGING_BYTES = 64 << 20  # the writer's pinned buffer for device tensors
 
-DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+DTYPES = SAFETENSORS_DTYPES
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 
@@ -58,38 +55,92 @@ def write_safetensors(path: Path, tensors: dict[str, torch.Tensor], metadata: di
 
     Host memory stays at one pinned staging buffer whatever the file size. The file is written under a temporary name
     and renamed into place, so a reader never sees a half-written file."""
-    path = Path(path)
-    names = sorted(tensors, key=lambda n: (-tensors[n].element_size(), n))  # safetensors' order: aligned tensors
-    header, offset = {}, 0
-    if metadata:
-        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
-    for name in names:
-        t = tensors[name]
-        if t.dtype not in DTYPE_NAMES:
-            raise WeightsError(f"{name}: dtype {t.dtype} has no safetensors name.")
-        size = t.numel() * t.element_size()
-        header[name] = {"dtype": DTYPE_NAMES[t.dtype], "shape": list(t.shape), "data_offsets": [offset, offset + size]}
-        offset += size
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.partial")
-    staging = None
-    with open(tmp, "wb") as f:
-        f.write(struct.pack("<Q", len(raw)) + raw)
-        for name in names:
-            flat = tensors[name].detach().contiguous().reshape(-1).view(torch.uint8)
+    with SafetensorsWriter(path, {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()}, metadata) as writer:
+        for name in writer.names:
+            writer.write(name, tensors[name])
+    return writer.data_bytes
+
+
+class SafetensorsWriter:
+    """A safetensors file whose tensors are declared up front ({name: (dtype, shape)}) and written in any order, each
+    at its place: what a build that makes a file's tensors a block at a time writes (h3trt/build/stream.py). The bytes
+    are write_safetensors': the same header, tensors ordered by element size, then name (so each one is aligned).
+    Written under a temporary name; `close` checks that every tensor was written, then renames it into place (a
+    failure, or leaving the `with` by an exception, removes it)."""
+
+    def __init__(self, path: Path, specs: dict[str, tuple[torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None):
+        self.path = Path(path)
+        self.names = sorted(specs, key=lambda n: (-specs[n][0].itemsize, n))  # safetensors' order
+        header, offset, self.places = {}, 0, {}
+        if metadata:
+            header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+        for name in self.names:
+            dtype, shape = specs[name]
+            if dtype not in DTYPE_NAMES:
+                raise WeightsError(f"{name}: dtype {dtype} has no safetensors name.")
+            size = dtype.itemsize * math.prod(shape)
+            header[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape), "data_offsets": [offset, offset + size]}
+            self.places[name] = (dtype, tuple(shape), offset)
+            offset += size
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)
+        self.data_bytes, self.data_start = offset, 8 + len(raw)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.tmp = self.path.with_name(f".{self.path.name}.partial")
+        self.fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.written: set[str] = set()
+        self._staging = None
+        self._lock = threading.Lock()  # write() may be called from a writer thread
+        _pwrite_all(self.fd, memoryview(struct.pack("<Q", len(raw)) + raw), 0)
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """`tensor` (any device) at its place; it must have the declared dtype and shape."""
+        dtype, shape, offset = self.places[name]
+        if tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise WeightsError(f"{name}: declared {dtype} {list(shape)}, given {tensor.dtype} {list(tensor.shape)}.")
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        at = self.data_start + offset
+        with self._lock:
             if flat.device.type == "cpu":
-                f.write(memoryview(flat.numpy()))
-                continue
-            if staging is None:
-                staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
-            for start in range(0, flat.numel(), STAGING_BYTES):
-                piece = flat[start:start + STAGING_BYTES]
-                staging[:piece.numel()].copy_(piece)  # synchronous: the buffer is reused at once
-                f.write(memoryview(staging[:piece.numel()].numpy()))
-    os.replace(tmp, path)
-    return offset
+                _pwrite_all(self.fd, memoryview(flat.numpy()), at)
+            else:
+                if self._staging is None:
+                    self._staging = torch.empty(STAGING_BYTES, dtype=torch.uint8, pin_memory=True)
+                for start in range(0, flat.numel(), STAGING_BYTES):
+                    piece = flat[start:start + STAGING_BYTES]
+                    self._staging[:piece.numel()].copy_(piece)  # synchronous: the buffer is reused at once
+                    _pwrite_all(self.fd, memoryview(self._staging[:piece.numel()].numpy()), at + start)
+            self.written.add(name)
+
+    def close(self) -> None:
+        missing = [n for n in self.names if n not in self.written]
+        os.close(self.fd)
+        if missing:
+            os.unlink(self.tmp)
+            raise RuntimeError(f"{self.path.name}: {len(missing)} declared tensors were never written ({missing[:3]} "
+                               "...); the file was not written.")
+        os.replace(self.tmp, self.path)
+
+    def abort(self) -> None:
+        os.close(self.fd)
+        self.tmp.unlink(missing_ok=True)
+
+    def __enter__(self) -> "SafetensorsWriter":
+        return self
+
+    def __exit__(self, exc_type, *exc) -> bool:
+        if exc_type is None:
+            self.close()
+        else:
+            self.abort()
+        return False
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -167,7 +167,7 @@ class ModelSource:
         if self.kind.embedded:
             return None
         source = self.located("t2va")  # a full FastH3 export serves its sidecar's ladder
-        contract = checkpoint_contract(source.component_root, source.shifts)
+        contract = checkpoint_contract(source.component_root, source.shifts, source.config.vsa_gate)
         return contract[0] if contract is not None else None
 
     @property

@@ -406,10 +406,17 @@ def load_dit(
     task: str = "t2va",
     dtype: torch.dtype = torch.bfloat16,
     device: str | torch.device = "cpu",
+    supplied: dict[str, torch.Tensor] | None = None,
 ) -> tuple[H3DiT, TransformerSource]:
-    """Build the DiT on the meta device and load the checkpoint for `task` into it with assign=True."""
+    """Build the DiT on the meta device and load the checkpoint for `task` into it with assign=True. `supplied`:
+    parameters (native names) a distilled file assigns where the checkpoint has none (FastH3's VSA gates,
+    `.set_weight`): the model is built with them (H3Config.vsa_gate) and the strict load takes them as the
+    checkpoint's (the checkpoint's own tensor wins where it has one; the fusion assigns the file's after)."""
     source = locate_transformer(path, task)
     state = read_native_state_dict(source)
+    if supplied:
+        state = {**supplied, **state}
+        source = dataclasses.replace(source, config=with_vsa_gate(source.config, supplied))
     model = build_dit(source.config, dtype, device="meta")
     check_state_dict(model, state, str(source.files[0].parent if len(source.files) > 1 else source.files[0]))
     state = {k: v.to(device=device, dtype=parameter_dtype(k, dtype)) for k, v in state.items()}

@@ -17,18 +17,20 @@ Every family runs CFG off (guidance 1): each is guidance-distilled and was train
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
 from ..errors import UserError
 from .config import H3Config
-from .distilled_files import (FASTH3_FORMAT, DistilledError, Fusion, lora_fusion, read_fasth3, read_header,
-                              read_pdd)
+from .distilled_files import (FASTH3_FORMAT, GATE_FILE_SUFFIX, DistilledError, Fusion, lora_fusion, read_fasth3,
+                              read_header, read_pdd)
 from .distilled_schedule import (FASTH3_V1_RUNGS, PDD_BLOCKS, PDD_INTERVALS, FamilySchedule, fasth3_schedule,
                                  pdd_schedule, turbo_schedule)
 from .lora import TASK_COMPONENTS, route
-from .lora_file import REF2VA_COMPONENT, read_lora, sha256_of
+from .lora_file import PEFT_DUMP_LAYOUT, REF2VA_COMPONENT, LoraFile, read_lora, sha256_of
 from .sampler import Schedule, key_values, schedule_value
+from .vsa_plan import DEFAULT_VSA_SPARSITY, trained_vsa
 
 FAMILIES = ("fasth3", "turbo", "pdd")
 TURBO_DEFAULT_ALPHA = 8.0  # ModelTC/Minimax-H3-Turbo inference_minimax_h3.py's default (vllm-omni #7062 review)
@@ -40,6 +42,9 @@ TURBO_RELEASES = {
 }
 TURBO_TABLE = ("LightX2V's table: the 4-step v0.1 and 544p files steps=5 or 9 at 12/3; the 768p files 6/3; the ref2v "
                "8-step 768p file is 6/3 per ModelTC #15 and 12/3 per diffusers-workflow #149 (the sources conflict)")
+# Where a fastvideo-lora-v2 file's VSA sparsity comes from: its header states none, and the files are FastH3 4-step
+# Preview v1's (the VSA-DataFree variant was distilled and is served at 0.9)
+FASTH3_LORA_VSA = "FastH3 4-step Preview v1 (a fastvideo-lora-v2 file's VSA gates; its header states no sparsity)"
 METADATA_KEYS = {"steps": "h3trt.steps", "video_shift": "h3trt.video_shift", "audio_shift": "h3trt.audio_shift"}
 
 
@@ -129,7 +134,9 @@ def plan_distilled(spec: DistilledSpec, task: str | None = None) -> "DistilledSe
     family = spec.family or detect_family(spec.path, header, keys)
     _refuse_keys(spec, family)
     if family == "fasth3":
-        serving = DistilledServing("fasth3", fasth3_schedule(FASTH3_V1_RUNGS, grid=spec.grid or "rungs"), ("t2va",))
+        gates = any(k.endswith(GATE_FILE_SUFFIX) for k in keys)  # FastH3-VSA: the file sets every block's gate
+        serving = DistilledServing("fasth3", fasth3_schedule(FASTH3_V1_RUNGS, grid=spec.grid or "rungs"), ("t2va",),
+                                   trained_vsa(DEFAULT_VSA_SPARSITY, FASTH3_LORA_VSA) if gates else None)
     elif family == "pdd":
         forwards = (spec.steps or 9) - 1
         if forwards not in PDD_BLOCKS:
@@ -195,16 +202,29 @@ def _load_pdd(spec: DistilledSpec, serving: "DistilledServing", cfg: H3Config, h
 
 def _turbo_fusion(spec: DistilledSpec, cfg: H3Config, task: str) -> Fusion:
     lora = read_lora(spec.path, cfg.head_dim)
-    _, modules = route(lora, task)
     if lora.alpha_given and spec.alpha is not None:
         raise UserError(f"--distilled {spec.path}@alpha={spec.alpha:g}: the file states its own alpha "
                         f"({lora.alpha_rule}); drop alpha.")
-    if lora.alpha_given:
-        return lora_fusion(lora, modules, cfg, lora.alpha_rule)
-    alpha = spec.alpha or TURBO_DEFAULT_ALPHA
-    why = "FILE@alpha" if spec.alpha else "LightX2V's reference default: its header has none"
-    return lora_fusion(lora, modules, cfg, f"alpha {alpha:g} ({why}) / rank",
-                       lambda m, a=alpha: a / m.up.shape[1])
+    lora = turbo_alpha(lora, spec.alpha, "FILE@alpha" if spec.alpha else None, declared=True)
+    _, modules = route(lora, task)
+    return lora_fusion(lora, modules, cfg, lora.alpha_rule)
+
+
+def turbo_alpha(lora: LoraFile, alpha: float | None = None, why: str | None = None,
+                declared: bool = False) -> LoraFile:
+    """A LightX2V Turbo file whose header states no alpha at its family's scale: `alpha` (else LightX2V's reference
+    script's TURBO_DEFAULT_ALPHA) / rank per module, as every stack that runs Turbo applies it (SGLang, vLLM-Omni,
+    LightX2V), where diffusers' alpha-less rule (alpha == rank) would merge it 16x too strong. `declared`: the caller
+    knows it is Turbo (--distilled); else a Turbo file is a peft state-dict dump (`.default.` keys: LightX2V's layout).
+    Any other file, or one that states its alpha, is returned as it is. `--adapter` and `--distilled` apply it;
+    `--lora` merges as diffusers loads a file (the oracle)."""
+    if lora.alpha_given or not (declared or lora.layout == PEFT_DUMP_LAYOUT):
+        return lora
+    alpha = alpha or TURBO_DEFAULT_ALPHA
+    components = {prefix: {name: dataclasses.replace(m, scaling=alpha / m.up.shape[1]) for name, m in modules.items()}
+                  for prefix, modules in lora.components.items()}
+    why = why or "LightX2V's reference default: a Turbo file whose header has none"
+    return dataclasses.replace(lora, components=components, alpha_rule=f"alpha {alpha:g} ({why}) / rank")
 
 
 def _turbo_schedule(spec: DistilledSpec, header: dict[str, str]) -> tuple[int, tuple[float, float]]:
@@ -233,11 +253,17 @@ class DistilledServing:
     family: str
     plan: FamilySchedule
     tasks: tuple[str, ...]
+    # FastH3-VSA (a file that sets the gates, an export whose blocks carry them): the sparsity and tiles it was
+    # distilled at (vsa_plan.trained_vsa); what the model serves is the manifest's `vsa` (vsa_plan.served_vsa_settings)
+    vsa: dict | None = None
 
     def record(self) -> dict:
         return {"family": self.family, "schedule": schedule_json(self.plan.schedule), "tasks": list(self.tasks),
-                "other_steps": self.plan.other_steps, "shifts_fixed": self.plan.shifts_fixed,
-                "vsa": None}  # the VSA settings (issue 47 item 4) are recorded here once VSA serves them
+                "other_steps": self.plan.other_steps, "shifts_fixed": self.plan.shifts_fixed, "vsa": self.vsa}
+
+    def with_gates(self, cfg: H3Config) -> H3Config:
+        """The model config this file makes of a checkpoint's `cfg`: a FastH3-VSA file's gates turn vsa_gate on."""
+        return dataclasses.replace(cfg, vsa_gate=True) if self.vsa is not None else cfg
 
     @classmethod
     def from_record(cls, record: dict) -> "DistilledServing":
@@ -247,7 +273,7 @@ class DistilledServing:
                             tuple(s["rungs"]) if s.get("rungs") is not None else None)
         fix = pdd_schedule(schedule.steps - 1).fix.replace("load the file", "rebuild") if record["family"] == "pdd" else ""
         return cls(record["family"], FamilySchedule(schedule, record["other_steps"], record["shifts_fixed"], fix),
-                   tuple(record["tasks"]))
+                   tuple(record["tasks"]), record.get("vsa"))
 
     @property
     def adapters_refusal(self) -> str | None:

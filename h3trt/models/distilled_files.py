@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
+from .checkpoint import VSA_GATE_KEY
 from .checkpoint_names import native_name
 from .config import H3Config
 from .lora import native_target
@@ -42,6 +43,8 @@ FASTH3_SUFFIXES = ((".lora_A.weight", "lora_A"), (".lora_B.weight", "lora_B"), (
                    (".diff_b", "diff_b"), (".diff_m", "diff_m"), (".diff", "diff"))
 PDD_HEADS = {"proj_out": "video_out", "audio_proj_out": "audio_out"}  # the bank's names -> FinalLayer's heads
 PDD_HEADER = ("lora_rank", "lora_alpha", "pdd_num_steps", "pdd_block_size")
+GATE_SUFFIX = VSA_GATE_KEY  # the VSA gate's native name (H3Config.vsa_gate's parameter)
+GATE_FILE_SUFFIX = ".attn.to_gate_compress.set_weight"  # a FastH3-VSA file's gate: assigned whole
 
 
 class DistilledError(UserError):
@@ -71,6 +74,11 @@ class Fusion:
     patches: dict[str, Patch] = field(default_factory=dict)
     heads: dict[str, tuple[torch.Tensor, torch.Tensor]] | None = None
     counts: dict[str, int] = field(default_factory=dict)
+
+    def assigned(self) -> dict[str, torch.Tensor]:
+        """The parameters the file assigns whole (FastH3's `.set_weight`: the VSA gates), by native name: what a
+        base checkpoint without them takes from the file to build a FastH3-VSA model (checkpoint.load_dit)."""
+        return {name: p.assign for name, p in self.patches.items() if p.assign is not None}
 
     def record(self) -> dict:
         """What a manifest or a clip record keeps about the file."""
@@ -146,6 +154,11 @@ def read_fasth3(path: Path, cfg: H3Config, header: dict[str, str]) -> Fusion:
     for module, parts in sorted(roles.items()):
         _fasth3_module(fusion, module, parts, cfg, seen)
     _check_counts(path, header, seen)
+    gates = sum(name.endswith(GATE_SUFFIX) and p.assign is not None for name, p in fusion.patches.items())
+    if gates not in (0, cfg.num_layers):
+        raise DistilledError(f"--distilled {path} sets the VSA gate (attn.to_gate_compress.set_weight) of {gates} of "
+                             f"the {cfg.num_layers} main blocks; a FastH3-VSA file sets every block's (a partial "
+                             "export?): download it again, or use the dense variant.")
     fusion.counts = seen
     return fusion
 
@@ -236,13 +249,12 @@ def read_pdd(path: Path, cfg: H3Config, header: dict[str, str]) -> Fusion:
     return fusion
 
 
-def lora_fusion(lora, modules: dict, cfg: H3Config, scale_rule: str, scale_of=None) -> Fusion:
-    """A LoraFile's routed modules (lora.route) as a Fusion; `scale_of(module)`: the scaling to use in place of the
-    file's own (a family default alpha), None: the file's."""
+def lora_fusion(lora, modules: dict, cfg: H3Config, scale_rule: str) -> Fusion:
+    """A LoraFile's routed modules (lora.route) as a Fusion, each at its scaling (a family's alpha already applied:
+    distilled.turbo_alpha)."""
     fusion = Fusion(Path(lora.path), lora.sha256, lora.layout, scale_rule, {})
     for module, factors in sorted(modules.items()):
         name, rows, swap = native_target(module, cfg)
-        scale = factors.scaling if scale_of is None else scale_of(factors)
-        _patch(fusion.patches, name).low_rank.append((factors.down, factors.up, scale, rows, swap))
+        _patch(fusion.patches, name).low_rank.append((factors.down, factors.up, factors.scaling, rows, swap))
     fusion.counts = {"modules": len(modules)}
     return fusion

@@ -14,10 +14,8 @@ from typing import Callable, Mapping
 import torch
 
 from .distilled import Distilled
-from .distilled_files import DistilledError, Fusion, Patch
+from .distilled_files import GATE_SUFFIX, DistilledError, Fusion, Patch
 from .pdd import HEAD_WEIGHTS, StepHeads
-
-GATE_SUFFIX = ".attn.to_gate_compress.weight"  # the VSA gate's native name (issue 47 item 4 adds the parameter)
 
 
 def check_fusion(fusion: Fusion, params: Mapping[str, torch.Tensor],
@@ -30,9 +28,9 @@ def check_fusion(fusion: Fusion, params: Mapping[str, torch.Tensor],
             continue
         if name not in params:
             if name.endswith(GATE_SUFFIX):
-                raise DistilledError(f"--distilled {path} sets {name}, a VSA gate, but this h3trt's DiT has no VSA "
-                                     "gate parameter (attn.to_gate_compress, issue 47 item 4, not yet in this build): "
-                                     "use the file's dense variant (dense-datafree), or an h3trt with VSA.")
+                raise DistilledError(f"--distilled {path} changes {name}, a VSA gate, but this model has none: only "
+                                     "a file that sets every gate (.set_weight) makes a FastH3-VSA model of a base "
+                                     "checkpoint; one that adds to the gates needs a FastH3-VSA checkpoint.")
             raise DistilledError(f"--distilled {path} names {name}, which the H3 DiT does not have: a file for "
                                  "another model?")
         target = params[name]

@@ -49,8 +49,8 @@ def diffusers_shapes(cfg: H3Config) -> dict[str, tuple[int, ...]]:
 
 def _factors(gen, shape, rank, dtype, size=0.02):
     out, inp = shape
-    return ((torch.randn(rank, inp, generator=gen) / inp ** 0.5).to(dtype),
-            (size * torch.randn(out, rank, generator=gen) / rank ** 0.5).to(dtype))
+    return ((torch.randn(rank, inp, generator=gen, device=gen.device) / inp ** 0.5).to(dtype),
+            (size * torch.randn(out, rank, generator=gen, device=gen.device) / rank ** 0.5).to(dtype))
 
 
 def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> Path:
@@ -63,9 +63,10 @@ def _save(path: Path, tensors: dict[str, torch.Tensor], metadata: dict[str, str]
 
 
 def fasth3_tensors(cfg: H3Config, seed: int = 0, rank: int = 4, gates: bool = False,
-                   dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
-    """FastVideo's extractor's split: 2-D block weights factored, everything else an exact fp32 delta; gates set."""
-    gen = torch.Generator().manual_seed(seed)
+                   dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """FastVideo's extractor's split: 2-D block weights factored, everything else an exact fp32 delta; gates set (the
+    VSA variant). Drawn on `device` (a full-size file's 3.85 GB of gates: the GPU), returned on the CPU."""
+    gen = torch.Generator(device).manual_seed(seed)
     out = {}
     for name, shape in sorted(diffusers_shapes(cfg).items()):
         module, _, kind = name.rpartition(".")
@@ -73,12 +74,13 @@ def fasth3_tensors(cfg: H3Config, seed: int = 0, rank: int = 4, gates: bool = Fa
         if is_block and kind == "weight" and len(shape) == 2:
             out[f"{module}.lora_A.weight"], out[f"{module}.lora_B.weight"] = _factors(gen, shape, rank, dtype)
         else:
-            out[f"{module}.{'diff' if kind == 'weight' else 'diff_b'}"] = 0.02 * torch.randn(shape, generator=gen)
+            out[f"{module}.{'diff' if kind == 'weight' else 'diff_b'}"] = 0.02 * torch.randn(shape, generator=gen,
+                                                                                             device=gen.device)
     if gates:
         for i in range(cfg.num_layers):
-            out[f"transformer_blocks.{i}.attn.to_gate_compress.set_weight"] = (
-                torch.randn(cfg.inner_dim, cfg.hidden_size, generator=gen) / cfg.hidden_size ** 0.5).to(dtype)
-    return out
+            out[f"transformer_blocks.{i}.attn.to_gate_compress.set_weight"] = (torch.randn(
+                cfg.inner_dim, cfg.hidden_size, generator=gen, device=gen.device) / cfg.hidden_size ** 0.5).to(dtype)
+    return {k: v.cpu() for k, v in out.items()}
 
 
 def fasth3_header(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, str]:
@@ -91,8 +93,8 @@ def fasth3_header(tensors: dict[str, torch.Tensor], rank: int) -> dict[str, str]
 
 
 def write_fasth3(path: Path, cfg: H3Config, seed: int = 0, rank: int = 4, gates: bool = False,
-                 dtype: torch.dtype = torch.float32) -> Path:
-    tensors = fasth3_tensors(cfg, seed, rank, gates, dtype)
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> Path:
+    tensors = fasth3_tensors(cfg, seed, rank, gates, dtype, device)
     return _save(path, tensors, fasth3_header(tensors, rank))
 
 
@@ -138,8 +140,8 @@ def turbo_tensors(cfg: H3Config, seed: int = 0, rank: int = 8, root: bool = True
 
 def write_turbo(path: Path, cfg: H3Config, seed: int = 0, rank: int = 8, alpha: float | None = None,
                 root: bool = True, metadata: dict[str, str] | None = None,
-                dtype: torch.dtype = torch.float32) -> Path:
+                dtype: torch.dtype = torch.float32, refiner: bool = True) -> Path:
     header = dict(metadata or {})
     if alpha is not None:
         header["alpha"] = str(alpha)
-    return _save(path, turbo_tensors(cfg, seed, rank, root, dtype=dtype), header)
+    return _save(path, turbo_tensors(cfg, seed, rank, root, refiner, dtype), header)

@@ -112,41 +112,63 @@ def merge_loras(model: torch.nn.Module, specs: list[LoraSpec] | tuple[LoraSpec, 
     """Merge every LoRA into `model` (an H3DiT) in place, in order; returns one record per file for the manifest or
     the clip record. Each delta, up [out, r] @ down [r, in] * scaling * scale onto a weight (or its rows) [out, in],
     is computed in fp32 and the weight rounded once, after all LoRAs are added."""
-    cfg: H3Config = model.cfg
     params = dict(model.named_parameters())
-    deltas: dict[str, torch.Tensor] = {}
-    records = []
-    for spec in specs:
-        lora = read_lora(spec.path, cfg.head_dim)
-        prefix, modules = route(lora, task)
-        for module, factors in modules.items():
-            name, rows, swap = native_target(module, cfg)
-            if name not in params:
-                raise LoraError(f"--lora {spec.path}: {prefix}.{module} names no Linear of the H3 DiT (it would be "
-                                f"{name}); is this a LoRA for another model?")
-            target = params[name] if rows is None else params[name][rows]
-            shape = (factors.up.shape[0], factors.down.shape[1])
-            if shape != tuple(target.shape):
-                if ".adaln_proj." in name and factors.down.shape[1] != cfg.time_embed_dim:
-                    raise LoraError(pruned_message(spec.path, f"its {name.removesuffix('.weight')} LoRA takes "
-                                                    f"{factors.down.shape[1]} inputs; the unpruned adaln_proj takes "
-                                                    f"{cfg.time_embed_dim}"))
-                raise LoraError(f"--lora {spec.path}: {prefix}.{module} is [{shape[0]}, {shape[1]}] but the model's "
-                                f"{name}{'' if rows is None else ' rows'} are {list(target.shape)}; this LoRA is for "
-                                "another model size.")
-            delta = (factors.up.float() @ factors.down.float()) * (factors.scaling * spec.scale)
+    merge = LoraMerge(specs, task, model.cfg, {name: tuple(p.shape) for name, p in params.items()})
+    for name in merge.targets:
+        params[name].data = merge.merged(name, params[name].data)
+    return merge.records
+
+
+class LoraMerge:
+    """The LoRA files of a merge, read, routed and checked against the model's weight shapes (every refusal before any
+    weight changes), each weight's delta made when that weight is merged: `merge_loras` merges them all at once, a
+    build that materializes one block at a time (h3trt/build/stream.py) merges each block's as it arrives. Either way
+    a weight's delta sums its LoRAs' terms in the same order, so the merged bytes are the same."""
+
+    def __init__(self, specs: list[LoraSpec] | tuple[LoraSpec, ...], task: str, cfg: H3Config,
+                 shapes: dict[str, tuple[int, ...]]):
+        self.shapes = shapes
+        self.targets: dict[str, list[tuple]] = {}  # weight -> [(factors, rows, swap, scale)], in merge order
+        self.records = []
+        for spec in specs:
+            lora = read_lora(spec.path, cfg.head_dim)
+            prefix, modules = route(lora, task)
+            for module, factors in modules.items():
+                name, rows, swap = native_target(module, cfg)
+                if name not in shapes:
+                    raise LoraError(f"--lora {spec.path}: {prefix}.{module} names no Linear of the H3 DiT (it would be "
+                                    f"{name}); is this a LoRA for another model?")
+                target = shapes[name] if rows is None else (rows.stop - rows.start, *shapes[name][1:])
+                shape = (factors.up.shape[0], factors.down.shape[1])
+                if shape != tuple(target):
+                    if ".adaln_proj." in name and factors.down.shape[1] != cfg.time_embed_dim:
+                        raise LoraError(pruned_message(spec.path, f"its {name.removesuffix('.weight')} LoRA takes "
+                                                        f"{factors.down.shape[1]} inputs; the unpruned adaln_proj "
+                                                        f"takes {cfg.time_embed_dim}"))
+                    raise LoraError(f"--lora {spec.path}: {prefix}.{module} is [{shape[0]}, {shape[1]}] but the "
+                                    f"model's {name}{'' if rows is None else ' rows'} are {list(target)}; this LoRA "
+                                    "is for another model size.")
+                self.targets.setdefault(name, []).append((factors, rows, swap, spec.scale))
+            self.records.append({"file": spec.path.name, "path": str(spec.path), "sha256": lora.sha256,
+                                 "scale": spec.scale, "layout": lora.layout, "alpha": lora.alpha_rule,
+                                 "component": prefix,
+                                 "partition": "Ref2VA" if TASK_COMPONENTS[task] == REF2VA_COMPONENT else "FL2VA",
+                                 "modules": len(modules)})
+
+    def delta(self, name: str) -> torch.Tensor:
+        """The fp32 sum of every LoRA's term on weight `name`, in merge order: [out, in]."""
+        full = torch.zeros(self.shapes[name], dtype=torch.float32)
+        for factors, rows, swap, scale in self.targets[name]:
+            delta = (factors.up.float() @ factors.down.float()) * (factors.scaling * scale)
             if swap:
                 delta = torch.cat(delta.chunk(2, dim=0)[::-1])
-            full = deltas.setdefault(name, torch.zeros(params[name].shape, dtype=torch.float32))
             if rows is None:
                 full += delta
             else:
                 full[rows] += delta
-        records.append({"file": spec.path.name, "path": str(spec.path), "sha256": lora.sha256, "scale": spec.scale,
-                        "layout": lora.layout, "alpha": lora.alpha_rule, "component": prefix,
-                        "partition": "Ref2VA" if TASK_COMPONENTS[task] == REF2VA_COMPONENT else "FL2VA",
-                        "modules": len(modules)})
-    for name, delta in deltas.items():
-        param = params[name]
-        param.data = (param.data.float() + delta.to(param.device)).to(param.dtype)
-    return records
+        return full
+
+    @torch.no_grad()
+    def merged(self, name: str, weight: torch.Tensor) -> torch.Tensor:
+        """`weight` with the LoRAs added: in fp32 on the weight's device, rounded once to its dtype."""
+        return (weight.float() + self.delta(name).to(weight.device)).to(weight.dtype)

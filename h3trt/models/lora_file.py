@@ -40,6 +40,7 @@ ORIGINAL_PREFIXES = ("diffusion_model.", "blocks.", "token_refiner.blocks.", "fi
 PRUNED_MARKERS = ("adaln_t_table", "adaln_basis", "adaln_mean", "time_embedder.table")
 ADAPTER_METADATA_KEY = "lora_adapter_metadata"  # diffusers' own LoraConfig record in a file it wrote
 PEFT_ROOT = "base_model.model."  # peft's PeftModel root, which a dump of its state dict keeps (LightX2V's Turbo)
+PEFT_DUMP_LAYOUT = "peft (diffusers names, no component prefix)"  # a peft state-dict dump: LightX2V's Turbo files
 
 # musubi-tuner's flattened module names -> dotted original names (the reference's vocabulary, in its order).
 _FLATTENED = [
@@ -182,7 +183,7 @@ def _diffusers_names(state: dict[str, torch.Tensor], head_dim: int, path: Path) 
     if is_original:
         layout, state = convert_original(state, head_dim, path)
     elif is_peft_dump:
-        layout = "peft (diffusers names, no component prefix)"
+        layout = PEFT_DUMP_LAYOUT
         state = {f"{FL2VA_COMPONENT}.{k.removeprefix(PEFT_ROOT).replace('.default.', '.')}": v
                  for k, v in state.items()}
     else:

@@ -182,9 +182,18 @@ def fa4_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G) -> 
     return out.contiguous()
 
 
+# The warm-up's check of a kernel against the fp32 reference on the same inputs: max |out - ref| over the real rows,
+# relative to max |ref|, by the kernel's dtype (bf16 rounds its output and P at ~4e-3; a kept tile dropped, a pad row
+# attended or a ragged edge misread moves the output by tenths).
+WARM_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 3e-2}
+
+
 def warm_vsa_kernel(kernel: str, device, heads: int, head_dim: int, dtype: torch.dtype) -> None:
     """Run `kernel` once on a ragged geometry with sparse and dense query tiles (batch 1 and 2), so that its JIT
-    (CuTe, Inductor) compiles at load, never at a request; raises where the device cannot run it."""
+    (CuTe, Inductor) compiles at load, never at a request, and check its output against the fp32 reference on the
+    same inputs (WARM_TOLERANCE): FA4's mask_mod plumbing is tested on the CPU against a stand-in of FA4 only, so a
+    GPU whose FA4 reads the masks otherwise fails here, not in a clip. Raises where the device cannot run it or its
+    output differs."""
     from .vsa import route_tiles
 
     problem = vsa_kernel_problem(kernel, device)
@@ -199,6 +208,20 @@ def warm_vsa_kernel(kernel: str, device, heads: int, head_dim: int, dtype: torch
             index, sparse_G = route_tiles(scores, 2, 0.5)
             q, k, v = (torch.randn(batch, G * VSA_TILE_ROWS, heads, head_dim, generator=generator).to(device, dtype)
                        for _ in range(3))
-            vsa_block_attention(q, k, v, index, sparse_G, sizes, kernel)
+            out = vsa_block_attention(q, k, v, index, sparse_G, sizes, kernel)
+            if kernel != "reference":
+                _check_warm_output(kernel, out, (q, k, v), index, sparse_G, sizes)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _check_warm_output(kernel: str, out_BPND, qkv, index_BNGT, sparse_G, sizes_G) -> None:
+    want = reference_vsa_attention(*(t.float() for t in qkv), index_BNGT, sparse_G, sizes_G)
+    real = key_valid(sizes_G)  # pad query rows compute what nobody reads
+    err = (out_BPND[:, real].float() - want[:, real]).abs().max().item()
+    scale = want[:, real].abs().max().item()
+    bound = WARM_TOLERANCE.get(out_BPND.dtype, 3e-2) * scale
+    if not err <= bound:  # NaN fails too
+        raise ValueError(f"its output differs from the fp32 reference on the warm-up tiles (max error {err:.3g}, "
+                         f"allowed {bound:.3g} at {str(out_BPND.dtype).removeprefix('torch.')}): this install's "
+                         "kernel does not compute VSA's masks as h3trt passes them")

@@ -14,6 +14,7 @@ Shape legend: B batch, S rows, N heads, D head dim.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 
@@ -23,7 +24,7 @@ from ..errors import UserError
 from .packing import PackedLayout
 from .vsa import vsa_attention
 from .vsa_kernels import VSA_KERNELS, vsa_block_attention, vsa_kernel_problem, warm_vsa_kernel
-from .vsa_tiles import layout_geometry
+from .vsa_tiles import VSA_TILE_ROWS, layout_geometry
 
 DEFAULT_VSA_SPARSITY = 0.9  # FastH3 4-step v1's (the VSA-DataFree export, trained and served at 0.9)
 
@@ -36,10 +37,14 @@ class VsaSettings:
     sparsity: float = DEFAULT_VSA_SPARSITY
     dense_first_steps: int = 0
     dense_layers: tuple[int, ...] = ()
+    # Where the sparsity came from (served_vsa_settings: the file it was distilled at, a flag, a request): what the
+    # records say, not what runs (two settings differing only here are equal)
+    sparsity_from: str | None = dataclasses.field(default=None, compare=False)
 
     def to_dict(self) -> dict:
         return {"sparsity": self.sparsity, "dense_first_steps": self.dense_first_steps,
-                "dense_layers": list(self.dense_layers)}
+                "dense_layers": list(self.dense_layers),
+                **({"sparsity_from": self.sparsity_from} if self.sparsity_from is not None else {})}
 
 
 @dataclass(frozen=True)
@@ -49,17 +54,22 @@ class VsaServing:
 
     settings: VsaSettings
     kernel: str  # one of models/vsa_kernels.py VSA_KERNELS
+    # The faster kernels the choice left out on the build device, each with why (choose_vsa_kernel): recorded, so a
+    # bundle that serves flex or reference says why not fa4
+    left_out: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict:
-        return {**self.settings.to_dict(), "kernel": self.kernel}
+        return {**self.settings.to_dict(), "kernel": self.kernel, **({"left_out": self.left_out} if self.left_out
+                                                                      else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "VsaServing":
         """From `to_dict`'s object; ValueError (UserError) names what is wrong."""
         if not isinstance(data, dict) or data.get("kernel") not in VSA_KERNELS:
             raise ValueError(f"a VSA record has a kernel, one of {list(VSA_KERNELS)}; got {data!r}.")
-        return cls(vsa_settings(data.get("sparsity"), data.get("dense_first_steps"), data.get("dense_layers")),
-                   data["kernel"])
+        settings = vsa_settings(data.get("sparsity"), data.get("dense_first_steps"), data.get("dense_layers"))
+        return cls(dataclasses.replace(settings, sparsity_from=data.get("sparsity_from")), data["kernel"],
+                   dict(data.get("left_out") or {}))
 
 
 def vsa_settings(sparsity: float | None = None, dense_first_steps: int | None = None,
@@ -82,14 +92,38 @@ def vsa_settings(sparsity: float | None = None, dense_first_steps: int | None = 
     return VsaSettings(float(sparsity), first, tuple(sorted(layers)))
 
 
-def choose_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, log=None) -> str:
-    """The first of fa4, flex, reference (in that order: fastest first) that loads and compiles on `device` for
-    `heads` heads (warm_vsa_kernel): chosen once, then recorded (a bundle's manifest) and never swapped. `log` gets
-    one line naming each kernel left out and why."""
+def trained_vsa(sparsity: float, source: str) -> dict:
+    """What a FastH3-VSA file or export says it was distilled at (a distilled record's `vsa`): its sparsity (a
+    default for the served one, not a bound: served_vsa_settings), its 64-token tiles, and where that was read."""
+    return {"trained_sparsity": float(sparsity), "tile_size": VSA_TILE_ROWS, "from": source}
+
+
+def served_vsa_settings(trained: dict | None, sparsity: float | None = None, dense_first_steps: int | None = None,
+                        dense_layers=None, num_layers: int | None = None) -> VsaSettings:
+    """The VSA a FastH3-VSA model serves: the stated values (build's --vsa-* flags) over the sparsity its file was
+    distilled at (`trained`: the distilled record's `vsa`; None: FastH3 v1's 0.9), saying where the sparsity came
+    from. The file's sparsity does not bind: FastVideo's fasth3-inference-contract "does not silently change ...
+    sparsity" (its loader leaves it to the run), so a flag that differs wins, and the record says so."""
+    base = trained["trained_sparsity"] if trained is not None else DEFAULT_VSA_SPARSITY
+    if sparsity is None:
+        source = trained["from"] if trained is not None else "FastH3 v1's default"
+    else:
+        source = "--vsa-sparsity" + (f" (the file was distilled at {base:g})" if sparsity != base else "")
+    settings = vsa_settings(base if sparsity is None else sparsity, dense_first_steps, dense_layers, num_layers)
+    return dataclasses.replace(settings, sparsity_from=source)
+
+
+def choose_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, log=None) -> tuple[str, dict[str, str]]:
+    """The first of fa4, flex, reference (in that order: fastest first) that loads, compiles and matches the fp32
+    definition on `device` for `heads` heads (warm_vsa_kernel), and each faster one left out with why: chosen once,
+    then recorded (a bundle's manifest) and never swapped. `log` gets one line naming each kernel left out and why:
+    a fallback is never silent."""
+    left_out = {}
     for kernel in VSA_KERNELS[::-1]:
         try:
-            return load_vsa_kernel(device, heads, head_dim, dtype, kernel)
+            return load_vsa_kernel(device, heads, head_dim, dtype, kernel), left_out
         except UserError as e:
+            left_out[kernel] = str(e)
             if log is not None:
                 log(f"VSA kernel {kernel} left out: {e}")
     raise AssertionError("the reference VSA kernel runs on every device")
@@ -171,19 +205,31 @@ class VsaCall:
         return attend
 
 
-def request_vsa_run(serving: VsaServing, subblock_asked: bool) -> VsaRun:
-    """A request's VsaRun on a FastH3-VSA model (refuse_subblock first)."""
-    refuse_subblock(serving, subblock_asked)
+def request_vsa_run(serving: VsaServing | None, subblock_asked: bool, sparsity: float | None = None) -> VsaRun | None:
+    """A request's VsaRun on a FastH3-VSA model (`serving`; None: the model is none, and so is the run), at the
+    request's `sparsity` where it states one (its vsa_sparsity; 0: dense attention, the coarse branch kept), else the
+    model's; check_vsa_request first."""
+    check_vsa_request(serving, subblock_asked, sparsity)
+    if serving is None:
+        return None
+    if sparsity is not None:
+        settings = dataclasses.replace(serving.settings, sparsity=vsa_settings(sparsity).sparsity,
+                                       sparsity_from="the request's vsa_sparsity")
+        serving = dataclasses.replace(serving, settings=settings)
     return VsaRun(serving)
 
 
-def refuse_subblock(serving: VsaServing, subblock_asked: bool) -> None:
-    """A request that asks a FastH3-VSA model for SubBlock's sparse attention: one line naming the fix."""
-    if subblock_asked:
+def check_vsa_request(serving: VsaServing | None, subblock_asked: bool, sparsity: float | None) -> None:
+    """A request that asks a FastH3-VSA model for SubBlock's sparse attention, or another model for a VSA sparsity:
+    one line naming the fix."""
+    if serving is not None and subblock_asked:
         raise UserError(f"this model is FastH3-VSA: its attention is VSA at its settings (sparsity "
                         f"{serving.settings.sparsity:g}), and SubBlock's sparse_attention does not apply to it. "
-                        "Drop it (VSA's sparsity is set at build: h3trt build --vsa-sparsity).",
-                        field="sparse_attention")
+                        "Drop it (VSA's sparsity per request: vsa_sparsity).", field="sparse_attention")
+    if serving is None and sparsity is not None:
+        raise UserError("vsa_sparsity sets a FastH3-VSA model's VSA, and this model has no VSA gate "
+                        "(attn.to_gate_compress). Drop it (block-sparse attention for any model: sparse_attention).",
+                        field="vsa_sparsity")
 
 
 def vsa_call(run, layout: PackedLayout, dense_fn) -> VsaCall:

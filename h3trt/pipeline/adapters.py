@@ -37,6 +37,7 @@ import torch
 from ..adapters.use import AdapterUse  # its home since issue 48; importers here move in its phase 2
 from ..errors import UserError
 from ..models.config import H3Config
+from ..models.distilled import turbo_alpha
 from ..models.lora import SCALE_RANGE, LoraScaleError, LoraSpec, native_target, route
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraRun, LoraSlots, SlotRecord
@@ -338,7 +339,8 @@ class ResidentAdapters:
                 raise ValueError(f"one evaluation asks for more adapters than the {self.slots.num_slots} slot(s) hold "
                                  "(admission bounds it by --lora-slots).")
             free = [self._held.pop(victims[0])]
-        self.slots.load(free[0], lora)  # checked whole before the slot is written
+        # a Turbo file at its family's alpha (an alpha-less one: 8 / rank), as --distilled fuses it
+        self.slots.load(free[0], turbo_alpha(lora))  # checked whole before the slot is written
         self._held[lora.sha256] = free[0]
         return free[0]
 

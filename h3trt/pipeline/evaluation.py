@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import torch
 
+from ..errors import UserError
 from ..models.packing import PackedLayout
 from ..models.sampler import Latents, Schedule
 from ..models.sparse_plan import SparseSettings
+from ..models.sparse_kernels import sparse_block
 from ..models.sparse_run import SparseRun
 from ..models.step_cache import StepCache
-from ..models.vsa_plan import VsaRun
+from ..models.vsa_plan import VsaRun, request_vsa_run
 from ..request.request import Request
 
 
@@ -32,6 +34,28 @@ def counted(model, sparse: SparseRun | VsaRun):
 def request_sparse_settings(request: Request) -> SparseSettings:
     """A request's checked sparse settings (request/parts.py Speed.sparse: the request keys' names in messages)."""
     return request.speed.sparse
+
+
+def sparse_run_for(dit, request: Request, device) -> SparseRun | VsaRun | None:
+    """A request's block-sparse attention over its evaluations on `dit` (the pipeline's runner): a FastH3-VSA model's
+    VSA on every request (at the request's vsa_sparsity where it states one), SubBlock's where the request asks for
+    it and the runner serves it, else None."""
+    settings = request_sparse_settings(request)
+    vsa = request_vsa_run(getattr(dit, "vsa", None), settings.enabled, request.speed.vsa_sparsity)
+    if vsa is not None:  # a FastH3-VSA model: VSA, never SubBlock
+        return vsa
+    if not settings.enabled:
+        return None
+    kernel, problem = getattr(dit, "sparse_kernel", None), getattr(dit, "sparse_problem", None)
+    tile = getattr(dit, "sparse_tile", None)
+    if kernel is None and problem is not None:
+        raise UserError(problem)
+    if kernel is None:
+        raise UserError("this engine serves no block-sparse attention (a TensorRT bundle's plans fuse their "
+                        "attention). Run the request with --sparse-attention 0 (or a dense profile: lossless, "
+                        "quality), on the checkpoint (--model), or on an inductor/aoti bundle built with "
+                        "--sparse-attention or --sp > 1.")
+    return SparseRun(settings, kernel, sparse_block(kernel, device), tile)
 
 
 def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:

@@ -20,16 +20,14 @@ from typing import Callable
 
 import torch
 
-from ..errors import UserError
 from ..media.output_files import DEFAULT_CRF, discard
 from ..models.audio_vae import AudioVAE
 from ..models.distilled import DistilledServing, DistilledSpec
 from ..models.lora import LoraSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
 from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
-from ..models.sparse_kernels import sparse_block
 from ..models.sparse_run import SparseRun
-from ..models.vsa_plan import VsaRun, request_vsa_run
+from ..models.vsa_plan import VsaRun
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
@@ -43,7 +41,7 @@ from ..request.request import Request
 from .prepare import Encoded, Prepared
 from .step_profile import StepProfiler
 from .evaluation import (check_finite, counted, lora_kwargs, new_step_cache, request_sparse_settings,
-                         same_layout)
+                         same_layout, sparse_run_for)
 
 
 @dataclass(frozen=True)
@@ -129,22 +127,8 @@ class H3Pipeline:
                                                loras, serve_adapters, prefetch_prompts), device, canvas, cfg_group)
 
     def new_sparse_run(self, request: Request) -> SparseRun | VsaRun | None:
-        """A request's block-sparse attention over its evaluations (a FastH3-VSA model's VSA: every request), or None."""
-        settings = request_sparse_settings(request)
-        if getattr(self.dit, "vsa", None) is not None:  # a FastH3-VSA model: VSA, never SubBlock
-            return request_vsa_run(self.dit.vsa, settings.enabled)
-        if not settings.enabled:
-            return None
-        kernel = getattr(self.dit, "sparse_kernel", None)
-        problem = getattr(self.dit, "sparse_problem", None)
-        if kernel is None and problem is not None:
-            raise UserError(problem)
-        if kernel is None:
-            raise UserError("this engine serves no block-sparse attention (a TensorRT bundle's plans fuse their "
-                            "attention). Run the request with --sparse-attention 0 (or a dense profile: lossless, "
-                            "quality), on the checkpoint (--model), or on an inductor/aoti bundle built with "
-                            "--sparse-attention or --sp > 1.")
-        return SparseRun(settings, kernel, sparse_block(kernel, self.device), getattr(self.dit, "sparse_tile", None))
+        """A request's block-sparse attention over its evaluations (evaluation.sparse_run_for), or None."""
+        return sparse_run_for(self.dit, request, self.device)
 
     def schedule(self, request: Request) -> Schedule:
         """A request's schedule: its steps and shifts (the model's where it states none); a distilled model's family

@@ -19,10 +19,9 @@ from ..calibration.vae_fp8 import load_video_vae_at
 from ..engines.bundle import Engine
 from ..engines.manifest import BundleError, read_manifest
 from ..models.audio_vae import AudioVAE
-from ..models.checkpoint import load_dit
-from ..errors import UserError
+from ..models.checkpoint import load_dit, locate_transformer
 from ..models.distilled import DistilledServing, DistilledSpec, load_distilled
-from ..models.distilled_contract import checkpoint_contract
+from ..models.distilled_contract import checkpoint_contract, refuse_export_base
 from ..models.distilled_merge import StepHeadRunner, merge_distilled, step_heads
 from ..models.dit import EagerDiT
 from ..models.lora import LoraSpec, merge_loras
@@ -32,7 +31,7 @@ from ..models.text_encoder import H3TextEncoder, quiet_transformers
 from ..models.vae_checkpoint import load_audio_vae
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
-from ..models.vsa_plan import VsaServing, VsaSettings, choose_vsa_kernel
+from ..models.vsa_plan import VsaServing, choose_vsa_kernel, served_vsa_settings
 from ..parallel.ulysses import UlyssesDiT
 from .adapters import AdapterSpec, ResidentAdapters, SlotShape
 from .records import ColdStart, process_started_unix, torch_bytecode
@@ -155,24 +154,29 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
     dtype = eager_dtype(device)
-    model, source = load_dit(model_root, task, dtype=dtype, device=device)
+    # The --distilled file first: a FastH3-VSA file's gates are parameters the model is built with (load_dit)
+    fused = None
+    if distilled is not None:
+        located = locate_transformer(model_root, task)
+        refuse_export_base(located.component_root, distilled.path)
+        fused = load_distilled(distilled, located.config, task)
+    model, source = load_dit(model_root, task, dtype=dtype, device=device,
+                             supplied=fused.fusion.assigned() if fused is not None else None)
     records = merge_loras(model, loras, task)
     shifts = source.shifts
-    fused = load_distilled(distilled, model.cfg, task) if distilled is not None else None
     serving, record = (fused.serving, merge_distilled(model, fused)) if fused is not None else (None, None)
-    contract = checkpoint_contract(source.component_root, shifts)  # a full FastH3 export: its own ladder
+    # a full FastH3 export: its own ladder (and VSA)
+    contract = checkpoint_contract(source.component_root, shifts, model.cfg.vsa_gate, task) if fused is None else None
     if contract is not None:
-        if fused is not None:
-            raise UserError(f"--distilled {distilled.path}: {model_root} is a distilled export already "
-                            "(fastvideo_inference.json); fuse files into a base checkpoint only.")
         serving, record = contract
     if serving is not None:
         shifts = (serving.plan.schedule.video_shift, serving.plan.schedule.audio_shift)
     sp = torch.distributed.get_world_size(sp_group) if sp_group is not None else 1
     heads = model.cfg.num_heads // sp
-    if model.cfg.vsa_gate:  # FastH3-VSA: VSA every evaluation at FastH3 v1's settings, its kernel warmed now
+    if model.cfg.vsa_gate:  # FastH3-VSA: VSA every evaluation at what its file was distilled at, its kernel warmed
         kernel, sparse_problem = None, None
-        vsa = VsaServing(VsaSettings(), choose_vsa_kernel(device, heads, model.cfg.head_dim, dtype, _note))
+        settings = served_vsa_settings(serving.vsa if serving is not None else None)
+        vsa = VsaServing(settings, *choose_vsa_kernel(device, heads, model.cfg.head_dim, dtype, _note))
     else:
         (kernel, sparse_problem), vsa = load_sparse_kernel(device, heads, model.cfg.head_dim, dtype), None
     dit = UlyssesDiT(model, sp_group, kernel, vsa) if sp_group is not None else EagerDiT(model, kernel, vsa)

@@ -18,7 +18,7 @@ from ..models.checkpoint import check_component_files
 from ..models.packing import frames_for_duration
 from ..models.sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT, Schedule, check_steps
 from ..models.text_encoder import TOKENIZER_DIR
-from ..models.vsa_plan import refuse_subblock
+from ..models.vsa_plan import check_vsa_request
 from .fields import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, Names
 from .request import Admitted, Request
 
@@ -182,8 +182,7 @@ def check_bundle_serves(manifest: Manifest, admitted: Admitted) -> None:
     before anything loads; the bundle's loaded pipeline asks it again as its last-line guard (pipeline/loading.py,
     of a request its media read: pipeline/prepare.py Prepared, which has the same request and geometry)."""
     req, geo, baked = admitted.request, admitted.geometry, manifest.schedule
-    if manifest.vsa is not None:
-        refuse_subblock(manifest.vsa, bool(req.speed.sparse_attention))
+    check_vsa_request(manifest.vsa, bool(req.speed.sparse_attention), req.speed.vsa_sparsity)
     s = req.schedule
     schedule = Schedule.resolve(s.steps, s.video_shift, s.audio_shift, (baked.video_shift, baked.audio_shift))
     # A schedule an adapter brought is the `lora` field's doing: the fix is there (or in stating the schedule).

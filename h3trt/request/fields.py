@@ -149,6 +149,9 @@ FIELDS = (
     RequestField("sparse_min_seq", {"type": "integer", "minimum": 1, "description": "shorter attentions stay dense "
                                                                                     "(4096)"},
                  flag="--sparse-min-seq"),
+    RequestField("vsa_sparsity", {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "description": "a "
+                                  "FastH3-VSA model's VSA sparsity (0: dense, the coarse branch kept; default: the "
+                                  "model's)"}, flag="--vsa-sparsity"),
     RequestField("lora", {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "scale": {"type": "number", "minimum": -MAX_LORA_SCALE, "maximum": MAX_LORA_SCALE}},
         "additionalProperties": False},

@@ -219,7 +219,7 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
                          None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str,
                                                                                  name=n.negative_prompt),
                          **with_bundle_sparse(request_profile_fields(data), defaults.sparse),
-                         lora=lora, schedule_from=schedule.origin)
+                         vsa_sparsity=_vsa_sparsity(data), lora=lora, schedule_from=schedule.origin)
     return RequestLine(number, rid, request)
 
 
@@ -251,6 +251,14 @@ def _typed(data: dict, key: str, kind, default=None, name: str | None = None):
     if isinstance(value, float) and not math.isfinite(value):
         raise UserError(f"{name or key} must be finite, got {value}.", field=key)
     return value
+
+
+def _vsa_sparsity(data: dict) -> float | None:
+    sparsity = _optional_float(data, "vsa_sparsity")
+    if sparsity is not None and not 0.0 <= sparsity < 1.0:
+        raise UserError(f"vsa_sparsity is the share of video key tiles a FastH3-VSA model skips, 0 <= s < 1 (0: "
+                        f"dense attention, the coarse branch kept), got {sparsity!r}.", field="vsa_sparsity")
+    return sparsity
 
 
 def _optional_float(data: dict, key: str, name: str | None = None) -> float | None:

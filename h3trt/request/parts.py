@@ -1,7 +1,7 @@
 """The parts of a request (h3trt/request/request.py `Request`), each a frozen dataclass with its JSON: what the user
 gave (`Inputs`), the canvas it asks for (`Canvas`), the schedule as its front door resolved it and where each value
 came from (`ScheduleChoice`, `ScheduleFrom`), classifier-free guidance (`Guidance`) and the speed settings a profile
-or the request chose (`Speed`: step cache and block-sparse attention). A request's adapters are h3trt/adapters/'s
+or the request chose (`Speed`: step cache, block-sparse attention and a FastH3-VSA model's sparsity). A request's adapters are h3trt/adapters/'s
 `AdapterUse`s. Beside them: how a model picks a canvas a request leaves out (`CanvasDefaults`), and some of a
 schedule's values (`ScheduleValues`: what a request or an adapter states), which `ScheduleChoice.resolve` turns into
 the request's schedule."""
@@ -198,13 +198,15 @@ class Speed:
     """What trades exactness for time, as the request or its profile chose (request/profiles.py): the step cache
     (None: every block of every evaluation runs) and block-sparse attention as stated (the fraction of key blocks
     skipped, 0: dense; the leading evaluations kept dense and the shortest attention made sparse, None: their
-    defaults), and the profile's name they came from (recorded; None: stated knob by knob, or none)."""
+    defaults), a FastH3-VSA model's VSA sparsity (None: the model's), and the profile's name they came from
+    (recorded; None: stated knob by knob, or none)."""
 
     profile: str | None = None
     cache: StepCacheConfig | None = None
     sparse_attention: float = 0.0
     sparse_dense_steps: int | None = None
     sparse_min_seq: int | None = None
+    vsa_sparsity: float | None = None  # a FastH3-VSA model's VSA sparsity for this request (None: the model's)
 
     @property
     def sparse(self) -> SparseSettings:
@@ -221,13 +223,14 @@ class Speed:
     def to_json(self) -> dict:
         return {"profile": self.profile, "cache": self.cache.to_dict() if self.cache is not None else None,
                 "sparse_attention": self.sparse_attention, "sparse_dense_steps": self.sparse_dense_steps,
-                "sparse_min_seq": self.sparse_min_seq}
+                "sparse_min_seq": self.sparse_min_seq, "vsa_sparsity": self.vsa_sparsity}
 
     @classmethod
     def from_json(cls, data: dict) -> Speed:
         cache = data["cache"]
         return cls(data["profile"], StepCacheConfig.from_dict(cache) if cache is not None else None,
-                   data["sparse_attention"], data["sparse_dense_steps"], data["sparse_min_seq"])
+                   data["sparse_attention"], data["sparse_dense_steps"], data["sparse_min_seq"],
+                   data.get("vsa_sparsity"))  # a row stored before the key existed: the model's
 
 
 def _text(path: Path | None, folder: Path | None = None) -> str | None:

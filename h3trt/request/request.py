@@ -46,14 +46,14 @@ class Request:
            duration: float = DEFAULT_DURATION, video_shift: float | None = None, audio_shift: float | None = None,
            guidance: float = DEFAULT_GUIDANCE, negative_prompt: str | None = None,
            cache: StepCacheConfig | None = None, sparse_attention: float = 0.0, sparse_dense_steps: int | None = None,
-           sparse_min_seq: int | None = None, profile: str | None = None, lora: tuple[AdapterUse, ...] = (),
-           schedule_from: ScheduleFrom | None = None) -> Request:
+           sparse_min_seq: int | None = None, vsa_sparsity: float | None = None, profile: str | None = None,
+           lora: tuple[AdapterUse, ...] = (), schedule_from: ScheduleFrom | None = None) -> Request:
         """A request from the fields a user states, by their names (module doc): the schedule's sources
         (`schedule_from`) as its front door resolved them, None in a request made in code."""
         return cls(Inputs(prompt, image, last_image, tuple(refs), seed), Canvas(width, height, duration),
                    ScheduleChoice(steps, video_shift, audio_shift, schedule_from),
                    Guidance(guidance, negative_prompt),
-                   Speed(profile, cache, sparse_attention, sparse_dense_steps, sparse_min_seq), tuple(lora))
+                   Speed(profile, cache, sparse_attention, sparse_dense_steps, sparse_min_seq, vsa_sparsity), tuple(lora))
 
     def fields(self) -> dict:
         """`of`'s arguments for this request (`replaced` changes some of them)."""
@@ -63,7 +63,7 @@ class Request:
                 "video_shift": s.video_shift, "audio_shift": s.audio_shift, "guidance": g.scale,
                 "negative_prompt": g.negative_prompt, "cache": v.cache, "sparse_attention": v.sparse_attention,
                 "sparse_dense_steps": v.sparse_dense_steps, "sparse_min_seq": v.sparse_min_seq,
-                "profile": v.profile, "lora": self.adapters, "schedule_from": s.origin}
+                "vsa_sparsity": v.vsa_sparsity, "profile": v.profile, "lora": self.adapters, "schedule_from": s.origin}
 
     def replaced(self, **fields) -> Request:
         """This request with some of the fields a user states (`of`'s names) replaced: a profile's speed (eval)."""
@@ -76,12 +76,15 @@ class Request:
     def flat(self) -> dict:
         """The fields a user states, as JSON (a record's `request`): the adapters by name and scale (their files are
         the record's `adapters`), the schedule's sources left out (the record's `schedule_from` has them), `lora`
-        only when it names any (a request without adapters is written as before they existed)."""
+        only when it names any (a request without adapters is written as before they existed), `vsa_sparsity` only
+        when stated (likewise)."""
         data = self.fields()
         data.update(self.inputs.to_json(), cache=self.speed.cache.to_dict() if self.speed.cache is not None else None)
         del data["schedule_from"], data["lora"]
         if self.adapters:
             data["lora"] = lora_field(self.adapters)
+        if self.speed.vsa_sparsity is None:
+            del data["vsa_sparsity"]  # likewise a request that states no VSA sparsity
         return data
 
     @classmethod

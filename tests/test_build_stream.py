@@ -1,0 +1,420 @@
+"""A build a block at a time (h3trt/build/stream.py) against the whole-DiT build, on the CPU: the same bundle, file by
+file; never more than one block's weights (beside the few kept for the compile) materialized at once; the fit check
+that picks between them, and its one-line refusal.
+
+The CPU stands in for the GPU through the same code path: `--memory-budget` (or a fake `free_memory`) between the two
+needs forces the streamed build, as a GPU too small for the whole DiT does. Two pairs of full builds (the CLI, fresh
+processes: FP8 with SmoothQuant's folded weights, FP8 attention, a block kept in bf16, a merged LoRA, two schedules;
+and a FastH3 --distilled file in bf16, its served tasks and rungs in the manifest) compare every file; the other
+configurations compare their weight files and records after the bake (the phases that differ between the two ways),
+which takes seconds: among them a --distilled file fused block by block (FastH3 dense calibrated in FP8, PDD with its
+heads per forward) and a full FastH3-VSA export (the gate read per block, its calibration trajectories attending with
+VSA, its sidecar's rungs baked). The model is the tiny one at 4 layers, so
+that a phase that held every block would show in the accountant.
+"""
+
+import dataclasses
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from h3trt.build import builder
+from h3trt.build.block_loader import BlockLoader
+from h3trt.build.config import BuildConfig, Profile
+from h3trt.build.examples import example_inputs
+from h3trt.build.memory import GIB, DeviceMemory, kept_layers, memory_needs
+from h3trt.build.plan import plan_build
+from h3trt.engines.weights_io import SafetensorsWriter, write_safetensors
+from h3trt.errors import UserError
+from h3trt.models import checkpoint as checkpoint_module
+from h3trt.models.checkpoint import locate_transformer, read_native_state_dict
+from h3trt.models.checkpoint_stream import CheckpointTensors
+from h3trt.models.checkpoint_writer import random_state_dict, save_official
+from h3trt.models.config import H3Config
+from h3trt.models.dit import build_dit
+from h3trt.models.distilled import DistilledSpec
+from h3trt.models.distilled_writer import write_fasth3, write_pdd
+from h3trt.models.lora import LoraSpec
+
+LAYERS = 4
+PROFILE = Profile(160, 96, 5.0)
+# Files whose bytes Inductor makes differently on every compile, whole or streamed alike (two whole builds of the same
+# model differ there too: shared objects and pickled graphs carry build paths and ids, so even their sizes follow the
+# output folder's name): compared by name where the name is stable, by count where the name hashes the bytes.
+COMPILED_BINARY = (".so", ".bin", ".pt2")
+HASH_NAMED = ("inductor_cache/fxgraph/", "inductor_cache/aotautograd/")
+
+
+def _tiny_checkpoint(root: Path, tiny_root: Path, cfg: H3Config, seed: int) -> None:
+    """`cfg`'s random float32 weights at root/ckpt (official layout, 3 shards), the other components the tiny
+    default's."""
+    save_official(root / "ckpt", cfg, {"FL2VA": random_state_dict(cfg, seed)}, torch.float32, shards=3)
+    for name in os.listdir(tiny_root / "FL2VA"):
+        if name not in ("transformer", "model_index.json"):
+            os.symlink(tiny_root / "FL2VA" / name, root / "ckpt" / "FL2VA" / name)
+
+
+@pytest.fixture(scope="module")
+def tiny4(tmp_path_factory, tiny_root):
+    """The tiny model with 4 main blocks (random, float32, official layout in 3 shards), its other components the
+    tiny default's; a calibration prompt file and a LoRA over every linear (AdaLN included)."""
+    root = tmp_path_factory.mktemp("tiny4")
+    cfg = H3Config.tiny(num_layers=LAYERS)
+    _tiny_checkpoint(root, tiny_root, cfg, 3)
+    (root / "prompts.txt").write_text("a red fox runs through fresh snow\nwaves break on a rocky shore\n")
+    g = torch.Generator().manual_seed(7)
+    lora = {}
+    for name, meta in build_dit(cfg, torch.float32, "meta").state_dict().items():
+        if name.endswith(".weight") and meta.ndim == 2:
+            rows, cols = meta.shape
+            lora[f"diffusion_model.{name[:-7]}.lora_A.weight"] = torch.randn(2, cols, generator=g) / cols ** 0.5
+            lora[f"diffusion_model.{name[:-7]}.lora_B.weight"] = 0.3 * torch.randn(rows, 2, generator=g) / 2 ** 0.5
+    save_file(lora, str(root / "lora.safetensors"), metadata={"alpha": "2"})
+    return root
+
+
+def config(root: Path, out: Path, **kw) -> BuildConfig:
+    return BuildConfig(root / "ckpt", out, profiles=(PROFILE,), device="cpu", overwrite=True, **kw)
+
+
+def streamed_budget(cfg: BuildConfig) -> float:
+    """GiB between the streamed need and the whole one: what forces a block at a time."""
+    needs = memory_needs(cfg, locate_transformer(cfg.model_root, cfg.task), cfg.precision.spec.dtype)
+    assert needs.streamed() < needs.whole(), needs
+    return (needs.streamed() + needs.whole()) / 2 / GIB
+
+
+FULL_FLAGS = ["--precision", "fp8", "--fp8-attention", "--calib-algo", "smoothquant", "--calib-steps", "3",
+              "--quant-exclude", "blocks.1", "--steps", "6,4"]
+
+
+def build_pair(out: Path, root: Path, flags: list[str], budget: float) -> tuple[Path, Path, dict[str, str]]:
+    """`h3trt build` of root/ckpt with `flags`, whole and a block at a time (`budget` GiB), each in a fresh process:
+    (the whole bundle, the streamed one, each build's log)."""
+    logs = {}
+    for name, extra in (("whole", []), ("streamed", ["--memory-budget", f"{budget:.9f}"])):
+        proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", str(root / "ckpt"), "--output",
+                               str(out / name), "--device", "cpu", "--profile", "160x96x5", *flags, *extra],
+                              capture_output=True, text=True, timeout=1800)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        logs[name] = proc.stderr
+    return out / "whole", out / "streamed", logs
+
+
+@pytest.fixture(scope="module")
+def bundle_pair(tmp_path_factory, tiny4):
+    """The same build whole and a block at a time, each `h3trt build` in a fresh process."""
+    out = tmp_path_factory.mktemp("pair")
+    flags = FULL_FLAGS + ["--calib-prompts", str(tiny4 / "prompts.txt"), "--lora", f"{tiny4 / 'lora.safetensors'}:0.7"]
+    budget = streamed_budget(config(tiny4, out / "x", precision="fp8", fp8_attention=True, calib_algo="smoothquant",
+                                    calib_steps=3, quant_exclude=("blocks.1",), steps=(6, 4),
+                                    calib_prompts=tiny4 / "prompts.txt",
+                                    loras=(LoraSpec(tiny4 / "lora.safetensors", 0.7),)))
+    return build_pair(out, tiny4, flags, budget)
+
+
+def _files(root: Path) -> dict[str, Path]:
+    return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+def _manifest_without_build_facts(path: Path) -> dict:
+    """The manifest less what differs between any two builds: timings and memory, the calibration's seconds, the
+    compiled binaries' hashes (and the manifest's own hash, which covers them)."""
+    data = json.loads((path / "manifest.json").read_text())
+    data.pop("build_timings_s")
+    data.pop("manifest_sha256", None)
+    if data["quant"] is not None:
+        data["quant"].pop("calibration_s")
+    data["files"] = {name: entry for name, entry in data["files"].items()
+                     if not name.endswith(COMPILED_BINARY) and not name.startswith(HASH_NAMED)}
+    return data
+
+
+def assert_same_bundle(whole: Path, streamed: Path, logs: dict[str, str]) -> dict:
+    """Every file of the two bundles equal but the compiled binaries, the manifests equal but the build's facts:
+    returns the whole build's manifest, less those."""
+    assert "building whole" in logs["whole"] and "building a block at a time" in logs["streamed"]
+    a, b = _files(whole), _files(streamed)
+    stable = {n for n in a if not n.startswith(HASH_NAMED)}
+    assert stable == {n for n in b if not n.startswith(HASH_NAMED)}
+    for name in sorted(n for n in stable - {"manifest.json"} if not n.endswith(COMPILED_BINARY)):
+        assert filecmp.cmp(a[name], b[name], shallow=False), f"{name} differs"
+    assert len([n for n in a if n.startswith(HASH_NAMED)]) == len([n for n in b if n.startswith(HASH_NAMED)])
+    for weights in ("embed", "blocks", "final", "adaln_tables"):
+        assert f"weights/{weights}.safetensors" in stable
+    mw, ms = _manifest_without_build_facts(whole), _manifest_without_build_facts(streamed)
+    assert mw == ms
+    assert json.loads((streamed / "manifest.json").read_text())["build_timings_s"]["streamed"] == 1.0
+    return mw
+
+
+@pytest.mark.build
+def test_streamed_bundle_equals_whole_bundle_file_by_file(bundle_pair):
+    manifest = assert_same_bundle(*bundle_pair)
+    assert "block 4/4: calibrated, quantized, baked and written" in bundle_pair[2]["streamed"]
+    assert manifest["quant"]["calib_algo"] == "smoothquant" and manifest["quant"]["layer_segments"][1] == "block_hp"
+
+
+def weights_of(cfg: BuildConfig, work: Path, free: int):
+    """Phases 0-3 in this process (plan with `free` bytes of device memory, load, calibrate and bake), writing the
+    weight files into `work`: (plan, the loaded DiT, Calibration, BakedWeights)."""
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir(parents=True)
+    plan = plan_build(cfg, lambda m: None, lambda device: DeviceMemory(free, "fake device"))
+    dit = builder.load(cfg, plan, lambda m: None)
+    calibration, baked = builder.calibrate_and_bake(cfg, plan, dit, work, lambda m: None)
+    return plan, dit, calibration, baked
+
+
+def compare_weights(tmp_path: Path, cfg_kw: dict, root: Path) -> tuple:
+    """The weight files and records of the whole and the streamed bake of one configuration: equal."""
+    cfg = config(root, tmp_path / "unused", **cfg_kw)
+    needs = memory_needs(cfg, locate_transformer(cfg.model_root, cfg.task), cfg.precision.spec.dtype)
+    p1, d1, c1, w1 = weights_of(cfg, tmp_path / "whole", 100 * GIB)
+    p2, dit, c2, w2 = weights_of(cfg, tmp_path / "streamed", needs.streamed())
+    assert not p1.streamed and p2.streamed
+    assert (d1.schedules, d1.loras, d1.distilled_record) == (dit.schedules, dit.loras, dit.distilled_record)
+    names = sorted(p.name for p in (tmp_path / "whole" / "weights").iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "streamed" / "weights").iterdir())
+    for name in names:
+        assert filecmp.cmp(tmp_path / "whole" / "weights" / name, tmp_path / "streamed" / "weights" / name,
+                           shallow=False), f"{name} differs"
+    assert w1 == w2
+    q1, q2 = (dict(c.quant or {}, calibration_s=None) for c in (c1, c2))
+    assert q1 == q2 and c1.recipe == c2.recipe
+    return dit, c2
+
+
+@pytest.mark.parametrize("cfg_kw", [
+    pytest.param({"precision": "bf16", "steps": (50, 8), "sparse_attention": 0.5, "lora_slots": 2,
+                  "lora_max_rank": 4}, id="bf16-steps50,8-sparse-slots"),
+    pytest.param({"precision": "fp32", "keep_adaln": True, "sp": 2}, id="fp32-keep-adaln-sp2"),
+    pytest.param({"precision": "nvfp4", "steps": (6,)}, id="nvfp4-weight-only"),
+    pytest.param({"precision": "fp8", "calib_algo": "percentile", "calib_steps": 4, "quant_exclude": ("mlp.fc2",),
+                  "sp": 2, "fp8_attention": True}, id="fp8-percentile-sp2"),
+])
+def test_streamed_weights_equal_whole_weights(tmp_path, tiny4, cfg_kw, monkeypatch):
+    if cfg_kw.get("calib_algo") == "percentile":
+        cfg_kw = {**cfg_kw, "calib_prompts": tiny4 / "prompts.txt"}
+    dit, calibration = compare_weights(tmp_path, cfg_kw, tiny4)
+    # What the compile then asks of the streamed model: every example input at hand (the kept blocks), none on meta.
+    cfg = config(tiny4, tmp_path / "unused", **cfg_kw)
+    examples = example_inputs(dit.model, PROFILE.geometry, torch.device("cpu"), cfg.sp, calibration.recipe,
+                              cfg.sparse is not None, cfg.slots)
+    assert examples and not [n for n, ts in examples.items() for t in ts if t.is_meta]
+
+
+@pytest.fixture(scope="module")
+def distilled4(tmp_path_factory, tiny_root):
+    """For the 4-layer model: a FastH3 dense file, a FastH3-VSA file (its gates `.set_weight`) and a PDD file
+    (models/distilled_writer.py: random, in their published formats); and a full FastH3-VSA export of its own (the
+    gate in every block, the V2 sidecar's 8 rungs)."""
+    root = tmp_path_factory.mktemp("distilled4")
+    cfg = H3Config.tiny(num_layers=LAYERS)
+    files = {"fasth3": write_fasth3(root / "fasth3.safetensors", cfg, seed=5),
+             "fasth3-vsa": write_fasth3(root / "fasth3-vsa.safetensors", cfg, seed=8, gates=True),
+             "pdd": write_pdd(root / "pdd.safetensors", cfg, seed=6)}
+    _tiny_checkpoint(root / "vsa", tiny_root, H3Config.tiny(num_layers=LAYERS, vsa_gate=True), 4)
+    (root / "vsa" / "ckpt" / "FL2VA" / "fastvideo_inference.json").write_text(json.dumps({
+        "schema_version": "fasth3-inference-contract-v1", "dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250,
+                                                                                  125],
+        "num_inference_steps": 9, "transformer_forwards": 8, "guidance_scale": 1.0, "task": "t2av",
+        "attention_backend": "VIDEO_SPARSE_ATTN_H3", "vsa_tile_size": 64, "vsa_sparsity": 0.5}))
+    return root, files
+
+
+@pytest.mark.parametrize("case", ["fasth3-dense-fp8", "fasth3-vsa-file-fp8", "pdd-bf16-steps7", "vsa-export-fp8"])
+def test_streamed_distilled_and_vsa_weights_equal_whole_weights(tmp_path, tiny4, distilled4, case):
+    """A --distilled file fused block by block as each block arrives (its model-level patches where the resident
+    parts load), and a FastH3-VSA export (the gate read with each block; calibration attending with VSA, densely in
+    the first evaluation and block 1, at 0.5 after; the sidecar's rungs in the AdaLN tables), against the whole
+    build. A FastH3-VSA file on the base checkpoint: the model built with the file's gates, which the checkpoint lacks
+    (each block's made by the fusion's assign as the block arrives), calibrated attending with VSA on the family's
+    first 2 rungs. Calibration runs on 2 evaluations per prompt, the second sparse."""
+    root, files = distilled4
+    calibrated = {"precision": "fp8", "calib_prompts": tiny4 / "prompts.txt", "calib_steps": 3}
+    model = tiny4
+    vsa = {"vsa_sparsity": 0.5, "vsa_dense_first_steps": 1, "vsa_dense_layers": (1,)}
+    if case == "fasth3-dense-fp8":
+        cfg_kw = {**calibrated, "distilled": DistilledSpec(files["fasth3"])}
+    elif case == "fasth3-vsa-file-fp8":
+        cfg_kw = {**calibrated, **vsa, "distilled": DistilledSpec(files["fasth3-vsa"])}
+    elif case == "pdd-bf16-steps7":
+        cfg_kw = {"precision": "bf16", "distilled": DistilledSpec.parse(f"{files['pdd']}@steps=7")}
+    else:
+        cfg_kw = {**calibrated, **vsa}
+        model = root / "vsa"
+    dit, calibration = compare_weights(tmp_path, cfg_kw, model)
+    record, schedule = dit.distilled_record, dit.schedules[0]
+    assert record["family"] == ("pdd" if case.startswith("pdd") else "fasth3") and schedule.rungs is not None
+    final = load_file(str(tmp_path / "streamed" / "weights" / "final.safetensors"))
+    blocks = load_file(str(tmp_path / "streamed" / "weights" / "blocks.safetensors"))
+    if case.startswith("pdd"):  # one fused head per forward beside the final layer
+        assert final["pdd.video_out.weight"].shape[0] == schedule.steps - 1 == 6
+    else:
+        assert not [n for n in final if n.startswith("pdd.")] and calibration.quant["calib_prompts"] == 2
+    gates = [n for n in blocks if n.endswith("attn.to_gate_compress.weight")]
+    assert len(gates) == (LAYERS if "vsa" in case else 0) and dit.model.cfg.vsa_gate == ("vsa" in case)
+    if case.endswith("vsa-export-fp8"):
+        assert record["layout"].startswith("full export") and schedule.steps == 9
+    if case == "fasth3-vsa-file-fp8":  # the file's gates, not the checkpoint's (it has none), in every block
+        gate = load_file(str(files["fasth3-vsa"]))
+        assert record["layout"] == "fastvideo-lora-v2" and schedule.steps == 5, record
+        for i in range(LAYERS):
+            got = blocks[f"blocks.{i}.attn.to_gate_compress.weight"]
+            assert torch.equal(got, gate[f"transformer_blocks.{i}.attn.to_gate_compress.set_weight"].to(got.dtype)), i
+
+
+@pytest.mark.build
+def test_streamed_distilled_bundle_equals_whole_bundle_file_by_file(tmp_path_factory, tiny4, distilled4):
+    """A FastH3 file fused block by block (its model-level patches where the resident parts load) with sparse
+    attention builds the whole build's bundle: every weight and segment file, the distilled record, its served tasks
+    (t2va alone), its schedule's rungs and the sparse kernel chosen."""
+    out = tmp_path_factory.mktemp("distilled-pair")
+    fasth3 = distilled4[1]["fasth3"]
+    budget = streamed_budget(config(tiny4, out / "x", precision="bf16", distilled=DistilledSpec(fasth3),
+                                    sparse_attention=0.5))
+    flags = ["--precision", "bf16", "--distilled", str(fasth3), "--sparse-attention", "0.5"]
+    whole, streamed, logs = build_pair(out, tiny4, flags, budget)
+    manifest = assert_same_bundle(whole, streamed, logs)
+    assert "each block's parameters as the block arrives" in logs["streamed"]
+    assert manifest["distilled"]["family"] == "fasth3" and manifest["tasks"] == ["t2va"]
+    assert manifest["schedule"]["rungs"] and manifest["sparse"]["kernel"] == "reference"
+
+
+def test_streamed_phases_hold_one_block_at_a_time(tmp_path, tiny4, monkeypatch):
+    """The loader counts every block it materializes and how many were alive at once: a phase that kept blocks (or
+    the whole model) would raise the count to the number of layers. Nothing reads the checkpoint whole either."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a streamed build read the whole checkpoint")
+
+    monkeypatch.setattr(builder, "load_dit", refuse)
+    monkeypatch.setattr(checkpoint_module, "read_native_state_dict", refuse)
+    cfg = config(tiny4, tmp_path / "unused", precision="fp8", calib_prompts=tiny4 / "prompts.txt", calib_steps=3)
+    needs = memory_needs(cfg, locate_transformer(cfg.model_root, cfg.task), cfg.precision.spec.dtype)
+    plan, dit, calibration, _ = weights_of(cfg, tmp_path / "w", needs.streamed())
+    loader, kept = dit.blocks, kept_layers(calibration.recipe, LAYERS)
+    assert plan.streamed and kept == {0}
+    # 3 grid points: 2 evaluations per trajectory, the first runs every block; then the one pass over the blocks.
+    assert loader.loads == 2 * LAYERS
+    assert loader.peak_alive == 1 + len(kept) < LAYERS
+    assert [i for i, b in enumerate(dit.model.blocks) if not b.norm1.weight.is_meta] == sorted(kept)
+    # The accountant sees what a caller holds on to: three blocks kept alive count three.
+    held = [loader.load(i) for i in (1, 2, 3)]
+    assert loader.alive() == len(held) + len(kept) and loader.peak_alive == 4
+    loader.close()
+
+
+def test_fit_check_refuses_in_one_line_before_anything_loads(tmp_path, tiny4, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise AssertionError("the model was loaded before the refusal")
+
+    monkeypatch.setattr(builder, "load_dit", refuse)
+    cfg = config(tiny4, tmp_path / "b", precision="fp8", calib_prompts=tiny4 / "prompts.txt", calib_steps=3)
+    needs = memory_needs(cfg, locate_transformer(cfg.model_root, cfg.task), cfg.precision.spec.dtype)
+    free = needs.streamed() - 1
+    with pytest.raises(UserError) as e:
+        builder.build(cfg, log=lambda m: None, free_memory=lambda device: DeviceMemory(free, "cuda:0 (a small GPU)"))
+    message = str(e.value)
+    assert "\n" not in message and not (tmp_path / "b").exists()
+    assert f"a block at a time it needs about {needs.streamed() / GIB:.3g} GiB" in message
+    assert f"cuda:0 (a small GPU) has {free / GIB:.3g} GiB free" in message
+    for part in ("largest block", "activations at 1,021 rows", "resident embed/final", "recorded calibration inputs",
+                 "--profile", "--calib-prompts"):
+        assert part in message, part
+    # Whole where it fits, a block at a time where only that fits; --memory-budget lowers what the device has.
+    plan = plan_build(cfg, lambda m: None, lambda d: DeviceMemory(needs.whole(), "gpu"))
+    assert not plan.streamed
+    plan = plan_build(cfg, lambda m: None, lambda d: DeviceMemory(needs.whole() - 1, "gpu"))
+    assert plan.streamed and "building a block at a time" in plan.memory.describe()
+    budgeted = config(tiny4, tmp_path / "b", precision="fp8", calib_prompts=tiny4 / "prompts.txt", calib_steps=3,
+                      memory_budget=(needs.whole() - 1) / GIB)
+    assert plan_build(budgeted, lambda m: None, lambda d: DeviceMemory(100 * GIB, "gpu")).streamed
+
+
+def test_full_size_fp8_build_streams_on_an_h100_and_not_on_an_h200(tmp_path):
+    """The estimates at full size (a meta model: nothing allocated) against the cards: an 80 GB H100 (79.2 GiB free)
+    builds fp8 a block at a time within 40 GiB; an H200 (139.8 GiB free) whole, as it did (bench/results/
+    e2e_h200_s8_build.log)."""
+    root = tmp_path / "ckpt"
+    (root / "transformer").mkdir(parents=True)
+    from h3trt.models.checkpoint_names import to_native_config
+
+    (root / "transformer" / "config.json").write_text(json.dumps(to_native_config(H3Config())))
+    save_file({"x": torch.zeros(1)}, str(root / "transformer" / "model.safetensors"))
+    (root / "prompts.txt").write_text("a fox\n")
+    cfg = BuildConfig(root / "transformer", tmp_path / "b", precision="fp8", fp8_attention=True,
+                      calib_prompts=root / "prompts.txt", calib_steps=2, profiles=(Profile(1344, 768, 5.0),),
+                      device="cpu")
+    needs = memory_needs(cfg, locate_transformer(cfg.model_root), torch.bfloat16)
+    # The full-size video VAE (2.6B parameters, fp32 as released: its file's bytes), which this folder leaves out.
+    needs = dataclasses.replace(needs, video_decoder=10_400_000_000)
+    assert needs.rows == 38755 and 1.2 * GIB < needs.block < 1.3 * GIB
+    assert 79.2 * GIB < needs.whole() < 139.8 * GIB
+    assert needs.streamed() < 40 * GIB
+
+
+def test_checkpoint_tensors_read_every_layout_as_load_dit_does(tiny_checkpoints):
+    """models/checkpoint_stream.py converts official (interleaved QKV), diffusers (names, to_q/k/v, fc1 halves) and
+    Comfy (prefix) tensors as read_native_state_dict does, bit for bit."""
+    for layout, path in tiny_checkpoints.items():
+        source = locate_transformer(path, "t2va")
+        tensors = CheckpointTensors(source)
+        got = tensors.read_cpu(list(tensors.tensors.values()))
+        want = read_native_state_dict(source)
+        assert sorted(got) == sorted(want), layout
+        for name, value in want.items():
+            assert got[name].dtype == value.dtype and torch.equal(got[name], value), (layout, name)
+
+
+def test_block_loader_gives_load_dit_s_blocks(tiny_checkpoints):
+    from h3trt.models.checkpoint import load_dit
+
+    model, source = load_dit(tiny_checkpoints["official"], "t2va", dtype=torch.bfloat16)
+    loader = BlockLoader(CheckpointTensors(source), source.config, torch.bfloat16, torch.device("cpu"), None)
+    try:
+        for i in reversed(range(source.config.num_layers)):
+            want, got = model.blocks[i].state_dict(), loader.load(i).state_dict()
+            assert sorted(want) == sorted(got)
+            assert all(torch.equal(want[n], got[n]) and want[n].dtype == got[n].dtype for n in want)
+    finally:
+        loader.close()
+
+
+def test_safetensors_writer_writes_write_safetensors_bytes_in_any_order(tmp_path):
+    g = torch.Generator().manual_seed(0)
+    tensors = {"b.w": torch.randn(3, 5, generator=g).to(torch.bfloat16), "a.s": torch.randn(1, generator=g),
+               "c.q": torch.randn(4, 4, generator=g).to(torch.float8_e4m3fn), "d": torch.tensor(3.0)}
+    size = write_safetensors(tmp_path / "one.safetensors", tensors, {"k": "v"})
+    with SafetensorsWriter(tmp_path / "two.safetensors", {n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()},
+                           {"k": "v"}) as writer:
+        for name in reversed(list(tensors)):
+            writer.write(name, tensors[name])
+    assert writer.data_bytes == size
+    assert (tmp_path / "one.safetensors").read_bytes() == (tmp_path / "two.safetensors").read_bytes()
+    with pytest.raises(RuntimeError, match="never written"):
+        with SafetensorsWriter(tmp_path / "three.safetensors", {"x": (torch.float32, (2,))}):
+            pass
+    assert not list(tmp_path.glob("*three*"))
+    with pytest.raises(UserError, match="declared"):
+        with SafetensorsWriter(tmp_path / "four.safetensors", {"x": (torch.float32, (2,))}) as w:
+            w.write("x", torch.zeros(3))
+    assert not list(tmp_path.glob("*four*"))
+
+
+def test_memory_budget_flag_is_checked(capsys):
+    from h3trt.cli import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["build", "--model", "tiny", "--output", "x", "--memory-budget", "0"])
+    assert e.value.code == 2 and "--memory-budget" in capsys.readouterr().err
+    with pytest.raises(UserError, match="--memory-budget"):
+        BuildConfig(Path("m"), Path("o"), memory_budget=-1.0)
