@@ -12,7 +12,7 @@ from contextlib import contextmanager
 
 class UserError(ValueError):
     """A mistake the user can fix; the message names the problem and the fix, in one line. `field`: the request
-    field it is about, as the request schema's key (pipeline/schema.py), or None; a front door names it in its own
+    field it is about, as the request schema's key (request/fields.py), or None; a front door names it in its own
     words from there (the API's 400 `param`), never by reading the message."""
 
     field: str | None = None  # the class's default: a subclass whose other base's __init__ runs first has it too
@@ -20,6 +20,11 @@ class UserError(ValueError):
     def __init__(self, message: str = "", field: str | None = None):
         super().__init__(message)
         self.field = field  # kept by pickling: an exception's __reduce__ carries its __dict__
+
+
+class MediaError(UserError):
+    """A user-facing media problem (an input file missing, unreadable, of a kind H3 takes no reference of); the
+    message is one line: file, problem, fix. A server's failed job names it bad_media."""
 
 
 @contextmanager

@@ -8,7 +8,7 @@
      (RGB luma), SSIM and PSNR over every frame in YUV420 as FFmpeg's ssim / psnr filters compute them (the peers'
      metric), audio log-spectral distance; the denoise time of each side
 
-`--profile NAME` (pipeline/profiles.py) compares that profile's clip with the lossless clip of the same request: the
+`--profile NAME` (request/profiles.py) compares that profile's clip with the lossless clip of the same request: the
 engine side runs each request with the profile, the reference side (the same engine unless --reference is given)
 without step cache or sparsity. Each side's step-cache record says what it computed and skipped.
 
@@ -34,13 +34,14 @@ from .models.lora_file import sha256_of
 from .models.packing import unpatchify
 from .models.vsa_plan import VsaSettings
 from .jobs.admission import admit
-from .jobs.model_source import Entry
+from .jobs.model_source import Entry, ModelSource, SourceKind
 from .media.encoder import rgb_to_yuv420
 from .pipeline.evaluation import new_step_cache
 from .pipeline.h3_pipeline import H3Pipeline
-from .pipeline.profiles import profile_fields
 from .pipeline.records import StageTimer
-from .pipeline.request import Prepared, Request
+from .pipeline.prepare import Prepared
+from .request.profiles import profile_fields
+from .request.request import Request
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)
 SSIM_WINDOW, SSIM_SIGMA = 11, 1.5  # Wang et al. 2004
@@ -93,12 +94,12 @@ def load_recording(source: Entry, task: str, vsa_settings: VsaSettings | None = 
     default canvas: the requests carry theirs (given, or the engine bundle's profile's). `vsa_settings`: a FastH3-VSA
     model runs these (the engine bundle's, on the reference side) in place of its own."""
     parts = source.components(task)
-    return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit, vsa_settings)), source.device)
+    return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit, vsa_settings)), source.launch.device)
 
 
 @torch.no_grad()
 def trace(pipeline: H3Pipeline, prepared: Prepared) -> Trace:
-    """One prepared request (pipeline/request.py `prepare`, default canvas) through a pipeline whose DiT is a
+    """One prepared request (pipeline/prepare.py `prepare`, default canvas) through a pipeline whose DiT is a
     StepRecorder (`load_recording`)."""
     recorder = pipeline.dit
     if not isinstance(recorder, StepRecorder):
@@ -232,30 +233,32 @@ def reference_entry(reference: str, device: str, distilled: DistilledSpec | None
     a manifest, which is read and checked here), or a checkpoint (its layout is checked against the requests' task
     by `evaluate`, before either side loads); `distilled`: fused into an eager reference (a distilled engine's
     file: the eager merged model)."""
-    if reference == "tiny":
-        return Entry.resolve(device=device, distilled=distilled)
+    if reference == SourceKind.TINY:
+        return Entry.local(ModelSource.resolve(distilled=distilled), device)
     path = Path(reference)
     if not path.exists():
         raise UserError(f"--reference {reference} does not exist; pass an engine bundle (h3trt build), a MiniMax-H3 "
                         "checkpoint folder, or 'tiny'.")
     if (path / MANIFEST).exists():
-        return Entry.resolve(engine=path, device=device, distilled=distilled)
-    return Entry.resolve(model=path, device=device, distilled=distilled)
+        return Entry.local(ModelSource.resolve(engine=path, distilled=distilled), device)
+    return Entry.local(ModelSource.resolve(model=path, distilled=distilled), device)
 
 
 def check_distilled_sides(engine: Entry, reference: Entry) -> None:
     """A distilled engine is compared with the same distilled file on the other side (the eager merged model, or a
     bundle built from it): the same sha256, or one line saying what to pass."""
     def sha(entry: Entry) -> str | None:
-        if entry.manifest is not None:
-            return entry.manifest.distilled["sha256"] if entry.manifest.distilled else None
-        return sha256_of(entry.distilled.path) if entry.distilled is not None else None
+        m = entry.model
+        if m.manifest is not None:
+            return m.manifest.distilled["sha256"] if m.manifest.distilled else None
+        return sha256_of(m.distilled.path) if m.distilled is not None else None
 
     ours, theirs = sha(engine), sha(reference)
     if ours == theirs:
         return
     if ours is not None and theirs is None:
-        raise UserError(f"--engine {engine.root} runs a distilled file ({engine.manifest.distilled['file']}, sha256 "
+        m = engine.model
+        raise UserError(f"--engine {m.root} runs a distilled file ({m.manifest.distilled['file']}, sha256 "
                         f"{ours[:12]}); pass --distilled with that file so the eager reference fuses it too.")
     raise UserError(f"the engine's distilled file (sha256 {str(ours)[:12]}) and the reference's ({str(theirs)[:12]}) "
                     "differ: compare the same distilled checkpoint on both sides.")
@@ -263,7 +266,7 @@ def check_distilled_sides(engine: Entry, reference: Entry) -> None:
 
 def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=print,
              profile: str | None = None) -> dict:
-    """`reqs` (h3trt/pipeline/parse.py: read_eval_requests) through the engine and the reference, on the engine's
+    """`reqs` (h3trt/request/parse.py: read_eval_requests) through the engine and the reference, on the engine's
     device, one model in memory at a time. Both sides are checked against every request first (a missing or wrong
     checkpoint, a bundle not built for a request's task, canvas or schedule), so neither fails after the other ran.
     `profile`: the engine side runs it, the reference side runs lossless; `reference` None: the engine itself (any
@@ -272,8 +275,8 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
     if reference is None and profile is None:
         raise UserError("h3trt eval needs --reference (a bundle, a checkpoint or 'tiny') or --profile NAME (the "
                         "engine's clip with that profile against its own lossless clip).")
-    if profile is None and engine.manifest is None:
-        raise UserError(f"--engine {engine.root} must be a bundle (h3trt build); the reference may be any model.")
+    if profile is None and engine.model.manifest is None:
+        raise UserError(f"--engine {engine.model.root} must be a bundle (h3trt build); the reference may be any model.")
     if len({r.task == "ref2va" for r in reqs}) > 1:
         raise UserError("--requests mixes ref2va with t2va/fl2va requests; they use different partitions. Evaluate "
                         "them in separate runs.")
@@ -282,27 +285,28 @@ def evaluate(engine: Entry, reference: Entry | None, reqs: list[Request], log=pr
     task, sources = reqs[0].task, {"engine": engine, "reference": reference or engine}
     sides = {"engine": reqs, "reference": reqs}
     if profile is not None:
-        stated = [str(i + 1) for i, r in enumerate(reqs) if r.profile or r.cache or r.sparse_attention]
+        stated = [str(i + 1) for i, r in enumerate(reqs)
+                  if r.speed.profile or r.speed.cache or r.speed.sparse_attention]
         if stated:
             raise UserError(f"--profile {profile} sets the engine side's step cache and sparsity, and the reference "
                             f"side runs lossless; request(s) {', '.join(stated)} of --requests state their own "
                             "(profile, cache keys): drop those keys.")
-        sides = {"engine": [replace(r, **profile_fields(profile)) for r in reqs],
-                 "reference": [replace(r, **profile_fields("lossless")) for r in reqs]}
+        sides = {"engine": [r.replaced(**profile_fields(profile)) for r in reqs],
+                 "reference": [r.replaced(**profile_fields("lossless")) for r in reqs]}
     # Each side's requests admitted to that side's model (jobs/admission.py), on the engine's canvas defaults (a
     # bundle's requests already carry its profile's canvas). The reference's side first: a reference that cannot
     # serve them (another task's checkpoint, a bundle of another canvas) is named before the engine's files are read.
     checked: set[Path] = set()
-    prepared = {side: [admit(sources[side], r, canvas=engine.canvas, checked=checked) for r in sides[side]]
+    prepared = {side: [admit(sources[side], r, canvas=engine.model.canvas, checked=checked) for r in sides[side]]
                 for side in ("reference", "engine")}
     traces = _run_sides(sources, prepared, task, log)
-    per_request = [{"prompt": r.prompt, "seed": r.seed, **compare(a, b)}
+    per_request = [{"prompt": r.inputs.prompt, "seed": r.inputs.seed, **compare(a, b)}
                    for r, a, b in zip(reqs, traces["engine"], traces["reference"])]
-    manifest = engine.manifest
+    manifest = engine.model.manifest
     return {"engine": _name(engine), "engine_precision": manifest.precision if manifest else None,
             "engine_quant": _quant_summary(manifest) if manifest else None, "profile": profile,
             "reference": _name(reference) if reference is not None else f"{_name(engine)}, lossless",
-            "device": engine.device, "random_weights": engine.tiny or sources["reference"].tiny,
+            "device": engine.launch.device, "random_weights": engine.model.tiny or sources["reference"].model.tiny,
             "note": RANDOM_WEIGHTS_NOTE, "requests": per_request, "mean": _means(per_request)}
 
 
@@ -317,7 +321,8 @@ def _run_sides(sources: dict, prepared: dict, task: str, log) -> dict[str, list[
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
             # A FastH3-VSA reference runs the engine bundle's VSA settings (its --vsa-* flags), its own kernel
-            engine_vsa = sources["engine"].manifest.vsa if sources["engine"].manifest is not None else None
+            engine = sources["engine"].model.manifest
+            engine_vsa = engine.vsa if engine is not None else None
             pipeline = load_recording(source, task, engine_vsa.settings if engine_vsa is not None else None)
             loaded = source
         traces[side] = []
@@ -341,7 +346,7 @@ def _means(per_request: list[dict]) -> dict:
 
 
 def _name(source: Entry) -> str:
-    return "tiny" if source.source.embedded else str(source.root)
+    return "tiny" if source.model.kind.embedded else str(source.model.root)
 
 
 def _quant_summary(manifest) -> dict | None:

@@ -64,7 +64,7 @@ def measure(rows: int, calls: int) -> dict:
                     for i in range(rows)])
             c.exec_driver_sql("ANALYZE jobs")
         folder = Path(tempfile.mkdtemp(prefix="h3trt-bench-admission-"))
-        service = VideoService(Entry.resolve(device="cpu"), ServeOptions(data_dir=folder, max_queue=10**6), store,
+        service = VideoService(Entry.local(device="cpu"), ServeOptions(data_dir=folder, max_queue=10**6), store,
                                Storage(folder / "storage"), _Replicas(), Metrics(), log=lambda *a, **k: None)
         fields = {"prompt": "client 1 clip 1", "seed": 5, "size": "128x32", "steps": 2}
         job = [service.create(dict(fields), [], False) for _ in range(10)][3].id  # warm: imports, caches

@@ -184,7 +184,8 @@ def block_sensitivity(out: Path) -> dict:
     from h3trt.calibration.recipe import QuantRecipe
     from h3trt.pipeline.loading import eager_components
     from h3trt.pipeline.h3_pipeline import H3Pipeline
-    from h3trt.pipeline.request import Request, prepare
+    from h3trt.pipeline.prepare import prepare
+    from h3trt.request.request import Request
 
     base, source = load_dit(ensure_tiny_checkpoint(), "t2va", torch.bfloat16)
     root = source.component_root
@@ -196,7 +197,7 @@ def block_sensitivity(out: Path) -> dict:
     calibration = calibrate(calibrated.blocks, recipe, forward, log=lambda m: None)
     tensors = [calibration.export_block(i) for i in range(n)]
     components = eager_components(root, torch.device("cpu"), torch.bfloat16)
-    request = Request("a lighthouse at night, rain on the glass", seed=5, steps=6, width=160, height=96)
+    request = Request.of("a lighthouse at night, rain on the glass", seed=5, steps=6, width=160, height=96)
 
     def run(quantized: list[int]):
         model = copy.deepcopy(base)
@@ -207,7 +208,7 @@ def block_sensitivity(out: Path) -> dict:
 
     reference = run([])
     variants = {"all_fp8": list(range(n)), "first_bf16": list(range(1, n)), "last_bf16": list(range(n - 1))}
-    result = {"model": f"tiny ({n} blocks, random weights)", "request": request.prompt, "steps": request.steps,
+    result = {"model": f"tiny ({n} blocks, random weights)", "request": request.inputs.prompt, "steps": request.schedule.steps,
               "against": "all blocks bf16", "variants": {}}
     for name, quantized in variants.items():
         c = compare(run(quantized), reference)

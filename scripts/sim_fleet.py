@@ -515,7 +515,7 @@ def main(argv: list[str] | None = None) -> dict:
     folder = Path(args.keep or tempfile.mkdtemp(prefix="h3trt-sim-fleet-"))
     folder.mkdir(parents=True, exist_ok=True)
     storage_dir = folder / "storage"
-    entry = Entry.resolve(device="cpu")
+    entry = Entry.local(device="cpu")
     pg = Postgres()
     processes: list = []
     started = time.time()

@@ -8,10 +8,11 @@ import pytest
 
 from h3trt.errors import UserError, about
 from h3trt.jobs.admission import admit
-from h3trt.jobs.model_source import Entry
-from h3trt.pipeline.request import FLAGS, KEYS as KEY_WORDS, Request
-from h3trt.pipeline.parse import RequestDefaults, parse_object
-from h3trt.pipeline import schema
+from h3trt.jobs.model_source import Entry, ModelSource
+from h3trt.request.fields import FLAGS, KEY_WORDS
+from h3trt.request.request import Request
+from h3trt.request.parse import RequestDefaults, parse_object
+from h3trt.request import fields as schema
 from h3trt.server.service import ApiError
 
 from test_errors import _fake_bundle
@@ -30,8 +31,8 @@ INADMISSIBLE = {
 
 @pytest.fixture(scope="module")
 def bundle_entry(tmp_path_factory, tiny_root):
-    return Entry.resolve(engine=_fake_bundle(tmp_path_factory.mktemp("admission") / "bundle", tiny_root),
-                         device="cpu")
+    return Entry.local(ModelSource.resolve(engine=_fake_bundle(tmp_path_factory.mktemp("admission") / "bundle",
+                                                                tiny_root)), "cpu")
 
 
 def _service(tmp_path, entry, guidance_branches=1):
@@ -52,7 +53,7 @@ def _refusal(door: str, entry: Entry, data: dict, tmp_path) -> tuple[str, str | 
     if door == "run_clip":
         from h3trt.run.commands import run_clip
 
-        request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=entry.default_steps)).request
+        request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=entry.model.default_steps)).request
         with pytest.raises(UserError) as refused:
             run_clip(entry, request, tmp_path / "clip.mp4", 18, quiet=True)
         return str(refused.value), None
@@ -83,7 +84,7 @@ def test_every_front_door_refuses_with_admissions_message(tmp_path, tiny_root, b
     API's param is the field the error carries."""
     data, field, param = INADMISSIBLE[case]
     words = {"run_clip": FLAGS, "run_requests": KEY_WORDS, "api": schema.API_WORDS}[door]
-    request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=bundle_entry.default_steps)).request
+    request = parse_object(data, 0, tmp_path, (), RequestDefaults(steps=bundle_entry.model.default_steps)).request
     with pytest.raises(UserError) as expected:
         admit(bundle_entry, request, words)
     assert expected.value.field == field
@@ -99,8 +100,8 @@ def test_every_front_door_refuses_with_admissions_message(tmp_path, tiny_root, b
 
 def test_cfg2_groups_need_guidance_at_every_door(tmp_path, tiny_root):
     """The cfg=2 rule is admission's, with the launched cfg degree as its parameter; the server's 400 names guidance."""
-    entry = Entry.resolve(device="cpu")
-    request = Request("a fox", width=128, height=32, steps=2)
+    entry = Entry.local(device="cpu")
+    request = Request.of("a fox", width=128, height=32, steps=2)
     admit(entry, request, guidance_branches=1)
     with pytest.raises(UserError, match="cfg=2 rank groups") as refused:
         admit(entry, request, guidance_branches=2)
@@ -119,7 +120,7 @@ def test_the_param_is_the_errors_field_not_its_message(tmp_path, tiny_root, monk
     path's words) does not change it, and an error about no field names none."""
     import h3trt.server.service as service_module
 
-    service = _service(tmp_path, Entry.resolve(device="cpu"))
+    service = _service(tmp_path, Entry.local(device="cpu"))
     try:
         for raised, param in ((UserError("steps and seed are wrong, says the message", field="duration"), "seconds"),
                               (UserError("the prompt names a field, the error none"), None)):
@@ -161,7 +162,7 @@ def test_a_field_added_to_the_table_is_in_every_view():
 def test_every_view_is_the_tables():
     """The requests file's keys, the API's JSON and multipart schema (served at /openapi.json), its file fields, its
     OpenAI and H3 fields and its form coercion all come from pipeline/schema.py's table."""
-    from h3trt.pipeline import parse as requests
+    from h3trt.request import parse as requests
     from h3trt.server import service, wire
 
     assert requests.KEYS is schema.KEYS
@@ -188,17 +189,20 @@ def test_the_api_schema_maps_onto_the_files_keys():
     assert bad.value.field == "duration" and schema.api_name(bad.value.field) == "seconds"
 
 
-def test_the_stored_row_is_read_by_one_function(tmp_path):
-    """The API side admits a job and a worker takes it through the same reading of the row (service.parse_stored)."""
+def test_a_job_is_parsed_once_where_it_is_admitted(tmp_path):
+    """The API side parses a job's fields once to admit it (service.parse_sent) and stores the admitted request; a
+    worker reads that (server/rows.py stored_request), parsing nothing but a row written before it was stored."""
     import inspect
 
-    from h3trt.server import queue, service
+    from h3trt.server import queue, rows, service
 
-    assert "parse_stored(" in inspect.getsource(queue.StoreQueue.job_of)
-    assert "parse_stored(" in inspect.getsource(service.VideoService.create)
-    request = service.parse_stored({"prompt": "a fox", "resolution": "160x96", "duration": 5.0}, tmp_path,
-                                   RequestDefaults())
-    assert (request.width, request.height, request.duration) == (160, 96, 5.0)
+    assert "stored_request(" in inspect.getsource(queue.StoreQueue.job_of)
+    assert "parse_sent(" in inspect.getsource(service.VideoService.create)
+    assert "row_request(" in inspect.getsource(service.VideoService.create)
+    assert inspect.getsource(rows.stored_request).count("parse_object(") == 1  # the row of before's reader only
+    request = service.parse_sent({"prompt": "a fox", "resolution": "160x96", "duration": 5.0}, tmp_path,
+                                 RequestDefaults())
+    assert (request.canvas.width, request.canvas.height, request.canvas.duration) == (160, 96, 5.0)
 
 
 @pytest.mark.parametrize("inputs, task", [({}, "t2va"), ({"image": "a.png"}, "fl2va"),
@@ -206,7 +210,7 @@ def test_the_stored_row_is_read_by_one_function(tmp_path):
 def test_the_task_is_derived_once_for_every_front_door(tmp_path, inputs, task):
     """A request's task comes from its inputs through one function (request.task_of, which the API's job object also
     reads a stored schema with): the Request's own task and the requests file's check of a stated task agree."""
-    from h3trt.pipeline.request import task_of
+    from h3trt.request.parts import task_of
 
     defaults = RequestDefaults(steps=2)
     parsed = parse_object({"prompt": "a fox", "task": task, **inputs}, 0, tmp_path, (), defaults)
@@ -223,10 +227,10 @@ def test_the_steps_bound_is_the_tables_at_every_front_door(tmp_path, tiny_root, 
     `h3trt build --steps` (which started baking 100000 steps)."""
     import h3trt.build.builder as builder
     from h3trt.build.config import BuildConfig
-    from h3trt.pipeline.adapter_schedule import ScheduleValues
+    from h3trt.request.parts import ScheduleValues
 
     low, high = schema.VALUES["steps"].schema["minimum"], schema.VALUES["steps"].schema["maximum"]
-    entry = Entry.resolve(device="cpu")
+    entry = Entry.local(device="cpu")
     monkeypatch.setattr(builder, "build", lambda *a, **k: pytest.fail("the build started"))
     for steps in (low - 1, high + 1, 100000):
         bound = f"must be at least {low} (the grid includes the final sigma 0) and at most {high}"
@@ -237,11 +241,11 @@ def test_the_steps_bound_is_the_tables_at_every_front_door(tmp_path, tiny_root, 
             ScheduleValues.parse(f"steps={steps}", "--adapter t")
         for words in (FLAGS, KEY_WORDS, schema.API_WORDS):
             with pytest.raises(UserError, match=re.escape(f"{words.steps} {bound}")) as refused:
-                admit(entry, Request("a fox", width=128, height=32, steps=steps), words)
+                admit(entry, Request.of("a fox", width=128, height=32, steps=steps), words)
             assert refused.value.field == "steps"
     assert not (tmp_path / "b").exists()
     for steps in (low, high):  # the edges are served
         assert ScheduleValues.parse(f"steps={steps}", "--adapter t").steps == steps
-        admit(entry, Request("a fox", width=128, height=32, steps=steps))
-        model = entry.path or tmp_path / "no-model"  # a folder that is no checkpoint is refused at the config
+        admit(entry, Request.of("a fox", width=128, height=32, steps=steps))
+        model = entry.model.path or tmp_path / "no-model"  # a folder that is no checkpoint is refused at the config
         assert BuildConfig(model, tmp_path / "b", steps=(steps,), device="cpu").steps == (steps,)

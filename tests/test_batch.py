@@ -16,8 +16,10 @@ from h3trt.run.batch_file import check_bundle_batch, parse_requests
 from h3trt.run.batch_outputs import finished
 from h3trt.media.inputs import probe
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.pipeline.request import CanvasDefaults, Request, prepare
-from h3trt.pipeline.parse import RequestsFileError
+from h3trt.request.parts import CanvasDefaults
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
+from h3trt.request.parse import RequestsFileError
 from h3trt.run.timeline import draw_timeline, legend_stages
 
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
@@ -96,10 +98,10 @@ def test_static_batch_bundle_refuses_max_batch():
 
 def test_batched_denoise_gives_each_request_what_it_gets_alone(pipeline, tmp_path):
     """Seeds and keyframe conditions stay per request: a batch of 3 equals the 3 requests run one at a time."""
-    requests = [Request("a red fox runs", seed=s, steps=3, width=128, height=32) for s in (1, 2)]
-    requests.append(Request("a red fox runs", image=_png(tmp_path / "k.png", 5), seed=3, steps=3, width=128,
+    requests = [Request.of("a red fox runs", seed=s, steps=3, width=128, height=32) for s in (1, 2)]
+    requests.append(Request.of("a red fox runs", image=_png(tmp_path / "k.png", 5), seed=3, steps=3, width=128,
                             height=32))
-    requests.append(Request("a red fox runs", image=_png(tmp_path / "l.png", 6), seed=4, steps=3, width=128,
+    requests.append(Request.of("a red fox runs", image=_png(tmp_path / "l.png", 6), seed=4, steps=3, width=128,
                             height=32))
     encoded = [pipeline.encode_request(prepare(r, TINY_CANVAS)) for r in requests]
     t2va, fl2va = encoded[:2], encoded[2:]

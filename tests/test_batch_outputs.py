@@ -121,10 +121,12 @@ def test_a_clip_that_no_longer_matches_its_record_is_kept(tmp_path, finished_out
     assert _contents(out) == before
 
 def _item(id_: str, line: int = 1):
+    from h3trt.models.packing import Geometry
+    from h3trt.request.request import Admitted, Request
     from h3trt.run.batch_file import BatchItem
-    from h3trt.pipeline.request import Request
 
-    return BatchItem(id_, line, Request("a red fox runs", seed=line, steps=2, width=128, height=32), ())
+    request = Request.of("a red fox runs", seed=line, steps=2, width=128, height=32)
+    return BatchItem(id_, line, Admitted(request, Geometry(32, 128, 124)))
 
 
 def _failure_record(out: Path, id_: str) -> Path:
@@ -170,11 +172,11 @@ def _done_record(out: Path, item, clip: bytes) -> None:
     import hashlib
 
     from h3trt.run.batch_outputs import MADE_BY
-    from h3trt.pipeline.request import request_dict
+
 
     (out / f"{item.id}.mp4").write_bytes(clip)
     (out / f"{item.id}.json").write_text(json.dumps({
-        "made_by": MADE_BY, "id": item.id, "status": "done", "request": request_dict(item.request),
+        "made_by": MADE_BY, "id": item.id, "status": "done", "request": item.request.flat(),
         "mp4_sha256": hashlib.sha256(clip).hexdigest(), "mp4_bytes": len(clip)}))
 
 

@@ -35,7 +35,7 @@ from h3trt.engines.loaders import load_weights
 from h3trt.engines.manifest import LoraSlotsRecord, content_sha256, read_manifest
 from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
-from h3trt.jobs.model_source import Entry
+from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.lora import LoraSpec
@@ -43,7 +43,8 @@ from h3trt.models.lora_slots import BLOCK_TARGETS, segment_lora_names
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, ResidentAdapters
-from h3trt.pipeline.request import KEYS, Request
+from h3trt.request.fields import KEY_WORDS as KEYS
+from h3trt.request.request import Request
 
 REL_TOL = 1e-5  # test_engine.py's compiled-vs-eager bound for fp32 bundles
 SLOTS, MAX_RANK = 2, 4
@@ -177,7 +178,7 @@ def test_the_cli_refuses_a_bad_slot_count(capsys, tmp_path):
 
 def _without_slots(slot_bundle: Path, root: Path) -> Path:
     """A bundle's manifest as a build without --lora-slots writes it (the record and the twin left out, rehashed):
-    what Entry.resolve and admission read."""
+    what an Entry and admission read."""
     data = json.loads((slot_bundle / "manifest.json").read_text())
     del data["lora_slots"], data["segments"]["block_lora"]
     data["manifest_sha256"] = content_sha256(data)
@@ -198,14 +199,14 @@ def test_adapters_a_bundle_cannot_hold_are_refused_before_any_model_loads(slot_b
              ((), (LoraSpec(files["big"]),), "--lora .*big.safetensors: rank 8, over")]
     for adapters, loras, words in cases:
         with pytest.raises(UserError, match=words) as e:
-            Entry.resolve(engine=slot_bundle, device="cpu", adapters=adapters, loras=loras)
+            Entry.local(ModelSource.resolve(engine=slot_bundle, loras=loras), "cpu", adapters)
         assert "\n" not in str(e.value)
     plain = _without_slots(slot_bundle, tmp_path / "plain")
     for adapters, loras in (((spec["a"],), ()), ((), (LoraSpec(files["a"]),))):
         with pytest.raises(UserError, match="built without LoRA slots.*--lora-slots N --lora-max-rank R"):
-            Entry.resolve(engine=plain, device="cpu", adapters=adapters, loras=loras)
+            Entry.local(ModelSource.resolve(engine=plain, loras=loras), "cpu", adapters)
     with pytest.raises(UserError, match="lora: this bundle was built without LoRA slots") as e:
-        admit(Entry.resolve(engine=plain, device="cpu"), Request(PROMPT, lora=(AdapterUse("a"),)), KEYS)
+        admit(Entry.local(ModelSource.resolve(engine=plain), "cpu"), Request.of(PROMPT, lora=(AdapterUse("a"),)), KEYS)
     assert e.value.field == "lora"
     # The CLI: exit 2, one line, nothing loaded (no_model_load).
     out = tmp_path / "clip.mp4"
@@ -216,11 +217,11 @@ def test_adapters_a_bundle_cannot_hold_are_refused_before_any_model_loads(slot_b
 
 
 def test_admission_refuses_adapters_with_sparse_attention_on_a_bundle(slot_bundle, files):
-    entry = Entry.resolve(engine=slot_bundle, device="cpu", adapters=(AdapterSpec("a", files["a"]),))
-    admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse("a"),)), KEYS)  # dense: admitted
-    admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)  # sparse without adapters: too
+    entry = Entry.local(ModelSource.resolve(engine=slot_bundle), "cpu", (AdapterSpec("a", files["a"]),))
+    admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse("a"),)), KEYS)  # dense: admitted
+    admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)  # sparse without adapters: too
     with pytest.raises(UserError, match="runs LoRA adapters on dense attention only.*sparse_attention 0") as e:
-        admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5, lora=(AdapterUse("a"),)), KEYS)
+        admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5, lora=(AdapterUse("a"),)), KEYS)
     assert e.value.field == "lora"
 
 
@@ -256,7 +257,7 @@ def test_a_bundle_serves_the_servers_changing_set_through_its_slots(slot_bundle,
     folder = tmp_path / "loras"
     folder.mkdir()
     shutil.copy(files["a"], folder / "a.safetensors")
-    entry = Entry.resolve(engine=slot_bundle, device="cpu", lora_dir=folder)
+    entry = Entry.local(ModelSource.resolve(engine=slot_bundle), "cpu", folder=folder)
     catalog = entry.adapter_catalog()
     assert (catalog.shape.num_slots, catalog.shape.max_rank) == (SLOTS, MAX_RANK)
     assert catalog.shape.targets == read_manifest(slot_bundle).lora_slots.targets
@@ -268,17 +269,17 @@ def test_a_bundle_serves_the_servers_changing_set_through_its_slots(slot_bundle,
     with pytest.raises(UserError, match="rank 8, over the slots' max rank 4") as e:
         catalog.load("big", "big.safetensors")
     assert e.value.field == "file"
-    requests = [admit(entry, Request(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse(n),)), KEYS,
+    requests = [admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse(n),)), KEYS,
                       adapters=catalog).request for n in ("a", "b", "c", "a")]
-    assert [(u.scale, Path(u.file).name) for r in requests for u in r.lora] == [
+    assert [(u.scale, Path(u.file).name) for r in requests for u in r.adapters] == [
         (1.0, "a.safetensors"), (0.5, "b.safetensors"), (1.0, "c.safetensors"), (1.0, "a.safetensors")]
     assert load_bundle(slot_bundle, "cpu").adapters is None  # `run` without adapters: no slot cache at all
     served = load_bundle(slot_bundle, "cpu", serve_adapters=True).adapters  # as a server's rank: none at start
     assert served is not None and not served.slots.records
     used = []
     for request in requests:
-        ((slot, _),) = served.select(request.lora).uses
+        ((slot, _),) = served.select(request.adapters).uses
         used.append(slot)
-        assert served.slots.records[slot].sha256 == request.lora[0].sha256
-        assert served.record(request.lora)[0]["sha256"] == request.lora[0].sha256
+        assert served.slots.records[slot].sha256 == request.adapters[0].sha256
+        assert served.record(request.adapters)[0]["sha256"] == request.adapters[0].sha256
     assert used == [0, 1, 0, 1]  # c takes a's slot (least recently used), then a takes b's

@@ -9,7 +9,7 @@ import torch
 
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.errors import UserError
-from h3trt.jobs.model_source import Entry
+from h3trt.jobs.model_source import ModelSource
 from h3trt.models.checkpoint_writer import random_state_dict, save_diffusers
 from h3trt.models.config import H3Config
 from h3trt.models.distilled_contract import checkpoint_contract
@@ -50,8 +50,8 @@ def test_the_v2_sidecar_is_the_checkpoints_schedule(export, tmp_path):
     assert record["vsa"] == serving.vsa == {"trained_sparsity": 0.8, "tile_size": 64,
                                             "from": "fastvideo_inference.json vsa_sparsity"}
     assert record["contract"]["attention_backend"] == "VIDEO_SPARSE_ATTN_H3"
-    entry = Entry.resolve(model=export, device="cpu")
-    assert entry.default_steps == 9 and entry.distilled_serving.tasks == ("t2va",)
+    model = ModelSource.resolve(model=export)
+    assert model.default_steps == 9 and model.distilled_serving.tasks == ("t2va",)
     config = BuildConfig(export, tmp_path / "b", profiles=(Profile(160, 96, 5.0),), device="cpu")
     assert config.steps == (9,) and config.schedules((12.0, 3.0))[0] == s  # the ladder, not the 50-step default
     with pytest.raises(DistilledError, match="serves \\['t2va'\\] only, not ref2va"):

@@ -15,7 +15,8 @@ import torch
 from h3trt.build import builder
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.errors import UserError
-from h3trt.jobs.model_source import Entry
+from h3trt.adapters.use import AdapterUse
+from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.models import vsa_kernels
 from h3trt.models.config import H3Config
 from h3trt.models.distilled import DistilledSpec
@@ -25,16 +26,17 @@ from h3trt.models.lora import LoraSpec
 from h3trt.models.sampler import Schedule
 from h3trt.models.vsa_plan import (VsaServing, VsaSettings, check_vsa_request, choose_vsa_kernel, request_vsa_run,
                                    served_vsa_settings)
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse
-from h3trt.pipeline.parse import parse_object
-from h3trt.pipeline.request import Request, prepare
+from h3trt.pipeline.adapters import AdapterSpec
+from h3trt.pipeline.prepare import prepare
+from h3trt.request.parse import parse_object
+from h3trt.request.request import Request
 
 CFG = H3Config.tiny()
 ATOL = 1e-5
 
 
 def denoised(entry: Entry, request: Request):
-    return entry.load("t2va").denoise_request(prepare(request, entry.canvas))[2]
+    return entry.load("t2va").denoise_request(prepare(request, entry.model.canvas))[2]
 
 
 def test_an_alpha_less_turbo_adapter_runs_at_its_familys_alpha(tmp_path, tiny_cache):
@@ -43,10 +45,12 @@ def test_an_alpha_less_turbo_adapter_runs_at_its_familys_alpha(tmp_path, tiny_ca
     turbo = write_turbo(tmp_path / "turbo.safetensors", CFG, seed=3, rank=16, refiner=False,
                         metadata={"h3trt.steps": "5", "h3trt.video_shift": "6"})
     schedule = {"steps": 3, "video_shift": 6.0, "audio_shift": 3.0}  # any count: Turbo is a LoRA
-    adapter = denoised(Entry.resolve(device="cpu", adapters=(AdapterSpec("t", turbo),)),
-                       Request("a fox", lora=(AdapterUse("t"),), **schedule))
-    fused = denoised(Entry.resolve(device="cpu", distilled=DistilledSpec(turbo)), Request("a fox", **schedule))
-    diffusers_rule = denoised(Entry.resolve(device="cpu", loras=(LoraSpec(turbo),)), Request("a fox", **schedule))
+    adapter = denoised(Entry.local(device="cpu", adapters=(AdapterSpec("t", turbo),)),
+                       Request.of("a fox", lora=(AdapterUse("t"),), **schedule))
+    fused = denoised(Entry.local(ModelSource.resolve(distilled=DistilledSpec(turbo)), "cpu"),
+                     Request.of("a fox", **schedule))
+    diffusers_rule = denoised(Entry.local(ModelSource.resolve(loras=(LoraSpec(turbo),)), "cpu"),
+                              Request.of("a fox", **schedule))
     for got, want, other in ((adapter.video, fused.video, diffusers_rule.video),
                              (adapter.audio, fused.audio, diffusers_rule.audio)):
         assert (got - want).abs().max().item() <= ATOL
@@ -119,7 +123,7 @@ def test_a_requests_vsa_sparsity(tmp_path):
             call()
         assert "\n" not in str(info.value)
     line = parse_object({"prompt": "a", "vsa_sparsity": 0}, 1, tmp_path, ("prompt",))
-    assert line.request.vsa_sparsity == 0.0
+    assert line.request.speed.vsa_sparsity == 0.0
 
 
 def test_run_vsa_sparsity_on_a_model_without_the_gate_is_one_line(h3trt, tmp_path, tiny_root):

@@ -20,14 +20,15 @@ from h3trt.eval import StepRecorder, compare, reference_entry, trace
 from h3trt.models.sampler import euler_step, initial_latents
 from h3trt.pipeline.loading import load_checkpoint
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.pipeline.request import Request, prepare
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
 
 from test_requests import _manifest_dict
 
 pytestmark = pytest.mark.unit
 
 PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
-REQUEST = Request("a red fox runs through fresh snow", seed=3, steps=5, width=160, height=96)
+REQUEST = Request.of("a red fox runs through fresh snow", seed=3, steps=5, width=160, height=96)
 
 
 class ScaledVelocity:
@@ -74,10 +75,10 @@ def test_each_step_records_that_steps_latents(parts, unit_trace):
     fix every entry held the final rows (the recorder kept a view of the latents the sampler updates in place)."""
     got, prepared = unit_trace, prepare(REQUEST)
     cfg, geo, schedule = parts.dit.cfg, prepared.geometry, _pipeline(parts, 1.0).schedule(REQUEST)
-    start = initial_latents(REQUEST.seed, geo.latent_frames, geo.latent_height, geo.latent_width, geo.audio_latents,
+    start = initial_latents(REQUEST.inputs.seed, geo.latent_frames, geo.latent_height, geo.latent_width, geo.audio_latents,
                             cfg.patch_size, cfg.in_channels, cfg.audio_in_channels)
     video, audio, sv, sa = start.video, start.audio, schedule.video_sigmas, schedule.audio_sigmas
-    assert len(got.video_steps) == len(got.audio_steps) == schedule.num_evaluations == REQUEST.steps - 1
+    assert len(got.video_steps) == len(got.audio_steps) == schedule.num_evaluations == REQUEST.schedule.steps - 1
     for i, (tv, ta) in enumerate(schedule.timesteps()):
         video, audio = euler_step(video, video, tv, sv[i], sv[i + 1]), euler_step(audio, audio, ta, sa[i], sa[i + 1])
         assert torch.equal(got.video_steps[i], video) and torch.equal(got.audio_steps[i], audio), f"step {i + 1}"
@@ -88,7 +89,7 @@ def test_per_step_error_grows_from_step_to_step(parts, unit_trace):
     result = compare(trace(_pipeline(parts, 1.01), prepare(REQUEST)), unit_trace)
     for modality in ("video", "audio"):
         errors = result["latent_rel_err_per_step"][modality]
-        assert len(errors) == REQUEST.steps - 1 and errors[0] > 0
+        assert len(errors) == REQUEST.schedule.steps - 1 and errors[0] > 0
         assert all(a < b for a, b in zip(errors, errors[1:])), (modality, errors)
 
 
@@ -147,8 +148,8 @@ def test_reference_entry_names_the_flag_and_what_it_takes(tmp_path):
     with pytest.raises(UserError, match=r"--reference .*missing does not exist; pass an engine bundle \(h3trt "
                                         r"build\), a MiniMax-H3 checkpoint folder, or 'tiny'"):
         reference_entry(str(tmp_path / "missing"), "cpu")
-    assert reference_entry(str(_bundle(tmp_path / "b")), "cpu").source == "bundle"
-    assert reference_entry("tiny", "cpu").source == "tiny"
+    assert reference_entry(str(_bundle(tmp_path / "b")), "cpu").model.kind == "bundle"
+    assert reference_entry("tiny", "cpu").model.kind == "tiny"
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -33,7 +33,9 @@ from h3trt.models.step_cache import StepCache, StepCacheConfig
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.media.inputs import read_video
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.pipeline.request import CanvasDefaults, Request, prepare
+from h3trt.request.parts import CanvasDefaults
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
 from test_lora import ReferencePipe
 
 STEPS, VIDEO_SHIFT, SCALE = 8, 5.0, 0.7
@@ -146,7 +148,7 @@ def test_run_serves_the_bundle_like_the_eager_lora_run(lora_bundle, lora_file, t
 @pytest.mark.parametrize("config", [StepCacheConfig("first-block", 0.3),
                                     StepCacheConfig("mag", 0.08, (0.99, 0.97, 0.95, 0.9), retention_ratio=0.0)])
 def test_cached_bundle_takes_the_eager_decisions(lora_bundle, tiny_root, lora_file, config):
-    request = Request("a fox", steps=STEPS, video_shift=VIDEO_SHIFT, cache=config)
+    request = Request.of("a fox", steps=STEPS, video_shift=VIDEO_SHIFT, cache=config)
     results = []
     for pipeline in (H3Pipeline.load(tiny_root, "t2va", "cpu", CANVAS, loras=(LoraSpec(lora_file, SCALE),)),
                      H3Pipeline.load_engine(lora_bundle, "cpu", CANVAS)):

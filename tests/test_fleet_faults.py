@@ -59,7 +59,8 @@ def test_a_store_outage_is_a_503_envelope_and_not_ready_then_the_api_recovers(ou
 
     store = JobStore(outage.url)
     store.create("video_" + "a" * 32, {"schema": {"prompt": "x"}, "openai": {}, "geometry": [64, 32]})
-    entry = SimpleNamespace(tiny=True, manifest=None, default_steps=4)  # what reading jobs needs of the model
+    # what reading jobs needs of the model
+    entry = SimpleNamespace(model=SimpleNamespace(tiny=True, manifest=None, default_steps=4))
     service = VideoService(entry, ServeOptions(data_dir=tmp_path), store,
                            Storage(tmp_path / "storage"), OneGroup(), Metrics(), log=lambda *a, **k: None)
     with TestClient(create_app(service), raise_server_exceptions=False) as client:

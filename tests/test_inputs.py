@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from h3trt.cli import main
-from h3trt.pipeline.request import MAX_PROMPT_TOKENS
+from h3trt.request.fields import MAX_PROMPT_TOKENS
 
 
 

@@ -1,16 +1,17 @@
 """The package's layers import downward only (docs/architecture.md, "The layers"):
 
-    errors, paths, str_enum <- models <- parallel <- calibration <- engines <- build
-                                                     engines <- media <- pipeline <- jobs <- run
-                                                                                       jobs <- server <- fleet <- cli
-                                                                                       jobs <- eval <- cli
-                                                                                         build, run <- cli
+    errors, paths, str_enum <- models <- adapters <- parallel <- calibration <- engines <- build
+    engines <- request, media <- pipeline <- jobs <- run
+                                            jobs <- server <- fleet <- cli
+                                            jobs <- eval <- cli
+                                      build, run <- cli
 
-build and the four floors above engines (media, pipeline, jobs, run) never import each other; models imports none of the others but the base: errors (the one
-user-error class, which every layer may raise), paths (where h3trt keeps its caches) and str_enum (the vocabularies'
-base). Every import counts, the ones inside functions included, and no two h3trt modules may import each other,
-directly or around a cycle. The checker is pure `ast` over the source files (nothing is imported), so it runs in well
-under a second.
+build never imports a floor above engines (request, media, pipeline, jobs, run), nor one of them build; request and
+media, side by side under pipeline, never import each other; models imports none of the others but the base: errors
+(the one user-error class, which every layer may raise), paths (where h3trt keeps its caches) and str_enum (the
+vocabularies' base). Every import counts, the ones inside functions included, and no two h3trt modules may import
+each other, directly or around a cycle. The checker is pure `ast` over the source files (nothing is imported), so it
+runs in well under a second.
 """
 
 from __future__ import annotations
@@ -28,24 +29,27 @@ PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
 # the base, which imports nothing: errors (the one user-error class), paths (where h3trt keeps its caches) and
 # str_enum (the base of the vocabularies).
 BASE = {"errors", "paths", "str_enum"}
+ENGINES = BASE | {"models", "adapters", "parallel", "calibration", "engines"}  # engines and what it stands on
+RUNTIME = ENGINES | {"request", "media", "pipeline", "jobs"}  # what the front doors stand on
 ALLOWED = {
     "errors": set(),
     "paths": set(),
     "str_enum": set(),
     "models": BASE,
-    "parallel": BASE | {"models"},
-    "calibration": BASE | {"models", "parallel"},
-    "engines": BASE | {"models", "parallel", "calibration"},
-    "build": BASE | {"models", "parallel", "calibration", "engines"},
-    "media": BASE | {"models", "parallel", "calibration", "engines"},
-    "pipeline": BASE | {"models", "parallel", "calibration", "engines", "media"},
-    "jobs": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline"},
-    "run": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline", "jobs"},
-    "server": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline", "jobs"},
-    "fleet": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline", "jobs", "server"},
-    "eval": BASE | {"models", "parallel", "calibration", "engines", "media", "pipeline", "jobs"},
-    "cli": BASE | {"models", "parallel", "calibration", "engines", "build", "media", "pipeline", "jobs", "run",
-                   "server", "fleet", "eval"},
+    "adapters": BASE | {"models"},
+    "parallel": BASE | {"models", "adapters"},
+    "calibration": BASE | {"models", "adapters", "parallel"},
+    "engines": BASE | {"models", "adapters", "parallel", "calibration"},
+    "build": ENGINES,
+    "request": ENGINES,
+    "media": ENGINES,
+    "pipeline": ENGINES | {"request", "media"},
+    "jobs": ENGINES | {"request", "media", "pipeline"},
+    "run": RUNTIME,
+    "server": RUNTIME,
+    "fleet": RUNTIME | {"server"},
+    "eval": RUNTIME,
+    "cli": RUNTIME | {"build", "run", "server", "fleet", "eval"},
     "h3trt": set(),
 }
 
@@ -150,6 +154,7 @@ def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
 def test_layers_import_downward_only():
     graph = import_graph()
     assert len(graph) > 40 and "h3trt.parallel.ulysses" in graph and "h3trt.calibration.calibrate" in graph
+    assert "h3trt.request.request" in graph and "h3trt.adapters.use" in graph  # the floors of issue 48
     assert direction_errors(graph) == []
 
 

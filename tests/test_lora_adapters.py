@@ -19,14 +19,17 @@ from test_lora import fmt_kohya, fmt_original, write
 from h3trt.cli import main
 from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
-from h3trt.jobs.model_source import Entry
+from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.jobs.work import layout_key
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.lora import LoraSpec
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, batch_key, parse_lora_field
-from h3trt.pipeline.parse import parse_object
-from h3trt.pipeline.request import KEYS, Request, prepare, request_dict
+from h3trt.adapters.use import parse_lora_field
+from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, batch_key
+from h3trt.request.parse import parse_object
+from h3trt.request.fields import KEY_WORDS as KEYS
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
 
 ATOL = 1e-5
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")
@@ -62,33 +65,33 @@ def sha256(path: Path) -> str:
 
 def denoised(entry: Entry, request: Request):
     pipe = entry.load("t2va")
-    _, _, final = pipe.denoise_request(prepare(request, entry.canvas))
+    _, _, final = pipe.denoise_request(prepare(request, entry.model.canvas))
     return final
 
 
 def test_a_request_with_an_adapter_equals_the_merged_model_and_one_without_is_the_plain_model(files, tiny_cache):
     a, b = files
-    resident = Entry.resolve(device="cpu", adapters=(AdapterSpec("a", a, 0.5), AdapterSpec("b", b)))
-    plain = denoised(Entry.resolve(device="cpu"), Request(PROMPT, steps=3))
-    merged = denoised(Entry.resolve(device="cpu", loras=(LoraSpec(a, 0.7),)), Request(PROMPT, steps=3))
-    picked = denoised(resident, Request(PROMPT, steps=3, lora=(AdapterUse("a", 0.7),)))
+    resident = Entry.local(device="cpu", adapters=(AdapterSpec("a", a, 0.5), AdapterSpec("b", b)))
+    plain = denoised(Entry.local(device="cpu"), Request.of(PROMPT, steps=3))
+    merged = denoised(Entry.local(ModelSource.resolve(loras=(LoraSpec(a, 0.7),)), "cpu"), Request.of(PROMPT, steps=3))
+    picked = denoised(resident, Request.of(PROMPT, steps=3, lora=(AdapterUse("a", 0.7),)))
     for got, want, base in ((picked.video, merged.video, plain.video), (picked.audio, merged.audio, plain.audio)):
         assert (got - want).abs().max().item() <= ATOL
         assert (want - base).abs().max().item() > 100 * ATOL  # the adapter moved the latents far beyond ATOL
     # The default strength: scale left out is --adapter's (0.5), not 1.
-    half = denoised(Entry.resolve(device="cpu", loras=(LoraSpec(a, 0.5),)), Request(PROMPT, steps=3))
-    default = denoised(resident, Request(PROMPT, steps=3, lora=(AdapterUse("a"),)))
+    half = denoised(Entry.local(ModelSource.resolve(loras=(LoraSpec(a, 0.5),)), "cpu"), Request.of(PROMPT, steps=3))
+    default = denoised(resident, Request.of(PROMPT, steps=3, lora=(AdapterUse("a"),)))
     assert (default.video - half.video).abs().max().item() <= ATOL
     # No adapter named: bit for bit the model started without adapters.
-    none = denoised(resident, Request(PROMPT, steps=3))
+    none = denoised(resident, Request.of(PROMPT, steps=3))
     assert torch.equal(none.video, plain.video) and torch.equal(none.audio, plain.audio)
 
 
 def test_the_request_field_reads_checks_and_writes_back(tmp_path):
     line = parse_object({"prompt": "p", "lora": [{"name": "a", "scale": 0.5}, {"name": "b"}]}, 1, tmp_path, ())
-    assert line.request.lora == (AdapterUse("a", 0.5), AdapterUse("b"))
-    assert request_dict(line.request)["lora"] == [{"name": "a", "scale": 0.5}, {"name": "b"}]
-    assert "lora" not in request_dict(Request("p"))  # a request without adapters is written as before
+    assert line.request.adapters == (AdapterUse("a", 0.5), AdapterUse("b"))
+    assert line.request.flat()["lora"] == [{"name": "a", "scale": 0.5}, {"name": "b"}]
+    assert "lora" not in Request.of("p").flat()  # a request without adapters is written as before
     for bad, words in (("a", "list of"), ([{"name": 3}], "name a string"), ([{"name": "a", "scale": "1"}], "finite"),
                        ([{"name": "a", "scale": float("nan")}], "finite"),
                        ([{"name": "a", "scale": 10 ** 400}], "finite"), ([{"name": "a", "x": 1}], "name a string"),
@@ -100,15 +103,15 @@ def test_the_request_field_reads_checks_and_writes_back(tmp_path):
 
 def test_admission_refuses_unknown_names_too_many_and_bundles_naming_lora(files, tiny_cache):
     a, b = files
-    entry = Entry.resolve(device="cpu", adapters=(AdapterSpec("a", a),))
-    admit(entry, Request(PROMPT, lora=(AdapterUse("a", 2.0),)), KEYS)  # admitted
+    entry = Entry.local(device="cpu", adapters=(AdapterSpec("a", a),))
+    admit(entry, Request.of(PROMPT, lora=(AdapterUse("a", 2.0),)), KEYS)  # admitted
     for uses, words in (((AdapterUse("zebra"),), r"\['zebra'\], not resident here; the resident adapters are \['a'\]"),
                         ((AdapterUse("a"), AdapterUse("b")), "asks for 2 adapters, but this model holds 1")):
         with pytest.raises(UserError, match=words) as e:
-            admit(entry, Request(PROMPT, lora=uses), KEYS)
+            admit(entry, Request.of(PROMPT, lora=uses), KEYS)
         assert e.value.field == "lora"
     with pytest.raises(UserError, match="holds 0 resident"):
-        admit(Entry.resolve(device="cpu"), Request(PROMPT, lora=(AdapterUse("a"),)), KEYS)
+        admit(Entry.local(device="cpu"), Request.of(PROMPT, lora=(AdapterUse("a"),)), KEYS)
 
 
 def test_a_bundle_without_slots_refuses_adapters_in_one_line(files, monkeypatch):
@@ -128,9 +131,9 @@ def test_adapter_flag_parsing(tmp_path, capsys):
         with pytest.raises(UserError):
             AdapterSpec.parse(bad)
     with pytest.raises(UserError, match="given twice"):
-        Entry.resolve(device="cpu", adapters=(AdapterSpec("a", Path(__file__)), AdapterSpec("a", Path(__file__))))
+        Entry.local(device="cpu", adapters=(AdapterSpec("a", Path(__file__)), AdapterSpec("a", Path(__file__))))
     with pytest.raises(UserError, match="no such file"):
-        Entry.resolve(device="cpu", adapters=(AdapterSpec("a", tmp_path / "missing.safetensors"),))
+        Entry.local(device="cpu", adapters=(AdapterSpec("a", tmp_path / "missing.safetensors"),))
     with pytest.raises(SystemExit) as e:
         main(["run", "--prompt", "p", "--output", str(tmp_path / "x.mp4"), "--adapter", "a=f:nan"])
     assert e.value.code == 2
@@ -142,13 +145,13 @@ def test_adapter_sets_split_batches(files, tiny_cache):
     layout_key splits a batch that took them together anyway, and denoise_batch refuses a mixed one."""
     assert batch_key(()) == () and batch_key((AdapterUse("a", 1.0),)) != batch_key((AdapterUse("a", 0.5),))
     a, b = files
-    entry = Entry.resolve(device="cpu", adapters=(AdapterSpec("a", a), AdapterSpec("b", b)))
+    entry = Entry.local(device="cpu", adapters=(AdapterSpec("a", a), AdapterSpec("b", b)))
     pipe = entry.load("t2va")
-    encoded = [pipe.encode_request(prepare(Request(PROMPT, steps=2, lora=uses), entry.canvas))
+    encoded = [pipe.encode_request(prepare(Request.of(PROMPT, steps=2, lora=uses), entry.model.canvas))
                for uses in ((), (AdapterUse("a"),), (AdapterUse("b"),), (AdapterUse("a"),))]
     keys = [layout_key(e) for e in encoded]
     assert len(set(keys[:3])) == 3 and keys[1] == keys[3]
-    plain = Entry.resolve(device="cpu").load("t2va").encode_request(prepare(Request(PROMPT, steps=2), entry.canvas))
+    plain = Entry.local(device="cpu").load("t2va").encode_request(prepare(Request.of(PROMPT, steps=2), entry.model.canvas))
     assert layout_key(plain) == keys[0]  # a request without adapters keys as before
     with pytest.raises(ValueError, match="one LoRA adapter set"):
         pipe.denoise_batch(encoded[:2])

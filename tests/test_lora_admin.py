@@ -27,8 +27,10 @@ from h3trt.jobs.model_source import Entry
 from h3trt.models.config import H3Config
 from h3trt.models.lora_file import LoraError
 from h3trt.pipeline.adapter_catalog import STATE_FILE, AdapterCatalog
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape, parse_lora_field
-from h3trt.pipeline.request import Request, prepare
+from h3trt.adapters.use import parse_lora_field
+from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
 
 KEY = "test-key-lora-admin"
 
@@ -59,7 +61,7 @@ def use(folder: Path, name: str, scale: float = 1.0) -> AdapterUse:
 
 
 def final_of(pipe, uses: tuple[AdapterUse, ...]):
-    _, _, final = pipe.denoise_request(prepare(Request(PROMPT, steps=2, lora=uses), pipe.canvas))
+    _, _, final = pipe.denoise_request(prepare(Request.of(PROMPT, steps=2, lora=uses), pipe.canvas))
     return final
 
 
@@ -71,14 +73,14 @@ def test_the_slots_are_a_cache_and_each_request_equals_its_one_adapter_run(folde
     from h3trt.pipeline.h3_pipeline import H3Pipeline
     from h3trt.pipeline.loading import load_checkpoint
 
-    entry = Entry.resolve(device="cpu")
-    parts = load_checkpoint(entry.root, "t2va", "cpu")
+    entry = Entry.local(device="cpu")
+    parts = load_checkpoint(entry.model.root, "t2va", "cpu")
     cfg, cpu = H3Config.tiny(), torch.device("cpu")
 
     def pipeline(*names: str, shape: SlotShape | None = None) -> H3Pipeline:
         specs = tuple(AdapterSpec(n, folder / f"{n}.safetensors") for n in names)
         adapters = ResidentAdapters(specs, cfg, "t2va", torch.float32, cpu, shape)
-        return H3Pipeline.from_components(replace(parts, adapters=adapters), cpu, entry.canvas)
+        return H3Pipeline.from_components(replace(parts, adapters=adapters), cpu, entry.model.canvas)
 
     pipe = pipeline("a", shape=SlotShape(2, 4))
     alone = {name: final_of(pipeline(name), (AdapterUse(name, 1.0),)) for name in "abc"}
@@ -157,7 +159,7 @@ def test_the_set_survives_a_restart_and_a_lost_file_is_logged_not_fatal(folder, 
     assert json.loads(state.read_text()) == {"loaded": [{"name": "style", "file": "c.safetensors", "scale": 0.5}],
                                              "unloaded": ["a"]}
     # Resolution: the file and hash of now; a later reload of the name never changes what was resolved.
-    resolved = again.resolve(Request(PROMPT, lora=(AdapterUse("style"),))).lora
+    resolved = again.resolve(Request.of(PROMPT, lora=(AdapterUse("style"),))).adapters
     assert resolved == (AdapterUse("style", 0.5, str(folder / "c.safetensors"), sha256(folder / "c.safetensors")),)
     again.unload("style")
     again.load("style", "a.safetensors")
@@ -192,7 +194,7 @@ def admin(folder, tmp_path_factory, tiny_cache):
     lora_dir = tmp_path_factory.mktemp("admin-loras")
     for name in ("a", "b"):
         (lora_dir / f"{name}.safetensors").write_bytes((folder / f"{name}.safetensors").read_bytes())
-    entry = Entry.resolve(device="cpu", lora_dir=lora_dir, lora_slots=2, lora_max_rank=4)
+    entry = Entry.local(device="cpu", folder=lora_dir, num_slots=2, max_rank=4)
     adapters = entry.adapter_catalog(data / STATE_FILE)
     # Files that arrive in the folder while the server runs, which the admin call must refuse.
     write(lora_dir / "big.safetensors", fmt_original(rank8(4)))
@@ -282,7 +284,7 @@ def test_admin_and_adapter_errors_name_the_fix_this_server_takes(admin, tmp_path
         client.delete("/v1/loras/third")
     for fleet, words in ((True, "a fleet (h3trt serve --ray) loads no adapter while it serves"),
                          (False, "started without one; start it with --lora-dir DIR")):
-        other = VideoService(Entry.resolve(device="cpu"), ServeOptions(tmp_path), JobStore(sqlite_url(tmp_path)),
+        other = VideoService(Entry.local(device="cpu"), ServeOptions(tmp_path), JobStore(sqlite_url(tmp_path)),
                              Storage(tmp_path), NoGroups(), Metrics(), log=lambda *a, **k: None, fleet=fleet)
         try:
             with pytest.raises(ApiError, match=re.escape(words)) as refused:
@@ -317,7 +319,7 @@ def test_load_list_and_unload_while_serving(admin):
                        lambda *a, **k: None)
     taken = queue.take(0, 1)
     assert [j.id for j in taken] == [job.json()["id"]]
-    assert taken[0].request.lora == (AdapterUse("style", 0.5, str(lora_dir / "a.safetensors"),
+    assert taken[0].request.adapters == (AdapterUse("style", 0.5, str(lora_dir / "a.safetensors"),
                                                 sha256(lora_dir / "a.safetensors")),)
     assert client.delete("/v1/loras/style").status_code == 200
 
@@ -340,8 +342,8 @@ def test_an_adapter_loaded_while_serving_brings_its_schedule_and_its_jobs_keep_i
                        lambda *a, **k: None)
     (taken,) = queue.take(0, 1)
     assert taken.id == job.json()["id"]
-    assert (taken.request.steps, taken.request.video_shift) == (4, 5.0)
-    assert taken.request.schedule_from.to_json()["steps"] == "adapter fast"
+    assert (taken.request.schedule.steps, taken.request.schedule.video_shift) == (4, 5.0)
+    assert taken.request.schedule.origin.to_json()["steps"] == "adapter fast"
 
 
 @pytest.mark.parametrize("body,param,words", [
@@ -424,7 +426,7 @@ def test_a_lora_dir_file_the_server_cannot_serve_is_skipped_listed_and_named_to_
     os.symlink(tmp_path / "outside.safetensors", d / "link.safetensors")
     write(d / "big.safetensors", fmt_original(rank8(4)))
     flag = (AdapterSpec("dup", folder / "b.safetensors"),)
-    entry = Entry.resolve(device="cpu", adapters=flag, lora_dir=d, lora_slots=2, lora_max_rank=4)
+    entry = Entry.local(device="cpu", adapters=flag, folder=d, num_slots=2, max_rank=4)
     entry.adapter_catalog(data / STATE_FILE).unload("later")  # kept in loras.json: started without, for good
     catalog = entry.adapter_catalog(data / STATE_FILE)
     catalog.load("again", "later.safetensors", 0.5)  # loras.json: loaded; its file goes bad before the restart
@@ -458,7 +460,7 @@ def test_a_lora_dir_file_the_server_cannot_serve_is_skipped_listed_and_named_to_
     write(d / "huge.safetensors", fmt_original({"blocks.0.mlp.fc2": (torch.randn(128, 96), torch.randn(64, 128))}))
     unit = unit_bytes(H3Config.tiny(), dtype=torch.float32)
     monkeypatch.setattr(lora_memory, "memory_of", lambda device: (4 * 100 * unit, "a small host"))
-    fitted = Entry.resolve(device="cpu", lora_dir=d).adapter_catalog()
+    fitted = Entry.local(device="cpu", folder=d).adapter_catalog()
     assert fitted.shape == SlotShape(4, 64) and "huge" not in fitted.names()
     assert "rank 128, over the largest rank these slots may have in memory (100)" in {
         s.name: s.reason for s in fitted.skipped()}["huge"]
@@ -467,15 +469,15 @@ def test_a_lora_dir_file_the_server_cannot_serve_is_skipped_listed_and_named_to_
 def test_the_flags_are_checked_before_anything_loads(folder, tmp_path, capsys):
     from h3trt.cli import main
 
-    entry = Entry.resolve(device="cpu", adapters=(AdapterSpec("x", folder / "a.safetensors"),), lora_dir=folder)
-    assert [s.name for s in entry.adapters] == ["x", "a", "b", "c"]  # --adapter, then DIR's files by stem
-    for kwargs, words in (({"lora_dir": tmp_path / "none"}, "--lora-dir .*none: not a folder"),
-                          ({"lora_slots": 2}, "--lora-slots and --lora-max-rank size the slots of LoRA adapters"),
+    entry = Entry.local(device="cpu", adapters=(AdapterSpec("x", folder / "a.safetensors"),), folder=folder)
+    assert [s.name for s in entry.adapters.specs] == ["x", "a", "b", "c"]  # --adapter, then DIR's files by stem
+    for kwargs, words in (({"folder": tmp_path / "none"}, "--lora-dir .*none: not a folder"),
+                          ({"num_slots": 2}, "--lora-slots and --lora-max-rank size the slots of LoRA adapters"),
                           ({"adapters": (AdapterSpec("a", folder / "a.safetensors"),
                                          AdapterSpec("a", folder / "b.safetensors"))},
                            "--adapter a: the name is given twice")):
         with pytest.raises(UserError, match=words):
-            Entry.resolve(device="cpu", **kwargs)
+            Entry.local(device="cpu", **kwargs)
     with pytest.raises(UserError, match=r"--adapter big: .* has rank 8, over the slots' max rank 4"):
         write(tmp_path / "big.safetensors", fmt_original(rank8(4)))
         AdapterCatalog.start((AdapterSpec("big", tmp_path / "big.safetensors"),), H3Config.tiny(), "t2va",

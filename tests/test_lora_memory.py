@@ -50,7 +50,7 @@ def test_build_refuses_slots_past_the_memory_before_it_starts(h3trt, monkeypatch
 
 def test_serve_refuses_its_slots_past_the_memory_flags_or_fitted(tmp_path, tiny_root, monkeypatch):
     adapter = write(tmp_path / "a.safetensors", fmt_original(tiny_factors(1)))
-    entry = Entry.resolve(device="cpu", adapters=(), lora_dir=tmp_path, lora_slots=100000, lora_max_rank=100000)
+    entry = Entry.local(device="cpu", adapters=(), folder=tmp_path, num_slots=100000, max_rank=100000)
     with pytest.raises(UserError, match=r"^--lora-slots 100000 --lora-max-rank 100000 \(the slots: 100000 of rank "
                                         r"100000\): the slots take .* the largest that fit: --lora-slots \d+ at"):
         entry.adapter_catalog()
@@ -60,8 +60,8 @@ def test_serve_refuses_its_slots_past_the_memory_flags_or_fitted(tmp_path, tiny_
     with pytest.raises(UserError, match=r"^the slots fitted to the adapters at start \(4 of rank 64; --lora-slots and "
                                         r"--lora-max-rank set them\): .*: --lora-slots 3 at --lora-max-rank 64, or "
                                         r"--lora-max-rank 63 at --lora-slots 4\.$"):
-        Entry.resolve(device="cpu", lora_dir=tmp_path).adapter_catalog()
-    assert Entry.resolve(device="cpu", lora_dir=tmp_path, lora_max_rank=63).adapter_catalog().names() == ["a"]
+        Entry.local(device="cpu", folder=tmp_path).adapter_catalog()
+    assert Entry.local(device="cpu", folder=tmp_path, max_rank=63).adapter_catalog().names() == ["a"]
 
 
 @pytest.mark.parametrize("command", ["build", "serve"])

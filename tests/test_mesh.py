@@ -26,7 +26,9 @@ from h3trt.pipeline.guidance import branch_t_index
 from h3trt.parallel.launch import RankFailed, init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.pipeline.request import CanvasDefaults, Request, prepare
+from h3trt.request.parts import CanvasDefaults
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
 from h3trt.jobs.rank import WorkerSpec, load_rank_pipeline
 
 from helpers import dit_inputs
@@ -37,9 +39,9 @@ STEPS = 3
 CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                         reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
 REQUESTS = {
-    "plain": Request("a fox runs through snow", steps=STEPS, seed=3),
-    "other": Request("rain on a tin roof", steps=STEPS, seed=7, width=128, height=96),
-    "guided": Request("a fox runs through snow", steps=STEPS, seed=3, guidance=2.5, negative_prompt="blurry, static"),
+    "plain": Request.of("a fox runs through snow", steps=STEPS, seed=3),
+    "other": Request.of("rain on a tin roof", steps=STEPS, seed=7, width=128, height=96),
+    "guided": Request.of("a fox runs through snow", steps=STEPS, seed=3, guidance=2.5, negative_prompt="blurry, static"),
 }
 
 
@@ -115,9 +117,9 @@ def test_negative_branch_timesteps_follow_its_own_layout():
 
 def test_guidance_needs_a_negative_prompt_and_a_scale():
     with pytest.raises(ValueError, match="--guidance 3 needs --negative-prompt"):
-        prepare(Request("x", guidance=3.0), CANVAS)
+        prepare(Request.of("x", guidance=3.0), CANVAS)
     with pytest.raises(ValueError, match="--negative-prompt only acts with --guidance > 1"):
-        prepare(Request("x", negative_prompt="y"), CANVAS)
+        prepare(Request.of("x", negative_prompt="y"), CANVAS)
 
 
 # --- an sp=2 bundle: the compiled block halves around the exchange -------------------------------------------------

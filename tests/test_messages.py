@@ -15,12 +15,12 @@ from h3trt.jobs.job import Event, EventKind, Job, Stage
 from h3trt.jobs.messages import Cancel, Idle, Ready, Report, Stop, Work
 from h3trt.pipeline.records import ClipRecord
 from h3trt.jobs.rank import BroadcastChannel, PipeChannel, WorkerSpec
-from h3trt.pipeline.request import Request
+from h3trt.request.request import BatchKey, Request
 from h3trt.jobs.supervisor import Workers
 
-JOBS = [Job("a", Request("a fox", refs=(Path("ref.png"),), seed=3), Path("out/a.mp4"), record={"line": 1},
-            key=("t2va", 1)),
-        Job("b", Request("a cat"), Path("out/b.mp4"), attempt=2)]
+JOBS = [Job("a", Request.of("a fox", refs=(Path("ref.png"),), seed=3), Path("out/a.mp4"), record={"line": 1},
+            key=BatchKey("t2va", 96, 160, 124, 4, None, None)),
+        Job("b", Request.of("a cat"), Path("out/b.mp4"), attempt=2)]
 EVENT = Event("a", "progress", "denoise", 40, (4, 10), group=1, attempt=2)
 MESSAGES = [Work(JOBS), Cancel("a"), Stop(), Ready(1), Report(EVENT), Idle()]
 

@@ -17,12 +17,14 @@ from h3trt.jobs import work
 from h3trt.jobs.job import EventKind, Job
 from h3trt.pipeline.h3_pipeline import H3Pipeline, Target
 from h3trt.pipeline.records import Clip, ClipRecord, record_path
-from h3trt.pipeline.request import CanvasDefaults, Request, prepare
+from h3trt.request.parts import CanvasDefaults
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
 from h3trt.jobs.work import Place, Reporter, commit_job_clip, run_work
 
 TINY_CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                              reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
-REQUEST = Request("a red fox runs", seed=1, steps=2, width=128, height=32)
+REQUEST = Request.of("a red fox runs", seed=1, steps=2, width=128, height=32)
 
 
 @pytest.fixture(scope="module")

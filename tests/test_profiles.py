@@ -18,7 +18,7 @@ import torch
 
 from h3trt.errors import UserError
 from h3trt.models.step_cache import StepCache, StepCacheConfig
-from h3trt.pipeline.profiles import PROFILES, profile_fields
+from h3trt.request.profiles import PROFILES, profile_fields
 
 pytestmark = pytest.mark.unit
 
@@ -176,8 +176,8 @@ def test_run_builds_the_request_from_the_profile_and_the_flags(h3trt, monkeypatc
                       "--profile", "fast", "--cache-max-skip", "1")
     assert code == 0, err
     (request,) = seen
-    assert request.profile == "fast" and (request.sparse_attention, request.sparse_dense_steps) == (0.8, 10)
-    assert (request.cache.threshold, request.cache.warmup, request.cache.max_skip_steps) == (0.24, 4, 1)
+    assert request.speed.profile == "fast" and (request.speed.sparse_attention, request.speed.sparse_dense_steps) == (0.8, 10)
+    assert (request.speed.cache.threshold, request.speed.cache.warmup, request.speed.cache.max_skip_steps) == (0.24, 4, 1)
 
 
 @pytest.mark.parametrize("flags, line", [
@@ -210,9 +210,9 @@ def test_a_batch_takes_profiles_from_its_lines_not_the_flags(h3trt, no_model_loa
 
 
 @pytest.mark.parametrize("line, check", [
-    ({"profile": "fast", "cache_max_skip": 1}, lambda r: (r.cache.threshold, r.cache.max_skip_steps) == (0.24, 1)),
-    ({"cache": "first-block", "cache_warmup": 4}, lambda r: (r.cache.warmup, r.cache.max_skip_steps) == (4, None)),
-    ({"profile": "lossless"}, lambda r: r.cache is None and r.sparse_attention == 0.0 and r.profile == "lossless"),
+    ({"profile": "fast", "cache_max_skip": 1}, lambda r: (r.speed.cache.threshold, r.speed.cache.max_skip_steps) == (0.24, 1)),
+    ({"cache": "first-block", "cache_warmup": 4}, lambda r: (r.speed.cache.warmup, r.speed.cache.max_skip_steps) == (4, None)),
+    ({"profile": "lossless"}, lambda r: r.speed.cache is None and r.speed.sparse_attention == 0.0 and r.speed.profile == "lossless"),
 ])
 def test_request_lines_take_a_profile_and_cache_keys(line, check):
     assert check(request_of({"prompt": "a fox", **line}))
@@ -236,7 +236,7 @@ def test_bad_request_keys_are_refused_by_name(line, message):
 def request_of(data: dict):
     from pathlib import Path
 
-    from h3trt.pipeline.parse import parse_object
+    from h3trt.request.parse import parse_object
 
     return parse_object(data, 1, Path("."), ("prompt",)).request
 
@@ -251,6 +251,6 @@ def test_the_api_passes_the_profile_and_cache_fields_on(tmp_path):
     schema, _ = VideoService._to_schema(service, {"prompt": "a fox", "profile": "balanced", "cache_warmup": "2",
                                                   "cache_max_skip": "1"}, [], tmp_path, multipart=True, sent={})
     request = request_of(schema)
-    assert request.profile == "balanced" and (request.cache.warmup, request.cache.max_skip_steps) == (2, 1)
+    assert request.speed.profile == "balanced" and (request.speed.cache.warmup, request.speed.cache.max_skip_steps) == (2, 1)
     with pytest.raises(ApiError, match="unknown field"):
         VideoService._to_schema(service, {"prompt": "a fox", "cache_retention": 0.1}, [], tmp_path, multipart=False, sent={})

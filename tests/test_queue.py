@@ -13,7 +13,7 @@ from helpers import Logged
 
 from h3trt.jobs.job import Event
 from h3trt.pipeline.records import ClipRecord, Failure
-from h3trt.pipeline.parse import RequestDefaults
+from h3trt.request.parse import RequestDefaults
 from h3trt.server.metrics import Metrics
 from h3trt.server.queue import StoreQueue
 from h3trt.server.storage import Storage, claim_keys, clip_key, record_key, uploads_key
@@ -54,7 +54,7 @@ def test_take_claims_the_oldest_queued_job_once_under_the_groups_name(queue):
     assert queue.take(0, 1) == []  # none waiting now (a server's queue never says None)
     first, second = queued(queue, "a", "b")
     [job] = queue.take(1, 4)
-    assert (job.id, job.attempt, job.request.prompt, job.request.seed, job.request.steps) == (first, 1, "clip a", 3, 2)
+    assert (job.id, job.attempt, job.request.inputs.prompt, job.request.inputs.seed, job.request.schedule.steps) == (first, 1, "clip a", 3, 2)
     assert job.output == queue.storage.work_path(clip_key(first, 1)) and job.overwrite
     row = queue.store.get(first)
     assert (row.status, row.worker, row.attempts) == ("in_progress", "host:1/group1", 1)
@@ -182,3 +182,61 @@ def test_a_one_node_start_sweeps_the_folders_a_killed_server_left(queue, tmp_pat
     queue.recover()
     assert not dead.exists() and live.exists()
     assert queue.log.events("swept") == [{"partial_files": 0, "scratch_folders": 0, "launch_folders": 1}]
+
+
+def test_a_worker_runs_the_admitted_request_its_row_stores(queue, tmp_path):
+    """A row stores the request as admission resolved it (server/rows.py): the worker reads it back, nothing parsed
+    again (its fields as sent say other steps and its defaults others: neither is read), its upload found in the
+    worker's own folder."""
+    from h3trt.adapters.use import AdapterUse
+    from h3trt.models.packing import Geometry
+    from h3trt.request.parts import ScheduleFrom
+    from h3trt.request.request import Admitted, Request
+    from h3trt.server.rows import row_request, shown
+
+    job = f"video_{'c':0>32}"
+    scratch = tmp_path / "scratch" / "upload"
+    use = AdapterUse("style", 0.5, "/loras/a.safetensors", "ab" * 32)
+    request = Request.of("a fox", image=scratch / "first.png", seed=5, steps=7, video_shift=5.0, lora=(use,),
+                         schedule_from=ScheduleFrom("request", "adapter style", "default"))
+    row = row_request(Admitted(request, Geometry(32, 64, 124)), {"prompt": "a fox", "steps": 9}, {}, scratch)
+    assert row["admitted"]["request"]["inputs"]["image"] == "first.png"  # relative: the worker's folder is another
+    queue.store.create(job, row)
+    (queue.storage.local / uploads_key(job)).mkdir()
+    [taken] = queue.take(0, 1)
+    assert taken.request == Request.of("a fox", image=queue.storage.fetch(uploads_key(job)) / "first.png", seed=5,
+                                       steps=7, video_shift=5.0, lora=(use,),
+                                       schedule_from=ScheduleFrom("request", "adapter style", "default"))
+    assert shown(queue.store.get(job).request, 50) == (64, 32, 7, [use])
+
+
+def test_a_server_restarted_on_an_old_jobs_database_runs_its_rows(tmp_path):
+    """A row written before the admitted request was stored (its fields as sent, the adapters and the schedule
+    admission resolved, the canvas's size) is read as then, by a queue over the database reopened: its fields parsed
+    with the model's defaults, the stored adapters and schedule put back over them."""
+    from h3trt.adapters.use import AdapterUse
+    from h3trt.server.rows import shown
+
+    for folder in ("clips", "uploads"):
+        (tmp_path / folder).mkdir()
+    job = f"video_{'d':0>32}"
+    use = {"name": "fast", "scale": 1.0, "file": "/loras/fast.safetensors", "sha256": "cd" * 32}
+    old = {"schema": {"prompt": "a fox", "seed": 4, "lora": [{"name": "fast"}]}, "openai": {}, "adapters": [use],
+           "schedule": {"steps": 4, "video_shift": 5.0, "audio_shift": None,
+                        "from": {"steps": "adapter fast", "video_shift": "adapter fast", "audio_shift": "default"}},
+           "geometry": [64, 32]}
+    before = JobStore(sqlite_url(tmp_path))
+    before.create(job, old)
+    before.close()
+    (tmp_path / uploads_key(job)).mkdir(parents=True)
+    store = JobStore(sqlite_url(tmp_path))  # the restart: another process, the same database
+    try:
+        queue = StoreQueue(store, Storage(tmp_path), 60.0, RequestDefaults(steps=2), Metrics(), Logged(),
+                           name=lambda g: f"host:2/group{g}")
+        [taken] = queue.take(0, 1)
+        r = taken.request
+        assert (r.inputs.prompt, r.inputs.seed, r.adapters) == ("a fox", 4, (AdapterUse.from_json(use),))
+        assert (r.schedule.steps, r.schedule.video_shift, r.schedule.origin.to_json()) == (4, 5.0, old["schedule"]["from"])
+        assert shown(store.get(job).request, 50) == (64, 32, 4, [AdapterUse.from_json(use)])
+    finally:
+        store.close()

@@ -15,7 +15,7 @@ import torch
 
 from h3trt.run.batch_outputs import clip_damage
 from h3trt.pipeline.records import ClipRecord, ColdStart, Failure, FailureRecord, StageTimer, clip_record, commit_clip, record_path
-from h3trt.pipeline.request import Request
+from h3trt.request.request import Request
 from h3trt.run.commands import report_record
 
 pytestmark = pytest.mark.unit
@@ -63,7 +63,7 @@ def test_the_layers_that_fill_a_record_write_the_keys_of_a_record_written_before
     in the order of the bundle record written before the type."""
     timer = StageTimer(torch.device("cpu"))
     timer.add("denoise", 1.0, 1.5)
-    prepared = SimpleNamespace(request=Request("a fox"), geometry=SimpleNamespace(width=160, height=96))
+    prepared = SimpleNamespace(request=Request.of("a fox"), geometry=SimpleNamespace(width=160, height=96))
     schedule = SimpleNamespace(num_evaluations=5, video_shift=12.0, audio_shift=3.0)
     vae = SimpleNamespace(precision="fp32", tile_decoders=None)
     record = clip_record(prepared, schedule, SimpleNamespace(seq_len=971), tmp_path / "a.mp4", 124, 165600, timer,

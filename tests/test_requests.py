@@ -17,8 +17,8 @@ from h3trt.models.config import H3Config
 from h3trt.models.precision import Precision
 from h3trt.models.sampler import DEFAULT_SEED, DEFAULT_STEPS
 from h3trt.run.batch_file import parse_requests
-from h3trt.jobs.model_source import TINY_CANVAS, Entry
-from h3trt.pipeline.parse import (EVAL_REQUIRED, RUN_REQUIRED, RequestsFileError, read_eval_requests,
+from h3trt.jobs.model_source import TINY_CANVAS, Entry, ModelSource
+from h3trt.request.parse import (EVAL_REQUIRED, RUN_REQUIRED, RequestsFileError, read_eval_requests,
                                    read_request_file)
 
 pytestmark = pytest.mark.unit
@@ -68,10 +68,11 @@ def test_eval_takes_a_run_requests_file_with_id_and_task(tmp_path):
     ])
     manifest = Manifest.from_dict(_manifest_dict())
     fox, key, plain = read_eval_requests(path, manifest)
-    assert (fox.prompt, fox.seed, fox.task, fox.steps, fox.width, fox.height, fox.duration) == (
+    assert (fox.inputs.prompt, fox.inputs.seed, fox.task, fox.schedule.steps, fox.canvas.width, fox.canvas.height,
+            fox.canvas.duration) == (
         "a red fox runs", 3, "t2va", 8, 160, 96, 5.0)  # the engine's schedule and first profile
-    assert key.task == "fl2va" and key.image == tmp_path / "first.png" and (key.width, key.height) == (128, 64)
-    assert plain.seed == DEFAULT_SEED and plain.steps == 4
+    assert key.task == "fl2va" and key.inputs.image == tmp_path / "first.png" and (key.canvas.width, key.canvas.height) == (128, 64)
+    assert plain.inputs.seed == DEFAULT_SEED and plain.schedule.steps == 4
     # The same file runs as a batch (which needs the ids and tasks).
     assert [i.id for i in parse_requests(_write(tmp_path / "b.jsonl", [{"id": "fox", "task": "t2va",
                                                                          "prompt": "a fox"}]), TINY_CANVAS)] == ["fox"]
@@ -100,7 +101,7 @@ def test_a_bad_line_names_its_fault_not_a_missing_prompt(tmp_path):
 
 def test_run_requires_id_and_task_eval_does_not(tmp_path):
     path = _write(tmp_path / "r.jsonl", [{"prompt": "a fox"}])
-    assert [r.prompt for r in read_eval_requests(path, Manifest.from_dict(_manifest_dict()))] == ["a fox"]
+    assert [r.inputs.prompt for r in read_eval_requests(path, Manifest.from_dict(_manifest_dict()))] == ["a fox"]
     with pytest.raises(RequestsFileError, match=r"r.jsonl:1: missing \['id', 'task'\]"):
         parse_requests(path, TINY_CANVAS)
 
@@ -111,7 +112,7 @@ def test_a_byte_order_mark_is_skipped(tmp_path):
     path.write_bytes(codecs.BOM_UTF8 + b'{"id": "a", "task": "t2va", "prompt": "caf\xc3\xa9"}\n'
                      b'{"id": "b", "task": "t2va", "prompt": "b"}\n')
     lines = read_request_file(path, RUN_REQUIRED)
-    assert [(line.line, line.id, line.request.prompt) for line in lines] == [(1, "a", "caf\u00e9"), (2, "b", "b")]
+    assert [(line.line, line.id, line.request.inputs.prompt) for line in lines] == [(1, "a", "caf\u00e9"), (2, "b", "b")]
 
 
 def _pipe_path(content: bytes) -> str:
@@ -129,14 +130,14 @@ def test_a_pipe_is_read_once_and_its_paths_are_relative_to_the_current_folder(tm
         (line,) = read_request_file(Path(path), RUN_REQUIRED)
     finally:
         os.close(int(path.rsplit("/", 1)[1]))
-    assert line.request.image == tmp_path / "first.png"
+    assert line.request.inputs.image == tmp_path / "first.png"
 
     fifo = tmp_path / "requests.fifo"  # a named pipe: read once too
     os.mkfifo(fifo)
     # The writer blocks until a reader opens the pipe: a daemon, so a reader that never opens it cannot hang pytest.
     writer = threading.Thread(target=fifo.write_bytes, args=(b'{"prompt": "a fox"}\n',), daemon=True)
     writer.start()
-    assert [r.request.prompt for r in read_request_file(fifo, EVAL_REQUIRED)] == ["a fox"]
+    assert [r.request.inputs.prompt for r in read_request_file(fifo, EVAL_REQUIRED)] == ["a fox"]
     writer.join(timeout=10)
 
 
@@ -196,19 +197,41 @@ def test_manifest_refuses_a_missing_field():
 
 
 def test_entry_resolves_the_tiny_model_without_building_it():
-    entry = Entry.resolve(device="cpu")
-    assert entry.source == "tiny" and entry.path is None and entry.tiny and entry.canvas == TINY_CANVAS
-    assert entry.default_steps == DEFAULT_STEPS and entry.model_name == "embedded-tiny" and entry.record_extra == {}
-    assert not entry.on_mesh and entry.world == 1 and entry.device_type == "cpu"
+    entry = Entry.local(device="cpu")
+    model, launch = entry.model, entry.launch
+    assert model.kind == "tiny" and model.path is None and model.tiny and model.canvas == TINY_CANVAS
+    assert model.default_steps == DEFAULT_STEPS and model.model_name == "embedded-tiny" and model.record_extra == {}
+    assert not launch.on_mesh and launch.world == 1 and launch.device_type == "cpu" and launch.first
+
+
+def test_a_checkpoint_is_located_once_per_task(tiny_checkpoints, monkeypatch):
+    """Admission asks for the component root on every request, the mesh and the worker spec for the heads: one
+    model source reads the checkpoint's folders and configs once per task (an Entry used to locate it on each call)."""
+    import h3trt.jobs.model_source as model_source
+
+    calls, root = [], tiny_checkpoints["official"]
+
+    def counted(path, task):
+        calls.append(task)
+        return locate(path, task)
+
+    locate = model_source.locate_transformer
+    monkeypatch.setattr(model_source, "locate_transformer", counted)
+    entry = Entry.local(ModelSource.resolve(model=root), "cpu")
+    for _ in range(3):
+        assert entry.model.component_root("t2va") == locate(root, "t2va").component_root
+        assert entry.model.config("t2va").num_heads == entry.worker_spec("t2va", entry.mesh("t2va")).num_heads
+    entry.model.component_root("ref2va")
+    assert calls == ["t2va", "ref2va"]
 
 
 def test_entry_refuses_flags_that_do_not_fit_the_source(tmp_path):
     with pytest.raises(ValueError, match="--trust checks a bundle's signature; pass it with --engine"):
-        Entry.resolve(model=tmp_path, trust=tmp_path / "k.pub")
+        ModelSource.resolve(model=tmp_path, trust=tmp_path / "k.pub")
     with pytest.raises(ValueError, match="--vae-precision must be one of"):
-        Entry.resolve(vae_precision="fp16")
+        ModelSource.resolve(vae_precision="fp16")
     with pytest.raises(BundleError, match="is not an h3trt bundle"):
-        Entry.resolve(engine=tmp_path)
+        ModelSource.resolve(engine=tmp_path)
 
 
 @pytest.mark.parametrize("flag, value", [("--precision", "bogus"), ("--backend", "onnx"), ("--task", "t2v")])

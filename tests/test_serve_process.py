@@ -198,7 +198,7 @@ def _node_parts(tmp_path):
         def serving(self):
             return 1
 
-    entry, logged = Entry.resolve(device="cpu"), []
+    entry, logged = Entry.local(device="cpu"), []
     store, storage, metrics = JobStore(sqlite_url(tmp_path)), Storage(tmp_path), Metrics()
     queue = StoreQueue(store, storage, 3600, request_defaults(entry), metrics, lambda e, **f: logged.append((e, f)))
     service = VideoService(entry, ServeOptions(tmp_path), store, storage, OneGroup(), metrics, log=lambda *a, **k: None)

@@ -33,7 +33,7 @@ class TwoGroups:
 def entry(tiny_cache):
     from h3trt.jobs.model_source import Entry
 
-    return Entry.resolve(device="cpu")
+    return Entry.local(device="cpu")
 
 
 def test_a_nodes_parts_share_one_store_storage_metrics_and_log(tmp_path, entry):

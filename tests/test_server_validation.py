@@ -39,7 +39,7 @@ def _client(tmp_path, **options):
     for folder in ("clips", "uploads"):
         (tmp_path / folder).mkdir(parents=True, exist_ok=True)
     opts = ServeOptions(tmp_path, api_key=KEY, max_body_bytes=4_000_000, **options)
-    service = VideoService(Entry.resolve(device="cpu"), opts, JobStore(sqlite_url(tmp_path)), Storage(tmp_path),
+    service = VideoService(Entry.local(device="cpu"), opts, JobStore(sqlite_url(tmp_path)), Storage(tmp_path),
                            NoGroups(), Metrics(), log=lambda *a, **k: None)
     client = TestClient(create_app(service), raise_server_exceptions=False)
     client.headers["Authorization"] = f"Bearer {KEY}"

@@ -142,19 +142,19 @@ def test_a_request_overrides_the_default_and_sparsity_0_is_the_dense_clip_bit_fo
 
 
 def test_request_lines_and_api_jobs_take_the_bundle_default_unless_they_state_one(sparse_bundle):
-    from h3trt.jobs.model_source import Entry
-    from h3trt.pipeline.parse import parse_object
+    from h3trt.jobs.model_source import Entry, ModelSource
+    from h3trt.request.parse import parse_object
     from h3trt.server.service import request_defaults
 
-    entry = Entry.resolve(engine=sparse_bundle, device="cpu")
+    entry = Entry.local(ModelSource.resolve(engine=sparse_bundle), "cpu")
     defaults = request_defaults(entry)
-    assert entry.default_sparse == defaults.sparse == SparseSettings(0.75, 2, 1)
+    assert entry.model.default_sparse == defaults.sparse == SparseSettings(0.75, 2, 1)
 
     def request(**data):
         return parse_object({"prompt": "a fox", **data}, 1, Path("."), ("prompt",), defaults).request
 
     def knobs(r):
-        return r.sparse_attention, r.sparse_dense_steps, r.sparse_min_seq
+        return r.speed.sparse_attention, r.speed.sparse_dense_steps, r.speed.sparse_min_seq
 
     assert knobs(request()) == (0.75, 2, 1)
     assert knobs(request(sparse_attention=0)) == (0, 2, 1)
@@ -164,7 +164,7 @@ def test_request_lines_and_api_jobs_take_the_bundle_default_unless_they_state_on
 
 
 def test_explicit_beats_the_bundle_default_beats_the_built_in_one():
-    from h3trt.pipeline.profiles import profile_fields, with_bundle_sparse
+    from h3trt.request.profiles import profile_fields, with_bundle_sparse
 
     bundle = SparseSettings(0.6, 3, 128)
     assert with_bundle_sparse(profile_fields(None), None) == profile_fields(None)  # no bundle default: dense

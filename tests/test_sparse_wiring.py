@@ -71,7 +71,7 @@ def test_bad_sparse_flags_are_one_line_and_exit_2(h3trt, no_model_load, tmp_path
 
 
 def test_profiles_set_the_sparsity_and_a_flag_overrides_it():
-    from h3trt.pipeline.profiles import profile_fields
+    from h3trt.request.profiles import profile_fields
 
     assert profile_fields("balanced")["sparse_attention"] == 0.75
     fields = profile_fields("fast", sparse_attention=0.5, sparse_min_seq=64)
@@ -81,14 +81,14 @@ def test_profiles_set_the_sparsity_and_a_flag_overrides_it():
 def request_of(data: dict):
     from pathlib import Path
 
-    from h3trt.pipeline.parse import parse_object
+    from h3trt.request.parse import parse_object
 
     return parse_object(data, 1, Path("."), ("prompt",)).request
 
 
 def test_request_lines_take_the_sparse_keys():
     r = request_of({"prompt": "a fox", "sparse_attention": 0.8, "sparse_dense_steps": 3, "sparse_min_seq": 128})
-    assert (r.sparse_attention, r.sparse_dense_steps, r.sparse_min_seq) == (0.8, 3, 128)
+    assert (r.speed.sparse_attention, r.speed.sparse_dense_steps, r.speed.sparse_min_seq) == (0.8, 3, 128)
 
 
 @pytest.mark.parametrize("line, message", [
@@ -113,10 +113,14 @@ def test_a_batch_takes_sparsity_from_its_lines_not_the_flags(h3trt, no_model_loa
 def test_a_sparse_request_is_not_batched():
     """A batch shares one evaluation per step; a sparse request counts its own evaluations (and encode_request
     refuses it), so the batcher runs it alone."""
-    from h3trt.run.batch import batchable
+    from h3trt.models.packing import Geometry
+    from h3trt.request.request import Admitted
 
-    assert batchable(request_of({"prompt": "a fox"}))
-    assert not batchable(request_of({"prompt": "a fox", "sparse_attention": 0.5}))
+    def key(request):
+        return Admitted(request, Geometry(96, 160, 124)).batch_key
+
+    assert key(request_of({"prompt": "a fox"})) == key(request_of({"prompt": "a cat"})) is not None
+    assert key(request_of({"prompt": "a fox", "sparse_attention": 0.5})) is None
 
 
 def test_guidance_and_the_step_cache_compose_with_it(tmp_path):

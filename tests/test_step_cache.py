@@ -30,7 +30,9 @@ from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.parallel.launch import init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.pipeline.request import CanvasDefaults, Request, prepare
+from h3trt.request.parts import CanvasDefaults
+from h3trt.request.request import Request
+from h3trt.pipeline.prepare import prepare
 from h3trt.jobs.rank import WorkerSpec, load_rank_pipeline
 
 LATENT_TOL = 1e-4
@@ -187,14 +189,14 @@ def test_cache_options_are_validated():
 CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEIGHT,
                         reference_short_edge=TINY_REFERENCE_SHORT_EDGE)
 MESH_REQUESTS = {
-    "fbc": Request("a fox runs through the snow", steps=12, seed=3, guidance=2.5, negative_prompt="blurry",
+    "fbc": Request.of("a fox runs through the snow", steps=12, seed=3, guidance=2.5, negative_prompt="blurry",
                    cache=StepCacheConfig("first-block", 0.12)),
 }
 
 
 def _cached(pipeline, name):
     request = MESH_REQUESTS[name]
-    cache = StepCache(request.cache, pipeline.schedule(request).num_evaluations)
+    cache = StepCache(request.speed.cache, pipeline.schedule(request).num_evaluations)
     _, layout, final = pipeline.denoise_request(prepare(request, CANVAS), cache=cache)
     return {"video": final.video, "audio": final.audio, "report": cache.report(), "rows": layout.seq_len}
 

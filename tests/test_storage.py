@@ -62,7 +62,7 @@ def test_retention_removes_files_and_record_together(storage, tmp_path):
             return 0
 
     store = JobStore(sqlite_url(tmp_path))
-    service = VideoService(Entry.resolve(device="cpu"), ServeOptions(tmp_path), store, storage, NoGroups(), Metrics())
+    service = VideoService(Entry.local(device="cpu"), ServeOptions(tmp_path), store, storage, NoGroups(), Metrics())
     now = time.time()
     for job, ended_at in (("video_old", now - 100), ("video_new", now)):
         store.create(job, {"schema": {"prompt": job}})
@@ -127,7 +127,7 @@ def test_a_late_writer_whose_lease_ran_out_never_replaces_the_clip_of_the_rerun(
         def serving(self):
             return 1
 
-    entry = Entry.resolve(device="cpu")
+    entry = Entry.local(device="cpu")
     store = JobStore(sqlite_url(tmp_path))
     # Each worker its own process's view of the storage (object storage: its own scratch folder).
     second_storage = storage if storage.local is not None else Storage(storage.url, scratch=tmp_path / "scratch2")
@@ -186,7 +186,7 @@ def test_a_clip_committed_before_its_lease_ran_out_completes_the_job_and_stays(t
     from h3trt.engines.atomic import temp_path
     from h3trt.jobs.job import Event
     from h3trt.pipeline.records import ClipRecord, commit_clip
-    from h3trt.pipeline.parse import RequestDefaults
+    from h3trt.request.parse import RequestDefaults
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue
     from h3trt.server.store import JobStore, sqlite_url
@@ -240,7 +240,8 @@ def test_a_row_completed_before_per_claim_names_still_serves_its_clip(tmp_path):
     storage.work_path(record_key(job)).write_text("{}")
     store = JobStore(url)
     assert store.get(job).clip_attempt is None
-    entry = types.SimpleNamespace(tiny=True, manifest=None, default_steps=4)  # what reading jobs needs of the model
+    # what reading jobs needs of the model
+    entry = types.SimpleNamespace(model=types.SimpleNamespace(tiny=True, manifest=None, default_steps=4))
     service = VideoService(entry, ServeOptions(tmp_path), store, storage, None, Metrics(), log=lambda *a, **k: None)
     client = TestClient(create_app(service), raise_server_exceptions=False)
     served = client.get(f"/v1/videos/{job}/content")

@@ -141,7 +141,7 @@ def test_a_workers_late_end_of_an_earlier_claim_does_not_complete_its_new_claim(
     completes with the new claim's clip."""
     from h3trt.jobs.job import Event
     from h3trt.pipeline.records import ClipRecord
-    from h3trt.pipeline.parse import RequestDefaults
+    from h3trt.request.parse import RequestDefaults
     from h3trt.server.metrics import Metrics
     from h3trt.server.queue import StoreQueue
     from h3trt.server.storage import Storage
@@ -189,7 +189,7 @@ def test_admission_bounds_the_queue_by_the_waiting_jobs_alone_and_reads_no_other
         if i < 4:
             store.end(f"video_old{i}", "completed", 60, record={}, output="x", worker="g0")
     assert store.queued() == 0 and store.counts()["completed"] == 4
-    service = VideoService(Entry.resolve(device="cpu"), ServeOptions(tmp_path, max_queue=2), store,
+    service = VideoService(Entry.local(device="cpu"), ServeOptions(tmp_path, max_queue=2), store,
                            Storage(tmp_path / "storage"), OneGroup(), Metrics(), log=lambda *a, **k: None)
     request = {"prompt": "a fox", "size": "128x32", "steps": 2}
     statements = []

@@ -29,15 +29,17 @@ from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import Manifest, ScheduleRecord, read_manifest
 from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
-from h3trt.jobs.model_source import Entry
+from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
-from h3trt.pipeline.adapter_schedule import ScheduleFrom, ScheduleValues, adapter_schedules
+from h3trt.pipeline.adapter_schedule import adapter_schedules
+from h3trt.request.parts import ScheduleFrom, ScheduleValues
 from h3trt.pipeline.adapters import AdapterSpec
-from h3trt.pipeline.parse import RequestDefaults, parse_object
-from h3trt.pipeline.request import KEYS, Request
+from h3trt.request.parse import RequestDefaults, parse_object
+from h3trt.request.fields import KEY_WORDS as KEYS
+from h3trt.request.request import Request
 
 REL_TOL = 1e-5  # test_engine.py's compiled-vs-eager bound for fp32 bundles
 SCHEDULES = (Schedule(6, 12.0, 3.0), Schedule(4, 5.0, 3.0))  # the bundle's: the first is the default
@@ -69,11 +71,12 @@ def test_an_adapters_schedule_is_its_files_metadata_under_its_flags_values(adapt
     plain = AdapterSpec.parse(f"plain={adapters['plain']}")
     assert adapter_schedules([spec, plain]) == {"turbo": ScheduleValues(4, 6.0, None)}  # the flag's shift wins
     assert AdapterSpec.parse("t=a@b.safetensors").path == Path("a@b.safetensors")  # an '@' in a file name stays
-    listed = [info.to_json() for info in Entry.resolve(device="cpu", adapters=(spec, plain)).adapter_catalog().infos()]
+    entry = Entry.local(device="cpu", adapters=(spec, plain))
+    listed = [info.to_json() for info in entry.adapter_catalog().infos()]
     assert [i["schedule"] for i in listed] == [{"steps": 4, "video_shift": 6.0}, {}]  # GET /v1/loras's
     bad = write(tmp_path / "bad.safetensors", fmt_original(tiny_factors(1)), {"h3trt.steps": "eight"})
     with pytest.raises(UserError, match=r"bad.safetensors: __metadata__ h3trt.steps: steps must be an integer"):
-        Entry.resolve(device="cpu", adapters=(AdapterSpec("bad", bad),))  # at start, before any model loads
+        Entry.local(device="cpu", adapters=(AdapterSpec("bad", bad),))  # at start, before any model loads
     for flag, words in (("@steps=1", "steps must be at least 2 (the grid includes the final sigma 0) and at most 1000"),
                         ("@video_shift=-1", "video_shift must be a positive finite number"),
                         ("@turbo=1", "expected KEY=VALUE pairs after '@'")):
@@ -96,10 +99,10 @@ def test_a_request_naming_the_adapter_runs_its_schedule_unless_it_states_its_own
     assert (silent.steps, silent.video_shift, silent.audio_shift) == (4, 5.0, None)  # None: the model's audio shift
     assert silent.schedule_from == ScheduleFrom("adapter turbo", "adapter turbo", "default")
     stated = _parse({"prompt": "x", "lora": turbo, "steps": 8, "audio_shift": 2}, schedules)
-    assert (stated.steps, stated.video_shift, stated.audio_shift) == (8, 5.0, 2.0)
-    assert stated.schedule_from == ScheduleFrom("request", "adapter turbo", "request")
+    assert (stated.schedule.steps, stated.schedule.video_shift, stated.schedule.audio_shift) == (8, 5.0, 2.0)
+    assert stated.schedule.origin == ScheduleFrom("request", "adapter turbo", "request")
     plain = _parse({"prompt": "x"}, schedules)
-    assert (plain.steps, plain.video_shift, plain.schedule_from) == (50, None, ScheduleFrom())
+    assert (plain.schedule.steps, plain.schedule.video_shift, plain.schedule.origin) == (50, None, ScheduleFrom())
     with pytest.raises(UserError, match=r"bring different steps \(turbo 4, eight 8\)") as e:
         _parse({"prompt": "x", "lora": turbo + [{"name": "eight"}]}, schedules)
     assert e.value.field == "lora"
@@ -124,12 +127,13 @@ def test_a_conflict_is_a_400_naming_lora_and_the_job_says_the_adapters_steps(ada
         def serving(self):
             return 0
 
-    entry = Entry.resolve(device="cpu", adapters=(AdapterSpec("turbo", adapters["turbo"]),
-                                                  AdapterSpec("eight", adapters["eight"])))
+    entry = Entry.local(device="cpu", adapters=(AdapterSpec("turbo", adapters["turbo"]),
+                                                AdapterSpec("eight", adapters["eight"])))
     for folder in ("clips", "uploads"):
         (tmp_path / folder).mkdir()
     service = VideoService(entry, ServeOptions(tmp_path), JobStore(sqlite_url(tmp_path)), Storage(tmp_path),
-                           NoGroups(), Metrics(), log=lambda *a, **k: None, adapters=entry.adapter_catalog())
+                           NoGroups(), Metrics(), log=lambda *a, **k: None,
+                           adapters=entry.adapter_catalog())
     client = TestClient(create_app(service), raise_server_exceptions=False)
     body = {"prompt": "a fox", "size": "128x32", "lora": [{"name": "turbo"}, {"name": "eight"}]}
     r = client.post("/v1/videos", json=body)
@@ -155,7 +159,7 @@ def test_run_requests_refuses_a_conflict_on_its_line_and_run_records_where_steps
     asked = []
     monkeypatch.setattr("h3trt.run.commands.run_clip", lambda entry, request, *a: asked.append(request) or 0)
     assert main(["run", "--prompt", "x", "--output", str(tmp_path / "c.mp4"), "--steps", "8"]) == 0
-    assert asked[0].steps == 8 and asked[0].schedule_from == ScheduleFrom("request", "default", "default")
+    assert asked[0].schedule.steps == 8 and asked[0].schedule.origin == ScheduleFrom("request", "default", "default")
 
 
 # --- a bundle baked for several schedules -----------------------------------------------------------------------------
@@ -207,15 +211,15 @@ def test_each_schedule_equals_the_eager_dit_without_compiling(turbo_bundle, tiny
 
 def test_a_third_schedule_is_refused_naming_both(turbo_bundle, adapters, tmp_path, capsys):
     served = "steps=6, video shift 12, audio shift 3 (the default), steps=4, video shift 5, audio shift 3"
-    entry = Entry.resolve(turbo_bundle, device="cpu", adapters=(AdapterSpec("eight", adapters["eight"]),))
+    entry = Entry.local(ModelSource.resolve(turbo_bundle), "cpu", adapters=(AdapterSpec("eight", adapters["eight"]),))
     for steps, shift in ((6, None), (4, 5.0)):
-        admit(entry, Request("a fox", steps=steps, video_shift=shift), KEYS)  # both served
+        admit(entry, Request.of("a fox", steps=steps, video_shift=shift), KEYS)  # both served
     with pytest.raises(UserError, match=re.escape(f"baked for {served}; the request asks for steps=4, shifts 12/3")
                        ) as e:
-        admit(entry, Request("a fox", steps=4), KEYS)  # the 4-point grid at the default shift: not baked
+        admit(entry, Request.of("a fox", steps=4), KEYS)  # the 4-point grid at the default shift: not baked
     assert e.value.field == "steps"
     line = parse_object({"prompt": "a fox", "lora": [{"name": "eight"}]}, 1, tmp_path, ("prompt",),
-                        RequestDefaults(6, adapter_schedules=entry.adapter_schedules), KEYS).request
+                        RequestDefaults(6, adapter_schedules=entry.adapters.schedules), KEYS).request
     with pytest.raises(UserError, match=r"the request \(steps from adapter eight\) asks for steps=8") as e:
         admit(entry, line, KEYS)
     assert e.value.field == "lora"  # the adapter's schedule: its fix is there

@@ -91,19 +91,21 @@ def test_a_row_reads_its_status_as_a_member_with_its_facts(tmp_path):
     store.close()
 
 
-def test_an_entry_holds_its_model_source_and_launch_kind_as_members():
+def test_a_model_source_and_a_launch_hold_their_kinds_as_members():
     from pathlib import Path
 
-    from h3trt.jobs.model_source import SOURCES, Entry, ModelSource
+    from h3trt.jobs.model_source import SOURCES, Launch, ModelSource, SourceKind
     from h3trt.jobs.supervisor import HOW, LaunchKind
 
     assert SOURCES == ("bundle", "checkpoint", "tiny") and HOW == ("process", "spawn", "torchrun")
-    tiny = Entry("tiny", None, None, "cpu")
-    assert tiny.source is ModelSource.TINY and tiny.source.embedded and not tiny.source.compiled
-    assert tiny.model_name == "embedded-tiny" and tiny.how is LaunchKind.PROCESS and not tiny.spawns
-    two = Entry(ModelSource.CHECKPOINT, Path("ckpt"), None, "cpu", gpus=2)
-    assert two.how is LaunchKind.SPAWN and two.spawns and json.dumps([two.source, two.how]) == '["checkpoint", "spawn"]'
+    tiny = ModelSource("tiny", None, None)
+    assert tiny.kind is SourceKind.TINY and tiny.kind.embedded and not tiny.kind.compiled
+    assert tiny.model_name == "embedded-tiny" and Launch("cpu").how is LaunchKind.PROCESS
+    two = Launch("cpu", gpus=2)
+    checkpoint = ModelSource(SourceKind.CHECKPOINT, Path("ckpt"), None)
+    assert two.how is LaunchKind.SPAWN and two.how.spawns
+    assert json.dumps([checkpoint.kind, two.how]) == '["checkpoint", "spawn"]'
     with pytest.raises(ValueError, match="a path unless it is tiny"):
-        Entry(ModelSource.TINY, Path("x"), None, "cpu")
-    with pytest.raises(ValueError, match=r"Entry source must be one of \('bundle', 'checkpoint', 'tiny'\), got 'x'"):
-        Entry("x", Path("x"), None, "cpu")
+        ModelSource(SourceKind.TINY, Path("x"), None)
+    with pytest.raises(ValueError, match=r"kind must be one of \('bundle', 'checkpoint', 'tiny'\), got 'x'"):
+        ModelSource("x", Path("x"), None)

@@ -11,13 +11,15 @@ from ..errors import UserError
 
 
 def entry_from_args(args):
-    """The one Entry of an `h3trt run` or `serve` (one clip, --requests or HTTP; one process or a mesh)."""
-    from ..jobs.model_source import Entry
+    """The one Entry of an `h3trt run` or `serve` (one clip, --requests or HTTP; one process or a mesh): its three
+    parts, each from its own flags."""
+    from ..jobs.model_source import AdapterConfig, Entry, Launch, ModelSource
 
-    return Entry.resolve(args.engine, args.model, args.device, args.trust, args.vae_precision, tuple(args.lora),
-                         args.gpus, args.cfg, args.sp, args.replicas, tuple(getattr(args, "adapter", ())),
-                         getattr(args, "lora_dir", None), getattr(args, "lora_slots", None),
-                         getattr(args, "lora_max_rank", None), distilled_spec(args))
+    model = ModelSource.resolve(args.engine, args.model, args.trust, args.vae_precision, tuple(args.lora),
+                                distilled_spec(args))
+    adapters = AdapterConfig.resolve(model, tuple(getattr(args, "adapter", ())), getattr(args, "lora_dir", None),
+                                     getattr(args, "lora_slots", None), getattr(args, "lora_max_rank", None))
+    return Entry(model, Launch.resolve(model, args.device, args.gpus, args.cfg, args.sp, args.replicas), adapters)
 
 
 def distilled_spec(args):
@@ -30,7 +32,7 @@ def distilled_spec(args):
 
 def cmd_run(args) -> int:
     from .args import profile_fields_from_args
-    from ..pipeline.profiles import with_bundle_sparse
+    from ..request.profiles import with_bundle_sparse
     from ..run.commands import run_clip, run_requests
 
     if args.requests is not None:
@@ -43,8 +45,9 @@ def cmd_run(args) -> int:
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     from ..models.vsa_plan import vsa_settings
-    from ..pipeline.adapter_schedule import ScheduleValues, resolve
-    from ..pipeline.request import Request
+    from ..request.fields import flag_values
+    from ..request.parts import ScheduleChoice, ScheduleValues
+    from ..request.request import Request
 
     if args.vsa_sparsity is not None:
         vsa_settings(args.vsa_sparsity)  # its bounds, before anything loads
@@ -53,13 +56,16 @@ def cmd_run(args) -> int:
         raise UserError(f"--adapter {args.adapter[0].name}=...: resident adapters run only for the requests that name "
                         "them (the `lora` key of a --requests line, or of a job sent to h3trt serve), and one --prompt "
                         "names none; pass --lora FILE[:SCALE] to apply a LoRA to this clip.")
+    given = flag_values(args)  # the request's fields as its flags state them (the field table's flag column)
     # One clip names no adapter (its --lora, if any, is on every request): its flags, else the model's defaults
-    schedule, schedule_from = resolve(ScheduleValues(args.steps, args.video_shift, args.audio_shift), (), {},
-                                      entry.default_steps)
-    speed = with_bundle_sparse(profile_fields_from_args(args), entry.default_sparse)  # a flag > the bundle's default
-    request = Request(args.prompt, args.image, args.last_image, tuple(args.ref), args.seed, schedule.steps, args.width,
-                      args.height, args.duration, schedule.video_shift, schedule.audio_shift, args.guidance,
-                      args.negative_prompt, **speed, vsa_sparsity=args.vsa_sparsity, schedule_from=schedule_from)
+    schedule = ScheduleChoice.resolve(ScheduleValues(given["steps"], given["video_shift"], given["audio_shift"]), (),
+                                      {}, entry.model.default_steps)
+    # a flag > the bundle's default
+    speed = with_bundle_sparse(profile_fields_from_args(args), entry.model.default_sparse)
+    request = Request.of(given["prompt"], given["image"], given["last_image"], tuple(given["refs"]), given["seed"],
+                         schedule.steps, given["width"], given["height"], given["duration"], schedule.video_shift,
+                         schedule.audio_shift, given["guidance"], given["negative_prompt"], **speed,
+                         vsa_sparsity=given["vsa_sparsity"], schedule_from=schedule.origin)
     return run_clip(entry, request, args.output, args.crf, args.overwrite, args.quiet, args.profile_step)
 
 
@@ -155,9 +161,9 @@ def cmd_build(args) -> int:
 
 def cmd_eval(args) -> int:
     from ..eval import evaluate, reference_entry, table
-    from ..jobs.model_source import Entry
+    from ..jobs.model_source import Entry, ModelSource
     from ..media.output_files import write_json_atomic
-    from ..pipeline.parse import read_eval_requests
+    from ..request.parse import read_eval_requests
 
     if args.json is not None and args.json.exists():
         raise UserError(f"{args.json} already exists; choose another --json path.")
@@ -169,10 +175,10 @@ def cmd_eval(args) -> int:
     if args.reference is None:
         engine = reference_entry(str(args.engine), args.device)
     else:
-        engine = Entry.resolve(engine=args.engine, device=args.device)
-    requests = read_eval_requests(args.requests, engine.manifest)  # every line checked before any model loads
-    reference = (reference_entry(args.reference, engine.device, distilled_spec(args)) if args.reference is not None
-                 else None)
+        engine = Entry.local(ModelSource.resolve(engine=args.engine), args.device)
+    requests = read_eval_requests(args.requests, engine.model.manifest)  # every line checked before any model loads
+    reference = (reference_entry(args.reference, engine.launch.device, distilled_spec(args))
+                 if args.reference is not None else None)
     result = evaluate(engine, reference, requests, log=lambda m: print(f"h3trt eval: {m}", file=sys.stderr),
                       profile=args.profile)
     print(table(result))

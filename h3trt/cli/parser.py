@@ -29,24 +29,25 @@ def _run_parser(sub) -> None:
     from ..models.packing import DEFAULT_DURATION
     from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
     from ..media.output_files import DEFAULT_CRF
+    from ..request.fields import FLAG_NAMES as flag  # a request field's flag: the field table's
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
                        description="Generate one clip. t2va by default; --image/--last-image make it fl2va, "
                                    "--ref makes it ref2va.")
-    p.add_argument("--prompt", help="the text prompt, UTF-8, at most 1024 tokens (required unless --requests)")
+    p.add_argument(flag["prompt"], help="the text prompt, UTF-8, at most 1024 tokens (required unless --requests)")
     p.add_argument("--output", type=Path, help="output .mp4, a .json with timings beside it (required unless --requests)")
-    p.add_argument("--image", type=Path, help="first keyframe (PNG/JPEG/WebP): fl2va")
-    p.add_argument("--last-image", type=Path, help="last keyframe: fl2va")
-    p.add_argument("--ref", type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
+    p.add_argument(flag["image"], type=Path, help="first keyframe (PNG/JPEG/WebP): fl2va")
+    p.add_argument(flag["last_image"], type=Path, help="last keyframe: fl2va")
+    p.add_argument(flag["refs"], type=Path, nargs="+", default=(), help="references for ref2va: images, audio, videos, "
                                                                    "in the order the model should read them")
-    p.add_argument("--seed", type=int, default=DEFAULT_SEED,
+    p.add_argument(flag["seed"], type=int, default=DEFAULT_SEED,
                    help=f"noise seed, -2^63 <= seed < 2^64 (default {DEFAULT_SEED})")
-    p.add_argument("--steps", type=int, default=None,
+    p.add_argument(flag["steps"], type=int, default=None,
                    help=f"sigma grid points, {MIN_STEPS} to {MAX_STEPS}; steps - 1 DiT evaluations (default: a "
                         f"bundle's first baked schedule, else {DEFAULT_STEPS})")
-    p.add_argument("--width", type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
-    p.add_argument("--height", type=int, help="canvas height, a multiple of 32")
-    p.add_argument("--duration", type=float, default=DEFAULT_DURATION,
+    p.add_argument(flag["width"], type=int, help="canvas width, a multiple of 32 (default: the model's canvas)")
+    p.add_argument(flag["height"], type=int, help="canvas height, a multiple of 32")
+    p.add_argument(flag["duration"], type=float, default=DEFAULT_DURATION,
                    help="seconds, 5 to 14.375, rounded up to 17n + 5 frames at 24 fps (default 5 -> 124 frames; "
                         "14.375 -> 345, the longest)")
     source = p.add_mutually_exclusive_group()
@@ -66,8 +67,8 @@ def _run_parser(sub) -> None:
                    help=f"H.264 constant rate factor, 0..51 (default {DEFAULT_CRF})")
     p.add_argument("--vae-precision", help=VAE_PRECISION_HELP + "; with --engine, the bundle's (a different value is "
                                            "refused)")
-    p.add_argument("--video-shift", type=float, help="video sigma shift (default: the checkpoint's, 12)")
-    p.add_argument("--audio-shift", type=float, help="audio sigma shift (default: the checkpoint's, 3)")
+    p.add_argument(flag["video_shift"], type=float, help="video sigma shift (default: the checkpoint's, 12)")
+    p.add_argument(flag["audio_shift"], type=float, help="audio sigma shift (default: the checkpoint's, 3)")
     p.add_argument("--overwrite", action="store_true", help="replace an existing output file; with --requests, "
                    "files in OUT this batch did not make")
     p.add_argument("--quiet", action="store_true", help="no progress bar")
@@ -83,9 +84,9 @@ def _run_parser(sub) -> None:
                                                                 "batch dimension (default 1)")
     batch.add_argument("--fail-fast", action="store_true", help="stop at the first failed request (default: record "
                                                                 "it and go on)")
-    p.add_argument("--guidance", type=float, default=DEFAULT_GUIDANCE,
+    p.add_argument(flag["guidance"], type=float, default=DEFAULT_GUIDANCE,
                    help="classifier-free guidance scale (default 1 = off: H3 is guidance-distilled and needs none)")
-    p.add_argument("--negative-prompt", help="the negative branch's prompt (required with --guidance > 1)")
+    p.add_argument(flag["negative_prompt"], help="the negative branch's prompt (required with --guidance > 1)")
     _speed_arguments(p)
     _mesh_arguments(p)
 
@@ -93,37 +94,38 @@ def _run_parser(sub) -> None:
 def _speed_arguments(p) -> None:
     """`h3trt run`'s speed flags: the profiles, block-sparse attention and step caching, in that order."""
     from ..models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
-    from ..pipeline.profiles import PROFILE_NAMES
+    from ..request.fields import FLAG_NAMES as flag
+    from ..request.profiles import PROFILE_NAMES
 
     speed = p.add_argument_group("speed profiles (README, 'Speed profiles'): step reuse and sparse attention by name")
-    speed.add_argument("--profile", choices=PROFILE_NAMES,
+    speed.add_argument(flag["profile"], choices=PROFILE_NAMES,
                        help="lossless (default: every block of every step), quality, balanced or fast; a step-cache "
                             "or sparse flag given too overrides the profile's value for that knob")
     sparse = p.add_argument_group("block-sparse attention (README, 'Block-sparse attention'; SubBlock's routing)")
-    sparse.add_argument("--sparse-attention", type=float, metavar="SPARSITY",
+    sparse.add_argument(flag["sparse_attention"], type=float, metavar="SPARSITY",
                         help="fraction of key blocks each video query block skips, 0 <= s < 1 (default: the "
                              "profile's, else the bundle's --sparse-attention, else 0: dense); text, audio, "
                              "condition and mixed query blocks stay dense")
-    sparse.add_argument("--sparse-dense-steps", type=int, metavar="N",
+    sparse.add_argument(flag["sparse_dense_steps"], type=int, metavar="N",
                         help="the first N denoise steps stay dense (default 10; both guidance branches of a step "
                              "are one)")
-    sparse.add_argument("--sparse-min-seq", type=int, metavar="ROWS",
+    sparse.add_argument(flag["sparse_min_seq"], type=int, metavar="ROWS",
                         help="attentions over fewer rows stay dense (default 4096)")
-    sparse.add_argument("--vsa-sparsity", type=float, metavar="S",
+    sparse.add_argument(flag["vsa_sparsity"], type=float, metavar="S",
                         help="a FastH3-VSA model's VSA sparsity for this clip, 0 <= s < 1 (0: dense attention, the "
                              "coarse branch kept; default: the model's; README, 'VSA')")
     cache = p.add_argument_group("step caching (opt-in; diffusers' FirstBlockCache / MagCache semantics)")
-    cache.add_argument("--cache", choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
+    cache.add_argument(flag["cache"], choices=("first-block", "mag"), help="skip DiT evaluations a cached residual "
                                                                        "predicts (default: off, or the profile's)")
-    cache.add_argument("--cache-threshold", type=float,
+    cache.add_argument(flag["cache_threshold"], type=float,
                        help="first-block: relative change of block 0's residual (default "
                             f"{DEFAULT_THRESHOLDS['first-block']}); mag: accumulated error (default "
                             f"{DEFAULT_THRESHOLDS['mag']}); inf: every skip the warm-up and --cache-max-skip allow "
                             "(a profile's fastest clip, for benchmarks)")
-    cache.add_argument("--cache-warmup", type=int, metavar="N",
+    cache.add_argument(flag["cache_warmup"], type=int, metavar="N",
                        help="first-block: the first N evaluations of each branch run every block (default 0, "
                             "diffusers'; Cache-DiT's max_warmup_steps)")
-    cache.add_argument("--cache-max-skip", type=int, metavar="K",
+    cache.add_argument(flag["cache_max_skip"], type=int, metavar="K",
                        help=f"consecutive skipped evaluations at most, then one runs every block (mag: default "
                             f"{DEFAULT_MAX_SKIP_STEPS}; first-block: default no limit, diffusers'; Cache-DiT's "
                             "max_continuous_cached_steps)")
@@ -388,7 +390,7 @@ def _schedule_arguments(p) -> None:
 
 def _bundle_parsers(sub) -> None:
     """eval, inspect, verify, keygen: commands over bundles and keys."""
-    from ..pipeline.profiles import PROFILE_NAMES
+    from ..request.profiles import PROFILE_NAMES
 
     e = sub.add_parser("eval", help="compare an engine bundle with a reference, or a speed profile with the lossless "
                                     "run, on the same requests and seeds")

@@ -239,7 +239,7 @@ def deploy(entry: Entry, options: ServeOptions, fleet: FleetOptions) -> int:
         raise UserError(f"h3trt serve --ray needs {', '.join(missing)}: pip install 'h3trt[fleet]'.")
     # The store reachable with a known schema (migrated), the storage writable: before anything is replaced.
     preflight(fleet.store_url, fleet.storage_url)
-    task = entry.manifest.task if entry.manifest is not None else "t2va"
+    task = entry.model.task
     mesh = entry.mesh(task)
     if mesh.replica != 1:
         raise UserError(f"With --ray the mesh flags describe one replica group ({mesh.cfg * mesh.sp} ranks) and Serve "

@@ -2,16 +2,18 @@
 loaded, so that each refuses the same request with the same words (its own names for the fields):
 
   - `h3trt run --prompt` (run/commands.py run_clip), in the CLI's flags
-  - each line of `h3trt run --requests` (run.py run_requests, through batch_file.parse_requests), in the file's keys
+  - each line of `h3trt run --requests` (run/commands.py run_requests, through batch_file.parse_requests), in the
+    file's keys
   - `POST /v1/videos` (server/service.py VideoService.create), in the API's fields; a 400 names the field the error
     carries (UserError.field, mapped to the API's name)
   - `h3trt eval` (eval.py), each side's requests against the model of that side
 
-What is checked where it is cheapest lives where it belongs: a request's own inputs in pipeline/request.py `prepare`,
-a bundle's task, canvas and schedule in `check_bundle_serves`, the text encoder's files in models/text_encoder.py,
+What is checked where it is cheapest lives where it belongs: what a request states in request/checks.py, its inputs
+read in pipeline/prepare.py `prepare`, a bundle's task, canvas and schedule in `check_bundle_serves`, the text
+encoder's files in models/text_encoder.py,
 the prompt's tokens in `check_prompt_tokens`. This is the one place that asks all of them, in order. What only a
-front door knows stays there: an output's name, folder and space (run.py), the mesh's replicas (run_clip), a batch's
---max-batch and cfg (run_requests), the queue's bound (the server).
+front door knows stays there: an output's name, folder and space (run/commands.py), the mesh's replicas (run_clip), a
+batch's --max-batch and cfg (run_requests), the queue's bound (the server).
 """
 
 from __future__ import annotations
@@ -22,9 +24,13 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
-from .model_source import Entry
 from ..pipeline.adapters import check_adapters, check_bundle_dense
-from ..pipeline.request import FLAGS, CanvasDefaults, Names, Prepared, Request, check_bundle_serves, check_prompt_tokens, prepare
+from ..pipeline.prepare import Prepared, prepare
+from ..request.checks import check_bundle_serves, check_prompt_tokens
+from ..request.fields import FLAGS, Names
+from ..request.parts import CanvasDefaults
+from ..request.request import Request
+from .model_source import Entry
 
 if TYPE_CHECKING:
     from ..pipeline.adapter_catalog import AdapterCatalog
@@ -52,26 +58,28 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
 
     `checked`: the component roots whose files this run checked already (a requests file checks each once); None
     checks them for every request (the server: a file cut short since the last request is seen)."""
-    prepared = prepare(request, entry.canvas if canvas is None else canvas, names)
-    if adapters is not None and entry.adapter_refusal is None:
+    model, resident = entry.model, entry.adapters
+    prepared = prepare(request, model.canvas if canvas is None else canvas, names)
+    if adapters is not None and model.adapters_refusal is None:
         prepared = replace(prepared, request=adapters.resolve(request))
     else:
-        check_adapters(request.lora, entry.adapters, entry.adapter_refusal, entry.adapter_slots)
-    if entry.distilled_serving is not None:  # a distilled family's task, guidance, cache and schedule
-        serving = entry.distilled_serving
-        serving.check(request.task, request.guidance, getattr(request, "cache", None))
-        serving.schedule(request.steps, request.video_shift, request.audio_shift)
-    if entry.manifest is not None:
-        check_bundle_dense(request.lora, request.sparse_attention)
-        check_bundle_serves(entry.manifest, prepared)
-    if guidance_branches == 2 and request.guidance == 1.0:
+        check_adapters(request.adapters, resident.specs, model.adapters_refusal, resident.per_request)
+    if model.distilled_serving is not None:  # a distilled family's task, guidance, cache and schedule
+        serving = model.distilled_serving
+        s = request.schedule
+        serving.check(request.task, request.guidance.scale, request.speed.cache)
+        serving.schedule(s.steps, s.video_shift, s.audio_shift)
+    if model.manifest is not None:
+        check_bundle_dense(request.adapters, request.speed.sparse_attention)
+        check_bundle_serves(model.manifest, prepared)
+    if guidance_branches == 2 and request.guidance.scale == 1.0:
         n = names
         raise UserError(f"{n.guidance} is 1 (off, H3's default), but this model runs guidance's two branches side by "
                         f"side on cfg=2 rank groups; pass {n.guidance} > 1 with {n.negative_prompt}, or run it with "
                         "cfg 1.", field="guidance")
     if own is not None:
         own(prepared)
-    root = entry.component_root(request.task)  # a checkpoint without the task's transformer fails here
+    root = model.component_root(request.task)  # a checkpoint without the task's transformer fails here
     if checked is None or root not in checked:
         check_text_encoder_files(root)
         if checked is not None:

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Protocol
 
 from ..pipeline.records import ClipRecord, Failure
-from ..pipeline.request import Request
+from ..request.request import BatchKey, Request
 from ..str_enum import StrEnum
 
 
@@ -65,7 +65,7 @@ class Job:
     overwrite: bool = False  # replace an existing clip and record (the front door checked what it may replace)
     profile_step: int | None = None  # --profile-step: the evaluation whose host overhead is measured
     record: dict = field(default_factory=dict)  # fields added to the clip's record (a requests file's id and line)
-    key: tuple = ()  # jobs with equal non-empty keys may share a batched denoise (task, canvas, frames, schedule)
+    key: BatchKey | None = None  # jobs with equal keys may share a batched denoise (BatchKey.of; None: alone)
     attempt: int = 0  # the claim it was taken under (a job store's attempt number; 0: no store): its events carry it
 
 

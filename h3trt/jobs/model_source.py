@@ -1,13 +1,22 @@
-"""What serves a job: a bundle, a checkpoint folder or the embedded tiny model, resolved once (cli.entry_from_args)
-into the canvas defaults, the device, the no-compile guard and how ranks start (one process, --gpus spawn, or
-torchrun). `h3trt run` (one clip or a --requests batch, on one process or a mesh) and `h3trt eval` (both sides) all
-load through an Entry, so the "bundle or tiny or checkpoint" decisions are written once.
+"""What serves a job, in three parts, each resolved once from its own flags before any model loads (cli/commands.py
+`entry_from_args` composes them; h3trt eval, the benches and the tests make them in code):
+
+  - `ModelSource`: --engine DIR (a bundle, its manifest read once, under --trust only if signed), --model PATH (a
+    checkpoint folder) or neither (the embedded tiny model); --vae-precision and --lora (merged into an eager DiT, a
+    bundle's held in its slots on every request). It knows the canvas defaults, the default schedule and sparsity,
+    what a record says served it, and where each task's transformer and components are (located once per task)
+  - `Launch`: where and how ranks start: --device, --gpus (spawned), torchrun's rank and world, --cfg/--sp/--replicas
+  - `AdapterConfig`: the resident LoRA adapters requests pick by name (--adapter, --lora-dir) and their slots
+    (--lora-slots, --lora-max-rank), checked against the source (a bundle's slots, less its pinned --lora files)
+
+`Entry` holds the three: `h3trt run` (one clip or a --requests batch, on one process or a mesh), `h3trt serve` and
+`h3trt eval` (both sides) load through one, so the "bundle or tiny or checkpoint" decisions are written once.
 """
 
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
 
@@ -16,7 +25,8 @@ import torch
 from ..engines.manifest import Manifest, bundle_identity, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..errors import UserError
-from ..models.checkpoint import locate_transformer
+from ..models.checkpoint import TransformerSource, locate_transformer
+from ..models.config import H3Config
 from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
 from ..models.distilled_contract import checkpoint_contract
 from ..models.lora import LoraSpec
@@ -29,18 +39,18 @@ from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
 from ..pipeline.adapter_catalog import AdapterCatalog
-from ..pipeline.adapter_schedule import ScheduleValues, adapter_schedules
+from ..pipeline.adapter_schedule import adapter_schedules
 from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterSpec, check_bundle_specs, check_specs, folder_specs
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.loading import Components, load_bundle, load_checkpoint
 from ..pipeline.records import torch_bytecode
-from ..pipeline.request import CanvasDefaults
+from ..request.parts import CanvasDefaults, ScheduleValues
 from ..str_enum import StrEnum
 from .rank import WorkerSpec
 from .supervisor import LaunchKind
 
 
-class ModelSource(StrEnum):
+class SourceKind(StrEnum):
     """What serves a job: --engine DIR, --model PATH, or neither."""
 
     BUNDLE = "bundle"  # a compiled engine bundle: its manifest says what it serves
@@ -50,15 +60,15 @@ class ModelSource(StrEnum):
     @property
     def compiled(self) -> bool:
         """Served from a bundle's compiled segments, as its manifest describes."""
-        return self is ModelSource.BUNDLE
+        return self is SourceKind.BUNDLE
 
     @property
     def embedded(self) -> bool:
         """The embedded tiny model: no path of the user's."""
-        return self is ModelSource.TINY
+        return self is SourceKind.TINY
 
 
-SOURCES = tuple(ModelSource)
+SOURCES = tuple(SourceKind)
 NOTE_NO_BYTECODE = ("note: this Python has no compiled bytecode for torch (PYTHONDONTWRITEBYTECODE=1 or a read-only "
                     "install) and h3trt could not keep its own (the user cache folder is not writable), so every "
                     "process compiles torch, Inductor and transformers from source: seconds of each cold start. "
@@ -74,87 +84,50 @@ NOTE_TINY = ("using the embedded tiny default model (random weights, built at fi
 
 
 @dataclass(frozen=True)
-class Entry:
-    """One resolved model source and how it is launched. Made once per job (`resolve`); every path that loads a model
-    reads it instead of the command line."""
+class ModelSource:
+    """The model that serves (module doc): its kind, its folder and a bundle's manifest, and the flags that shape what
+    loads of it."""
 
-    source: ModelSource  # a string is taken as its member
+    kind: SourceKind  # a string is taken as its member
     path: Path | None  # the bundle folder or the checkpoint folder (None: the embedded tiny model, see `root`)
     manifest: Manifest | None  # a bundle's, read once (under --trust only if signed by that key)
-    device: str  # cpu or cuda (a --device cuda:N was already made the process's cuda:0: cli/commands.choose_gpu)
     trust: Path | None = None  # --trust: the public key a bundle must be signed with
     vae_precision: str | None = None  # --vae-precision (None: a bundle's, else VAEPrecision.default)
-    loras: tuple[LoraSpec, ...] = ()  # merged into an eager DiT; a bundle's: an adapter on every request (its slots)
-    gpus: int = 1  # --gpus: local ranks to spawn
-    torchrun: tuple[int, int] | None = None  # (rank, world) when this process is a torchrun rank
-    cfg: int | None = None  # --cfg / --sp / --replicas as given (None: a bundle's, else resolve_mesh's choice)
-    sp: int | None = None
-    replicas: int | None = None
-    adapters: tuple[AdapterSpec, ...] = ()  # --adapter, then --lora-dir's files: LoRA adapters at start
-    lora_dir: Path | None = None  # serve --lora-dir: where adapters load from while the server runs
-    lora_slots: int | None = None  # serve --lora-slots / --lora-max-rank (None: fitted, SlotShape.fitted)
-    lora_max_rank: int | None = None
+    loras: tuple[LoraSpec, ...] = ()  # --lora: merged into an eager DiT; a bundle's: held in its slots, every request
     distilled: DistilledSpec | None = None  # --distilled: fused into an eager DiT (a bundle's manifest has its own)
+    # task -> where its transformer is: located once (a checkpoint's folders and configs are read at the first ask)
+    _located: dict[str, TransformerSource] = field(default_factory=dict, compare=False, repr=False)
 
     def __post_init__(self):
-        if self.source not in SOURCES:
-            raise ValueError(f"Entry source must be one of {SOURCES}, got {self.source!r}.")
-        object.__setattr__(self, "source", ModelSource(self.source))
-        if self.source.compiled != (self.manifest is not None) or self.source.embedded != (self.path is None):
-            raise ValueError("An Entry has a manifest exactly when its source is a bundle, a path unless it is tiny.")
+        if self.kind not in SOURCES:
+            raise ValueError(f"A model source's kind must be one of {SOURCES}, got {self.kind!r}.")
+        object.__setattr__(self, "kind", SourceKind(self.kind))
+        if self.kind.compiled != (self.manifest is not None) or self.kind.embedded != (self.path is None):
+            raise ValueError("A model source has a manifest exactly when it is a bundle, a path unless it is tiny.")
 
     @classmethod
-    def resolve(cls, engine: Path | None = None, model: Path | None = None, device: str | None = None,
-                trust: Path | None = None, vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (),
-                gpus: int = 1, cfg: int | None = None, sp: int | None = None,
-                replicas: int | None = None, adapters: tuple[AdapterSpec, ...] = (), lora_dir: Path | None = None,
-                lora_slots: int | None = None, lora_max_rank: int | None = None,
-                distilled: DistilledSpec | None = None) -> "Entry":
-        """--engine DIR (a bundle), --model PATH (a checkpoint), or neither (the embedded tiny model); every flag
-        that does not fit the source is refused here, before any model loads."""
+    def resolve(cls, engine: Path | None = None, model: Path | None = None, trust: Path | None = None,
+                vae_precision: str | None = None, loras: tuple[LoraSpec, ...] = (),
+                distilled: DistilledSpec | None = None) -> ModelSource:
+        """--engine DIR (a bundle), --model PATH (a checkpoint), or neither (the embedded tiny model); a flag that
+        does not fit the source is refused here, before any model loads (--distilled's with adapters:
+        AdapterConfig.resolve)."""
         if engine is not None and model is not None:
             raise UserError("--engine and --model name two models; pass one.")
         if distilled is not None:
-            _check_distilled(distilled, engine, loras, adapters, lora_dir)
+            _check_distilled(distilled, engine, loras)
         if trust is not None and engine is None:
             raise UserError("--trust checks a bundle's signature; pass it with --engine DIR.")
-        if (lora_slots is not None or lora_max_rank is not None) and engine is not None:
-            raise UserError("--lora-slots and --lora-max-rank size a checkpoint's adapter slots; a bundle's were fixed "
-                            "when it was built (h3trt inspect shows them): leave them out with --engine.")
-        if (lora_slots is not None or lora_max_rank is not None) and not adapters and lora_dir is None:
-            raise UserError("--lora-slots and --lora-max-rank size the slots of LoRA adapters; pass them with "
-                            "--adapter NAME=FILE or --lora-dir DIR.")
-        adapters = (*adapters, *(folder_specs(Path(lora_dir)) if lora_dir is not None else ()))
-        check_specs(tuple(adapters))
         if vae_precision is not None:
             VAEPrecision(vae_precision)  # a bad value fails before any model loads
-        torchrun = torchrun_rank()
-        if torchrun is not None and gpus > 1:
-            raise UserError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
-        manifest = None
         if engine is not None:
             # With --trust, only if its bytes carry that key's signature (every file is then checked against it when
             # the bundle loads, before any of its code runs).
             manifest = read_trusted_manifest(engine, trust) if trust is not None else read_manifest(engine)
-            source, path = ModelSource.BUNDLE, Path(engine)
-            if manifest.distilled is not None and (adapters or loras or lora_dir is not None):
-                refusal = DistilledServing.from_record(manifest.distilled).adapters_refusal
-                if refusal is not None:  # a fused FastH3 or PDD bundle: no slots will ever help
-                    raise UserError(f"--adapter/--lora/--lora-dir: {refusal}")
-            # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots
-            check_bundle_specs(tuple(adapters), tuple(loras), manifest.lora_slots, manifest.model_config,
-                               manifest.task, Path(lora_dir) if lora_dir is not None else None)
-        elif model is not None:
-            source, path = ModelSource.CHECKPOINT, Path(model)
-        else:
-            source, path = ModelSource.TINY, None
-        if device is None:  # a bundle serves where it was built; an eager model on the GPU when there is one
-            device = manifest.device_type if manifest else ("cuda" if torch.cuda.is_available() else "cpu")
-        elif str(device).startswith("cuda") and not torch.cuda.is_available():  # not torch's assert at the first load
-            raise UserError(f"--device {device} was asked for but no CUDA device is visible; use --device cpu.")
-        return cls(source, path, manifest, device, trust, vae_precision, tuple(loras), gpus, torchrun, cfg, sp,
-                   replicas, tuple(adapters), Path(lora_dir) if lora_dir is not None else None, lora_slots,
-                   lora_max_rank, distilled)
+            return cls(SourceKind.BUNDLE, Path(engine), manifest, trust, vae_precision, tuple(loras))
+        if model is not None:
+            return cls(SourceKind.CHECKPOINT, Path(model), None, None, vae_precision, tuple(loras), distilled)
+        return cls(SourceKind.TINY, None, None, None, vae_precision, tuple(loras), distilled)
 
     @property
     def root(self) -> Path:
@@ -165,7 +138,12 @@ class Entry:
     @property
     def tiny(self) -> bool:
         """Random weights: the embedded tiny model, or a bundle built from it."""
-        return self.manifest.tiny if self.manifest is not None else self.source.embedded
+        return self.manifest.tiny if self.manifest is not None else self.kind.embedded
+
+    @property
+    def task(self) -> str:
+        """The task a server or a fleet loads first: a bundle's own, else t2va (fl2va shares its partition)."""
+        return self.manifest.task if self.manifest is not None else "t2va"
 
     @property
     def canvas(self) -> CanvasDefaults:
@@ -186,9 +164,9 @@ class Entry:
             return DistilledServing.from_record(self.manifest.distilled) if self.manifest.distilled else None
         if self.distilled is not None:
             return plan_distilled(self.distilled)
-        if self.source.embedded:
+        if self.kind.embedded:
             return None
-        source = locate_transformer(self.root, "t2va")  # a full FastH3 export serves its sidecar's ladder
+        source = self.located("t2va")  # a full FastH3 export serves its sidecar's ladder
         contract = checkpoint_contract(source.component_root, source.shifts, source.config.vsa_gate)
         return contract[0] if contract is not None else None
 
@@ -199,6 +177,79 @@ class Entry:
         if self.manifest is None or self.manifest.sparse is None:
             return None
         return self.manifest.sparse.settings()
+
+    @property
+    def adapters_refusal(self) -> str | None:
+        """Why this model serves no per-request adapters at all (a fused FastH3 or PDD checkpoint; a bundle built
+        without LoRA slots); None: it may (AdapterConfig: which it holds)."""
+        if self.distilled_serving is not None and self.distilled_serving.adapters_refusal is not None:
+            return self.distilled_serving.adapters_refusal
+        return BUNDLE_REFUSAL if self.manifest is not None and self.manifest.lora_slots is None else None
+
+    @property
+    def model_name(self) -> str:
+        """What a record says served it."""
+        return "embedded-tiny" if self.kind.embedded else str(self.root)
+
+    @property
+    def record_extra(self) -> dict:
+        """Added to every record: a bundle's identity, with the key that vouched for it under --trust."""
+        if self.manifest is None:
+            return {}
+        identity = bundle_identity(self.manifest)
+        if self.trust is not None:
+            identity["signed_by"] = key_fingerprint(load_public_key(self.trust))
+        return {"bundle": identity}
+
+    def located(self, task: str) -> TransformerSource:
+        """A checkpoint's transformer for `task`, located once (a checkpoint without it fails here)."""
+        if task not in self._located:
+            self._located[task] = locate_transformer(self.root, task)
+        return self._located[task]
+
+    def component_root(self, task: str) -> Path:
+        """Where the tokenizer and the eager components are (a bad checkpoint fails here, before the slow loads)."""
+        return self.root if self.manifest is not None else self.located(task).component_root
+
+    def config(self, task: str) -> H3Config:
+        """The DiT's configuration: a bundle's manifest's, else the checkpoint's for `task`."""
+        return self.manifest.model_config if self.manifest is not None else self.located(task).config
+
+    def note(self) -> None:
+        """Tell the user when the clips will be noise (the embedded tiny model's random weights), and when a bundle's
+        cold start will compile Python from source (no bytecode)."""
+        if self.kind.embedded:
+            print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
+        if self.kind.compiled and not torch_bytecode():
+            note = NOTE_FIRST_BYTECODE.format(prefix=sys.pycache_prefix) if sys.pycache_prefix else NOTE_NO_BYTECODE
+            print(f"h3trt: {note}", file=sys.stderr)
+
+
+@dataclass(frozen=True)
+class Launch:
+    """Where the job loop's ranks run and how they start: this process, --gpus N spawned by it, or torchrun's."""
+
+    device: str  # cpu or cuda (a --device cuda:N was already made the process's cuda:0: cli/commands.choose_gpu)
+    gpus: int = 1  # --gpus: local ranks to spawn
+    torchrun: tuple[int, int] | None = None  # (rank, world) when this process is a torchrun rank
+    cfg: int | None = None  # --cfg / --sp / --replicas as given (None: a bundle's, else resolve_mesh's choice)
+    sp: int | None = None
+    replicas: int | None = None
+
+    @classmethod
+    def resolve(cls, source: ModelSource, device: str | None = None, gpus: int = 1, cfg: int | None = None,
+                sp: int | None = None, replicas: int | None = None) -> Launch:
+        """The flags checked against this process (torchrun's or not) and the machine: a bundle serves where it was
+        built, an eager model on the GPU when there is one."""
+        torchrun = torchrun_rank()
+        if torchrun is not None and gpus > 1:
+            raise UserError(f"Under torchrun the world is torchrun's ({torchrun[1]} ranks); leave out --gpus.")
+        if device is None:
+            device = source.manifest.device_type if source.manifest else ("cuda" if torch.cuda.is_available()
+                                                                          else "cpu")
+        elif str(device).startswith("cuda") and not torch.cuda.is_available():  # not torch's assert at the first load
+            raise UserError(f"--device {device} was asked for but no CUDA device is visible; use --device cpu.")
+        return cls(device, gpus, torchrun[:2] if torchrun is not None else None, cfg, sp, replicas)
 
     @property
     def device_type(self) -> str:
@@ -216,130 +267,149 @@ class Entry:
                 else LaunchKind.PROCESS)
 
     @property
-    def spawns(self) -> bool:
-        return self.how.spawns
-
-    @property
     def world(self) -> int:
         return self.torchrun[1] if self.torchrun is not None else self.gpus
 
     @property
-    def model_name(self) -> str:
-        """What a record says served it."""
-        return "embedded-tiny" if self.source.embedded else str(self.root)
+    def first(self) -> bool:
+        """This process is the launch's first rank (not a torchrun rank other than 0): it writes what the run shares."""
+        return self.torchrun is None or self.torchrun[0] == 0
 
-    @property
-    def record_extra(self) -> dict:
-        """Added to every record: a bundle's identity, with the key that vouched for it under --trust."""
-        if self.manifest is None:
-            return {}
-        identity = bundle_identity(self.manifest)
-        if self.trust is not None:
-            identity["signed_by"] = key_fingerprint(load_public_key(self.trust))
-        return {"bundle": identity}
-
-    def component_root(self, task: str) -> Path:
-        """Where the tokenizer and the eager components are (a bad checkpoint fails here, before the slow loads)."""
-        return self.root if self.manifest is not None else locate_transformer(self.root, task).component_root
-
-    def num_heads(self, task: str) -> int:
-        cfg = self.manifest.model_config if self.manifest is not None else locate_transformer(self.root, task).config
-        return cfg.num_heads
-
-    def mesh(self, task: str) -> MeshConfig:
+    def mesh(self, source: ModelSource, task: str) -> MeshConfig:
         """The launched mesh from --cfg/--sp/--replicas, the world and a bundle's degrees (parallel.mesh)."""
         if not self.on_mesh:  # one process: the degrees must all be 1 (the message says why not)
             return resolve_mesh(1, 1, None, self.cfg, self.sp, self.replicas)
-        return resolve_mesh(self.world, self.num_heads(task), self.manifest.mesh if self.manifest else None,
-                            self.cfg, self.sp, self.replicas)
+        return resolve_mesh(self.world, source.config(task).num_heads,
+                            source.manifest.mesh if source.manifest else None, self.cfg, self.sp, self.replicas)
 
-    def note(self) -> None:
-        """Tell the user when the clips will be noise (the embedded tiny model's random weights), and when a bundle's
-        cold start will compile Python from source (no bytecode)."""
-        if self.source.embedded:
-            print(f"h3trt: {NOTE_TINY}", file=sys.stderr)
-        if self.source.compiled and not torch_bytecode():
-            note = NOTE_FIRST_BYTECODE.format(prefix=sys.pycache_prefix) if sys.pycache_prefix else NOTE_NO_BYTECODE
-            print(f"h3trt: {note}", file=sys.stderr)
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    """The resident LoRA adapters requests pick by name, and their slots, as checked against the model source."""
+
+    specs: tuple[AdapterSpec, ...] = ()  # --adapter, then --lora-dir's files: LoRA adapters at start
+    folder: Path | None = None  # serve --lora-dir: where adapters load from while the server runs
+    num_slots: int | None = None  # serve --lora-slots / --lora-max-rank (None: fitted, SlotShape.fitted)
+    max_rank: int | None = None
+    # The most adapters one request may name (one evaluation's slots): a bundle's slots less its pinned --lora files,
+    # or --lora-slots; None: bounded by the resident set alone
+    per_request: int | None = None
+
+    @classmethod
+    def resolve(cls, source: ModelSource, specs: tuple[AdapterSpec, ...] = (), folder: Path | None = None,
+                num_slots: int | None = None, max_rank: int | None = None) -> AdapterConfig:
+        """--adapter, --lora-dir's files, --lora-slots and --lora-max-rank against `source`: names distinct, files
+        there, and a bundle's adapters and --lora files (held in its slots) within its slots' count, rank and
+        targets; before any model loads."""
+        if (num_slots is not None or max_rank is not None) and source.manifest is not None:
+            raise UserError("--lora-slots and --lora-max-rank size a checkpoint's adapter slots; a bundle's were fixed "
+                            "when it was built (h3trt inspect shows them): leave them out with --engine.")
+        if (num_slots is not None or max_rank is not None) and not specs and folder is None:
+            raise UserError("--lora-slots and --lora-max-rank size the slots of LoRA adapters; pass them with "
+                            "--adapter NAME=FILE or --lora-dir DIR.")
+        if source.distilled is not None and (specs or folder is not None):  # a --distilled FastH3 or PDD file
+            refusal = source.distilled_serving.adapters_refusal
+            if refusal is not None:
+                raise UserError(refusal)
+        folder = Path(folder) if folder is not None else None
+        specs = (*specs, *(folder_specs(folder) if folder is not None else ()))
+        check_specs(specs)
+        m = source.manifest
+        if m is None:
+            return cls(specs, folder, num_slots, max_rank, num_slots)
+        if m.distilled is not None and (specs or source.loras or folder is not None):
+            refusal = DistilledServing.from_record(m.distilled).adapters_refusal
+            if refusal is not None:  # a fused FastH3 or PDD bundle: no slots will ever help
+                raise UserError(f"--adapter/--lora/--lora-dir: {refusal}")
+        # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots
+        check_bundle_specs(specs, source.loras, m.lora_slots, m.model_config, m.task, folder)
+        return cls(specs, folder, per_request=m.lora_slots.slots - len(source.loras) if m.lora_slots else None)
+
+    @property
+    def schedules(self) -> dict[str, ScheduleValues]:
+        """The resident adapters' own schedules, by name (a request naming one leaves it the steps and shifts it does
+        not state: pipeline/adapter_schedule.py)."""
+        return adapter_schedules(self.specs)
+
+    def catalog(self, source: ModelSource, device: str, state: Path | None = None, log=None,
+                task: str = "t2va") -> AdapterCatalog | None:
+        """A server's set of adapters (GET /v1/loras, admission, the admin calls), its files read and checked against
+        `task`'s partition (a bundle's: its own, in its slots' shape less the --lora files pinned in them; a
+        checkpoint's: slots that fit `device`'s memory); `state`: the file that keeps the admin calls' changes across
+        restarts. None for a model that serves no adapters (ModelSource.adapters_refusal), and for a model without
+        adapters or --lora-dir (the set is empty for good)."""
+        if source.adapters_refusal is not None or (not self.specs and self.folder is None):
+            return None
+        cfg, log = source.config(task), ({"log": log} if log is not None else {})
+        if source.manifest is not None:  # a bundle's slots were checked by its build
+            task, slots = source.manifest.task, source.manifest.lora_slots
+            return AdapterCatalog.start(self.specs, cfg, task, folder=self.folder, state=state, **log,
+                                        num_slots=self.per_request, max_rank=slots.max_rank, targets=slots.targets)
+        dtype = eager_dtype(device)  # a checkpoint's slots are the server's: they must fit its memory
+        catalog = AdapterCatalog.start(self.specs, cfg, task, folder=self.folder, state=state, **log,
+                                       num_slots=self.num_slots, max_rank=self.max_rank,
+                                       rank_limit=lambda n: largest_rank(cfg, n, device, dtype))
+        n, r = catalog.shape.num_slots, catalog.shape.max_rank
+        given = (f"--lora-slots {n}" if self.num_slots else "") + (f" --lora-max-rank {r}" if self.max_rank else "")
+        check_slots_fit(cfg, n, r, device, dtype, what=(
+            f"{given.strip()} (the slots: {n} of rank {r})" if given else
+            f"the slots fitted to the adapters at start ({n} of rank {r}; --lora-slots and --lora-max-rank set them)"))
+        return catalog
+
+
+@dataclass(frozen=True)
+class Entry:
+    """What serves a job and how it is launched (module doc). Made once per command; every path that loads a model
+    reads it instead of the command line."""
+
+    model: ModelSource
+    launch: Launch
+    adapters: AdapterConfig = AdapterConfig()
+
+    @classmethod
+    def local(cls, model: ModelSource | None = None, device: str | None = None,
+              adapters: tuple[AdapterSpec, ...] = (), **adapter_flags) -> Entry:
+        """One process on `device` (h3trt eval's sides, the benches, the tests): the embedded tiny model when
+        `model` is None, `adapters` resident (`adapter_flags`: AdapterConfig.resolve's folder, num_slots, max_rank)."""
+        model = model if model is not None else ModelSource.resolve()
+        return cls(model, Launch.resolve(model, device), AdapterConfig.resolve(model, adapters, **adapter_flags))
+
+    def mesh(self, task: str) -> MeshConfig:
+        return self.launch.mesh(self.model, task)
+
+    def adapter_catalog(self, state: Path | None = None, log=None, task: str = "t2va") -> AdapterCatalog | None:
+        """A server's set of adapters (AdapterConfig.catalog), its slots fitted to this launch's device."""
+        return self.adapters.catalog(self.model, self.launch.device, state, log, task)
 
     def components(self, task: str) -> Components:
         """The built parts of a pipeline in this process (h3trt eval builds its own around them; the job loop's
         ranks load through `worker_spec` and rank.load_rank_pipeline)."""
-        if self.manifest is not None:
-            return load_bundle(self.root, self.device, vae_precision=self.vae_precision, trust=self.trust,
-                               adapters=self.adapters, loras=self.loras)
-        return load_checkpoint(self.root, task, self.device, self.vae_precision, self.loras, adapters=self.adapters,
-                               distilled=self.distilled)
-
-    def adapter_catalog(self, state: Path | None = None, log=None, task: str = "t2va") -> AdapterCatalog | None:
-        """A server's set of adapters (GET /v1/loras, admission, the admin calls), its files read and checked against
-        `task`'s partition (a bundle's: its own, in its slots' shape less the --lora files pinned in them); `state`:
-        the file that keeps the admin calls' changes across restarts. None for a bundle without LoRA slots, and for a
-        model without adapters or --lora-dir (the set is empty for good)."""
-        if self.adapter_refusal is not None or (not self.adapters and self.lora_dir is None):
-            return None
-        if self.manifest is not None:
-            cfg, task, slots = self.manifest.model_config, self.manifest.task, self.manifest.lora_slots
-            shape = {"num_slots": self.adapter_slots, "max_rank": slots.max_rank, "targets": slots.targets}
-        else:
-            cfg = locate_transformer(self.root, task).config
-            shape = {"num_slots": self.lora_slots, "max_rank": self.lora_max_rank}
-        dtype = eager_dtype(self.device)
-        limit = (lambda n: largest_rank(cfg, n, self.device, dtype)) if self.manifest is None else None
-        catalog = AdapterCatalog.start(self.adapters, cfg, task, folder=self.lora_dir, state=state, **shape,
-                                       **({"log": log} if log is not None else {}), rank_limit=limit)
-        if self.manifest is None:  # a checkpoint's slots are the server's (a bundle's were checked by its build)
-            n, r = catalog.shape.num_slots, catalog.shape.max_rank
-            given = (f"--lora-slots {n}" if self.lora_slots else "") + (
-                f" --lora-max-rank {r}" if self.lora_max_rank else "")
-            check_slots_fit(cfg, n, r, self.device, dtype, what=(
-                f"{given.strip()} (the slots: {n} of rank {r})" if given else
-                f"the slots fitted to the adapters at start ({n} of rank {r}; --lora-slots and --lora-max-rank set "
-                "them)"))
-        return catalog
-
-    @property
-    def adapter_slots(self) -> int | None:
-        """The most adapters one request may name (one evaluation's slots): a bundle's slots less its pinned --lora
-        files, or --lora-slots; None: bounded by the resident set alone."""
-        if self.manifest is not None and self.manifest.lora_slots is not None:
-            return self.manifest.lora_slots.slots - len(self.loras)
-        return self.lora_slots
-
-    @property
-    def adapter_schedules(self) -> dict[str, ScheduleValues]:
-        """The resident adapters' own schedules, by name (a request naming one leaves it the steps and shifts it does
-        not state: pipeline/adapter_schedule.py)."""
-        return adapter_schedules(self.adapters)
-
-    @property
-    def adapter_refusal(self) -> str | None:
-        """Why this model serves no per-request adapters at all (a fused FastH3 or PDD checkpoint; a bundle built
-        without LoRA slots); None: it may."""
-        if self.distilled_serving is not None and self.distilled_serving.adapters_refusal is not None:
-            return self.distilled_serving.adapters_refusal
-        return BUNDLE_REFUSAL if self.manifest is not None and self.manifest.lora_slots is None else None
+        m = self.model
+        if m.manifest is not None:
+            return load_bundle(m.root, self.launch.device, vae_precision=m.vae_precision, trust=m.trust,
+                               adapters=self.adapters.specs, loras=m.loras)
+        return load_checkpoint(m.root, task, self.launch.device, m.vae_precision, m.loras,
+                               adapters=self.adapters.specs, distilled=m.distilled)
 
     def load(self, task: str, canvas: CanvasDefaults | None = None) -> H3Pipeline:
         """A pipeline in this process."""
-        return H3Pipeline.from_components(self.components(task), self.device,
-                                          self.canvas if canvas is None else canvas)
+        return H3Pipeline.from_components(self.components(task), self.launch.device,
+                                          self.model.canvas if canvas is None else canvas)
 
     def worker_spec(self, task: str, mesh: MeshConfig, **fields) -> WorkerSpec:
         """What every rank of every replica group needs (picklable); `fields`: the front door's own (crf,
         max_batch, raise_failures)."""
-        fields = {"adapters": self.adapters, **fields}  # a server's: its catalog's set at start, and its slots
-        return WorkerSpec(str(self.root), self.manifest is not None, task, self.device_type, mesh,
-                          self.num_heads(task), canvas=self.canvas, model_name=self.model_name,
-                          record_extra=self.record_extra, vae_precision=self.vae_precision, loras=self.loras,
-                          trust=str(self.trust) if self.trust is not None else None, distilled=self.distilled,
-                          **fields)
+        m = self.model
+        fields = {"adapters": self.adapters.specs, **fields}  # a server's: its catalog's set at start, and its slots
+        return WorkerSpec(str(m.root), m.manifest is not None, task, self.launch.device_type, mesh,
+                          m.config(task).num_heads, canvas=m.canvas, model_name=m.model_name,
+                          record_extra=m.record_extra, vae_precision=m.vae_precision, loras=m.loras,
+                          trust=str(m.trust) if m.trust is not None else None, distilled=m.distilled, **fields)
 
 
-def _check_distilled(spec: DistilledSpec, engine: Path | None, loras: tuple, adapters: tuple,
-                     lora_dir: Path | None) -> None:
+def _check_distilled(spec: DistilledSpec, engine: Path | None, loras: tuple) -> None:
     """--distilled with what it cannot go with, before any model loads: a bundle (its manifest carries the file it was
-    built with), and LoRAs beside a FastH3 or PDD file."""
+    built with), and merged LoRAs beside a FastH3 or PDD file (adapters beside one: AdapterConfig.resolve)."""
     if engine is not None:
         raise UserError("--distilled fuses a file into a checkpoint run eagerly; a bundle was built with its own "
                         "(h3trt inspect shows it): drop --distilled with --engine, or build with "
@@ -347,5 +417,3 @@ def _check_distilled(spec: DistilledSpec, engine: Path | None, loras: tuple, ada
     serving = plan_distilled(spec)
     if loras and serving.merged_lora_refusal is not None:
         raise UserError(serving.merged_lora_refusal)
-    if (adapters or lora_dir is not None) and serving.adapters_refusal is not None:
-        raise UserError(serving.adapters_refusal)

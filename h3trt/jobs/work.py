@@ -33,7 +33,7 @@ from ..pipeline.adapters import batch_key
 from ..pipeline.h3_pipeline import H3Pipeline, Target
 from ..pipeline.parallel_decode import _comm_device
 from ..pipeline.records import Clip, ClipRecord, Failure, TimelineTimer, commit_clip
-from ..pipeline.request import Encoded, prepare, request_dict
+from ..pipeline.prepare import Encoded, prepare
 from .job import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 
 
@@ -269,7 +269,7 @@ def commit_job_clip(clip: Clip | None, job: Job, place: Place, device: torch.dev
     if clip is None:
         return None
     try:
-        record = replace(clip.record, status="done", id=job.id, request=request_dict(job.request), model=place.model,
+        record = replace(clip.record, status="done", id=job.id, request=job.request.flat(), model=place.model,
                          batch=batch, peak_memory=peak_memory(device),
                          extra={**clip.record.extra, **place.record_extra, **job.record})
     except BaseException:
@@ -284,8 +284,8 @@ def layout_key(encoded: Encoded) -> bytes:
     lay, digest = encoded.layout, hashlib.sha256()
     digest.update(repr((encoded.schedule, lay.num_condition_video_rows, lay.num_condition_audio_rows,
                         tuple(encoded.text_embeds.shape))).encode())
-    if encoded.prepared.request.lora:  # a request without adapters keys as before they existed
-        digest.update(repr(batch_key(encoded.prepared.request.lora)).encode())
+    if encoded.prepared.request.adapters:  # a request without adapters keys as before they existed
+        digest.update(repr(batch_key(encoded.prepared.request.adapters)).encode())
     for t in (lay.position_ids, lay.token_tags, lay.video_index, lay.audio_index, lay.text_index):
         digest.update(t.cpu().contiguous().numpy().tobytes())
     return digest.digest()

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from PIL import Image, ImageOps, UnidentifiedImageError
 
-from ..errors import UserError
+from ..errors import MediaError  # the base's: a request's checks raise it too (a reference's kind)
 
 # 32 kHz stereo is the model's native audio format: every audio input is resampled to it.
 DEFAULT_SAMPLE_RATE = 32000
@@ -31,10 +31,6 @@ MAX_INPUT_PIXELS = 8192 * 8192
 # probe() always returns every key; those of a missing stream are None, so callers can index without checking.
 PROBE_KEYS = ("format", "video_codec", "pix_fmt", "width", "height", "fps", "frames",
               "audio_codec", "sample_rate", "audio_channels", "audio_duration")
-
-
-class MediaError(UserError):
-    """A user-facing media problem; the message is one line: file, problem, fix."""
 
 
 def _existing_file(path: str | os.PathLike) -> Path:

@@ -1,7 +1,7 @@
 """Writing MP4s: H.264 yuv420p video and AAC audio, streamed window by window and committed atomically.
 
 Everything goes through PyAV's bundled FFmpeg so the engine needs no `ffmpeg` binary on PATH. A problem a caller can
-cause (a wrong frame shape, an odd frame size, an unknown preset) raises `MediaError` (media.py) with one line naming
+cause (a wrong frame shape, an odd frame size, an unknown preset) raises `MediaError` (inputs.py) with one line naming
 the file, the problem and the fix, because these messages end up verbatim in `h3trt run` output.
 """
 
@@ -70,12 +70,12 @@ class Mp4Writer:
     """Streaming MP4 writer: H.264 yuv420p video plus AAC audio, committed atomically on a clean exit.
 
     Frames arrive window by window while the model is still producing later windows, so the container is written
-    incrementally. The file is built under a temporary name unique to this writer (`files.temp_path`:
+    incrementally. The file is built under a temporary name unique to this writer (`atomic.temp_path`:
     `.<name>.<host>-<pid>-<token>.partial`, in the same folder) and renamed onto `path` only after both encoders are
     flushed and the container is closed; an exception in the `with` block deletes it, so a crash never leaves a
     truncated clip that looks finished. `overwrite=False` refuses to replace a `path` that exists by then
-    (files.OutputExists). With `commit=False` the finished file stays at `partial_path` for the caller to commit
-    together with other files (files.commit); the caller then owns it.
+    (output_files.OutputExists). With `commit=False` the finished file stays at `partial_path` for the caller to commit
+    together with other files (output_files.commit); the caller then owns it.
 
     Thread-compatible, not thread-safe: any single thread may drive it (e.g. an encoder thread fed by a queue), but
     only one thread at a time. It holds no global state, so independent writers may run on different threads.

@@ -115,6 +115,13 @@ class StepCacheConfig:
         data["threshold"] = json_number(self.threshold)
         return data
 
+    @classmethod
+    def from_dict(cls, data: dict) -> StepCacheConfig:
+        """`to_dict`'s JSON read back (a stored request's cache)."""
+        ratios = data.get("mag_ratios")
+        return cls(**{**data, "threshold": float(data["threshold"]),
+                      "mag_ratios": tuple(ratios) if ratios is not None else None})
+
 
 def json_number(x: float) -> float | str:
     """inf as the string "inf": a record is strict JSON (JSON has no infinity), and --cache-threshold inf is valid."""

@@ -32,8 +32,8 @@ from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraSlots
 from .adapters import (NAME_PATTERN, SERVE_SLOTS, AdapterInfo, AdapterSpec, AdapterUse, SlotShape, adapter_rank,
                        check_adapters, info_of)
-from .adapter_schedule import ScheduleValues
-from .request import Request
+from ..request.parts import ScheduleValues
+from ..request.request import Request
 
 STATE_FILE = "loras.json"  # in a server's data folder: what the admin calls changed, kept across restarts
 
@@ -149,20 +149,21 @@ class AdapterCatalog:
     def resolve(self, request: Request) -> Request:
         """`request` with its adapters resolved (module doc); UserError naming `lora` for a name not in the set (one
         the start skipped: with its reason), or more adapters than one evaluation carries."""
-        if not request.lora:
+        if not request.adapters:
             return request
         with self._lock:
             specs = {name: spec for name, (spec, _) in self._set.items()}
             infos = {name: info for name, (_, info) in self._set.items()}
-            skipped = [self._skipped[u.name] for u in request.lora if u.name not in specs and u.name in self._skipped]
+            skipped = [self._skipped[u.name] for u in request.adapters
+                       if u.name not in specs and u.name in self._skipped]
         if skipped:
             s = skipped[0]
             raise UserError(f"lora {s.name!r}: this server started without it ({s.source} file {s.file!r}: "
                             f"{s.reason}); fix the file and load it (POST /v1/loras), or name another.", field="lora")
-        check_adapters(request.lora, tuple(specs.values()), None, self.shape.num_slots)
-        return replace(request, lora=tuple(
+        check_adapters(request.adapters, tuple(specs.values()), None, self.shape.num_slots)
+        return replace(request, adapters=tuple(
             AdapterUse(u.name, specs[u.name].scale if u.scale is None else u.scale, str(specs[u.name].path),
-                       infos[u.name].sha256) for u in request.lora))
+                       infos[u.name].sha256) for u in request.adapters))
 
     # --- the admin calls ------------------------------------------------------------------------------------------
 

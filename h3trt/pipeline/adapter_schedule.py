@@ -8,49 +8,23 @@ An adapter's schedule, key by key, the later source winning:
   2. its `--adapter NAME=FILE[:SCALE]@steps=8,video_shift=5` (after the last '@': KEY=VALUE pairs, comma-separated,
      keys of SCHEDULE_KEYS).
 
-A request's schedule (`resolve`), key by key: the request's own value; else the value the adapters it names give (two
-of them giving different values: refused, naming `lora`); else the model's default (a bundle's first schedule, else
-H3's 50 steps and the checkpoint's shifts). `ScheduleFrom` records which, for the clip's record. The resolved values
-are the request's from then on: admission checks them against what a bundle serves, and a batch keys on them.
+A request's schedule, key by key: the request's own value; else the value the adapters it names give; else the
+model's default (request/parts.py `ScheduleChoice.resolve`, which records which: `ScheduleFrom`).
 """
 
 from __future__ import annotations
 
 import functools
-from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Iterable, Mapping
+from typing import Iterable
 
 from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
-from ..models.sampler import key_values, schedule_value
+from ..models.sampler import schedule_value
+from ..request.parts import SCHEDULE_KEYS, ScheduleValues
 
-SCHEDULE_KEYS = ("steps", "video_shift", "audio_shift")
 METADATA_KEYS = {key: f"h3trt.{key}" for key in SCHEDULE_KEYS}  # an adapter file's __metadata__ keys
-REQUEST, DEFAULT = "request", "default"  # ScheduleFrom's words for a request's own value and the model's default
-
-
-@dataclass(frozen=True)
-class ScheduleValues:
-    """Some of a schedule's values, each None where not given: an adapter's defaults, or what a request states."""
-
-    steps: int | None = None  # sigma grid points (steps - 1 DiT evaluations)
-    video_shift: float | None = None
-    audio_shift: float | None = None
-
-    def given(self) -> dict[str, int | float]:
-        """The values given, by key (an adapter's `schedule` in GET /v1/loras)."""
-        return {key: value for key, value in asdict(self).items() if value is not None}
-
-    def over(self, other: "ScheduleValues") -> "ScheduleValues":
-        """These values, and `other`'s where these give none."""
-        return ScheduleValues(**{**asdict(other), **self.given()})
-
-    @classmethod
-    def parse(cls, text: str, where: str) -> "ScheduleValues":
-        """`steps=8,video_shift=5` (the part of an --adapter after its '@'); `where` names it in the errors."""
-        return cls(**key_values(text, SCHEDULE_KEYS, where))
 
 
 def split_spec(text: str, where: str) -> tuple[str, ScheduleValues]:
@@ -86,43 +60,3 @@ def adapter_schedules(specs: Iterable) -> dict[str, ScheduleValues]:
     values over its file's; an adapter that gives none is left out."""
     schedules = {s.name: s.schedule.over(file_schedule(s.path)) for s in specs}
     return {name: values for name, values in schedules.items() if values.given()}
-
-
-@dataclass(frozen=True)
-class ScheduleFrom:
-    """Where each of a request's schedule values came from: "request" (its own), "adapter NAME" (one it names), or
-    "default" (the model's: a bundle's first schedule, else H3's 50 steps and the checkpoint's shifts)."""
-
-    steps: str = DEFAULT
-    video_shift: str = DEFAULT
-    audio_shift: str = DEFAULT
-
-    def to_json(self) -> dict[str, str]:
-        return asdict(self)
-
-    def adapters(self) -> dict[str, str]:
-        """The keys an adapter gave, and which ("adapter NAME")."""
-        return {key: source for key, source in asdict(self).items() if source not in (REQUEST, DEFAULT)}
-
-
-def resolve(stated: ScheduleValues, names: tuple[str, ...], schedules: Mapping[str, ScheduleValues],
-            default_steps: int) -> tuple[ScheduleValues, ScheduleFrom]:
-    """A request's schedule and where each value came from (module doc): `stated` its own values, `names` the
-    adapters its `lora` names (one not in `schedules` gives nothing: admission refuses one not resident),
-    `default_steps` the model's. A shift left to the default stays None: the pipeline takes the model's."""
-    values, sources = {}, {}
-    for f in fields(ScheduleValues):
-        key = f.name
-        offers = {name: getattr(schedules[name], key) for name in names
-                  if name in schedules and getattr(schedules[name], key) is not None}
-        if getattr(stated, key) is not None:
-            values[key], sources[key] = getattr(stated, key), REQUEST
-        elif len(set(offers.values())) > 1:
-            said = ", ".join(f"{name} {value:g}" for name, value in offers.items())
-            raise UserError(f"lora: the adapters this request names bring different {key} ({said}); state {key} "
-                            "in the request, or name one of them.", field="lora")
-        elif offers:
-            values[key], sources[key] = next(iter(offers.values())), "adapter " + ", ".join(offers)
-        else:
-            values[key], sources[key] = default_steps if key == "steps" else None, DEFAULT
-    return ScheduleValues(**values), ScheduleFrom(**sources)

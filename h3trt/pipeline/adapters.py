@@ -6,10 +6,11 @@ bundle built with --lora-slots N --lora-max-rank R, whose slots are the bundle's
     beside the weights (models/lora_slots.py) and only the requests that name it get it. It may bring its own
     schedule (a Turbo LoRA's steps and shifts: `@steps=8,video_shift=5`, or its file's metadata), which a request
     that names it and leaves those out runs (pipeline/adapter_schedule.py).
-  - `AdapterUse`: one entry of a request's `lora` field, [{"name": ..., "scale": ...}] (scale left out: the adapter's
-    default), read by `parse_lora_field` and checked against the resident set by `check_adapters` (admission). A
-    server's admission resolves it (pipeline/adapter_catalog.py): the file and its sha256 as they were when the job
-    was admitted, which the job runs with whatever the set becomes meanwhile.
+  - `AdapterUse` (h3trt/adapters/use.py): one entry of a request's `lora` field, [{"name": ..., "scale": ...}]
+    (scale left out: the adapter's default), read by its module's `parse_lora_field` and checked against the
+    resident set by `check_adapters` (admission). A server's admission resolves it (pipeline/adapter_catalog.py):
+    the file and its sha256 as they were when the job was admitted, which the job runs with whatever the set becomes
+    meanwhile.
   - `SlotShape`: how many adapters the slots hold at once (one evaluation carries at most that many) and their max
     rank: from the flags, else fitted to the adapters at start (`h3trt serve --lora-slots / --lora-max-rank`).
   - `ResidentAdapters`: the LoraSlots of one pipeline, used as a cache of adapters keyed by their file's sha256:
@@ -26,21 +27,22 @@ requests that may share a batched denoise (`batch_key`).
 from __future__ import annotations
 
 import argparse
-import json
 import re
 from collections import OrderedDict
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
+from ..adapters.use import AdapterUse  # its home since issue 48; importers here move in its phase 2
 from ..errors import UserError
 from ..models.config import H3Config
 from ..models.distilled import turbo_alpha
-from ..models.lora import SCALE_RANGE, LoraScaleError, LoraSpec, native_target, route, scale_in_range
+from ..models.lora import SCALE_RANGE, LoraScaleError, LoraSpec, native_target, route
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraRun, LoraSlots, SlotRecord
-from .adapter_schedule import ScheduleValues, file_schedule, split_spec
+from ..request.parts import ScheduleValues
+from .adapter_schedule import file_schedule, split_spec
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # `h3trt serve --lora-dir`'s slots when the flags leave them out: room to load adapters while it runs (the set may
@@ -111,57 +113,6 @@ def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
         file_schedule(s.path)  # its __metadata__ schedule, if any, valid
 
 
-@dataclass(frozen=True)
-class AdapterUse:
-    """One adapter a request asks for: its resident name and strength (None: the adapter's default). Resolved (a
-    server's admission: AdapterCatalog.resolve), it also names the file and the sha256 it had then, and the scale
-    is filled in: the worker runs that file only while it still has that hash. Unresolved (run's front doors, whose
-    adapters are fixed for the process), the worker resolves the name against the adapters it started with."""
-
-    name: str
-    scale: float | None = None
-    file: str | None = None  # the adapter's file, as admission resolved it
-    sha256: str | None = None  # that file's sha256 then
-
-    def to_json(self) -> dict:
-        """A resolved use as a job's row keeps it (and `from_json` reads it back)."""
-        return asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict) -> "AdapterUse":
-        return cls(data["name"], data["scale"], data["file"], data["sha256"])
-
-    def shown(self) -> dict:
-        """A resolved use as a job object and a clip's record show it: the file's name, never the server's path."""
-        return {"name": self.name, "file": Path(self.file).name, "sha256": self.sha256, "scale": self.scale}
-
-
-def parse_lora_field(value) -> tuple[AdapterUse, ...]:
-    """A request's `lora`: a list of {"name": str, "scale": a number in range (optional)}, each name once."""
-    shape = 'lora must be a list of {"name": ..., "scale": ...} objects'
-    if not isinstance(value, list):
-        raise UserError(f"{shape}, got {json.dumps(value)}.", field="lora")
-    uses = []
-    for item in value:
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) or set(item) - {"name", "scale"}:
-            raise UserError(f"{shape} (name a string, scale optional), got {json.dumps(item)}.", field="lora")
-        scale = item.get("scale")
-        if scale is not None and (isinstance(scale, bool) or not isinstance(scale, (int, float))
-                                  or not scale_in_range(scale)):
-            raise UserError(f"lora {item['name']!r}: scale must be {SCALE_RANGE}, got {json.dumps(scale)}.",
-                            field="lora")
-        uses.append(AdapterUse(item["name"], None if scale is None else float(scale)))
-    names = [u.name for u in uses]
-    if len(set(names)) != len(names):
-        raise UserError(f"lora names {names}: each adapter once.", field="lora")
-    return tuple(uses)
-
-
-def lora_field(uses: tuple[AdapterUse, ...]) -> list[dict]:
-    """A request's adapters as its `lora` field (request_dict, a record's request)."""
-    return [{"name": u.name, **({"scale": u.scale} if u.scale is not None else {})} for u in uses]
-
-
 def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], refusal: str | None = None,
                    slots: int | None = None) -> None:
     """Admission's check of a request's `lora` against what the model holds resident, and at most `slots` adapters
@@ -229,9 +180,8 @@ def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, .
 
 
 def batch_key(uses: tuple[AdapterUse, ...]) -> tuple:
-    """The part of a batch key an adapter set makes: requests with different adapters or strengths never share a
-    batched evaluation (one evaluation carries one adapter set); nor do two files under one name (a reload)."""
-    return tuple((u.name, u.scale) if u.sha256 is None else (u.name, u.scale, u.sha256) for u in uses)
+    """The part of a batch key an adapter set makes (AdapterUse.batch_part, each use's)."""
+    return tuple(u.batch_part for u in uses)
 
 
 @dataclass(frozen=True)

@@ -9,12 +9,12 @@ import torch
 from ..errors import UserError
 from ..models.packing import PackedLayout
 from ..models.sampler import Latents, Schedule
-from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.sparse_plan import SparseSettings
 from ..models.sparse_kernels import sparse_block
 from ..models.sparse_run import SparseRun
 from ..models.step_cache import StepCache
 from ..models.vsa_plan import VsaRun, request_vsa_run
-from .request import Request
+from ..request.request import Request
 
 
 def lora_kwargs(lora) -> dict:
@@ -32,10 +32,8 @@ def counted(model, sparse: SparseRun | VsaRun):
 
 
 def request_sparse_settings(request: Request) -> SparseSettings:
-    """A request's checked sparse settings (sparse_plan.sparse_settings; the request keys' names in messages)."""
-    return sparse_settings(getattr(request, "sparse_attention", 0.0) or 0.0,
-                           getattr(request, "sparse_dense_steps", None), getattr(request, "sparse_min_seq", None),
-                           where="")
+    """A request's checked sparse settings (request/parts.py Speed.sparse: the request keys' names in messages)."""
+    return request.speed.sparse
 
 
 def sparse_run_for(dit, request: Request, device) -> SparseRun | VsaRun | None:
@@ -43,7 +41,7 @@ def sparse_run_for(dit, request: Request, device) -> SparseRun | VsaRun | None:
     VSA on every request (at the request's vsa_sparsity where it states one), SubBlock's where the request asks for
     it and the runner serves it, else None."""
     settings = request_sparse_settings(request)
-    vsa = request_vsa_run(getattr(dit, "vsa", None), settings.enabled, getattr(request, "vsa_sparsity", None))
+    vsa = request_vsa_run(getattr(dit, "vsa", None), settings.enabled, request.speed.vsa_sparsity)
     if vsa is not None:  # a FastH3-VSA model: VSA, never SubBlock
         return vsa
     if not settings.enabled:
@@ -62,7 +60,7 @@ def sparse_run_for(dit, request: Request, device) -> SparseRun | VsaRun | None:
 
 def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:
     """A generation's step cache, or None when the request asks for none."""
-    config = getattr(request, "cache", None)
+    config = request.speed.cache
     return StepCache(config, schedule.num_evaluations) if config is not None else None
 
 

@@ -36,7 +36,9 @@ from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
 from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
-from .request import CanvasDefaults, Encoded, Prepared, Request
+from ..request.parts import CanvasDefaults
+from ..request.request import Request
+from .prepare import Encoded, Prepared
 from .step_profile import StepProfiler
 from .evaluation import (check_finite, counted, lora_kwargs, new_step_cache, request_sparse_settings,
                          same_layout, sparse_run_for)
@@ -131,9 +133,10 @@ class H3Pipeline:
     def schedule(self, request: Request) -> Schedule:
         """A request's schedule: its steps and shifts (the model's where it states none); a distilled model's family
         decides its rungs and refuses what it cannot run."""
+        s = request.schedule
         if self.distilled is not None:
-            return self.distilled.schedule(request.steps, request.video_shift, request.audio_shift)
-        return Schedule.resolve(request.steps, request.video_shift, request.audio_shift, self.shifts)
+            return self.distilled.schedule(s.steps, s.video_shift, s.audio_shift)
+        return Schedule.resolve(s.steps, s.video_shift, s.audio_shift, self.shifts)
 
     @torch.no_grad()
     def generate(self, prepared: Prepared, target: Target, timer: StageTimer | None = None,
@@ -182,14 +185,15 @@ class H3Pipeline:
         # process that admitted it: a restart with another --engine or --cfg takes it; a fleet's ingress and its
         # worker replicas load their models apart).
         self._guard(prepared)
-        if self.cfg_group is not None and req.guidance == 1.0:
+        if self.cfg_group is not None and req.guidance.scale == 1.0:
             raise ValueError("This job splits guidance branches over cfg=2 rank groups, but the request has no "
                              "guidance (--guidance 1, H3's default); launch with --cfg 1 or pass --guidance > 1.")
 
         # 1. Text (and the negative branch's text under guidance).
         with timer("text_encode"):
             text = self._encode_text(prepared)
-            negative = self._encode_text(prepared, req.negative_prompt) if req.guidance > 1.0 else None
+            negative = (self._encode_text(prepared, req.guidance.negative_prompt) if req.guidance.scale > 1.0
+                        else None)
 
         # 2. Conditions, in packed order.
         with timer("condition_encode"):
@@ -213,8 +217,8 @@ class H3Pipeline:
                 if on_step is not None:
                     on_step(i, n)
 
-            final = self._denoise(text.embeds, layout, latents, schedule, stepped, branches, req.guidance, cache,
-                                  profile_step, timer, sparse, select_adapters(self.adapters, req.lora))
+            final = self._denoise(text.embeds, layout, latents, schedule, stepped, branches, req.guidance.scale,
+                                  cache, profile_step, timer, sparse, select_adapters(self.adapters, req.adapters))
         if cache is not None and self.cfg_group is not None:  # every rank of the cfg group: a collective
             cache.gather(self.cfg_group)
         return schedule, layout, final
@@ -226,7 +230,7 @@ class H3Pipeline:
             self.check_request(prepared)
         if self.distilled is not None:
             req = prepared.request
-            self.distilled.check(req.task, req.guidance, getattr(req, "cache", None))
+            self.distilled.check(req.task, req.guidance.scale, req.speed.cache)
 
     @torch.no_grad()
     def encode_request(self, prepared: Prepared, timer: StageTimer | None = None) -> Encoded:
@@ -234,14 +238,14 @@ class H3Pipeline:
         req, timer = prepared.request, timer or StageTimer(self.device)
         schedule = self.schedule(req)
         self._guard(prepared)  # the last-line guard of denoise_request
-        # What a batch cannot share: a requests file batches only requests without them (run/batch.py batchable);
+        # What a batch cannot share: only requests with a batch key are batched (request/request.py BatchKey.of);
         # admission does not know which requests will share a batch.
-        if getattr(req, "guidance", 1.0) != 1.0:
+        if req.guidance.scale != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
         if request_sparse_settings(req).enabled or getattr(self.dit, "vsa", None) is not None:
             raise ValueError("Block-sparse attention (SubBlock, or a FastH3-VSA model's VSA) counts one request's "
                              "evaluations; run such a request alone (h3trt run --prompt ...).")
-        if getattr(req, "cache", None) is not None:
+        if req.speed.cache is not None:
             raise ValueError("Step caching decides per request, and a batch shares one evaluation per step; run a "
                              "cached request alone (h3trt run --prompt ... --cache ...).")
         with timer("text_encode"):
@@ -259,13 +263,13 @@ class H3Pipeline:
         for other in batch[1:]:
             if other.schedule != first.schedule or not same_layout(other.layout, first.layout):
                 raise ValueError("denoise_batch needs one schedule and one packed layout (task, canvas, duration and "
-                                 f"text length) for the whole batch; {other.prepared.request.prompt[:40]!r} differs "
-                                 f"from {first.prepared.request.prompt[:40]!r}.")
+                                 f"text length) for the whole batch; {other.prepared.request.inputs.prompt[:40]!r} "
+                                 f"differs from {first.prepared.request.inputs.prompt[:40]!r}.")
         device, dit = self.device, self.dit
         lay = first.layout.to(device)
         text_BLC = torch.cat([e.text_embeds for e in batch]).to(device)
-        uses = first.prepared.request.lora
-        if any(e.prepared.request.lora != uses for e in batch[1:]):
+        uses = first.prepared.request.adapters
+        if any(e.prepared.request.adapters != uses for e in batch[1:]):
             raise ValueError("denoise_batch runs one LoRA adapter set for the whole batch (one evaluation carries one "
                              "set); batch requests with different adapters apart.")
         kwargs = lora_kwargs(select_adapters(self.adapters, uses))
@@ -293,7 +297,7 @@ class H3Pipeline:
                 decoded: DecodeResult, timer: StageTimer) -> ClipRecord:
         return clip_record(prepared, schedule, layout, output, decoded.frames, decoded.audio_samples, timer,
                            self.device, self.video_vae, self.load_report, self.loras,
-                           self.adapters.record(prepared.request.lora) if self.adapters is not None else None,
+                           self.adapters.record(prepared.request.adapters) if self.adapters is not None else None,
                            self.distilled_record)
 
     def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:
@@ -325,7 +329,7 @@ class H3Pipeline:
             layout = pack_ref2va(text_tags, ref_blocks, lf, lh, lw, la, cfg.patch_size)
         else:
             layout = pack_t2va(text_tags, lf, lh, lw, la, cfg.patch_size, tuple(a for a, _ in prepared.keyframes))
-        latents = initial_latents(req.seed, lf, lh, lw, la, cfg.patch_size, cfg.in_channels, cfg.audio_in_channels,
+        latents = initial_latents(req.inputs.seed, lf, lh, lw, la, cfg.patch_size, cfg.in_channels, cfg.audio_in_channels,
                                   tuple(visual), tuple(ref_audio))
         return layout, latents
 
@@ -360,7 +364,7 @@ class H3Pipeline:
     def _encode_text(self, prepared: Prepared, prompt: str | None = None):
         """The request's prompt (or `prompt`: the negative branch's) with the task's visual context."""
         req = prepared.request
-        prompt = req.prompt if prompt is None else prompt
+        prompt = req.inputs.prompt if prompt is None else prompt
         if req.task == "t2va" and prompt in self.text_prefetched:  # encoded while the bundle loaded
             return self.text_prefetched.pop(prompt)
         if req.task == "t2va":

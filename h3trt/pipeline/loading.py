@@ -35,7 +35,8 @@ from ..models.vsa_plan import VsaServing, choose_vsa_kernel, served_vsa_settings
 from ..parallel.ulysses import UlyssesDiT
 from .adapters import AdapterSpec, ResidentAdapters, SlotShape
 from .records import ColdStart, process_started_unix, torch_bytecode
-from .request import Prepared, check_bundle_serves
+from ..request.checks import check_bundle_serves
+from .prepare import Prepared
 
 
 @dataclass(frozen=True)

@@ -336,9 +336,9 @@ def decode_and_write(video_vae: VideoVAE, audio_vae, video_latents: torch.Tensor
 
     Every rank of `group` (None: this process alone) calls with the same normalised latents [1, C, T, H, W] and
     audio rows [2A, C], and gets its DecodeResult. With `commit=False` the finished MP4 stays under its temporary
-    name, returned as mp4_temp on the writing rank, for the caller to commit with its record (files.commit); on any
-    failure or interrupt nothing is left behind and no thread is left running. `on_frames(n)`: called on the writing
-    rank with the number of frames handed to the encoder so far.
+    name, returned as mp4_temp on the writing rank, for the caller to commit with its record (output_files.commit);
+    on any failure or interrupt nothing is left behind and no thread is left running. `on_frames(n)`: called on the
+    writing rank with the number of frames handed to the encoder so far.
     """
     # 1. Open: every rank checks, the writer opens its MP4; the group agrees before any other collective.
     writer = _open_writer(video_vae, video_latents, audio_rows, output, group, fps, crf, sample_rate, output_config,

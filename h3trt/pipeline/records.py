@@ -19,7 +19,7 @@ from ..engines.manifest import sha256_file
 from ..media.output_files import commit, discard, write_json_file
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout
 from ..models.sampler import Schedule
-from .request import Prepared
+from .prepare import Prepared
 
 
 def process_started_unix() -> float | None:
@@ -133,7 +133,7 @@ class ClipRecord:
     # The job layer
     status: str | None = None  # "done"
     id: str | None = None  # the job's id
-    request: dict | None = None  # the request as its fields (requests.request_dict)
+    request: dict | None = None  # the request as its fields (request/request.py Request.flat)
     model: str | None = None  # what served it: a checkpoint path, a bundle, embedded-tiny
     batch: dict | None = None  # {"size", "index", "members"}: the batched denoise it was part of
     peak_memory: dict | None = None  # {"bytes", "what"}
@@ -210,7 +210,7 @@ _COLD_START_FIELDS = tuple(f.name for f in dataclasses.fields(ColdStart) if f.na
 @dataclass(frozen=True)
 class Clip:
     """A generated clip, not in place yet: what the pipeline returns on the writing rank. The finished MP4 lies under
-    its temporary name beside the output (files.temp_path: hidden, never ending in .mp4, so a crash leaves nothing
+    its temporary name beside the output (atomic.temp_path: hidden, never ending in .mp4, so a crash leaves nothing
     that looks done); `record` is the pipeline's part of its record. The job layer completes the record and commits
     the pair (commit_clip), or discards the MP4."""
 
@@ -243,7 +243,7 @@ class FailureRecord:
     stage: str  # where it failed (a job stage, or prepare / encode / worker)
     error: str  # "<stage>: <ExceptionType>: <message>"
     traceback: list[str]
-    request: dict  # the request as its fields (requests.request_dict)
+    request: dict  # the request as its fields (request/request.py Request.flat)
     model: str  # what served it
     timings_s: dict[str, float]
     made_by: str  # batch_outputs.MADE_BY: what marks the file as the batch's own
@@ -264,8 +264,8 @@ class FailureRecord:
 
 def commit_clip(record: ClipRecord, mp4_temp: Path, output: Path, overwrite: bool = False) -> ClipRecord:
     """A clip's last step, the job layer's: the record (with the MP4's sha256 and size) and the finished MP4 renamed
-    into place together, or neither (files.commit: no-clobber unless `overwrite`); on any failure the MP4 under its
-    temporary name is removed."""
+    into place together, or neither (output_files.commit: no-clobber unless `overwrite`); on any failure the MP4
+    under its temporary name is removed."""
     try:
         record = dataclasses.replace(record, mp4_sha256=sha256_file(mp4_temp), mp4_bytes=os.path.getsize(mp4_temp))
         json_temp = write_json_file(record_path(output), record.to_json())
@@ -290,11 +290,12 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
     written, and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged
     `loras`)."""
     req, geo = prepared.request, prepared.geometry
+    origin = req.schedule.origin
     return ClipRecord(
-        output=str(output), task=req.task, prompt=req.prompt, seed=req.seed,
-        steps=req.steps, evaluations=schedule.num_evaluations,
+        output=str(output), task=req.task, prompt=req.inputs.prompt, seed=req.inputs.seed,
+        steps=req.schedule.steps, evaluations=schedule.num_evaluations,
         shifts={"video": schedule.video_shift, "audio": schedule.audio_shift},
-        schedule_from=req.schedule_from.to_json() if req.schedule_from is not None else None,
+        schedule_from=origin.to_json() if origin is not None else None,
         width=geo.width, height=geo.height, frames=frames_written, fps=FPS,
         audio_samples=int(audio_samples), audio_sample_rate=AUDIO_SAMPLE_RATE,
         sequence_rows=layout.seq_len, device=str(device), vae_precision=video_vae.precision,

@@ -29,7 +29,6 @@ from ..jobs.job import Event, EventKind, Job
 from ..media.output_files import DEFAULT_CRF, OutputError, write_json_atomic
 from ..parallel.mesh import MeshConfig
 from ..pipeline.records import Failure, FailureRecord
-from ..pipeline.request import request_dict
 from .batch_file import BatchItem
 from .batch_outputs import MADE_BY, OutPlan, our_record, output_paths, plan_out_dir
 from .timeline import write_timeline
@@ -62,13 +61,6 @@ class BatchConfig:
         """OUT/timeline.*, or timeline-group<g>.* for torchrun's replica group g (each serves its own share)."""
         group, groups = self.shard
         return "timeline" if groups == 1 else f"timeline-group{group}"
-
-
-def batchable(request) -> bool:
-    """Whether a request may share a batched denoise: one branch (no guidance), no step cache (a cache decides
-    per request which evaluations to skip) and dense attention (block-sparse attention counts one request's
-    evaluations)."""
-    return request.guidance == 1.0 and request.cache is None and not request.sparse_attention
 
 
 @dataclass
@@ -124,7 +116,7 @@ class FileQueue:
                 # committed without replacing, so a file that appears meanwhile is kept and the job fails naming it.
                 jobs.append(Job(item.id, item.request, mp4, overwrite=item.id in plan.replace,
                                 record={"line": item.line, "made_by": MADE_BY},
-                                key=item.key if batchable(item.request) else ()))
+                                key=item.admitted.batch_key))
         self.pending: deque[Job] = deque(jobs)
         self.retried: set[str] = set()
         self.stopped: str | None = None  # why no more work is handed out (--fail-fast)
@@ -195,7 +187,7 @@ class FileQueue:
         item = self.items[job_id]
         details = event.record if event is not None and event.record is not None else Failure()
         _, json_path = output_paths(self.out_dir, item)
-        record = FailureRecord(job_id, item.line, stage, error, details.traceback, request_dict(item.request),
+        record = FailureRecord(job_id, item.line, stage, error, details.traceback, item.request.flat(),
                                self.model, details.timings_s, MADE_BY, dict(self.extra))
         try:
             write_json_atomic(json_path, record.to_json(),

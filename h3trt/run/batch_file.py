@@ -1,5 +1,5 @@
 """The requests file of `h3trt run --requests`, as a batch plans it: every line parsed by the one schema
-(h3trt/pipeline/parse.py: id, task and prompt required) and then `prepare`d (files readable, canvas and duration
+(h3trt/request/parse.py: id, task and prompt required) and then `prepare`d (files readable, canvas and duration
 allowed) before any model loads; every error names its line, and all errors are reported at once."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ from typing import Callable, Mapping
 from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
-from ..pipeline.adapter_schedule import ScheduleValues
-from ..pipeline.adapters import batch_key
-from ..pipeline.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
-from ..pipeline.request import KEYS, CanvasDefaults, Prepared, Request, prepare
+from ..pipeline.prepare import Prepared, prepare
+from ..request.fields import KEY_WORDS
+from ..request.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
+from ..request.parts import CanvasDefaults, ScheduleValues
+from ..request.request import Admitted, Request
 
 
 @dataclass(frozen=True)
@@ -23,9 +24,11 @@ class BatchItem:
 
     id: str
     line: int  # 1-based line number in the file
-    request: Request
-    key: tuple  # (task, height, width, frames, steps, video_shift, audio_shift, adapters...): requests that may
-    # share a batch (the adapter set's (name, scale) pairs last: none for a request without adapters)
+    admitted: Admitted  # its request and geometry; its batch key says which lines may share a batched denoise
+
+    @property
+    def request(self) -> Request:
+        return self.admitted.request
 
 
 def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFAULT_STEPS,
@@ -41,11 +44,8 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
     def check(line: RequestLine) -> BatchItem:
         request = line.request
         # inputs readable, canvas and duration allowed (re-read at run time), and served by the model
-        prepared = admit(request) if admit is not None else prepare(request, canvas, KEYS)
-        geo = prepared.geometry
-        key = (request.task, geo.height, geo.width, geo.num_frames, request.steps, request.video_shift,
-               request.audio_shift, *batch_key(request.lora))
-        return BatchItem(line.id, line.line, request, key)
+        prepared = admit(request) if admit is not None else prepare(request, canvas, KEY_WORDS)
+        return BatchItem(line.id, line.line, Admitted(prepared.request, prepared.geometry))
 
     defaults = RequestDefaults(steps=default_steps, sparse=default_sparse, adapter_schedules=adapter_schedules or {})
     return read_request_file(path, RUN_REQUIRED, defaults, check)

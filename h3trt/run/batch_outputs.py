@@ -34,7 +34,6 @@ from ..engines.manifest import sha256_file
 from .batch_file import BatchItem
 from ..media.output_files import OutputRefused
 from ..pipeline.records import ClipRecord
-from ..pipeline.request import request_dict
 
 MADE_BY = "h3trt run --requests"  # the marker in every record and timeline a batch writes: what marks a file ours
 LISTED = 10  # names a message lists before "and N more"
@@ -105,7 +104,7 @@ def clip_state(out_dir: Path, item: BatchItem) -> ClipState:
     damage = clip_damage(mp4, clip)
     if damage is not None:
         return ClipState("damaged", why=damage)
-    if clip.request != request_dict(item.request):
+    if clip.request != item.request.flat():
         return ClipState("changed")  # a finished clip of what the line asked before
     return ClipState("finished")
 

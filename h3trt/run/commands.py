@@ -23,7 +23,9 @@ from ..media.output_files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, 
                                   remove_leftovers, remove_own_temps)
 from ..models.packing import FPS
 from ..pipeline.records import ClipRecord, record_path
-from ..pipeline.request import FLAGS, KEYS, Prepared, Request
+from ..pipeline.prepare import Prepared
+from ..request.fields import FLAGS, KEY_WORDS
+from ..request.request import Request
 from .batch import BatchConfig, FileQueue, summary_line
 from .batch_file import check_bundle_batch, parse_requests
 from .batch_outputs import finished, plan_out_dir
@@ -36,7 +38,7 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
              profile_step: int | None = None) -> int:
     """`h3trt run --prompt ... --output clip.mp4`: 0 when the clip and its record are written."""
     check_mp4_name(output)
-    steps = request.steps
+    steps = request.schedule.steps
     if profile_step is not None and not 1 <= profile_step < steps:
         raise UserError(f"--profile-step {profile_step}: a {steps}-step request runs {steps - 1} evaluations; "
                         f"pick one of 1..{steps - 1}.")
@@ -52,21 +54,22 @@ def run_clip(entry: Entry, request: Request, output: Path, crf: int, overwrite: 
 
     # Every input error, the output's and what the model cannot serve surface here, before any model is loaded.
     admit(entry, request, FLAGS, guidance_branches=mesh.cfg, own=writable)
-    gpus = launch_gpus(entry.device_type, entry.world) if entry.spawns else None
-    entry.note()  # the embedded tiny model: its clips are noise
+    launch = entry.launch
+    gpus = launch_gpus(launch.device_type, launch.world) if launch.how.spawns else None
+    entry.model.note()  # the embedded tiny model: its clips are noise
     queue = ClipQueue(Job(output.stem, request, output, overwrite, profile_step), quiet)
     # The clip's prompt is known before the model loads: a bundle encodes it while its DiT loads (t2va's text only)
-    prefetch = (request.prompt,) if request.task == "t2va" else ()
-    spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not entry.on_mesh, prefetch_prompts=prefetch)
+    prefetch = (request.inputs.prompt,) if request.task == "t2va" else ()
+    spec = entry.worker_spec(request.task, mesh, crf=crf, raise_failures=not launch.on_mesh, prefetch_prompts=prefetch)
     try:
-        serve_queue(spec, lambda group, groups: queue if group == 0 else ClipQueue(None, True), entry.how, gpus)
+        serve_queue(spec, lambda group, groups: queue if group == 0 else ClipQueue(None, True), launch.how, gpus)
     except BaseException:  # Ctrl-C or a failed rank: every rank was stopped; remove what they were writing
-        if entry.on_mesh:
+        if launch.on_mesh:
             remove_leftovers(Path(output).parent)
         raise
     finally:
         queue.close()
-    return queue.result(entry.torchrun is None or entry.torchrun[0] == 0)
+    return queue.result(launch.first)
 
 
 class ClipQueue:
@@ -173,30 +176,31 @@ def report_record(record: ClipRecord, output: Path) -> None:
 def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1, fail_fast: bool = False,
                  crf: int = DEFAULT_CRF, quiet: bool = False, overwrite: bool = False) -> int:
     """`h3trt run --requests FILE --out-dir OUT`: 0 when every request is done (now or by an earlier run)."""
-    if entry.manifest is not None:
-        check_bundle_batch(entry.manifest.segments, max_batch)
+    model, launch = entry.model, entry.launch
+    if model.manifest is not None:
+        check_bundle_batch(model.manifest.segments, max_batch)
     config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet, overwrite=overwrite)
     # Every line admitted before any model loads, as one --prompt is (jobs/admission.py); every bad line listed.
     checked: set[Path] = set()  # the model's files, checked once per component root
-    items = parse_requests(requests, entry.canvas, entry.default_steps,
-                           lambda request: admit(entry, request, KEYS, checked=checked), entry.default_sparse,
-                           entry.adapter_schedules)
+    items = parse_requests(requests, model.canvas, model.default_steps,
+                           lambda request: admit(entry, request, KEY_WORDS, checked=checked), model.default_sparse,
+                           entry.adapters.schedules)
     mesh = entry.mesh(items[0].request.task)
     if mesh.cfg == 2:
         raise UserError("--cfg 2 splits guidance branches, and batch files carry no guidance; use --cfg 1.")
-    gpus = launch_gpus(entry.device_type, entry.world) if entry.spawns else None
+    gpus = launch_gpus(launch.device_type, launch.world) if launch.how.spawns else None
     # Before any model loads: the out-dir is a writable folder with room for its largest clip, and no other batch
     # writes it (under torchrun, rank 0 holds the lock for the job).
-    preflight_out_dir(out_dir, max(estimated_clip_bytes(i.key[2], i.key[1], i.key[3], FPS, config.crf)
-                                   for i in items))
-    first = entry.torchrun is None or entry.torchrun[0] == 0
+    shapes = [i.admitted.geometry for i in items]
+    preflight_out_dir(out_dir, max(estimated_clip_bytes(g.width, g.height, g.num_frames, FPS, config.crf) for g in shapes))
+    first = launch.first
     lock = BatchLock(out_dir) if first else nullcontext()
-    groups = mesh.replica if entry.torchrun is not None else 1  # torchrun: each group writes its own timeline
+    groups = mesh.replica if launch.torchrun is not None else 1  # torchrun: each group writes its own timeline
     queues: list[FileQueue] = []
 
     def queue_of(group: int, groups: int) -> FileQueue:
-        queues.append(FileQueue(items, dataclasses.replace(config, shard=(group, groups)), entry.model_name,
-                                entry.record_extra, plan=plan))
+        queues.append(FileQueue(items, dataclasses.replace(config, shard=(group, groups)), model.model_name,
+                                model.record_extra, plan=plan))
         return queues[-1]
 
     spec = entry.worker_spec(items[0].request.task, mesh, crf=crf, max_batch=max_batch)
@@ -208,15 +212,15 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
                                                  for g in range(groups)], config.timeline_png, overwrite)
             for note in plan.notes if first else ():
                 print(f"h3trt: {note}", file=sys.stderr)
-            entry.note()
+            model.note()
             try:
-                serve_queue(spec, queue_of, entry.how, gpus)
+                serve_queue(spec, queue_of, launch.how, gpus)
             finally:
                 for q in queues:
                     summary = q.finish()
     except KeyboardInterrupt:
         remove_own_temps()
-        if entry.on_mesh:
+        if launch.on_mesh:
             remove_leftovers(out_dir)
         done = [i.id for i in items if finished(out_dir, i)]
         listed = ", ".join(done[:10]) + (f" and {len(done) - 10} more" if len(done) > 10 else "")

@@ -37,12 +37,12 @@ from starlette.datastructures import UploadFile
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.formparsers import MultiPartParser
 
-from ..pipeline.adapters import AdapterUse
 from ..pipeline.records import ClipRecord
-from ..pipeline.request import task_of
-from ..pipeline.schema import FILE, UPLOADS
+from ..request.fields import FILE, UPLOADS
+from ..request.parts import task_of
+from .rows import shown
 from .service import ApiError, Upload, VideoService, disk_full_error
-from .store import STATUSES, JobRow, is_disk_full, store_unreachable
+from .store import STATUSES, JobRow, JobStatus, is_disk_full, store_unreachable
 from .lora_routes import lora_routes
 from .wire import CREATE_BODY, ERRORS, Evaluations, Health, Ready, Video, VideoDeleted, VideoError, VideoList
 
@@ -180,7 +180,7 @@ def _video_routes(app: FastAPI, service: VideoService, api: list) -> None:
     @app.get("/v1/videos/{video_id}", response_model=Video, dependencies=api, responses=ERRORS)
     def retrieve_video(video_id: str, response: Response) -> Video:
         row = service.get(video_id)
-        if row.status in ("queued", "in_progress"):
+        if row.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
             response.headers["openai-poll-after-ms"] = str(POLL_AFTER_MS)
         return video_of(service, row)
 
@@ -339,7 +339,7 @@ def _number(value) -> bool:
 
 def _video_of(service: VideoService, row: JobRow) -> Video:
     schema, openai = row.request["schema"], row.request.get("openai", {})
-    width, height = row.request.get("geometry", [0, 0])
+    width, height, steps, uses = shown(row.request, service.entry.model.default_steps)
     record = ClipRecord.from_json(row.record or {})
     duration = schema.get("duration", None)
     seconds = openai.get("seconds")  # text since issue 35; an older h3trt stored the number a client sent
@@ -350,17 +350,17 @@ def _video_of(service: VideoService, row: JobRow) -> Video:
         seconds=(f"{seconds:g}" if _number(seconds) else seconds) or f"{duration if duration is not None else 5:g}",
         size=f"{width}x{height}",
         error=VideoError(code=row.error_code or "error", message=row.error_message or "")
-        if row.status in ("failed", "cancelled") and row.error_message else None,
+        if row.status in (JobStatus.FAILED, JobStatus.CANCELLED) and row.error_message else None,
         task=record.task or schema.get("task") or task_of(schema.get("image"), schema.get("last_image"),
                                                           schema.get("refs")), seed=int(schema.get("seed", 42)),
-        steps=int(row.request.get("schedule", {}).get("steps", schema.get("steps", service.entry.default_steps))),
+        steps=steps,
         stage=row.stage,
         evaluations=Evaluations(done=row.evaluations_done, total=row.evaluations_total),
         started_at=_int(row.started_at), attempts=row.attempts, cancel_requested=row.cancel_requested,
         timings=record.timings_s, stage_spans=record.spans_unix,
         manifest_sha256=service.manifest_sha256, sparse_attention=record.sparse_attention,
-        lora=record.adapters or [AdapterUse.from_json(a).shown() for a in row.request.get("adapters", ())]
-        or schema.get("lora") or None)  # as run, else as admission resolved it (an older row: as asked)
+        lora=record.adapters or [u.shown() for u in uses] or schema.get("lora") or None)  # as run, else as admission
+    # resolved it (unresolved: as asked)
 
 
 def _int(value: float | None) -> int | None:

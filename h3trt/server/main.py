@@ -34,13 +34,12 @@ def serve(entry: Entry, options: ServeOptions) -> int:
     missing = [m for m in EXTRA_MODULES if not _importable(m)]
     if missing:
         raise UserError(f"h3trt serve needs {', '.join(missing)}: pip install 'h3trt[serve]'.")
-    if entry.torchrun is not None:
+    if entry.launch.torchrun is not None:
         raise UserError("h3trt serve launches its own ranks (--gpus N); run it as one process, not under torchrun. "
                         "Several nodes serve as a fleet: h3trt serve --ray ADDRESS (README, 'A fleet').")
-    task = entry.manifest.task if entry.manifest is not None else "t2va"
-    mesh = entry.mesh(task)
-    spec = entry.worker_spec(task, mesh, crf=options.crf)
-    gpus = launch_gpus(entry.device_type, mesh.world_size)
+    mesh = entry.mesh(entry.model.task)
+    spec = entry.worker_spec(entry.model.task, mesh, crf=options.crf)
+    gpus = launch_gpus(entry.launch.device_type, mesh.world_size)
     listener = _listen(options.host, options.port)  # first: a port in use creates nothing (no data folder, no lock)
     try:
         _make_data_dir(options.data_dir)
@@ -119,7 +118,7 @@ def _serve_locked(entry: Entry, options: ServeOptions, spec, gpus, listener: soc
     node.queue.recover()
     if options.api_key is None:
         SERVER_LOG("no_auth", message=f"no --api-key: serving on {LOOPBACK} only, without authentication")
-    entry.note()
+    entry.model.note()
     workers = threading.Thread(target=_run_workers, args=(node.workers,), name="h3trt-workers")
     workers.start()
     stop_expiry = start_expiry(service)

@@ -18,19 +18,16 @@ from __future__ import annotations
 
 import json
 import time
-from dataclasses import replace
 from typing import Callable
 
 from ..errors import UserError
-from ..jobs.job import Event, Job
-from ..pipeline.adapter_schedule import ScheduleFrom
-from ..pipeline.adapters import AdapterUse
-from ..pipeline.parse import RequestDefaults
+from ..jobs.job import Event, EventKind, Job
+from ..request.parse import RequestDefaults
 from ..pipeline.records import ClipRecord, Failure
 from .metrics import Metrics
-from .service import parse_stored
+from .rows import stored_request
 from .storage import Storage, claim_keys, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
-from .store import MAX_ATTEMPTS, JobRow, JobStore, is_disk_full, store_unreachable
+from .store import MAX_ATTEMPTS, JobRow, JobStatus, JobStore, is_disk_full, store_unreachable
 
 STORE_RETRY_S = 1.0  # how often a worker tries again to record an event while the store is unreachable
 HEARTBEAT_DIVISOR = 4  # a worker renews its leases this many times per lease: a few missed renewals are survived
@@ -78,16 +75,9 @@ class StoreQueue:
             return []
 
     def job_of(self, row: JobRow) -> Job:
-        # The row, read again as the API side read it to admit the job (service.parse_stored): the row is the job's
-        # durable record, and this worker may be another process than the one that admitted it, or a later one.
-        request = parse_stored(row.request.get("schema"), self.storage.fetch(uploads_key(row.id)), self.defaults)
-        if row.request.get("adapters"):  # as admission resolved them: the files and hashes of then, not the set now
-            request = replace(request, lora=tuple(AdapterUse.from_json(a) for a in row.request["adapters"]))
-        if row.request.get("schedule"):  # and the schedule they gave it then (service.schedule_of)
-            stored = row.request["schedule"]
-            request = replace(request, steps=stored["steps"], video_shift=stored["video_shift"],
-                              audio_shift=stored["audio_shift"],
-                              schedule_from=ScheduleFrom(**stored["from"]) if stored["from"] else None)
+        # The request as the API side admitted it (server/rows.py): this worker may be another process than the one
+        # that admitted it, or a later one, and its uploads are fetched into another folder.
+        request = stored_request(row.request, self.storage.fetch(uploads_key(row.id)), self.defaults)
         # The claim's own names: another claim of the job (a re-run while this one stalls) never writes them.
         return Job(row.id, request, self.storage.work_path(clip_key(row.id, row.attempts)), overwrite=True,
                    record={"job": row.id}, attempt=row.attempts)
@@ -119,7 +109,7 @@ class StoreQueue:
                 if not is_disk_full(e):
                     raise
                 self._full(e)
-                if event.kind == "done":  # its clip cannot be recorded: it fails, and its files free space
+                if event.kind == EventKind.DONE:  # its clip cannot be recorded: it fails, and its files free space
                     self._drop_claim(event.job, event.attempt or None, self.store.get(event.job))
                     self._unrecorded[0] = Event(event.job, "failed", "store", group=event.group, attempt=event.attempt,
                                                 error=f"the server's data disk is full: {e.__class__.__name__}",
@@ -157,7 +147,7 @@ class StoreQueue:
     def _report(self, event: Event) -> None:
         worker, attempt = self.name(event.group), event.attempt or None
         row = self.store.get(event.job)
-        if row is None or row.status != "in_progress" or not _holds(row, worker, attempt):
+        if row is None or row.status != JobStatus.IN_PROGRESS or not _holds(row, worker, attempt):
             # It ended, or its lease went to another worker while this one stalled, or to this worker again under a
             # later claim: not this claim's to record. What this claim wrote goes (its own names: another claim's
             # files, the accepted clip among them, are left alone), unless the row completed with it (a lease
@@ -170,10 +160,10 @@ class StoreQueue:
             self.log("late_report_ignored", job=event.job, kind=str(event.kind), worker=worker, attempt=attempt,
                      holder=None if row is None else row.worker, status=None if row is None else str(row.status))
             return
-        if event.kind in ("started", "progress"):
+        if event.kind in (EventKind.STARTED, EventKind.PROGRESS):
             self.store.progress(event.job, event.progress, event.stage or row.stage, event.evaluations, worker, attempt)
             return
-        if row.deleted or (event.kind == "done" and row.cancel_requested):
+        if row.deleted or (event.kind == EventKind.DONE and row.cancel_requested):
             # DELETE or cancel while it ran: whatever it made goes.
             self._remove_files(event.job, row.attempts)
             if row.deleted:
@@ -182,9 +172,9 @@ class StoreQueue:
                 return
             event = Event(event.job, "cancelled", error="cancelled by request", group=event.group,
                           attempt=event.attempt)
-        if event.kind == "done":
+        if event.kind == EventKind.DONE:
             self._complete(event.job, event.record.to_json(), worker, row.attempts)
-        elif event.kind == "failed":
+        elif event.kind == EventKind.FAILED:
             code = _error_code(event.record.error_type if event.record is not None else "")
             if is_disk_full(Exception(event.error or "")):
                 code = "disk_full"
@@ -197,7 +187,7 @@ class StoreQueue:
             if ended is not None:
                 self.metrics.ended(ended)
             self.log("failed", job=event.job, code=code, error=event.error)
-        elif event.kind == "cancelled":
+        elif event.kind == EventKind.CANCELLED:
             self._remove_files(event.job, row.attempts)
             ended = self.store.end(event.job, "cancelled", self.retention_s,
                                    error=("cancelled", event.error or "cancelled by request"), worker=worker,
@@ -289,7 +279,7 @@ class StoreQueue:
         if attempt is None:  # a report that names no claim: only its unpublished copies
             self.storage.discard(*claim_keys(job_id, None))
             return
-        if row is not None and row.status == "completed" and row.clip_attempt == attempt:
+        if row is not None and row.status == JobStatus.COMPLETED and row.clip_attempt == attempt:
             self.storage.discard(*claim_keys(job_id, attempt))
             return
         self.storage.remove(*claim_keys(job_id, attempt))

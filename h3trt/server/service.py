@@ -1,7 +1,7 @@
 """The API side of a server, behind its HTTP routes (server/app.py), none of it on the event loop; the same for
 `h3trt serve` on one node and a fleet's ingress (h3trt/fleet/):
 
-  - admit a job: its fields mapped onto the one request schema (pipeline/schema.py, the one `run --requests` reads),
+  - admit a job: its fields mapped onto the one request schema (request/fields.py, the one `run --requests` reads),
     its uploads saved to storage, the request admitted as every front door admits one (jobs/admission.py: every
     input read and checked, what the model serves), then stored queued (server/store.py); a bad request never
     reaches the queue, and its 400 names the field the error is about (UserError.field, in the API's name)
@@ -24,14 +24,15 @@ from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
 from ..pipeline.adapter_catalog import AdapterCatalog
-from ..pipeline.parse import RequestDefaults, parse_object
-from ..pipeline.request import Request
-from ..pipeline.schema import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
+from ..request.fields import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
+from ..request.parse import RequestDefaults, parse_object
+from ..request.request import Admitted, Request
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
+from .rows import row_request
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
-from .store import JobRow, JobStore, is_disk_full
+from .store import JobRow, JobStatus, JobStore, is_disk_full
 
 SERVED_MODEL = "minimax-h3"
 
@@ -66,8 +67,8 @@ class VideoService:
         self.entry, self.options, self.store, self.storage = entry, options, store, storage
         self.groups, self.metrics, self.guidance_branches = groups, metrics, guidance_branches
         self.log = log or SERVER_LOG
-        self.model_id = SERVED_MODEL + ("-tiny" if entry.tiny else "")
-        self.manifest_sha256 = entry.manifest.manifest_sha256 if entry.manifest is not None else None
+        self.model_id = SERVED_MODEL + ("-tiny" if entry.model.tiny else "")
+        self.manifest_sha256 = entry.model.manifest.manifest_sha256 if entry.model.manifest is not None else None
         self.draining = threading.Event()
         self._admit = threading.Lock()  # the queue bound: count and insert as one step (per process)
         self.started = time.time()
@@ -98,7 +99,7 @@ class VideoService:
         sent: dict[Path, str] = {}  # a saved upload -> how its client knows it (its field and file name)
         try:
             schema, openai_fields = self._to_schema(fields, uploads, folder, multipart, sent)
-            request = parse_stored(schema, folder, self.defaults())
+            request = parse_sent(schema, folder, self.defaults())
             # Admitted as every front door admits a request (jobs/admission.py), in the API's words; its inputs are
             # read here and again by the worker that runs it (run_work: a rank rebuilds the decoded inputs it needs).
             prepared = admit(self.entry, request, API_WORDS, guidance_branches=self.guidance_branches,
@@ -111,14 +112,10 @@ class VideoService:
                                         f"{self.options.max_queue}); retry in about {wait} s.",
                                    kind="rate_limit_exceeded", headers={"Retry-After": str(wait)})
                 self.storage.publish(uploads_key(job_id))  # before its row: a worker may take it at once
-                # The adapters as admission resolved them (file, sha256, scale): the job runs with those whatever
-                # the set becomes before a worker takes it (queue.py job_of).
-                # And the schedule as it resolved it (an adapter's steps and shifts), which an unload cannot change.
-                uses = prepared.request.lora
-                resolved = {"adapters": [u.to_json() for u in uses]} if uses and all(u.sha256 for u in uses) else {}
-                row = self.store.create(job_id, {"schema": schema, "openai": openai_fields, **resolved,
-                                                 "schedule": schedule_of(request),
-                                                 "geometry": [prepared.geometry.width, prepared.geometry.height]})
+                # The request as admission resolved it (its adapters' files and hashes, its schedule): the job runs
+                # with those whatever the set becomes before a worker takes it (server/rows.py).
+                admitted = Admitted(prepared.request, prepared.geometry)
+                row = self.store.create(job_id, row_request(admitted, schema, openai_fields, folder))
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
@@ -132,12 +129,12 @@ class VideoService:
             field = getattr(e, "field", None)  # an OSError carries none
             raise ApiError(400, _as_sent(" ".join(str(e).split()), sent), api_name(field) if field else None) from None
         self.metrics.created.inc()
-        self.log("queued", job=job_id, task=request.task, seed=request.seed)
+        self.log("queued", job=job_id, task=request.task, seed=request.inputs.seed)
         return row
 
     def _to_schema(self, fields: dict, uploads: list[Upload], folder: Path, multipart: bool,
                    sent: dict[Path, str]) -> tuple[dict, dict]:
-        """OpenAI's fields and H3's extras -> the one request schema (pipeline/schema.py: its table says each field's
+        """OpenAI's fields and H3's extras -> the one request schema (request/fields.py: its table says each field's
         key, API name and type), uploads saved (`sent`: each saved file's path -> its field and the client's file
         name); and OpenAI's fields as the job's GET echoes them."""
         unknown = sorted(set(fields) - set(OPENAI_FIELDS) - set(H3_FIELDS))
@@ -187,8 +184,8 @@ class VideoService:
             raise ApiError(400, f"{missing[0]} is required: POST /v1/loras takes {{\"name\": ..., \"file\": a "
                                 ".safetensors in the server's --lora-dir, \"scale\": its default strength}}.",
                            missing[0])
-        if self.entry.adapter_refusal is not None:
-            raise ApiError(400, f"file: {self.entry.adapter_refusal}", "file")
+        if self.entry.model.adapters_refusal is not None:
+            raise ApiError(400, f"file: {self.entry.model.adapters_refusal}", "file")
         if self.adapters is None or self.adapters.folder is None:
             reason = ("a fleet (h3trt serve --ray) loads no adapter while it serves: it serves those it was deployed "
                       "with; deploy it again with --adapter NAME=FILE[:SCALE] to add one" if self.fleet else
@@ -228,7 +225,7 @@ class VideoService:
         row = self.get(job_id)
         if variant not in ("video", "thumbnail"):
             raise ApiError(400, f"variant {variant!r} is not offered; use video or thumbnail.", "variant")
-        if row.status != "completed":
+        if row.status != JobStatus.COMPLETED:
             raise ApiError(409, f"Video job {job_id} is {row.status}; its content exists once it is completed "
                                 f"(poll GET /v1/videos/{job_id}).", "video_id", kind="invalid_request_error")
         key = (clip_key if variant == "video" else thumbnail_key)(job_id, row.clip_attempt)
@@ -241,10 +238,10 @@ class VideoService:
         """POST /cancel and DELETE: a queued job ends now; a running one stops at its next denoise step (its files
         and, for DELETE, its row go when its worker confirms); an ended job is only deleted."""
         row = self.get(job_id)
-        if row.status == "queued":
+        if row.status == JobStatus.QUEUED:
             self.store.end(job_id, "cancelled", self.options.retention_s, error=("cancelled", "cancelled by request"))
             self.storage.remove(*job_keys(job_id, row.attempts))
-        elif row.status == "in_progress":
+        elif row.status == JobStatus.IN_PROGRESS:
             self.store.request_cancel(job_id, delete_after=delete)
             self.log("cancel_requested", job=job_id)
             return self.store.get(job_id) if not delete else None
@@ -262,12 +259,9 @@ def disk_full_error() -> ApiError:
                          "itself once its operator frees space).", kind="server_error", headers={"Retry-After": "60"})
 
 
-def parse_stored(schema: dict, uploads: Path, defaults: RequestDefaults) -> Request:
-    """A job's stored request (its row's schema, pipeline/schema.py) as the `Request` it states, its uploads in
-    `uploads`. The one reading of a row: the API side parses it to admit the job, and a worker parses it again when it
-    takes the job (server/queue.py StoreQueue.job_of), because the row is the job's durable record, not the parsed
-    request: the worker may be another process (a fleet's replica) or a later one (a restart recovers queued rows),
-    and the uploads are in another folder by then (storage's copy)."""
+def parse_sent(schema: dict, uploads: Path, defaults: RequestDefaults) -> Request:
+    """A job's fields as sent (the one table's keys, request/fields.py) parsed into the `Request` they state, its
+    uploads in `uploads`: once, where the job is admitted (a worker reads the admitted request its row stores)."""
     return parse_object(schema, 0, uploads, ("prompt",), defaults, API_WORDS).request
 
 
@@ -275,15 +269,10 @@ def request_defaults(entry: Entry, adapters: AdapterCatalog | None = None) -> Re
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
     worker side reads the stored request with them. `adapters`: a server's current set, whose schedules a request
     naming one of them takes (an adapter loaded while it serves included); None: the adapters it started with."""
-    schedules = adapters.schedules() if adapters is not None else entry.adapter_schedules
-    return RequestDefaults(steps=entry.default_steps, duration=DEFAULT_DURATION, sparse=entry.default_sparse,
+    schedules = adapters.schedules() if adapters is not None else entry.adapters.schedules
+    model = entry.model
+    return RequestDefaults(steps=model.default_steps, duration=DEFAULT_DURATION, sparse=model.default_sparse,
                            adapter_schedules=schedules)
-
-
-def schedule_of(request: Request) -> dict:
-    """A request's schedule as admission resolved it, for its job's row (queue.py job_of reads it back)."""
-    return {"steps": request.steps, "video_shift": request.video_shift, "audio_shift": request.audio_shift,
-            "from": request.schedule_from.to_json() if request.schedule_from is not None else None}
 
 
 def _as_sent(message: str, sent: dict[Path, str]) -> str:

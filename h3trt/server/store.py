@@ -187,14 +187,14 @@ class JobStore:
         """The oldest queued job, now in_progress for `worker` (attempts + 1); None when none is queued."""
         while True:
             with self.engine.begin() as c:
-                query = select(jobs.c.id).where(jobs.c.status == "queued").order_by(jobs.c.seq).limit(1)
+                query = select(jobs.c.id).where(jobs.c.status == JobStatus.QUEUED).order_by(jobs.c.seq).limit(1)
                 if not self.sqlite:
                     query = query.with_for_update(skip_locked=True)
                 job_id = c.execute(query).scalar()
                 if job_id is None:
                     return None
                 now = now or time.time()
-                taken = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "queued").values(
+                taken = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == JobStatus.QUEUED).values(
                     status="in_progress", started_at=now, heartbeat_at=now, worker=worker, stage="text_encode",
                     attempts=jobs.c.attempts + 1).returning(*jobs.c)).first()
             if taken is not None:
@@ -209,7 +209,7 @@ class JobStore:
         if evaluations[1]:
             values.update(evaluations_done=evaluations[0], evaluations_total=evaluations[1])
         with self.engine.begin() as c:
-            c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress",
+            c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == JobStatus.IN_PROGRESS,
                                          jobs.c.progress <= progress, *_held_by(worker, attempt)).values(**values))
 
     def end(self, job_id: str, status: str, retention_s: float, now: float | None = None, record: dict | None = None,
@@ -223,8 +223,8 @@ class JobStore:
             raise ValueError(f"end status {status!r} is not one of {ENDED}.")
         now = now or time.time()
         values = dict(status=status, completed_at=now, expires_at=now + retention_s,
-                      stage="done" if status == "completed" else status)
-        if status == "completed":
+                      stage="done" if status == JobStatus.COMPLETED else status)
+        if status == JobStatus.COMPLETED:
             values.update(progress=100, record=json.dumps(record), output=output, clip_attempt=clip_attempt)
         if error is not None:
             values.update(error_code=error[0], error_message=error[1])
@@ -239,7 +239,7 @@ class JobStore:
         before then; with `worker` and `attempt`, only under that claim); False when it was not in progress (or its
         lease is live, or another claim holds it)."""
         with self.engine.begin() as c:
-            return bool(c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == "in_progress",
+            return bool(c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == JobStatus.IN_PROGRESS,
                                                      *_stale(stale_before), *_held_by(worker, attempt)).values(
                 status="queued", stage="queued", progress=0, evaluations_done=0, worker=None,
                 heartbeat_at=None)).rowcount)
@@ -247,7 +247,7 @@ class JobStore:
     def heartbeat(self, workers: list[str], now: float | None = None) -> int:
         """Renew the lease of every job these workers run; how many."""
         with self.engine.begin() as c:
-            return c.execute(update(jobs).where(jobs.c.status == "in_progress", jobs.c.worker.in_(workers))
+            return c.execute(update(jobs).where(jobs.c.status == JobStatus.IN_PROGRESS, jobs.c.worker.in_(workers))
                              .values(heartbeat_at=now or time.time())).rowcount
 
     def request_cancel(self, job_id: str, delete_after: bool = False) -> JobRow | None:
@@ -321,12 +321,13 @@ class JobStore:
         """Jobs waiting (the queue's depth, admission's bound): read from the status index, so its cost is the
         queue's length, not the table's (every job of the retention, ended ones included)."""
         with self.reader.connect() as c:
-            return int(c.execute(select(func.count()).select_from(jobs).where(jobs.c.status == "queued")).scalar())
+            queued = select(func.count()).select_from(jobs).where(jobs.c.status == JobStatus.QUEUED)
+            return int(c.execute(queued).scalar())
 
     def cancels(self) -> list[str]:
         """Running jobs whose cancellation was asked for."""
         with self.reader.connect() as c:
-            return list(c.execute(select(jobs.c.id).where(jobs.c.status == "in_progress",
+            return list(c.execute(select(jobs.c.id).where(jobs.c.status == JobStatus.IN_PROGRESS,
                                                           jobs.c.cancel_requested.is_(True))).scalars())
 
 

@@ -10,7 +10,7 @@ from typing import Literal
 from pydantic import BaseModel, Field, model_serializer
 
 from ..models.lora import MAX_LORA_SCALE
-from ..pipeline.schema import openapi_fields
+from ..request.fields import openapi_fields
 
 
 class VideoError(BaseModel):
@@ -150,7 +150,7 @@ class Health(BaseModel):
     uptime_s: float
 
 
-# The create body's fields, from the request schema's one table (pipeline/schema.py): its value fields as JSON; with
+# The create body's fields, from the request schema's one table (request/fields.py): its value fields as JSON; with
 # multipart, its file fields too.
 CREATE_FIELDS = openapi_fields(multipart=False)
 CREATE_BODY = {

@@ -1,14 +1,15 @@
 """The request schema: every field a request may state, in one table (`FIELDS`), and each front door's view of it.
 
-A field's schema key is its key in a requests file's line (`h3trt run --requests`, pipeline/parse.py) and in the
-request a server stores in its job row. The HTTP API (server/app.py, server/service.py) takes the same fields, under
-OpenAI's names where OpenAI has the field (seconds, size, input_reference), as JSON values, as multipart form text (a
-number field's text read as a JSON number) or as uploaded files. Derived from the table, so that a field added there
-is in all of them: the requests file's `KEYS`; the API's value fields and their OpenAPI schema (`openapi_fields`),
-its file fields (`UPLOADS`), its form coercion (`FORM_NUMBERS`), OpenAI's fields and H3's own extra fields
-(`OPENAI_FIELDS`, `H3_FIELDS`), the API's name for every key (`API_NAMES`, an error's `param`) and the words its
-errors use (`API_WORDS`); and the API's values as the schema's (`schema_values`). The CLI's flags are argparse's
-(cli/parser.py). One parser turns a schema object into a `Request` (pipeline/parse.py `parse_object`).
+A field's schema key is its key in a requests file's line (`h3trt run --requests`, request/parse.py). The HTTP API
+(server/app.py, server/service.py) takes the same fields, under OpenAI's names where OpenAI has the field (seconds,
+size, input_reference), as JSON values, as multipart form text (a number field's text read as a JSON number) or as
+uploaded files; `h3trt run --prompt` as flags (its `flag`, where it has one). Derived from the table, so that a field
+added there is in all of them: the requests file's `KEYS`; the API's value fields and their OpenAPI schema
+(`openapi_fields`), its file fields (`UPLOADS`), its form coercion (`FORM_NUMBERS`), OpenAI's fields and H3's own
+extra fields (`OPENAI_FIELDS`, `H3_FIELDS`), the API's name for every key (`API_NAMES`, an error's `param`); run's
+flag for every key that has one (`FLAG_NAMES`: cli/parser.py declares them by it); the words each front door's errors
+use (`Names`: `FLAGS`, `KEY_WORDS`, `API_WORDS`); and the API's values as the schema's (`schema_values`). One parser
+turns a schema object into a `Request` (request/parse.py `parse_object`).
 """
 
 from __future__ import annotations
@@ -20,10 +21,16 @@ from typing import Callable
 
 from ..errors import UserError
 from ..models.checkpoint import TASKS
-from .profiles import PROFILE_NAMES
 from ..models.lora import MAX_LORA_SCALE
 from ..models.sampler import MAX_STEPS, MIN_STEPS
-from .request import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, Names
+from .profiles import PROFILE_NAMES
+
+# h3trt's budget for a prompt, in the checkpoint's tokens (request/checks.py check_prompt_tokens). The reference sets
+# none; the text rows join every attention of every step, and H3's own prompts run tens to a few hundred tokens.
+MAX_PROMPT_TOKENS = 1024
+# A prompt's bytes at most: the token budget at 16 bytes a token, far more than any text averages (English about 4,
+# CJK about 3), so no prompt within the token budget is refused, and a longer one is refused without tokenizing it.
+MAX_PROMPT_BYTES = 16 * MAX_PROMPT_TOKENS
 
 FILE = {"type": "string", "format": "binary"}  # an uploaded file, in OpenAPI's words
 
@@ -57,6 +64,27 @@ def read_lora_text(value):
 
 
 @dataclass(frozen=True)
+class Names:
+    """What a front door calls each request field, for the errors: the CLI's flags (`FLAGS`), a requests file's keys
+    (`KEY_WORDS`) or the server's JSON fields (`API_WORDS`), each derived from the table (request/checks.py and the
+    parser word their errors with these)."""
+
+    prompt: str
+    negative_prompt: str
+    seed: str
+    steps: str
+    duration: str
+    size: str  # the canvas: width and height, or the API's size
+    guidance: str
+    video_shift: str
+    audio_shift: str
+    image: str
+    last_image: str
+    refs: str
+    request: str  # what holds the fields, in "the request's inputs make it t2va"
+
+
+@dataclass(frozen=True)
 class RequestField:
     """One field of a request."""
 
@@ -66,6 +94,8 @@ class RequestField:
     upload: dict | None = None  # its OpenAPI schema as an uploaded file field (multipart only)
     openai: bool = False  # one of OpenAI's fields (else, for the API, one of H3's extra fields)
     read: Callable | None = None  # how the API's value becomes the schema's (None: as sent)
+    flag: str | None = None  # `h3trt run`'s flag for it (None: one clip states it no way, or otherwise: run's --lora
+    # is a merged LoRA, not the resident adapters a request names)
 
     @property
     def api_name(self) -> str:
@@ -81,42 +111,47 @@ FIELDS = (
     RequestField("id"),  # a requests file's line: it names OUT/<id>.mp4 (the API names its jobs itself)
     RequestField("task", {"type": "string", "enum": list(TASKS)}),
     RequestField("prompt", {"type": "string", "description": f"what to generate (UTF-8, at most {MAX_PROMPT_TOKENS} "
-                                                             f"tokens and {MAX_PROMPT_BYTES} bytes)"}, openai=True),
+                                                             f"tokens and {MAX_PROMPT_BYTES} bytes)"}, openai=True,
+                 flag="--prompt"),
     RequestField(None, {"type": "string", "description": "the served model id (optional)"}, api="model",
                  openai=True),
-    RequestField("image", api="input_reference", upload=FILE, openai=True),
-    RequestField("last_image", upload=FILE),
-    RequestField("refs", upload={"type": "array", "items": FILE}),
-    RequestField("seed", {"type": "integer"}),
-    RequestField("steps", {"type": "integer", "minimum": MIN_STEPS, "maximum": MAX_STEPS}),  # every door's bound
+    RequestField("image", api="input_reference", upload=FILE, openai=True, flag="--image"),
+    RequestField("last_image", upload=FILE, flag="--last-image"),
+    RequestField("refs", upload={"type": "array", "items": FILE}, flag="--ref"),
+    RequestField("seed", {"type": "integer"}, flag="--seed"),
+    RequestField("steps", {"type": "integer", "minimum": MIN_STEPS, "maximum": MAX_STEPS},  # every door's bound
+                 flag="--steps"),
     RequestField("resolution", {"type": "string", "description": "WIDTHxHEIGHT, multiples of 32 within H3's canvas"},
                  api="size", openai=True),
-    RequestField("width", api="size"),  # a requests file's other way to state the canvas
-    RequestField("height", api="size"),
+    RequestField("width", api="size", flag="--width"),  # a requests file's other way to state the canvas
+    RequestField("height", api="size", flag="--height"),
     RequestField("duration", {"type": ["string", "number"], "description": "duration, 5 to 14.375, as a string "
                                                                            "(\"5\", OpenAI's type) or a number"},
-                 api="seconds", openai=True, read=read_seconds),
-    RequestField("video_shift", {"type": "number", "exclusiveMinimum": 0}),
-    RequestField("audio_shift", {"type": "number", "exclusiveMinimum": 0}),
-    RequestField("guidance", {"type": "number", "minimum": 1}),
-    RequestField("negative_prompt", {"type": "string"}),
-    # pipeline/profiles.py: a profile, and the step-cache and sparse knobs that override its values
+                 api="seconds", openai=True, read=read_seconds, flag="--duration"),
+    RequestField("video_shift", {"type": "number", "exclusiveMinimum": 0}, flag="--video-shift"),
+    RequestField("audio_shift", {"type": "number", "exclusiveMinimum": 0}, flag="--audio-shift"),
+    RequestField("guidance", {"type": "number", "minimum": 1}, flag="--guidance"),
+    RequestField("negative_prompt", {"type": "string"}, flag="--negative-prompt"),
+    # request/profiles.py: a profile, and the step-cache and sparse knobs that override its values
     RequestField("profile", {"type": "string", "enum": list(PROFILE_NAMES), "description": "speed profile: step "
-                             "reuse and sparse attention by name (README, 'Speed profiles')"}),
+                             "reuse and sparse attention by name (README, 'Speed profiles')"}, flag="--profile"),
     RequestField("cache", {"type": "string", "enum": ["first-block"], "description": "step cache (overrides the "
-                                                                                     "profile's)"}),
-    RequestField("cache_threshold", {"type": "number", "minimum": 0}),
-    RequestField("cache_warmup", {"type": "integer", "minimum": 0}),
-    RequestField("cache_max_skip", {"type": "integer", "minimum": 1}),
+                                                                                     "profile's)"}, flag="--cache"),
+    RequestField("cache_threshold", {"type": "number", "minimum": 0}, flag="--cache-threshold"),
+    RequestField("cache_warmup", {"type": "integer", "minimum": 0}, flag="--cache-warmup"),
+    RequestField("cache_max_skip", {"type": "integer", "minimum": 1}, flag="--cache-max-skip"),
     RequestField("sparse_attention", {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "description":
-                                      "block-sparse attention: fraction of key blocks skipped (0: dense)"}),
+                                      "block-sparse attention: fraction of key blocks skipped (0: dense)"},
+                 flag="--sparse-attention"),
     RequestField("sparse_dense_steps", {"type": "integer", "minimum": 0, "description": "leading steps kept dense "
-                                                                                        "(default 10)"}),
+                                                                                        "(default 10)"},
+                 flag="--sparse-dense-steps"),
     RequestField("sparse_min_seq", {"type": "integer", "minimum": 1, "description": "shorter attentions stay dense "
-                                                                                    "(4096)"}),
+                                                                                    "(4096)"},
+                 flag="--sparse-min-seq"),
     RequestField("vsa_sparsity", {"type": "number", "minimum": 0, "exclusiveMaximum": 1, "description": "a "
                                   "FastH3-VSA model's VSA sparsity (0: dense, the coarse branch kept; default: the "
-                                  "model's)"}),
+                                  "model's)"}, flag="--vsa-sparsity"),
     RequestField("lora", {"type": "array", "items": {"type": "object", "required": ["name"], "properties": {
         "name": {"type": "string"}, "scale": {"type": "number", "minimum": -MAX_LORA_SCALE, "maximum": MAX_LORA_SCALE}},
         "additionalProperties": False},
@@ -171,10 +206,31 @@ def api_name(key: str) -> str:
     return API_NAMES.get(key, key)
 
 
-# The request's fields as a client sends them, for the errors of the one schema and `prepare` (not the CLI's flags):
-# each of Names' fields is the schema key of the same name (size: the canvas, resolution).
-API_WORDS = Names(**{n.name: api_name("resolution" if n.name == "size" else n.name) for n in fields(Names)
-                     if n.name != "request"}, request="the request")
+def flag_names(table: Table = FIELDS) -> dict[str, str]:
+    """Each schema key `h3trt run` takes as a flag -> the flag."""
+    return {f.key: f.flag for f in table if f.key is not None and f.flag is not None}
+
+
+FLAG_NAMES = flag_names()
+
+
+def flag_values(args) -> dict:
+    """`h3trt run`'s parsed flags (argparse's namespace: a flag's value under its name without the dashes, '-' as
+    '_') as the request fields they state, by schema key."""
+    return {key: getattr(args, flag.lstrip("-").replace("-", "_")) for key, flag in FLAG_NAMES.items()}
+
+
+def _names(word: Callable[[str], str], size: str, request: str) -> Names:
+    """Each of Names' fields as `word` says the schema key of the same name; the canvas as `size`."""
+    return Names(**{n.name: word(n.name) for n in fields(Names) if n.name not in ("size", "request")}, size=size,
+                 request=request)
+
+
+# The request's fields as each front door states them, for the errors of the one schema and of admission: run's flags,
+# a requests file's keys, and the API's fields as a client sends them (the canvas: its size).
+FLAGS = _names(FLAG_NAMES.get, f"{FLAG_NAMES['width']} and {FLAG_NAMES['height']}", "the request")
+KEY_WORDS = _names(str, "width and height", "the line")
+API_WORDS = _names(api_name, api_name("resolution"), "the request")
 
 
 def openapi_fields(multipart: bool, table: Table = FIELDS) -> dict:

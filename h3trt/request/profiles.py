@@ -70,7 +70,7 @@ SPARSE_KEYS = ("sparse_attention", "sparse_dense_steps", "sparse_min_seq")  # re
 def profile_fields(profile: str | None, cache: str | None = None, sparse_attention: float | None = None,
                    sparse_dense_steps: int | None = None, sparse_min_seq: int | None = None, where: str = "--",
                    **cache_knobs) -> dict:
-    """The request fields (pipeline/request.py Request) a profile and the explicitly stated knobs give: `cache` (the
+    """The request fields (request/request.py Request.of's) a profile and the explicitly stated knobs give: `cache` (the
     step-cache kind, --cache), `cache_knobs` (StepCacheConfig's fields, each None when not stated), the sparsity.
     A knob given explicitly overrides the profile's value for it; `cache` naming another kind than the profile's
     replaces the profile's step cache (its knobs were the other kind's). The sparse values are checked here, before

@@ -8,10 +8,10 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
      "cache": "first-block", "cache_threshold": 0.1, "cache_warmup": 4, "cache_max_skip": 3,
      "lora": [{"name": "style", "scale": 0.8}]}
 
-`profile` (pipeline/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
-`lora`: resident adapters by name (`--adapter NAME=FILE[:SCALE]`; scale left out: the adapter's default), pipeline/
-adapters.py; an adapter with its own schedule gives a line that names it the steps and shifts it leaves out
-(pipeline/adapter_schedule.py).
+`profile` (request/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
+`lora`: resident adapters by name (`--adapter NAME=FILE[:SCALE]`; scale left out: the adapter's default), adapters/
+use.py; an adapter with its own schedule gives a line that names it the steps and shifts it leaves out
+(request/parts.py ScheduleChoice.resolve).
 
 `run` needs id (it names OUT/<id>.mp4), task and prompt; `eval` needs prompt (it also takes id and task, so a run
 file evaluates as it is). `width` and `height` may stand in for `resolution`. A stated task must be the one its inputs
@@ -32,17 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
+from ..adapters.use import parse_lora_field
 from ..engines.manifest import Manifest
 from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
-from .adapter_schedule import ScheduleValues, resolve
-from .adapters import parse_lora_field
+from .fields import KEY_WORDS, KEYS, Names  # the schema's keys and their words, from its one table of fields
+from .parts import CanvasDefaults, ScheduleChoice, ScheduleValues, task_of
 from .profiles import request_profile_fields, with_bundle_sparse
-from .request import KEYS as KEY_NAMES, Names, Request, task_of
-from .schema import KEYS  # the schema's keys, from its one table of fields
+from .request import Request
 
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
@@ -58,7 +58,8 @@ class RequestsFileError(UserError):
 class RequestDefaults:
     """What a line that leaves a field out gets: `run` (and `serve`) take a bundle's baked steps, its default sparse
     settings and the model's canvas; `eval` the engine's first profile and schedule, and no default sparsity: it
-    compares what its lines (or --profile) state."""
+    compares what its lines (or --profile) state. `canvas`: how the model picks a canvas a request leaves out (its
+    geometry is resolved at admission; a server's job row of before is resolved again when it is taken)."""
 
     steps: int = DEFAULT_STEPS
     width: int | None = None  # None (with height None): the model picks the canvas
@@ -68,6 +69,7 @@ class RequestDefaults:
     # The resident adapters' own schedules, by name (adapter_schedule.adapter_schedules): a line naming one in its
     # "lora" and leaving steps or a shift out takes the adapter's
     adapter_schedules: Mapping[str, ScheduleValues] = field(default_factory=dict)
+    canvas: CanvasDefaults = CanvasDefaults()
 
     @classmethod
     def of_bundle(cls, manifest: Manifest) -> "RequestDefaults":
@@ -164,14 +166,14 @@ def parse_line(text: str, number: int, base: Path, required: tuple[str, ...],
     return parse_object(data, number, base, required, defaults)
 
 
-def task_inputs(task: str, n: Names = KEY_NAMES) -> str:
+def task_inputs(task: str, n: Names = KEY_WORDS) -> str:
     """What a task takes, in the user's names."""
     return {"t2va": f"no {n.image}, {n.last_image} or {n.refs}", "fl2va": f"{n.image} and/or {n.last_image}, no "
             f"{n.refs}", "ref2va": f"{n.refs} (and no {n.image}/{n.last_image})"}[task]
 
 
 def parse_object(data, number: int, base: Path, required: tuple[str, ...],
-                 defaults: RequestDefaults = RequestDefaults(), names: Names = KEY_NAMES) -> RequestLine:
+                 defaults: RequestDefaults = RequestDefaults(), names: Names = KEY_WORDS) -> RequestLine:
     """One request object (a decoded line, or a job the server was sent) -> its request; UserError names the first
     thing wrong with it, in `names` (a requests file's keys, or the server's fields). Relative paths are relative to
     `base`."""
@@ -209,15 +211,15 @@ def parse_object(data, number: int, base: Path, required: tuple[str, ...],
                             _optional_float(data, "video_shift", n.video_shift),
                             _optional_float(data, "audio_shift", n.audio_shift))
     lora = parse_lora_field(data["lora"]) if data.get("lora") is not None else ()
-    schedule, schedule_from = resolve(stated, tuple(u.name for u in lora), defaults.adapter_schedules, defaults.steps)
-    request = Request(prompt, image, last_image, refs, seed, schedule.steps, width, height,
-                      float(_typed(data, "duration", (int, float), defaults.duration, n.duration)),
-                      schedule.video_shift, schedule.audio_shift,
-                      float(_typed(data, "guidance", (int, float), DEFAULT_GUIDANCE, n.guidance)),
-                      None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str,
-                                                                              name=n.negative_prompt),
-                      **with_bundle_sparse(request_profile_fields(data), defaults.sparse),
-                      vsa_sparsity=_vsa_sparsity(data), lora=lora, schedule_from=schedule_from)
+    schedule = ScheduleChoice.resolve(stated, tuple(u.name for u in lora), defaults.adapter_schedules, defaults.steps)
+    request = Request.of(prompt, image, last_image, refs, seed, schedule.steps, width, height,
+                         float(_typed(data, "duration", (int, float), defaults.duration, n.duration)),
+                         schedule.video_shift, schedule.audio_shift,
+                         float(_typed(data, "guidance", (int, float), DEFAULT_GUIDANCE, n.guidance)),
+                         None if data.get("negative_prompt") is None else _typed(data, "negative_prompt", str,
+                                                                                 name=n.negative_prompt),
+                         **with_bundle_sparse(request_profile_fields(data), defaults.sparse),
+                         vsa_sparsity=_vsa_sparsity(data), lora=lora, schedule_from=schedule.origin)
     return RequestLine(number, rid, request)
 
 
