@@ -92,3 +92,18 @@ def test_equal_keys_for_requests_that_may_share_a_batched_denoise():
     assert key(dataclasses.replace(plain, guidance=Guidance(3.0, "blurry"))) is None
     assert key(FULL) is None and key(dataclasses.replace(plain, speed=Speed(sparse_attention=0.5))) is None
     assert key(dataclasses.replace(plain, speed=Speed(cache=StepCacheConfig("first-block", 0.1)))) is None
+
+
+def test_a_requests_vsa_sparsity_travels_every_json_and_an_older_row_reads_the_models(tmp_path):
+    """A FastH3-VSA request's vsa_sparsity (the field table's row, run's --vsa-sparsity) survives the versioned JSON a
+    job row stores and the flat JSON a record keeps; a row or record written before the key existed reads None (the
+    model's sparsity), and the flat JSON of a request that states none has no key (as records of before)."""
+    typed = parse_object({"prompt": "a fox", "steps": 4, "vsa_sparsity": 0.5}, 1, tmp_path, ("prompt",),
+                         RequestDefaults(steps=50)).request
+    assert typed.speed.vsa_sparsity == 0.5
+    assert Request.from_json(json.loads(json.dumps(typed.to_json()))) == typed
+    assert typed.flat()["vsa_sparsity"] == 0.5 and Request.from_flat(typed.flat()).speed.vsa_sparsity == 0.5
+    older = typed.to_json()
+    del older["speed"]["vsa_sparsity"]
+    assert Request.from_json(older).speed.vsa_sparsity is None
+    assert "vsa_sparsity" not in FULL.flat() and Request.from_flat(FULL.flat()).speed.vsa_sparsity is None
