@@ -233,3 +233,24 @@ def test_the_manifest_reads_back_as_the_builder_wrote_it(built, tmp_path):
     copy = tmp_path / "b"
     shutil.copytree(built[0], copy)
     assert read_manifest(copy) == write_manifest(copy, manifest) == manifest
+
+
+def test_an_interrupt_as_the_temporary_folder_is_made_leaves_nothing(tmp_path, monkeypatch):
+    """Ctrl-C right after the bundle's temporary folder is made (the next bytecode: __enter__ has not returned, so
+    no __exit__ runs) removes the folder and the lock; test_a_killed_builds_leftovers_are_removed_by_the_next_build's
+    SIGINT, sent the moment the sweep removed the killed build's folder, met that window in CI."""
+    from h3trt.build.output import BundleOutput
+    from h3trt.build.plan import BundleSize
+
+    real_mkdir = Path.mkdir
+
+    def mkdir_then_interrupted(self, *args, **kwargs):
+        real_mkdir(self, *args, **kwargs)
+        if self.name.endswith(".partial"):
+            raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with BundleOutput(tmp_path / "b", False, BundleSize(1, 0, 0, 0), log=lambda m: None):
+            pass
+    assert os.listdir(tmp_path) == []

@@ -81,10 +81,14 @@ class BundleOutput:
             self.work = temp_path(out)
             forget(self.work)  # a folder: this class removes it (remove_own_temps unlinks files)
             self.work.mkdir()
+            return self
         except BaseException:
+            # __exit__ does not run for an __enter__ that raises: a Ctrl-C that lands once the folder exists (just
+            # after the leftovers' sweep, say) left it behind
+            if self.work is not None:
+                shutil.rmtree(self.work, ignore_errors=True)
             self._release()
             raise
-        return self
 
     def commit(self) -> None:
         """Swap the finished bundle into place and delete the old one, with SIGINT and SIGTERM held back until both are
