@@ -62,6 +62,16 @@ def _tiny_checkpoint(root: Path, tiny_root: Path, cfg: H3Config, seed: int) -> N
             os.symlink(tiny_root / "FL2VA" / name, root / "ckpt" / "FL2VA" / name)
 
 
+@pytest.fixture(autouse=True)
+def _no_bundle_served_here(monkeypatch):
+    """This file's in-process phases load, calibrate and bake but compile nothing, so a bundle that another file of
+    the same worker served (engines/loaders.py bundle_activated) cannot leave a kernel out of anything they compare;
+    the refusal it triggers (build/plan.py) guards compiled builds, which run here in fresh processes (bundle_pair)."""
+    from h3trt.build import plan as plan_module
+
+    monkeypatch.setattr(plan_module, "bundle_activated", lambda: None)
+
+
 @pytest.fixture(scope="module")
 def tiny4(tmp_path_factory, tiny_root):
     """The tiny model with 4 main blocks (random, float32, official layout in 3 shards), its other components the

@@ -288,7 +288,8 @@ def test_eval_profile_compares_with_the_lossless_run_of_the_same_engine(tmp_path
     steps: 7 evaluations, the 4 of the warm-up and then the cache's), the model loaded once for both sides."""
     loads = []
 
-    def load_recording(source, task):
+    def load_recording(source, task, vsa_settings=None):
+        assert vsa_settings is None  # the tiny engine has no VSA
         loads.append(source)
         vaes = LatentVAEs()
         return H3Pipeline.from_components(replace(parts, dit=StepRecorder(parts.dit), video_vae=vaes,

@@ -27,6 +27,7 @@ from h3trt.models.sampler import Schedule
 from h3trt.models.sparse_plan import SparseSettings
 from h3trt.models.sparse_run import SparseRun
 from h3trt.pipeline.h3_pipeline import H3Pipeline
+from h3trt.request.parts import Speed
 
 from conftest import BUNDLE_STEPS
 from helpers import dit_inputs
@@ -123,6 +124,6 @@ def test_the_load_warms_the_recorded_kernel_and_tile_and_requests_get_the_tile(f
     assert warmed[0][0] == "fp8" and warmed[0][5:] == (64, "m64n64w4s3")
     pipeline = types.SimpleNamespace(dit=types.SimpleNamespace(sparse_kernel="fp8", sparse_problem=None,
                                                                sparse_tile="m64n64w4s3"), device=torch.device("cpu"))
-    request = types.SimpleNamespace(sparse_attention=0.75, sparse_dense_steps=None, sparse_min_seq=None)
+    request = types.SimpleNamespace(speed=Speed(sparse_attention=0.75))
     run = H3Pipeline.new_sparse_run(pipeline, request)
     assert (run.kernel, run.tile, run.report()["tile"]) == ("fp8", "m64n64w4s3", "m64n64w4s3")

@@ -96,8 +96,9 @@ def test_a_request_naming_the_adapter_runs_its_schedule_unless_it_states_its_own
     schedules = {"turbo": ScheduleValues(4, 5.0), "eight": ScheduleValues(8)}
     turbo = [{"name": "turbo"}]
     silent = _parse({"prompt": "x", "lora": turbo}, schedules)
-    assert (silent.steps, silent.video_shift, silent.audio_shift) == (4, 5.0, None)  # None: the model's audio shift
-    assert silent.schedule_from == ScheduleFrom("adapter turbo", "adapter turbo", "default")
+    # None: the model's audio shift
+    assert (silent.schedule.steps, silent.schedule.video_shift, silent.schedule.audio_shift) == (4, 5.0, None)
+    assert silent.schedule.origin == ScheduleFrom("adapter turbo", "adapter turbo", "default")
     stated = _parse({"prompt": "x", "lora": turbo, "steps": 8, "audio_shift": 2}, schedules)
     assert (stated.schedule.steps, stated.schedule.video_shift, stated.schedule.audio_shift) == (8, 5.0, 2.0)
     assert stated.schedule.origin == ScheduleFrom("request", "adapter turbo", "request")
@@ -107,7 +108,8 @@ def test_a_request_naming_the_adapter_runs_its_schedule_unless_it_states_its_own
         _parse({"prompt": "x", "lora": turbo + [{"name": "eight"}]}, schedules)
     assert e.value.field == "lora"
     both = _parse({"prompt": "x", "lora": turbo + [{"name": "eight"}], "steps": 6}, schedules)  # the request decides
-    assert (both.steps, both.video_shift, both.schedule_from.video_shift) == (6, 5.0, "adapter turbo")
+    assert (both.schedule.steps, both.schedule.video_shift, both.schedule.origin.video_shift) == (6, 5.0,
+                                                                                            "adapter turbo")
 
 
 def test_a_conflict_is_a_400_naming_lora_and_the_job_says_the_adapters_steps(adapters, tmp_path, tiny_cache):
