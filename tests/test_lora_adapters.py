@@ -25,7 +25,8 @@ from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.lora import LoraSpec
 from h3trt.adapters.use import parse_lora_field
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, batch_key
+from h3trt.adapters.use import batch_key
+from h3trt.pipeline.adapters import AdapterSpec, AdapterUse
 from h3trt.request.parse import parse_object
 from h3trt.request.fields import KEY_WORDS as KEYS
 from h3trt.request.request import Request

@@ -67,3 +67,9 @@ def parse_lora_field(value) -> tuple[AdapterUse, ...]:
 def lora_field(uses: tuple[AdapterUse, ...]) -> list[dict]:
     """A request's adapters as its `lora` field (Request.flat: a record's request)."""
     return [{"name": u.name, **({"scale": u.scale} if u.scale is not None else {})} for u in uses]
+
+
+def batch_key(uses: tuple[AdapterUse, ...]) -> tuple:
+    """The part of a batch key an adapter set makes (AdapterUse.batch_part, each use's): BatchKey's and
+    jobs/work.py layout_key's."""
+    return tuple(u.batch_part for u in uses)

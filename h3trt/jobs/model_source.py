@@ -318,7 +318,7 @@ class AdapterConfig:
         if m is None:
             return cls(specs, folder, num_slots, max_rank, num_slots)
         if m.distilled is not None and (specs or source.loras or folder is not None):
-            refusal = DistilledServing.from_record(m.distilled).adapters_refusal
+            refusal = source.distilled_serving.adapters_refusal
             if refusal is not None:  # a fused FastH3 or PDD bundle: no slots will ever help
                 raise UserError(f"--adapter/--lora/--lora-dir: {refusal}")
         # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots

@@ -27,9 +27,9 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..adapters.use import batch_key
 from ..errors import UserError
 from ..media.output_files import DEFAULT_CRF
-from ..pipeline.adapters import batch_key
 from ..pipeline.h3_pipeline import H3Pipeline, Target
 from ..pipeline.parallel_decode import _comm_device
 from ..pipeline.records import Clip, ClipRecord, Failure, TimelineTimer, commit_clip

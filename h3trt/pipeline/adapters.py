@@ -21,7 +21,7 @@ bundle built with --lora-slots N --lora-max-rank R, whose slots are the bundle's
     base model, bit for bit).
 
 Batches: one evaluation carries one adapter set (lora_slots' module doc), so the adapter set is part of the key of
-requests that may share a batched denoise (`batch_key`).
+requests that may share a batched denoise (adapters/use.py `batch_key`).
 """
 
 from __future__ import annotations
@@ -177,11 +177,6 @@ def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, .
         if outside:
             raise UserError(f"{flag} adapts {outside[0]}, which this bundle's slots do not hold (they adapt "
                             f"{list(slots.targets)} of every block); merge it at build instead (h3trt build --lora).")
-
-
-def batch_key(uses: tuple[AdapterUse, ...]) -> tuple:
-    """The part of a batch key an adapter set makes (AdapterUse.batch_part, each use's)."""
-    return tuple(u.batch_part for u in uses)
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,6 @@ import torch
 from ..errors import UserError
 from ..models.packing import PackedLayout
 from ..models.sampler import Latents, Schedule
-from ..models.sparse_plan import SparseSettings
 from ..models.sparse_kernels import sparse_block
 from ..models.sparse_run import SparseRun
 from ..models.step_cache import StepCache
@@ -31,16 +30,11 @@ def counted(model, sparse: SparseRun | VsaRun):
     return step
 
 
-def request_sparse_settings(request: Request) -> SparseSettings:
-    """A request's checked sparse settings (request/parts.py Speed.sparse: the request keys' names in messages)."""
-    return request.speed.sparse
-
-
 def sparse_run_for(dit, request: Request, device) -> SparseRun | VsaRun | None:
     """A request's block-sparse attention over its evaluations on `dit` (the pipeline's runner): a FastH3-VSA model's
     VSA on every request (at the request's vsa_sparsity where it states one), SubBlock's where the request asks for
     it and the runner serves it, else None."""
-    settings = request_sparse_settings(request)
+    settings = request.speed.sparse
     vsa = request_vsa_run(getattr(dit, "vsa", None), settings.enabled, request.speed.vsa_sparsity)
     if vsa is not None:  # a FastH3-VSA model: VSA, never SubBlock
         return vsa

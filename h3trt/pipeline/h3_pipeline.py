@@ -40,8 +40,7 @@ from ..request.parts import CanvasDefaults
 from ..request.request import Request
 from .prepare import Encoded, Prepared
 from .step_profile import StepProfiler
-from .evaluation import (check_finite, counted, lora_kwargs, new_step_cache, request_sparse_settings,
-                         same_layout, sparse_run_for)
+from .evaluation import check_finite, counted, lora_kwargs, new_step_cache, same_layout, sparse_run_for
 
 
 @dataclass(frozen=True)
@@ -242,7 +241,7 @@ class H3Pipeline:
         # admission does not know which requests will share a batch.
         if req.guidance.scale != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
-        if request_sparse_settings(req).enabled or getattr(self.dit, "vsa", None) is not None:
+        if req.speed.sparse.enabled or getattr(self.dit, "vsa", None) is not None:
             raise ValueError("Block-sparse attention (SubBlock, or a FastH3-VSA model's VSA) counts one request's "
                              "evaluations; run such a request alone (h3trt run --prompt ...).")
         if req.speed.cache is not None:

@@ -8,7 +8,7 @@ to the rank that runs it and the record it leaves.
   - `Admitted`: a request a model admitted (jobs/admission.py `admit`) with the geometry admission resolved of it. A
     job carries it from admission to the rank, and a server's job row stores its JSON, so nothing is parsed twice
   - `BatchKey.of(admitted)`: the one batch rule, which admitted requests may share a batched denoise (None: it shares
-    no evaluation; models/packing.py `PackedLayout.digest` is the rule's second half, once the request is encoded)
+    no evaluation; jobs/work.py `layout_key` is the rule's second half, once the request is encoded)
 
 The JSON is versioned (`VERSION`; another version is refused by name).
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
 
-from ..adapters.use import AdapterUse, lora_field
+from ..adapters.use import AdapterUse, batch_key, lora_field
 from ..models.packing import DEFAULT_DURATION, Geometry
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
 from ..models.step_cache import StepCacheConfig
@@ -151,7 +151,7 @@ class Admitted:
 class BatchKey:
     """What requests that share one batched denoise have in common before encoding: the same task, canvas, frames,
     schedule and adapter set (one evaluation carries one set), from the same model. After encoding their packed
-    layouts must agree too (the same text length and condition rows: models/packing.py PackedLayout.digest)."""
+    layouts must agree too (the same text length and condition rows: jobs/work.py layout_key)."""
 
     task: str
     height: int
@@ -172,4 +172,4 @@ class BatchKey:
             return None
         s = req.schedule
         return cls(req.task, geo.height, geo.width, geo.num_frames, s.steps, s.video_shift, s.audio_shift,
-                   tuple(u.batch_part for u in req.adapters))
+                   batch_key(req.adapters))
