@@ -45,7 +45,8 @@ class LoadedDiT:
 def read_distilled(config: BuildConfig, cfg) -> tuple[Distilled | None, dict | None]:
     """The --distilled file read for a model of `cfg` (None: none given), and the manifest's distilled record: that
     file's, or a full FastH3 export's sidecar (BuildConfig.contract), or None."""
-    distilled = load_distilled(config.distilled, cfg, config.task) if config.distilled is not None else None
+    distilled = (load_distilled(config.distilled, cfg, config.task, config.distilled_serving)
+                 if config.distilled is not None else None)
     contract = config.contract
     return distilled, (distilled.record() if distilled is not None else contract[1] if contract is not None else None)
 

@@ -152,9 +152,11 @@ def plan_distilled(spec: DistilledSpec, task: str | None = None) -> "DistilledSe
     return serving
 
 
-def load_distilled(spec: DistilledSpec, cfg: H3Config, task: str) -> Distilled:
-    """Read `spec`'s file for a model of `cfg` serving `task`'s partition (plan_distilled, then its tensors)."""
-    serving = plan_distilled(spec, task)
+def load_distilled(spec: DistilledSpec, cfg: H3Config, task: str, serving: DistilledServing | None = None) -> Distilled:
+    """Read `spec`'s file for a model of `cfg` serving `task`'s partition: its tensors, after plan_distilled unless
+    the caller has its `serving` already (a build's BuildConfig.distilled_serving: a Turbo file without a schedule in
+    its header is hashed to plan it, a whole pass over the file)."""
+    serving = serving if serving is not None else plan_distilled(spec, task)
     header, _ = read_header(spec.path)
     if serving.family == "fasth3":
         return Distilled(spec, serving, read_fasth3(spec.path, cfg, header))

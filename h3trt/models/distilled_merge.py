@@ -4,7 +4,7 @@ The fusion is the files' own rule, in fp32 with one rounding per parameter: W' =
 sum(diffs), or W' = the assigned tensor (FastH3's `.set_weight`: the VSA gates). It happens where the LoRAs merge
 (build/builder.py load, pipeline/loading.py load_checkpoint), before quantization, calibration and AdaLN baking, so
 every downstream artifact sees the distilled weights. `fuse_into` takes any name -> parameter mapping and a filter, so
-a streamed build can fuse block by block as the block's weights arrive (`fusion_names` lists what a prefix needs).
+a streamed build can fuse block by block as the block's weights arrive (fuse_into's `only` picks a block's names).
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import torch
 
 from .distilled import Distilled
 from .distilled_files import GATE_SUFFIX, DistilledError, Fusion, Patch
+from .lora import swap_halves
 from .pdd import HEAD_WEIGHTS, StepHeads
 
 
@@ -52,23 +53,18 @@ def _check_shape(path, name: str, rows: slice | None, shape: tuple[int, ...], ta
                              f"{list(shape)}, the model's is {list(want)}: a file for another model size.")
 
 
-def _halves_swapped(t: torch.Tensor) -> torch.Tensor:
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first])
-
-
 def patch_delta(patch: Patch, shape: torch.Size, device) -> torch.Tensor:
     """The fp32 sum of a patch's terms [*shape] on `device` (low-rank products, then diffs: their order does not
     change the sum beyond fp32 rounding, and the files state no order between them)."""
     delta = torch.zeros(shape, dtype=torch.float32, device=device)
     for down, up, scale, rows, swap in patch.low_rank:
         up = up.to(device, torch.float32)
-        term = (_halves_swapped(up) if swap else up) @ down.to(device, torch.float32)
+        term = (swap_halves(up) if swap else up) @ down.to(device, torch.float32)
         term = term * scale if scale != 1.0 else term
         (delta[rows] if rows is not None else delta).add_(term)
     for diff, rows, swap in patch.diffs:
         diff = diff.to(device, torch.float32)
-        (delta[rows] if rows is not None else delta).add_(_halves_swapped(diff) if swap else diff)
+        (delta[rows] if rows is not None else delta).add_(swap_halves(diff) if swap else diff)
     return delta
 
 
@@ -89,11 +85,6 @@ def fuse_into(fusion: Fusion, params: Mapping[str, torch.Tensor], only: Callable
             param.data = delta.add_(param.data.to(torch.float32)).to(param.dtype)
         done.add(name)
     return done
-
-
-def fusion_names(fusion: Fusion, prefix: str) -> list[str]:
-    """The parameters under `prefix` ("blocks.7.") that the file changes: what a streamed build fuses per block."""
-    return sorted(n for n in fusion.patches if n.startswith(prefix))
 
 
 def merge_distilled(model: torch.nn.Module, distilled: Distilled) -> dict:

@@ -107,6 +107,12 @@ def native_target(module: str, cfg: H3Config) -> tuple[str, slice | None, bool]:
     return name, None, name.endswith(".mlp.fc1.weight")  # diffusers [value; gate] -> native [gate; value]
 
 
+def swap_halves(t: torch.Tensor) -> torch.Tensor:
+    """diffusers ff.net.0.proj rows [value; gate] as native mlp.fc1's [gate; value] (native_target's `swap`)."""
+    first, second = t.chunk(2, dim=0)
+    return torch.cat([second, first])
+
+
 @torch.no_grad()
 def merge_loras(model: torch.nn.Module, specs: list[LoraSpec] | tuple[LoraSpec, ...], task: str) -> list[dict]:
     """Merge every LoRA into `model` (an H3DiT) in place, in order; returns one record per file for the manifest or
@@ -161,7 +167,7 @@ class LoraMerge:
         for factors, rows, swap, scale in self.targets[name]:
             delta = (factors.up.float() @ factors.down.float()) * (factors.scaling * scale)
             if swap:
-                delta = torch.cat(delta.chunk(2, dim=0)[::-1])
+                delta = swap_halves(delta)
             if rows is None:
                 full += delta
             else:

@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import H3Config
-from .lora import native_target, route
+from .lora import native_target, route, swap_halves
 from .lora_file import LoraError, LoraFile, LoraModule, pruned_message
 
 # The main block's linears a slot may adapt, named from the block (as `dit.project` names them).
@@ -330,7 +330,7 @@ class LoraSlots:
         finite = torch.isfinite(down).all() & torch.isfinite(up).all()
         up = up.float() * factors.scaling
         if swap:  # diffusers [value; gate] -> native [gate; value]
-            up = torch.cat(up.chunk(2, dim=0)[::-1])
+            up = swap_halves(up)
         return _Write(bank, part, down, up, where, finite)
 
     def select(self, uses: list[tuple[int, float]] | tuple[tuple[int, float], ...]) -> LoraRun | None:
