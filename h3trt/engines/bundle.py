@@ -213,8 +213,9 @@ def _check_lora_twins(entries: dict, names: set[str]) -> None:
     """A bundle's twins with adapters take the evaluation's rank rows (build/segments.py LORA_INPUTS); one built by an
     earlier h3trt took a slot list and is refused, naming the rebuild."""
     for name in sorted(names):
-        if tuple(entries[name]["inputs"][-len(LORA_INPUTS):]) != LORA_INPUTS:
-            raise BundleError(f"this bundle's {name} segment takes {entries[name]['inputs'][-2:]}, the adapter "
+        taken = entries[name]["inputs"][-len(LORA_INPUTS):]
+        if tuple(taken) != LORA_INPUTS:
+            raise BundleError(f"this bundle's {name} segment takes {taken}, the adapter "
                               f"inputs of an earlier h3trt (this one passes {list(LORA_INPUTS)}); rebuild it with "
                               "this h3trt's h3trt build ... --lora-slots N --lora-max-rank R.")
 

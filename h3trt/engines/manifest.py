@@ -1,6 +1,6 @@
 """The bundle manifest: what was built, for what, and the sha256 of every chunk of every file (the check of a request
 against it is request_check.py's, the checks of its files bundle_files.py's, the device and mesh checks of a load
-bundle.py's).
+load_checks.py's).
 
 Files are hashed in chunks of `hash_chunk_bytes` (64 MiB), each with its own sha256, so that a load verifies a file
 on as many cores as it reads it with, while it reads it (`weights_io.read_safetensors`), instead of one core
