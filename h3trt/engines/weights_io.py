@@ -33,12 +33,11 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..models.checkpoint_stream import MAX_HEADER_BYTES, SAFETENSORS_DTYPES
+from ..models.safetensors_format import DTYPES, MAX_HEADER_BYTES
 
 HASH_CHUNK_BYTES = 64 << 20  # chunk of a bundle file hashed (and read) as one unit; recorded in the manifest
 STAGING_BYTES = 64 << 20  # the writer's pinned buffer for device tensors
 
-DTYPES = SAFETENSORS_DTYPES
 DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
 
 

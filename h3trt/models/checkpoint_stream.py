@@ -31,15 +31,9 @@ import torch
 from .checkpoint import DAMAGED_FILE_FIX, CheckpointError, TransformerSource
 from .checkpoint_names import native_name
 from .dit import rope_inv_freq
+from .safetensors_format import DTYPES as SAFETENSORS_DTYPES, MAX_HEADER_BYTES
 from .weight_layout import deinterleave_qkv, swap_halves
 
-# safetensors' dtype names (also what h3trt/engines/weights_io.py writes bundles with).
-SAFETENSORS_DTYPES = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
-MAX_HEADER_BYTES = 100 << 20  # safetensors' own limit
 READ_CHUNK_BYTES = 64 << 20  # one pread; a tensor's chunks go to several threads (a read releases the GIL)
 ALIGN = 64  # where each tensor starts inside a read buffer: any dtype's view of it is aligned
 _QKV_PARTS = re.compile(r"^(.*)\.attn\.to_([qkv])\.weight$")

@@ -25,12 +25,10 @@ from pathlib import Path
 import torch
 
 from .lora_file import LoraError, LoraFile, file_metadata, lora_from_tensors, opened_safetensors
+from .safetensors_format import DTYPES as SAFETENSORS_DTYPES
 
 CHUNK_BYTES = 32 << 20  # a chunk: large enough that a copy's launch is noise, small enough to overlap well
 STAGING_BUFFERS = 3  # one being read, one being hashed and copied, one whose copy may still run
-SAFETENSORS_DTYPES = {"BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16, "I32": torch.int32,
-                      "I64": torch.int64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-                      "F64": torch.float64, "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2}
 
 
 class Staging:
