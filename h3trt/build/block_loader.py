@@ -88,13 +88,8 @@ class BlockLoader:
         state = {}
         try:
             for t in self.parts[index]:
-                name = t.name.removeprefix(prefix)
-                parts = [torch.empty(v.numel(), dtype=torch.uint8, device=self.device).copy_(v, non_blocking=cuda)
-                         for v in views[t.name]]
-                value = self.tensors.convert(t, parts, parameter_dtype(t.name, self.dtype))
-                if self.merge is not None and t.name in self.merge.targets:
-                    value = self.merge.merged(t.name, value)
-                state[name] = value
+                state[t.name.removeprefix(prefix)] = _materialize(self.tensors, t, views[t.name], self.dtype,
+                                                                  self.device, self.merge, cuda)
         finally:
             event = None
             if cuda:
@@ -143,13 +138,22 @@ def load_resident(tensors: CheckpointTensors, model, dtype: torch.dtype, device:
         views = tensors.read(wanted, buffer, pool)
     state = {}
     for t in wanted:
-        parts = [torch.empty(v.numel(), dtype=torch.uint8, device=device).copy_(v) for v in views[t.name]]
-        value = tensors.convert(t, parts, parameter_dtype(t.name, dtype))
-        state[t.name] = merge.merged(t.name, value) if merge is not None and t.name in merge.targets else value
+        state[t.name] = _materialize(tensors, t, views[t.name], dtype, device, merge)
     state.update(assigned_places(shapes, state, "", fusion, dtype, device))
     model.load_state_dict(state, strict=False, assign=True)
     if fusion is not None:  # proj_in/out, the embedders, norm_out, the refiner: FastH3's, Turbo's model-level ones
         fuse_into(fusion, dict(model.named_parameters()), lambda name: not name.startswith("blocks."))
+
+
+def _materialize(tensors: CheckpointTensors, t: NativeTensor, views: list[torch.Tensor], dtype: torch.dtype,
+                 device: torch.device, merge: LoraMerge | None, non_blocking: bool = False) -> torch.Tensor:
+    """`t` on `device` from its read bytes, in the native layout at its build dtype, LoRAs merged. The bytes are
+    copied into buffers of its own (not `.to(device)`: on the CPU that is the host slot itself, reused for the next
+    block)."""
+    parts = [torch.empty(v.numel(), dtype=torch.uint8, device=device).copy_(v, non_blocking=non_blocking)
+             for v in views]
+    value = tensors.convert(t, parts, parameter_dtype(t.name, dtype))
+    return merge.merged(t.name, value) if merge is not None and t.name in merge.targets else value
 
 
 def assigned_places(shapes: dict[str, torch.Size], state: dict[str, torch.Tensor], prefix: str, fusion: Fusion | None,

@@ -45,7 +45,7 @@ from .backends import compile_segment
 from .check import check_in_fresh_process
 from .config import BuildConfig
 from .examples import example_inputs, profile_decoder_specs
-from .memory import device_memory
+from .memory import GIB, device_memory
 from .output import BundleOutput, check_output
 from .phases import BakedWeights, Calibration, Compiled, LoadedDiT, read_distilled
 from .plan import EAGER_COMPONENTS, BuildPlan, plan_build, vsa_serving
@@ -91,10 +91,9 @@ def peak_memory(plan: BuildPlan, check_peak: dict, log) -> dict:
     """The build's peak GPU memory (this process, and the fresh-process check's), for the log and the manifest."""
     if plan.device.type != "cuda":
         return {"streamed": float(plan.streamed)}
-    gib = 1 << 30
     out = {"streamed": float(plan.streamed),
-           "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated(plan.device) / gib,
-           "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(plan.device) / gib,
+           "peak_gpu_allocated_gib": torch.cuda.max_memory_allocated(plan.device) / GIB,
+           "peak_gpu_reserved_gib": torch.cuda.max_memory_reserved(plan.device) / GIB,
            **{f"check_{k}": v for k, v in check_peak.items()}}
     log(f"peak GPU memory: {out['peak_gpu_allocated_gib']:.2f} GiB allocated, {out['peak_gpu_reserved_gib']:.2f} GiB "
         f"reserved (torch.cuda.max_memory_allocated / max_memory_reserved, built "

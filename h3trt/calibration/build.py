@@ -16,7 +16,7 @@ from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
 from ..models.sampler import Schedule
 from ..models.vsa_plan import VsaServing
 from .modules import quantized_template
-from .recipe import QuantRecipe, layer_segments
+from .recipe import QuantRecipe, layer_segments, read_prompts
 from .trajectories import trajectory_forward
 
 
@@ -49,8 +49,6 @@ def calibration_prompts(recipe: QuantRecipe, calib_prompts: Path | None,
                         num_layers: int) -> tuple[QuantRecipe, list[str] | None]:
     """The recipe checked against the model's layers, with the number of prompts filled in, and the prompts (None:
     a weight-only calibration, which refuses prompts)."""
-    from .recipe import read_prompts
-
     recipe.check_layers(num_layers)
     if recipe.needs_calibration_data:
         prompts = read_prompts(calib_prompts)
