@@ -428,3 +428,25 @@ def test_memory_budget_flag_is_checked(capsys):
     assert e.value.code == 2 and "--memory-budget" in capsys.readouterr().err
     with pytest.raises(UserError, match="--memory-budget"):
         BuildConfig(Path("m"), Path("o"), memory_budget=-1.0)
+
+
+@pytest.mark.parametrize("extra, message", [
+    ({"adaln_t_table": torch.zeros(4, 4)}, "pruned MiniMax-H3 checkpoint"),
+    ({"rope.inv_freq": torch.ones(3)}, "rope.inv_freq .* does not match rope_theta"),
+])
+def test_both_readers_refuse_a_pruned_checkpoint_and_a_wrong_rope_alike(tmp_path, tiny_cfg, tiny_states, extra,
+                                                                        message):
+    """A checkpoint read whole (read_native_state_dict) and one read a block at a time (CheckpointTensors) refuse a
+    pruned AdaLN table and a rope.inv_freq that is not the config's with the same one line (models/checkpoint.py
+    check_unpruned, check_rope_inv_freq)."""
+    from h3trt.models.checkpoint import CheckpointError
+    from h3trt.models.checkpoint_writer import save_comfy
+
+    path = save_comfy(tmp_path / "h3.safetensors", tiny_cfg, tiny_states["FL2VA"], torch.float32)
+    stored = load_file(path)
+    prefix = next(k for k in stored if k.endswith("rope.inv_freq")).removesuffix("rope.inv_freq")
+    save_file({**stored, **{prefix + k: v for k, v in extra.items()}}, path)
+    source = locate_transformer(path, "t2va")
+    for read in (read_native_state_dict, CheckpointTensors):
+        with pytest.raises(CheckpointError, match=message):
+            read(source)

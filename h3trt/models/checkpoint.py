@@ -349,8 +349,7 @@ def read_native_state_dict(source: TransformerSource) -> dict[str, torch.Tensor]
                     raise CheckpointError(f"{file}: tensor {key!r} cannot be read ({e}); the file is corrupted.") from None
     if source.prefix:
         raw = {k[len(source.prefix):] if k.startswith(source.prefix) else k: v for k, v in raw.items()}
-    if "adaln_t_table" in raw or "time_embedder.table" in raw:
-        raise CheckpointError("This is a pruned MiniMax-H3 checkpoint (adaln_t_table); h3trt needs the unpruned weights.")
+    check_unpruned(raw)
 
     out: dict[str, torch.Tensor] = {}
     if source.naming == "diffusers":
@@ -375,11 +374,23 @@ def read_native_state_dict(source: TransformerSource) -> dict[str, torch.Tensor]
 
     inv = out.pop("rope.inv_freq", None)  # recomputed by the model; checked so a wrong config cannot hide
     if inv is not None:
-        ref = rope_inv_freq(cfg)
-        if inv.shape != ref.shape or not torch.equal(inv, ref.to(inv.dtype)):
-            raise CheckpointError(f"rope.inv_freq {tuple(inv.shape)} does not match rope_theta {cfg.rope_theta} and "
-                                  f"rope_freq_dim {cfg.rope_freq_dim} from the config.")
+        check_rope_inv_freq(inv, cfg)
     return out
+
+
+def check_unpruned(names) -> None:
+    """A checkpoint's stored names hold no pruned AdaLN table (read_native_state_dict's and CheckpointTensors')."""
+    if "adaln_t_table" in names or "time_embedder.table" in names:
+        raise CheckpointError("This is a pruned MiniMax-H3 checkpoint (adaln_t_table); h3trt needs the unpruned "
+                              "weights.")
+
+
+def check_rope_inv_freq(inv: torch.Tensor, cfg: H3Config) -> None:
+    """A stored rope.inv_freq (the model recomputes it) is the config's: a wrong config cannot hide."""
+    ref = rope_inv_freq(cfg)
+    if inv.shape != ref.shape or not torch.equal(inv, ref.to(inv.dtype)):
+        raise CheckpointError(f"rope.inv_freq {tuple(inv.shape)} does not match rope_theta {cfg.rope_theta} and "
+                              f"rope_freq_dim {cfg.rope_freq_dim} from the config.")
 
 
 def check_state_dict(model: torch.nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

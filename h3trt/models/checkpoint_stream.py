@@ -28,9 +28,8 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import DAMAGED_FILE_FIX, CheckpointError, TransformerSource
+from .checkpoint import DAMAGED_FILE_FIX, CheckpointError, TransformerSource, check_rope_inv_freq, check_unpruned
 from .checkpoint_names import native_name
-from .dit import rope_inv_freq
 from .safetensors_format import DTYPES as SAFETENSORS_DTYPES, MAX_HEADER_BYTES
 from .weight_layout import deinterleave_qkv, swap_halves
 
@@ -110,9 +109,7 @@ class CheckpointTensors:
                 stored[key] = StoredTensor(file, key, dtype, shape, begin, end - begin)
         if source.prefix:
             stored = {k[len(source.prefix):] if k.startswith(source.prefix) else k: v for k, v in stored.items()}
-        if "adaln_t_table" in stored or "time_embedder.table" in stored:
-            raise CheckpointError("This is a pruned MiniMax-H3 checkpoint (adaln_t_table); h3trt needs the unpruned "
-                                  "weights.")
+        check_unpruned(stored)
         self.tensors: dict[str, NativeTensor] = {}
         if source.naming == "diffusers":
             self._diffusers(stored)
@@ -123,10 +120,7 @@ class CheckpointTensors:
                 self.tensors[key] = NativeTensor(key, (t,), "deinterleave_qkv" if qkv else "", t.shape)
         inv = self.tensors.pop("rope.inv_freq", None)  # recomputed by the model; checked so a wrong config cannot hide
         if inv is not None:
-            got, ref = self.read_cpu([inv])[inv.name], rope_inv_freq(cfg)
-            if got.shape != ref.shape or not torch.equal(got, ref.to(got.dtype)):
-                raise CheckpointError(f"rope.inv_freq {tuple(got.shape)} does not match rope_theta {cfg.rope_theta} "
-                                      f"and rope_freq_dim {cfg.rope_freq_dim} from the config.")
+            check_rope_inv_freq(self.read_cpu([inv])[inv.name], cfg)
 
     def _diffusers(self, stored: dict[str, StoredTensor]) -> None:
         fused: dict[str, dict[str, StoredTensor]] = {}
