@@ -48,7 +48,7 @@ class Profile:
             w, h, s = text.lower().split("x")
             profile = cls(int(w), int(h), float(s))
         except ValueError:
-            raise UserError(f"--profile must be WIDTHxHEIGHTxSECONDS (e.g. 1344x768x5), got {text!r}.") from None
+            raise UserError(f"--canvas must be WIDTHxHEIGHTxSECONDS (e.g. 1344x768x5), got {text!r}.") from None
         validate_canvas(profile.height, profile.width)
         frames_for_duration(profile.seconds)
         return profile
@@ -149,7 +149,7 @@ class BuildConfig:
                             "choose their own kernels.")
         MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
-            raise UserError("At least one --profile is needed.")
+            raise UserError("At least one --canvas is needed.")
         for spec in self.loras:  # before the (slow) checkpoint load
             if not Path(spec.path).is_file():
                 raise UserError(f"--lora {spec.path} does not exist; pass a LoRA .safetensors file.")

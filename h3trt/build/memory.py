@@ -202,5 +202,5 @@ def plan_memory(config: BuildConfig, source: TransformerSource, dtype: torch.dty
             return MemoryPlan(True, needs, budget, have, on_host)
     raise UserError(f"This build does not fit: even a block at a time it needs about {_gib(needs.streamed())} GiB of "
                     f"device memory ({needs.describe()}), and {limit}. Free the device, build on a larger one, or "
-                    "shrink what grows: a smaller --profile (activations), fewer --calib-prompts or --calib-steps "
+                    "shrink what grows: a smaller --canvas (activations), fewer --calib-prompts or --calib-steps "
                     "(recorded calibration inputs).")

@@ -300,8 +300,9 @@ def _build_parser(sub) -> None:
                         "build GPU at the bundle's shape; on a CPU, torch SDPA or the FP8 emulation), cudnn, or fa3 "
                         "(FlashAttention-3, Hopper; pip install 'h3trt[fa3]'). Recorded in the manifest; a machine "
                         "that cannot run it refuses the bundle")
-    p.add_argument("--profile", action="append", default=None,
-                   help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5)")
+    p.add_argument("--canvas", "--profile", dest="profile", action="append", default=None, metavar="WxHxS",
+                   help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5). "
+                        "--profile is its older name (run's --profile is a speed profile, not a canvas)")
     _schedule_arguments(p)
     p.add_argument("--device", default=None, type=device,
                    help="cuda or cpu (default: cuda if available); the bundle runs there")
