@@ -8,7 +8,8 @@ to the rank that runs it and the record it leaves.
   - `Admitted`: a request a model admitted (jobs/admission.py `admit`) with the geometry admission resolved of it. A
     job carries it from admission to the rank, and a server's job row stores its JSON, so nothing is parsed twice
   - `BatchKey.of(admitted)`: the one batch rule, which admitted requests may share a batched denoise (None: it shares
-    no evaluation; jobs/work.py `layout_key` is the rule's second half, once the request is encoded)
+    no evaluation; once the request is encoded, its packed layout must agree too: models/packing.py
+    `PackedLayout.digest`, which jobs/work.py `layout_key` keys by)
 
 The JSON is versioned (`VERSION`; another version is refused by name).
 """
@@ -151,7 +152,7 @@ class Admitted:
 class BatchKey:
     """What requests that share one batched denoise have in common before encoding: the same task, canvas, frames,
     schedule and adapter set (one evaluation carries one set), from the same model. After encoding their packed
-    layouts must agree too (the same text length and condition rows: jobs/work.py layout_key)."""
+    layouts must agree too (models/packing.py PackedLayout.digest: the same text length and condition rows)."""
 
     task: str
     height: int
