@@ -16,7 +16,9 @@ The JSON is versioned (`VERSION`; another version is refused by name).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -174,3 +176,9 @@ class BatchKey:
         s = req.schedule
         return cls(req.task, geo.height, geo.width, geo.num_frames, s.steps, s.video_shift, s.audio_shift,
                    batch_key(req.adapters))
+
+    def digest(self) -> str:
+        """The key as a job store's row holds it (server/store.py `batch_key`, which a claim matches in SQL): equal
+        keys, equal digests, in any process; the request JSON's VERSION is part of it, so rows of another shape
+        never match."""
+        return hashlib.sha256(json.dumps([VERSION, *astuple(self)]).encode()).hexdigest()

@@ -115,7 +115,9 @@ class VideoService:
                 # The request as admission resolved it (its adapters' files and hashes, its schedule): the job runs
                 # with those whatever the set becomes before a worker takes it (server/rows.py).
                 admitted = Admitted(prepared.request, prepared.geometry)
-                row = self.store.create(job_id, row_request(admitted, schema, openai_fields, folder))
+                key = admitted.batch_key  # the claim matches it in SQL: jobs of one key share a batched denoise
+                row = self.store.create(job_id, row_request(admitted, schema, openai_fields, folder),
+                                        batch_key=key.digest() if key is not None else None)
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
