@@ -18,6 +18,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi import Request as HTTPRequest
 
 from ..errors import UserError
 from ..jobs.admission import admit
@@ -253,6 +257,15 @@ class VideoService:
             self.log("deleted", job=job_id)
             return None
         return self.store.get(job_id)
+
+
+async def service_of(request: HTTPRequest) -> VideoService:
+    """The service of the app a request reached (server/app.py create_app keeps it in app.state): what a route's
+    `Service` parameter is, so the routes are module-level functions."""
+    return request.app.state.service
+
+
+Service = Annotated[VideoService, Depends(service_of)]
 
 
 def disk_full_error() -> ApiError:
