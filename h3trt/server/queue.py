@@ -288,7 +288,7 @@ class StoreQueue:
     def _committed(self, job_id: str, attempt: int) -> bool:
         """Whether the MP4 and record of a job's claim `attempt` are in storage and agree (a worker commits them
         together; on object storage the record is published last)."""
-        from ..engines.manifest import sha256_file
+        from ..engines.atomic import sha256_file
 
         clip, record = clip_key(job_id, attempt), record_key(job_id, attempt)
         if not (self.storage.exists(clip) and self.storage.exists(record)):
