@@ -344,44 +344,6 @@ def test_a_restart_queues_a_claimed_batch_again_and_it_is_claimed_together_once(
         after.store.close()
 
 
-def test_two_compatible_posts_run_as_one_batched_denoise_and_an_incompatible_one_alone(tmp_path, tiny_cache):
-    """The whole serve path on the tiny model, in this process: three jobs admitted as POST /v1/videos admits them
-    (two of one batch key, one of other steps), a group's claim of up to 4 takes the two together and one run of the
-    job loop's work denoises them as one batch (each record says so), then the other alone; every row completes
-    with its own clip."""
-    from types import SimpleNamespace
-
-    from h3trt.jobs.model_source import Entry
-    from h3trt.jobs.work import Place, Reporter, run_work
-    from h3trt.server.options import ServeOptions
-    from h3trt.server.parts import Parts
-
-    entry = Entry.local(device="cpu")
-    parts = Parts.node(tmp_path / "data", log=Logged())
-    groups = SimpleNamespace(status=lambda: [], serving=lambda: 1)
-    service = parts.service(entry, ServeOptions(tmp_path / "data", max_batch=4), groups)
-    sent = [{"prompt": "a red fox runs through snow", "size": "128x32", "seconds": "5", "seed": seed, "steps": steps}
-            for seed, steps in ((1, 2), (2, 3), (3, 2))]
-    a, other, c = [service.create(fields, [], False).id for fields in sent]
-    assert parts.store.get(a).batch_key == parts.store.get(c).batch_key != parts.store.get(other).batch_key
-    queue = parts.queue(entry, 60.0)
-    pipeline = entry.load("t2va")
-    place = Place(model="tiny")
-    reporter = Reporter(place, queue.report, lambda job_id: False, pipeline.device)
-    try:
-        for members in ([a, c], [other]):
-            work = queue.take(0, 4)
-            assert [job.id for job in work] == members
-            run_work(pipeline, work, place, reporter)
-        for job_id, batch in ((a, (2, [a, c])), (c, (2, [a, c])), (other, (1, [other]))):
-            row = parts.store.get(job_id)
-            assert row.status == "completed", (row.error_code, row.error_message)
-            assert (row.record["batch"]["size"], row.record["batch"]["members"]) == batch
-            assert parts.storage.exists(clip_key(job_id, row.clip_attempt))
-    finally:
-        parts.close()
-
-
 def test_queued_rows_of_a_database_from_before_batch_keys_are_migrated_and_each_run_alone(tmp_path):
     """A jobs database at schema revision 0003 (before the batch key's column) with two queued rows of the same
     request: opening it migrates it (the column added, NULL in those rows), and a claim of up to 4 takes each alone."""
