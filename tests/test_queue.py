@@ -247,7 +247,7 @@ def admitted_rows(queue: StoreQueue, *admitted) -> list[str]:
     from h3trt.server.rows import row_request
 
     ids = []
-    for i, a in enumerate(admitted):
+    for a in admitted:
         job = f"video_{'k' + str(len(queue.store.rows())):0>32}"
         key = a.batch_key
         folder = queue.storage.local / uploads_key(job)
