@@ -192,7 +192,8 @@ def test_a_layouts_digest_is_equal_for_equal_layouts_and_differs_in_any_field():
         if isinstance(value, torch.Tensor):
             bumped = value.clone()
             bumped.view(-1)[-1] += 1
-            changed[f.name] = [bumped, value[:-1], value.to(torch.int32 if value.is_floating_point() else torch.float64)]
+            other_dtype = torch.int32 if value.is_floating_point() else torch.float64
+            changed[f.name] = [bumped, value[:-1], value.to(other_dtype)]
         elif f.name == "video_grid":
             changed[f.name] = [None, (value[0] + 1, *value[1:])]
         else:

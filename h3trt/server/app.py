@@ -147,7 +147,7 @@ def _authorization(options) -> tuple[list, Callable[[str], list]]:
     return api, keyed
 
 
-# --- the routes: module-level handlers, each taking the app's service (`Service`) ---------------------------------------
+# --- the routes: module-level handlers, each taking the app's service (`Service`) -------------------------------------
 
 DOCS = APIRouter()  # /openapi.json and /docs, behind the key unless --open docs
 VIDEOS = APIRouter()  # OpenAI's Videos job API (module doc), behind the key
