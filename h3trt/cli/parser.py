@@ -243,6 +243,10 @@ def _serve_parser(sub) -> None:
                    help="serve this endpoint without the API key (repeatable): metrics (/metrics, for Prometheus "
                         "scrapers that send no key), docs (/docs and /openapi.json); /health, /ready and the page are "
                         "always open, /v1 never")
+    p.add_argument("--max-batch", type=positive, default=1,
+                   help="queued jobs of one batch key (task, canvas, frames, schedule, adapters; unguided, uncached, "
+                        "dense) a replica group takes at once and denoises as one batch where their packed layouts "
+                        "agree (default 1; a bundle compiled for batch 1 takes 1)")
     p.add_argument("--max-upload-mb", type=float, default=DEFAULT_UPLOAD_MB,
                    help=f"a request body's size limit, uploads included (default {DEFAULT_UPLOAD_MB:g} MB)")
     p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",

@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..jobs.admission import admit
 from ..jobs.job import Event, EventKind, Job, JobFailed
-from ..jobs.model_source import Entry
+from ..jobs.model_source import Entry, check_bundle_batch
 from ..jobs.supervisor import launch_gpus, serve_queue
 from ..media.output_files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
                                   remove_leftovers, remove_own_temps)
@@ -27,7 +27,7 @@ from ..pipeline.prepare import Prepared
 from ..request.fields import FLAGS, KEY_WORDS
 from ..request.request import Request
 from .batch import BatchConfig, FileQueue, summary_line
-from .batch_file import check_bundle_batch, parse_requests
+from .batch_file import parse_requests
 from .batch_outputs import finished, plan_out_dir
 
 # ----------------------------------------------------------------------------------------------------------------------
