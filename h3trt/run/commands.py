@@ -17,7 +17,7 @@ from pathlib import Path
 from ..errors import UserError
 from ..jobs.admission import admit
 from ..jobs.job import Event, EventKind, Job, JobFailed
-from ..jobs.model_source import Entry, check_bundle_batch
+from ..jobs.model_source import Entry
 from ..jobs.supervisor import launch_gpus, serve_queue
 from ..media.output_files import (DEFAULT_CRF, BatchLock, estimated_clip_bytes, preflight_clip, preflight_out_dir,
                                   remove_leftovers, remove_own_temps)
@@ -177,8 +177,7 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
                  crf: int = DEFAULT_CRF, quiet: bool = False, overwrite: bool = False) -> int:
     """`h3trt run --requests FILE --out-dir OUT`: 0 when every request is done (now or by an earlier run)."""
     model, launch = entry.model, entry.launch
-    if model.manifest is not None:
-        check_bundle_batch(model.manifest.segments, max_batch)
+    model.check_batching(max_batch)
     config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet, overwrite=overwrite)
     # Every line admitted before any model loads, as one --prompt is (jobs/admission.py); every bad line listed.
     checked: set[Path] = set()  # the model's files, checked once per component root
