@@ -94,13 +94,18 @@ def test_the_fp8_kernel_needs_cuda_and_names_the_emulation():
 
 # ---- the Triton kernel under the interpreter (CPU) -------------------------------------------------------------
 
-def online_reference(ops, index, sparse_G, block, block_n):
+def online_reference(ops, index, sparse_G, block, block_n, key_sizes=None):
     """The kernel's arithmetic step by step in torch fp32 (its online softmax over `block_n` key rows a step, P
     rounded to e4m3 times 448 against the running max): what the kernel computes up to the order of fp32 additions.
-    [B, S, N, D] fp32, mu added."""
+    `key_sizes` [K]: key block j's first key_sizes[j] rows are its keys (VSA's ragged tiles). [B, S, N, D] fp32, mu
+    added."""
     B, N, _, D = ops.q8.shape
     S, Sk = ops.rows, ops.key_rows
     q_scale, k_scale, v_scale = ops.scales.tolist()
+    padded = -(-Sk // block) * block + block
+    dropped = torch.arange(padded) >= Sk
+    if key_sizes is not None:
+        dropped[:Sk] |= torch.arange(Sk) % block >= key_sizes.repeat_interleave(block)[:Sk]
     out = torch.zeros(B, S, N, D)
     for b in range(B):
         for n in range(N):
@@ -114,7 +119,7 @@ def online_reference(ops, index, sparse_G, block, block_n):
                 for step in range(0, len(keys), block_n):
                     cols = keys[step:step + block_n]
                     s = q8[rows] @ k8[cols].T * (q_scale * k_scale * D ** -0.5 * 1.4426950408889634)
-                    s = s.masked_fill(cols[None] >= Sk, -torch.inf)
+                    s = s.masked_fill(dropped[cols][None], -torch.inf)
                     m_new = torch.maximum(m, s.amax(1))
                     alpha = torch.exp2(m - m_new)
                     p = torch.exp2(s - (m_new - torch.log2(torch.tensor(448.0)))[:, None])
