@@ -177,14 +177,19 @@ def interpreted_checks() -> dict:
     return out
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the subprocess itself")
-def test_the_triton_kernel_matches_the_emulation_under_the_interpreter():
+def interpreted(test_file) -> dict:
+    """Run `test_file` as a script under TRITON_INTERPRET=1 (its __main__ prints its checks as one JSON line)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, test_file], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the subprocess itself")
+def test_the_triton_kernel_matches_the_emulation_under_the_interpreter():
+    outcome = interpreted(__file__)
     kernel = {n: e for n, e in outcome.items() if n.startswith(("kernel_", "every_block", "odd_count"))}
     assert len(kernel) == 2 * 6 + 4, sorted(outcome)
     assert all(e < KERNEL_TOL for e in kernel.values()), kernel

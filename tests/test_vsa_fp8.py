@@ -16,9 +16,6 @@ Tolerances (relative error, Frobenius), the dense FP8 tests' (tests/test_fp8_att
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -30,7 +27,6 @@ from h3trt.models.vsa_fp8 import (ALL_VSA_KERNELS, emulated_fp8_vsa_attention, f
 from h3trt.models.vsa_kernels import key_valid
 from h3trt.models.vsa_tiles import tile_geometry
 
-ROOT = Path(__file__).resolve().parents[1]
 GEOMETRY = tile_geometry((70, 0, 40), (5, 6, 7))
 MEAN_3_TOL, EMULATION_TOL, P_ROUNDING_TOL, KERNEL_TOL = 0.01, 0.08, 0.10, 1e-3
 
@@ -157,12 +153,9 @@ def interpreted_checks() -> dict:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the subprocess itself")
 def test_the_triton_kernel_serves_ragged_tiles_under_the_interpreter():
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    from test_sparse_fp8 import interpreted
+
+    outcome = interpreted(__file__)
     kernel = {n: e for n, e in outcome.items() if n.startswith("kernel_")}
     assert len(kernel) == 6, sorted(outcome)
     assert all(e < KERNEL_TOL for e in kernel.values()), kernel

@@ -18,7 +18,9 @@ Two kernels:
          sparse_G[g] is False), BLOCK_N rows a step: one key block, two (64-row blocks gathered in pairs so the
          tensor-core tiles stay 128 wide), or half of one;
        - S = q8 k8^T on e4m3 tensor cores, fp32 accumulation; scores in log2 units (log2 e folded into the one
-         scale q_scale * k_scale * D^-1/2 * log2 e, so the softmax is exp2); key rows past the end get -inf;
+         scale q_scale * k_scale * D^-1/2 * log2 e, so the softmax is exp2); key rows past the end get -inf, and
+         so do a key block's rows past its row count where the call gives one (key_sizes: VSA's ragged tiles,
+         models/vsa_fp8.py);
        - P = exp2(s - m + log2 448): the unnormalised probabilities times 448 (cuDNN's P scale), in (0, 448], cast
          to e4m3 for the PV product; the row sum l takes the same fp32 P, so the 448 cancels in acc / l;
        - PV accumulates in fp32 registers, the tensor cores' own FP8 accumulator promoted to fp32 after each tile

@@ -26,6 +26,8 @@ Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kep
 
 from __future__ import annotations
 
+import importlib
+
 import torch
 
 from .sparse_fp8 import E4M3_MAX, _e4m3
@@ -111,7 +113,7 @@ def vsa_problem(kernel: str, device) -> str | None:
     if major < 9:
         return f"the fp8 VSA kernel runs FP8 wgmma on sm_90 and newer; this GPU is sm_{major}{minor}."
     try:
-        import triton  # noqa: F401
+        importlib.import_module("triton")
     except (ImportError, OSError) as e:
         return f"the fp8 VSA kernel is a Triton kernel and triton does not load here ({type(e).__name__}: {e})."
     return None
