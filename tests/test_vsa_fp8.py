@@ -122,6 +122,28 @@ def test_the_fp8_kernels_and_their_problems():
         vsa_attention_kernel("reference", "m64n64w4s3")
 
 
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="compiles for the GPU")
+def test_the_kernel_with_row_counts_compiles_to_fp8_wgmma_for_hopper():
+    """The attention kernel with key_sizes (HAS_SIZES), compiled for sm_90 without a GPU (Triton's own ptxas): what
+    the interpreter cannot show, that the masked load and the row test lower, and both products stay e4m3 wgmma."""
+    triton = pytest.importorskip("triton")
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from h3trt.models.sparse_fp8_triton import PAD_ROWS, _attention_kernel
+
+    pointers = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "vt_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "mu_ptr": "*fp32",
+                "index_ptr": "*i32", "sparse_ptr": "*i1", "sizes_ptr": "*i32", "out_ptr": "*bf16"}
+    constants = {"k_desc": None, "vt_desc": None, "PAD": PAD_ROWS, "N": 56, "D": 128, "BLOCK": 64, "BLOCK_M": 64,
+                 "BLOCK_N": 128, "USE_TMA": False, "PROMOTE": True, "HAS_MU": True, "HAS_SIZES": True,
+                 "INTERPRET": False}
+    signature = {**pointers, **dict.fromkeys(("S", "Sk", "Sp_pads", "Skp_pads", "G", "K", "T"), "i32"),
+                 "sm_scale_log2": "fp32", **dict.fromkeys(constants, "constexpr")}
+    compiled = triton.compile(ASTSource(_attention_kernel, signature, constants), target=GPUTarget("cuda", 90, 32),
+                              options={"num_warps": 4, "num_stages": 3})
+    assert compiled.asm["cubin"] and "wgmma.mma_async.sync.aligned.m64n128k32.f32.e4m3.e4m3" in compiled.asm["ptx"]
+
+
 # ---- the Triton kernel under the interpreter (CPU) -------------------------------------------------------------
 
 def interpreted_checks() -> dict:
