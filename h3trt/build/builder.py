@@ -158,7 +158,7 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     place. tensorrt keeps ModelOpt's quantizers in the blocks: the ONNX export writes them as Q/DQ, so both backends
     take their scales from the same calibration. Its segments are ONNX graphs, not the recipe's compiled blocks, hence
     no recipe for the phases after."""
-    recipe = config.recipe_for(plan.fp8_kernel)
+    recipe = config.recipe_for(plan.fp8_kernel, plan.vsa_kernel is not None)
     if recipe is None:
         return Calibration(None, None)
     trt = config.backend == "tensorrt"

@@ -137,7 +137,7 @@ def memory_needs(config: BuildConfig, source: TransformerSource, dtype: torch.dt
     model = build_dit(cfg, dtype, device="meta")
     block = _bytes(model.blocks[0].parameters())
     resident = _bytes(p for n, p in model.named_parameters() if not n.startswith("blocks."))
-    recipe = config.recipe_for("emulated")
+    recipe = config.recipe_for("emulated", cfg.vsa_gate)
     quantized = 0
     if recipe is not None:
         linears = tuple(f"{name}." for name in recipe.quantized_linears())

@@ -294,7 +294,9 @@ def _build_parser(sub) -> None:
                    help="fp8/nvfp4: keep in bf16 whole blocks (blocks.N) and/or a block linear in every block "
                         "(attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2)")
     p.add_argument("--fp8-attention", action="store_true", help="fp8: q/k/v in e4m3 with calibrated scales, through "
-                                                                    "the --attention kernel (a CPU build: emulated)")
+                                                                    "the --attention kernel (a CPU build: emulated); "
+                                                                    "on a FastH3-VSA model, VSA's fp8 kernel raced "
+                                                                    "against fa4 (per-call scales)")
     p.add_argument("--fp8-accum", choices=FP8_ACCUMS, default=None,
                    help="fp8: how the GEMMs accumulate: fast (default; the FP8 tensor cores' accumulator over the "
                         "whole reduction: a full-width H3 block 2.5%% faster on the H200, its error unchanged) or "
