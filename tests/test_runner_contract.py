@@ -27,7 +27,7 @@ def test_caps_refuse_what_a_runner_does_not_serve_naming_the_field():
             (RunnerCaps(sparse_problem="the kernel failed at load: x"), {"sparse": True, "adapters": 0},
              "sparse_attention", "the kernel failed at load: x"),
             (plain, {"sparse": False, "adapters": 1}, "lora", "holds no adapter slots"),
-            (RunnerCaps(adapter_slots=2), {"sparse": False, "adapters": 3}, "lora", "at most 2; ask for fewer"),
+            (RunnerCaps(adapter_slots=2), {"sparse": False, "adapters": 3}, "lora", "at most 2 (the model's LoRA slots)"),
             (RunnerCaps(batches=False), {"sparse": False, "adapters": 0, "batch": 2}, None, "compiled for batch 1")):
         with pytest.raises(UserError) as e:
             caps.check(**asked)

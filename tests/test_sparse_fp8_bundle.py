@@ -23,6 +23,7 @@ from h3trt.engines.bundle import Engine, bundle_sparse_kernel
 from h3trt.engines.guard import no_compile
 from h3trt.models import sparse_run
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras, RunnerCaps
 from h3trt.models.sampler import Schedule
 from h3trt.models.sparse_plan import SparseSettings
 from h3trt.models.sparse_run import SparseRun
@@ -66,16 +67,16 @@ def sparse_evaluation(engine, seed=1):
     video, audio, text = dit_inputs(layout, cfg, seed=seed)
     text = text.to(torch.bfloat16)  # an fp8 bundle's text rows arrive in its compute dtype
     unique_t, t_index = row_timesteps(layout, *Schedule(BUNDLE_STEPS).timesteps()[3])  # a baked step
-    run = SparseRun(SparseSettings(0.75, dense_steps=0, min_seq=1), engine.dit.sparse_kernel)
+    run = SparseRun(SparseSettings(0.75, dense_steps=0, min_seq=1), engine.dit.caps.sparse_kernel)
     run.next_evaluation()
     with torch.no_grad(), no_compile():
-        out = engine.dit(video, audio, text, unique_t, t_index, layout, sparse=run)
+        out = engine.dit(video, audio, text, unique_t, t_index, layout, EvalExtras(sparse=run))
     return out, run
 
 
 def test_a_sparse_evaluation_runs_fp8_sparse_attention_with_each_layers_scales(fp8_sparse_bundle, monkeypatch):
     engine = Engine.load(fp8_sparse_bundle, "cpu")
-    assert engine.dit.sparse_kernel == "fp8_emulated"
+    assert engine.dit.caps.sparse_kernel == "fp8_emulated"
     blocks = load_file(str(fp8_sparse_bundle / "weights" / "blocks.safetensors"))
     layers = engine.dit.cfg.num_layers
     want = [tuple(blocks[f"blocks.{i}.attn.{n}"].item() for n in ("q_scale", "k_scale", "v_scale"))
@@ -122,8 +123,8 @@ def test_the_load_warms_the_recorded_kernel_and_tile_and_requests_get_the_tile(f
     monkeypatch.setattr(bundle_module, "warm_sparse", lambda *args: warmed.append(args))
     assert bundle_sparse_kernel(fp8_sparse_bundle, manifest, torch.device("cpu")) == ("fp8", None)
     assert warmed[0][0] == "fp8" and warmed[0][5:] == (64, "m64n64w4s3")
-    pipeline = types.SimpleNamespace(dit=types.SimpleNamespace(sparse_kernel="fp8", sparse_problem=None,
-                                                               sparse_tile="m64n64w4s3"), device=torch.device("cpu"))
+    caps = RunnerCaps(sparse_kernel="fp8", sparse_tile="m64n64w4s3")
+    pipeline = types.SimpleNamespace(dit=types.SimpleNamespace(caps=caps), device=torch.device("cpu"))
     request = types.SimpleNamespace(speed=Speed(sparse_attention=0.75))
     run = H3Pipeline.new_sparse_run(pipeline, request)
     assert (run.kernel, run.tile, run.report()["tile"]) == ("fp8", "m64n64w4s3", "m64n64w4s3")

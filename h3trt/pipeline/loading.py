@@ -179,8 +179,8 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
         vsa = VsaServing(settings, *choose_vsa_kernel(device, heads, model.cfg.head_dim, dtype, _note))
     else:
         (kernel, sparse_problem), vsa = load_sparse_kernel(device, heads, model.cfg.head_dim, dtype), None
-    dit = UlyssesDiT(model, sp_group, kernel, vsa) if sp_group is not None else EagerDiT(model, kernel, vsa)
-    dit.sparse_problem = sparse_problem
+    dit = (UlyssesDiT(model, sp_group, kernel, vsa, sparse_problem) if sp_group is not None
+           else EagerDiT(model, kernel, vsa, sparse_problem))
     heads = step_heads(fused, device) if fused is not None else None
     if heads is not None:  # PDD: each forward's fused head, chosen per evaluation
         dit = StepHeadRunner(dit, heads)

@@ -52,13 +52,11 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
 
 
 def check_bundle_batch(segments: dict, max_batch: int) -> None:
-    """Refuse --max-batch > 1 on a bundle whose DiT segments (a manifest's `segments`) were compiled for batch 1: a
-    segment's first activation ([B, ...]) without a dynamic dimension 0 has its batch size baked into the artifact."""
+    """Refuse --max-batch > 1 on a bundle whose DiT segments (a manifest's `segments`) were compiled for batch 1
+    (engines/caps.py static_batch_segments)."""
     if max_batch == 1:
         return
-    static = sorted(name for name, entry in segments.items()
-                    if not name.startswith(("video_decoder", "audio_decoder"))
-                    and "0" not in {str(d) for d in entry.get("dynamic", {}).get(entry["inputs"][0], {})})
+    static = static_batch_segments(segments)
     if static:
         raise UserError(f"--max-batch {max_batch}: this bundle's DiT segments {static} are compiled for batch 1 (the "
                         "batch dimension is static in the artifacts); pass --max-batch 1 with --engine, or serve "
