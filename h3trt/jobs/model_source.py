@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..engines.caps import bundle_caps
 from ..engines.manifest import Manifest, bundle_identity, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..errors import UserError
@@ -323,7 +324,7 @@ class AdapterConfig:
                 raise UserError(f"--adapter/--lora/--lora-dir: {refusal}")
         # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots
         check_bundle_specs(specs, source.loras, m.lora_slots, m.model_config, m.task, folder)
-        return cls(specs, folder, per_request=m.lora_slots.slots - len(source.loras) if m.lora_slots else None)
+        return cls(specs, folder, per_request=bundle_caps(m, pinned=len(source.loras)).adapter_slots)
 
     @property
     def schedules(self) -> dict[str, ScheduleValues]:
