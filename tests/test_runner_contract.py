@@ -166,3 +166,37 @@ def test_a_new_extras_field_reaches_every_evaluation_of_every_branch(tiny_cache,
     # Each branch its own step cache context, the new field beside it
     assert [e.cache.name for e in reader.seen] == [*branches] * schedule.num_evaluations
     assert reader.seen[0].sparse.report()["evaluations"] == schedule.num_evaluations  # both branches: one each
+
+
+def test_a_bundles_caps_come_from_its_manifest():
+    """What admission checks a bundle's requests against, before anything loads (engines/caps.py): a manifest's
+    fields, each changed alone."""
+    from types import SimpleNamespace
+
+    from h3trt.engines.caps import NO_LORA_SLOTS, NO_SPARSE_HALVES, SHARDED_SPARSE_KERNEL, bundle_caps
+    from h3trt.engines.manifest import LoraSlotsRecord, SparseRecord
+    from h3trt.models.vsa_plan import VsaServing, VsaSettings
+
+    batched = {"block": {"inputs": ["x"], "dynamic": {"x": {"0": "B", "1": "S"}}}}
+    plain = dict(sparse=None, lora_slots=None, vsa=None, backend="inductor", mesh=SimpleNamespace(sp=1),
+                 segments=batched)
+
+    def caps(**changed) -> RunnerCaps:
+        return bundle_caps(SimpleNamespace(**{**plain, **changed}))
+
+    assert caps() == RunnerCaps(None, NO_SPARSE_HALVES, adapter_problem=NO_LORA_SLOTS)
+    sparse = SparseRecord(0.5, 1, 64, "fp8", 64, tile="m64n64w4s3")
+    assert (caps(sparse=sparse).sparse_kernel, caps(sparse=sparse).sparse_tile) == ("fp8", "m64n64w4s3")
+    assert caps(mesh=SimpleNamespace(sp=2)).sparse_kernel == SHARDED_SPARSE_KERNEL  # its halves, fa4 if it loads
+    assert caps(backend="tensorrt").sparse_problem is None  # the plans fuse attention: NO_SPARSE_KERNEL's words
+    vsa = VsaServing(VsaSettings(), "reference")
+    assert caps(vsa=vsa).vsa == vsa and caps(vsa=vsa).sparse_kernel is None
+    slots = LoraSlotsRecord(3, 4, ("attn.qkv_proj",))
+    assert (caps(lora_slots=slots).adapter_slots, caps(lora_slots=slots).adapter_problem) == (3, None)
+    assert bundle_caps(SimpleNamespace(**{**plain, "lora_slots": slots}), pinned=1).adapter_slots == 2
+    assert not caps(segments={"block": {"inputs": ["x"], "dynamic": {"x": {"1": "S"}}}}).batches
+    with pytest.raises(UserError, match="this bundle serves no block-sparse attention") as e:
+        caps().check(sparse=True, adapters=0)
+    assert e.value.field == "sparse_attention"
+    with pytest.raises(UserError, match="lora: this bundle was built without LoRA slots"):
+        caps().check(sparse=False, adapters=1)

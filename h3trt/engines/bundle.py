@@ -1,7 +1,7 @@
 """Loading a bundle: checks, the shipped compiled code, weights, and the DiT runner built from the segments (every
 file checked against the manifest on the way, by bundle_files.py's BundleVerification).
 
-`EngineDiT` has the eager runner's signature, so the pipeline never knows which backend compiled what.
+`EngineDiT` is a DiT runner (models/runner.py), so the pipeline never knows which backend compiled what.
 """
 
 from __future__ import annotations

@@ -184,4 +184,5 @@ def load_trt_engine(engine_cls, root: Path, manifest: Manifest, device: torch.de
     segments = {name: TrtSegment(trt, (root / "segments" / e["artifact"]).read_bytes(), e, device, info["flavour"])
                 for name, e in manifest.segments.items()}
     adaln = load_adaln(root, manifest, cfg, device)
-    return engine_cls(root, manifest, TrtDiT(cfg, segments, adaln, device, bundle_caps(manifest)), segments, compiled_video_decoder=False)
+    dit = TrtDiT(cfg, segments, adaln, device, bundle_caps(manifest))
+    return engine_cls(root, manifest, dit, segments, compiled_video_decoder=False)
