@@ -111,8 +111,7 @@ def _sparse_worker(rank, world, store, out_dir):
             return fn(sparse), sparse.report()
 
         got, report = run(lambda s: forward_sp(model, dist.group.WORLD, video, audio, text, unique_t, t_index,
-                                                layout,
-                                                EvalExtras(sparse=s)))
+                                                layout, EvalExtras(sparse=s)))
         want, _ = run(lambda s: EagerDiT(model)(video, audio, text, unique_t, t_index, layout, EvalExtras(sparse=s)))
         with torch.no_grad():
             dense = model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,

@@ -167,7 +167,8 @@ def _worker(rank, world, store, out_dir):
             run.next_evaluation()
             with torch.no_grad():
                 if runner == "sp":
-                    got = forward_sp(model, dist.group.WORLD, video, audio, text, unique_t, t_index, lay, EvalExtras(sparse=run))
+                    got = forward_sp(model, dist.group.WORLD, video, audio, text, unique_t, t_index, lay,
+                                     EvalExtras(sparse=run))
                 else:
                     want = EagerDiT(model)(video, audio, text, unique_t, t_index, lay, EvalExtras(sparse=run))
         errors = [rel(g, w) for g, w in zip(got, want)]

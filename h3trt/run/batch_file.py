@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
+from ..engines.caps import static_batch_segments
 from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
