@@ -26,7 +26,7 @@ from ..models.distilled import DistilledServing, DistilledSpec
 from ..models.lora import LoraSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
 from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
-from ..models.runner import EvalExtras
+from ..models.runner import NO_EXTRAS, EvalExtras
 from ..models.sparse_run import SparseRun
 from ..models.vsa_plan import VsaRun
 from ..models.step_cache import StepCache
@@ -389,7 +389,7 @@ class H3Pipeline:
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
                  branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
                  cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None,
-                 extras: EvalExtras = EvalExtras()):
+                 extras: EvalExtras = NO_EXTRAS):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
