@@ -9,6 +9,7 @@ rounding (tests/test_fp8_attention.py bounds the dense op at 8% of the attention
 residual stream: measured 0.4%, bounded at 3%, and above 0 (the FP8 path ran).
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,10 +21,11 @@ from safetensors.torch import load_file
 
 from h3trt.engines import bundle as bundle_module
 from h3trt.engines.bundle import Engine, bundle_sparse_kernel
+from h3trt.engines.caps import bundle_caps
 from h3trt.engines.guard import no_compile
 from h3trt.models import sparse_run
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
-from h3trt.models.runner import EvalExtras, RunnerCaps
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.sparse_plan import SparseSettings
 from h3trt.models.sparse_run import SparseRun
@@ -93,7 +95,7 @@ def test_a_sparse_evaluation_runs_fp8_sparse_attention_with_each_layers_scales(f
     fp8_out, run = sparse_evaluation(engine)
     assert seen == want and 0 < run.report()["kept_fraction"] < 1
     # The same evaluation with the bf16 masked reference over the same blocks: FP8's rounding apart.
-    engine.dit.sparse_kernel, engine.dit.sparse_scales = "reference", None
+    engine.dit.caps, engine.dit.sparse_scales = dataclasses.replace(engine.dit.caps, sparse_kernel="reference"), None
     bf16_out, _ = sparse_evaluation(engine)
     errors = [((a - b).norm() / b.norm()).item() for a, b in zip(fp8_out, bf16_out)]
     assert 0 < max(errors) < FP8_VS_BF16_TOL, errors
@@ -112,8 +114,6 @@ def test_a_served_clip_is_fp8_sparse_and_its_record_names_the_kernel(fp8_sparse_
 
 def test_the_load_warms_the_recorded_kernel_and_tile_and_requests_get_the_tile(fp8_sparse_bundle, monkeypatch):
     """A GPU bundle's record (fp8, its measured tile) is what the load compiles and what every request runs."""
-    import dataclasses
-
     from h3trt.engines.manifest import read_manifest
 
     manifest = read_manifest(fp8_sparse_bundle)
@@ -123,7 +123,7 @@ def test_the_load_warms_the_recorded_kernel_and_tile_and_requests_get_the_tile(f
     monkeypatch.setattr(bundle_module, "warm_sparse", lambda *args: warmed.append(args))
     assert bundle_sparse_kernel(fp8_sparse_bundle, manifest, torch.device("cpu")) == ("fp8", None)
     assert warmed[0][0] == "fp8" and warmed[0][5:] == (64, "m64n64w4s3")
-    caps = RunnerCaps(sparse_kernel="fp8", sparse_tile="m64n64w4s3")
+    caps = bundle_caps(manifest)  # what the loaded runner serves, from its manifest
     pipeline = types.SimpleNamespace(dit=types.SimpleNamespace(caps=caps), device=torch.device("cpu"))
     request = types.SimpleNamespace(speed=Speed(sparse_attention=0.75))
     run = H3Pipeline.new_sparse_run(pipeline, request)
