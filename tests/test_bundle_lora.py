@@ -220,7 +220,11 @@ def test_adapters_a_bundle_cannot_hold_are_refused_before_any_model_loads(slot_b
 def test_admission_refuses_adapters_with_sparse_attention_on_a_bundle(slot_bundle, files):
     entry = Entry.local(ModelSource.resolve(engine=slot_bundle), "cpu", (AdapterSpec("a", files["a"]),))
     admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse("a"),)), KEYS)  # dense: admitted
-    admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)  # sparse without adapters: too
+    # Sparse without adapters: this bundle has no halves (built without --sparse-attention), so its caps refuse it
+    # before anything loads (engines/caps.py), as its loaded pipeline would
+    with pytest.raises(UserError, match="this bundle serves no block-sparse attention") as e:
+        admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)
+    assert e.value.field == "sparse_attention"
     with pytest.raises(UserError, match="runs LoRA adapters on dense attention only.*sparse_attention 0") as e:
         admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5, lora=(AdapterUse("a"),)), KEYS)
     assert e.value.field == "lora"

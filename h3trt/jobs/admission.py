@@ -73,9 +73,9 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
         serving.check(request.task, request.guidance.scale, request.speed.cache)
         serving.schedule(s.steps, s.video_shift, s.audio_shift)
     if model.manifest is not None:  # what the bundle's runner serves, from its manifest (engines/caps.py)
+        check_bundle_dense(request.adapters, request.speed.sparse_attention)
         caps = bundle_caps(model.manifest, pinned=len(model.loras))
         caps.check(sparse=request.speed.sparse.enabled and caps.vsa is None, adapters=len(request.adapters))
-        check_bundle_dense(request.adapters, request.speed.sparse_attention)
         check_bundle_serves(model.manifest, prepared)
     if guidance_branches == 2 and request.guidance.scale == 1.0:
         n = names
