@@ -38,7 +38,7 @@ from pathlib import Path
 import torch
 
 from bench_common import NvmlSampler
-from bench_e2e import release_gpu_memory
+from e2e_ctx import release_gpu_memory
 from e2e_bundle import bytecode_note, evict_page_cache
 from e2e_checkpoint import BASE_PROMPT, checkpoint_complete, phase_checkpoint
 

@@ -32,7 +32,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -47,6 +49,9 @@ SPARSE_BUNDLES = ("s1", "s8")  # bf16 with the build's kernel (FA4 on a GPU), fp
 # The adapter row's --adapter style=FILE:SCALE: strong enough to move the tiny clip far (20.6 dB from the plain one
 # on the CPU; at 0.7 it was 29.3 dB, too close to tell from x264's own noise).
 ADAPTER_SCALE = 3.0
+
+
+LOG_LOCK = threading.Lock()
 
 
 def without_fa4(env: dict) -> dict | None:
@@ -64,8 +69,9 @@ def sh(cmd: list[str], env: dict, log, timeout: int = 600) -> tuple[int, str]:
         rc, text = out.returncode, out.stdout + out.stderr
     except subprocess.TimeoutExpired as e:
         rc, text = 124, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-    log.write(f"$ {' '.join(cmd)}\n[rc {rc}, {time.monotonic() - start:.1f} s]\n{text}\n")
-    log.flush()
+    with LOG_LOCK:  # the bundles build side by side: one command's record at a time
+        log.write(f"$ {' '.join(cmd)}\n[rc {rc}, {time.monotonic() - start:.1f} s]\n{text}\n")
+        log.flush()
     return rc, text
 
 
@@ -326,14 +332,16 @@ def main() -> int:
         bundles["s8"] = ["--steps", str(STEPS), *fp8, *SPARSE, "--sparse-kernel",
                          "fp8_emulated" if args.cpu else "fp8"]
         built = {}
-        for name, flags in bundles.items():
-            if not any(b == name and needs <= gpus for _, b, needs, *_ in plan):
-                built[name] = (-1, f"not built: no row this machine can run serves it ({gpus} GPU(s))")
-                log.write(f"{name}: {built[name][1]}\n")
-                continue
-            rc, text = sh(h3 + ["build", "--model", "tiny", "--device", dev, "--output", str(work / name)] + flags,
-                          env, log)
-            built[name] = (rc, text)
+        wanted = [name for name in bundles if any(b == name and needs <= gpus for _, b, needs, *_ in plan)]
+        for name in bundles.keys() - set(wanted):
+            built[name] = (-1, f"not built: no row this machine can run serves it ({gpus} GPU(s))")
+            log.write(f"{name}: {built[name][1]}\n")
+        # The tiny bundles build side by side (their time is Inductor's compiles, on the host's cores): a quarter of
+        # the cores each, so a 16-core GPU host builds four at once and a 2-core machine one at a time.
+        with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1) // 4)) as pool:
+            jobs = {name: pool.submit(sh, h3 + ["build", "--model", "tiny", "--device", dev, "--output",
+                                                str(work / name)] + bundles[name], env, log) for name in wanted}
+            built.update({name: job.result() for name, job in jobs.items()})
 
         def save(rows: list[dict], finished: bool) -> dict:
             """The table so far, written after every row: a run cut short (a device call's time limit) keeps the
