@@ -32,6 +32,7 @@ from .errors import UserError
 from .models.distilled import DistilledSpec
 from .models.lora_file import sha256_of
 from .models.packing import unpatchify
+from .models.runner import NO_EXTRAS, EvalExtras
 from .models.vsa_plan import VsaSettings
 from .jobs.admission import admit
 from .jobs.model_source import Entry, ModelSource, SourceKind
@@ -74,19 +75,15 @@ class StepRecorder:
     on the CPU `.float().cpu()` of fp32 rows returns the same storage, so every step would read as the last one."""
 
     def __init__(self, dit, vsa_settings: VsaSettings | None = None):
-        self.dit, self.cfg = dit, dit.cfg
-        self.sparse_kernel = getattr(dit, "sparse_kernel", None)  # what it wraps serves (models/sparse_run.py)
-        self.sparse_problem = getattr(dit, "sparse_problem", None)  # and why it serves none, with the fix
-        self.sparse_tile = getattr(dit, "sparse_tile", None)  # the fp8 sparse kernel's tile
-        self.vsa = getattr(dit, "vsa", None)  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py)
-        if self.vsa is not None and vsa_settings is not None:  # the other side's settings, its own kernel
-            self.vsa = replace(self.vsa, settings=vsa_settings)
+        self.dit, self.cfg, self.caps = dit, dit.cfg, dit.caps  # it serves what it wraps serves (models/runner.py)
+        if self.caps.vsa is not None and vsa_settings is not None:  # the other side's settings, its own kernel
+            self.caps = replace(self.caps, vsa=replace(self.caps.vsa, settings=vsa_settings))
         self.inputs: list[tuple[torch.Tensor, torch.Tensor]] = []  # per evaluation: (video [V, C], audio [A, C]), fp32
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, extras: EvalExtras = NO_EXTRAS):
         self.inputs.append((video[0].to("cpu", torch.float32, copy=True),
                             audio[0].to("cpu", torch.float32, copy=True)))
-        return self.dit(video, audio, text, unique_t, t_index, layout, **kwargs)  # kwargs: step cache, sparse
+        return self.dit(video, audio, text, unique_t, t_index, layout, extras)
 
 
 def load_recording(source: Entry, task: str, vsa_settings: VsaSettings | None = None) -> H3Pipeline:

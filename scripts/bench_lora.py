@@ -86,6 +86,7 @@ from h3trt.engines.bundle import EngineDiT  # noqa: E402
 from h3trt.engines.guard import no_compile  # noqa: E402
 from h3trt.models.config import NUM_MODALITIES, H3Config  # noqa: E402
 from h3trt.models.lora_slots import BLOCK_TARGETS, DELTA, FUSED, LoraRun, LoraSlots, row_groups  # noqa: E402
+from h3trt.models.runner import EvalExtras  # noqa: E402
 
 BF16 = torch.bfloat16
 BARS = {"slots_no_adapter": 1.01, "slots_one_adapter": 1.05}  # issues 38/44: at most 1% / 5% slower than no_slots
@@ -186,7 +187,7 @@ def engine(cfg_l: H3Config, specs: dict, segments: dict, layers: list, inp: Inpu
 
 def evaluate(dit: EngineDiT, inp: Inputs, lora=None) -> torch.Tensor:
     """One evaluation's block stack through EngineDiT.__call__ (embed and final are the stand-ins)."""
-    (x,) = dit(None, None, None, inp.unique_t, inp.t_index, inp.layout, lora=lora)
+    (x,) = dit(None, None, None, inp.unique_t, inp.t_index, inp.layout, EvalExtras(lora=lora))
     return x
 
 

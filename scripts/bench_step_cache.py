@@ -37,6 +37,7 @@ from bench_common import rel_err, sync  # first: it puts this checkout on sys.pa
 from h3trt.models.config import H3Config
 from h3trt.models.dit import EagerDiT, build_dit, rope_inv_freq
 from h3trt.models.packing import Geometry, frames_for_duration, pack_t2va, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Latents, Schedule, denoise, initial_latents
 from h3trt.models.step_cache import StepCache, StepCacheConfig
 
@@ -66,7 +67,7 @@ def run(dit, latents: Latents, text, layout, schedule: Schedule, config: StepCac
     ctx = cache.context("cond") if cache is not None else None
 
     def model(video, audio, unique_t, t_index):
-        return dit(video, audio, text, unique_t, t_index, layout, cache=ctx)
+        return dit(video, audio, text, unique_t, t_index, layout, EvalExtras(cache=ctx))
 
     sync(device)
     start = time.perf_counter()

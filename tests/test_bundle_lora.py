@@ -41,6 +41,7 @@ from h3trt.models.dit import EagerDiT
 from h3trt.models.lora import LoraSpec
 from h3trt.models.lora_slots import BLOCK_TARGETS, segment_lora_names
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, ResidentAdapters
 from h3trt.request.fields import KEY_WORDS as KEYS
@@ -119,8 +120,8 @@ def test_bundle_adapters_equal_the_eager_adapters_and_switching_them_compiles_no
             args = _inputs(m.model_config, schedule, step)
             plain = engine.dit(*args)
             for uses in sets:  # switched between evaluations, back and forth
-                got = engine.dit(*args, lora=bundle_side.select(uses))
-                want = eager(*args, lora=eager_side.select(uses))
+                got = engine.dit(*args, EvalExtras(lora=bundle_side.select(uses)))
+                want = eager(*args, EvalExtras(lora=eager_side.select(uses)))
                 for g, w, p in zip(got, want, plain):
                     err = ((g - w).norm() / w.norm()).item()
                     assert err <= REL_TOL, f"relative error {err:.2e} with {uses} at step {step}"
@@ -149,9 +150,9 @@ def test_a_request_without_adapters_is_the_plain_runner_bit_for_bit(slot_bundle,
                          torch.float32, torch.device("cpu"), slots=dit.lora_slots)
         loaded = dit(*args)
         # Adapters named at scale 0 add nothing: not computed at all, the plain block runs (issue 44).
-        zero = dit(*args, lora=dit.lora_slots.select([(0, 0.0), (1, 0.0)]))
+        zero = dit(*args, EvalExtras(lora=dit.lora_slots.select([(0, 0.0), (1, 0.0)])))
         assert calls == {"block": 3 * m.model_config.num_layers, "block_lora": 0}
-        dit(*args, lora=dit.lora_slots.select([(0, 1.0)]))
+        dit(*args, EvalExtras(lora=dit.lora_slots.select([(0, 1.0)])))
         assert calls["block_lora"] == m.model_config.num_layers  # the twin runs only for an evaluation with adapters
     for w, e, lo, z in zip(want, empty, loaded, zero):
         assert torch.equal(e, w) and torch.equal(lo, w) and torch.equal(z, w)
@@ -219,7 +220,11 @@ def test_adapters_a_bundle_cannot_hold_are_refused_before_any_model_loads(slot_b
 def test_admission_refuses_adapters_with_sparse_attention_on_a_bundle(slot_bundle, files):
     entry = Entry.local(ModelSource.resolve(engine=slot_bundle), "cpu", (AdapterSpec("a", files["a"]),))
     admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse("a"),)), KEYS)  # dense: admitted
-    admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)  # sparse without adapters: too
+    # Sparse without adapters: this bundle has no halves (built without --sparse-attention), so its caps refuse it
+    # before anything loads (engines/caps.py), as its loaded pipeline would
+    with pytest.raises(UserError, match="this bundle serves no block-sparse attention") as e:
+        admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)
+    assert e.value.field == "sparse_attention"
     with pytest.raises(UserError, match="runs LoRA adapters on dense attention only.*sparse_attention 0") as e:
         admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5, lora=(AdapterUse("a"),)), KEYS)
     assert e.value.field == "lora"

@@ -103,7 +103,7 @@ def test_a_vsa_export_loads_as_a_checkpoint_serving_its_sidecars_vsa(tiny_root, 
         "num_inference_steps": 5, "transformer_forwards": 4, "attention_backend": "VIDEO_SPARSE_ATTN_H3",
         "vsa_sparsity": 0.8, "vsa_tile_size": 64}))
     parts = load_checkpoint(export, "t2va", "cpu")
-    settings = parts.dit.vsa.settings
+    settings = parts.dit.caps.vsa.settings
     assert parts.dit.cfg.vsa_gate and (settings.sparsity, settings.sparsity_from) == (
         0.8, "fastvideo_inference.json vsa_sparsity")
     assert parts.distilled.plan.schedule.rungs == (0.999, 0.749, 0.5, 0.25)

@@ -28,6 +28,7 @@ from h3trt.models.distilled import FASTH3_LORA_VSA, DistilledSpec
 from h3trt.models.distilled_schedule import fasth3_schedule
 from h3trt.models.distilled_writer import write_fasth3
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.tiny import write_tiny_vsa_checkpoint
 from h3trt.models.vsa_plan import VsaRun
 from h3trt.pipeline.loading import load_checkpoint
@@ -74,21 +75,21 @@ def test_manifest_records_the_file_what_it_was_distilled_at_and_what_is_served(v
 def test_bundle_equals_the_eager_merged_model_at_every_forward(vsa_bundle, vsa_file, tiny_root):
     engine = Engine.load(vsa_bundle, "cpu")
     eager = load_checkpoint(tiny_root, "t2va", "cpu", distilled=DistilledSpec(vsa_file)).dit
-    assert eager.cfg.vsa_gate and eager.vsa.settings == engine.dit.vsa.settings
+    assert eager.cfg.vsa_gate and eager.caps.vsa.settings == engine.dit.caps.vsa.settings
     layout = pack_t2va(text_tags_for(11), 37, 6, 10, 207)
     g = torch.Generator().manual_seed(0)
     cfg = eager.cfg
     args = (torch.randn(1, layout.video_index.numel(), cfg.video_patch_dim, generator=g),
             torch.randn(1, layout.audio_index.numel(), cfg.audio_in_channels, generator=g),
             torch.randn(1, layout.text_index.numel(), cfg.text_dim, generator=g))
-    runs = [VsaRun(engine.dit.vsa), VsaRun(eager.vsa)]
+    runs = [VsaRun(engine.dit.caps.vsa), VsaRun(eager.caps.vsa)]
     with torch.no_grad(), no_compile():
         for tv, ta in SCHEDULE.timesteps():
             unique_t, t_index = row_timesteps(layout, tv, ta)
             outputs = []
             for run, dit in zip(runs, (engine.dit, eager)):
                 run.next_evaluation()
-                outputs.append(dit(*args, unique_t, t_index, layout, sparse=run))
+                outputs.append(dit(*args, unique_t, t_index, layout, EvalExtras(sparse=run)))
             for a, b in zip(*outputs):
                 err = ((a - b).norm() / b.norm()).item()
                 assert err <= REL_TOL, f"relative error {err:.2e} at t=({tv}, {ta})"

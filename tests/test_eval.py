@@ -17,6 +17,7 @@ import h3trt.eval as eval_module
 from h3trt.cli import main
 from h3trt.errors import UserError
 from h3trt.eval import StepRecorder, compare, reference_entry, trace
+from h3trt.models.runner import NO_EXTRAS, RunnerCaps
 from h3trt.models.sampler import euler_step, initial_latents
 from h3trt.pipeline.loading import load_checkpoint
 from h3trt.pipeline.h3_pipeline import H3Pipeline
@@ -35,10 +36,12 @@ class ScaledVelocity:
     """A synthetic DiT: the velocity is `scale` times the rows it is given, so the trajectory is known in closed
     form (each Euler step scales the rows)."""
 
+    caps = RunnerCaps()
+
     def __init__(self, cfg, scale: float):
         self.cfg, self.scale = cfg, scale
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, extras=NO_EXTRAS):
         return self.scale * video, self.scale * audio
 
 

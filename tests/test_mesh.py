@@ -20,6 +20,7 @@ from h3trt.engines.manifest import BundleError
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import NO_EXTRAS, EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.pipeline.guidance import branch_t_index
@@ -157,7 +158,7 @@ class _EagerQuantizedDiT(EagerDiT):
         super().__init__(model)
         self.kernel = kernel
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, extras=NO_EXTRAS):
         from h3trt.models.config import NUM_MODALITIES
         from h3trt.calibration.modules import ATTENTION_SCALES, attention_fn
 
@@ -214,14 +215,14 @@ def _sparse_evaluation(dit, eager) -> dict:
     unique_t, t_index = row_timesteps(layout, *Schedule().timesteps()[20])
     outs, reports = [], []
     for runner in (dit, eager):
-        run = SparseRun(SparseSettings(0.5, dense_steps=0, min_seq=1), dit.sparse_kernel)
+        run = SparseRun(SparseSettings(0.5, dense_steps=0, min_seq=1), dit.caps.sparse_kernel)
         run.next_evaluation()
         with torch.no_grad():
-            outs.append(runner(video, audio, text, unique_t, t_index, layout, sparse=run))
+            outs.append(runner(video, audio, text, unique_t, t_index, layout, EvalExtras(sparse=run)))
         reports.append(run.report())
     with torch.no_grad():
         dense = eager(video, audio, text, unique_t, t_index, layout)
-    return {"kernel": dit.sparse_kernel, "kept": [r["kept_fraction"] for r in reports],
+    return {"kernel": dit.caps.sparse_kernel, "kept": [r["kept_fraction"] for r in reports],
             "sharded": [((a - b).norm() / b.norm()).item() for a, b in zip(*outs)],
             "from_dense": [((a - b).norm() / b.norm()).item() for a, b in zip(outs[1], dense)]}
 
@@ -257,7 +258,7 @@ def _cached_decisions(engine_dit, eager, layout) -> dict:
     for name, dit in (("engine", engine_dit), ("eager", eager)):
         cache = StepCache(StepCacheConfig("first-block", 0.12), schedule.num_evaluations)
         with torch.no_grad():
-            final = denoise(lambda v, a, u, t: dit(v, a, text, u, t, layout, cache=cache.context("cond")), start,
+            final = denoise(lambda v, a, u, t: dit(v, a, text, u, t, layout, EvalExtras(cache=cache.context("cond"))), start,
                             layout, schedule)
         out[name] = {"skipped": cache.report()["branches"]["cond"]["skipped_steps"], "video": final.video.tolist()}
     return out

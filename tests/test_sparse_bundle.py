@@ -22,6 +22,7 @@ from h3trt.engines.manifest import SparseRecord, read_manifest
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.sparse_plan import SparseSettings, sparse_settings
 from h3trt.models.sparse_run import SparseRun
@@ -84,7 +85,7 @@ def _inputs(cfg):
 
 def test_a_sparse_evaluation_runs_the_halves_and_matches_the_eager_sparse_dit(sparse_bundle, tiny_root):
     engine = Engine.load(sparse_bundle, "cpu")
-    assert engine.dit.sparse_kernel == "reference" and engine.load_report["sparse_kernel_s"] >= 0
+    assert engine.dit.caps.sparse_kernel == "reference" and engine.load_report["sparse_kernel_s"] >= 0
     eager = EagerDiT(load_dit(tiny_root, "t2va", torch.float32)[0], "reference")
     args = _inputs(eager.cfg)
     calls = {"block": 0, "block_pre": 0, "block_post": 0}
@@ -99,7 +100,7 @@ def test_a_sparse_evaluation_runs_the_halves_and_matches_the_eager_sparse_dit(sp
         for dit in (engine.dit, eager):
             run = SparseRun(sparse_settings(0.75, 0, 1), "reference")
             run.next_evaluation()
-            outputs.append(dit(*args, sparse=run))
+            outputs.append(dit(*args, EvalExtras(sparse=run)))
             runs.append(run.report())
     assert calls == {"block": 2, "block_pre": 2, "block_post": 2}  # the sparse evaluation: the halves, never the block
     for got, want, plain in zip(*outputs, dense):
@@ -116,7 +117,7 @@ def test_a_dense_evaluation_of_a_sparse_request_is_the_fused_block_bit_for_bit(s
     run = SparseRun(sparse_settings(0.75, 2, 1), "reference")
     run.next_evaluation()  # evaluation 0: within the dense steps
     with torch.no_grad(), no_compile():
-        for got, want in zip(engine.dit(*args, sparse=run), engine.dit(*args)):
+        for got, want in zip(engine.dit(*args, EvalExtras(sparse=run)), engine.dit(*args)):
             assert torch.equal(got, want)
     assert run.report()["sparse_evaluations"] == []
 

@@ -9,6 +9,7 @@ rounding (tests/test_fp8_attention.py bounds the dense op at 8% of the attention
 residual stream: measured 0.4%, bounded at 3%, and above 0 (the FP8 path ran).
 """
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -20,9 +21,11 @@ from safetensors.torch import load_file
 
 from h3trt.engines import bundle as bundle_module
 from h3trt.engines.bundle import Engine, bundle_sparse_kernel
+from h3trt.engines.caps import bundle_caps
 from h3trt.engines.guard import no_compile
 from h3trt.models import sparse_run
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.sparse_plan import SparseSettings
 from h3trt.models.sparse_run import SparseRun
@@ -66,16 +69,16 @@ def sparse_evaluation(engine, seed=1):
     video, audio, text = dit_inputs(layout, cfg, seed=seed)
     text = text.to(torch.bfloat16)  # an fp8 bundle's text rows arrive in its compute dtype
     unique_t, t_index = row_timesteps(layout, *Schedule(BUNDLE_STEPS).timesteps()[3])  # a baked step
-    run = SparseRun(SparseSettings(0.75, dense_steps=0, min_seq=1), engine.dit.sparse_kernel)
+    run = SparseRun(SparseSettings(0.75, dense_steps=0, min_seq=1), engine.dit.caps.sparse_kernel)
     run.next_evaluation()
     with torch.no_grad(), no_compile():
-        out = engine.dit(video, audio, text, unique_t, t_index, layout, sparse=run)
+        out = engine.dit(video, audio, text, unique_t, t_index, layout, EvalExtras(sparse=run))
     return out, run
 
 
 def test_a_sparse_evaluation_runs_fp8_sparse_attention_with_each_layers_scales(fp8_sparse_bundle, monkeypatch):
     engine = Engine.load(fp8_sparse_bundle, "cpu")
-    assert engine.dit.sparse_kernel == "fp8_emulated"
+    assert engine.dit.caps.sparse_kernel == "fp8_emulated"
     blocks = load_file(str(fp8_sparse_bundle / "weights" / "blocks.safetensors"))
     layers = engine.dit.cfg.num_layers
     want = [tuple(blocks[f"blocks.{i}.attn.{n}"].item() for n in ("q_scale", "k_scale", "v_scale"))
@@ -92,7 +95,7 @@ def test_a_sparse_evaluation_runs_fp8_sparse_attention_with_each_layers_scales(f
     fp8_out, run = sparse_evaluation(engine)
     assert seen == want and 0 < run.report()["kept_fraction"] < 1
     # The same evaluation with the bf16 masked reference over the same blocks: FP8's rounding apart.
-    engine.dit.sparse_kernel, engine.dit.sparse_scales = "reference", None
+    engine.dit.caps, engine.dit.sparse_scales = dataclasses.replace(engine.dit.caps, sparse_kernel="reference"), None
     bf16_out, _ = sparse_evaluation(engine)
     errors = [((a - b).norm() / b.norm()).item() for a, b in zip(fp8_out, bf16_out)]
     assert 0 < max(errors) < FP8_VS_BF16_TOL, errors
@@ -111,8 +114,6 @@ def test_a_served_clip_is_fp8_sparse_and_its_record_names_the_kernel(fp8_sparse_
 
 def test_the_load_warms_the_recorded_kernel_and_tile_and_requests_get_the_tile(fp8_sparse_bundle, monkeypatch):
     """A GPU bundle's record (fp8, its measured tile) is what the load compiles and what every request runs."""
-    import dataclasses
-
     from h3trt.engines.manifest import read_manifest
 
     manifest = read_manifest(fp8_sparse_bundle)
@@ -122,8 +123,8 @@ def test_the_load_warms_the_recorded_kernel_and_tile_and_requests_get_the_tile(f
     monkeypatch.setattr(bundle_module, "warm_sparse", lambda *args: warmed.append(args))
     assert bundle_sparse_kernel(fp8_sparse_bundle, manifest, torch.device("cpu")) == ("fp8", None)
     assert warmed[0][0] == "fp8" and warmed[0][5:] == (64, "m64n64w4s3")
-    pipeline = types.SimpleNamespace(dit=types.SimpleNamespace(sparse_kernel="fp8", sparse_problem=None,
-                                                               sparse_tile="m64n64w4s3"), device=torch.device("cpu"))
+    caps = bundle_caps(manifest)  # what the loaded runner serves, from its manifest
+    pipeline = types.SimpleNamespace(dit=types.SimpleNamespace(caps=caps), device=torch.device("cpu"))
     request = types.SimpleNamespace(speed=Speed(sparse_attention=0.75))
     run = H3Pipeline.new_sparse_run(pipeline, request)
     assert (run.kernel, run.tile, run.report()["tile"]) == ("fp8", "m64n64w4s3", "m64n64w4s3")

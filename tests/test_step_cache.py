@@ -24,6 +24,7 @@ from h3trt.errors import UserError
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Latents, Schedule, denoise, euler_step, initial_latents
 from h3trt.models.step_cache import StepCache, StepCacheConfig, nearest_interp
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
@@ -72,7 +73,7 @@ def ours_run(model, cfg, config: StepCacheConfig | None):
     ctx = cache.context("cond") if cache else None
 
     def fn(video, audio, unique_t, t_index):
-        return dit(video, audio, text, unique_t, t_index, LAYOUT, cache=ctx)
+        return dit(video, audio, text, unique_t, t_index, LAYOUT, EvalExtras(cache=ctx))
 
     with torch.no_grad():
         final = denoise(fn, latents, LAYOUT, SCHEDULE)

@@ -16,6 +16,7 @@ from h3trt.models.checkpoint_writer import random_state_dict
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.packing import RefBlock, pack_ref2va, pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.parallel.mesh import MeshConfig, valid_sp
 from h3trt.parallel.ulysses import forward_sp
 
@@ -110,8 +111,8 @@ def _sparse_worker(rank, world, store, out_dir):
             return fn(sparse), sparse.report()
 
         got, report = run(lambda s: forward_sp(model, dist.group.WORLD, video, audio, text, unique_t, t_index,
-                                                layout, sparse=s))
-        want, _ = run(lambda s: EagerDiT(model)(video, audio, text, unique_t, t_index, layout, sparse=s))
+                                                layout, EvalExtras(sparse=s)))
+        want, _ = run(lambda s: EagerDiT(model)(video, audio, text, unique_t, t_index, layout, EvalExtras(sparse=s)))
         with torch.no_grad():
             dense = model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
                           layout.video_index, layout.audio_index, layout.text_index)

@@ -25,6 +25,7 @@ from h3trt.errors import UserError
 from h3trt.models.checkpoint import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import write_tiny_vsa_checkpoint
 from h3trt.models.vsa_plan import VsaRun, VsaServing, VsaSettings
@@ -76,7 +77,7 @@ def test_manifest_vsa_record_is_checked(vsa_bundle):
 
 def test_engine_matches_the_eager_vsa_dit(vsa_bundle, vsa_root):
     engine = Engine.load(vsa_bundle, "cpu")
-    assert engine.dit.vsa == SERVING
+    assert engine.dit.caps.vsa == SERVING
     eager = EagerDiT(load_dit(vsa_root, "t2va", torch.float32)[0], vsa=SERVING)
     layout = pack_t2va(text_tags_for(13), 37, 6, 10, 207)  # another text length than the build's example
     tv, ta = Schedule(BUNDLE_STEPS).timesteps()[2]
@@ -88,7 +89,7 @@ def test_engine_matches_the_eager_vsa_dit(vsa_bundle, vsa_root):
         for evaluation in range(2):  # the first dense (the coarse branch kept), the second sparse but block 1
             for run, dit in zip(runs, (engine.dit, eager)):
                 run.next_evaluation()
-                outputs[evaluation].append(dit(*args, sparse=run))
+                outputs[evaluation].append(dit(*args, EvalExtras(sparse=run)))
     for evaluation, (got, want) in outputs.items():
         for g, w in zip(got, want):
             err = ((g - w).norm() / w.norm()).item()
@@ -152,7 +153,7 @@ def _sp2_rank(rank, world, store, bundle, root, out):
             outputs = []
             for dit, run in zip((engine.dit, eager), runs):
                 run.next_evaluation()
-                outputs.append(dit(*args, sparse=run))
+                outputs.append(dit(*args, EvalExtras(sparse=run)))
             errors += [((a - b).norm() / b.norm()).item() for a, b in zip(*outputs)]
     (Path(out) / f"rank{rank}.json").write_text(json.dumps({"errors": errors, "report": runs[0].report()}))
 

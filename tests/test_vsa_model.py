@@ -23,6 +23,7 @@ from h3trt.models.checkpoint_writer import diffusers_state_dict, random_state_di
 from h3trt.models.config import NUM_MODALITIES, H3Config
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.vsa import vsa_reference
 from h3trt.models.vsa_plan import VsaRun, VsaServing, VsaSettings, vsa_settings
@@ -118,7 +119,7 @@ def test_eager_dit_matches_the_definition_per_evaluation_and_layer(keyframes):
         outs = []
         for evaluation in range(2):
             run.next_evaluation()
-            got = dit(video, audio, text, unique_t, t_index, lay, sparse=run)
+            got = dit(video, audio, text, unique_t, t_index, lay, EvalExtras(sparse=run))
             want = hand_forward(model, video, audio, text, unique_t, t_index, lay,
                                 lambda i: 0.0 if evaluation < 1 or i == 2 else 0.6)
             for g, w in zip(got, want):
@@ -166,9 +167,10 @@ def _worker(rank, world, store, out_dir):
             run.next_evaluation()
             with torch.no_grad():
                 if runner == "sp":
-                    got = forward_sp(model, dist.group.WORLD, video, audio, text, unique_t, t_index, lay, sparse=run)
+                    got = forward_sp(model, dist.group.WORLD, video, audio, text, unique_t, t_index, lay,
+                                     EvalExtras(sparse=run))
                 else:
-                    want = EagerDiT(model)(video, audio, text, unique_t, t_index, lay, sparse=run)
+                    want = EagerDiT(model)(video, audio, text, unique_t, t_index, lay, EvalExtras(sparse=run))
         errors = [rel(g, w) for g, w in zip(got, want)]
         (out_dir / f"rank{rank}.json").write_text(json.dumps(errors))
     finally:

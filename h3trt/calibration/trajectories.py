@@ -14,6 +14,7 @@ import torch
 
 from ..errors import UserError
 from ..models.dit import H3DiT, sdpa_attention
+from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, validate_canvas
 from ..models.sampler import Latents, Schedule, denoise, initial_latents
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
@@ -66,15 +67,19 @@ def t2va_trajectory(dit, text_encoder: H3TextEncoder, prompt: str, seed: int, ge
 
 
 class _Runner:
-    """The eager DiT behind the runner signature the pipeline calls, attending through `attention`."""
+    """The eager DiT under the runner contract (models/runner.py), attending through `attention`; it serves plain
+    evaluations only (`caps`: none of the extras), as calibration sees the model."""
+
+    caps = RunnerCaps()
 
     def __init__(self, model: H3DiT):
         self.model, self.cfg, self.attention = model, model.cfg, sdpa_attention
         self.vsa: VsaRun | None = None  # a FastH3-VSA model's run over the trajectory (one call per step)
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
-        if cache is not None:  # calibration must see every block at every step
-            raise ValueError("Calibration runs every evaluation; it takes no step cache.")
+    def __call__(self, video, audio, text, unique_t, t_index, layout, extras: EvalExtras = NO_EXTRAS):
+        if extras != NO_EXTRAS:  # calibration must see every block at every step, dense, on the model's weights
+            raise ValueError("Calibration runs every evaluation plainly; it takes no step cache, sparse attention or "
+                             "adapters.")
         attn = self.attention
         if self.cfg.vsa_gate:  # VSA as served, the calibration's core its dense attention
             if self.vsa is not None:

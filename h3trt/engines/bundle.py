@@ -1,13 +1,14 @@
 """Loading a bundle: checks, the shipped compiled code, weights, and the DiT runner built from the segments (every
 file checked against the manifest on the way, by bundle_files.py's BundleVerification).
 
-`EngineDiT` has the eager runner's signature, so the pipeline never knows which backend compiled what.
+`EngineDiT` is a DiT runner (models/runner.py), so the pipeline never knows which backend compiled what.
 """
 
 from __future__ import annotations
 
 import functools
 import time
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable
 
@@ -21,6 +22,7 @@ from ..models.attention import bound_attention, dense_kernel
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import layer_attention, rope_inv_freq, rope_tables, sdpa_attention
 from ..models.packing import PackedLayout
+from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX, StepHeads
 from ..models.sampler import Schedule
 from ..models.block_stack import run_block_stack
@@ -30,6 +32,7 @@ from ..models.sparse_run import load_sparse_kernel, warm_sparse
 from ..models.vsa_plan import VsaServing, load_vsa_kernel, vsa_call
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
+from .caps import NO_SPARSE_HALVES, bundle_caps
 from .loaders import LoadedSegment, load_segments
 from .bundle_files import BundleVerification
 from .load_checks import check_load
@@ -50,9 +53,6 @@ class EngineDiT:
     sparse evaluation runs around its block-sparse attention (the exchange of one rank is the identity). A FastH3-VSA
     bundle has the halves only: every evaluation runs VSA between them, its gate in the exchange's buffer."""
 
-    sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
-    sparse_tile: str | None = None  # the fp8 sparse kernel's tile configuration (the manifest's; None: its default)
-
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
                  sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None,
@@ -62,14 +62,14 @@ class EngineDiT:
         calibrated q/k/v scales. `lora_slots`: the banks of a bundle built with --lora-slots (allocated at load;
         adapters are loaded into them), which its block_lora segments take. `vsa`: a FastH3-VSA bundle's settings and
         kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused head per forward (models/pdd.py),
-        given to the final segment in place of its own for the evaluation's forward."""
+        given to the final segment in place of its own for the evaluation's forward. `caps` (models/runner.py): these
+        (the loader's come from the manifest: engines/caps.py bundle_caps)."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
-        self.vsa = vsa
+        self.caps = RunnerCaps(sparse_kernel, vsa=vsa, adapter_slots=lora_slots.num_slots if lora_slots else None)
         self.halves = "block_pre" in entries and "block_post" in entries
         if sparse_kernel is not None and not self.halves:
             raise ValueError("a bundle without the block halves serves no sparse attention (its compiled block "
                              "holds its attention): pass sparse_kernel None.")
-        self.sparse_kernel = sparse_kernel
         self.sparse_scales = None  # per layer: (q, k, v) scales, for an FP8 sparse kernel
         if sparse_kernel in FP8_SPARSE_KERNELS:
             names = [[f"blocks.{i}.attn.{n}" for n in ATTENTION_SCALES] for i in range(cfg.num_layers)]
@@ -106,17 +106,18 @@ class EngineDiT:
                                                              for n in entries["attention"]["weights"]])
                                       for i in range(cfg.num_layers)]
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None,
-                 lora: LoraRun | None = None):
-        """`lora`: the evaluation's adapters (from this engine's `lora_slots`); None runs exactly the plain path.
-        A FastH3-VSA bundle takes its request's VsaRun as `sparse` (models/vsa_plan.py), in every evaluation."""
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, extras: EvalExtras = NO_EXTRAS):
+        """The runner contract (models/runner.py). `extras.lora`: the evaluation's adapters (from this engine's
+        `lora_slots`); None runs exactly the plain path. A FastH3-VSA bundle takes its request's VsaRun as
+        `extras.sparse` (models/vsa_plan.py), in every evaluation."""
+        sparse, lora = extras.sparse, extras.lora
         if self.cfg.vsa_gate:  # VSA between the halves: dense evaluations run the bundle's own dense kernel
             core = vsa_call(sparse, layout, self.sharded_attention[0] or sdpa_attention)
         else:
             core = sparse.attention(layout) if sparse is not None else None
         if core is not None and not self.halves:
             raise ValueError("this bundle's compiled block holds its attention and it has no halves; it serves no "
-                             "sparse attention (sparse_kernel is None, which the pipeline checks before denoising).")
+                             "sparse attention (its caps say so, which admission checks before denoising).")
         if lora is not None:
             self._check_lora(lora, core)
         if unique_t.numel() == 1:
@@ -136,7 +137,7 @@ class EngineDiT:
             block_fn = self._block_lora(rows, temb, lora)
         else:  # dense: the fused block, its attention (FP8 attention in an fp8 bundle) inside it
             block_fn = self._block(rows, temb)
-        x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), cache, shard)
+        x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), extras.cache, shard)
         final_w = self.final_w
         if self.final_heads is not None:  # PDD: this forward's fused head (chosen on the device: no sync)
             chosen = self.final_heads.select(self.final_heads.index(unique_t, t_index, layout.video_index))
@@ -357,8 +358,8 @@ def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegmen
     dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
                     quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel,
                     lora_slots, vsa, _final_heads(manifest, weights["final"], device))
-    dit.sparse_problem = sparse_problem
-    dit.sparse_tile = manifest.sparse.tile if manifest.sparse is not None else None
+    # The manifest's caps, narrowed by the load: a sharded bundle's fa4 that did not warm, with why
+    dit.caps = replace(bundle_caps(manifest), sparse_kernel=sparse_kernel, sparse_problem=sparse_problem)
     return dit
 
 
@@ -392,13 +393,6 @@ def _load_report(manifest: Manifest, verification: "BundleVerification", marks: 
         "sparse_kernel_s": round(marks["sparse_s"], 4),
         "total_s": round(end - t0, 4),
     }
-
-
-NO_SPARSE_HALVES = ("this bundle serves no block-sparse attention: it was built without --sparse-attention, and its "
-                    "compiled block holds its attention. Run the request with --sparse-attention 0 (or a dense "
-                    "profile: lossless, quality), or rebuild the bundle with h3trt build ... --sparse-attention "
-                    "SPARSITY (0: dense unless a request asks), which adds the block's halves around the sparse "
-                    "attention.")
 
 
 def bundle_sparse_kernel(root: Path, manifest: Manifest, device: torch.device) -> tuple[str | None, str | None]:

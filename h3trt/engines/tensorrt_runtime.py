@@ -19,7 +19,9 @@ import torch
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import rope_inv_freq, rope_tables
 from ..models.block_stack import run_block_stack
+from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from .adaln import load_adaln
+from .caps import bundle_caps
 from .bundle_files import verify_files
 from .manifest import BundleError, Manifest
 
@@ -137,16 +139,21 @@ class TrtSegment:
 
 
 class TrtDiT:
-    """The DiT forward from plans (EagerDiT's signature): embed, one plan per layer, final. Weights live in the
-    plans; the modulation tables (baked or live AdaLN) and the rotary tables are inputs, as in every bundle."""
+    """The DiT forward from plans (the runner contract: models/runner.py): embed, one plan per layer, final. Weights
+    live in the plans; the modulation tables (baked or live AdaLN) and the rotary tables are inputs, as in every
+    bundle. Its plans fuse their attention and hold no adapters: `caps` serves a step cache alone (the loader's come
+    from the manifest: engines/caps.py)."""
 
-    def __init__(self, cfg: H3Config, segments: dict[str, TrtSegment], adaln, device: torch.device):
-        self.cfg, self.adaln, self.device = cfg, adaln, device
+    def __init__(self, cfg: H3Config, segments: dict[str, TrtSegment], adaln, device: torch.device,
+                 caps: RunnerCaps = RunnerCaps()):
+        self.cfg, self.adaln, self.device, self.caps = cfg, adaln, device, caps
         self.embed, self.final = segments["embed"], segments["final"]
         self.blocks = [segments[f"block_{i}"] for i in range(cfg.num_layers)]
         self.inv_freq = rope_inv_freq(cfg).to(device)
 
-    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, extras: EvalExtras = NO_EXTRAS):
+        if extras.sparse is not None or extras.lora is not None:  # admission checks the caps: a caller's mistake
+            raise ValueError("a TensorRT bundle runs no block-sparse attention and no adapters (its caps say so).")
         x, temb = self.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
                              layout.token_tags)
         rows = self.adaln.rows(unique_t)
@@ -156,7 +163,7 @@ class TrtDiT:
         def block_fn(i, x, adaln_index, rope):
             return self.blocks[i](x, self.adaln.block(i, rows, temb).contiguous(), adaln_index, *rope)[0]
 
-        x = run_block_stack(x, len(self.blocks), block_fn, adaln_index, (cos, sin), cache)
+        x = run_block_stack(x, len(self.blocks), block_fn, adaln_index, (cos, sin), extras.cache)
         return self.final(x, self.adaln.final_table(rows, temb).contiguous(), t_index, layout.video_index,
                           layout.audio_index)
 
@@ -177,4 +184,5 @@ def load_trt_engine(engine_cls, root: Path, manifest: Manifest, device: torch.de
     segments = {name: TrtSegment(trt, (root / "segments" / e["artifact"]).read_bytes(), e, device, info["flavour"])
                 for name, e in manifest.segments.items()}
     adaln = load_adaln(root, manifest, cfg, device)
-    return engine_cls(root, manifest, TrtDiT(cfg, segments, adaln, device), segments, compiled_video_decoder=False)
+    dit = TrtDiT(cfg, segments, adaln, device, bundle_caps(manifest))
+    return engine_cls(root, manifest, dit, segments, compiled_video_decoder=False)

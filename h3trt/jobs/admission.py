@@ -22,6 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..engines.caps import bundle_caps
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
 from ..pipeline.adapters import check_adapters, check_bundle_dense
@@ -48,7 +49,9 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
           prepared request names each adapter's file and sha256 as they are now (pipeline/adapter_catalog.py); and a
           bundle runs them dense (check_bundle_dense: its sparse halves have no adapter slots)
       1c. a distilled model (models/distilled.py DistilledServing) serves its family's tasks and schedule, CFG off
-      2. a bundle serves the task, the canvas and the schedule (check_bundle_serves)
+      2. a bundle's runner serves its block-sparse attention and adapters (its caps from its manifest:
+         models/runner.py RunnerCaps.check; a checkpoint's are known once loaded, and its pipeline checks them), the
+         task, the canvas and the schedule (check_bundle_serves)
       3. on cfg=2 rank groups (`guidance_branches` 2: the launched mesh's cfg degree) each group runs one of
          guidance's two branches, so the request must be guided
       4. `own`: the front door's own checks of the prepared request (run_clip's output: its name, folder and space)
@@ -69,8 +72,10 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
         s = request.schedule
         serving.check(request.task, request.guidance.scale, request.speed.cache)
         serving.schedule(s.steps, s.video_shift, s.audio_shift)
-    if model.manifest is not None:
+    if model.manifest is not None:  # what the bundle's runner serves, from its manifest (engines/caps.py)
         check_bundle_dense(request.adapters, request.speed.sparse_attention)
+        caps = bundle_caps(model.manifest, pinned=len(model.loras))
+        caps.check(sparse=request.speed.sparse.enabled and caps.vsa is None, adapters=len(request.adapters))
         check_bundle_serves(model.manifest, prepared)
     if guidance_branches == 2 and request.guidance.scale == 1.0:
         n = names

@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from ..engines.caps import bundle_caps, static_batch_segments
 from ..engines.manifest import Manifest, bundle_identity, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..errors import UserError
@@ -333,7 +334,7 @@ class AdapterConfig:
                 raise UserError(f"--adapter/--lora/--lora-dir: {refusal}")
         # --adapter, and --lora (an adapter on every request, unmerged), go into the bundle's LoRA slots
         check_bundle_specs(specs, source.loras, m.lora_slots, m.model_config, m.task, folder)
-        return cls(specs, folder, per_request=m.lora_slots.slots - len(source.loras) if m.lora_slots else None)
+        return cls(specs, folder, per_request=bundle_caps(m, pinned=len(source.loras)).adapter_slots)
 
     @property
     def schedules(self) -> dict[str, ScheduleValues]:
@@ -419,13 +420,11 @@ class Entry:
 
 
 def check_bundle_batch(segments: dict, max_batch: int) -> None:
-    """Refuse --max-batch > 1 on a bundle whose DiT segments (a manifest's `segments`) were compiled for batch 1: a
-    segment's first activation ([B, ...]) without a dynamic dimension 0 has its batch size baked into the artifact."""
+    """Refuse --max-batch > 1 on a bundle whose DiT segments (a manifest's `segments`) were compiled for batch 1
+    (engines/caps.py static_batch_segments)."""
     if max_batch == 1:
         return
-    static = sorted(name for name, entry in segments.items()
-                    if not name.startswith(("video_decoder", "audio_decoder"))
-                    and "0" not in {str(d) for d in entry.get("dynamic", {}).get(entry["inputs"][0], {})})
+    static = static_batch_segments(segments)
     if static:
         raise UserError(f"--max-batch {max_batch}: this bundle's DiT segments {static} are compiled for batch 1 (the "
                         "batch dimension is static in the artifacts); pass --max-batch 1 with --engine, or serve "

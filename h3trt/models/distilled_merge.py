@@ -17,6 +17,7 @@ from .distilled import Distilled
 from .distilled_files import GATE_SUFFIX, DistilledError, Fusion, Patch
 from .lora import swap_halves
 from .pdd import HEAD_WEIGHTS, StepHeads
+from .runner import NO_EXTRAS, EvalExtras, RunnerCaps
 
 
 def check_fusion(fusion: Fusion, params: Mapping[str, torch.Tensor],
@@ -114,12 +115,16 @@ class StepHeadRunner:
         self.inner, self.heads = inner, heads
         self.params = {name: final.get_parameter(name) for name in HEAD_WEIGHTS}
 
-    def __getattr__(self, name):  # cfg, sparse_kernel, ...: the inner runner's
+    def __getattr__(self, name):  # cfg, model, ...: the inner runner's
         return getattr(self.inner, name)
 
+    @property
+    def caps(self) -> RunnerCaps:
+        return self.inner.caps
+
     @torch.no_grad()
-    def __call__(self, video, audio, text, unique_t, t_index, layout, **kwargs):
+    def __call__(self, video, audio, text, unique_t, t_index, layout, extras: EvalExtras = NO_EXTRAS):
         chosen = self.heads.select(self.heads.index(unique_t, t_index, layout.video_index.to(t_index.device)))
         for name, tensor in chosen.items():
             self.params[name].copy_(tensor)
-        return self.inner(video, audio, text, unique_t, t_index, layout, **kwargs)
+        return self.inner(video, audio, text, unique_t, t_index, layout, extras)

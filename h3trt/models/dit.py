@@ -23,6 +23,7 @@ import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, NUM_MODULATION_PARAMS, H3Config
 from .block_stack import RowSharding, run_block_stack
+from .runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from .step_cache import CacheContext
 from .vsa_plan import VsaServing, vsa_call
 
@@ -402,29 +403,26 @@ class H3DiT(nn.Module):
 
 
 class EagerDiT:
-    """The reference DiT behind the runner signature the pipeline calls; an engine bundle provides the same one:
-    (video, audio, text, unique timesteps, row timestep index, PackedLayout, cache=None, sparse=None) -> (video v,
-    audio v). `sparse_kernel`: the block-sparse attention kernel it serves (models/sparse_kernels.py), chosen and
-    warmed at load; None: it serves none."""
+    """The reference DiT behind the runner contract (models/runner.py DiTRunner), as an engine bundle serves it.
+    `caps`: the block-sparse attention kernel it serves (models/sparse_kernels.py, chosen and warmed at load; None:
+    none, and `sparse_problem` why) and a FastH3-VSA model's settings and kernel (`vsa`: models/vsa_plan.py)."""
 
-    sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
+    def __init__(self, model: H3DiT, sparse_kernel: str | None = None, vsa: VsaServing | None = None,
+                 sparse_problem: str | None = None):
+        self.model, self.cfg = model, model.cfg
+        self.caps = RunnerCaps(sparse_kernel, sparse_problem, vsa=vsa)
 
-    def __init__(self, model: H3DiT, sparse_kernel: str | None = None, vsa: VsaServing | None = None):
-        """`vsa`: a FastH3-VSA model's settings and kernel (models/vsa_plan.py)."""
-        self.model, self.cfg, self.sparse_kernel, self.vsa = model, model.cfg, sparse_kernel, vsa
-
-    def __call__(self, video, audio, text, unique_t, t_index, layout, cache=None, sparse=None, lora=None):
-        """video [B, V, C], audio [B, A, C_audio], text [B, L, C_text], unique_t [T], t_index [S] -> the velocities
-        [B, V, C], [B, A, C_audio] fp32 (H3DiT.forward). `sparse`: the request's SparseRun (models/sparse_run.py),
-        whose attention replaces the dense one in a sparse evaluation; `lora`: the request's adapters
-        (models/lora_slots.py LoraRun; None: the base model)."""
+    def __call__(self, video, audio, text, unique_t, t_index, layout, extras: EvalExtras = NO_EXTRAS):
+        """H3DiT.forward under the contract: `extras.sparse`'s attention (a SparseRun, or a FastH3-VSA model's VsaRun
+        every evaluation) replaces the dense one, `extras.lora` adds the request's adapters, `extras.cache` skips."""
+        sparse = extras.sparse
         if self.cfg.vsa_gate:  # a FastH3-VSA model: its request's VsaRun, every evaluation (models/vsa_plan.py)
             attn = vsa_call(sparse, layout, sdpa_attention)
         else:
             attn = sparse.attention(layout) if sparse is not None else None
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
                           layout.video_index, layout.audio_index, layout.text_index,
-                          attn_fn=attn if attn is not None else sdpa_attention, cache=cache, lora=lora)
+                          attn_fn=attn if attn is not None else sdpa_attention, cache=extras.cache, lora=extras.lora)
 
 
 def build_dit(cfg: H3Config, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> H3DiT:

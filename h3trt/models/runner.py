@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from .packing import PackedLayout
     from .sparse_run import SparseRun
     from .step_cache import CacheContext
+    from .vsa_plan import VsaServing
 
 # Why a runner without a sparse kernel serves no block-sparse attention, when it does not say its own reason.
 NO_SPARSE_KERNEL = ("this engine serves no block-sparse attention (a TensorRT bundle's plans fuse their attention). Run "
@@ -54,20 +55,25 @@ class RunnerCaps:
 
     sparse_kernel: str | None = None  # the block-sparse attention kernel it serves (models/sparse_kernels.py); None
     sparse_problem: str | None = None  # why it serves none, naming the fix (None: NO_SPARSE_KERNEL says it)
+    sparse_tile: str | None = None  # the fp8 sparse kernel's tile configuration (a bundle's manifest's; None: default)
+    vsa: VsaServing | None = None  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py); None: not one
     adapter_slots: int | None = None  # the adapters one evaluation may carry; None: it holds no adapter slots
+    adapter_problem: str | None = None  # why it serves no adapters, naming the fix (None: the general words)
     batches: bool = True  # several requests may share one evaluation (False: compiled for batch 1)
 
     def check(self, sparse: bool, adapters: int, batch: int = 1) -> None:
         """Refuse what a request (or a batch of `batch`) asks beyond these caps: UserError naming its field."""
         if sparse and self.sparse_kernel is None:
             raise UserError(self.sparse_problem or NO_SPARSE_KERNEL, field="sparse_attention")
+        if adapters and self.adapter_problem is not None:
+            raise UserError(f"lora: {self.adapter_problem}", field="lora")
         if adapters and self.adapter_slots is None:
             raise UserError("lora: this engine holds no adapter slots, so it serves no per-request adapters; start it "
                             "with --adapter NAME=FILE or --lora-dir DIR (a bundle: build it with --lora-slots N).",
                             field="lora")
         if self.adapter_slots is not None and adapters > self.adapter_slots:
             raise UserError(f"lora asks for {adapters} adapters, but one evaluation carries at most "
-                            f"{self.adapter_slots}; ask for fewer.", field="lora")
+                            f"{self.adapter_slots} (the model's LoRA slots); ask for fewer.", field="lora")
         if batch > 1 and not self.batches:
             raise UserError(f"a batch of {batch}: this engine's DiT is compiled for batch 1; pass --max-batch 1.")
 

@@ -251,6 +251,6 @@ def vsa_call(run, layout: PackedLayout, dense_fn) -> VsaCall:
     """`run.attention(layout, dense_fn)` for a FastH3-VSA model's runner, refusing anything but a VsaRun (a model
     with the gate has no attention without VSA's coarse branch)."""
     if not isinstance(run, VsaRun):
-        raise ValueError("A FastH3-VSA DiT runs VSA in every evaluation: pass the request's VsaRun as `sparse` "
+        raise ValueError("A FastH3-VSA DiT runs VSA in every evaluation: pass the request's VsaRun as `extras.sparse` "
                          f"(H3Pipeline.new_sparse_run makes it), got {type(run).__name__}.")
     return run.attention(layout, dense_fn)

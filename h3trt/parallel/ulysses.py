@@ -18,6 +18,7 @@ import torch.nn.functional as F
 
 from ..models.dit import AttentionFn, H3DiT, layer_attention, sdpa_attention
 from ..models.packing import PackedLayout
+from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from ..models.vsa_plan import VsaServing, vsa_call
 
 
@@ -142,35 +143,35 @@ class RowShard:
 
 
 @torch.no_grad()
-def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None,
-               sparse=None, lora=None):
+def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layout: PackedLayout,
+               extras: EvalExtras = NO_EXTRAS):
     """One DiT evaluation with the block stack sharded over `group`; every rank returns the full outputs. Embed and
     the heads run on every rank (cheap next to the blocks; the sampler then updates the same latents everywhere), the
-    blocks on this rank's rows (models/block_stack.py). A step `cache` decides on values all ranks share
-    (models/step_cache.py), so every rank skips the same blocks. `sparse` (models/sparse_run.py): in a sparse
-    evaluation each rank routes its own heads after the exchange."""
+    blocks on this rank's rows (models/block_stack.py). `extras` (models/runner.py): a step cache decides on values
+    all ranks share (models/step_cache.py), so every rank skips the same blocks; in a sparse evaluation each rank
+    routes its own heads after the exchange (models/sparse_run.py); adapters run on each rank's rows."""
     sp = dist.get_world_size(group)
     if model.cfg.num_heads % sp:
         raise ValueError(f"sp={sp} does not divide the {model.cfg.num_heads} heads.")
     shard = RowShard(group, layout.seq_len)
+    sparse = extras.sparse
     if model.cfg.vsa_gate:  # a FastH3-VSA model: its request's VSA on each rank's heads, every evaluation
         core = vsa_call(sparse, layout, sdpa_attention)
     else:
         core = sparse.attention(layout) if sparse is not None else None
     return model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids, layout.video_index,
-                 layout.audio_index, layout.text_index, attn_fn=shard.attention(core), cache=cache, shard=shard,
-                 lora=lora)
+                 layout.audio_index, layout.text_index, attn_fn=shard.attention(core), cache=extras.cache,
+                 shard=shard, lora=extras.lora)
 
 
 class UlyssesDiT:
-    """The eager DiT with its block stack sharded over `group`: the runner signature the pipeline calls."""
+    """The eager DiT with its block stack sharded over `group`, under the runner contract (models/runner.py);
+    `caps` as EagerDiT's."""
 
-    sparse_problem: str | None = None  # why sparse_kernel is None where a kernel failed at load (the loader sets it)
+    def __init__(self, model: H3DiT, group, sparse_kernel: str | None = None, vsa: VsaServing | None = None,
+                 sparse_problem: str | None = None):
+        self.model, self.cfg, self.group = model, model.cfg, group
+        self.caps = RunnerCaps(sparse_kernel, sparse_problem, vsa=vsa)
 
-    def __init__(self, model: H3DiT, group, sparse_kernel: str | None = None, vsa: VsaServing | None = None):
-        self.model, self.cfg, self.group, self.sparse_kernel = model, model.cfg, group, sparse_kernel
-        self.vsa = vsa  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py)
-
-    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, cache=None, sparse=None,
-                 lora=None):
-        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout, cache, sparse, lora)
+    def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, extras: EvalExtras = NO_EXTRAS):
+        return forward_sp(self.model, self.group, video, audio, text, unique_t, t_index, layout, extras)

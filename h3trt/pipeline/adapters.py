@@ -35,6 +35,7 @@ from pathlib import Path
 import torch
 
 from ..adapters.use import AdapterUse  # its home since issue 48; importers here move in its phase 2
+from ..engines.caps import NO_LORA_SLOTS
 from ..errors import UserError
 from ..models.config import H3Config
 from ..models.distilled import turbo_alpha
@@ -48,9 +49,7 @@ NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")
 # `h3trt serve --lora-dir`'s slots when the flags leave them out: room to load adapters while it runs (the set may
 # change), at least as many and as large as the adapters it starts with.
 SERVE_SLOTS, SERVE_MAX_RANK = 4, 64
-BUNDLE_REFUSAL = ("this bundle was built without LoRA slots, so it serves no per-request adapters; rebuild it with "
-                  "h3trt build ... --lora-slots N --lora-max-rank R, or merge the LoRA at build (h3trt build --lora "
-                  "FILE[:SCALE]).")
+BUNDLE_REFUSAL = NO_LORA_SLOTS  # a bundle's caps say it (engines/caps.py)
 MERGED_NAME = "--lora"  # a bundle's --lora FILE: an adapter on every request, named so in records (never by requests)
 
 

@@ -8,12 +8,14 @@ is off by default and costs nothing then. With `--guidance S > 1` the negative b
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
 from ..models.packing import PackedLayout
+from ..models.runner import NO_EXTRAS, DiTRunner, EvalExtras
+from ..models.step_cache import StepCache
 
 
 @dataclass
@@ -42,26 +44,28 @@ def combine(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
     return neg + scale * (pos - neg)
 
 
-def guided_denoiser(dit, positive: Branch, negative: Branch, scale: float, cfg_group=None, cache=None, sparse=None,
-                    lora=None):
+def guided_denoiser(dit: DiTRunner, positive: Branch, negative: Branch, scale: float, cfg_group=None,
+                    extras: EvalExtras = NO_EXTRAS, cache: StepCache | None = None):
     """The sampler's model function (video, audio, unique_t, t_index) -> (video v, audio v), guided. With `cfg_group`
     (2 ranks) group rank 0 evaluates the positive branch and rank 1 the negative; both get the combined result.
-    A step `cache` (models/step_cache.py) keeps one state per branch, "cond" and "uncond", as the reference's cache
-    contexts: each branch skips on its own residuals. `sparse` (models/sparse_run.py): both branches of a step are
-    one evaluation of it. `lora` (models/lora_slots.py LoraRun): the request's adapters, on both branches."""
+    `extras` (models/runner.py): the request's, on both branches (a sparse run counts both branches of a step as one
+    evaluation); a step `cache` (models/step_cache.py) keeps one state per branch, "cond" and "uncond", as the
+    reference's cache contexts, each branch's extras carrying its own (each skips on its own residuals)."""
     if cfg_group is not None and dist.get_world_size(cfg_group) != 2:
         raise ValueError(f"A cfg group has 2 ranks (one per branch), got {dist.get_world_size(cfg_group)}.")
+    branch_extras: dict[str, EvalExtras] = {}
+
+    def for_branch(name: str) -> EvalExtras:  # a branch's context made at its first evaluation, as the cache expects
+        if name not in branch_extras:
+            branch_extras[name] = replace(extras, cache=cache.context(name)) if cache is not None else extras
+        return branch_extras[name]
 
     def model(video, audio, unique_t, t_index):
         t_neg = branch_t_index(negative.layout, positive.layout, t_index)
         runs = ((positive, t_index, "cond"), (negative, t_neg, "uncond"))
 
         def run(branch, t, name):
-            kwargs = {"sparse": sparse} if sparse is not None else {}  # a dense request: the runner's own call
-            if lora is not None:  # a request without adapters: the runner's own call
-                kwargs["lora"] = lora
-            return dit(video, audio, branch.text, unique_t, t, branch.layout,
-                       cache=cache.context(name) if cache is not None else None, **kwargs)
+            return dit(video, audio, branch.text, unique_t, t, branch.layout, for_branch(name))
 
         if cfg_group is None:
             (pv, pa), (nv, na) = (run(*r) for r in runs)

@@ -26,6 +26,7 @@ from ..models.distilled import DistilledServing, DistilledSpec
 from ..models.lora import LoraSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
 from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
+from ..models.runner import NO_EXTRAS, EvalExtras
 from ..models.sparse_run import SparseRun
 from ..models.vsa_plan import VsaRun
 from ..models.step_cache import StepCache
@@ -40,7 +41,7 @@ from ..request.parts import CanvasDefaults
 from ..request.request import Request
 from .prepare import Encoded, Prepared
 from .step_profile import StepProfiler
-from .evaluation import check_finite, counted, lora_kwargs, new_step_cache, sparse_run_for
+from .evaluation import check_finite, counted, new_step_cache, sparse_run_for
 
 
 @dataclass(frozen=True)
@@ -128,6 +129,11 @@ class H3Pipeline:
     def new_sparse_run(self, request: Request) -> SparseRun | VsaRun | None:
         """A request's block-sparse attention over its evaluations (evaluation.sparse_run_for), or None."""
         return sparse_run_for(self.dit, request, self.device)
+
+    def eval_extras(self, request: Request, sparse: SparseRun | VsaRun | None) -> EvalExtras:
+        """What each of a request's evaluations carries besides its rows (models/runner.py): its block-sparse run and
+        its adapters; the denoise adds each guidance branch's step cache context."""
+        return EvalExtras(sparse=sparse, lora=select_adapters(self.adapters, request.adapters))
 
     def schedule(self, request: Request) -> Schedule:
         """A request's schedule: its steps and shifts (the model's where it states none); a distilled model's family
@@ -217,7 +223,7 @@ class H3Pipeline:
                     on_step(i, n)
 
             final = self._denoise(text.embeds, layout, latents, schedule, stepped, branches, req.guidance.scale,
-                                  cache, profile_step, timer, sparse, select_adapters(self.adapters, req.adapters))
+                                  cache, profile_step, timer, self.eval_extras(req, sparse))
         if cache is not None and self.cfg_group is not None:  # every rank of the cfg group: a collective
             cache.gather(self.cfg_group)
         return schedule, layout, final
@@ -241,7 +247,7 @@ class H3Pipeline:
         # admission does not know which requests will share a batch.
         if req.guidance.scale != 1.0:
             raise ValueError("Batched requests run one branch (guidance 1, H3's default); run a guided request alone.")
-        if req.speed.sparse.enabled or getattr(self.dit, "vsa", None) is not None:
+        if req.speed.sparse.enabled or self.dit.caps.vsa is not None:
             raise ValueError("Block-sparse attention (SubBlock, or a FastH3-VSA model's VSA) counts one request's "
                              "evaluations; run such a request alone (h3trt run --prompt ...).")
         if req.speed.cache is not None:
@@ -271,10 +277,10 @@ class H3Pipeline:
         if any(e.prepared.request.adapters != uses for e in batch[1:]):
             raise ValueError("denoise_batch runs one LoRA adapter set for the whole batch (one evaluation carries one "
                              "set); batch requests with different adapters apart.")
-        kwargs = lora_kwargs(select_adapters(self.adapters, uses))
+        extras = EvalExtras(lora=select_adapters(self.adapters, uses))
 
         def model(video_BVC, audio_BAC, unique_t, t_index):
-            return dit(video_BVC, audio_BAC, text_BLC, unique_t, t_index, lay, **kwargs)
+            return dit(video_BVC, audio_BAC, text_BLC, unique_t, t_index, lay, extras)
 
         starts = [Latents(e.latents.video.to(device), e.latents.audio.to(device)) for e in batch]
         return denoise_batch(model, starts, first.layout, first.schedule, on_step)
@@ -383,21 +389,19 @@ class H3Pipeline:
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
                  branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
                  cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None,
-                 sparse: SparseRun | VsaRun | None = None, lora=None):
+                 extras: EvalExtras = NO_EXTRAS):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
-        cond = cache.context("cond") if cache is not None and branches is None else None  # the reference's name
-        kwargs = {"sparse": sparse} if sparse is not None else {}  # a dense request: the runner's own call
-        kwargs.update(lora_kwargs(lora))  # a request without adapters: the call it made before they existed
+        if branches is None:  # one branch: the step cache's context is "cond", the reference's name
+            extras = replace(extras, cache=cache.context("cond")) if cache is not None else extras
 
-        def unguided(video, audio, unique_t, t_index):
-            return dit(video, audio, text, unique_t, t_index, lay, cache=cond, **kwargs)
-
-        model = (unguided if branches is None
-                 else guided_denoiser(dit, *branches, guidance, self.cfg_group, cache, sparse, lora))
-        if sparse is not None:
-            model = counted(model, sparse)
+            def model(video, audio, unique_t, t_index):
+                return dit(video, audio, text, unique_t, t_index, lay, extras)
+        else:
+            model = guided_denoiser(dit, *branches, guidance, self.cfg_group, extras, cache)
+        if extras.sparse is not None:
+            model = counted(model, extras.sparse)
         profiler = None
         if profile_step is not None:
             model = profiler = StepProfiler(model, profile_step, device)

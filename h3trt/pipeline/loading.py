@@ -9,7 +9,7 @@ import functools
 import sys
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -179,13 +179,15 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
         vsa = VsaServing(settings, *choose_vsa_kernel(device, heads, model.cfg.head_dim, dtype, _note))
     else:
         (kernel, sparse_problem), vsa = load_sparse_kernel(device, heads, model.cfg.head_dim, dtype), None
-    dit = UlyssesDiT(model, sp_group, kernel, vsa) if sp_group is not None else EagerDiT(model, kernel, vsa)
-    dit.sparse_problem = sparse_problem
+    dit = (UlyssesDiT(model, sp_group, kernel, vsa, sparse_problem) if sp_group is not None
+           else EagerDiT(model, kernel, vsa, sparse_problem))
+    resident = (ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device, lora_slots)
+                if adapters or lora_slots is not None else None)
+    if resident is not None:  # its caps: the adapters one evaluation carries, in the resident slots
+        dit.caps = replace(dit.caps, adapter_slots=resident.slots.num_slots)
     heads = step_heads(fused, device) if fused is not None else None
     if heads is not None:  # PDD: each forward's fused head, chosen per evaluation
         dit = StepHeadRunner(dit, heads)
-    resident = (ResidentAdapters(tuple(adapters), model.cfg, task, dtype, device, lora_slots)
-                if adapters or lora_slots is not None else None)
     return Components(dit, *eager_components(source.component_root, device, dtype, vae), shifts,
                       loras=records, adapters=resident, distilled=serving, distilled_record=record)
 
