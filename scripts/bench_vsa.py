@@ -93,7 +93,7 @@ def run(args) -> dict:
     v, gate = (torch.randn(1, S, N, D, generator=g).to(device, dtype) for _ in range(2))
     dense = _dense_rows(q, k, v, device, row, skip)
     kernels = kernels_of(args)
-    for sparsity in (0.9, 0.8):
+    for sparsity in args.sparsities:
         result["kept_video_tiles"][str(sparsity)] = vsa_topk(sparsity, geo.num_video_tiles)
         _vsa_rows(result, row, skip, q, k, v, gate, geo, sparsity, kernels, dense, device)
     row("vsa_dense_s0", lambda: vsa_attention(q, k, v, gate, geo, 0.0, None, dense))
@@ -109,10 +109,12 @@ def run(args) -> dict:
 def kernels_of(args) -> tuple[tuple[str, str, str | None], ...]:
     """(row name, kernel, fp8 tile) of each kernel timed."""
     if args.tiny:
-        return (("reference", "reference", None), ("flex", "flex", None), ("fp8_emulated", "fp8_emulated", None))
-    from h3trt.models.sparse_fp8_triton import TILE_CONFIGS
+        every = (("reference", "reference", None), ("flex", "flex", None), ("fp8_emulated", "fp8_emulated", None))
+    else:
+        from h3trt.models.sparse_fp8_triton import TILE_CONFIGS
 
-    return (("fa4", "fa4", None), ("flex", "flex", None), *((f"fp8-{t}", "fp8", t) for t in TILE_CONFIGS[64]))
+        every = (("fa4", "fa4", None), ("flex", "flex", None), *((f"fp8-{t}", "fp8", t) for t in TILE_CONFIGS[64]))
+    return tuple(k for k in every if args.kernels is None or k[1] in args.kernels)
 
 
 def _scales_row(row, q, k, v, geo):
@@ -236,6 +238,11 @@ def main() -> int:
     p.add_argument("--tiny", action="store_true", help="CPU, small shape, reference/flex only (checks the script)")
     p.add_argument("--iters", type=int, default=7, help="timed calls per row, the median reported (default 7)")
     p.add_argument("--warmup", type=int, default=2, help="untimed calls before them (default 2)")
+    p.add_argument("--kernels", default=None, type=lambda text: set(text.split(",")), metavar="K[,K...]",
+                   help="time only these VSA kernels (fa4, flex, fp8; --tiny: reference, flex, fp8_emulated); default "
+                        "all: a short device call takes --kernels fp8 --sparsities 0.9")
+    p.add_argument("--sparsities", default=(0.9, 0.8), metavar="S[,S...]",
+                   type=lambda text: tuple(float(x) for x in text.split(",")), help="VSA sparsities (default 0.9,0.8)")
     run(p.parse_args())
     return 0
 
