@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
-from ..pipeline.adapters import check_adapters, check_bundle_dense
+from ..pipeline.adapters import check_adapters, check_bundle_sparse
 from ..pipeline.prepare import Prepared, prepare
 from ..request.checks import check_bundle_serves, check_prompt_tokens
 from ..request.fields import FLAGS, Names
@@ -46,7 +46,7 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
       1b. the LoRA adapters it names are resident (pipeline/adapters.py check_adapters; a bundle only if built with
           LoRA slots): in the model's fixed set, or in a server's current set (`adapters`), which resolves them: the
           prepared request names each adapter's file and sha256 as they are now (pipeline/adapter_catalog.py); and a
-          bundle runs them dense (check_bundle_dense: its sparse halves have no adapter slots)
+          bundle from an earlier h3trt runs them dense only (check_bundle_sparse: its halves have no adapter slots)
       1c. a distilled model (models/distilled.py DistilledServing) serves its family's tasks and schedule, CFG off
       2. a bundle serves the task, the canvas and the schedule (check_bundle_serves)
       3. on cfg=2 rank groups (`guidance_branches` 2: the launched mesh's cfg degree) each group runs one of
@@ -70,7 +70,7 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
         serving.check(request.task, request.guidance.scale, request.speed.cache)
         serving.schedule(s.steps, s.video_shift, s.audio_shift)
     if model.manifest is not None:
-        check_bundle_dense(request.adapters, request.speed.sparse_attention)
+        check_bundle_sparse(request.adapters, request.speed.sparse_attention, model.manifest.segments)
         check_bundle_serves(model.manifest, prepared)
     if guidance_branches == 2 and request.guidance.scale == 1.0:
         n = names
