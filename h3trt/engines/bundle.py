@@ -63,9 +63,10 @@ class EngineDiT:
         bundle that has them beside its fused block); None: none. An FP8 one (models/sparse_fp8.py) gets each layer's
         calibrated q/k/v scales. `lora_slots`: the banks of a bundle built with --lora-slots (allocated at load;
         adapters are loaded into them), which its block_lora segments take (and, built with --sparse-attention too,
-        its halves' twins block_pre_lora / block_post_lora, for a sparse evaluation with adapters). `vsa`: a FastH3-VSA bundle's settings and
-        kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused head per forward (models/pdd.py),
-        given to the final segment in place of its own for the evaluation's forward."""
+        its halves' twins block_pre_lora / block_post_lora, for a sparse evaluation with adapters). `vsa`: a
+        FastH3-VSA bundle's settings and kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused
+        head per forward (models/pdd.py), given to the final segment in place of its own for the evaluation's
+        forward."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.vsa = vsa
         self.halves = all(h in entries for h in HALVES)
