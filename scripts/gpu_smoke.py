@@ -316,6 +316,13 @@ def main() -> int:
                                               **extra}) + "\n"
                                   for i, extra in (("styled", {"lora": [{"name": "style"}]}), ("plain", {}))))
         adapter_flags = ["--adapter", f"style={adapter}:{ADAPTER_SCALE}"]
+        # The same batch with the sparse bundle's settings on each line (a --requests file takes no speed flags): the
+        # eager reference of row sl1, whose bundle gives its lines these settings as its defaults.
+        styled_sparse = work / "styled_sparse.jsonl"
+        styled_sparse.write_text("".join(json.dumps({**json.loads(line), "sparse_attention": float(SPARSE[1]),
+                                                     "sparse_dense_steps": int(SPARSE[3]),
+                                                     "sparse_min_seq": int(SPARSE[5])}) + "\n"
+                                         for line in styled.read_text().splitlines()))
         calib = work / "calib.txt"
         calib.write_text(f"{PROMPT}\nwaves on a rocky shore, gulls calling\n")
         bundles["f2"] = ["--steps", str(STEPS), "--sp", "2", "--precision", "fp8", "--fp8-attention",
@@ -383,11 +390,10 @@ def main() -> int:
             elif bundle in ("l1", "sl1"):
                 # The reference: the eager model with the same adapter named by the same request (--adapter); for
                 # sl1 with the bundle's sparse flags too (its default sparsity, which the batch's lines take).
-                sparse_flags = SPARSE if bundle == "sl1" else []
-                eager_dir = styled_sparse_ref if bundle == "sl1" else styled_ref
+                eager_dir, lines = (styled_sparse_ref, styled_sparse) if bundle == "sl1" else (styled_ref, styled)
                 if not eager_dir.exists() and gpus >= needs:
-                    sh(h3 + ["run", "--requests", str(styled), "--out-dir", str(eager_dir), "--quiet", "--device",
-                             dev] + adapter_flags + sparse_flags, env, log)
+                    sh(h3 + ["run", "--requests", str(lines), "--out-dir", str(eager_dir), "--quiet", "--device",
+                             dev] + adapter_flags, env, log)
                 rc, text = (sh(h3 + ["run", "--engine", str(work / bundle), "--requests", str(styled), "--out-dir",
                                      str(work / f"row{i}"), "--quiet", "--device", dev] + adapter_flags, env, log)
                             if gpus >= needs else (-1, f"needs {needs} GPUs, {gpus} visible"))
