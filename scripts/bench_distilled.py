@@ -39,7 +39,7 @@ from pathlib import Path
 
 import torch
 
-from bench_e2e import Ctx, release_gpu_memory
+from e2e_ctx import Ctx, release_gpu_memory
 from distilled_moonshot import moonshot
 from e2e_bundle import bytecode_note, evict_page_cache
 from e2e_checkpoint import BASE_PROMPT, checkpoint_complete, phase_checkpoint

@@ -27,7 +27,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent / "tests"))
-import bench_e2e  # noqa: E402  (the build phase, the page-cache eviction)
+import e2e_bundle  # noqa: E402  (the build phase, the page-cache eviction)
 import bench_serve  # noqa: E402  (the run phase, the prompts, the service time)
 from bench_common import ROOT  # noqa: E402
 from postgres import Postgres  # noqa: E402  (a throwaway PostgreSQL cluster, as the tests start it)
@@ -53,7 +53,7 @@ def phase_fleet(ctx, bundle: Path, replicas: int, clips: int, pg_bin: Path | Non
         # address "local": a new cluster of the bench's own, whatever RAY_ADDRESS or /tmp/ray's session file name
         context = ray.init(address="local", num_cpus=os.cpu_count(), num_gpus=0 if ctx.tiny else None,
                            include_dashboard=False, log_to_driver=False, runtime_env={"env_vars": env})
-        result["page_cache"] = bench_e2e.evict_page_cache(bundle)
+        result["page_cache"] = e2e_bundle.evict_page_cache(bundle)
         rc, seconds = ctx.subprocess(
             [sys.executable, "-m", "h3trt.cli", "serve", "--ray", context.address_info["gcs_address"], "--engine",
              str(bundle), "--store", pg.database(), "--storage", str(storage), "--port", str(port),
@@ -64,7 +64,7 @@ def phase_fleet(ctx, bundle: Path, replicas: int, clips: int, pg_bin: Path | Non
         result["deploy_to_ready_s"] = round(seconds, 3)  # launch -> every replica loaded and serving
         client = httpx.Client(base_url=url, timeout=60)
         result["ready"] = client.get("/ready").json()
-        steps = bench_e2e.row_steps(ctx, ROW)
+        steps = e2e_bundle.row_steps(ctx, ROW)
         prompts = [bench_serve.PROMPTS[i % len(bench_serve.PROMPTS)] for i in range(clips)]
         ids = [client.post("/v1/videos", json={"prompt": p, "seed": i, "steps": steps, "seconds": "5",
                                                 "size": f"{ctx.width}x{ctx.height}"}).raise_for_status().json()["id"]

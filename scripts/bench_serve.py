@@ -11,7 +11,7 @@
 
 Seconds per clip, both ways: from the first clip's text encode to the last clip's MP4 (the records' Unix spans)
 over 4 -- the service time of the queue, inter-job gaps included, model load excluded. The overhead is
-serve / run - 1 (the issue's bound: 1%). Checkpoint and build are bench_e2e.py's (imported).
+serve / run - 1 (the issue's bound: 1%). Checkpoint and build are e2e_bundle.py's (imported).
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import bench_e2e  # noqa: E402  (the build phase, the page-cache eviction)
+import e2e_bundle  # noqa: E402  (the build phase, the page-cache eviction)
+from e2e_ctx import Ctx, release_gpu_memory  # noqa: E402
 import e2e_checkpoint  # noqa: E402  (the checkpoint phase)
 from bench_common import ROOT  # noqa: E402
 
@@ -44,7 +45,7 @@ PROMPTS = ["A red fox runs through the snowy forest at sunset, and the camera fo
 def requests_file(ctx, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / "requests.jsonl"
-    steps = bench_e2e.row_steps(ctx, ROW)
+    steps = e2e_bundle.row_steps(ctx, ROW)
     path.write_text("".join(json.dumps({"id": f"clip{i}", "task": "t2va", "prompt": p, "seed": i, "steps": steps,
                                         "resolution": f"{ctx.width}x{ctx.height}", "duration": 5}) + "\n"
                             for i, p in enumerate(PROMPTS[:CLIPS])))
@@ -87,7 +88,7 @@ def phase_run(ctx, bundle: Path) -> dict:
     reqs = requests_file(ctx, folder)
     out = folder / "out"
     cache = fresh_user_cache(ctx)
-    evicted = bench_e2e.evict_page_cache(bundle)
+    evicted = e2e_bundle.evict_page_cache(bundle)
     launched = time.time()
     rc, seconds = ctx.subprocess([sys.executable, "-m", "h3trt.cli", "run", "--engine", str(bundle), "--requests",
                                   str(reqs), "--out-dir", str(out), "--quiet"],
@@ -133,7 +134,7 @@ def phase_serve(ctx, bundle: Path) -> dict:
     port = free_port()
     url = f"http://127.0.0.1:{port}"
     cache = fresh_user_cache(ctx)
-    evicted = bench_e2e.evict_page_cache(bundle)
+    evicted = e2e_bundle.evict_page_cache(bundle)
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
            "XDG_CACHE_HOME": cache["XDG_CACHE_HOME"]}
     log = open(ctx.log_path, "a")
@@ -163,7 +164,7 @@ def phase_serve(ctx, bundle: Path) -> dict:
             return result
         result.update(start_to_listening_s=round(listening - launched, 3), start_to_ready_s=round(ready - launched, 3))
         ctx.log(f"serve: listening after {listening - launched:.1f} s, ready after {ready - launched:.1f} s")
-        steps = bench_e2e.row_steps(ctx, ROW)
+        steps = e2e_bundle.row_steps(ctx, ROW)
         ids = []
         for i, prompt in enumerate(PROMPTS[:CLIPS]):
             r = client.post("/v1/videos", json={"prompt": prompt, "seed": i, "steps": steps, "seconds": "5",
@@ -224,13 +225,13 @@ def arguments(doc: str, phases: str) -> argparse.ArgumentParser:
     return p
 
 
-def context(args, clips: int) -> bench_e2e.Ctx:
+def context(args, clips: int) -> Ctx:
     """bench_e2e's context for these flags (its state folders, the call's budget) with the workload recorded."""
     suffix = "-tiny" if args.tiny else ""
     args.state, args.bundles = f"/dev/shm/h3trt-e2e{suffix}", f"/tmp/h3trt-e2e-bundles{suffix}"
     args.full_steps, args.profile_step = 50, 4
     args.budget_s = args.budget_s or (3600.0 if args.tiny else 570.0)
-    ctx = bench_e2e.Ctx(args)
+    ctx = Ctx(args)
     ctx.results["env"] = ctx.env()
     ctx.results["workload"] = {"clips": clips, "canvas": f"{ctx.width}x{ctx.height}", "seconds": 5,
                                "steps": args.short_steps, "precision": "fp8 GEMMs + fp8 attention, sp=1"}
@@ -239,12 +240,12 @@ def context(args, clips: int) -> bench_e2e.Ctx:
 
 def bundle_and_run(ctx, phases: list[str]) -> Path:
     """The phases both benches start with: the checkpoint, the bundle, `h3trt run` over the requests; the bundle."""
-    bundle = bench_e2e.bundle_path(ctx, ROW)
+    bundle = e2e_bundle.bundle_path(ctx, ROW)
     if "checkpoint" in phases:
         e2e_checkpoint.phase_checkpoint(ctx)
-        bench_e2e.release_gpu_memory()
+        release_gpu_memory()
     if "build" in phases:
-        bench_e2e.phase_build(ctx, ROW)
+        e2e_bundle.phase_build(ctx, ROW)
         ctx.save()
     if "run" in phases:
         ctx.results["run"] = phase_run(ctx, bundle)

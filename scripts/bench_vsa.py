@@ -1,7 +1,7 @@
 """VSA (FastH3's sparse attention, h3trt/models/vsa.py) at MiniMax-H3's shape against the dense attention of the same
 run, on one GPU (issue 47, item 4 and the bar "VSA attention at 0.9 <= 0.2x the dense FP8 attention").
 
-    python scripts/bench_vsa.py --json bench/results/vsa_<card>.json      # one H100 / H200, ~60-90 s
+    python scripts/bench_vsa.py --json bench/results/vsa_<card>.json      # one H100 / H200, ~3-4 min
     python scripts/bench_vsa.py --tiny --json /tmp/vsa_tiny.json          # CPU, small shape: proves it runs
 
 Shape: 1344x768, 5 s, t2va: 128 text + 2 x 207 audio + 37 x 24 x 42 video = 37,838 rows x 56 heads x 128, bf16,
@@ -14,10 +14,17 @@ is not installed, or fails, is a row of `skipped` with why):
   vsa_<kernel>_<s>              the whole VSA attention of one block as the DiT runs it (models/vsa.py vsa_attention):
                                 the tile gather of q/k/v, fp32 pooling, scores, routing, the block-sparse kernel, the
                                 untile and the gated coarse branch; kernel fa4 (64 x 64, ragged tiles through FA4's
-                                document mask) and flex (compiled); s = 0.9 (FastH3 v1) and 0.8 (V2)
+                                document mask), flex (compiled) and fp8-<tile> (the Triton FP8 block-sparse kernel,
+                                models/vsa_fp8.py, each of its 64-row tiles, its per-call device scales and quantization
+                                pass included); s = 0.9 (FastH3 v1) and 0.8 (V2)
   vsa_<kernel>_<s>_kernel_only  the block-sparse kernel alone, on pre-tiled q/k/v and a fixed routing
   vsa_routing_<s>               everything but the kernel (the routing's and the coarse branch's cost)
   vsa_dense_s0                  sparsity 0 (a dense-first step): the dense kernel + the coarse branch
+  vsa_fp8_scales                the FP8 VSA's per-call scales and mu alone (three reductions over q, k, v): what the
+                                dynamic scales cost against calibrated ones
+The FP8 dense rows time fp8_sdpa on q/k/v quantized beforehand; the fp8 VSA rows include their own quantization.
+`bars`: the issue's "VSA attention at 0.9 <= 0.2x the dense FP8 attention of the same run", each kernel's whole VSA
+at 0.9 over the faster FP8 dense row, and `vsa_0.9_best` the fastest of them.
 Checks: `ragged_check_rel_err`, each kernel's whole VSA on a small ragged geometry (bf16) against the definition in
 fp32 (models/vsa.py vsa_reference); each VSA row's output on 2 heads at H3's shape against the same VSA with the
 reference kernel (masked SDPA over the padded tiles); `ratio_to_fp8_dense` = VSA ms / the faster FP8 dense ms.
@@ -43,7 +50,8 @@ from h3trt.models.attention import attention, kernel_problem  # noqa: E402
 from h3trt.models.packing import pack_t2va, text_tags_for  # noqa: E402
 from h3trt.models.vsa import (pool_tiles, route_tiles, tile_scores, to_tiles, vsa_attention,  # noqa: E402
                               vsa_topk)
-from h3trt.models.vsa_kernels import vsa_block_attention, vsa_kernel_problem  # noqa: E402
+from h3trt.models.vsa_fp8 import vsa_attention_kernel, vsa_fp8_scales, vsa_problem  # noqa: E402
+from h3trt.models.vsa_kernels import vsa_block_attention  # noqa: E402
 from h3trt.models.vsa_tiles import layout_geometry  # noqa: E402
 
 H3_CANVAS = (128, 37, 48, 84, 207)  # text rows, latent frames, latent h, latent w, audio latents: 1344x768, 5 s
@@ -68,7 +76,7 @@ def run(args) -> dict:
                       "iters": args.iters, "warmup": args.warmup,
                       "timing": "CUDA events, median" if device.type == "cuda" else "perf_counter, median (CPU)"},
               "ms": {}, "skipped": {}, "rel_err_vs_reference_kernel": {}, "kept_video_tiles": {}, "notes": []}
-    ms, skipped = result["ms"], result["skipped"]
+    skipped = result["skipped"]
     t0 = time.perf_counter()
 
     def row(name, fn):
@@ -89,18 +97,43 @@ def run(args) -> dict:
         result["kept_video_tiles"][str(sparsity)] = vsa_topk(sparsity, geo.num_video_tiles)
         _vsa_rows(result, row, skip, q, k, v, gate, geo, sparsity, kernels, dense, device)
     row("vsa_dense_s0", lambda: vsa_attention(q, k, v, gate, geo, 0.0, None, dense))
-    fp8 = [ms[n] for n in ("fp8_fa3_dense", "fp8_cudnn_dense") if n in ms]
-    if fp8:
-        result["ratio_to_fp8_dense"] = {n: round(t / min(fp8), 4) for n, t in ms.items() if n.startswith("vsa_")}
-    if not args.tiny and vsa_kernel_problem("fa4", device) is None:
+    _scales_row(row, q, k, v, geo)
+    _bars(result)
+    if not args.tiny and vsa_problem("fa4", device) is None:
         _new_length(result, N, D, device)
     result["wall_s"] = round(time.perf_counter() - t0, 1)
     write_json(args.json, result)
     return result
 
 
-def kernels_of(args) -> tuple[str, ...]:
-    return ("reference", "flex") if args.tiny else ("fa4", "flex")
+def kernels_of(args) -> tuple[tuple[str, str, str | None], ...]:
+    """(row name, kernel, fp8 tile) of each kernel timed."""
+    if args.tiny:
+        return (("reference", "reference", None), ("flex", "flex", None), ("fp8_emulated", "fp8_emulated", None))
+    from h3trt.models.sparse_fp8_triton import TILE_CONFIGS
+
+    return (("fa4", "fa4", None), ("flex", "flex", None), *((f"fp8-{t}", "fp8", t) for t in TILE_CONFIGS[64]))
+
+
+def _scales_row(row, q, k, v, geo):
+    """The FP8 VSA's per-call scales and mu alone, on the tiled q/k/v (what models/vsa_fp8.py computes per call)."""
+    with torch.no_grad():
+        tiled = [to_tiles(x, geo) for x in (q, k, v)]
+    row("vsa_fp8_scales", lambda: vsa_fp8_scales(*tiled, geo.sizes))
+
+
+def _bars(result):
+    """VSA over the faster FP8 dense attention: every VSA row, and the bar at 0.9 (the whole VSA, best kernel)."""
+    ms = result["ms"]
+    fp8 = [ms[n] for n in ("fp8_fa3_dense", "fp8_cudnn_dense") if n in ms]
+    if not fp8:
+        return
+    result["ratio_to_fp8_dense"] = {n: round(t / min(fp8), 4) for n, t in ms.items() if n.startswith("vsa_")}
+    whole = {n: t for n, t in ms.items() if n.startswith("vsa_") and n.endswith("_0.9") and "routing" not in n}
+    if whole:
+        best = min(whole, key=whole.get)
+        result["bars"] = {"vsa_0.9_le_0.2x_fp8_dense": {"best": best, "ratio": round(whole[best] / min(fp8), 4),
+                                                        "met": whole[best] <= 0.2 * min(fp8)}}
 
 
 def _ragged_check(result, kernels, N, D, device, args):
@@ -115,15 +148,15 @@ def _ragged_check(result, kernels, N, D, device, args):
     q, k, v, gate = (torch.randn(1, geo.seq_len, N, D, generator=g).to(device, torch.bfloat16) for _ in range(4))
     want = vsa_reference(*(x.cpu() for x in (q, k, v, gate)), geo.to("cpu"), 0.6)
     checks = result["ragged_check_rel_err"] = {}
-    for kernel in kernels:
+    for name, kernel, tile in kernels:
         try:
             with torch.no_grad():
-                got, _ = vsa_attention(q, k, v, gate, geo, 0.6, lambda *a, kernel=kernel: vsa_block_attention(
-                    *a, kernel), lambda a, b, c: attention(a, b, c, "sdpa"))
-            checks[kernel] = round(rel_err(got.cpu(), want), 6)
+                got, _ = vsa_attention(q, k, v, gate, geo, 0.6, vsa_attention_kernel(kernel, tile),
+                                       lambda a, b, c: attention(a, b, c, "sdpa"))
+            checks[name] = round(rel_err(got.cpu(), want), 6)
         except Exception as e:  # noqa: BLE001 - reported; the timed rows say the same kernel failed
-            checks[kernel] = f"{type(e).__name__}: {e}"[:800]
-        print(f"ragged check {kernel}: {checks[kernel]}", flush=True)
+            checks[name] = f"{type(e).__name__}: {e}"[:800]
+        print(f"ragged check {name}: {checks[name]}", flush=True)
     write_json(args.json, result)
 
 
@@ -154,13 +187,13 @@ def _vsa_rows(result, row, skip, q, k, v, gate, geo, sparsity, kernels, dense, d
         heads = slice(0, 2)
         want, _ = vsa_attention(q[:, :, heads], k[:, :, heads], v[:, :, heads], gate[:, :, heads], geo, sparsity,
                                 lambda *a: vsa_block_attention(*a, "reference"), dense)
-    for kernel in kernels:
-        name = f"vsa_{kernel}_{tag}"
-        problem = vsa_kernel_problem(kernel, device)
+    for label, kernel, tile in kernels:
+        name = f"vsa_{label}_{tag}"
+        problem = vsa_problem(kernel, device)
         if problem is not None:
             skip(name, problem)
             continue
-        block_fn = lambda *a, kernel=kernel: vsa_block_attention(*a, kernel)  # noqa: E731
+        block_fn = vsa_attention_kernel(kernel, tile)
         try:
             with torch.no_grad():
                 got, _ = vsa_attention(q, k, v, gate, geo, sparsity, block_fn, dense)
@@ -170,8 +203,7 @@ def _vsa_rows(result, row, skip, q, k, v, gate, geo, sparsity, kernels, dense, d
             traceback.print_exc()
             continue
         row(name, lambda block_fn=block_fn: vsa_attention(q, k, v, gate, geo, sparsity, block_fn, dense))
-        row(f"{name}_kernel_only", lambda kernel=kernel: vsa_block_attention(q_t, k_t, v_t, index, sparse_G, sizes,
-                                                                             kernel))
+        row(f"{name}_kernel_only", lambda block_fn=block_fn: block_fn(q_t, k_t, v_t, index, sparse_G, sizes))
     row(f"vsa_routing_{tag}", lambda: _routing_only(q, k, v, gate, geo, sparsity))
 
 

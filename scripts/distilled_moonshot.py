@@ -6,8 +6,9 @@ phase):
   2. file        a random FastH3 fastvideo-lora-v2 file for it, rank 64, with the 50 VSA gates (.set_weight
                  [7168, 5376]: the VSA-DataFree variant), drawn on the GPU
   3. build       ONE `h3trt build --distilled FILE --precision fp8` of FastH3-VSA (a one-prompt calibration on the
-                 family's first forward: --calib-steps 2; FP8 attention is refused on a VSA model); the manifest's
-                 `vsa` says which kernel the build chose and why the faster ones were left out
+                 family's first forward: --calib-steps 2; --build-flags --fp8-attention makes it FP8 VSA, fa4 and
+                 the fp8 kernel's tiles raced at build, models/vsa_fp8.py); the manifest's `vsa` says which kernel
+                 the build chose, its times and why the others were left out
   4. clips       ONE `h3trt run --engine BUNDLE --requests` process, the bundle's pages evicted first: the 4-step
                  clip with VSA at the file's 0.9 (`fasth3_vsa`, first after the load: `cold_start_s` beside it), the
                  same clip dense (`fasth3_dense`: the request's `"vsa_sparsity": 0`, dense attention with the coarse
@@ -38,7 +39,7 @@ from pathlib import Path
 import torch
 
 from bench_common import NvmlSampler
-from bench_e2e import release_gpu_memory
+from e2e_ctx import release_gpu_memory
 from e2e_bundle import bytecode_note, evict_page_cache
 from e2e_checkpoint import BASE_PROMPT, checkpoint_complete, phase_checkpoint
 
@@ -46,7 +47,7 @@ from e2e_checkpoint import BASE_PROMPT, checkpoint_complete, phase_checkpoint
 # /dev/shm writes: the same on an H100); a full-size fp8 build 154 s at --steps 6 (x1.15 for the H100's compute, +30 s
 # for the streamed block-at-a-time load an 80 GB card needs, +15 s for the VSA kernel's warm-up and the file's fusion,
 # less 4 calibration forwards); an fp8 evaluation at 37,838 rows 3.64 s on an H200, ~4.3-4.6 s on an H100 with FP8
-# attention, ~5.5 s dense here (bf16 attention: FP8 attention is refused on a VSA model) and ~3 s with VSA at 0.9; the
+# attention, ~5.5 s dense here (bf16 attention: a VSA model's dense evaluations keep it) and ~3 s with VSA at 0.9; the
 # video decode 5.2 s; a bundle's cold start 13-18 s.
 ESTIMATE_S = {"checkpoint": 45.0, "file": 20.0, "build": 210.0, "load": 18.0, "clip_vsa": 19.0, "clip_dense": 29.0,
               "clip_vsa_warm": 18.0, "process": 12.0}

@@ -1,5 +1,5 @@
 """bench_e2e.py's build and run phases, per row: `h3trt build` of the full-size checkpoint and `h3trt run --engine` of
-the clip, each in a fresh process bounded by its phase's timeout (bench_e2e.py Ctx.subprocess)."""
+the clip, each in a fresh process bounded by its phase's timeout (e2e_ctx.py Ctx.subprocess)."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from e2e_checkpoint import BASE_PROMPT, checkpoint_complete
 from e2e_summary import summarise_run
 
 if TYPE_CHECKING:
-    from bench_e2e import Ctx
+    from e2e_ctx import Ctx
 
 ROWS = {  # row: (precision, sp, extra build flags)
     "bf16": ("bf16", 1, []), "fp8": ("fp8", 1, ["--fp8-attention"]),

@@ -17,7 +17,7 @@ import torch
 from bench_common import released_audio_vae
 
 if TYPE_CHECKING:
-    from bench_e2e import Ctx
+    from e2e_ctx import Ctx
 
 TEXT_ROWS = 128  # the validated 37,838-row shape: 128 text + 2 x 207 audio + 37 x 24 x 42 video
 SEED = 0

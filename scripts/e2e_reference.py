@@ -23,7 +23,7 @@ from e2e_checkpoint import TEXT_ROWS, checkpoint_complete, dit_tensor_specs, ran
 from e2e_summary import FULL_EVALUATIONS
 
 if TYPE_CHECKING:
-    from bench_e2e import Ctx
+    from e2e_ctx import Ctx
 
 
 def reference_inputs(ctx: Ctx):

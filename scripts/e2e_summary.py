@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING
 from bench_common import NvmlSampler
 
 if TYPE_CHECKING:
-    from bench_e2e import Ctx
+    from e2e_ctx import Ctx
 
 FULL_EVALUATIONS = 49  # a 50-step clip
 

@@ -35,7 +35,9 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -46,9 +48,21 @@ SPARSE = ["--sparse-attention", "0.75", "--sparse-dense-steps", "2", "--sparse-m
 PROMPT = "a red fox runs through fresh snow, wind howling"
 SEED, OTHER_SEED = 5, 6
 SHORT_STEPS = 4  # the two-schedule bundle's second schedule (--steps 6,4)
+SPARSE_BUNDLES = ("s1", "s8")  # bf16 with the build's kernel (FA4 on a GPU), fp8 with the FP8 sparse kernel
 # The adapter row's --adapter style=FILE:SCALE: strong enough to move the tiny clip far (20.6 dB from the plain one
 # on the CPU; at 0.7 it was 29.3 dB, too close to tell from x264's own noise).
 ADAPTER_SCALE = 3.0
+
+
+LOG_LOCK = threading.Lock()
+
+
+def without_fa4(env: dict) -> dict | None:
+    """The environment with FlashAttention-4's carry (a PYTHONPATH entry naming fa4) taken off the path; None where
+    there is none to take off (the row then runs in the plain environment)."""
+    parts = env.get("PYTHONPATH", "").split(os.pathsep)
+    kept = [part for part in parts if "fa4" not in part]
+    return {"PYTHONPATH": os.pathsep.join(kept)} if len(kept) < len(parts) else None
 
 
 def sh(cmd: list[str], env: dict, log, timeout: int = 600) -> tuple[int, str]:
@@ -58,8 +72,9 @@ def sh(cmd: list[str], env: dict, log, timeout: int = 600) -> tuple[int, str]:
         rc, text = out.returncode, out.stdout + out.stderr
     except subprocess.TimeoutExpired as e:
         rc, text = 124, f"timed out after {timeout} s\n{e.stdout or ''}{e.stderr or ''}"
-    log.write(f"$ {' '.join(cmd)}\n[rc {rc}, {time.monotonic() - start:.1f} s]\n{text}\n")
-    log.flush()
+    with LOG_LOCK:  # the bundles build side by side: one command's record at a time
+        log.write(f"$ {' '.join(cmd)}\n[rc {rc}, {time.monotonic() - start:.1f} s]\n{text}\n")
+        log.flush()
     return rc, text
 
 
@@ -192,7 +207,7 @@ def judge(want: list[tuple[Path, Path]], control: dict, args, bundle: str | None
         expected = SHORT_STEPS if "--steps" in flags else STEPS
         if steps != expected:
             row.update(status="FAIL", why=f"the clip ran {steps} steps, expected {expected}")
-    if bundle == "s1":
+    if bundle in SPARSE_BUNDLES:
         # The tiny model's sparse and dense clips are close (CPU dry run: 34.5 dB apart, above --min-psnr), so PSNR
         # alone cannot tell a sparse row that silently ran dense: its record must say which evaluations ran sparse
         # (none for the 0 request).
@@ -202,6 +217,8 @@ def judge(want: list[tuple[Path, Path]], control: dict, args, bundle: str | None
         row.update(sparse_kernel=sparse.get("kernel"), kept_fraction=sparse.get("kept_fraction"))
         if ran != expected:
             row.update(status="FAIL", why=f"sparse evaluations {ran}, expected {expected}")
+        elif bundle == "s8" and sparse.get("kernel") not in ("fp8", "fp8_emulated"):
+            row.update(status="FAIL", why=f"the fp8 sparse bundle ran kernel {sparse.get('kernel')!r}, not fp8")
     return row
 
 
@@ -230,9 +247,10 @@ def main() -> int:
     ap.add_argument("--margin", type=float, default=10.0, help="and this many dB above the other-seed control")
     ap.add_argument("--cpu", action="store_true", help="dry-run the script's logic on the CPU: gloo ranks stand in "
                                                          "for 2 GPUs; the GPU-index rows are not run")
-    ap.add_argument("--only", default=None, metavar="TEXT",
-                    help="run only the rows whose name contains TEXT (a re-check after a fix; the others are reported "
-                         "NOT RUN, so the script still fails: a partial matrix is never a pass)")
+    ap.add_argument("--only", default=None, metavar="TEXT[|TEXT...]",
+                    help="run only the rows whose name contains one of the |-separated TEXTs (a re-check after a fix, "
+                         "or a matrix split over two device calls; the others are reported NOT RUN, so the script "
+                         "still fails: a partial matrix is never a pass)")
     args = ap.parse_args()
 
     import torch
@@ -280,6 +298,9 @@ def main() -> int:
             ("sp=1 sparse bundle, its default sparsity", "s1", 1, ["--device", "cuda"], None, None),
             ("sp=1 sparse bundle, request --sparse-attention 0", "s1", 1, ["--device", "cuda", "--sparse-attention",
                                                                           "0"], None, None),
+            # The FP8 sparse kernel serves without FA4: the same GPU, FA4's carry taken off the path.
+            ("sp=1 fp8 sparse bundle (FP8 kernel), FA4 off the path", "s8", 1, ["--device", "cuda"], without_fa4(env),
+             None),
             ("eager sp=2", None, 2, ["--gpus", "2"], None, None),
             ("bf16 bundle sp=2", "b2", 2, ["--gpus", "2"], None, None),
             ("bf16 sp=1 bundle, 2 replicas, batch", "b1", 2, ["--gpus", "2", "--replicas", "2"], None, None),
@@ -303,7 +324,8 @@ def main() -> int:
         ]
         skipped: dict[str, int] = {}  # rows --only leaves out, with the GPUs they need
         if args.only is not None:
-            skipped = {p[0]: p[2] for p in plan if args.only not in p[0]}
+            wanted = [text for text in args.only.split("|") if text]
+            skipped = {p[0]: p[2] for p in plan if not any(text in p[0] for text in wanted)}
             plan = [p if p[0] not in skipped else (p[0], p[1], 99, *p[3:]) for p in plan]  # 99 GPUs: never run
         bundles = {"b1": ["--steps", str(STEPS)], "b2": ["--steps", str(STEPS), "--sp", "2"],
                    "s1": ["--steps", str(STEPS), *SPARSE], "l1": ["--steps", str(STEPS), "--lora-slots", "1",
@@ -325,17 +347,21 @@ def main() -> int:
                                          for line in styled.read_text().splitlines()))
         calib = work / "calib.txt"
         calib.write_text(f"{PROMPT}\nwaves on a rocky shore, gulls calling\n")
-        bundles["f2"] = ["--steps", str(STEPS), "--sp", "2", "--precision", "fp8", "--fp8-attention",
-                         "--calib-prompts", str(calib)]
+        fp8 = ["--precision", "fp8", "--fp8-attention", "--calib-prompts", str(calib)]
+        bundles["f2"] = ["--steps", str(STEPS), "--sp", "2", *fp8]
+        bundles["s8"] = ["--steps", str(STEPS), *fp8, *SPARSE, "--sparse-kernel",
+                         "fp8_emulated" if args.cpu else "fp8"]
         built = {}
-        for name, flags in bundles.items():
-            if not any(b == name and needs <= gpus for _, b, needs, *_ in plan):
-                built[name] = (-1, f"not built: no row this machine can run serves it ({gpus} GPU(s))")
-                log.write(f"{name}: {built[name][1]}\n")
-                continue
-            rc, text = sh(h3 + ["build", "--model", "tiny", "--device", dev, "--output", str(work / name)] + flags,
-                          env, log)
-            built[name] = (rc, text)
+        wanted = [name for name in bundles if any(b == name and needs <= gpus for _, b, needs, *_ in plan)]
+        for name in bundles.keys() - set(wanted):
+            built[name] = (-1, f"not built: no row this machine can run serves it ({gpus} GPU(s))")
+            log.write(f"{name}: {built[name][1]}\n")
+        # The tiny bundles build side by side (their time is Inductor's compiles, on the host's cores): a quarter of
+        # the cores each, so a 16-core GPU host builds four at once and a 2-core machine one at a time.
+        with ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1) // 4)) as pool:
+            jobs = {name: pool.submit(sh, h3 + ["build", "--model", "tiny", "--device", dev, "--output",
+                                                str(work / name)] + bundles[name], env, log) for name in wanted}
+            built.update({name: job.result() for name, job in jobs.items()})
 
         def save(rows: list[dict], finished: bool) -> dict:
             """The table so far, written after every row: a run cut short (a device call's time limit) keeps the
@@ -379,7 +405,7 @@ def main() -> int:
                              str(guided_ref)], env, log)
                 rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
                 want = [(out, guided_ref)]
-            elif bundle == "s1" and "--sparse-attention" not in flags:
+            elif bundle in SPARSE_BUNDLES and "--sparse-attention" not in flags:
                 # The bundle's default sparsity: the reference is the eager clip with the same sparse settings.
                 if sparse_ref is None and gpus >= needs:
                     sparse_ref = work / "eager_sparse.mp4"

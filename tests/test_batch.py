@@ -12,7 +12,8 @@ from PIL import Image
 from h3trt.cli import main
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.run.batch import BatchConfig, run_batch
-from h3trt.run.batch_file import check_bundle_batch, parse_requests
+from h3trt.jobs.model_source import check_bundle_batch
+from h3trt.run.batch_file import parse_requests
 from h3trt.run.batch_outputs import finished
 from h3trt.media.inputs import probe
 from h3trt.pipeline.h3_pipeline import H3Pipeline

@@ -159,3 +159,20 @@ def test_a_vsa_kernel_whose_output_differs_is_left_out_loudly(monkeypatch):
     assert any(line.startswith("VSA kernel flex left out: the flex VSA kernel does not run on cpu") for line in lines)
     served = VsaServing(VsaSettings(), kernel, left_out)
     assert VsaServing.from_dict(served.to_dict()).left_out == left_out  # recorded in a bundle's manifest
+
+
+def test_max_batch_on_a_fasth3_vsa_model_is_refused_before_any_job(h3trt, tmp_path, tiny_root):
+    """VSA counts one request's evaluations, so a FastH3-VSA model never shares a denoise: --max-batch 2 is one line at
+    start (before it, serve's batch claim paired such jobs and the pipeline then failed both)."""
+    vsa = write_fasth3(tmp_path / "fasth3-vsa.safetensors", CFG, seed=3, gates=True)
+    plain = write_fasth3(tmp_path / "fasth3.safetensors", CFG, seed=3)
+    requests = tmp_path / "r.jsonl"
+    requests.write_text('{"id": "a", "task": "t2va", "prompt": "a fox"}\n{"id": "b", "task": "t2va", "prompt": "a cat"}\n')
+    for file, refused in ((vsa, True), (plain, False)):
+        code, err = h3trt("run", "--model", str(tiny_root), "--distilled", str(file), "--requests", str(requests),
+                          "--out-dir", str(tmp_path / file.stem), "--max-batch", "2", "--quiet")
+        if refused:
+            assert code == 2 and len(err) == 1 and "a FastH3-VSA model denoises each request alone" in err[0], err
+            assert not (tmp_path / file.stem).exists() or not any((tmp_path / file.stem).iterdir())
+        else:
+            assert code == 0, err

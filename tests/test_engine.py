@@ -29,7 +29,8 @@ from h3trt.build.segments import dit_segments
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import CompilerInvoked, no_compile
-from h3trt.engines.manifest import BundleError, bundle_identity, content_sha256, read_manifest, sha256_file
+from h3trt.engines.atomic import sha256_file
+from h3trt.engines.manifest import BundleError, bundle_identity, content_sha256, read_manifest
 from h3trt.engines.weights_io import chunk_digests
 from h3trt.engines.signing import load_private_key, sign_bundle
 from h3trt.errors import UserError

@@ -176,6 +176,40 @@ def test_pack_t2va_matches_diffusers(L, T, h, w, A, patch, keyframes):
     assert ours.seq_len == L + (len(keyframes) + T) * rows_per_frame + 2 * A
 
 
+def test_a_layouts_digest_is_equal_for_equal_layouts_and_differs_in_any_field():
+    """PackedLayout.digest is the one rule of "the same layout" (a batched denoise's, jobs/work.py layout_key's):
+    layouts packed alike digest alike, and a change to any one field (a value, a shape or a dtype of a tensor, the
+    condition rows, the video grid) changes the digest."""
+    import dataclasses
+
+    tags = torch.ones(5, dtype=torch.long)
+    layout = pack_t2va(tags, 3, 4, 6, 10, keyframes=("first",))
+    assert pack_t2va(tags.clone(), 3, 4, 6, 10, keyframes=("first",)).digest() == layout.digest()
+    assert layout.to("cpu").digest() == layout.digest()
+    changed = {}
+    for f in dataclasses.fields(layout):
+        value = getattr(layout, f.name)
+        if isinstance(value, torch.Tensor):
+            bumped = value.clone()
+            bumped.view(-1)[-1] += 1
+            other_dtype = torch.int32 if value.is_floating_point() else torch.float64
+            changed[f.name] = [bumped, value[:-1], value.to(other_dtype)]
+        elif f.name == "video_grid":
+            changed[f.name] = [None, (value[0] + 1, *value[1:])]
+        else:
+            changed[f.name] = [value + 1]
+    assert set(changed) == {f.name for f in dataclasses.fields(layout)}
+    digests = {layout.digest()}
+    for name, values in changed.items():
+        for value in values:
+            digests.add(dataclasses.replace(layout, **{name: value}).digest())
+    assert len(digests) == 1 + sum(len(v) for v in changed.values())
+    # the same other layouts pack differently: a longer text, another canvas, another keyframe
+    assert len({layout.digest(), pack_t2va(torch.ones(6, dtype=torch.long), 3, 4, 6, 10, keyframes=("first",)).digest(),
+                pack_t2va(tags, 3, 4, 8, 10, keyframes=("first",)).digest(),
+                pack_t2va(tags, 3, 4, 6, 10, keyframes=("last",)).digest()}) == 4
+
+
 def test_t2va_last_anchor_needs_pairwise_sum(monkeypatch):
     """Sensitivity check: at 37 latent frames the two summation orders differ in the last ulp, and the diffusers
     'last' anchor follows numpy's pairwise sum; summing sequentially instead must break the comparison."""

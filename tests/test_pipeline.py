@@ -11,7 +11,7 @@ import os
 
 import pytest
 
-from h3trt.engines.manifest import sha256_file
+from h3trt.engines.atomic import sha256_file
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.jobs import work
 from h3trt.jobs.job import EventKind, Job

@@ -240,3 +240,143 @@ def test_a_server_restarted_on_an_old_jobs_database_runs_its_rows(tmp_path):
         assert shown(store.get(job).request, 50) == (64, 32, 4, [AdapterUse.from_json(use)])
     finally:
         store.close()
+
+
+def admitted_rows(queue: StoreQueue, *admitted) -> list[str]:
+    """Jobs queued as the API side stores them (service.create): the admitted request and its batch key's digest."""
+    from h3trt.server.rows import row_request
+
+    ids = []
+    for a in admitted:
+        job = f"video_{'k' + str(len(queue.store.rows())):0>32}"
+        key = a.batch_key
+        folder = queue.storage.local / uploads_key(job)
+        folder.mkdir()
+        queue.store.create(job, row_request(a, {"prompt": a.request.inputs.prompt}, {}, folder),
+                           batch_key=key.digest() if key is not None else None)
+        ids.append(job)
+    return ids
+
+
+def small(prompt: str = "a fox", width: int = 64, **fields):
+    from h3trt.models.packing import Geometry
+    from h3trt.request.request import Admitted, Request
+
+    return Admitted(Request.of(prompt, steps=2, width=width, height=32, **fields), Geometry(32, width, 22))
+
+
+def test_a_claim_takes_the_oldest_job_with_the_queued_jobs_of_its_batch_key_and_others_alone(queue):
+    """take(group, limit): the oldest queued job and, in the same claim, later queued jobs whose stored batch key is
+    its own (up to `limit`, oldest first); a job of another key, one that shares no evaluation (guided: key None)
+    and a row written before keys were stored (NULL) each run alone."""
+    a, wide, c, guided, e = admitted_rows(queue, small("a"), small("b", width=128), small("c", seed=9),
+                                          small("d", guidance=3.0, negative_prompt="blur"), small("e"))
+    [old] = queued(queue, "f")
+    assert small("a").batch_key == small("c", seed=9).batch_key != small("b", width=128).batch_key
+    assert small("d", guidance=3.0, negative_prompt="blur").batch_key is None
+    first = queue.take(0, 2)
+    assert [j.id for j in first] == [a, c] and [j.attempt for j in first] == [1, 1]
+    assert first[0].key == first[1].key == small("a").batch_key
+    assert {queue.store.get(j).worker for j in (a, c)} == {"host:1/group0"}
+    assert [j.id for j in queue.take(1, 4)] == [wide]
+    assert [(j.id, j.key) for j in queue.take(0, 4)] == [(guided, None)]  # e waits behind it, of another key
+    assert [j.id for j in queue.take(0, 4)] == [e]
+    assert [(j.id, j.key) for j in queue.take(0, 4)] == [(old, None)]
+    assert queue.take(0, 4) == []
+    assert [queue.store.get(j).attempts for j in (a, wide, c, guided, e, old)] == [1] * 6
+
+
+def test_racing_claims_take_every_job_once_in_batches_of_one_key(tmp_path):
+    """Two workers (each its own store over the one database, as two processes) claim at once from threads: every job
+    is claimed exactly once, and every claim's jobs share one batch key."""
+    import threading
+
+    for folder in ("clips", "uploads"):
+        (tmp_path / folder).mkdir()
+    queues = [StoreQueue(JobStore(sqlite_url(tmp_path)), Storage(tmp_path), 60.0, RequestDefaults(steps=2), Metrics(),
+                         Logged(), name=lambda g, w=w: f"host:{w}/group{g}") for w in range(2)]
+    shapes = [small(str(i), width=64 * (1 + i % 3)) for i in range(36)]
+    ids = admitted_rows(queues[0], *shapes)
+    width = {job: s.geometry.width for job, s in zip(ids, shapes)}
+    claims: list[list] = [[], []]
+
+    def worker(w: int) -> None:
+        while work := queues[w].take(0, 4):
+            claims[w].append(work)
+
+    threads = [threading.Thread(target=worker, args=(w,)) for w in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    try:
+        taken = [job.id for claim in claims[0] + claims[1] for job in claim]
+        assert sorted(taken) == sorted(ids)  # none lost, none twice
+        assert all(len({width[j.id] for j in claim}) == 1 and len(claim) <= 4 for claim in claims[0] + claims[1])
+        assert {queues[0].store.get(j).attempts for j in ids} == {1}
+    finally:
+        for q in queues:
+            q.store.close()
+
+
+def test_a_restart_queues_a_claimed_batch_again_and_it_is_claimed_together_once(tmp_path):
+    """A server killed while a group ran a batch: the next start (recover) queues its jobs again, each once; they are
+    claimed together again, under their second claim, and nothing is claimed twice."""
+    for folder in ("clips", "uploads"):
+        (tmp_path / folder).mkdir()
+
+    def node(n: int) -> StoreQueue:
+        return StoreQueue(JobStore(sqlite_url(tmp_path)), Storage(tmp_path), 60.0, RequestDefaults(steps=2),
+                          Metrics(), Logged(), name=lambda g: f"host:{n}/group{g}")
+
+    before = node(1)
+    a, b, wide = admitted_rows(before, small("a"), small("b"), small("c", width=128))
+    assert [j.id for j in before.take(0, 4)] == [a, b]
+    before.store.close()  # killed: the rows say in_progress
+    after = node(2)
+    try:
+        after.recover()
+        assert sorted(after.log.events("recovered")[0]["requeued"]) == sorted([a, b])
+        again = after.take(0, 4)
+        assert [(j.id, j.attempt) for j in again] == [(a, 2), (b, 2)]
+        assert [(j.id, j.attempt) for j in after.take(0, 4)] == [(wide, 1)] and after.take(0, 4) == []
+    finally:
+        after.store.close()
+
+
+def test_queued_rows_of_a_database_from_before_batch_keys_are_migrated_and_each_run_alone(tmp_path):
+    """A jobs database at schema revision 0003 (before the batch key's column) with two queued rows of the same
+    request: opening it migrates it (the column added, NULL in those rows), and a claim of up to 4 takes each alone."""
+    import json
+
+    from alembic import command
+    from alembic.config import Config
+    from sqlalchemy import create_engine
+
+    from h3trt.server import store as store_module
+    from h3trt.server.rows import row_request
+
+    for folder in ("clips", "uploads"):
+        (tmp_path / folder).mkdir()
+    url, ids = sqlite_url(tmp_path), [f"video_{'o' + str(i):0>32}" for i in range(2)]
+    engine = create_engine(url)
+    with engine.begin() as connection:
+        config = Config()
+        config.set_main_option("script_location", str(Path(store_module.__file__).with_name("migrations")))
+        config.attributes["connection"] = connection
+        command.upgrade(config, "0003")
+        for i, job in enumerate(ids):
+            (tmp_path / uploads_key(job)).mkdir()
+            request = json.dumps(row_request(small("a"), {"prompt": "a"}, {}, tmp_path / uploads_key(job)))
+            connection.exec_driver_sql(
+                "INSERT INTO jobs (id, status, created_at, progress, stage, evaluations_done, evaluations_total, "
+                "attempts, cancel_requested, deleted, request) VALUES (?, 'queued', ?, 0, 'queued', 0, 0, 0, 0, 0, ?)",
+                (job, 1.0 + i, request))
+    engine.dispose()
+    store = JobStore(url)
+    try:
+        queue = StoreQueue(store, Storage(tmp_path), 60.0, RequestDefaults(steps=2), Metrics(), Logged())
+        assert [store.get(job).batch_key for job in ids] == [None, None]
+        assert [[j.id for j in queue.take(0, 4)] for _ in ids] == [[ids[0]], [ids[1]]]
+    finally:
+        store.close()

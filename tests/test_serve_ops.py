@@ -176,3 +176,32 @@ def test_a_port_in_use_is_refused_before_any_rank_starts(tmp_path, tiny_cache):
     assert proc.stderr.strip().splitlines() == [  # nothing before it: no store recovered, no model announced
         f"h3trt: error: could not listen on 127.0.0.1:{port} (Address already in use); pass a free --port, and a "
         "--host that is an address of this machine."], proc.stderr
+
+
+def test_serve_max_batch_runs_queued_jobs_of_one_key_as_one_batched_denoise(tmp_path, tiny_cache):
+    """`h3trt serve --max-batch 4` over a data folder holding three queued jobs (admitted as POST admits them, before
+    the server started: two of one batch key, one of other steps): its group's first claim takes the two together and
+    denoises them as one batch (each record's `batch` names both), then the third alone; each job gets its own clip."""
+    from types import SimpleNamespace
+
+    from h3trt.jobs.model_source import Entry
+    from h3trt.server.options import ServeOptions
+    from h3trt.server.parts import Parts
+
+    data = tmp_path / "data"
+    parts = Parts.node(data, log=lambda *a, **k: None)
+    service = parts.service(Entry.local(device="cpu"), ServeOptions(data), SimpleNamespace(status=list,
+                                                                                            serving=lambda: 1))
+    sent = [{"prompt": "a red fox runs through snow", "size": "128x32", "seconds": "5", "seed": seed, "steps": steps}
+            for seed, steps in ((1, 2), (2, 3), (3, 2))]
+    a, other, c = [service.create(fields, [], False).id for fields in sent]
+    parts.close()
+    srv = Server(data, "--max-batch", "4")
+    srv.wait("/health")
+    for job in (a, other, c):
+        assert srv.wait_job(job)["status"] == "completed"
+    assert srv.stop() == 0, srv.log()[-3000:]
+    rows = _rows(data)
+    batches = {job: json.loads(rows[job]["record"])["batch"] for job in (a, other, c)}
+    assert batches[a]["members"] == batches[c]["members"] == [a, c] and batches[a]["size"] == 2
+    assert batches[other]["members"] == [other]

@@ -94,13 +94,18 @@ def test_the_fp8_kernel_needs_cuda_and_names_the_emulation():
 
 # ---- the Triton kernel under the interpreter (CPU) -------------------------------------------------------------
 
-def online_reference(ops, index, sparse_G, block, block_n):
+def online_reference(ops, index, sparse_G, block, block_n, key_sizes=None):
     """The kernel's arithmetic step by step in torch fp32 (its online softmax over `block_n` key rows a step, P
     rounded to e4m3 times 448 against the running max): what the kernel computes up to the order of fp32 additions.
-    [B, S, N, D] fp32, mu added."""
+    `key_sizes` [K]: key block j's first key_sizes[j] rows are its keys (VSA's ragged tiles). [B, S, N, D] fp32, mu
+    added."""
     B, N, _, D = ops.q8.shape
     S, Sk = ops.rows, ops.key_rows
     q_scale, k_scale, v_scale = ops.scales.tolist()
+    padded = -(-Sk // block) * block + block
+    dropped = torch.arange(padded) >= Sk
+    if key_sizes is not None:
+        dropped[:Sk] |= torch.arange(Sk) % block >= key_sizes.repeat_interleave(block)[:Sk]
     out = torch.zeros(B, S, N, D)
     for b in range(B):
         for n in range(N):
@@ -114,7 +119,7 @@ def online_reference(ops, index, sparse_G, block, block_n):
                 for step in range(0, len(keys), block_n):
                     cols = keys[step:step + block_n]
                     s = q8[rows] @ k8[cols].T * (q_scale * k_scale * D ** -0.5 * 1.4426950408889634)
-                    s = s.masked_fill(cols[None] >= Sk, -torch.inf)
+                    s = s.masked_fill(dropped[cols][None], -torch.inf)
                     m_new = torch.maximum(m, s.amax(1))
                     alpha = torch.exp2(m - m_new)
                     p = torch.exp2(s - (m_new - torch.log2(torch.tensor(448.0)))[:, None])
@@ -172,14 +177,19 @@ def interpreted_checks() -> dict:
     return out
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the subprocess itself")
-def test_the_triton_kernel_matches_the_emulation_under_the_interpreter():
+def interpreted(test_file) -> dict:
+    """Run `test_file` as a script under TRITON_INTERPRET=1 (its __main__ prints its checks as one JSON line)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
         [str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    proc = subprocess.run([sys.executable, test_file], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the subprocess itself")
+def test_the_triton_kernel_matches_the_emulation_under_the_interpreter():
+    outcome = interpreted(__file__)
     kernel = {n: e for n, e in outcome.items() if n.startswith(("kernel_", "every_block", "odd_count"))}
     assert len(kernel) == 2 * 6 + 4, sorted(outcome)
     assert all(e < KERNEL_TOL for e in kernel.values()), kernel

@@ -105,7 +105,7 @@ def test_a_late_writer_whose_lease_ran_out_never_replaces_the_clip_of_the_rerun(
     from fastapi.testclient import TestClient
 
     from h3trt.engines.atomic import temp_path
-    from h3trt.engines.manifest import sha256_file
+    from h3trt.engines.atomic import sha256_file
     from h3trt.jobs.model_source import Entry
     from h3trt.jobs.job import Event
     from h3trt.pipeline.records import ClipRecord, commit_clip

@@ -48,6 +48,39 @@ def test_claims_are_exclusive_and_in_creation_order(store):
     ids = [job for job, _ in taken]
     assert sorted(ids) == [f"video_{i:02d}" for i in range(30)] and len(set(ids)) == 30  # each exactly once
     assert store.counts() == {"queued": 0, "in_progress": 30, "completed": 0, "failed": 0, "cancelled": 0}
+
+
+def test_batch_claims_are_exclusive_and_take_the_oldest_jobs_key(store):
+    """claim_batch: the oldest queued job with up to limit - 1 later ones of its batch key, in one transaction; four
+    workers racing take every job exactly once, each claim's jobs of one key and in creation order; a job without a
+    key (NULL) is claimed alone."""
+    keys = {f"video_{i:02d}": (None if i % 7 == 0 else "k" * 63 + str(i % 3)) for i in range(42)}
+    for i, (job, key) in enumerate(keys.items()):
+        store.create(job, {"schema": {"prompt": job}}, now=1000.0 + i, batch_key=key)
+    claims, lock = [], threading.Lock()
+
+    def worker(name):
+        while rows := store.claim_batch(name, 4):
+            with lock:
+                claims.append(rows)
+
+    threads = [threading.Thread(target=worker, args=(f"g{i}",)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    ids = [row.id for rows in claims for row in rows]
+    assert sorted(ids) == sorted(keys) and len(set(ids)) == len(keys)  # each exactly once
+    for rows in claims:
+        assert len(rows) <= 4 and len({row.batch_key for row in rows}) == 1 and len({row.worker for row in rows}) == 1
+        assert [row.seq for row in rows] == sorted(row.seq for row in rows) and {row.attempts for row in rows} == {1}
+        assert rows[0].batch_key is not None or len(rows) == 1
+    assert any(len(rows) > 1 for rows in claims)
+    store.create("video_x", {"schema": {"prompt": "x"}}, batch_key="a" * 64)
+    store.create("video_y", {"schema": {"prompt": "y"}}, batch_key="b" * 64)
+    store.create("video_z", {"schema": {"prompt": "z"}}, batch_key="a" * 64)
+    assert [row.id for row in store.claim_batch("g0", 4)] == ["video_x", "video_z"]
+    assert [row.id for row in store.claim_batch("g0", 4)] == ["video_y"] and store.claim_batch("g0", 4) == []
     row = store.get("video_00")
     assert row.status == "in_progress" and row.attempts == 1 and row.worker.startswith("g") and row.started_at
 

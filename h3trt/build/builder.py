@@ -31,9 +31,10 @@ import torch
 from ..calibration.build import block_weight_sets, calibrate_dit
 from ..calibration.recipe import QuantRecipe
 from ..calibration.vae_fp8 import EXECUTION as VAE_FP8_EXECUTION
+from ..engines.atomic import sha256_file
 from ..engines.environment import device_arch, runtime_versions
 from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord, ScheduleRecord, SparseRecord,
-                                VideoDecoderRecord, hash_threads, sha256_file, write_manifest)
+                                VideoDecoderRecord, hash_threads, write_manifest)
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
 from ..models.checkpoint import load_dit
@@ -157,7 +158,7 @@ def calibrate(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, log) -> Cali
     place. tensorrt keeps ModelOpt's quantizers in the blocks: the ONNX export writes them as Q/DQ, so both backends
     take their scales from the same calibration. Its segments are ONNX graphs, not the recipe's compiled blocks, hence
     no recipe for the phases after."""
-    recipe = config.recipe_for(plan.fp8_kernel)
+    recipe = config.recipe_for(plan.fp8_kernel, plan.vsa_kernel is not None)
     if recipe is None:
         return Calibration(None, None)
     trt = config.backend == "tensorrt"

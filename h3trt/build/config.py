@@ -48,7 +48,7 @@ class Profile:
             w, h, s = text.lower().split("x")
             profile = cls(int(w), int(h), float(s))
         except ValueError:
-            raise UserError(f"--profile must be WIDTHxHEIGHTxSECONDS (e.g. 1344x768x5), got {text!r}.") from None
+            raise UserError(f"--canvas must be WIDTHxHEIGHTxSECONDS (e.g. 1344x768x5), got {text!r}.") from None
         validate_canvas(profile.height, profile.width)
         frames_for_duration(profile.seconds)
         return profile
@@ -150,7 +150,7 @@ class BuildConfig:
                             "choose their own kernels.")
         MeshConfig(cfg=self.cfg, sp=self.sp)  # degrees >= 1, cfg 1 or 2; sp against the heads once they are known
         if not self.profiles:
-            raise UserError("At least one --profile is needed.")
+            raise UserError("At least one --canvas is needed.")
         for spec in self.loras:  # before the (slow) checkpoint load
             if not Path(spec.path).is_file():
                 raise UserError(f"--lora {spec.path} does not exist; pass a LoRA .safetensors file.")
@@ -339,12 +339,14 @@ class BuildConfig:
         recipe = self.recipe_for("emulated")
         conflicts = [flag for flag, on in (
             ("--backend tensorrt", self.backend == "tensorrt"), ("--sparse-attention", self.sparse is not None),
-            ("--lora-slots", self.slots is not None), ("--fp8-attention", self.fp8_attention),
+            ("--lora-slots", self.slots is not None),
             ("--quant-exclude blocks.N", recipe is not None and bool(recipe.exclude_blocks))) if on]
         if conflicts:
             raise UserError(f"this checkpoint is a FastH3-VSA model: its attention is VSA in every block (the block "
                             f"halves around it), which {', '.join(conflicts)} cannot serve. Drop "
                             f"{'it' if len(conflicts) == 1 else 'them'}; set its sparsity with --vsa-sparsity.")
+        # --fp8-attention on a VSA model is FP8 VSA (build/vsa_choice.py races the fp8 kernel): recipe_for and
+        # attention_precisions leave the dense FP8 attention out of it (vsa_model)
 
     @property
     def sparse(self) -> SparseSettings | None:
@@ -359,16 +361,18 @@ class BuildConfig:
         (eager) video decoder."""
         return VAEPrecision.resolve(self.vae_precision, "cuda" if self.backend == "tensorrt" else self.device)
 
-    def recipe_for(self, fp8_kernel: str) -> QuantRecipe | None:
-        """The quantization recipe, its FP8 attention (with --fp8-attention) running `fp8_kernel`."""
+    def recipe_for(self, fp8_kernel: str, vsa_model: bool = False) -> QuantRecipe | None:
+        """The quantization recipe, its FP8 attention (with --fp8-attention) running `fp8_kernel`. On a FastH3-VSA
+        model (`vsa_model`) the recipe has no FP8 attention: --fp8-attention is VSA's fp8 kernel there, with its own
+        per-call scales (models/vsa_fp8.py), and no calibrated attention segment."""
         if not self.precision.spec.quantized:
             return None
         blocks, linears = parse_exclusions(self.quant_exclude)
         algo = self.calib_algo or self.precision.spec.calib_algos[0]
         recipe = QuantRecipe(self.precision, algo, exclude_blocks=blocks, exclude_linears=linears,
                              fp4_activations=self.precision is Precision.NVFP4 and self.backend == "tensorrt",
-                             fp8_attention=self.fp8_attention,
-                             attention_kernel=fp8_kernel if self.fp8_attention else "",
+                             fp8_attention=self.fp8_attention and not vsa_model,
+                             attention_kernel=fp8_kernel if self.fp8_attention and not vsa_model else "",
                              calib_steps=self.calibration_steps, fp8_accum=self.fp8_accum or FP8_ACCUMS[0])
         # A weight-only calibration runs no trajectories: its manifest says 0 steps.
         return recipe if recipe.needs_calibration_data else dataclasses.replace(recipe, calib_steps=0)
@@ -398,7 +402,8 @@ class BuildConfig:
         positions = served.rungs if served.rungs is not None else uniform_rungs(served.steps - 1)
         return Schedule(n, served.video_shift, served.audio_shift, positions[: n - 1])
 
-    def attention_precisions(self) -> tuple[Precision, ...]:
-        """Every precision the bundle's attention runs in: the block dtype's (always: the block_hp layers, or every
-        layer), and fp8 with --fp8-attention."""
-        return (self.precision.spec.attention,) + ((Precision.FP8,) if self.fp8_attention else ())
+    def attention_precisions(self, vsa_model: bool = False) -> tuple[Precision, ...]:
+        """Every precision the bundle's dense attention runs in: the block dtype's (always: the block_hp layers, or
+        every layer), and fp8 with --fp8-attention but on a FastH3-VSA model (`vsa_model`), whose FP8 is VSA's."""
+        fp8 = self.fp8_attention and not vsa_model
+        return (self.precision.spec.attention,) + ((Precision.FP8,) if fp8 else ())

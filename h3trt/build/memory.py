@@ -137,7 +137,7 @@ def memory_needs(config: BuildConfig, source: TransformerSource, dtype: torch.dt
     model = build_dit(cfg, dtype, device="meta")
     block = _bytes(model.blocks[0].parameters())
     resident = _bytes(p for n, p in model.named_parameters() if not n.startswith("blocks."))
-    recipe = config.recipe_for("emulated")
+    recipe = config.recipe_for("emulated", cfg.vsa_gate)
     quantized = 0
     if recipe is not None:
         linears = tuple(f"{name}." for name in recipe.quantized_linears())
@@ -202,5 +202,5 @@ def plan_memory(config: BuildConfig, source: TransformerSource, dtype: torch.dty
             return MemoryPlan(True, needs, budget, have, on_host)
     raise UserError(f"This build does not fit: even a block at a time it needs about {_gib(needs.streamed())} GiB of "
                     f"device memory ({needs.describe()}), and {limit}. Free the device, build on a larger one, or "
-                    "shrink what grows: a smaller --profile (activations), fewer --calib-prompts or --calib-steps "
+                    "shrink what grows: a smaller --canvas (activations), fewer --calib-prompts or --calib-steps "
                     "(recorded calibration inputs).")

@@ -65,6 +65,8 @@ class BuildPlan:
     # None: the checkpoint is no VSA model.
     vsa_kernel: str | None = None
     vsa_left_out: dict[str, str] | None = None  # the faster VSA kernels left out on the build device, with why
+    vsa_tile: str | None = None  # the fp8 VSA kernel's tile configuration (build/vsa_choice.py); else None
+    vsa_measured: dict[str, float] | None = None  # the VSA race's ms by kernel (an FP8 VSA build on a GPU)
     # Whole or a block at a time, and the estimates that decided it (build/memory.py); None: a plan made without the
     # fit check (tests of later phases).
     memory: MemoryPlan | None = None
@@ -108,24 +110,28 @@ def plan_build(config: BuildConfig, log=print, free_memory=device_memory) -> Bui
         raise UserError(f"This process already serves from the bundle {bundle_activated()}; a build here would not "
                         "capture every compiled kernel. Build in a fresh process (`h3trt build ...`).")
     sparse = _sparse_kernel(config, model_cfg, device, dtype, log) if config.sparse is not None else None
-    vsa, left_out = _vsa_kernel(config, model_cfg, device, dtype, log) if model_cfg.vsa_gate else (None, None)
-    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse, vsa,
-                     left_out, memory)
+    vsa = _vsa_kernel(config, model_cfg, device, dtype, log) if model_cfg.vsa_gate else None
+    return BuildPlan(device, dtype, model_cfg, attention, estimated_size(config, source, dtype, device), sparse,
+                     vsa and vsa.kernel, vsa and vsa.left_out, vsa and vsa.tile, vsa and vsa.measured_ms, memory)
 
 
-def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,
-                log) -> tuple[str, dict[str, str]]:
-    """The VSA kernel of a FastH3-VSA bundle: the first of fa4, flex, reference that compiles here at one rank's
-    heads and matches the fp32 definition (the ones left out logged with why, and recorded); every load compiles and
-    checks it again."""
-    from ..models.vsa_plan import choose_vsa_kernel
+def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype, log):
+    """The VSA kernel of a FastH3-VSA bundle (build/vsa_choice.py: bf16, the first of fa4, flex, reference that
+    compiles here and matches the fp32 definition; with --fp8-attention, fa4 and the fp8 kernel's tiles timed at the
+    bundle's longest profile), at one rank's heads, the ones left out logged with why and recorded; every load
+    compiles and checks it again."""
+    from ..models.vsa_tiles import layout_geometry
+    from .vsa_choice import resolve_vsa_kernel
 
     heads = model_cfg.num_heads // config.sp
-    kernel, left_out = choose_vsa_kernel(device, heads, model_cfg.head_dim, dtype, log)
     s = config.vsa(model_cfg.num_layers)
-    log(f"VSA (FastH3-VSA model): the {kernel} kernel, {heads} heads per rank, sparsity {s.sparsity:g} "
+    longest = max((example_layout(model_cfg, p.geometry) for p in config.profiles), key=lambda lay: lay.seq_len)
+    choice = resolve_vsa_kernel(device, heads, model_cfg.head_dim, dtype, config.fp8_attention,
+                                layout_geometry(longest), s.sparsity, log)
+    name = choice.kernel + (f" (tile {choice.tile})" if choice.tile else "")
+    log(f"VSA (FastH3-VSA model): the {name} kernel, {heads} heads per rank, sparsity {s.sparsity:g} "
         f"({s.sparsity_from}), first {s.dense_first_steps} steps dense, dense blocks {list(s.dense_layers) or 'none'}")
-    return kernel, left_out
+    return choice
 
 
 def vsa_serving(config: BuildConfig, plan: BuildPlan) -> VsaServing | None:
@@ -133,7 +139,8 @@ def vsa_serving(config: BuildConfig, plan: BuildPlan) -> VsaServing | None:
     calibration attends with and the manifest records."""
     if plan.vsa_kernel is None:
         return None
-    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel, plan.vsa_left_out or {})
+    return VsaServing(config.vsa(plan.model_cfg.num_layers), plan.vsa_kernel, plan.vsa_left_out or {}, plan.vsa_tile,
+                      plan.vsa_measured or {})
 
 
 def _sparse_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, dtype: torch.dtype,
@@ -175,7 +182,7 @@ def _attention(config: BuildConfig, model_cfg: H3Config, device: torch.device,
     shape = AttentionShape(max(example_layout(model_cfg, p.geometry).seq_len for p in config.profiles),
                            model_cfg.num_heads // config.sp, model_cfg.head_dim)
     attention = {}
-    for precision in config.attention_precisions():
+    for precision in config.attention_precisions(model_cfg.vsa_gate):
         choice = resolve_attention(config.attention, precision, device, shape)
         attention[precision] = choice
         timed = ", ".join(f"{k} {ms:.2f} ms" for k, ms in choice.measured_ms.items())

@@ -85,7 +85,7 @@ def bake_streamed(config: BuildConfig, plan: BuildPlan, dit: LoadedDiT, work: Pa
                   log) -> tuple[Calibration, BakedWeights]:
     """2 and 3. The calibration's recorded inputs, then one pass over the blocks (module docstring)."""
     model, cfg = dit.model, dit.model.cfg
-    recipe = config.recipe_for(plan.fp8_kernel)
+    recipe = config.recipe_for(plan.fp8_kernel, plan.vsa_kernel is not None)
     t0 = time.perf_counter()
     recipe, inputs = _calibration_inputs(config, plan, dit, recipe, log)
     state = model.state_dict()

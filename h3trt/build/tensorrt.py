@@ -8,7 +8,7 @@ Two flavours build plans (tensorrt_notes.md sections 0 and 8):
     (`--trt-targets`), but its plans run only on sm_80/86/89/120/121: an H200 (sm_90) refuses them at load.
 
 Every network is strongly typed (the ONNX graph's dtypes and Q/DQ decide each layer's precision; TensorRT-RTX only
-builds strongly typed networks). One optimization profile per bundle profile (`--profile`); its ranges come from
+builds strongly typed networks). One optimization profile per bundle profile (`--canvas`); its ranges come from
 `shape_ranges`, a pure function of the geometry.
 
 Legend: S packed rows, V video rows, A audio rows, L text rows, T distinct timesteps, M = 3T modulation rows.

@@ -243,6 +243,10 @@ def _serve_parser(sub) -> None:
                    help="serve this endpoint without the API key (repeatable): metrics (/metrics, for Prometheus "
                         "scrapers that send no key), docs (/docs and /openapi.json); /health, /ready and the page are "
                         "always open, /v1 never")
+    p.add_argument("--max-batch", type=positive, default=1,
+                   help="queued jobs of one batch key (task, canvas, frames, schedule, adapters; unguided, uncached, "
+                        "dense) a replica group takes at once and denoises as one batch where their packed layouts "
+                        "agree (default 1; a bundle compiled for batch 1 takes 1)")
     p.add_argument("--max-upload-mb", type=float, default=DEFAULT_UPLOAD_MB,
                    help=f"a request body's size limit, uploads included (default {DEFAULT_UPLOAD_MB:g} MB)")
     p.add_argument("--crf", default=DEFAULT_CRF, type=crf, metavar="0..51",
@@ -290,7 +294,9 @@ def _build_parser(sub) -> None:
                    help="fp8/nvfp4: keep in bf16 whole blocks (blocks.N) and/or a block linear in every block "
                         "(attn.qkv_proj, attn.out_proj, mlp.fc1, mlp.fc2)")
     p.add_argument("--fp8-attention", action="store_true", help="fp8: q/k/v in e4m3 with calibrated scales, through "
-                                                                    "the --attention kernel (a CPU build: emulated)")
+                                                                    "the --attention kernel (a CPU build: emulated); "
+                                                                    "on a FastH3-VSA model, VSA's fp8 kernel raced "
+                                                                    "against fa4 (per-call scales)")
     p.add_argument("--fp8-accum", choices=FP8_ACCUMS, default=None,
                    help="fp8: how the GEMMs accumulate: fast (default; the FP8 tensor cores' accumulator over the "
                         "whole reduction: a full-width H3 block 2.5%% faster on the H200, its error unchanged) or "
@@ -300,8 +306,9 @@ def _build_parser(sub) -> None:
                         "build GPU at the bundle's shape; on a CPU, torch SDPA or the FP8 emulation), cudnn, or fa3 "
                         "(FlashAttention-3, Hopper; pip install 'h3trt[fa3]'). Recorded in the manifest; a machine "
                         "that cannot run it refuses the bundle")
-    p.add_argument("--profile", action="append", default=None,
-                   help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5)")
+    p.add_argument("--canvas", "--profile", dest="profile", action="append", default=None, metavar="WxHxS",
+                   help="WIDTHxHEIGHTxSECONDS a request may use; repeatable (default 1344x768x5, tiny 160x96x5). "
+                        "--profile is its older name (run's --profile is a speed profile, not a canvas)")
     _schedule_arguments(p)
     p.add_argument("--device", default=None, type=device,
                    help="cuda or cpu (default: cuda if available); the bundle runs there")

@@ -8,6 +8,8 @@ clip's commit (media/output_files.py) and a bundle's swap into place (build/outp
   * Signals held back while a commit runs (`interrupts_held`): SIGINT by default, SIGTERM too where a half-done
     commit would lose the old output and the new one.
   * A lock whose file names its holder (`HolderLock`): pid, host, start time and command, for the refusal to quote.
+  * A written file's sha256 (`sha256_file`): what a clip's record, a bundle's files and a timeline say of their bytes,
+    so a reader can tell its file from another one put under the same name.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import contextlib
 import ctypes
 import errno
 import fcntl
+import hashlib
 import json
 import os
 import re
@@ -61,6 +64,14 @@ def temp_path(target: Path) -> Path:
     with _LIVE_LOCK:
         _LIVE.add(path)
     return path
+
+
+def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
 
 
 def discard(path: Path) -> None:

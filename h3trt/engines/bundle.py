@@ -368,7 +368,7 @@ def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegmen
         sparse_kernel, sparse_problem = bundle_sparse_kernel(root, manifest, device)
     else:  # a FastH3-VSA bundle: VSA's kernel, warmed now; no SubBlock sparse attention (pipeline refuses it)
         load_vsa_kernel(device, cfg.num_heads // manifest.mesh.sp, cfg.head_dim, manifest.precision.spec.dtype,
-                        vsa.kernel)
+                        vsa.kernel, vsa.tile)
         sparse_kernel, sparse_problem = None, None
     marks["sparse_s"] = time.perf_counter() - t_sparse
     slots = manifest.lora_slots  # --lora-slots: the banks are allocated here, zeros until an adapter loads

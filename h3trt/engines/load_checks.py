@@ -10,7 +10,7 @@ import torch
 from ..calibration.fp8_attention import check_attention_kernel
 from ..models.attention import check_attention_record
 from ..models.sparse_kernels import check_sparse_kernel
-from ..models.vsa_kernels import vsa_kernel_problem
+from ..models.vsa_fp8 import vsa_problem
 from .bundle_files import mismatch, structure_problems
 from .environment import device_arch
 from .manifest import BundleError, Manifest
@@ -29,8 +29,8 @@ def check_load(root: Path, manifest: Manifest, device: torch.device, mesh=None) 
             check_attention_kernel(quant["attention_kernel"], device)
         if manifest.sparse is not None:
             check_sparse_kernel(manifest.sparse.kernel, device)
-        if manifest.vsa is not None and vsa_kernel_problem(manifest.vsa.kernel, device) is not None:
-            raise ValueError(f"{vsa_kernel_problem(manifest.vsa.kernel, device)} (this FastH3-VSA bundle serves the "
+        if manifest.vsa is not None and vsa_problem(manifest.vsa.kernel, device) is not None:
+            raise ValueError(f"{vsa_problem(manifest.vsa.kernel, device)} (this FastH3-VSA bundle serves the "
                              f"{manifest.vsa.kernel} VSA kernel: serve it where it was built, or rebuild it here)")
     except ValueError as e:  # the user's: this device cannot run its kernel (a broken CUDA keeps its trace)
         raise BundleError(f"{root}: {e}") from e

@@ -351,14 +351,6 @@ class _Fields:
                               "bundle or rebuild it.") from None
 
 
-def sha256_file(path: Path, chunk: int = 1 << 24) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while block := f.read(chunk):
-            h.update(block)
-    return h.hexdigest()
-
-
 def hash_threads() -> int:
     """Threads that read and hash bundle files: sha256 runs at 1-2 GB/s a core, so one per core, up to 16."""
     return max(1, min(16, os.cpu_count() or 1))

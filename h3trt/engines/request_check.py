@@ -19,7 +19,7 @@ def check_request(manifest: Manifest, width: int, height: int, num_frames: int, 
     if not any(p.width == width and p.height == height and p.num_frames == num_frames for p in profiles):
         built = ", ".join(f"{p.width}x{p.height}x{p.seconds:g}s" for p in profiles)
         raise BundleError(f"This bundle was not built for {width}x{height}, {num_frames} frames; its profiles are "
-                          f"{built}. Rebuild with --profile {width}x{height}x{num_frames / 24:.4g}.",
+                          f"{built}. Rebuild with --canvas {width}x{height}x{num_frames / 24:.4g}.",
                           field="resolution")
     refusal = schedule_refusal(manifest.schedules, steps, video_shift, audio_shift, schedule_note)
     if manifest.adaln.baked and refusal:

@@ -77,14 +77,14 @@ def check_plan_device(trt_info: dict, device: torch.device) -> None:
 
 def pick_profile(profiles: list[dict[str, list]], shapes: dict[str, tuple[int, ...]], segment: str) -> int:
     """The first optimization profile whose [min, max] box holds every input shape (profiles follow the bundle's
-    --profile order). Refuses, naming the shapes, when none does."""
+    --canvas order). Refuses, naming the shapes, when none does."""
     for index, profile in enumerate(profiles):
         if all(all(lo <= s <= hi for s, lo, hi in zip(shapes[name], box[0], box[2])) for name, box in profile.items()):
             return index
     boxes = "; ".join(", ".join(f"{n} {tuple(b[0])}..{tuple(b[2])}" for n, b in p.items()) for p in profiles)
     raise BundleError(f"The {segment} plan has no optimization profile for input shapes "
                       f"{ {n: tuple(s) for n, s in shapes.items()} }; its profiles are: {boxes}. Rebuild with a "
-                      "--profile for this resolution and duration.")
+                      "--canvas for this resolution and duration.")
 
 
 class TrtSegment:

@@ -244,7 +244,7 @@ def deploy(entry: Entry, options: ServeOptions, fleet: FleetOptions) -> int:
     if mesh.replica != 1:
         raise UserError(f"With --ray the mesh flags describe one replica group ({mesh.cfg * mesh.sp} ranks) and Serve "
                         f"runs the replicas: drop --replicas {mesh.replica}, use --min-replicas/--max-replicas.")
-    spec = entry.worker_spec(task, mesh, crf=options.crf)
+    spec = entry.worker_spec(task, mesh, crf=options.crf, max_batch=options.max_batch)
     connect(fleet.address)
     from ray import serve
 

@@ -186,6 +186,16 @@ class ModelSource:
             return self.distilled_serving.adapters_refusal
         return BUNDLE_REFUSAL if self.manifest is not None and self.manifest.lora_slots is None else None
 
+    def check_batching(self, max_batch: int) -> None:
+        """Refuse --max-batch > 1 where no two requests share a denoise: a bundle compiled for batch 1, a FastH3-VSA
+        model (VSA counts one request's evaluations), before any job is taken."""
+        if max_batch > 1 and (self.manifest is not None and self.manifest.vsa is not None
+                              or self.distilled_serving is not None and self.distilled_serving.vsa is not None):
+            raise UserError(f"--max-batch {max_batch}: a FastH3-VSA model denoises each request alone (VSA counts one "
+                            "request's evaluations); pass --max-batch 1.")
+        if self.manifest is not None:
+            check_bundle_batch(self.manifest.segments, max_batch)
+
     @property
     def model_name(self) -> str:
         """What a record says served it."""
@@ -400,11 +410,26 @@ class Entry:
         """What every rank of every replica group needs (picklable); `fields`: the front door's own (crf,
         max_batch, raise_failures)."""
         m = self.model
+        m.check_batching(fields.get("max_batch", 1))
         fields = {"adapters": self.adapters.specs, **fields}  # a server's: its catalog's set at start, and its slots
         return WorkerSpec(str(m.root), m.manifest is not None, task, self.launch.device_type, mesh,
                           m.config(task).num_heads, canvas=m.canvas, model_name=m.model_name,
                           record_extra=m.record_extra, vae_precision=m.vae_precision, loras=m.loras,
                           trust=str(m.trust) if m.trust is not None else None, distilled=m.distilled, **fields)
+
+
+def check_bundle_batch(segments: dict, max_batch: int) -> None:
+    """Refuse --max-batch > 1 on a bundle whose DiT segments (a manifest's `segments`) were compiled for batch 1: a
+    segment's first activation ([B, ...]) without a dynamic dimension 0 has its batch size baked into the artifact."""
+    if max_batch == 1:
+        return
+    static = sorted(name for name, entry in segments.items()
+                    if not name.startswith(("video_decoder", "audio_decoder"))
+                    and "0" not in {str(d) for d in entry.get("dynamic", {}).get(entry["inputs"][0], {})})
+    if static:
+        raise UserError(f"--max-batch {max_batch}: this bundle's DiT segments {static} are compiled for batch 1 (the "
+                        "batch dimension is static in the artifacts); pass --max-batch 1 with --engine, or serve "
+                        "batches from --model (eager).")
 
 
 def _check_distilled(spec: DistilledSpec, engine: Path | None, loras: tuple) -> None:

@@ -279,15 +279,13 @@ def commit_job_clip(clip: Clip | None, job: Job, place: Place, device: torch.dev
 
 
 def layout_key(encoded: Encoded) -> bytes:
-    """Requests with equal keys pack into the same rows (task, canvas, frames, text length, conditions), have the same
-    schedule and the same LoRA adapters at the same strengths, so they can share one batched DiT evaluation."""
-    lay, digest = encoded.layout, hashlib.sha256()
-    digest.update(repr((encoded.schedule, lay.num_condition_video_rows, lay.num_condition_audio_rows,
-                        tuple(encoded.text_embeds.shape))).encode())
+    """Requests with equal keys pack into the same rows (the packed layout's digest: models/packing.py
+    PackedLayout.digest, the one rule of "the same layout"), take the same text embedding shape and the same schedule,
+    and run the same LoRA adapters at the same strengths, so they can share one batched DiT evaluation."""
+    digest = hashlib.sha256(repr((encoded.schedule, tuple(encoded.text_embeds.shape))).encode())
+    digest.update(encoded.layout.digest())
     if encoded.prepared.request.adapters:  # a request without adapters keys as before they existed
         digest.update(repr(batch_key(encoded.prepared.request.adapters)).encode())
-    for t in (lay.position_ids, lay.token_tags, lay.video_index, lay.audio_index, lay.text_index):
-        digest.update(t.cpu().contiguous().numpy().tobytes())
     return digest.digest()
 
 

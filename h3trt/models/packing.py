@@ -11,6 +11,7 @@ Sources: diffusers 0.42.1 `modular_pipelines/minimax_h3/{modular_pipeline,before
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import dataclass
 
@@ -231,6 +232,22 @@ class PackedLayout:
         return PackedLayout(self.position_ids.to(device), **moved,
                             num_condition_video_rows=self.num_condition_video_rows,
                             num_condition_audio_rows=self.num_condition_audio_rows, video_grid=self.video_grid)
+
+    def digest(self) -> bytes:
+        """The one definition of "the same layout": layouts with equal digests pack their requests into the same rows
+        (every field: the rows' positions, tags and indices, bit for bit with their shapes and dtypes, the condition
+        rows and the video grid), so those requests can share one batched DiT evaluation (jobs/work.py
+        layout_key; H3Pipeline.denoise_batch refuses layouts whose digests differ)."""
+        digest = hashlib.sha256(repr((self.num_condition_video_rows, self.num_condition_audio_rows,
+                                      self.video_grid)).encode())
+        for name in _LAYOUT_TENSORS:
+            t = getattr(self, name).detach().cpu().contiguous()
+            digest.update(repr((name, str(t.dtype), tuple(t.shape))).encode())
+            digest.update(t.numpy().tobytes())
+        return digest.digest()
+
+
+_LAYOUT_TENSORS = ("position_ids", "token_tags", "video_index", "audio_index", "text_index")
 
 
 def spatial_grid(dim: int, patch: int, sqrt_area: float) -> torch.Tensor:

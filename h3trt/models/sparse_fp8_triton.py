@@ -18,7 +18,9 @@ Two kernels:
          sparse_G[g] is False), BLOCK_N rows a step: one key block, two (64-row blocks gathered in pairs so the
          tensor-core tiles stay 128 wide), or half of one;
        - S = q8 k8^T on e4m3 tensor cores, fp32 accumulation; scores in log2 units (log2 e folded into the one
-         scale q_scale * k_scale * D^-1/2 * log2 e, so the softmax is exp2); key rows past the end get -inf;
+         scale q_scale * k_scale * D^-1/2 * log2 e, so the softmax is exp2); key rows past the end get -inf, and
+         so do a key block's rows past its row count where the call gives one (key_sizes: VSA's ragged tiles,
+         models/vsa_fp8.py);
        - P = exp2(s - m + log2 448): the unnormalised probabilities times 448 (cuDNN's P scale), in (0, 448], cast
          to e4m3 for the PV product; the row sum l takes the same fp32 P, so the 448 cancels in acc / l;
        - PV accumulates in fp32 registers, the tensor cores' own FP8 accumulator promoted to fp32 after each tile
@@ -194,8 +196,9 @@ def _key_rows(it, idx_base, is_sparse, count, T, K, BLOCK: tl.constexpr, BLOCK_N
 
 @triton.jit
 def _attend_step(it, m_i, l_i, acc, q, qk_scale, k_base, vt_base, k_desc, vt_desc, k_row0, vt_row0, idx_base,
-                 is_sparse, count, Sk, Skp, T, K, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_N: tl.constexpr,
-                 USE_TMA: tl.constexpr, PROMOTE: tl.constexpr, INTERPRET: tl.constexpr):
+                 is_sparse, count, Sk, Skp, T, K, sizes_ptr, D: tl.constexpr, BLOCK: tl.constexpr,
+                 BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, PROMOTE: tl.constexpr, HAS_SIZES: tl.constexpr,
+                 INTERPRET: tl.constexpr):
     """One step of the online softmax over BLOCK_N key rows: (m_i, l_i, acc) updated."""
     row0, krow, listed = _key_rows(it, idx_base, is_sparse, count, T, K, BLOCK, BLOCK_N, INTERPRET)
     d = tl.arange(0, D)
@@ -206,7 +209,10 @@ def _attend_step(it, m_i, l_i, acc, q, qk_scale, k_base, vt_base, k_desc, vt_des
         k = tl.load(k_base + krow[:, None] * D + d[None, :])
         v = tl.load(vt_base + d[None, :] * Skp + krow[:, None])  # [BLOCK_N, D] read down v8t's rows: K-major
     s = tl.dot(q, tl.trans(k))
-    s = s * qk_scale + tl.where(listed & (krow < Sk), 0.0, float("-inf"))[None, :]
+    keep = listed & (krow < Sk)
+    if HAS_SIZES:  # ragged key blocks (VSA's tiles): only a block's first sizes[j] rows are keys
+        keep = keep & (krow % BLOCK < tl.load(sizes_ptr + krow // BLOCK, mask=krow < Sk, other=0))
+    s = s * qk_scale + tl.where(keep, 0.0, float("-inf"))[None, :]
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.math.exp2(m_i - m_new)
     p = tl.math.exp2(s - (m_new - LOG2_P_SCALE)[:, None])
@@ -221,11 +227,11 @@ def _attend_step(it, m_i, l_i, acc, q, qk_scale, k_base, vt_base, k_desc, vt_des
 
 
 @triton.jit(do_not_specialize=["S", "Sk", "Sp_pads", "Skp_pads", "G", "K", "T"])
-def _attention_kernel(q_ptr, k_ptr, vt_ptr, k_desc, vt_desc, scales_ptr, mu_ptr, index_ptr, sparse_ptr, out_ptr,
-                      S, Sk, Sp_pads, Skp_pads, G, K, T, sm_scale_log2, PAD: tl.constexpr,
+def _attention_kernel(q_ptr, k_ptr, vt_ptr, k_desc, vt_desc, scales_ptr, mu_ptr, index_ptr, sparse_ptr, sizes_ptr,
+                      out_ptr, S, Sk, Sp_pads, Skp_pads, G, K, T, sm_scale_log2, PAD: tl.constexpr,
                       N: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, PROMOTE: tl.constexpr, HAS_MU: tl.constexpr,
-                      INTERPRET: tl.constexpr):
+                      HAS_SIZES: tl.constexpr, INTERPRET: tl.constexpr):
     pid_m, n, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     # Padded row counts, rebuilt from their PAD_ROWS multiples (lengths are not specialised on) so the compiler knows
     # V^T's columns start 16-byte aligned: its loads vectorise and the loop pipelines them (cp.async).
@@ -254,14 +260,14 @@ def _attention_kernel(q_ptr, k_ptr, vt_ptr, k_desc, vt_desc, scales_ptr, mu_ptr,
         it = 0
         while it < steps:
             m_i, l_i, acc = _attend_step(it, m_i, l_i, acc, q, qk_scale, k_base, vt_base, k_desc, vt_desc, bn * Skp,
-                                         bn * D, idx_base, is_sparse, count, Sk, Skp, T, K, D, BLOCK, BLOCK_N,
-                                         USE_TMA, PROMOTE, INTERPRET)
+                                         bn * D, idx_base, is_sparse, count, Sk, Skp, T, K, sizes_ptr, D, BLOCK,
+                                         BLOCK_N, USE_TMA, PROMOTE, HAS_SIZES, INTERPRET)
             it += 1
     else:  # a `for` loop: what Triton software-pipelines (num_stages)
         for it in range(0, steps):
             m_i, l_i, acc = _attend_step(it, m_i, l_i, acc, q, qk_scale, k_base, vt_base, k_desc, vt_desc, bn * Skp,
-                                         bn * D, idx_base, is_sparse, count, Sk, Skp, T, K, D, BLOCK, BLOCK_N,
-                                         USE_TMA, PROMOTE, INTERPRET)
+                                         bn * D, idx_base, is_sparse, count, Sk, Skp, T, K, sizes_ptr, D, BLOCK,
+                                         BLOCK_N, USE_TMA, PROMOTE, HAS_SIZES, INTERPRET)
     o = acc / l_i[:, None] * v_scale
     if HAS_MU:
         o += tl.load(mu_ptr + bn * D + d)[None, :]
@@ -291,9 +297,11 @@ def _interpreting() -> bool:
 
 
 def fp8_operands(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor, q_scale: torch.Tensor,
-                 k_scale: torch.Tensor, v_scale: torch.Tensor, center: bool = True) -> Fp8Operands:
+                 k_scale: torch.Tensor, v_scale: torch.Tensor, center: bool = True,
+                 mu_BND: torch.Tensor | None = None) -> Fp8Operands:
     """Quantize [B, S, N, D] q and [B, Sk, N, D] k, v (any dtype, last dim contiguous) with per-tensor scales
-    ([1] fp32 tensors on their device; x ~ x8 * scale), v centered over its rows unless `center` is False."""
+    ([1] fp32 tensors on their device; x ~ x8 * scale), v centered over its rows unless `center` is False: by its
+    mean, or by `mu_BND` ([B, N, D] fp32) where given (VSA's padded layout: the mean over the real rows only)."""
     B, S, N, D = q_BSND.shape
     Sk = k_BSND.shape[1]
     if k_BSND.shape != v_BSND.shape or (k_BSND.shape[0], k_BSND.shape[2], k_BSND.shape[3]) != (B, N, D):
@@ -303,7 +311,9 @@ def fp8_operands(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tenso
         raise ValueError(f"the fp8 sparse kernel takes a head dim that is a power of two from 16 to 256, got {D}.")
     device = q_BSND.device
     scales = torch.cat([s.reshape(1).float() for s in (q_scale, k_scale, v_scale)]).to(device)
-    mu_BND = v_BSND.mean(dim=1, dtype=torch.float32).contiguous() if center else None
+    if center and mu_BND is None:
+        mu_BND = v_BSND.mean(dim=1, dtype=torch.float32)
+    mu_BND = mu_BND.float().contiguous() if center else None
     Sp, Skp = padded_rows(S), padded_rows(Sk)
     q8 = torch.empty((B, N, Sp, D), device=device, dtype=FP8)
     k8 = torch.empty((B, N, Skp, D), device=device, dtype=FP8)
@@ -330,11 +340,13 @@ def _descriptors(ops: Fp8Operands, config: TileConfig):
 
 
 def fp8_block_sparse_attention(ops: Fp8Operands, index_BNGT: torch.Tensor, sparse_G: torch.Tensor, block: int,
-                               config: TileConfig | None = None,
-                               out_dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+                               config: TileConfig | None = None, out_dtype: torch.dtype = torch.bfloat16,
+                               key_sizes: torch.Tensor | None = None) -> torch.Tensor:
     """Block-sparse attention over quantized operands, scale D^-1/2: query block g (`block` rows) attends the key
     blocks index[b, n, g, :] (int32 [B, N, G, T], ascending) where sparse_G[g] (bool [G]) is True, every key block
-    where it is False. Returns [B, S, N, D] in `out_dtype` (mu added back when v was centered)."""
+    where it is False. `key_sizes` (int32 [K], 1..block; None: every block full up to the last row): key block j's
+    first key_sizes[j] rows are its keys, the rest get no probability (VSA's ragged tiles). Returns [B, S, N, D] in
+    `out_dtype` (mu added back when v was centered)."""
     config = config or tile_config(block)
     config.check(block)
     B, N, Sp, D = ops.q8.shape
@@ -346,17 +358,19 @@ def fp8_block_sparse_attention(ops: Fp8Operands, index_BNGT: torch.Tensor, spars
         raise ValueError(f"the routing index must be int32 [B, N, G, T] = [{B}, {N}, {G}, 1..{K}] with sparse_G bool "
                          f"[{G}]; got {index_BNGT.dtype} {tuple(index_BNGT.shape)} and {sparse_G.dtype} "
                          f"{tuple(sparse_G.shape)}.")
+    if key_sizes is not None and (key_sizes.dtype != torch.int32 or key_sizes.shape != (K,)):
+        raise ValueError(f"key_sizes must be int32 [K] = [{K}], got {key_sizes.dtype} {tuple(key_sizes.shape)}.")
     index_BNGT = index_BNGT.contiguous()
     out = torch.empty((B, ops.rows, N, D), device=ops.q8.device, dtype=out_dtype)
     k_desc, vt_desc = _descriptors(ops, config) if config.tma else (None, None)
     grid = (-(-ops.rows // config.block_m), N, B)
     _attention_kernel[grid](
         ops.q8, ops.k8, ops.v8t, k_desc, vt_desc, ops.scales, ops.mu if ops.mu is not None else ops.scales,
-        index_BNGT, sparse_G, out, ops.rows, ops.key_rows, Sp // PAD_ROWS, Skp // PAD_ROWS, G, K, T,
-        D ** -0.5 * LOG2E, PAD=PAD_ROWS,
+        index_BNGT, sparse_G, key_sizes.contiguous() if key_sizes is not None else sparse_G, out, ops.rows,
+        ops.key_rows, Sp // PAD_ROWS, Skp // PAD_ROWS, G, K, T, D ** -0.5 * LOG2E, PAD=PAD_ROWS,
         N=N, D=D, BLOCK=block, BLOCK_M=config.block_m, BLOCK_N=config.block_n, USE_TMA=config.tma,
-        PROMOTE=config.promote, HAS_MU=ops.mu is not None, INTERPRET=_interpreting(),
-        num_warps=config.warps, num_stages=config.stages)
+        PROMOTE=config.promote, HAS_MU=ops.mu is not None, HAS_SIZES=key_sizes is not None,
+        INTERPRET=_interpreting(), num_warps=config.warps, num_stages=config.stages)
     return out
 
 

@@ -12,8 +12,8 @@ Kernels, chosen once per engine and recorded, never swapped behind the user's ba
              full blocks, ragged tiles as mask blocks under a mask_mod (CuTe DSL, `_fa4_real_keys`) that keeps a key
              position where it holds a real row (the form of FA4's own aux-tensor masks; its signature is
              flash-attn-4 4.0.0b36's: batch, head, q, kv, seqlen_info, aux_tensors). CUDA sm_90+, where FA4 loads.
-A Triton path (the FP8 block-sparse kernel of issue 46, models/sparse_fp8_triton.py on its branch) needs a per-key-
-block row count to serve VSA; until it takes one, VSA on a GPU runs fa4 or flex.
+The FP8 kernels (fp8, the Triton FP8 block-sparse kernel given each key tile's row count, and its emulation
+fp8_emulated) are models/vsa_fp8.py's, which builds on this module.
 
 Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kept tiles per query tile.
 """
@@ -194,25 +194,32 @@ def warm_vsa_kernel(kernel: str, device, heads: int, head_dim: int, dtype: torch
     same inputs (WARM_TOLERANCE): FA4's mask_mod plumbing is tested on the CPU against a stand-in of FA4 only, so a
     GPU whose FA4 reads the masks otherwise fails here, not in a clip. Raises where the device cannot run it or its
     output differs."""
-    from .vsa import route_tiles
-
     problem = vsa_kernel_problem(kernel, device)
     if problem is not None:
         raise ValueError(problem)
-    generator = torch.Generator(device="cpu").manual_seed(0)
-    sizes = torch.tensor([64, 30, 64, 64, 16, 64, 32, 8], device=device)
-    G = sizes.shape[0]
     with torch.no_grad():
-        for batch in (1, 2):
-            scores = torch.randn(batch, heads, G, G, generator=generator).to(device)
-            index, sparse_G = route_tiles(scores, 2, 0.5)
-            q, k, v = (torch.randn(batch, G * VSA_TILE_ROWS, heads, head_dim, generator=generator).to(device, dtype)
-                       for _ in range(3))
+        for q, k, v, index, sparse_G, sizes in warm_cases(device, heads, head_dim, dtype):
             out = vsa_block_attention(q, k, v, index, sparse_G, sizes, kernel)
             if kernel != "reference":
                 _check_warm_output(kernel, out, (q, k, v), index, sparse_G, sizes)
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def warm_cases(device, heads: int, head_dim: int, dtype: torch.dtype):
+    """The warm-up's inputs, batch 1 then 2: (q, k, v [B, P, N, D] in `dtype`, index, sparse_G, sizes) over eight
+    tiles, two of them prefix (dense query tiles), five ragged, the video query tiles keeping half the video tiles."""
+    from .vsa import route_tiles
+
+    generator = torch.Generator(device="cpu").manual_seed(0)
+    sizes = torch.tensor([64, 30, 64, 64, 16, 64, 32, 8], device=device)
+    G = sizes.shape[0]
+    for batch in (1, 2):
+        scores = torch.randn(batch, heads, G, G, generator=generator).to(device)
+        index, sparse_G = route_tiles(scores, 2, 0.5)
+        q, k, v = (torch.randn(batch, G * VSA_TILE_ROWS, heads, head_dim, generator=generator).to(device, dtype)
+                   for _ in range(3))
+        yield q, k, v, index, sparse_G, sizes
 
 
 def _check_warm_output(kernel: str, out_BPND, qkv, index_BNGT, sparse_G, sizes_G) -> None:

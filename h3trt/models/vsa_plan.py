@@ -23,7 +23,8 @@ import torch
 from ..errors import UserError
 from .packing import PackedLayout
 from .vsa import vsa_attention
-from .vsa_kernels import VSA_KERNELS, vsa_block_attention, vsa_kernel_problem, warm_vsa_kernel
+from .vsa_fp8 import ALL_VSA_KERNELS, VSA_FP8_KERNELS, vsa_attention_kernel, warm_fp8_vsa_kernel
+from .vsa_kernels import VSA_KERNELS, warm_vsa_kernel
 from .vsa_tiles import VSA_TILE_ROWS, layout_geometry
 
 DEFAULT_VSA_SPARSITY = 0.9  # FastH3 4-step v1's (the VSA-DataFree export, trained and served at 0.9)
@@ -53,23 +54,31 @@ class VsaServing:
     bundle's manifest records it as `vsa`)."""
 
     settings: VsaSettings
-    kernel: str  # one of models/vsa_kernels.py VSA_KERNELS
-    # The faster kernels the choice left out on the build device, each with why (choose_vsa_kernel): recorded, so a
-    # bundle that serves flex or reference says why not fa4
+    kernel: str  # one of models/vsa_fp8.py ALL_VSA_KERNELS (bf16: vsa_kernels.py's; FP8: vsa_fp8.py's)
+    # The faster kernels the choice left out on the build device, each with why (choose_vsa_kernel,
+    # build/vsa_choice.py): recorded, so a bundle that serves flex or reference says why not fa4
     left_out: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
+    tile: str | None = None  # the fp8 kernel's tile configuration (models/sparse_fp8_triton.py), warmed at load
+    # ms of each kernel timed at the bundle's VSA shape ("fa4", "fp8:<tile>"; build/vsa_choice.py): the race's record
+    measured_ms: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict:
-        return {**self.settings.to_dict(), "kernel": self.kernel, **({"left_out": self.left_out} if self.left_out
-                                                                      else {})}
+        return {**self.settings.to_dict(), "kernel": self.kernel,
+                **({"tile": self.tile} if self.tile is not None else {}),
+                **({"measured_ms": self.measured_ms} if self.measured_ms else {}),
+                **({"left_out": self.left_out} if self.left_out else {})}
 
     @classmethod
     def from_dict(cls, data: dict) -> "VsaServing":
         """From `to_dict`'s object; ValueError (UserError) names what is wrong."""
-        if not isinstance(data, dict) or data.get("kernel") not in VSA_KERNELS:
-            raise ValueError(f"a VSA record has a kernel, one of {list(VSA_KERNELS)}; got {data!r}.")
+        if not isinstance(data, dict) or data.get("kernel") not in ALL_VSA_KERNELS:
+            raise ValueError(f"a VSA record has a kernel, one of {list(ALL_VSA_KERNELS)}; got {data!r}.")
+        tile = data.get("tile")
+        if tile is not None and (data["kernel"] != "fp8" or not isinstance(tile, str)):
+            raise ValueError(f"a VSA record's tile is the fp8 kernel's configuration name; got {data!r}.")
         settings = vsa_settings(data.get("sparsity"), data.get("dense_first_steps"), data.get("dense_layers"))
         return cls(dataclasses.replace(settings, sparsity_from=data.get("sparsity_from")), data["kernel"],
-                   dict(data.get("left_out") or {}))
+                   dict(data.get("left_out") or {}), tile, dict(data.get("measured_ms") or {}))
 
 
 def vsa_settings(sparsity: float | None = None, dense_first_steps: int | None = None,
@@ -129,18 +138,23 @@ def choose_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, log
     raise AssertionError("the reference VSA kernel runs on every device")
 
 
-def load_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, kernel: str) -> str:
-    """`kernel`, compiled now (warm_vsa_kernel) so that no request compiles it. A FastH3-VSA model cannot run
-    without its kernel: one that does not load or compile here is a UserError naming it and why, not a substitute."""
-    if kernel not in VSA_KERNELS:
-        raise UserError(f"VSA kernels are {VSA_KERNELS}, got {kernel!r}.")
+def load_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, kernel: str, tile: str | None = None) -> str:
+    """`kernel` (at `tile`, the fp8 kernel's configuration), compiled now (warm_vsa_kernel, warm_fp8_vsa_kernel) so
+    that no request compiles it. A FastH3-VSA model cannot run without its kernel: one that does not load or compile
+    here is a UserError naming it and why, not a substitute."""
+    if kernel not in ALL_VSA_KERNELS:
+        raise UserError(f"VSA kernels are {ALL_VSA_KERNELS}, got {kernel!r}.")
     try:
-        warm_vsa_kernel(kernel, device, heads, head_dim, dtype)
+        if kernel in VSA_FP8_KERNELS:
+            warm_fp8_vsa_kernel(kernel, tile, device, heads, head_dim, dtype)
+        else:
+            warm_vsa_kernel(kernel, device, heads, head_dim, dtype)
     except Exception as e:  # noqa: BLE001 - the model runs VSA in every evaluation: no kernel, no model
         first = str(e).splitlines()[0] if str(e) else ""
-        raise UserError(f"the {kernel} VSA kernel does not run on {device} ({type(e).__name__}: {first}); "
+        name = kernel + (f" (tile {tile})" if tile is not None else "")
+        raise UserError(f"the {name} VSA kernel does not run on {device} ({type(e).__name__}: {first}); "
                         "FlashAttention-4 (pip install 'h3trt[fa4]') gives fa4 on sm_90+, FlexAttention flex on any "
-                        "CUDA GPU, reference runs anywhere.") from e
+                        "CUDA GPU, Triton the fp8 kernel on sm_90+, reference and fp8_emulated run anywhere.") from e
     return kernel
 
 
@@ -151,7 +165,7 @@ class VsaRun:
     exchange on this rank's heads (every rank routes its own)."""
 
     def __init__(self, serving: VsaServing):
-        self.settings, self.kernel = serving.settings, serving.kernel
+        self.settings, self.kernel, self.tile = serving.settings, serving.kernel, serving.tile
         self.evaluation = -1
         self.sparse_evaluations: list[int] = []
         self._kept = self._calls = 0.0
@@ -180,7 +194,8 @@ class VsaRun:
     def report(self) -> dict:
         """The clip record's `sparse_attention`: VSA's settings, its kernel, the evaluations (from 0) that ran sparse
         and the mean fraction of (query tile, key tile) pairs computed over every block call (1.0 is dense)."""
-        return {"mode": "vsa", **self.settings.to_dict(), "kernel": self.kernel, "evaluations": self.evaluation + 1,
+        return {"mode": "vsa", **self.settings.to_dict(), "kernel": self.kernel,
+                **({"tile": self.tile} if self.tile is not None else {}), "evaluations": self.evaluation + 1,
                 "sparse_evaluations": list(self.sparse_evaluations),
                 "kept_fraction": round(self._kept / self._calls, 6) if self._calls else None}
 
@@ -198,7 +213,7 @@ class VsaCall:
             if q_BSND.shape[1] != self.geometry.seq_len:
                 raise ValueError(f"VSA got {q_BSND.shape[1]} rows for a layout of {self.geometry.seq_len}.")
             out, kept = vsa_attention(q_BSND, k_BSND, v_BSND, gate_BSND, self.geometry, sparsity,
-                                      lambda *a: vsa_block_attention(*a, self.run.kernel), self.dense_fn)
+                                      vsa_attention_kernel(self.run.kernel, self.run.tile), self.dense_fn)
             self.run.record(kept, kept < 1.0)
             return out
 

@@ -7,7 +7,6 @@ from __future__ import annotations
 import torch
 
 from ..errors import UserError
-from ..models.packing import PackedLayout
 from ..models.sampler import Latents, Schedule
 from ..models.sparse_kernels import sparse_block
 from ..models.sparse_run import SparseRun
@@ -64,11 +63,3 @@ def check_finite(final: Latents) -> None:
     if bad:
         raise FloatingPointError(f"the denoised {' and '.join(bad)} latents hold NaN or inf; the clip was not "
                                  "decoded.")
-
-
-def same_layout(a: PackedLayout, b: PackedLayout) -> bool:
-    """Whether two requests pack into the same rows (so they can share one batched DiT evaluation)."""
-    return (a.num_condition_video_rows == b.num_condition_video_rows
-            and a.num_condition_audio_rows == b.num_condition_audio_rows
-            and all(torch.equal(getattr(a, k), getattr(b, k))
-                    for k in ("position_ids", "token_tags", "video_index", "audio_index", "text_index")))

@@ -40,7 +40,7 @@ from ..request.parts import CanvasDefaults
 from ..request.request import Request
 from .prepare import Encoded, Prepared
 from .step_profile import StepProfiler
-from .evaluation import check_finite, counted, lora_kwargs, new_step_cache, same_layout, sparse_run_for
+from .evaluation import check_finite, counted, lora_kwargs, new_step_cache, sparse_run_for
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class H3Pipeline:
         step serves them all; each keeps its own seed's starting rows, so each ends where it would alone."""
         first = batch[0]
         for other in batch[1:]:
-            if other.schedule != first.schedule or not same_layout(other.layout, first.layout):
+            if other.schedule != first.schedule or other.layout.digest() != first.layout.digest():
                 raise ValueError("denoise_batch needs one schedule and one packed layout (task, canvas, duration and "
                                  f"text length) for the whole batch; {other.prepared.request.inputs.prompt[:40]!r} "
                                  f"differs from {first.prepared.request.inputs.prompt[:40]!r}.")

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..engines.manifest import sha256_file
+from ..engines.atomic import sha256_file
 from ..media.output_files import commit, discard, write_json_file
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout
 from ..models.sampler import Schedule

@@ -8,14 +8,17 @@ to the rank that runs it and the record it leaves.
   - `Admitted`: a request a model admitted (jobs/admission.py `admit`) with the geometry admission resolved of it. A
     job carries it from admission to the rank, and a server's job row stores its JSON, so nothing is parsed twice
   - `BatchKey.of(admitted)`: the one batch rule, which admitted requests may share a batched denoise (None: it shares
-    no evaluation; jobs/work.py `layout_key` is the rule's second half, once the request is encoded)
+    no evaluation; once the request is encoded, its packed layout must agree too: models/packing.py
+    `PackedLayout.digest`, which jobs/work.py `layout_key` keys by)
 
 The JSON is versioned (`VERSION`; another version is refused by name).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import hashlib
+import json
+from dataclasses import astuple, dataclass
 from pathlib import Path
 from typing import Mapping
 
@@ -151,7 +154,7 @@ class Admitted:
 class BatchKey:
     """What requests that share one batched denoise have in common before encoding: the same task, canvas, frames,
     schedule and adapter set (one evaluation carries one set), from the same model. After encoding their packed
-    layouts must agree too (the same text length and condition rows: jobs/work.py layout_key)."""
+    layouts must agree too (models/packing.py PackedLayout.digest: the same text length and condition rows)."""
 
     task: str
     height: int
@@ -173,3 +176,9 @@ class BatchKey:
         s = req.schedule
         return cls(req.task, geo.height, geo.width, geo.num_frames, s.steps, s.video_shift, s.audio_shift,
                    batch_key(req.adapters))
+
+    def digest(self) -> str:
+        """The key as a job store's row holds it (server/store.py `batch_key`, which a claim matches in SQL): equal
+        keys, equal digests, in any process; the request JSON's VERSION is part of it, so rows of another shape
+        never match."""
+        return hashlib.sha256(json.dumps([VERSION, *astuple(self)]).encode()).hexdigest()

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..errors import UserError
 from ..models.sampler import DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from ..pipeline.prepare import Prepared, prepare
@@ -49,17 +48,3 @@ def parse_requests(path: Path, canvas: CanvasDefaults, default_steps: int = DEFA
 
     defaults = RequestDefaults(steps=default_steps, sparse=default_sparse, adapter_schedules=adapter_schedules or {})
     return read_request_file(path, RUN_REQUIRED, defaults, check)
-
-
-def check_bundle_batch(segments: dict, max_batch: int) -> None:
-    """Refuse --max-batch > 1 on a bundle whose DiT segments (a manifest's `segments`) were compiled for batch 1: a
-    segment's first activation ([B, ...]) without a dynamic dimension 0 has its batch size baked into the artifact."""
-    if max_batch == 1:
-        return
-    static = sorted(name for name, entry in segments.items()
-                    if not name.startswith(("video_decoder", "audio_decoder"))
-                    and "0" not in {str(d) for d in entry.get("dynamic", {}).get(entry["inputs"][0], {})})
-    if static:
-        raise UserError(f"--max-batch {max_batch}: this bundle's DiT segments {static} are compiled for batch 1 (the "
-                        "batch dimension is static in the artifacts); pass --max-batch 1 with --engine, or serve "
-                        "batches from --model (eager).")

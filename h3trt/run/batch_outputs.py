@@ -30,7 +30,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from ..engines.manifest import sha256_file
+from ..engines.atomic import sha256_file
 from .batch_file import BatchItem
 from ..media.output_files import OutputRefused
 from ..pipeline.records import ClipRecord

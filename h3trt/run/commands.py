@@ -27,7 +27,7 @@ from ..pipeline.prepare import Prepared
 from ..request.fields import FLAGS, KEY_WORDS
 from ..request.request import Request
 from .batch import BatchConfig, FileQueue, summary_line
-from .batch_file import check_bundle_batch, parse_requests
+from .batch_file import parse_requests
 from .batch_outputs import finished, plan_out_dir
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -177,8 +177,7 @@ def run_requests(entry: Entry, requests: Path, out_dir: Path, max_batch: int = 1
                  crf: int = DEFAULT_CRF, quiet: bool = False, overwrite: bool = False) -> int:
     """`h3trt run --requests FILE --out-dir OUT`: 0 when every request is done (now or by an earlier run)."""
     model, launch = entry.model, entry.launch
-    if model.manifest is not None:
-        check_bundle_batch(model.manifest.segments, max_batch)
+    model.check_batching(max_batch)
     config = BatchConfig(out_dir, max_batch, fail_fast, crf, quiet=quiet, overwrite=overwrite)
     # Every line admitted before any model loads, as one --prompt is (jobs/admission.py); every bad line listed.
     checked: set[Path] = set()  # the model's files, checked once per component root

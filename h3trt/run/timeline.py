@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..engines.manifest import sha256_file
+from ..engines.atomic import sha256_file
 from .batch_outputs import MADE_BY, our_timeline, timeline_paths
 from ..media.output_files import commit, discard, temp_path, write_json_file
 from ..pipeline.records import STAGE_COLOURS

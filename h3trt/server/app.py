@@ -27,7 +27,7 @@ import urllib.parse
 from importlib import resources
 from typing import Callable, Literal
 
-from fastapi import Depends, FastAPI, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.concurrency import run_in_threadpool
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
@@ -41,9 +41,9 @@ from ..pipeline.records import ClipRecord
 from ..request.fields import FILE, UPLOADS
 from ..request.parts import task_of
 from .rows import shown
-from .service import ApiError, Upload, VideoService, disk_full_error
+from .service import ApiError, Service, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, JobStatus, is_disk_full, store_unreachable
-from .lora_routes import lora_routes
+from .lora_routes import LORAS
 from .wire import CREATE_BODY, ERRORS, Evaluations, Health, Ready, Video, VideoDeleted, VideoError, VideoList
 
 JOB_ID = re.compile(r"/v1/videos/(video_[0-9a-f]{32})")
@@ -56,12 +56,14 @@ POLL_AFTER_MS = 500  # what GET tells the SDK's poll() to wait before asking aga
 def create_app(service: VideoService) -> FastAPI:
     app = FastAPI(title="h3trt serve", version="1", description="OpenAI-compatible video jobs over MiniMax-H3.",
                   docs_url=None, redoc_url=None, openapi_url=None)  # served below, behind the key unless --open docs
+    app.state.service = service  # what every route's `Service` parameter is (service_of)
     _error_handlers(app, service)
     api, keyed = _authorization(service.options)
-    _doc_routes(app, keyed)
-    _video_routes(app, service, api)
-    lora_routes(app, service, api)
-    _operation_routes(app, service, keyed)
+    app.include_router(DOCS, dependencies=keyed("docs"))
+    app.include_router(VIDEOS, dependencies=api)
+    app.include_router(LORAS, dependencies=api)
+    app.include_router(OPEN)
+    app.include_router(METRICS, dependencies=keyed("metrics"))
     app.add_middleware(AccessLog, service=service)
     app.add_middleware(BodyLimit, limit=service.options.max_body_bytes)
     return app
@@ -145,94 +147,102 @@ def _authorization(options) -> tuple[list, Callable[[str], list]]:
     return api, keyed
 
 
-def _doc_routes(app: FastAPI, keyed: Callable[[str], list]) -> None:
-    @app.get("/openapi.json", include_in_schema=False, dependencies=keyed("docs"))
-    def openapi_schema():
-        return JSONResponse(app.openapi())
+# --- the routes: module-level handlers, each taking the app's service (`Service`) -------------------------------------
 
-    @app.get("/docs", include_in_schema=False, dependencies=keyed("docs"))
-    def docs():
-        return get_swagger_ui_html(openapi_url="/openapi.json", title="h3trt serve")
+DOCS = APIRouter()  # /openapi.json and /docs, behind the key unless --open docs
+VIDEOS = APIRouter()  # OpenAI's Videos job API (module doc), behind the key
+OPEN = APIRouter()  # /health, /ready and the page: never behind the key
+METRICS = APIRouter()  # /metrics, behind the key unless --open metrics
 
 
-def _video_routes(app: FastAPI, service: VideoService, api: list) -> None:
-    """OpenAI's Videos job API (module doc)."""
-
-    @app.post("/v1/videos", response_model=Video, dependencies=api, responses=ERRORS,
-              openapi_extra={"requestBody": CREATE_BODY})
-    async def create_video(request: Request) -> Video:
-        fields, uploads, multipart = await _read_create(request)
-        row = await run_in_threadpool(service.create, fields, uploads, multipart)
-        return video_of(service, row)
-
-    @app.get("/v1/videos", response_model=VideoList, dependencies=api, responses=ERRORS)
-    def list_videos(after: str | None = None, limit: int = Query(20, ge=1, le=100),
-                    order: Literal["asc", "desc"] = "desc") -> VideoList:
-        try:
-            rows, more = service.store.page(after, limit, order)
-        except KeyError:
-            raise ApiError(400, f"after={after!r} is not a job id here; pass the last id of the previous page.",
-                           "after") from None
-        data = [video_of(service, r) for r in rows]
-        return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
-                         has_more=more)
-
-    @app.get("/v1/videos/{video_id}", response_model=Video, dependencies=api, responses=ERRORS)
-    def retrieve_video(video_id: str, response: Response) -> Video:
-        row = service.get(video_id)
-        if row.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
-            response.headers["openai-poll-after-ms"] = str(POLL_AFTER_MS)
-        return video_of(service, row)
-
-    @app.get("/v1/videos/{video_id}/content", dependencies=api, responses={
-        **ERRORS, 200: {"content": {"video/mp4": {"schema": FILE}, "image/webp": {"schema": FILE}},
-                        "description": "the MP4, or its first frame"}}, response_class=Response)
-    def video_content(video_id: str, variant: Literal["video", "thumbnail", "spritesheet"] = "video"):
-        key = service.content(video_id, variant)
-        media = "video/mp4" if variant == "video" else "image/webp"
-        filename = f"{video_id}.{'mp4' if variant == 'video' else 'webp'}"
-        path = service.storage.local_path(key)
-        if path is not None:
-            return FileResponse(path, media_type=media, filename=filename)
-        # Object storage: streamed through this process (a sync iterator: Starlette reads it on a worker thread).
-        return StreamingResponse(service.storage.chunks(key), media_type=media,
-                                 headers={"Content-Disposition": f'attachment; filename="{filename}"'})
-
-    @app.delete("/v1/videos/{video_id}", response_model=VideoDeleted, dependencies=api, responses=ERRORS)
-    def delete_video(video_id: str) -> VideoDeleted:
-        service.cancel(video_id, delete=True)
-        return VideoDeleted(id=video_id, deleted=True)
-
-    @app.post("/v1/videos/{video_id}/cancel", response_model=Video, dependencies=api, responses=ERRORS)
-    def cancel_video(video_id: str) -> Video:
-        return video_of(service, service.cancel(video_id))
+@DOCS.get("/openapi.json", include_in_schema=False)
+def openapi_schema(request: Request):
+    return JSONResponse(request.app.openapi())
 
 
-def _operation_routes(app: FastAPI, service: VideoService, keyed: Callable[[str], list]) -> None:
-    """/health, /ready, /metrics and the page."""
+@DOCS.get("/docs", include_in_schema=False)
+def docs():
+    return get_swagger_ui_html(openapi_url="/openapi.json", title="h3trt serve")
 
-    @app.get("/health", response_model=Health)
-    def health() -> Health:
-        return Health(uptime_s=round(time.time() - service.started, 3))
 
-    @app.get("/ready", response_model=Ready, responses={503: {"model": Ready, "description": "not serving"}})
-    def ready():
-        serving = service.groups.serving()
-        store = service.store.reachable()
-        draining = service.draining.is_set()
-        groups = [g.to_json() for g in service.groups.status()]
-        body = Ready(ready=serving > 0 and store and not draining, draining=draining, store_reachable=store,
-                     groups_serving=serving, groups=groups, model=service.model_id)
-        return JSONResponse(body.model_dump(), 200 if body.ready else 503)
+@VIDEOS.post("/v1/videos", response_model=Video, responses=ERRORS, openapi_extra={"requestBody": CREATE_BODY})
+async def create_video(request: Request, service: Service) -> Video:
+    fields, uploads, multipart = await _read_create(request)
+    row = await run_in_threadpool(service.create, fields, uploads, multipart)
+    return video_of(service, row)
 
-    @app.get("/metrics", response_class=Response, dependencies=keyed("metrics"),
-             responses={200: {"content": {"text/plain": {}}}, 401: ERRORS[401]})
-    def metrics():
-        return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/", response_class=HTMLResponse, include_in_schema=False)
-    def page():
-        return HTMLResponse(resources.files("h3trt.server").joinpath("page.html").read_text(encoding="utf-8"))
+@VIDEOS.get("/v1/videos", response_model=VideoList, responses=ERRORS)
+def list_videos(service: Service, after: str | None = None, limit: int = Query(20, ge=1, le=100),
+                order: Literal["asc", "desc"] = "desc") -> VideoList:
+    try:
+        rows, more = service.store.page(after, limit, order)
+    except KeyError:
+        raise ApiError(400, f"after={after!r} is not a job id here; pass the last id of the previous page.",
+                       "after") from None
+    data = [video_of(service, r) for r in rows]
+    return VideoList(data=data, first_id=data[0].id if data else None, last_id=data[-1].id if data else None,
+                     has_more=more)
+
+
+@VIDEOS.get("/v1/videos/{video_id}", response_model=Video, responses=ERRORS)
+def retrieve_video(video_id: str, response: Response, service: Service) -> Video:
+    row = service.get(video_id)
+    if row.status in (JobStatus.QUEUED, JobStatus.IN_PROGRESS):
+        response.headers["openai-poll-after-ms"] = str(POLL_AFTER_MS)
+    return video_of(service, row)
+
+
+@VIDEOS.get("/v1/videos/{video_id}/content", responses={
+    **ERRORS, 200: {"content": {"video/mp4": {"schema": FILE}, "image/webp": {"schema": FILE}},
+                    "description": "the MP4, or its first frame"}}, response_class=Response)
+def video_content(video_id: str, service: Service, variant: Literal["video", "thumbnail", "spritesheet"] = "video"):
+    key = service.content(video_id, variant)
+    media = "video/mp4" if variant == "video" else "image/webp"
+    filename = f"{video_id}.{'mp4' if variant == 'video' else 'webp'}"
+    path = service.storage.local_path(key)
+    if path is not None:
+        return FileResponse(path, media_type=media, filename=filename)
+    # Object storage: streamed through this process (a sync iterator: Starlette reads it on a worker thread).
+    return StreamingResponse(service.storage.chunks(key), media_type=media,
+                             headers={"Content-Disposition": f'attachment; filename="{filename}"'})
+
+
+@VIDEOS.delete("/v1/videos/{video_id}", response_model=VideoDeleted, responses=ERRORS)
+def delete_video(video_id: str, service: Service) -> VideoDeleted:
+    service.cancel(video_id, delete=True)
+    return VideoDeleted(id=video_id, deleted=True)
+
+
+@VIDEOS.post("/v1/videos/{video_id}/cancel", response_model=Video, responses=ERRORS)
+def cancel_video(video_id: str, service: Service) -> Video:
+    return video_of(service, service.cancel(video_id))
+
+
+@OPEN.get("/health", response_model=Health)
+def health(service: Service) -> Health:
+    return Health(uptime_s=round(time.time() - service.started, 3))
+
+
+@OPEN.get("/ready", response_model=Ready, responses={503: {"model": Ready, "description": "not serving"}})
+def ready(service: Service):
+    serving = service.groups.serving()
+    store = service.store.reachable()
+    draining = service.draining.is_set()
+    groups = [g.to_json() for g in service.groups.status()]
+    body = Ready(ready=serving > 0 and store and not draining, draining=draining, store_reachable=store,
+                 groups_serving=serving, groups=groups, model=service.model_id)
+    return JSONResponse(body.model_dump(), 200 if body.ready else 503)
+
+
+@METRICS.get("/metrics", response_class=Response, responses={200: {"content": {"text/plain": {}}}, 401: ERRORS[401]})
+def metrics(service: Service):
+    return Response(service.metrics.exposition(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+
+@OPEN.get("/", response_class=HTMLResponse, include_in_schema=False)
+def page():
+    return HTMLResponse(resources.files("h3trt.server").joinpath("page.html").read_text(encoding="utf-8"))
 
 
 async def _read_create(request: Request) -> tuple[dict, list[Upload], bool]:

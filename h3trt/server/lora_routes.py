@@ -12,32 +12,35 @@ from __future__ import annotations
 
 import json
 
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, Request
 from fastapi.concurrency import run_in_threadpool
 
-from .service import ApiError, VideoService
+from .service import ApiError, Service
 from .wire import ERRORS, LORA_BODY, Lora, LoraDeleted, LoraList, LoraSkipped
 
 
-def lora_routes(app: FastAPI, service: VideoService, api: list) -> None:
-    @app.get("/v1/loras", response_model=LoraList, dependencies=api, responses=ERRORS)
-    def list_loras() -> LoraList:
-        """The LoRA adapters a job's `lora` field may name (h3trt serve --adapter, --lora-dir, POST /v1/loras)."""
-        return LoraList(data=[Lora(**info) for info in service.loras()],
-                        skipped=[LoraSkipped(**s) for s in service.skipped_loras()])
+LORAS = APIRouter()  # behind the API key (server/app.py create_app)
 
-    @app.post("/v1/loras", response_model=Lora, dependencies=api, responses=ERRORS,
-              openapi_extra={"requestBody": LORA_BODY})
-    async def load_lora(request: Request) -> Lora:
-        """Load an adapter of the server's --lora-dir while it runs (read and checked before the answer)."""
-        fields = await _json_object(request)
-        return Lora(**await run_in_threadpool(service.load_lora, fields))
 
-    @app.delete("/v1/loras/{name}", response_model=LoraDeleted, dependencies=api, responses=ERRORS)
-    def unload_lora(name: str) -> LoraDeleted:
-        """Unload an adapter: new jobs may no longer name it; jobs queued with it still run with it."""
-        service.unload_lora(name)
-        return LoraDeleted(name=name)
+@LORAS.get("/v1/loras", response_model=LoraList, responses=ERRORS)
+def list_loras(service: Service) -> LoraList:
+    """The LoRA adapters a job's `lora` field may name (h3trt serve --adapter, --lora-dir, POST /v1/loras)."""
+    return LoraList(data=[Lora(**info) for info in service.loras()],
+                    skipped=[LoraSkipped(**s) for s in service.skipped_loras()])
+
+
+@LORAS.post("/v1/loras", response_model=Lora, responses=ERRORS, openapi_extra={"requestBody": LORA_BODY})
+async def load_lora(request: Request, service: Service) -> Lora:
+    """Load an adapter of the server's --lora-dir while it runs (read and checked before the answer)."""
+    fields = await _json_object(request)
+    return Lora(**await run_in_threadpool(service.load_lora, fields))
+
+
+@LORAS.delete("/v1/loras/{name}", response_model=LoraDeleted, responses=ERRORS)
+def unload_lora(name: str, service: Service) -> LoraDeleted:
+    """Unload an adapter: new jobs may no longer name it; jobs queued with it still run with it."""
+    service.unload_lora(name)
+    return LoraDeleted(name=name)
 
 
 async def _json_object(request: Request) -> dict:

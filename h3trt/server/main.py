@@ -38,7 +38,7 @@ def serve(entry: Entry, options: ServeOptions) -> int:
         raise UserError("h3trt serve launches its own ranks (--gpus N); run it as one process, not under torchrun. "
                         "Several nodes serve as a fleet: h3trt serve --ray ADDRESS (README, 'A fleet').")
     mesh = entry.mesh(entry.model.task)
-    spec = entry.worker_spec(entry.model.task, mesh, crf=options.crf)
+    spec = entry.worker_spec(entry.model.task, mesh, crf=options.crf, max_batch=options.max_batch)
     gpus = launch_gpus(entry.launch.device_type, mesh.world_size)
     listener = _listen(options.host, options.port)  # first: a port in use creates nothing (no data folder, no lock)
     try:

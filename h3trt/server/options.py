@@ -50,6 +50,7 @@ class ServeOptions:
     max_body_bytes: int = int(DEFAULT_UPLOAD_MB * 1e6)  # a request body, uploads included
     crf: int = DEFAULT_CRF
     open_endpoints: tuple[str, ...] = ()  # of OPENABLE: served without the key
+    max_batch: int = 1  # queued jobs of one batch key a replica group claims at once and denoises together
 
     def __post_init__(self):
         if not 0 <= self.port <= 65535:
@@ -62,6 +63,8 @@ class ServeOptions:
             raise UserError("--max-upload-mb must be positive.")
         if not 0 <= self.crf <= 51:
             raise UserError(f"--crf {self.crf} is outside H.264's range 0..51.")
+        if self.max_batch < 1:
+            raise UserError(f"--max-batch must be at least 1, got {self.max_batch}.")
         unknown = sorted(set(self.open_endpoints) - set(OPENABLE))
         if unknown:
             raise UserError(f"--open {unknown[0]} is not an endpoint that can be opened; pick from {list(OPENABLE)}.")
@@ -78,4 +81,4 @@ class ServeOptions:
         return cls(Path(args.data_dir), args.host or LOOPBACK, args.port, key, args.max_queue,
                    parse_duration(args.retention, "--retention"), args.drain_timeout,
                    int(args.max_upload_mb * 1e6) if math.isfinite(args.max_upload_mb) else 0, args.crf,
-                   tuple(dict.fromkeys(args.open or ())))
+                   tuple(dict.fromkeys(args.open or ())), args.max_batch)

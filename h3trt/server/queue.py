@@ -1,7 +1,8 @@
 """The worker side of a job store, shared by `h3trt serve` (one node) and a fleet's worker replicas (h3trt/fleet/):
 
   - `StoreQueue` is the JobQueue (jobs/job.py) replica groups take work from (jobs/supervisor.py): the store's
-    queued jobs, oldest first, each claimed by one worker (server/store.py `claim`)
+    queued jobs, oldest first, each claimed by one worker, with up to --max-batch - 1 later jobs of its batch key that
+    share its batched denoise (server/store.py `claim_batch`, one transaction)
   - their events become the job's row: progress, stage, the end; a finished clip is published to storage
     (server/storage.py) before its row says completed. Each claim writes files of its own names (clip_key(id,
     attempt)) and the completed row names the claim whose files are the clip: a worker that stalled past its lease
@@ -55,7 +56,7 @@ class StoreQueue:
         if not self._flush_unrecorded():
             return []  # the disk is still full: no new job until what ended is recorded
         try:
-            row = self.store.claim(self.name(group))
+            rows = self.store.claim_batch(self.name(group), limit)
         except Exception as e:  # noqa: BLE001 -- a full disk and an unreachable store are survived; else raised
             if is_disk_full(e):
                 self._full(e)
@@ -66,21 +67,21 @@ class StoreQueue:
             time.sleep(STORE_RETRY_S)  # nothing claimed: the group asks again, the replica stays (issue 35 #10)
             return []
         self._space_again()
-        if row is None:
-            return []
-        try:
-            return [self.job_of(row)]
-        except (UserError, OSError) as e:  # its uploads vanished since it was admitted
-            self.report(Event(row.id, "failed", "encode", error=f"encode: {e}", group=group, attempt=row.attempts))
-            return []
+        jobs = []
+        for row in rows:
+            try:
+                jobs.append(self.job_of(row))
+            except (UserError, OSError) as e:  # its uploads vanished since it was admitted: it fails alone
+                self.report(Event(row.id, "failed", "encode", error=f"encode: {e}", group=group, attempt=row.attempts))
+        return jobs
 
     def job_of(self, row: JobRow) -> Job:
         # The request as the API side admitted it (server/rows.py): this worker may be another process than the one
         # that admitted it, or a later one, and its uploads are fetched into another folder.
-        request = stored_request(row.request, self.storage.fetch(uploads_key(row.id)), self.defaults)
+        request, key = stored_request(row.request, self.storage.fetch(uploads_key(row.id)), self.defaults)
         # The claim's own names: another claim of the job (a re-run while this one stalls) never writes them.
         return Job(row.id, request, self.storage.work_path(clip_key(row.id, row.attempts)), overwrite=True,
-                   record={"job": row.id}, attempt=row.attempts)
+                   record={"job": row.id}, key=key, attempt=row.attempts)
 
     def report(self, event: Event) -> None:
         """Record a job's event; while the store is unreachable, wait for it (the job keeps running, it is not
@@ -287,7 +288,7 @@ class StoreQueue:
     def _committed(self, job_id: str, attempt: int) -> bool:
         """Whether the MP4 and record of a job's claim `attempt` are in storage and agree (a worker commits them
         together; on object storage the record is published last)."""
-        from ..engines.manifest import sha256_file
+        from ..engines.atomic import sha256_file
 
         clip, record = clip_key(job_id, attempt), record_key(job_id, attempt)
         if not (self.storage.exists(clip) and self.storage.exists(record)):

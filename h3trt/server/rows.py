@@ -18,7 +18,7 @@ from ..adapters.use import AdapterUse
 from ..request.fields import API_WORDS
 from ..request.parse import RequestDefaults, parse_object
 from ..request.parts import ScheduleChoice
-from ..request.request import Admitted, Request
+from ..request.request import Admitted, BatchKey, Request
 
 ADMITTED = "admitted"  # the row's key for the admitted request's JSON
 
@@ -29,16 +29,18 @@ def row_request(admitted: Admitted, schema: dict, openai: dict, uploads: Path) -
     return {"schema": schema, "openai": openai, ADMITTED: admitted.to_json(uploads)}
 
 
-def stored_request(stored: dict, uploads: Path, defaults: RequestDefaults) -> Request:
-    """The request a row stores (module doc), its input files in `uploads`; `defaults` read a row of before only."""
+def stored_request(stored: dict, uploads: Path, defaults: RequestDefaults) -> tuple[Request, BatchKey | None]:
+    """The request a row stores (module doc), its input files in `uploads`, and its batch key (BatchKey.of; None for
+    a row of before, which runs alone); `defaults` read a row of before only."""
     if ADMITTED in stored:
-        return Admitted.from_json(stored[ADMITTED], uploads).request
+        admitted = Admitted.from_json(stored[ADMITTED], uploads)
+        return admitted.request, admitted.batch_key
     request = parse_object(stored["schema"], 0, uploads, ("prompt",), defaults, API_WORDS).request
     if stored.get("adapters"):  # as admission resolved them: the files and hashes of then, not the set now
         request = replace(request, adapters=tuple(AdapterUse.from_json(a) for a in stored["adapters"]))
     if stored.get("schedule"):  # and the schedule they gave it then
         request = replace(request, schedule=ScheduleChoice.from_json(stored["schedule"]))
-    return request
+    return request, None
 
 
 def shown(stored: dict, default_steps: int) -> tuple[int, int, int, list[AdapterUse]]:

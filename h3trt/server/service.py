@@ -18,6 +18,10 @@ import time
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated
+
+from fastapi import Depends
+from fastapi import Request as HTTPRequest
 
 from ..errors import UserError
 from ..jobs.admission import admit
@@ -115,7 +119,9 @@ class VideoService:
                 # The request as admission resolved it (its adapters' files and hashes, its schedule): the job runs
                 # with those whatever the set becomes before a worker takes it (server/rows.py).
                 admitted = Admitted(prepared.request, prepared.geometry)
-                row = self.store.create(job_id, row_request(admitted, schema, openai_fields, folder))
+                key = admitted.batch_key  # the claim matches it in SQL: jobs of one key share a batched denoise
+                row = self.store.create(job_id, row_request(admitted, schema, openai_fields, folder),
+                                        batch_key=key.digest() if key is not None else None)
         except ApiError:
             self.storage.remove(uploads_key(job_id))
             raise
@@ -251,6 +257,15 @@ class VideoService:
             self.log("deleted", job=job_id)
             return None
         return self.store.get(job_id)
+
+
+async def service_of(request: HTTPRequest) -> VideoService:
+    """The service of the app a request reached (server/app.py create_app keeps it in app.state): what a route's
+    `Service` parameter is, so the routes are module-level functions."""
+    return request.app.state.service
+
+
+Service = Annotated[VideoService, Depends(service_of)]
 
 
 def disk_full_error() -> ApiError:

@@ -5,7 +5,9 @@ speaks through the same class (a fleet's PostgreSQL: a URL). The schema is versi
 
 A job moves queued -> in_progress -> completed | failed | cancelled. `claim` takes the oldest queued job for a
 worker atomically (one UPDATE guarded by the status it expects, so two workers never take the same job; PostgreSQL
-also skips rows another transaction holds: SELECT ... FOR UPDATE SKIP LOCKED). A job found in_progress when a server
+also skips rows another transaction holds: SELECT ... FOR UPDATE SKIP LOCKED); `claim_batch` takes with it, in the
+same UPDATE, later queued jobs whose stored batch key (`batch_key`, request/request.py BatchKey.digest) is the
+oldest one's, which share its batched denoise. A job found in_progress when a server
 starts was running when the previous one stopped: `recover` queues it again, once (MAX_ATTEMPTS), else fails it with
 the reason.
 
@@ -85,6 +87,10 @@ jobs = Table(
     # A completed job's clip is the files of this claim (storage.py clip_key(id, clip_attempt)); NULL on rows completed
     # before each claim wrote files of its own names (migration 0003), whose clip is clip_key(id)
     Column("clip_attempt", Integer),
+    # The request's batch key (request/request.py BatchKey.digest): a claim takes queued jobs of the oldest one's key
+    # together (claim_batch); NULL: it runs alone (a request that shares no evaluation, or a row of before: migration
+    # 0004)
+    Column("batch_key", String(64)),
 )
 
 
@@ -114,6 +120,7 @@ class JobRow:
     worker: str | None
     heartbeat_at: float | None
     clip_attempt: int | None
+    batch_key: str | None = None
 
     @classmethod
     def of(cls, row: Row) -> "JobRow":
@@ -176,30 +183,39 @@ class JobStore:
 
     # --- writes -----------------------------------------------------------------------------------------------------
 
-    def create(self, job_id: str, request: dict, now: float | None = None) -> JobRow:
+    def create(self, job_id: str, request: dict, now: float | None = None, batch_key: str | None = None) -> JobRow:
+        """A queued job; `batch_key`: its request's BatchKey.digest (None: it runs alone)."""
         with self.engine.begin() as c:
             return JobRow.of(c.execute(jobs.insert().values(
                 id=job_id, status=JobStatus.QUEUED, created_at=now or time.time(), progress=0, stage="queued",
                 evaluations_done=0, evaluations_total=0, attempts=0, cancel_requested=False, deleted=False,
-                request=json.dumps(request)).returning(*jobs.c)).one())
+                request=json.dumps(request), batch_key=batch_key).returning(*jobs.c)).one())
 
     def claim(self, worker: str, now: float | None = None) -> JobRow | None:
         """The oldest queued job, now in_progress for `worker` (attempts + 1); None when none is queued."""
+        return next(iter(self.claim_batch(worker, 1, now)), None)
+
+    def claim_batch(self, worker: str, limit: int, now: float | None = None) -> list[JobRow]:
+        """The oldest queued job and, when it has a batch key, up to `limit` - 1 later queued jobs of the same key
+        (oldest first), now in_progress for `worker` (attempts + 1 each), in one transaction; [] when none is queued.
+        Each row is taken by one claim only: the UPDATE is guarded by the status it expects (and PostgreSQL's SELECTs
+        skip the rows another claim holds), so of two racing claims each gets the rows it changed, all of one key."""
         while True:
             with self.engine.begin() as c:
-                query = select(jobs.c.id).where(jobs.c.status == JobStatus.QUEUED).order_by(jobs.c.seq).limit(1)
-                if not self.sqlite:
-                    query = query.with_for_update(skip_locked=True)
-                job_id = c.execute(query).scalar()
-                if job_id is None:
-                    return None
+                first = c.execute(_queued(select(jobs.c.id, jobs.c.batch_key), self.sqlite).limit(1)).first()
+                if first is None:
+                    return []
+                ids = [first.id]
+                if first.batch_key is not None and limit > 1:
+                    ids += c.execute(_queued(select(jobs.c.id), self.sqlite).where(
+                        jobs.c.batch_key == first.batch_key, jobs.c.id != first.id).limit(limit - 1)).scalars().all()
                 now = now or time.time()
-                taken = c.execute(update(jobs).where(jobs.c.id == job_id, jobs.c.status == JobStatus.QUEUED).values(
+                taken = c.execute(update(jobs).where(jobs.c.id.in_(ids), jobs.c.status == JobStatus.QUEUED).values(
                     status="in_progress", started_at=now, heartbeat_at=now, worker=worker, stage="text_encode",
-                    attempts=jobs.c.attempts + 1).returning(*jobs.c)).first()
-            if taken is not None:
-                return JobRow.of(taken)
-            # another worker took it between the select and the update: look again
+                    attempts=jobs.c.attempts + 1).returning(*jobs.c)).all()
+            if taken:
+                return sorted((JobRow.of(row) for row in taken), key=lambda row: row.seq)
+            # another worker took them between the select and the update: look again
 
     def progress(self, job_id: str, progress: int, stage: str, evaluations: tuple[int, int],
                  worker: str | None = None, attempt: int | None = None) -> None:
@@ -361,6 +377,13 @@ def store_unreachable(e: BaseException) -> bool:
         return False
     return isinstance(e, (OperationalError, PoolTimeout)) or (
         isinstance(e, DBAPIError) and bool(e.connection_invalidated))
+
+
+def _queued(query, sqlite: bool):
+    """`query` over the queued jobs, oldest first; on PostgreSQL the rows it reads are locked for this transaction,
+    and rows another transaction holds skipped (SELECT ... FOR UPDATE SKIP LOCKED)."""
+    query = query.where(jobs.c.status == JobStatus.QUEUED).order_by(jobs.c.seq)
+    return query if sqlite else query.with_for_update(skip_locked=True)
 
 
 def _held_by(worker: str | None, attempt: int | None = None) -> tuple:
