@@ -14,6 +14,9 @@ sp=1 bundle built with --sparse-attention serving its default (checked against t
 flags) and a request's --sparse-attention 0 (checked against the dense eager clip), a bundle built with --lora-slots
 serving a batch whose one request names an adapter (`--adapter style=FILE`; checked against the eager clip with the
 same adapter, and far from the clip without it) and whose other names none (checked against the plain eager clip),
+the same batch on a bundle built with both --sparse-attention and --lora-slots (the adapter on sparse evaluations,
+through the halves' twins: checked against the eager clips with the same adapter and sparse flags, and its records
+against the sparse evaluations expected),
 and a bundle baked for two schedules (--steps 6,4) serving both (each against the eager clip of its schedule).
 
 The check: decoded frames (PSNR) and audio (SNR) of each row's MP4 against the eager clip of the same request. The
@@ -190,8 +193,15 @@ def judge(want: list[tuple[Path, Path]], control: dict, args, bundle: str | None
     row = {"status": "PASS" if ok else "FAIL", "psnr_db": worst, "audio_snr_db": min(c["audio_snr_db"] for c in checks)}
     if not ok:
         row["why"] = f"PSNR {worst} dB vs eager (need >= {args.min_psnr} and control + {args.margin})"
-    if bundle == "l1":
-        row.update(adapter_checks(row_dir, styled_ref, ref, args.margin))
+    if bundle in ("l1", "sl1"):  # sl1: styled_ref is the eager sparse batch, its plain clip the plain reference
+        row.update(adapter_checks(row_dir, styled_ref, styled_ref / "plain.mp4" if bundle == "sl1" else ref,
+                                  args.margin))
+    if bundle == "sl1":  # both lines ran sparse from the third evaluation on, the adapter or not
+        for line in ("styled", "plain"):
+            ran = json.loads((row_dir / f"{line}.json").read_text()).get("sparse_attention", {})
+            if ran.get("sparse_evaluations") != list(range(2, STEPS - 1)):
+                row.update(status="FAIL", why=f"{line}: sparse evaluations {ran.get('sparse_evaluations')}, "
+                                              f"expected {list(range(2, STEPS - 1))}")
     if bundle == "t1":
         steps = json.loads(out.with_suffix(".json").read_text()).get("steps")
         expected = SHORT_STEPS if "--steps" in flags else STEPS
@@ -302,6 +312,8 @@ def main() -> int:
             ("sp=1 bundle on the 2nd GPU (CUDA_VISIBLE_DEVICES=1)", "b1", 2, ["--device", "cuda"],
              {"CUDA_VISIBLE_DEVICES": "1"}, None),
             ("--lora-slots bundle, an adapter named per request", "l1", 1, ["--device", "cuda"], None, None),
+            ("--sparse-attention --lora-slots bundle, an adapter and sparse", "sl1", 1, ["--device", "cuda"], None,
+             None),
             ("--steps 6,4 bundle serving its default, 6 steps", "t1", 1, ["--device", "cuda"], None, None),
             (f"--steps 6,4 bundle serving {SHORT_STEPS} steps", "t1", 1,
              ["--device", "cuda", "--steps", str(SHORT_STEPS)], None, None),
@@ -319,12 +331,20 @@ def main() -> int:
                    "s1": ["--steps", str(STEPS), *SPARSE], "l1": ["--steps", str(STEPS), "--lora-slots", "1",
                                                                   "--lora-max-rank", "4"],
                    "t1": ["--steps", f"{STEPS},{SHORT_STEPS}"]}
+        bundles["sl1"] = [*bundles["s1"], "--lora-slots", "1", "--lora-max-rank", "4"]
         adapter = write_adapter(work / "style.safetensors")
         styled = work / "styled.jsonl"  # the adapter row's batch: the same request with the adapter, and without
         styled.write_text("".join(json.dumps({"id": i, "task": "t2va", "prompt": PROMPT, "seed": SEED, "steps": STEPS,
                                               **extra}) + "\n"
                                   for i, extra in (("styled", {"lora": [{"name": "style"}]}), ("plain", {}))))
         adapter_flags = ["--adapter", f"style={adapter}:{ADAPTER_SCALE}"]
+        # The same batch with the sparse bundle's settings on each line (a --requests file takes no speed flags): the
+        # eager reference of row sl1, whose bundle gives its lines these settings as its defaults.
+        styled_sparse = work / "styled_sparse.jsonl"
+        styled_sparse.write_text("".join(json.dumps({**json.loads(line), "sparse_attention": float(SPARSE[1]),
+                                                     "sparse_dense_steps": int(SPARSE[3]),
+                                                     "sparse_min_seq": int(SPARSE[5])}) + "\n"
+                                         for line in styled.read_text().splitlines()))
         calib = work / "calib.txt"
         calib.write_text(f"{PROMPT}\nwaves on a rocky shore, gulls calling\n")
         fp8 = ["--precision", "fp8", "--fp8-attention", "--calib-prompts", str(calib)]
@@ -356,6 +376,7 @@ def main() -> int:
 
         guided_ref = sparse_ref = short_ref = None
         styled_ref = work / "eager_styled"  # the eager clips of the adapter row's batch, made when it first runs
+        styled_sparse_ref = work / "eager_styled_sparse"  # the same with the sparse flags (row sl1)
         for i, (name, bundle, needs, flags, env_over, argv) in enumerate(plan):
             save(rows, False)
             row = {"row": name, "gpus": skipped.get(name, needs)}
@@ -392,16 +413,18 @@ def main() -> int:
                              "--device", dev, *SPARSE, "--output", str(sparse_ref)], env, log)
                 rc, text = run_clip(name, source + flags, out, needs, env_over, argv)
                 want = [(out, sparse_ref)]
-            elif bundle == "l1":
-                # The reference: the eager model with the same adapter named by the same request (--adapter).
-                if not styled_ref.exists() and gpus >= needs:
-                    sh(h3 + ["run", "--requests", str(styled), "--out-dir", str(styled_ref), "--quiet", "--device",
+            elif bundle in ("l1", "sl1"):
+                # The reference: the eager model with the same adapter named by the same request (--adapter); for
+                # sl1 with the bundle's sparse flags too (its default sparsity, which the batch's lines take).
+                eager_dir, lines = (styled_sparse_ref, styled_sparse) if bundle == "sl1" else (styled_ref, styled)
+                if not eager_dir.exists() and gpus >= needs:
+                    sh(h3 + ["run", "--requests", str(lines), "--out-dir", str(eager_dir), "--quiet", "--device",
                              dev] + adapter_flags, env, log)
                 rc, text = (sh(h3 + ["run", "--engine", str(work / bundle), "--requests", str(styled), "--out-dir",
                                      str(work / f"row{i}"), "--quiet", "--device", dev] + adapter_flags, env, log)
                             if gpus >= needs else (-1, f"needs {needs} GPUs, {gpus} visible"))
-                want = [(work / f"row{i}" / "styled.mp4", styled_ref / "styled.mp4"),
-                        (work / f"row{i}" / "plain.mp4", ref)]
+                want = [(work / f"row{i}" / "styled.mp4", eager_dir / "styled.mp4"),
+                        (work / f"row{i}" / "plain.mp4", eager_dir / "plain.mp4" if bundle == "sl1" else ref)]
             elif bundle == "t1" and "--steps" in flags:
                 if short_ref is None and gpus >= needs:  # the eager clip of the short schedule
                     short_ref = work / "eager_short.mp4"
@@ -417,7 +440,8 @@ def main() -> int:
                 tail = [ln for ln in text.strip().splitlines() if ln.strip()][-1:] or ["(no output)"]
                 row.update(status="FAIL", why=f"exit {rc}: {tail[0][:200]}")
             else:
-                row.update(judge(want, control, args, bundle, flags, out, work / f"row{i}", styled_ref, ref))
+                row.update(judge(want, control, args, bundle, flags, out, work / f"row{i}",
+                                 styled_sparse_ref if bundle == "sl1" else styled_ref, ref))
             rows.append(row)
 
     failed = [r for r in rows if r["status"] != "PASS"]

@@ -55,7 +55,8 @@ BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT
 
 
 BUNDLE_FIXTURES = {"bundle_cache", "bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle",
-                   "lora_bundle", "sparse_bundle", "slot_bundle", "turbo_bundle", "vsa_bundle", "fp8_sparse_bundle"}
+                   "lora_bundle", "sparse_bundle", "slot_bundle", "turbo_bundle", "vsa_bundle", "fp8_sparse_bundle",
+                   "sparse_slot_bundle"}
 
 
 # The files whose bundle builds and spawned ranks take minutes, longest first (measured on two cores): under
@@ -66,8 +67,8 @@ BUNDLE_FIXTURES = {"bundle_cache", "bundles", "bundle_copy", "sp2_bundle", "fp8_
 SLOW_FILES = ("test_mesh.py", "test_fleet.py", "test_engine.py", "test_quant.py", "test_bundle_lora.py",
               "test_vae_precision.py", "test_fewstep.py", "test_serve_api.py", "test_build_hardening.py",
               "test_serve_ops.py", "test_parallel_vae.py", "test_hardening.py", "test_cli.py", "test_step_cache.py",
-              "test_sparse_bundle.py", "test_sparse_fp8_bundle.py", "test_turbo.py", "test_vsa_bundle.py",
-              "test_build_stream.py")
+              "test_sparse_bundle.py", "test_sparse_fp8_bundle.py", "test_sparse_lora_bundle.py", "test_turbo.py",
+              "test_vsa_bundle.py", "test_build_stream.py")
 
 
 def pytest_configure(config):

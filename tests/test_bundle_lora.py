@@ -217,17 +217,25 @@ def test_adapters_a_bundle_cannot_hold_are_refused_before_any_model_loads(slot_b
     assert len(err) == 1 and "--lora-max-rank 4" in err[0] and not out.exists()
 
 
-def test_admission_refuses_adapters_with_sparse_attention_on_a_bundle(slot_bundle, files):
+def test_adapters_with_sparse_attention_are_refused_only_for_the_sparse_attention_it_lacks(slot_bundle, files,
+                                                                                             tmp_path, capsys):
+    """This bundle was built without --sparse-attention: a request with adapters and sparse attention is admitted as
+    far as its adapters go (a bundle with the halves serves both: test_sparse_lora_bundle.py), and refused, as the
+    same request without adapters is, for the sparse attention: one line naming the rebuild, not the adapters."""
     entry = Entry.local(ModelSource.resolve(engine=slot_bundle), "cpu", (AdapterSpec("a", files["a"]),))
     admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, lora=(AdapterUse("a"),)), KEYS)  # dense: admitted
-    # Sparse without adapters: this bundle has no halves (built without --sparse-attention), so its caps refuse it
-    # before anything loads (engines/caps.py), as its loaded pipeline would
-    with pytest.raises(UserError, match="this bundle serves no block-sparse attention") as e:
-        admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5), KEYS)
-    assert e.value.field == "sparse_attention"
-    with pytest.raises(UserError, match="runs LoRA adapters on dense attention only.*sparse_attention 0") as e:
-        admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5, lora=(AdapterUse("a"),)), KEYS)
-    assert e.value.field == "lora"
+    # Sparse, with or without adapters: this bundle has no halves, so its caps refuse the sparse attention before
+    # anything loads (engines/caps.py), naming the rebuild, not the adapters
+    for lora in ((), (AdapterUse("a"),)):
+        with pytest.raises(UserError, match="built without --sparse-attention.*--sparse-attention 0") as e:
+            admit(entry, Request.of(PROMPT, steps=BUNDLE_STEPS, sparse_attention=0.5, lora=lora), KEYS)
+        assert e.value.field == "sparse_attention"
+    out = tmp_path / "clip.mp4"
+    assert main(["run", "--engine", str(slot_bundle), "--lora", str(files["a"]), "--prompt", PROMPT,
+                 "--sparse-attention", "0.5", "--output", str(out), "--quiet"]) == 2  # --lora: unmerged, in a slot
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "built without --sparse-attention" in err[0] and "--sparse-attention 0" in err[0]
+    assert not out.exists()
 
 
 def test_run_serves_adapters_per_request_and_lora_on_every_request(slot_bundle, files, tmp_path):

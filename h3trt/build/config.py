@@ -99,7 +99,8 @@ class BuildConfig:
     # one named (fa4, fp8 with --fp8-attention, reference, fp8_emulated).
     sparse_kernel: str = "auto"
     # Per-request LoRA adapters (models/lora_slots.py): N slots of max rank R on every main block's linears; the
-    # bundle compiles block_lora beside block (build/segments.py). None and None: no slots.
+    # bundle compiles block_lora beside block, and with --sparse-attention the halves' twins beside the halves
+    # (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
     lora_max_rank: int | None = None
     # --memory-budget: the device memory (GiB) the build may hold at once, at most what the device has free (None:

@@ -7,7 +7,8 @@ dimensions that vary between requests, so backends can compile it once for every
   embed(video, audio, text, timesteps, video_index, audio_index, text_index, token_tags, *W) -> (x, temb)
   block(x, mod, adaln_index, cos, sin, *W) -> x                      (mod: the block's [3T, 6, H] table)
   block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *W, *LoRA) -> x
-                              (--lora-slots N: the block with adapters, beside the plain one; LoRA: its slot banks)
+                              (--lora-slots N: the block with adapters, beside the plain one; LoRA: its slot banks;
+                               with --sparse-attention too, the halves' twins block_pre_lora / block_post_lora)
   final(x, mod, timestep_index, video_index, audio_index, *W) -> (video_v, audio_v)   (mod: [T, 2, H])
 
 Dimension names: S packed rows, V video rows, A audio rows, L text rows, T distinct timesteps, M = 3T, G groups of
@@ -152,8 +153,14 @@ def block_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, re
         return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin),
                                                           attention_fn(scales, kernel), adapters), strict=False)
 
+    return _lora_twin(plain, run_block_lora, lora)
+
+
+def _lora_twin(plain: SegmentSpec, fn: Callable, lora: list[str]) -> SegmentSpec:
+    """The spec of `plain`'s twin with adapters: its inputs, then the rank rows and scales [G, ROW_GROUP] (G dynamic:
+    one compiled twin serves every adapter set), its weights, then the slot banks `lora`."""
     rows = {name: {0: "G"} for name in LORA_INPUTS}
-    return SegmentSpec(f"{plain.name}_lora", run_block_lora, plain.inputs + list(LORA_INPUTS), weights,
+    return SegmentSpec(f"{plain.name}_lora", fn, plain.inputs + list(LORA_INPUTS), plain.weights,
                        dynamic={**plain.dynamic, **rows}, outputs=plain.outputs, lora=lora)
 
 
@@ -169,8 +176,8 @@ class _PreAttention(torch.nn.Module):
         super().__init__()
         self.block, self.sp = block, sp
 
-    def forward(self, x, mod, adaln_index, cos, sin):
-        return to_head_groups(*self.block.pre_attention(x, mod, adaln_index, (cos, sin)), sp=self.sp)
+    def forward(self, x, mod, adaln_index, cos, sin, lora: BlockLora | None = None):
+        return to_head_groups(*self.block.pre_attention(x, mod, adaln_index, (cos, sin), lora), sp=self.sp)
 
 
 class _PostAttention(torch.nn.Module):
@@ -178,8 +185,14 @@ class _PostAttention(torch.nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x, attn, mod, adaln_index):
-        return self.block.post_attention(x, from_head_groups(attn), mod, adaln_index)
+    def forward(self, x, attn, mod, adaln_index, lora: BlockLora | None = None):
+        return self.block.post_attention(x, from_head_groups(attn), mod, adaln_index, lora)
+
+
+def _half_wrapper(name: str, cfg: H3Config, dtype: torch.dtype, sp: int,
+                  recipe: QuantRecipe | None) -> torch.nn.Module:
+    block = _block_template(cfg, dtype, recipe)
+    return _PreAttention(block, sp) if name == "block_pre" else _PostAttention(block)
 
 
 def _half_block_segment(name: str, wrapper: torch.nn.Module, weights: list[str], inputs: list[str],
@@ -195,7 +208,7 @@ def block_pre_segment(cfg: H3Config, dtype: torch.dtype, sp: int, recipe: QuantR
     """With a recipe, qkv_proj is the quantized linear (its e4m3 weight and scales are `attn.qkv_proj.*` inputs)."""
     weights = [n for n in block_weight_names(cfg, dtype, recipe) if n.startswith(PRE_ATTENTION_PREFIXES)]
     return _half_block_segment(
-        "block_pre", _PreAttention(_block_template(cfg, dtype, recipe), sp), weights,
+        "block_pre", _half_wrapper("block_pre", cfg, dtype, sp, recipe), weights,
         ["x", "mod", "adaln_index", "cos", "sin"],
         {"x": {1: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}, "cos": {0: "S"}, "sin": {0: "S"}})
 
@@ -204,8 +217,29 @@ def block_post_segment(cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | 
     """With a recipe, out_proj and the MLP are the quantized linears."""
     weights = [n for n in block_weight_names(cfg, dtype, recipe) if not n.startswith(PRE_ATTENTION_PREFIXES)]
     return _half_block_segment(
-        "block_post", _PostAttention(_block_template(cfg, dtype, recipe)), weights, ["x", "attn", "mod", "adaln_index"],
+        "block_post", _half_wrapper("block_post", cfg, dtype, 1, recipe), weights, ["x", "attn", "mod", "adaln_index"],
         {"x": {1: "S"}, "attn": {2: "S"}, "mod": {0: "M"}, "adaln_index": {0: "S"}})
+
+
+def half_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, recipe: QuantRecipe | None,
+                      targets: tuple[str, ...], layout: str = FUSED) -> SegmentSpec:
+    """The twin with adapters of a half at sp=1 (`block_pre_lora`, `block_post_lora`), what a sparse evaluation with
+    adapters runs around its block-sparse attention as a dense one runs block_lora: the same half, weights and
+    inputs, then the rank rows and scales, then the banks of the half's own linears (pre: attn.qkv_proj; post:
+    attn.out_proj, mlp.fc1, mlp.fc2; AdaLN's are the runner's, in `mod`). Base linears as the half has them."""
+    wrapper = _half_wrapper(plain.name, cfg, dtype, 1, recipe)
+    pre = plain.name == "block_pre"
+    lora = [n for n in segment_lora_names(targets) if n.startswith(PRE_ATTENTION_PREFIXES) == pre]
+    acts, weights = len(plain.inputs), plain.weights
+
+    def run_half_lora(*args):
+        rows, scales = args[acts: acts + len(LORA_INPUTS)]
+        rest = args[acts + len(LORA_INPUTS):]
+        adapters = BlockLora.from_inputs(dict(zip(lora, rest[len(weights):])), rows, scales, layout)
+        return torch.func.functional_call(wrapper, {"block." + n: t for n, t in zip(weights, rest)},
+                                          (*args[:acts], adapters), strict=False)
+
+    return _lora_twin(plain, run_half_lora, lora)
 
 
 def final_weight_names(cfg: H3Config, dtype: torch.dtype = torch.bfloat16) -> list[str]:
@@ -263,8 +297,8 @@ def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRe
     added, which is why a bundle without --sparse-attention goes without them.
 
     `lora_targets` (a bundle built with --lora-slots, sp=1 only): each fused block segment (block, block_hp) gets its
-    twin with adapters, block_lora / block_hp_lora. The halves get none: a sparse evaluation runs without adapters
-    (admission refuses a request with both).
+    twin with adapters, block_lora / block_hp_lora; with `sparse` the halves get theirs too, block_pre_lora /
+    block_post_lora, for the sparse evaluations of a request with adapters.
 
     A FastH3-VSA model (cfg.vsa_gate) has the halves only, at every sp: its attention is VSA in every evaluation
     (engines/bundle.py runs it between them), and block_pre's buffer carries the gate ([sp, 4, ...])."""
@@ -287,8 +321,9 @@ def dit_segments(cfg: H3Config, dtype: torch.dtype, sp: int = 1, recipe: QuantRe
         if sp != 1:
             raise UserError(f"--lora-slots is built for --sp 1 only (got --sp {sp}): the sharded halves have no "
                             "twin with adapters. Build --sp 1, or drop --lora-slots/--lora-max-rank.")
-        blocks += [block_lora_segment(b, cfg, dtype, recipe if b.name == "block" else None, attention, lora_targets)
-                   for b in blocks if b.name in ("block", "block_hp")]
+        twins = [block_lora_segment(b, cfg, dtype, recipe if b.name == "block" else None, attention, lora_targets)
+                 for b in blocks if b.name in ("block", "block_hp")]
+        blocks += twins + ([half_lora_segment(h, cfg, dtype, recipe, lora_targets) for h in halves] if sparse else [])
     return [embed_segment(cfg, dtype), *blocks, final_segment(cfg, dtype)]
 
 

@@ -328,8 +328,9 @@ def _build_parser(sub) -> None:
     slots.add_argument("--lora-slots", type=positive, metavar="N",
                        help="with --lora-max-rank: compile the block with N adapter slots beside the plain block, so "
                             "run/serve --engine take --adapter NAME=FILE[:SCALE] (up to N, rank <= R) and a request "
-                            "picks them by its \"lora\" field; no adapter in a request runs the plain block. sp=1, "
-                            f"inductor or aoti. At most {slots_bound()}")
+                            "picks them by its \"lora\" field; no adapter in a request runs the plain block. With "
+                            "--sparse-attention the halves get their twins too (adapters on sparse evaluations). "
+                            f"sp=1, inductor or aoti. At most {slots_bound()}")
     slots.add_argument("--lora-max-rank", type=positive, metavar="R",
                        help="with --lora-slots: the largest LoRA rank a slot holds (the banks are N x R per linear); "
                             "bounded with --lora-slots")

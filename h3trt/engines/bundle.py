@@ -43,6 +43,7 @@ from .video_decoder import TileDecoder, parse_video_decoder_name
 
 # Files a load must have verified before it runs them: the compiled code (shared objects, Triton binaries).
 CODE_PREFIXES = ("segments/", "inductor_cache/")
+HALVES = ("block_pre", "block_post")  # the block's two halves around its attention (build/segments.py)
 DIT_WEIGHT_FILES = ("embed", "blocks", "final")
 
 
@@ -50,7 +51,8 @@ class EngineDiT:
     """The DiT forward from compiled segments: embed, the block segment(s) once per layer (models/block_stack.py),
     final. With an sp group the block is the two halves around the Ulysses exchange, on this rank's rows. In one
     process the block is the fused segment; a bundle built with --sparse-attention also has the halves, which a
-    sparse evaluation runs around its block-sparse attention (the exchange of one rank is the identity). A FastH3-VSA
+    sparse evaluation runs around its block-sparse attention (the exchange of one rank is the identity); with
+    --lora-slots each of them has its twin with adapters (block_lora; block_pre_lora, block_post_lora). A FastH3-VSA
     bundle has the halves only: every evaluation runs VSA between them, its gate in the exchange's buffer."""
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
@@ -60,13 +62,14 @@ class EngineDiT:
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
         bundle that has them beside its fused block); None: none. An FP8 one (models/sparse_fp8.py) gets each layer's
         calibrated q/k/v scales. `lora_slots`: the banks of a bundle built with --lora-slots (allocated at load;
-        adapters are loaded into them), which its block_lora segments take. `vsa`: a FastH3-VSA bundle's settings and
-        kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused head per forward (models/pdd.py),
-        given to the final segment in place of its own for the evaluation's forward. `caps` (models/runner.py): these
-        (the loader's come from the manifest: engines/caps.py bundle_caps)."""
+        adapters are loaded into them), which its block_lora segments take (and, built with --sparse-attention too,
+        its halves' twins block_pre_lora / block_post_lora, for a sparse evaluation with adapters). `vsa`: a
+        FastH3-VSA bundle's settings and kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused
+        head per forward (models/pdd.py), given to the final segment in place of its own for the evaluation's
+        forward. `caps` (models/runner.py): these (the loader's come from the manifest: engines/caps.py bundle_caps)."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.caps = RunnerCaps(sparse_kernel, vsa=vsa, adapter_slots=lora_slots.num_slots if lora_slots else None)
-        self.halves = "block_pre" in entries and "block_post" in entries
+        self.halves = all(h in entries for h in HALVES)
         if sparse_kernel is not None and not self.halves:
             raise ValueError("a bundle without the block halves serves no sparse attention (its compiled block "
                              "holds its attention): pass sparse_kernel None.")
@@ -89,12 +92,20 @@ class EngineDiT:
         self.final_w = [weights["final"][n] for n in self.final_names]
         self.final_heads = final_heads
         self.lora_slots = lora_slots
+        # With --sparse-attention too, the halves' twins with adapters (an earlier h3trt's bundle has none).
+        self.lora_halves = lora_slots is not None and all(f"{h}_lora" in entries for h in HALVES)
         if lora_slots is not None:  # each layer's twin with adapters, and its banks in the twin's order
             self.lora_segments = [f"{name}_lora" for name in self.layer_segments]
-            _check_lora_twins(entries, set(self.lora_segments))
-            self.lora_w = [[weights["blocks"][f"blocks.{i}.{n}"] for n in entries[seg]["weights"]]
-                           + lora_slots.segment_inputs(i, entries[seg]["lora"])
-                           for i, seg in enumerate(self.lora_segments)]
+            twins = [*self.lora_segments, *(f"{h}_lora" for h in HALVES if self.lora_halves)]
+            _check_lora_twins(entries, set(twins))
+
+            def twin_inputs(seg: str, i: int) -> list[torch.Tensor]:
+                return ([weights["blocks"][f"blocks.{i}.{n}"] for n in entries[seg]["weights"]]
+                        + lora_slots.segment_inputs(i, entries[seg]["lora"]))
+
+            self.lora_w = [twin_inputs(seg, i) for i, seg in enumerate(self.lora_segments)]
+            self.half_lora_w = {f"{h}_lora": [twin_inputs(f"{h}_lora", i) for i in range(cfg.num_layers)]
+                                for h in HALVES if self.lora_halves}
         self.inv_freq = rope_inv_freq(cfg).to(device)
         # Sharded attention, between the halves (at sp=1 it is inside the compiled block): the bundle's kernel
         # (`attention_kernel`; None: a bundle from before kernels were recorded, bf16 SDPA), or FP8 attention as its
@@ -131,8 +142,8 @@ class EngineDiT:
         shard = RowShard(self.group, layout.seq_len) if self.group is not None else None
         if shard is not None:
             block_fn = self._sharded_block(rows, temb, shard.exchange(), core)
-        elif core is not None:  # a sparse evaluation in one process: the halves around the sparse attention
-            block_fn = self._sharded_block(rows, temb, one_rank_exchange, core)
+        elif core is not None:  # a sparse evaluation in one process: the halves (their twins with adapters) around it
+            block_fn = self._sharded_block(rows, temb, one_rank_exchange, core, lora)
         elif lora is not None:  # dense with adapters: each layer's block_lora twin
             block_fn = self._block_lora(rows, temb, lora)
         else:  # dense: the fused block, its attention (FP8 attention in an fp8 bundle) inside it
@@ -162,9 +173,9 @@ class EngineDiT:
             raise ValueError("this evaluation carries LoRA adapters, but not from this bundle's slots (a bundle "
                              "built without --lora-slots has none): load them with ResidentAdapters(..., "
                              "engine.dit.lora_slots).")
-        if core is not None:
-            raise ValueError("a sparse evaluation runs no adapters: the bundle's halves have no twin with them "
-                             "(admission refuses a request with both lora and sparse attention).")
+        if core is not None and not self.lora_halves:
+            raise ValueError("this bundle's halves have no twin with adapters (built by an earlier h3trt), so a "
+                             "sparse evaluation runs none: admission refuses such a request (check_bundle_sparse).")
         if len(lora.uses) > self.lora_slots.num_slots:
             raise ValueError(f"{len(lora.uses)} adapters in one evaluation; this bundle holds at most "
                              f"{self.lora_slots.num_slots} at once (--lora-slots).")
@@ -174,30 +185,38 @@ class EngineDiT:
         rows of each adapter's own rank, none of an adapter at scale 0). An AdaLN adapter is the runner's: its side
         branch on silu(temb) [T, E] (T rows, eager) added to the table the bundle serves, as the eager AdaLNProj adds
         it to its projection."""
-        adaln = ADALN_TARGET in self.lora_slots.targets
-        rows_E, scales_E = lora.rows.reshape(-1), lora.row_scales.reshape(-1)
-
         def block_fn(i, x, adaln_index, rope):
-            mod = self.adaln.block(i, rows, temb)
-            if adaln:
-                down, up = (gather_rows(bank, rows_E) for bank in self.lora_slots.by_block[i][ADALN_TARGET])
-                delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, scales_E)
-                mod = mod + delta.to(mod.dtype).view(mod.shape)
-            return self.segments[self.lora_segments[i]](x, mod.contiguous(), adaln_index, *rope, lora.rows,
-                                                        lora.row_scales, *self.lora_w[i])[0]
+            mod = self._lora_modulation(i, rows, temb, lora)
+            return self.segments[self.lora_segments[i]](x, mod, adaln_index, *rope, lora.rows, lora.row_scales,
+                                                        *self.lora_w[i])[0]
 
         return block_fn
 
-    def _sharded_block(self, rows, temb, exchange, core=None):
+    def _lora_modulation(self, i: int, rows, temb, lora: LoraRun) -> torch.Tensor:
+        """Layer i's modulation table with the evaluation's AdaLN adapters, where the slots adapt AdaLN."""
+        mod = self.adaln.block(i, rows, temb)
+        if ADALN_TARGET in self.lora_slots.targets:
+            rows_E = lora.rows.reshape(-1)
+            down, up = (gather_rows(bank, rows_E) for bank in self.lora_slots.by_block[i][ADALN_TARGET])
+            delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, lora.row_scales.reshape(-1))
+            mod = mod + delta.to(mod.dtype).view(mod.shape)
+        return mod.contiguous()
+
+    def _sharded_block(self, rows, temb, exchange, core=None, lora: LoraRun | None = None):
         """Layer i on this rank's rows: pre half (compiled), exchange + attention (eager), post half (compiled).
         `core`: a sparse evaluation's attention (block-sparse in place of the bundle's: bf16, or FP8 with the
         layer's scales where the kernel is FP8); in one process `exchange` is `one_rank_exchange` and `core` is always
-        given."""
-        pre, post = self.segments["block_pre"], self.segments["block_post"]
+        given. `lora` (one process, a bundle with the halves' twins): the halves' twins with the evaluation's rank
+        rows, and the modulation table with its AdaLN adapters, as `_block_lora` runs the dense block."""
+        lora_inputs = () if lora is None else (lora.rows, lora.row_scales)
+        pre_name, post_name = (h if lora is None else f"{h}_lora" for h in HALVES)
+        pre, post = self.segments[pre_name], self.segments[post_name]
+        weights = self.block_w if lora is None else self.half_lora_w
 
         def block_fn(i, x, adaln_index, rope):
-            mod = self.adaln.block(i, rows, temb).contiguous()
-            (qkv,) = pre(x, mod, adaln_index, *rope, *self.block_w["block_pre"][i])
+            mod = (self.adaln.block(i, rows, temb).contiguous() if lora is None
+                   else self._lora_modulation(i, rows, temb, lora))
+            (qkv,) = pre(x, mod, adaln_index, *rope, *lora_inputs, *weights[pre_name][i])
             if core is None:
                 attention = self.sharded_attention[i]
             elif self.sparse_scales is not None:  # FP8 block-sparse: this layer's calibrated scales
@@ -205,7 +224,7 @@ class EngineDiT:
             else:
                 attention = layer_attention(core, i)
             attn = exchange(qkv, attention)
-            return post(x, attn, mod, adaln_index, *self.block_w["block_post"][i])[0]
+            return post(x, attn, mod, adaln_index, *lora_inputs, *weights[post_name][i])[0]
 
         return block_fn
 

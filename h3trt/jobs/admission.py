@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Callable
 from ..engines.caps import bundle_caps
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
-from ..pipeline.adapters import check_adapters, check_bundle_dense
+from ..pipeline.adapters import check_adapters, check_bundle_sparse
 from ..pipeline.prepare import Prepared, prepare
 from ..request.checks import check_bundle_serves, check_prompt_tokens
 from ..request.fields import FLAGS, Names
@@ -47,7 +47,7 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
       1b. the LoRA adapters it names are resident (pipeline/adapters.py check_adapters; a bundle only if built with
           LoRA slots): in the model's fixed set, or in a server's current set (`adapters`), which resolves them: the
           prepared request names each adapter's file and sha256 as they are now (pipeline/adapter_catalog.py); and a
-          bundle runs them dense (check_bundle_dense: its sparse halves have no adapter slots)
+          bundle from an earlier h3trt runs them dense only (check_bundle_sparse: its halves have no adapter slots)
       1c. a distilled model (models/distilled.py DistilledServing) serves its family's tasks and schedule, CFG off
       2. a bundle's runner serves its block-sparse attention and adapters (its caps from its manifest:
          models/runner.py RunnerCaps.check; a checkpoint's are known once loaded, and its pipeline checks them), the
@@ -73,7 +73,7 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
         serving.check(request.task, request.guidance.scale, request.speed.cache)
         serving.schedule(s.steps, s.video_shift, s.audio_shift)
     if model.manifest is not None:  # what the bundle's runner serves, from its manifest (engines/caps.py)
-        check_bundle_dense(request.adapters, request.speed.sparse_attention)
+        check_bundle_sparse(request.adapters, request.speed.sparse_attention, model.manifest.segments)
         caps = bundle_caps(model.manifest, pinned=len(model.loras))
         caps.check(sparse=request.speed.sparse.enabled and caps.vsa is None, adapters=len(request.adapters))
         check_bundle_serves(model.manifest, prepared)

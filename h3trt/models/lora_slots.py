@@ -40,7 +40,9 @@ Compiled segments: a bundle's block with adapters is a second segment beside the
 whose function builds `BlockLora.from_inputs(LoRA names -> tensors, lora_rows, lora_row_scales)` and calls the block
 with it; `LoraSlots.block_inputs(i)` names layer i's bank tensors. The runner picks in Python, before the compiled
 call: the plain `block` segment for an evaluation without adapters (bit for bit the bundle built without slots),
-`block_lora` otherwise.
+`block_lora` otherwise. A bundle built with --sparse-attention too has the halves' twins as well (block_pre_lora,
+block_post_lora: the same rank rows, each half's own banks), which a sparse evaluation with adapters runs around its
+block-sparse attention.
 
 Mixed batches: NOT carried. One evaluation holds one adapter set for all its batch rows (rows and scales have no
 batch dimension, and neither has the modulation table that adaln_proj's adapters change); the caller splits batches by

@@ -134,14 +134,18 @@ def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...],
                         f"{resident or 'none (start the model with --adapter NAME=FILE[:SCALE])'}.", field="lora")
 
 
-def check_bundle_dense(uses: tuple[AdapterUse, ...], sparse_attention: float) -> None:
-    """A bundle runs adapters in its fused block's twin only (block_lora): its sparse halves have none, so a request
-    with both is refused (by admission, naming `lora`) rather than run without its adapters or dense unasked."""
-    if uses and sparse_attention > 0:
-        raise UserError(f"lora: a bundle runs LoRA adapters on dense attention only (its block-sparse halves have no "
-                        f"adapter slots), and this request's sparse attention is {sparse_attention:g} (its own, its "
-                        "profile's or the bundle's default); pass sparse_attention 0 (--sparse-attention 0, or a "
-                        "dense profile) with lora, or drop lora.", field="lora")
+def check_bundle_sparse(uses: tuple[AdapterUse, ...], sparse_attention: float, segments: dict) -> None:
+    """A bundle runs a sparse evaluation's adapters in its halves' twins (block_pre_lora, block_post_lora: h3trt build
+    --sparse-attention with --lora-slots); one built by an earlier h3trt has the halves and the slots but not those
+    twins, so a request with both is refused there (by admission, naming `lora`) rather than run without its
+    adapters or dense unasked. `segments`: the bundle's manifest's."""
+    if uses and sparse_attention > 0 and "block_pre" in segments and "block_lora" in segments \
+            and "block_pre_lora" not in segments:
+        raise UserError(f"lora: this bundle was built by an earlier h3trt, whose block-sparse halves have no adapter "
+                        f"slots, and this request's sparse attention is {sparse_attention:g} (its own, its profile's "
+                        "or the bundle's default); rebuild it with this h3trt (h3trt build ... --sparse-attention S "
+                        "--lora-slots N --lora-max-rank R), or pass sparse_attention 0 (--sparse-attention 0, or a "
+                        "dense profile) with lora.", field="lora")
 
 
 def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, ...], slots, cfg: H3Config,
