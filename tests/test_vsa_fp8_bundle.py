@@ -23,6 +23,7 @@ from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import BundleError, content_sha256, read_manifest
 from h3trt.models import vsa_plan
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import write_tiny_vsa_checkpoint
 from h3trt.models.vsa_plan import VsaRun
@@ -68,13 +69,13 @@ def evaluation(engine, serving):
     run = VsaRun(serving)
     run.next_evaluation()
     with torch.no_grad(), no_compile():
-        out = engine.dit(video, audio, text.to(torch.bfloat16), unique_t, t_index, layout, sparse=run)
+        out = engine.dit(video, audio, text.to(torch.bfloat16), unique_t, t_index, layout, EvalExtras(sparse=run))
     return out, run
 
 
 def test_an_evaluation_runs_vsa_in_fp8(fp8_vsa_bundle):
     engine = Engine.load(fp8_vsa_bundle, "cpu")
-    serving = engine.dit.vsa
+    serving = engine.dit.caps.vsa
     assert serving.kernel == "fp8_emulated"
     fp8_out, run = evaluation(engine, serving)
     assert run.report()["kernel"] == "fp8_emulated" and run.report()["sparse_evaluations"] == [0]
@@ -104,7 +105,7 @@ def test_the_load_honours_the_recorded_kernel_and_tile(fp8_vsa_bundle, tmp_path,
     monkeypatch.setattr(load_checks, "vsa_problem", lambda kernel, device: None)
     monkeypatch.setattr(vsa_plan, "warm_fp8_vsa_kernel", lambda *args: warmed.append(args[:2]))
     engine = Engine.load(gpu_built, "cpu")
-    assert warmed == [("fp8", "m64n64w4s3")] and (engine.dit.vsa.kernel, engine.dit.vsa.tile) == warmed[0]
+    assert warmed == [("fp8", "m64n64w4s3")] and (engine.dit.caps.vsa.kernel, engine.dit.caps.vsa.tile) == warmed[0]
     real = vsa_plan.vsa_attention_kernel
 
     def spy(kernel, tile=None):  # what the request runs: the record's kernel and tile (the emulation stands in)
@@ -112,5 +113,5 @@ def test_the_load_honours_the_recorded_kernel_and_tile(fp8_vsa_bundle, tmp_path,
         return real("fp8_emulated")
 
     monkeypatch.setattr(vsa_plan, "vsa_attention_kernel", spy)
-    _, run = evaluation(engine, engine.dit.vsa)
+    _, run = evaluation(engine, engine.dit.caps.vsa)
     assert set(served) == {("fp8", "m64n64w4s3")} and run.report()["tile"] == "m64n64w4s3"
