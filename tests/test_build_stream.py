@@ -338,7 +338,7 @@ def test_fit_check_refuses_in_one_line_before_anything_loads(tmp_path, tiny4, mo
     assert f"a block at a time it needs about {needs.streamed() / GIB:.3g} GiB" in message
     assert f"cuda:0 (a small GPU) has {free / GIB:.3g} GiB free" in message
     for part in ("largest block", "activations at 1,021 rows", "resident embed/final", "recorded calibration inputs",
-                 "--profile", "--calib-prompts"):
+                 "--canvas", "--calib-prompts"):
         assert part in message, part
     # Whole where it fits, a block at a time where only that fits; --memory-budget lowers what the device has.
     plan = plan_build(cfg, lambda m: None, lambda d: DeviceMemory(needs.whole(), "gpu"))

@@ -295,7 +295,7 @@ def test_pick_profile_and_gpu_refusals():
     profiles = [{"x": [[1, 10, 4], [1, 20, 4], [1, 30, 4]]}, {"x": [[1, 31, 4], [1, 40, 4], [1, 50, 4]]}]
     assert pick_profile(profiles, {"x": (1, 30, 4)}, "block_0") == 0
     assert pick_profile(profiles, {"x": (1, 45, 4)}, "block_0") == 1
-    with pytest.raises(BundleError, match=r"no optimization profile .*Rebuild with a --profile"):
+    with pytest.raises(BundleError, match=r"no optimization profile .*Rebuild with a --canvas"):
         pick_profile(profiles, {"x": (1, 60, 4)}, "block_0")
     info = {"flavour": "tensorrt_rtx", "version": "1.7.1.116", "targets": ["sm89", "sm120"]}
     installed = {"tensorrt_rtx": "1.7.1.116"}

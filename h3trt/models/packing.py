@@ -42,23 +42,20 @@ AUDIO_SAMPLE_RATE = 32000
 CONDITION_VIDEO_T = 0.999
 CONDITION_AUDIO_T = 1.0
 
-# Rotary clock: one latent frame spans 5/3 * (1, 4, 4, 4, 4)[k % 5] units (40 units per second at 24 fps); spatial
-# axes are aspect-normalised and scaled to [0, 32) for a square canvas.
+# Rotary clock: a latent frame spans 5/3 * (1, 4, 4, 4, 4)[k % 5] units; spatial axes scaled to [0, 32) when square.
 ROPE_FRAME_RESCALE = 5.0 / 3.0
 ROPE_FRAMES_PER_LATENT = (1, 4, 4, 4, 4)
 ROPE_SPATIAL_SCALE = 32
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 # Canvas and duration
 
 
 def _canvas_before_rounding(aspect_width: float, aspect_height: float, short_edge: int = CANVAS_SHORT_EDGE,
                             max_pixels: int = CANVAS_MAX_PIXELS, size: str | None = "--width/--height"
                             ) -> tuple[float, float]:
-    """(height, width) of the canvas for an aspect ratio before rounding: short edge 768, area capped at 768x1344.
-    `size`: what the caller's user sets the canvas with (a flag, a request key), for the message; None: nothing
-    sets it (a reference video keeps its own aspect)."""
+    """(height, width) for an aspect ratio before rounding: short edge 768, area capped at 768x1344. `size`: what sets
+    the canvas (a flag, a request key), for the message; None: nothing does (a reference video keeps its aspect)."""
     if aspect_width <= 0 or aspect_height <= 0:
         raise UserError(f"The aspect ratio must be positive, got {aspect_width}:{aspect_height}.")
     ratio = aspect_width / aspect_height
@@ -80,18 +77,16 @@ def _canvas_before_rounding(aspect_width: float, aspect_height: float, short_edg
 
 def resolve_canvas(aspect_width: float, aspect_height: float, short_edge: int = CANVAS_SHORT_EDGE,
                    max_pixels: int = CANVAS_MAX_PIXELS, size: str | None = "--width/--height") -> tuple[int, int]:
-    """(height, width) of the model's canvas for an aspect ratio: short edge 768, area cap 768x1344, each edge
-    rounded to the nearest multiple of 32 (so the area may end slightly above the cap, as in the reference).
-    A smaller short edge and cap give the tiny default's canvases."""
+    """(height, width) of the model's canvas for an aspect ratio: short edge 768, area cap 768x1344, each edge rounded
+    to the nearest 32 (the area may end slightly above the cap, as in the reference; smaller: the tiny canvases)."""
     height, width = _canvas_before_rounding(aspect_width, aspect_height, short_edge, max_pixels, size)
     m = CANVAS_MULTIPLE
     return max(m, round(height / m) * m), max(m, round(width / m) * m)
 
 
 def validate_canvas(height: int, width: int, size: str = "--width/--height") -> None:
-    """Raise unless (height, width) is a canvas H3 generates: multiples of 32, aspect 1:4..4:1, short edge at most
-    768, and an area no larger than the model's canvas for that aspect ratio allows once each edge is rounded to 32
-    (every canvas `resolve_canvas` returns passes)."""
+    """Raise unless (height, width) is a canvas H3 generates: multiples of 32, aspect 1:4..4:1, short edge <= 768, an
+    area within the model's canvas for that aspect once each edge is rounded to 32 (resolve_canvas's all pass)."""
     m = CANVAS_MULTIPLE
     if height <= 0 or width <= 0 or height % m or width % m:
         raise UserError(
@@ -117,12 +112,8 @@ def align_num_frames(num_frames: int) -> int:
 
 
 def frames_for_duration(seconds: float, min_s: float = MIN_DURATION_S, max_s: float = MAX_DURATION_S) -> int:
-    """The 17n + 5 frame count a duration generates (rounded up), for a duration within the model's range.
-
-    The range is the stated one, on the duration asked for: diffusers takes a frame count and checks it once rounded
-    up (so 4.9 s, 118 frames, would pass as 124), but a duration under 5 s is outside what H3 is documented to
-    generate, and the longest, 14.375 s, is the last 17n + 5 count within diffusers' 15 s (345 frames; 15 s would
-    round up to 362 frames, 15.083 s)."""
+    """The 17n + 5 frame count a duration generates (rounded up), within the stated range on the duration asked for
+    (diffusers checks the rounded count, so 4.9 s would pass as 124 frames; 14.375 s is the last count within 15 s)."""
     if not math.isfinite(seconds) or seconds <= 0:
         raise UserError(f"Duration must be a positive number of seconds, got {seconds}.")
     # The range first: a huge duration (1e308 s) would overflow the frame count.
@@ -178,7 +169,6 @@ class Geometry:
         return self.audio_latents * AUDIO_SAMPLE_RATE // AUDIO_LATENTS_PER_SECOND
 
 
-# ----------------------------------------------------------------------------------------------------------------------
 # Row packing
 
 
@@ -234,10 +224,8 @@ class PackedLayout:
                             num_condition_audio_rows=self.num_condition_audio_rows, video_grid=self.video_grid)
 
     def digest(self) -> bytes:
-        """The one definition of "the same layout": layouts with equal digests pack their requests into the same rows
-        (every field: the rows' positions, tags and indices, bit for bit with their shapes and dtypes, the condition
-        rows and the video grid), so those requests can share one batched DiT evaluation (jobs/work.py
-        layout_key; H3Pipeline.denoise_batch refuses layouts whose digests differ)."""
+        """The one definition of "the same layout" (every field, tensors bit for bit with shapes and dtypes): equal
+        digests may share one batched DiT evaluation (jobs/work.py layout_key; H3Pipeline.denoise_batch checks)."""
         digest = hashlib.sha256(repr((self.num_condition_video_rows, self.num_condition_audio_rows,
                                       self.video_grid)).encode())
         for name in _LAYOUT_TENSORS:
@@ -324,8 +312,7 @@ def pack_t2va(
 
     `text_tags` [L] long tags every text row: 1 for text, 0 for the rows of a vision block inside the text stream.
     The target is `latent_frames_` x `latent_h` x `latent_w` video latents (rows of `patch_size` patches) and
-    `audio_latents_` stereo audio latents (2 rows each); a keyframe adds one latent frame of condition rows.
-    """
+    `audio_latents_` stereo audio latents (2 rows each); a keyframe adds one latent frame of condition rows."""
     for anchor in keyframes:
         if anchor not in ("first", "last"):
             raise ValueError(f"A keyframe anchor must be 'first' or 'last', got {anchor!r}.")
@@ -389,8 +376,7 @@ def pack_ref2va(
     latent count, a video by max(soundtrack, video span). A video's soundtrack rows come right before its frames.
 
     `text_tags` [L] long as in `pack_t2va`; `references` in the order the model reads them (their latent shapes
-    (t, h, w) and audio latents); the target as in `pack_t2va`.
-    """
+    (t, h, w) and audio latents); the target as in `pack_t2va`."""
     _, ph, pw = patch_size
     L = text_tags.shape[0]
 
@@ -448,8 +434,7 @@ def row_timesteps(layout: PackedLayout, video_t: float, audio_t: float) -> tuple
     t_index [S] long.
 
     Text and padding rows take the video t; target audio the audio t; condition video rows max(video t, 0.999);
-    reference audio rows 1.0.
-    """
+    reference audio rows 1.0."""
     t = torch.full((layout.seq_len,), video_t, dtype=torch.float32)
     t[layout.video_index[: layout.num_condition_video_rows]] = max(video_t, CONDITION_VIDEO_T)
     t[layout.audio_index[layout.num_condition_audio_rows :]] = audio_t
