@@ -25,6 +25,7 @@ from ..errors import UserError
 from ..models.vsa_plan import choose_vsa_kernel, load_vsa_kernel
 from ..models.vsa_tiles import VsaGeometry
 from .attention_choice import median_cuda_ms
+from .sparse_choice import fp8_tiles  # VSA's tiles are the FP8 kernel's 64-row ones
 
 MEASURE_SPARSITY = 0.9  # the timing routing's sparsity where the bundle's is 0 (FastH3 v1's)
 BENCH_WARMUP, BENCH_ITERS = 2, 5
@@ -45,15 +46,9 @@ Measure = Callable[[str, "str | None", VsaGeometry, int, int, float, torch.devic
 Load = Callable[..., str]
 
 
-def fp8_vsa_tiles() -> tuple[str, ...]:
-    from ..models.sparse_fp8_triton import TILE_CONFIGS
-
-    return tuple(TILE_CONFIGS[64])
-
-
 def resolve_vsa_kernel(device, heads: int, head_dim: int, dtype: torch.dtype, fp8: bool, geometry: VsaGeometry,
                        sparsity: float, log=print, measure: Measure | None = None, load: Load = load_vsa_kernel,
-                       tiles: Callable[[], tuple[str, ...]] = fp8_vsa_tiles) -> VsaChoice:
+                       tiles: Callable[[], tuple[str, ...]] = lambda: fp8_tiles(64)) -> VsaChoice:
     """The kernel a FastH3-VSA build serves on `device` (module docstring); `fp8`: built with --fp8-attention.
     `measure`, `load` (warm a kernel, UserError where it cannot) and `tiles` are parameters so the race is testable
     without a GPU."""
