@@ -265,8 +265,9 @@ class H3Pipeline:
         """Stage 3 for requests of one layout and schedule, stacked along the batch dimension: one DiT evaluation per
         step serves them all; each keeps its own seed's starting rows, so each ends where it would alone."""
         first = batch[0]
+        layout = first.layout.digest()
         for other in batch[1:]:
-            if other.schedule != first.schedule or other.layout.digest() != first.layout.digest():
+            if other.schedule != first.schedule or other.layout.digest() != layout:
                 raise ValueError("denoise_batch needs one schedule and one packed layout (task, canvas, duration and "
                                  f"text length) for the whole batch; {other.prepared.request.inputs.prompt[:40]!r} "
                                  f"differs from {first.prepared.request.inputs.prompt[:40]!r}.")
