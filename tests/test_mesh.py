@@ -23,7 +23,7 @@ from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import NO_EXTRAS, EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.pipeline.guidance import branch_t_index
+from h3trt.pipeline.evaluation import branch_t_index
 from h3trt.parallel.launch import RankFailed, init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.pipeline.h3_pipeline import H3Pipeline

@@ -10,7 +10,7 @@ import json
 import pytest
 
 from h3trt.cli import main
-from h3trt.pipeline.step_profile import busy_and_idle
+from h3trt.pipeline.evaluation import busy_and_idle
 
 
 def test_busy_and_idle_merges_overlaps_and_counts_gaps():

@@ -33,15 +33,13 @@ from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
 from .adapters import AdapterSpec, ResidentAdapters, SlotShape, select_adapters
-from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
 from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
 from ..request.parts import CanvasDefaults
 from ..request.request import Request
 from .prepare import Encoded, Prepared
-from .step_profile import StepProfiler
-from .evaluation import check_finite, counted, new_step_cache, sparse_run_for
+from .evaluation import Branch, StepProfiler, check_finite, counted, guided_denoiser, new_step_cache, sparse_run_for
 
 
 @dataclass(frozen=True)
@@ -152,7 +150,7 @@ class H3Pipeline:
         does not write stops after denoising. `timer` (a fresh StageTimer when None) takes the stages' times;
         `on_step(i, n)` is called after each evaluation (it may raise to stop the job), `on_frames(n)` on the writing
         rank as frames reach the encoder; `profile_step`: the evaluation (from 1) whose host overhead is measured
-        (step_profile.py)."""
+        (evaluation.py StepProfiler)."""
         timer, start = timer or StageTimer(self.device), time.perf_counter()
         # 1. Prepare: what the request asks of the denoise besides the model (a step cache, block-sparse attention).
         req = prepared.request
