@@ -33,7 +33,7 @@ from h3trt.run.batch import BatchConfig, run_batch, summary_line
 from h3trt.run.batch_file import BatchItem, parse_requests
 from h3trt.media.output_files import write_json_atomic
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.request.parts import CanvasDefaults
+from h3trt.request.request import CanvasDefaults
 
 PROMPT = "a red fox runs through fresh snow, wind howling"
 

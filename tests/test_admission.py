@@ -210,7 +210,7 @@ def test_a_job_is_parsed_once_where_it_is_admitted(tmp_path):
 def test_the_task_is_derived_once_for_every_front_door(tmp_path, inputs, task):
     """A request's task comes from its inputs through one function (request.task_of, which the API's job object also
     reads a stored schema with): the Request's own task and the requests file's check of a stated task agree."""
-    from h3trt.request.parts import task_of
+    from h3trt.request.request import task_of
 
     defaults = RequestDefaults(steps=2)
     parsed = parse_object({"prompt": "a fox", "task": task, **inputs}, 0, tmp_path, (), defaults)
@@ -227,7 +227,7 @@ def test_the_steps_bound_is_the_tables_at_every_front_door(tmp_path, tiny_root, 
     `h3trt build --steps` (which started baking 100000 steps)."""
     import h3trt.build.builder as builder
     from h3trt.build.config import BuildConfig
-    from h3trt.request.parts import ScheduleValues
+    from h3trt.request.request import ScheduleValues
 
     low, high = schema.VALUES["steps"].schema["minimum"], schema.VALUES["steps"].schema["maximum"]
     entry = Entry.local(device="cpu")

@@ -17,8 +17,7 @@ from h3trt.run.batch_file import parse_requests
 from h3trt.run.batch_outputs import finished
 from h3trt.media.inputs import probe
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.request.parts import CanvasDefaults
-from h3trt.request.request import Request
+from h3trt.request.request import CanvasDefaults, Request
 from h3trt.pipeline.prepare import prepare
 from h3trt.request.parse import RequestsFileError
 from h3trt.run.timeline import draw_timeline, legend_stages

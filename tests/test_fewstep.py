@@ -33,8 +33,7 @@ from h3trt.models.step_cache import StepCache, StepCacheConfig
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.media.inputs import read_video
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.request.parts import CanvasDefaults
-from h3trt.request.request import Request
+from h3trt.request.request import CanvasDefaults, Request
 from h3trt.pipeline.prepare import prepare
 from test_lora import ReferencePipe
 

@@ -27,8 +27,7 @@ from h3trt.pipeline.evaluation import branch_t_index
 from h3trt.parallel.launch import RankFailed, init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.request.parts import CanvasDefaults
-from h3trt.request.request import Request
+from h3trt.request.request import CanvasDefaults, Request
 from h3trt.pipeline.prepare import prepare
 from h3trt.jobs.rank import WorkerSpec, load_rank_pipeline
 

@@ -17,8 +17,7 @@ from h3trt.jobs import work
 from h3trt.jobs.job import EventKind, Job
 from h3trt.pipeline.h3_pipeline import H3Pipeline, Target
 from h3trt.pipeline.records import Clip, ClipRecord, record_path
-from h3trt.request.parts import CanvasDefaults
-from h3trt.request.request import Request
+from h3trt.request.request import CanvasDefaults, Request
 from h3trt.pipeline.prepare import prepare
 from h3trt.jobs.work import Place, Reporter, commit_job_clip, run_work
 

@@ -190,7 +190,7 @@ def test_a_worker_runs_the_admitted_request_its_row_stores(queue, tmp_path):
     worker's own folder."""
     from h3trt.adapters.use import AdapterUse
     from h3trt.models.packing import Geometry
-    from h3trt.request.parts import ScheduleFrom
+    from h3trt.request.request import ScheduleFrom
     from h3trt.request.request import Admitted, Request
     from h3trt.server.rows import row_request, shown
 

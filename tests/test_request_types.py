@@ -16,8 +16,8 @@ from h3trt.models.packing import Geometry
 from h3trt.models.sparse_plan import SparseSettings
 from h3trt.models.step_cache import StepCacheConfig
 from h3trt.request.parse import RequestDefaults, parse_object
-from h3trt.request.parts import Canvas, Guidance, Inputs, ScheduleChoice, ScheduleFrom, ScheduleValues, Speed
-from h3trt.request.request import VERSION, Admitted, BatchKey, Request
+from h3trt.request.request import (VERSION, Admitted, BatchKey, Canvas, Guidance, Inputs, Request, ScheduleChoice,
+                                   ScheduleFrom, ScheduleValues, Speed)
 
 pytestmark = pytest.mark.unit
 

@@ -32,7 +32,7 @@ from h3trt.models.sampler import Schedule
 from h3trt.models.sparse_plan import SparseSettings
 from h3trt.models.sparse_run import SparseRun
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.request.parts import Speed
+from h3trt.request.request import Speed
 
 from conftest import BUNDLE_STEPS
 from helpers import dit_inputs

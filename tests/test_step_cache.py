@@ -31,8 +31,7 @@ from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.parallel.launch import init_rank, launch
 from h3trt.parallel.mesh import MeshConfig, build_mesh
 from h3trt.pipeline.h3_pipeline import H3Pipeline
-from h3trt.request.parts import CanvasDefaults
-from h3trt.request.request import Request
+from h3trt.request.request import CanvasDefaults, Request
 from h3trt.pipeline.prepare import prepare
 from h3trt.jobs.rank import WorkerSpec, load_rank_pipeline
 

@@ -46,8 +46,7 @@ def cmd_run(args) -> int:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     from ..models.vsa_plan import vsa_settings
     from ..request.fields import flag_values
-    from ..request.parts import ScheduleChoice, ScheduleValues
-    from ..request.request import Request
+    from ..request.request import Request, ScheduleChoice, ScheduleValues
 
     if args.vsa_sparsity is not None:
         vsa_settings(args.vsa_sparsity)  # its bounds, before anything loads

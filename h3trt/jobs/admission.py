@@ -8,8 +8,8 @@ loaded, so that each refuses the same request with the same words (its own names
     carries (UserError.field, mapped to the API's name)
   - `h3trt eval` (eval.py), each side's requests against the model of that side
 
-What is checked where it is cheapest lives where it belongs: what a request states in request/checks.py, its inputs
-read in pipeline/prepare.py `prepare`, a bundle's task, canvas and schedule in `check_bundle_serves`, the text
+What is checked where it is cheapest lives where it belongs: what a request states and its inputs read in
+pipeline/prepare.py `prepare`, a bundle's task, canvas and schedule in `check_bundle_serves`, the text
 encoder's files in models/text_encoder.py,
 the prompt's tokens in `check_prompt_tokens`. This is the one place that asks all of them, in order. What only a
 front door knows stays there: an output's name, folder and space (run/commands.py), the mesh's replicas (run_clip), a
@@ -26,11 +26,9 @@ from ..engines.caps import bundle_caps
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
 from ..pipeline.adapters import check_adapters, check_bundle_sparse
-from ..pipeline.prepare import Prepared, prepare
-from ..request.checks import check_bundle_serves, check_prompt_tokens
+from ..pipeline.prepare import Prepared, check_bundle_serves, check_prompt_tokens, prepare
 from ..request.fields import FLAGS, Names
-from ..request.parts import CanvasDefaults
-from ..request.request import Request
+from ..request.request import CanvasDefaults, Request
 from .model_source import Entry
 
 if TYPE_CHECKING:

@@ -45,7 +45,7 @@ from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterSpec, check_bundle_specs,
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.loading import Components, load_bundle, load_checkpoint
 from ..pipeline.records import torch_bytecode
-from ..request.parts import CanvasDefaults, ScheduleValues
+from ..request.request import CanvasDefaults, ScheduleValues
 from ..str_enum import StrEnum
 from .rank import WorkerSpec
 from .supervisor import LaunchKind

@@ -29,7 +29,7 @@ from ..parallel.launch import init_rank
 from ..parallel.mesh import SINGLE, MeshConfig, Parallel, build_mesh
 from ..pipeline.adapters import SlotShape
 from ..pipeline.h3_pipeline import H3Pipeline
-from ..request.parts import CanvasDefaults
+from ..request.request import CanvasDefaults
 from .job import Event, Job, JobQueue
 from .messages import Cancel, FromRank, Idle, Ready, Report, Stop, Work
 from .work import Place, Reporter, free_memory, run_work

@@ -32,8 +32,7 @@ from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraSlots
 from .adapters import (NAME_PATTERN, SERVE_SLOTS, AdapterInfo, AdapterSpec, AdapterUse, SlotShape, adapter_rank,
                        check_adapters, info_of)
-from ..request.parts import ScheduleValues
-from ..request.request import Request
+from ..request.request import Request, ScheduleValues
 
 STATE_FILE = "loras.json"  # in a server's data folder: what the admin calls changed, kept across restarts
 

@@ -9,7 +9,7 @@ An adapter's schedule, key by key, the later source winning:
      keys of SCHEDULE_KEYS).
 
 A request's schedule, key by key: the request's own value; else the value the adapters it names give; else the
-model's default (request/parts.py `ScheduleChoice.resolve`, which records which: `ScheduleFrom`).
+model's default (request/request.py `ScheduleChoice.resolve`, which records which: `ScheduleFrom`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
 from ..models.sampler import schedule_value
-from ..request.parts import SCHEDULE_KEYS, ScheduleValues
+from ..request.request import SCHEDULE_KEYS, ScheduleValues
 
 METADATA_KEYS = {key: f"h3trt.{key}" for key in SCHEDULE_KEYS}  # an adapter file's __metadata__ keys
 

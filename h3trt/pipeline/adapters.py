@@ -42,7 +42,7 @@ from ..models.distilled import turbo_alpha
 from ..models.lora import SCALE_RANGE, LoraScaleError, LoraSpec, native_target, route
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraRun, LoraSlots, SlotRecord
-from ..request.parts import ScheduleValues
+from ..request.request import ScheduleValues
 from .adapter_schedule import file_schedule, split_spec
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

@@ -36,8 +36,7 @@ from .adapters import AdapterSpec, ResidentAdapters, SlotShape, select_adapters
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
 from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
-from ..request.parts import CanvasDefaults
-from ..request.request import Request
+from ..request.request import CanvasDefaults, Request
 from .prepare import Encoded, Prepared
 from .evaluation import Branch, StepProfiler, check_finite, counted, guided_denoiser, new_step_cache, sparse_run_for
 

@@ -35,8 +35,7 @@ from ..models.vsa_plan import VsaServing, choose_vsa_kernel, served_vsa_settings
 from ..parallel.ulysses import UlyssesDiT
 from .adapters import AdapterSpec, ResidentAdapters, SlotShape
 from .records import ColdStart, process_started_unix, torch_bytecode
-from ..request.checks import check_bundle_serves
-from .prepare import Prepared
+from .prepare import Prepared, check_bundle_serves
 
 
 @dataclass(frozen=True)
@@ -50,7 +49,7 @@ class Components:
     video_vae: VideoVAE | None
     audio_vae: AudioVAE | None
     shifts: tuple[float, float]  # (video, audio) sigma shifts a request without its own uses
-    # A bundle's: refuses a request it was not built for, as admission did (request.check_bundle_serves)
+    # A bundle's: refuses a request it was not built for, as admission did (prepare.check_bundle_serves)
     check_request: Callable[[Prepared], None] | None = None
     loras: tuple[dict, ...] = ()  # records of the LoRAs merged into the DiT
     # (video VAE, audio VAE, their load's seconds, the verification report) on a background thread, in place of the

@@ -25,7 +25,7 @@ from ..models.lora import MAX_LORA_SCALE
 from ..models.sampler import MAX_STEPS, MIN_STEPS
 from .profiles import PROFILE_NAMES
 
-# h3trt's budget for a prompt, in the checkpoint's tokens (request/checks.py check_prompt_tokens). The reference sets
+# h3trt's budget for a prompt, in the checkpoint's tokens (pipeline/prepare.py check_prompt_tokens). The reference sets
 # none; the text rows join every attention of every step, and H3's own prompts run tens to a few hundred tokens.
 MAX_PROMPT_TOKENS = 1024
 # A prompt's bytes at most: the token budget at 16 bytes a token, far more than any text averages (English about 4,
@@ -66,7 +66,7 @@ def read_lora_text(value):
 @dataclass(frozen=True)
 class Names:
     """What a front door calls each request field, for the errors: the CLI's flags (`FLAGS`), a requests file's keys
-    (`KEY_WORDS`) or the server's JSON fields (`API_WORDS`), each derived from the table (request/checks.py and the
+    (`KEY_WORDS`) or the server's JSON fields (`API_WORDS`), each derived from the table (pipeline/prepare.py and the
     parser word their errors with these)."""
 
     prompt: str

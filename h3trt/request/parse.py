@@ -11,7 +11,7 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
 `profile` (request/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
 `lora`: resident adapters by name (`--adapter NAME=FILE[:SCALE]`; scale left out: the adapter's default), adapters/
 use.py; an adapter with its own schedule gives a line that names it the steps and shifts it leaves out
-(request/parts.py ScheduleChoice.resolve).
+(request/request.py ScheduleChoice.resolve).
 
 `run` needs id (it names OUT/<id>.mp4), task and prompt; `eval` needs prompt (it also takes id and task, so a run
 file evaluates as it is). `width` and `height` may stand in for `resolution`. A stated task must be the one its inputs
@@ -40,9 +40,8 @@ from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
 from ..models.sparse_plan import SparseSettings
 from .fields import KEY_WORDS, KEYS, Names  # the schema's keys and their words, from its one table of fields
-from .parts import CanvasDefaults, ScheduleChoice, ScheduleValues, task_of
+from .request import CanvasDefaults, Request, ScheduleChoice, ScheduleValues, task_of
 from .profiles import request_profile_fields, with_bundle_sparse
-from .request import Request
 
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)

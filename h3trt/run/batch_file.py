@@ -13,8 +13,7 @@ from ..models.sparse_plan import SparseSettings
 from ..pipeline.prepare import Prepared, prepare
 from ..request.fields import KEY_WORDS
 from ..request.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
-from ..request.parts import CanvasDefaults, ScheduleValues
-from ..request.request import Admitted, Request
+from ..request.request import Admitted, CanvasDefaults, Request, ScheduleValues
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from starlette.formparsers import MultiPartParser
 
 from ..pipeline.records import ClipRecord
 from ..request.fields import FILE, UPLOADS
-from ..request.parts import task_of
+from ..request.request import task_of
 from .rows import shown
 from .service import ApiError, Service, Upload, VideoService, disk_full_error
 from .store import STATUSES, JobRow, JobStatus, is_disk_full, store_unreachable

@@ -17,8 +17,7 @@ from pathlib import Path
 from ..adapters.use import AdapterUse
 from ..request.fields import API_WORDS
 from ..request.parse import RequestDefaults, parse_object
-from ..request.parts import ScheduleChoice
-from ..request.request import Admitted, BatchKey, Request
+from ..request.request import Admitted, BatchKey, Request, ScheduleChoice
 
 ADMITTED = "admitted"  # the row's key for the admitted request's JSON
 
