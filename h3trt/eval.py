@@ -8,7 +8,7 @@
      (RGB luma), SSIM and PSNR over every frame in YUV420 as FFmpeg's ssim / psnr filters compute them (the peers'
      metric), audio log-spectral distance; the denoise time of each side
 
-`--profile NAME` (request/profiles.py) compares that profile's clip with the lossless clip of the same request: the
+`--profile NAME` (request/fields.py PROFILES) compares that profile's clip with the lossless clip of the same request: the
 engine side runs each request with the profile, the reference side (the same engine unless --reference is given)
 without step cache or sparsity. Each side's step-cache record says what it computed and skipped.
 
@@ -41,7 +41,7 @@ from .pipeline.evaluation import new_step_cache
 from .pipeline.h3_pipeline import H3Pipeline
 from .pipeline.records import StageTimer
 from .pipeline.prepare import Prepared
-from .request.profiles import profile_fields
+from .request.parse import profile_fields
 from .request.request import Request
 
 PSNR_CAP_DB = 100.0  # identical outputs: reported as 100 dB, not infinity (JSON has no infinity)

@@ -51,7 +51,7 @@ from bench_common import ROOT, write_json
 VARIANTS = {"lossless": ("lossless", None), "balanced_t0": ("balanced", 0.0), "fast_inf": ("fast", math.inf),
             "balanced": ("balanced", None), "fast": ("fast", None), "quality": ("quality", None),
             "quality_inf": ("quality", math.inf), "balanced_inf": ("balanced", math.inf)}
-# The 50-step knobs of each profile (pipeline/profiles.py PROFILES): cache (warm-up, max skips in a row) or None,
+# The 50-step knobs of each profile (request/fields.py PROFILES): cache (warm-up, max skips in a row) or None,
 # sparse attention's dense evaluations or None.
 FULL_KNOBS = {"lossless": (None, None), "quality": ((4, 1), None), "balanced": ((4, 3), 10), "fast": ((4, 3), 10)}
 BARS = {"balanced_t0": 0.75, "fast_inf": 0.30}  # the clip's seconds / lossless's, at most (issue 46)

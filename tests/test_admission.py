@@ -13,6 +13,7 @@ from h3trt.request.fields import FLAGS, KEY_WORDS
 from h3trt.request.request import Request
 from h3trt.request.parse import RequestDefaults, parse_object
 from h3trt.request import fields as schema
+from h3trt.request import parse
 from h3trt.server.service import ApiError
 
 from test_errors import _fake_bundle
@@ -156,12 +157,12 @@ def test_a_field_added_to_the_table_is_in_every_view():
     assert schema.openapi_fields(False, table)["hue"] == colour.schema
     assert schema.openapi_fields(True, table)["hue"] == colour.schema
     assert "hue" in schema.form_numbers(table) and "hue" in schema.api_fields(table, openai=False)
-    assert schema.schema_values({"hue": 3, "prompt": "x"}, table) == {"colour": 3, "prompt": "x"}
+    assert parse.schema_values({"hue": 3, "prompt": "x"}, table) == {"colour": 3, "prompt": "x"}
 
 
 def test_every_view_is_the_tables():
     """The requests file's keys, the API's JSON and multipart schema (served at /openapi.json), its file fields, its
-    OpenAI and H3 fields and its form coercion all come from pipeline/schema.py's table."""
+    OpenAI and H3 fields and its form coercion all come from request/fields.py's table."""
     from h3trt.request import parse as requests
     from h3trt.server import service, wire
 
@@ -175,17 +176,17 @@ def test_every_view_is_the_tables():
     for f in schema.FIELDS:  # every key parses (no "unknown key"), every API name maps back
         if f.key is not None:
             assert schema.api_name(f.key) == f.api_name
-    assert schema.form_value("steps", "4") == 4 and schema.form_value("seconds", "5.0") == "5.0"
-    assert schema.form_value("prompt", "4") == "4"
+    assert parse.form_value("steps", "4") == 4 and parse.form_value("seconds", "5.0") == "5.0"
+    assert parse.form_value("prompt", "4") == "4"
 
 
 def test_the_api_schema_maps_onto_the_files_keys():
     """What a client sends under OpenAI's names is what a requests file states under the schema's keys."""
     sent = {"prompt": "a fox", "size": "160x96", "seconds": "5", "seed": 3, "model": "minimax-h3"}
-    assert schema.schema_values(sent) == {"prompt": "a fox", "resolution": "160x96", "duration": 5.0, "seed": 3}
-    assert schema.schema_values({"prompt": "a fox", "seconds": None}) == {"prompt": "a fox"}
+    assert parse.schema_values(sent) == {"prompt": "a fox", "resolution": "160x96", "duration": 5.0, "seed": 3}
+    assert parse.schema_values({"prompt": "a fox", "seconds": None}) == {"prompt": "a fox"}
     with pytest.raises(UserError) as bad:
-        schema.schema_values({"seconds": "five"})
+        parse.schema_values({"seconds": "five"})
     assert bad.value.field == "duration" and schema.api_name(bad.value.field) == "seconds"
 
 

@@ -1,5 +1,5 @@
 """Step-cache warm-up and consecutive-skip limit (models/step_cache.py) against a hand-computed decision sequence,
-block calls counted, and the named speed profiles (pipeline/profiles.py): what each resolves to, explicit knobs over
+block calls counted, and the named speed profiles (request/fields.py PROFILES, request/parse.py profile_fields): what each resolves to, explicit knobs over
 the profile's, bad values refused in one line before any model loads.
 
 The synthetic block stack: block 0 adds c_k to every element at evaluation k, so its residual is c_k everywhere and
@@ -18,7 +18,8 @@ import torch
 
 from h3trt.errors import UserError
 from h3trt.models.step_cache import StepCache, StepCacheConfig
-from h3trt.request.profiles import PROFILES, profile_fields
+from h3trt.request.fields import PROFILES
+from h3trt.request.parse import profile_fields
 
 pytestmark = pytest.mark.unit
 

@@ -165,7 +165,7 @@ def test_request_lines_and_api_jobs_take_the_bundle_default_unless_they_state_on
 
 
 def test_explicit_beats_the_bundle_default_beats_the_built_in_one():
-    from h3trt.request.profiles import profile_fields, with_bundle_sparse
+    from h3trt.request.parse import profile_fields, with_bundle_sparse
 
     bundle = SparseSettings(0.6, 3, 128)
     assert with_bundle_sparse(profile_fields(None), None) == profile_fields(None)  # no bundle default: dense

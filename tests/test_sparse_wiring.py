@@ -71,7 +71,7 @@ def test_bad_sparse_flags_are_one_line_and_exit_2(h3trt, no_model_load, tmp_path
 
 
 def test_profiles_set_the_sparsity_and_a_flag_overrides_it():
-    from h3trt.request.profiles import profile_fields
+    from h3trt.request.parse import profile_fields
 
     assert profile_fields("balanced")["sparse_attention"] == 0.75
     fields = profile_fields("fast", sparse_attention=0.5, sparse_min_seq=64)

@@ -115,9 +115,9 @@ def device(text: str) -> str:
 
 
 def profile_fields_from_args(args) -> dict:
-    """The request fields `h3trt run`'s --profile, step-cache flags and sparse flags give (request/profiles.py): a
+    """The request fields `h3trt run`'s --profile, step-cache flags and sparse flags give (request/parse.py profile_fields): a
     flag stated explicitly overrides the profile's value for its knob."""
-    from ..request.profiles import profile_fields
+    from ..request.parse import profile_fields
 
     ratios = parse_mag_ratios(args.mag_ratios) if args.mag_ratios is not None else None
     return profile_fields(args.profile, args.cache, args.sparse_attention, args.sparse_dense_steps,

@@ -32,7 +32,7 @@ def distilled_spec(args):
 
 def cmd_run(args) -> int:
     from .args import profile_fields_from_args
-    from ..request.profiles import with_bundle_sparse
+    from ..request.parse import with_bundle_sparse
     from ..run.commands import run_clip, run_requests
 
     if args.requests is not None:

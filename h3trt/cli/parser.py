@@ -95,7 +95,7 @@ def _speed_arguments(p) -> None:
     """`h3trt run`'s speed flags: the profiles, block-sparse attention and step caching, in that order."""
     from ..models.step_cache import DEFAULT_MAX_SKIP_STEPS, DEFAULT_RETENTION_RATIO, DEFAULT_THRESHOLDS
     from ..request.fields import FLAG_NAMES as flag
-    from ..request.profiles import PROFILE_NAMES
+    from ..request.fields import PROFILE_NAMES
 
     speed = p.add_argument_group("speed profiles (README, 'Speed profiles'): step reuse and sparse attention by name")
     speed.add_argument(flag["profile"], choices=PROFILE_NAMES,
@@ -398,7 +398,7 @@ def _schedule_arguments(p) -> None:
 
 def _bundle_parsers(sub) -> None:
     """eval, inspect, verify, keygen: commands over bundles and keys."""
-    from ..request.profiles import PROFILE_NAMES
+    from ..request.fields import PROFILE_NAMES
 
     e = sub.add_parser("eval", help="compare an engine bundle with a reference, or a speed profile with the lossless "
                                     "run, on the same requests and seeds")

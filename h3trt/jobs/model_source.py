@@ -174,7 +174,7 @@ class ModelSource:
     @property
     def default_sparse(self) -> SparseSettings | None:
         """A bundle built with --sparse-attention: its requests' default sparse settings, which a request's own value
-        (a flag, a key, its profile's) overrides knob by knob (profiles.with_bundle_sparse); None: dense by default."""
+        (a flag, a key, its profile's) overrides knob by knob (request/parse.py with_bundle_sparse); None: dense by default."""
         if self.manifest is None or self.manifest.sparse is None:
             return None
         return self.manifest.sparse.settings()

@@ -8,8 +8,29 @@ added there is in all of them: the requests file's `KEYS`; the API's value field
 (`openapi_fields`), its file fields (`UPLOADS`), its form coercion (`FORM_NUMBERS`), OpenAI's fields and H3's own
 extra fields (`OPENAI_FIELDS`, `H3_FIELDS`), the API's name for every key (`API_NAMES`, an error's `param`); run's
 flag for every key that has one (`FLAG_NAMES`: cli/parser.py declares them by it); the words each front door's errors
-use (`Names`: `FLAGS`, `KEY_WORDS`, `API_WORDS`); and the API's values as the schema's (`schema_values`). One parser
-turns a schema object into a `Request` (request/parse.py `parse_object`).
+use (`Names`: `FLAGS`, `KEY_WORDS`, `API_WORDS`). One parser reads the API's values as the schema's and turns a
+schema object into a `Request` (request/parse.py `schema_values`, `parse_object`).
+
+Beside the table, the named speed profiles (`PROFILES`): step reuse and block-sparse attention chosen together, by
+one name (`h3trt run --profile`, a request line's or an API job's "profile"). A profile sets a request's step cache
+(models/step_cache.py) and its `sparse_attention` / `sparse_dense_steps` (models/sparse_attention.py); a knob stated
+explicitly (a flag, a key) wins over the profile's value for that knob, and only for that knob (request/parse.py
+`profile_fields`).
+
+| profile  | step cache (first-block, DBCache Fn=1 Bn=0)           | sparse attention           |
+|----------|-------------------------------------------------------|----------------------------|
+| lossless | none                                                  | none (dense)               |
+| quality  | warm-up 4, threshold 0.04, at most 1 skip in a row    | none (dense)               |
+| balanced | warm-up 4, threshold 0.12, at most 3 skips in a row   | 0.75, first 10 evals dense |
+| fast     | warm-up 4, threshold 0.24, at most 3 skips in a row   | 0.80, first 10 evals dense |
+
+Why these values: the step caches are SGLang's published MiniMax-H3 Cache-DiT profiles (high / medium / low:
+SSIM 0.931 / 0.818 / 0.794 against its lossless clip, 4xH200), the peers' starting point. quality keeps attention
+dense: it is the profile whose clip should stay closest to lossless, and sparsity adds its own distance on top of the
+cache's. balanced adds SubBlock at 0.75, the sparsity SGLang serves H3 with and the one the H200 kernel bars are set
+at (a quarter of the key blocks kept); fast adds 0.80, the sparsity of SGLang's fastest published H3 run (SubBlock 0.80
+with Cache-DiT). Both keep the first 10 evaluations dense, as SubBlock does (its measurements: 5 dense steps halve the
+clip's cosine to dense). What each costs and saves on H3 is measured on the H200 (README, "Speed profiles").
 """
 
 from __future__ import annotations
@@ -23,7 +44,7 @@ from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.lora import MAX_LORA_SCALE
 from ..models.sampler import MAX_STEPS, MIN_STEPS
-from .profiles import PROFILE_NAMES
+from ..models.step_cache import StepCacheConfig
 
 # h3trt's budget for a prompt, in the checkpoint's tokens (pipeline/prepare.py check_prompt_tokens). The reference sets
 # none; the text rows join every attention of every step, and H3's own prompts run tens to a few hundred tokens.
@@ -33,6 +54,33 @@ MAX_PROMPT_TOKENS = 1024
 MAX_PROMPT_BYTES = 16 * MAX_PROMPT_TOKENS
 
 FILE = {"type": "string", "format": "binary"}  # an uploaded file, in OpenAPI's words
+
+
+DBCACHE_WARMUP = 4  # SGLang's max_warmup_steps for H3's profiles
+SPARSE_DENSE_STEPS = 10  # SubBlock's default: the first evaluations stay dense
+
+
+def _dbcache(threshold: float, max_skip: int) -> StepCacheConfig:
+    return StepCacheConfig("first-block", threshold, max_skip_steps=max_skip, warmup=DBCACHE_WARMUP)
+
+
+@dataclass(frozen=True)
+class Profile:
+    """One named profile: what it sets on a request."""
+
+    name: str
+    cache: StepCacheConfig | None  # None: every block of every evaluation runs
+    sparse_attention: float  # fraction of key blocks skipped per (head, video query block); 0: dense
+    sparse_dense_steps: int | None  # leading evaluations kept dense (None: dense throughout, nothing to keep)
+
+
+PROFILES = {p.name: p for p in (
+    Profile("lossless", None, 0.0, None),
+    Profile("quality", _dbcache(0.04, 1), 0.0, None),
+    Profile("balanced", _dbcache(0.12, 3), 0.75, SPARSE_DENSE_STEPS),
+    Profile("fast", _dbcache(0.24, 3), 0.80, SPARSE_DENSE_STEPS),
+)}
+PROFILE_NAMES = tuple(PROFILES)
 
 
 def read_seconds(value) -> float:
@@ -132,7 +180,7 @@ FIELDS = (
     RequestField("audio_shift", {"type": "number", "exclusiveMinimum": 0}, flag="--audio-shift"),
     RequestField("guidance", {"type": "number", "minimum": 1}, flag="--guidance"),
     RequestField("negative_prompt", {"type": "string"}, flag="--negative-prompt"),
-    # request/profiles.py: a profile, and the step-cache and sparse knobs that override its values
+    # PROFILES: a profile, and the step-cache and sparse knobs that override its values
     RequestField("profile", {"type": "string", "enum": list(PROFILE_NAMES), "description": "speed profile: step "
                              "reuse and sparse attention by name (README, 'Speed profiles')"}, flag="--profile"),
     RequestField("cache", {"type": "string", "enum": ["first-block"], "description": "step cache (overrides the "
@@ -237,27 +285,3 @@ def openapi_fields(multipart: bool, table: Table = FIELDS) -> dict:
     """The API's create body's properties (OpenAPI): its value fields, and with `multipart` its file fields."""
     return {f.api_name: f.schema if f.schema is not None else f.upload for f in table
             if f.schema is not None or (multipart and f.upload is not None)}
-
-
-def schema_values(sent: dict, table: Table = FIELDS) -> dict:
-    """An API request's value fields (its known fields; the caller refused any other) as the schema's keys and values:
-    OpenAI's names become the schema's, a value with its own reading is read (seconds). A renamed field sent as null
-    is left out (OpenAI's SDK sends an unset field so); any other null reaches the parser, which names it."""
-    schema = {}
-    for name, f in value_fields(table).items():
-        if f.key is None or name not in sent or (sent[name] is None and f.api is not None):
-            continue
-        schema[f.key] = f.read(sent[name]) if f.read is not None else sent[name]
-    return schema
-
-
-def form_value(name: str, value):
-    """A multipart field's text as its schema type: a number for a number field (so the parser can say what is wrong
-    with "1.5" for seed), the text otherwise."""
-    if name in FORM_NUMBERS and isinstance(value, str):
-        try:
-            number = json.loads(value)
-        except ValueError:
-            return value
-        return number if isinstance(number, (int, float)) and not isinstance(number, bool) else value
-    return value

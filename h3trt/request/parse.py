@@ -1,4 +1,8 @@
-"""The requests file of `h3trt run --requests` and `h3trt eval --requests`: one schema, one parser.
+"""A request parsed, once, where it is admitted: the API's values read as the schema's (`schema_values`, a multipart
+form's text by `form_value`), one request object turned into its `Request` (`parse_object`), its profile and
+step-cache keys into the request's fields (`request_profile_fields`, `profile_fields`: the profiles themselves are
+request/fields.py's `PROFILES`), and the requests file of `h3trt run --requests` and `h3trt eval --requests`: one
+schema, one parser.
 
 JSON lines, one object per line (blank lines skipped), UTF-8:
 
@@ -8,7 +12,7 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
      "cache": "first-block", "cache_threshold": 0.1, "cache_warmup": 4, "cache_max_skip": 3,
      "lora": [{"name": "style", "scale": 0.8}]}
 
-`profile` (request/profiles.py) and the first-block step-cache keys: a key stated overrides the profile's value.
+`profile` (request/fields.py `PROFILES`) and the first-block step-cache keys: a key stated overrides the profile's value.
 `lora`: resident adapters by name (`--adapter NAME=FILE[:SCALE]`; scale left out: the adapter's default), adapters/
 use.py; an adapter with its own schedule gives a line that names it the steps and shifts it leaves out
 (request/request.py ScheduleChoice.resolve).
@@ -28,7 +32,7 @@ import json
 import math
 import re
 import stat
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
@@ -38,10 +42,11 @@ from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
-from ..models.sparse_plan import SparseSettings
-from .fields import KEY_WORDS, KEYS, Names  # the schema's keys and their words, from its one table of fields
+from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig, check_knob
+from .fields import (FIELDS, FORM_NUMBERS, KEY_WORDS, KEYS, PROFILE_NAMES, PROFILES, Names,  # the one table's
+                     Table, value_fields)
 from .request import CanvasDefaults, Request, ScheduleChoice, ScheduleValues, task_of
-from .profiles import request_profile_fields, with_bundle_sparse
 
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
@@ -64,7 +69,7 @@ class RequestDefaults:
     width: int | None = None  # None (with height None): the model picks the canvas
     height: int | None = None
     duration: float = DEFAULT_DURATION
-    sparse: SparseSettings | None = None  # a bundle's --sparse-attention defaults (profiles.with_bundle_sparse)
+    sparse: SparseSettings | None = None  # a bundle's --sparse-attention defaults (with_bundle_sparse)
     # The resident adapters' own schedules, by name (adapter_schedule.adapter_schedules): a line naming one in its
     # "lora" and leaving steps or a shift out takes the adapter's
     adapter_schedules: Mapping[str, ScheduleValues] = field(default_factory=dict)
@@ -272,3 +277,138 @@ def _resolve(value: str, base: Path) -> Path:
     """Relative paths are relative to the requests file, so a batch folder can move as a whole."""
     p = Path(value).expanduser()
     return p if p.is_absolute() else base / p
+
+
+# The API's values as the schema's -------------------------------------------------------------------------------------
+
+def schema_values(sent: dict, table: Table = FIELDS) -> dict:
+    """An API request's value fields (its known fields; the caller refused any other) as the schema's keys and values:
+    OpenAI's names become the schema's, a value with its own reading is read (seconds). A renamed field sent as null
+    is left out (OpenAI's SDK sends an unset field so); any other null reaches the parser, which names it."""
+    schema = {}
+    for name, f in value_fields(table).items():
+        if f.key is None or name not in sent or (sent[name] is None and f.api is not None):
+            continue
+        schema[f.key] = f.read(sent[name]) if f.read is not None else sent[name]
+    return schema
+
+
+def form_value(name: str, value):
+    """A multipart field's text as its schema type: a number for a number field (so the parser can say what is wrong
+    with "1.5" for seed), the text otherwise."""
+    if name in FORM_NUMBERS and isinstance(value, str):
+        try:
+            number = json.loads(value)
+        except ValueError:
+            return value
+        return number if isinstance(number, (int, float)) and not isinstance(number, bool) else value
+    return value
+
+
+# Profiles and the step cache's knobs ---------------------------------------------------------------------------------
+
+# A step-cache knob (StepCacheConfig's field) -> the flag that states it; request keys are the flags' names with
+# underscores (cache_threshold, ...), where a request may state them (REQUEST_KEYS).
+CACHE_FLAGS = {"threshold": "--cache-threshold", "warmup": "--cache-warmup", "max_skip_steps": "--cache-max-skip",
+               "retention_ratio": "--cache-retention", "mag_ratios": "--mag-ratios", "calibrate": "--mag-calibrate"}
+# What a request line or an API job may state beside the profile. MagCache stays on the command line: it needs the
+# model's ratios, measured by an --mag-calibrate run.
+REQUEST_KEYS = {"cache": "kind", "cache_threshold": "threshold", "cache_warmup": "warmup",
+                "cache_max_skip": "max_skip_steps"}
+
+
+SPARSE_KEYS = ("sparse_attention", "sparse_dense_steps", "sparse_min_seq")  # request keys, as the flags' names
+
+
+def profile_fields(profile: str | None, cache: str | None = None, sparse_attention: float | None = None,
+                   sparse_dense_steps: int | None = None, sparse_min_seq: int | None = None, where: str = "--",
+                   **cache_knobs) -> dict:
+    """The request fields (request/request.py Request.of's) a profile and the explicitly stated knobs give: `cache` (the
+    step-cache kind, --cache), `cache_knobs` (StepCacheConfig's fields, each None when not stated), the sparsity.
+    A knob given explicitly overrides the profile's value for it; `cache` naming another kind than the profile's
+    replaces the profile's step cache (its knobs were the other kind's). The sparse values are checked here, before
+    any model loads (models/sparse_plan.py; `where` "--" names the flags in a message, "" the request keys)."""
+    base = None
+    if profile is not None:
+        if profile not in PROFILES:
+            raise UserError(f"profile {profile!r} is not one of {list(PROFILE_NAMES)} (README, 'Speed profiles').",
+                            field="profile")
+        base = PROFILES[profile]
+    stated = {k: v for k, v in cache_knobs.items() if v is not None}
+    unknown = set(stated) - set(CACHE_FLAGS)
+    if unknown:
+        raise TypeError(f"profile_fields got unknown step-cache knobs {sorted(unknown)}.")
+    kind = cache if cache is not None else (base.cache.kind if base is not None and base.cache else None)
+    fields = {"profile": profile, "cache": None}
+    if kind is None:
+        if stated:
+            flags = " ".join(CACHE_FLAGS[k] for k in CACHE_FLAGS if k in stated)
+            none = f", and --profile {profile} has no step cache" if base is not None else ""
+            raise UserError(f"{flags} configure step caching{none}; add --cache first-block or --cache mag.",
+                            field="cache")
+    else:
+        start = {}
+        if base is not None and base.cache is not None and base.cache.kind == kind:
+            start = {k: v for k, v in asdict(base.cache).items() if k != "kind"}
+            start["mag_ratios"] = base.cache.mag_ratios
+        start.setdefault("threshold", DEFAULT_THRESHOLDS[kind])
+        fields["cache"] = StepCacheConfig(kind, **{**start, **stated})
+    for name, given, own in (("sparse_attention", sparse_attention, base.sparse_attention if base else None),
+                             ("sparse_dense_steps", sparse_dense_steps, base.sparse_dense_steps if base else None)):
+        value = given if given is not None else own
+        if value is not None:
+            fields[name] = value
+    if sparse_min_seq is not None:
+        fields["sparse_min_seq"] = sparse_min_seq
+    sparse_settings(fields.get("sparse_attention"), fields.get("sparse_dense_steps"), sparse_min_seq, where)
+    return fields
+
+
+def with_bundle_sparse(fields: dict, defaults: SparseSettings | None) -> dict:
+    """`fields` (profile_fields' or request_profile_fields' request fields) with a bundle's default sparse settings
+    (h3trt build --sparse-attention; None: it has none) filling each sparse knob neither the request nor its profile
+    set: an explicit value (a flag, a key, a profile's) > the bundle's default > the built-in default (dense)."""
+    if defaults is None:
+        return fields
+    own = {"sparse_attention": defaults.sparsity, "sparse_dense_steps": defaults.dense_steps,
+           "sparse_min_seq": defaults.min_seq}
+    return {**{k: v for k, v in own.items() if fields.get(k) is None}, **fields}
+
+
+def request_profile_fields(data: dict) -> dict:
+    """A request object's "profile" and step-cache keys (REQUEST_KEYS), and its sparse keys where it states them, ->
+    the request fields (`profile_fields`); {} when it states none of them. UserError names the key at fault."""
+    profile = data.get("profile")
+    if profile is not None and not isinstance(profile, str):
+        raise UserError(f"profile must be one of {list(PROFILE_NAMES)}, got {profile!r}.", field="profile")
+    knobs = {}
+    for key, knob in REQUEST_KEYS.items():
+        value = data.get(key)
+        if value is None:
+            continue
+        if knob == "kind":
+            if value in ("none", "off", "", False):
+                raise UserError(f"cache {value!r} is not a step cache: a request runs none unless it or its profile "
+                                "asks for one; leave cache out, with no profile or profile 'lossless'.", field=key)
+            if value != "first-block":
+                raise UserError(f"cache must be 'first-block' in a request, got {value!r} (MagCache needs the "
+                                "model's ratios: h3trt run --cache mag --mag-ratios ...).", field=key)
+        elif isinstance(value, bool) or not isinstance(value, (int, float) if knob == "threshold" else int):
+            what = "a number" if knob == "threshold" else "a whole number"
+            raise UserError(f"{key} must be {what}, got {value!r}.", field=key)
+        elif isinstance(value, float) and not math.isfinite(value):
+            raise UserError(f"{key} must be finite, got {value}.", field=key)
+        else:
+            check_knob(knob, value, flags=False)
+        knobs[knob] = float(value) if knob == "threshold" else value
+    sparse = {k: data[k] for k in SPARSE_KEYS if data.get(k) is not None}
+    if profile is None and not knobs and not sparse:
+        return {}
+    kind = knobs.pop("kind", None)
+    base = PROFILES.get(profile)  # an unknown name is refused by profile_fields, by name
+    if knobs and kind is None and (profile is None or (base is not None and base.cache is None)):
+        keys = ", ".join(k for k, f in REQUEST_KEYS.items() if f in knobs)
+        none = f", and profile {profile!r} has no step cache" if profile is not None else ""
+        raise UserError(f"{keys} configure step caching{none}; add \"cache\": \"first-block\" or a profile "
+                        "that caches (quality, balanced, fast).", field=keys.split(", ")[0])
+    return profile_fields(profile, kind, **sparse, where="", **knobs)

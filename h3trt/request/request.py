@@ -212,7 +212,7 @@ class Guidance:
 
 @dataclass(frozen=True)
 class Speed:
-    """What trades exactness for time, as the request or its profile chose (request/profiles.py): the step cache
+    """What trades exactness for time, as the request or its profile chose (request/fields.py PROFILES): the step cache
     (None: every block of every evaluation runs) and block-sparse attention as stated (the fraction of key blocks
     skipped, 0: dense; the leading evaluations kept dense and the shortest attention made sparse, None: their
     defaults), a FastH3-VSA model's VSA sparsity (None: the model's), and the profile's name they came from

@@ -28,8 +28,8 @@ from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
 from ..pipeline.adapter_catalog import AdapterCatalog
-from ..request.fields import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
-from ..request.parse import RequestDefaults, parse_object
+from ..request.fields import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name
+from ..request.parse import RequestDefaults, form_value, parse_object, schema_values
 from ..request.request import Admitted, Request
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
