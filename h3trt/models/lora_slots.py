@@ -191,6 +191,11 @@ class LoraRun:
     def block(self, i: int, layout: str = FUSED) -> BlockLora:
         return BlockLora(self.blocks[i], self.rows.reshape(-1), self.row_scales.reshape(-1), layout)
 
+    def record_fields(self) -> dict:
+        """Nothing of its own (models/runner.py RecordPart): the clip's `adapters` are the resident set's record of
+        the request's adapters, which names those at scale 0 too, that no evaluation carries."""
+        return {}
+
 
 @dataclass(frozen=True)
 class SlotRecord:

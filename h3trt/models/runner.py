@@ -6,7 +6,9 @@ it (the eager DiT, its Ulysses-sharded twin, a bundle's compiled segments, a Ten
 `extras` (`EvalExtras`) is everything one evaluation carries besides its rows, in one frozen value: a request's step
 cache context, its block-sparse attention and its adapters, each None where the request asks for none, so a runner
 that serves none of them is called exactly as one that does (a new per-evaluation feature is one more field here, its
-support in the runners, and its record). `RunnerCaps` says what a runner serves, so that admission checks a request
+support in the runners, and its record). Each member is a `RecordPart`: it says what its feature writes in the clip's
+record (`record_fields`), and the pipeline's one record builder (pipeline/records.py `clip_record`) asks the members
+of a request's extras for it, in field order, so a new field's feature is recorded with no other change. `RunnerCaps` says what a runner serves, so that admission checks a request
 against it once, before anything is queued (a bundle's from its manifest, without loading it), instead of the
 pipeline asking the runner attribute by attribute.
 
@@ -15,7 +17,7 @@ Shape legend: B batch, V video rows, A audio rows, L text rows, S packed rows, T
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING, Protocol
 
 import torch
@@ -36,14 +38,26 @@ NO_SPARSE_KERNEL = ("this engine serves no block-sparse attention (a TensorRT bu
                     "(--model), or on an inductor/aoti bundle built with --sparse-attention or --sp > 1.")
 
 
+class RecordPart(Protocol):
+    """A feature's run over one request, as its clip's record sees it."""
+
+    def record_fields(self) -> dict:
+        """The clip record's fields this feature writes, by the record's names ({"step_cache": {...}}); {} or a None
+        value: nothing of its own. A name the record does not know is written after its own fields, in order."""
+
+
 @dataclass(frozen=True)
 class EvalExtras:
     """What one DiT evaluation carries besides its rows; None: the request asks for none of it, and the runner runs
-    its plain path."""
+    its plain path. Every member is a RecordPart (module doc)."""
 
     cache: CacheContext | None = None  # the step cache's context of this branch (models/step_cache.py)
     sparse: SparseRun | None = None  # the request's block-sparse attention over its evaluations (models/sparse_run.py)
     lora: LoraRun | None = None  # the request's adapters in the runner's slots (models/lora_slots.py)
+
+    def record_parts(self) -> tuple[RecordPart, ...]:
+        """The members that are set, in field order: what the clip's record asks for their features' fields."""
+        return tuple(part for f in fields(self) if (part := getattr(self, f.name)) is not None)
 
 
 NO_EXTRAS = EvalExtras()

@@ -86,6 +86,10 @@ class SparseRun:
                 "evaluations": self.evaluation + 1, "sparse_evaluations": list(self.sparse_evaluations),
                 "kept_fraction": round(self._kept / self._pairs, 6) if self._pairs else None}
 
+    def record_fields(self) -> dict:
+        """Its part of the clip's record (models/runner.py RecordPart)."""
+        return {"sparse_attention": self.report()}
+
 
 def warm_sparse(kernel: str, device, heads: int, head_dim: int, dtype: torch.dtype, block: int,
                 tile: str | None = None) -> None:

@@ -205,7 +205,13 @@ class CacheContext:
     def _reset_accumulators(self) -> None:
         self.accumulated_ratio, self.accumulated_err, self.accumulated_steps = 1.0, 0.0, 0
 
+    def record_fields(self) -> dict:
+        """The step cache's part of the clip's record (models/runner.py RecordPart): one `step_cache`, every branch
+        in it, whichever branch's context a request's extras hold."""
+        return {"step_cache": self.cache.report()}
+
     def record(self) -> dict:
+        """This branch's part of its cache's report: what it computed and skipped."""
         out = {"computed": sum(self.computed),
                "skipped_steps": [i for i, ran in enumerate(self.computed) if not ran]}
         if self.config.kind == "first-block":

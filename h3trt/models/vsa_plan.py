@@ -199,6 +199,10 @@ class VsaRun:
                 "sparse_evaluations": list(self.sparse_evaluations),
                 "kept_fraction": round(self._kept / self._calls, 6) if self._calls else None}
 
+    def record_fields(self) -> dict:
+        """Its part of the clip's record (models/runner.py RecordPart)."""
+        return {"sparse_attention": self.report()}
+
 
 class VsaCall:
     """The VSA attention of one DiT call: `layer(i)` is block i's (q, k, v, gate) -> out."""

@@ -37,6 +37,7 @@ from ..models.sparse_run import SparseRun
 from ..models.step_cache import StepCache
 from ..models.vsa_plan import VsaRun, request_vsa_run
 from ..request.request import Request
+from .records import KnownFields
 
 DEVICE_CATEGORIES = ("kernel", "gpu_memcpy", "gpu_memset")  # chrome-trace "cat" of device-side activity
 
@@ -62,6 +63,11 @@ def sparse_run_for(dit: DiTRunner, request: Request, device) -> SparseRun | VsaR
         return None
     caps.check(sparse=True, adapters=0)
     return SparseRun(settings, caps.sparse_kernel, sparse_block(caps.sparse_kernel, device), caps.sparse_tile)
+
+
+# The record of a request denoised alone with dense attention (no sparse run served it): sparsity 0. A batched
+# denoise, which no sparse run can serve, says nothing of it.
+DENSE = KnownFields({"sparse_attention": {"sparsity": 0.0}})
 
 
 def new_step_cache(request: Request, schedule: Schedule) -> StepCache | None:
@@ -107,17 +113,19 @@ def combine(pos: torch.Tensor, neg: torch.Tensor, scale: float) -> torch.Tensor:
 
 
 def guided_denoiser(dit: DiTRunner, positive: Branch, negative: Branch, scale: float, cfg_group=None,
-                    extras: EvalExtras = NO_EXTRAS, cache: StepCache | None = None):
+                    extras: EvalExtras = NO_EXTRAS):
     """The sampler's model function (video, audio, unique_t, t_index) -> (video v, audio v), guided. With `cfg_group`
     (2 ranks) group rank 0 evaluates the positive branch and rank 1 the negative; both get the combined result.
     `extras` (models/runner.py): the request's, on both branches (a sparse run counts both branches of a step as one
-    evaluation); a step `cache` (models/step_cache.py) keeps one state per branch, "cond" and "uncond", as the
-    reference's cache contexts, each branch's extras carrying its own (each skips on its own residuals)."""
+    evaluation); its step cache (models/step_cache.py, the cache of `extras.cache`) keeps one state per branch,
+    "cond" and "uncond", as the reference's cache contexts, each branch's extras carrying its own (each skips on its
+    own residuals)."""
     if cfg_group is not None and dist.get_world_size(cfg_group) != 2:
         raise ValueError(f"A cfg group has 2 ranks (one per branch), got {dist.get_world_size(cfg_group)}.")
+    cache = extras.cache.cache if extras.cache is not None else None
     branch_extras: dict[str, EvalExtras] = {}
 
-    def for_branch(name: str) -> EvalExtras:  # a branch's context made at its first evaluation, as the cache expects
+    def for_branch(name: str) -> EvalExtras:  # a branch's extras made once, at its first evaluation
         if name not in branch_extras:
             branch_extras[name] = replace(extras, cache=cache.context(name)) if cache is not None else extras
         return branch_extras[name]

@@ -35,10 +35,11 @@ from ..models.video_vae import VideoVAE, image_to_pixels
 from .adapters import AdapterSpec, ResidentAdapters, SlotShape, select_adapters
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
-from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
+from .records import Clip, ClipRecord, ColdStart, KnownFields, StageTimer, clip_record
 from ..request.request import CanvasDefaults, Request
 from .prepare import Encoded, Prepared
-from .evaluation import Branch, StepProfiler, check_finite, counted, guided_denoiser, new_step_cache, sparse_run_for
+from .evaluation import (DENSE, Branch, StepProfiler, check_finite, counted, guided_denoiser, new_step_cache,
+                         sparse_run_for)
 
 
 @dataclass(frozen=True)
@@ -127,10 +128,21 @@ class H3Pipeline:
         """A request's block-sparse attention over its evaluations (evaluation.sparse_run_for), or None."""
         return sparse_run_for(self.dit, request, self.device)
 
-    def eval_extras(self, request: Request, sparse: SparseRun | VsaRun | None) -> EvalExtras:
-        """What each of a request's evaluations carries besides its rows (models/runner.py): its block-sparse run and
-        its adapters; the denoise adds each guidance branch's step cache context."""
-        return EvalExtras(sparse=sparse, lora=select_adapters(self.adapters, request.adapters))
+    def eval_extras(self, request: Request, cache: StepCache | None,
+                    sparse: SparseRun | VsaRun | None) -> EvalExtras:
+        """What each of a request's evaluations carries besides its rows (models/runner.py): its step cache's context
+        ("cond", the reference's name for the one branch; under guidance each branch gets its own), its block-sparse
+        run and its adapters. Its members are also what the clip's record asks of the request's features."""
+        return EvalExtras(cache=cache.context("cond") if cache is not None else None, sparse=sparse,
+                          lora=select_adapters(self.adapters, request.adapters))
+
+    def record_parts(self, request: Request, extras: EvalExtras | None = None) -> tuple:
+        """What the clip record asks for each feature's fields (records.clip_record): the loaded model's (its merged
+        LoRAs, distilled checkpoint, and the resident adapters as the request named them, those at scale 0 too),
+        then each member of the request's `extras` (None: a batched denoise's, which carry the adapters' rows only)."""
+        model = KnownFields({"loras": list(self.loras) or None, "distilled": self.distilled_record,
+                             "adapters": self.adapters.record(request.adapters) if self.adapters is not None else None})
+        return (model, *(extras.record_parts() if extras is not None else ()))
 
     def schedule(self, request: Request) -> Schedule:
         """A request's schedule: its steps and shifts (the model's where it states none); a distilled model's family
@@ -151,11 +163,9 @@ class H3Pipeline:
         rank as frames reach the encoder; `profile_step`: the evaluation (from 1) whose host overhead is measured
         (evaluation.py StepProfiler)."""
         timer, start = timer or StageTimer(self.device), time.perf_counter()
-        # 1. Prepare: what the request asks of the denoise besides the model (a step cache, block-sparse attention).
-        req = prepared.request
-        cache, sparse = new_step_cache(req, self.schedule(req)), self.new_sparse_run(req)
-        # 2-3. Encode the text and the conditions, pack, denoise.
-        schedule, layout, final = self.denoise_request(prepared, on_step, timer, cache, profile_step, sparse)
+        # 1-3. What the request asks of the denoise besides the model (its extras: a step cache, block-sparse
+        # attention, adapters); encode the text and the conditions, pack, denoise.
+        schedule, layout, final, extras = self._denoise_request(prepared, on_step, timer, None, profile_step, None)
         check_finite(final)
         if not target.writes and target.group is None:
             return None
@@ -163,11 +173,10 @@ class H3Pipeline:
         decoded = self._decode_and_mux(prepared, layout, final, target, timer, on_frames)
         if not target.writes:
             return None
-        # 6. The record.
+        # 6. The record: every feature's part, a request denoised dense saying so.
+        parts = (*self.record_parts(prepared.request, extras), *(() if extras.sparse is not None else (DENSE,)))
         return clip_of(decoded, lambda: replace(
-            self._record(prepared, schedule, layout, target.output, decoded, timer),
-            step_cache=cache.report() if cache is not None else None,
-            sparse_attention=sparse.report() if sparse is not None else {"sparsity": 0.0},
+            self._record(prepared, schedule, layout, target.output, decoded, timer, parts),
             wall_s=round(time.perf_counter() - start, 4)))  # the stages overlap (decode, audio, encode)
 
     @torch.no_grad()
@@ -178,6 +187,12 @@ class H3Pipeline:
         """Stages 1-3 for a prepared request: the schedule, the packed layout and the final latent rows. A request
         with a step cache fills `cache` (a new one when None) with what it skipped; one with sparsity fills `sparse`
         (a new one when None) with which evaluations ran sparse."""
+        return self._denoise_request(prepared, on_step, timer, cache, profile_step, sparse)[:3]
+
+    def _denoise_request(self, prepared: Prepared, on_step, timer: StageTimer | None, cache: StepCache | None,
+                         profile_step: int | None,
+                         sparse: SparseRun | VsaRun | None) -> tuple[Schedule, PackedLayout, Latents, EvalExtras]:
+        """denoise_request's stages, and the extras its evaluations carried (for the record)."""
         req, timer = prepared.request, timer or StageTimer(self.device)
         schedule = self.schedule(req)
         cache = cache or new_step_cache(req, schedule)
@@ -219,11 +234,12 @@ class H3Pipeline:
                 if on_step is not None:
                     on_step(i, n)
 
+            extras = self.eval_extras(req, cache, sparse)
             final = self._denoise(text.embeds, layout, latents, schedule, stepped, branches, req.guidance.scale,
-                                  cache, profile_step, timer, self.eval_extras(req, sparse))
+                                  profile_step, timer, extras)
         if cache is not None and self.cfg_group is not None:  # every rank of the cfg group: a collective
             cache.gather(self.cfg_group)
-        return schedule, layout, final
+        return schedule, layout, final, extras
 
     def _guard(self, prepared: Prepared) -> None:
         """What the model cannot serve, asked again on the rank that runs it: a bundle's task, canvas and schedule;
@@ -294,14 +310,12 @@ class H3Pipeline:
         if not target.writes:
             return None
         return clip_of(decoded, lambda: self._record(encoded.prepared, encoded.schedule, encoded.layout, target.output,
-                                                     decoded, timer))
+                                                     decoded, timer, self.record_parts(encoded.prepared.request)))
 
     def _record(self, prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path,
-                decoded: DecodeResult, timer: StageTimer) -> ClipRecord:
+                decoded: DecodeResult, timer: StageTimer, parts: tuple) -> ClipRecord:
         return clip_record(prepared, schedule, layout, output, decoded.frames, decoded.audio_samples, timer,
-                           self.device, self.video_vae, self.load_report, self.loras,
-                           self.adapters.record(prepared.request.adapters) if self.adapters is not None else None,
-                           self.distilled_record)
+                           self.device, self.video_vae, self.load_report, parts)
 
     def _encode_conditions(self, prepared: Prepared) -> tuple[list[torch.Tensor], list[torch.Tensor], list[RefBlock]]:
         """Stage 2: visual condition latents and reference audio rows in packed order, and the ref2va blocks."""
@@ -386,18 +400,16 @@ class H3Pipeline:
 
     def _denoise(self, text_embeds, layout: PackedLayout, latents: Latents, schedule: Schedule, on_step,
                  branches: tuple[Branch, Branch] | None = None, guidance: float = 1.0,
-                 cache: StepCache | None = None, profile_step: int | None = None, timer: StageTimer | None = None,
-                 extras: EvalExtras = NO_EXTRAS):
+                 profile_step: int | None = None, timer: StageTimer | None = None, extras: EvalExtras = NO_EXTRAS):
         dit, device = self.dit, self.device
         lay = layout.to(device)
         text = text_embeds.to(device)
-        if branches is None:  # one branch: the step cache's context is "cond", the reference's name
-            extras = replace(extras, cache=cache.context("cond")) if cache is not None else extras
+        if branches is None:  # one branch: its extras' step cache context is "cond" already
 
             def model(video, audio, unique_t, t_index):
                 return dit(video, audio, text, unique_t, t_index, lay, extras)
         else:
-            model = guided_denoiser(dit, *branches, guidance, self.cfg_group, extras, cache)
+            model = guided_denoiser(dit, *branches, guidance, self.cfg_group, extras)
         if extras.sparse is not None:
             model = counted(model, extras.sparse)
         profiler = None

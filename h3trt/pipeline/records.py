@@ -1,5 +1,6 @@
 """What a generation leaves beside its MP4: the stage timer, the provenance and timing record (`ClipRecord`, with a
-bundle's cold-start split, `ColdStart`), the finished clip not yet in place (`Clip`, what the pipeline returns) and the
+bundle's cold-start split, `ColdStart`; made in one place, `clip_record`, which asks each feature that served the
+clip for its part through one interface, models/runner.py `RecordPart`), the finished clip not yet in place (`Clip`, what the pipeline returns) and the
 commit that puts the record and the clip in place together (the job layer's); what a failure leaves (`Failure`, a
 requests file's `FailureRecord`)."""
 
@@ -12,12 +13,14 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
 from ..engines.atomic import sha256_file
 from ..media.output_files import commit, discard, write_json_file
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout
+from ..models.runner import RecordPart
 from ..models.sampler import Schedule
 from .prepare import Prepared
 
@@ -85,7 +88,7 @@ class ClipRecord:
     """The clip's record, clip.json beside clip.mp4 (and a server's job row): what was asked, what was written, how long
     each stage took and what served it. Its JSON is the fields below in this order, a field that is None left out,
     then `extra`. Three layers fill it in turn (each a `dataclasses.replace` of the last): the pipeline (clip_record,
-    then generate's step cache, sparsity and wall time), the job layer (status .. peak_memory, and `extra`) and its
+    with every feature's part, FEATURE_FIELDS; then generate's wall time), the job layer (status .. peak_memory, and `extra`) and its
     commit (the MP4's sha256 and size). A record written by an earlier version may lack fields added since: they
     read as None, so a stored record reads and writes back unchanged."""
 
@@ -163,6 +166,10 @@ class ClipRecord:
 
 
 _CLIP_FIELDS = tuple(f.name for f in dataclasses.fields(ClipRecord) if f.name != "extra")
+# The record's fields that the features serving a clip write, each through its RecordPart (clip_record): the loaded
+# model's merged LoRAs, resident adapters and distilled checkpoint, a request's step cache and sparse attention. A
+# new feature's field goes here, in its place among the record's fields; until then it is written after them.
+FEATURE_FIELDS = ("loras", "adapters", "distilled", "step_cache", "sparse_attention")
 
 
 @dataclass(frozen=True)
@@ -282,15 +289,46 @@ def record_path(output: Path) -> Path:
     return output.with_suffix(".json")
 
 
+@dataclass(frozen=True)
+class KnownFields:
+    """A record part whose fields are known before the clip is made (models/runner.py RecordPart): the loaded model's
+    (its merged LoRAs, its distilled checkpoint, the resident adapters as a request named them), the attention of a
+    request denoised dense."""
+
+    fields: dict
+
+    def record_fields(self) -> dict:
+        return dict(self.fields)
+
+
+def feature_fields(parts: Iterable[RecordPart]) -> tuple[dict, dict]:
+    """What the features that served a clip write in its record, each asked through `record_fields`: the record's own
+    fields (FEATURE_FIELDS), and the fields it does not name, in order (its `extra`). A None value writes nothing; a
+    field two parts write, or one of the record's that no feature writes (its prompt, its timings), is refused."""
+    named: dict = {}
+    extra: dict = {}
+    for part in parts:
+        for name, value in part.record_fields().items():
+            if value is None:
+                continue
+            if name in named or name in extra:
+                raise ValueError(f"two features write the clip record's {name!r}; each field has one writer.")
+            if name in _CLIP_FIELDS and name not in FEATURE_FIELDS:
+                raise ValueError(f"{type(part).__name__} writes the clip record's {name!r}, which no feature writes "
+                                 f"(theirs: {list(FEATURE_FIELDS)}).")
+            (named if name in FEATURE_FIELDS else extra)[name] = value
+    return named, extra
+
+
 def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, output: Path, frames_written: int,
                 audio_samples: int, timer: StageTimer, device: torch.device, video_vae,
-                load_report: ColdStart | None = None, loras: tuple[dict, ...] = (),
-                adapters: list[dict] | None = None, distilled: dict | None = None) -> ClipRecord:
-    """The pipeline's part of the record written beside an MP4: the request, its schedule and layout, what was
-    written, and the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`, the merged
-    `loras`)."""
+                load_report: ColdStart | None = None, parts: Iterable[RecordPart] = ()) -> ClipRecord:
+    """The pipeline's part of the record written beside an MP4, made here alone: the request, its schedule and layout,
+    what was written, the serving side (`device`, the VideoVAE that decoded it, a bundle's `load_report`), and what
+    each feature that served it says of itself (`parts`: feature_fields)."""
     req, geo = prepared.request, prepared.geometry
     origin = req.schedule.origin
+    features, extra = feature_fields(parts)
     return ClipRecord(
         output=str(output), task=req.task, prompt=req.inputs.prompt, seed=req.inputs.seed,
         steps=req.schedule.steps, evaluations=schedule.num_evaluations,
@@ -310,8 +348,7 @@ def clip_record(prepared: Prepared, schedule: Schedule, layout: PackedLayout, ou
         peak_memory_gib={"allocated": round(torch.cuda.max_memory_allocated(device) / 2**30, 3),
                          "reserved": round(torch.cuda.max_memory_reserved(device) / 2**30, 3)}
         if device.type == "cuda" else None,
-        loras=list(loras) if loras else None, adapters=adapters, distilled=distilled,
-        decode_tail_steps_s=timer.decode_tail,
+        decode_tail_steps_s=timer.decode_tail, **features, extra=extra,
     )
 
 
