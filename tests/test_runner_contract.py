@@ -110,11 +110,22 @@ def test_every_runner_takes_one_extras_value_and_says_its_caps():
 # ----------------------------------------------------------------------------------------------------------------------
 # A new per-evaluation feature, end to end on the tiny model, without touching h3trt: one more EvalExtras field, a
 # runner that reads it, and the pipeline's one place that builds a request's extras. Everything between (the unguided
-# and guided denoisers, the step cache's per-branch contexts, the sparse run's counting, the recorder) passes it on.
+# and guided denoisers, the step cache's per-branch contexts, the sparse run's counting, the recorder) passes it on,
+# and the clip's record asks it for its part as it asks every feature (models/runner.py RecordPart).
+
+@dataclasses.dataclass(frozen=True)
+class Stamp:
+    """The new feature's run over one request: here, the request's prompt, which the runner checks it got."""
+
+    prompt: str
+
+    def record_fields(self) -> dict:
+        return {"stamp": {"prompt": self.prompt}}
+
 
 @dataclasses.dataclass(frozen=True)
 class StampedExtras(EvalExtras):
-    stamp: str | None = None  # the new feature: here, the request's prompt, which the runner checks it got
+    stamp: Stamp | None = None
 
 
 class StampReader:
@@ -132,10 +143,10 @@ def _stamped_pipeline(parts, runner):
     from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     class StampedPipeline(H3Pipeline):
-        def eval_extras(self, request, sparse):
-            base = super().eval_extras(request, sparse)
+        def eval_extras(self, request, cache, sparse):
+            base = super().eval_extras(request, cache, sparse)
             return StampedExtras(**{f.name: getattr(base, f.name) for f in dataclasses.fields(base)},
-                                 stamp=request.inputs.prompt)
+                                 stamp=Stamp(request.inputs.prompt))
 
     return StampedPipeline.from_components(dataclasses.replace(parts, dit=runner), "cpu")
 
@@ -160,7 +171,7 @@ def test_a_new_extras_field_reaches_every_evaluation_of_every_branch(tiny_cache,
     branches = ("cond", "uncond") if guided else ("cond",)
     assert len(reader.seen) == schedule.num_evaluations * len(branches)
     for extras in reader.seen:
-        assert type(extras) is StampedExtras and extras.stamp == "a fox in the snow"
+        assert type(extras) is StampedExtras and extras.stamp == Stamp("a fox in the snow")
         assert extras.sparse is reader.seen[0].sparse is not None  # one run over the request's evaluations
         assert extras.lora is None  # no adapters asked
     # Each branch its own step cache context, the new field beside it
@@ -200,3 +211,45 @@ def test_a_bundles_caps_come_from_its_manifest():
     assert e.value.field == "sparse_attention"
     with pytest.raises(UserError, match="lora: this bundle was built without LoRA slots"):
         caps().check(sparse=False, adapters=1)
+
+
+@pytest.mark.parametrize("guided", [False, True])
+def test_a_new_extras_field_reaches_the_clips_record_as_every_feature_does(tiny_cache, tmp_path, guided):
+    """The clip's record asks each member of the request's extras for its fields (pipeline/records.py clip_record):
+    the new field's part is written (after the record's own fields, which do not name it yet) beside the step cache's
+    and the sparse run's, each asked the same way."""
+    from h3trt.jobs.model_source import Entry
+    from h3trt.models.step_cache import StepCacheConfig
+    from h3trt.pipeline.h3_pipeline import Target
+    from h3trt.pipeline.prepare import prepare
+    from h3trt.request.request import Request
+
+    entry = Entry.local(device="cpu")
+    parts = entry.components("t2va")
+    reader = StampReader(parts.dit)
+    pipeline = _stamped_pipeline(parts, reader)
+    guidance = {"guidance": 2.5, "negative_prompt": "blurry"} if guided else {}
+    request = Request.of("a fox in the snow", steps=3, seed=2, cache=StepCacheConfig("first-block", 0.05),
+                         sparse_attention=0.5, sparse_dense_steps=0, sparse_min_seq=1, **guidance)
+    clip = pipeline.generate(prepare(request, entry.model.canvas), Target(tmp_path / "clip.mp4"))
+    written = clip.record.to_json()
+    assert written["stamp"] == {"prompt": "a fox in the snow"} and list(written)[-1] == "stamp"
+    extras = reader.seen[0]
+    assert written["sparse_attention"] == extras.sparse.report()  # the same run the evaluations carried
+    assert written["step_cache"] == extras.cache.cache.report()
+    assert sorted(written["step_cache"]["branches"]) == (["cond", "uncond"] if guided else ["cond"])
+    assert written["sparse_attention"]["evaluations"] == written["evaluations"]
+
+
+def test_the_records_parts_write_their_own_fields_once():
+    """pipeline/records.py feature_fields: a feature writes the record's feature fields or fields the record does not
+    name; not a field of the record's own, nor one another feature wrote; a None writes nothing."""
+    from h3trt.pipeline.records import FEATURE_FIELDS, KnownFields, feature_fields
+
+    assert feature_fields([KnownFields({"step_cache": {"kind": "x"}, "adapters": None}), KnownFields({"new": 1})]) == (
+        {"step_cache": {"kind": "x"}}, {"new": 1})
+    assert set(FEATURE_FIELDS) == {"loras", "adapters", "distilled", "step_cache", "sparse_attention"}
+    with pytest.raises(ValueError, match="two features write the clip record's 'new'"):
+        feature_fields([KnownFields({"new": 1}), KnownFields({"new": 2})])
+    with pytest.raises(ValueError, match="writes the clip record's 'prompt', which no feature writes"):
+        feature_fields([KnownFields({"prompt": "another"})])
