@@ -163,9 +163,11 @@ class H3Pipeline:
         rank as frames reach the encoder; `profile_step`: the evaluation (from 1) whose host overhead is measured
         (evaluation.py StepProfiler)."""
         timer, start = timer or StageTimer(self.device), time.perf_counter()
-        # 1-3. What the request asks of the denoise besides the model (its extras: a step cache, block-sparse
-        # attention, adapters); encode the text and the conditions, pack, denoise.
-        schedule, layout, final, extras = self._denoise_request(prepared, on_step, timer, None, profile_step, None)
+        # 1. Prepare: what the request asks of the denoise besides the model (a step cache, block-sparse attention).
+        req = prepared.request
+        cache, sparse = new_step_cache(req, self.schedule(req)), self.new_sparse_run(req)
+        # 2-3. Encode the text and the conditions, pack, denoise (the request's extras: the record asks them too).
+        schedule, layout, final, extras = self._denoise_request(prepared, on_step, timer, cache, profile_step, sparse)
         check_finite(final)
         if not target.writes and target.group is None:
             return None
