@@ -192,15 +192,15 @@ def test_the_api_schema_maps_onto_the_files_keys():
 
 def test_a_job_is_parsed_once_where_it_is_admitted(tmp_path):
     """The API side parses a job's fields once to admit it (service.parse_sent) and stores the admitted request; a
-    worker reads that (server/rows.py stored_request), parsing nothing but a row written before it was stored."""
+    worker reads that (server/service.py stored_request), parsing nothing but a row written before it was stored."""
     import inspect
 
-    from h3trt.server import queue, rows, service
+    from h3trt.server import queue, service
 
     assert "stored_request(" in inspect.getsource(queue.StoreQueue.job_of)
     assert "parse_sent(" in inspect.getsource(service.VideoService.create)
     assert "row_request(" in inspect.getsource(service.VideoService.create)
-    assert inspect.getsource(rows.stored_request).count("parse_object(") == 1  # the row of before's reader only
+    assert inspect.getsource(service.stored_request).count("parse_sent(") == 1  # the row of before's reader only
     request = service.parse_sent({"prompt": "a fox", "resolution": "160x96", "duration": 5.0}, tmp_path,
                                  RequestDefaults())
     assert (request.canvas.width, request.canvas.height, request.canvas.duration) == (160, 96, 5.0)

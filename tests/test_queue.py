@@ -185,14 +185,14 @@ def test_a_one_node_start_sweeps_the_folders_a_killed_server_left(queue, tmp_pat
 
 
 def test_a_worker_runs_the_admitted_request_its_row_stores(queue, tmp_path):
-    """A row stores the request as admission resolved it (server/rows.py): the worker reads it back, nothing parsed
+    """A row stores the request as admission resolved it (server/service.py row_request): the worker reads it back, nothing parsed
     again (its fields as sent say other steps and its defaults others: neither is read), its upload found in the
     worker's own folder."""
     from h3trt.adapters.use import AdapterUse
     from h3trt.models.packing import Geometry
     from h3trt.request.request import ScheduleFrom
     from h3trt.request.request import Admitted, Request
-    from h3trt.server.rows import row_request, shown
+    from h3trt.server.service import row_request, shown
 
     job = f"video_{'c':0>32}"
     scratch = tmp_path / "scratch" / "upload"
@@ -215,7 +215,7 @@ def test_a_server_restarted_on_an_old_jobs_database_runs_its_rows(tmp_path):
     admission resolved, the canvas's size) is read as then, by a queue over the database reopened: its fields parsed
     with the model's defaults, the stored adapters and schedule put back over them."""
     from h3trt.adapters.use import AdapterUse
-    from h3trt.server.rows import shown
+    from h3trt.server.service import shown
 
     for folder in ("clips", "uploads"):
         (tmp_path / folder).mkdir()
@@ -244,7 +244,7 @@ def test_a_server_restarted_on_an_old_jobs_database_runs_its_rows(tmp_path):
 
 def admitted_rows(queue: StoreQueue, *admitted) -> list[str]:
     """Jobs queued as the API side stores them (service.create): the admitted request and its batch key's digest."""
-    from h3trt.server.rows import row_request
+    from h3trt.server.service import row_request
 
     ids = []
     for a in admitted:
@@ -354,7 +354,7 @@ def test_queued_rows_of_a_database_from_before_batch_keys_are_migrated_and_each_
     from sqlalchemy import create_engine
 
     from h3trt.server import store as store_module
-    from h3trt.server.rows import row_request
+    from h3trt.server.service import row_request
 
     for folder in ("clips", "uploads"):
         (tmp_path / folder).mkdir()

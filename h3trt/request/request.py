@@ -354,7 +354,7 @@ class Request:
         """`to_json`'s, its relative input paths under `folder`."""
         if data.get("version") != VERSION:
             raise ValueError(f"a stored request of version {data.get('version')!r}; this h3trt reads version "
-                             f"{VERSION} (and a job row of before, by its fields: server/rows.py).")
+                             f"{VERSION} (and a job row of before, by its fields: server/service.py stored_request).")
         return cls(Inputs.from_json(data["inputs"], folder), Canvas.from_json(data["canvas"]),
                    ScheduleChoice.from_json(data["schedule"]), Guidance.from_json(data["guidance"]),
                    Speed.from_json(data["speed"]), tuple(AdapterUse.from_json(u) for u in data["adapters"]))

@@ -40,8 +40,7 @@ from starlette.formparsers import MultiPartParser
 from ..pipeline.records import ClipRecord
 from ..request.fields import FILE, UPLOADS
 from ..request.request import task_of
-from .rows import shown
-from .service import ApiError, Service, Upload, VideoService, disk_full_error
+from .service import ApiError, Service, Upload, VideoService, disk_full_error, shown
 from .store import STATUSES, JobRow, JobStatus, is_disk_full, store_unreachable
 from .lora_routes import LORAS
 from .wire import CREATE_BODY, ERRORS, Evaluations, Health, Ready, Video, VideoDeleted, VideoError, VideoList

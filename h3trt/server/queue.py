@@ -26,7 +26,7 @@ from ..jobs.job import Event, EventKind, Job
 from ..request.parse import RequestDefaults
 from ..pipeline.records import ClipRecord, Failure
 from .metrics import Metrics
-from .rows import stored_request
+from .service import stored_request
 from .storage import Storage, claim_keys, clip_key, job_keys, job_of, record_key, thumbnail_key, uploads_key
 from .store import MAX_ATTEMPTS, JobRow, JobStatus, JobStore, is_disk_full, store_unreachable
 
@@ -76,7 +76,7 @@ class StoreQueue:
         return jobs
 
     def job_of(self, row: JobRow) -> Job:
-        # The request as the API side admitted it (server/rows.py): this worker may be another process than the one
+        # The request as the API side admitted it (server/service.py stored_request): this worker may be another process than the one
         # that admitted it, or a later one, and its uploads are fetched into another folder.
         request, key = stored_request(row.request, self.storage.fetch(uploads_key(row.id)), self.defaults)
         # The claim's own names: another claim of the job (a re-run while this one stalls) never writes them.

@@ -7,6 +7,8 @@
     reaches the queue, and its 400 names the field the error is about (UserError.field, in the API's name)
   - read jobs and their content, request cancels (a running job's worker sees them in the store)
   - keep storage true to the store: a finished job's MP4, record and thumbnail expire with its row (--retention)
+  - a job row's request: what the API side stores when it admits a job (`row_request`), and the one reading of it
+    (`stored_request`, by the worker side, server/queue.py: "A job row's request" below)
 
 The worker side (the store-fed JobQueue, events -> rows, recovery) is server/queue.py.
 """
@@ -16,13 +18,14 @@ from __future__ import annotations
 import threading
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Annotated
 
 from fastapi import Depends
 from fastapi import Request as HTTPRequest
 
+from ..adapters.use import AdapterUse
 from ..errors import UserError
 from ..jobs.admission import admit
 from ..jobs.model_source import Entry
@@ -30,11 +33,10 @@ from ..models.packing import DEFAULT_DURATION
 from ..pipeline.adapter_catalog import AdapterCatalog
 from ..request.fields import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name
 from ..request.parse import RequestDefaults, form_value, parse_object, schema_values
-from ..request.request import Admitted, Request
+from ..request.request import Admitted, BatchKey, Request, ScheduleChoice
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions
-from .rows import row_request
 from .storage import Storage, clip_key, job_keys, thumbnail_key, uploads_key
 from .store import JobRow, JobStatus, JobStore, is_disk_full
 
@@ -117,7 +119,7 @@ class VideoService:
                                    kind="rate_limit_exceeded", headers={"Retry-After": str(wait)})
                 self.storage.publish(uploads_key(job_id))  # before its row: a worker may take it at once
                 # The request as admission resolved it (its adapters' files and hashes, its schedule): the job runs
-                # with those whatever the set becomes before a worker takes it (server/rows.py).
+                # with those whatever the set becomes before a worker takes it (row_request).
                 admitted = Admitted(prepared.request, prepared.geometry)
                 key = admitted.batch_key  # the claim matches it in SQL: jobs of one key share a batched denoise
                 row = self.store.create(job_id, row_request(admitted, schema, openai_fields, folder),
@@ -288,6 +290,54 @@ def request_defaults(entry: Entry, adapters: AdapterCatalog | None = None) -> Re
     model = entry.model
     return RequestDefaults(steps=model.default_steps, duration=DEFAULT_DURATION, sparse=model.default_sparse,
                            adapter_schedules=schedules)
+
+
+# --- a job row's request ---------------------------------------------------------------------------------------------
+# What the API side stores when it admits a job (`row_request`: the admitted request's JSON, request/request.py
+# `Admitted.to_json`, its uploads named relative to their folder, beside the fields as sent and OpenAI's echo), and
+# the one reading of it (`stored_request`: the worker that takes the job, server/queue.py, which may be another process
+# than the one that admitted it, or a later one, with the uploads fetched into another folder). Nothing is parsed
+# again: the request runs as admission resolved it (its adapters' files and hashes, its schedule).
+#
+# A row written before the admitted request was stored (no "admitted": its fields as sent, the adapters and schedule
+# admission resolved, the canvas's width and height) is read as it was then: its fields parsed with the model's
+# defaults, then the stored adapters and schedule put back. A server restarted on an old jobs database runs its rows.
+
+ADMITTED = "admitted"  # the row's key for the admitted request's JSON
+
+
+def row_request(admitted: Admitted, schema: dict, openai: dict, uploads: Path) -> dict:
+    """A job's stored request: the admitted request (its input files relative to `uploads`), and the fields as sent
+    (`schema`, the one table's keys) and OpenAI's fields as the job's GET echoes them."""
+    return {"schema": schema, "openai": openai, ADMITTED: admitted.to_json(uploads)}
+
+
+def stored_request(stored: dict, uploads: Path, defaults: RequestDefaults) -> tuple[Request, BatchKey | None]:
+    """The request a row stores (above), its input files in `uploads`, and its batch key (BatchKey.of; None for a
+    row of before, which runs alone); `defaults` read a row of before only."""
+    if ADMITTED in stored:
+        admitted = Admitted.from_json(stored[ADMITTED], uploads)
+        return admitted.request, admitted.batch_key
+    request = parse_sent(stored["schema"], uploads, defaults)
+    if stored.get("adapters"):  # as admission resolved them: the files and hashes of then, not the set now
+        request = replace(request, adapters=tuple(AdapterUse.from_json(a) for a in stored["adapters"]))
+    if stored.get("schedule"):  # and the schedule they gave it then
+        request = replace(request, schedule=ScheduleChoice.from_json(stored["schedule"]))
+    return request, None
+
+
+def shown(stored: dict, default_steps: int) -> tuple[int, int, int, list[AdapterUse]]:
+    """What a job's GET shows of its stored request before it has a record: its canvas's width and height, its steps
+    and its resolved adapters (a row of before: what it stored of them, else the steps as sent or the default)."""
+    if ADMITTED in stored:
+        data = stored[ADMITTED]
+        geometry, request = data["geometry"], data["request"]
+        uses = [AdapterUse.from_json(a) for a in request["adapters"]]  # resolved by a server's set, or by name only
+        return (geometry["width"], geometry["height"], request["schedule"]["steps"],
+                uses if all(u.sha256 for u in uses) else [])
+    width, height = stored.get("geometry", [0, 0])
+    steps = stored.get("schedule", {}).get("steps", stored["schema"].get("steps", default_steps))
+    return width, height, int(steps), [AdapterUse.from_json(a) for a in stored.get("adapters", ())]
 
 
 def _as_sent(message: str, sent: dict[Path, str]) -> str:
