@@ -4,13 +4,13 @@ it (the eager DiT, its Ulysses-sharded twin, a bundle's compiled segments, a Ten
     runner(video_BVC, audio_BAC, text_BLC, unique_t_T, t_index_S, layout, extras) -> (video v_BVC, audio v_BAC), fp32
 
 `extras` (`EvalExtras`) is everything one evaluation carries besides its rows, in one frozen value: a request's step
-cache context, its block-sparse attention and its adapters, each None where the request asks for none, so a runner
-that serves none of them is called exactly as one that does (a new per-evaluation feature is one more field here, its
-support in the runners, and its record). Each member is a `RecordPart`: it says what its feature writes in the clip's
-record (`record_fields`), and the pipeline's one record builder (pipeline/records.py `clip_record`) asks the members
-of a request's extras for it, in field order, so a new field's feature is recorded with no other change. `RunnerCaps` says what a runner serves, so that admission checks a request
-against it once, before anything is queued (a bundle's from its manifest, without loading it), instead of the
-pipeline asking the runner attribute by attribute.
+cache context, its block-sparse attention and its adapters, each None where the request asks for none, so a runner that
+serves none of them is called exactly as one that does (a new per-evaluation feature is one more field here, its support
+in the runners, and its record). Each member is a `RecordPart`: it says what its feature writes in the clip's record
+(`record_fields`), and the pipeline's one record builder (pipeline/records.py `clip_record`) asks the members of a
+request's extras for it, in field order, so a new field's feature is recorded with no other change. `RunnerCaps` says
+what a runner serves, so that admission checks a request against it once, before anything is queued (a bundle's from its
+manifest, without loading it), instead of the pipeline asking the runner attribute by attribute.
 
 Shape legend: B batch, V video rows, A audio rows, L text rows, S packed rows, T distinct timesteps; C channels.
 """

@@ -176,9 +176,10 @@ class H3Pipeline:
         if not target.writes:
             return None
         # 6. The record: every feature's part, a request denoised dense saying so.
-        parts = (*self.record_parts(prepared.request, extras), *(() if extras.sparse is not None else (DENSE,)))
+        dense = () if extras.sparse is not None else (DENSE,)
         return clip_of(decoded, lambda: replace(
-            self._record(prepared, schedule, layout, target.output, decoded, timer, parts),
+            self._record(prepared, schedule, layout, target.output, decoded, timer,
+                         (*self.record_parts(prepared.request, extras), *dense)),
             wall_s=round(time.perf_counter() - start, 4)))  # the stages overlap (decode, audio, encode)
 
     @torch.no_grad()
@@ -191,8 +192,8 @@ class H3Pipeline:
         (a new one when None) with which evaluations ran sparse."""
         return self._denoise_request(prepared, on_step, timer, cache, profile_step, sparse)[:3]
 
-    def _denoise_request(self, prepared: Prepared, on_step, timer: StageTimer | None, cache: StepCache | None,
-                         profile_step: int | None,
+    def _denoise_request(self, prepared: Prepared, on_step: Callable[[int, int], None] | None,
+                         timer: StageTimer | None, cache: StepCache | None, profile_step: int | None,
                          sparse: SparseRun | VsaRun | None) -> tuple[Schedule, PackedLayout, Latents, EvalExtras]:
         """denoise_request's stages, and the extras its evaluations carried (for the record)."""
         req, timer = prepared.request, timer or StageTimer(self.device)

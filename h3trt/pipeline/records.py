@@ -1,8 +1,8 @@
 """What a generation leaves beside its MP4: the stage timer, the provenance and timing record (`ClipRecord`, with a
 bundle's cold-start split, `ColdStart`; made in one place, `clip_record`, which asks each feature that served the
-clip for its part through one interface, models/runner.py `RecordPart`), the finished clip not yet in place (`Clip`, what the pipeline returns) and the
-commit that puts the record and the clip in place together (the job layer's); what a failure leaves (`Failure`, a
-requests file's `FailureRecord`)."""
+clip for its part through one interface, models/runner.py `RecordPart`), the finished clip not yet in place (`Clip`,
+what the pipeline returns) and the commit that puts the record and the clip in place together (the job layer's); what
+a failure leaves (`Failure`, a requests file's `FailureRecord`)."""
 
 from __future__ import annotations
 
@@ -88,9 +88,9 @@ class ClipRecord:
     """The clip's record, clip.json beside clip.mp4 (and a server's job row): what was asked, what was written, how long
     each stage took and what served it. Its JSON is the fields below in this order, a field that is None left out,
     then `extra`. Three layers fill it in turn (each a `dataclasses.replace` of the last): the pipeline (clip_record,
-    with every feature's part, FEATURE_FIELDS; then generate's wall time), the job layer (status .. peak_memory, and `extra`) and its
-    commit (the MP4's sha256 and size). A record written by an earlier version may lack fields added since: they
-    read as None, so a stored record reads and writes back unchanged."""
+    with every feature's part, FEATURE_FIELDS; then generate's wall time), the job layer (status .. peak_memory, and
+    `extra`) and its commit (the MP4's sha256 and size). A record written by an earlier version may lack fields added
+    since: they read as None, so a stored record reads and writes back unchanged."""
 
     # The request and what was written (the pipeline)
     output: str | None = None  # the MP4 as the worker named it (a server's is its work path)

@@ -12,7 +12,8 @@ JSON lines, one object per line (blank lines skipped), UTF-8:
      "cache": "first-block", "cache_threshold": 0.1, "cache_warmup": 4, "cache_max_skip": 3,
      "lora": [{"name": "style", "scale": 0.8}]}
 
-`profile` (request/fields.py `PROFILES`) and the first-block step-cache keys: a key stated overrides the profile's value.
+`profile` (request/fields.py `PROFILES`) and the first-block step-cache keys: a key stated overrides the profile's
+value.
 `lora`: resident adapters by name (`--adapter NAME=FILE[:SCALE]`; scale left out: the adapter's default), adapters/
 use.py; an adapter with its own schedule gives a line that names it the steps and shifts it leaves out
 (request/request.py ScheduleChoice.resolve).
