@@ -12,12 +12,12 @@ import torch
 from helpers import dit_inputs
 from test_lora import CFG, FORMATS, LAYOUT, adapter_metadata, fmt_diffusers, fmt_original, original_factors, write
 
+from h3trt.adapters import slots as lora_slots
+from h3trt.adapters.merge import LoraSpec, merge_loras
+from h3trt.adapters.slots import AdapterBlock, AdapterSlots
 from h3trt.errors import UserError
-from h3trt.models import lora_slots
 from h3trt.models.checkpoint_writer import random_state_dict
 from h3trt.models.dit import build_dit, sdpa_attention
-from h3trt.models.lora import LoraSpec, merge_loras
-from h3trt.models.lora_slots import BlockLora, LoraSlots
 from h3trt.models.packing import row_timesteps
 
 ATOL = 1e-5
@@ -67,8 +67,8 @@ def assert_close(got, want, base=None):
         assert max((w - b).abs().max().item() for w, b in zip(want, base)) > 100 * ATOL
 
 
-def slots(n=2, rank=8, **kw) -> LoraSlots:
-    return LoraSlots(CFG, "t2va", n, rank, torch.float32, **kw)
+def slots(n=2, rank=8, **kw) -> AdapterSlots:
+    return AdapterSlots(CFG, "t2va", n, rank, torch.float32, **kw)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -180,7 +180,7 @@ def test_a_compiled_block_does_not_recompile_when_the_adapter_changes(state, tmp
     names = list(s.block_inputs(0))
 
     def block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *bank):
-        lora = BlockLora.from_inputs(dict(zip(names, bank)), lora_rows, lora_row_scales)
+        lora = AdapterBlock.from_inputs(dict(zip(names, bank)), lora_rows, lora_row_scales)
         return block(x, mod, adaln_index, (cos, sin), sdpa_attention, lora)
 
     torch._dynamo.reset()
@@ -218,7 +218,7 @@ def test_an_fp8_base_takes_the_rows_into_its_own_gemm_and_is_left_untouched(tmp_
     from h3trt.calibration.formats import FP8
     from h3trt.calibration.modules import FP8Linear
 
-    s = LoraSlots(CFG, "t2va", 2, 8)
+    s = AdapterSlots(CFG, "t2va", 2, 8)
     assert all(t.dtype == torch.bfloat16 for pair in s.banks.values() for t in pair)
     factors = block_factors(1, "blocks.1.mlp.fc2")
     s.load(1, write(tmp_path / "fc2.safetensors", fmt_original(factors, "diffusion_model.")))

@@ -173,7 +173,8 @@ def test_a_bundles_caps_come_from_its_manifest():
     fields, each changed alone."""
     from types import SimpleNamespace
 
-    from h3trt.engines.caps import NO_LORA_SLOTS, NO_SPARSE_HALVES, SHARDED_SPARSE_KERNEL, bundle_caps
+    from h3trt.adapters.checks import NO_LORA_SLOTS
+    from h3trt.engines.caps import NO_SPARSE_HALVES, SHARDED_SPARSE_KERNEL, bundle_caps
     from h3trt.engines.manifest import LoraSlotsRecord, SparseRecord
     from h3trt.models.vsa_plan import VsaServing, VsaSettings
 

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from ..adapters.memory import check_slots_fit
+from ..adapters.merge import LoraSpec
+from ..adapters.slots import BLOCK_TARGETS
 from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_exclusions
 from ..engines.manifest import LoraSlotsRecord
 from ..errors import UserError
@@ -17,16 +20,13 @@ from ..models.config import H3Config
 from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
 from ..models.distilled_contract import checkpoint_contract, refuse_export_base
 from ..models.distilled_schedule import uniform_rungs
-from ..models.lora import LoraSpec
-from ..models.lora_memory import check_slots_fit
-from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
 from ..models.sparse_fp8 import FP8_SPARSE_KERNELS
 from ..models.sparse_plan import SparseSettings, sparse_settings
-from ..models.vsa_plan import VsaSettings, served_vsa_settings, vsa_settings
 from ..models.vae_precision import VAEPrecision
+from ..models.vsa_plan import VsaSettings, served_vsa_settings, vsa_settings
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
 from .segments import check_sharded_recipe

@@ -28,15 +28,15 @@ from typing import Callable
 
 import torch
 
+from ..adapters.slots import FUSED, LORA_INPUTS, AdapterBlock, segment_lora_names
+from ..calibration.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
+from ..calibration.recipe import QuantRecipe
+from ..engines.video_decoder import video_decoder_names
 from ..errors import UserError
 from ..models.config import H3Config
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
-from ..models.lora_slots import FUSED, LORA_INPUTS, BlockLora, segment_lora_names
 from ..models.video_vae import decoder_epilogue, decoder_prologue
-from ..calibration.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
-from ..calibration.recipe import QuantRecipe
 from ..parallel.ulysses import from_head_groups, to_head_groups
-from ..engines.video_decoder import video_decoder_names
 
 
 
@@ -148,7 +148,7 @@ def block_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, re
 
     def run_block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *rest):
         params = dict(zip(weights, rest[: len(weights)]))
-        adapters = BlockLora.from_inputs(dict(zip(lora, rest[len(weights):])), lora_rows, lora_row_scales, layout)
+        adapters = AdapterBlock.from_inputs(dict(zip(lora, rest[len(weights):])), lora_rows, lora_row_scales, layout)
         scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if fp8 else None
         return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin),
                                                           attention_fn(scales, kernel), adapters), strict=False)
@@ -176,7 +176,7 @@ class _PreAttention(torch.nn.Module):
         super().__init__()
         self.block, self.sp = block, sp
 
-    def forward(self, x, mod, adaln_index, cos, sin, lora: BlockLora | None = None):
+    def forward(self, x, mod, adaln_index, cos, sin, lora: AdapterBlock | None = None):
         return to_head_groups(*self.block.pre_attention(x, mod, adaln_index, (cos, sin), lora), sp=self.sp)
 
 
@@ -185,7 +185,7 @@ class _PostAttention(torch.nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x, attn, mod, adaln_index, lora: BlockLora | None = None):
+    def forward(self, x, attn, mod, adaln_index, lora: AdapterBlock | None = None):
         return self.block.post_attention(x, from_head_groups(attn), mod, adaln_index, lora)
 
 
@@ -235,7 +235,7 @@ def half_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, rec
     def run_half_lora(*args):
         rows, scales = args[acts: acts + len(LORA_INPUTS)]
         rest = args[acts + len(LORA_INPUTS):]
-        adapters = BlockLora.from_inputs(dict(zip(lora, rest[len(weights):])), rows, scales, layout)
+        adapters = AdapterBlock.from_inputs(dict(zip(lora, rest[len(weights):])), rows, scales, layout)
         return torch.func.functional_call(wrapper, {"block." + n: t for n, t in zip(weights, rest)},
                                           (*args[:acts], adapters), strict=False)
 

@@ -10,9 +10,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..adapters.slots import merged_weight
 from ..models.attention import bound_attention
 from ..models.dit import Block
-from ..models.lora_slots import merged_weight
 from ..models.precision import Precision
 from .formats import (FP8, NVFP4_GROUP, dequantize_nvfp4, fp8_linear, fp8_lora_linear, nvfp4_weight_only_linear,
                       quantize_fp8)
