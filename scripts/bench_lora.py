@@ -18,7 +18,7 @@ rows (128 text + 2 x 207 audio + 37 x 24 x 42 video); --tiny: H3Config.tiny() ov
 Per precision (--precision; fp8 is the headline bundle's recipe: W8A8 e4m3 block linears with static per-tensor
 scales from ModelOpt's max calibration on the layer's input, fast accumulation, FP8 attention; --no-fp8-attention
 keeps attention in bf16) the `block` segment and two twins with adapters are made by the builder's own functions
-(build/segments.py block_segment, block_lora_segment over models/lora_slots.py BLOCK_TARGETS, as `h3trt build
+(build/segments.py block_segment, block_lora_segment over adapters/slots.py BLOCK_TARGETS, as `h3trt build
 --lora-slots N --lora-max-rank R` makes them; example inputs by build/examples.py lora_examples): `block_lora` in the
 FUSED layout (the build's: the rank rows merged into a bf16 weight for the call, or inside an FP8 linear's one GEMM)
 and `block_lora_delta` in the DELTA layout (the side branch beside the base linear, the arithmetic before issue 44).

@@ -1,4 +1,4 @@
-"""The arithmetic of LoRA rank rows (h3trt/models/lora_slots.py; issue 44 item 3, issue 45 item 8) against the eager
+"""The arithmetic of LoRA rank rows (h3trt/adapters/slots.py; issue 44 item 3, issue 45 item 8) against the eager
 adapter y = base(x) + sum_k scale_k (x A_k^T) B_k^T, computed here in float64:
 
   - FUSED on a plain linear (the weight merged for the call) and on NVFP4's dequantized weight: fp32 within 1e-5
@@ -20,8 +20,8 @@ import torch
 from test_lora import CFG
 from test_lora_slots import forward, layout_file, model, state  # noqa: F401  (state: the module's fixture)
 
-from h3trt.adapters.slots import (DELTA, LORA_INPUTS, ROW_GROUP, AdapterBlock, AdapterSlots, adapted_linear, gather_rows,
-                                     lora_delta, row_groups)
+from h3trt.adapters.slots import (DELTA, LORA_INPUTS, ROW_GROUP, AdapterBlock, AdapterSlots, adapted_linear,
+                                  adapter_delta, gather_rows, row_groups)
 from h3trt.calibration.formats import FP8, e2m1_values, quantize_fp8
 from h3trt.calibration.modules import FP8Linear, NVFP4Linear, SmoothedFP8Linear, SmoothedNVFP4Linear
 
@@ -72,7 +72,7 @@ def test_a_plain_linear_computes_with_the_merged_weight(parts, dtype, tol):
     assert factors[0].shape == (parts, 32, N_IN)  # 29 rows of the adapters' own ranks, padded to two groups
     want = exact(x, linear.weight, down.to(dtype), up.to(dtype), USES)
     fused = adapted_linear(linear, x, *factors, scales)
-    side = linear(x) + lora_delta(x, *factors, scales).to(dtype)  # DELTA
+    side = linear(x) + adapter_delta(x, *factors, scales).to(dtype)  # DELTA
     assert fused.dtype == dtype and rel(fused, want) <= tol and rel(side, want) <= tol
     assert rel(linear(x), want) > 0.1  # the adapters move the output far beyond the bound
 

@@ -24,7 +24,7 @@ class AdapterInfo:
     rank: int
     targets: tuple[str, ...]  # the native linears it adapts ("blocks.0.attn.qkv_proj", ...)
     size_bytes: int  # its factors, in the file's dtypes
-    schedule: dict = field(default_factory=dict)  # the schedule it brings (adapter_schedule.py), by key; {}: none
+    schedule: dict = field(default_factory=dict)  # the schedule it brings (schedule.py), by key; {}: none
 
     def to_json(self) -> dict:
         return {"name": self.name, "file": self.file, "sha256": self.sha256, "scale": self.scale, "rank": self.rank,

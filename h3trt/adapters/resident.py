@@ -133,8 +133,8 @@ class ResidentAdapters:
 
 
 def read_resolved(use: AdapterUse, read) -> LoraFile:
-    """The file a resolved use names (read by `read`: AdapterSlots.read), only if it still has the sha256 it had when its
-    job was admitted: a job never runs another adapter than the one it was admitted with (the file was replaced or
+    """The file a resolved use names (read by `read`: AdapterSlots.read), only if it still has the sha256 it had when
+    its job was admitted: a job never runs another adapter than the one it was admitted with (the file was replaced or
     removed since: it fails, naming it)."""
     path = Path(use.file)
     if not path.is_file():

@@ -32,7 +32,7 @@ class AdapterSpec:
     name: str
     path: Path
     scale: float = 1.0
-    schedule: ScheduleValues = ScheduleValues()  # @steps=..: over its file's own (pipeline/adapter_schedule.py)
+    schedule: ScheduleValues = ScheduleValues()  # @steps=..: over its file's own (schedule.py)
     # A --lora-dir file: a server that cannot use it starts without it (skipped, and says why); an --adapter's
     # refusal stops the start instead (the operator named that file)
     from_folder: bool = False
@@ -40,7 +40,7 @@ class AdapterSpec:
     @classmethod
     def parse(cls, text: str) -> "AdapterSpec":
         """NAME=FILE[:SCALE][@KEY=VALUE,...] (a file whose name holds ':' keeps it unless the last part is a number;
-        the schedule's keys: adapter_schedule.SCHEDULE_KEYS)."""
+        the schedule's keys: models/sampler.py SCHEDULE_KEYS)."""
         name, sep, rest = str(text).partition("=")
         if not sep or not NAME_PATTERN.fullmatch(name) or not rest:
             raise AdapterSpecError(f"--adapter {text!r}: expected NAME=FILE[:SCALE][@steps=N,video_shift=S], NAME 1-64 "
@@ -59,7 +59,7 @@ class AdapterSpec:
 def folder_specs(folder: Path) -> tuple[AdapterSpec, ...]:
     """`--lora-dir DIR`: every *.safetensors in DIR, named by its file stem, at scale 1.0 (sorted by name). Nothing
     is read here: the server's catalog checks each file at start and skips those it cannot use
-    (pipeline/adapter_catalog.py)."""
+    (catalog.py)."""
     if not folder.is_dir():
         raise UserError(f"--lora-dir {folder}: not a folder; pass the folder that holds the LoRA .safetensors files.")
     return tuple(AdapterSpec(path.stem, path, from_folder=True) for path in sorted(folder.glob("*.safetensors")))

@@ -3,7 +3,7 @@
 
 Each block is read from the checkpoint when it is asked for (models/checkpoint_stream.py: pread of its tensors'
 bytes, nothing else of the model), copied to the device, converted there to the native layout and the build dtype,
-its --lora files merged (adapters/merge.py LoraMerge: the same fp32 sums as merge_loras) and assigned into a fresh Block,
+its --lora files merged (adapters/merge.py LoraMerge: the fp32 sums of merge_loras) and assigned into a fresh Block,
 then the --distilled file's patches of that block fused into it (models/distilled_merge.py fuse_into, filtered to the
 block; a parameter the checkpoint lacks and the file assigns whole, a FastH3-VSA file's `attn.to_gate_compress`, is
 made there by the fusion's assign): the tensors `load_dit`, `merge_loras` and `merge_distilled` would have given it.

@@ -98,7 +98,7 @@ class BuildConfig:
     # The block-sparse kernel (build/sparse_choice.py): auto (the fastest measured at the bundle's shape on a GPU), or
     # one named (fa4, fp8 with --fp8-attention, reference, fp8_emulated).
     sparse_kernel: str = "auto"
-    # Per-request LoRA adapters (models/lora_slots.py): N slots of max rank R on every main block's linears; the
+    # Per-request LoRA adapters (adapters/slots.py): N slots of max rank R on every main block's linears; the
     # bundle compiles block_lora beside block, and with --sparse-attention the halves' twins beside the halves
     # (build/segments.py). None and None: no slots.
     lora_slots: int | None = None

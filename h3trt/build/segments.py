@@ -14,7 +14,7 @@ dimensions that vary between requests, so backends can compile it once for every
 Dimension names: S packed rows, V video rows, A audio rows, L text rows, T distinct timesteps, M = 3T, G groups of
 16 LoRA rank rows.
 
-`block_lora` takes an evaluation's adapters as rank rows (models/lora_slots.py): lora_rows / lora_row_scales
+`block_lora` takes an evaluation's adapters as rank rows (adapters/slots.py): lora_rows / lora_row_scales
 [G, 16], G dynamic, so one compiled segment serves any adapter set of any ranks (one adapter, a style with a Turbo
 LoRA, ...) computing only the rows of the adapters at a nonzero scale: nothing of a slot's padding, nothing of an
 unused slot. The rows come in whole groups of 16 so that the FP8 layout's GEMM reduction stays a multiple of 16 for
@@ -139,7 +139,7 @@ def block_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, re
     """`plain`'s twin with adapters (`<name>_lora`): the same block, weights and attention, plus the evaluation's
     rank rows [G, 16] (int64) and their scales [G, 16] (fp32) and the layer's slot banks as inputs, so that loading
     or switching an adapter changes data, never code. The base linears keep their weights and precision (bf16, or
-    FP8 / NVFP4 with their scales); `layout` is how the rows join them (models/lora_slots.py LAYOUTS: FUSED, the
+    FP8 / NVFP4 with their scales); `layout` is how the rows join them (adapters/slots.py LAYOUTS: FUSED, the
     build's; DELTA, the side branch beside them, for scripts/bench_lora.py's comparison)."""
     block = _block_template(cfg, dtype, recipe)
     weights, lora = plain.weights, segment_lora_names(targets)

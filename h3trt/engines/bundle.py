@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 # Imported to register h3trt::attention and h3trt::fp8_sdpa, which compiled blocks call by name.
-from ..adapters.slots import ADALN_TARGET, LORA_INPUTS, AdapterRun, AdapterSlots, gather_rows, lora_delta
+from ..adapters.slots import ADALN_TARGET, LORA_INPUTS, AdapterRun, AdapterSlots, gather_rows, adapter_delta
 from ..calibration import fp8_attention  # noqa: F401
 from ..calibration.modules import ATTENTION_SCALES
 from ..models.attention import bound_attention, dense_kernel
@@ -181,7 +181,7 @@ class EngineDiT:
                              f"{self.lora_slots.num_slots} at once (--lora-slots).")
 
     def _block_lora(self, rows, temb, lora: AdapterRun):
-        """Layer i as its compiled twin with adapters, given the evaluation's rank rows (models/lora_slots.py: the
+        """Layer i as its compiled twin with adapters, given the evaluation's rank rows (adapters/slots.py: the
         rows of each adapter's own rank, none of an adapter at scale 0). An AdaLN adapter is the runner's: its side
         branch on silu(temb) [T, E] (T rows, eager) added to the table the bundle serves, as the eager AdaLNProj adds
         it to its projection."""
@@ -198,7 +198,7 @@ class EngineDiT:
         if ADALN_TARGET in self.lora_slots.targets:
             rows_E = lora.rows.reshape(-1)
             down, up = (gather_rows(bank, rows_E) for bank in self.lora_slots.by_block[i][ADALN_TARGET])
-            delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, lora.row_scales.reshape(-1))
+            delta = adapter_delta(F.silu(temb).to(mod.dtype), down, up, lora.row_scales.reshape(-1))
             mod = mod + delta.to(mod.dtype).view(mod.shape)
         return mod.contiguous()
 

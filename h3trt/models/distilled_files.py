@@ -250,8 +250,8 @@ def read_pdd(path: Path, cfg: H3Config, header: dict[str, str]) -> Fusion:
 
 
 def lora_fusion(lora, modules: dict, cfg: H3Config, scale_rule: str) -> Fusion:
-    """A LoraFile's routed modules (lora_targets.route) as a Fusion, each at its scaling (a family's alpha already applied:
-    distilled.turbo_alpha)."""
+    """A LoraFile's routed modules (lora_targets.route) as a Fusion, each at its scaling (a family's alpha already
+    applied: distilled.turbo_alpha)."""
     fusion = Fusion(Path(lora.path), lora.sha256, lora.layout, scale_rule, {})
     for module, factors in sorted(modules.items()):
         name, rows, swap = native_target(module, cfg)

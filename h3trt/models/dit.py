@@ -355,7 +355,7 @@ class H3DiT(nn.Module):
         `cache`: a step cache's state for this denoiser call (models/step_cache.py), None: every block runs.
         `shard`: this rank's rows under sequence parallelism (parallel/ulysses.py RowShard), with `attn_fn` the
         attention that exchanges them (RowShard.attention()); None: every row here.
-        `lora`: the adapters this evaluation carries on the main blocks' linears (models/lora_slots.py
+        `lora`: the adapters this evaluation carries on the main blocks' linears (adapters/slots.py
         `AdapterSlots.select`), the same for every batch row; None: the base model, exactly."""
         seq_len = position_ids_S3.shape[0]
         if token_tags_S.shape != (seq_len,) or timestep_index_S.shape != (seq_len,):

@@ -66,7 +66,7 @@ class RequestDefaults:
     height: int | None = None
     duration: float = DEFAULT_DURATION
     sparse: SparseSettings | None = None  # a bundle's --sparse-attention defaults (profiles.with_bundle_sparse)
-    # The resident adapters' own schedules, by name (adapter_schedule.adapter_schedules): a line naming one in its
+    # The resident adapters' own schedules, by name (adapters/schedule.py adapter_schedules): a line naming one in its
     # "lora" and leaving steps or a shift out takes the adapter's
     adapter_schedules: Mapping[str, ScheduleValues] = field(default_factory=dict)
     canvas: CanvasDefaults = CanvasDefaults()
