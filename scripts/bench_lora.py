@@ -134,7 +134,7 @@ def compile_segments(cfg: H3Config, recipe, dense_kernel: str, layers: list, inp
     from h3trt.build.examples import lora_examples
     from h3trt.build.segments import block_lora_segment, block_segment
     from h3trt.engines.loaders import load_segment
-    from h3trt.engines.manifest import LoraSlotsRecord
+    from h3trt.engines.manifest import AdapterSlotsRecord
 
     plain = block_segment(cfg, BF16, recipe, attention=dense_kernel)
     specs = {"block": plain}
@@ -144,7 +144,7 @@ def compile_segments(cfg: H3Config, recipe, dense_kernel: str, layers: list, inp
     tensors = block_tensors(layers[0])
     example = [inp.x, layers[0].modulation(inp.temb).contiguous(), inp.adaln_index, *inp.rope,
                *[tensors[n] for n in plain.weights]]
-    record = LoraSlotsRecord(slots.num_slots, slots.max_rank, slots.targets)
+    record = AdapterSlotsRecord(slots.num_slots, slots.max_rank, slots.targets)
     g = torch.Generator().manual_seed(0)
     twin_example = lora_examples(example, specs["block_lora"], cfg, record, g)
     (work / "segments").mkdir(parents=True, exist_ok=True)

@@ -37,7 +37,7 @@ from h3trt.engines.adaln import load_adaln
 from h3trt.engines.bundle import Engine, EngineDiT
 from h3trt.engines.guard import no_compile
 from h3trt.engines.loaders import load_weights
-from h3trt.engines.manifest import LoraSlotsRecord, content_sha256, read_manifest
+from h3trt.engines.manifest import AdapterSlotsRecord, content_sha256, read_manifest
 from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
 from h3trt.jobs.model_source import Entry, ModelSource
@@ -89,7 +89,7 @@ def _schedule(manifest) -> Schedule:
 
 def test_the_manifest_records_the_slots_and_the_block_lora_twin(slot_bundle):
     m = read_manifest(slot_bundle)
-    assert m.lora_slots == LoraSlotsRecord(SLOTS, MAX_RANK, BLOCK_TARGETS)
+    assert m.lora_slots == AdapterSlotsRecord(SLOTS, MAX_RANK, BLOCK_TARGETS)
     twin, block = m.segments["block_lora"], m.segments["block"]
     assert twin["inputs"] == block["inputs"] + ["lora_rows", "lora_row_scales"] and twin["weights"] == block["weights"]
     assert twin["dynamic"]["lora_rows"] == {"0": "G"}  # any adapter set, one compiled twin

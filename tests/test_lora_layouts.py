@@ -243,7 +243,7 @@ def test_the_compiled_twin_takes_any_row_count_without_compiling_and_equals_eage
     from h3trt.build.examples import lora_examples
     from h3trt.build.segments import block_lora_segment, block_segment
     from h3trt.engines.guard import no_compile
-    from h3trt.engines.manifest import LoraSlotsRecord
+    from h3trt.engines.manifest import AdapterSlotsRecord
 
     cfg, block, (x, mod, adaln_index, rope), recipe = block_under_test(precision)
     plain = block_segment(cfg, torch.bfloat16, recipe)
@@ -252,7 +252,8 @@ def test_the_compiled_twin_takes_any_row_count_without_compiling_and_equals_eage
     tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
     weights = [tensors[n] for n in plain.weights]
     g = torch.Generator().manual_seed(3)
-    example = lora_examples([x, mod, adaln_index, *rope, *weights], twin, cfg, LoraSlotsRecord(2, 24, BLOCK_TARGETS), g)
+    example = lora_examples([x, mod, adaln_index, *rope, *weights], twin, cfg, AdapterSlotsRecord(2, 24, BLOCK_TARGETS),
+                            g)
     slots = filled_slots(cfg, g)
     segment = compiled(twin, example, tmp_path)
     inputs = slots.block_inputs(0)
@@ -286,7 +287,7 @@ def test_the_compiled_halves_twins_take_any_row_count_and_compose_to_the_block_t
                                       half_lora_segment)
     from h3trt.engines.bundle import one_rank_exchange
     from h3trt.engines.guard import no_compile
-    from h3trt.engines.manifest import LoraSlotsRecord
+    from h3trt.engines.manifest import AdapterSlotsRecord
     from h3trt.models.dit import sdpa_attention
 
     cfg, block, (x, mod, adaln_index, rope), recipe = block_under_test(precision)
@@ -300,7 +301,7 @@ def test_the_compiled_halves_twins_take_any_row_count_and_compose_to_the_block_t
     w_pre, w_post = ([tensors[n] for n in h.weights] for h in (pre, post))
     with torch.no_grad():
         attn = one_rank_exchange(pre.fn(x, mod, adaln_index, *rope, *w_pre), sdpa_attention)
-    record = LoraSlotsRecord(2, 24, BLOCK_TARGETS)
+    record = AdapterSlotsRecord(2, 24, BLOCK_TARGETS)
     examples = [lora_examples([x, mod, adaln_index, *rope, *w_pre], twins[0], cfg, record, g),
                 lora_examples([x, attn, mod, adaln_index, *w_post], twins[1], cfg, record, g)]
     segments = [compiled(t, e, tmp_path) for t, e in zip(twins, examples)]

@@ -73,7 +73,7 @@ def check_bundle_sparse(uses: tuple[AdapterUse, ...], sparse_attention: float, s
 def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, ...], slots, cfg: H3Config,
                        task: str, folder: Path | None = None) -> None:
     """`--adapter` (and `--lora`, an adapter on every request) against a bundle's LoRA slots (`slots`: its manifest's
-    LoraSlotsRecord, None without any), each file read and routed as the slots will load it; before any model
+    AdapterSlotsRecord, None without any), each file read and routed as the slots will load it; before any model
     loads. One line naming the flag and the fix. `folder`: --lora-dir, whose files the server's catalog checks (and
     skips), but which needs the slots too."""
     adapter_flags = [(f"--adapter {s.name}={s.path}", s.path) for s in specs if not s.from_folder]

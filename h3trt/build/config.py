@@ -12,7 +12,7 @@ from ..adapters.memory import check_slots_fit
 from ..adapters.merge import LoraSpec
 from ..adapters.slots import BLOCK_TARGETS
 from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_exclusions
-from ..engines.manifest import LoraSlotsRecord
+from ..engines.manifest import AdapterSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
 from ..models.checkpoint import TASK_PARTITIONS, CheckpointError, locate_transformer
@@ -281,11 +281,11 @@ class BuildConfig:
         check_slots_fit(cfg, n, r, self.device, self.precision.spec.dtype)
 
     @property
-    def slots(self) -> LoraSlotsRecord | None:
+    def slots(self) -> AdapterSlotsRecord | None:
         """The manifest's record of the LoRA slots (engines/manifest.py), None without any."""
         if self.lora_slots is None:
             return None
-        return LoraSlotsRecord(self.lora_slots, self.lora_max_rank, BLOCK_TARGETS)
+        return AdapterSlotsRecord(self.lora_slots, self.lora_max_rank, BLOCK_TARGETS)
 
     def _check_sparse(self) -> None:
         """--sparse-attention and its knobs: their values (one line, the flags named), and what a bundle that serves
