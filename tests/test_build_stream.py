@@ -25,6 +25,7 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from h3trt.adapters.merge import LoraSpec
 from h3trt.build import builder
 from h3trt.build.block_loader import BlockLoader
 from h3trt.build.config import BuildConfig, Profile
@@ -39,7 +40,6 @@ from h3trt.models.checkpoint_stream import CheckpointTensors
 from h3trt.models.checkpoint_writer import random_state_dict, save_official
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
-from h3trt.models.lora import LoraSpec
 
 LAYERS = 4
 PROFILE = Profile(160, 96, 5.0)

@@ -12,21 +12,21 @@ import types
 import pytest
 import torch
 
+from h3trt.adapters.merge import LoraSpec
+from h3trt.adapters.spec import AdapterSpec
+from h3trt.adapters.use import AdapterUse
 from h3trt.build import builder
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.errors import UserError
-from h3trt.adapters.use import AdapterUse
 from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.models import vsa_kernels
 from h3trt.models.config import H3Config
 from h3trt.models.distilled import DistilledSpec
 from h3trt.models.distilled_schedule import pdd_schedule
 from h3trt.models.distilled_writer import write_fasth3, write_pdd, write_turbo
-from h3trt.models.lora import LoraSpec
 from h3trt.models.sampler import Schedule
 from h3trt.models.vsa_plan import (VsaServing, VsaSettings, check_vsa_request, choose_vsa_kernel, request_vsa_run,
                                    served_vsa_settings)
-from h3trt.pipeline.adapters import AdapterSpec
 from h3trt.pipeline.prepare import prepare
 from h3trt.request.parse import parse_object
 from h3trt.request.request import Request
