@@ -27,8 +27,8 @@ from .distilled_files import (FASTH3_FORMAT, GATE_FILE_SUFFIX, DistilledError, F
                               read_header, read_pdd)
 from .distilled_schedule import (FASTH3_V1_RUNGS, PDD_BLOCKS, PDD_INTERVALS, FamilySchedule, fasth3_schedule,
                                  pdd_schedule, turbo_schedule)
-from .lora import TASK_COMPONENTS, route
-from .lora_file import PEFT_DUMP_LAYOUT, REF2VA_COMPONENT, LoraFile, read_lora, sha256_of
+from .lora_format import PEFT_DUMP_LAYOUT, REF2VA_COMPONENT, LoraFile, read_lora, sha256_of
+from .lora_targets import TASK_COMPONENTS, route
 from .sampler import Schedule, key_values, schedule_value
 from .vsa_plan import DEFAULT_VSA_SPARSITY, trained_vsa
 

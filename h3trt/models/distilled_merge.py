@@ -15,7 +15,7 @@ import torch
 
 from .distilled import Distilled
 from .distilled_files import GATE_SUFFIX, DistilledError, Fusion, Patch
-from .lora import swap_halves
+from .lora_targets import swap_halves
 from .pdd import HEAD_WEIGHTS, StepHeads
 from .runner import NO_EXTRAS, EvalExtras, RunnerCaps
 

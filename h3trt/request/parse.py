@@ -42,12 +42,12 @@ from ..engines.manifest import Manifest
 from ..errors import UserError
 from ..models.checkpoint import TASKS
 from ..models.packing import DEFAULT_DURATION
-from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, ScheduleValues
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig, check_knob
 from .fields import (FIELDS, FORM_NUMBERS, KEY_WORDS, KEYS, PROFILE_NAMES, PROFILES, Names,  # the one table's
                      Table, value_fields)
-from .request import CanvasDefaults, Request, ScheduleChoice, ScheduleValues, task_of
+from .request import CanvasDefaults, Request, ScheduleChoice, task_of
 
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
@@ -71,7 +71,7 @@ class RequestDefaults:
     height: int | None = None
     duration: float = DEFAULT_DURATION
     sparse: SparseSettings | None = None  # a bundle's --sparse-attention defaults (with_bundle_sparse)
-    # The resident adapters' own schedules, by name (adapter_schedule.adapter_schedules): a line naming one in its
+    # The resident adapters' own schedules, by name (adapters/schedule.py adapter_schedules): a line naming one in its
     # "lora" and leaving steps or a shift out takes the adapter's
     adapter_schedules: Mapping[str, ScheduleValues] = field(default_factory=dict)
     canvas: CanvasDefaults = CanvasDefaults()

@@ -6,8 +6,8 @@ to the rank that runs it and the record it leaves.
     `ScheduleFrom`), classifier-free guidance (`Guidance`) and the speed settings a profile or the request chose
     (`Speed`: step cache, block-sparse attention and a FastH3-VSA model's sparsity); its adapters are
     h3trt/adapters/'s `AdapterUse`s. Beside them: how a model picks a canvas a request leaves out (`CanvasDefaults`),
-    and some of a schedule's values (`ScheduleValues`: what a request or an adapter states), which
-    `ScheduleChoice.resolve` turns into the request's schedule
+    and some of a schedule's values (models/sampler.py `ScheduleValues`: what a request or an adapter states, below
+    the adapters that bring one), which `ScheduleChoice.resolve` turns into the request's schedule
   - `Request`: its parts and its adapters. `Request.of` makes one from the fields a user states, by their names (a
     requests line's keys, run's flags); `flat` writes those fields back (a clip record's `request`, a failure
     record's), and `from_flat` reads them (also a job row of before, whose request was its fields)
@@ -31,12 +31,11 @@ from typing import Mapping
 from ..adapters.use import AdapterUse, batch_key, lora_field
 from ..errors import UserError
 from ..models.packing import CANVAS_MAX_PIXELS, CANVAS_SHORT_EDGE, DEFAULT_DURATION, Geometry
-from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, key_values
+from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, ScheduleValues
 from ..models.sparse_plan import SparseSettings, sparse_settings
 from ..models.step_cache import StepCacheConfig
 
 REQUEST, DEFAULT = "request", "default"  # ScheduleFrom's words for a request's own value and the model's default
-SCHEDULE_KEYS = ("steps", "video_shift", "audio_shift")
 REFERENCE_IMAGE_SHORT_EDGE = 2048  # reference images are encoded at their own short edge, upscaling included
 
 
@@ -118,28 +117,6 @@ class ScheduleFrom:
     def adapters(self) -> dict[str, str]:
         """The keys an adapter gave, and which ("adapter NAME")."""
         return {key: source for key, source in asdict(self).items() if source not in (REQUEST, DEFAULT)}
-
-
-@dataclass(frozen=True)
-class ScheduleValues:
-    """Some of a schedule's values, each None where not given: an adapter's defaults, or what a request states."""
-
-    steps: int | None = None  # sigma grid points (steps - 1 DiT evaluations)
-    video_shift: float | None = None
-    audio_shift: float | None = None
-
-    def given(self) -> dict[str, int | float]:
-        """The values given, by key (an adapter's `schedule` in GET /v1/loras)."""
-        return {key: value for key, value in asdict(self).items() if value is not None}
-
-    def over(self, other: ScheduleValues) -> ScheduleValues:
-        """These values, and `other`'s where these give none."""
-        return ScheduleValues(**{**asdict(other), **self.given()})
-
-    @classmethod
-    def parse(cls, text: str, where: str) -> ScheduleValues:
-        """`steps=8,video_shift=5` (the part of an --adapter after its '@'); `where` names it in the errors."""
-        return cls(**key_values(text, SCHEDULE_KEYS, where))
 
 
 @dataclass(frozen=True)

@@ -25,12 +25,12 @@ from typing import Annotated
 from fastapi import Depends
 from fastapi import Request as HTTPRequest
 
+from ..adapters.catalog import AdapterCatalog
 from ..adapters.use import AdapterUse
 from ..errors import UserError
 from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
-from ..pipeline.adapter_catalog import AdapterCatalog
 from ..request.fields import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name
 from ..request.parse import RequestDefaults, form_value, parse_object, schema_values
 from ..request.request import Admitted, BatchKey, Request, ScheduleChoice
