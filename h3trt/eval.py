@@ -29,11 +29,11 @@ import torch.nn.functional as F
 
 from .engines.manifest import MANIFEST
 from .errors import UserError
-from .models.distilled import DistilledSpec
+from .models.distilled.families import DistilledSpec
 from .models.lora_file import sha256_of
 from .models.packing import unpatchify
 from .models.runner import NO_EXTRAS, EvalExtras
-from .models.vsa_plan import VsaSettings
+from .models.vsa.plan import VsaSettings
 from .jobs.admission import admit
 from .jobs.model_source import Entry, ModelSource, SourceKind
 from .media.encoder import rgb_to_yuv420

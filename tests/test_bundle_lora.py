@@ -36,7 +36,7 @@ from h3trt.engines.manifest import LoraSlotsRecord, content_sha256, read_manifes
 from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
 from h3trt.jobs.model_source import Entry, ModelSource
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.lora import LoraSpec
 from h3trt.models.lora_slots import BLOCK_TARGETS, segment_lora_names

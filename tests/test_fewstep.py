@@ -24,7 +24,7 @@ from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import read_manifest
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.lora import LoraSpec, merge_loras
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for

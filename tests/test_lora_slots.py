@@ -14,7 +14,7 @@ from test_lora import CFG, FORMATS, LAYOUT, adapter_metadata, fmt_diffusers, fmt
 
 from h3trt.errors import UserError
 from h3trt.models import lora_slots
-from h3trt.models.checkpoint_writer import random_state_dict
+from h3trt.models.checkpoint.writer import random_state_dict
 from h3trt.models.dit import build_dit, sdpa_attention
 from h3trt.models.lora import LoraSpec, merge_loras
 from h3trt.models.lora_slots import BlockLora, LoraSlots

@@ -13,7 +13,7 @@ import pytest
 
 from h3trt.adapters.use import AdapterUse
 from h3trt.models.packing import Geometry
-from h3trt.models.sparse_plan import SparseSettings
+from h3trt.models.sparse.plan import SparseSettings
 from h3trt.models.step_cache import StepCacheConfig
 from h3trt.request.parse import RequestDefaults, parse_object
 from h3trt.request.parts import Canvas, Guidance, Inputs, ScheduleChoice, ScheduleFrom, ScheduleValues, Speed

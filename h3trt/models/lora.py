@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint_names import native_name
+from .checkpoint.names import native_name
 from .config import H3Config
 from .lora_file import FL2VA_COMPONENT, REF2VA_COMPONENT, LoraError, LoraFile, LoraModule, pruned_message, read_lora
 

@@ -38,7 +38,7 @@ from ..adapters.use import AdapterUse  # its home since issue 48; importers here
 from ..engines.caps import NO_LORA_SLOTS
 from ..errors import UserError
 from ..models.config import H3Config
-from ..models.distilled import turbo_alpha
+from ..models.distilled.families import turbo_alpha
 from ..models.lora import SCALE_RANGE, LoraScaleError, LoraSpec, native_target, route
 from ..models.lora_file import LoraError, LoraFile, read_lora
 from ..models.lora_slots import BLOCK_TARGETS, LoraRun, LoraSlots, SlotRecord

@@ -8,10 +8,10 @@ import torch
 
 from ..models.runner import DiTRunner
 from ..models.sampler import Latents, Schedule
-from ..models.sparse_kernels import sparse_block
-from ..models.sparse_run import SparseRun
+from ..models.sparse.kernels import sparse_block
+from ..models.sparse.run import SparseRun
 from ..models.step_cache import StepCache
-from ..models.vsa_plan import VsaRun, request_vsa_run
+from ..models.vsa.plan import VsaRun, request_vsa_run
 from ..request.request import Request
 
 

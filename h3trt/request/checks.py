@@ -14,11 +14,11 @@ from pathlib import Path
 from ..engines.manifest import Manifest
 from ..engines.request_check import check_request as check_manifest_request
 from ..errors import MediaError, UserError, about
-from ..models.checkpoint import check_component_files
+from ..models.checkpoint.reader import check_component_files
 from ..models.packing import frames_for_duration
 from ..models.sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT, Schedule, check_steps
 from ..models.text_encoder import TOKENIZER_DIR
-from ..models.vsa_plan import check_vsa_request
+from ..models.vsa.plan import check_vsa_request
 from .fields import MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, Names
 from .request import Admitted, Request
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from typing import Callable
 
 from ..errors import UserError
-from ..models.checkpoint import TASKS
+from ..models.checkpoint.reader import TASKS
 from ..models.lora import MAX_LORA_SCALE
 from ..models.sampler import MAX_STEPS, MIN_STEPS
 from .profiles import PROFILE_NAMES

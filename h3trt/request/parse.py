@@ -35,10 +35,10 @@ from typing import Callable, Mapping
 from ..adapters.use import parse_lora_field
 from ..engines.manifest import Manifest
 from ..errors import UserError
-from ..models.checkpoint import TASKS
+from ..models.checkpoint.reader import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
-from ..models.sparse_plan import SparseSettings
+from ..models.sparse.plan import SparseSettings
 from .fields import KEY_WORDS, KEYS, Names  # the schema's keys and their words, from its one table of fields
 from .parts import CanvasDefaults, ScheduleChoice, ScheduleValues, task_of
 from .profiles import request_profile_fields, with_bundle_sparse

@@ -1,6 +1,6 @@
 """Named speed profiles: step reuse and block-sparse attention chosen together, by one name (`h3trt run --profile`,
 a request line's or an API job's "profile"). A profile sets a request's step cache (models/step_cache.py) and its
-`sparse_attention` / `sparse_dense_steps` (models/sparse_attention.py); a knob stated explicitly (a flag, a key) wins
+`sparse_attention` / `sparse_dense_steps` (models/sparse/attention.py); a knob stated explicitly (a flag, a key) wins
 over the profile's value for that knob, and only for that knob.
 
 | profile  | step cache (first-block, DBCache Fn=1 Bn=0)           | sparse attention           |
@@ -25,7 +25,7 @@ import math
 from dataclasses import asdict, dataclass
 
 from ..errors import UserError
-from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.sparse.plan import SparseSettings, sparse_settings
 from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig, check_knob
 
 DBCACHE_WARMUP = 4  # SGLang's max_warmup_steps for H3's profiles
@@ -74,7 +74,7 @@ def profile_fields(profile: str | None, cache: str | None = None, sparse_attenti
     step-cache kind, --cache), `cache_knobs` (StepCacheConfig's fields, each None when not stated), the sparsity.
     A knob given explicitly overrides the profile's value for it; `cache` naming another kind than the profile's
     replaces the profile's step cache (its knobs were the other kind's). The sparse values are checked here, before
-    any model loads (models/sparse_plan.py; `where` "--" names the flags in a message, "" the request keys)."""
+    any model loads (models/sparse/plan.py; `where` "--" names the flags in a message, "" the request keys)."""
     base = None
     if profile is not None:
         if profile not in PROFILES:
