@@ -29,18 +29,18 @@ import torch.nn.functional as F
 
 from .engines.manifest import MANIFEST
 from .errors import UserError
-from .models.distilled.families import DistilledSpec
-from .models.lora_file import sha256_of
-from .models.packing import unpatchify
-from .models.runner import NO_EXTRAS, EvalExtras
-from .models.vsa.plan import VsaSettings
 from .jobs.admission import admit
 from .jobs.model_source import Entry, ModelSource, SourceKind
 from .media.encoder import rgb_to_yuv420
+from .models.distilled.families import DistilledSpec
+from .models.lora_format import sha256_of
+from .models.packing import unpatchify
+from .models.runner import NO_EXTRAS, EvalExtras
+from .models.vsa.plan import VsaSettings
 from .pipeline.evaluation import new_step_cache
 from .pipeline.h3_pipeline import H3Pipeline
-from .pipeline.records import StageTimer
 from .pipeline.prepare import Prepared
+from .pipeline.records import StageTimer
 from .request.profiles import profile_fields
 from .request.request import Request
 

@@ -18,7 +18,7 @@ rows (128 text + 2 x 207 audio + 37 x 24 x 42 video); --tiny: H3Config.tiny() ov
 Per precision (--precision; fp8 is the headline bundle's recipe: W8A8 e4m3 block linears with static per-tensor
 scales from ModelOpt's max calibration on the layer's input, fast accumulation, FP8 attention; --no-fp8-attention
 keeps attention in bf16) the `block` segment and two twins with adapters are made by the builder's own functions
-(build/segments.py block_segment, block_lora_segment over models/lora_slots.py BLOCK_TARGETS, as `h3trt build
+(build/segments.py block_segment, block_lora_segment over adapters/slots.py BLOCK_TARGETS, as `h3trt build
 --lora-slots N --lora-max-rank R` makes them; example inputs by build/examples.py lora_examples): `block_lora` in the
 FUSED layout (the build's: the rank rows merged into a bf16 weight for the call, or inside an FP8 linear's one GEMM)
 and `block_lora_delta` in the DELTA layout (the side branch beside the base linear, the arithmetic before issue 44).
@@ -49,7 +49,7 @@ Per step: ms per block x num_layers (50): H3 runs one DiT evaluation per step (C
 left out. Against the reference: the Diffusers MiniMaxH3TransformerBlock, eager, bf16, default SDPA, one block.
 
 Loading and switching (scripts/bench_lora_load.py): two full-size rank-R adapter files (0.6 GB at rank 64) read and
-loaded (its rows: the one-pass read+hash floor, read_lora, LoraSlots.read onto the device, the load of a read file,
+loaded (its rows: the one-pass read+hash floor, read_lora, AdapterSlots.read onto the device, the load of a read file,
 the load from the path; bar: load_from_path <= read_lora), then under engines/guard.py no_compile on the first
 precision's FUSED runner: `select`, the evaluation after switching between resident slots, and after loading the
 second adapter into the slot the first held (its output equal to the other slot's: the new data reached the compiled
@@ -82,10 +82,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_lora_load import ADAPTED, load_adapters, switching, timed_s  # noqa: E402
 from bench_lora_setup import (Inputs, attention_kernels, block_tensors, layer_blocks, make_inputs,  # noqa: E402
                               random_blocks, recipe_for, reference, shape_of, versions)
+from h3trt.adapters.slots import BLOCK_TARGETS, DELTA, FUSED, AdapterRun, AdapterSlots, row_groups  # noqa: E402
 from h3trt.engines.bundle import EngineDiT  # noqa: E402
 from h3trt.engines.guard import no_compile  # noqa: E402
 from h3trt.models.config import NUM_MODALITIES, H3Config  # noqa: E402
-from h3trt.models.lora_slots import BLOCK_TARGETS, DELTA, FUSED, LoraRun, LoraSlots, row_groups  # noqa: E402
 from h3trt.models.runner import EvalExtras  # noqa: E402
 
 BF16 = torch.bfloat16
@@ -125,7 +125,7 @@ def phase(name: str, seconds: int):
         signal.signal(signal.SIGALRM, previous)
 
 
-def compile_segments(cfg: H3Config, recipe, dense_kernel: str, layers: list, inp: Inputs, slots: LoraSlots,
+def compile_segments(cfg: H3Config, recipe, dense_kernel: str, layers: list, inp: Inputs, slots: AdapterSlots,
                      work: Path, dev: torch.device) -> tuple[dict, dict, dict]:
     """`block` and its twins with adapters compiled as `h3trt build --lora-slots N --lora-max-rank R` compiles them
     (TWINS: the build's FUSED, and DELTA for the comparison): ({name: spec}, {name: loaded segment},
@@ -134,7 +134,7 @@ def compile_segments(cfg: H3Config, recipe, dense_kernel: str, layers: list, inp
     from h3trt.build.examples import lora_examples
     from h3trt.build.segments import block_lora_segment, block_segment
     from h3trt.engines.loaders import load_segment
-    from h3trt.engines.manifest import LoraSlotsRecord
+    from h3trt.engines.manifest import AdapterSlotsRecord
 
     plain = block_segment(cfg, BF16, recipe, attention=dense_kernel)
     specs = {"block": plain}
@@ -144,7 +144,7 @@ def compile_segments(cfg: H3Config, recipe, dense_kernel: str, layers: list, inp
     tensors = block_tensors(layers[0])
     example = [inp.x, layers[0].modulation(inp.temb).contiguous(), inp.adaln_index, *inp.rope,
                *[tensors[n] for n in plain.weights]]
-    record = LoraSlotsRecord(slots.num_slots, slots.max_rank, slots.targets)
+    record = AdapterSlotsRecord(slots.num_slots, slots.max_rank, slots.targets)
     g = torch.Generator().manual_seed(0)
     twin_example = lora_examples(example, specs["block_lora"], cfg, record, g)
     (work / "segments").mkdir(parents=True, exist_ok=True)
@@ -159,7 +159,7 @@ def compile_segments(cfg: H3Config, recipe, dense_kernel: str, layers: list, inp
 
 
 def engine(cfg_l: H3Config, specs: dict, segments: dict, layers: list, inp: Inputs, dev: torch.device,
-           slots: LoraSlots | None, twin: str = "block_lora") -> EngineDiT:
+           slots: AdapterSlots | None, twin: str = "block_lora") -> EngineDiT:
     """The bundle's runner over `layers` (their own weights, AdaLN tables baked from their own projections), with
     stand-ins for embed (hands back x and temb) and final (hands back x); with `slots`, the bundle built with them,
     its block_lora being the compiled `twin`."""
@@ -191,7 +191,7 @@ def evaluate(dit: EngineDiT, inp: Inputs, lora=None) -> torch.Tensor:
     return x
 
 
-def eager_stack(layers: list, recipe, kernels: dict, inp: Inputs, run: LoraRun | None,
+def eager_stack(layers: list, recipe, kernels: dict, inp: Inputs, run: AdapterRun | None,
                 layout: str = DELTA) -> torch.Tensor:
     """The same layers eager (models/dit.py Block with the recipe's modules), the adapters of `run` on every linear
     (in `layout`; DELTA: the bf16 side branch beside the base) and on the AdaLN projection as the eager DiT applies
@@ -209,15 +209,15 @@ def eager_stack(layers: list, recipe, kernels: dict, inp: Inputs, run: LoraRun |
     return x
 
 
-def padded_run(slots: LoraSlots, scale: float) -> LoraRun:
+def padded_run(slots: AdapterSlots, scale: float) -> AdapterRun:
     """The rows an evaluation carried before issue 44: every row of every slot (K = N entries of max rank R), slot 0
     at `scale` and the others at 0 (the padding the old arithmetic computed)."""
     rows = list(range(slots.num_slots * slots.max_rank))
     scales = [scale] * slots.max_rank + [0.0] * (len(rows) - slots.max_rank)
-    return LoraRun(slots.by_block, *row_groups(rows, scales, slots.device), ((0, scale),))
+    return AdapterRun(slots.by_block, *row_groups(rows, scales, slots.device), ((0, scale),))
 
 
-def timed_rows(slots: LoraSlots) -> dict[str, tuple[str | None, object]]:
+def timed_rows(slots: AdapterSlots) -> dict[str, tuple[str | None, object]]:
     """Row -> (runner: None for the one without slots, else its twin; the evaluation's adapters)."""
     rows = {"no_slots": (None, None), "slots_no_adapter": ("block_lora", None),
             "slots_scale0": ("block_lora", slots.select([(0, 0.0)])),
@@ -394,7 +394,7 @@ def run(args) -> dict:
             result["reference"] = reference(cfg, blocks[0], inp, dev, timer)
             kernels = attention_kernels(args, cfg, layout, dev)
             result["attention"] = {p: c.to_dict() for p, c in kernels.items()}
-        slots = LoraSlots(cfg, "t2va", args.slots, args.rank, BF16, dev)
+        slots = AdapterSlots(cfg, "t2va", args.slots, args.rank, BF16, dev)
         with phase("adapter files: write, read, load", args.phase_timeout):
             result["adapter_load"] = load_adapters(cfg, slots, work, args.rank, dev, args.load_repeats)
         ctx = {"args": args, "cfg": cfg, "inp": inp, "dev": dev, "slots": slots, "kernels": kernels,

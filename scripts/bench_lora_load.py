@@ -3,13 +3,13 @@ slot costs no more than reading its file; switching compiles nothing).
 
 Rows, seconds, each the median of --load-repeats (files just written: reads come from the page cache):
   file_read_hash    one pass over the file: read in 32 MB chunks and sha256 (the floor of any load that hashes)
-  read_lora         lora_file.read_lora, the read the slots used before issue 44: every tensor copied out of the
+  read_lora         lora_format.read_lora, the read the slots used before issue 44: every tensor copied out of the
                     file on the host, then the file hashed in a second pass (the issue's "reading its file")
-  slots_read        LoraSlots.read: models/lora_stream.py, the file read once onto the slots' device, each chunk
+  slots_read        AdapterSlots.read: adapters/stream.py, the file read once onto the slots' device, each chunk
                     hashed as it is read and copied through pinned buffers on a side stream while the next is read
-  load_read_file    LoraSlots.load of a file read onto the device: routing, finiteness checked there (one sync),
+  load_read_file    AdapterSlots.load of a file read onto the device: routing, finiteness checked there (one sync),
                     the copies into the banks
-  load_from_path    LoraSlots.load(slot, path): slots_read + load_read_file, what a server's switch costs
+  load_from_path    AdapterSlots.load(slot, path): slots_read + load_read_file, what a server's switch costs
                     (bar: <= read_lora)
 """
 
@@ -25,9 +25,9 @@ import torch
 
 from bench_common import sync  # noqa: F401  (first: puts this checkout on sys.path)
 
+from h3trt.adapters.slots import AdapterSlots, target_shape
 from h3trt.engines.guard import no_compile
 from h3trt.models.config import H3Config
-from h3trt.models.lora_slots import LoraSlots, target_shape
 
 BF16 = torch.bfloat16
 ADAPTED = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2")  # issue 38: every attention and MLP linear
@@ -72,10 +72,10 @@ def read_and_hash(path: Path) -> str:
     return h.hexdigest()
 
 
-def load_adapters(cfg: H3Config, slots: LoraSlots, work: Path, rank: int, dev: torch.device, repeats: int) -> dict:
+def load_adapters(cfg: H3Config, slots: AdapterSlots, work: Path, rank: int, dev: torch.device, repeats: int) -> dict:
     """Write adapters A and B, time reading and loading them (module doc); leaves A in slot 0 and B in slot 1 (one
     slot: A)."""
-    from h3trt.models.lora_file import read_lora
+    from h3trt.models.lora_format import read_lora
 
     files = {name: work / f"adapter_{name}.safetensors" for name in ("A", "B")}
     t0 = time.perf_counter()
@@ -109,7 +109,7 @@ def wall_ms(fn, dev: torch.device, iters: int) -> float:
     return statistics.median(timed_s(fn, dev)[1] for _ in range(iters)) * 1e3
 
 
-def switching(evaluate, slots: LoraSlots, files: dict, dev: torch.device, iters: int) -> dict:
+def switching(evaluate, slots: AdapterSlots, files: dict, dev: torch.device, iters: int) -> dict:
     """Under no_compile: switch between resident slots, then load B where A was (a used slot, from its path); the
     evaluations that follow, and the steady evaluation, all by the wall clock. `evaluate(run)`: one evaluation."""
     one = [(0, 1.0)]

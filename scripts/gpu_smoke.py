@@ -153,9 +153,9 @@ def write_adapter(path: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
+    from h3trt.adapters.slots import BLOCK_TARGETS
     from h3trt.models.config import H3Config
     from h3trt.models.dit import build_dit
-    from h3trt.models.lora_slots import BLOCK_TARGETS
 
     cfg = H3Config.tiny()
     shapes = {k.removesuffix(".weight"): v.shape for k, v in build_dit(cfg, torch.float32, "meta").state_dict().items()}

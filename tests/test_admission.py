@@ -9,10 +9,10 @@ import pytest
 from h3trt.errors import UserError, about
 from h3trt.jobs.admission import admit
 from h3trt.jobs.model_source import Entry, ModelSource
-from h3trt.request.fields import FLAGS, KEY_WORDS
-from h3trt.request.request import Request
-from h3trt.request.parse import RequestDefaults, parse_object
 from h3trt.request import fields as schema
+from h3trt.request.fields import FLAGS, KEY_WORDS
+from h3trt.request.parse import RequestDefaults, parse_object
+from h3trt.request.request import Request
 from h3trt.server.service import ApiError
 
 from test_errors import _fake_bundle
@@ -227,7 +227,7 @@ def test_the_steps_bound_is_the_tables_at_every_front_door(tmp_path, tiny_root, 
     `h3trt build --steps` (which started baking 100000 steps)."""
     import h3trt.build.builder as builder
     from h3trt.build.config import BuildConfig
-    from h3trt.request.parts import ScheduleValues
+    from h3trt.models.sampler import ScheduleValues
 
     low, high = schema.VALUES["steps"].schema["minimum"], schema.VALUES["steps"].schema["maximum"]
     entry = Entry.local(device="cpu")

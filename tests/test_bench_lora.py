@@ -15,15 +15,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts")
 import bench_lora  # noqa: E402
 import bench_lora_load  # noqa: E402
 
+from h3trt.adapters.slots import AdapterSlots  # noqa: E402
 from h3trt.models.config import H3Config  # noqa: E402
-from h3trt.models.lora_slots import LoraSlots  # noqa: E402
 
 
 def test_the_bench_adapter_loads_into_the_slots_on_every_attention_and_mlp_linear_only(tmp_path):
     cfg = H3Config.tiny()
     path = tmp_path / "adapter.safetensors"
     assert bench_lora_load.write_adapter(path, cfg, 8, 0, torch.device("cpu")) == path.stat().st_size
-    slots = LoraSlots(cfg, "t2va", 2, 8)
+    slots = AdapterSlots(cfg, "t2va", 2, 8)
     record = slots.load(0, path)
     assert record.rank == 8 and record.layout == "original names"
     assert set(record.targets) == {f"blocks.{i}.{n}" for i in range(cfg.num_layers) for n in bench_lora.ADAPTED}
@@ -49,7 +49,7 @@ def test_the_summary_sets_each_row_against_no_slots_and_checks_the_bars():
 
 def test_the_old_rows_carry_every_row_of_every_slot_and_the_new_ones_the_adapters_own(tmp_path):
     cfg = H3Config.tiny()
-    slots = LoraSlots(cfg, "t2va", 2, 24, torch.float32)
+    slots = AdapterSlots(cfg, "t2va", 2, 24, torch.float32)
     for slot, rank in ((0, 20), (1, 24)):
         path = tmp_path / f"rank{rank}.safetensors"
         bench_lora_load.write_adapter(path, cfg, rank, slot, torch.device("cpu"))

@@ -25,6 +25,11 @@ from test_lora_adapters import tiny_factors
 
 from conftest import BUNDLE_STEPS, SLOT_BUNDLE
 from helpers import dit_inputs
+from h3trt.adapters.merge import LoraSpec
+from h3trt.adapters.resident import ResidentAdapters
+from h3trt.adapters.slots import BLOCK_TARGETS, segment_lora_names
+from h3trt.adapters.spec import AdapterSpec
+from h3trt.adapters.use import AdapterUse
 from h3trt.build.config import BuildConfig
 from h3trt.build.segments import dit_segments
 from h3trt.cli import main
@@ -32,18 +37,15 @@ from h3trt.engines.adaln import load_adaln
 from h3trt.engines.bundle import Engine, EngineDiT
 from h3trt.engines.guard import no_compile
 from h3trt.engines.loaders import load_weights
-from h3trt.engines.manifest import LoraSlotsRecord, content_sha256, read_manifest
+from h3trt.engines.manifest import AdapterSlotsRecord, content_sha256, read_manifest
 from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
 from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
-from h3trt.models.lora import LoraSpec
-from h3trt.models.lora_slots import BLOCK_TARGETS, segment_lora_names
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, ResidentAdapters
 from h3trt.request.fields import KEY_WORDS as KEYS
 from h3trt.request.request import Request
 
@@ -87,7 +89,7 @@ def _schedule(manifest) -> Schedule:
 
 def test_the_manifest_records_the_slots_and_the_block_lora_twin(slot_bundle):
     m = read_manifest(slot_bundle)
-    assert m.lora_slots == LoraSlotsRecord(SLOTS, MAX_RANK, BLOCK_TARGETS)
+    assert m.lora_slots == AdapterSlotsRecord(SLOTS, MAX_RANK, BLOCK_TARGETS)
     twin, block = m.segments["block_lora"], m.segments["block"]
     assert twin["inputs"] == block["inputs"] + ["lora_rows", "lora_row_scales"] and twin["weights"] == block["weights"]
     assert twin["dynamic"]["lora_rows"] == {"0": "G"}  # any adapter set, one compiled twin

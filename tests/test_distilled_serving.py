@@ -12,21 +12,21 @@ import types
 import pytest
 import torch
 
+from h3trt.adapters.merge import LoraSpec
+from h3trt.adapters.spec import AdapterSpec
+from h3trt.adapters.use import AdapterUse
 from h3trt.build import builder
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.errors import UserError
-from h3trt.adapters.use import AdapterUse
 from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.models.vsa import kernels as vsa_kernels
 from h3trt.models.config import H3Config
 from h3trt.models.distilled.families import DistilledSpec
 from h3trt.models.distilled.schedule import pdd_schedule
 from h3trt.models.distilled.writer import write_fasth3, write_pdd, write_turbo
-from h3trt.models.lora import LoraSpec
 from h3trt.models.sampler import Schedule
 from h3trt.models.vsa.plan import (VsaServing, VsaSettings, check_vsa_request, choose_vsa_kernel, request_vsa_run,
                                    served_vsa_settings)
-from h3trt.pipeline.adapters import AdapterSpec
 from h3trt.pipeline.prepare import prepare
 from h3trt.request.parse import parse_object
 from h3trt.request.request import Request
@@ -167,7 +167,10 @@ def test_max_batch_on_a_fasth3_vsa_model_is_refused_before_any_job(h3trt, tmp_pa
     vsa = write_fasth3(tmp_path / "fasth3-vsa.safetensors", CFG, seed=3, gates=True)
     plain = write_fasth3(tmp_path / "fasth3.safetensors", CFG, seed=3)
     requests = tmp_path / "r.jsonl"
-    requests.write_text('{"id": "a", "task": "t2va", "prompt": "a fox"}\n{"id": "b", "task": "t2va", "prompt": "a cat"}\n')
+    # The cheapest canvas (tests/serving.py SMALL's): a tiny model named by its path is no embedded default, so lines
+    # without one ran the plain model's two clips at the full-size default canvas (3 minutes of CI for a batch check).
+    line = '{"id": "%s", "task": "t2va", "prompt": "a %s", "width": 128, "height": 32}\n'
+    requests.write_text(line % ("a", "fox") + line % ("b", "cat"))
     for file, refused in ((vsa, True), (plain, False)):
         code, err = h3trt("run", "--model", str(tiny_root), "--distilled", str(file), "--requests", str(requests),
                           "--out-dir", str(tmp_path / file.stem), "--max-batch", "2", "--quiet")

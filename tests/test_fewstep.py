@@ -18,24 +18,24 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 from safetensors.torch import load_file, save_file
 
+from h3trt.adapters.merge import LoraSpec, merge_loras
 from h3trt.build.adaln import schedule_timesteps
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import read_manifest
+from h3trt.media.inputs import read_video
 from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT, build_dit
-from h3trt.models.lora import LoraSpec, merge_loras
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.models.step_cache import StepCache, StepCacheConfig
 from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
-from h3trt.media.inputs import read_video
 from h3trt.pipeline.h3_pipeline import H3Pipeline
+from h3trt.pipeline.prepare import prepare
 from h3trt.request.parts import CanvasDefaults
 from h3trt.request.request import Request
-from h3trt.pipeline.prepare import prepare
 from test_lora import ReferencePipe
 
 STEPS, VIDEO_SHIFT, SCALE = 8, 5.0, 0.7

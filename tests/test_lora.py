@@ -19,14 +19,14 @@ from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_c
 from diffusers.utils.peft_utils import get_peft_kwargs
 from safetensors.torch import save_file
 
+from h3trt.adapters.merge import LoraSpec, merge_loras
 from h3trt.cli import main
-from h3trt.models.weight_layout import interleave_qkv
 from h3trt.models.checkpoint.writer import random_state_dict
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
-from h3trt.models.lora import LoraSpec, merge_loras
-from h3trt.models.lora_file import LoraError, read_lora
+from h3trt.models.lora_format import LoraError, read_lora
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.weight_layout import interleave_qkv
 
 REL_TOL = 2e-5
 CFG = H3Config.tiny(head_dim=128)

@@ -1,4 +1,4 @@
-"""Resident LoRA adapters picked per request (issue 38 items 2 and 4, the eager path; pipeline/adapters.py): a
+"""Resident LoRA adapters picked per request (issue 38 items 2 and 4, the eager path; h3trt/adapters/): a
 request with adapter A at scale s denoises as the model with A merged at s, a request without one is the model
 without adapters bit for bit, every bad `lora` is refused before any work naming the field, batches never mix
 adapter sets, and a server with two resident adapters gives each job its own.
@@ -16,6 +16,11 @@ import torch
 
 from test_lora import fmt_kohya, fmt_original, write
 
+from h3trt.adapters.merge import LoraSpec
+from h3trt.adapters.spec import AdapterSpec
+from h3trt.adapters.use import parse_lora_field
+from h3trt.adapters.use import batch_key
+from h3trt.adapters.use import AdapterUse
 from h3trt.cli import main
 from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
@@ -23,14 +28,10 @@ from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.jobs.work import layout_key
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
-from h3trt.models.lora import LoraSpec
-from h3trt.adapters.use import parse_lora_field
-from h3trt.adapters.use import batch_key
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse
-from h3trt.request.parse import parse_object
-from h3trt.request.fields import KEY_WORDS as KEYS
-from h3trt.request.request import Request
 from h3trt.pipeline.prepare import prepare
+from h3trt.request.fields import KEY_WORDS as KEYS
+from h3trt.request.parse import parse_object
+from h3trt.request.request import Request
 
 ATOL = 1e-5
 BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")
@@ -117,12 +118,12 @@ def test_admission_refuses_unknown_names_too_many_and_bundles_naming_lora(files,
 
 def test_a_bundle_without_slots_refuses_adapters_in_one_line(files, monkeypatch):
     """(A bundle with slots serves them: tests/test_bundle_lora.py, which also refuses them on a bundle without.)"""
-    from h3trt.pipeline.adapters import BUNDLE_REFUSAL, check_adapters
+    from h3trt.adapters.checks import NO_LORA_SLOTS, check_adapters
 
     with pytest.raises(UserError, match="built without LoRA slots, so it serves no per-request adapters; rebuild it "
                                         r"with h3trt build \.\.\. --lora-slots N --lora-max-rank R") as e:
-        check_adapters((AdapterUse("a"),), (AdapterSpec("a", files[0]),), BUNDLE_REFUSAL)
-    assert e.value.field == "lora" and "\n" not in BUNDLE_REFUSAL
+        check_adapters((AdapterUse("a"),), (AdapterSpec("a", files[0]),), NO_LORA_SLOTS)
+    assert e.value.field == "lora" and "\n" not in NO_LORA_SLOTS
 
 
 def test_adapter_flag_parsing(tmp_path, capsys):

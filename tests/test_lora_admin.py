@@ -1,5 +1,5 @@
-"""Adapters loaded and unloaded while a server runs (issue 38 item 2; pipeline/adapter_catalog.py, the rank's slot
-cache in pipeline/adapters.py ResidentAdapters, the admin calls in server/lora_routes.py), in this process:
+"""Adapters loaded and unloaded while a server runs (issue 38 item 2; adapters/catalog.py, the rank's slot
+cache in adapters/resident.py ResidentAdapters, the admin calls in server/lora_routes.py), in this process:
 
   - the ranks' slots are a cache keyed by sha256: more distinct adapters than slots across requests, each request's
     denoise equals its one-adapter run bit for bit, and the slot evicted is the least recently used one that the
@@ -22,15 +22,17 @@ import torch
 from test_lora import fmt_original, write
 from test_lora_adapters import PROMPT, tiny_factors
 
+from h3trt.adapters.catalog import STATE_FILE, AdapterCatalog
+from h3trt.adapters.shape import SlotShape
+from h3trt.adapters.spec import AdapterSpec
+from h3trt.adapters.use import parse_lora_field
+from h3trt.adapters.use import AdapterUse
 from h3trt.errors import UserError
 from h3trt.jobs.model_source import Entry
 from h3trt.models.config import H3Config
-from h3trt.models.lora_file import LoraError
-from h3trt.pipeline.adapter_catalog import STATE_FILE, AdapterCatalog
-from h3trt.adapters.use import parse_lora_field
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, SlotShape
-from h3trt.request.request import Request
+from h3trt.models.lora_format import LoraError
 from h3trt.pipeline.prepare import prepare
+from h3trt.request.request import Request
 
 KEY = "test-key-lora-admin"
 
@@ -69,7 +71,7 @@ def test_the_slots_are_a_cache_and_each_request_equals_its_one_adapter_run(folde
     """One model loaded; each pipeline built from its parts with adapters of its own (constructors take built
     parts): the cache's with 2 slots of rank 4 holding a at start, and one per adapter holding only it (fitted: one
     slot of rank 4, the same banks' shapes, so the same clip bit for bit)."""
-    from h3trt.pipeline.adapters import ResidentAdapters
+    from h3trt.adapters.resident import ResidentAdapters
     from h3trt.pipeline.h3_pipeline import H3Pipeline
     from h3trt.pipeline.loading import load_checkpoint
 
@@ -108,14 +110,14 @@ def test_the_slots_are_a_cache_and_each_request_equals_its_one_adapter_run(folde
 def test_adapters_at_start_beyond_the_free_slots_are_read_when_first_named(folder, monkeypatch):
     """A --lora-dir may hold many more adapters than the slots: each rank reads at start only those that fill the
     free slots (a full-size adapter is hundreds of MB); one named later by a request is read then, once."""
-    import h3trt.pipeline.adapters as adapters
-    from h3trt.models.lora_slots import LoraSlots
+    import h3trt.adapters.resident as resident_module
+    from h3trt.adapters.slots import AdapterSlots
 
     read = []
-    real = LoraSlots.read
-    monkeypatch.setattr(LoraSlots, "read", lambda self, path: read.append(Path(path).name) or real(self, path))
+    real = AdapterSlots.read
+    monkeypatch.setattr(AdapterSlots, "read", lambda self, path: read.append(Path(path).name) or real(self, path))
     specs = tuple(AdapterSpec(n, folder / f"{n}.safetensors") for n in "abc")
-    resident = adapters.ResidentAdapters(specs, H3Config.tiny(), "t2va", torch.float32, torch.device("cpu"),
+    resident = resident_module.ResidentAdapters(specs, H3Config.tiny(), "t2va", torch.float32, torch.device("cpu"),
                                          SlotShape(1, 4))
     assert read == ["a.safetensors"]
     run = resident.select((AdapterUse("c", 0.5),))
@@ -126,7 +128,7 @@ def test_adapters_at_start_beyond_the_free_slots_are_read_when_first_named(folde
 
 
 def test_a_job_runs_only_the_file_it_was_admitted_with(folder, tmp_path):
-    from h3trt.pipeline.adapters import ResidentAdapters
+    from h3trt.adapters.resident import ResidentAdapters
 
     cache = ResidentAdapters((), H3Config.tiny(), "t2va", torch.float32, torch.device("cpu"), SlotShape(1, 4))
     moved = tmp_path / "x.safetensors"
@@ -159,7 +161,7 @@ def test_the_set_survives_a_restart_and_a_lost_file_is_logged_not_fatal(folder, 
     assert json.loads(state.read_text()) == {"loaded": [{"name": "style", "file": "c.safetensors", "scale": 0.5}],
                                              "unloaded": ["a"]}
     # Resolution: the file and hash of now; a later reload of the name never changes what was resolved.
-    resolved = again.resolve(Request.of(PROMPT, lora=(AdapterUse("style"),))).adapters
+    resolved = again.resolve((AdapterUse("style"),))
     assert resolved == (AdapterUse("style", 0.5, str(folder / "c.safetensors"), sha256(folder / "c.safetensors")),)
     again.unload("style")
     again.load("style", "a.safetensors")
@@ -226,8 +228,8 @@ def _error(r, status: int, param: str | None, words: str) -> dict:
 def test_an_adapters_scale_is_bounded_where_it_is_stated_and_the_schema_says_so(admin, folder, capsys):
     """A strength of 1e30 held a worker through its whole denoise to fail as numerical_error: a request's scale, an
     admin call's default, --adapter's and --lora's are refused outside the one bound, which the API's schema states."""
+    from h3trt.adapters.scale import MAX_LORA_SCALE
     from h3trt.cli import main
-    from h3trt.models.lora import MAX_LORA_SCALE
 
     client, service, _ = admin
     words = f"must be a finite number from {-MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g}"
@@ -403,8 +405,8 @@ def test_a_lora_dir_file_the_server_cannot_serve_is_skipped_listed_and_named_to_
     with why, and a job naming one is refused with that reason; so are the adapters loras.json names that fail now."""
     from fastapi.testclient import TestClient
 
-    from h3trt.models import lora_memory
-    from h3trt.models.lora_memory import unit_bytes
+    from h3trt.adapters import memory as slots_memory
+    from h3trt.adapters.memory import unit_bytes
     from h3trt.server.app import create_app
     from h3trt.server.metrics import Metrics
     from h3trt.server.options import ServeOptions
@@ -459,7 +461,7 @@ def test_a_lora_dir_file_the_server_cannot_serve_is_skipped_listed_and_named_to_
     # A rank the memory cannot hold for the slots fitted at start is skipped too (the set stays up).
     write(d / "huge.safetensors", fmt_original({"blocks.0.mlp.fc2": (torch.randn(128, 96), torch.randn(64, 128))}))
     unit = unit_bytes(H3Config.tiny(), dtype=torch.float32)
-    monkeypatch.setattr(lora_memory, "memory_of", lambda device: (4 * 100 * unit, "a small host"))
+    monkeypatch.setattr(slots_memory, "memory_of", lambda device: (4 * 100 * unit, "a small host"))
     fitted = Entry.local(device="cpu", folder=d).adapter_catalog()
     assert fitted.shape == SlotShape(4, 64) and "huge" not in fitted.names()
     assert "rank 128, over the largest rank these slots may have in memory (100)" in {

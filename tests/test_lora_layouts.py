@@ -1,4 +1,4 @@
-"""The arithmetic of LoRA rank rows (h3trt/models/lora_slots.py; issue 44 item 3, issue 45 item 8) against the eager
+"""The arithmetic of LoRA rank rows (h3trt/adapters/slots.py; issue 44 item 3, issue 45 item 8) against the eager
 adapter y = base(x) + sum_k scale_k (x A_k^T) B_k^T, computed here in float64:
 
   - FUSED on a plain linear (the weight merged for the call) and on NVFP4's dequantized weight: fp32 within 1e-5
@@ -20,10 +20,10 @@ import torch
 from test_lora import CFG
 from test_lora_slots import forward, layout_file, model, state  # noqa: F401  (state: the module's fixture)
 
+from h3trt.adapters.slots import (DELTA, LORA_INPUTS, ROW_GROUP, AdapterBlock, AdapterSlots, adapted_linear,
+                                  adapter_delta, gather_rows, row_groups)
 from h3trt.calibration.formats import FP8, e2m1_values, quantize_fp8
 from h3trt.calibration.modules import FP8Linear, NVFP4Linear, SmoothedFP8Linear, SmoothedNVFP4Linear
-from h3trt.models.lora_slots import (DELTA, LORA_INPUTS, ROW_GROUP, BlockLora, LoraSlots, adapted_linear, gather_rows,
-                                     lora_delta, row_groups)
 
 N_IN, N_OUT = 96, 64  # one part's output rows; qkv-like linears have 3
 
@@ -72,7 +72,7 @@ def test_a_plain_linear_computes_with_the_merged_weight(parts, dtype, tol):
     assert factors[0].shape == (parts, 32, N_IN)  # 29 rows of the adapters' own ranks, padded to two groups
     want = exact(x, linear.weight, down.to(dtype), up.to(dtype), USES)
     fused = adapted_linear(linear, x, *factors, scales)
-    side = linear(x) + lora_delta(x, *factors, scales).to(dtype)  # DELTA
+    side = linear(x) + adapter_delta(x, *factors, scales).to(dtype)  # DELTA
     assert fused.dtype == dtype and rel(fused, want) <= tol and rel(side, want) <= tol
     assert rel(linear(x), want) > 0.1  # the adapters move the output far beyond the bound
 
@@ -135,13 +135,13 @@ def test_a_linear_without_fused_arithmetic_is_refused():
 
     (down, up), rows, scales = banks(1)
     with pytest.raises(TypeError, match="Odd has no fused LoRA arithmetic"):
-        BlockLora({"mlp.fc2": (down, up)}, rows, scales)("mlp.fc2", Odd(), torch.randn(3, N_IN))
+        AdapterBlock({"mlp.fc2": (down, up)}, rows, scales)("mlp.fc2", Odd(), torch.randn(3, N_IN))
     with pytest.raises(ValueError, match="LoRA layout 'merged': pick one of"):
-        BlockLora({}, rows, scales, "merged")
+        AdapterBlock({}, rows, scales, "merged")
 
 
 def test_an_adapter_at_scale_0_is_not_computed_and_changes_no_bit(state, tmp_path):  # noqa: F811
-    s = LoraSlots(CFG, "t2va", 2, 8, torch.float32)
+    s = AdapterSlots(CFG, "t2va", 2, 8, torch.float32)
     s.load(0, layout_file(tmp_path, "kohya_alpha_tensors", 1))
     s.load(1, layout_file(tmp_path, "original_alpha_less", 2))
     assert s.select([(0, 0.0)]) is None and s.select([(0, 0.0), (1, 0)]) is None  # the base model, exactly
@@ -157,7 +157,7 @@ def test_the_bytes_do_not_depend_on_the_slots_count_or_max_rank(state, tmp_path)
     """`run --adapter` fits its slots to its files (here 2 of rank 4); `serve --lora-dir` makes 4 of rank 64 and puts
     the adapters where they fall: the same adapters at the same scales give the same bytes, in both layouts."""
     a, b = layout_file(tmp_path, "kohya_alpha_tensors", 1), layout_file(tmp_path, "diffusers_prefixed", 2)
-    fitted, roomy = LoraSlots(CFG, "t2va", 2, 4, torch.float32), LoraSlots(CFG, "t2va", 4, 64, torch.float32)
+    fitted, roomy = AdapterSlots(CFG, "t2va", 2, 4, torch.float32), AdapterSlots(CFG, "t2va", 4, 64, torch.float32)
     for slots, (slot_a, slot_b) in ((fitted, (0, 1)), (roomy, (3, 1))):
         slots.load(slot_a, a)
         slots.load(slot_b, b)
@@ -205,9 +205,9 @@ def compiled(spec, example, tmp_path):
         return load_segment("inductor", {"name": spec.name, **entry}, tmp_path, torch.device("cpu"))
 
 
-def filled_slots(cfg, g) -> LoraSlots:
+def filled_slots(cfg, g) -> AdapterSlots:
     """Two bf16 slots of max rank 24 on layer 0: slot 0 of rank 24, slot 1 of rank 9 (rows past 9 zero)."""
-    slots = LoraSlots(cfg, "t2va", 2, 24, torch.bfloat16)
+    slots = AdapterSlots(cfg, "t2va", 2, 24, torch.bfloat16)
     for down, up in slots.by_block[0].values():
         for bank in (down, up):
             bank.copy_(torch.randn(bank.shape, generator=g) / bank.shape[-1] ** 0.5)
@@ -239,11 +239,11 @@ def block_under_test(precision: str):
 def test_the_compiled_twin_takes_any_row_count_without_compiling_and_equals_eager(precision, tmp_path):
     """block_lora as `h3trt build --lora-slots` compiles it: evaluations with 2, 3 and 6 row groups run the one
     artifact under the no-compile guard and equal the eager function (bf16: 1e-2, its rounding in two fusions)."""
+    from h3trt.adapters.slots import BLOCK_TARGETS
     from h3trt.build.examples import lora_examples
     from h3trt.build.segments import block_lora_segment, block_segment
     from h3trt.engines.guard import no_compile
-    from h3trt.engines.manifest import LoraSlotsRecord
-    from h3trt.models.lora_slots import BLOCK_TARGETS
+    from h3trt.engines.manifest import AdapterSlotsRecord
 
     cfg, block, (x, mod, adaln_index, rope), recipe = block_under_test(precision)
     plain = block_segment(cfg, torch.bfloat16, recipe)
@@ -252,7 +252,8 @@ def test_the_compiled_twin_takes_any_row_count_without_compiling_and_equals_eage
     tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
     weights = [tensors[n] for n in plain.weights]
     g = torch.Generator().manual_seed(3)
-    example = lora_examples([x, mod, adaln_index, *rope, *weights], twin, cfg, LoraSlotsRecord(2, 24, BLOCK_TARGETS), g)
+    example = lora_examples([x, mod, adaln_index, *rope, *weights], twin, cfg, AdapterSlotsRecord(2, 24, BLOCK_TARGETS),
+                            g)
     slots = filled_slots(cfg, g)
     segment = compiled(twin, example, tmp_path)
     inputs = slots.block_inputs(0)
@@ -280,14 +281,14 @@ def test_the_compiled_halves_twins_take_any_row_count_and_compose_to_the_block_t
     compiles them: evaluations with 2, 3 and 6 row groups run the two artifacts under the no-compile guard; each
     equals its eager function (bf16: 1e-2), and pre -> attention -> post equals the fused block_lora's eager function
     on the same rows (the same arithmetic, cut in two), while the adapters move it by more than 1e-2."""
+    from h3trt.adapters.slots import BLOCK_TARGETS, segment_lora_names
     from h3trt.build.examples import lora_examples
     from h3trt.build.segments import (block_lora_segment, block_post_segment, block_pre_segment, block_segment,
                                       half_lora_segment)
     from h3trt.engines.bundle import one_rank_exchange
     from h3trt.engines.guard import no_compile
-    from h3trt.engines.manifest import LoraSlotsRecord
+    from h3trt.engines.manifest import AdapterSlotsRecord
     from h3trt.models.dit import sdpa_attention
-    from h3trt.models.lora_slots import BLOCK_TARGETS, segment_lora_names
 
     cfg, block, (x, mod, adaln_index, rope), recipe = block_under_test(precision)
     tensors = {**dict(block.named_parameters()), **dict(block.named_buffers())}
@@ -300,7 +301,7 @@ def test_the_compiled_halves_twins_take_any_row_count_and_compose_to_the_block_t
     w_pre, w_post = ([tensors[n] for n in h.weights] for h in (pre, post))
     with torch.no_grad():
         attn = one_rank_exchange(pre.fn(x, mod, adaln_index, *rope, *w_pre), sdpa_attention)
-    record = LoraSlotsRecord(2, 24, BLOCK_TARGETS)
+    record = AdapterSlotsRecord(2, 24, BLOCK_TARGETS)
     examples = [lora_examples([x, mod, adaln_index, *rope, *w_pre], twins[0], cfg, record, g),
                 lora_examples([x, attn, mod, adaln_index, *w_post], twins[1], cfg, record, g)]
     segments = [compiled(t, e, tmp_path) for t, e in zip(twins, examples)]
@@ -326,7 +327,7 @@ def test_the_compiled_halves_twins_take_any_row_count_and_compose_to_the_block_t
 
 
 def slots_record(rank: int):
-    from h3trt.models.lora_slots import SlotRecord
+    from h3trt.adapters.slots import SlotRecord
 
     return SlotRecord("f.safetensors", "f.safetensors", "0" * 64, "test", "alpha-less", "transformer", rank,
                       (), 0)

@@ -5,12 +5,12 @@ are refused in one line before anything loads, naming the largest value that fit
 import pytest
 import torch
 
+from h3trt.adapters import memory as slots_memory
+from h3trt.adapters.memory import check_slots_fit, unit_bytes
+from h3trt.adapters.slots import AdapterSlots
 from h3trt.errors import UserError
 from h3trt.jobs.model_source import Entry
-from h3trt.models import lora_memory
 from h3trt.models.config import H3Config
-from h3trt.models.lora_memory import check_slots_fit, unit_bytes
-from h3trt.models.lora_slots import LoraSlots
 
 from test_lora import fmt_original, write
 from test_lora_adapters import tiny_factors
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
 
 def test_the_slots_bytes_are_the_banks_bytes_and_the_largest_values_that_fit_are_named():
     cfg = H3Config.tiny()
-    slots = LoraSlots(cfg, "t2va", 3, 5, torch.float32, "meta")
+    slots = AdapterSlots(cfg, "t2va", 3, 5, torch.float32, "meta")
     assert 3 * 5 * unit_bytes(cfg, dtype=torch.float32) == sum(
         d.numel() * d.element_size() + u.numel() * u.element_size() for d, u in slots.banks.values())
     unit = unit_bytes(cfg, dtype=torch.float32)
@@ -56,7 +56,7 @@ def test_serve_refuses_its_slots_past_the_memory_flags_or_fitted(tmp_path, tiny_
         entry.adapter_catalog()
     assert adapter.exists()
     unit = unit_bytes(H3Config.tiny(), dtype=torch.float32)
-    monkeypatch.setattr(lora_memory, "memory_of", lambda device: (4 * 63 * unit, "a small host"))
+    monkeypatch.setattr(slots_memory, "memory_of", lambda device: (4 * 63 * unit, "a small host"))
     with pytest.raises(UserError, match=r"^the slots fitted to the adapters at start \(4 of rank 64; --lora-slots and "
                                         r"--lora-max-rank set them\): .*: --lora-slots 3 at --lora-max-rank 64, or "
                                         r"--lora-max-rank 63 at --lora-slots 4\.$"):

@@ -1,5 +1,5 @@
-"""LoRA adapters in slots beside the weights (h3trt/models/lora_slots.py) against the same files merged
-(h3trt/models/lora.py merge_loras, itself checked against diffusers in tests/test_lora.py).
+"""LoRA adapters in slots beside the weights (h3trt/adapters/slots.py) against the same files merged
+(h3trt/adapters/merge.py merge_loras, itself checked against diffusers in tests/test_lora.py).
 
 The files are test_lora.py's, in every layout it writes, restricted to the main blocks' linears (slots hold only
 those; the rest is refused, see test_refusals_name_the_problem_and_the_fix). fp32 eager: unmerged equals merged to
@@ -12,12 +12,12 @@ import torch
 from helpers import dit_inputs
 from test_lora import CFG, FORMATS, LAYOUT, adapter_metadata, fmt_diffusers, fmt_original, original_factors, write
 
+from h3trt.adapters import slots as slots_module
+from h3trt.adapters.merge import LoraSpec, merge_loras
+from h3trt.adapters.slots import AdapterBlock, AdapterSlots
 from h3trt.errors import UserError
-from h3trt.models import lora_slots
 from h3trt.models.checkpoint.writer import random_state_dict
 from h3trt.models.dit import build_dit, sdpa_attention
-from h3trt.models.lora import LoraSpec, merge_loras
-from h3trt.models.lora_slots import BlockLora, LoraSlots
 from h3trt.models.packing import row_timesteps
 
 ATOL = 1e-5
@@ -67,8 +67,8 @@ def assert_close(got, want, base=None):
         assert max((w - b).abs().max().item() for w, b in zip(want, base)) > 100 * ATOL
 
 
-def slots(n=2, rank=8, **kw) -> LoraSlots:
-    return LoraSlots(CFG, "t2va", n, rank, torch.float32, **kw)
+def slots(n=2, rank=8, **kw) -> AdapterSlots:
+    return AdapterSlots(CFG, "t2va", n, rank, torch.float32, **kw)
 
 
 @pytest.mark.parametrize("name", sorted(FORMATS))
@@ -89,7 +89,7 @@ def test_no_adapter_is_the_model_without_slots_bit_for_bit(state, tmp_path, monk
     s.load(0, layout_file(tmp_path, "kohya_alpha_tensors", 1))
     dit = model(state)
     assert s.select([]) is None
-    monkeypatch.setattr(lora_slots, "gather_rows", lambda *a: pytest.fail("the side branch ran"))
+    monkeypatch.setattr(slots_module, "gather_rows", lambda *a: pytest.fail("the side branch ran"))
     for got, want in zip(forward(dit, s.select([])), plain):
         assert torch.equal(got, want)
     with pytest.raises(pytest.fail.Exception, match="side branch ran"):  # the patch is the one the model calls
@@ -180,7 +180,7 @@ def test_a_compiled_block_does_not_recompile_when_the_adapter_changes(state, tmp
     names = list(s.block_inputs(0))
 
     def block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *bank):
-        lora = BlockLora.from_inputs(dict(zip(names, bank)), lora_rows, lora_row_scales)
+        lora = AdapterBlock.from_inputs(dict(zip(names, bank)), lora_rows, lora_row_scales)
         return block(x, mod, adaln_index, (cos, sin), sdpa_attention, lora)
 
     torch._dynamo.reset()
@@ -211,14 +211,14 @@ def test_a_compiled_block_does_not_recompile_when_the_adapter_changes(state, tmp
 
 def test_an_fp8_base_takes_the_rows_into_its_own_gemm_and_is_left_untouched(tmp_path):
     """The slots' default dtype is bf16; beside calibration's W8A8 FP8Linear the FUSED layout computes A's rows from
-    the base's own e4m3 input and adds the up-projection inside the base's one FP8 GEMM (formats.fp8_lora_linear),
+    the base's own e4m3 input and adds the up-projection inside the base's one FP8 GEMM (formats.fp8_adapter_linear),
     never writing to the base's buffers. Tolerance: the adapter's part of the output (y - base(x), fp32 activations,
     peft's scaling folded) within 10% (relative norm) of the bf16 side branch scale * (x @ A^T) @ B^T: e4m3 keeps 3
     mantissa bits, and the rows pass two FP8 GEMMs (the base's own error against its fp32 weights is ~4% here)."""
     from h3trt.calibration.formats import FP8
     from h3trt.calibration.modules import FP8Linear
 
-    s = LoraSlots(CFG, "t2va", 2, 8)
+    s = AdapterSlots(CFG, "t2va", 2, 8)
     assert all(t.dtype == torch.bfloat16 for pair in s.banks.values() for t in pair)
     factors = block_factors(1, "blocks.1.mlp.fc2")
     s.load(1, write(tmp_path / "fc2.safetensors", fmt_original(factors, "diffusion_model.")))
@@ -238,5 +238,5 @@ def test_an_fp8_base_takes_the_rows_into_its_own_gemm_and_is_left_untouched(tmp_
     err = ((got - base(x)) - want).norm() / want.norm()
     assert err <= 0.10, f"adapter part off the bf16 branch by {err:.3f}"
     assert (got - base(x)).norm() > 0.1 * base(x).norm()  # and it moved the output
-    delta = run.block(1, layout=lora_slots.DELTA)("mlp.fc2", base, x)  # the bf16 branch beside it: the reference
+    delta = run.block(1, layout=slots_module.DELTA)("mlp.fc2", base, x)  # the bf16 branch beside it: the reference
     assert ((delta - base(x)) - want).norm() / want.norm() < 1e-2

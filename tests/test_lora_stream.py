@@ -1,5 +1,5 @@
-"""A LoRA file read once onto the slots' device (h3trt/models/lora_stream.py; issue 44: loading an adapter costs no
-more than reading its file): the same LoraFile as lora_file.read_lora (every layout, alpha rule, tensor and the file's
+"""A LoRA file read once onto the slots' device (h3trt/adapters/stream.py; issue 44: loading an adapter costs no
+more than reading its file): the same LoraFile as lora_format.read_lora (every layout, alpha rule, tensor and the file's
 sha256) from one pass, through the reader thread and staging buffers in chunks smaller than the tensors, a
 misaligned tensor included; a short or damaged file refused in one line; a non-finite factor refused, checked where
 the factors are, with the slot kept. The CUDA parts (pinned buffers, the side stream, its events) run on a GPU only:
@@ -16,10 +16,10 @@ import torch
 from test_lora import CFG, FORMATS, fmt_original, write
 from test_lora_slots import block_factors, layout_file
 
+from h3trt.adapters.slots import AdapterSlots
+from h3trt.adapters.stream import Staging, _fill, read_lora_to
 from h3trt.errors import UserError
-from h3trt.models.lora_file import LoraError, read_lora
-from h3trt.models.lora_slots import LoraSlots
-from h3trt.models.lora_stream import Staging, _fill, read_lora_to
+from h3trt.models.lora_format import LoraError, read_lora
 
 CPU = torch.device("cpu")
 
@@ -44,15 +44,15 @@ def test_one_pass_reads_what_read_lora_reads(name, tmp_path):
 
 
 def test_the_slots_load_a_path_in_one_pass_as_they_load_the_read_file(tmp_path, monkeypatch):
-    import h3trt.models.lora_file as lora_file
+    import h3trt.models.lora_format as lora_format
 
     path = layout_file(tmp_path, "kohya_alpha_tensors", 2)
-    via_read = LoraSlots(CFG, "t2va", 2, 8, torch.float32)
+    via_read = AdapterSlots(CFG, "t2va", 2, 8, torch.float32)
     via_read.load(1, read_lora(path, CFG.head_dim))
     passes = []
-    real = lora_file.sha256_of
-    monkeypatch.setattr(lora_file, "sha256_of", lambda p: passes.append(p) or real(p))  # read_lora's second pass
-    via_path = LoraSlots(CFG, "t2va", 2, 8, torch.float32)
+    real = lora_format.sha256_of
+    monkeypatch.setattr(lora_format, "sha256_of", lambda p: passes.append(p) or real(p))  # read_lora's second pass
+    via_path = AdapterSlots(CFG, "t2va", 2, 8, torch.float32)
     record = via_path.load(1, path)
     assert not passes and record == via_read.records[1]
     for name, bank in via_read.banks.items():
@@ -97,7 +97,7 @@ def test_a_short_or_damaged_file_is_one_line(tmp_path):
 
 
 def test_a_non_finite_factor_is_refused_where_it_lies_and_the_slot_is_kept(tmp_path):
-    s = LoraSlots(CFG, "t2va", 2, 8, torch.float32)
+    s = AdapterSlots(CFG, "t2va", 2, 8, torch.float32)
     s.load(0, layout_file(tmp_path, "original_alpha_less", 1))
     held = [t.clone() for pair in s.banks.values() for t in pair]
     factors = block_factors(2)

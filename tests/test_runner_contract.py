@@ -173,8 +173,9 @@ def test_a_bundles_caps_come_from_its_manifest():
     fields, each changed alone."""
     from types import SimpleNamespace
 
-    from h3trt.engines.caps import NO_LORA_SLOTS, NO_SPARSE_HALVES, SHARDED_SPARSE_KERNEL, bundle_caps
-    from h3trt.engines.manifest import LoraSlotsRecord, SparseRecord
+    from h3trt.adapters.checks import NO_LORA_SLOTS
+    from h3trt.engines.caps import NO_SPARSE_HALVES, SHARDED_SPARSE_KERNEL, bundle_caps
+    from h3trt.engines.manifest import AdapterSlotsRecord, SparseRecord
     from h3trt.models.vsa.plan import VsaServing, VsaSettings
 
     batched = {"block": {"inputs": ["x"], "dynamic": {"x": {"0": "B", "1": "S"}}}}
@@ -191,7 +192,7 @@ def test_a_bundles_caps_come_from_its_manifest():
     assert caps(backend="tensorrt").sparse_problem is None  # the plans fuse attention: NO_SPARSE_KERNEL's words
     vsa = VsaServing(VsaSettings(), "reference")
     assert caps(vsa=vsa).vsa == vsa and caps(vsa=vsa).sparse_kernel is None
-    slots = LoraSlotsRecord(3, 4, ("attn.qkv_proj",))
+    slots = AdapterSlotsRecord(3, 4, ("attn.qkv_proj",))
     assert (caps(lora_slots=slots).adapter_slots, caps(lora_slots=slots).adapter_problem) == (3, None)
     assert bundle_caps(SimpleNamespace(**{**plain, "lora_slots": slots}), pinned=1).adapter_slots == 2
     assert not caps(segments={"block": {"inputs": ["x"], "dynamic": {"x": {"1": "S"}}}}).batches

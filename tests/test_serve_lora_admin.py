@@ -10,7 +10,7 @@ the one before:
 
 and, at every default flag (issue 45 item 8), a served clip is its `h3trt run --adapter` clip byte for byte: the
 server's slots (4 of rank 64) and run's (fitted to the file: one of rank 4) compute the adapter's own rank rows, never
-a slot's padding (models/lora_slots.py).
+a slot's padding (adapters/slots.py).
 """
 
 import hashlib

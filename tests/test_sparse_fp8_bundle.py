@@ -67,7 +67,7 @@ def test_the_build_records_the_fp8_kernel_it_chose(fp8_sparse_bundle):
 
 
 def sparse_evaluation(engine, seed=1, lora=None):
-    """One sparse evaluation of the engine's DiT on the tiny model's layout, with the adapters `lora` (a LoraRun) or
+    """One sparse evaluation of the engine's DiT on the tiny model's layout, with the adapters `lora` (a AdapterRun) or
     none; (outputs, the SparseRun)."""
     cfg = engine.dit.cfg
     layout = pack_t2va(text_tags_for(11), 37, 6, 10, 207)
@@ -111,7 +111,9 @@ def test_an_adapter_runs_through_the_halves_twins_around_the_fp8_sparse_attentio
     from test_lora import fmt_original, write
     from test_lora_adapters import tiny_factors
 
-    from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, ResidentAdapters
+    from h3trt.adapters.resident import ResidentAdapters
+    from h3trt.adapters.spec import AdapterSpec
+    from h3trt.adapters.use import AdapterUse
 
     engine = Engine.load(fp8_sparse_bundle, "cpu")
     m = engine.manifest

@@ -19,6 +19,11 @@ from test_lora_adapters import tiny_factors
 
 from conftest import BUNDLE_STEPS
 from helpers import dit_inputs
+from h3trt.adapters.merge import LoraSpec, merge_loras
+from h3trt.adapters.resident import ResidentAdapters
+from h3trt.adapters.slots import BLOCK_TARGETS, LORA_INPUTS, segment_lora_names
+from h3trt.adapters.spec import AdapterSpec
+from h3trt.adapters.use import AdapterUse
 from h3trt.build.config import BuildConfig
 from h3trt.cli import main
 from h3trt.engines.adaln import load_adaln
@@ -32,14 +37,11 @@ from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.media.inputs import read_video
 from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
-from h3trt.models.lora import LoraSpec, merge_loras
-from h3trt.models.lora_slots import BLOCK_TARGETS, LORA_INPUTS, segment_lora_names
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.sparse.plan import sparse_settings
 from h3trt.models.sparse.run import SparseRun
-from h3trt.pipeline.adapters import AdapterSpec, AdapterUse, ResidentAdapters
 from h3trt.request.fields import KEY_WORDS as KEYS
 from h3trt.request.request import Request
 

@@ -21,6 +21,8 @@ from helpers import dit_inputs
 from test_lora import fmt_original, write
 from test_lora_adapters import tiny_factors
 
+from h3trt.adapters.schedule import adapter_schedules
+from h3trt.adapters.spec import AdapterSpec
 from h3trt.build.adaln import schedule_timesteps
 from h3trt.build.config import BuildConfig
 from h3trt.cli import main
@@ -34,11 +36,10 @@ from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
-from h3trt.pipeline.adapter_schedule import adapter_schedules
-from h3trt.request.parts import ScheduleFrom, ScheduleValues
-from h3trt.pipeline.adapters import AdapterSpec
-from h3trt.request.parse import RequestDefaults, parse_object
+from h3trt.models.sampler import ScheduleValues
 from h3trt.request.fields import KEY_WORDS as KEYS
+from h3trt.request.parse import RequestDefaults, parse_object
+from h3trt.request.parts import ScheduleFrom
 from h3trt.request.request import Request
 
 REL_TOL = 1e-5  # test_engine.py's compiled-vs-eager bound for fp32 bundles

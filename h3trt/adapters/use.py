@@ -1,5 +1,5 @@
 """One adapter a request asks for (its `lora` field's entries): what the request states, what admission resolved it
-to, and what the worker runs (pipeline/adapters.py ResidentAdapters) and a batch keys on; and the `lora` field itself,
+to, and what the worker runs (resident.py ResidentAdapters) and a batch keys on; and the `lora` field itself,
 read (`parse_lora_field`) and written back (`lora_field`)."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from ..errors import UserError
-from ..models.lora import SCALE_RANGE, scale_in_range
+from .scale import SCALE_RANGE, scale_in_range
 
 
 @dataclass(frozen=True)

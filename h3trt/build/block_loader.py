@@ -3,7 +3,7 @@
 
 Each block is read from the checkpoint when it is asked for (models/checkpoint/stream.py: pread of its tensors'
 bytes, nothing else of the model), copied to the device, converted there to the native layout and the build dtype,
-its --lora files merged (models/lora.py LoraMerge: the same fp32 sums as merge_loras) and assigned into a fresh Block,
+its --lora files merged (adapters/merge.py LoraMerge: the fp32 sums of merge_loras) and assigned into a fresh Block,
 then the --distilled file's patches of that block fused into it (models/distilled/merge.py fuse_into, filtered to the
 block; a parameter the checkpoint lacks and the file assigns whole, a FastH3-VSA file's `attn.to_gate_compress`, is
 made there by the fusion's assign): the tensors `load_dit`, `merge_loras` and `merge_distilled` would have given it.
@@ -23,12 +23,12 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 import torch
 
+from ..adapters.merge import LoraMerge
 from ..models.checkpoint.stream import CheckpointTensors, NativeTensor
 from ..models.config import H3Config
-from ..models.dit import Block, parameter_dtype
 from ..models.distilled.files import Fusion
 from ..models.distilled.merge import fuse_into
-from ..models.lora import LoraMerge
+from ..models.dit import Block, parameter_dtype
 
 READ_THREADS = 4  # preads of one block in flight (tmpfs and the page cache serve them in parallel)
 SLOTS = 2  # host buffers: the block being copied to the device, and the next one being read
@@ -160,8 +160,7 @@ def assigned_places(shapes: dict[str, torch.Size], state: dict[str, torch.Tensor
                     dtype: torch.dtype, device: torch.device) -> dict[str, torch.Tensor]:
     """The parameters of `shapes` (names under `prefix`) the checkpoint lacks, which `fusion` assigns whole (a
     FastH3-VSA file's gates, `.set_weight`): each an empty tensor at its place, whose values fuse_into's assign then
-    writes, as checkpoint.reader.load_dit takes them from the file (the caller checked that the fusion assigns every
-    one)."""
+    writes, as checkpoint.load_dit takes them from the file (the caller checked that the fusion assigns every one)."""
     assigned = fusion.assigned() if fusion is not None else {}
     places = {}
     for name, shape in shapes.items():

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters.merge import merge_loras
 from ..calibration.build import block_weight_sets, calibrate_dit
 from ..calibration.recipe import QuantRecipe
 from ..calibration.vae_fp8 import EXECUTION as VAE_FP8_EXECUTION
@@ -38,9 +39,8 @@ from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
 from ..models.checkpoint.reader import load_dit
-from ..models.dit import H3DiT
 from ..models.distilled.merge import merge_distilled
-from ..models.lora import merge_loras
+from ..models.dit import H3DiT
 from .adaln import bake_tables, schedule_timesteps
 from .backends import compile_segment
 from .check import check_in_fresh_process

@@ -8,8 +8,11 @@ from dataclasses import dataclass
 from functools import cached_property
 from pathlib import Path
 
+from ..adapters.memory import check_slots_fit
+from ..adapters.merge import LoraSpec
+from ..adapters.slots import BLOCK_TARGETS
 from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_exclusions
-from ..engines.manifest import LoraSlotsRecord
+from ..engines.manifest import AdapterSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
 from ..models.checkpoint.reader import TASK_PARTITIONS, CheckpointError, locate_transformer
@@ -17,16 +20,13 @@ from ..models.config import H3Config
 from ..models.distilled.families import DistilledServing, DistilledSpec, plan_distilled
 from ..models.distilled.contract import checkpoint_contract, refuse_export_base
 from ..models.distilled.schedule import uniform_rungs
-from ..models.lora import LoraSpec
-from ..models.lora_memory import check_slots_fit
-from ..models.lora_slots import BLOCK_TARGETS
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
 from ..models.sparse.fp8 import FP8_SPARSE_KERNELS
 from ..models.sparse.plan import SparseSettings, sparse_settings
-from ..models.vsa.plan import VsaSettings, served_vsa_settings, vsa_settings
 from ..models.vae_precision import VAEPrecision
+from ..models.vsa.plan import VsaSettings, served_vsa_settings, vsa_settings
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
 from .segments import check_sharded_recipe
@@ -98,7 +98,7 @@ class BuildConfig:
     # The block-sparse kernel (build/sparse_choice.py): auto (the fastest measured at the bundle's shape on a GPU), or
     # one named (fa4, fp8 with --fp8-attention, reference, fp8_emulated).
     sparse_kernel: str = "auto"
-    # Per-request LoRA adapters (models/lora_slots.py): N slots of max rank R on every main block's linears; the
+    # Per-request LoRA adapters (adapters/slots.py): N slots of max rank R on every main block's linears; the
     # bundle compiles block_lora beside block, and with --sparse-attention the halves' twins beside the halves
     # (build/segments.py). None and None: no slots.
     lora_slots: int | None = None
@@ -112,8 +112,8 @@ class BuildConfig:
     vsa_sparsity: float | None = None
     vsa_dense_first_steps: int | None = None
     vsa_dense_layers: tuple[int, ...] | None = None
-    # A distilled checkpoint (models/distilled/families.py) fused in fp32 after the LoRAs, before calibration; the
-    # bundle bakes its family's schedule, and only that one
+    # A distilled checkpoint (models/distilled/families.py) fused in fp32 after the LoRAs, before calibration; the bundle bakes
+    # its family's schedule, and only that one
     distilled: DistilledSpec | None = None
 
     def __post_init__(self):
@@ -281,11 +281,11 @@ class BuildConfig:
         check_slots_fit(cfg, n, r, self.device, self.precision.spec.dtype)
 
     @property
-    def slots(self) -> LoraSlotsRecord | None:
+    def slots(self) -> AdapterSlotsRecord | None:
         """The manifest's record of the LoRA slots (engines/manifest.py), None without any."""
         if self.lora_slots is None:
             return None
-        return LoraSlotsRecord(self.lora_slots, self.lora_max_rank, BLOCK_TARGETS)
+        return AdapterSlotsRecord(self.lora_slots, self.lora_max_rank, BLOCK_TARGETS)
 
     def _check_sparse(self) -> None:
         """--sparse-attention and its knobs: their values (one line, the flags named), and what a bundle that serves
@@ -320,7 +320,7 @@ class BuildConfig:
 
     def vsa(self, num_layers: int) -> VsaSettings:
         """The VSA settings a FastH3-VSA bundle serves (the --vsa-* flags over the sparsity its distilled file or
-        export was distilled at, else FastH3 v1's defaults; vsa.plan.served_vsa_settings), its dense layers checked
+        export was distilled at, else FastH3 v1's defaults; vsa_plan.served_vsa_settings), its dense layers checked
         against the model's `num_layers`."""
         serving = self.distilled_serving
         return served_vsa_settings(serving.vsa if serving is not None else None, self.vsa_sparsity,

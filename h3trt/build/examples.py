@@ -8,13 +8,13 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..adapters.slots import MIN_ROW_GROUPS, ROW_GROUP, row_groups, target_shape
 from ..calibration.build import first_layer
 from ..calibration.recipe import QuantRecipe
 from ..calibration.vae_fp8 import load_video_vae_at
+from ..engines.manifest import AdapterSlotsRecord
 from ..models.config import NUM_MODALITIES, H3Config
-from ..engines.manifest import LoraSlotsRecord
 from ..models.dit import H3DiT
-from ..models.lora_slots import MIN_ROW_GROUPS, ROW_GROUP, row_groups, target_shape
 from ..models.packing import Geometry, PackedLayout, pack_t2va, row_timesteps, text_tags_for
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import decoder_prologue
@@ -33,7 +33,7 @@ def example_layout(cfg: H3Config, geometry: Geometry) -> PackedLayout:
 
 @torch.no_grad()
 def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1, recipe: QuantRecipe | None = None,
-                   sparse: bool = False, slots: LoraSlotsRecord | None = None) -> dict[str, list[torch.Tensor]]:
+                   sparse: bool = False, slots: AdapterSlotsRecord | None = None) -> dict[str, list[torch.Tensor]]:
     """Inputs for every segment at one profile (fl2va with a first keyframe, so condition rows are present), from
     the eager model: the same tensors check the compiled segments. With sp > 1 the block halves get the first rank's
     rows of the padded sequence; at sp=1 with `sparse` (the halves beside the fused block) every row. With `slots`
@@ -91,10 +91,10 @@ def example_inputs(model: H3DiT, geometry: Geometry, device, sp: int = 1, recipe
     return examples
 
 
-def lora_examples(plain: list[torch.Tensor], spec: SegmentSpec, cfg: H3Config, slots: LoraSlotsRecord,
+def lora_examples(plain: list[torch.Tensor], spec: SegmentSpec, cfg: H3Config, slots: AdapterSlotsRecord,
                   g: torch.Generator) -> list[torch.Tensor]:
     """A block_lora twin's inputs from its plain block's: the same activations and weights, every row of every slot
-    selected (padded to whole groups as `LoraSlots.select` pads) at distinct scales per slot, and seeded banks whose
+    selected (padded to whole groups as `AdapterSlots.select` pads) at distinct scales per slot, and seeded banks whose
     side branch moves the output as much as a trained adapter might, so that the fresh-process check really compares
     it.
 

@@ -14,7 +14,7 @@ dimensions that vary between requests, so backends can compile it once for every
 Dimension names: S packed rows, V video rows, A audio rows, L text rows, T distinct timesteps, M = 3T, G groups of
 16 LoRA rank rows.
 
-`block_lora` takes an evaluation's adapters as rank rows (models/lora_slots.py): lora_rows / lora_row_scales
+`block_lora` takes an evaluation's adapters as rank rows (adapters/slots.py): lora_rows / lora_row_scales
 [G, 16], G dynamic, so one compiled segment serves any adapter set of any ranks (one adapter, a style with a Turbo
 LoRA, ...) computing only the rows of the adapters at a nonzero scale: nothing of a slot's padding, nothing of an
 unused slot. The rows come in whole groups of 16 so that the FP8 layout's GEMM reduction stays a multiple of 16 for
@@ -28,15 +28,15 @@ from typing import Callable
 
 import torch
 
+from ..adapters.slots import FUSED, LORA_INPUTS, AdapterBlock, segment_lora_names
+from ..calibration.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
+from ..calibration.recipe import QuantRecipe
+from ..engines.video_decoder import video_decoder_names
 from ..errors import UserError
 from ..models.config import H3Config
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
-from ..models.lora_slots import FUSED, LORA_INPUTS, BlockLora, segment_lora_names
 from ..models.video_vae import decoder_epilogue, decoder_prologue
-from ..calibration.modules import ATTENTION_SCALES, attention_fn, fp8_attention, quantized_template
-from ..calibration.recipe import QuantRecipe
 from ..parallel.ulysses import from_head_groups, to_head_groups
-from ..engines.video_decoder import video_decoder_names
 
 
 
@@ -139,7 +139,7 @@ def block_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, re
     """`plain`'s twin with adapters (`<name>_lora`): the same block, weights and attention, plus the evaluation's
     rank rows [G, 16] (int64) and their scales [G, 16] (fp32) and the layer's slot banks as inputs, so that loading
     or switching an adapter changes data, never code. The base linears keep their weights and precision (bf16, or
-    FP8 / NVFP4 with their scales); `layout` is how the rows join them (models/lora_slots.py LAYOUTS: FUSED, the
+    FP8 / NVFP4 with their scales); `layout` is how the rows join them (adapters/slots.py LAYOUTS: FUSED, the
     build's; DELTA, the side branch beside them, for scripts/bench_lora.py's comparison)."""
     block = _block_template(cfg, dtype, recipe)
     weights, lora = plain.weights, segment_lora_names(targets)
@@ -148,7 +148,7 @@ def block_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, re
 
     def run_block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *rest):
         params = dict(zip(weights, rest[: len(weights)]))
-        adapters = BlockLora.from_inputs(dict(zip(lora, rest[len(weights):])), lora_rows, lora_row_scales, layout)
+        adapters = AdapterBlock.from_inputs(dict(zip(lora, rest[len(weights):])), lora_rows, lora_row_scales, layout)
         scales = {n: params[f"attn.{n}"] for n in ATTENTION_SCALES} if fp8 else None
         return torch.func.functional_call(block, params, (x, mod, adaln_index, (cos, sin),
                                                           attention_fn(scales, kernel), adapters), strict=False)
@@ -176,7 +176,7 @@ class _PreAttention(torch.nn.Module):
         super().__init__()
         self.block, self.sp = block, sp
 
-    def forward(self, x, mod, adaln_index, cos, sin, lora: BlockLora | None = None):
+    def forward(self, x, mod, adaln_index, cos, sin, lora: AdapterBlock | None = None):
         return to_head_groups(*self.block.pre_attention(x, mod, adaln_index, (cos, sin), lora), sp=self.sp)
 
 
@@ -185,7 +185,7 @@ class _PostAttention(torch.nn.Module):
         super().__init__()
         self.block = block
 
-    def forward(self, x, attn, mod, adaln_index, lora: BlockLora | None = None):
+    def forward(self, x, attn, mod, adaln_index, lora: AdapterBlock | None = None):
         return self.block.post_attention(x, from_head_groups(attn), mod, adaln_index, lora)
 
 
@@ -235,7 +235,7 @@ def half_lora_segment(plain: SegmentSpec, cfg: H3Config, dtype: torch.dtype, rec
     def run_half_lora(*args):
         rows, scales = args[acts: acts + len(LORA_INPUTS)]
         rest = args[acts + len(LORA_INPUTS):]
-        adapters = BlockLora.from_inputs(dict(zip(lora, rest[len(weights):])), rows, scales, layout)
+        adapters = AdapterBlock.from_inputs(dict(zip(lora, rest[len(weights):])), rows, scales, layout)
         return torch.func.functional_call(wrapper, {"block." + n: t for n, t in zip(weights, rest)},
                                           (*args[:acts], adapters), strict=False)
 

@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from ..adapters.merge import LoraMerge
 from ..calibration.build import calibration_prompts, calibration_summary, quant_record
 from ..calibration.modules import load_quantized_block
 from ..calibration.recipe import QuantRecipe, layer_segments
@@ -35,9 +36,8 @@ from ..engines.manifest import AdalnRecord
 from ..engines.weights_io import SafetensorsWriter, write_safetensors
 from ..models.checkpoint.reader import check_state_dict, locate_transformer
 from ..models.checkpoint.stream import CheckpointTensors
-from ..models.dit import ADALN_PREFIX, Block, build_dit, rope_inv_freq
 from ..models.distilled.merge import check_fusion
-from ..models.lora import LoraMerge
+from ..models.dit import ADALN_PREFIX, Block, build_dit, rope_inv_freq
 from .adaln import block_table, final_table, schedule_timesteps, time_embedding
 from .block_loader import BlockLoader, load_resident
 from .config import BuildConfig

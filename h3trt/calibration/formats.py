@@ -53,10 +53,10 @@ def fp8_mm(a_MK: torch.Tensor, b_NK: torch.Tensor, scale_a: torch.Tensor, scale_
                             use_fast_accum=fast_accum)
 
 
-def fp8_lora_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torch.Tensor, input_scale: torch.Tensor,
-                    fast_accum: bool, down_PEK: torch.Tensor, up_PEN: torch.Tensor,
-                    scales_E: torch.Tensor) -> torch.Tensor:
-    """fp8_linear plus LoRA rank rows (models/lora_slots.py, FUSED) inside its one FP8 GEMM:
+def fp8_adapter_linear(x: torch.Tensor, weight_NK: torch.Tensor, weight_scale: torch.Tensor,
+                       input_scale: torch.Tensor, fast_accum: bool, down_PEK: torch.Tensor, up_PEN: torch.Tensor,
+                       scales_E: torch.Tensor) -> torch.Tensor:
+    """fp8_linear plus LoRA rank rows (adapters/slots.py, FUSED) inside its one FP8 GEMM:
         h = x A^T                    a small FP8 GEMM of the base's own e4m3 input against A (e4m3, its own scale)
         y = [x | h] @ [W | U]^T      U [N, P*E]: the rows' up factors times their strengths, block-diagonal over the
                                      P parts (part p's outputs see part p's h only)

@@ -10,11 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from ..adapters.slots import merged_weight
 from ..models.attention import bound_attention
 from ..models.dit import Block
-from ..models.lora_slots import merged_weight
 from ..models.precision import Precision
-from .formats import (FP8, NVFP4_GROUP, dequantize_nvfp4, fp8_linear, fp8_lora_linear, nvfp4_weight_only_linear,
+from .formats import (FP8, NVFP4_GROUP, dequantize_nvfp4, fp8_adapter_linear, fp8_linear, nvfp4_weight_only_linear,
                       quantize_fp8)
 from .fp8_attention import center_rows, fp8_sdpa
 from .recipe import QuantRecipe
@@ -34,10 +34,10 @@ class FP8Linear(nn.Module):
     def forward(self, x):
         return fp8_linear(x, self.weight, self.weight_scale, self.input_scale, self.fast_accum)
 
-    def with_lora(self, x, down_PEK, up_PEN, scales_E):
-        """forward(x) with LoRA rank rows in its FP8 GEMM (models/lora_slots.py FUSED; formats.fp8_lora_linear)."""
-        return fp8_lora_linear(x, self.weight, self.weight_scale, self.input_scale, self.fast_accum, down_PEK, up_PEN,
-                               scales_E)
+    def with_adapters(self, x, down_PEK, up_PEN, scales_E):
+        """forward(x) with LoRA rank rows in its FP8 GEMM (adapters/slots.py FUSED; formats.fp8_adapter_linear)."""
+        return fp8_adapter_linear(x, self.weight, self.weight_scale, self.input_scale, self.fast_accum, down_PEK,
+                                  up_PEN, scales_E)
 
 
 class SmoothedFP8Linear(FP8Linear):
@@ -51,10 +51,10 @@ class SmoothedFP8Linear(FP8Linear):
     def forward(self, x):
         return fp8_linear(x * self.pre_quant_scale, self.weight, self.weight_scale, self.input_scale, self.fast_accum)
 
-    def with_lora(self, x, down_PEK, up_PEN, scales_E):
+    def with_adapters(self, x, down_PEK, up_PEN, scales_E):
         """The adapter sees the unsmoothed x: A / s against x * s."""
-        return super().with_lora(x * self.pre_quant_scale, down_PEK.float() / self.pre_quant_scale.float(), up_PEN,
-                                 scales_E)
+        return super().with_adapters(x * self.pre_quant_scale, down_PEK.float() / self.pre_quant_scale.float(),
+                                     up_PEN, scales_E)
 
 
 class NVFP4Linear(nn.Module):
@@ -71,8 +71,8 @@ class NVFP4Linear(nn.Module):
     def forward(self, x):
         return nvfp4_weight_only_linear(x, self.weight_packed, self.weight_block_scale, self.weight_global_scale)
 
-    def with_lora(self, x, down_PEK, up_PEN, scales_E):
-        """forward(x) with LoRA rank rows merged into the weight it dequantizes anyway (models/lora_slots.py FUSED)."""
+    def with_adapters(self, x, down_PEK, up_PEN, scales_E):
+        """forward(x) with LoRA rank rows merged into the weight it dequantizes anyway (adapters/slots.py FUSED)."""
         weight = dequantize_nvfp4(self.weight_packed, self.weight_block_scale, self.weight_global_scale, x.dtype)
         return F.linear(x, merged_weight(weight, down_PEK, up_PEN, scales_E))
 
@@ -88,10 +88,10 @@ class SmoothedNVFP4Linear(NVFP4Linear):
         return nvfp4_weight_only_linear(x * self.pre_quant_scale, self.weight_packed, self.weight_block_scale,
                                         self.weight_global_scale)
 
-    def with_lora(self, x, down_PEK, up_PEN, scales_E):
+    def with_adapters(self, x, down_PEK, up_PEN, scales_E):
         """The adapter sees the unsmoothed x: A / s against x * s."""
-        return super().with_lora(x * self.pre_quant_scale, down_PEK.float() / self.pre_quant_scale.float(), up_PEN,
-                                 scales_E)
+        return super().with_adapters(x * self.pre_quant_scale, down_PEK.float() / self.pre_quant_scale.float(),
+                                     up_PEN, scales_E)
 
 
 ATTENTION_SCALES = ("q_scale", "k_scale", "v_scale")

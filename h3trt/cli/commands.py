@@ -31,9 +31,9 @@ def distilled_spec(args):
 
 
 def cmd_run(args) -> int:
-    from .args import profile_fields_from_args
     from ..request.profiles import with_bundle_sparse
     from ..run.commands import run_clip, run_requests
+    from .args import profile_fields_from_args
 
     if args.requests is not None:
         if args.profile_step is not None:
@@ -44,9 +44,10 @@ def cmd_run(args) -> int:
                             args.crf, args.quiet, args.overwrite)
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
+    from ..models.sampler import ScheduleValues
     from ..models.vsa.plan import vsa_settings
     from ..request.fields import flag_values
-    from ..request.parts import ScheduleChoice, ScheduleValues
+    from ..request.parts import ScheduleChoice
     from ..request.request import Request
 
     if args.vsa_sparsity is not None:

@@ -26,9 +26,9 @@ def build_parser() -> OneLineParser:
 
 
 def _run_parser(sub) -> None:
+    from ..media.output_files import DEFAULT_CRF
     from ..models.packing import DEFAULT_DURATION
     from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, MAX_STEPS, MIN_STEPS
-    from ..media.output_files import DEFAULT_CRF
     from ..request.fields import FLAG_NAMES as flag  # a request field's flag: the field table's
 
     p = sub.add_parser("run", help="generate one MP4 clip (H.264 + AAC 32 kHz stereo, 24 fps)",
@@ -138,7 +138,7 @@ def _speed_arguments(p) -> None:
 
 
 def _lora_argument(p, where: str) -> None:
-    from ..models.lora import LoraSpec
+    from ..adapters.merge import LoraSpec
 
     p.add_argument("--lora", action="append", type=LoraSpec.parse, default=[], metavar="FILE[:SCALE]",
                    help=f"merge a LoRA .safetensors into the DiT at SCALE (default 1, -100 to 100); repeatable "
@@ -155,7 +155,7 @@ def _distilled_argument(p, where: str) -> None:
 
 
 def _adapter_argument(p, how: str) -> None:
-    from ..pipeline.adapters import AdapterSpec
+    from ..adapters.spec import AdapterSpec
 
     p.add_argument("--adapter", action="append", type=AdapterSpec.parse, default=[],
                    metavar="NAME=FILE[:SCALE][@steps=N,video_shift=S,audio_shift=S]",
@@ -169,8 +169,8 @@ def _adapter_argument(p, how: str) -> None:
 
 def slots_bound() -> str:
     """--lora-slots' upper bound, for --help: the slots' bytes against the memory that holds them."""
+    from ..adapters.memory import unit_bytes
     from ..models.config import H3Config
-    from ..models.lora_memory import unit_bytes
 
     return (f"what the memory holds: N x R x {unit_bytes(H3Config()) / 1e6:.1f} MB (full-size H3, bf16) must fit in "
             "the GPU's memory (the host's on the CPU); more is refused, naming the largest N and R that fit")
@@ -210,7 +210,7 @@ def _serve_parser(sub) -> None:
     _lora_argument(p, "--engine: as an adapter on every job, in a bundle built with --lora-slots")
     _adapter_argument(p, "a POST /v1/videos job picks them with its \"lora\" field; GET /v1/loras lists them")
     _distilled_argument(p, "fused into the checkpoint on every rank, run eagerly; a bundle carries its own")
-    from ..pipeline.adapters import SERVE_MAX_RANK, SERVE_SLOTS
+    from ..adapters.shape import SERVE_MAX_RANK, SERVE_SLOTS
 
     p.add_argument("--lora-dir", type=Path, metavar="DIR",
                    help="every DIR/*.safetensors is a resident adapter named by its file stem (scale 1), besides "

@@ -16,26 +16,26 @@ import torch
 import torch.nn.functional as F
 
 # Imported to register h3trt::attention and h3trt::fp8_sdpa, which compiled blocks call by name.
+from ..adapters.slots import ADALN_TARGET, LORA_INPUTS, AdapterRun, AdapterSlots, gather_rows, adapter_delta
 from ..calibration import fp8_attention  # noqa: F401
 from ..calibration.modules import ATTENTION_SCALES
 from ..models.attention import bound_attention, dense_kernel
+from ..models.block_stack import run_block_stack
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import layer_attention, rope_inv_freq, rope_tables, sdpa_attention
 from ..models.packing import PackedLayout
-from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from ..models.distilled.pdd import HEAD_WEIGHTS, PDD_PREFIX, StepHeads
+from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from ..models.sampler import Schedule
-from ..models.block_stack import run_block_stack
-from ..models.lora_slots import ADALN_TARGET, LORA_INPUTS, LoraRun, LoraSlots, gather_rows, lora_delta
 from ..models.sparse.fp8 import FP8_SPARSE_KERNELS
 from ..models.sparse.run import load_sparse_kernel, warm_sparse
 from ..models.vsa.plan import VsaServing, load_vsa_kernel, vsa_call
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
-from .caps import NO_SPARSE_HALVES, bundle_caps
-from .loaders import LoadedSegment, load_segments
 from .bundle_files import BundleVerification
+from .caps import NO_SPARSE_HALVES, bundle_caps
 from .load_checks import check_load
+from .loaders import LoadedSegment, load_segments
 from .manifest import BundleError, Manifest, hash_threads, read_manifest
 from .signing import read_trusted_manifest
 from .tensorrt_runtime import load_trt_engine
@@ -57,7 +57,7 @@ class EngineDiT:
 
     def __init__(self, cfg: H3Config, segments: dict[str, LoadedSegment], entries: dict, weights: dict, adaln,
                  device, group=None, layer_segments: list[str] | None = None, attention_kernel: str | None = None,
-                 sparse_kernel: str | None = None, lora_slots: LoraSlots | None = None,
+                 sparse_kernel: str | None = None, lora_slots: AdapterSlots | None = None,
                  vsa: VsaServing | None = None, final_heads: StepHeads | None = None):
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
         bundle that has them beside its fused block); None: none. An FP8 one (models/sparse/fp8.py) gets each layer's
@@ -168,7 +168,7 @@ class EngineDiT:
 
         return block_fn
 
-    def _check_lora(self, lora: LoraRun, core) -> None:
+    def _check_lora(self, lora: AdapterRun, core) -> None:
         if self.lora_slots is None or lora.blocks is not self.lora_slots.by_block:
             raise ValueError("this evaluation carries LoRA adapters, but not from this bundle's slots (a bundle "
                              "built without --lora-slots has none): load them with ResidentAdapters(..., "
@@ -180,8 +180,8 @@ class EngineDiT:
             raise ValueError(f"{len(lora.uses)} adapters in one evaluation; this bundle holds at most "
                              f"{self.lora_slots.num_slots} at once (--lora-slots).")
 
-    def _block_lora(self, rows, temb, lora: LoraRun):
-        """Layer i as its compiled twin with adapters, given the evaluation's rank rows (models/lora_slots.py: the
+    def _block_lora(self, rows, temb, lora: AdapterRun):
+        """Layer i as its compiled twin with adapters, given the evaluation's rank rows (adapters/slots.py: the
         rows of each adapter's own rank, none of an adapter at scale 0). An AdaLN adapter is the runner's: its side
         branch on silu(temb) [T, E] (T rows, eager) added to the table the bundle serves, as the eager AdaLNProj adds
         it to its projection."""
@@ -192,17 +192,17 @@ class EngineDiT:
 
         return block_fn
 
-    def _lora_modulation(self, i: int, rows, temb, lora: LoraRun) -> torch.Tensor:
+    def _lora_modulation(self, i: int, rows, temb, lora: AdapterRun) -> torch.Tensor:
         """Layer i's modulation table with the evaluation's AdaLN adapters, where the slots adapt AdaLN."""
         mod = self.adaln.block(i, rows, temb)
         if ADALN_TARGET in self.lora_slots.targets:
             rows_E = lora.rows.reshape(-1)
             down, up = (gather_rows(bank, rows_E) for bank in self.lora_slots.by_block[i][ADALN_TARGET])
-            delta = lora_delta(F.silu(temb).to(mod.dtype), down, up, lora.row_scales.reshape(-1))
+            delta = adapter_delta(F.silu(temb).to(mod.dtype), down, up, lora.row_scales.reshape(-1))
             mod = mod + delta.to(mod.dtype).view(mod.shape)
         return mod.contiguous()
 
-    def _sharded_block(self, rows, temb, exchange, core=None, lora: LoraRun | None = None):
+    def _sharded_block(self, rows, temb, exchange, core=None, lora: AdapterRun | None = None):
         """Layer i on this rank's rows: pre half (compiled), exchange + attention (eager), post half (compiled).
         `core`: a sparse evaluation's attention (block-sparse in place of the bundle's: bf16, or FP8 with the
         layer's scales where the kernel is FP8); in one process `exchange` is `one_rank_exchange` and `core` is always
@@ -372,7 +372,7 @@ def _engine_dit(root: Path, manifest: Manifest, segments: dict[str, LoadedSegmen
         sparse_kernel, sparse_problem = None, None
     marks["sparse_s"] = time.perf_counter() - t_sparse
     slots = manifest.lora_slots  # --lora-slots: the banks are allocated here, zeros until an adapter loads
-    lora_slots = (LoraSlots(cfg, manifest.task, slots.slots, slots.max_rank, manifest.precision.spec.dtype, device,
+    lora_slots = (AdapterSlots(cfg, manifest.task, slots.slots, slots.max_rank, manifest.precision.spec.dtype, device,
                             slots.targets) if slots is not None else None)
     dit = EngineDiT(cfg, segments, manifest.segments, weights, adaln, device, sp_group if sharded else None,
                     quant.get("layer_segments"), dense_kernel(attention) if attention else None, sparse_kernel,

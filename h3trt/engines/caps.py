@@ -5,6 +5,7 @@ EngineDiT) carries the same caps, narrowed by what its load found (a kernel that
 
 from __future__ import annotations
 
+from ..adapters.checks import NO_LORA_SLOTS
 from ..models.runner import RunnerCaps
 from .manifest import Manifest
 
@@ -13,9 +14,6 @@ NO_SPARSE_HALVES = ("this bundle serves no block-sparse attention: it was built 
                     "profile: lossless, quality), or rebuild the bundle with h3trt build ... --sparse-attention "
                     "SPARSITY (0: dense unless a request asks), which adds the block's halves around the sparse "
                     "attention.")
-NO_LORA_SLOTS = ("this bundle was built without LoRA slots, so it serves no per-request adapters; rebuild it with "
-                 "h3trt build ... --lora-slots N --lora-max-rank R, or merge the LoRA at build (h3trt build --lora "
-                 "FILE[:SCALE]).")
 # Where a sharded bundle built without --sparse-attention serves block-sparse attention: fa4 between its halves, if
 # it loads on the device (engines/bundle.py bundle_sparse_kernel; the loaded runner's caps say whether it did).
 SHARDED_SPARSE_KERNEL = "fa4"

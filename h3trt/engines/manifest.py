@@ -20,10 +20,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
+from ..adapters.slots import BLOCK_TARGETS
 from ..errors import UserError
 from ..models.checkpoint.reader import TASKS
 from ..models.config import H3Config
-from ..models.lora_slots import BLOCK_TARGETS
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
 from ..models.sparse.kernels import SPARSE_KERNELS
 from ..models.sparse.plan import SparseSettings
@@ -111,7 +111,7 @@ class SparseRecord:
 
 
 @dataclass(frozen=True)
-class LoraSlotsRecord:
+class AdapterSlotsRecord:
     """--lora-slots N --lora-max-rank R: N slots of rank <= R on `targets` of every block; the banks are not stored."""
 
     slots: int  # N; also K, the adapters one evaluation carries (fewer are padded with scale 0: build/segments.py)
@@ -158,7 +158,7 @@ class Manifest:
     loras: tuple[dict, ...]  # the LoRAs merged at build time
     tensorrt: dict | None  # tensorrt bundles: flavour, version, targets
     sparse: SparseRecord | None = None  # --sparse-attention: the default settings and the kernel; None: not built so
-    lora_slots: LoraSlotsRecord | None = None  # --lora-slots: per-request adapters; None (older bundles too): none
+    lora_slots: AdapterSlotsRecord | None = None  # --lora-slots: per-request adapters; None (older bundles too): none
     vsa: VsaServing | None = None  # a FastH3-VSA bundle: its VSA settings and kernel; None: no VSA model
     # --distilled: the family, its schedule and tasks, the file and its sha256 (models/distilled/families.py
     # Distilled.record)
@@ -283,8 +283,8 @@ def _vsa_record(top: "_Fields") -> VsaServing:
         raise top.error("vsa", f"a FastH3-VSA bundle's settings and kernel ({e})") from None
 
 
-def _lora_slots_record(r: "_Fields") -> LoraSlotsRecord:
-    return LoraSlotsRecord(r.positive("slots"), r.positive("max_rank"), tuple(r.strings("targets", BLOCK_TARGETS)))
+def _lora_slots_record(r: "_Fields") -> AdapterSlotsRecord:
+    return AdapterSlotsRecord(r.positive("slots"), r.positive("max_rank"), tuple(r.strings("targets", BLOCK_TARGETS)))
 
 
 # Manifest fields written to JSON as they are (the others: records, tuples and the model config, in to_dict).

@@ -22,10 +22,10 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
+from ..adapters.checks import check_adapters, check_bundle_sparse
 from ..engines.caps import bundle_caps
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
-from ..pipeline.adapters import check_adapters, check_bundle_sparse
 from ..pipeline.prepare import Prepared, prepare
 from ..request.checks import check_bundle_serves, check_prompt_tokens
 from ..request.fields import FLAGS, Names
@@ -34,7 +34,7 @@ from ..request.request import Request
 from .model_source import Entry
 
 if TYPE_CHECKING:
-    from ..pipeline.adapter_catalog import AdapterCatalog
+    from ..adapters.catalog import AdapterCatalog
 
 
 def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_branches: int = 1,
@@ -44,9 +44,9 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
     where it is about one, its words `names`:
 
       1. every input read and checked, the geometry resolved (request.prepare, on `canvas`: None, the entry's)
-      1b. the LoRA adapters it names are resident (pipeline/adapters.py check_adapters; a bundle only if built with
+      1b. the LoRA adapters it names are resident (adapters/checks.py check_adapters; a bundle only if built with
           LoRA slots): in the model's fixed set, or in a server's current set (`adapters`), which resolves them: the
-          prepared request names each adapter's file and sha256 as they are now (pipeline/adapter_catalog.py); and a
+          prepared request names each adapter's file and sha256 as they are now (adapters/catalog.py); and a
           bundle from an earlier h3trt runs them dense only (check_bundle_sparse: its halves have no adapter slots)
       1c. a distilled model (models/distilled/families.py DistilledServing) serves its family's tasks and schedule,
           CFG off
@@ -65,7 +65,7 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
     model, resident = entry.model, entry.adapters
     prepared = prepare(request, model.canvas if canvas is None else canvas, names)
     if adapters is not None and model.adapters_refusal is None:
-        prepared = replace(prepared, request=adapters.resolve(request))
+        prepared = replace(prepared, request=replace(request, adapters=adapters.resolve(request.adapters)))
     else:
         check_adapters(request.adapters, resident.specs, model.adapters_refusal, resident.per_request)
     if model.distilled_serving is not None:  # a distilled family's task, guidance, cache and schedule

@@ -22,6 +22,12 @@ from pathlib import Path
 
 import torch
 
+from ..adapters.catalog import AdapterCatalog
+from ..adapters.checks import NO_LORA_SLOTS, check_bundle_specs, check_specs
+from ..adapters.memory import check_slots_fit, largest_rank
+from ..adapters.merge import LoraSpec
+from ..adapters.schedule import adapter_schedules
+from ..adapters.spec import AdapterSpec, folder_specs
 from ..engines.caps import bundle_caps, static_batch_segments
 from ..engines.manifest import Manifest, bundle_identity, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
@@ -30,22 +36,17 @@ from ..models.checkpoint.reader import TransformerSource, locate_transformer
 from ..models.config import H3Config
 from ..models.distilled.families import DistilledServing, DistilledSpec, plan_distilled
 from ..models.distilled.contract import checkpoint_contract
-from ..models.lora import LoraSpec
-from ..models.lora_memory import check_slots_fit, largest_rank
 from ..models.precision import eager_dtype
-from ..models.sampler import DEFAULT_STEPS
+from ..models.sampler import DEFAULT_STEPS, ScheduleValues
 from ..models.sparse.plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank
 from ..parallel.mesh import MeshConfig, resolve_mesh
-from ..pipeline.adapter_catalog import AdapterCatalog
-from ..pipeline.adapter_schedule import adapter_schedules
-from ..pipeline.adapters import BUNDLE_REFUSAL, AdapterSpec, check_bundle_specs, check_specs, folder_specs
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..pipeline.loading import Components, load_bundle, load_checkpoint
 from ..pipeline.records import torch_bytecode
-from ..request.parts import CanvasDefaults, ScheduleValues
+from ..request.parts import CanvasDefaults
 from ..str_enum import StrEnum
 from .rank import WorkerSpec
 from .supervisor import LaunchKind
@@ -185,7 +186,7 @@ class ModelSource:
         without LoRA slots); None: it may (AdapterConfig: which it holds)."""
         if self.distilled_serving is not None and self.distilled_serving.adapters_refusal is not None:
             return self.distilled_serving.adapters_refusal
-        return BUNDLE_REFUSAL if self.manifest is not None and self.manifest.lora_slots is None else None
+        return NO_LORA_SLOTS if self.manifest is not None and self.manifest.lora_slots is None else None
 
     def check_batching(self, max_batch: int) -> None:
         """Refuse --max-batch > 1 where no two requests share a denoise: a bundle compiled for batch 1, a FastH3-VSA
@@ -339,7 +340,7 @@ class AdapterConfig:
     @property
     def schedules(self) -> dict[str, ScheduleValues]:
         """The resident adapters' own schedules, by name (a request naming one leaves it the steps and shifts it does
-        not state: pipeline/adapter_schedule.py)."""
+        not state: adapters/schedule.py)."""
         return adapter_schedules(self.specs)
 
     def catalog(self, source: ModelSource, device: str, state: Path | None = None, log=None,

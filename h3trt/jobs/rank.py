@@ -23,11 +23,11 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
+from ..adapters.shape import SlotShape
 from ..engines.guard import no_compile
 from ..media.output_files import DEFAULT_CRF
 from ..parallel.launch import init_rank
 from ..parallel.mesh import SINGLE, MeshConfig, Parallel, build_mesh
-from ..pipeline.adapters import SlotShape
 from ..pipeline.h3_pipeline import H3Pipeline
 from ..request.parts import CanvasDefaults
 from .job import Event, Job, JobQueue

@@ -15,7 +15,7 @@ M = 3 * T modulation rows, V/A/L video/audio/text rows, C row channels, E time_e
 from __future__ import annotations
 
 import math
-from typing import Callable, Protocol
+from typing import Callable
 
 import torch
 import torch.nn as nn
@@ -23,7 +23,7 @@ import torch.nn.functional as F
 
 from .config import NUM_MODALITIES, NUM_MODULATION_PARAMS, H3Config
 from .block_stack import RowSharding, run_block_stack
-from .runner import NO_EXTRAS, EvalExtras, RunnerCaps
+from .runner import NO_EXTRAS, BlockAdapters, DiTAdapters, EvalExtras, RunnerCaps
 from .step_cache import CacheContext
 from .vsa.plan import VsaServing, vsa_call
 
@@ -43,21 +43,6 @@ EMBED_PREFIXES = ("video_patch_proj.", "audio_patch_proj.", "condition_proj.", "
 ADALN_PREFIX = "adaln_proj."
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-
-
-class BlockAdapters(Protocol):
-    """The low-rank side branches one evaluation adds to one main block's linears (models/lora_slots.py `BlockLora`).
-    A block given None runs exactly its base linears: no side branch is traced or run."""
-
-    def __call__(self, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
-        """`linear(x)` plus the adapters' terms on the block's linear `name` ("attn.qkv_proj", "mlp.fc1", ...)."""
-
-
-class DiTAdapters(Protocol):
-    """The adapters one evaluation of the DiT carries (models/lora_slots.py `LoraRun`): one view per main block."""
-
-    def block(self, i: int) -> BlockAdapters:
-        """The side branches of main block `i`."""
 
 
 def project(linear: nn.Module, x: torch.Tensor, name: str, lora: BlockAdapters | None) -> torch.Tensor:
@@ -370,8 +355,8 @@ class H3DiT(nn.Module):
         `cache`: a step cache's state for this denoiser call (models/step_cache.py), None: every block runs.
         `shard`: this rank's rows under sequence parallelism (parallel/ulysses.py RowShard), with `attn_fn` the
         attention that exchanges them (RowShard.attention()); None: every row here.
-        `lora`: the adapters this evaluation carries on the main blocks' linears (models/lora_slots.py
-        `LoraSlots.select`), the same for every batch row; None: the base model, exactly."""
+        `lora`: the adapters this evaluation carries on the main blocks' linears (adapters/slots.py
+        `AdapterSlots.select`), the same for every batch row; None: the base model, exactly."""
         seq_len = position_ids_S3.shape[0]
         if token_tags_S.shape != (seq_len,) or timestep_index_S.shape != (seq_len,):
             raise ValueError(

@@ -19,12 +19,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch import nn
 
 from ..errors import UserError
 
 if TYPE_CHECKING:
     from .config import H3Config
-    from .lora_slots import LoraRun
     from .packing import PackedLayout
     from .sparse.run import SparseRun
     from .step_cache import CacheContext
@@ -36,6 +36,21 @@ NO_SPARSE_KERNEL = ("this engine serves no block-sparse attention (a TensorRT bu
                     "(--model), or on an inductor/aoti bundle built with --sparse-attention or --sp > 1.")
 
 
+class BlockAdapters(Protocol):
+    """The low-rank side branches one evaluation adds to one main block's linears (adapters/slots.py `AdapterBlock`).
+    A block given None runs exactly its base linears: no side branch is traced or run."""
+
+    def __call__(self, name: str, linear: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        """`linear(x)` plus the adapters' terms on the block's linear `name` ("attn.qkv_proj", "mlp.fc1", ...)."""
+
+
+class DiTAdapters(Protocol):
+    """The adapters one evaluation of the DiT carries (adapters/slots.py `AdapterRun`): one view per main block."""
+
+    def block(self, i: int) -> BlockAdapters:
+        """The side branches of main block `i`."""
+
+
 @dataclass(frozen=True)
 class EvalExtras:
     """What one DiT evaluation carries besides its rows; None: the request asks for none of it, and the runner runs
@@ -43,7 +58,7 @@ class EvalExtras:
 
     cache: CacheContext | None = None  # the step cache's context of this branch (models/step_cache.py)
     sparse: SparseRun | None = None  # the request's block-sparse attention over its evaluations (models/sparse/run.py)
-    lora: LoraRun | None = None  # the request's adapters in the runner's slots (models/lora_slots.py)
+    lora: DiTAdapters | None = None  # the request's adapters in the runner's slots (adapters/slots.py AdapterRun)
 
 
 NO_EXTRAS = EvalExtras()

@@ -14,7 +14,7 @@ Source: diffusers 0.42.1 `MiniMaxH3Scheduler` and the modular pipeline's prepare
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 import torch
@@ -83,6 +83,9 @@ def schedule_value(key: str, text: str, where: str) -> int | float:
     return value
 
 
+SCHEDULE_KEYS = ("steps", "video_shift", "audio_shift")  # what a request or an adapter may state of a schedule
+
+
 def key_values(text: str, keys: tuple[str, ...], where: str, value_of=schedule_value) -> dict:
     """`steps=8,video_shift=5` (what follows an '@' in --adapter and --distilled) -> {key: value_of(key, text,
     where)}, each key once and one of `keys`."""
@@ -94,6 +97,28 @@ def key_values(text: str, keys: tuple[str, ...], where: str, value_of=schedule_v
                             f"@steps=8,video_shift=5; got {pair.strip()!r}.")
         values[key] = value_of(key, value.strip(), where)
     return values
+
+
+@dataclass(frozen=True)
+class ScheduleValues:
+    """Some of a schedule's values, each None where not given: an adapter's defaults, or what a request states."""
+
+    steps: int | None = None  # sigma grid points (steps - 1 DiT evaluations)
+    video_shift: float | None = None
+    audio_shift: float | None = None
+
+    def given(self) -> dict[str, int | float]:
+        """The values given, by key (an adapter's `schedule` in GET /v1/loras)."""
+        return {key: value for key, value in asdict(self).items() if value is not None}
+
+    def over(self, other: ScheduleValues) -> ScheduleValues:
+        """These values, and `other`'s where these give none."""
+        return ScheduleValues(**{**asdict(other), **self.given()})
+
+    @classmethod
+    def parse(cls, text: str, where: str) -> ScheduleValues:
+        """`steps=8,video_shift=5` (the part of an --adapter after its '@'); `where` names it in the errors."""
+        return cls(**key_values(text, SCHEDULE_KEYS, where))
 
 
 @dataclass(frozen=True)

@@ -20,28 +20,30 @@ from typing import Callable
 
 import torch
 
+from ..adapters.merge import LoraSpec
+from ..adapters.resident import ResidentAdapters, select_adapters
+from ..adapters.shape import SlotShape
+from ..adapters.spec import AdapterSpec
 from ..media.output_files import DEFAULT_CRF, discard
 from ..models.audio_vae import AudioVAE
 from ..models.distilled.families import DistilledServing, DistilledSpec
-from ..models.lora import LoraSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
-from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
 from ..models.runner import NO_EXTRAS, EvalExtras
+from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
 from ..models.sparse.run import SparseRun
-from ..models.vsa.plan import VsaRun
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
-from .adapters import AdapterSpec, ResidentAdapters, SlotShape, select_adapters
+from ..models.vsa.plan import VsaRun
+from ..request.parts import CanvasDefaults
+from ..request.request import Request
+from .evaluation import check_finite, counted, new_step_cache, sparse_run_for
 from .guidance import Branch, guided_denoiser
 from .loading import Components, Deferred, load_bundle, load_checkpoint
 from .parallel_decode import DecodeResult, decode_and_write
-from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
-from ..request.parts import CanvasDefaults
-from ..request.request import Request
 from .prepare import Encoded, Prepared
+from .records import Clip, ClipRecord, ColdStart, StageTimer, clip_record
 from .step_profile import StepProfiler
-from .evaluation import check_finite, counted, new_step_cache, sparse_run_for
 
 
 @dataclass(frozen=True)
@@ -74,8 +76,8 @@ class H3Pipeline:
         self.shifts, self.device, self.canvas = shifts, torch.device(device), canvas
         self.check_request = check_request  # a bundle's admission check: (prepared) -> None or raise
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
-        self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (models/lora.py), for every clip record
-        self.adapters = adapters  # resident LoRA adapters a request picks (pipeline/adapters.py); None: none
+        self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (adapters/merge.py), for every clip record
+        self.adapters = adapters  # resident LoRA adapters a request picks (adapters/resident.py); None: none
         # a distilled checkpoint's schedule and refusals (models/distilled/families.py), and its record for every clip
         self.distilled, self.distilled_record = distilled, distilled_record
         self.text_prefetched = dict(text_prefetched or {})  # t2va prompt -> encoding made while loading (one use)

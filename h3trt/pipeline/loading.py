@@ -15,6 +15,10 @@ from typing import Callable
 
 import torch
 
+from ..adapters.merge import LoraSpec, merge_loras
+from ..adapters.resident import ResidentAdapters
+from ..adapters.shape import SlotShape
+from ..adapters.spec import AdapterSpec
 from ..calibration.vae_fp8 import load_video_vae_at
 from ..engines.bundle import Engine
 from ..engines.manifest import BundleError, read_manifest
@@ -24,7 +28,6 @@ from ..models.distilled.families import DistilledServing, DistilledSpec, load_di
 from ..models.distilled.contract import checkpoint_contract, refuse_export_base
 from ..models.distilled.merge import StepHeadRunner, merge_distilled, step_heads
 from ..models.dit import EagerDiT
-from ..models.lora import LoraSpec, merge_loras
 from ..models.precision import eager_dtype
 from ..models.sparse.run import load_sparse_kernel
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
@@ -33,10 +36,9 @@ from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
 from ..models.vsa.plan import VsaServing, choose_vsa_kernel, served_vsa_settings
 from ..parallel.ulysses import UlyssesDiT
-from .adapters import AdapterSpec, ResidentAdapters, SlotShape
-from .records import ColdStart, process_started_unix, torch_bytecode
 from ..request.checks import check_bundle_serves
 from .prepare import Prepared
+from .records import ColdStart, process_started_unix, torch_bytecode
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,9 @@ import math
 from dataclasses import dataclass, fields
 from typing import Callable
 
+from ..adapters.scale import MAX_LORA_SCALE
 from ..errors import UserError
 from ..models.checkpoint.reader import TASKS
-from ..models.lora import MAX_LORA_SCALE
 from ..models.sampler import MAX_STEPS, MIN_STEPS
 from .profiles import PROFILE_NAMES
 

@@ -37,10 +37,10 @@ from ..engines.manifest import Manifest
 from ..errors import UserError
 from ..models.checkpoint.reader import TASKS
 from ..models.packing import DEFAULT_DURATION
-from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS
+from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, ScheduleValues
 from ..models.sparse.plan import SparseSettings
 from .fields import KEY_WORDS, KEYS, Names  # the schema's keys and their words, from its one table of fields
-from .parts import CanvasDefaults, ScheduleChoice, ScheduleValues, task_of
+from .parts import CanvasDefaults, ScheduleChoice, task_of
 from .profiles import request_profile_fields, with_bundle_sparse
 from .request import Request
 
@@ -66,7 +66,7 @@ class RequestDefaults:
     height: int | None = None
     duration: float = DEFAULT_DURATION
     sparse: SparseSettings | None = None  # a bundle's --sparse-attention defaults (profiles.with_bundle_sparse)
-    # The resident adapters' own schedules, by name (adapter_schedule.adapter_schedules): a line naming one in its
+    # The resident adapters' own schedules, by name (adapters/schedule.py adapter_schedules): a line naming one in its
     # "lora" and leaving steps or a shift out takes the adapter's
     adapter_schedules: Mapping[str, ScheduleValues] = field(default_factory=dict)
     canvas: CanvasDefaults = CanvasDefaults()

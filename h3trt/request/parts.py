@@ -3,8 +3,8 @@ gave (`Inputs`), the canvas it asks for (`Canvas`), the schedule as its front do
 came from (`ScheduleChoice`, `ScheduleFrom`), classifier-free guidance (`Guidance`) and the speed settings a profile
 or the request chose (`Speed`: step cache, block-sparse attention and a FastH3-VSA model's sparsity). A request's adapters are h3trt/adapters/'s
 `AdapterUse`s. Beside them: how a model picks a canvas a request leaves out (`CanvasDefaults`), and some of a
-schedule's values (`ScheduleValues`: what a request or an adapter states), which `ScheduleChoice.resolve` turns into
-the request's schedule."""
+schedule's values (models/sampler.py `ScheduleValues`: what a request or an adapter states, below the adapters that
+bring one), which `ScheduleChoice.resolve` turns into the request's schedule."""
 
 from __future__ import annotations
 
@@ -14,12 +14,11 @@ from typing import Mapping
 
 from ..errors import UserError
 from ..models.packing import CANVAS_MAX_PIXELS, CANVAS_SHORT_EDGE, DEFAULT_DURATION
-from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, key_values
+from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, ScheduleValues
 from ..models.sparse.plan import SparseSettings, sparse_settings
 from ..models.step_cache import StepCacheConfig
 
 REQUEST, DEFAULT = "request", "default"  # ScheduleFrom's words for a request's own value and the model's default
-SCHEDULE_KEYS = ("steps", "video_shift", "audio_shift")
 REFERENCE_IMAGE_SHORT_EDGE = 2048  # reference images are encoded at their own short edge, upscaling included
 
 
@@ -101,28 +100,6 @@ class ScheduleFrom:
     def adapters(self) -> dict[str, str]:
         """The keys an adapter gave, and which ("adapter NAME")."""
         return {key: source for key, source in asdict(self).items() if source not in (REQUEST, DEFAULT)}
-
-
-@dataclass(frozen=True)
-class ScheduleValues:
-    """Some of a schedule's values, each None where not given: an adapter's defaults, or what a request states."""
-
-    steps: int | None = None  # sigma grid points (steps - 1 DiT evaluations)
-    video_shift: float | None = None
-    audio_shift: float | None = None
-
-    def given(self) -> dict[str, int | float]:
-        """The values given, by key (an adapter's `schedule` in GET /v1/loras)."""
-        return {key: value for key, value in asdict(self).items() if value is not None}
-
-    def over(self, other: ScheduleValues) -> ScheduleValues:
-        """These values, and `other`'s where these give none."""
-        return ScheduleValues(**{**asdict(other), **self.given()})
-
-    @classmethod
-    def parse(cls, text: str, where: str) -> ScheduleValues:
-        """`steps=8,video_shift=5` (the part of an --adapter after its '@'); `where` names it in the errors."""
-        return cls(**key_values(text, SCHEDULE_KEYS, where))
 
 
 @dataclass(frozen=True)

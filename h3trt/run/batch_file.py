@@ -8,12 +8,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping
 
-from ..models.sampler import DEFAULT_STEPS
+from ..models.sampler import DEFAULT_STEPS, ScheduleValues
 from ..models.sparse.plan import SparseSettings
 from ..pipeline.prepare import Prepared, prepare
 from ..request.fields import KEY_WORDS
 from ..request.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file
-from ..request.parts import CanvasDefaults, ScheduleValues
+from ..request.parts import CanvasDefaults
 from ..request.request import Admitted, Request
 
 

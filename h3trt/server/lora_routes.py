@@ -5,7 +5,7 @@
                               whole before the answer, on a worker thread (never the event loop)
     DELETE /v1/loras/{name}   unload one: new jobs naming it get a 400; jobs queued with it still run with it
 
-The set and its rules are pipeline/adapter_catalog.py; the service's side (fields, errors, log) server/service.py.
+The set and its rules are adapters/catalog.py; the service's side (fields, errors, log) server/service.py.
 """
 
 from __future__ import annotations

@@ -76,7 +76,7 @@ class Node:
     """One node's server: the API side and the worker side over one SQLite store and one data folder."""
 
     def __init__(self, entry: Entry, options: ServeOptions, spec, gpus):
-        from ..pipeline.adapter_catalog import STATE_FILE
+        from ..adapters.catalog import STATE_FILE
         from .parts import Parts
 
         # The adapters at start (--adapter, --lora-dir, and what the admin calls changed before the last stop: kept

@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+from ..adapters.catalog import AdapterCatalog
 from ..jobs.model_source import Entry
 from ..jobs.rank import WorkerSpec
 from ..jobs.supervisor import Workers
-from ..pipeline.adapter_catalog import AdapterCatalog
 from .log import SERVER_LOG
 from .metrics import Groups, Metrics
 from .options import ServeOptions

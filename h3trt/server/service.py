@@ -23,11 +23,11 @@ from typing import Annotated
 from fastapi import Depends
 from fastapi import Request as HTTPRequest
 
+from ..adapters.catalog import AdapterCatalog
 from ..errors import UserError
 from ..jobs.admission import admit
 from ..jobs.model_source import Entry
 from ..models.packing import DEFAULT_DURATION
-from ..pipeline.adapter_catalog import AdapterCatalog
 from ..request.fields import API_WORDS, H3_FIELDS, OPENAI_FIELDS, UPLOADS, api_name, form_value, schema_values
 from ..request.parse import RequestDefaults, parse_object
 from ..request.request import Admitted, Request

@@ -23,8 +23,8 @@ from pathlib import Path
 
 from ...errors import UserError
 from ..config import H3Config
-from ..lora import TASK_COMPONENTS, route
-from ..lora_file import PEFT_DUMP_LAYOUT, REF2VA_COMPONENT, LoraFile, read_lora, sha256_of
+from ..lora_format import PEFT_DUMP_LAYOUT, REF2VA_COMPONENT, LoraFile, read_lora, sha256_of
+from ..lora_targets import TASK_COMPONENTS, route
 from ..sampler import Schedule, key_values, schedule_value
 from ..vsa.plan import DEFAULT_VSA_SPARSITY, trained_vsa
 from .files import (FASTH3_FORMAT, GATE_FILE_SUFFIX, DistilledError, Fusion, lora_fusion, read_fasth3,

@@ -12,7 +12,7 @@ detects the family and fuses; nothing here touches a model.
           lora_alpha / lora_rank from the header (64 / 64), `adaln_proj.linear` included; the head bank
           `proj_out.{weight,bias}` [N, 96, H] / [N, 96] and `audio_proj_out.{weight,bias}` [N, 32, H] / [N, 32], one
           full head per interval (VideoX-Fun repeats the pretrained head, then distils each).
-  turbo   LightX2V's PEFT files, through lora_file.read_lora (every layout it reads); alpha from the header, else the
+  turbo   LightX2V's PEFT files, through lora_format.read_lora (every layout it reads); alpha from the header, else the
           family default distilled/families.py passes.
 
 Names: diffusers `ff.net.0.proj` is [value; gate], native `mlp.fc1` [gate; value]: every fc1 payload (B's rows, a
@@ -31,8 +31,8 @@ from ...errors import UserError
 from ..checkpoint.names import native_name
 from ..checkpoint.reader import VSA_GATE_KEY
 from ..config import H3Config
-from ..lora import native_target
-from ..lora_file import sha256_of
+from ..lora_format import sha256_of
+from ..lora_targets import native_target
 
 FASTH3_FORMAT = "fastvideo-lora-v2"
 FASTH3_BASE = "MiniMaxAI/MiniMax-H3"
@@ -250,7 +250,7 @@ def read_pdd(path: Path, cfg: H3Config, header: dict[str, str]) -> Fusion:
 
 
 def lora_fusion(lora, modules: dict, cfg: H3Config, scale_rule: str) -> Fusion:
-    """A LoraFile's routed modules (lora.route) as a Fusion, each at its scaling (a family's alpha already applied:
+    """A LoraFile's routed modules (lora_targets.route) as a Fusion, each at its scaling (a family's alpha already applied:
     families.turbo_alpha)."""
     fusion = Fusion(Path(lora.path), lora.sha256, lora.layout, scale_rule, {})
     for module, factors in sorted(modules.items()):

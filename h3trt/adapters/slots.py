@@ -11,10 +11,12 @@ the factors are held in the slots' dtype (bf16 on the GPU, fp32 in the CPU tests
 
 The factors are DATA, never code. Every targeted linear owns a bank of fixed shape, N slots of max rank R:
     down [N, P, R, in], up [N, P, R, O]   (P parts of O rows each: the fused QKV is P = 3, one part per q / k / v
-                                           LoRA module, as `lora.native_target` slices its rows; every other P = 1)
-An adapter of rank r <= R fills rank rows [:r] of its slot; peft's per-module scaling (alpha / rank, `lora.read_lora`)
-is folded into up at load, and fc1's [value; gate] halves are swapped to the native [gate; value] there. Loading is
-copying into those tensors (`LoraSlots.read` streams a file onto the banks' device: models/lora_stream.py).
+                                           LoRA module, as `lora_targets.native_target` slices its rows; every other
+                                           P = 1)
+An adapter of rank r <= R fills rank rows [:r] of its slot; peft's per-module scaling (alpha / rank,
+`lora_format.read_lora`) is folded into up at load, and fc1's [value; gate] halves are swapped to the native
+[gate; value] there. Loading is copying into those tensors (`AdapterSlots.read` streams a file onto the banks' device:
+stream.py).
 
 An evaluation's choice is its RANK ROWS, two small tensors: rows [G, 16] (int64, e = slot * R + j: row j of a slot)
 and their scales [G, 16] (fp32, the row's adapter strength). `select` lists, for each adapter at a nonzero scale, the
@@ -30,15 +32,15 @@ How a linear adds its rows (`LAYOUTS`; `FUSED` is the default, `DELTA` the refer
   - FUSED, a bf16 (or fp32) linear and NVFP4's dequantized weight: the rows merged into the weight for this call,
     W + sum_e s_e * B_e^T A_e (one batched GEMM over the weight, whose cost does not grow with the rows of x), then
     one GEMM; no [rows, out] side tensor is written and read back.
-  - FUSED, an FP8 linear (calibration/formats.py fp8_lora_linear): A's rows computed from the base's own e4m3
+  - FUSED, an FP8 linear (calibration/formats.py fp8_adapter_linear): A's rows computed from the base's own e4m3
     input, then ONE FP8 GEMM over [x | h] and [W | B^T]: the up-projection rides in the base GEMM's reduction.
   - DELTA: base(x) + (x A^T * s) B^T, two GEMMs beside the base and an [rows, out] tensor added to its output.
 The AdaLN projection's rows run as DELTA always: it sees T rows (distinct timesteps), not the sequence.
 
 Compiled segments: a bundle's block with adapters is a second segment beside the plain one,
     block_lora(x, mod, adaln_index, cos, sin, lora_rows, lora_row_scales, *W, *LoRA) -> x
-whose function builds `BlockLora.from_inputs(LoRA names -> tensors, lora_rows, lora_row_scales)` and calls the block
-with it; `LoraSlots.block_inputs(i)` names layer i's bank tensors. The runner picks in Python, before the compiled
+whose function builds `AdapterBlock.from_inputs(LoRA names -> tensors, lora_rows, lora_row_scales)` and calls the block
+with it; `AdapterSlots.block_inputs(i)` names layer i's bank tensors. The runner picks in Python, before the compiled
 call: the plain `block` segment for an evaluation without adapters (bit for bit the bundle built without slots),
 `block_lora` otherwise. A bundle built with --sparse-attention too has the halves' twins as well (block_pre_lora,
 block_post_lora: the same rank rows, each half's own banks), which a sparse evaluation with adapters runs around its
@@ -62,9 +64,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from .config import H3Config
-from .lora import native_target, route, swap_halves
-from .lora_file import LoraError, LoraFile, LoraModule, pruned_message
+from ..models.config import H3Config
+from ..models.lora_format import LoraError, LoraFile, LoraModule, pruned_message
+from ..models.lora_targets import native_target, route, swap_halves
 
 # The main block's linears a slot may adapt, named from the block (as `dit.project` names them).
 BLOCK_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")
@@ -113,7 +115,8 @@ def gather_rows(bank_NPRC: torch.Tensor, rows_E: torch.Tensor) -> torch.Tensor:
     return bank_NPRC.reshape(slots * parts * rank, width).index_select(0, index_PE.reshape(-1)).view(parts, -1, width)
 
 
-def lora_delta(x: torch.Tensor, down_PEI: torch.Tensor, up_PEO: torch.Tensor, scales_E: torch.Tensor) -> torch.Tensor:
+def adapter_delta(x: torch.Tensor, down_PEI: torch.Tensor, up_PEO: torch.Tensor,
+                  scales_E: torch.Tensor) -> torch.Tensor:
     """The side branch sum_e scale_e * (x @ A_e^T) B_e for x [..., I] over the rank rows: [..., P * O] in the
     factors' dtype (the DELTA layout, and the reference every layout is checked against)."""
     h = torch.einsum("...i,pei->...pe", x.to(down_PEI.dtype), down_PEI)
@@ -134,22 +137,22 @@ def merged_weight(weight_OI: torch.Tensor, down_PEI: torch.Tensor, up_PEO: torch
 def adapted_linear(linear: torch.nn.Module, x: torch.Tensor, down_PEI: torch.Tensor, up_PEO: torch.Tensor,
                    scales_E: torch.Tensor) -> torch.Tensor:
     """`linear(x)` with the rank rows, FUSED: a plain nn.Linear computes with the merged weight; a quantized linear
-    (calibration/modules.py) brings its own `with_lora` (FP8: the rows in its GEMM; NVFP4: merged into its
+    (calibration/modules.py) brings its own `with_adapters` (FP8: the rows in its GEMM; NVFP4: merged into its
     dequantized weight)."""
     if type(linear) is torch.nn.Linear:
         return F.linear(x, merged_weight(linear.weight, down_PEI, up_PEO, scales_E), linear.bias)
-    with_lora = getattr(linear, "with_lora", None)
-    if with_lora is None:
-        raise TypeError(f"{type(linear).__name__} has no fused LoRA arithmetic (with_lora); adapt an nn.Linear or "
+    with_adapters = getattr(linear, "with_adapters", None)
+    if with_adapters is None:
+        raise TypeError(f"{type(linear).__name__} has no fused LoRA arithmetic (with_adapters); adapt an nn.Linear or "
                         "one of calibration/modules.py's quantized linears.")
-    return with_lora(x, down_PEI, up_PEO, scales_E)
+    return with_adapters(x, down_PEI, up_PEO, scales_E)
 
 
 @dataclass
-class BlockLora:
-    """One main block's side branches in one evaluation (dit.BlockAdapters): its banks by local linear name, the
-    evaluation's rank rows [E] and their scales [E], and the layout that adds them. A plain container of tensors, so
-    a compiled segment builds it from inputs."""
+class AdapterBlock:
+    """One main block's side branches in one evaluation (models/runner.py BlockAdapters): its banks by local linear
+    name, the evaluation's rank rows [E] and their scales [E], and the layout that adds them. A plain container of
+    tensors, so a compiled segment builds it from inputs."""
 
     banks: dict[str, tuple[torch.Tensor, torch.Tensor]]  # "attn.qkv_proj" -> (down [N, P, R, I], up [N, P, R, O])
     rows_E: torch.Tensor
@@ -162,8 +165,8 @@ class BlockLora:
 
     @classmethod
     def from_inputs(cls, inputs: dict[str, torch.Tensor], rows: torch.Tensor, scales: torch.Tensor,
-                    layout: str = FUSED) -> "BlockLora":
-        """From `LoraSlots.block_inputs` names ("attn.qkv_proj.lora_down", "...lora_up") -> tensors, and a segment's
+                    layout: str = FUSED) -> "AdapterBlock":
+        """From `AdapterSlots.block_inputs` names ("attn.qkv_proj.lora_down", "...lora_up") -> tensors, and a segment's
         lora_rows / lora_row_scales [G, ROW_GROUP]."""
         locals_ = sorted({n.rsplit(".", 1)[0] for n in inputs})
         return cls({n: (inputs[f"{n}.lora_down"], inputs[f"{n}.lora_up"]) for n in locals_}, rows.reshape(-1),
@@ -175,21 +178,21 @@ class BlockLora:
         down_PEI, up_PEO = (gather_rows(bank, self.rows_E) for bank in self.banks[name])
         if self.layout == DELTA or name == ADALN_TARGET:
             y = linear(x)
-            return y + lora_delta(x, down_PEI, up_PEO, self.scales_E).to(y.dtype)
+            return y + adapter_delta(x, down_PEI, up_PEO, self.scales_E).to(y.dtype)
         return adapted_linear(linear, x, down_PEI, up_PEO, self.scales_E)
 
 
 @dataclass
-class LoraRun:
-    """The adapters one DiT evaluation carries (dit.DiTAdapters), from `LoraSlots.select`."""
+class AdapterRun:
+    """The adapters one DiT evaluation carries (models/runner.py DiTAdapters), from `AdapterSlots.select`."""
 
     blocks: list[dict[str, tuple[torch.Tensor, torch.Tensor]]]  # per layer: "mlp.fc1" -> (down, up)
     rows: torch.Tensor  # [G, ROW_GROUP] int64: the rank rows (module doc)
     row_scales: torch.Tensor  # [G, ROW_GROUP] fp32
     uses: tuple[tuple[int, float], ...]  # every (slot, scale) asked, those at scale 0 (not in the rows) included
 
-    def block(self, i: int, layout: str = FUSED) -> BlockLora:
-        return BlockLora(self.blocks[i], self.rows.reshape(-1), self.row_scales.reshape(-1), layout)
+    def block(self, i: int, layout: str = FUSED) -> AdapterBlock:
+        return AdapterBlock(self.blocks[i], self.rows.reshape(-1), self.row_scales.reshape(-1), layout)
 
 
 @dataclass(frozen=True)
@@ -219,13 +222,14 @@ class _Write:
     finite: torch.Tensor  # 0-d bool on the factors' device: checked for every module at once (one device sync)
 
 
-class LoraSlots:
+class AdapterSlots:
     """N adapter slots of max rank R on the main blocks' `targets` of a model `cfg` serving `task` (its partition,
-    routed as `lora.route` routes a merge). Base weights are not held here: the DiT runs with `lora=slots.select(..)`.
+    routed as `lora_targets.route` routes a merge). Base weights are not held here: the DiT runs with
+    `lora=slots.select(..)`.
 
     Memory: every bank holds N x R x (in + out) values per targeted linear of every block."""
 
-    _staging = None  # lora_stream.Staging: the pinned buffers a file is streamed through (made at the first read)
+    _staging = None  # stream.Staging: the pinned buffers a file is streamed through (made at the first read)
 
     def __init__(self, cfg: H3Config, task: str, num_slots: int, max_rank: int, dtype: torch.dtype = torch.bfloat16,
                  device: str | torch.device = "cpu", targets: tuple[str, ...] = BLOCK_TARGETS):
@@ -255,9 +259,9 @@ class LoraSlots:
         return next(iter(self.banks.values()))[0].device
 
     def read(self, path: str | Path) -> LoraFile:
-        """The LoRA file at `path` read once, hashed as it is read, onto the banks' device (models/lora_stream.py):
-        every layout, alpha rule and refusal of `lora_file.read_lora`, without its second pass over the file."""
-        from .lora_stream import Staging, read_lora_to
+        """The LoRA file at `path` read once, hashed as it is read, onto the banks' device (stream.py):
+        every layout, alpha rule and refusal of `lora_format.read_lora`, without its second pass over the file."""
+        from .stream import Staging, read_lora_to
 
         if self._staging is None:
             self._staging = Staging(self.device)
@@ -335,7 +339,7 @@ class LoraSlots:
             up = swap_halves(up)
         return _Write(bank, part, down, up, where, finite)
 
-    def select(self, uses: list[tuple[int, float]] | tuple[tuple[int, float], ...]) -> LoraRun | None:
+    def select(self, uses: list[tuple[int, float]] | tuple[tuple[int, float], ...]) -> AdapterRun | None:
         """The adapters of one evaluation, (slot, scale) each, the same for every batch row, as rank rows (module
         doc); None for none, or for adapters all at scale 0, which runs the base model exactly
         (`H3DiT.forward(..., lora=None)`)."""
@@ -357,7 +361,7 @@ class LoraSlots:
                 scales += [float(scale)] * rank
         if not rows:
             return None
-        return LoraRun(self.by_block, *row_groups(rows, scales, self.device),
+        return AdapterRun(self.by_block, *row_groups(rows, scales, self.device),
                        tuple((slot, float(scale)) for slot, scale in uses))
 
     def segment_inputs(self, i: int, names: list[str]) -> list[torch.Tensor]:
@@ -366,8 +370,8 @@ class LoraSlots:
         return [inputs[n] for n in names]
 
     def block_inputs(self, i: int) -> dict[str, torch.Tensor]:
-        """Layer i's bank tensors under the names a compiled `block_lora` segment takes them by (BlockLora.from_inputs):
-        "attn.qkv_proj.lora_down", "attn.qkv_proj.lora_up", ..."""
+        """Layer i's bank tensors under the names a compiled `block_lora` segment takes them by
+        (AdapterBlock.from_inputs): "attn.qkv_proj.lora_down", "attn.qkv_proj.lora_up", ..."""
         out = {}
         for local, (down, up) in self.by_block[i].items():
             out[f"{local}.lora_down"], out[f"{local}.lora_up"] = down, up

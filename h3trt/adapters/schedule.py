@@ -21,8 +21,7 @@ from typing import Iterable
 from safetensors import SafetensorError, safe_open
 
 from ..errors import UserError
-from ..models.sampler import schedule_value
-from ..request.parts import SCHEDULE_KEYS, ScheduleValues
+from ..models.sampler import SCHEDULE_KEYS, ScheduleValues, schedule_value
 
 METADATA_KEYS = {key: f"h3trt.{key}" for key in SCHEDULE_KEYS}  # an adapter file's __metadata__ keys
 
@@ -56,7 +55,7 @@ def _file_schedule(path: str, size: int, mtime_ns: int) -> ScheduleValues:
 
 
 def adapter_schedules(specs: Iterable) -> dict[str, ScheduleValues]:
-    """{name: its schedule} of resident adapters (pipeline/adapters.py AdapterSpec: name, path, schedule), the spec's
+    """{name: its schedule} of resident adapters (spec.py AdapterSpec: name, path, schedule), the spec's
     values over its file's; an adapter that gives none is left out."""
     schedules = {s.name: s.schedule.over(file_schedule(s.path)) for s in specs}
     return {name: values for name, values in schedules.items() if values.given()}

@@ -1,15 +1,15 @@
 """A LoRA file read once onto a device: read in chunks, hashed as it is read, each chunk copied to the device while
 the next is read (issue 44: loading an adapter into a slot costs no more than reading its file).
 
-`lora_file.read_lora` copies every tensor out of the file, then hashes the file in a second pass, and the slots then
+`lora_format.read_lora` copies every tensor out of the file, then hashes the file in a second pass, and the slots then
 copied each factor from pageable host memory after checking it on the host. Here:
-  1. safetensors checks the header against the file (`lora_file.opened_safetensors`); the header gives each
+  1. safetensors checks the header against the file (`lora_format.opened_safetensors`); the header gives each
      tensor's byte range in the data section;
   2. the data section is read once, in CHUNK_BYTES chunks, by a reader thread into pinned staging buffers; this
      thread hashes each chunk (hashlib and file reads release the GIL) and queues its host->device copy on a side
      stream: reading, hashing and copying overlap, and the file is never read twice;
-  3. the tensors are views of the one device buffer, normalised there by `lora_file.lora_from_tensors` (every layout,
-     alpha rule and refusal of read_lora); LoraSlots.load checks their finiteness on the device.
+  3. the tensors are views of the one device buffer, normalised there by `lora_format.lora_from_tensors` (every layout,
+     alpha rule and refusal of read_lora); AdapterSlots.load checks their finiteness on the device.
 On the CPU the file is read straight into the buffer, hashed chunk by chunk (no staging, no copy).
 """
 
@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from .lora_file import LoraError, LoraFile, file_metadata, lora_from_tensors, opened_safetensors
-from .checkpoint.safetensors_format import DTYPES as SAFETENSORS_DTYPES
+from ..models.lora_format import LoraError, LoraFile, file_metadata, lora_from_tensors, opened_safetensors
+from ..models.checkpoint.safetensors_format import DTYPES as SAFETENSORS_DTYPES
 
 CHUNK_BYTES = 32 << 20  # a chunk: large enough that a copy's launch is noise, small enough to overlap well
 STAGING_BUFFERS = 3  # one being read, one being hashed and copied, one whose copy may still run

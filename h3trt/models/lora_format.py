@@ -1,5 +1,6 @@
 """Reading one LoRA file, in any layout diffusers 0.42.1's `MiniMaxH3LoraLoaderMixin` reads, normalised to diffusers
-module names with peft's per-module scaling (lora.py routes and merges it):
+module names with peft's per-module scaling (lora_targets.py routes it; adapters/merge.py merges it, adapters/slots.py
+holds it in slots):
 
   1. read the tensors and the safetensors `__metadata__`
   2. normalise to diffusers module names, the reference's own canonical form (`lora_state_dict`):
@@ -114,7 +115,7 @@ def read_lora(path: str | Path, head_dim: int = 128) -> LoraFile:
 def lora_from_tensors(path: Path, state: dict[str, torch.Tensor], file_meta: dict[str, str], sha256: str,
                       head_dim: int = 128) -> LoraFile:
     """Steps 2-4 of `read_lora` over a file's tensors (on any device) and `__metadata__` read already, with its
-    sha256 (models/lora_stream.py reads, hashes and copies a file in one pass)."""
+    sha256 (adapters/stream.py reads, hashes and copies a file in one pass)."""
     adapter_meta = _refuse_unmergeable(state, file_meta, path)
     has_alpha_tensors = any(k.endswith(".alpha") for k in state)  # read before the fold drops them
     layout, state = _diffusers_names(state, head_dim, path)

@@ -1,46 +1,28 @@
-"""LoRA files merged into the H3 DiT's native weights, with diffusers 0.42.1's `MiniMaxH3LoraLoaderMixin`'s partition
-routing. Each file is read and normalised to diffusers module names with its per-module scaling by lora_file.py
-(steps 1-3: every layout that loader reads, with its alpha rules); here:
+"""Merged LoRAs (`--lora FILE[:SCALE]`): LoRA files merged into the H3 DiT's native weights, with diffusers 0.42.1's
+`MiniMaxH3LoraLoaderMixin`'s partition routing. Each file is read and normalised to diffusers module names with its
+per-module scaling by models/lora_format.py (steps 1-3: every layout that loader reads, with its alpha rules); then
 
-  4. route to the one partition this model serves (FL2VA = `transformer`, Ref2VA = `transformer_ref`)
+  4. routed to the one partition this model serves (FL2VA = `transformer`, Ref2VA = `transformer_ref`), and each module
+     to its native weight (models/lora_targets.py)
   5. merge W += scale * scaling * B @ A in fp32, rounded once to the weight's dtype, mapped back to native names
      (to_q / to_k / to_v -> rows of qkv_proj, ff.net.0.proj -> mlp.fc1 with its halves swapped)
 
 Merging bakes the LoRA into every downstream artifact (AdaLN tables, FP8 scales, compiled segments' weights), which
-is why a bundle takes its LoRAs at build time. Shapes: A (down) [r, in], B (up) [out, r].
+is why a bundle takes its merged LoRAs at build time. Shapes: A (down) [r, in], B (up) [out, r].
 """
 
 from __future__ import annotations
 
 import argparse
-import math
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from .checkpoint.names import native_name
-from .config import H3Config
-from .lora_file import FL2VA_COMPONENT, REF2VA_COMPONENT, LoraError, LoraFile, LoraModule, pruned_message, read_lora
-
-TASK_COMPONENTS = {"t2va": FL2VA_COMPONENT, "fl2va": FL2VA_COMPONENT, "ref2va": REF2VA_COMPONENT}
-
-
-# A LoRA's strength (its scale) is a finite number at most this far from 0, either sign: well past any strength in use
-# (ComfyUI's LoRA loaders offer -20..20 to -100..100), and an adapter at 1e30 held a worker through a whole denoise to
-# fail as numerical_error. One bound for --lora, --adapter, a request's `lora` and POST /v1/loras.
-MAX_LORA_SCALE = 100.0
-SCALE_RANGE = f"a finite number from {-MAX_LORA_SCALE:g} to {MAX_LORA_SCALE:g} (1.0: as trained)"
-
-
-def scale_in_range(scale: int | float) -> bool:
-    """Whether `scale` (a number; an integer past a float's range is not in it) lies in the bound."""
-    try:
-        value = float(scale)
-    except OverflowError:
-        return False
-    return math.isfinite(value) and abs(value) <= MAX_LORA_SCALE
+from ..models.config import H3Config
+from ..models.lora_format import REF2VA_COMPONENT, LoraError, pruned_message, read_lora
+from ..models.lora_targets import TASK_COMPONENTS, native_target, route, swap_halves
+from .scale import SCALE_RANGE, scale_in_range
 
 
 class LoraScaleError(LoraError, argparse.ArgumentTypeError):
@@ -70,47 +52,6 @@ class LoraSpec:
         if not scale_in_range(self.scale):
             raise LoraScaleError(f"--lora {self.path}:{self.scale}: the scale must be {SCALE_RANGE}, got "
                                  f"{self.scale}; pass {self.path}:SCALE, or {self.path} alone for 1.0.")
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Routing and merging
-
-
-def route(lora: LoraFile, task: str) -> tuple[str, dict[str, LoraModule]]:
-    """The modules for the partition serving `task`, as the reference routes a pipeline that holds only that one:
-    `transformer_ref.` layers need the Ref2VA partition; `transformer.` layers go to whichever partition is loaded."""
-    served = TASK_COMPONENTS[task]
-    have = set(lora.components)
-    if not have:
-        raise LoraError(f"--lora {lora.path} adapts no module.")
-    if REF2VA_COMPONENT in have and served == FL2VA_COMPONENT:
-        raise LoraError(f"--lora {lora.path} was trained against the Ref2VA partition (its layers are prefixed "
-                        f"{REF2VA_COMPONENT}.), but the {task} task runs FL2VA; use it with --task ref2va (or a "
-                        "ref2va request).")
-    if have == {FL2VA_COMPONENT, REF2VA_COMPONENT}:
-        # The reference would load both into a lone transformer_ref; the transformer. half is FL2VA's by its own name.
-        raise LoraError(f"--lora {lora.path} holds layers for both partitions ({FL2VA_COMPONENT}. and "
-                        f"{REF2VA_COMPONENT}.); h3trt serves one partition per model, so split the file and pass the "
-                        f"{REF2VA_COMPONENT}. part for ref2va.")
-    (prefix,) = have
-    return prefix, lora.components[prefix]
-
-
-def native_target(module: str, cfg: H3Config) -> tuple[str, slice | None, bool]:
-    """(native weight name, row slice of it or None, whether the delta's two row halves swap) for a diffusers module."""
-    m = re.fullmatch(r"(.*)\.attn\.to_([qkv])", module)
-    if m:
-        i = "qkv".index(m.group(2))
-        return native_name(m.group(1) + ".attn") + ".qkv_proj.weight", slice(i * cfg.inner_dim,
-                                                                               (i + 1) * cfg.inner_dim), False
-    name = native_name(module + ".weight")
-    return name, None, name.endswith(".mlp.fc1.weight")  # diffusers [value; gate] -> native [gate; value]
-
-
-def swap_halves(t: torch.Tensor) -> torch.Tensor:
-    """diffusers ff.net.0.proj rows [value; gate] as native mlp.fc1's [gate; value] (native_target's `swap`)."""
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first])
 
 
 @torch.no_grad()

@@ -11,9 +11,9 @@
   - `resolve`: admission's view. A request's names become the file, its sha256 and the scale as they are now,
     stored with the job (the job's row): what the set becomes afterwards (an unload, the name loaded again with
     another file) never changes a job already queued. Its worker loads the file by that hash, and fails the job,
-    naming it, if the file changed or vanished meanwhile (adapters.read_resolved)
+    naming it, if the file changed or vanished meanwhile (resident.read_resolved)
 
-The checks run against LoraSlots on the meta device: the ranks' bank shapes, without their memory.
+The checks run against AdapterSlots on the meta device: the ranks' bank shapes, without their memory.
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ from typing import Callable
 
 from ..errors import UserError
 from ..models.config import H3Config
-from ..models.lora import SCALE_RANGE, scale_in_range
-from ..models.lora_file import LoraError, LoraFile, read_lora
-from ..models.lora_slots import BLOCK_TARGETS, LoraSlots
-from .adapters import (NAME_PATTERN, SERVE_SLOTS, AdapterInfo, AdapterSpec, AdapterUse, SlotShape, adapter_rank,
-                       check_adapters, info_of)
-from ..request.parts import ScheduleValues
-from ..request.request import Request
+from ..models.lora_format import LoraError, LoraFile, read_lora
+from ..models.sampler import ScheduleValues
+from .checks import check_adapters
+from .info import AdapterInfo, adapter_rank, info_of
+from .scale import SCALE_RANGE, scale_in_range
+from .shape import SERVE_SLOTS, SlotShape
+from .slots import BLOCK_TARGETS, AdapterSlots
+from .spec import NAME_PATTERN, AdapterSpec
+from .use import AdapterUse
 
 STATE_FILE = "loras.json"  # in a server's data folder: what the admin calls changed, kept across restarts
 
@@ -59,7 +61,7 @@ class AdapterCatalog:
         """`folder`: --lora-dir, where `load` takes files from (None: the set is fixed); `state`: the file that keeps
         the admin calls' changes (None: not kept)."""
         self.cfg, self.task, self.shape, self.folder, self.state = cfg, task, shape, folder, state
-        self._checker = LoraSlots(cfg, task, 1, shape.max_rank, device="meta", targets=shape.targets)
+        self._checker = AdapterSlots(cfg, task, 1, shape.max_rank, device="meta", targets=shape.targets)
         self._lock = threading.Lock()
         self._set: dict[str, tuple[AdapterSpec, AdapterInfo]] = {}
         self._started: set[str] = set()  # the names the command line gave
@@ -146,24 +148,22 @@ class AdapterCatalog:
         with self._lock:
             return list(self._skipped.values())
 
-    def resolve(self, request: Request) -> Request:
-        """`request` with its adapters resolved (module doc); UserError naming `lora` for a name not in the set (one
-        the start skipped: with its reason), or more adapters than one evaluation carries."""
-        if not request.adapters:
-            return request
+    def resolve(self, uses: tuple[AdapterUse, ...]) -> tuple[AdapterUse, ...]:
+        """A request's adapters resolved (module doc); UserError naming `lora` for a name not in the set (one the
+        start skipped: with its reason), or more adapters than one evaluation carries."""
+        if not uses:
+            return uses
         with self._lock:
             specs = {name: spec for name, (spec, _) in self._set.items()}
             infos = {name: info for name, (_, info) in self._set.items()}
-            skipped = [self._skipped[u.name] for u in request.adapters
-                       if u.name not in specs and u.name in self._skipped]
+            skipped = [self._skipped[u.name] for u in uses if u.name not in specs and u.name in self._skipped]
         if skipped:
             s = skipped[0]
             raise UserError(f"lora {s.name!r}: this server started without it ({s.source} file {s.file!r}: "
                             f"{s.reason}); fix the file and load it (POST /v1/loras), or name another.", field="lora")
-        check_adapters(request.adapters, tuple(specs.values()), None, self.shape.num_slots)
-        return replace(request, adapters=tuple(
-            AdapterUse(u.name, specs[u.name].scale if u.scale is None else u.scale, str(specs[u.name].path),
-                       infos[u.name].sha256) for u in request.adapters))
+        check_adapters(uses, tuple(specs.values()), None, self.shape.num_slots)
+        return tuple(AdapterUse(u.name, specs[u.name].scale if u.scale is None else u.scale, str(specs[u.name].path),
+                                infos[u.name].sha256) for u in uses)
 
     # --- the admin calls ------------------------------------------------------------------------------------------
 

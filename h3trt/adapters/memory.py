@@ -1,4 +1,4 @@
-"""What LoRA slots (models/lora_slots.py) take in memory, and whether they fit where they will live: `h3trt build
+"""What adapter slots (slots.py) take in memory, and whether they fit where they will live: `h3trt build
 --lora-slots N --lora-max-rank R` and `h3trt serve`'s slots (its flags, or the shape fitted to the adapters at start)
 are checked here before anything loads, in one line naming the largest value that fits. Without it, 100000 x 100000
 slots were a 7.68 TB allocation: a build's traceback, a server's group failing and restarting for good.
@@ -15,8 +15,8 @@ import os
 import torch
 
 from ..errors import UserError
-from .config import H3Config
-from .lora_slots import BLOCK_TARGETS, target_shape
+from ..models.config import H3Config
+from .slots import BLOCK_TARGETS, target_shape
 
 
 def unit_bytes(cfg: H3Config, targets: tuple[str, ...] = BLOCK_TARGETS, dtype: torch.dtype = torch.bfloat16) -> int:
