@@ -64,7 +64,7 @@ setup(
             # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/test_lora.py). Bounded
             # above (tested on 0.21.2): a peft release that changes how diffusers 0.42.1 maps a LoRA changes the oracle.
             "peft<0.22",
-            # The fused SubBlock router's kernels (h3trt/models/sparse_router_triton.py) run on the CPU under Triton's
+            # The fused SubBlock router's kernels (h3trt/models/sparse/router_triton.py) run on the CPU under Triton's
             # interpreter in tests/test_sparse_router.py. The GPU image's release (3.6.0, with torch 2.11); no
             # dependencies; a 188 MB wheel, about 20 s to install.
             "triton==3.6.0",
@@ -80,7 +80,7 @@ setup(
         # FlashAttention-3's forward, bf16 and FP8 (27.6 MB abi3 wheel, sm_90a cubins, torch stable ABI, CUDA 13
         # runtime; provenance in README, "FlashAttention-3").
         "fa3": ["fa3-fwd==0.0.3"],
-        # The fa4 block-sparse attention kernel (h3trt/models/sparse_kernels.py) on sm_90 and newer: FlashAttention-4's
+        # The fa4 block-sparse attention kernel (h3trt/models/sparse/kernels.py) on sm_90 and newer: FlashAttention-4's
         # CuTe DSL forward, the exact set that ran on the H200 image (issue 36). The -libs-cu13 CuTe runtime, not
         # -libs-cu12 (torch 2.11 on the GPU image is cu130). Kernels JIT-compile at load (warm_sparse_kernel). Not in
         # the test extra: nothing of it runs on a CPU.

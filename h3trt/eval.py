@@ -32,11 +32,11 @@ from .errors import UserError
 from .jobs.admission import admit
 from .jobs.model_source import Entry, ModelSource, SourceKind
 from .media.encoder import rgb_to_yuv420
-from .models.distilled import DistilledSpec
+from .models.distilled.families import DistilledSpec
 from .models.lora_format import sha256_of
 from .models.packing import unpatchify
 from .models.runner import NO_EXTRAS, EvalExtras
-from .models.vsa_plan import VsaSettings
+from .models.vsa.plan import VsaSettings
 from .pipeline.evaluation import new_step_cache
 from .pipeline.h3_pipeline import H3Pipeline
 from .pipeline.prepare import Prepared

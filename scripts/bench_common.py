@@ -111,7 +111,7 @@ def released_audio_vae():
     """Diffusers' audio VAE at the released architecture (random weights)."""
     from diffusers import AutoencoderKLMiniMaxH3Audio
 
-    from h3trt.models.vae_checkpoint import audio_vae_kwargs
+    from h3trt.models.checkpoint.vae import audio_vae_kwargs
 
     return AutoencoderKLMiniMaxH3Audio(**audio_vae_kwargs(*RELEASED_AUDIO_VAE))
 

@@ -58,7 +58,7 @@ DEFAULT_BUILD_S = 240.0  # an fp8 build's estimate until one was timed in this c
 
 def phase_files(ctx: Ctx, families: list[str]) -> None:
     """One random file per format the families need, for the checkpoint's config (reused when present)."""
-    from h3trt.models.distilled_writer import write_fasth3, write_pdd, write_turbo
+    from h3trt.models.distilled.writer import write_fasth3, write_pdd, write_turbo
 
     files = ctx.results.setdefault("files", {})
     rank = 4 if ctx.tiny else 64

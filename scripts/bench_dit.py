@@ -54,7 +54,7 @@ def layout():
 
 def diffusers_block_to_native(block) -> dict[str, torch.Tensor]:
     """A diffusers MiniMaxH3TransformerBlock's weights under h3trt's native block names."""
-    from h3trt.models.checkpoint_names import native_name
+    from h3trt.models.checkpoint.names import native_name
 
     sd = block.state_dict()
     out = {}
@@ -199,7 +199,7 @@ def _load_local(entry: dict, work: Path, dev: str):
 def run_stack(out_path: Path, layers: int) -> dict:
     from h3trt.build.builder import build
     from h3trt.build.config import BuildConfig, Profile
-    from h3trt.models.checkpoint_writer import random_state_dict, save_official
+    from h3trt.models.checkpoint.writer import random_state_dict, save_official
     from h3trt.models.config import H3Config
 
     result = {"env": env(), "layers": layers}
@@ -235,8 +235,8 @@ def stack_child(work: Path) -> None:
 
     from h3trt.engines.bundle import Engine
     from h3trt.engines.guard import no_compile
-    from h3trt.models.checkpoint import load_dit
-    from h3trt.models.checkpoint_writer import diffusers_state_dict
+    from h3trt.models.checkpoint.reader import load_dit
+    from h3trt.models.checkpoint.writer import diffusers_state_dict
     from h3trt.models.packing import row_timesteps
     from h3trt.models.dit import EagerDiT
 

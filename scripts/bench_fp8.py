@@ -174,7 +174,7 @@ def run(out: Path, cpu_check: bool, kernels: list[str] | None = None, nvfp4: boo
 
 def block_sensitivity(out: Path) -> dict:
     from h3trt.eval import StepRecorder, compare, trace
-    from h3trt.models.checkpoint import load_dit
+    from h3trt.models.checkpoint.reader import load_dit
     from h3trt.models.dit import EagerDiT
     from h3trt.models.tiny import ensure_tiny_checkpoint
     from h3trt.calibration.calibrate import calibrate

@@ -35,10 +35,10 @@ import triton
 
 import bench_common  # noqa: E402,F401  (first: it puts this checkout on sys.path)
 
-from h3trt.models import sparse_router_triton as fused  # noqa: E402
-from h3trt.models.sparse_attention import (_topk_lowest_first, subblock_route, subblock_route_reference,  # noqa: E402
+from h3trt.models.sparse import router_triton as fused  # noqa: E402
+from h3trt.models.sparse.attention import (_topk_lowest_first, subblock_route, subblock_route_reference,  # noqa: E402
                                            subblock_scores)
-from h3trt.models.sparse_router_triton import (_pool_kernel, _score_kernel, _topk_kernel,  # noqa: E402
+from h3trt.models.sparse.router_triton import (_pool_kernel, _score_kernel, _topk_kernel,  # noqa: E402
                                                pool_subblocks_triton, subblock_route_triton, subblock_scores_triton,
                                                topk_lowest_first_triton)
 

@@ -14,7 +14,7 @@ Shape: 37,838 rows (128 text + 2 x 207 audio + 37 x 24 x 42 video) x 56 heads x 
   flex_sparse_128_0.75  kernel flex (FlexAttention under torch.compile, 128-row blocks)
   router_B_S            subblock_route (the chunked torch router: the CPU's, and the reference) at that shape,
                         n_q = n_k = 4
-  router_B_S_triton     the fused Triton router (the path the DiT calls on CUDA, models/sparse_router_triton.py);
+  router_B_S_triton     the fused Triton router (the path the DiT calls on CUDA, models/sparse/router_triton.py);
                         router_parity says in how many (head, query block) rows its blocks differ from torch's
   fp8_sparse_B_S[_tile] the Triton FP8 block-sparse kernel, every tile configuration, and the best served one
                         (scripts/bench_sparse_fp8.py says what each row times); `bars` holds issue 46's ratios
@@ -52,11 +52,11 @@ from bench_common import ROOT, median_ms, write_json  # noqa: E402  (first: it p
 sys.path.insert(0, str(ROOT / "scripts"))
 
 from h3trt.models.attention import attention, kernel_problem  # noqa: E402
-from h3trt.models.sparse_attention import sparse_budget, subblock_route  # noqa: E402
-from h3trt.models.sparse_kernels import (fa4_modules, flex_sparse_attention, sparse_attention,  # noqa: E402
+from h3trt.models.sparse.attention import sparse_budget, subblock_route  # noqa: E402
+from h3trt.models.sparse.kernels import (fa4_modules, flex_sparse_attention, sparse_attention,  # noqa: E402
                                          sparse_kernel_problem)
-from h3trt.models.sparse_router import route_blocks, router_for  # noqa: E402
-from h3trt.models.sparse_fp8 import fp8_sparse_attention  # noqa: E402
+from h3trt.models.sparse.router import route_blocks, router_for  # noqa: E402
+from h3trt.models.sparse.fp8 import fp8_sparse_attention  # noqa: E402
 from bench_sparse_fp8 import fp8_block_rows, fp8_scales, fp8_sparse_rows  # noqa: E402
 
 H3_ROWS, H3_HEADS, H3_DIM = 128 + 2 * 207 + 37 * 24 * 42, 56, 128

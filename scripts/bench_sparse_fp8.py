@@ -1,4 +1,4 @@
-"""scripts/bench_sparse.py's FP8 block-sparse rows (issue 46): the Triton FP8 kernel (h3trt/models/sparse_fp8_triton.py)
+"""scripts/bench_sparse.py's FP8 block-sparse rows (issue 46): the Triton FP8 kernel (h3trt/models/sparse/fp8_triton.py)
 at H3's shape, every tile configuration timed in the one run, and the FP8 DiT block around it.
 
 Rows (names as issue 46 asks):
@@ -22,7 +22,7 @@ import traceback
 
 import torch
 
-from h3trt.models.sparse_fp8 import fp8_sparse_attention
+from h3trt.models.sparse.fp8 import fp8_sparse_attention
 
 
 def fp8_scales(q, k, v):
@@ -33,14 +33,14 @@ def fp8_scales(q, k, v):
 
 def fp8_sparse_rows(result, row, skip, selected, q, k, v, plans, all_sparse, check_cells, configs):
     """The kernel rows, every tile; returns {(block, sparsity): best served tile}."""
-    from h3trt.models.sparse_kernels import sparse_kernel_problem
+    from h3trt.models.sparse.kernels import sparse_kernel_problem
 
     problem = sparse_kernel_problem("fp8", q.device)
     if problem:
         for block, sparsity in configs:
             skip(f"fp8_sparse_{block}_{sparsity:.2f}", problem)
         return {}
-    from h3trt.models.sparse_fp8_triton import (BENCH_ONLY_CONFIGS, TILE_CONFIGS, fp8_block_sparse_attention,
+    from h3trt.models.sparse.fp8_triton import (BENCH_ONLY_CONFIGS, TILE_CONFIGS, fp8_block_sparse_attention,
                                                 fp8_operands, tile_config)
 
     scales = fp8_scales(q, k, v)
@@ -88,7 +88,7 @@ def fp8_sparse_rows(result, row, skip, selected, q, k, v, plans, all_sparse, che
 def _new_length_first_call(result, name, q, k, v, block, sparsity, tile):
     """The first call at another sequence length after the kernel ran at S: steady time, not seconds, means one
     compile serves every length (the lengths are not specialised on)."""
-    from h3trt.models.sparse_attention import subblock_route
+    from h3trt.models.sparse.attention import subblock_route
 
     rows = q.shape[1] - 4999
     q2, k2, v2 = (t[:, :rows].contiguous() for t in (q, k, v))
@@ -113,7 +113,7 @@ def fp8_block_rows(result, row, tile: str | None):
     from h3trt.calibration.recipe import QuantRecipe
     from h3trt.models.attention import kernel_problem
     from h3trt.models.config import H3Config
-    from h3trt.models.sparse_router import route_blocks, router_for
+    from h3trt.models.sparse.router import route_blocks, router_for
 
     dev, cfg, lay = "cuda", H3Config(), layout()
     problem = kernel_problem("fa3", "fp8", torch.device(dev))

@@ -32,7 +32,7 @@ import bench_common  # noqa: E402,F401  (first: it puts this checkout on sys.pat
 def run(layers: int, precisions: list[str], tiny: bool) -> dict:
     from h3trt.build.builder import build
     from h3trt.build.config import BuildConfig, Profile
-    from h3trt.models.checkpoint_writer import random_state_dict, save_official
+    from h3trt.models.checkpoint.writer import random_state_dict, save_official
     from h3trt.models.config import H3Config
     from h3trt.models.tiny import TINY_HEIGHT, TINY_WIDTH, ensure_tiny_checkpoint
 

@@ -1,5 +1,5 @@
-"""VSA (FastH3's sparse attention, h3trt/models/vsa.py) at MiniMax-H3's shape against the dense attention of the same
-run, on one GPU (issue 47, item 4 and the bar "VSA attention at 0.9 <= 0.2x the dense FP8 attention").
+"""VSA (FastH3's sparse attention, h3trt/models/vsa/routing.py) at MiniMax-H3's shape against the dense attention of the
+same run, on one GPU (issue 47, item 4 and the bar "VSA attention at 0.9 <= 0.2x the dense FP8 attention").
 
     python scripts/bench_vsa.py --json bench/results/vsa_<card>.json      # one H100 / H200, ~3-4 min
     python scripts/bench_vsa.py --tiny --json /tmp/vsa_tiny.json          # CPU, small shape: proves it runs
@@ -11,12 +11,12 @@ is not installed, or fails, is a row of `skipped` with why):
   fa3_bf16_dense, cudnn_dense   h3trt::attention over the packed rows (the dense bf16 attention)
   fp8_fa3_dense, fp8_cudnn_dense  FP8 attention (h3trt::fp8_sdpa, e4m3 q/k/v, per-tensor scales, v centered): the bar's
                                 baseline is the faster of the two
-  vsa_<kernel>_<s>              the whole VSA attention of one block as the DiT runs it (models/vsa.py vsa_attention):
-                                the tile gather of q/k/v, fp32 pooling, scores, routing, the block-sparse kernel, the
-                                untile and the gated coarse branch; kernel fa4 (64 x 64, ragged tiles through FA4's
-                                document mask), flex (compiled) and fp8-<tile> (the Triton FP8 block-sparse kernel,
-                                models/vsa_fp8.py, each of its 64-row tiles, its per-call device scales and quantization
-                                pass included); s = 0.9 (FastH3 v1) and 0.8 (V2)
+  vsa_<kernel>_<s>              the whole VSA attention of one block as the DiT runs it (models/vsa/routing.py
+                                vsa_attention): the tile gather of q/k/v, fp32 pooling, scores, routing, the
+                                block-sparse kernel, the untile and the gated coarse branch; kernel fa4 (64 x 64, ragged
+                                tiles through FA4's document mask), flex (compiled) and fp8-<tile> (the Triton FP8
+                                block-sparse kernel, models/vsa/fp8.py, each of its 64-row tiles, its per-call device
+                                scales and quantization pass included); s = 0.9 (FastH3 v1) and 0.8 (V2)
   vsa_<kernel>_<s>_kernel_only  the block-sparse kernel alone, on pre-tiled q/k/v and a fixed routing
   vsa_routing_<s>               everything but the kernel (the routing's and the coarse branch's cost)
   vsa_dense_s0                  sparsity 0 (a dense-first step): the dense kernel + the coarse branch
@@ -26,7 +26,7 @@ The FP8 dense rows time fp8_sdpa on q/k/v quantized beforehand; the fp8 VSA rows
 `bars`: the issue's "VSA attention at 0.9 <= 0.2x the dense FP8 attention of the same run", each kernel's whole VSA
 at 0.9 over the faster FP8 dense row, and `vsa_0.9_best` the fastest of them.
 Checks: `ragged_check_rel_err`, each kernel's whole VSA on a small ragged geometry (bf16) against the definition in
-fp32 (models/vsa.py vsa_reference); each VSA row's output on 2 heads at H3's shape against the same VSA with the
+fp32 (models/vsa/routing.py vsa_reference); each VSA row's output on 2 heads at H3's shape against the same VSA with the
 reference kernel (masked SDPA over the padded tiles); `ratio_to_fp8_dense` = VSA ms / the faster FP8 dense ms.
 first_call_at_new_length_s: the fa4 VSA kernel's first call at a second canvas (does it recompile per length?).
 With --tiny (CPU): reference and flex (unfused) kernels only, perf_counter timings: it checks the script runs.
@@ -48,11 +48,11 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from bench_sparse import _fp8_rows, structured_qk  # noqa: E402
 from h3trt.models.attention import attention, kernel_problem  # noqa: E402
 from h3trt.models.packing import pack_t2va, text_tags_for  # noqa: E402
-from h3trt.models.vsa import (pool_tiles, route_tiles, tile_scores, to_tiles, vsa_attention,  # noqa: E402
-                              vsa_topk)
-from h3trt.models.vsa_fp8 import vsa_attention_kernel, vsa_fp8_scales, vsa_problem  # noqa: E402
-from h3trt.models.vsa_kernels import vsa_block_attention  # noqa: E402
-from h3trt.models.vsa_tiles import layout_geometry  # noqa: E402
+from h3trt.models.vsa.routing import (pool_tiles, route_tiles, tile_scores, to_tiles, vsa_attention,  # noqa: E402
+                                      vsa_topk)
+from h3trt.models.vsa.fp8 import vsa_attention_kernel, vsa_fp8_scales, vsa_problem  # noqa: E402
+from h3trt.models.vsa.kernels import vsa_block_attention  # noqa: E402
+from h3trt.models.vsa.tiles import layout_geometry  # noqa: E402
 
 H3_CANVAS = (128, 37, 48, 84, 207)  # text rows, latent frames, latent h, latent w, audio latents: 1344x768, 5 s
 TINY_CANVAS = (40, 9, 12, 20, 30)
@@ -111,14 +111,14 @@ def kernels_of(args) -> tuple[tuple[str, str, str | None], ...]:
     if args.tiny:
         every = (("reference", "reference", None), ("flex", "flex", None), ("fp8_emulated", "fp8_emulated", None))
     else:
-        from h3trt.models.sparse_fp8_triton import TILE_CONFIGS
+        from h3trt.models.sparse.fp8_triton import TILE_CONFIGS
 
         every = (("fa4", "fa4", None), ("flex", "flex", None), *((f"fp8-{t}", "fp8", t) for t in TILE_CONFIGS[64]))
     return tuple(k for k in every if args.kernels is None or k[1] in args.kernels)
 
 
 def _scales_row(row, q, k, v, geo):
-    """The FP8 VSA's per-call scales and mu alone, on the tiled q/k/v (what models/vsa_fp8.py computes per call)."""
+    """The FP8 VSA's per-call scales and mu alone, on the tiled q/k/v (what models/vsa/fp8.py computes per call)."""
     with torch.no_grad():
         tiled = [to_tiles(x, geo) for x in (q, k, v)]
     row("vsa_fp8_scales", lambda: vsa_fp8_scales(*tiled, geo.sizes))
@@ -140,10 +140,10 @@ def _bars(result):
 
 def _ragged_check(result, kernels, N, D, device, args):
     """Each kernel on a small ragged geometry (partial text and audio chunks, tiles ragged on every video axis)
-    against the definition (models/vsa.py vsa_reference, fp32): the error of the whole VSA attention, before any
+    against the definition (models/vsa/routing.py vsa_reference, fp32): the error of the whole VSA attention, before any
     timing."""
-    from h3trt.models.vsa import vsa_reference
-    from h3trt.models.vsa_tiles import tile_geometry
+    from h3trt.models.vsa.routing import vsa_reference
+    from h3trt.models.vsa.tiles import tile_geometry
 
     geo = tile_geometry((70, 0, 20), (5, 3, 6)).to(device)
     g = torch.Generator().manual_seed(2)
@@ -211,7 +211,7 @@ def _vsa_rows(result, row, skip, q, k, v, gate, geo, sparsity, kernels, dense, d
 
 def _routing_only(q, k, v, gate, geo, sparsity):
     """VSA without its block-sparse kernel: what the routing and the coarse branch cost."""
-    from h3trt.models.vsa import add_gated, coarse_branch, from_tiles
+    from h3trt.models.vsa.routing import add_gated, coarse_branch, from_tiles
 
     q_t, k_t, v_t = (to_tiles(x, geo) for x in (q, k, v))
     scores = tile_scores(pool_tiles(q_t, geo), pool_tiles(k_t, geo))

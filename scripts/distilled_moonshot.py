@@ -7,7 +7,7 @@ phase):
                  [7168, 5376]: the VSA-DataFree variant), drawn on the GPU
   3. build       ONE `h3trt build --distilled FILE --precision fp8` of FastH3-VSA (a one-prompt calibration on the
                  family's first forward: --calib-steps 2; --build-flags --fp8-attention makes it FP8 VSA, fa4 and
-                 the fp8 kernel's tiles raced at build, models/vsa_fp8.py); the manifest's `vsa` says which kernel
+                 the fp8 kernel's tiles raced at build, models/vsa/fp8.py); the manifest's `vsa` says which kernel
                  the build chose, its times and why the others were left out
   4. clips       ONE `h3trt run --engine BUNDLE --requests` process, the bundle's pages evicted first: the 4-step
                  clip with VSA at the file's 0.9 (`fasth3_vsa`, first after the load: `cold_start_s` beside it), the
@@ -72,7 +72,7 @@ def estimates(ctx) -> dict:
 
 def phase_file(ctx) -> Path:
     """The FastH3-VSA file for the checkpoint's config (reused when its marker is there)."""
-    from h3trt.models.distilled_writer import write_fasth3
+    from h3trt.models.distilled.writer import write_fasth3
 
     path = ctx.state / FILE_NAME
     marker = path.with_suffix(".json")

@@ -67,8 +67,8 @@ def phase_checkpoint(ctx: Ctx) -> None:
         ctx.results["checkpoint"] = {**done, "reused": True}
         return
     from h3trt.engines.weights_io import write_safetensors
-    from h3trt.models.checkpoint_names import to_native_config
-    from h3trt.models.checkpoint_writer import official_model_index
+    from h3trt.models.checkpoint.names import to_native_config
+    from h3trt.models.checkpoint.writer import official_model_index
     from h3trt.models.dit import rope_inv_freq
 
     shutil.rmtree(ctx.ckpt, ignore_errors=True)
@@ -129,7 +129,7 @@ def phase_checkpoint(ctx: Ctx) -> None:
 def write_vaes(ctx: Ctx, part: Path) -> int:
     """The full-size video VAE (random, fp32 as released) and audio VAE; the tiny ones in --tiny."""
     from h3trt.engines.weights_io import write_safetensors
-    from h3trt.models.vae_checkpoint import save_audio_vae, video_vae_files
+    from h3trt.models.checkpoint.vae import save_audio_vae, video_vae_files
 
     if ctx.tiny:
         from h3trt.models.tiny import tiny_audio_vae, tiny_video_vae
@@ -138,7 +138,7 @@ def write_vaes(ctx: Ctx, part: Path) -> int:
     else:
         from diffusers import AutoencoderKLMiniMaxH3
 
-        from h3trt.models.vae_checkpoint import RELEASED_VIDEO_VAE
+        from h3trt.models.checkpoint.vae import RELEASED_VIDEO_VAE
 
         with torch.device("meta"):
             video = AutoencoderKLMiniMaxH3(**RELEASED_VIDEO_VAE, latents_mean=(0.0,) * 24, latents_std=(1.0,) * 24)

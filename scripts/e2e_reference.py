@@ -109,7 +109,7 @@ def time_diffusers(ctx: Ctx, state: dict, inputs, nvml: NvmlSampler) -> tuple[di
     from diffusers import MiniMaxH3Transformer3DModel
     from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3RotaryPosEmbed
 
-    from h3trt.models.checkpoint_writer import diffusers_state_dict
+    from h3trt.models.checkpoint.writer import diffusers_state_dict
 
     cfg, dev = ctx.cfg, ctx.device
     converted = {}
@@ -165,7 +165,7 @@ def release(dev: torch.device) -> None:
 def reference_decode(ctx: Ctx, nvml: NvmlSampler) -> dict:
     """Diffusers' own tiled decode (`AutoencoderKLMiniMaxH3.decode`) of the clip's latent, the VAE loaded in bf16 the
     way its pipeline loads it: the `_keep_in_fp32_modules` stay fp32."""
-    from h3trt.models.vae_checkpoint import load_video_vae
+    from h3trt.models.checkpoint.vae import load_video_vae
 
     dev, geo = ctx.device, ctx.geometry
     vae = load_video_vae(ctx.ckpt / "FL2VA", dev, dtype=torch.bfloat16)

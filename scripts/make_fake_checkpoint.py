@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from h3trt.models.checkpoint_writer import random_state_dict, save_comfy, save_diffusers, save_official
+from h3trt.models.checkpoint.writer import random_state_dict, save_comfy, save_diffusers, save_official
 from h3trt.models.config import H3Config
 
 DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}

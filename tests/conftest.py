@@ -46,7 +46,7 @@ _install_compile_cache()
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from h3trt.models.checkpoint_writer import random_state_dict, save_comfy, save_diffusers, save_official
+from h3trt.models.checkpoint.writer import random_state_dict, save_comfy, save_diffusers, save_official
 from h3trt.models.config import H3Config
 
 

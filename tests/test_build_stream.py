@@ -34,10 +34,10 @@ from h3trt.build.memory import GIB, DeviceMemory, kept_layers, memory_needs
 from h3trt.build.plan import plan_build
 from h3trt.engines.weights_io import SafetensorsWriter, write_safetensors
 from h3trt.errors import UserError
-from h3trt.models import checkpoint as checkpoint_module
-from h3trt.models.checkpoint import locate_transformer, read_native_state_dict
-from h3trt.models.checkpoint_stream import CheckpointTensors
-from h3trt.models.checkpoint_writer import random_state_dict, save_official
+from h3trt.models.checkpoint.reader import reader as checkpoint_module
+from h3trt.models.checkpoint.reader import locate_transformer, read_native_state_dict
+from h3trt.models.checkpoint.stream import CheckpointTensors
+from h3trt.models.checkpoint.writer import random_state_dict, save_official
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 
@@ -275,7 +275,7 @@ def test_full_size_fp8_build_streams_on_an_h100_and_not_on_an_h200(tmp_path):
     e2e_h200_s8_build.log)."""
     root = tmp_path / "ckpt"
     (root / "transformer").mkdir(parents=True)
-    from h3trt.models.checkpoint_names import to_native_config
+    from h3trt.models.checkpoint.names import to_native_config
 
     (root / "transformer" / "config.json").write_text(json.dumps(to_native_config(H3Config())))
     save_file({"x": torch.zeros(1)}, str(root / "transformer" / "model.safetensors"))
@@ -292,7 +292,7 @@ def test_full_size_fp8_build_streams_on_an_h100_and_not_on_an_h200(tmp_path):
 
 
 def test_checkpoint_tensors_read_every_layout_as_load_dit_does(tiny_checkpoints):
-    """models/checkpoint_stream.py converts official (interleaved QKV), diffusers (names, to_q/k/v, fc1 halves) and
+    """models/checkpoint/stream.py converts official (interleaved QKV), diffusers (names, to_q/k/v, fc1 halves) and
     Comfy (prefix) tensors as read_native_state_dict does, bit for bit."""
     for layout, path in tiny_checkpoints.items():
         source = locate_transformer(path, "t2va")
@@ -305,7 +305,7 @@ def test_checkpoint_tensors_read_every_layout_as_load_dit_does(tiny_checkpoints)
 
 
 def test_block_loader_gives_load_dit_s_blocks(tiny_checkpoints):
-    from h3trt.models.checkpoint import load_dit
+    from h3trt.models.checkpoint.reader import load_dit
 
     model, source = load_dit(tiny_checkpoints["official"], "t2va", dtype=torch.bfloat16)
     loader = BlockLoader(CheckpointTensors(source), source.config, torch.bfloat16, torch.device("cpu"), None)
@@ -356,10 +356,10 @@ def test_memory_budget_flag_is_checked(capsys):
 def test_both_readers_refuse_a_pruned_checkpoint_and_a_wrong_rope_alike(tmp_path, tiny_cfg, tiny_states, extra,
                                                                         message):
     """A checkpoint read whole (read_native_state_dict) and one read a block at a time (CheckpointTensors) refuse a
-    pruned AdaLN table and a rope.inv_freq that is not the config's with the same one line (models/checkpoint.py
+    pruned AdaLN table and a rope.inv_freq that is not the config's with the same one line (models/checkpoint/reader.py
     check_unpruned, check_rope_inv_freq)."""
-    from h3trt.models.checkpoint import CheckpointError
-    from h3trt.models.checkpoint_writer import save_comfy
+    from h3trt.models.checkpoint.reader import CheckpointError
+    from h3trt.models.checkpoint.writer import save_comfy
 
     path = save_comfy(tmp_path / "h3.safetensors", tiny_cfg, tiny_states["FL2VA"], torch.float32)
     stored = load_file(path)

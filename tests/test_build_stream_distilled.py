@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from h3trt.models.config import H3Config
-from h3trt.models.distilled import DistilledSpec
-from h3trt.models.distilled_writer import write_fasth3, write_pdd
+from h3trt.models.distilled.families import DistilledSpec
+from h3trt.models.distilled.writer import write_fasth3, write_pdd
 
 from test_build_stream import (LAYERS, _tiny_checkpoint, assert_same_bundle, build_pair, compare_weights, config,
                                streamed_budget)
@@ -24,7 +24,7 @@ from test_build_stream import _no_bundle_served_here, tiny4  # noqa: F401  (the 
 @pytest.fixture(scope="module")
 def distilled4(tmp_path_factory, tiny_root):
     """For the 4-layer model: a FastH3 dense file, a FastH3-VSA file (its gates `.set_weight`) and a PDD file
-    (models/distilled_writer.py: random, in their published formats); and a full FastH3-VSA export of its own (the
+    (models/distilled/writer.py: random, in their published formats); and a full FastH3-VSA export of its own (the
     gate in every block, the V2 sidecar's 8 rungs)."""
     root = tmp_path_factory.mktemp("distilled4")
     cfg = H3Config.tiny(num_layers=LAYERS)

@@ -41,7 +41,7 @@ from h3trt.engines.manifest import AdapterSlotsRecord, content_sha256, read_mani
 from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
 from h3trt.jobs.model_source import Entry, ModelSource
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras

@@ -187,7 +187,7 @@ def test_onnx_qdq_carries_the_scales_of_the_inductor_modules(name, tiny_root, tm
     from h3trt.build.examples import example_inputs
     from h3trt.build.config import Profile
     from h3trt.build.onnx_export import export_graph, segment_graphs
-    from h3trt.models.checkpoint import load_dit
+    from h3trt.models.checkpoint.reader import load_dit
 
     recipe = RECIPES[name]
     model, _ = load_dit(tiny_root, "t2va", torch.bfloat16)

@@ -9,9 +9,9 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 from safetensors.torch import load_file, save_file
 
-from h3trt.models.checkpoint import CheckpointError, load_dit, locate_transformer
+from h3trt.models.checkpoint.reader import CheckpointError, load_dit, locate_transformer
 from h3trt.models.weight_layout import deinterleave_qkv, interleave_qkv
-from h3trt.models.checkpoint_writer import diffusers_state_dict
+from h3trt.models.checkpoint.writer import diffusers_state_dict
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 
 from helpers import dit_inputs
@@ -225,7 +225,7 @@ def test_scheduler_shifts_of_a_diffusers_layout_are_honoured(tiny_checkpoints, t
 def test_component_files_are_read_back_once_until_they_change(tmp_path, monkeypatch):
     """A server checks the text encoder's files at every admission: a file that read back whole is not read again
     while it is unchanged, and one cut short after that is named at the next check."""
-    from h3trt.models import checkpoint
+    from h3trt.models.checkpoint.reader import reader as checkpoint
 
     folder = tmp_path / "text_encoder"
     folder.mkdir()

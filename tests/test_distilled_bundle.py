@@ -21,9 +21,9 @@ from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import read_manifest
 from h3trt.media.inputs import read_video
-from h3trt.models.distilled import DistilledSpec
-from h3trt.models.distilled_schedule import pdd_schedule
-from h3trt.models.distilled_writer import write_fasth3, write_pdd, write_turbo
+from h3trt.models.distilled.families import DistilledSpec
+from h3trt.models.distilled.schedule import pdd_schedule
+from h3trt.models.distilled.writer import write_fasth3, write_pdd, write_turbo
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.pipeline.loading import load_checkpoint
 

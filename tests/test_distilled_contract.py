@@ -10,10 +10,10 @@ import torch
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.errors import UserError
 from h3trt.jobs.model_source import ModelSource
-from h3trt.models.checkpoint_writer import random_state_dict, save_diffusers
+from h3trt.models.checkpoint.writer import random_state_dict, save_diffusers
 from h3trt.models.config import H3Config
-from h3trt.models.distilled_contract import checkpoint_contract
-from h3trt.models.distilled_files import DistilledError
+from h3trt.models.distilled.contract import checkpoint_contract
+from h3trt.models.distilled.files import DistilledError
 from h3trt.models.tiny import write_tiny_vsa_checkpoint
 from h3trt.pipeline.loading import load_checkpoint
 
@@ -116,8 +116,8 @@ def test_a_vsa_export_loads_as_a_checkpoint_serving_its_sidecars_vsa(tiny_root, 
 def test_a_folder_that_is_no_checkpoint_fails_at_the_load_after_the_flags(tmp_path):
     """With --distilled FILE (its export check) or without (the sidecar's read), a --model folder that is no
     checkpoint is not read by BuildConfig: a flag's own mistake is the one line, and the folder's fails at the load."""
-    from h3trt.models.distilled import DistilledSpec
-    from h3trt.models.distilled_writer import write_fasth3
+    from h3trt.models.distilled.families import DistilledSpec
+    from h3trt.models.distilled.writer import write_fasth3
 
     fasth3 = write_fasth3(tmp_path / "f.safetensors", H3Config.tiny())
     folder = tmp_path / "not-a-checkpoint"

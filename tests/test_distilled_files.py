@@ -10,13 +10,13 @@ from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_c
 from safetensors.torch import load_file, save_file
 
 from h3trt.errors import UserError
-from h3trt.models.checkpoint_writer import random_state_dict
+from h3trt.models.checkpoint.writer import random_state_dict
 from h3trt.models.config import H3Config
-from h3trt.models.checkpoint import load_dit
-from h3trt.models.distilled import FASTH3_LORA_VSA, DistilledSpec, load_distilled
-from h3trt.models.distilled_files import DistilledError
-from h3trt.models.distilled_merge import merge_distilled
-from h3trt.models.distilled_writer import fasth3_header, write_fasth3, write_pdd, write_turbo
+from h3trt.models.checkpoint.reader import load_dit
+from h3trt.models.distilled.families import FASTH3_LORA_VSA, DistilledSpec, load_distilled
+from h3trt.models.distilled.files import DistilledError
+from h3trt.models.distilled.merge import merge_distilled
+from h3trt.models.distilled.writer import fasth3_header, write_fasth3, write_pdd, write_turbo
 from h3trt.models.dit import build_dit
 
 CFG = H3Config.tiny()
@@ -125,7 +125,7 @@ def test_fasth3_vsa_file_makes_a_fasth3_vsa_model_of_a_base_checkpoint(tiny_root
 
 
 def test_fasth3_file_with_some_blocks_gates_is_refused(tmp_path):
-    from h3trt.models.distilled_writer import fasth3_tensors
+    from h3trt.models.distilled.writer import fasth3_tensors
 
     tensors = fasth3_tensors(CFG, 1, gates=True)
     del tensors["transformer_blocks.1.attn.to_gate_compress.set_weight"]
@@ -144,7 +144,7 @@ def test_pdd_trunk_matches_the_hand_merge_with_alpha_over_rank(base, tmp_path):
              for k, t in tensors.items() if k.endswith(".lora_down")]
     assert any(".adaln_proj.linear." in name for name, _ in terms)
     got, record, distilled = fused(base, DistilledSpec(path))
-    # The heads are per forward (models/pdd.py), not merged into proj_out: the trunk alone is compared.
+    # The heads are per forward (models/distilled/pdd.py), not merged into proj_out: the trunk alone is compared.
     assert_equal_states(got, by_hand(base, terms), terms)
     assert record["family"] == "pdd" and distilled.plan.schedule.steps == 9
     assert set(distilled.heads) == {"video_out.weight", "video_out.bias", "audio_out.weight", "audio_out.bias"}
@@ -184,7 +184,7 @@ def test_turbo_without_a_schedule_is_refused_naming_the_table(tmp_path):
     (lambda t, h: t.update({"proj_in.diff": torch.zeros(5, 5)}), "a file for another model size"),
 ])
 def test_fasth3_refusals_are_one_line(tmp_path, edit, match):
-    from h3trt.models.distilled_writer import fasth3_tensors
+    from h3trt.models.distilled.writer import fasth3_tensors
 
     tensors = fasth3_tensors(CFG, 1)
     header = fasth3_header(tensors, 4)

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from h3trt.errors import UserError
-from h3trt.models.distilled_schedule import (FASTH3_V2_RUNGS, fasth3_schedule, pdd_boundaries, pdd_rungs,
+from h3trt.models.distilled.schedule import (FASTH3_V2_RUNGS, fasth3_schedule, pdd_boundaries, pdd_rungs,
                                              pdd_schedule, turbo_schedule)
-from h3trt.models.pdd import StepHeads, fuse_heads, fused_step_heads, interval_grid, interval_plan
+from h3trt.models.distilled.pdd import StepHeads, fuse_heads, fused_step_heads, interval_grid, interval_plan
 from h3trt.models.sampler import Schedule, euler_step, shifted_sigmas
 
 

@@ -19,13 +19,13 @@ from h3trt.build import builder
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.errors import UserError
 from h3trt.jobs.model_source import Entry, ModelSource
-from h3trt.models import vsa_kernels
+from h3trt.models.vsa.routing import kernels as vsa_kernels
 from h3trt.models.config import H3Config
-from h3trt.models.distilled import DistilledSpec
-from h3trt.models.distilled_schedule import pdd_schedule
-from h3trt.models.distilled_writer import write_fasth3, write_pdd, write_turbo
+from h3trt.models.distilled.families import DistilledSpec
+from h3trt.models.distilled.schedule import pdd_schedule
+from h3trt.models.distilled.writer import write_fasth3, write_pdd, write_turbo
 from h3trt.models.sampler import Schedule
-from h3trt.models.vsa_plan import (VsaServing, VsaSettings, check_vsa_request, choose_vsa_kernel, request_vsa_run,
+from h3trt.models.vsa.plan import (VsaServing, VsaSettings, check_vsa_request, choose_vsa_kernel, request_vsa_run,
                                    served_vsa_settings)
 from h3trt.pipeline.prepare import prepare
 from h3trt.request.parse import parse_object

@@ -24,13 +24,13 @@ from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import read_manifest
 from h3trt.media.inputs import read_video
-from h3trt.models.distilled import FASTH3_LORA_VSA, DistilledSpec
-from h3trt.models.distilled_schedule import fasth3_schedule
-from h3trt.models.distilled_writer import write_fasth3
+from h3trt.models.distilled.families import FASTH3_LORA_VSA, DistilledSpec
+from h3trt.models.distilled.schedule import fasth3_schedule
+from h3trt.models.distilled.writer import write_fasth3
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.tiny import write_tiny_vsa_checkpoint
-from h3trt.models.vsa_plan import VsaRun
+from h3trt.models.vsa.plan import VsaRun
 from h3trt.pipeline.loading import load_checkpoint
 
 pytestmark = pytest.mark.build

@@ -10,7 +10,7 @@ from diffusers import MiniMaxH3Transformer3DModel
 from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_checkpoint_to_diffusers
 from safetensors.torch import load_file
 
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.packing import RefBlock, pack_ref2va, pack_t2va, row_timesteps, text_tags_for

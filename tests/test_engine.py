@@ -34,7 +34,7 @@ from h3trt.engines.manifest import BundleError, bundle_identity, content_sha256,
 from h3trt.engines.weights_io import chunk_digests
 from h3trt.engines.signing import load_private_key, sign_bundle
 from h3trt.errors import UserError
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
@@ -104,7 +104,7 @@ def test_a_one_process_bundle_without_halves_refuses_sparse_attention_in_one_lin
 
 @pytest.mark.parametrize("backend", ["inductor", "aoti"])
 def test_compiled_video_decoder_matches_eager(backend, bundles):
-    from h3trt.models.vae_checkpoint import load_video_vae
+    from h3trt.models.checkpoint.vae import load_video_vae
 
     engine = Engine.load(bundles[backend], "cpu")
     eager = load_video_vae(bundles[backend])

@@ -72,7 +72,7 @@ def test_an_error_after_a_ctrl_c_a_library_swallowed_is_the_interrupt(tmp_path, 
     loader reports as a corrupted file (seen in CI's killed-build test): after the signal arrived, that is the user's
     interrupt, exit 130, not a bad checkpoint and exit 2."""
     import h3trt.jobs.admission as admission  # run_clip reads its inputs first, through admission
-    from h3trt.models.checkpoint import CheckpointError
+    from h3trt.models.checkpoint.reader import CheckpointError
 
     def swallowed(*args, **kwargs):
         try:

@@ -26,7 +26,7 @@ from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import read_manifest
 from h3trt.media.inputs import read_video
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule

@@ -18,7 +18,7 @@ def message_of(error: BaseException) -> str:
 
 
 def test_an_inductor_compile_names_the_graph_and_the_h3trt_caller_and_asks_for_a_report():
-    from h3trt.models.sparse_kernels import flex_sparse_attention
+    from h3trt.models.sparse.kernels import flex_sparse_attention
 
     q = k = v = torch.randn(1, 256, 2, 16)
     index = torch.zeros(1, 2, 2, 1, dtype=torch.int32)
@@ -26,7 +26,7 @@ def test_an_inductor_compile_names_the_graph_and_the_h3trt_caller_and_asks_for_a
         flex_sparse_attention(q, k, v, index, torch.ones(2, dtype=torch.bool), 128, compiled=True)
     text = message_of(info.value)
     assert text.startswith("Inductor compile_fx") and "flex_attention" in text, text
-    assert "h3trt/models/sparse_kernels.py:" in text and "flex_sparse_attention" in text, text
+    assert "h3trt/models/sparse/kernels.py:" in text and "flex_sparse_attention" in text, text
     assert "a bug in h3trt" in text and "please report it" in text and "Rebuild the bundle" not in text
 
 

@@ -165,7 +165,7 @@ def test_the_audio_vae_loads_without_torchs_weight_norm_warning(tiny_root):
     """diffusers builds the audio VAE with torch.nn.utils.weight_norm, whose FutureWarning every run used to print."""
     import warnings
 
-    from h3trt.models.vae_checkpoint import load_audio_vae
+    from h3trt.models.checkpoint.vae import load_audio_vae
 
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

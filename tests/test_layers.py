@@ -164,13 +164,17 @@ def test_no_import_cycles():
 
 def test_checker_catches_a_bad_import_and_a_cycle(tmp_path):
     """The same checker over a synthetic package: a models -> pipeline import, a pipeline <-> build pair, a
-    function-level import and a cycle inside one layer are all reported."""
+    function-level import and a cycle inside one layer are all reported, and a sub-package of a floor (models/sparse/)
+    is that floor: its relative imports resolve from one level deeper."""
     pkg = tmp_path / "h3trt"
     for sub in ("models", "pipeline", "build", "engines"):
         (pkg / sub).mkdir(parents=True)
         (pkg / sub / "__init__.py").write_text("")
     (pkg / "__init__.py").write_text("")
     (pkg / "models" / "dit.py").write_text("from ..pipeline.h3_pipeline import H3Pipeline\n")
+    (pkg / "models" / "sparse").mkdir()
+    (pkg / "models" / "sparse" / "__init__.py").write_text("")
+    (pkg / "models" / "sparse" / "run.py").write_text("from ..dit import Block\nfrom ...build import builder\n")
     (pkg / "pipeline" / "h3_pipeline.py").write_text("from ..models import dit\nfrom ..engines.bundle import Engine\n")
     (pkg / "build" / "builder.py").write_text("def f():\n    from h3trt.pipeline import h3_pipeline\n")
     (pkg / "engines" / "bundle.py").write_text("from . import loaders\n")
@@ -182,6 +186,9 @@ def test_checker_catches_a_bad_import_and_a_cycle(tmp_path):
                for e in errors)
     assert any("h3trt.build.builder:2 imports h3trt.pipeline.h3_pipeline: build may not import pipeline" in e
                for e in errors)
-    assert len(errors) == 2
+    assert graph["h3trt.models.sparse.run"] == {"h3trt.models.dit": 1, "h3trt.build.builder": 2}
+    assert any("h3trt.models.sparse.run:2 imports h3trt.build.builder: models may not import build" in e
+               for e in errors)
+    assert len(errors) == 3
     assert sorted(cycles(graph)) == [["h3trt.engines.bundle", "h3trt.engines.loaders"],
                                      ["h3trt.models.dit", "h3trt.pipeline.h3_pipeline"]]

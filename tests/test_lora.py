@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from h3trt.adapters.merge import LoraSpec, merge_loras
 from h3trt.cli import main
-from h3trt.models.checkpoint_writer import random_state_dict
+from h3trt.models.checkpoint.writer import random_state_dict
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.lora_format import LoraError, read_lora

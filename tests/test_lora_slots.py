@@ -16,7 +16,7 @@ from h3trt.adapters import slots as slots_module
 from h3trt.adapters.merge import LoraSpec, merge_loras
 from h3trt.adapters.slots import AdapterBlock, AdapterSlots
 from h3trt.errors import UserError
-from h3trt.models.checkpoint_writer import random_state_dict
+from h3trt.models.checkpoint.writer import random_state_dict
 from h3trt.models.dit import build_dit, sdpa_attention
 from h3trt.models.packing import row_timesteps
 

@@ -17,7 +17,7 @@ import torch
 
 from h3trt.engines.bundle import Engine
 from h3trt.engines.manifest import BundleError
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import NO_EXTRAS, EvalExtras
@@ -206,8 +206,8 @@ def _engine_rank(rank, world, store, bundle, root, out):
 def _sparse_evaluation(dit, eager) -> dict:
     """One sparse evaluation through the sp=2 bundle (each rank routes its own head after the exchange) against the
     one-process eager DiT with the same settings, and against the dense evaluation."""
-    from h3trt.models.sparse_plan import SparseSettings
-    from h3trt.models.sparse_run import SparseRun
+    from h3trt.models.sparse.plan import SparseSettings
+    from h3trt.models.sparse.run import SparseRun
 
     layout = pack_t2va(text_tags_for(11), 37, 6, 10, 207)  # 2,645 rows: 42 routing blocks of 64
     video, audio, text = dit_inputs(layout, eager.cfg, seed=2)

@@ -17,7 +17,7 @@ from h3trt.build.config import BuildConfig
 from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.eval import PSNR_CAP_DB, log_spectral_distance, psnr, ssim
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.config import H3Config
 from h3trt.models.dit import Block, EagerDiT, rope_inv_freq, rope_tables
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for

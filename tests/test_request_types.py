@@ -14,7 +14,7 @@ import pytest
 from h3trt.adapters.use import AdapterUse
 from h3trt.models.packing import Geometry
 from h3trt.models.sampler import ScheduleValues
-from h3trt.models.sparse_plan import SparseSettings
+from h3trt.models.sparse.plan import SparseSettings
 from h3trt.models.step_cache import StepCacheConfig
 from h3trt.request.parse import RequestDefaults, parse_object
 from h3trt.request.request import (VERSION, Admitted, BatchKey, Canvas, Guidance, Inputs, Request, ScheduleChoice,

@@ -94,7 +94,7 @@ def test_every_runner_takes_one_extras_value_and_says_its_caps():
     from h3trt.engines.bundle import EngineDiT
     from h3trt.engines.tensorrt_runtime import TrtDiT
     from h3trt.eval import StepRecorder
-    from h3trt.models.distilled_merge import StepHeadRunner
+    from h3trt.models.distilled.merge import StepHeadRunner
     from h3trt.models.dit import EagerDiT
     from h3trt.models.runner import DiTRunner
     from h3trt.parallel.ulysses import UlyssesDiT, forward_sp
@@ -187,7 +187,7 @@ def test_a_bundles_caps_come_from_its_manifest():
     from h3trt.adapters.checks import NO_LORA_SLOTS
     from h3trt.engines.caps import NO_SPARSE_HALVES, SHARDED_SPARSE_KERNEL, bundle_caps
     from h3trt.engines.manifest import AdapterSlotsRecord, SparseRecord
-    from h3trt.models.vsa_plan import VsaServing, VsaSettings
+    from h3trt.models.vsa.plan import VsaServing, VsaSettings
 
     batched = {"block": {"inputs": ["x"], "dynamic": {"x": {"0": "B", "1": "S"}}}}
     plain = dict(sparse=None, lora_slots=None, vsa=None, backend="inductor", mesh=SimpleNamespace(sp=1),

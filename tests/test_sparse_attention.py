@@ -1,4 +1,4 @@
-"""SubBlock routing on the CPU (h3trt/models/sparse_attention.py): the reference against a brute-force float64
+"""SubBlock routing on the CPU (h3trt/models/sparse/attention.py): the reference against a brute-force float64
 definition written from the issue's text (ragged tails, every n in 1, 2, 4, 8, unequal q and k lengths), the budget's
 rounding, the chunked path against the reference (the same blocks, ties included), and bad arguments refused.
 
@@ -13,8 +13,8 @@ import math
 import pytest
 import torch
 
-from h3trt.models import sparse_attention
-from h3trt.models.sparse_attention import (SUBBLOCK_BLOCK, sparse_budget, subblock_route, subblock_route_reference,
+from h3trt.models.sparse import attention as sparse_attention
+from h3trt.models.sparse.attention import (SUBBLOCK_BLOCK, sparse_budget, subblock_route, subblock_route_reference,
                                            subblock_scores)
 
 

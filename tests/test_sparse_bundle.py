@@ -19,13 +19,13 @@ from h3trt.cli import main
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import SparseRecord, read_manifest
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
-from h3trt.models.sparse_plan import SparseSettings, sparse_settings
-from h3trt.models.sparse_run import SparseRun
+from h3trt.models.sparse.plan import SparseSettings, sparse_settings
+from h3trt.models.sparse.run import SparseRun
 from h3trt.media.inputs import read_video
 
 from conftest import BUNDLE_STEPS, PLAIN_BUNDLE

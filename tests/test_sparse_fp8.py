@@ -1,4 +1,4 @@
-"""FP8 block-sparse attention (h3trt/models/sparse_fp8.py, models/sparse_fp8_triton.py) on the CPU.
+"""FP8 block-sparse attention (h3trt/models/sparse/fp8.py, models/sparse/fp8_triton.py) on the CPU.
 
 The reference semantics (`fp8_emulated`: q, k, v - mu quantized with per-tensor scales, the masked fp32 reference over
 the kept blocks, mu added) against the bf16 masked reference over the same kept blocks, and the Triton kernel, every
@@ -27,9 +27,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from h3trt.models.sparse_attention import subblock_route
-from h3trt.models.sparse_fp8 import emulated_fp8_sparse_attention, fp8_sparse_attention
-from h3trt.models.sparse_reference import reference_sparse_attention
+from h3trt.models.sparse.attention import subblock_route
+from h3trt.models.sparse.fp8 import emulated_fp8_sparse_attention, fp8_sparse_attention
+from h3trt.models.sparse.reference import reference_sparse_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 MEAN_3_TOL, EMULATION_TOL, P_ROUNDING_TOL, KERNEL_TOL = 0.01, 0.08, 0.10, 1e-3
@@ -132,8 +132,8 @@ def online_reference(ops, index, sparse_G, block, block_n, key_sizes=None):
 
 def interpreted_checks() -> dict:
     """Run in a subprocess with TRITON_INTERPRET=1 (see __main__): each check's measured error or outcome, by name."""
-    from h3trt.models.sparse_fp8 import _e4m3
-    from h3trt.models.sparse_fp8_triton import (BENCH_ONLY_CONFIGS, TILE_CONFIGS, fp8_block_sparse_attention,
+    from h3trt.models.sparse.fp8 import _e4m3
+    from h3trt.models.sparse.fp8_triton import (BENCH_ONLY_CONFIGS, TILE_CONFIGS, fp8_block_sparse_attention,
                                                 fp8_operands, fp8_sparse_attention_triton)
 
     out = {}

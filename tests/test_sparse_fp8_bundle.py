@@ -25,12 +25,12 @@ from h3trt.engines import bundle as bundle_module
 from h3trt.engines.bundle import Engine, bundle_sparse_kernel
 from h3trt.engines.caps import bundle_caps
 from h3trt.engines.guard import no_compile
-from h3trt.models import sparse_run
+from h3trt.models.sparse import run as sparse_run
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
-from h3trt.models.sparse_plan import SparseSettings
-from h3trt.models.sparse_run import SparseRun
+from h3trt.models.sparse.plan import SparseSettings
+from h3trt.models.sparse.run import SparseRun
 from h3trt.pipeline.h3_pipeline import H3Pipeline
 from h3trt.request.request import Speed
 

@@ -1,4 +1,4 @@
-"""Block-sparse attention kernels on the CPU (h3trt/models/sparse_kernels.py): the reference kernel against dense
+"""Block-sparse attention kernels on the CPU (h3trt/models/sparse/kernels.py): the reference kernel against dense
 SDPA over exactly the kept key rows (the rows gathered by hand, no mask), dense query blocks against dense SDPA,
 ragged last blocks, FlexAttention's unfused implementation (it runs eagerly on the CPU in torch 2.13) against the
 reference, the op staying one opaque call under torch.export and torch.compile, kept_fraction's arithmetic, the
@@ -16,9 +16,10 @@ import torch
 import torch.nn.functional as F
 
 from h3trt.errors import UserError
-from h3trt.models import sparse_kernels, sparse_reference
-from h3trt.models.sparse_attention import subblock_route
-from h3trt.models.sparse_kernels import (SPARSE_KERNELS, check_sparse_kernel, default_sparse_kernel,
+from h3trt.models.sparse import kernels as sparse_kernels
+from h3trt.models.sparse import reference as sparse_reference
+from h3trt.models.sparse.attention import subblock_route
+from h3trt.models.sparse.kernels import (SPARSE_KERNELS, check_sparse_kernel, default_sparse_kernel,
                                          flex_sparse_attention, kept_fraction, sparse_attention,
                                          sparse_kernel_problem, warm_sparse_kernel)
 

@@ -35,13 +35,13 @@ from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
 from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.media.inputs import read_video
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
-from h3trt.models.sparse_plan import sparse_settings
-from h3trt.models.sparse_run import SparseRun
+from h3trt.models.sparse.plan import sparse_settings
+from h3trt.models.sparse.run import SparseRun
 from h3trt.request.fields import KEY_WORDS as KEYS
 from h3trt.request.request import Request
 

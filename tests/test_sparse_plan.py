@@ -1,4 +1,4 @@
-"""Where block-sparse attention applies (models/sparse_plan.py): which query blocks of a packed layout are sparse,
+"""Where block-sparse attention applies (models/sparse/plan.py): which query blocks of a packed layout are sparse,
 which evaluations run sparse, and the settings' checks."""
 
 import math
@@ -9,7 +9,7 @@ import torch
 from h3trt.errors import UserError
 from h3trt.models.config import AUDIO_TAG, TEXT_TAG, VIDEO_TAG
 from h3trt.models.packing import pack_t2va
-from h3trt.models.sparse_plan import (DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ, SparseSettings, evaluation_is_sparse,
+from h3trt.models.sparse.plan import (DEFAULT_DENSE_STEPS, DEFAULT_MIN_SEQ, SparseSettings, evaluation_is_sparse,
                                       sparse_query_blocks, sparse_settings)
 
 BLOCK = 64

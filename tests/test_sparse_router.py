@@ -1,5 +1,5 @@
-"""The SubBlock router's two paths (h3trt/models/sparse_router.py): which one a device runs, and that the fused Triton
-router (models/sparse_router_triton.py) keeps the torch reference's blocks.
+"""The SubBlock router's two paths (h3trt/models/sparse/router.py): which one a device runs, and that the fused Triton
+router (models/sparse/router_triton.py) keeps the torch reference's blocks.
 
 CPU CI has no GPU: the Triton kernels run under Triton's interpreter (TRITON_INTERPRET=1, numpy on CPU tensors), in
 a subprocess because the interpreter is chosen when the kernels are decorated, at import. The interpreter runs the
@@ -19,11 +19,11 @@ import pytest
 import torch
 
 from h3trt.errors import UserError
-from h3trt.models.sparse_attention import _topk_lowest_first, subblock_route, subblock_route_reference, subblock_scores
-from h3trt.models import sparse_router
-from h3trt.models.sparse_router import choose_router, route_blocks, warm_router
-from h3trt.models.sparse_run import SparseRun, load_sparse_kernel
-from h3trt.models.sparse_plan import SparseSettings
+from h3trt.models.sparse.attention import _topk_lowest_first, subblock_route, subblock_route_reference, subblock_scores
+from h3trt.models.sparse import router as sparse_router
+from h3trt.models.sparse.router import choose_router, route_blocks, warm_router
+from h3trt.models.sparse.run import SparseRun, load_sparse_kernel
+from h3trt.models.sparse.plan import SparseSettings
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -78,9 +78,9 @@ def test_cpu_load_warms_the_torch_router_and_a_sparse_run_records_it():
 
 def interpreted_checks() -> dict:
     """Run in a subprocess with TRITON_INTERPRET=1 (see __main__): every check's outcome, by name."""
-    from h3trt.models.sparse_router_triton import (pool_subblocks_triton, subblock_route_triton,
+    from h3trt.models.sparse.router_triton import (pool_subblocks_triton, subblock_route_triton,
                                                    subblock_scores_triton, topk_lowest_first_triton)
-    from h3trt.models.sparse_attention import pool_subblocks
+    from h3trt.models.sparse.attention import pool_subblocks
 
     out = {}
     torch.manual_seed(0)

@@ -137,7 +137,7 @@ def test_guidance_and_the_step_cache_compose_with_it(tmp_path):
 
 
 def test_flex_on_cuda_routes_128_row_blocks_and_the_others_subblocks_64():
-    from h3trt.models.sparse_kernels import FLEX_BLOCK, sparse_block
+    from h3trt.models.sparse.kernels import FLEX_BLOCK, sparse_block
 
     assert sparse_block("flex", "cuda") == FLEX_BLOCK == 128
     assert sparse_block("flex", "cpu") == sparse_block("fa4", "cuda") == sparse_block("reference", "cuda") == 64
@@ -147,7 +147,7 @@ def test_a_sparse_kernel_that_fails_at_load_stops_no_dense_run_and_a_sparse_one_
         dense, h3trt, monkeypatch, tmp_path):
     """On the H200 without FA4 the load warmed flex at 64-row blocks and refused every run, dense ones too (GPU smoke,
     session 13). Here flex, which needs CUDA, is made the default on the CPU so that its warm-up fails."""
-    import h3trt.models.sparse_kernels as sparse_kernels
+    import h3trt.models.sparse.kernels as sparse_kernels
 
     monkeypatch.setattr(sparse_kernels, "default_sparse_kernel", lambda device, kernels: "flex")
     out = tmp_path / "dense.mp4"

@@ -21,7 +21,7 @@ from diffusers.loaders.single_file_utils import convert_minimax_h3_transformer_c
 from diffusers.models.transformers.transformer_minimax_h3 import MiniMaxH3TransformerBlock
 
 from h3trt.errors import UserError
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras

@@ -45,7 +45,7 @@ from h3trt.build.onnx_export import export_graph, segment_graphs
 from h3trt.build.tensorrt import TrtFlavour, build_plan, build_plans, input_shapes, parse_targets, shape_ranges
 from h3trt.engines.manifest import BundleError
 from h3trt.engines.tensorrt_runtime import pick_profile, plan_device_problem
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.config import NUM_MODALITIES
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.precision import Precision

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from h3trt.models.checkpoint_writer import random_state_dict
+from h3trt.models.checkpoint.writer import random_state_dict
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.packing import RefBlock, pack_ref2va, pack_t2va, row_timesteps, text_tags_for
@@ -92,8 +92,8 @@ def _sparse_worker(rank, world, store, out_dir):
     """Block-sparse attention under Ulysses: each rank routes its own heads after the exchange, so the sharded
     forward equals the one-process sparse forward (and differs from the dense one)."""
     from h3trt.models.dit import EagerDiT
-    from h3trt.models.sparse_plan import SparseSettings
-    from h3trt.models.sparse_run import SparseRun
+    from h3trt.models.sparse.plan import SparseSettings
+    from h3trt.models.sparse.run import SparseRun
 
     dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=60))

@@ -7,8 +7,8 @@ import torch
 from diffusers import AutoencoderKLMiniMaxH3, AutoencoderKLMiniMaxH3Audio
 from diffusers.modular_pipelines.minimax_h3.encoders import encode_vae_condition
 
-from h3trt.models.checkpoint import CheckpointError
-from h3trt.models.vae_checkpoint import (
+from h3trt.models.checkpoint.reader import CheckpointError
+from h3trt.models.checkpoint.vae import (
     audio_vae_kwargs, load_audio_vae, load_video_vae, save_audio_vae, save_video_vae, video_vae_diffusers_to_native,
     video_vae_native_to_diffusers,
 )

@@ -18,11 +18,11 @@ from h3trt.build.config import BuildConfig
 from h3trt.cli import main
 from h3trt.eval import psnr
 from h3trt.models.tiny import tiny_audio_vae
-from h3trt.models.vae_checkpoint import load_audio_vae, load_video_vae, save_audio_vae, save_video_vae
+from h3trt.models.checkpoint.vae import load_audio_vae, load_video_vae, save_audio_vae, save_video_vae
 from h3trt.models.vae_precision import VAEPrecision, fp32_pinned, skips_low_precision
 from h3trt.models.video_vae import PIXEL_MEAN, PIXEL_STD
 from h3trt.calibration.vae_fp8 import (DECODER_LINEARS, FP8StaticLinear, FP8TokenLinear, calibrate_video_decoder,
-                                 load_video_vae_at, quantize_video_decoder)
+                                       load_video_vae_at, quantize_video_decoder)
 
 TILE, OVERLAP = 64, 16  # 6 tiles a window at 96x128: the stitch runs in bf16 too
 

@@ -1,6 +1,6 @@
-"""VSA as FastH3 runs it (h3trt/models/vsa_tiles.py, vsa.py, vsa_kernels.py), on the CPU in fp32, against
-`vsa_reference`: the definition row by row (each row's tile from the geometry, tile means by one-hot sums, a stable
-sort for the top-k, one [S, S] row mask, the coarse branch), with no padded layout and no kernel.
+"""VSA as FastH3 runs it (h3trt/models/vsa/tiles.py, models/vsa/routing.py, models/vsa/kernels.py), on the CPU in fp32,
+against `vsa_reference`: the definition row by row (each row's tile from the geometry, tile means by one-hot sums, a
+stable sort for the top-k, one [S, S] row mask, the coarse branch), with no padded layout and no kernel.
 
 Also from first principles, without the module's helpers: the tile geometry (FastVideo's `_h3_tile_geometry` order:
 segment-pure prefix chunks, (4, 4, 4) video tiles t -> h -> w with ragged edges), the top-k count, which tiles a
@@ -17,10 +17,10 @@ import torch
 
 from h3trt.errors import UserError
 from h3trt.models.packing import pack_ref2va, pack_t2va, RefBlock, text_tags_for
-from h3trt.models.vsa import (coarse_branch, pool_tiles, route_tiles, tile_scores, to_tiles, vsa_attention,
-                              vsa_reference, vsa_topk)
-from h3trt.models.vsa_kernels import VSA_KERNELS, vsa_block_attention, vsa_kernel_problem
-from h3trt.models.vsa_tiles import layout_geometry, layout_segments, tile_geometry
+from h3trt.models.vsa.routing import (coarse_branch, pool_tiles, route_tiles, tile_scores, to_tiles, vsa_attention,
+                                      vsa_reference, vsa_topk)
+from h3trt.models.vsa.kernels import VSA_KERNELS, vsa_block_attention, vsa_kernel_problem
+from h3trt.models.vsa.tiles import layout_geometry, layout_segments, tile_geometry
 
 pytestmark = pytest.mark.unit
 
@@ -222,7 +222,7 @@ def test_fa4_plumbing_against_a_stand_in(monkeypatch):
     import sys
     import types
 
-    from h3trt.models import vsa_kernels
+    from h3trt.models.vsa.routing import kernels as vsa_kernels
 
     calls = []
 

@@ -22,13 +22,13 @@ from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import BundleError, Manifest, read_manifest
 from h3trt.errors import UserError
-from h3trt.models.checkpoint import load_dit
+from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import write_tiny_vsa_checkpoint
-from h3trt.models.vsa_plan import VsaRun, VsaServing, VsaSettings
+from h3trt.models.vsa.plan import VsaRun, VsaServing, VsaSettings
 
 from conftest import BUNDLE_STEPS
 from helpers import dit_inputs

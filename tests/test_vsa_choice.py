@@ -8,8 +8,8 @@ import torch
 
 from h3trt.build.vsa_choice import MEASURE_SPARSITY, resolve_vsa_kernel
 from h3trt.errors import UserError
-from h3trt.models.vsa_plan import VsaRun, VsaServing, VsaSettings, load_vsa_kernel
-from h3trt.models.vsa_tiles import tile_geometry
+from h3trt.models.vsa.plan import VsaRun, VsaServing, VsaSettings, load_vsa_kernel
+from h3trt.models.vsa.tiles import tile_geometry
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 GEOMETRY = tile_geometry((180, 0, 126), (37, 24, 42))  # 1344x768, 5 s: 660 video tiles

@@ -1,9 +1,9 @@
-"""VSA's fine branch in FP8 (h3trt/models/vsa_fp8.py) on the CPU, over ragged tiles (a (5, 6, 7) video grid: edge
+"""VSA's fine branch in FP8 (h3trt/models/vsa/fp8.py) on the CPU, over ragged tiles (a (5, 6, 7) video grid: edge
 tiles of 48, 32, ... 6 rows; prefix segments of 70 and 40 rows: chunks of 64, 6 and 40), three prefix query tiles
 dense and the video ones keeping half the video tiles, batch 2.
 
 Tolerances (relative error, Frobenius), the dense FP8 tests' (tests/test_fp8_attention.py, tests/test_sparse_fp8.py):
-  - the emulation through models/vsa.py vsa_attention (the coarse branch included) against vsa_reference, the
+  - the emulation through models/vsa/routing.py vsa_attention (the coarse branch included) against vsa_reference, the
     definition in fp32: < 8% with v of mean 0 (e4m3 rounding of q, k and v), < 1% with v of mean 3 (centering returns
     the mean exactly); and > 0 (it quantizes). Attending the pad rows of the ragged tiles (every tile taken as 64
     rows) moves it by ~30%: the masks are what is checked, not only the rounding;
@@ -21,11 +21,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from h3trt.models.vsa import pool_tiles, route_tiles, tile_scores, to_tiles, vsa_attention, vsa_reference
-from h3trt.models.vsa_fp8 import (ALL_VSA_KERNELS, emulated_fp8_vsa_attention, fp8_vsa_attention, vsa_attention_kernel,
+from h3trt.models.vsa.routing import pool_tiles, route_tiles, tile_scores, to_tiles, vsa_attention, vsa_reference
+from h3trt.models.vsa.fp8 import (ALL_VSA_KERNELS, emulated_fp8_vsa_attention, fp8_vsa_attention, vsa_attention_kernel,
                                   vsa_fp8_scales, vsa_problem)
-from h3trt.models.vsa_kernels import key_valid
-from h3trt.models.vsa_tiles import tile_geometry
+from h3trt.models.vsa.kernels import key_valid
+from h3trt.models.vsa.tiles import tile_geometry
 
 GEOMETRY = tile_geometry((70, 0, 40), (5, 6, 7))
 MEAN_3_TOL, EMULATION_TOL, P_ROUNDING_TOL, KERNEL_TOL = 0.01, 0.08, 0.10, 1e-3
@@ -130,7 +130,7 @@ def test_the_kernel_with_row_counts_compiles_to_fp8_wgmma_for_hopper():
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from h3trt.models.sparse_fp8_triton import PAD_ROWS, _attention_kernel
+    from h3trt.models.sparse.fp8_triton import PAD_ROWS, _attention_kernel
 
     pointers = {"q_ptr": "*fp8e4nv", "k_ptr": "*fp8e4nv", "vt_ptr": "*fp8e4nv", "scales_ptr": "*fp32", "mu_ptr": "*fp32",
                 "index_ptr": "*i32", "sparse_ptr": "*i1", "sizes_ptr": "*i32", "out_ptr": "*bf16"}
@@ -150,8 +150,8 @@ def interpreted_checks() -> dict:
     """Run in a subprocess with TRITON_INTERPRET=1 (see __main__): each check's measured error or outcome, by name."""
     from test_sparse_fp8 import online_reference
 
-    from h3trt.models.sparse_fp8_triton import BENCH_ONLY_CONFIGS, TILE_CONFIGS, fp8_operands
-    from h3trt.models.vsa_fp8 import centered_error, triton_fp8_vsa_attention
+    from h3trt.models.sparse.fp8_triton import BENCH_ONLY_CONFIGS, TILE_CONFIGS, fp8_operands
+    from h3trt.models.vsa.fp8 import centered_error, triton_fp8_vsa_attention
 
     qt, kt, vt, index, sparse_G, sizes = tiled_case()
     scales, mu = vsa_fp8_scales(qt, kt, vt, sizes)

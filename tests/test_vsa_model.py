@@ -2,8 +2,8 @@
 checkpoint in native and diffusers names and lands in `blocks.{i}.attn.to_gate_compress.weight`; a block's VSA
 attention takes the gate projected from its modulated input; the eager DiT runs each main block's VSA at the
 evaluation's and the layer's sparsity (dense first steps, dense layers, sparsity 0 = dense + coarse branch) against
-a block loop written from the definition (models/vsa.py vsa_reference); Ulysses sp=2 over gloo equals sp=1 (the gate
-travels with q/k/v through the all-to-all); the refusals.
+a block loop written from the definition (models/vsa/routing.py vsa_reference); Ulysses sp=2 over gloo equals sp=1 (the
+gate travels with q/k/v through the all-to-all); the refusals.
 
 Tolerances: fp32 weights; the DiT against the hand loop differs in summation order only (1e-5 relative, norm);
 sp=2 against sp=1 as tests/test_ulysses.py (1e-5).
@@ -18,16 +18,16 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from h3trt.errors import UserError
-from h3trt.models.checkpoint import CheckpointError, load_dit
-from h3trt.models.checkpoint_writer import diffusers_state_dict, random_state_dict, save_diffusers, save_official
+from h3trt.models.checkpoint.reader import CheckpointError, load_dit
+from h3trt.models.checkpoint.writer import diffusers_state_dict, random_state_dict, save_diffusers, save_official
 from h3trt.models.config import NUM_MODALITIES, H3Config
 from h3trt.models.dit import EagerDiT, build_dit
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
-from h3trt.models.vsa import vsa_reference
-from h3trt.models.vsa_plan import VsaRun, VsaServing, VsaSettings, vsa_settings
-from h3trt.models.vsa_tiles import layout_geometry
+from h3trt.models.vsa.routing import vsa_reference
+from h3trt.models.vsa.plan import VsaRun, VsaServing, VsaSettings, vsa_settings
+from h3trt.models.vsa.tiles import layout_geometry
 from h3trt.parallel.ulysses import forward_sp
 
 from helpers import dit_inputs

@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..models.config import H3Config
-from ..models.distilled import turbo_alpha
+from ..models.distilled.families import turbo_alpha
 from ..models.lora_format import LoraError, LoraFile, read_lora
 from .info import adapter_rank
 from .merge import LoraSpec

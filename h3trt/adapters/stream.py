@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..models.lora_format import LoraError, LoraFile, file_metadata, lora_from_tensors, opened_safetensors
-from ..models.safetensors_format import DTYPES as SAFETENSORS_DTYPES
+from ..models.checkpoint.safetensors_format import DTYPES as SAFETENSORS_DTYPES
 
 CHUNK_BYTES = 32 << 20  # a chunk: large enough that a copy's launch is noise, small enough to overlap well
 STAGING_BUFFERS = 3  # one being read, one being hashed and copied, one whose copy may still run

@@ -1,10 +1,10 @@
 """The DiT's main blocks brought onto the build device one at a time, for a build that streams them
 (h3trt/build/stream.py; build/memory.py decides when).
 
-Each block is read from the checkpoint when it is asked for (models/checkpoint_stream.py: pread of its tensors'
+Each block is read from the checkpoint when it is asked for (models/checkpoint/stream.py: pread of its tensors'
 bytes, nothing else of the model), copied to the device, converted there to the native layout and the build dtype,
 its --lora files merged (adapters/merge.py LoraMerge: the fp32 sums of merge_loras) and assigned into a fresh Block,
-then the --distilled file's patches of that block fused into it (models/distilled_merge.py fuse_into, filtered to the
+then the --distilled file's patches of that block fused into it (models/distilled/merge.py fuse_into, filtered to the
 block; a parameter the checkpoint lacks and the file assigns whole, a FastH3-VSA file's `attn.to_gate_compress`, is
 made there by the fusion's assign): the tensors `load_dit`, `merge_loras` and `merge_distilled` would have given it.
 While the caller works on one block, a thread reads the next one's bytes into the other of two host slots, pinned on
@@ -24,10 +24,10 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 
 from ..adapters.merge import LoraMerge
-from ..models.checkpoint_stream import CheckpointTensors, NativeTensor
+from ..models.checkpoint.stream import CheckpointTensors, NativeTensor
 from ..models.config import H3Config
-from ..models.distilled_files import Fusion
-from ..models.distilled_merge import fuse_into
+from ..models.distilled.files import Fusion
+from ..models.distilled.merge import fuse_into
 from ..models.dit import Block, parameter_dtype
 
 READ_THREADS = 4  # preads of one block in flight (tmpfs and the page cache serve them in parallel)

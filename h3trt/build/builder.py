@@ -38,8 +38,8 @@ from ..engines.manifest import (AdalnRecord, Manifest, MeshRecord, ProfileRecord
                                 VideoDecoderRecord, hash_threads, write_manifest)
 from ..engines.video_decoder import parse_video_decoder_name
 from ..engines.weights_io import write_safetensors
-from ..models.checkpoint import load_dit
-from ..models.distilled_merge import merge_distilled
+from ..models.checkpoint.reader import load_dit
+from ..models.distilled.merge import merge_distilled
 from ..models.dit import H3DiT
 from .adaln import bake_tables, schedule_timesteps
 from .backends import compile_segment

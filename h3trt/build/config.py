@@ -15,18 +15,18 @@ from ..calibration.recipe import FP8_ACCUMS, QuantRecipe, check_modelopt, parse_
 from ..engines.manifest import AdapterSlotsRecord
 from ..errors import UserError
 from ..models.attention import ATTENTION_REQUESTS
-from ..models.checkpoint import TASK_PARTITIONS, CheckpointError, locate_transformer
+from ..models.checkpoint.reader import TASK_PARTITIONS, CheckpointError, locate_transformer
 from ..models.config import H3Config
-from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
-from ..models.distilled_contract import checkpoint_contract, refuse_export_base
-from ..models.distilled_schedule import uniform_rungs
+from ..models.distilled.families import DistilledServing, DistilledSpec, plan_distilled
+from ..models.distilled.contract import checkpoint_contract, refuse_export_base
+from ..models.distilled.schedule import uniform_rungs
 from ..models.packing import Geometry, frames_for_duration, validate_canvas
 from ..models.precision import Precision
 from ..models.sampler import DEFAULT_STEPS, Schedule, check_steps, shifted_sigmas
-from ..models.sparse_fp8 import FP8_SPARSE_KERNELS
-from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.sparse.fp8 import FP8_SPARSE_KERNELS
+from ..models.sparse.plan import SparseSettings, sparse_settings
 from ..models.vae_precision import VAEPrecision
-from ..models.vsa_plan import VsaSettings, served_vsa_settings, vsa_settings
+from ..models.vsa.plan import VsaSettings, served_vsa_settings, vsa_settings
 from ..parallel.mesh import MeshConfig
 from .backends import BACKENDS
 from .segments import check_sharded_recipe
@@ -90,7 +90,7 @@ class BuildConfig:
     attention: str = "auto"
     vae_precision: str | None = None  # video decoder: fp32 | bf16 | fp8 (None: bf16 on CUDA, fp32 on the CPU)
     loras: tuple[LoraSpec, ...] = ()  # merged into the DiT before calibration, baking and compiling, in order
-    # Block-sparse attention (models/sparse_plan.py): with --sparse-attention (0 included) the bundle serves it, its
+    # Block-sparse attention (models/sparse/plan.py): with --sparse-attention (0 included) the bundle serves it, its
     # sparsity and the two knobs below being its requests' defaults; None: it serves none at sp=1 (build/segments.py).
     sparse_attention: float | None = None
     sparse_dense_steps: int | None = None  # None: SubBlock's default (10)
@@ -106,13 +106,13 @@ class BuildConfig:
     # --memory-budget: the device memory (GiB) the build may hold at once, at most what the device has free (None:
     # what it has free). A DiT that does not fit whole in it is built a block at a time (build/memory.py decides).
     memory_budget: float | None = None
-    # FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; models/vsa_plan.py): the VSA settings the
+    # FastH3-VSA (a checkpoint whose blocks carry attn.to_gate_compress; models/vsa/plan.py): the VSA settings the
     # bundle serves, recorded in its manifest (None: FastH3 v1's, sparsity 0.9, no step or block dense). Refused for a
     # checkpoint without the gate (build/plan.py, once the checkpoint is located).
     vsa_sparsity: float | None = None
     vsa_dense_first_steps: int | None = None
     vsa_dense_layers: tuple[int, ...] | None = None
-    # A distilled checkpoint (models/distilled.py) fused in fp32 after the LoRAs, before calibration; the bundle bakes
+    # A distilled checkpoint (models/distilled/families.py) fused in fp32 after the LoRAs, before calibration; the bundle bakes
     # its family's schedule, and only that one
     distilled: DistilledSpec | None = None
 
@@ -190,7 +190,7 @@ class BuildConfig:
     @cached_property
     def distilled_serving(self) -> DistilledServing | None:
         """What the --distilled file serves (its header read: family, schedule, tasks), or a full FastH3 export's
-        sidecar (models/distilled_contract.py); None for a base checkpoint."""
+        sidecar (models/distilled/contract.py); None for a base checkpoint."""
         if self.distilled is not None:
             return plan_distilled(self.distilled, self.task)
         contract = self.contract
@@ -364,7 +364,7 @@ class BuildConfig:
     def recipe_for(self, fp8_kernel: str, vsa_model: bool = False) -> QuantRecipe | None:
         """The quantization recipe, its FP8 attention (with --fp8-attention) running `fp8_kernel`. On a FastH3-VSA
         model (`vsa_model`) the recipe has no FP8 attention: --fp8-attention is VSA's fp8 kernel there, with its own
-        per-call scales (models/vsa_fp8.py), and no calibrated attention segment."""
+        per-call scales (models/vsa/fp8.py), and no calibrated attention segment."""
         if not self.precision.spec.quantized:
             return None
         blocks, linears = parse_exclusions(self.quant_exclude)

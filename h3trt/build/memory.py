@@ -24,8 +24,8 @@ import torch
 
 from ..calibration.recipe import QuantRecipe, layer_segments, read_prompts
 from ..errors import UserError
-from ..models.checkpoint import TransformerSource
-from ..models.checkpoint_stream import safetensors_header
+from ..models.checkpoint.reader import TransformerSource
+from ..models.checkpoint.stream import safetensors_header
 from ..models.config import H3Config
 from ..models.dit import build_dit
 from .config import BuildConfig

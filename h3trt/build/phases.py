@@ -9,10 +9,10 @@ import torch
 
 from ..calibration.recipe import QuantRecipe
 from ..engines.manifest import AdalnRecord
-from ..models.checkpoint import TransformerSource
+from ..models.checkpoint.reader import TransformerSource
 from ..models.dit import H3DiT
-from ..models.distilled import Distilled, load_distilled
-from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX
+from ..models.distilled.families import Distilled, load_distilled
+from ..models.distilled.pdd import HEAD_WEIGHTS, PDD_PREFIX
 from ..models.sampler import Schedule
 from .block_loader import BlockLoader
 from .config import BuildConfig

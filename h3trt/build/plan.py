@@ -10,11 +10,11 @@ import torch
 
 from ..engines.loaders import bundle_activated
 from ..errors import UserError
-from ..models.checkpoint import TransformerSource, locate_transformer
+from ..models.checkpoint.reader import TransformerSource, locate_transformer
 from ..models.config import H3Config
 from ..models.dit import build_dit
 from ..models.precision import Precision
-from ..models.vsa_plan import VsaServing
+from ..models.vsa.plan import VsaServing
 from ..parallel.mesh import MeshConfig
 from .adaln import schedule_timesteps
 from .attention_choice import AttentionChoice, AttentionShape, resolve_attention
@@ -120,7 +120,7 @@ def _vsa_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.device, 
     compiles here and matches the fp32 definition; with --fp8-attention, fa4 and the fp8 kernel's tiles timed at the
     bundle's longest profile), at one rank's heads, the ones left out logged with why and recorded; every load
     compiles and checks it again."""
-    from ..models.vsa_tiles import layout_geometry
+    from ..models.vsa.tiles import layout_geometry
     from .vsa_choice import resolve_vsa_kernel
 
     heads = model_cfg.num_heads // config.sp
@@ -148,7 +148,7 @@ def _sparse_kernel(config: BuildConfig, model_cfg: H3Config, device: torch.devic
     """The block-sparse kernel of a bundle built with --sparse-attention (build/sparse_choice.py: timed at the
     bundle's own attention shape on a GPU), compiled once here at one rank's heads, so that a kernel the build machine
     cannot run fails the build, not the first sparse request."""
-    from ..models.sparse_kernels import warm_sparse_kernel
+    from ..models.sparse.kernels import warm_sparse_kernel
 
     heads = model_cfg.num_heads // config.sp
     shape = AttentionShape(max(example_layout(model_cfg, p.geometry).seq_len for p in config.profiles), heads,

@@ -6,7 +6,7 @@ every load honours (engines/bundle.py).
 shape (every row of its longest profile, the heads of one rank) over one routing index (SubBlock's, at the bundle's
 default sparsity, MEASURE_SPARSITY where that is 0; every query block sparse):
   fa4  FlashAttention-4's bf16 block-sparse forward;
-  fp8  the Triton FP8 kernel (models/sparse_fp8_triton.py), each of its tile configurations for the block, timed
+  fp8  the Triton FP8 kernel (models/sparse/fp8_triton.py), each of its tile configurations for the block, timed
        with its quantization pass: only in a bundle built with --fp8-attention, whose layers carry the q/k/v scales.
 The fastest wins (kernel and, for fp8, tile); the record keeps every time and each candidate left out, with why. On a
 CPU nothing is timed: fp8_emulated with --fp8-attention, else reference. A named kernel is checked against the
@@ -25,9 +25,9 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from ..models.sparse_attention import SUBBLOCK_BLOCK
-from ..models.sparse_fp8 import FP8_SPARSE_KERNELS, unit_scales
-from ..models.sparse_kernels import FA4_FIX, sparse_attention, sparse_kernel_problem
+from ..models.sparse.attention import SUBBLOCK_BLOCK
+from ..models.sparse.fp8 import FP8_SPARSE_KERNELS, unit_scales
+from ..models.sparse.kernels import FA4_FIX, sparse_attention, sparse_kernel_problem
 from .attention_choice import AttentionShape, median_cuda_ms
 
 SPARSE_KERNEL_REQUESTS = ("auto", "fa4", "fp8", "reference", "fp8_emulated")
@@ -39,9 +39,9 @@ BENCH_WARMUP, BENCH_ITERS = 2, 5
 class SparseChoice:
     """The kernel a bundle serves and how it was chosen (the manifest's `sparse` record holds these fields)."""
 
-    kernel: str  # models/sparse_kernels.py SPARSE_KERNELS, never flex
+    kernel: str  # models/sparse/kernels.py SPARSE_KERNELS, never flex
     block: int  # the routing block's rows
-    tile: str | None  # the fp8 kernel's tile configuration (models/sparse_fp8_triton.py TILE_CONFIGS); else None
+    tile: str | None  # the fp8 kernel's tile configuration (models/sparse/fp8_triton.py TILE_CONFIGS); else None
     requested: str  # what --sparse-kernel asked for: auto, or a kernel
     measured_ms: dict[str, float] = field(default_factory=dict)  # "fa4", "fp8:<tile>": ms at the bundle's shape
     unavailable: dict[str, str] = field(default_factory=dict)  # candidates left out, and why
@@ -54,7 +54,7 @@ Measure = Callable[[str, "str | None", AttentionShape, int, float, torch.device]
 
 
 def fp8_tiles(block: int) -> tuple[str, ...]:
-    from ..models.sparse_fp8_triton import TILE_CONFIGS
+    from ..models.sparse.fp8_triton import TILE_CONFIGS
 
     return tuple(TILE_CONFIGS[block])
 
@@ -110,8 +110,8 @@ def measure_sparse_ms(kernel: str, tile: str | None, shape: AttentionShape, bloc
                       device: torch.device) -> float:
     """Median ms of one sparse attention call at `shape`, CUDA events after warm-up: the fa4 op on bf16 q/k/v, or the
     fp8 kernel's quantization pass and attention, over SubBlock's index for random q/k (every query block sparse)."""
-    from ..models.sparse_fp8 import fp8_sparse_attention
-    from ..models.sparse_router import route_blocks, router_for
+    from ..models.sparse.fp8 import fp8_sparse_attention
+    from ..models.sparse.router import route_blocks, router_for
 
     g = torch.Generator(device).manual_seed(0)
     q, k, v = (torch.randn(shape.batch, shape.rows, shape.heads, shape.head_dim, device=device,

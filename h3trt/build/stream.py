@@ -3,7 +3,7 @@ the build device whole (build/memory.py decides, before anything loads). The GPU
 the number of layers: at full size (50 blocks of 1.3 GB) an fp8 build fits in an H100's 80 GB, where the whole DiT
 (66 GB) beside its FP8 copies did not.
 
-  load       the checkpoint's headers (models/checkpoint_stream.py); what lies outside the main blocks (embed and
+  load       the checkpoint's headers (models/checkpoint/stream.py); what lies outside the main blocks (embed and
              final, 1.7 GB at full size) onto the device, where it stays; the blocks stay on the meta device and a
              BlockLoader (block_loader.py) brings each one in when a phase asks for it, LoRAs merged and the
              --distilled file's patches of that block fused as it arrives (every patch checked against the model's
@@ -34,9 +34,9 @@ from ..calibration.modules import load_quantized_block
 from ..calibration.recipe import QuantRecipe, layer_segments
 from ..engines.manifest import AdalnRecord
 from ..engines.weights_io import SafetensorsWriter, write_safetensors
-from ..models.checkpoint import check_state_dict, locate_transformer
-from ..models.checkpoint_stream import CheckpointTensors
-from ..models.distilled_merge import check_fusion
+from ..models.checkpoint.reader import check_state_dict, locate_transformer
+from ..models.checkpoint.stream import CheckpointTensors
+from ..models.distilled.merge import check_fusion
 from ..models.dit import ADALN_PREFIX, Block, build_dit, rope_inv_freq
 from .adaln import block_table, final_table, schedule_timesteps, time_embedding
 from .block_loader import BlockLoader, load_resident

@@ -1,10 +1,10 @@
 """The VSA kernel a FastH3-VSA bundle serves, chosen on the build machine and recorded in the manifest's `vsa` record
-(models/vsa_plan.py VsaServing: kernel, tile, measured_ms, left_out), which every load warms and honours
+(models/vsa/plan.py VsaServing: kernel, tile, measured_ms, left_out), which every load warms and honours
 (engines/bundle.py); a bundle never compiles at a request.
 
-Without --fp8-attention (bf16 VSA): models/vsa_plan.py choose_vsa_kernel, the first of fa4, flex, reference that
+Without --fp8-attention (bf16 VSA): models/vsa/plan.py choose_vsa_kernel, the first of fa4, flex, reference that
 compiles here and matches the fp32 definition (they compute one thing; the order is their speed).
-With --precision fp8 --fp8-attention (FP8 VSA, models/vsa_fp8.py; the one FP8 attention a VSA model takes):
+With --precision fp8 --fp8-attention (FP8 VSA, models/vsa/fp8.py; the one FP8 attention a VSA model takes):
   - on a GPU, the candidates that warm up here (load_vsa_kernel: compiled and checked) are timed at the bundle's own
     VSA shape, the tiles of its longest profile's layout at one rank's heads, routed at the bundle's sparsity
     (MEASURE_SPARSITY where that is 0), every call with its device scales: fa4 (bf16) and fp8 at each of the Triton
@@ -22,8 +22,8 @@ from typing import Callable
 import torch
 
 from ..errors import UserError
-from ..models.vsa_plan import choose_vsa_kernel, load_vsa_kernel
-from ..models.vsa_tiles import VsaGeometry
+from ..models.vsa.plan import choose_vsa_kernel, load_vsa_kernel
+from ..models.vsa.tiles import VsaGeometry
 from .attention_choice import median_cuda_ms
 from .sparse_choice import fp8_tiles  # VSA's tiles are the FP8 kernel's 64-row ones
 
@@ -87,9 +87,9 @@ def measure_vsa_ms(kernel: str, tile: str | None, geometry: VsaGeometry, heads: 
     """Median ms of one VSA fine-branch call (the FP8 kernel's scales and quantization pass included) over
     `geometry`'s padded tiles, bf16 q/k/v of unit normal rows (pad rows zero), routed as vsa_attention routes them,
     CUDA events after warm-up."""
-    from ..models.vsa import pool_tiles, route_tiles, tile_scores
-    from ..models.vsa_fp8 import vsa_attention_kernel
-    from ..models.vsa_kernels import key_valid
+    from ..models.vsa.routing import pool_tiles, route_tiles, tile_scores
+    from ..models.vsa.fp8 import vsa_attention_kernel
+    from ..models.vsa.kernels import key_valid
 
     geometry = geometry.to(device)
     g = torch.Generator(device).manual_seed(0)

@@ -14,7 +14,7 @@ from ..errors import UserError
 from ..models.config import NUM_MODALITIES, NUM_MODULATION_PARAMS
 from ..models.dit import ADALN_PREFIX, EMBED_PREFIXES, H3DiT, build_dit
 from ..models.sampler import Schedule
-from ..models.vsa_plan import VsaServing
+from ..models.vsa.plan import VsaServing
 from .modules import quantized_template
 from .recipe import QuantRecipe, layer_segments, read_prompts
 from .trajectories import trajectory_forward

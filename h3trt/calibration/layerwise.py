@@ -9,7 +9,7 @@ with the scales of the whole-model calibration (calibration/build.py `calibrate_
      is recorded. A trajectory's last evaluation
      only moves its latents past the last grid point, which nothing reads, so its blocks are not run at all: a
      2-point schedule (one evaluation per prompt) records the embeddings alone. A FastH3-VSA model's blocks attend
-     with VSA at each evaluation's and block's sparsity (models/vsa_plan.py), the trajectory's evaluations counted
+     with VSA at each evaluation's and block's sparsity (models/vsa/plan.py), the trajectory's evaluations counted
      from 0 as trajectories.py's runner counts them, the calibration's core its dense attention, in steps 2 and 3.
   3. per block (`calibrate_layer`, called by the streamed build as it brings each block in): ModelOpt calibrates the
      block on the recorded inputs, in the whole-model forward's order (prompt by prompt, evaluation by evaluation), and
@@ -39,8 +39,8 @@ from ..models.dit import Block, H3DiT, sdpa_attention
 from ..models.packing import Geometry, pack_t2va, row_timesteps, validate_canvas
 from ..models.sampler import Schedule, euler_step, initial_latents
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
-from ..models.vsa_plan import VsaCall, VsaRun, VsaServing
-from ..models.vsa_tiles import VsaGeometry, layout_geometry
+from ..models.vsa.plan import VsaCall, VsaRun, VsaServing
+from ..models.vsa.tiles import VsaGeometry, layout_geometry
 from .fp8_attention import centered_attention
 from .recipe import QuantRecipe
 

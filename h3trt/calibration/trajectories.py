@@ -18,7 +18,7 @@ from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from ..models.packing import Geometry, frames_for_duration, pack_t2va, validate_canvas
 from ..models.sampler import Latents, Schedule, denoise, initial_latents
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
-from ..models.vsa_plan import VsaRun, VsaServing, vsa_call
+from ..models.vsa.plan import VsaRun, VsaServing, vsa_call
 
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
-from ..models.vae_checkpoint import load_video_vae
+from ..models.checkpoint.vae import load_video_vae
 from ..models.vae_precision import VAEPrecision, skips_low_precision
 from ..models.video_vae import VideoVAE
 from .formats import FP8, fp8_linear, fp8_rowwise_linear, fp8_scale, quantize_fp8, quantize_fp8_rows

@@ -123,7 +123,7 @@ def _call(args) -> int:
     except UserError as e:
         if _signalled:  # after an interrupt arrived, an error is its consequence (_interrupt_behind)
             return _interrupted(KeyboardInterrupt())
-        from ..models.checkpoint import CheckpointError  # its errors list a problem per line; they keep their lines
+        from ..models.checkpoint.reader import CheckpointError  # its errors list a problem per line; they keep their lines
 
         print(f"h3trt: error: {str(e) if isinstance(e, CheckpointError) else ' '.join(str(e).split())}",
               file=sys.stderr)

@@ -24,7 +24,7 @@ def entry_from_args(args):
 
 def distilled_spec(args):
     """--distilled FILE[@key=value,...], parsed (None: not given)."""
-    from ..models.distilled import DistilledSpec
+    from ..models.distilled.families import DistilledSpec
 
     text = getattr(args, "distilled", None)
     return DistilledSpec.parse(text) if text is not None else None
@@ -45,7 +45,7 @@ def cmd_run(args) -> int:
     if args.prompt is None or args.output is None:
         raise UserError("h3trt run needs --prompt and --output (or --requests FILE --out-dir DIR for a batch).")
     from ..models.sampler import ScheduleValues
-    from ..models.vsa_plan import vsa_settings
+    from ..models.vsa.plan import vsa_settings
     from ..request.fields import flag_values
     from ..request.request import Request, ScheduleChoice
 

@@ -275,7 +275,7 @@ def _serve_parser(sub) -> None:
 def _build_parser(sub) -> None:
     from ..calibration.recipe import FP8_ACCUMS
     from ..engines.manifest import BACKENDS
-    from ..models.checkpoint import TASKS
+    from ..models.checkpoint.reader import TASKS
     from ..models.precision import DIT_PRECISIONS
 
     p = sub.add_parser("build", help="compile an engine bundle ahead of time",

@@ -24,12 +24,12 @@ from ..models.block_stack import run_block_stack
 from ..models.config import NUM_MODALITIES, H3Config
 from ..models.dit import layer_attention, rope_inv_freq, rope_tables, sdpa_attention
 from ..models.packing import PackedLayout
-from ..models.pdd import HEAD_WEIGHTS, PDD_PREFIX, StepHeads
+from ..models.distilled.pdd import HEAD_WEIGHTS, PDD_PREFIX, StepHeads
 from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from ..models.sampler import Schedule
-from ..models.sparse_fp8 import FP8_SPARSE_KERNELS
-from ..models.sparse_run import load_sparse_kernel, warm_sparse
-from ..models.vsa_plan import VsaServing, load_vsa_kernel, vsa_call
+from ..models.sparse.fp8 import FP8_SPARSE_KERNELS
+from ..models.sparse.run import load_sparse_kernel, warm_sparse
+from ..models.vsa.plan import VsaServing, load_vsa_kernel, vsa_call
 from ..parallel.ulysses import RowShard
 from .adaln import adaln_runner
 from .bundle_files import BundleVerification
@@ -60,12 +60,12 @@ class EngineDiT:
                  sparse_kernel: str | None = None, lora_slots: AdapterSlots | None = None,
                  vsa: VsaServing | None = None, final_heads: StepHeads | None = None):
         """`sparse_kernel`: the block-sparse attention kernel served between the halves (sp > 1, or a one-process
-        bundle that has them beside its fused block); None: none. An FP8 one (models/sparse_fp8.py) gets each layer's
+        bundle that has them beside its fused block); None: none. An FP8 one (models/sparse/fp8.py) gets each layer's
         calibrated q/k/v scales. `lora_slots`: the banks of a bundle built with --lora-slots (allocated at load;
         adapters are loaded into them), which its block_lora segments take (and, built with --sparse-attention too,
         its halves' twins block_pre_lora / block_post_lora, for a sparse evaluation with adapters). `vsa`: a
         FastH3-VSA bundle's settings and kernel (its manifest's, warmed at load). `final_heads`: a PDD bundle's fused
-        head per forward (models/pdd.py), given to the final segment in place of its own for the evaluation's
+        head per forward (models/distilled/pdd.py), given to the final segment in place of its own for the evaluation's
         forward. `caps` (models/runner.py): these (the loader's come from the manifest: engines/caps.py bundle_caps)."""
         self.cfg, self.segments, self.adaln, self.device, self.group = cfg, segments, adaln, device, group
         self.caps = RunnerCaps(sparse_kernel, vsa=vsa, adapter_slots=lora_slots.num_slots if lora_slots else None)
@@ -120,7 +120,7 @@ class EngineDiT:
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, extras: EvalExtras = NO_EXTRAS):
         """The runner contract (models/runner.py). `extras.lora`: the evaluation's adapters (from this engine's
         `lora_slots`); None runs exactly the plain path. A FastH3-VSA bundle takes its request's VsaRun as
-        `extras.sparse` (models/vsa_plan.py), in every evaluation."""
+        `extras.sparse` (models/vsa/plan.py), in every evaluation."""
         sparse, lora = extras.sparse, extras.lora
         if self.cfg.vsa_gate:  # VSA between the halves: dense evaluations run the bundle's own dense kernel
             core = vsa_call(sparse, layout, self.sharded_attention[0] or sdpa_attention)

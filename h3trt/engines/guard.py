@@ -2,7 +2,7 @@
 builder or Triton's compiler raises `CompilerInvoked`. `h3trt run --engine` runs every request under it.
 
 A bundle carries its compiled segments, and its load compiles and warms every kernel it serves besides them (the
-block-sparse kernels and the router, models/sparse_run.py warm_sparse), so a compile at a request is a bug in h3trt,
+block-sparse kernels and the router, models/sparse/run.py warm_sparse), so a compile at a request is a bug in h3trt,
 not in the bundle: the message says what compiled and from where, and asks for a report instead of a rebuild (which
 would not help: the H100 smoke's sparse bundle had been built on that image a minute before)."""
 

@@ -9,8 +9,8 @@ import torch
 
 from ..calibration.fp8_attention import check_attention_kernel
 from ..models.attention import check_attention_record
-from ..models.sparse_kernels import check_sparse_kernel
-from ..models.vsa_fp8 import vsa_problem
+from ..models.sparse.kernels import check_sparse_kernel
+from ..models.vsa.fp8 import vsa_problem
 from .bundle_files import mismatch, structure_problems
 from .environment import device_arch
 from .manifest import BundleError, Manifest

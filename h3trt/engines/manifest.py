@@ -22,12 +22,12 @@ from pathlib import Path
 
 from ..adapters.slots import BLOCK_TARGETS
 from ..errors import UserError
-from ..models.checkpoint import TASKS
+from ..models.checkpoint.reader import TASKS
 from ..models.config import H3Config
 from ..models.precision import DIT_PRECISIONS, VAE_PRECISIONS, Precision
-from ..models.sparse_kernels import SPARSE_KERNELS
-from ..models.sparse_plan import SparseSettings
-from ..models.vsa_plan import VsaServing
+from ..models.sparse.kernels import SPARSE_KERNELS
+from ..models.sparse.plan import SparseSettings
+from ..models.vsa.plan import VsaServing
 from .schedules import ScheduleRecord, rungs_of, schedule_json
 from .weights_io import HASH_CHUNK_BYTES, chunk_digests
 
@@ -90,18 +90,18 @@ class VideoDecoderRecord:
 
 @dataclass(frozen=True)
 class SparseRecord:
-    """A bundle built with --sparse-attention: its requests' default block-sparse settings (models/sparse_plan.py; a
+    """A bundle built with --sparse-attention: its requests' default block-sparse settings (models/sparse/plan.py; a
     request's own value wins, sparsity 0 is dense) and the kernel it serves, chosen (build/sparse_choice.py: what
     --sparse-kernel asked, each candidate's ms, those left out and why) and compiled at build and by every load."""
 
     sparsity: float  # the default fraction of key blocks skipped (0: dense unless a request asks)
     dense_steps: int  # the default leading evaluations kept dense
     min_seq: int  # the default shortest attention made sparse (rows)
-    kernel: str  # one of models/sparse_kernels.py SPARSE_KERNELS
+    kernel: str  # one of models/sparse/kernels.py SPARSE_KERNELS
     block: int  # the routing block's rows the kernel runs at
     segments: str = ("block_pre + block_post around the sparse attention (sp=1: beside the fused block, which dense "
                      "evaluations keep), reading the block's weights")
-    tile: str | None = None  # the fp8 kernel's tile configuration (models/sparse_fp8_triton.py); else None
+    tile: str | None = None  # the fp8 kernel's tile configuration (models/sparse/fp8_triton.py); else None
     requested: str = "auto"
     measured_ms: dict = field(default_factory=dict)
     unavailable: dict = field(default_factory=dict)
@@ -160,7 +160,8 @@ class Manifest:
     sparse: SparseRecord | None = None  # --sparse-attention: the default settings and the kernel; None: not built so
     lora_slots: AdapterSlotsRecord | None = None  # --lora-slots: per-request adapters; None (older bundles too): none
     vsa: VsaServing | None = None  # a FastH3-VSA bundle: its VSA settings and kernel; None: no VSA model
-    # --distilled: the family, its schedule and tasks, the file and its sha256 (models/distilled.py Distilled.record)
+    # --distilled: the family, its schedule and tasks, the file and its sha256 (models/distilled/families.py
+    # Distilled.record)
     distilled: dict | None = None
     # Filled by write_manifest, from the files and the content:
     files: dict[str, FileRecord] = field(default_factory=dict)

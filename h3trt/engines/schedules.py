@@ -18,7 +18,7 @@ class ScheduleRecord:
     steps: int  # sigma grid points
     video_shift: float
     audio_shift: float
-    rungs: tuple[float, ...] | None = None  # a distilled family's explicit grid (models/distilled_schedule.py)
+    rungs: tuple[float, ...] | None = None  # a distilled family's explicit grid (models/distilled/schedule.py)
 
     def __str__(self) -> str:
         rungs = f", rungs {list(self.rungs)}" if self.rungs is not None else ""

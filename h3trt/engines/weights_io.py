@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from ..errors import UserError
-from ..models.safetensors_format import DTYPES, MAX_HEADER_BYTES
+from ..models.checkpoint.safetensors_format import DTYPES, MAX_HEADER_BYTES
 
 HASH_CHUNK_BYTES = 64 << 20  # chunk of a bundle file hashed (and read) as one unit; recorded in the manifest
 STAGING_BYTES = 64 << 20  # the writer's pinned buffer for device tensors

@@ -46,7 +46,8 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
           LoRA slots): in the model's fixed set, or in a server's current set (`adapters`), which resolves them: the
           prepared request names each adapter's file and sha256 as they are now (adapters/catalog.py); and a
           bundle from an earlier h3trt runs them dense only (check_bundle_sparse: its halves have no adapter slots)
-      1c. a distilled model (models/distilled.py DistilledServing) serves its family's tasks and schedule, CFG off
+      1c. a distilled model (models/distilled/families.py DistilledServing) serves its family's tasks and schedule,
+          CFG off
       2. a bundle's runner serves its block-sparse attention and adapters (its caps from its manifest:
          models/runner.py RunnerCaps.check; a checkpoint's are known once loaded, and its pipeline checks them), the
          task, the canvas and the schedule (check_bundle_serves)

@@ -32,13 +32,13 @@ from ..engines.caps import bundle_caps, static_batch_segments
 from ..engines.manifest import Manifest, bundle_identity, read_manifest
 from ..engines.signing import key_fingerprint, load_public_key, read_trusted_manifest
 from ..errors import UserError
-from ..models.checkpoint import TransformerSource, locate_transformer
+from ..models.checkpoint.reader import TransformerSource, locate_transformer
 from ..models.config import H3Config
-from ..models.distilled import DistilledServing, DistilledSpec, plan_distilled
-from ..models.distilled_contract import checkpoint_contract
+from ..models.distilled.families import DistilledServing, DistilledSpec, plan_distilled
+from ..models.distilled.contract import checkpoint_contract
 from ..models.precision import eager_dtype
 from ..models.sampler import DEFAULT_STEPS, ScheduleValues
-from ..models.sparse_plan import SparseSettings
+from ..models.sparse.plan import SparseSettings
 from ..models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH, ensure_tiny_checkpoint
 from ..models.vae_precision import VAEPrecision
 from ..parallel.launch import torchrun_rank

@@ -40,7 +40,8 @@ class H3Config:
     rope_theta: float = 10000.0  # rotary base
     norm_eps: float = 1e-5  # epsilon of every RMSNorm
     # FastH3-VSA: every main block carries `attn.to_gate_compress` (hidden -> heads * head_dim, no bias), the gate of
-    # VSA's coarse branch, and its attention is VSA (models/vsa.py). Not in the base release; the tensors say so.
+    # VSA's coarse branch, and its attention is VSA (models/vsa/routing.py). Not in the base release; the tensors say
+    # so.
     vsa_gate: bool = False
 
     def __post_init__(self):

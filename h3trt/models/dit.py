@@ -25,7 +25,7 @@ from .config import NUM_MODALITIES, NUM_MODULATION_PARAMS, H3Config
 from .block_stack import RowSharding, run_block_stack
 from .runner import NO_EXTRAS, BlockAdapters, DiTAdapters, EvalExtras, RunnerCaps
 from .step_cache import CacheContext
-from .vsa_plan import VsaServing, vsa_call
+from .vsa.plan import VsaServing, vsa_call
 
 # Prefixes whose weights the released checkpoint stores in float32 (VideoX-Fun MINIMAX_H3_FP32_SOURCE_PREFIXES);
 # everything else is bfloat16, AdaLN included.
@@ -59,7 +59,7 @@ def sdpa_attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Ten
 
 def layer_attention(attn_fn, i: int):
     """Main block i's attention core: `attn_fn.layer(i)` where the attention differs by block (VSA: its dense
-    layers, models/vsa_plan.py), else `attn_fn` itself."""
+    layers, models/vsa/plan.py), else `attn_fn` itself."""
     layer = getattr(attn_fn, "layer", None)
     return layer(i) if layer is not None else attn_fn
 
@@ -365,7 +365,7 @@ class H3DiT(nn.Module):
             )
         if self.cfg.vsa_gate and getattr(attn_fn, "layer", None) is None:
             raise ValueError("A FastH3-VSA DiT runs VSA's attention, with its gate, in every main block: pass the "
-                             "evaluation's VSA attention (models/vsa_plan.py VsaRun.attention) as attn_fn.")
+                             "evaluation's VSA attention (models/vsa/plan.py VsaRun.attention) as attn_fn.")
         if shard is not None and attn_fn is sdpa_attention:
             raise ValueError("A row shard needs the attention that exchanges rows between ranks: pass "
                              "attn_fn=shard.attention() (plain SDPA would attend over this rank's rows only).")
@@ -389,8 +389,8 @@ class H3DiT(nn.Module):
 
 class EagerDiT:
     """The reference DiT behind the runner contract (models/runner.py DiTRunner), as an engine bundle serves it.
-    `caps`: the block-sparse attention kernel it serves (models/sparse_kernels.py, chosen and warmed at load; None:
-    none, and `sparse_problem` why) and a FastH3-VSA model's settings and kernel (`vsa`: models/vsa_plan.py)."""
+    `caps`: the block-sparse attention kernel it serves (models/sparse/kernels.py, chosen and warmed at load; None:
+    none, and `sparse_problem` why) and a FastH3-VSA model's settings and kernel (`vsa`: models/vsa/plan.py)."""
 
     def __init__(self, model: H3DiT, sparse_kernel: str | None = None, vsa: VsaServing | None = None,
                  sparse_problem: str | None = None):
@@ -401,7 +401,7 @@ class EagerDiT:
         """H3DiT.forward under the contract: `extras.sparse`'s attention (a SparseRun, or a FastH3-VSA model's VsaRun
         every evaluation) replaces the dense one, `extras.lora` adds the request's adapters, `extras.cache` skips."""
         sparse = extras.sparse
-        if self.cfg.vsa_gate:  # a FastH3-VSA model: its request's VsaRun, every evaluation (models/vsa_plan.py)
+        if self.cfg.vsa_gate:  # a FastH3-VSA model: its request's VsaRun, every evaluation (models/vsa/plan.py)
             attn = vsa_call(sparse, layout, sdpa_attention)
         else:
             attn = sparse.attention(layout) if sparse is not None else None

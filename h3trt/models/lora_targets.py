@@ -1,6 +1,6 @@
 """Where a LoRA file's modules land in the H3 DiT (diffusers 0.42.1's `MiniMaxH3LoraLoaderMixin`'s partition
 routing, and the native weight each diffusers module adapts): what a merged LoRA (adapters/merge.py), an adapter's
-slots (adapters/slots.py) and the distilled families' LoRA files (models/distilled.py) share. The file itself is read
+slots (adapters/slots.py) and the distilled families' LoRA files (models/distilled/families.py) share. The file itself is read
 by lora_format.py; shapes: A (down) [r, in], B (up) [out, r].
 """
 
@@ -10,7 +10,7 @@ import re
 
 import torch
 
-from .checkpoint_names import native_name
+from .checkpoint.names import native_name
 from .config import H3Config
 from .lora_format import FL2VA_COMPONENT, REF2VA_COMPONENT, LoraError, LoraFile, LoraModule
 

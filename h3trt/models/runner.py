@@ -28,9 +28,9 @@ from ..errors import UserError
 if TYPE_CHECKING:
     from .config import H3Config
     from .packing import PackedLayout
-    from .sparse_run import SparseRun
+    from .sparse.run import SparseRun
     from .step_cache import CacheContext
-    from .vsa_plan import VsaServing
+    from .vsa.plan import VsaServing
 
 # Why a runner without a sparse kernel serves no block-sparse attention, when it does not say its own reason.
 NO_SPARSE_KERNEL = ("this engine serves no block-sparse attention (a TensorRT bundle's plans fuse their attention). Run "
@@ -67,7 +67,7 @@ class EvalExtras:
     its plain path. Every member is a RecordPart (module doc)."""
 
     cache: CacheContext | None = None  # the step cache's context of this branch (models/step_cache.py)
-    sparse: SparseRun | None = None  # the request's block-sparse attention over its evaluations (models/sparse_run.py)
+    sparse: SparseRun | None = None  # the request's block-sparse attention over its evaluations (models/sparse/run.py)
     lora: DiTAdapters | None = None  # the request's adapters in the runner's slots (adapters/slots.py AdapterRun)
 
     def record_parts(self) -> tuple[RecordPart, ...]:
@@ -82,10 +82,10 @@ NO_EXTRAS = EvalExtras()
 class RunnerCaps:
     """What a runner serves beyond a plain evaluation."""
 
-    sparse_kernel: str | None = None  # the block-sparse attention kernel it serves (models/sparse_kernels.py); None
+    sparse_kernel: str | None = None  # the block-sparse attention kernel it serves (models/sparse/kernels.py); None
     sparse_problem: str | None = None  # why it serves none, naming the fix (None: NO_SPARSE_KERNEL says it)
     sparse_tile: str | None = None  # the fp8 sparse kernel's tile configuration (a bundle's manifest's; None: default)
-    vsa: VsaServing | None = None  # a FastH3-VSA model's settings and kernel (models/vsa_plan.py); None: not one
+    vsa: VsaServing | None = None  # a FastH3-VSA model's settings and kernel (models/vsa/plan.py); None: not one
     adapter_slots: int | None = None  # the adapters one evaluation may carry; None: it holds no adapter slots
     adapter_problem: str | None = None  # why it serves no adapters, naming the fix (None: the general words)
     batches: bool = True  # several requests may share one evaluation (False: compiled for batch 1)

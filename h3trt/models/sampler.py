@@ -3,7 +3,7 @@
 Source: diffusers 0.42.1 `MiniMaxH3Scheduler` and the modular pipeline's prepare/denoise steps (h3_reference.md 4).
 - sigmas = unique_consecutive(s * b / (1 + (s - 1) * b)) for b = linspace(1, 0, steps) in float32; video s = 12,
   audio s = 3. `steps` grid points give steps - 1 model evaluations (50 -> 49); the model sees t = 1 - sigma.
-- A distilled model may run explicit rungs instead of the uniform grid (models/distilled_schedule.py): b = its rungs
+- A distilled model may run explicit rungs instead of the uniform grid (models/distilled/schedule.py): b = its rungs
   and a terminal 0, shifted the same way per modality (FastH3's dmd_denoising_steps [999, 749, 500, 250] / 1000;
   FastVideo's MiniMaxH3Scheduler.set_timesteps(sigmas=...) takes such a grid and steps it exactly as below).
 - x0 = x + (1 - t) * v (v points towards data); x_next = r * x + (1 - r) * x0 with r = sigma_next / sigma, in fp32.

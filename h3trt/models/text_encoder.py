@@ -28,7 +28,7 @@ import torch
 from PIL import Image
 
 from ..errors import UserError
-from .checkpoint import check_component_files
+from .checkpoint.reader import check_component_files
 from .qwen_video import VideoProcessing, preprocess_videos
 
 TEXT_ENCODER_LAYER = 50  # MiniMax-H3 conditions on hidden_states[50] of Qwen3-VL-32B (64 layers).
@@ -175,7 +175,7 @@ def _require_dir(root: Path, name: str) -> Path:
 
 def check_text_encoder_files(component_root: Path) -> None:
     """The conditioner's three folders exist and every file a loader reads reads back whole (headers and JSON only:
-    checkpoint.check_component_files), so a truncated file is one line naming it; cheap enough to run before any
+    checkpoint.reader.check_component_files), so a truncated file is one line naming it; cheap enough to run before any
     model loads."""
     for name in (TEXT_ENCODER_DIR, TOKENIZER_DIR, PROCESSOR_DIR):
         check_component_files(_require_dir(Path(component_root), name), weights=name == TEXT_ENCODER_DIR)

@@ -19,10 +19,10 @@ from filelock import FileLock, Timeout
 
 from ..errors import UserError
 from ..paths import cache_dir as default_cache_dir
-from .checkpoint_writer import random_state_dict, save_official
+from .checkpoint.writer import random_state_dict, save_official
 from .config import H3Config
 from .tiny_text_encoder import write_tiny_text_encoder
-from .vae_checkpoint import save_audio_vae, save_video_vae, weight_norm_quietly
+from .checkpoint.vae import save_audio_vae, save_video_vae, weight_norm_quietly
 
 TINY_VERSION = 1  # bump when the tiny components change, so stale caches are rebuilt
 TINY_SEED = 0

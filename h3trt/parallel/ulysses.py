@@ -19,7 +19,7 @@ import torch.nn.functional as F
 from ..models.dit import AttentionFn, H3DiT, layer_attention, sdpa_attention
 from ..models.packing import PackedLayout
 from ..models.runner import NO_EXTRAS, EvalExtras, RunnerCaps
-from ..models.vsa_plan import VsaServing, vsa_call
+from ..models.vsa.plan import VsaServing, vsa_call
 
 
 def padded_length(seq_len: int, sp: int) -> int:
@@ -149,7 +149,7 @@ def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layou
     the heads run on every rank (cheap next to the blocks; the sampler then updates the same latents everywhere), the
     blocks on this rank's rows (models/block_stack.py). `extras` (models/runner.py): a step cache decides on values
     all ranks share (models/step_cache.py), so every rank skips the same blocks; in a sparse evaluation each rank
-    routes its own heads after the exchange (models/sparse_run.py); adapters run on each rank's rows."""
+    routes its own heads after the exchange (models/sparse/run.py); adapters run on each rank's rows."""
     sp = dist.get_world_size(group)
     if model.cfg.num_heads % sp:
         raise ValueError(f"sp={sp} does not divide the {model.cfg.num_heads} heads.")

@@ -32,10 +32,10 @@ import torch.distributed as dist
 from ..models.packing import PackedLayout
 from ..models.runner import NO_EXTRAS, DiTRunner, EvalExtras
 from ..models.sampler import Latents, Schedule
-from ..models.sparse_kernels import sparse_block
-from ..models.sparse_run import SparseRun
+from ..models.sparse.kernels import sparse_block
+from ..models.sparse.run import SparseRun
 from ..models.step_cache import StepCache
-from ..models.vsa_plan import VsaRun, request_vsa_run
+from ..models.vsa.plan import VsaRun, request_vsa_run
 from ..request.request import Request
 from .records import KnownFields
 

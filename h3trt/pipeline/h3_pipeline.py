@@ -26,15 +26,15 @@ from ..adapters.shape import SlotShape
 from ..adapters.spec import AdapterSpec
 from ..media.output_files import DEFAULT_CRF, discard
 from ..models.audio_vae import AudioVAE
-from ..models.distilled import DistilledServing, DistilledSpec
+from ..models.distilled.families import DistilledServing, DistilledSpec
 from ..models.packing import AUDIO_SAMPLE_RATE, FPS, PackedLayout, RefBlock, pack_ref2va, pack_t2va
 from ..models.runner import NO_EXTRAS, EvalExtras
 from ..models.sampler import Latents, Schedule, denoise, denoise_batch, initial_latents
-from ..models.sparse_run import SparseRun
+from ..models.sparse.run import SparseRun
 from ..models.step_cache import StepCache
 from ..models.text_encoder import AudioRef, ImageRef, VideoRef
 from ..models.video_vae import VideoVAE, image_to_pixels
-from ..models.vsa_plan import VsaRun
+from ..models.vsa.plan import VsaRun
 from ..request.request import CanvasDefaults, Request
 from .evaluation import (DENSE, Branch, StepProfiler, check_finite, counted, guided_denoiser, new_step_cache,
                          sparse_run_for)
@@ -76,7 +76,7 @@ class H3Pipeline:
         self.cfg_group = cfg_group  # the 2-rank group that splits guidance branches (None: both run here)
         self.loras = tuple(loras)  # records of the LoRAs merged into the DiT (adapters/merge.py), for every clip record
         self.adapters = adapters  # resident LoRA adapters a request picks (adapters/resident.py); None: none
-        # a distilled checkpoint's schedule and refusals (models/distilled.py), and its record for every clip
+        # a distilled checkpoint's schedule and refusals (models/distilled/families.py), and its record for every clip
         self.distilled, self.distilled_record = distilled, distilled_record
         self.text_prefetched = dict(text_prefetched or {})  # t2va prompt -> encoding made while loading (one use)
 

@@ -23,18 +23,18 @@ from ..calibration.vae_fp8 import load_video_vae_at
 from ..engines.bundle import Engine
 from ..engines.manifest import BundleError, read_manifest
 from ..models.audio_vae import AudioVAE
-from ..models.checkpoint import load_dit, locate_transformer
-from ..models.distilled import DistilledServing, DistilledSpec, load_distilled
-from ..models.distilled_contract import checkpoint_contract, refuse_export_base
-from ..models.distilled_merge import StepHeadRunner, merge_distilled, step_heads
+from ..models.checkpoint.reader import load_dit, locate_transformer
+from ..models.distilled.families import DistilledServing, DistilledSpec, load_distilled
+from ..models.distilled.contract import checkpoint_contract, refuse_export_base
+from ..models.distilled.merge import StepHeadRunner, merge_distilled, step_heads
 from ..models.dit import EagerDiT
 from ..models.precision import eager_dtype
-from ..models.sparse_run import load_sparse_kernel
+from ..models.sparse.run import load_sparse_kernel
 from ..models.text_encoder import H3TextEncoder, quiet_transformers
-from ..models.vae_checkpoint import load_audio_vae
+from ..models.checkpoint.vae import load_audio_vae
 from ..models.vae_precision import VAEPrecision
 from ..models.video_vae import VideoVAE
-from ..models.vsa_plan import VsaServing, choose_vsa_kernel, served_vsa_settings
+from ..models.vsa.plan import VsaServing, choose_vsa_kernel, served_vsa_settings
 from ..parallel.ulysses import UlyssesDiT
 from .prepare import Prepared, check_bundle_serves
 from .records import ColdStart, process_started_unix, torch_bytecode
@@ -114,7 +114,7 @@ def import_loader_modules() -> float:
     import transformers
     from diffusers.models.modeling_utils import get_parameter_dtype  # noqa: F401 -- calibration/vae_fp8.py
 
-    diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio  # models/vae_checkpoint.py
+    diffusers.AutoencoderKLMiniMaxH3, diffusers.AutoencoderKLMiniMaxH3Audio  # models/checkpoint/vae.py
     transformers.Qwen3VLModel, transformers.Qwen3VLConfig  # models/text_encoder.py
     # AutoTokenizer and AutoImageProcessor import their classes by the names in the checkpoint's configs (Qwen3-VL's,
     # the checkpoint contract), searching the model modules that list them.
@@ -151,7 +151,7 @@ def load_checkpoint(model_root: Path, task: str, device: str = "cpu", vae_precis
     it, in LoRA slots of `lora_slots` (None: one slot each, of their largest rank) in the DiT's dtype;
     `vae_precision` None: bf16 on CUDA, fp32 on the CPU (VAEPrecision.default). With `sp_group` (this rank's Ulysses
     group) the DiT runner shards its block stack over it. `distilled`: a distilled file fused into the DiT after the
-    LoRAs (models/distilled_merge.py); the model then runs its family's schedule (its shifts are the defaults)."""
+    LoRAs (models/distilled/merge.py); the model then runs its family's schedule (its shifts are the defaults)."""
     device = torch.device(device)
     vae = VAEPrecision.resolve(vae_precision, device)
     dtype = eager_dtype(device)

@@ -21,13 +21,13 @@ from ..engines.manifest import Manifest
 from ..engines.request_check import check_request as check_manifest_request
 from ..errors import MediaError, UserError, about
 from ..media.inputs import read_audio, read_image, read_video
-from ..models.checkpoint import check_component_files
+from ..models.checkpoint.reader import check_component_files
 from ..models.packing import (AUDIO_SAMPLE_RATE, CANVAS_MULTIPLE, FPS, FRAMES_PER_CHUNK, LATENTS_PER_CHUNK, Geometry,
                               PackedLayout, frames_for_duration, resolve_canvas, validate_canvas)
 from ..models.sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT, Latents, Schedule, check_steps
 from ..models.text_encoder import TOKENIZER_DIR
 from ..models.video_vae import prepare_keyframe
-from ..models.vsa_plan import check_vsa_request
+from ..models.vsa.plan import check_vsa_request
 from ..request.fields import FLAGS, MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, Names
 from ..request.request import Admitted, CanvasDefaults, Request
 

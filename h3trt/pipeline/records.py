@@ -122,7 +122,8 @@ class ClipRecord:
     peak_memory_gib: dict | None = None  # CUDA: {"allocated": GiB, "reserved": GiB}
     loras: list[dict] | None = None  # the LoRAs merged into the DiT (None: none)
     adapters: list[dict] | None = None  # the resident LoRA adapters the request ran with: name, file, sha256, scale
-    # the distilled checkpoint the DiT runs (models/distilled.py record: family, schedule, file, sha256; None: none)
+    # the distilled checkpoint the DiT runs (models/distilled/families.py record: family, schedule, file, sha256;
+    # None: none)
     distilled: dict | None = None
     # decode_tail_s as its consecutive steps (pipeline/parallel_decode.py TAIL_STEPS: the last window to the encoder,
     # x264's last frames, the AAC and x264 flushes, the faststart index, the rename, the join)

@@ -13,7 +13,7 @@ schema object into a `Request` (request/parse.py `schema_values`, `parse_object`
 
 Beside the table, the named speed profiles (`PROFILES`): step reuse and block-sparse attention chosen together, by
 one name (`h3trt run --profile`, a request line's or an API job's "profile"). A profile sets a request's step cache
-(models/step_cache.py) and its `sparse_attention` / `sparse_dense_steps` (models/sparse_attention.py); a knob stated
+(models/step_cache.py) and its `sparse_attention` / `sparse_dense_steps` (models/sparse/attention.py); a knob stated
 explicitly (a flag, a key) wins over the profile's value for that knob, and only for that knob (request/parse.py
 `profile_fields`).
 
@@ -42,7 +42,7 @@ from typing import Callable
 
 from ..adapters.scale import MAX_LORA_SCALE
 from ..errors import UserError
-from ..models.checkpoint import TASKS
+from ..models.checkpoint.reader import TASKS
 from ..models.sampler import MAX_STEPS, MIN_STEPS
 from ..models.step_cache import StepCacheConfig
 

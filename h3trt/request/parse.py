@@ -40,10 +40,10 @@ from typing import Callable, Mapping
 from ..adapters.use import parse_lora_field
 from ..engines.manifest import Manifest
 from ..errors import UserError
-from ..models.checkpoint import TASKS
+from ..models.checkpoint.reader import TASKS
 from ..models.packing import DEFAULT_DURATION
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, ScheduleValues
-from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.sparse.plan import SparseSettings, sparse_settings
 from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig, check_knob
 from .fields import (FIELDS, FORM_NUMBERS, KEY_WORDS, KEYS, PROFILE_NAMES, PROFILES, Names,  # the one table's
                      Table, value_fields)
@@ -328,7 +328,7 @@ def profile_fields(profile: str | None, cache: str | None = None, sparse_attenti
     step-cache kind, --cache), `cache_knobs` (StepCacheConfig's fields, each None when not stated), the sparsity.
     A knob given explicitly overrides the profile's value for it; `cache` naming another kind than the profile's
     replaces the profile's step cache (its knobs were the other kind's). The sparse values are checked here, before
-    any model loads (models/sparse_plan.py; `where` "--" names the flags in a message, "" the request keys)."""
+    any model loads (models/sparse/plan.py; `where` "--" names the flags in a message, "" the request keys)."""
     base = None
     if profile is not None:
         if profile not in PROFILES:

@@ -32,7 +32,7 @@ from ..adapters.use import AdapterUse, batch_key, lora_field
 from ..errors import UserError
 from ..models.packing import CANVAS_MAX_PIXELS, CANVAS_SHORT_EDGE, DEFAULT_DURATION, Geometry
 from ..models.sampler import DEFAULT_GUIDANCE, DEFAULT_SEED, DEFAULT_STEPS, ScheduleValues
-from ..models.sparse_plan import SparseSettings, sparse_settings
+from ..models.sparse.plan import SparseSettings, sparse_settings
 from ..models.step_cache import StepCacheConfig
 
 REQUEST, DEFAULT = "request", "default"  # ScheduleFrom's words for a request's own value and the model's default
@@ -204,7 +204,7 @@ class Speed:
 
     @property
     def sparse(self) -> SparseSettings:
-        """The block-sparse settings that run (models/sparse_plan.py; a knob left None takes its default), the request
+        """The block-sparse settings that run (models/sparse/plan.py; a knob left None takes its default), the request
         keys' names in a message."""
         return sparse_settings(self.sparse_attention or 0.0, self.sparse_dense_steps, self.sparse_min_seq, where="")
 

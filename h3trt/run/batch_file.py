@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import Callable, Mapping
 
 from ..models.sampler import DEFAULT_STEPS, ScheduleValues
-from ..models.sparse_plan import SparseSettings
+from ..models.sparse.plan import SparseSettings
 from ..pipeline.prepare import Prepared, prepare
 from ..request.fields import KEY_WORDS
 from ..request.parse import RUN_REQUIRED, RequestDefaults, RequestLine, read_request_file

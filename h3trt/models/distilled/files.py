@@ -1,6 +1,6 @@
 """Reading the distilled families' files into one form, `Fusion`: what each native parameter of the H3 DiT receives
-(low-rank products and full-rank deltas, added in fp32; assigned tensors), and PDD's head bank. distilled.py detects
-the family and fuses; nothing here touches a model.
+(low-rank products and full-rank deltas, added in fp32; assigned tensors), and PDD's head bank. distilled/families.py
+detects the family and fuses; nothing here touches a model.
 
   fasth3  FastVideo's `fastvideo-lora-v2` (scripts/lora_extraction/extract_minimax_h3_lora.py writes it): diffusers
           module names, `X.lora_A.weight` [r, in] / `X.lora_B.weight` [out, r] at scale exactly 1 (no alpha), `X.diff`
@@ -13,7 +13,7 @@ the family and fuses; nothing here touches a model.
           `proj_out.{weight,bias}` [N, 96, H] / [N, 96] and `audio_proj_out.{weight,bias}` [N, 32, H] / [N, 32], one
           full head per interval (VideoX-Fun repeats the pretrained head, then distils each).
   turbo   LightX2V's PEFT files, through lora_format.read_lora (every layout it reads); alpha from the header, else the
-          family default distilled.py passes.
+          family default distilled/families.py passes.
 
 Names: diffusers `ff.net.0.proj` is [value; gate], native `mlp.fc1` [gate; value]: every fc1 payload (B's rows, a
 diff's rows) is swapped; to_q / to_k / to_v land in their rows of the de-interleaved `attn.qkv_proj` [q; k; v].
@@ -27,12 +27,12 @@ from pathlib import Path
 
 import torch
 
-from ..errors import UserError
-from .checkpoint import VSA_GATE_KEY
-from .checkpoint_names import native_name
-from .config import H3Config
-from .lora_format import sha256_of
-from .lora_targets import native_target
+from ...errors import UserError
+from ..checkpoint.names import native_name
+from ..checkpoint.reader import VSA_GATE_KEY
+from ..config import H3Config
+from ..lora_format import sha256_of
+from ..lora_targets import native_target
 
 FASTH3_FORMAT = "fastvideo-lora-v2"
 FASTH3_BASE = "MiniMaxAI/MiniMax-H3"
@@ -77,7 +77,7 @@ class Fusion:
 
     def assigned(self) -> dict[str, torch.Tensor]:
         """The parameters the file assigns whole (FastH3's `.set_weight`: the VSA gates), by native name: what a
-        base checkpoint without them takes from the file to build a FastH3-VSA model (checkpoint.load_dit)."""
+        base checkpoint without them takes from the file to build a FastH3-VSA model (checkpoint.reader.load_dit)."""
         return {name: p.assign for name, p in self.patches.items() if p.assign is not None}
 
     def record(self) -> dict:
@@ -250,8 +250,8 @@ def read_pdd(path: Path, cfg: H3Config, header: dict[str, str]) -> Fusion:
 
 
 def lora_fusion(lora, modules: dict, cfg: H3Config, scale_rule: str) -> Fusion:
-    """A LoraFile's routed modules (lora_targets.route) as a Fusion, each at its scaling (a family's alpha already
-    applied: distilled.turbo_alpha)."""
+    """A LoraFile's routed modules (lora_targets.route) as a Fusion, each at its scaling (a family's alpha already applied:
+    families.turbo_alpha)."""
     fusion = Fusion(Path(lora.path), lora.sha256, lora.layout, scale_rule, {})
     for module, factors in sorted(modules.items()):
         name, rows, swap = native_target(module, cfg)

@@ -1,6 +1,6 @@
 """The safetensors format's constants, in one leaf module: the dtype names its headers use and the header-length
 limit. A bundle's weight files (engines/weights_io.py), a checkpoint's tensors read a few at a time
-(checkpoint_stream.py) and a LoRA file streamed onto its slots (adapters/stream.py) read and write by them."""
+(checkpoint/stream.py) and a LoRA file streamed onto its slots (adapters/stream.py) read and write by them."""
 
 from __future__ import annotations
 

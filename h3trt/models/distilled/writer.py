@@ -2,7 +2,7 @@
 (tiny) and the GPU bench's full-size ones (scripts/bench_distilled.py). Deterministic per seed; the deltas are small
 (a few percent of a weight), so a merged random model stays as well-behaved as the base.
 
-Formats (distilled_files.py reads them): FastH3 `fastvideo-lora-v2` as FastVideo's extractor writes it (block
+Formats (distilled/files.py reads them): FastH3 `fastvideo-lora-v2` as FastVideo's extractor writes it (block
 matrices as lora_A/lora_B, block norms and biases and every model-level tensor as exact .diff/.diff_b, the VSA gates
 as .set_weight, the counts in the header); PDD as alibaba-pai's Acc LoRA (bare lora_down/lora_up on 7 block targets
 and 6 refiner targets, the 32-head banks); Turbo as LightX2V's PEFT dump (`base_model.model.` root, `.default.`).
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from .config import H3Config
+from ..config import H3Config
 
 BLOCK_LINEARS = ("attn.to_q", "attn.to_k", "attn.to_v", "attn.to_out.0", "ff.net.0.proj", "ff.net.2")
 BLOCK_NORMS = ("norm1", "norm2", "attn.norm_q", "attn.norm_k")

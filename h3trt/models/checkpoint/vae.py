@@ -26,11 +26,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
-from .audio_vae import AudioVAE
-from .checkpoint import DAMAGED_FILE_FIX, CheckpointError, check_state_dict
-from .weight_layout import deinterleave_qkv, interleave_qkv, swap_halves
-from .vae_precision import place
-from .video_vae import TILE_OVERLAP_PX, TILE_PX, VideoVAE
+from ..audio_vae import AudioVAE
+from ..vae_precision import place
+from ..video_vae import TILE_OVERLAP_PX, TILE_PX, VideoVAE
+from ..weight_layout import deinterleave_qkv, interleave_qkv, swap_halves
+from .reader import DAMAGED_FILE_FIX, CheckpointError, check_state_dict
 
 RELEASED_VIDEO_VAE = dict(
     block_out_channels=(128, 256, 256, 512, 512, 1024), layers_per_block=2,

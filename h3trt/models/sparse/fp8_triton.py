@@ -1,7 +1,7 @@
 """FP8 block-sparse attention for Hopper, in Triton: the dense FP8 recipe (h3trt/calibration/fp8_attention.py) over
 the key blocks the SubBlock router keeps.
 
-Semantics (`sparse_fp8.emulated_fp8_sparse_attention` is the same arithmetic in torch, without the P rounding):
+Semantics (`fp8.emulated_fp8_sparse_attention` is the same arithmetic in torch, without the P rounding):
     mu = mean of v over its rows (fp32, per batch, head and channel)
     q8, k8, v8 = e4m3(q / q_scale), e4m3(k / k_scale), e4m3((v - mu) / v_scale)  (saturating at 448)
     o = softmax(q8 k8^T * q_scale * k_scale * D^-1/2 over the kept key rows) v8 * v_scale + mu
@@ -20,7 +20,7 @@ Two kernels:
        - S = q8 k8^T on e4m3 tensor cores, fp32 accumulation; scores in log2 units (log2 e folded into the one
          scale q_scale * k_scale * D^-1/2 * log2 e, so the softmax is exp2); key rows past the end get -inf, and
          so do a key block's rows past its row count where the call gives one (key_sizes: VSA's ragged tiles,
-         models/vsa_fp8.py);
+         models/vsa/fp8.py);
        - P = exp2(s - m + log2 448): the unnormalised probabilities times 448 (cuDNN's P scale), in (0, 448], cast
          to e4m3 for the PV product; the row sum l takes the same fp32 P, so the 448 cancels in acc / l;
        - PV accumulates in fp32 registers, the tensor cores' own FP8 accumulator promoted to fp32 after each tile

@@ -1,6 +1,6 @@
 """Where block-sparse attention applies in H3: pure functions of a request's sparse settings, the packed layout and
-the evaluation index. The router and the kernels are models/sparse_attention.py and models/sparse_kernels.py; the
-attention that uses this plan during one evaluation is models/sparse_run.py.
+the evaluation index. The router and the kernels are models/sparse/attention.py and models/sparse/kernels.py; the
+attention that uses this plan during one evaluation is models/sparse/run.py.
 
 Rules (SubBlock's, SGLang Diffusion; issue 36 part 2):
   - Query blocks are 64 packed rows. A query block is sparse only when every one of its real rows is a target video
@@ -23,10 +23,10 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from .config import VIDEO_TAG
-from .packing import PackedLayout
-from .sparse_attention import SUBBLOCK_BLOCK
+from ...errors import UserError
+from ..config import VIDEO_TAG
+from ..packing import PackedLayout
+from .attention import SUBBLOCK_BLOCK
 
 DEFAULT_DENSE_STEPS = 10  # SubBlock's: the first evaluations stay dense
 DEFAULT_MIN_SEQ = 4096  # SubBlock's: shorter attentions stay dense

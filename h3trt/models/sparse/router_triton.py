@@ -1,4 +1,4 @@
-"""SubBlock routing fused in Triton: the blocks `subblock_route` (models/sparse_attention.py) keeps, on a CUDA GPU.
+"""SubBlock routing fused in Triton: the blocks `subblock_route` (models/sparse/attention.py) keeps, on a CUDA GPU.
 
 The torch router materialises every sub-block pair score ([N, G * n_q, K * n_k] fp32, 1.2 GB at H3's 37,838 rows x 56
 heads with n = 4) in chunks and took 15.23 ms on the H200 for 64-row blocks, 63% of the sparse attention it routes
@@ -27,7 +27,7 @@ the lower block, as in torch.
 Integer lengths are not specialised on (do_not_specialize): one compile per (dtype, head dim, block, n_q, n_k)
 serves every sequence length, so `warm_router` at load compiles all a request needs.
 
-This module imports triton at import; models/sparse_router.py imports it only where the Triton path is chosen.
+This module imports triton at import; models/sparse/router.py imports it only where the Triton path is chosen.
 Shape legend: B batch, S rows, N heads, D head dim, G query blocks, K key blocks, T kept key blocks, P pooled
 sub-blocks (G * n).
 """
@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .sparse_attention import _check_route_args, _topk_lowest_first, every_key_block, route_sizes
+from .attention import _check_route_args, _topk_lowest_first, every_key_block, route_sizes
 
 # Query blocks x key blocks per score program (each cell an n_q x n_k set of pair dots), and its warps.
 SCORE_TILE_G, SCORE_TILE_K, SCORE_WARPS = 64, 64, 4

@@ -26,8 +26,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..errors import UserError
-from .sampler import Schedule
+from ...errors import UserError
+from ..sampler import Schedule
 
 FASTH3_V1_RUNGS = (999, 749, 500, 250)  # dmd_denoising_steps, timestep indices out of 1000
 FASTH3_V2_RUNGS = (999, 874, 749, 624, 500, 375, 250, 125)

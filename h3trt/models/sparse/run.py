@@ -5,8 +5,8 @@ The pipeline makes one `SparseRun` per request that asks for sparsity (none othe
 this code) and calls `next_evaluation()` once per denoise step, before the step's DiT call(s); a runner asks
 `attention(layout)` for the core of one DiT call: None in a dense evaluation (the runner keeps its own attention,
 FP8 attention included), else a function over [B, S, N, D] q/k/v that routes every head (SubBlock: the fused
-Triton router on CUDA, torch elsewhere, models/sparse_router.py) and runs `h3trt::sparse_attention` with the
-request's kernel, or, with an FP8 kernel (models/sparse_fp8.py), FP8 block-sparse attention with the layer's q/k/v
+Triton router on CUDA, torch elsewhere, models/sparse/router.py) and runs `h3trt::sparse_attention` with the
+request's kernel, or, with an FP8 kernel (models/sparse/fp8.py), FP8 block-sparse attention with the layer's q/k/v
 scales, which the caller passes (`scales=`: a bundle built with --fp8-attention has them per layer). Under Ulysses
 the function runs after the exchange, on every row of this rank's heads, so each rank routes its own heads.
 
@@ -20,16 +20,16 @@ import sys
 
 import torch
 
-from .packing import PackedLayout
-from .sparse_attention import SUBBLOCK_BLOCK
-from .sparse_fp8 import FP8_SPARSE_KERNELS, fp8_sparse_attention
-from .sparse_kernels import kept_fraction, sparse_attention, warm_sparse_kernel
-from .sparse_router import route_blocks, router_for, warm_router
-from .sparse_plan import SparseSettings, evaluation_is_sparse, sparse_query_blocks
+from ..packing import PackedLayout
+from .attention import SUBBLOCK_BLOCK
+from .fp8 import FP8_SPARSE_KERNELS, fp8_sparse_attention
+from .kernels import kept_fraction, sparse_attention, warm_sparse_kernel
+from .plan import SparseSettings, evaluation_is_sparse, sparse_query_blocks
+from .router import route_blocks, router_for, warm_router
 
 
 class SparseRun:
-    """A request's sparse attention over its denoise evaluations (models/sparse_plan.py for the rules)."""
+    """A request's sparse attention over its denoise evaluations (models/sparse/plan.py for the rules)."""
 
     def __init__(self, settings: SparseSettings, kernel: str, block: int = SUBBLOCK_BLOCK, tile: str | None = None):
         """`tile`: the fp8 kernel's configuration (the bundle's manifest records it; None: the default)."""
@@ -107,8 +107,8 @@ def load_sparse_kernel(device, heads: int, head_dim: int, dtype: torch.dtype,
     and compiled now with its router (warm_sparse), for `heads` heads (this rank's, under Ulysses) at its block
     (sparse_block). A kernel or router that does not compile here leaves (None, why): the load goes on, dense requests
     run, and a sparse request is refused with why; a note on stderr says so at load. A bundle passes ("fa4",): it
-    never serves flex, whose kernel a request may compile again (models/sparse_kernels.py)."""
-    from .sparse_kernels import FA4_FIX, default_sparse_kernel, sparse_block
+    never serves flex, whose kernel a request may compile again (models/sparse/kernels.py)."""
+    from .kernels import FA4_FIX, default_sparse_kernel, sparse_block
 
     kernel = default_sparse_kernel(device, kernels)
     if kernel == "reference" and torch.device(device).type == "cuda":

@@ -1,5 +1,5 @@
 """Block-sparse attention: the custom op `h3trt::sparse_attention` over [B, S, N, D] q/k/v and a routing index
-(h3trt/models/sparse_attention.py), its kernels, and what each kernel needs from a machine.
+(h3trt/models/sparse/attention.py), its kernels, and what each kernel needs from a machine.
 
 A query block g with sparse_G[g] True computes only the key blocks index[b, n, g, :] (the last key block may be
 ragged); one with sparse_G[g] False (text, audio, reference and mixed blocks in H3) attends every key row. The op is
@@ -12,7 +12,7 @@ by name. Kernels, chosen once and recorded, never swapped behind the user's back
              blocks as BlockSparseTensorsTorch *full* blocks (mask_block_cnt zero: with only the mask_block pair it
              fails in sparse_physical_n_block_forward), indices ascending. 128-row blocks through the public
              flash_attn_func (the SM90 tile); 64-row blocks through the private _flash_attn_fwd(tile_mn=(64, 64)).
-  fp8, fp8_emulated  FP8 block-sparse attention with a layer's calibrated q/k/v scales (models/sparse_fp8.py): not
+  fp8, fp8_emulated  FP8 block-sparse attention with a layer's calibrated q/k/v scales (models/sparse/fp8.py): not
              this op's (it takes no scales); a bundle built with --fp8-attention serves them between its halves.
 Every kernel compiles (CuTe JIT, Inductor, Triton) in `warm_sparse_kernel`, at load, never at a request. A bundle
 never serves flex (build/sparse_choice.py): its Inductor kernel compiled again at a request on the H100 although the
@@ -28,11 +28,11 @@ import importlib
 
 import torch
 
-from ..errors import UserError
-from .attention import KernelNeeds
-from .sparse_attention import SUBBLOCK_BLOCK
-from .sparse_fp8 import FP8_SPARSE_KERNELS, fp8_sparse_attention, unit_scales
-from .sparse_reference import kept_block_mask, reference_sparse_attention
+from ...errors import UserError
+from ..attention import KernelNeeds
+from .attention import SUBBLOCK_BLOCK
+from .fp8 import FP8_SPARSE_KERNELS, fp8_sparse_attention, unit_scales
+from .reference import kept_block_mask, reference_sparse_attention
 
 FA4_MODULE = "flash_attn.cute.interface"  # flash-attn-4's CuTe DSL interface (flash_attn_func, _flash_attn_fwd)
 FA4_FIX = ("pip install 'h3trt[fa4]' (flash-attn-4 4.0.0b36 with nvidia-cutlass-dsl 4.8.1: FlashAttention-4's "
@@ -114,7 +114,7 @@ def kept_fraction(index_BNGT: torch.Tensor, sparse_G: torch.Tensor, num_key_bloc
 def _check_op_args(q, k, v, index, sparse_G, block, kernel) -> None:
     if kernel not in SPARSE_KERNELS or kernel in FP8_SPARSE_KERNELS:
         raise ValueError(f"h3trt::sparse_attention kernels are {BF16_SPARSE_KERNELS}, got {kernel!r} (the FP8 "
-                         "kernels take a layer's scales: models/sparse_fp8.py fp8_sparse_attention).")
+                         "kernels take a layer's scales: models/sparse/fp8.py fp8_sparse_attention).")
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4 or (q.shape[0], q.shape[2], q.shape[3]) != (
             k.shape[0], k.shape[2], k.shape[3]):
         raise ValueError(f"sparse_attention takes q [B, S, N, D] and k, v of one shape sharing B, N, D; got "

@@ -3,8 +3,8 @@ the layer's calibrated per-tensor scales, v centered over its rows, the output s
 blocks the SubBlock router keeps. A bundle built with --precision fp8 --fp8-attention serves it between the block's
 halves, each layer with its own q/k/v scales (engines/bundle.py), in place of a bf16 block-sparse kernel.
 
-Kernels (models/sparse_kernels.py's table says what each needs):
-  fp8           the Triton kernel (models/sparse_fp8_triton.py): FP8 wgmma on sm_90, one of its fixed tile
+Kernels (models/sparse/kernels.py's table says what each needs):
+  fp8           the Triton kernel (models/sparse/fp8_triton.py): FP8 wgmma on sm_90, one of its fixed tile
                 configurations (chosen by timing at build, recorded in the manifest).
   fp8_emulated  the semantics in torch on any device: quantize, dequantize, the masked reference over the kept
                 blocks in fp32, mu added. It does not round the probabilities to e4m3 (the Triton kernel does, for
@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .sparse_reference import reference_sparse_attention
+from .reference import reference_sparse_attention
 
 FP8_SPARSE_KERNELS = ("fp8", "fp8_emulated")
 E4M3 = torch.float8_e4m3fn
@@ -53,7 +53,7 @@ def fp8_sparse_attention(q_BSND, k_BSND, v_BSND, scales: tuple[torch.Tensor, tor
     if not q_BSND.is_cuda:
         raise ValueError(f"the fp8 sparse attention kernel runs on CUDA tensors, got {q_BSND.device}; "
                          "'fp8_emulated' runs anywhere.")
-    from .sparse_fp8_triton import fp8_sparse_attention_triton, tile_config
+    from .fp8_triton import fp8_sparse_attention_triton, tile_config
 
     return fp8_sparse_attention_triton(q_BSND, k_BSND, v_BSND, *scales, index_BNGT, sparse_G, block,
                                        tile_config(block, tile))

@@ -1,5 +1,5 @@
-"""Reading MiniMax-H3 transformer checkpoints (checkpoint_writer.py writes them, for tests and the tiny default; their
-two naming schemes are checkpoint_names.py's).
+"""Reading MiniMax-H3 transformer checkpoints (checkpoint/writer.py writes them, for tests and the tiny default; their
+two naming schemes are checkpoint/names.py's).
 
 Layouts read (see h3_reference.md section 3 and the sglang/VideoX-Fun loaders):
 - official: `<root>/FL2VA/` (t2va, fl2va) and `<root>/Ref2VA/` (ref2va), each a partition with its own
@@ -28,12 +28,12 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from ..errors import UserError
-from .checkpoint_names import COMFY_PREFIX, DIFFUSERS_CLASS, NATIVE_CLASS, NATIVE_CONFIG_FIELDS, native_name
-from .config import H3Config
-from .dit import H3DiT, build_dit, parameter_dtype, rope_inv_freq
-from .sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
-from .weight_layout import deinterleave_qkv, swap_halves
+from ...errors import UserError
+from ..config import H3Config
+from ..dit import H3DiT, build_dit, parameter_dtype, rope_inv_freq
+from ..sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
+from ..weight_layout import deinterleave_qkv, swap_halves
+from .names import COMFY_PREFIX, DIFFUSERS_CLASS, NATIVE_CLASS, NATIVE_CONFIG_FIELDS, native_name
 
 TASK_PARTITIONS = {"t2va": "FL2VA", "fl2va": "FL2VA", "ref2va": "Ref2VA"}
 TASKS = tuple(TASK_PARTITIONS)  # t2va (the default), fl2va, ref2va

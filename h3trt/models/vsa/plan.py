@@ -1,7 +1,7 @@
 """Where VSA runs sparse in a FastH3-VSA model, and one request's VSA over its evaluations.
 
 A model whose blocks carry `attn.to_gate_compress` (H3Config.vsa_gate) runs VSA's attention in every evaluation of
-every main block (models/vsa.py): the coarse branch is part of the block. What varies is the sparsity:
+every main block (models/vsa/routing.py): the coarse branch is part of the block. What varies is the sparsity:
   - `sparsity` (FastH3 v1 was distilled at 0.9, V2 at 0.8) in the evaluations from `dense_first_steps` on (the
     steps count as FastVideo's `vsa_dense_first_n_steps`: the denoise step index, both guidance branches of a step
     being one evaluation), 0 before;
@@ -20,12 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from .packing import PackedLayout
-from .vsa import vsa_attention
-from .vsa_fp8 import ALL_VSA_KERNELS, VSA_FP8_KERNELS, vsa_attention_kernel, warm_fp8_vsa_kernel
-from .vsa_kernels import VSA_KERNELS, warm_vsa_kernel
-from .vsa_tiles import VSA_TILE_ROWS, layout_geometry
+from ...errors import UserError
+from ..packing import PackedLayout
+from .fp8 import ALL_VSA_KERNELS, VSA_FP8_KERNELS, vsa_attention_kernel, warm_fp8_vsa_kernel
+from .kernels import VSA_KERNELS, warm_vsa_kernel
+from .routing import vsa_attention
+from .tiles import VSA_TILE_ROWS, layout_geometry
 
 DEFAULT_VSA_SPARSITY = 0.9  # FastH3 4-step v1's (the VSA-DataFree export, trained and served at 0.9)
 
@@ -54,11 +54,11 @@ class VsaServing:
     bundle's manifest records it as `vsa`)."""
 
     settings: VsaSettings
-    kernel: str  # one of models/vsa_fp8.py ALL_VSA_KERNELS (bf16: vsa_kernels.py's; FP8: vsa_fp8.py's)
+    kernel: str  # one of models/vsa/fp8.py ALL_VSA_KERNELS (bf16: vsa/kernels.py's; FP8: vsa/fp8.py's)
     # The faster kernels the choice left out on the build device, each with why (choose_vsa_kernel,
     # build/vsa_choice.py): recorded, so a bundle that serves flex or reference says why not fa4
     left_out: dict[str, str] = dataclasses.field(default_factory=dict, compare=False)
-    tile: str | None = None  # the fp8 kernel's tile configuration (models/sparse_fp8_triton.py), warmed at load
+    tile: str | None = None  # the fp8 kernel's tile configuration (models/sparse/fp8_triton.py), warmed at load
     # ms of each kernel timed at the bundle's VSA shape ("fa4", "fp8:<tile>"; build/vsa_choice.py): the race's record
     measured_ms: dict[str, float] = dataclasses.field(default_factory=dict, compare=False)
 

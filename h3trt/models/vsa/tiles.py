@@ -21,8 +21,8 @@ from dataclasses import dataclass
 
 import torch
 
-from ..errors import UserError
-from .packing import PackedLayout
+from ...errors import UserError
+from ..packing import PackedLayout
 
 VSA_TILE = (4, 4, 4)  # (frames, rows, cols) of one video tile: FastH3's training geometry (the 64-row tile)
 VSA_TILE_ROWS = math.prod(VSA_TILE)  # 64: also the prefix chunk and every kernel's block

@@ -1,6 +1,6 @@
-"""The block-sparse attention of VSA over the padded tile layout (models/vsa_tiles.py): 64-row query tiles, each
-attending the key tiles its routing keeps (models/vsa.py route_tiles), where a key tile may be ragged: only its first
-sizes[j] rows are keys, the rest are padding that no query attends. Pad query rows compute garbage that is dropped.
+"""The block-sparse attention of VSA over the padded tile layout (models/vsa/tiles.py): 64-row query tiles, each
+attending the key tiles its routing keeps (models/vsa/routing.py route_tiles), where a key tile may be ragged: only its
+first sizes[j] rows are keys, the rest are padding that no query attends. Pad query rows compute garbage that is dropped.
 
 Kernels, chosen once per engine and recorded, never swapped behind the user's back:
   reference  masked SDPA: the kept tiles and the real key rows as one boolean row mask, a few query tiles at a time;
@@ -8,12 +8,12 @@ Kernels, chosen once per engine and recorded, never swapped behind the user's ba
   flex       torch FlexAttention: full tiles as a BlockMask's full blocks, ragged ones as its partial blocks with a
              mask_mod that reads the real-row table (on the CPU flex's unfused implementation, in CI; on CUDA the
              Inductor kernel, compiled at load).
-  fa4        FlashAttention-4's block-sparse forward at 64 x 64 (models/sparse_kernels.py's path): full tiles as
+  fa4        FlashAttention-4's block-sparse forward at 64 x 64 (models/sparse/kernels.py's path): full tiles as
              full blocks, ragged tiles as mask blocks under a mask_mod (CuTe DSL, `_fa4_real_keys`) that keeps a key
              position where it holds a real row (the form of FA4's own aux-tensor masks; its signature is
              flash-attn-4 4.0.0b36's: batch, head, q, kv, seqlen_info, aux_tensors). CUDA sm_90+, where FA4 loads.
 The FP8 kernels (fp8, the Triton FP8 block-sparse kernel given each key tile's row count, and its emulation
-fp8_emulated) are models/vsa_fp8.py's, which builds on this module.
+fp8_emulated) are models/vsa/fp8.py's, which builds on this module.
 
 Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kept tiles per query tile.
 """
@@ -26,9 +26,9 @@ import importlib
 import torch
 import torch.nn.functional as F
 
-from .sparse_kernels import FA4_FIX, FA4_MODULE, fa4_modules
-from .sparse_reference import REFERENCE_MASK_BYTES, kept_block_mask
-from .vsa_tiles import VSA_TILE_ROWS
+from ..sparse.kernels import FA4_FIX, FA4_MODULE, fa4_modules
+from ..sparse.reference import REFERENCE_MASK_BYTES, kept_block_mask
+from .tiles import VSA_TILE_ROWS
 
 VSA_KERNELS = ("reference", "flex", "fa4")  # slowest first: the choice tries them from the end
 FA4_CUTE_MODULE = "cutlass.cute"  # the CuTe DSL FA4 compiles a mask_mod with (nvidia-cutlass-dsl, FA4's dependency)
@@ -144,7 +144,7 @@ def flex_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes_G, co
     mask = BlockMask.from_kv_blocks(part_cnt, part_idx, full_cnt, full_idx, BLOCK_SIZE=(VSA_TILE_ROWS, VSA_TILE_ROWS),
                                     mask_mod=mask_mod, seq_lengths=(P, P))
     fn = _compiled_flex() if compiled else flex_attention
-    with torch.no_grad():  # forward-only; Dynamo guards on the grad mode (sparse_kernels.flex_sparse_attention)
+    with torch.no_grad():  # forward-only; Dynamo guards on the grad mode (sparse.kernels.flex_sparse_attention)
         out = fn(q_BPND.transpose(1, 2), k_BPND.transpose(1, 2), v_BPND.transpose(1, 2), block_mask=mask)
     return out.transpose(1, 2).contiguous()
 
@@ -209,7 +209,7 @@ def warm_vsa_kernel(kernel: str, device, heads: int, head_dim: int, dtype: torch
 def warm_cases(device, heads: int, head_dim: int, dtype: torch.dtype):
     """The warm-up's inputs, batch 1 then 2: (q, k, v [B, P, N, D] in `dtype`, index, sparse_G, sizes) over eight
     tiles, two of them prefix (dense query tiles), five ragged, the video query tiles keeping half the video tiles."""
-    from .vsa import route_tiles
+    from .routing import route_tiles
 
     generator = torch.Generator(device="cpu").manual_seed(0)
     sizes = torch.tensor([64, 30, 64, 64, 16, 64, 32, 8], device=device)

@@ -10,7 +10,7 @@ Read as FastVideo and SGLang read it: `dmd_denoising_steps` strictly decreasing 
 a checkpoint whose blocks carry the gate (`attn.to_gate_compress`), 64-token tiles (h3trt's, and the other readers'
 check), and a sparsity in [0, 1): the distilled record's `vsa` keeps that sparsity as the one the export was distilled
 at, the bundle's default, which --vsa-sparsity may override (FastVideo: the metadata "does not silently change ...
-sparsity"; models/vsa_plan.py served_vsa_settings). A PDD or Ref2VA export's sidecar (`pdd_steps`, `model_type`
+sparsity"; models/vsa/plan.py served_vsa_settings). A PDD or Ref2VA export's sidecar (`pdd_steps`, `model_type`
 ref2va) is refused by name.
 """
 
@@ -20,11 +20,11 @@ import hashlib
 import json
 from pathlib import Path
 
-from .distilled import DistilledServing, check_task
-from .distilled_files import DistilledError
-from .distilled_schedule import fasth3_schedule
-from .vsa_plan import DEFAULT_VSA_SPARSITY, trained_vsa
-from .vsa_tiles import VSA_TILE_ROWS
+from ..vsa.plan import DEFAULT_VSA_SPARSITY, trained_vsa
+from ..vsa.tiles import VSA_TILE_ROWS
+from .families import DistilledServing, check_task
+from .files import DistilledError
+from .schedule import fasth3_schedule
 
 CONTRACT_FILE = "fastvideo_inference.json"
 CONTRACT_SCHEMA = "fasth3-inference-contract-v1"

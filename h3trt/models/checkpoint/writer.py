@@ -1,4 +1,4 @@
-"""Writing H3 transformer checkpoints in the three layouts `checkpoint.py` reads.
+"""Writing H3 transformer checkpoints in the three layouts `checkpoint/reader.py` reads.
 
 Used by `scripts/make_fake_checkpoint.py`, the tests and the embedded tiny default: real MiniMax-H3 weights are not
 available here, so checkpoints are random but laid out exactly as the official, diffusers and Comfy files are.
@@ -14,11 +14,11 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from .checkpoint_names import COMFY_PREFIX, DIFFUSERS_CLASS, to_native_config
-from .weight_layout import interleave_qkv
-from .config import H3Config
-from .dit import build_dit, parameter_dtype, rope_inv_freq
-from .sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
+from ..config import H3Config
+from ..dit import build_dit, parameter_dtype, rope_inv_freq
+from ..sampler import DEFAULT_AUDIO_SHIFT, DEFAULT_VIDEO_SHIFT
+from ..weight_layout import interleave_qkv
+from .names import COMFY_PREFIX, DIFFUSERS_CLASS, to_native_config
 
 # The official release partitions and what each serves (sglang task_profiles.py, release_metadata.py).
 PARTITION_TASKS = {"FL2VA": ("fl2va", ["t2va", "fl2va"]), "Ref2VA": ("ref2va", ["ref2va"])}

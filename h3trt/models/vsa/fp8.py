@@ -1,6 +1,6 @@
-"""VSA's fine branch in FP8: the attention over the kept tiles (models/vsa_kernels.py's, the same masks) with q, k and
+"""VSA's fine branch in FP8: the attention over the kept tiles (models/vsa/kernels.py's, the same masks) with q, k and
 v - mu in e4m3, the recipe of the dense FP8 attention (calibration/fp8_attention.py) and of SubBlock's FP8 kernel
-(models/sparse_fp8.py), over VSA's padded tile layout where a key tile may be ragged.
+(models/sparse/fp8.py), over VSA's padded tile layout where a key tile may be ragged.
 
 Semantics, per call over the padded layout [B, P, N, D] (pad rows zero):
     mu     = v's mean over the real rows (fp32, per batch, head and channel): the sum over all P rows / sum(sizes)
@@ -15,10 +15,10 @@ no attention of this model to observe; the three reductions cost one read of q, 
 them: the `fp8_scales_ms` row), and per-call scales cannot saturate on a request unlike the calibration's.
 
 Kernels:
-  fp8           the Triton FP8 block-sparse kernel (models/sparse_fp8_triton.py) at 64-row blocks with the per-key-
+  fp8           the Triton FP8 block-sparse kernel (models/sparse/fp8_triton.py) at 64-row blocks with the per-key-
                 tile row count (key_sizes): FP8 wgmma on sm_90; one of its fixed tiles, timed at build and recorded.
   fp8_emulated  the semantics in torch on any device: quantize, dequantize, the masked fp32 reference over the kept
-                tiles (models/vsa_kernels.py reference_vsa_attention), mu added. It keeps the probabilities exact
+                tiles (models/vsa/kernels.py reference_vsa_attention), mu added. It keeps the probabilities exact
                 where the kernel rounds them to e4m3 for its PV product. What a CPU build bakes and CI checks.
 
 Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kept tiles per query tile.
@@ -30,10 +30,10 @@ import importlib
 
 import torch
 
-from .sparse_fp8 import E4M3_MAX, _e4m3
-from .vsa_kernels import (VSA_KERNELS, key_valid, reference_vsa_attention, vsa_block_attention, vsa_kernel_problem,
-                          warm_cases)
-from .vsa_tiles import VSA_TILE_ROWS
+from ..sparse.fp8 import E4M3_MAX, _e4m3
+from .kernels import (VSA_KERNELS, key_valid, reference_vsa_attention, vsa_block_attention, vsa_kernel_problem,
+                      warm_cases)
+from .tiles import VSA_TILE_ROWS
 
 VSA_FP8_KERNELS = ("fp8_emulated", "fp8")
 ALL_VSA_KERNELS = VSA_KERNELS + VSA_FP8_KERNELS  # what a record may name
@@ -83,7 +83,7 @@ def triton_fp8_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes
                              tile: str | None = None) -> torch.Tensor:
     """The Triton kernel's call with given scales and mu (vsa_fp8_scales'): the quantization pass (v centered by mu),
     then the block-sparse kernel at 64-row blocks, each key tile's real rows its keys; [B, P, N, D] in q's dtype."""
-    from .sparse_fp8_triton import fp8_block_sparse_attention, fp8_operands, tile_config
+    from ..sparse.fp8_triton import fp8_block_sparse_attention, fp8_operands, tile_config
 
     ops = fp8_operands(q_BPND, k_BPND, v_BPND, *scales_3.split(1), mu_BND=mu_BND)
     return fp8_block_sparse_attention(ops, index_BNGT, sparse_G, VSA_TILE_ROWS, tile_config(VSA_TILE_ROWS, tile),
@@ -92,7 +92,7 @@ def triton_fp8_vsa_attention(q_BPND, k_BPND, v_BPND, index_BNGT, sparse_G, sizes
 
 def vsa_attention_kernel(kernel: str, tile: str | None = None):
     """The block function of `kernel` (any of ALL_VSA_KERNELS; `tile` the fp8 kernel's): (q, k, v, index, sparse_G,
-    sizes) -> out, what models/vsa.py vsa_attention takes."""
+    sizes) -> out, what models/vsa/routing.py vsa_attention takes."""
     if kernel in VSA_FP8_KERNELS:
         return lambda *a: fp8_vsa_attention(*a, kernel, tile)
     if tile is not None:

@@ -1,6 +1,6 @@
 """Video Sparse Attention as FastH3 runs it: tile pooling, the routing, the coarse (gated) branch and the attention of
-one block, over the tiles of models/vsa_tiles.py. The kernels that attend over the kept tiles are models/
-vsa_kernels.py; which evaluations and layers run sparse is models/vsa_plan.py.
+one block, over the tiles of models/vsa/tiles.py. The kernels that attend over the kept tiles are models/
+vsa/kernels.py; which evaluations and layers run sparse is models/vsa/plan.py.
 
 Definition (FastVideo `video_sparse_attn_h3.py` `_pool_tiles`, `_build_block_mask`, `MiniMaxH3VSAImpl.forward`;
 SGLang `video_sparse_attn_h3.py` `_topk_tile_lists`, `forward_varlen`; the "exempt" mode both default to), per batch
@@ -28,8 +28,8 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from .sparse_attention import _topk_lowest_first
-from .vsa_tiles import VSA_TILE_ROWS, VsaGeometry
+from ..sparse.attention import _topk_lowest_first
+from .tiles import VSA_TILE_ROWS, VsaGeometry
 
 
 def vsa_topk(sparsity: float, num_video_tiles: int) -> int:
@@ -103,7 +103,7 @@ def add_gated(out_BSND: torch.Tensor, coarse_BNGD: torch.Tensor, gate_BSND: torc
 
 # (q, k, v [B, S, N, D]) -> [B, S, N, D]: dense attention over the packed rows, scale D^-1/2.
 DenseFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
-# (q, k, v tiled [B, P, N, D], index, sparse_G, sizes [G]) -> [B, P, N, D] (models/vsa_kernels.py).
+# (q, k, v tiled [B, P, N, D], index, sparse_G, sizes [G]) -> [B, P, N, D] (models/vsa/kernels.py).
 BlockFn = Callable[..., torch.Tensor]
 
 

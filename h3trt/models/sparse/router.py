@@ -1,11 +1,11 @@
 """Which SubBlock router a sparse attention runs, chosen by device, never swapped behind the user's back:
-  triton  the fused router (models/sparse_router_triton.py) on a CUDA GPU: 3 kernels, no pair-score buffer.
-  torch   `subblock_route` (models/sparse_attention.py) elsewhere: the CPU, CI, and the reference for the other.
+  triton  the fused router (models/sparse/router_triton.py) on a CUDA GPU: 3 kernels, no pair-score buffer.
+  torch   `subblock_route` (models/sparse/attention.py) elsewhere: the CPU, CI, and the reference for the other.
 Both keep the same blocks (the Triton path's scores agree with torch's to a few fp32 ulp; the module docstring of
-sparse_router_triton.py says where that can matter). On CUDA the torch router took 15.23 ms a layer at H3's shape on
+sparse/router_triton.py says where that can matter). On CUDA the torch router took 15.23 ms a layer at H3's shape on
 the H200, 63% of the sparse attention it routes, so a CUDA device without a loadable Triton is refused with the
 reason and the fix rather than routed slowly: at load, `warm_router` compiles the Triton kernels, and a failure there
-leaves the engine dense with that reason (models/sparse_run.py, load_sparse_kernel), as a kernel that does not
+leaves the engine dense with that reason (models/sparse/run.py, load_sparse_kernel), as a kernel that does not
 compile does.
 
 Shape legend: B batch, S rows, N heads, D head dim, G query blocks, T kept key blocks.
@@ -17,8 +17,8 @@ import functools
 
 import torch
 
-from ..errors import UserError
-from .sparse_attention import SUBBLOCK_BLOCK, subblock_route
+from ...errors import UserError
+from .attention import SUBBLOCK_BLOCK, subblock_route
 
 ROUTERS = ("torch", "triton")
 TRITON_FIX = ("install Triton (pip install triton; torch's CUDA wheels depend on it, and the GPU image carries 3.6), "
@@ -51,7 +51,7 @@ def choose_router(device_type: str, triton_problem: str | None, triton_on_cuda: 
 def triton_router_problem() -> str | None:
     """Why the Triton router module does not import (None: it does). Cached: an install does not change in-process."""
     try:
-        from . import sparse_router_triton  # noqa: F401
+        from . import router_triton  # noqa: F401
     except (ImportError, OSError) as e:
         return f"{type(e).__name__}: {e}"
     return None
@@ -67,7 +67,7 @@ def route_blocks(q_BSND: torch.Tensor, k_BSND: torch.Tensor, sparsity: float, so
                  n_q: int = 4, n_k: int = 4, block: int = SUBBLOCK_BLOCK) -> tuple[torch.Tensor, int]:
     """(index [B, N, G, T] int32 ascending, T) from `router` ('torch' or 'triton'; arguments as `subblock_route`)."""
     if router == "triton":
-        from .sparse_router_triton import subblock_route_triton
+        from .router_triton import subblock_route_triton
 
         return subblock_route_triton(q_BSND, k_BSND, sparsity, softmax_scale, n_q, n_k, block)
     if router == "torch":

@@ -13,11 +13,11 @@ from typing import Callable, Mapping
 
 import torch
 
-from .distilled import Distilled
-from .distilled_files import GATE_SUFFIX, DistilledError, Fusion, Patch
-from .lora_targets import swap_halves
+from ..lora_targets import swap_halves
+from ..runner import NO_EXTRAS, EvalExtras, RunnerCaps
+from .families import Distilled
+from .files import GATE_SUFFIX, DistilledError, Fusion, Patch
 from .pdd import HEAD_WEIGHTS, StepHeads
-from .runner import NO_EXTRAS, EvalExtras, RunnerCaps
 
 
 def check_fusion(fusion: Fusion, params: Mapping[str, torch.Tensor],

@@ -28,10 +28,10 @@ from pathlib import Path
 
 import torch
 
-from .checkpoint import DAMAGED_FILE_FIX, CheckpointError, TransformerSource, check_rope_inv_freq, check_unpruned
-from .checkpoint_names import native_name
+from ..weight_layout import deinterleave_qkv, swap_halves
+from .names import native_name
+from .reader import DAMAGED_FILE_FIX, CheckpointError, TransformerSource, check_rope_inv_freq, check_unpruned
 from .safetensors_format import DTYPES as SAFETENSORS_DTYPES, MAX_HEADER_BYTES
-from .weight_layout import deinterleave_qkv, swap_halves
 
 READ_CHUNK_BYTES = 64 << 20  # one pread; a tensor's chunks go to several threads (a read releases the GIL)
 ALIGN = 64  # where each tensor starts inside a read buffer: any dtype's view of it is aligned

@@ -1,5 +1,5 @@
-"""The two naming schemes of MiniMax-H3 transformer checkpoints, and the map between them (checkpoint.py reads them,
-checkpoint_writer.py writes them):
+"""The two naming schemes of MiniMax-H3 transformer checkpoints, and the map between them (checkpoint/reader.py reads
+them, checkpoint/writer.py writes them):
 - native: the official release's (sglang's) tensor names and config.json fields, `_class_name` NATIVE_CLASS; the
   Comfy single file holds the same names under COMFY_PREFIX;
 - diffusers: `MiniMaxH3Transformer3DModel`'s names (DIFFUSERS_CLASS), mapped to native ones by `native_name`.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-from .config import H3Config
+from ..config import H3Config
 
 NATIVE_CLASS = "MiniMaxH3DiTModel"
 DIFFUSERS_CLASS = "MiniMaxH3Transformer3DModel"

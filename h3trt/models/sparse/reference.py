@@ -1,6 +1,6 @@
 """The masked reference of block-sparse attention: the kept blocks expanded to a boolean row mask over SDPA, on any
-device. The oracle the other kernels are tested against (models/sparse_kernels.py's `reference` kernel, and the
-FP8 emulation's attention, models/sparse_fp8.py).
+device. The oracle the other kernels are tested against (models/sparse/kernels.py's `reference` kernel, and the
+FP8 emulation's attention, models/sparse/fp8.py).
 
 Shape legend: B batch, S rows, N heads, D head dim, G query blocks, K key blocks, T kept key blocks per query block.
 """

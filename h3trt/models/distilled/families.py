@@ -4,7 +4,7 @@
   header), `steps` (Turbo: its grid points; PDD: 5, 7 or 9), `video_shift` / `audio_shift` (Turbo), `alpha` (Turbo,
   where its header has none), `grid` (FastH3 v1: rungs | uniform).
 
-Families (distilled_schedule.py holds their schedules, distilled_files.py their formats, distilled_merge.py the
+Families (distilled/schedule.py holds their schedules, distilled/files.py their formats, distilled/merge.py the
 fusion):
   fasth3  header `format` fastvideo-lora-v2 and a `finetuned_model` in FastVideo's namespace naming fasth3 (vLLM-Omni's
           test of a FastH3 release); T2VA only; fused, so no LoRA per request.
@@ -21,16 +21,16 @@ import dataclasses
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 
-from ..errors import UserError
-from .config import H3Config
-from .distilled_files import (FASTH3_FORMAT, GATE_FILE_SUFFIX, DistilledError, Fusion, lora_fusion, read_fasth3,
-                              read_header, read_pdd)
-from .distilled_schedule import (FASTH3_V1_RUNGS, PDD_BLOCKS, PDD_INTERVALS, FamilySchedule, fasth3_schedule,
-                                 pdd_schedule, turbo_schedule)
-from .lora_format import PEFT_DUMP_LAYOUT, REF2VA_COMPONENT, LoraFile, read_lora, sha256_of
-from .lora_targets import TASK_COMPONENTS, route
-from .sampler import Schedule, key_values, schedule_value
-from .vsa_plan import DEFAULT_VSA_SPARSITY, trained_vsa
+from ...errors import UserError
+from ..config import H3Config
+from ..lora_format import PEFT_DUMP_LAYOUT, REF2VA_COMPONENT, LoraFile, read_lora, sha256_of
+from ..lora_targets import TASK_COMPONENTS, route
+from ..sampler import Schedule, key_values, schedule_value
+from ..vsa.plan import DEFAULT_VSA_SPARSITY, trained_vsa
+from .files import (FASTH3_FORMAT, GATE_FILE_SUFFIX, DistilledError, Fusion, lora_fusion, read_fasth3,
+                    read_header, read_pdd)
+from .schedule import (FASTH3_V1_RUNGS, PDD_BLOCKS, PDD_INTERVALS, FamilySchedule, fasth3_schedule,
+                       pdd_schedule, turbo_schedule)
 
 FAMILIES = ("fasth3", "turbo", "pdd")
 TURBO_DEFAULT_ALPHA = 8.0  # ModelTC/Minimax-H3-Turbo inference_minimax_h3.py's default (vllm-omni #7062 review)
@@ -256,7 +256,7 @@ class DistilledServing:
     plan: FamilySchedule
     tasks: tuple[str, ...]
     # FastH3-VSA (a file that sets the gates, an export whose blocks carry them): the sparsity and tiles it was
-    # distilled at (vsa_plan.trained_vsa); what the model serves is the manifest's `vsa` (vsa_plan.served_vsa_settings)
+    # distilled at (vsa.plan.trained_vsa); what the model serves is the manifest's `vsa` (vsa.plan.served_vsa_settings)
     vsa: dict | None = None
 
     def record(self) -> dict:
