@@ -228,7 +228,7 @@ def _error(r, status: int, param: str | None, words: str) -> dict:
 def test_an_adapters_scale_is_bounded_where_it_is_stated_and_the_schema_says_so(admin, folder, capsys):
     """A strength of 1e30 held a worker through its whole denoise to fail as numerical_error: a request's scale, an
     admin call's default, --adapter's and --lora's are refused outside the one bound, which the API's schema states."""
-    from h3trt.adapters.scale import MAX_LORA_SCALE
+    from h3trt.adapters.use import MAX_LORA_SCALE
     from h3trt.cli import main
 
     client, service, _ = admin

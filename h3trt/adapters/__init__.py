@@ -2,7 +2,6 @@
 each. An *adapter* stays beside the weights in slots and only the requests that name it get it (the wire field
 `lora`); a *merged LoRA* (`--lora FILE[:SCALE]`) is merged into the weights at load or build, for every request.
 
-  scale.py     the one bound on a strength (either kind)
   merge.py     merged LoRAs: `LoraSpec` (--lora), `merge_loras` / `LoraMerge` (W += scale * B @ A in fp32)
   slots.py     the slots' arithmetic: banks on the main blocks' linears, an evaluation's rank rows (`AdapterSlots`,
                `AdapterRun`, `AdapterBlock`), and the compiled segments' adapter inputs
@@ -12,9 +11,11 @@ each. An *adapter* stays beside the weights in slots and only the requests that 
   spec.py      `AdapterSpec`: --adapter NAME=FILE[:SCALE][@schedule] and --lora-dir's files
   schedule.py  an adapter's own schedule (a Turbo LoRA's steps and shifts)
   info.py      `AdapterInfo`: an adapter's rank, targets and size, as GET /v1/loras lists it
-  checks.py    the checks before anything loads: flags, a request's `lora` (admission), a bundle's slots
-  use.py       `AdapterUse`: one entry of a request's `lora`, as stated and as admission resolved it
-  catalog.py   `AdapterCatalog`: the set a server offers by name, changed while it serves (POST/DELETE /v1/loras)
+  checks.py    the checks before anything loads: the flags, a bundle's slots
+  use.py       `AdapterUse`: one entry of a request's `lora`, as stated and as admission resolved it; the one
+               bound on a strength (either kind)
+  catalog.py   `AdapterCatalog`: the set a server offers by name, changed while it serves (POST/DELETE /v1/loras);
+               a request's `lora` checked against the resident set (`check_adapters`, admission)
   resident.py  `ResidentAdapters`: one pipeline's slots as a cache keyed by sha256, and what an evaluation carries
 
 The LoRA file format itself (every producer's layout, normalised to diffusers names: models/lora_format.py) and where

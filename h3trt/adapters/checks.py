@@ -1,6 +1,6 @@
-"""The checks of adapters before anything loads: the --adapter flags (`check_specs`), a request's `lora` against
-the resident set (`check_adapters`, admission), and the flags against a bundle's slots (`check_bundle_specs`,
-`check_bundle_sparse`)."""
+"""The checks of adapters before anything loads: the --adapter flags (`check_specs`), and the flags against a
+bundle's slots (`check_bundle_specs`, `check_bundle_sparse`). A request's `lora` against the resident set is the
+catalog's (catalog.py `check_adapters`, admission)."""
 
 from __future__ import annotations
 
@@ -34,26 +34,6 @@ def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
         file_schedule(s.path)  # its __metadata__ schedule, if any, valid
 
 
-def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], refusal: str | None = None,
-                   slots: int | None = None) -> None:
-    """Admission's check of a request's `lora` against what the model holds resident, and at most `slots` adapters
-    (one evaluation's); UserError naming `lora`. `refusal`: why this model serves no adapters at all (a bundle without
-    slots), None where it may."""
-    if not uses:
-        return
-    if refusal is not None:
-        raise UserError(f"lora: {refusal}", field="lora")
-    resident = [s.name for s in specs]
-    if len(uses) > len(specs):
-        raise UserError(f"lora asks for {len(uses)} adapters, but this model holds {len(specs)} resident "
-                        f"({resident or 'none: start it with --adapter NAME=FILE[:SCALE]'}).", field="lora")
-    if slots is not None and len(uses) > slots:
-        raise UserError(f"lora asks for {len(uses)} adapters, but one evaluation carries at most {slots} (the "
-                        "model's LoRA slots); ask for fewer.", field="lora")
-    unknown = [u.name for u in uses if u.name not in resident]
-    if unknown:
-        raise UserError(f"lora names {unknown}, not resident here; the resident adapters are "
-                        f"{resident or 'none (start the model with --adapter NAME=FILE[:SCALE])'}.", field="lora")
 
 
 def check_bundle_sparse(uses: tuple[AdapterUse, ...], sparse_attention: float, segments: dict) -> None:

@@ -22,7 +22,7 @@ import torch
 from ..models.config import H3Config
 from ..models.lora_format import REF2VA_COMPONENT, LoraError, pruned_message, read_lora
 from ..models.lora_targets import TASK_COMPONENTS, native_target, route, swap_halves
-from .scale import SCALE_RANGE, scale_in_range
+from .use import SCALE_RANGE, scale_in_range
 
 
 class LoraScaleError(LoraError, argparse.ArgumentTypeError):

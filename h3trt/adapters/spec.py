@@ -15,7 +15,7 @@ from ..errors import UserError
 from ..models.lora_format import LoraError
 from ..models.sampler import ScheduleValues
 from .merge import LoraScaleError, LoraSpec
-from .scale import SCALE_RANGE
+from .use import SCALE_RANGE
 from .schedule import split_spec
 
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,63}")

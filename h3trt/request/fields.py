@@ -40,7 +40,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Callable
 
-from ..adapters.scale import MAX_LORA_SCALE
+from ..adapters.use import MAX_LORA_SCALE
 from ..errors import UserError
 from ..models.checkpoint.reader import TASKS
 from ..models.sampler import MAX_STEPS, MIN_STEPS

@@ -9,7 +9,7 @@ from typing import Literal
 
 from pydantic import BaseModel, Field, model_serializer
 
-from ..adapters.scale import MAX_LORA_SCALE
+from ..adapters.use import MAX_LORA_SCALE
 from ..request.fields import openapi_fields
 
 
