@@ -34,7 +34,7 @@ from h3trt.build.memory import GIB, DeviceMemory, kept_layers, memory_needs
 from h3trt.build.plan import plan_build
 from h3trt.engines.weights_io import SafetensorsWriter, write_safetensors
 from h3trt.errors import UserError
-from h3trt.models.checkpoint.reader import reader as checkpoint_module
+from h3trt.models.checkpoint import reader as checkpoint_module
 from h3trt.models.checkpoint.reader import locate_transformer, read_native_state_dict
 from h3trt.models.checkpoint.stream import CheckpointTensors
 from h3trt.models.checkpoint.writer import random_state_dict, save_official

@@ -225,7 +225,7 @@ def test_scheduler_shifts_of_a_diffusers_layout_are_honoured(tiny_checkpoints, t
 def test_component_files_are_read_back_once_until_they_change(tmp_path, monkeypatch):
     """A server checks the text encoder's files at every admission: a file that read back whole is not read again
     while it is unchanged, and one cut short after that is named at the next check."""
-    from h3trt.models.checkpoint.reader import reader as checkpoint
+    from h3trt.models.checkpoint import reader as checkpoint
 
     folder = tmp_path / "text_encoder"
     folder.mkdir()

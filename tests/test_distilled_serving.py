@@ -19,7 +19,7 @@ from h3trt.build import builder
 from h3trt.build.config import BuildConfig, Profile
 from h3trt.errors import UserError
 from h3trt.jobs.model_source import Entry, ModelSource
-from h3trt.models.vsa.routing import kernels as vsa_kernels
+from h3trt.models.vsa import kernels as vsa_kernels
 from h3trt.models.config import H3Config
 from h3trt.models.distilled.families import DistilledSpec
 from h3trt.models.distilled.schedule import pdd_schedule

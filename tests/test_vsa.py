@@ -222,7 +222,7 @@ def test_fa4_plumbing_against_a_stand_in(monkeypatch):
     import sys
     import types
 
-    from h3trt.models.vsa.routing import kernels as vsa_kernels
+    from h3trt.models.vsa import kernels as vsa_kernels
 
     calls = []
 

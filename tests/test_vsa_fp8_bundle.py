@@ -21,7 +21,7 @@ from h3trt.engines import load_checks
 from h3trt.engines.bundle import Engine
 from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import BundleError, content_sha256, read_manifest
-from h3trt.models.vsa.routing import plan as vsa_plan
+from h3trt.models.vsa import plan as vsa_plan
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.runner import EvalExtras
 from h3trt.models.sampler import Schedule
