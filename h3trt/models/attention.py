@@ -46,6 +46,30 @@ class KernelNeeds:
     max_sm: int = 0  # highest (0: none): FA3's cubins are sm_90a, which no other GPU runs
     module: str = ""  # a Python module the kernel imports ("" : part of torch)
     fix: str = ""  # how to install `module`
+    also: tuple[str, ...] = ()  # further modules it imports, installed by the same fix
+
+    def problem(self, what: str, device, elsewhere: str, outside: str) -> str | None:
+        """Why `device` cannot run the kernel `what` names ("the fa4 sparse attention kernel"), with the fix; None
+        when it can. `elsewhere`: the fix on a device that is no CUDA GPU; `outside`: on a GPU outside the kernel's
+        compute capabilities. Imports the kernel's modules (a wheel that installs but cannot load, e.g. built for
+        another CUDA, is a problem too)."""
+        if not self.cuda:
+            return None
+        device = torch.device(device)
+        if device.type != "cuda":
+            return f"{what} needs a CUDA GPU; this device is {device}. {elsewhere}"
+        major, minor = torch.cuda.get_device_capability(device)
+        sm = major * 10 + minor
+        if sm < self.min_sm or (self.max_sm and sm > self.max_sm):
+            span = f"sm_{self.min_sm}" + (" only" if self.max_sm == self.min_sm else " and newer")
+            return f"{what} runs on {span}; this GPU is sm_{sm}. {outside}"
+        for module in filter(None, (self.module, *self.also)):
+            try:
+                importlib.import_module(module)
+            except (ImportError, OSError) as e:
+                return (f"{what} needs the Python module {module!r}, which does not load here ({type(e).__name__}: "
+                        f"{e}): {self.fix}.")
+        return None
 
 
 # (kernel, precision) -> needs, the precision one of ATTENTION_PRECISIONS (what the kernel reads q/k/v in). A pair
@@ -81,29 +105,13 @@ def gpu_candidates(precision: Precision) -> tuple[str, ...]:
 def kernel_problem(kernel: str, precision: Precision, device: torch.device) -> str | None:
     """Why `device` cannot run `kernel` at `precision`, with the fix; None when it can. Imports the kernel's package
     (a wheel that installs but cannot load, e.g. built for another CUDA, is a problem too)."""
-    device = torch.device(device)
     needs = KERNELS.get((kernel, precision))
     if needs is None:
         raise ValueError(f"{precision} attention kernels are {kernels_for(precision)}, got {kernel!r}.")
-    if not needs.cuda:
-        return None
-    if device.type != "cuda":
-        return (f"the {kernel} {precision} attention kernel needs a CUDA GPU; this device is {device}. Serve the bundle "
-                f"on the GPU it was built for, or rebuild it on this machine (a CPU build bakes "
-                f"{cpu_kernel(precision)!r}).")
-    major, minor = torch.cuda.get_device_capability(device)
-    sm = major * 10 + minor
-    if sm < needs.min_sm or (needs.max_sm and sm > needs.max_sm):
-        span = f"sm_{needs.min_sm}" + (" only" if needs.max_sm == needs.min_sm else " and newer")
-        return (f"the {kernel} {precision} attention kernel runs on {span}; this GPU is sm_{sm}. Rebuild the bundle on "
-                f"this GPU with --attention auto (or another --attention kernel).")
-    if needs.module:
-        try:
-            importlib.import_module(needs.module)
-        except (ImportError, OSError) as e:
-            return (f"the {kernel} {precision} attention kernel needs the Python module {needs.module!r}, which does "
-                    f"not load here ({type(e).__name__}: {e}): {needs.fix}.")
-    return None
+    return needs.problem(f"the {kernel} {precision} attention kernel", device,
+                         f"Serve the bundle on the GPU it was built for, or rebuild it on this machine (a CPU build "
+                         f"bakes {cpu_kernel(precision)!r}).",
+                         "Rebuild the bundle on this GPU with --attention auto (or another --attention kernel).")
 
 
 def check_kernel(kernel: str, precision: Precision, device: torch.device) -> None:

@@ -55,27 +55,12 @@ FA4_BLOCKS = (64, 128)  # the tiles FA4's SM90 block-sparse forward runs (tile_m
 def sparse_kernel_problem(kernel: str, device) -> str | None:
     """Why `device` cannot run sparse attention `kernel`, with the fix; None when it can. Imports the kernel's package
     (a wheel that installs but does not load is a problem too)."""
-    device = torch.device(device)
     needs = SPARSE_KERNEL_NEEDS.get(kernel)
     if needs is None:
         raise ValueError(f"sparse attention kernels are {SPARSE_KERNELS}, got {kernel!r}.")
-    if not needs.cuda:
-        return None
-    if device.type != "cuda":
-        return (f"the {kernel} sparse attention kernel needs a CUDA GPU; this device is {device}. Use the 'reference' "
-                "sparse kernel here, or run on a GPU.")
-    major, minor = torch.cuda.get_device_capability(device)
-    sm = major * 10 + minor
-    if sm < needs.min_sm:
-        return (f"the {kernel} sparse attention kernel runs on sm_{needs.min_sm} and newer; this GPU is sm_{sm}. Use "
-                f"another sparse kernel ({', '.join(k for k in SPARSE_KERNELS if k != kernel)}).")
-    if needs.module:
-        try:
-            importlib.import_module(needs.module)
-        except (ImportError, OSError) as e:
-            return (f"the {kernel} sparse attention kernel needs the Python module {needs.module!r}, which does not "
-                    f"load here ({type(e).__name__}: {e}): {needs.fix}.")
-    return None
+    return needs.problem(f"the {kernel} sparse attention kernel", device,
+                         "Use the 'reference' sparse kernel here, or run on a GPU.",
+                         f"Use another sparse kernel ({', '.join(k for k in SPARSE_KERNELS if k != kernel)}).")
 
 
 def check_sparse_kernel(kernel: str, device) -> None:

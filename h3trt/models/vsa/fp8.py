@@ -26,11 +26,12 @@ Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kep
 
 from __future__ import annotations
 
-import importlib
 
 import torch
 
+from ..attention import KernelNeeds
 from ..sparse.fp8 import E4M3_MAX, _e4m3
+from ..sparse.kernels import TRITON_FIX
 from .kernels import (VSA_KERNELS, key_valid, reference_vsa_attention, vsa_block_attention, vsa_kernel_problem,
                       warm_cases)
 from .tiles import VSA_TILE_ROWS
@@ -100,23 +101,17 @@ def vsa_attention_kernel(kernel: str, tile: str | None = None):
     return lambda *a: vsa_block_attention(*a, kernel)
 
 
+# What each FP8 VSA kernel needs from a machine (models/attention.py KernelNeeds): fp8 runs FP8 wgmma.
+VSA_FP8_NEEDS = {"fp8_emulated": KernelNeeds(cuda=False),
+                 "fp8": KernelNeeds(cuda=True, min_sm=90, module="triton", fix=TRITON_FIX)}
+
+
 def vsa_problem(kernel: str, device) -> str | None:
     """Why `device` cannot run VSA `kernel` (any of ALL_VSA_KERNELS), with the fix; None when it can."""
     if kernel not in VSA_FP8_KERNELS:
         return vsa_kernel_problem(kernel, device)
-    device = torch.device(device)
-    if kernel == "fp8_emulated":
-        return None
-    if device.type != "cuda":
-        return f"the fp8 VSA kernel needs a CUDA GPU; this device is {device}: fp8_emulated runs here."
-    major, minor = torch.cuda.get_device_capability(device)
-    if major < 9:
-        return f"the fp8 VSA kernel runs FP8 wgmma on sm_90 and newer; this GPU is sm_{major}{minor}."
-    try:
-        importlib.import_module("triton")
-    except (ImportError, OSError) as e:
-        return f"the fp8 VSA kernel is a Triton kernel and triton does not load here ({type(e).__name__}: {e})."
-    return None
+    return VSA_FP8_NEEDS[kernel].problem(f"the {kernel} VSA kernel", device, "fp8_emulated runs here.",
+                                         "Use a bf16 VSA kernel (fa4, flex or reference).")
 
 
 def warm_fp8_vsa_kernel(kernel: str, tile: str | None, device, heads: int, head_dim: int, dtype) -> None:

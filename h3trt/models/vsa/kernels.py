@@ -21,11 +21,11 @@ Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kep
 from __future__ import annotations
 
 import functools
-import importlib
 
 import torch
 import torch.nn.functional as F
 
+from ..attention import KernelNeeds
 from ..sparse.kernels import FA4_FIX, FA4_MODULE, fa4_modules
 from ..sparse.reference import REFERENCE_MASK_BYTES, kept_block_mask
 from .tiles import VSA_TILE_ROWS
@@ -34,26 +34,17 @@ VSA_KERNELS = ("reference", "flex", "fa4")  # slowest first: the choice tries th
 FA4_CUTE_MODULE = "cutlass.cute"  # the CuTe DSL FA4 compiles a mask_mod with (nvidia-cutlass-dsl, FA4's dependency)
 
 
+# What each VSA kernel needs from a machine (models/attention.py KernelNeeds).
+VSA_KERNEL_NEEDS = {"reference": KernelNeeds(cuda=False), "flex": KernelNeeds(cuda=True),
+                    "fa4": KernelNeeds(cuda=True, min_sm=90, module=FA4_MODULE, fix=FA4_FIX, also=(FA4_CUTE_MODULE,))}
+
+
 def vsa_kernel_problem(kernel: str, device) -> str | None:
     """Why `device` cannot run VSA `kernel`, with the fix; None when it can (imports FA4 for fa4)."""
-    device = torch.device(device)
     if kernel not in VSA_KERNELS:
         raise ValueError(f"VSA kernels are {VSA_KERNELS}, got {kernel!r}.")
-    if kernel == "reference":
-        return None
-    if device.type != "cuda":
-        return f"the {kernel} VSA kernel needs a CUDA GPU; this device is {device}: use 'reference' here."
-    if kernel == "fa4":
-        major, minor = torch.cuda.get_device_capability(device)
-        if major < 9:
-            return f"the fa4 VSA kernel runs on sm_90 and newer; this GPU is sm_{major}{minor}."
-        for module in (FA4_MODULE, FA4_CUTE_MODULE):
-            try:
-                importlib.import_module(module)
-            except (ImportError, OSError) as e:
-                return (f"the fa4 VSA kernel needs {module!r}, which does not load here ({type(e).__name__}: {e}): "
-                        f"{FA4_FIX}.")
-    return None
+    return VSA_KERNEL_NEEDS[kernel].problem(f"the {kernel} VSA kernel", device, "Use 'reference' here.",
+                                            "Use another VSA kernel (flex or reference).")
 
 
 def key_valid(sizes_G: torch.Tensor) -> torch.Tensor:
