@@ -16,6 +16,7 @@ Tolerances (relative error, Frobenius), the dense FP8 tests' (tests/test_fp8_att
 
 import json
 import os
+import sys
 
 import pytest
 import torch
@@ -109,6 +110,28 @@ def test_the_emulation_attends_only_the_kept_tiles_real_rows():
         v2[:, row] += 1.0
         out = emulated_fp8_vsa_attention(qt, kt, v2, index, sparse_G, sizes, scales, mu)[:, real]
         assert torch.equal(out, base) == same, row
+
+
+def test_every_vsa_kernel_on_a_gpu_is_checked_for_its_compute_capability_and_modules(monkeypatch):
+    """The GPU side of the checks (a CUDA device faked: only its compute capability is asked), through the one
+    device check the attention kernels share (models/attention.py KernelNeeds.problem)."""
+    gpu = torch.device("cuda")
+
+    def sm(value):
+        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: divmod(value, 10))
+
+    sm(86)
+    assert "sm_90 and newer; this GPU is sm_86" in vsa_problem("fa4", gpu)
+    assert "sm_90 and newer; this GPU is sm_86" in vsa_problem("fp8", gpu)
+    assert vsa_problem("flex", gpu) is None and vsa_problem("reference", gpu) is None
+    assert vsa_problem("fp8_emulated", gpu) is None
+    sm(90)
+    pytest.importorskip("triton")
+    assert vsa_problem("fp8", gpu) is None
+    monkeypatch.setitem(sys.modules, "cutlass.cute", None)  # FA4's CuTe DSL, not installed (or not loading)
+    monkeypatch.setitem(sys.modules, "flash_attn.cute.interface", sys.modules.get("math"))  # FA4 itself present
+    problem = vsa_problem("fa4", gpu)
+    assert "'cutlass.cute'" in problem and "does not load here" in problem and "h3trt[fa4]" in problem
 
 
 def test_the_fp8_kernels_and_their_problems():
