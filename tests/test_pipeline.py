@@ -93,3 +93,21 @@ def test_a_failure_between_encode_and_commit_leaves_nothing_at_the_output_path(p
     assert events[-1].kind == EventKind.FAILED and "the commit's step broke" in events[-1].error
     assert events[-1].stage == "decode"  # where a failed commit was reported before the commit moved
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("jobs", [1, 2], ids=["alone", "batched"])
+def test_the_rank_reads_only_the_media_of_an_admitted_request(pipeline, tmp_path, monkeypatch, jobs):
+    """Admission checked what the request states (pipeline/prepare.py check_request); the rank that runs the job
+    re-reads its media and checks nothing again (issue 48 step 2): a check made to fail on the rank fails no job."""
+    def checked_again(*args, **kwargs):
+        raise AssertionError("the rank checked an admitted request again")
+
+    monkeypatch.setattr("h3trt.pipeline.prepare.check_request", checked_again)
+    request = Request.of("a red fox runs", seed=1, steps=2, width=128, height=32, guidance=1.0)
+    batch = [Job(f"j{i}", request, tmp_path / f"clip{i}.mp4") for i in range(jobs)]
+    events = []
+    run_work(pipeline, batch, Place(model="tiny"), Reporter(Place(), events.append, lambda _: False, pipeline.device))
+    ends = {e.job: e for e in events if e.ends}
+    assert sorted(ends) == [j.id for j in batch]
+    assert all(e.kind == EventKind.DONE for e in ends.values()), [e.error for e in ends.values()]
+    assert sorted(os.listdir(tmp_path)) == sorted(f"clip{i}.{x}" for i in range(jobs) for x in ("json", "mp4"))

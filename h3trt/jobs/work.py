@@ -33,7 +33,7 @@ from ..media.output_files import DEFAULT_CRF
 from ..pipeline.h3_pipeline import H3Pipeline, Target
 from ..pipeline.parallel_decode import _comm_device
 from ..pipeline.records import Clip, ClipRecord, Failure, TimelineTimer, commit_clip
-from ..pipeline.prepare import Encoded, prepare
+from ..pipeline.prepare import Encoded, read_media
 from .job import Event, EventKind, Job, Stage, decode_progress, denoise_progress
 
 
@@ -118,7 +118,7 @@ def _run_one(pipeline: H3Pipeline, job: Job, place: Place, reporter: Reporter) -
         torch.cuda.reset_peak_memory_stats(pipeline.device)
     stage = "prepare"
     try:
-        prepared = prepare(job.request, pipeline.canvas)
+        prepared = read_media(job.request, pipeline.canvas)  # admitted already: the rank re-reads only the media
         frames, stage = prepared.geometry.num_frames, "generate"
         clip = pipeline.generate(prepared, place.target(job), timer, on_step, on_frames, job.profile_step)
         record = commit_job_clip(clip, job, place, pipeline.device, {"size": 1, "index": 0, "members": [job.id]})
@@ -151,7 +151,7 @@ class _Batch:
         for job in self.jobs:
             timer = unix_timer(self.pipeline.device)
             try:
-                encoded = self.pipeline.encode_request(prepare(job.request, self.pipeline.canvas), timer)
+                encoded = self.pipeline.encode_request(read_media(job.request, self.pipeline.canvas), timer)
             except Exception as e:  # noqa: BLE001 -- one job's bad input fails that job
                 _failed(self.reporter, self.place, [job], "encode", e, timer)
                 continue

@@ -1,7 +1,7 @@
-"""Stage 0 of a generation, on every process that runs it: what a request states checked (`check_request`: its
-prompts, numbers, task inputs and counts, in that order, before any file is read), its input files read and placed on
-its canvas (`read_media`), the geometry resolved. `prepare` is both halves, as admission (jobs/admission.py) runs
-them. Beside them admission's other checks of a request: the prompt's tokens by the checkpoint's own tokenizer
+"""Stage 0 of a generation: what a request states checked (`check_request`: its prompts, numbers, task inputs and
+counts, in that order, before any file is read), its input files read and placed on its canvas (`read_media`), the
+geometry resolved. `prepare` is both halves, as admission (jobs/admission.py) runs them once; the rank that runs an
+admitted job re-reads only its media (jobs/work.py). Beside them admission's other checks of a request: the prompt's tokens by the checkpoint's own tokenizer
 (`check_prompt_tokens`), and what a bundle serves (`check_bundle_serves`: its task, canvas and schedule,
 engines/request_check.py). Every error names the field as the front door calls it (`Names`, request/fields.py).
 `Encoded` is a request after stages 1-2 and the pack, the unit a batch denoises together."""
