@@ -1,6 +1,8 @@
-"""Shared test inputs: the random DiT activations every parity test feeds the model (one generator, drawn in the
-order video, audio, text, so a seed reproduces the same tensors wherever it is used); small filesystems for the
-hardening tests; a distribution made to look not installed; setup.py's version ranges."""
+"""Shared test inputs: where the checkout's folders are (the tests live a floor deep, tests/<floor>/, so a test finds
+the repository through REPO, never by counting its own parents); the random DiT activations every parity test feeds
+the model (one generator, drawn in the order video, audio, text, so a seed reproduces the same tensors wherever it is
+used); small filesystems for the hardening tests; a distribution made to look not installed; setup.py's version
+ranges."""
 
 from __future__ import annotations
 
@@ -16,6 +18,10 @@ import torch
 
 from h3trt.models.config import H3Config
 from h3trt.models.packing import PackedLayout
+
+TESTS = Path(__file__).resolve().parent  # tests/: this file, conftest.py and the other support modules
+REPO = TESTS.parent  # the checkout: h3trt/, scripts/, setup.py, README.md
+DATA = TESTS / "data"  # the stored fixtures
 
 
 def dit_inputs(layout: PackedLayout, cfg: H3Config, seed: int = 0, batch: int = 1,
@@ -78,7 +84,7 @@ def setup_requirements(distribution: str) -> list:
     from packaging.utils import canonicalize_name
 
     found = []
-    for node in ast.walk(ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())):
+    for node in ast.walk(ast.parse((REPO / "setup.py").read_text())):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             try:
                 requirement = Requirement(node.value)

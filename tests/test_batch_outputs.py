@@ -12,7 +12,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 LINES = [{"id": "a", "task": "t2va", "prompt": "a red fox runs", "seed": 1, "resolution": "128x32", "steps": 2},
          {"id": "b", "task": "t2va", "prompt": "a blue bird sings", "seed": 2, "resolution": "128x32", "steps": 2}]
 
@@ -23,7 +24,7 @@ def _requests(path: Path, lines: list[dict]) -> Path:
 
 
 def _cli(cache: Path, requests: Path, out: Path, *extra: str) -> subprocess.CompletedProcess:
-    env = dict(os.environ, XDG_CACHE_HOME=str(cache), PYTHONPATH=str(ROOT))
+    env = dict(os.environ, XDG_CACHE_HOME=str(cache), PYTHONPATH=str(REPO))
     return subprocess.run([sys.executable, "-m", "h3trt.cli", "run", "--requests", str(requests), "--out-dir",
                            str(out), "--quiet", *extra], env=env, capture_output=True, text=True, timeout=600)
 

@@ -4,13 +4,14 @@ the slots as a rank-R adapter on every attention and MLP linear of every block a
 arithmetic before issue 44 did, and its summary sets each row against the runner without slots with the bars'
 direction right."""
 
-import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
 
 import bench_lora  # noqa: E402
 import bench_lora_load  # noqa: E402

@@ -23,9 +23,8 @@ from h3trt.engines.bundle_files import verify_files
 from h3trt.engines.manifest import MANIFEST, content_sha256, hash_tree, read_manifest
 
 from conftest import PLAIN_BUNDLE
-from helpers import fill_disk, small_filesystem
+from helpers import REPO, fill_disk, small_filesystem
 
-ROOT = Path(__file__).resolve().parents[1]
 # The tiny default, a short schedule (~1 min): the shared plain bundle's flags, so that its kernels are the ones the
 # session's C++ compile cache holds already (conftest.py)
 BUILD = ["--model", "tiny", "--device", "cpu", *PLAIN_BUNDLE]
@@ -35,7 +34,7 @@ PAD_FILES = 20_000  # an old bundle this many files larger takes a moment to del
 def _start(args, cwd: Path) -> subprocess.Popen:
     """`h3trt build ...` in its own process group, as a terminal starts it (Ctrl-C reaches the whole group)."""
     return subprocess.Popen([sys.executable, "-m", "h3trt.cli", "build", *BUILD, *args], cwd=cwd,
-                            env=dict(os.environ, PYTHONPATH=str(ROOT)), stdout=subprocess.PIPE,
+                            env=dict(os.environ, PYTHONPATH=str(REPO)), stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, start_new_session=True)
 
 

@@ -12,9 +12,10 @@ import pytest
 
 from h3trt.parallel.launch import launch
 
+from helpers import REPO
+
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
 PROBE = ("import sys; from h3trt.paths import use_bytecode_cache; use_bytecode_cache(); import torch; "
          "print(sys.pycache_prefix); print(sys.dont_write_bytecode); "
          "import importlib.util; print(importlib.util.cache_from_source(torch.__file__))")
@@ -23,7 +24,7 @@ STATE = "import os, sys; state = lambda: [sys.pycache_prefix, sys.dont_write_byt
 
 def _env(tmp_path, **env) -> dict:
     return {**{k: v for k, v in os.environ.items() if k not in ("PYTHONPYCACHEPREFIX", "H3TRT_PYCACHE")},
-            "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{ROOT}", "PYTHONDONTWRITEBYTECODE": "1",
+            "PYTHONPATH": f"{tmp_path / 'site'}{os.pathsep}{REPO}", "PYTHONDONTWRITEBYTECODE": "1",
             "XDG_CACHE_HOME": str(tmp_path / "cache"), **env}
 
 

@@ -15,7 +15,9 @@ from PIL import Image
 from h3trt.cli import main
 from h3trt.media.inputs import probe
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+from helpers import REPO
+
+README = REPO / "README.md"
 AAC_FRAME_S = 1024 / 32000  # decoded AAC may run up to one frame past the generated samples
 
 

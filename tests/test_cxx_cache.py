@@ -6,7 +6,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-CACHE = Path(__file__).with_name("cxx_cache.py")
+from helpers import TESTS
+
+CACHE = TESTS / "cxx_cache.py"
 # A stand-in compiler: `-o OUT IN` copies IN to OUT and counts its runs; an input holding "bad" fails.
 COMPILER = """#!/bin/sh
 echo run >> "$(dirname "$0")/runs"

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,7 +40,7 @@ from h3trt.models.sampler import Schedule
 from h3trt.media.inputs import read_video
 
 from conftest import BUNDLE_STEPS
-from helpers import dit_inputs
+from helpers import REPO, dit_inputs
 
 TINY_PROFILE = Profile(160, 96, 5.0)
 REL_TOL = 1e-5
@@ -146,7 +145,7 @@ def test_a_killed_engine_run_leaves_no_copy_of_the_compiled_code(bundles, tmp_pa
     and the sweep's cases.)"""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
-    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(REPO))
 
     def run(name):
         return subprocess.Popen([sys.executable, "-m", "h3trt.cli", "run", "--engine", str(bundles["inductor"]),

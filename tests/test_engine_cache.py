@@ -13,7 +13,8 @@ import pytest
 
 from h3trt.engines.private_cache import HOST, PREFIX, process_start, remove_leftover_caches
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 # Activates the bundle's cache, says where the copy is, then serves until stdin closes.
 LOAD = ("import os, sys\n"
         "from h3trt.engines.loaders import activate_compiled_cache\n"
@@ -35,7 +36,7 @@ def tmpdir_env(tmp_path):
     """A private $TMPDIR for the loads, so the test sees only its own copies."""
     folder = tmp_path / "tmp"
     folder.mkdir()
-    return folder, dict(os.environ, PYTHONPATH=str(ROOT), TMPDIR=str(folder))
+    return folder, dict(os.environ, PYTHONPATH=str(REPO), TMPDIR=str(folder))
 
 
 def _load(bundle, env) -> tuple[subprocess.Popen, Path]:

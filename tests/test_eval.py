@@ -26,9 +26,11 @@ from h3trt.pipeline.prepare import prepare
 
 from test_requests import _manifest_dict
 
+from helpers import REPO
+
 pytestmark = pytest.mark.unit
 
-PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
+PACKAGE = REPO / "h3trt"
 REQUEST = Request.of("a red fox runs through fresh snow", seed=3, steps=5, width=160, height=96)
 
 

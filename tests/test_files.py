@@ -14,8 +14,9 @@ import pytest
 from h3trt.media import output_files as files
 from h3trt.media.output_files import BatchLock, OutputBusy, OutputExists, commit, remove_leftovers, temp_path
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = dict(os.environ, PYTHONPATH=str(ROOT))
+from helpers import REPO
+
+ENV = dict(os.environ, PYTHONPATH=str(REPO))
 
 # One writer: its clip bytes and its record name it; both are committed as a pair once every writer is ready.
 WRITER = textwrap.dedent("""

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -18,6 +17,8 @@ import pytest
 
 from ray_cluster import isolated_ray
 from serving import ENDED, SMALL, ffprobe, free_port
+
+from helpers import REPO
 
 KEY = "fleet-key-51c2"
 LEASE_S = 4  # short, so a killed replica's job runs again within seconds
@@ -42,7 +43,7 @@ def fleet(tmp_path_factory, tiny_cache, postgres, s3):
     env = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
                                       "AWS_ENDPOINT_URL", "XDG_CACHE_HOME")}
     # This checkout's h3trt in every Ray worker (the replicas import the deployments from it).
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[1]), os.environ.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])
     # Small: 2 cores. Logical CPUs only count placement (4 rank bundles, the ingress); the object store is unused.
     # The cluster is this module's own (tests/ray_cluster.py), whatever else runs on the machine.
     with isolated_ray(num_cpus=8, object_store_memory=80 * 2**20, runtime_env={"env_vars": env}) as (context, _):

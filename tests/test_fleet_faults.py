@@ -11,8 +11,6 @@ from types import SimpleNamespace
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(__file__))
-
 from h3trt.jobs.job import Event
 from h3trt.pipeline.records import ClipRecord
 from h3trt.jobs.supervisor import GroupState, GroupStatus

@@ -3,7 +3,9 @@
 import os
 import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
 
 import gpu_smoke  # noqa: E402
 

@@ -15,14 +15,13 @@ import pytest
 
 from h3trt.cli import main
 
-from helpers import fill_disk, small_filesystem
+from helpers import REPO, fill_disk, small_filesystem
 
-ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--width", "128", "--height", "32", "--steps", "2", "--quiet"]  # the cheapest clip: 5 s, one evaluation
 
 
 def _env(tiny_cache) -> dict:
-    return dict(os.environ, PYTHONPATH=str(ROOT), XDG_CACHE_HOME=str(tiny_cache))
+    return dict(os.environ, PYTHONPATH=str(REPO), XDG_CACHE_HOME=str(tiny_cache))
 
 
 def _start(args, cwd: Path, tiny_cache) -> subprocess.Popen:

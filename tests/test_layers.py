@@ -21,9 +21,11 @@ from pathlib import Path
 
 import pytest
 
+from helpers import REPO
+
 pytestmark = pytest.mark.unit
 
-PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
+PACKAGE = REPO / "h3trt"
 
 # layer -> the layers it may import (besides itself). `h3trt` is the package's own __init__. Every layer may import
 # the base, which imports nothing: errors (the one user-error class), paths (where h3trt keeps its caches) and

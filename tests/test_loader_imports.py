@@ -15,7 +15,8 @@ import textwrap
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
 HEAVY = ("torch", "diffusers", "transformers", "accelerate", "safetensors")
 
 # One cold start's threads: the text encoder's body (load, throwaway encode), the VAEs' body, and the load pool's

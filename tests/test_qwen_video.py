@@ -15,7 +15,6 @@ ATEN_CPU_CAPABILITY of this machine: default, avx2, avx512).
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -25,9 +24,9 @@ from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoP
 
 from h3trt.models.qwen_video import VideoProcessing, VideoProcessorError, preprocess_videos
 from h3trt.models.tiny_text_encoder import write_tiny_text_encoder
-from helpers import setup_requirements
+from helpers import DATA, setup_requirements
 
-FIXTURES = Path(__file__).parent / "data" / "qwen_video_reference.npz"
+FIXTURES = DATA / "qwen_video_reference.npz"
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
+from helpers import TESTS
 from serving import free_port
 
 
@@ -49,7 +50,7 @@ def test_the_tests_ray_cluster_is_their_own_whatever_else_the_machine_runs(tmp_p
     The fixture's former `ray.init(num_cpus=8, ...)` connected to RAY_ADDRESS and failed ("Connecting to existing
     Ray cluster at address ...", then "When connecting to an existing cluster, num_cpus ... must not be provided")."""
     env = _decoy_env(tmp_path)
-    done = subprocess.run([sys.executable, "-c", ISOLATED, str(Path(__file__).parent)], env=env, capture_output=True,
+    done = subprocess.run([sys.executable, "-c", ISOLATED, str(TESTS)], env=env, capture_output=True,
                           text=True, timeout=180)
     assert done.returncode == 0, done.stderr[-3000:]
     got = json.loads(done.stdout.strip().splitlines()[-1])
@@ -86,7 +87,7 @@ with isolated_ray(num_cpus=1) as (context, ray_dir):
 def _token_head():
     """Yields (gcs address, the cluster's folder) of a token-authenticated head in a child process."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("RAY_")}
-    head = subprocess.Popen([sys.executable, "-c", HEAD, str(Path(__file__).parent)], stdin=subprocess.PIPE,
+    head = subprocess.Popen([sys.executable, "-c", HEAD, str(TESTS)], stdin=subprocess.PIPE,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         ready, _, _ = select.select([head.stdout], [], [], 180)

@@ -7,7 +7,6 @@ mesh; a requests file's clip with its line and marker; a requests file's failure
 
 import json
 from dataclasses import replace
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -18,9 +17,11 @@ from h3trt.pipeline.records import ClipRecord, ColdStart, Failure, FailureRecord
 from h3trt.request.request import Request
 from h3trt.run.commands import report_record
 
+from helpers import DATA
+
 pytestmark = pytest.mark.unit
 
-RECORDS = Path(__file__).parent / "data" / "records"
+RECORDS = DATA / "records"
 WRITTEN = sorted(RECORDS.glob("clip_*.json"))
 
 # Every optional field set, in the dict form the pipeline, the commit and the job layer wrote before the type.

@@ -7,7 +7,6 @@ from __future__ import annotations
 import ast
 import dataclasses
 import inspect
-from pathlib import Path
 
 import pytest
 import torch
@@ -15,9 +14,11 @@ import torch
 from h3trt.errors import UserError
 from h3trt.models.runner import NO_EXTRAS, NO_SPARSE_KERNEL, EvalExtras, RunnerCaps
 
+from helpers import REPO
+
 pytestmark = pytest.mark.unit
 
-PACKAGE = Path(__file__).resolve().parents[1] / "h3trt"
+PACKAGE = REPO / "h3trt"
 
 
 def test_no_extras_is_a_plain_evaluation_and_extras_are_frozen():

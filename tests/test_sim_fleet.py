@@ -5,13 +5,14 @@ and report must change nothing the API serves), PostgreSQL stopped and started a
 twice, or left as a row without files or files without a row. The full run (50 replicas, 10,000 jobs) is
 bench/README.md's "Control plane at scale, simulated"."""
 
-import os
 import sys
 import time
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), os.pardir, "scripts"))
+from helpers import REPO
+
+sys.path.insert(0, str(REPO / "scripts"))
 
 pytestmark = pytest.mark.multiproc
 

@@ -22,7 +22,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -31,7 +30,8 @@ from h3trt.models.sparse.attention import subblock_route
 from h3trt.models.sparse.fp8 import emulated_fp8_sparse_attention, fp8_sparse_attention
 from h3trt.models.sparse.reference import reference_sparse_attention
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO, TESTS
+
 MEAN_3_TOL, EMULATION_TOL, P_ROUNDING_TOL, KERNEL_TOL = 0.01, 0.08, 0.10, 1e-3
 
 
@@ -181,8 +181,8 @@ def interpreted(test_file) -> dict:
     """Run `test_file` as a script under TRITON_INTERPRET=1 (its __main__ prints its checks as one JSON line)."""
     pytest.importorskip("triton")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), str(ROOT / "tests"), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, test_file], env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+        [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, test_file], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

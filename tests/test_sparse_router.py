@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -25,7 +24,7 @@ from h3trt.models.sparse.router import choose_router, route_blocks, warm_router
 from h3trt.models.sparse.run import SparseRun, load_sparse_kernel
 from h3trt.models.sparse.plan import SparseSettings
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO, TESTS
 
 
 def has_triton() -> bool:
@@ -124,8 +123,8 @@ def interpreted_checks() -> dict:
 @pytest.mark.skipif(not has_triton(), reason="Triton is not installed (pip install 'h3trt[test]' brings it)")
 def test_triton_router_keeps_the_reference_blocks_under_the_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     outcome = json.loads(proc.stdout.strip().splitlines()[-1])
     assert len(outcome) == 6 * (2 + 1 + 1 + 2) + 2

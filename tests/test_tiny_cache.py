@@ -3,13 +3,12 @@
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
 from h3trt.models import tiny
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
 
 # A first run whose build takes a while (a stand-in for the real ~10 s build, same protocol: a temporary folder,
 # the marker written last, renamed into place). It records which process built.
@@ -42,7 +41,7 @@ print((target / "weights.bin").read_text())
 def test_concurrent_first_runs_build_once_and_never_delete_a_finished_cache(tmp_path):
     cache = tmp_path / "cache"
     procs = [subprocess.Popen([sys.executable, "-c", FIRST_RUN, str(cache), f"p{i}"], stdout=subprocess.PIPE,
-                              stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))
+                              stderr=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(REPO)))
              for i in range(2)]
     results = [(p.wait(60), *p.communicate()) for p in procs]
     assert all(code == 0 for code, _, _ in results), results

@@ -8,7 +8,6 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
@@ -18,9 +17,10 @@ from h3trt.engines.weights_io import chunk_digests
 
 from test_requests import _manifest_dict
 
+from helpers import REPO
+
 pytestmark = pytest.mark.unit
 
-ROOT = Path(__file__).resolve().parents[1]
 WEIGHTS = "weights/blocks.safetensors"
 
 
@@ -114,13 +114,13 @@ def test_the_process_exits_with_the_status(bundle):
     """The statuses are the process's own (cli.main's return value, sys.exit), and a usage mistake is 2 as well."""
     _flip_a_byte(bundle)
     run = [sys.executable, "-m", "h3trt.cli", "verify"]
-    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
     assert subprocess.run([*run, str(bundle)], capture_output=True, env=env).returncode == 1
     assert subprocess.run(run, capture_output=True, env=env).returncode == 2
 
 
 def test_the_readme_documents_the_statuses():
-    text = " ".join((ROOT / "README.md").read_text().split())
+    text = " ".join((REPO / "README.md").read_text().split())
     documented = text[text.index("`h3trt verify` exits"):]
     for status, what in (("0", "when every file matches"), ("1", "when the manifest is intact"),
                          ("2", "when the bundle cannot be checked")):
