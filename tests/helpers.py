@@ -23,6 +23,14 @@ TESTS = Path(__file__).resolve().parent  # tests/: this file, conftest.py and th
 REPO = TESTS.parent  # the checkout: h3trt/, scripts/, setup.py, README.md
 DATA = TESTS / "data"  # the stored fixtures
 
+BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
+# The flags of the shared bundles (conftest.py BundleCache): the tiny model's fp32 CPU bundle at its 160x96x5 profile
+# for BUNDLE_STEPS steps, plain (test_engine.py's, signed there; test_build_hardening.py's old bundle), and with two
+# LoRA slots of rank 4 and a second, few-step schedule (test_bundle_lora.py's and test_turbo.py's).
+PLAIN_BUNDLE = ("--precision", "fp32", "--profile", "160x96x5", "--steps", str(BUNDLE_STEPS))
+SLOT_BUNDLE = ("--precision", "fp32", "--profile", "160x96x5", "--steps", f"{BUNDLE_STEPS},4", "--video-shift", "12,5",
+               "--lora-slots", "2", "--lora-max-rank", "4")
+
 
 def dit_inputs(layout: PackedLayout, cfg: H3Config, seed: int = 0, batch: int = 1,
                text_rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -22,8 +22,7 @@ from h3trt.cli import main
 from h3trt.engines.bundle_files import verify_files
 from h3trt.engines.manifest import MANIFEST, content_sha256, hash_tree, read_manifest
 
-from conftest import PLAIN_BUNDLE
-from helpers import REPO, fill_disk, small_filesystem
+from helpers import PLAIN_BUNDLE, REPO, fill_disk, small_filesystem
 
 # The tiny default, a short schedule (~1 min): the shared plain bundle's flags, so that its kernels are the ones the
 # session's C++ compile cache holds already (conftest.py)

@@ -23,8 +23,7 @@ from safetensors import safe_open
 from test_lora import fmt_original, write
 from test_lora_adapters import tiny_factors
 
-from conftest import BUNDLE_STEPS, SLOT_BUNDLE
-from helpers import dit_inputs
+from helpers import BUNDLE_STEPS, SLOT_BUNDLE, dit_inputs
 from h3trt.adapters.merge import LoraSpec
 from h3trt.adapters.resident import ResidentAdapters
 from h3trt.adapters.slots import BLOCK_TARGETS, segment_lora_names

@@ -39,8 +39,7 @@ from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.media.inputs import read_video
 
-from conftest import BUNDLE_STEPS
-from helpers import REPO, dit_inputs
+from helpers import BUNDLE_STEPS, REPO, dit_inputs
 
 TINY_PROFILE = Profile(160, 96, 5.0)
 REL_TOL = 1e-5

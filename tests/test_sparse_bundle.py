@@ -28,8 +28,7 @@ from h3trt.models.sparse.plan import SparseSettings, sparse_settings
 from h3trt.models.sparse.run import SparseRun
 from h3trt.media.inputs import read_video
 
-from conftest import BUNDLE_STEPS, PLAIN_BUNDLE
-from helpers import dit_inputs
+from helpers import BUNDLE_STEPS, PLAIN_BUNDLE, dit_inputs
 
 REL_TOL = 1e-5  # test_engine.py's compiled-vs-eager bound for fp32 bundles
 # The bundle's defaults: sparse from the third evaluation on, at the tiny model's short sequences.

@@ -34,8 +34,7 @@ from h3trt.models.sparse.run import SparseRun
 from h3trt.pipeline.h3_pipeline import H3Pipeline
 from h3trt.request.request import Speed
 
-from conftest import BUNDLE_STEPS
-from helpers import dit_inputs
+from helpers import BUNDLE_STEPS, dit_inputs
 
 SPARSE_FLAGS = ("--sparse-attention", "0.75", "--sparse-dense-steps", "2", "--sparse-min-seq", "1")
 FP8_VS_BF16_TOL = 3e-2

@@ -17,8 +17,7 @@ import torch
 from test_lora import fmt_original, write
 from test_lora_adapters import tiny_factors
 
-from conftest import BUNDLE_STEPS
-from helpers import dit_inputs
+from helpers import BUNDLE_STEPS, dit_inputs
 from h3trt.adapters.merge import LoraSpec, merge_loras
 from h3trt.adapters.resident import ResidentAdapters
 from h3trt.adapters.slots import BLOCK_TARGETS, LORA_INPUTS, segment_lora_names

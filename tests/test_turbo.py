@@ -16,8 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from conftest import SLOT_BUNDLE
-from helpers import dit_inputs
+from helpers import SLOT_BUNDLE, dit_inputs
 from test_lora import fmt_original, write
 from test_lora_adapters import tiny_factors
 

@@ -28,8 +28,7 @@ from h3trt.models.sampler import Schedule
 from h3trt.models.tiny import write_tiny_vsa_checkpoint
 from h3trt.models.vsa.plan import VsaRun
 
-from conftest import BUNDLE_STEPS
-from helpers import dit_inputs
+from helpers import BUNDLE_STEPS, dit_inputs
 
 pytestmark = pytest.mark.build
 
