@@ -20,8 +20,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from test_lora import fmt_original, write
-from test_lora_adapters import tiny_factors
+from lora_cases import fmt_original, tiny_factors, write
 
 from helpers import BUNDLE_STEPS, SLOT_BUNDLE, dit_inputs
 from h3trt.adapters.merge import LoraSpec

@@ -35,7 +35,7 @@ from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.pipeline.h3_pipeline import H3Pipeline
 from h3trt.pipeline.prepare import prepare
 from h3trt.request.request import CanvasDefaults, Request
-from test_lora import ReferencePipe
+from lora_cases import ReferencePipe
 
 STEPS, VIDEO_SHIFT, SCALE = 8, 5.0, 0.7
 SCHEDULE = Schedule(STEPS, VIDEO_SHIFT, 3.0)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_lora import fmt_kohya, fmt_original, write
+from lora_cases import PROMPT, fmt_kohya, fmt_original, tiny_factors, write
 
 from h3trt.adapters.merge import LoraSpec
 from h3trt.adapters.spec import AdapterSpec
@@ -26,30 +26,12 @@ from h3trt.errors import UserError
 from h3trt.jobs.admission import admit
 from h3trt.jobs.model_source import Entry, ModelSource
 from h3trt.jobs.work import layout_key
-from h3trt.models.config import H3Config
-from h3trt.models.dit import build_dit
 from h3trt.pipeline.prepare import prepare
 from h3trt.request.fields import KEY_WORDS as KEYS
 from h3trt.request.parse import parse_object
 from h3trt.request.request import Request
 
 ATOL = 1e-5
-BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")
-PROMPT = "a red fox runs through snow"
-
-
-def tiny_factors(seed: int) -> dict:
-    """Random factors on every main-block linear of the embedded tiny model (rank 4, 2 on the AdaLN projections)."""
-    cfg = H3Config.tiny()
-    shapes = {k.removesuffix(".weight"): v.shape for k, v in build_dit(cfg, torch.float32, "meta").state_dict().items()}
-    g = torch.Generator().manual_seed(seed)
-    out = {}
-    for i in range(cfg.num_layers):
-        for local in BLOCK_LINEARS:
-            m, r = f"blocks.{i}.{local}", 2 if local.startswith("adaln") else 4
-            rows, cols = shapes[m]
-            out[m] = (torch.randn(r, cols, generator=g) / cols ** 0.5, torch.randn(rows, r, generator=g) / r ** 0.5)
-    return out
 
 
 @pytest.fixture(scope="module")

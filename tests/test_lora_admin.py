@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_lora import fmt_original, write
-from test_lora_adapters import PROMPT, tiny_factors
+from lora_cases import PROMPT, fmt_original, tiny_factors, write
 
 from h3trt.adapters.catalog import STATE_FILE, AdapterCatalog
 from h3trt.adapters.shape import SlotShape

@@ -17,8 +17,8 @@ adapter y = base(x) + sum_k scale_k (x A_k^T) B_k^T, computed here in float64:
 import pytest
 import torch
 
-from test_lora import CFG
-from test_lora_slots import forward, layout_file, model, state  # noqa: F401  (state: the module's fixture)
+from lora_cases import CFG, forward, layout_file, model
+from test_lora_slots import state  # noqa: F401  (state: the module's fixture)
 
 from h3trt.adapters.slots import (DELTA, LORA_INPUTS, ROW_GROUP, AdapterBlock, AdapterSlots, adapted_linear,
                                   adapter_delta, gather_rows, row_groups)

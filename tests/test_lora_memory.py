@@ -12,8 +12,7 @@ from h3trt.errors import UserError
 from h3trt.jobs.model_source import Entry
 from h3trt.models.config import H3Config
 
-from test_lora import fmt_original, write
-from test_lora_adapters import tiny_factors
+from lora_cases import fmt_original, tiny_factors, write
 
 pytestmark = pytest.mark.unit
 

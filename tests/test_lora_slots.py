@@ -1,23 +1,23 @@
 """LoRA adapters in slots beside the weights (h3trt/adapters/slots.py) against the same files merged
 (h3trt/adapters/merge.py merge_loras, itself checked against diffusers in tests/test_lora.py).
 
-The files are test_lora.py's, in every layout it writes, restricted to the main blocks' linears (slots hold only
-those; the rest is refused, see test_refusals_name_the_problem_and_the_fix). fp32 eager: unmerged equals merged to
-ATOL; no adapter is bit-identical to the model that never heard of slots.
+The files are test_lora.py's (lora_cases.py writes them), in every layout, restricted to the main blocks' linears
+(slots hold only those; the rest is refused, see test_refusals_name_the_problem_and_the_fix). fp32 eager: unmerged
+equals merged to ATOL; no adapter is bit-identical to the model that never heard of slots.
 """
 
 import pytest
 import torch
 
-from helpers import dit_inputs
-from test_lora import CFG, FORMATS, LAYOUT, adapter_metadata, fmt_diffusers, fmt_original, original_factors, write
+from lora_cases import (CFG, FORMATS, LAYOUT, block_factors, fmt_diffusers, fmt_original, forward, layout_file, model,
+                        original_factors, write)
 
 from h3trt.adapters import slots as slots_module
-from h3trt.adapters.merge import LoraSpec, merge_loras
+from h3trt.adapters.merge import LoraSpec
 from h3trt.adapters.slots import AdapterBlock, AdapterSlots
 from h3trt.errors import UserError
 from h3trt.models.checkpoint.writer import random_state_dict
-from h3trt.models.dit import build_dit, sdpa_attention
+from h3trt.models.dit import sdpa_attention
 from h3trt.models.packing import row_timesteps
 
 ATOL = 1e-5
@@ -26,37 +26,6 @@ ATOL = 1e-5
 @pytest.fixture(scope="module")
 def state():
     return random_state_dict(CFG, 0)
-
-
-def block_factors(seed: int, only: str = "blocks.") -> dict:
-    """test_lora's factors (ranks 4, and 2 on adaln_proj) on the main blocks' linears only."""
-    return {m: f for m, f in original_factors(seed).items() if m.startswith(only)}
-
-
-def layout_file(tmp_path, name: str, seed: int):
-    """The block factors of `seed` written in test_lora's layout `name`."""
-    build, meta = FORMATS[name]
-    tensors = build(block_factors(seed))
-    if meta == "adapter":
-        meta = adapter_metadata(tensors)
-    return write(tmp_path / f"{name}_{seed}.safetensors", tensors, meta)
-
-
-def model(state, loras=()):
-    dit = build_dit(CFG, torch.float32)
-    dit.load_state_dict(state)
-    merge_loras(dit, list(loras), "t2va")
-    return dit
-
-
-def forward(dit, lora=None):
-    """The DiT over test_lora's layout, two batch rows; `lora` passed only when given (the call without slots)."""
-    video, audio, text = dit_inputs(LAYOUT, CFG, seed=5, batch=2)
-    unique_t, t_index = row_timesteps(LAYOUT, 0.3125, 0.55)
-    extra = {} if lora is None else {"lora": lora}
-    with torch.no_grad():
-        return dit(video, audio, text, unique_t, t_index, LAYOUT.token_tags, LAYOUT.position_ids, LAYOUT.video_index,
-                   LAYOUT.audio_index, LAYOUT.text_index, **extra)
 
 
 def assert_close(got, want, base=None):

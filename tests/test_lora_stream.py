@@ -13,8 +13,7 @@ import struct
 import pytest
 import torch
 
-from test_lora import CFG, FORMATS, fmt_original, write
-from test_lora_slots import block_factors, layout_file
+from lora_cases import CFG, FORMATS, block_factors, fmt_original, layout_file, write
 
 from h3trt.adapters.slots import AdapterSlots
 from h3trt.adapters.stream import Staging, _fill, read_lora_to

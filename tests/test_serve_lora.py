@@ -9,8 +9,7 @@ import json
 import pytest
 
 from serving import Server, png
-from test_lora import fmt_kohya, fmt_original, write
-from test_lora_adapters import tiny_factors
+from lora_cases import fmt_kohya, fmt_original, tiny_factors, write
 
 pytestmark = pytest.mark.serve
 

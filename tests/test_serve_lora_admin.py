@@ -22,8 +22,7 @@ import sys
 import pytest
 
 from serving import SMALL, Server
-from test_lora import fmt_original, write
-from test_lora_adapters import tiny_factors
+from lora_cases import fmt_original, tiny_factors, write
 
 
 pytestmark = pytest.mark.serve

@@ -107,8 +107,7 @@ def test_a_sparse_evaluation_runs_fp8_sparse_attention_with_each_layers_scales(f
 
 def test_an_adapter_runs_through_the_halves_twins_around_the_fp8_sparse_attention(fp8_sparse_bundle, monkeypatch,
                                                                                    tmp_path):
-    from test_lora import fmt_original, write
-    from test_lora_adapters import tiny_factors
+    from lora_cases import fmt_original, tiny_factors, write
 
     from h3trt.adapters.resident import ResidentAdapters
     from h3trt.adapters.spec import AdapterSpec

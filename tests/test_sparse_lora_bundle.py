@@ -14,8 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_lora import fmt_original, write
-from test_lora_adapters import tiny_factors
+from lora_cases import fmt_original, tiny_factors, write
 
 from helpers import BUNDLE_STEPS, dit_inputs
 from h3trt.adapters.merge import LoraSpec, merge_loras

@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from helpers import SLOT_BUNDLE, dit_inputs
-from test_lora import fmt_original, write
-from test_lora_adapters import tiny_factors
+from lora_cases import fmt_original, tiny_factors, write
 
 from h3trt.adapters.schedule import adapter_schedules
 from h3trt.adapters.spec import AdapterSpec
