@@ -16,8 +16,7 @@ from h3trt.request.parse import RequestDefaults, parse_object
 from h3trt.request.request import Request
 from h3trt.server.service import ApiError
 
-from test_errors import _fake_bundle
-from test_server_validation import NoGroups
+from stand_ins import NoGroups, fake_bundle
 
 pytestmark = pytest.mark.unit
 
@@ -32,7 +31,7 @@ INADMISSIBLE = {
 
 @pytest.fixture(scope="module")
 def bundle_entry(tmp_path_factory, tiny_root):
-    return Entry.local(ModelSource.resolve(engine=_fake_bundle(tmp_path_factory.mktemp("admission") / "bundle",
+    return Entry.local(ModelSource.resolve(engine=fake_bundle(tmp_path_factory.mktemp("admission") / "bundle",
                                                                 tiny_root)), "cpu")
 
 

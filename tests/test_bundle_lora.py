@@ -20,9 +20,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from lora_cases import fmt_original, tiny_factors, write
-
 from helpers import BUNDLE_STEPS, SLOT_BUNDLE, dit_inputs
+from lora_cases import fmt_original, tiny_factors, write
 from h3trt.adapters.merge import LoraSpec
 from h3trt.adapters.resident import ResidentAdapters
 from h3trt.adapters.slots import BLOCK_TARGETS, segment_lora_names

@@ -4,24 +4,21 @@ it; anything else is a bug and propagates with its traceback, as Python does (no
 
 from __future__ import annotations
 
-import json
 import os
 import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
 from h3trt.cli import main
-from h3trt.engines.environment import device_arch
 from h3trt.errors import UserError
 from h3trt.media.output_files import OutputError, OutputRefused
 
 from helpers import uninstalled
-from test_requests import _manifest_dict
+from stand_ins import fake_bundle
 
 pytestmark = pytest.mark.unit
 
@@ -133,18 +130,6 @@ def test_the_user_sees_the_traceback_of_a_bug(tmp_path, tiny_cache):
 # A user's mistake is one line and exit 2, from every layer
 
 
-def _fake_bundle(root: Path, tiny_root: Path, **changes) -> Path:
-    """A bundle folder whose manifest passes every check before a load (this CPU, this torch), with the tiny model's
-    text encoder, tokenizer and processor beside it; its segments are absent, so only a refusal can end a run."""
-    root.mkdir()
-    data = _manifest_dict(**{"arch": device_arch(torch.device("cpu")), "versions.torch": torch.__version__,
-                             **changes})
-    (root / "manifest.json").write_text(json.dumps(data))
-    for name in ("text_encoder", "tokenizer", "processor"):
-        (root / name).symlink_to(tiny_root / "FL2VA" / name)
-    return root
-
-
 def _missing_fastapi(monkeypatch):
     import h3trt.server.main as server
 
@@ -192,7 +177,7 @@ def test_a_user_mistake_is_one_line_and_exit_2(tmp_path, tiny_root, capsys, monk
         pytest.skip("this machine has a GPU")
     argv, patch, message = CASES[case]
     (tmp_path / "prompts.txt").write_text("a red fox runs\n")
-    _fake_bundle(tmp_path / "sp2", tiny_root, **{"mesh.sp": 2, "mesh.heads_per_rank": 1})
+    fake_bundle(tmp_path / "sp2", tiny_root, **{"mesh.sp": 2, "mesh.heads_per_rank": 1})
     if patch is not None:
         patch(monkeypatch)
     before = sorted(tmp_path.rglob("*"))

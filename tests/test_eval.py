@@ -24,9 +24,8 @@ from h3trt.pipeline.h3_pipeline import H3Pipeline
 from h3trt.request.request import Request
 from h3trt.pipeline.prepare import prepare
 
-from test_requests import _manifest_dict
-
 from helpers import REPO
+from stand_ins import manifest_dict
 
 pytestmark = pytest.mark.unit
 
@@ -110,7 +109,7 @@ def test_trace_refuses_a_pipeline_without_a_recorder(parts):
 def _bundle(root: Path, **changes) -> Path:
     """A folder with a valid manifest (a tiny fp32 CPU bundle's, 6 steps): enough for everything eval checks first."""
     root.mkdir(parents=True)
-    (root / "manifest.json").write_text(json.dumps(_manifest_dict(**{"schedule.steps": 6, **changes})))
+    (root / "manifest.json").write_text(json.dumps(manifest_dict(**{"schedule.steps": 6, **changes})))
     return root
 
 
@@ -192,7 +191,7 @@ def test_a_tensorrt_engine_is_built_without_compiled_video_decoders():
     from h3trt.engines.bundle import Engine
     from h3trt.engines.manifest import Manifest
 
-    manifest = Manifest.from_dict(_manifest_dict())
+    manifest = Manifest.from_dict(manifest_dict())
     assert Engine(Path("b"), manifest, None, {}, compiled_video_decoder=False).video_decoders(None) is None
     assert Engine(Path("b"), manifest, None, {}).video_decoders(None) == {}  # an Inductor bundle's, here none
 

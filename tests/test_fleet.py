@@ -15,10 +15,9 @@ from types import SimpleNamespace
 import httpx
 import pytest
 
+from helpers import REPO
 from ray_cluster import isolated_ray
 from serving import ENDED, SMALL, ffprobe, free_port
-
-from helpers import REPO
 
 KEY = "fleet-key-51c2"
 LEASE_S = 4  # short, so a killed replica's job runs again within seconds

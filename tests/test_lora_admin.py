@@ -187,7 +187,7 @@ def admin(folder, tmp_path_factory, tiny_cache):
     from h3trt.server.storage import Storage
     from h3trt.server.store import JobStore, sqlite_url
 
-    from test_server_validation import NoGroups
+    from stand_ins import NoGroups
 
     data = tmp_path_factory.mktemp("admin")
     for sub in ("clips", "uploads"):
@@ -268,7 +268,7 @@ def test_admin_and_adapter_errors_name_the_fix_this_server_takes(admin, tmp_path
     from h3trt.server.storage import Storage
     from h3trt.server.store import JobStore, sqlite_url
 
-    from test_server_validation import NoGroups
+    from stand_ins import NoGroups
 
     client, service, lora_dir = admin
     error = _error(client.post("/v1/loras", json={"name": "x", "file": str(lora_dir / "a.safetensors")}), 400,
@@ -388,9 +388,9 @@ def test_the_admin_calls_need_the_key_and_a_json_object(admin):
 
 
 def test_a_server_without_lora_dir_refuses_the_admin_call(tmp_path, tiny_cache):
-    from test_server_validation import _client
+    from stand_ins import api_client
 
-    client, service = _client(tmp_path)
+    client, service = api_client(tmp_path)
     _error(client.post("/v1/loras", json={"name": "x", "file": "a.safetensors"}), 400, "file",
            "started without one; start it with --lora-dir DIR")
     service.store.close()
@@ -413,7 +413,7 @@ def test_a_lora_dir_file_the_server_cannot_serve_is_skipped_listed_and_named_to_
     from h3trt.server.storage import Storage
     from h3trt.server.store import JobStore, sqlite_url
 
-    from test_server_validation import NoGroups
+    from stand_ins import NoGroups
 
     good = (folder / "a.safetensors").read_bytes()
     d, data = tmp_path / "loras", tmp_path / "data"

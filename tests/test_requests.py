@@ -12,8 +12,7 @@ from pathlib import Path
 import pytest
 
 from h3trt.cli import main
-from h3trt.engines.manifest import FORMAT_VERSION, BundleError, Manifest, bundle_identity, content_sha256
-from h3trt.models.config import H3Config
+from h3trt.engines.manifest import BundleError, Manifest, bundle_identity, content_sha256
 from h3trt.models.precision import Precision
 from h3trt.models.sampler import DEFAULT_SEED, DEFAULT_STEPS
 from h3trt.run.batch_file import parse_requests
@@ -21,38 +20,14 @@ from h3trt.jobs.model_source import TINY_CANVAS, Entry, ModelSource
 from h3trt.request.parse import (EVAL_REQUIRED, RUN_REQUIRED, RequestsFileError, read_eval_requests,
                                    read_request_file)
 
+from stand_ins import manifest_dict
+
 pytestmark = pytest.mark.unit
 
 
 def _write(path, lines) -> str:
     path.write_text("".join((line if isinstance(line, str) else json.dumps(line)) + "\n" for line in lines))
     return path
-
-
-def _manifest_dict(**changes) -> dict:
-    """A format-4 manifest as `h3trt build` writes it (a tiny fp32 CPU bundle), with `changes` ("a.b": value)."""
-    data = {
-        "backend": "inductor", "precision": "fp32", "task": "t2va", "tasks": ["t2va", "fl2va"],
-        "model_config": H3Config.tiny().to_dict(),
-        "checkpoint": {"path": "/ckpt", "sha256": "0" * 64},
-        "schedule": {"steps": 8, "video_shift": 12.0, "audio_shift": 3},
-        "adaln": {"baked": True, "timesteps": 14},
-        "profiles": [{"width": 160, "height": 96, "seconds": 5.0, "num_frames": 124}],
-        "mesh": {"cfg": 1, "sp": 1, "heads_per_rank": 2, "rows_per_rank": "ceil(S / sp), symbolic"},
-        "arch": "cpu-x86_64", "device": "cpu", "versions": {"torch": "2.13"}, "segments": {}, "weight_bytes": {},
-        "tiny": True, "build_timings_s": {}, "quant": None, "attention": {}, "vae_precision": "fp32",
-        "video_decoder": {"cuda_graph": True}, "loras": [],
-        "format_version": FORMAT_VERSION, "hash_chunk_bytes": 64 << 20,
-        "files": {"weights/blocks.safetensors": {"bytes": 10, "sha256_chunks": ["a" * 64]}},
-    }
-    for key, value in changes.items():
-        target = data
-        *parents, leaf = key.split(".")
-        for p in parents:
-            target = target[p]
-        target[leaf] = value
-    data["manifest_sha256"] = content_sha256(data)
-    return data
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -66,7 +41,7 @@ def test_eval_takes_a_run_requests_file_with_id_and_task(tmp_path):
         {"id": "key", "task": "fl2va", "prompt": "a fox", "image": "first.png", "resolution": "128x64"},
         {"prompt": "no id, the engine's canvas", "steps": 4},
     ])
-    manifest = Manifest.from_dict(_manifest_dict())
+    manifest = Manifest.from_dict(manifest_dict())
     fox, key, plain = read_eval_requests(path, manifest)
     assert (fox.inputs.prompt, fox.inputs.seed, fox.task, fox.schedule.steps, fox.canvas.width, fox.canvas.height,
             fox.canvas.duration) == (
@@ -101,7 +76,7 @@ def test_a_bad_line_names_its_fault_not_a_missing_prompt(tmp_path):
 
 def test_run_requires_id_and_task_eval_does_not(tmp_path):
     path = _write(tmp_path / "r.jsonl", [{"prompt": "a fox"}])
-    assert [r.inputs.prompt for r in read_eval_requests(path, Manifest.from_dict(_manifest_dict()))] == ["a fox"]
+    assert [r.inputs.prompt for r in read_eval_requests(path, Manifest.from_dict(manifest_dict()))] == ["a fox"]
     with pytest.raises(RequestsFileError, match=r"r.jsonl:1: missing \['id', 'task'\]"):
         parse_requests(path, TINY_CANVAS)
 
@@ -153,7 +128,7 @@ def test_a_folder_or_missing_file_is_named(tmp_path):
 
 
 def test_manifest_reads_every_field_typed_and_keeps_the_raw_json():
-    data = _manifest_dict()
+    data = manifest_dict()
     m = Manifest.from_dict(data)
     assert m.raw is data and m.schedule.steps == 8 and m.schedule.audio_shift == 3.0  # an integer is a JSON number
     assert (m.mesh.sp, m.mesh.cfg, m.mesh.heads_per_rank) == (1, 1, 2) and m.adaln.baked and m.adaln.timesteps == 14
@@ -180,13 +155,13 @@ def test_manifest_reads_every_field_typed_and_keeps_the_raw_json():
 ])
 def test_manifest_refuses_a_malformed_field_by_name(key, value, message):
     with pytest.raises(BundleError) as err:
-        Manifest.from_dict(_manifest_dict(**{key: value}), "b/manifest.json")
+        Manifest.from_dict(manifest_dict(**{key: value}), "b/manifest.json")
     assert str(err.value).startswith("b/manifest.json: ") and message in str(err.value)
     assert "rebuild" in str(err.value)
 
 
 def test_manifest_refuses_a_missing_field():
-    data = _manifest_dict()
+    data = manifest_dict()
     del data["schedule"]
     with pytest.raises(BundleError, match="field 'schedule' must be an object, it is missing"):
         Manifest.from_dict(data)

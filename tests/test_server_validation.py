@@ -13,42 +13,14 @@ from h3trt.cli.args import crf
 from h3trt.media.output_files import DEFAULT_CRF
 from h3trt.models.sampler import MAX_STEPS
 
-KEY = "test-key-validation"
+from stand_ins import api_client
+
 SMALL = {"size": "128x32", "steps": 2}
-
-
-class NoGroups:
-    def status(self):
-        return []
-
-    def serving(self):
-        return 0
-
-
-def _client(tmp_path, **options):
-    from fastapi.testclient import TestClient
-
-    from h3trt.jobs.model_source import Entry
-    from h3trt.server.app import create_app
-    from h3trt.server.metrics import Metrics
-    from h3trt.server.options import ServeOptions
-    from h3trt.server.service import VideoService
-    from h3trt.server.storage import Storage
-    from h3trt.server.store import JobStore, sqlite_url
-
-    for folder in ("clips", "uploads"):
-        (tmp_path / folder).mkdir(parents=True, exist_ok=True)
-    opts = ServeOptions(tmp_path, api_key=KEY, max_body_bytes=4_000_000, **options)
-    service = VideoService(Entry.local(device="cpu"), opts, JobStore(sqlite_url(tmp_path)), Storage(tmp_path),
-                           NoGroups(), Metrics(), log=lambda *a, **k: None)
-    client = TestClient(create_app(service), raise_server_exceptions=False)
-    client.headers["Authorization"] = f"Bearer {KEY}"
-    return client, service
 
 
 @pytest.fixture(scope="module")
 def api(tmp_path_factory, tiny_cache):
-    client, service = _client(tmp_path_factory.mktemp("validation"))
+    client, service = api_client(tmp_path_factory.mktemp("validation"))
     yield client, service
     service.store.close()
 
@@ -101,7 +73,7 @@ def test_a_deeply_nested_body_is_a_400_not_a_500(api):
 
 
 def test_a_bad_row_in_the_store_breaks_no_listing_and_no_get(tmp_path, tiny_cache):
-    client, service = _client(tmp_path)
+    client, service = api_client(tmp_path)
     good = client.post("/v1/videos", json={"prompt": "a fox", **SMALL}).json()["id"]
     bad = {  # rows an older h3trt, a hand edit or another writer left behind
         "video_" + "1" * 32: json.dumps({"schema": {"prompt": "x"}, "openai": {"seconds": 5}}),
@@ -257,7 +229,7 @@ def test_open_endpoints_are_a_flag(tmp_path, tiny_cache):
     assert ServeOptions.from_args(args).open_endpoints == ("metrics", "docs")
     with pytest.raises(SystemExit):
         build_parser().parse_args(["serve", "--open", "videos"])
-    client, service = _client(tmp_path, open_endpoints=("metrics",))
+    client, service = api_client(tmp_path, open_endpoints=("metrics",))
     anonymous = TestClient(client.app, raise_server_exceptions=False)
     assert anonymous.get("/metrics").status_code == 200
     assert anonymous.get("/openapi.json").status_code == 401
@@ -267,7 +239,7 @@ def test_open_endpoints_are_a_flag(tmp_path, tiny_cache):
 # --- what no handler classifies: the envelope and a logged traceback; a pool timed out is an outage ------------------
 
 def test_an_unexpected_error_is_the_envelope_and_a_logged_traceback(tmp_path, tiny_cache, monkeypatch):
-    client, service = _client(tmp_path)
+    client, service = api_client(tmp_path)
     logged = []
     service.log = lambda event, **fields: logged.append((event, fields))
 
@@ -288,7 +260,7 @@ def test_an_unexpected_error_is_the_envelope_and_a_logged_traceback(tmp_path, ti
 def test_a_connection_pool_that_timed_out_is_a_503_with_retry_after(tmp_path, tiny_cache, monkeypatch):
     from sqlalchemy.exc import TimeoutError as PoolTimeout
 
-    client, service = _client(tmp_path)
+    client, service = api_client(tmp_path)
 
     def exhausted():
         raise PoolTimeout("QueuePool limit of size 5 overflow 10 reached, connection timed out, timeout 30.00")

@@ -14,9 +14,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lora_cases import fmt_original, tiny_factors, write
-
 from helpers import BUNDLE_STEPS, dit_inputs
+from lora_cases import fmt_original, tiny_factors, write
 from h3trt.adapters.merge import LoraSpec, merge_loras
 from h3trt.adapters.resident import ResidentAdapters
 from h3trt.adapters.slots import BLOCK_TARGETS, LORA_INPUTS, segment_lora_names

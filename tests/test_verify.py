@@ -15,9 +15,8 @@ from h3trt.cli import main
 from h3trt.engines.signing import load_private_key, sign_bundle
 from h3trt.engines.weights_io import chunk_digests
 
-from test_requests import _manifest_dict
-
 from helpers import REPO
+from stand_ins import manifest_dict
 
 pytestmark = pytest.mark.unit
 
@@ -30,7 +29,7 @@ def bundle(tmp_path):
     (root / "weights").mkdir(parents=True)
     (root / WEIGHTS).write_bytes(bytes(range(64)))
     files = {WEIGHTS: {"bytes": 64, "sha256_chunks": chunk_digests(root / WEIGHTS, 64 << 20)}}
-    (root / "manifest.json").write_text(json.dumps(_manifest_dict(files=files)))
+    (root / "manifest.json").write_text(json.dumps(manifest_dict(files=files)))
     return root
 
 
@@ -102,7 +101,7 @@ def test_2_when_the_bundle_cannot_be_checked(bundle, tmp_path, capsys, signing_k
         sign_bundle(bundle, load_private_key(signing_keys["other"][0]))
     if case == "signed_manifest_edited":  # re-hashed by hand: an unsigned verify would pass it
         sign_bundle(bundle, load_private_key(signing_keys["builder"][0]))
-        (bundle / "manifest.json").write_text(json.dumps(_manifest_dict(**{"schedule.steps": 9, "files": json.loads(
+        (bundle / "manifest.json").write_text(json.dumps(manifest_dict(**{"schedule.steps": 9, "files": json.loads(
             (bundle / "manifest.json").read_text())["files"]})))
     if case == "missing_key":
         trust = ("--trust", tmp_path / "key.pub")
