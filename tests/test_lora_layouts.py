@@ -17,6 +17,7 @@ adapter y = base(x) + sum_k scale_k (x A_k^T) B_k^T, computed here in float64:
 import pytest
 import torch
 
+from helpers import tiny_block_inputs
 from lora_cases import CFG, forward, layout_file, model
 from test_lora_slots import state  # noqa: F401  (state: the module's fixture)
 
@@ -222,12 +223,10 @@ ROW_SETS = (([(1, 0.9)], 2), ([(0, 0.5), (1, -1.1)], 3), ([(0, 0.5), (0, 0.25), 
 
 def block_under_test(precision: str):
     """The tiny block (bf16, or with FP8 linears), its inputs, and its recipe."""
-    from test_quant import _tiny_block_inputs
-
     from h3trt.models.config import H3Config
 
     cfg = H3Config.tiny()
-    block, inputs = _tiny_block_inputs(cfg)
+    block, inputs = tiny_block_inputs(cfg)
     recipe = None
     if precision == "fp8":
         block, recipe = fp8_block(block, cfg)

@@ -19,13 +19,15 @@ from h3trt.engines.bundle import Engine
 from h3trt.eval import PSNR_CAP_DB, log_spectral_distance, psnr, ssim
 from h3trt.models.checkpoint.reader import load_dit
 from h3trt.models.config import H3Config
-from h3trt.models.dit import Block, EagerDiT, rope_inv_freq, rope_tables
+from h3trt.models.dit import Block, EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.calibration.build import dit_weight_bytes
 from h3trt.calibration.calibrate import calibrate, read_prompts
 from h3trt.calibration.formats import FP8, FP8_MAX, dequantize_nvfp4, e2m1_values, fp8_linear, fp8_scale, quantize_fp8
 from h3trt.calibration.modules import load_quantized_block
 from h3trt.calibration.recipe import QuantRecipe, parse_exclusions
+
+from helpers import tiny_block_inputs
 
 STEPS = 6  # the FP8 bundle's baked schedule: a short one, so the eval runs in seconds
 # The bundle tests come first: the build must not follow an in-process compile of another test in this module (the
@@ -173,20 +175,6 @@ def test_nvfp4_modules_decode_modelopts_packing_exactly():
         assert torch.equal(ours, theirs) and rel(ours, w) < tol
 
 
-def _tiny_block_inputs(cfg, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    layout = pack_t2va(text_tags_for(9), 3, 4, 6, 5)
-    _, t_index = row_timesteps(layout, 0.3, 0.6)
-    block = Block(cfg)
-    for p in block.parameters():
-        p.data = torch.randn(p.shape, generator=g) * 0.1
-    block = block.bfloat16().eval().requires_grad_(False)
-    x = torch.randn(1, layout.seq_len, cfg.hidden_size, generator=g).bfloat16()
-    mod = block.modulation(torch.randn(2, cfg.time_embed_dim, generator=g)).contiguous()
-    rope = rope_tables(layout.position_ids, rope_inv_freq(cfg))
-    return block, (x, mod, t_index * 3 + layout.token_tags, rope)
-
-
 @pytest.mark.build
 @pytest.mark.parametrize("recipe, tol", [
     (QuantRecipe("fp8", calib_steps=2), 0.05),
@@ -205,7 +193,7 @@ def test_quantized_block_stays_close_to_bf16(recipe, tol):
     from h3trt.build.segments import block_segment
 
     cfg = H3Config.tiny()
-    block, args = _tiny_block_inputs(cfg)
+    block, args = tiny_block_inputs(cfg)
     with torch.no_grad():
         want = block(*args)
     calibrated = copy.deepcopy(block)
