@@ -19,7 +19,6 @@ import torch
 
 from helpers import tiny_block_inputs
 from lora_cases import CFG, forward, layout_file, model
-from test_lora_slots import state  # noqa: F401  (state: the module's fixture)
 
 from h3trt.adapters.slots import (DELTA, LORA_INPUTS, ROW_GROUP, AdapterBlock, AdapterSlots, adapted_linear,
                                   adapter_delta, gather_rows, row_groups)
@@ -141,7 +140,7 @@ def test_a_linear_without_fused_arithmetic_is_refused():
         AdapterBlock({}, rows, scales, "merged")
 
 
-def test_an_adapter_at_scale_0_is_not_computed_and_changes_no_bit(state, tmp_path):  # noqa: F811
+def test_an_adapter_at_scale_0_is_not_computed_and_changes_no_bit(state, tmp_path):
     s = AdapterSlots(CFG, "t2va", 2, 8, torch.float32)
     s.load(0, layout_file(tmp_path, "kohya_alpha_tensors", 1))
     s.load(1, layout_file(tmp_path, "original_alpha_less", 2))
@@ -154,7 +153,7 @@ def test_an_adapter_at_scale_0_is_not_computed_and_changes_no_bit(state, tmp_pat
         assert torch.equal(got, want)
 
 
-def test_the_bytes_do_not_depend_on_the_slots_count_or_max_rank(state, tmp_path):  # noqa: F811
+def test_the_bytes_do_not_depend_on_the_slots_count_or_max_rank(state, tmp_path):
     """`run --adapter` fits its slots to its files (here 2 of rank 4); `serve --lora-dir` makes 4 of rank 64 and puts
     the adapters where they fall: the same adapters at the same scales give the same bytes, in both layouts."""
     a, b = layout_file(tmp_path, "kohya_alpha_tensors", 1), layout_file(tmp_path, "diffusers_prefixed", 2)

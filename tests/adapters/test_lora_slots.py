@@ -16,16 +16,10 @@ from h3trt.adapters import slots as slots_module
 from h3trt.adapters.merge import LoraSpec
 from h3trt.adapters.slots import AdapterBlock, AdapterSlots
 from h3trt.errors import UserError
-from h3trt.models.checkpoint.writer import random_state_dict
 from h3trt.models.dit import sdpa_attention
 from h3trt.models.packing import row_timesteps
 
 ATOL = 1e-5
-
-
-@pytest.fixture(scope="module")
-def state():
-    return random_state_dict(CFG, 0)
 
 
 def assert_close(got, want, base=None):

@@ -13,12 +13,7 @@ that held every block would show in the accountant.
 """
 
 import dataclasses
-import filecmp
 import json
-import os
-import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -37,83 +32,15 @@ from h3trt.errors import UserError
 from h3trt.models.checkpoint import reader as checkpoint_module
 from h3trt.models.checkpoint.reader import locate_transformer, read_native_state_dict
 from h3trt.models.checkpoint.stream import CheckpointTensors
-from h3trt.models.checkpoint.writer import random_state_dict, save_official
 from h3trt.models.config import H3Config
-from h3trt.models.dit import build_dit
 
-LAYERS = 4
-PROFILE = Profile(160, 96, 5.0)
-# Files whose bytes Inductor makes differently on every compile, whole or streamed alike (two whole builds of the same
-# model differ there too: shared objects and pickled graphs carry build paths and ids, so even their sizes follow the
-# output folder's name): compared by name where the name is stable, by count where the name hashes the bytes.
-COMPILED_BINARY = (".so", ".bin", ".pt2")
-HASH_NAMED = ("inductor_cache/fxgraph/", "inductor_cache/aotautograd/")
+from stream_pairs import (LAYERS, PROFILE, assert_same_bundle, build_pair, compare_weights, config, streamed_budget,
+                          weights_of)
 
-
-def _tiny_checkpoint(root: Path, tiny_root: Path, cfg: H3Config, seed: int) -> None:
-    """`cfg`'s random float32 weights at root/ckpt (official layout, 3 shards), the other components the tiny
-    default's."""
-    save_official(root / "ckpt", cfg, {"FL2VA": random_state_dict(cfg, seed)}, torch.float32, shards=3)
-    for name in os.listdir(tiny_root / "FL2VA"):
-        if name not in ("transformer", "model_index.json"):
-            os.symlink(tiny_root / "FL2VA" / name, root / "ckpt" / "FL2VA" / name)
-
-
-@pytest.fixture(autouse=True)
-def _no_bundle_served_here(monkeypatch):
-    """This file's in-process phases load, calibrate and bake but compile nothing, so a bundle that another file of
-    the same worker served (engines/loaders.py bundle_activated) cannot leave a kernel out of anything they compare;
-    the refusal it triggers (build/plan.py) guards compiled builds, which run here in fresh processes (bundle_pair)."""
-    from h3trt.build import plan as plan_module
-
-    monkeypatch.setattr(plan_module, "bundle_activated", lambda: None)
-
-
-@pytest.fixture(scope="module")
-def tiny4(tmp_path_factory, tiny_root):
-    """The tiny model with 4 main blocks (random, float32, official layout in 3 shards), its other components the
-    tiny default's; a calibration prompt file and a LoRA over every linear (AdaLN included)."""
-    root = tmp_path_factory.mktemp("tiny4")
-    cfg = H3Config.tiny(num_layers=LAYERS)
-    _tiny_checkpoint(root, tiny_root, cfg, 3)
-    (root / "prompts.txt").write_text("a red fox runs through fresh snow\nwaves break on a rocky shore\n")
-    g = torch.Generator().manual_seed(7)
-    lora = {}
-    for name, meta in build_dit(cfg, torch.float32, "meta").state_dict().items():
-        if name.endswith(".weight") and meta.ndim == 2:
-            rows, cols = meta.shape
-            lora[f"diffusion_model.{name[:-7]}.lora_A.weight"] = torch.randn(2, cols, generator=g) / cols ** 0.5
-            lora[f"diffusion_model.{name[:-7]}.lora_B.weight"] = 0.3 * torch.randn(rows, 2, generator=g) / 2 ** 0.5
-    save_file(lora, str(root / "lora.safetensors"), metadata={"alpha": "2"})
-    return root
-
-
-def config(root: Path, out: Path, **kw) -> BuildConfig:
-    return BuildConfig(root / "ckpt", out, profiles=(PROFILE,), device="cpu", overwrite=True, **kw)
-
-
-def streamed_budget(cfg: BuildConfig) -> float:
-    """GiB between the streamed need and the whole one: what forces a block at a time."""
-    needs = memory_needs(cfg, locate_transformer(cfg.model_root, cfg.task), cfg.precision.spec.dtype)
-    assert needs.streamed() < needs.whole(), needs
-    return (needs.streamed() + needs.whole()) / 2 / GIB
-
+pytestmark = pytest.mark.usefixtures("no_bundle_served_here")  # conftest.py
 
 FULL_FLAGS = ["--precision", "fp8", "--fp8-attention", "--calib-algo", "smoothquant", "--calib-steps", "3",
               "--quant-exclude", "blocks.1", "--steps", "6,4"]
-
-
-def build_pair(out: Path, root: Path, flags: list[str], budget: float) -> tuple[Path, Path, dict[str, str]]:
-    """`h3trt build` of root/ckpt with `flags`, whole and a block at a time (`budget` GiB), each in a fresh process:
-    (the whole bundle, the streamed one, each build's log)."""
-    logs = {}
-    for name, extra in (("whole", []), ("streamed", ["--memory-budget", f"{budget:.9f}"])):
-        proc = subprocess.run([sys.executable, "-m", "h3trt.cli", "build", "--model", str(root / "ckpt"), "--output",
-                               str(out / name), "--device", "cpu", "--profile", "160x96x5", *flags, *extra],
-                              capture_output=True, text=True, timeout=1800)
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        logs[name] = proc.stderr
-    return out / "whole", out / "streamed", logs
 
 
 @pytest.fixture(scope="module")
@@ -128,76 +55,11 @@ def bundle_pair(tmp_path_factory, tiny4):
     return build_pair(out, tiny4, flags, budget)
 
 
-def _files(root: Path) -> dict[str, Path]:
-    return {str(p.relative_to(root)): p for p in sorted(root.rglob("*")) if p.is_file()}
-
-
-def _manifest_without_build_facts(path: Path) -> dict:
-    """The manifest less what differs between any two builds: timings and memory, the calibration's seconds, the
-    compiled binaries' hashes (and the manifest's own hash, which covers them)."""
-    data = json.loads((path / "manifest.json").read_text())
-    data.pop("build_timings_s")
-    data.pop("manifest_sha256", None)
-    if data["quant"] is not None:
-        data["quant"].pop("calibration_s")
-    data["files"] = {name: entry for name, entry in data["files"].items()
-                     if not name.endswith(COMPILED_BINARY) and not name.startswith(HASH_NAMED)}
-    return data
-
-
-def assert_same_bundle(whole: Path, streamed: Path, logs: dict[str, str]) -> dict:
-    """Every file of the two bundles equal but the compiled binaries, the manifests equal but the build's facts:
-    returns the whole build's manifest, less those."""
-    assert "building whole" in logs["whole"] and "building a block at a time" in logs["streamed"]
-    a, b = _files(whole), _files(streamed)
-    stable = {n for n in a if not n.startswith(HASH_NAMED)}
-    assert stable == {n for n in b if not n.startswith(HASH_NAMED)}
-    for name in sorted(n for n in stable - {"manifest.json"} if not n.endswith(COMPILED_BINARY)):
-        assert filecmp.cmp(a[name], b[name], shallow=False), f"{name} differs"
-    assert len([n for n in a if n.startswith(HASH_NAMED)]) == len([n for n in b if n.startswith(HASH_NAMED)])
-    for weights in ("embed", "blocks", "final", "adaln_tables"):
-        assert f"weights/{weights}.safetensors" in stable
-    mw, ms = _manifest_without_build_facts(whole), _manifest_without_build_facts(streamed)
-    assert mw == ms
-    assert json.loads((streamed / "manifest.json").read_text())["build_timings_s"]["streamed"] == 1.0
-    return mw
-
-
 @pytest.mark.build
 def test_streamed_bundle_equals_whole_bundle_file_by_file(bundle_pair):
     manifest = assert_same_bundle(*bundle_pair)
     assert "block 4/4: calibrated, quantized, baked and written" in bundle_pair[2]["streamed"]
     assert manifest["quant"]["calib_algo"] == "smoothquant" and manifest["quant"]["layer_segments"][1] == "block_hp"
-
-
-def weights_of(cfg: BuildConfig, work: Path, free: int):
-    """Phases 0-3 in this process (plan with `free` bytes of device memory, load, calibrate and bake), writing the
-    weight files into `work`: (plan, the loaded DiT, Calibration, BakedWeights)."""
-    shutil.rmtree(work, ignore_errors=True)
-    work.mkdir(parents=True)
-    plan = plan_build(cfg, lambda m: None, lambda device: DeviceMemory(free, "fake device"))
-    dit = builder.load(cfg, plan, lambda m: None)
-    calibration, baked = builder.calibrate_and_bake(cfg, plan, dit, work, lambda m: None)
-    return plan, dit, calibration, baked
-
-
-def compare_weights(tmp_path: Path, cfg_kw: dict, root: Path) -> tuple:
-    """The weight files and records of the whole and the streamed bake of one configuration: equal."""
-    cfg = config(root, tmp_path / "unused", **cfg_kw)
-    needs = memory_needs(cfg, locate_transformer(cfg.model_root, cfg.task), cfg.precision.spec.dtype)
-    p1, d1, c1, w1 = weights_of(cfg, tmp_path / "whole", 100 * GIB)
-    p2, dit, c2, w2 = weights_of(cfg, tmp_path / "streamed", needs.streamed())
-    assert not p1.streamed and p2.streamed
-    assert (d1.schedules, d1.loras, d1.distilled_record) == (dit.schedules, dit.loras, dit.distilled_record)
-    names = sorted(p.name for p in (tmp_path / "whole" / "weights").iterdir())
-    assert names == sorted(p.name for p in (tmp_path / "streamed" / "weights").iterdir())
-    for name in names:
-        assert filecmp.cmp(tmp_path / "whole" / "weights" / name, tmp_path / "streamed" / "weights" / name,
-                           shallow=False), f"{name} differs"
-    assert w1 == w2
-    q1, q2 = (dict(c.quant or {}, calibration_s=None) for c in (c1, c2))
-    assert q1 == q2 and c1.recipe == c2.recipe
-    return dit, c2
 
 
 @pytest.mark.parametrize("cfg_kw", [

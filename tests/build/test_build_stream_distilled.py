@@ -2,8 +2,9 @@
 full builds (the CLI, fresh processes: a FastH3 --distilled file in bf16 with sparse attention, its served tasks and
 rungs in the manifest) compares every file; the bakes alone compare a --distilled file fused block by block (FastH3
 dense calibrated in FP8, PDD with its heads per forward) and a full FastH3-VSA export (the gate read per block, its
-calibration trajectories attending with VSA, its sidecar's rungs baked). tests/test_build_stream.py's helpers and its
-4-layer model; a file of its own so that its pair of builds runs beside that file's pair under `--dist loadfile`.
+calibration trajectories attending with VSA, its sidecar's rungs baked). The helpers (stream_pairs.py) and the
+4-layer model (conftest.py tiny4) are test_build_stream.py's; a file of its own so that its pair of builds runs beside
+that file's pair under `--dist loadfile`.
 """
 
 import json
@@ -16,9 +17,10 @@ from h3trt.models.config import H3Config
 from h3trt.models.distilled.families import DistilledSpec
 from h3trt.models.distilled.writer import write_fasth3, write_pdd
 
-from test_build_stream import (LAYERS, _tiny_checkpoint, assert_same_bundle, build_pair, compare_weights, config,
-                               streamed_budget)
-from test_build_stream import _no_bundle_served_here, tiny4  # noqa: F401  (the module's fixtures: the guard, the model)
+from stream_pairs import (LAYERS, assert_same_bundle, build_pair, compare_weights, config, streamed_budget,
+                          tiny_checkpoint)
+
+pytestmark = pytest.mark.usefixtures("no_bundle_served_here")  # conftest.py
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +33,7 @@ def distilled4(tmp_path_factory, tiny_root):
     files = {"fasth3": write_fasth3(root / "fasth3.safetensors", cfg, seed=5),
              "fasth3-vsa": write_fasth3(root / "fasth3-vsa.safetensors", cfg, seed=8, gates=True),
              "pdd": write_pdd(root / "pdd.safetensors", cfg, seed=6)}
-    _tiny_checkpoint(root / "vsa", tiny_root, H3Config.tiny(num_layers=LAYERS, vsa_gate=True), 4)
+    tiny_checkpoint(root / "vsa", tiny_root, H3Config.tiny(num_layers=LAYERS, vsa_gate=True), 4)
     (root / "vsa" / "ckpt" / "FL2VA" / "fastvideo_inference.json").write_text(json.dumps({
         "schema_version": "fasth3-inference-contract-v1", "dmd_denoising_steps": [999, 874, 749, 624, 500, 375, 250,
                                                                                   125],
@@ -41,7 +43,7 @@ def distilled4(tmp_path_factory, tiny_root):
 
 
 @pytest.mark.parametrize("case", ["fasth3-dense-fp8", "fasth3-vsa-file-fp8", "pdd-bf16-steps7", "vsa-export-fp8"])
-def test_streamed_distilled_and_vsa_weights_equal_whole_weights(tmp_path, tiny4, distilled4, case):  # noqa: F811
+def test_streamed_distilled_and_vsa_weights_equal_whole_weights(tmp_path, tiny4, distilled4, case):
     """A --distilled file fused block by block as each block arrives (its model-level patches where the resident
     parts load), and a FastH3-VSA export (the gate read with each block; calibration attending with VSA, densely in
     the first evaluation and block 1, at 0.5 after; the sidecar's rungs in the AdaLN tables), against the whole
@@ -83,7 +85,7 @@ def test_streamed_distilled_and_vsa_weights_equal_whole_weights(tmp_path, tiny4,
 
 
 @pytest.mark.build
-def test_streamed_distilled_bundle_equals_whole_bundle_file_by_file(tmp_path_factory, tiny4, distilled4):  # noqa: F811
+def test_streamed_distilled_bundle_equals_whole_bundle_file_by_file(tmp_path_factory, tiny4, distilled4):
     """A FastH3 file fused block by block (its model-level patches where the resident parts load) with sparse
     attention builds the whole build's bundle: every weight and segment file, the distilled record, its served tasks
     (t2va alone), its schedule's rungs and the sparse kernel chosen."""

@@ -17,6 +17,8 @@ from h3trt.models.sparse import attention as sparse_attention
 from h3trt.models.sparse.attention import (SUBBLOCK_BLOCK, sparse_budget, subblock_route, subblock_route_reference,
                                            subblock_scores)
 
+from kernel_checks import tie_case
+
 
 def brute_scores(q, k, scale, n_q, n_k, block):
     """score(i, j) = log sum over the (query sub-block, key sub-block) pairs of blocks i and j that hold real rows of
@@ -140,21 +142,6 @@ def test_chunked_route_keeps_the_reference_blocks(n_q, n_k, chunk_bytes):
         got, topk = subblock_route(q, k, sparsity, 32 ** -0.5, n_q, n_k, chunk_bytes=chunk_bytes)
         assert topk == want_topk and got.dtype == torch.int32 and got.is_contiguous()
         assert torch.equal(got, want)
-
-
-def tie_case():
-    """24 key blocks of constant rows (exact in binary, so equal blocks score bit-identically): 4 high-scoring ones,
-    6 copies of a middling one, the rest low. With 8 kept (sparsity 0.7, scale 0.25), the copies straddle the
-    threshold: a router keeps the 4 high blocks and the 4 lowest-numbered copies, as a stable descending sort does.
-    Returns (q, k, the copies, the index every router must give); tests/test_sparse_router.py routes it too."""
-    high, copies = [3, 10, 15, 20], [1, 5, 7, 8, 12, 22]
-    k = -torch.ones(1, 64 * 24, 2, 16)
-    for j in high:
-        k[:, 64 * j:64 * (j + 1)] = 2.0
-    for j in copies:
-        k[:, 64 * j:64 * (j + 1)] = 1.0
-    q = torch.ones(1, 64 * 3, 2, 16)
-    return q, k, copies, torch.tensor([1, 3, 5, 7, 8, 10, 15, 20], dtype=torch.int32).expand(1, 2, 3, 8)
 
 
 def test_ties_go_to_the_lower_key_block_in_both_paths():

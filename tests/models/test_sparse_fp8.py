@@ -20,8 +20,6 @@ against the masked reference).
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -30,7 +28,7 @@ from h3trt.models.sparse.attention import subblock_route
 from h3trt.models.sparse.fp8 import emulated_fp8_sparse_attention, fp8_sparse_attention
 from h3trt.models.sparse.reference import reference_sparse_attention
 
-from helpers import REPO, TESTS
+from kernel_checks import interpreted, online_reference
 
 MEAN_3_TOL, EMULATION_TOL, P_ROUNDING_TOL, KERNEL_TOL = 0.01, 0.08, 0.10, 1e-3
 
@@ -94,42 +92,6 @@ def test_the_fp8_kernel_needs_cuda_and_names_the_emulation():
 
 # ---- the Triton kernel under the interpreter (CPU) -------------------------------------------------------------
 
-def online_reference(ops, index, sparse_G, block, block_n, key_sizes=None):
-    """The kernel's arithmetic step by step in torch fp32 (its online softmax over `block_n` key rows a step, P
-    rounded to e4m3 times 448 against the running max): what the kernel computes up to the order of fp32 additions.
-    `key_sizes` [K]: key block j's first key_sizes[j] rows are its keys (VSA's ragged tiles). [B, S, N, D] fp32, mu
-    added."""
-    B, N, _, D = ops.q8.shape
-    S, Sk = ops.rows, ops.key_rows
-    q_scale, k_scale, v_scale = ops.scales.tolist()
-    padded = -(-Sk // block) * block + block
-    dropped = torch.arange(padded) >= Sk
-    if key_sizes is not None:
-        dropped[:Sk] |= torch.arange(Sk) % block >= key_sizes.repeat_interleave(block)[:Sk]
-    out = torch.zeros(B, S, N, D)
-    for b in range(B):
-        for n in range(N):
-            q8, k8, v8 = ops.q8[b, n].float(), ops.k8[b, n].float(), ops.v8t[b, n].float().T
-            for g in range(-(-S // block)):
-                blocks = index[b, n, g].tolist() if sparse_G[g] else list(range(-(-Sk // block)))
-                keys = torch.cat([torch.arange(j * block, (j + 1) * block) for j in blocks])  # padded rows zero
-                rows = slice(g * block, min(S, (g + 1) * block))
-                m = torch.full((rows.stop - rows.start,), -torch.inf)
-                l, acc = torch.zeros_like(m), torch.zeros(len(m), D)
-                for step in range(0, len(keys), block_n):
-                    cols = keys[step:step + block_n]
-                    s = q8[rows] @ k8[cols].T * (q_scale * k_scale * D ** -0.5 * 1.4426950408889634)
-                    s = s.masked_fill(dropped[cols][None], -torch.inf)
-                    m_new = torch.maximum(m, s.amax(1))
-                    alpha = torch.exp2(m - m_new)
-                    p = torch.exp2(s - (m_new - torch.log2(torch.tensor(448.0)))[:, None])
-                    l = l * alpha + p.sum(1)
-                    acc = acc * alpha[:, None] + p.to(torch.float8_e4m3fn).float() @ v8[cols]
-                    m = m_new
-                out[b, rows, n] = acc / l[:, None] * v_scale
-    return out + (ops.mu[:, None] if ops.mu is not None else 0)
-
-
 def interpreted_checks() -> dict:
     """Run in a subprocess with TRITON_INTERPRET=1 (see __main__): each check's measured error or outcome, by name."""
     from h3trt.models.sparse.fp8 import _e4m3
@@ -175,16 +137,6 @@ def interpreted_checks() -> dict:
             got = fp8_block_sparse_attention(ops, index, sparse_G, 64, config, torch.float32)
             out[f"{tag}_{name}"] = rel(got - mu, online_reference(ops, index, sparse_G, 64, config.block_n) - mu)
     return out
-
-
-def interpreted(test_file) -> dict:
-    """Run `test_file` as a script under TRITON_INTERPRET=1 (its __main__ prints its checks as one JSON line)."""
-    pytest.importorskip("triton")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, test_file], env=env, cwd=REPO, capture_output=True, text=True, timeout=900)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    return json.loads(proc.stdout.strip().splitlines()[-1])
 
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the subprocess itself")

@@ -105,8 +105,8 @@ def interpreted_checks() -> dict:
             want, topk = subblock_route_reference(q, k, sparsity, scale, n_q, n_k, block)
             got = topk_lowest_first_triton(scores.view(-1, scores.shape[-1]), topk).view(want.shape)
             out[f"route_{tag}_{sparsity}"] = torch.equal(got, want)
-    # Exact ties (tests/test_sparse_attention.py's case, through the Triton path).
-    from test_sparse_attention import tie_case
+    # Exact ties (kernel_checks.tie_case, test_sparse_attention.py's case, through the Triton path).
+    from kernel_checks import tie_case
 
     q, k, _, want = tie_case()
     got, _ = subblock_route_triton(q, k, 0.7, 0.25)

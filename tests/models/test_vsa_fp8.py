@@ -171,7 +171,7 @@ def test_the_kernel_with_row_counts_compiles_to_fp8_wgmma_for_hopper():
 
 def interpreted_checks() -> dict:
     """Run in a subprocess with TRITON_INTERPRET=1 (see __main__): each check's measured error or outcome, by name."""
-    from test_sparse_fp8 import online_reference
+    from kernel_checks import online_reference
 
     from h3trt.models.sparse.fp8_triton import BENCH_ONLY_CONFIGS, TILE_CONFIGS, fp8_operands
     from h3trt.models.vsa.fp8 import centered_error, triton_fp8_vsa_attention
@@ -198,7 +198,7 @@ def interpreted_checks() -> dict:
 
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the subprocess itself")
 def test_the_triton_kernel_serves_ragged_tiles_under_the_interpreter():
-    from test_sparse_fp8 import interpreted
+    from kernel_checks import interpreted
 
     outcome = interpreted(__file__)
     kernel = {n: e for n, e in outcome.items() if n.startswith("kernel_")}
