@@ -99,7 +99,8 @@ def test_admission_refuses_unknown_names_too_many_and_bundles_naming_lora(files,
 
 
 def test_a_bundle_without_slots_refuses_adapters_in_one_line(files, monkeypatch):
-    """(A bundle with slots serves them: tests/test_bundle_lora.py, which also refuses them on a bundle without.)"""
+    """(A bundle with slots serves them: tests/engines/test_bundle_lora.py, which also refuses them on a bundle
+    without.)"""
     from h3trt.adapters.catalog import check_adapters
     from h3trt.adapters.checks import NO_LORA_SLOTS
 

@@ -1,5 +1,5 @@
 """LoRA adapters in slots beside the weights (h3trt/adapters/slots.py) against the same files merged
-(h3trt/adapters/merge.py merge_loras, itself checked against diffusers in tests/test_lora.py).
+(h3trt/adapters/merge.py merge_loras, itself checked against diffusers in tests/adapters/test_lora.py).
 
 The files are test_lora.py's (lora_cases.py writes them), in every layout, restricted to the main blocks' linears
 (slots hold only those; the rest is refused, see test_refusals_name_the_problem_and_the_fix). fp32 eager: unmerged

@@ -7,8 +7,8 @@ needs forces the streamed build, as a GPU too small for the whole DiT does. A pa
 processes: FP8 with SmoothQuant's folded weights, FP8 attention, a block kept in bf16, a merged LoRA, two schedules)
 compares every file; the other configurations compare their weight files and records after the bake (the phases that
 differ between the two ways), which takes seconds. The distilled files' pair and bakes are
-tests/test_build_stream_distilled.py's (a pair of builds is two minutes on two cores: the two pairs in one file made
-the suite's longest file, which bounds `--dist loadfile`). The model is the tiny one at 4 layers, so that a phase
+tests/build/test_build_stream_distilled.py's (a pair of builds is two minutes on two cores: the two pairs in one file
+made the suite's longest file, which bounds `--dist loadfile`). The model is the tiny one at 4 layers, so that a phase
 that held every block would show in the accountant.
 """
 

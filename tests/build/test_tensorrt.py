@@ -8,8 +8,8 @@ What runs here and what cannot:
     is one fused kernel (`_gemm_mha_v2` in the plan's layer list) and the plan's activation memory grows linearly,
     not quadratically, with the sequence length;
   - FP8/NVFP4 blocks are calibrated by h3trt.calibration.calibrate (ModelOpt, here over the build's example; the builder
-    runs real trajectories) and exported with ModelOpt's quantizers as Q/DQ (tests/test_calibration.py checks these
-    scales are the Inductor modules');
+    runs real trajectories) and exported with ModelOpt's quantizers as Q/DQ (tests/calibration/test_calibration.py
+    checks these scales are the Inductor modules');
   - NVFP4: ModelOpt's FP4 fake-quant has no CPU kernel, so here its forward is stubbed out for the export; the
     exported graph (TRT_FP4DynamicQuantize + FP4 weights behind two DequantizeLinear) is the real one, its numbers
     are not checked (that needs a CUDA GPU);

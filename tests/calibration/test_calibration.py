@@ -175,7 +175,7 @@ def test_h3trt_block_reproduces_modelopts_fake_quantized_block(name, dtype, tol,
     assert repro_err < limit, f"{name} {dtype}: h3trt vs ModelOpt {repro_err:.2e} (tolerance {limit:.0e})"
 
 
-@pytest.mark.build  # an ONNX export, as tests/test_tensorrt.py's
+@pytest.mark.build  # an ONNX export, as tests/build/test_tensorrt.py's
 @pytest.mark.parametrize("name", ["fp8_max", "fp8_smoothquant"])
 def test_onnx_qdq_carries_the_scales_of_the_inductor_modules(name, tiny_root, tmp_path):
     """One calibration, both backends: the TRT_FP8QuantizeLinear scales of the exported ONNX block are the

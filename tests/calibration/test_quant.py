@@ -1,6 +1,6 @@
 """FP8 / NVFP4 on the CPU: formats, the quantized block against the bf16 block, an FP8 tiny bundle calibrated through
 ModelOpt (SmoothQuant) and built end to end, and `h3trt eval` of it against the eager tiny model. The calibration
-itself (ModelOpt's algorithms, the export of their scales to both backends) is tests/test_calibration.py.
+itself (ModelOpt's algorithms, the export of their scales to both backends) is tests/calibration/test_calibration.py.
 
 Tolerances (relative error, Frobenius): an e4m3 per-tensor round trip of a Gaussian is ~2.6%, so an FP8 block stays
 within 5% of the bf16 block; NVFP4 (E2M1, ~9.6% per weight) within 15%. The compiled FP8 DiT must differ from the

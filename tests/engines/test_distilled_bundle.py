@@ -3,8 +3,8 @@ split; one fused head per forward) built in fp32, served without compiling, equa
 evaluation of its schedule; `h3trt run --engine` needs no flag for its schedule and its clip matches the eager
 `run --distilled` clip; and every misuse of a distilled file is one line before anything loads.
 
-Tolerances, as tests/test_fewstep.py: fp32; the compiled DiT against the eager one to a relative error (norm) of 1e-5
-at each evaluation; decoded frames within 1 uint8 level (mean)."""
+Tolerances, as tests/engines/test_fewstep.py: fp32; the compiled DiT against the eager one to a relative error (norm) of
+1e-5 at each evaluation; decoded frames within 1 uint8 level (mean)."""
 
 import hashlib
 import json

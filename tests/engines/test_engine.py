@@ -87,8 +87,8 @@ def test_run_from_bundle_matches_eager_run(bundles, signing_keys, tmp_path, tiny
 def test_a_one_process_bundle_without_halves_refuses_sparse_attention_in_one_line(bundles, tmp_path, tiny_cache,
                                                                                    capsys, monkeypatch, flags):
     """Built without --sparse-attention, its compiled block holds its attention: a sparse request (stated, or a
-    profile's) is refused before denoising with both fixes, never run dense silently (tests/test_sparse_bundle.py
-    serves one built with it)."""
+    profile's) is refused before denoising with both fixes, never run dense silently
+    (tests/engines/test_sparse_bundle.py serves one built with it)."""
     from h3trt.pipeline.h3_pipeline import H3Pipeline
 
     monkeypatch.setattr(H3Pipeline, "_encode_text", lambda *a, **k: pytest.fail("the request got past the check"))
@@ -140,8 +140,8 @@ def test_an_error_right_after_the_load_exits_with_its_code(bundles):
 def test_a_killed_engine_run_leaves_no_copy_of_the_compiled_code(bundles, tmp_path, tiny_cache):
     """`h3trt run --engine` copies the bundle's compiled code to $TMPDIR/h3trt-engine-cache-*. Sent SIGTERM (which
     the CLI takes as Ctrl-C: exit 130), the run removes its copy; sent SIGKILL, the copy stays (nothing runs), and the
-    next run from a bundle removes it. (tests/test_engine_cache.py: the same without a bundle or the CLI's handler,
-    and the sweep's cases.)"""
+    next run from a bundle removes it. (tests/engines/test_engine_cache.py: the same without a bundle or the CLI's
+    handler, and the sweep's cases.)"""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     env = dict(os.environ, TMPDIR=str(tmp), PYTHONPATH=str(REPO))

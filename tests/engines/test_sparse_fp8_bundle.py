@@ -6,9 +6,9 @@ adapters around the same FP8 sparse attention.
 
 Tolerance: the sparse evaluation with FP8 sparse attention against the same evaluation with the bf16 masked
 reference over the same routed blocks (the kernel swapped on the loaded engine): the FP8 error of q/k/v's e4m3
-rounding (tests/test_fp8_attention.py bounds the dense op at 8% of the attention), diluted through the block's
-residual stream: measured 0.4%, bounded at 3%, and above 0 (the FP8 path ran); with an adapter at 0.7 measured 1.1%,
-while the adapter moves the output by 19%.
+rounding (tests/calibration/test_fp8_attention.py bounds the dense op at 8% of the attention), diluted through the
+block's residual stream: measured 0.4%, bounded at 3%, and above 0 (the FP8 path ran); with an adapter at 0.7 measured
+1.1%, while the adapter moves the output by 19%.
 """
 
 import dataclasses

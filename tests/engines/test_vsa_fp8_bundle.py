@@ -4,8 +4,8 @@ calibrated attention scales, the halves only), the load honours the record (kern
 cannot run is refused, never substituted), and an evaluation runs VSA's fine branch in FP8.
 
 Tolerance: a sparse evaluation with fp8_emulated against the same evaluation with the bf16 reference kernel on the
-loaded engine: the e4m3 rounding of q, k and v (tests/test_vsa_fp8.py bounds the attention at 8% with v of mean 0),
-diluted through the block's residual stream: bounded at 3% (tests/test_sparse_fp8_bundle.py's), and above 0.
+loaded engine: the e4m3 rounding of q, k and v (tests/models/test_vsa_fp8.py bounds the attention at 8% with v of mean
+0), diluted through the block's residual stream: bounded at 3% (tests/engines/test_sparse_fp8_bundle.py's), and above 0.
 """
 
 import dataclasses

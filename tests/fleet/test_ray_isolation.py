@@ -1,6 +1,6 @@
-"""Ray isolation (issue 35 item 2), apart from tests/test_fleet.py: that module's cluster lives for the whole module
-(a module fixture) in the xdist worker that runs it, and a second `ray.init` in the same process is refused ("Maybe
-you called ray.init twice by accident?"), which failed CI when the token test ran after the fleet's tests in one
+"""Ray isolation (issue 35 item 2), apart from tests/fleet/test_fleet.py: that module's cluster lives for the whole
+module (a module fixture) in the xdist worker that runs it, and a second `ray.init` in the same process is refused
+("Maybe you called ray.init twice by accident?"), which failed CI when the token test ran after the fleet's tests in one
 module; and Ray reads its token once per process, so a head started in-process after that module's cluster could not
 start either. Here every cluster is the test's own, in a child process."""
 

@@ -17,7 +17,7 @@ BEHAVIOUR_MATTERS = {
     "transformers": "its Qwen3VLVideoProcessor is recorded in tests/data/qwen_video_reference.npz and reproduced by "
                     "h3trt/models/qwen_video.py: run scripts/make_qwen_video_fixtures.py --check under the new release",
     "diffusers": "the correctness oracle of every parity test, and the VAE modules h3trt's decode plan reproduces",
-    "peft": "diffusers loads LoRAs through it: the oracle of tests/test_lora.py",
+    "peft": "diffusers loads LoRAs through it: the oracle of tests/adapters/test_lora.py",
     "torch": "compiled bundles are specific to the torch version that built them",
     "nvidia-modelopt": "h3trt/calibration/calibrate.py is written against one release (recipe.py MODELOPT_VERSION)",
     "tensorrt-rtx": "plans run only under the TensorRT version that built them",

@@ -6,7 +6,7 @@ The GPU kernels (cudnn, fa3) themselves need an H200: scripts/bench_attention.py
 plumbing is checked here against a stand-in module (FA3's descale shapes, its tuple or tensor return).
 
 Tolerances: the sdpa kernel is torch SDPA (bitwise); bf16 attention against an fp32 reference is within 1e-2 (bf16
-rounding of q/k/v and the output); the emulated FP8 kernel within 8% (tests/test_fp8_attention.py says why).
+rounding of q/k/v and the output); the emulated FP8 kernel within 8% (tests/calibration/test_fp8_attention.py says why).
 """
 
 import types
@@ -188,7 +188,7 @@ def test_fa3_calls_pass_bsnd_tensors_and_per_head_descales(monkeypatch):
 @pytest.mark.build
 def test_an_exported_block_calls_the_op_once_and_matches_eager():
     """What Inductor compiles: the block's export, with attention one opaque call (the compiled bundles' parity with
-    the eager DiT is tests/test_engine.py's)."""
+    the eager DiT is tests/engines/test_engine.py's)."""
     from h3trt.build.backends import export_segment
     from h3trt.build.segments import block_segment
     from h3trt.models.config import H3Config

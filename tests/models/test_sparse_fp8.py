@@ -4,7 +4,8 @@ The reference semantics (`fp8_emulated`: q, k, v - mu quantized with per-tensor 
 the kept blocks, mu added) against the bf16 masked reference over the same kept blocks, and the Triton kernel, every
 tile configuration, under Triton's interpreter against that emulation. Tolerances (relative error, Frobenius):
   - emulated vs the unquantized masked reference: < 8% with v of mean 0 (e4m3 rounding of q, k and v, as the dense
-    FP8 tests, tests/test_fp8_attention.py), < 1% of the output with v of mean 3 (the mean returns exactly: centering);
+    FP8 tests, tests/calibration/test_fp8_attention.py), < 1% of the output with v of mean 3 (the mean returns exactly:
+    centering);
   - the kernel vs its own arithmetic replayed in torch (`online_reference`: the online softmax a key tile at a time,
     P times 448 rounded to e4m3 against the running max), on the centered part of the output (o - mu): < 1e-3
     (the order of fp32 additions, and a P that lands on the other side of an e4m3 rounding boundary because of it);

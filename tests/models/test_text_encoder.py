@@ -7,7 +7,7 @@ forward pre-hook on the Qwen3-VL base model. Tolerance: fp32, bitwise equal (max
 
 Video references: transformers' Qwen3-VL video processor runs on torchvision only. Where torchvision is installed
 the oracle uses it; where it is not (h3trt's own set-up), the oracle's processor is h3trt's reproduction of it
-(h3trt/models/qwen_video.py, equal to transformers' bit for bit on stored outputs: tests/test_qwen_video.py), and
+(h3trt/models/qwen_video.py, equal to transformers' bit for bit on stored outputs: tests/models/test_qwen_video.py), and
 everything else (frame sampling, timestamps, presentation, the model) is still diffusers' and transformers' code.
 """
 

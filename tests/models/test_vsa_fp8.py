@@ -2,14 +2,15 @@
 tiles of 48, 32, ... 6 rows; prefix segments of 70 and 40 rows: chunks of 64, 6 and 40), three prefix query tiles
 dense and the video ones keeping half the video tiles, batch 2.
 
-Tolerances (relative error, Frobenius), the dense FP8 tests' (tests/test_fp8_attention.py, tests/test_sparse_fp8.py):
+Tolerances (relative error, Frobenius), the dense FP8 tests' (tests/calibration/test_fp8_attention.py,
+tests/models/test_sparse_fp8.py):
   - the emulation through models/vsa/routing.py vsa_attention (the coarse branch included) against vsa_reference, the
     definition in fp32: < 8% with v of mean 0 (e4m3 rounding of q, k and v), < 1% with v of mean 3 (centering returns
     the mean exactly); and > 0 (it quantizes). Attending the pad rows of the ragged tiles (every tile taken as 64
     rows) moves it by ~30%: the masks are what is checked, not only the rounding;
   - the Triton kernel, under Triton's interpreter (a subprocess with TRITON_INTERPRET=1), against its own arithmetic
-    replayed in torch (tests/test_sparse_fp8.py online_reference, given each key tile's row count), o - mu: < 1e-3
-    for every tile configuration; against the emulation: < 10% (the kernel rounds P to e4m3 for its PV product:
+    replayed in torch (kernel_checks.py online_reference, given each key tile's row count), o - mu: < 1e-3 for
+    every tile configuration; against the emulation: < 10% (the kernel rounds P to e4m3 for its PV product:
     measured 2.6% here); the kernel given full tiles instead of the row counts is off by more than 1.0; a bf16
     call's whole output (mean 3) < 1% from the emulation.
 """

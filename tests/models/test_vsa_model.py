@@ -6,7 +6,7 @@ a block loop written from the definition (models/vsa/routing.py vsa_reference); 
 gate travels with q/k/v through the all-to-all); the refusals.
 
 Tolerances: fp32 weights; the DiT against the hand loop differs in summation order only (1e-5 relative, norm);
-sp=2 against sp=1 as tests/test_ulysses.py (1e-5).
+sp=2 against sp=1 as tests/parallel/test_ulysses.py (1e-5).
 """
 
 import json
