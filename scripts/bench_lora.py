@@ -187,7 +187,7 @@ def engine(cfg_l: H3Config, specs: dict, segments: dict, layers: list, inp: Inpu
 
 def evaluate(dit: EngineDiT, inp: Inputs, lora=None) -> torch.Tensor:
     """One evaluation's block stack through EngineDiT.__call__ (embed and final are the stand-ins)."""
-    (x,) = dit(None, None, None, inp.unique_t, inp.t_index, inp.layout, EvalExtras(lora=lora))
+    (x,) = dit(None, None, None, inp.unique_t, inp.t_index, inp.layout, EvalExtras(adapters=lora))
     return x
 
 

@@ -155,7 +155,7 @@ def forward(dit, lora=None):
     """The DiT over LAYOUT, two batch rows; `lora` passed only when given (the call without slots)."""
     video, audio, text = dit_inputs(LAYOUT, CFG, seed=5, batch=2)
     unique_t, t_index = row_timesteps(LAYOUT, 0.3125, 0.55)
-    extra = {} if lora is None else {"lora": lora}
+    extra = {} if lora is None else {"adapters": lora}
     with torch.no_grad():
         return dit(video, audio, text, unique_t, t_index, LAYOUT.token_tags, LAYOUT.position_ids, LAYOUT.video_index,
                    LAYOUT.audio_index, LAYOUT.text_index, **extra)

@@ -6,7 +6,7 @@ Each targeted linear of the block stack computes
                                                               adapters, each in its slot)
 
 when the evaluation carries adapters, and exactly `base(x)` (the same ops, no side branch traced or run) when it
-carries none: `H3DiT.forward(..., lora=None)`. The base weights are untouched (bf16, or FP8 / NVFP4 with their scales);
+carries none: `H3DiT.forward(..., adapters=None)`. The base weights are untouched (bf16, or FP8 / NVFP4 with their scales);
 the factors are held in the slots' dtype (bf16 on the GPU, fp32 in the CPU tests).
 
 The factors are DATA, never code. Every targeted linear owns a bank of fixed shape, N slots of max rank R:
@@ -230,7 +230,7 @@ class _Write:
 class AdapterSlots:
     """N adapter slots of max rank R on the main blocks' `targets` of a model `cfg` serving `task` (its partition,
     routed as `lora_targets.route` routes a merge). Base weights are not held here: the DiT runs with
-    `lora=slots.select(..)`.
+    `adapters=slots.select(..)`.
 
     Memory: every bank holds N x R x (in + out) values per targeted linear of every block."""
 
@@ -347,7 +347,7 @@ class AdapterSlots:
     def select(self, uses: list[tuple[int, float]] | tuple[tuple[int, float], ...]) -> AdapterRun | None:
         """The adapters of one evaluation, (slot, scale) each, the same for every batch row, as rank rows (module
         doc); None for none, or for adapters all at scale 0, which runs the base model exactly
-        (`H3DiT.forward(..., lora=None)`)."""
+        (`H3DiT.forward(..., adapters=None)`)."""
         if not uses:
             return None
         for slot, scale in uses:

@@ -118,10 +118,10 @@ class EngineDiT:
                                       for i in range(cfg.num_layers)]
 
     def __call__(self, video, audio, text, unique_t, t_index, layout: PackedLayout, extras: EvalExtras = NO_EXTRAS):
-        """The runner contract (models/runner.py). `extras.lora`: the evaluation's adapters (from this engine's
+        """The runner contract (models/runner.py). `extras.adapters`: the evaluation's adapters (from this engine's
         `lora_slots`); None runs exactly the plain path. A FastH3-VSA bundle takes its request's VsaRun as
         `extras.sparse` (models/vsa/plan.py), in every evaluation."""
-        sparse, lora = extras.sparse, extras.lora
+        sparse, adapters = extras.sparse, extras.adapters
         if self.cfg.vsa_gate:  # VSA between the halves: dense evaluations run the bundle's own dense kernel
             core = vsa_call(sparse, layout, self.sharded_attention[0] or sdpa_attention)
         else:
@@ -129,8 +129,8 @@ class EngineDiT:
         if core is not None and not self.halves:
             raise ValueError("this bundle's compiled block holds its attention and it has no halves; it serves no "
                              "sparse attention (its caps say so, which admission checks before denoising).")
-        if lora is not None:
-            self._check_lora(lora, core)
+        if adapters is not None:
+            self._check_adapters(adapters, core)
         if unique_t.numel() == 1:
             # Compiled for T >= 2 distinct timesteps; a duplicate row is never indexed, so outputs are unchanged.
             unique_t = unique_t.repeat(2)
@@ -143,9 +143,9 @@ class EngineDiT:
         if shard is not None:
             block_fn = self._sharded_block(rows, temb, shard.exchange(), core)
         elif core is not None:  # a sparse evaluation in one process: the halves (their twins with adapters) around it
-            block_fn = self._sharded_block(rows, temb, one_rank_exchange, core, lora)
-        elif lora is not None:  # dense with adapters: each layer's block_lora twin
-            block_fn = self._block_lora(rows, temb, lora)
+            block_fn = self._sharded_block(rows, temb, one_rank_exchange, core, adapters)
+        elif adapters is not None:  # dense with adapters: each layer's block_lora twin
+            block_fn = self._block_adapters(rows, temb, adapters)
         else:  # dense: the fused block, its attention (FP8 attention in an fp8 bundle) inside it
             block_fn = self._block(rows, temb)
         x = run_block_stack(x, self.cfg.num_layers, block_fn, adaln_index, (cos, sin), extras.cache, shard)
@@ -168,55 +168,55 @@ class EngineDiT:
 
         return block_fn
 
-    def _check_lora(self, lora: AdapterRun, core) -> None:
-        if self.lora_slots is None or lora.blocks is not self.lora_slots.by_block:
+    def _check_adapters(self, adapters: AdapterRun, core) -> None:
+        if self.lora_slots is None or adapters.blocks is not self.lora_slots.by_block:
             raise ValueError("this evaluation carries LoRA adapters, but not from this bundle's slots (a bundle "
                              "built without --lora-slots has none): load them with ResidentAdapters(..., "
                              "engine.dit.lora_slots).")
         if core is not None and not self.lora_halves:
             raise ValueError("this bundle's halves have no twin with adapters (built by an earlier h3trt), so a "
                              "sparse evaluation runs none: admission refuses such a request (check_bundle_sparse).")
-        if len(lora.uses) > self.lora_slots.num_slots:
-            raise ValueError(f"{len(lora.uses)} adapters in one evaluation; this bundle holds at most "
+        if len(adapters.uses) > self.lora_slots.num_slots:
+            raise ValueError(f"{len(adapters.uses)} adapters in one evaluation; this bundle holds at most "
                              f"{self.lora_slots.num_slots} at once (--lora-slots).")
 
-    def _block_lora(self, rows, temb, lora: AdapterRun):
+    def _block_adapters(self, rows, temb, adapters: AdapterRun):
         """Layer i as its compiled twin with adapters, given the evaluation's rank rows (adapters/slots.py: the
         rows of each adapter's own rank, none of an adapter at scale 0). An AdaLN adapter is the runner's: its side
         branch on silu(temb) [T, E] (T rows, eager) added to the table the bundle serves, as the eager AdaLNProj adds
         it to its projection."""
         def block_fn(i, x, adaln_index, rope):
-            mod = self._lora_modulation(i, rows, temb, lora)
-            return self.segments[self.lora_segments[i]](x, mod, adaln_index, *rope, lora.rows, lora.row_scales,
+            mod = self._adapted_modulation(i, rows, temb, adapters)
+            return self.segments[self.lora_segments[i]](x, mod, adaln_index, *rope, adapters.rows, adapters.row_scales,
                                                         *self.lora_w[i])[0]
 
         return block_fn
 
-    def _lora_modulation(self, i: int, rows, temb, lora: AdapterRun) -> torch.Tensor:
+    def _adapted_modulation(self, i: int, rows, temb, adapters: AdapterRun) -> torch.Tensor:
         """Layer i's modulation table with the evaluation's AdaLN adapters, where the slots adapt AdaLN."""
         mod = self.adaln.block(i, rows, temb)
         if ADALN_TARGET in self.lora_slots.targets:
-            rows_E = lora.rows.reshape(-1)
+            rows_E = adapters.rows.reshape(-1)
             down, up = (gather_rows(bank, rows_E) for bank in self.lora_slots.by_block[i][ADALN_TARGET])
-            delta = adapter_delta(F.silu(temb).to(mod.dtype), down, up, lora.row_scales.reshape(-1))
+            delta = adapter_delta(F.silu(temb).to(mod.dtype), down, up, adapters.row_scales.reshape(-1))
             mod = mod + delta.to(mod.dtype).view(mod.shape)
         return mod.contiguous()
 
-    def _sharded_block(self, rows, temb, exchange, core=None, lora: AdapterRun | None = None):
+    def _sharded_block(self, rows, temb, exchange, core=None, adapters: AdapterRun | None = None):
         """Layer i on this rank's rows: pre half (compiled), exchange + attention (eager), post half (compiled).
         `core`: a sparse evaluation's attention (block-sparse in place of the bundle's: bf16, or FP8 with the
         layer's scales where the kernel is FP8); in one process `exchange` is `one_rank_exchange` and `core` is always
-        given. `lora` (one process, a bundle with the halves' twins): the halves' twins with the evaluation's rank
-        rows, and the modulation table with its AdaLN adapters, as `_block_lora` runs the dense block."""
-        lora_inputs = () if lora is None else (lora.rows, lora.row_scales)
-        pre_name, post_name = (h if lora is None else f"{h}_lora" for h in HALVES)
+        given. `adapters` (one process, a bundle with the halves' twins): the halves' twins with the evaluation's rank
+        rows, and the modulation table with its AdaLN adapters, as `_block_adapters` runs the dense block."""
+        adapter_inputs = () if adapters is None else (adapters.rows, adapters.row_scales)
+        pre_name, post_name = (h if adapters is None else f"{h}_lora" for h in HALVES)
         pre, post = self.segments[pre_name], self.segments[post_name]
-        weights = self.block_w if lora is None else self.half_lora_w
+        weights = self.block_w if adapters is None else self.half_lora_w
 
         def block_fn(i, x, adaln_index, rope):
-            mod = (self.adaln.block(i, rows, temb).contiguous() if lora is None
-                   else self._lora_modulation(i, rows, temb, lora))
-            (qkv,) = pre(x, mod, adaln_index, *rope, *lora_inputs, *weights[pre_name][i])
+            mod = (self.adaln.block(i, rows, temb).contiguous() if adapters is None
+                   else self._adapted_modulation(i, rows, temb, adapters))
+            (qkv,) = pre(x, mod, adaln_index, *rope, *adapter_inputs, *weights[pre_name][i])
             if core is None:
                 attention = self.sharded_attention[i]
             elif self.sparse_scales is not None:  # FP8 block-sparse: this layer's calibrated scales
@@ -224,7 +224,7 @@ class EngineDiT:
             else:
                 attention = layer_attention(core, i)
             attn = exchange(qkv, attention)
-            return post(x, attn, mod, adaln_index, *lora_inputs, *weights[post_name][i])[0]
+            return post(x, attn, mod, adaln_index, *adapter_inputs, *weights[post_name][i])[0]
 
         return block_fn
 

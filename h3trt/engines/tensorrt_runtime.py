@@ -152,7 +152,7 @@ class TrtDiT:
         self.inv_freq = rope_inv_freq(cfg).to(device)
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, extras: EvalExtras = NO_EXTRAS):
-        if extras.sparse is not None or extras.lora is not None:  # admission checks the caps: a caller's mistake
+        if extras.sparse is not None or extras.adapters is not None:  # admission checks the caps: a caller's mistake
             raise ValueError("a TensorRT bundle runs no block-sparse attention and no adapters (its caps say so).")
         x, temb = self.embed(video, audio, text, unique_t, layout.video_index, layout.audio_index, layout.text_index,
                              layout.token_tags)

@@ -45,10 +45,10 @@ ADALN_PREFIX = "adaln_proj."
 AttentionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-def project(linear: nn.Module, x: torch.Tensor, name: str, lora: BlockAdapters | None) -> torch.Tensor:
-    """`linear(x)`, or with adapters `lora(name, linear, x)`; the branch is Python, decided before any compiled code
+def project(linear: nn.Module, x: torch.Tensor, name: str, adapters: BlockAdapters | None) -> torch.Tensor:
+    """`linear(x)`, or with adapters `adapters(name, linear, x)`; the branch is Python, decided before any compiled code
     runs, so a block without adapters is the same ops as one that never heard of them."""
-    return linear(x) if lora is None else lora(name, linear, x)
+    return linear(x) if adapters is None else adapters(name, linear, x)
 
 
 def sdpa_attention(q_BSND: torch.Tensor, k_BSND: torch.Tensor, v_BSND: torch.Tensor) -> torch.Tensor:
@@ -111,12 +111,13 @@ class Attention(nn.Module):
         self.to_gate_compress = nn.Linear(cfg.hidden_size, cfg.inner_dim, bias=False) if gate else None
 
     def qkv(self, x_BSH: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor] | None,
-            lora: BlockAdapters | None = None):
+            adapters: BlockAdapters | None = None):
         """x [B, S, H] -> q, k, v [B, S, N, D]: project, per-head QK RMSNorm, then RoPE with `rope` (cos, sin) [S, R]
-        (the norm comes first, as in the checkpoint's training code; None: no rotation, the refiner's). `lora`: the
+        (the norm comes first, as in the checkpoint's training code; None: no rotation, the refiner's). `adapters`: the
         owning block's adapters (its linears named from the block: "attn.qkv_proj")."""
         B, S, _ = x_BSH.shape
-        q, k, v = project(self.qkv_proj, x_BSH, "attn.qkv_proj", lora).view(B, S, 3, self.num_heads, self.head_dim).unbind(2)
+        qkv = project(self.qkv_proj, x_BSH, "attn.qkv_proj", adapters)
+        q, k, v = qkv.view(B, S, 3, self.num_heads, self.head_dim).unbind(2)
         q, k = self.q_norm(q), self.k_norm(k)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -135,10 +136,10 @@ class SwiGLU(nn.Module):
         self.fc1 = nn.Linear(cfg.hidden_size, 2 * cfg.ffn_dim, bias=False)  # rows [gate; value]
         self.fc2 = nn.Linear(cfg.ffn_dim, cfg.hidden_size, bias=False)
 
-    def forward(self, x, lora: BlockAdapters | None = None):
-        """x [..., H] -> [..., H]; `lora`: the owning block's adapters (its linears "mlp.fc1", "mlp.fc2")."""
-        gate, value = project(self.fc1, x, "mlp.fc1", lora).chunk(2, dim=-1)
-        return project(self.fc2, value * F.silu(gate), "mlp.fc2", lora)
+    def forward(self, x, adapters: BlockAdapters | None = None):
+        """x [..., H] -> [..., H]; `adapters`: the owning block's adapters (its linears "mlp.fc1", "mlp.fc2")."""
+        gate, value = project(self.fc1, x, "mlp.fc1", adapters).chunk(2, dim=-1)
+        return project(self.fc2, value * F.silu(gate), "mlp.fc2", adapters)
 
 
 class RefinerBlock(nn.Module):
@@ -188,12 +189,12 @@ class AdaLNProj(nn.Module):
         super().__init__()
         self.linear = nn.Linear(in_dim, out_dim)
 
-    def forward(self, temb_TE, lora: BlockAdapters | None = None):
-        """temb [T, E] fp32 -> [T, out_dim] in the weights' dtype; `lora`: the owning block's adapters (its linear
+    def forward(self, temb_TE, adapters: BlockAdapters | None = None):
+        """temb [T, E] fp32 -> [T, out_dim] in the weights' dtype; `adapters`: the owning block's adapters (its linear
         "adaln_proj.linear")."""
         # SiLU at temb's own precision (fp32), cast after: a rounding before the activation would bias every block
         # identically at every step.
-        return project(self.linear, F.silu(temb_TE).to(self.linear.weight.dtype), "adaln_proj.linear", lora)
+        return project(self.linear, F.silu(temb_TE).to(self.linear.weight.dtype), "adaln_proj.linear", adapters)
 
 
 class Block(nn.Module):
@@ -208,9 +209,9 @@ class Block(nn.Module):
         self.mlp = SwiGLU(cfg)
         self.adaln_proj = AdaLNProj(cfg.time_embed_dim, cfg.modulation_dim)
 
-    def modulation(self, temb_TE: torch.Tensor, lora: BlockAdapters | None = None) -> torch.Tensor:
+    def modulation(self, temb_TE: torch.Tensor, adapters: BlockAdapters | None = None) -> torch.Tensor:
         """The block's modulation table [M, 6, H]: row m*3+tag holds shift/scale/gate (msa), shift/scale/gate (mlp)."""
-        return self.adaln_proj(temb_TE, lora).view(-1, NUM_MODULATION_PARAMS, self.hidden_size)
+        return self.adaln_proj(temb_TE, adapters).view(-1, NUM_MODULATION_PARAMS, self.hidden_size)
 
     def forward(
         self,
@@ -219,35 +220,35 @@ class Block(nn.Module):
         adaln_index_S: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor],
         attn_fn: AttentionFn = sdpa_attention,
-        lora: BlockAdapters | None = None,
+        adapters: BlockAdapters | None = None,
     ) -> torch.Tensor:
         """x [B, S, H] -> [B, S, H], with the block's modulation table [M, 6, H], each row's table row
-        adaln_index [S] and rope (cos, sin) [S, R]; `lora`: this evaluation's adapters on the block's linears (the
-        modulation table is the caller's, made with the same adapters: `modulation(temb, lora)`). A FastH3-VSA block
+        adaln_index [S] and rope (cos, sin) [S, R]; `adapters`: this evaluation's adapters on the block's linears (the
+        modulation table is the caller's, made with the same adapters: `modulation(temb, adapters)`). A FastH3-VSA block
         hands `attn_fn` its gate too: (q, k, v, gate)."""
-        return self.post_attention(x_BSH, attn_fn(*self.pre_attention(x_BSH, mod_M6H, adaln_index_S, rope, lora)),
-                                   mod_M6H, adaln_index_S, lora)
+        return self.post_attention(x_BSH, attn_fn(*self.pre_attention(x_BSH, mod_M6H, adaln_index_S, rope, adapters)),
+                                   mod_M6H, adaln_index_S, adapters)
 
     # The two halves around attention: under sequence parallelism each is compiled alone and the attention between
     # them (two all-to-alls around SDPA) runs outside the compiled code.
-    def pre_attention(self, x_BSH, mod_M6H, adaln_index_S, rope, lora: BlockAdapters | None = None):
+    def pre_attention(self, x_BSH, mod_M6H, adaln_index_S, rope, adapters: BlockAdapters | None = None):
         """Modulated norm, QKV projection, QK norm and RoPE: q, k, v [B, S, N, D]; a FastH3-VSA block adds its gate
         [B, S, N, D], projected from the same modulated input (no norm, no rotation, no activation)."""
         h = self.norm1(x_BSH) * (1.0 + _mod_row(mod_M6H, 1, adaln_index_S)) + _mod_row(mod_M6H, 0, adaln_index_S)
-        q, k, v = self.attn.qkv(h, rope, lora)
+        q, k, v = self.attn.qkv(h, rope, adapters)
         if self.attn.to_gate_compress is None:
             return q, k, v
-        return q, k, v, project(self.attn.to_gate_compress, h, "attn.to_gate_compress", lora).view(q.shape)
+        return q, k, v, project(self.attn.to_gate_compress, h, "attn.to_gate_compress", adapters).view(q.shape)
 
-    def post_attention(self, x_BSH, attn_BSND, mod_M6H, adaln_index_S, lora: BlockAdapters | None = None):
+    def post_attention(self, x_BSH, attn_BSND, mod_M6H, adaln_index_S, adapters: BlockAdapters | None = None):
         """Output projection, gated residual, and the modulated SwiGLU half: the block's output [B, S, H]."""
         def row(param: int) -> torch.Tensor:
             return _mod_row(mod_M6H, param, adaln_index_S)
 
         x_BSH = x_BSH + row(2) * project(self.attn.out_proj, attn_BSND.flatten(2).to(x_BSH.dtype), "attn.out_proj",
-                                         lora)
+                                         adapters)
         h = self.norm2(x_BSH) * (1.0 + row(4)) + row(3)
-        return x_BSH + row(5) * self.mlp(h, lora)
+        return x_BSH + row(5) * self.mlp(h, adapters)
 
 
 def _mod_row(mod_M6H: torch.Tensor, param: int, adaln_index_S: torch.Tensor) -> torch.Tensor:
@@ -344,7 +345,7 @@ class H3DiT(nn.Module):
         attn_fn: AttentionFn = sdpa_attention,
         cache: CacheContext | None = None,
         shard: RowSharding | None = None,
-        lora: DiTAdapters | None = None,
+        adapters: DiTAdapters | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One evaluation over a packed sequence: video_BVC [B, V, C] and audio_BAC [B, A, C_audio] rows (fp32,
         condition rows first), text_BLC [B, L, C_text], timesteps_T [T] distinct t in [0, 1]; the row vectors
@@ -355,7 +356,7 @@ class H3DiT(nn.Module):
         `cache`: a step cache's state for this denoiser call (models/step_cache.py), None: every block runs.
         `shard`: this rank's rows under sequence parallelism (parallel/ulysses.py RowShard), with `attn_fn` the
         attention that exchanges them (RowShard.attention()); None: every row here.
-        `lora`: the adapters this evaluation carries on the main blocks' linears (adapters/slots.py
+        `adapters`: the adapters this evaluation carries on the main blocks' linears (adapters/slots.py
         `AdapterSlots.select`), the same for every batch row; None: the base model, exactly."""
         seq_len = position_ids_S3.shape[0]
         if token_tags_S.shape != (seq_len,) or timestep_index_S.shape != (seq_len,):
@@ -378,9 +379,9 @@ class H3DiT(nn.Module):
         rope = self.rope(position_ids_S3)
         # 3. The block stack, on this rank's rows under a shard (a step cache may skip all of it, or all but block 0).
         def block_fn(i: int, x: torch.Tensor, adaln_index: torch.Tensor, rope) -> torch.Tensor:
-            adapters = None if lora is None else lora.block(i)
-            mod = self.blocks[i].modulation(temb_TE, adapters)
-            return self.blocks[i](x, mod, adaln_index, rope, layer_attention(attn_fn, i), adapters)
+            block_adapters = None if adapters is None else adapters.block(i)
+            mod = self.blocks[i].modulation(temb_TE, block_adapters)
+            return self.blocks[i](x, mod, adaln_index, rope, layer_attention(attn_fn, i), block_adapters)
 
         x_BSH = run_block_stack(x_BSH, len(self.blocks), block_fn, adaln_index_S, rope, cache, shard)
         # 4. Output heads on the video and audio rows.
@@ -399,7 +400,8 @@ class EagerDiT:
 
     def __call__(self, video, audio, text, unique_t, t_index, layout, extras: EvalExtras = NO_EXTRAS):
         """H3DiT.forward under the contract: `extras.sparse`'s attention (a SparseRun, or a FastH3-VSA model's VsaRun
-        every evaluation) replaces the dense one, `extras.lora` adds the request's adapters, `extras.cache` skips."""
+        every evaluation) replaces the dense one, `extras.adapters` adds the request's adapters, `extras.cache`
+        skips."""
         sparse = extras.sparse
         if self.cfg.vsa_gate:  # a FastH3-VSA model: its request's VsaRun, every evaluation (models/vsa/plan.py)
             attn = vsa_call(sparse, layout, sdpa_attention)
@@ -407,7 +409,8 @@ class EagerDiT:
             attn = sparse.attention(layout) if sparse is not None else None
         return self.model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids,
                           layout.video_index, layout.audio_index, layout.text_index,
-                          attn_fn=attn if attn is not None else sdpa_attention, cache=extras.cache, lora=extras.lora)
+                          attn_fn=attn if attn is not None else sdpa_attention, cache=extras.cache,
+                          adapters=extras.adapters)
 
 
 def build_dit(cfg: H3Config, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cpu") -> H3DiT:

@@ -68,7 +68,7 @@ class EvalExtras:
 
     cache: CacheContext | None = None  # the step cache's context of this branch (models/step_cache.py)
     sparse: SparseRun | None = None  # the request's block-sparse attention over its evaluations (models/sparse/run.py)
-    lora: DiTAdapters | None = None  # the request's adapters in the runner's slots (adapters/slots.py AdapterRun)
+    adapters: DiTAdapters | None = None  # the request's adapters in the runner's slots (adapters/slots.py AdapterRun)
 
     def record_parts(self) -> tuple[RecordPart, ...]:
         """The members that are set, in field order: what the clip's record asks for their features' fields."""

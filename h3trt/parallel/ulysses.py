@@ -161,7 +161,7 @@ def forward_sp(model: H3DiT, group, video, audio, text, unique_t, t_index, layou
         core = sparse.attention(layout) if sparse is not None else None
     return model(video, audio, text, unique_t, t_index, layout.token_tags, layout.position_ids, layout.video_index,
                  layout.audio_index, layout.text_index, attn_fn=shard.attention(core), cache=extras.cache,
-                 shard=shard, lora=extras.lora)
+                 shard=shard, adapters=extras.adapters)
 
 
 class UlyssesDiT:

@@ -136,7 +136,7 @@ class H3Pipeline:
         ("cond", the reference's name for the one branch; under guidance each branch gets its own), its block-sparse
         run and its adapters. Its members are also what the clip's record asks of the request's features."""
         return EvalExtras(cache=cache.context("cond") if cache is not None else None, sparse=sparse,
-                          lora=select_adapters(self.adapters, request.adapters))
+                          adapters=select_adapters(self.adapters, request.adapters))
 
     def record_parts(self, request: Request, extras: EvalExtras | None = None) -> tuple:
         """What the clip record asks for each feature's fields (records.clip_record): the loaded model's (its merged
@@ -296,7 +296,7 @@ class H3Pipeline:
         if any(e.prepared.request.adapters != uses for e in batch[1:]):
             raise ValueError("denoise_batch runs one LoRA adapter set for the whole batch (one evaluation carries one "
                              "set); batch requests with different adapters apart.")
-        extras = EvalExtras(lora=select_adapters(self.adapters, uses))
+        extras = EvalExtras(adapters=select_adapters(self.adapters, uses))
 
         def model(video_BVC, audio_BAC, unique_t, t_index):
             return dit(video_BVC, audio_BAC, text_BLC, unique_t, t_index, lay, extras)

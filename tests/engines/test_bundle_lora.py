@@ -119,8 +119,8 @@ def test_bundle_adapters_equal_the_eager_adapters_and_switching_them_compiles_no
             args = _inputs(m.model_config, schedule, step)
             plain = engine.dit(*args)
             for uses in sets:  # switched between evaluations, back and forth
-                got = engine.dit(*args, EvalExtras(lora=bundle_side.select(uses)))
-                want = eager(*args, EvalExtras(lora=eager_side.select(uses)))
+                got = engine.dit(*args, EvalExtras(adapters=bundle_side.select(uses)))
+                want = eager(*args, EvalExtras(adapters=eager_side.select(uses)))
                 for g, w, p in zip(got, want, plain):
                     err = ((g - w).norm() / w.norm()).item()
                     assert err <= REL_TOL, f"relative error {err:.2e} with {uses} at step {step}"
@@ -149,9 +149,9 @@ def test_a_request_without_adapters_is_the_plain_runner_bit_for_bit(slot_bundle,
                          torch.float32, torch.device("cpu"), slots=dit.lora_slots)
         loaded = dit(*args)
         # Adapters named at scale 0 add nothing: not computed at all, the plain block runs (issue 44).
-        zero = dit(*args, EvalExtras(lora=dit.lora_slots.select([(0, 0.0), (1, 0.0)])))
+        zero = dit(*args, EvalExtras(adapters=dit.lora_slots.select([(0, 0.0), (1, 0.0)])))
         assert calls == {"block": 3 * m.model_config.num_layers, "block_lora": 0}
-        dit(*args, EvalExtras(lora=dit.lora_slots.select([(0, 1.0)])))
+        dit(*args, EvalExtras(adapters=dit.lora_slots.select([(0, 1.0)])))
         assert calls["block_lora"] == m.model_config.num_layers  # the twin runs only for an evaluation with adapters
     for w, e, lo, z in zip(want, empty, loaded, zero):
         assert torch.equal(e, w) and torch.equal(lo, w) and torch.equal(z, w)

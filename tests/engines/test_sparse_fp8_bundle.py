@@ -76,7 +76,7 @@ def sparse_evaluation(engine, seed=1, lora=None):
     run = SparseRun(SparseSettings(0.75, dense_steps=0, min_seq=1), engine.dit.caps.sparse_kernel)
     run.next_evaluation()
     with torch.no_grad(), no_compile():
-        out = engine.dit(video, audio, text, unique_t, t_index, layout, EvalExtras(sparse=run, lora=lora))
+        out = engine.dit(video, audio, text, unique_t, t_index, layout, EvalExtras(sparse=run, adapters=lora))
     return out, run
 
 

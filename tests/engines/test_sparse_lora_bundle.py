@@ -123,7 +123,7 @@ def test_a_sparse_evaluation_with_an_adapter_equals_the_eager_model_with_it_merg
         for step in (0, 3):  # the first evaluation (one distinct t) and a later one
             args = _inputs(m.model_config, m, step)
             runs = [_sparse() for _ in range(3)]
-            got = dit(*args, EvalExtras(sparse=runs[0], lora=bundle_side.select((AdapterUse("a"),))))
+            got = dit(*args, EvalExtras(sparse=runs[0], adapters=bundle_side.select((AdapterUse("a"),))))
             want, plain = merged(*args, EvalExtras(sparse=runs[1])), base(*args, EvalExtras(sparse=runs[2]))
             reports = [r.report() for r in runs]
             assert reports[0] == reports[1] == reports[2] and 0 < reports[0]["kept_fraction"] < 1
@@ -154,14 +154,14 @@ def test_without_adapters_it_is_the_plain_sparse_bundle_bit_for_bit(sparse_slot_
     with torch.no_grad(), no_compile():
         want = without_slots(*args, EvalExtras(sparse=_sparse()))
         for got in (dit(*args, EvalExtras(sparse=_sparse())),
-                    dit(*args, EvalExtras(sparse=_sparse(), lora=dit.lora_slots.select([(0, 0.0)])))):
+                    dit(*args, EvalExtras(sparse=_sparse(), adapters=dit.lora_slots.select([(0, 0.0)])))):
             assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert calls == dict.fromkeys(TWINS, 0)
     earlier = {k: v for k, v in m.segments.items() if k not in TWINS}
     old = EngineDiT(m.model_config, {k: dit.segments[k] for k in earlier}, earlier, weights, adaln,
                     torch.device("cpu"), sparse_kernel="reference", lora_slots=dit.lora_slots)
     with torch.no_grad(), pytest.raises(ValueError, match="halves have no twin with adapters"):
-        old(*args, EvalExtras(sparse=_sparse(), lora=dit.lora_slots.select([(0, 1.0)])))
+        old(*args, EvalExtras(sparse=_sparse(), adapters=dit.lora_slots.select([(0, 1.0)])))
 
 
 def _earlier_bundle(bundle: Path, root: Path) -> Path:

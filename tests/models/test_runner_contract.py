@@ -22,9 +22,9 @@ PACKAGE = REPO / "h3trt"
 
 
 def test_no_extras_is_a_plain_evaluation_and_extras_are_frozen():
-    assert NO_EXTRAS == EvalExtras() and (NO_EXTRAS.cache, NO_EXTRAS.sparse, NO_EXTRAS.lora) == (None, None, None)
+    assert NO_EXTRAS == EvalExtras() and (NO_EXTRAS.cache, NO_EXTRAS.sparse, NO_EXTRAS.adapters) == (None, None, None)
     with pytest.raises(dataclasses.FrozenInstanceError):
-        NO_EXTRAS.lora = object()
+        NO_EXTRAS.adapters = object()
 
 
 def test_caps_refuse_what_a_runner_does_not_serve_naming_the_field():
@@ -174,7 +174,7 @@ def test_a_new_extras_field_reaches_every_evaluation_of_every_branch(tiny_cache,
     for extras in reader.seen:
         assert type(extras) is StampedExtras and extras.stamp == Stamp("a fox in the snow")
         assert extras.sparse is reader.seen[0].sparse is not None  # one run over the request's evaluations
-        assert extras.lora is None  # no adapters asked
+        assert extras.adapters is None  # no adapters asked
     # Each branch its own step cache context, the new field beside it
     assert [e.cache.name for e in reader.seen] == [*branches] * schedule.num_evaluations
     assert reader.seen[0].sparse.report()["evaluations"] == schedule.num_evaluations  # both branches: one each
