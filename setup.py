@@ -25,7 +25,7 @@ setup(
         # Qwen3-VL (transformers 5 APIs). Bounded above: h3trt/models/qwen_video.py reproduces this range's
         # Qwen3VLVideoProcessor bit for bit, and tests/data/qwen_video_reference.npz holds its outputs; a release is
         # admitted once `scripts/make_qwen_video_fixtures.py --check` shows it makes them still (5.17.0, 5.24.0 and
-        # 5.25.0 do). tests/test_dependencies.py checks the bound and the installed version.
+        # 5.25.0 do). tests/house/test_dependencies.py checks the bound and the installed version.
         "transformers>=5.17,<5.26",
         "av>=14",  # H.264 + AAC muxing with PyAV's bundled FFmpeg
         "Pillow",
@@ -46,14 +46,15 @@ setup(
             # The server's tests: the official openai SDK as the client, schemathesis over the OpenAPI schema, and a
             # real browser (Debian's chromium, driven by playwright) for the page. openai bounded to the major the suite
             # runs on (3.63.0): the tests drive the server through its `client.videos`, which 3.x marks deprecated (the
-            # Sora API's end) and a later major may drop; tests/test_dependencies.py checks the bound.
+            # Sora API's end) and a later major may drop; tests/house/test_dependencies.py checks the bound.
             "openai>=3,<4", "httpx", "schemathesis>=4", "playwright",
             "pytest",
-            "packaging",  # tests/test_dependencies.py reads setup.py's version ranges with it
+            "packaging",  # tests/house/test_dependencies.py reads setup.py's version ranges with it
             "pytest-xdist",  # the README's test command runs two workers (-n 2 --dist loadfile), one per CI core
-            # The TensorRT backend's CPU tests (tests/test_tensorrt.py): ONNX export and onnxruntime parity, ModelOpt
-            # FP8/NVFP4 Q/DQ (with the pieces of its [onnx] extra the NVFP4 exporter imports; the extra itself pulls
-            # CUDA wheels), and TensorRT-RTX, which builds plans without a GPU. About 150 MB, under a minute to install.
+            # The TensorRT backend's CPU tests (tests/build/test_tensorrt.py): ONNX export and onnxruntime parity,
+            # ModelOpt FP8/NVFP4 Q/DQ (with the pieces of its [onnx] extra the NVFP4 exporter imports; the extra itself
+            # pulls CUDA wheels), and TensorRT-RTX, which builds plans without a GPU. About 150 MB, under a minute to
+            # install.
             "onnx>=1.21", "onnxruntime>=1.20", "tensorrt-rtx==1.7.1.116", "nvidia-modelopt==0.47.0",
             "onnx-graphsurgeon>=0.6.1", "onnxscript", "onnxslim", "lief",
             # The onnxruntime-vs-eager parity checks run through polygraphy's Comparator, as the plans' checks against
@@ -61,11 +62,12 @@ setup(
             # through it where it is installed (h3trt/engines/tensorrt_inspect.py, same pin). Pure Python, no
             # dependencies, 0.5 MB.
             "polygraphy==0.53.6",
-            # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/test_lora.py). Bounded
-            # above (tested on 0.21.2): a peft release that changes how diffusers 0.42.1 maps a LoRA changes the oracle.
+            # diffusers loads LoRAs through peft: the oracle of the LoRA parity tests (tests/adapters/test_lora.py).
+            # Bounded above (tested on 0.21.2): a peft release that changes how diffusers 0.42.1 maps a LoRA changes the
+            # oracle.
             "peft<0.22",
             # The fused SubBlock router's kernels (h3trt/models/sparse/router_triton.py) run on the CPU under Triton's
-            # interpreter in tests/test_sparse_router.py. The GPU image's release (3.6.0, with torch 2.11); no
+            # interpreter in tests/models/test_sparse_router.py. The GPU image's release (3.6.0, with torch 2.11); no
             # dependencies; a 188 MB wheel, about 20 s to install.
             "triton==3.6.0",
         ],

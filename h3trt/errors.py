@@ -2,7 +2,7 @@
 it once, in cli.main, and prints it as one line naming the fix, exit status 2. Anything else is a bug or a broken
 install and keeps its traceback. It is a ValueError, so validation code that catches ValueError keeps working.
 
-The bottom layer: every other layer may import it (tests/test_layers.py), and it imports nothing of h3trt.
+The bottom layer: every other layer may import it (tests/house/test_layers.py), and it imports nothing of h3trt.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Reference outputs of transformers' own Qwen3VLVideoProcessor (torchvision backend) for tests/test_qwen_video.py.
+"""Reference outputs of transformers' own Qwen3VLVideoProcessor (torchvision backend) for
+tests/models/test_qwen_video.py.
 
 h3trt reproduces that processor without torchvision (h3trt/models/qwen_video.py). Its tests run where torchvision is
 not installed, so they compare against outputs this script stores, made once in a throwaway environment that has it

@@ -1,7 +1,7 @@
 """The fleet's control plane at scale, simulated on the CPU (issue 35 item 16): no GPU, no model, no Ray.
 
-    python scripts/sim_fleet.py --out bench/results/sim_fleet_cpu.json      # 50 replicas, 10,000 jobs, 200 clients
-    python scripts/sim_fleet.py --replicas 5 --jobs 200 --clients 20       # the small version (tests/test_sim_fleet.py)
+    python scripts/sim_fleet.py --out bench/results/sim_fleet_cpu.json    # 50 replicas, 10,000 jobs, 200 clients
+    python scripts/sim_fleet.py --replicas 5 --jobs 200 --clients 20     # the small one (tests/fleet/test_sim_fleet.py)
 
 What is real: the API (server/app.py over server/service.py, admission of the embedded tiny model included) served by
 uvicorn on 127.0.0.1, the PostgreSQL store (tests/postgres.py: a throwaway cluster), the storage folder, and the worker

@@ -49,9 +49,10 @@ import torch  # noqa: E402
 from h3trt.models.checkpoint.writer import random_state_dict, save_comfy, save_diffusers, save_official
 from h3trt.models.config import H3Config
 
+from helpers import PLAIN_BUNDLE
+
 
 TIERS = ("unit", "multiproc", "build", "serve", "fleet")
-BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
 
 
 BUNDLE_FIXTURES = {"bundle_cache", "bundles", "bundle_copy", "sp2_bundle", "fp8_bundle", "fp8_sp2_bundle",
@@ -212,14 +213,6 @@ def shared_root(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def bundle_cache(tmp_path_factory, tiny_cache) -> BundleCache:
     return BundleCache(shared_root(tmp_path_factory) / "bundles")
-
-
-# The flags of the shared bundles (BundleCache): the tiny model's fp32 CPU bundle at its 160x96x5 profile for
-# BUNDLE_STEPS steps, plain (test_engine.py's, signed there; test_build_hardening.py's old bundle), and with two LoRA
-# slots of rank 4 and a second, few-step schedule (test_bundle_lora.py's and test_turbo.py's).
-PLAIN_BUNDLE = ("--precision", "fp32", "--profile", "160x96x5", "--steps", str(BUNDLE_STEPS))
-SLOT_BUNDLE = ("--precision", "fp32", "--profile", "160x96x5", "--steps", f"{BUNDLE_STEPS},4", "--video-shift", "12,5",
-               "--lora-slots", "2", "--lora-max-rank", "4")
 
 
 @pytest.fixture(scope="session")

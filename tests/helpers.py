@@ -1,5 +1,7 @@
-"""Shared test inputs: the random DiT activations every parity test feeds the model (one generator, drawn in the
-order video, audio, text, so a seed reproduces the same tensors wherever it is used); small filesystems for the
+"""Shared test inputs: where the checkout's folders are (the tests live a floor deep, tests/<floor>/, so a test finds
+the repository through REPO, never by counting its own parents); the flags of the shared bundles; the random DiT
+activations every parity test feeds the model (one generator, drawn in the order video, audio, text, so a seed
+reproduces the same tensors wherever it is used) and a random main block with its inputs; small filesystems for the
 hardening tests; a distribution made to look not installed; setup.py's version ranges."""
 
 from __future__ import annotations
@@ -15,7 +17,20 @@ import pytest
 import torch
 
 from h3trt.models.config import H3Config
-from h3trt.models.packing import PackedLayout
+from h3trt.models.dit import Block, rope_inv_freq, rope_tables
+from h3trt.models.packing import PackedLayout, pack_t2va, row_timesteps, text_tags_for
+
+TESTS = Path(__file__).resolve().parent  # tests/: this file, conftest.py and the other support modules
+REPO = TESTS.parent  # the checkout: h3trt/, scripts/, setup.py, README.md
+DATA = TESTS / "data"  # the stored fixtures
+
+BUNDLE_STEPS = 6  # the schedule the shared bundles bake: a served clip is 5 DiT evaluations, not 49
+# The flags of the shared bundles (conftest.py BundleCache): the tiny model's fp32 CPU bundle at its 160x96x5 profile
+# for BUNDLE_STEPS steps, plain (test_engine.py's, signed there; test_build_hardening.py's old bundle), and with two
+# LoRA slots of rank 4 and a second, few-step schedule (test_bundle_lora.py's and test_turbo.py's).
+PLAIN_BUNDLE = ("--precision", "fp32", "--profile", "160x96x5", "--steps", str(BUNDLE_STEPS))
+SLOT_BUNDLE = ("--precision", "fp32", "--profile", "160x96x5", "--steps", f"{BUNDLE_STEPS},4", "--video-shift", "12,5",
+               "--lora-slots", "2", "--lora-max-rank", "4")
 
 
 def dit_inputs(layout: PackedLayout, cfg: H3Config, seed: int = 0, batch: int = 1,
@@ -28,6 +43,22 @@ def dit_inputs(layout: PackedLayout, cfg: H3Config, seed: int = 0, batch: int = 
     text = torch.randn(batch, layout.text_index.numel() if text_rows is None else text_rows, cfg.text_dim,
                        generator=g)
     return video, audio, text
+
+
+def tiny_block_inputs(cfg: H3Config, seed: int = 0):
+    """A main block of `cfg` with random weights (scale 0.1, bf16, eval) and its inputs over a small t2va layout:
+    (block, (x, modulation, row tags, rope tables)), the arguments of its forward."""
+    g = torch.Generator().manual_seed(seed)
+    layout = pack_t2va(text_tags_for(9), 3, 4, 6, 5)
+    _, t_index = row_timesteps(layout, 0.3, 0.6)
+    block = Block(cfg)
+    for p in block.parameters():
+        p.data = torch.randn(p.shape, generator=g) * 0.1
+    block = block.bfloat16().eval().requires_grad_(False)
+    x = torch.randn(1, layout.seq_len, cfg.hidden_size, generator=g).bfloat16()
+    mod = block.modulation(torch.randn(2, cfg.time_embed_dim, generator=g)).contiguous()
+    rope = rope_tables(layout.position_ids, rope_inv_freq(cfg))
+    return block, (x, mod, t_index * 3 + layout.token_tags, rope)
 
 
 def uninstalled(monkeypatch, distribution: str) -> None:
@@ -78,7 +109,7 @@ def setup_requirements(distribution: str) -> list:
     from packaging.utils import canonicalize_name
 
     found = []
-    for node in ast.walk(ast.parse((Path(__file__).resolve().parents[1] / "setup.py").read_text())):
+    for node in ast.walk(ast.parse((REPO / "setup.py").read_text())):
         if isinstance(node, ast.Constant) and isinstance(node.value, str):
             try:
                 requirement = Requirement(node.value)

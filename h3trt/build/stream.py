@@ -16,7 +16,7 @@ the number of layers: at full size (50 blocks of 1.3 GB) an fp8 build fits in an
              (or its adaln_proj kept) and its tensors written at their places in the weight files (engines/weights_io.py
              SafetensorsWriter). Then it is dropped, unless the compile's example inputs need it (kept_layers).
 
-Every file is byte for byte a whole build's (tests/test_build_stream.py builds the tiny model both ways). The
+Every file is byte for byte a whole build's (tests/build/test_build_stream.py builds the tiny model both ways). The
 compile and the check that follow are builder.py's: one block's weights are all their example inputs need.
 """
 

@@ -13,7 +13,7 @@ its quantizers into h3trt's FP8/NVFP4 modules. The TensorRT backend exports the 
   4. `Calibration.export_block`: ModelOpt's amax (and what the algorithm did to the weights) as the tensors of h3trt's
      modules: e4m3 weights with scale amax / 448, NVFP4 weights packed by ModelOpt's own NVFP4 tensor export.
 
-What each algorithm does, in ModelOpt 0.47.0 (checked in its source and tests/test_calibration.py):
+What each algorithm does, in ModelOpt 0.47.0 (checked in its source and tests/calibration/test_calibration.py):
   max          per-tensor amax of every weight and activation; weights untouched.
   percentile   activations through ModelOpt's histogram calibrator, amax at its 99.99th percentile (ModelOpt's
                default). ModelOpt's "max" flow calls `compute_amax()` without a method, which its histogram

@@ -189,7 +189,7 @@ class Workers:
                  log: Callable[[str], None] = lambda m: print(f"h3trt: {m}", file=sys.stderr),
                  rank_group: Callable[..., RankGroup] = RankGroup):
         self.spec, self.queue, self.gpus, self.fatal, self.log = spec, queue, gpus, load_failures_fatal, log
-        self.rank_group = rank_group  # starts a group's ranks (tests/test_workers.py passes one of threads)
+        self.rank_group = rank_group  # starts a group's ranks (tests/jobs/test_workers.py passes one of threads)
         self.groups = [_Group(i) for i in range(spec.mesh.replica)]
         self._draining = threading.Event()
         self._stop = threading.Event()

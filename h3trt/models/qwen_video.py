@@ -17,7 +17,7 @@ one. What torchvision does there is three primitives, reproduced here in plain t
 
 The settings are read as `Qwen3VLVideoProcessor.from_pretrained` resolves them from the checkpoint's `processor/`
 folder, and the output size is transformers' own `smart_resize` (both pure Python, no torchvision); the patch layout
-is `Qwen3VLVideoProcessor.patchify`'s, written out here. tests/test_qwen_video.py compares the result with
+is `Qwen3VLVideoProcessor.patchify`'s, written out here. tests/models/test_qwen_video.py compares the result with
 transformers' processor run with torchvision (outputs stored in tests/data/).
 """
 

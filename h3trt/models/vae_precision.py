@@ -8,7 +8,7 @@ it stays float32; non-persistent buffers (the decoder's rotary frequencies) are 
 dtype they were built with. A substring test is not the same rule: "quant_conv" is a substring of
 "post_quant_conv", and keeping that bf16 decoder input in fp32 is what broke an earlier bf16 attempt.
 
-What the rule gives for the H3 VAEs (tested against diffusers in tests/test_vae_precision.py):
+What the rule gives for the H3 VAEs (tested against diffusers in tests/models/test_vae_precision.py):
   video: encoder, quant_conv, every norm (norm1, norm2, norm_out) and scale1/scale2 fp32; post_quant_conv, proj_in,
          register tokens, the ViT linears and proj_out bf16. The residual stream is therefore fp32 (scale1 is) and a
          tile's pixels come out bf16 (proj_out is). Keyframe / reference encode runs entirely in fp32, as in fp32.

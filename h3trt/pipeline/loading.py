@@ -104,8 +104,8 @@ def import_loader_modules() -> float:
     importing through them while another does can reach a module the other has only half executed: on the H200 one
     cold start in three died with "cannot import name 'IndentedBuffer' from partially initialized module
     'torch._inductor.utils'" (the text encoder's thread in diffusers while Engine.load imported
-    torch._inductor.codecache), and earlier with "cannot import name 'AutoModel'". tests/test_loader_imports.py runs
-    the thread bodies after this and fails on any of these packages first imported off the main thread."""
+    torch._inductor.codecache), and earlier with "cannot import name 'AutoModel'". tests/pipeline/test_loader_imports.py
+    runs the thread bodies after this and fails on any of these packages first imported off the main thread."""
     t0 = time.perf_counter()
     import diffusers
     import torch._inductor.codecache  # noqa: F401 -- engines/loaders.py activate_compiled_cache

@@ -237,7 +237,7 @@ def tail_steps(marks: dict[str, float]) -> dict[str, float]:
 @dataclass(frozen=True)
 class DecodeResult:
     """What `decode_and_write` did on one rank of its group. Its JSON is the fields in this order (the dict the
-    function returned before it was a type; a rank's record file in tests/test_parallel_vae.py)."""
+    function returned before it was a type; a rank's record file in tests/pipeline/test_parallel_vae.py)."""
 
     frames: int  # frames decoded (on the writing rank: handed to the encoder)
     audio_samples: int  # stereo samples written (0 on a rank that does not write)

@@ -5,7 +5,8 @@ Every family samples with H3's own Euler step on its grid: x0 = x + (1 - t) v, x
 timestep the model saw (1 - s in float32). FastVideo's `MiniMaxH3Scheduler.step` (scheduling_minimax_h3.py) is that
 step, operation for operation (its "sigma_from_timestep" is 1 - timestep); LightX2V's `training_euler`
 x + (s - s') v is the same update algebraically; VideoX-Fun's PDD pipeline steps its block boundaries with the same
-MiniMaxH3Scheduler. tests/test_distilled_schedule.py checks h3trt's `euler_step` against FastVideo's form bit for bit.
+MiniMaxH3Scheduler. tests/models/test_distilled_schedule.py checks h3trt's `euler_step` against FastVideo's form
+bit for bit.
 
   family   forwards  grid points  rungs (before the shift)                  shifts v/a  source
   fasth3   4         5            [999, 749, 500, 250] / 1000                12 / 3      the release's dmd_denoising_steps

@@ -39,8 +39,8 @@ from .tiles import VSA_TILE_ROWS
 VSA_FP8_KERNELS = ("fp8_emulated", "fp8")
 ALL_VSA_KERNELS = VSA_KERNELS + VSA_FP8_KERNELS  # what a record may name
 # The warm-up's check of the fp8 kernel against the emulation on the same inputs (relative error of o - mu over the
-# real rows): they differ by the kernel's e4m3 rounding of the probabilities, 2-8% (tests/test_sparse_fp8.py); a
-# pad row attended or a ragged edge misread moves it by tenths (tests/test_vsa_fp8.py).
+# real rows): they differ by the kernel's e4m3 rounding of the probabilities, 2-8% (tests/models/test_sparse_fp8.py); a
+# pad row attended or a ragged edge misread moves it by tenths (tests/models/test_vsa_fp8.py).
 FP8_WARM_TOLERANCE = 0.10
 
 
