@@ -34,8 +34,6 @@ def check_specs(specs: tuple[AdapterSpec, ...]) -> None:
         file_schedule(s.path)  # its __metadata__ schedule, if any, valid
 
 
-
-
 def check_bundle_sparse(uses: tuple[AdapterUse, ...], sparse_attention: float, segments: dict) -> None:
     """A bundle runs a sparse evaluation's adapters in its halves' twins (block_pre_lora, block_post_lora: h3trt build
     --sparse-attention with --lora-slots); one built by an earlier h3trt has the halves and the slots but not those

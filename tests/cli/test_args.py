@@ -15,8 +15,6 @@ from h3trt.cli.args import OneLineParser, explain
 pytestmark = pytest.mark.unit
 
 
-
-
 @pytest.mark.parametrize("argv, line", [
     (["run", "--engine", "b", "--model", "m", "--prompt", "a fox", "--output", "o.mp4"],
      "--model and --engine cannot be given together; pass one of them."),

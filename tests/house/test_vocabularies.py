@@ -30,7 +30,6 @@ def test_the_job_vocabularies_keep_their_order_and_facts():
     assert ENDS == ("done", "failed", "cancelled") and all(EventKind(k).ends for k in ENDS)
 
 
-
 def _rows_as_stored(tmp_path, name: str, status, stage) -> list[tuple]:
     """A job's row after each write through the store with these spellings of a status and a stage, as SQLite holds
     it: each column's type and bytes."""

@@ -15,7 +15,6 @@ from h3trt.cli import main
 from h3trt.request.fields import MAX_PROMPT_TOKENS
 
 
-
 def huge_png(path: Path, width=20000, height=20000) -> Path:
     """A PNG whose header claims width x height (the pixel data is a stub: the header is all a refusal may read)."""
     def chunk(kind: bytes, data: bytes) -> bytes:

@@ -157,7 +157,6 @@ def test_a_signal_to_the_whole_process_group_drains(tmp_path, tiny_cache, sig):
     assert (data / "clips" / f"{running['id']}.attempt1.mp4").stat().st_size > 0
 
 
-
 class _FullDisk:
     """Fault injection at the store's write boundary: while `on`, every write SQLite would make fails as it does on a
     full disk (sqlite3.OperationalError "database or disk is full", through SQLAlchemy)."""
