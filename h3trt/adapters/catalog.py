@@ -29,6 +29,7 @@ from ..errors import UserError
 from ..models.config import H3Config
 from ..models.lora_format import LoraError, LoraFile, read_lora
 from ..models.sampler import ScheduleValues
+from .checks import check_adapters
 from .info import AdapterInfo, adapter_rank, info_of
 from .shape import SERVE_SLOTS, SlotShape
 from .slots import BLOCK_TARGETS, AdapterSlots
@@ -287,24 +288,3 @@ def _read_state(state: Path) -> dict:
     except (ValueError, KeyError, TypeError) as e:
         raise UserError(f"{state}: the adapters kept from the last run cannot be read ({e}); fix or remove the "
                         "file (the set is then what the command line says).") from None
-
-def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], refusal: str | None = None,
-                   slots: int | None = None) -> None:
-    """Admission's check of a request's `lora` against what the model holds resident, and at most `slots` adapters
-    (one evaluation's); UserError naming `lora`. `refusal`: why this model serves no adapters at all (a bundle without
-    slots), None where it may."""
-    if not uses:
-        return
-    if refusal is not None:
-        raise UserError(f"lora: {refusal}", field="lora")
-    resident = [s.name for s in specs]
-    if len(uses) > len(specs):
-        raise UserError(f"lora asks for {len(uses)} adapters, but this model holds {len(specs)} resident "
-                        f"({resident or 'none: start it with --adapter NAME=FILE[:SCALE]'}).", field="lora")
-    if slots is not None and len(uses) > slots:
-        raise UserError(f"lora asks for {len(uses)} adapters, but one evaluation carries at most {slots} (the "
-                        "model's LoRA slots); ask for fewer.", field="lora")
-    unknown = [u.name for u in uses if u.name not in resident]
-    if unknown:
-        raise UserError(f"lora names {unknown}, not resident here; the resident adapters are "
-                        f"{resident or 'none (start the model with --adapter NAME=FILE[:SCALE])'}.", field="lora")

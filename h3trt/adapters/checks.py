@@ -1,6 +1,6 @@
-"""The checks of adapters before anything loads: the --adapter flags (`check_specs`), and the flags against a
-bundle's slots (`check_bundle_specs`, `check_bundle_sparse`). A request's `lora` against the resident set is the
-catalog's (catalog.py `check_adapters`, admission)."""
+"""The checks of adapters: before anything loads, the --adapter flags (`check_specs`) and the flags against a
+bundle's slots (`check_bundle_specs`, `check_bundle_sparse`); at admission, a request's `lora` against the resident set
+(`check_adapters`, which the catalog runs too when its set changes)."""
 
 from __future__ import annotations
 
@@ -48,26 +48,26 @@ def check_bundle_sparse(uses: tuple[AdapterUse, ...], sparse_attention: float, s
                         "dense profile) with lora.", field="lora")
 
 
-def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, ...], slots, cfg: H3Config,
+def check_bundle_specs(specs: tuple[AdapterSpec, ...], pinned: tuple[LoraSpec, ...], slots, cfg: H3Config,
                        task: str, folder: Path | None = None) -> None:
     """`--adapter` (and `--lora`, an adapter on every request) against a bundle's LoRA slots (`slots`: its manifest's
     AdapterSlotsRecord, None without any), each file read and routed as the slots will load it; before any model
     loads. One line naming the flag and the fix. `folder`: --lora-dir, whose files the server's catalog checks (and
     skips), but which needs the slots too."""
     adapter_flags = [(f"--adapter {s.name}={s.path}", s.path) for s in specs if not s.from_folder]
-    flags = adapter_flags + [(f"--lora {m.path}", m.path) for m in merged]
+    flags = adapter_flags + [(f"--lora {m.path}", m.path) for m in pinned]
     wanted = [f for f, _ in flags] + ([f"--lora-dir {folder}"] if folder is not None else [])
     if not wanted:
         return
     if slots is None:
         raise UserError(f"{wanted[0]}: {NO_LORA_SLOTS}")
     # --lora files hold a slot each for good; the adapters share the rest, loaded on demand (ResidentAdapters)
-    adapters = len(wanted) > len(merged)
-    if len(merged) + adapters > slots.slots:
+    adapters = len(wanted) > len(pinned)
+    if len(pinned) + adapters > slots.slots:
         needs = f", and {'--adapter' if adapter_flags else '--lora-dir'} needs one more" if adapters else ""
-        raise UserError(f"--lora: {len(merged)} file(s) held on every request, but this bundle has {slots.slots} LoRA "
+        raise UserError(f"--lora: {len(pinned)} file(s) held on every request, but this bundle has {slots.slots} LoRA "
                         f"slot(s){needs}; pass fewer, or rebuild it with h3trt build ... --lora-slots "
-                        f"{len(merged) + adapters}.")
+                        f"{len(pinned) + adapters}.")
     covered = {f"blocks.{i}.{t}" for i in range(cfg.num_layers) for t in slots.targets}
     for flag, path in flags:
         if not Path(path).is_file():
@@ -80,3 +80,25 @@ def check_bundle_specs(specs: tuple[AdapterSpec, ...], merged: tuple[LoraSpec, .
         if outside:
             raise UserError(f"{flag} adapts {outside[0]}, which this bundle's slots do not hold (they adapt "
                             f"{list(slots.targets)} of every block); merge it at build instead (h3trt build --lora).")
+
+
+def check_adapters(uses: tuple[AdapterUse, ...], specs: tuple[AdapterSpec, ...], refusal: str | None = None,
+                   slots: int | None = None) -> None:
+    """Admission's check of a request's `lora` against what the model holds resident, and at most `slots` adapters
+    (one evaluation's); UserError naming `lora`. `refusal`: why this model serves no adapters at all (a bundle without
+    slots), None where it may."""
+    if not uses:
+        return
+    if refusal is not None:
+        raise UserError(f"lora: {refusal}", field="lora")
+    resident = [s.name for s in specs]
+    if len(uses) > len(specs):
+        raise UserError(f"lora asks for {len(uses)} adapters, but this model holds {len(specs)} resident "
+                        f"({resident or 'none: start it with --adapter NAME=FILE[:SCALE]'}).", field="lora")
+    if slots is not None and len(uses) > slots:
+        raise UserError(f"lora asks for {len(uses)} adapters, but one evaluation carries at most {slots} (the "
+                        "model's LoRA slots); ask for fewer.", field="lora")
+    unknown = [u.name for u in uses if u.name not in resident]
+    if unknown:
+        raise UserError(f"lora names {unknown}, not resident here; the resident adapters are "
+                        f"{resident or 'none (start the model with --adapter NAME=FILE[:SCALE])'}.", field="lora")

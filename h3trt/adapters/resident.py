@@ -33,31 +33,31 @@ class ResidentAdapters:
     """One pipeline's adapter slots, a cache keyed by sha256 (module doc): the adapters at start (`specs`) loaded
     first, as many as fit; any other loaded on demand from the file a request's resolved use names.
 
-    `slots`: a bundle's (engines/bundle.py, allocated at its load), used instead of slots of `shape`; `merged`: a
+    `slots`: a bundle's (engines/bundle.py, allocated at its load), used instead of slots of `shape`; `pinned`: a
     bundle's --lora files, each pinned in a slot of its own (never evicted) and carried by every evaluation."""
 
     def __init__(self, specs: tuple[AdapterSpec, ...], cfg: H3Config, task: str, dtype: torch.dtype,
                  device: torch.device, shape: SlotShape | None = None, slots: AdapterSlots | None = None,
-                 merged: tuple[LoraSpec, ...] = ()):
+                 pinned: tuple[LoraSpec, ...] = ()):
         self.cfg, self.task = cfg, task
         self._start = {s.name: s for s in specs}
         self.specs: dict[str, AdapterUse] = {}  # a start adapter's name -> its file and sha256, once read
         self._read: dict[str, LoraFile] = {}  # files read to learn their sha256, until a slot takes them
         self.slots = slots  # None until made below: files are read on the host until then
-        merged_files = [self._read_file(m.path) for m in merged]
+        pinned_files = [self._read_file(m.path) for m in pinned]
         if self.slots is None:
             if shape is None:  # fitted to the adapters at start: one slot each, so every one is read now anyway
                 shape = SlotShape.fitted([adapter_rank(self._file_of(s.name), task) for s in specs]
-                                         + [adapter_rank(f, task) for f in merged_files])
-            self.slots = AdapterSlots(cfg, task, shape.num_slots + len(merged), shape.max_rank, dtype, device,
+                                         + [adapter_rank(f, task) for f in pinned_files])
+            self.slots = AdapterSlots(cfg, task, shape.num_slots + len(pinned), shape.max_rank, dtype, device,
                                    shape.targets)
         # slot, scale, record of each --lora file: the first slots, held for good
-        self.merged = [(i, m.scale, self.slots.load(i, f)) for i, (m, f) in enumerate(zip(merged, merged_files))]
+        self.pinned = [(i, m.scale, self.slots.load(i, f)) for i, (m, f) in enumerate(zip(pinned, pinned_files))]
         self._held: OrderedDict[str, int] = OrderedDict()  # sha256 -> slot, the least recently used first
         # The adapters at start fill the free slots; the others are read when a request first names one (a server's
         # --lora-dir may hold many more than its slots, and every rank would read them all at start).
         for spec in specs:
-            if len(self._held) >= self.slots.num_slots - len(self.merged):
+            if len(self._held) >= self.slots.num_slots - len(self.pinned):
                 break
             self._slot_of(self._use_of(spec.name), busy=set())
         self._read.clear()
@@ -99,7 +99,7 @@ class ResidentAdapters:
             slot = self._slot_of(use, busy)
             busy.add(slot)
             chosen.append((slot, use.scale))
-        return self.slots.select(chosen + [(slot, scale) for slot, scale, _ in self.merged])
+        return self.slots.select(chosen + [(slot, scale) for slot, scale, _ in self.pinned])
 
     def _slot_of(self, use: AdapterUse, busy: set[int]) -> int:
         read = self._read.pop(use.name, None)  # a start adapter read to learn its hash: not read again
@@ -112,7 +112,7 @@ class ResidentAdapters:
 
     def _put(self, lora: LoraFile, busy: set[int]) -> int:
         """Load `lora` into a free slot, else into the least recently used one outside `busy` (this evaluation's)."""
-        held = set(self._held.values()) | {slot for slot, _, _ in self.merged}
+        held = set(self._held.values()) | {slot for slot, _, _ in self.pinned}
         free = [slot for slot in range(self.slots.num_slots) if slot not in held]
         if not free:
             victims = [sha for sha, slot in self._held.items() if slot not in busy]
@@ -129,7 +129,7 @@ class ResidentAdapters:
         """A clip record's `adapters`: name, file, sha256 and the scale used, for each (None: none)."""
         return ([u.shown() for u in self.resolved(uses)]
                 + [{"name": MERGED_NAME, "file": r.file, "sha256": r.sha256, "scale": scale}
-                   for _, scale, r in self.merged]) or None
+                   for _, scale, r in self.pinned]) or None
 
 
 def read_resolved(use: AdapterUse, read) -> LoraFile:
@@ -150,7 +150,7 @@ def read_resolved(use: AdapterUse, read) -> LoraFile:
 
 def select_adapters(adapters: ResidentAdapters | None, uses: tuple[AdapterUse, ...]) -> AdapterRun | None:
     """A request's adapters on a pipeline that may hold none (then a request naming one is refused)."""
-    if adapters is not None and adapters.merged:
+    if adapters is not None and adapters.pinned:
         return adapters.select(uses)
     if not uses:
         return None

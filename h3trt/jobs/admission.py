@@ -22,8 +22,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
-from ..adapters.catalog import check_adapters
-from ..adapters.checks import check_bundle_sparse
+from ..adapters.checks import check_adapters, check_bundle_sparse
 from ..engines.caps import bundle_caps
 from ..errors import UserError
 from ..models.text_encoder import check_text_encoder_files
@@ -42,8 +41,9 @@ def admit(entry: Entry, request: Request, names: Names = FLAGS, *, guidance_bran
     """`request`, prepared, when `entry`'s model serves it; else the UserError that says why not, about one field
     where it is about one, its words `names`:
 
-      1. every input read and checked, the geometry resolved (request.prepare, on `canvas`: None, the entry's)
-      1b. the LoRA adapters it names are resident (adapters/catalog.py check_adapters; a bundle only if built with
+      1. every input read and checked, the geometry resolved (pipeline/prepare.py prepare, on `canvas`: None, the
+         entry's)
+      1b. the LoRA adapters it names are resident (adapters/checks.py check_adapters; a bundle only if built with
           LoRA slots): in the model's fixed set, or in a server's current set (`adapters`), which resolves them: the
           prepared request names each adapter's file and sha256 as they are now (adapters/catalog.py); and a
           bundle from an earlier h3trt runs them dense only (check_bundle_sparse: its halves have no adapter slots)

@@ -247,7 +247,7 @@ def load_bundle(bundle_root: Path, device: str = "cpu", mesh=None, sp_group=None
                       total_s=round(time.perf_counter() - start, 4),  # bundle on hand, ready to encode and denoise
                       nulls=("process_to_load_s",) if before is None else ())
     resident = (ResidentAdapters(tuple(adapters), m.model_config, m.task, m.precision.spec.dtype, device,
-                                 slots=engine.dit.lora_slots, merged=tuple(loras))
+                                 slots=engine.dit.lora_slots, pinned=tuple(loras))
                 if engine.dit.lora_slots is not None and (adapters or loras or serve_adapters) else None)
     return Components(engine.dit, text_encoder, None, None, (m.schedule.video_shift, m.schedule.audio_shift),
                       functools.partial(check_bundle_serves, m), loras=m.loras,

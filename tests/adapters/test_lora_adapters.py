@@ -101,7 +101,7 @@ def test_admission_refuses_unknown_names_too_many_and_bundles_naming_lora(files,
 def test_a_bundle_without_slots_refuses_adapters_in_one_line(files, monkeypatch):
     """(A bundle with slots serves them: tests/engines/test_bundle_lora.py, which also refuses them on a bundle
     without.)"""
-    from h3trt.adapters.catalog import check_adapters
+    from h3trt.adapters.checks import check_adapters
     from h3trt.adapters.checks import NO_LORA_SLOTS
 
     with pytest.raises(UserError, match="built without LoRA slots, so it serves no per-request adapters; rebuild it "
