@@ -1,10 +1,10 @@
 """Stage 0 of a generation: what a request states checked (`check_request`: its prompts, numbers, task inputs and
 counts, in that order, before any file is read), its input files read and placed on its canvas (`read_media`), the
 geometry resolved. `prepare` is both halves, as admission (jobs/admission.py) runs them once; the rank that runs an
-admitted job re-reads only its media (jobs/work.py). Beside them admission's other checks of a request: the prompt's tokens by the checkpoint's own tokenizer
-(`check_prompt_tokens`), and what a bundle serves (`check_bundle_serves`: its task, canvas and schedule,
-engines/request_check.py). Every error names the field as the front door calls it (`Names`, request/fields.py).
-`Encoded` is a request after stages 1-2 and the pack, the unit a batch denoises together."""
+admitted job re-reads only its media (jobs/work.py). Beside them admission's other checks of a request: the prompt's
+tokens by the checkpoint's own tokenizer (`check_prompt_tokens`), and what a bundle serves (`check_bundle_serves`: its
+task, canvas and schedule, engines/request_check.py). Every error names the field as the front door calls it (`Names`,
+request/fields.py). `Encoded` is a request after stages 1-2 and the pack, the unit a batch denoises together."""
 
 from __future__ import annotations
 
@@ -204,8 +204,8 @@ def _check_fields(request: Request, n: Names) -> None:
         if shift is not None and not (math.isfinite(shift) and shift > 0):
             raise UserError(f"{getattr(n, key)} must be a positive finite number (the checkpoint's is "
                             f"{default:g}), got {shift}.", field=key)
-    Schedule(schedule.steps, *(DEFAULT_VIDEO_SHIFT if schedule.video_shift is None else schedule.video_shift,
-                               DEFAULT_AUDIO_SHIFT if schedule.audio_shift is None else schedule.audio_shift))
+    Schedule.resolve(schedule.steps, schedule.video_shift, schedule.audio_shift,
+                     (DEFAULT_VIDEO_SHIFT, DEFAULT_AUDIO_SHIFT))  # raises where the schedule cannot be made
     # NaN compares false with everything: unchecked, it would pass as "not > 1", run unguided and drop the negative
     # prompt.
     scale, negative = guidance.scale, guidance.negative_prompt

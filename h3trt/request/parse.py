@@ -47,7 +47,7 @@ from ..models.sparse.plan import SparseSettings, sparse_settings
 from ..models.step_cache import DEFAULT_THRESHOLDS, StepCacheConfig, check_knob
 from .fields import (FIELDS, FORM_NUMBERS, KEY_WORDS, KEYS, PROFILE_NAMES, PROFILES, Names,  # the one table's
                      Table, value_fields)
-from .request import CanvasDefaults, Request, ScheduleChoice, task_of
+from .request import Request, ScheduleChoice, task_of
 
 RUN_REQUIRED = ("id", "task", "prompt")
 EVAL_REQUIRED = ("prompt",)
@@ -63,8 +63,7 @@ class RequestsFileError(UserError):
 class RequestDefaults:
     """What a line that leaves a field out gets: `run` (and `serve`) take a bundle's baked steps, its default sparse
     settings and the model's canvas; `eval` the engine's first profile and schedule, and no default sparsity: it
-    compares what its lines (or --profile) state. `canvas`: how the model picks a canvas a request leaves out (its
-    geometry is resolved at admission; a server's job row of before is resolved again when it is taken)."""
+    compares what its lines (or --profile) state."""
 
     steps: int = DEFAULT_STEPS
     width: int | None = None  # None (with height None): the model picks the canvas
@@ -74,7 +73,6 @@ class RequestDefaults:
     # The resident adapters' own schedules, by name (adapters/schedule.py adapter_schedules): a line naming one in its
     # "lora" and leaving steps or a shift out takes the adapter's
     adapter_schedules: Mapping[str, ScheduleValues] = field(default_factory=dict)
-    canvas: CanvasDefaults = CanvasDefaults()
 
     @classmethod
     def of_bundle(cls, manifest: Manifest) -> "RequestDefaults":

@@ -12,7 +12,8 @@ to the rank that runs it and the record it leaves.
     requests line's keys, run's flags); `flat` writes those fields back (a clip record's `request`, a failure
     record's), and `from_flat` reads them (also a job row of before, whose request was its fields)
   - `Admitted`: a request a model admitted (jobs/admission.py `admit`) with the geometry admission resolved of it. A
-    job carries it from admission to the rank, and a server's job row stores its JSON, so nothing is parsed twice
+    server's job row stores its JSON, so nothing is parsed twice; a job carries its request and batch key
+    (jobs/job.py), and the rank reads the media again, resolving the same geometry (pipeline/prepare.py read_media)
   - `BatchKey.of(admitted)`: the one batch rule, which admitted requests may share a batched denoise (None: it shares
     no evaluation; once the request is encoded, its packed layout must agree too: models/packing.py
     `PackedLayout.digest`, which jobs/work.py `layout_key` keys by)

@@ -284,7 +284,7 @@ def parse_sent(schema: dict, uploads: Path, defaults: RequestDefaults) -> Reques
 
 def request_defaults(entry: Entry, adapters: AdapterCatalog | None = None) -> RequestDefaults:
     """What a request leaves out (the one schema's defaults for this model): the API side admits with them, the
-    worker side reads the stored request with them. `adapters`: a server's current set, whose schedules a request
+    worker side reads a row of before with them. `adapters`: a server's current set, whose schedules a request
     naming one of them takes (an adapter loaded while it serves included); None: the adapters it started with."""
     schedules = adapters.schedules() if adapters is not None else entry.adapters.schedules
     model = entry.model
