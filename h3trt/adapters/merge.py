@@ -21,7 +21,8 @@ import torch
 
 from ..models.config import H3Config
 from ..models.lora_format import REF2VA_COMPONENT, LoraError, pruned_message, read_lora
-from ..models.lora_targets import TASK_COMPONENTS, native_target, route, swap_halves
+from ..models.lora_targets import TASK_COMPONENTS, native_target, route
+from ..models.weight_layout import swap_halves
 from .use import SCALE_RANGE, scale_in_range
 
 

@@ -66,7 +66,8 @@ import torch.nn.functional as F
 
 from ..models.config import H3Config
 from ..models.lora_format import LoraError, LoraFile, LoraModule, pruned_message
-from ..models.lora_targets import native_target, route, swap_halves
+from ..models.lora_targets import native_target, route
+from ..models.weight_layout import swap_halves
 
 # The main block's linears a slot may adapt, named from the block (as `dit.project` names them).
 BLOCK_TARGETS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")

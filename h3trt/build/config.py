@@ -320,8 +320,8 @@ class BuildConfig:
 
     def vsa(self, num_layers: int) -> VsaSettings:
         """The VSA settings a FastH3-VSA bundle serves (the --vsa-* flags over the sparsity its distilled file or
-        export was distilled at, else FastH3 v1's defaults; vsa_plan.served_vsa_settings), its dense layers checked
-        against the model's `num_layers`."""
+        export was distilled at, else FastH3 v1's defaults; models/vsa/plan.py served_vsa_settings), its dense layers
+        checked against the model's `num_layers`."""
         serving = self.distilled_serving
         return served_vsa_settings(serving.vsa if serving is not None else None, self.vsa_sparsity,
                                    self.vsa_dense_first_steps, self.vsa_dense_layers, num_layers)

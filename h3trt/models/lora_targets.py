@@ -1,14 +1,13 @@
 """Where a LoRA file's modules land in the H3 DiT (diffusers 0.42.1's `MiniMaxH3LoraLoaderMixin`'s partition
 routing, and the native weight each diffusers module adapts): what a merged LoRA (adapters/merge.py), an adapter's
-slots (adapters/slots.py) and the distilled families' LoRA files (models/distilled/families.py) share. The file itself is read
-by lora_format.py; shapes: A (down) [r, in], B (up) [out, r].
+slots (adapters/slots.py) and the distilled families' LoRA files (models/distilled/families.py) share; a target whose
+rows swap halves swaps them with weight_layout.py's `swap_halves`. The file itself is read by lora_format.py; shapes:
+A (down) [r, in], B (up) [out, r].
 """
 
 from __future__ import annotations
 
 import re
-
-import torch
 
 from .checkpoint.names import native_name
 from .config import H3Config
@@ -46,9 +45,3 @@ def native_target(module: str, cfg: H3Config) -> tuple[str, slice | None, bool]:
                                                                                (i + 1) * cfg.inner_dim), False
     name = native_name(module + ".weight")
     return name, None, name.endswith(".mlp.fc1.weight")  # diffusers [value; gate] -> native [gate; value]
-
-
-def swap_halves(t: torch.Tensor) -> torch.Tensor:
-    """diffusers ff.net.0.proj rows [value; gate] as native mlp.fc1's [gate; value] (native_target's `swap`)."""
-    first, second = t.chunk(2, dim=0)
-    return torch.cat([second, first])

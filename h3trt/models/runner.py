@@ -38,6 +38,14 @@ NO_SPARSE_KERNEL = ("this engine serves no block-sparse attention (a TensorRT bu
                     "(--model), or on an inductor/aoti bundle built with --sparse-attention or --sp > 1.")
 
 
+class RecordPart(Protocol):
+    """A feature's run over one request, as its clip's record sees it."""
+
+    def record_fields(self) -> dict:
+        """The clip record's fields this feature writes, by the record's names ({"step_cache": {...}}); {} or a None
+        value: nothing of its own. A name the record does not know is written after its own fields, in order."""
+
+
 class BlockAdapters(Protocol):
     """The low-rank side branches one evaluation adds to one main block's linears (adapters/slots.py `AdapterBlock`).
     A block given None runs exactly its base linears: no side branch is traced or run."""
@@ -46,19 +54,12 @@ class BlockAdapters(Protocol):
         """`linear(x)` plus the adapters' terms on the block's linear `name` ("attn.qkv_proj", "mlp.fc1", ...)."""
 
 
-class DiTAdapters(Protocol):
-    """The adapters one evaluation of the DiT carries (adapters/slots.py `AdapterRun`): one view per main block."""
+class DiTAdapters(RecordPart, Protocol):
+    """The adapters one evaluation of the DiT carries (adapters/slots.py `AdapterRun`): one view per main block, and
+    what the clip's record says of them (every member of EvalExtras is a RecordPart)."""
 
     def block(self, i: int) -> BlockAdapters:
         """The side branches of main block `i`."""
-
-
-class RecordPart(Protocol):
-    """A feature's run over one request, as its clip's record sees it."""
-
-    def record_fields(self) -> dict:
-        """The clip record's fields this feature writes, by the record's names ({"step_cache": {...}}); {} or a None
-        value: nothing of its own. A name the record does not know is written after its own fields, in order."""
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from typing import Callable, Mapping
 
 import torch
 
-from ..lora_targets import swap_halves
+from ..weight_layout import swap_halves
 from ..runner import NO_EXTRAS, EvalExtras, RunnerCaps
 from .families import Distilled
 from .files import GATE_SUFFIX, DistilledError, Fusion, Patch

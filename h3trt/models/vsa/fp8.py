@@ -26,12 +26,10 @@ Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kep
 
 from __future__ import annotations
 
-
 import torch
 
-from ..attention import KernelNeeds
 from ..sparse.fp8 import E4M3_MAX, _e4m3
-from ..sparse.kernels import TRITON_FIX
+from ..sparse.kernels import SPARSE_KERNEL_NEEDS
 from .kernels import (VSA_KERNELS, key_valid, reference_vsa_attention, vsa_block_attention, vsa_kernel_problem,
                       warm_cases)
 from .tiles import VSA_TILE_ROWS
@@ -101,9 +99,8 @@ def vsa_attention_kernel(kernel: str, tile: str | None = None):
     return lambda *a: vsa_block_attention(*a, kernel)
 
 
-# What each FP8 VSA kernel needs from a machine (models/attention.py KernelNeeds): fp8 runs FP8 wgmma.
-VSA_FP8_NEEDS = {"fp8_emulated": KernelNeeds(cuda=False),
-                 "fp8": KernelNeeds(cuda=True, min_sm=90, module="triton", fix=TRITON_FIX)}
+# What each FP8 VSA kernel needs from a machine: the FP8 block-sparse kernel's (the same Triton FP8 wgmma).
+VSA_FP8_NEEDS = {kernel: SPARSE_KERNEL_NEEDS[kernel] for kernel in VSA_FP8_KERNELS}
 
 
 def vsa_problem(kernel: str, device) -> str | None:

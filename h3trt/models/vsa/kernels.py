@@ -21,12 +21,13 @@ Shape legend: B batch, P padded rows (64 G), N heads, D head dim, G tiles, T kep
 from __future__ import annotations
 
 import functools
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
 from ..attention import KernelNeeds
-from ..sparse.kernels import FA4_FIX, FA4_MODULE, fa4_modules
+from ..sparse.kernels import SPARSE_KERNEL_NEEDS, fa4_modules
 from ..sparse.reference import REFERENCE_MASK_BYTES, kept_block_mask
 from .tiles import VSA_TILE_ROWS
 
@@ -34,9 +35,10 @@ VSA_KERNELS = ("reference", "flex", "fa4")  # slowest first: the choice tries th
 FA4_CUTE_MODULE = "cutlass.cute"  # the CuTe DSL FA4 compiles a mask_mod with (nvidia-cutlass-dsl, FA4's dependency)
 
 
-# What each VSA kernel needs from a machine (models/attention.py KernelNeeds).
+# What each VSA kernel needs from a machine (models/attention.py KernelNeeds): fa4 the block-sparse fa4's, and the
+# CuTe DSL its mask_mod compiles with.
 VSA_KERNEL_NEEDS = {"reference": KernelNeeds(cuda=False), "flex": KernelNeeds(cuda=True),
-                    "fa4": KernelNeeds(cuda=True, min_sm=90, module=FA4_MODULE, fix=FA4_FIX, also=(FA4_CUTE_MODULE,))}
+                    "fa4": replace(SPARSE_KERNEL_NEEDS["fa4"], also=(FA4_CUTE_MODULE,))}
 
 
 def vsa_kernel_problem(kernel: str, device) -> str | None:
