@@ -185,9 +185,9 @@ def engine(cfg_l: H3Config, specs: dict, segments: dict, layers: list, inp: Inpu
                      lora_slots=slots)
 
 
-def evaluate(dit: EngineDiT, inp: Inputs, lora=None) -> torch.Tensor:
+def evaluate(dit: EngineDiT, inp: Inputs, adapters=None) -> torch.Tensor:
     """One evaluation's block stack through EngineDiT.__call__ (embed and final are the stand-ins)."""
-    (x,) = dit(None, None, None, inp.unique_t, inp.t_index, inp.layout, EvalExtras(adapters=lora))
+    (x,) = dit(None, None, None, inp.unique_t, inp.t_index, inp.layout, EvalExtras(adapters=adapters))
     return x
 
 
@@ -409,7 +409,7 @@ def run(args) -> dict:
                 if "switching" not in result:  # once, on the first precision that ran
                     with phase(f"{precision}: switching", args.phase_timeout):
                         result["switching"] = {"precision": precision, **switching(
-                            lambda lora, d=slotted: evaluate(d, inp, lora), slots, ctx["files"], dev, args.iters)}
+                            lambda run, d=slotted: evaluate(d, inp, run), slots, ctx["files"], dev, args.iters)}
             except Exception as e:  # one precision failing is a row of the report, never the end of the run
                 traceback.print_exc()
                 result["failed"] = {**result.get("failed", {}), precision: f"{type(e).__name__}: {e}"[:2000]}

@@ -22,6 +22,7 @@ from diffusers.utils.peft_utils import get_peft_kwargs
 from safetensors.torch import save_file
 
 from h3trt.adapters.merge import merge_loras
+from h3trt.adapters.slots import BLOCK_TARGETS
 from h3trt.models.config import H3Config
 from h3trt.models.dit import build_dit
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
@@ -151,17 +152,16 @@ def model(state, loras=()):
     return dit
 
 
-def forward(dit, lora=None):
-    """The DiT over LAYOUT, two batch rows; `lora` passed only when given (the call without slots)."""
+def forward(dit, adapters=None):
+    """The DiT over LAYOUT, two batch rows; `adapters` passed only when given (the call without slots)."""
     video, audio, text = dit_inputs(LAYOUT, CFG, seed=5, batch=2)
     unique_t, t_index = row_timesteps(LAYOUT, 0.3125, 0.55)
-    extra = {} if lora is None else {"adapters": lora}
+    extra = {} if adapters is None else {"adapters": adapters}
     with torch.no_grad():
         return dit(video, audio, text, unique_t, t_index, LAYOUT.token_tags, LAYOUT.position_ids, LAYOUT.video_index,
                    LAYOUT.audio_index, LAYOUT.text_index, **extra)
 
 
-BLOCK_LINEARS = ("attn.qkv_proj", "attn.out_proj", "mlp.fc1", "mlp.fc2", "adaln_proj.linear")
 PROMPT = "a red fox runs through snow"
 
 
@@ -172,7 +172,7 @@ def tiny_factors(seed: int) -> dict:
     g = torch.Generator().manual_seed(seed)
     out = {}
     for i in range(cfg.num_layers):
-        for local in BLOCK_LINEARS:
+        for local in BLOCK_TARGETS:
             m, r = f"blocks.{i}.{local}", 2 if local.startswith("adaln") else 4
             rows, cols = shapes[m]
             out[m] = (torch.randn(r, cols, generator=g) / cols ** 0.5, torch.randn(rows, r, generator=g) / r ** 0.5)

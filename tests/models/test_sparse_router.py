@@ -11,8 +11,6 @@ scripts/bench_router.py.
 
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -24,15 +22,7 @@ from h3trt.models.sparse.router import choose_router, route_blocks, warm_router
 from h3trt.models.sparse.run import SparseRun, load_sparse_kernel
 from h3trt.models.sparse.plan import SparseSettings
 
-from helpers import REPO, TESTS
-
-
-def has_triton() -> bool:
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
+from kernel_checks import interpreted
 
 
 # ---- which router ----------------------------------------------------------------------------------------------
@@ -120,13 +110,8 @@ def interpreted_checks() -> dict:
     return out
 
 
-@pytest.mark.skipif(not has_triton(), reason="Triton is not installed (pip install 'h3trt[test]' brings it)")
 def test_triton_router_keeps_the_reference_blocks_under_the_interpreter():
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        [str(REPO), str(TESTS), *filter(None, [os.environ.get("PYTHONPATH")])])}
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-4000:]
-    outcome = json.loads(proc.stdout.strip().splitlines()[-1])
+    outcome = interpreted(__file__)
     assert len(outcome) == 6 * (2 + 1 + 1 + 2) + 2
     failed = sorted(name for name, ok in outcome.items() if not ok)
     assert not failed, failed
