@@ -45,19 +45,25 @@ def dit_inputs(layout: PackedLayout, cfg: H3Config, seed: int = 0, batch: int = 
     return video, audio, text
 
 
-def tiny_block_inputs(cfg: H3Config, seed: int = 0):
-    """A main block of `cfg` with random weights (scale 0.1, bf16, eval) and its inputs over a small t2va layout:
-    (block, (x, modulation, row tags, rope tables)), the arguments of its forward."""
-    g = torch.Generator().manual_seed(seed)
-    layout = pack_t2va(text_tags_for(9), 3, 4, 6, 5)
-    _, t_index = row_timesteps(layout, 0.3, 0.6)
+def tiny_block(cfg: H3Config, g: torch.Generator, dtype: torch.dtype):
+    """A main block of `cfg` with random weights (scale 0.1, drawn from `g`), in `dtype`, eval, with the small t2va
+    layout the block tests feed it and its rope tables: (block, layout, rope)."""
     block = Block(cfg)
     for p in block.parameters():
         p.data = torch.randn(p.shape, generator=g) * 0.1
-    block = block.bfloat16().eval().requires_grad_(False)
+    block = block.to(dtype).eval().requires_grad_(False)
+    layout = pack_t2va(text_tags_for(9), 3, 4, 6, 5)
+    return block, layout, rope_tables(layout.position_ids, rope_inv_freq(cfg))
+
+
+def tiny_block_inputs(cfg: H3Config, seed: int = 0):
+    """`tiny_block` in bf16 and its inputs: (block, (x, modulation, row tags, rope tables)), the arguments of its
+    forward."""
+    g = torch.Generator().manual_seed(seed)
+    block, layout, rope = tiny_block(cfg, g, torch.bfloat16)
+    _, t_index = row_timesteps(layout, 0.3, 0.6)
     x = torch.randn(1, layout.seq_len, cfg.hidden_size, generator=g).bfloat16()
     mod = block.modulation(torch.randn(2, cfg.time_embed_dim, generator=g)).contiguous()
-    rope = rope_tables(layout.position_ids, rope_inv_freq(cfg))
     return block, (x, mod, t_index * 3 + layout.token_tags, rope)
 
 

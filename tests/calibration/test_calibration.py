@@ -29,15 +29,14 @@ import torch
 from h3trt.build.config import BuildConfig
 from h3trt.errors import UserError
 from h3trt.models.config import H3Config
-from h3trt.models.dit import Block, rope_inv_freq, rope_tables
-from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
+from h3trt.models.packing import row_timesteps
 from h3trt.models.precision import QUANT_PRECISIONS
 from h3trt.calibration.calibrate import PERCENTILE, attention_core, calibrate, modelopt_config
 from h3trt.calibration.formats import FP8_MAX, quantize_fp8
 from h3trt.calibration.modules import load_quantized_block
 from h3trt.calibration.recipe import BLOCK_LINEARS, QuantRecipe, check_modelopt
 
-from helpers import uninstalled
+from helpers import tiny_block, uninstalled
 
 RECIPES = {
     "fp8_max": QuantRecipe("fp8", "max", calib_steps=2),
@@ -58,12 +57,7 @@ def _block(dtype, seed=0):
     channel 3 of the residual stream is an outlier, as real activations have."""
     cfg = H3Config.tiny()
     g = torch.Generator().manual_seed(seed)
-    block = Block(cfg)
-    for p in block.parameters():
-        p.data = torch.randn(p.shape, generator=g) * 0.1
-    block = block.to(dtype).eval().requires_grad_(False)
-    layout = pack_t2va(text_tags_for(9), 3, 4, 6, 5)
-    rope = rope_tables(layout.position_ids, rope_inv_freq(cfg))
+    block, layout, rope = tiny_block(cfg, g, dtype)
 
     def inputs(tv, ta):
         _, t_index = row_timesteps(layout, tv, ta)
