@@ -64,6 +64,19 @@ def original_factors(seed: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
     return out
 
 
+def every_linear_lora(cfg: H3Config, seed: int, rank_of) -> dict[str, torch.Tensor]:
+    """An ai-toolkit style LoRA's tensors (diffusion_model. prefix) over every Linear of the DiT of `cfg`: the main
+    blocks, the refiner, the embeddings and the final layer, AdaLN included; `rank_of(weight name)`: each one's rank."""
+    g = torch.Generator().manual_seed(seed)
+    tensors = {}
+    for name, meta in build_dit(cfg, torch.float32, "meta").state_dict().items():
+        if name.endswith(".weight") and meta.ndim == 2:
+            rows, cols, r = *meta.shape, rank_of(name)
+            tensors[f"diffusion_model.{name[:-7]}.lora_A.weight"] = torch.randn(r, cols, generator=g) / cols ** 0.5
+            tensors[f"diffusion_model.{name[:-7]}.lora_B.weight"] = 0.3 * torch.randn(rows, r, generator=g) / r ** 0.5
+    return tensors
+
+
 def write(path, tensors, metadata=None):
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(path), metadata=metadata)
     return path

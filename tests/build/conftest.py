@@ -2,12 +2,11 @@
 in-process phases run under (`pytestmark = pytest.mark.usefixtures("no_bundle_served_here")`)."""
 
 import pytest
-import torch
 from safetensors.torch import save_file
 
 from h3trt.models.config import H3Config
-from h3trt.models.dit import build_dit
 
+from lora_cases import every_linear_lora
 from stream_pairs import LAYERS, tiny_checkpoint
 
 
@@ -30,12 +29,5 @@ def tiny4(tmp_path_factory, tiny_root):
     cfg = H3Config.tiny(num_layers=LAYERS)
     tiny_checkpoint(root, tiny_root, cfg, 3)
     (root / "prompts.txt").write_text("a red fox runs through fresh snow\nwaves break on a rocky shore\n")
-    g = torch.Generator().manual_seed(7)
-    lora = {}
-    for name, meta in build_dit(cfg, torch.float32, "meta").state_dict().items():
-        if name.endswith(".weight") and meta.ndim == 2:
-            rows, cols = meta.shape
-            lora[f"diffusion_model.{name[:-7]}.lora_A.weight"] = torch.randn(2, cols, generator=g) / cols ** 0.5
-            lora[f"diffusion_model.{name[:-7]}.lora_B.weight"] = 0.3 * torch.randn(rows, 2, generator=g) / 2 ** 0.5
-    save_file(lora, str(root / "lora.safetensors"), metadata={"alpha": "2"})
+    save_file(every_linear_lora(cfg, 7, lambda name: 2), str(root / "lora.safetensors"), metadata={"alpha": "2"})
     return root

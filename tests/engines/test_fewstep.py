@@ -27,7 +27,7 @@ from h3trt.engines.guard import no_compile
 from h3trt.engines.manifest import read_manifest
 from h3trt.media.inputs import read_video
 from h3trt.models.checkpoint.reader import load_dit
-from h3trt.models.dit import EagerDiT, build_dit
+from h3trt.models.dit import EagerDiT
 from h3trt.models.packing import pack_t2va, row_timesteps, text_tags_for
 from h3trt.models.sampler import Schedule
 from h3trt.models.step_cache import StepCache, StepCacheConfig
@@ -35,7 +35,7 @@ from h3trt.models.tiny import TINY_HEIGHT, TINY_REFERENCE_SHORT_EDGE, TINY_WIDTH
 from h3trt.pipeline.h3_pipeline import H3Pipeline
 from h3trt.pipeline.prepare import prepare
 from h3trt.request.request import CanvasDefaults, Request
-from lora_cases import ReferencePipe
+from lora_cases import ReferencePipe, every_linear_lora
 
 STEPS, VIDEO_SHIFT, SCALE = 8, 5.0, 0.7
 SCHEDULE = Schedule(STEPS, VIDEO_SHIFT, 3.0)
@@ -48,14 +48,7 @@ CANVAS = CanvasDefaults(short_edge=TINY_HEIGHT, max_pixels=TINY_WIDTH * TINY_HEI
 def lora_file(tmp_path_factory, tiny_cfg):
     """An ai-toolkit style file (diffusion_model. prefix, __metadata__ alpha) over every Linear of the main blocks,
     the refiner, the embeddings and the final layer: AdaLN included, so the baked tables carry it."""
-    g = torch.Generator().manual_seed(7)
-    tensors = {}
-    for name, meta in build_dit(tiny_cfg, torch.float32, "meta").state_dict().items():
-        if name.endswith(".weight") and meta.ndim == 2:
-            rows, cols = meta.shape
-            r = 2 if "adaln" in name else 4
-            tensors[f"diffusion_model.{name[:-7]}.lora_A.weight"] = torch.randn(r, cols, generator=g) / cols ** 0.5
-            tensors[f"diffusion_model.{name[:-7]}.lora_B.weight"] = 0.3 * torch.randn(rows, r, generator=g) / r ** 0.5
+    tensors = every_linear_lora(tiny_cfg, 7, lambda name: 2 if "adaln" in name else 4)
     path = tmp_path_factory.mktemp("lora") / "turbo.safetensors"
     save_file(tensors, str(path), metadata={"alpha": "3"})
     return path
